@@ -1,0 +1,1 @@
+"""The `kite` command line: a thin shell over the library. One module per command group."""

@@ -1,0 +1,111 @@
+"""What every command shares: JSON output, the console, exit codes, typo suggestions."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import typer
+from typer import exceptions as typer_exc
+from typer.core import TyperGroup
+
+from kite.errors import BadInput
+
+_console = None
+_err_console = None
+
+
+def console():
+    """The stdout console (rich), made on first use."""
+    global _console
+    if _console is None:
+        from rich.console import Console
+
+        _console = Console()
+    return _console
+
+
+def err_console():
+    global _err_console
+    if _err_console is None:
+        from rich.console import Console
+
+        _err_console = Console(stderr=True)
+    return _err_console
+
+
+def emit_json(obj: Any) -> None:
+    """Print one JSON document to stdout (for `--json`)."""
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    sys.stdout.flush()
+
+
+class SuggestingGroup(TyperGroup):
+    """A command group (typer suggests "did you mean" for typos) whose errors are one red line."""
+
+    def invoke(self, ctx):
+        # Every command's errors become one red line and an exit code, the same under
+        # `kite` and under typer's CliRunner in the tests.
+        try:
+            return super().invoke(ctx)
+        except (typer_exc.TyperException, typer_exc.Exit, typer_exc.Abort):
+            raise
+        except KeyboardInterrupt:
+            raise typer.Exit(130)
+        except Exception as exc:  # noqa: BLE001 - this is the one place errors are reported
+            raise typer.Exit(report_error(exc))
+
+
+def new_app(help: str) -> typer.Typer:
+    """A Typer app with KITE's conventions: no rich tracebacks, typo suggestions."""
+    return typer.Typer(
+        help=help,
+        cls=SuggestingGroup,
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        add_completion=False,
+        rich_markup_mode="rich",
+    )
+
+
+def report_error(exc: BaseException) -> int:
+    """Print `exc` as one red line (the traceback too under KITE_DEBUG=1); return the exit code."""
+    import os
+    import traceback
+
+    from kite.errors import KiteError
+
+    if os.environ.get("KITE_DEBUG") == "1":
+        traceback.print_exception(exc, file=sys.stderr)
+    if isinstance(exc, KiteError):
+        text, code = str(exc), exc.exit_code
+    else:
+        text, code = f"{type(exc).__name__}: {exc} (set KITE_DEBUG=1 for the traceback)", 1
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    err_console().print(f"[bold red]error:[/] {first}", highlight=False, markup=True, soft_wrap=True)
+    return code
+
+
+JsonOpt = typer.Option(False, "--json", help="Print one JSON document for scripts.")
+
+
+def parse_layers(spec: str | None, n_layers: int) -> list[int] | None:
+    """`all` → None (every layer); `12-18` → [12..18]; `1,3,5-7` → list. Raises BadInput."""
+    if spec is None or spec.strip().lower() == "all":
+        return None
+    layers: set[int] = set()
+    try:
+        for part in spec.split(","):
+            part = part.strip()
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                layers.update(range(lo, hi + 1))
+            else:
+                layers.add(int(part))
+    except ValueError:
+        raise BadInput(f"--layers {spec!r}: expected 'all', 'A-B' or a comma list of layer numbers")
+    bad = [i for i in layers if not 0 <= i < n_layers]
+    if bad:
+        raise BadInput(f"--layers {spec!r}: layer {bad[0]} is out of range 0-{n_layers - 1}")
+    return sorted(layers)

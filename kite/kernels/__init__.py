@@ -1,0 +1,1 @@
+"""Native kernels (build/libkite_runtime.so via ctypes) with pure-torch fallbacks."""
