@@ -1,0 +1,1 @@
+"""Upcycle: capture, compress and reload a document's KV cache as a reusable state."""
