@@ -1,0 +1,182 @@
+"""Integer / float quantization with exact byte accounting.
+
+* :func:`pack_bits` / :func:`unpack_bits`: codes of 1..8 bits packed densely into ``uint8``
+  (LSB first; ``ceil(n * bits / 8)`` bytes for ``n`` codes, nothing else).
+* :func:`quantize` / :func:`dequantize`: group-wise asymmetric integer quantization
+  (``x ~= mn + scale * q``, ``q`` in ``[0, 2**bits - 1]``), groups of ``group_size`` consecutive
+  elements along one axis of a 2-D view (``axis=-1``: groups run along the last dimension, e.g.
+  per token across channels -- KIVI's value layout; ``axis=-2``: groups run along the
+  second-to-last dimension, e.g. per channel across tokens -- KIVI's key layout).  Scale and
+  minimum are stored in fp16 and the codes are computed against the *stored* fp16 values, so
+  dequantization is exactly what the encoder assumed.
+* fp8 (``torch.float8_e4m3fn``) with an fp32 scale per group, and plain fp16 / bf16 / fp32 casts.
+
+Every quantized tensor is a :class:`QTensor`: a dict of tensors plus a small JSON-able meta, with
+``nbytes`` = the sum of its tensors' bytes (meta counted by the caller that serializes it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "INT_FORMATS", "FLOAT_FORMATS", "pack_bits", "unpack_bits", "packed_nbytes",
+    "QTensor", "quantize", "dequantize", "tensors_nbytes",
+]
+
+INT_FORMATS = {"int8": 8, "int7": 7, "int6": 6, "int5": 5, "int4": 4, "int3": 3, "int2": 2, "int1": 1}
+FLOAT_FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+                 "fp8": torch.float8_e4m3fn}
+FP8_MAX = 448.0
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    return (n * bits + 7) // 8
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes in ``[0, 2**bits)`` (any shape, flattened) into a 1-D uint8 tensor."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be 1..8, got {bits}")
+    c = codes.reshape(-1).to(torch.uint8)
+    if bits == 8:
+        return c.clone()
+    n = c.numel()
+    if 8 % bits == 0:  # 1, 2, 4: fixed number of codes per byte
+        per = 8 // bits
+        pad = (-n) % per
+        if pad:
+            c = torch.cat([c, c.new_zeros(pad)])
+        c = c.view(-1, per).to(torch.int32)
+        shifts = torch.arange(per, dtype=torch.int32, device=c.device) * bits
+        return (c << shifts).sum(dim=1).to(torch.uint8)
+    # general: bit stream, LSB first
+    b = (c.to(torch.int32)[:, None] >> torch.arange(bits, dtype=torch.int32, device=c.device)) & 1
+    b = b.reshape(-1)
+    pad = (-b.numel()) % 8
+    if pad:
+        b = torch.cat([b, b.new_zeros(pad)])
+    b = b.view(-1, 8) << torch.arange(8, dtype=torch.int32, device=c.device)
+    return b.sum(dim=1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``n`` codes as uint8."""
+    p = packed.reshape(-1).to(torch.int32)
+    if bits == 8:
+        return packed.reshape(-1)[:n].to(torch.uint8)
+    if 8 % bits == 0:
+        per = 8 // bits
+        shifts = torch.arange(per, dtype=torch.int32, device=p.device) * bits
+        out = (p[:, None] >> shifts) & ((1 << bits) - 1)
+        return out.reshape(-1)[:n].to(torch.uint8)
+    b = ((p[:, None] >> torch.arange(8, dtype=torch.int32, device=p.device)) & 1).reshape(-1)
+    b = b[: n * bits].view(n, bits) << torch.arange(bits, dtype=torch.int32, device=p.device)
+    return b.sum(dim=1).to(torch.uint8)
+
+
+def tensors_nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@dataclass
+class QTensor:
+    """A quantized tensor: ``tensors`` (compact dtypes) + ``meta`` (fmt, shape, grouping)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return tensors_nbytes(self.tensors)
+
+
+def _grouped(x: torch.Tensor, group_size: int, axis: int) -> tuple[torch.Tensor, tuple]:
+    """View ``x`` as [G, group] groups along ``axis`` (-1 or -2 of a >=2-D tensor; 1-D uses -1).
+
+    Returns the [G, gs] matrix and what :func:`_ungroup` needs.  Pads with the group's last
+    element (replicate) so padding never widens a group's range.
+    """
+    if x.dim() == 1:
+        x = x[None]
+    if axis in (-2, x.dim() - 2):
+        x = x.transpose(-1, -2)
+        transposed = True
+    else:
+        transposed = False
+    shape = x.shape  # [..., A, B]: groups along B
+    B = shape[-1]
+    gs = B if group_size <= 0 or group_size >= B else group_size
+    pad = (-B) % gs
+    m = x.reshape(-1, B)
+    if pad:
+        m = torch.cat([m, m[:, -1:].expand(-1, pad)], dim=1)
+    return m.reshape(-1, gs), (shape, transposed, gs, pad)
+
+
+def _ungroup(g: torch.Tensor, info, orig_shape) -> torch.Tensor:
+    shape, transposed, gs, pad = info
+    B = shape[-1]
+    m = g.reshape(-1, B + pad)[:, :B].reshape(shape)
+    if transposed:
+        m = m.transpose(-1, -2)
+    return m.reshape(orig_shape)
+
+
+def quantize(x: torch.Tensor, fmt: str, group_size: int = 0, axis: int = -1) -> QTensor:
+    """Quantize ``x`` (float) to ``fmt`` (``int1..int8``, ``fp8``, ``fp16``, ``bf16``, ``fp32``).
+
+    ``group_size`` <= 0 means one group per row along ``axis``.  Float casts ignore grouping
+    except fp8, which uses one fp32 scale per group.
+    """
+    shape = list(x.shape)
+    meta = {"fmt": fmt, "shape": shape}
+    if fmt in ("fp32", "fp16", "bf16"):
+        return QTensor({"data": x.to(FLOAT_FORMATS[fmt]).contiguous()}, meta)
+    xf = x.float()
+    g, info = _grouped(xf, group_size, axis)
+    meta.update(group_size=info[2], axis=-2 if info[1] else -1)
+    if fmt == "fp8":
+        amax = g.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
+        scale = (amax / FP8_MAX).float()
+        q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return QTensor({"data": q.contiguous(), "scale": scale.reshape(-1).contiguous()}, meta)
+    if fmt not in INT_FORMATS:
+        raise ValueError(f"unknown format {fmt!r}")
+    bits = INT_FORMATS[fmt]
+    levels = (1 << bits) - 1
+    mn = g.amin(dim=1, keepdim=True)
+    mx = g.amax(dim=1, keepdim=True)
+    mn16 = mn.to(torch.float16)
+    scale16 = ((mx - mn16.float()) / levels).to(torch.float16)
+    # fp16 rounding may make the scale a hair small: widen so mx stays representable
+    s = scale16.float()
+    s = torch.where((mn16.float() + s * levels) < mx, s * (1 + 2.0 ** -10), s).to(torch.float16)
+    sf = s.float()
+    q = torch.where(sf > 0, torch.round((g - mn16.float()) / torch.where(sf > 0, sf, 1.0)), 0.0)
+    q = q.clamp(0, levels)
+    n = q.numel()
+    meta.update(n=n, padded_cols=g.shape[1])
+    return QTensor({"codes": pack_bits(q, bits), "scale": s.reshape(-1).contiguous(),
+                    "min": mn16.reshape(-1).contiguous()}, meta)
+
+
+def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    meta, t = q.meta, q.tensors
+    fmt, shape = meta["fmt"], tuple(meta["shape"])
+    if fmt in ("fp32", "fp16", "bf16"):
+        return t["data"].to(dtype)
+    # rebuild the grouping of a tensor of this shape
+    probe = torch.empty(shape, device="meta") if len(shape) else torch.empty(1, device="meta")
+    _, info = _grouped(probe, meta["group_size"], meta["axis"])
+    if fmt == "fp8":
+        g = t["data"].float() * t["scale"].float()[:, None]
+    else:
+        bits = INT_FORMATS[fmt]
+        gs = info[2]
+        codes = unpack_bits(t["codes"], bits, meta["n"]).float().view(-1, gs)
+        g = t["min"].float()[:, None] + t["scale"].float()[:, None] * codes
+    return _ungroup(g, info, shape).to(dtype)
