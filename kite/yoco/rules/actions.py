@@ -1,0 +1,182 @@
+"""Actions: what a matched rule asks for, checked when the rules load.
+
+    load_cluster: LABEL | [LABEL, ...] | $query_label
+    load_all_clusters: true
+    skip: true                       (load nothing)
+    precision: fp32|fp16|bf16|fp8|int8|int4
+    layers: all | "12-18" | "1,3,5-7" | [12, 13, 14]
+    enable_micro_sampling: true
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kite.yoco.signals import suggest
+
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
+ACTION_KEYS = ("load_cluster", "load_all_clusters", "skip", "precision", "layers",
+               "enable_micro_sampling")
+QUERY_LABEL = "$query_label"
+
+LoadKind = Literal["clusters", "all", "query_label", "skip"]
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """A checked action. `layers=None` means every layer; `precision=None` the state's own."""
+
+    load: LoadKind
+    clusters: tuple[str, ...] = ()
+    precision: str | None = None
+    layers: tuple[int, ...] | None = None
+    enable_micro_sampling: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"load": self.load, "clusters": list(self.clusters), "precision": self.precision,
+                "layers": None if self.layers is None else list(self.layers),
+                "enable_micro_sampling": self.enable_micro_sampling}
+
+
+@dataclass(frozen=True, slots=True)
+class ActionProblem:
+    """`where` names the YAML node: 'action', a key, or (key, item index); `offset` is a column
+    offset inside a string value."""
+
+    message: str
+    where: Any
+    offset: int = 0
+    length: int = 1
+
+
+def parse_layer_spec(spec: Any, n_layers: int | None) -> tuple[tuple[int, ...] | None, list[ActionProblem]]:
+    """`all` → None; `"12-18"`, `"1,3,5-7"`, `7` or `[12, 13]` → sorted layer numbers."""
+    problems: list[ActionProblem] = []
+    layers: set[int] = set()
+    what = "layers: expected all, \"A-B\", a comma list like \"1,3,5-7\" or a list of numbers"
+    if isinstance(spec, str) and spec.strip().lower() == "all":
+        return None, problems
+    if isinstance(spec, bool) or spec is None:
+        return None, [ActionProblem(what, "layers")]
+    if isinstance(spec, int):
+        spec = [spec]
+    if isinstance(spec, list):
+        for i, item in enumerate(spec):
+            if isinstance(item, bool) or not isinstance(item, int):
+                problems.append(ActionProblem(f"layers: {item!r} is not a layer number",
+                                              ("layers", i)))
+            else:
+                _add(layers, item, item, n_layers, ("layers", i), 0, len(str(item)), problems)
+    elif isinstance(spec, str):
+        offset = 0
+        for part in spec.split(","):
+            lead = len(part) - len(part.lstrip())
+            text = part.strip()
+            at = offset + lead
+            lo_s, dash, hi_s = text.partition("-")
+            try:
+                lo, hi = int(lo_s), int(hi_s) if dash else int(lo_s)
+            except ValueError:
+                problems.append(ActionProblem(what, "layers", at, max(1, len(text))))
+            else:
+                if lo > hi:
+                    problems.append(ActionProblem(f"layers: range {text!r} runs backwards",
+                                                  "layers", at, len(text)))
+                else:
+                    _add(layers, lo, hi, n_layers, "layers", at, len(text), problems)
+            offset += len(part) + 1
+    else:
+        problems.append(ActionProblem(what, "layers"))
+    return tuple(sorted(layers)), problems
+
+
+def _add(layers, lo, hi, n_layers, where, at, length, problems) -> None:
+    bad = next((i for i in (lo, hi) if i < 0 or (n_layers is not None and i >= n_layers)), None)
+    if bad is not None:
+        top = f"0-{n_layers - 1}" if n_layers is not None else "0 and up"
+        problems.append(ActionProblem(f"layer {bad} is out of range {top}"
+                                      + (f" (the model has {n_layers} layers)" if n_layers else ""),
+                                      where, at, length))
+        return
+    layers.update(range(lo, hi + 1))
+
+
+def check_action(data: Any, labels: list[str] | None, n_layers: int | None
+                 ) -> tuple[Action | None, list[ActionProblem]]:
+    """Check one rule's `action:` mapping; return the Action (None if it has errors)."""
+    from kite.yoco.rules.checker import label_problem
+
+    if not isinstance(data, dict) or not data:
+        return None, [ActionProblem("action: expected a mapping such as "
+                                    "`{load_cluster: LABEL, precision: int8}`", "action")]
+    problems: list[ActionProblem] = []
+    for key in data:
+        if key not in ACTION_KEYS:
+            hint = suggest(str(key), ACTION_KEYS)
+            problems.append(ActionProblem(
+                f"unknown action key {key!r}" + (f"; did you mean {hint!r}?" if hint else
+                                                  "; keys: " + ", ".join(ACTION_KEYS)), key))
+    loads = [k for k in ("load_cluster", "load_all_clusters", "skip") if k in data]
+    kind: LoadKind = "skip"
+    clusters: tuple[str, ...] = ()
+    if not loads:
+        problems.append(ActionProblem("the action says nothing about loading: add load_cluster, "
+                                      "load_all_clusters: true or skip: true", "action"))
+    elif len(loads) > 1:
+        problems.append(ActionProblem(f"{loads[1]} conflicts with {loads[0]}: choose one",
+                                      loads[1]))
+    else:
+        key = loads[0]
+        value = data[key]
+        if key == "load_cluster":
+            items = value if isinstance(value, list) else [value]
+            if not items:
+                problems.append(ActionProblem("load_cluster: empty list", key))
+            for i, label in enumerate(items):
+                where = (key, i) if isinstance(value, list) else key
+                if not isinstance(label, str) or not label.strip():
+                    problems.append(ActionProblem(f"load_cluster: expected a label or "
+                                                  f"$query_label, got {label!r}", where))
+                elif label.startswith("$") and label != QUERY_LABEL:
+                    problems.append(ActionProblem(f"unknown variable {label!r}; the only "
+                                                  f"variable is $query_label", where,
+                                                  length=len(label)))
+                elif label != QUERY_LABEL and labels is not None:
+                    msg = label_problem(label, labels)
+                    if msg:
+                        problems.append(ActionProblem(msg, where, length=len(label)))
+            if items == [QUERY_LABEL]:
+                kind = "query_label"
+            elif QUERY_LABEL in items:
+                problems.append(ActionProblem("$query_label stands alone: it cannot be listed "
+                                              "with other labels", key))
+            else:
+                kind, clusters = "clusters", tuple(str(x) for x in items)
+        elif value is not True:
+            problems.append(ActionProblem(f"{key}: expected true, got {value!r} "
+                                          f"(remove the key instead of writing false)", key))
+        else:
+            kind = "all" if key == "load_all_clusters" else "skip"
+    if kind == "skip" and loads == ["skip"]:
+        for key in ("precision", "layers", "load_cluster"):
+            if key in data:
+                problems.append(ActionProblem(f"{key} has no effect with skip: true", key))
+    precision = data.get("precision")
+    if precision is not None and precision not in PRECISIONS:
+        hint = suggest(str(precision).lower(), PRECISIONS)
+        problems.append(ActionProblem(
+            f"bad precision {precision!r}: choose one of " + ", ".join(PRECISIONS)
+            + (f"; did you mean {hint!r}?" if hint else ""), "precision",
+            length=len(str(precision))))
+    layers = None
+    if "layers" in data:
+        layers, layer_problems = parse_layer_spec(data["layers"], n_layers)
+        problems.extend(layer_problems)
+    micro = data.get("enable_micro_sampling", False)
+    if not isinstance(micro, bool):
+        problems.append(ActionProblem(f"enable_micro_sampling: expected true or false, got "
+                                      f"{micro!r}", "enable_micro_sampling"))
+    if problems:
+        return None, problems
+    return Action(kind, clusters, precision, layers, bool(micro)), []
