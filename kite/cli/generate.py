@@ -1,0 +1,77 @@
+"""`kite generate`: stream a completion, from a plain prompt or after a loaded .upc state."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kite.cli._common import JsonOpt, console, emit_json
+from kite.errors import BadInput
+
+
+def read_text_input(prompt: str | None, prompt_file: Path | None) -> str:
+    """The prompt from --prompt, --prompt-file (or '-'), or piped stdin. Raises BadInput."""
+    if prompt is not None and prompt_file is not None:
+        raise BadInput("give --prompt or --prompt-file, not both")
+    if prompt is not None:
+        text = prompt
+    elif prompt_file is not None and str(prompt_file) != "-":
+        try:
+            text = prompt_file.read_bytes().decode("utf-8")
+        except FileNotFoundError:
+            raise BadInput(f"--prompt-file {prompt_file}: no such file")
+        except UnicodeDecodeError as exc:
+            raise BadInput(f"--prompt-file {prompt_file}: not UTF-8 text (byte {exc.start})")
+    elif prompt_file is not None or not sys.stdin.isatty():
+        try:
+            text = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadInput(f"stdin: not UTF-8 text (byte {exc.start})")
+    else:
+        raise BadInput("no prompt: give --prompt TEXT, --prompt-file FILE, or pipe text on stdin")
+    if not text.strip():
+        raise BadInput("the prompt is empty")
+    return text
+
+
+def generate(
+    prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt text.")] = None,
+    prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from a file ('-' = stdin).")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="HF folder, .gguf file or embedded name.")] = None,
+    chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
+    system: Annotated[str | None, typer.Option(help="System message (with --chat).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens to generate.")] = 128,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="fp32 | bf16 | fp16 (default fp32 on CPU, bf16 on CUDA).")] = None,
+    adapter: Annotated[str | None, typer.Option(help="A peft adapter folder.")] = None,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Generate text; streams to the terminal. --json gives text, token counts, ttft_ms, tokens/s.
+
+    Examples:
+      kite generate --chat --prompt "What is the capital of France?"
+      echo "Once upon a time" | kite generate --max-new-tokens 40 --temperature 0.8 --seed 1
+    """
+    from kite.model import load_model
+    from kite.runtime.generate import encode_prompt
+    from kite.runtime.generate import generate as run_generate
+
+    text = read_text_input(prompt, prompt_file)
+    lm = load_model(model, adapter=adapter, dtype=dtype)
+    ids = encode_prompt(lm.tokenizer, text, chat=chat, system=system)
+    stream = None if json_out else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+    result = run_generate(lm, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=top_p, seed=seed, on_text=stream)
+    if json_out:
+        emit_json({"model": lm.source.spec, **result.to_dict()})
+        return
+    sys.stdout.write("\n")
+    console().print(
+        f"[dim]{result.prompt_tokens} prompt + {result.new_tokens} new tokens · ttft "
+        f"{result.ttft_ms:.0f} ms · {result.tokens_per_s:.1f} tok/s · {result.stop_reason}[/]",
+        highlight=False)

@@ -1,0 +1,57 @@
+"""KITE's attention function, registered with transformers' AttentionInterface as "kite".
+
+transformers builds one causal mask from layer 0's cache length, which assumes every layer holds
+the same number of past tokens. A loaded state can give each layer a different prefix (clusters
+or layers left out), so this function makes its own mask when the one it is handed does not fit:
+every cached token precedes the new ones (positions are kept), so the right mask is causal
+aligned to the bottom-right corner.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NAME = "kite"
+_registered = False
+
+
+def kite_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [B, Hq, q, d], key/value [B, Hkv, k, d] → ([B, q, Hq, d], None)."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    mask = attention_mask
+    if mask is not None:
+        if mask.shape[-1] < k_len or mask.shape[-2] != q_len:
+            mask = None  # made for another layer's length: build our own below
+        else:
+            mask = mask[..., :k_len]
+    is_causal = False
+    if mask is None and q_len > 1:
+        if q_len == k_len:
+            is_causal = True
+        else:
+            offset = k_len - q_len
+            rows = torch.arange(q_len, device=query.device).unsqueeze(1)
+            cols = torch.arange(k_len, device=query.device).unsqueeze(0)
+            mask = cols <= rows + offset
+    if key.shape[1] != query.shape[1]:
+        rep = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(rep, dim=1)
+        value = value.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal,
+                                         dropout_p=dropout, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Register "kite" for attention and masks (idempotent); returns the implementation name."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(NAME, kite_attention)
+        # Standard masks where they fit (padding in batched plain inference keeps working).
+        AttentionMaskInterface.register(NAME, sdpa_mask)
+        _registered = True
+    return NAME

@@ -1,0 +1,53 @@
+"""The KV cache KITE generates with: per-layer prefixes (from a state) followed by live tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KVPrefix:
+    """Post-RoPE keys and values to place in front of the live tokens, layer by layer.
+
+    keys[l] / values[l]: [H_kv, P_l, d] (P_l may differ per layer, 0 for a layer left out).
+    `next_position` is where the first live token sits: the document's length, whatever was
+    loaded (invariant 2: loaded tokens keep their positions; absent ones leave a gap).
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    next_position: int
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.keys)
+
+    def tokens_per_layer(self) -> list[int]:
+        return [int(k.shape[-2]) for k in self.keys]
+
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                   for k, v in zip(self.keys, self.values))
+
+
+def new_cache(model, prefix: KVPrefix | None = None):
+    """A DynamicCache for `model`, seeded with `prefix` when given."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    if prefix is not None:
+        n_layers = model.config.num_hidden_layers
+        if prefix.n_layers != n_layers:
+            raise ValueError(f"prefix has {prefix.n_layers} layers, the model {n_layers}")
+        param = next(model.parameters())
+        for layer, (k, v) in enumerate(zip(prefix.keys, prefix.values)):
+            cache.update(k.to(param.device, param.dtype).unsqueeze(0),
+                         v.to(param.device, param.dtype).unsqueeze(0), layer)
+    return cache
+
+
+def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) per layer, [B, H_kv, T, d] each."""
+    return [(layer.keys, layer.values) for layer in cache.layers]

@@ -1,0 +1,148 @@
+"""The runtime: KITE's attention equals sdpa; per-layer prefixes keep positions; generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kite.cli.main import app
+from kite.runtime.cache import KVPrefix, cache_layers, new_cache
+from kite.runtime.generate import encode_prompt, forward_tokens, generate
+from tests.conftest import parse_json
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def lm(request, tiny_models):
+    from kite.model import load_model
+
+    return load_model(str(tiny_models[request.param]))
+
+
+def _ids(lm, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, lm.geometry.vocab_size, (n,), generator=g).tolist()
+
+
+def test_kite_attention_matches_sdpa(lm):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(lm.folder, attn_implementation="sdpa").eval()
+    ids = torch.tensor([_ids(lm, 40)])
+    with torch.no_grad():
+        assert torch.allclose(lm.model(ids).logits, ref(ids).logits, atol=1e-5)
+
+
+def test_full_prefix_reuse_is_exact(lm):
+    """Prefill doc, reuse its KV as a prefix, then the query: same logits as doc+query at once."""
+    doc, query = _ids(lm, 50, 1), _ids(lm, 7, 2)
+    full = forward_tokens(lm.model, doc + query, new_cache(lm.model), 0)[-len(query):]
+    cache = new_cache(lm.model)
+    forward_tokens(lm.model, doc, cache, 0)
+    prefix = KVPrefix([k[0] for k, _ in cache_layers(cache)], [v[0] for _, v in cache_layers(cache)], len(doc))
+    reused = forward_tokens(lm.model, query, new_cache(lm.model, prefix), prefix.next_position)
+    assert (full - reused).abs().max() <= 1e-4
+
+
+def test_absent_tokens_keep_positions(lm):
+    """Dropping doc tokens from the prefix equals masking them out of a full forward (sdpa)."""
+    from transformers import AutoModelForCausalLM
+
+    doc, query = _ids(lm, 30, 3), _ids(lm, 5, 4)
+    keep = [i for i in range(len(doc)) if i % 3 != 1]
+    cache = new_cache(lm.model)
+    forward_tokens(lm.model, doc, cache, 0)
+    layers = cache_layers(cache)
+    prefix = KVPrefix([k[0][:, keep] for k, _ in layers], [v[0][:, keep] for _, v in layers], len(doc))
+    got = forward_tokens(lm.model, query, new_cache(lm.model, prefix), len(doc))
+    # Reference: HF's own sdpa path over the full doc cache, with a 4-D mask hiding the dropped
+    # tokens from the query; the query sits at positions len(doc)...
+    ref_model = AutoModelForCausalLM.from_pretrained(lm.folder, attn_implementation="sdpa").eval()
+    ref_cache = new_cache(ref_model)
+    with torch.no_grad():
+        ref_model(input_ids=torch.tensor([doc]), past_key_values=ref_cache)
+        n, q = len(doc), len(query)
+        mask = torch.zeros(1, 1, q, n + q, dtype=torch.bool)
+        mask[..., keep] = True
+        mask[0, 0, :, n:] = torch.tril(torch.ones(q, q, dtype=torch.bool))
+        pos = torch.arange(n, n + q).unsqueeze(0)
+        ref = ref_model(input_ids=torch.tensor([query]), position_ids=pos, attention_mask=mask,
+                        past_key_values=ref_cache).logits[0]
+    assert (got - ref).abs().max() <= 1e-4
+    # And it differs from the full prefix: the dropped tokens mattered.
+    full_prefix = KVPrefix([k[0] for k, _ in layers], [v[0] for _, v in layers], len(doc))
+    full = forward_tokens(lm.model, query, new_cache(lm.model, full_prefix), len(doc))
+    assert (full - got).abs().max() > 1e-3
+
+
+def test_layers_may_hold_different_prefixes(lm):
+    """Layer 0 holds the whole doc, the others none: runs, and matches a per-layer reference."""
+    doc, query = _ids(lm, 20, 5), _ids(lm, 4, 6)
+    cache = new_cache(lm.model)
+    forward_tokens(lm.model, doc, cache, 0)
+    layers = cache_layers(cache)
+    keys = [layers[0][0][0]] + [k[0][:, :0] for k, _ in layers[1:]]
+    values = [layers[0][1][0]] + [v[0][:, :0] for _, v in layers[1:]]
+    prefix = KVPrefix(keys, values, len(doc))
+    assert prefix.tokens_per_layer() == [20] + [0] * (lm.geometry.n_layers - 1)
+    logits = forward_tokens(lm.model, query, new_cache(lm.model, prefix), len(doc))
+    assert logits.shape == (len(query), lm.geometry.vocab_size) and torch.isfinite(logits).all()
+    # Decode one more token: the mask stays right as lengths grow unevenly.
+    c = new_cache(lm.model, prefix)
+    forward_tokens(lm.model, query, c, len(doc))
+    step = forward_tokens(lm.model, [query[0]], c, len(doc) + len(query))
+    assert torch.isfinite(step).all()
+
+
+def test_generate_greedy_is_deterministic_and_streams(lm):
+    ids = encode_prompt(lm.tokenizer, "The parties agree", chat=False)
+    pieces: list[str] = []
+    a = generate(lm, ids, max_new_tokens=8, on_text=pieces.append, stop_ids=set())
+    b = generate(lm, ids, max_new_tokens=8, stop_ids=set())
+    assert a.text == b.text and a.new_tokens == 8 and a.stop_reason == "length"
+    assert "".join(pieces) == a.text
+    assert a.ttft_ms > 0 and a.total_ms >= a.ttft_ms
+
+
+def test_sampling_is_seeded(lm):
+    ids = encode_prompt(lm.tokenizer, "The parties agree", chat=False)
+    a = generate(lm, ids, max_new_tokens=8, temperature=1.0, seed=7, stop_ids=set())
+    b = generate(lm, ids, max_new_tokens=8, temperature=1.0, seed=7, stop_ids=set())
+    assert a.text == b.text
+
+
+def test_generate_cli_json(tiny_models):
+    result = runner.invoke(app, ["generate", "--model", str(tiny_models["llama"]), "--prompt", "The parties",
+                                 "--max-new-tokens", "5", "--json"])
+    assert result.exit_code == 0, result.output
+    out = parse_json(result.stdout)
+    assert out["prompt_tokens"] > 0 and 0 < out["new_tokens"] <= 5
+    assert {"text", "ttft_ms", "tokens_per_s", "stop_reason"} <= set(out)
+
+
+def test_generate_cli_chat_and_stdin(tiny_models):
+    result = runner.invoke(app, ["generate", "--model", str(tiny_models["llama"]), "--chat",
+                                 "--max-new-tokens", "3", "--json"], input="What is the capital?")
+    assert result.exit_code == 0, result.output
+    assert parse_json(result.stdout)["prompt_tokens"] > 5  # the chat template added tokens
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompt", "  "], "empty"),
+    (["--prompt", "x", "--prompt-file", "y"], "not both"),
+    (["--prompt-file", "/no/such/file"], "no such file"),
+    (["--prompt", "x", "--max-new-tokens", "100000"], "context"),
+])
+def test_generate_bad_input(tiny_models, args, message):
+    result = runner.invoke(app, ["generate", "--model", str(tiny_models["llama"]), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_generate_non_utf8_file(tiny_models, tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"caf\xe9 \xff")
+    result = runner.invoke(app, ["generate", "--model", str(tiny_models["llama"]), "--prompt-file", str(bad)])
+    assert result.exit_code == 2 and "UTF-8" in result.output
