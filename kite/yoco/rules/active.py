@@ -71,3 +71,14 @@ class ActiveRules:
         info["last_error"] = None if err is None else {"when": err.when, "source": err.source,
                                                        "message": err.message}
         return info
+
+
+def default_rules_path() -> Path:
+    """`$KITE_HOME/rules/yoco_rules.yaml` if it exists, else the checkout's `rules/yoco_rules.yaml`."""
+    from kite.paths import kite_home, repo_root
+
+    home = kite_home() / "rules" / "yoco_rules.yaml"
+    if home.exists():
+        return home
+    root = repo_root()
+    return root / "rules" / "yoco_rules.yaml" if root else home

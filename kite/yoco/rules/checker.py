@@ -69,7 +69,8 @@ def _check(node: Node, labels: list[str] | None, out: list[Problem]) -> str | No
                                f"with {_describe(node.right)} ({rt})", _pos(node.right)))
         elif labels is not None:
             for a, b in ((node.left, node.right), (node.right, node.left)):
-                if isinstance(a, Field) and a.name == "query_label" and isinstance(b, Literal):
+                if (isinstance(a, Field) and a.name == "query_label" and isinstance(b, Literal)
+                        and b.value != ""):  # "" is "the tagger gave no label"
                     msg = label_problem(str(b.value), labels)
                     if msg:
                         out.append(Problem(msg, b.pos))

@@ -1,0 +1,216 @@
+"""`kite yoco`: check rule files, list the signals rules may read, and show a load decision.
+
+Thin over `kite.yoco`: every command calls library functions and prints their result.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from kite.cli._common import JsonOpt, console, emit_json, err_console, new_app
+from kite.errors import BadInput
+
+DEFAULT_MIN_HIT_GAIN = 0.005
+
+app = new_app(
+    "YOCO rules, signals and load decisions.\n\n"
+    "Examples:\n\n"
+    "  kite yoco validate rules/yoco_rules.yaml --labels 违约责任,管辖法院 --layers 30\n\n"
+    "  kite yoco decide --signals '{\"intent_entropy\": 5.6}' --labels 违约责任=0.8,管辖法院 --json\n\n"
+    "  kite yoco fields"
+)
+
+RulesOpt = typer.Option(None, "--rules", help="Rule file (default: $KITE_HOME/rules/yoco_rules.yaml, "
+                        "else the checkout's rules/yoco_rules.yaml).")
+LabelsOpt = typer.Option(None, "--labels", help="The state's cluster labels, comma-separated; "
+                         "`label=health` sets a health (0-1), else the health store's prior.")
+LayersOpt = typer.Option(None, "--layers", help="The model's layer count (checks `layers:`).")
+
+
+def _labels(spec: str | None) -> dict[str, float | None] | None:
+    """`a,b=0.7` → {"a": None, "b": 0.7}."""
+    if spec is None:
+        return None
+    out: dict[str, float | None] = {}
+    for part in spec.split(","):
+        name, eq, value = part.strip().partition("=")
+        name = name.strip()
+        if not name:
+            continue
+        if not eq:
+            out[name] = None
+            continue
+        try:
+            health = float(value)
+        except ValueError:
+            raise BadInput(f"--labels {part.strip()!r}: health must be a number in 0-1") from None
+        if not 0.0 <= health <= 1.0:
+            raise BadInput(f"--labels {part.strip()!r}: health must be in 0-1")
+        out[name] = health
+    return out
+
+
+def _load(path: Path, labels, n_layers):
+    """Load a rule set; on errors print the full report (every error, with carets) first."""
+    from kite.yoco.rules import RuleSetError, load_rules
+
+    try:
+        return load_rules(path, labels, n_layers)
+    except RuleSetError as exc:
+        err_console().print(exc.report(), markup=False, highlight=False, soft_wrap=True)
+        n = len(exc.errors)
+        raise BadInput(f"{path}: {n} error{'s' if n != 1 else ''} in the rule set "
+                       f"(first: {exc.errors[0].header})") from None
+
+
+@app.command("validate")
+def validate(
+    file: Annotated[Path, typer.Argument(help="The rule file to check.")],
+    labels: Optional[str] = LabelsOpt,
+    layers: Optional[int] = LayersOpt,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Check a rule file: YAML, fields, operators, types, labels, actions, the default rule.
+    Every error prints as `file:line:col: message` with the line and a caret; exit 2."""
+    from kite.yoco.rules import RuleSetError, load_rules
+
+    names = None if labels is None else list(_labels(labels) or {})
+    if not json_out:
+        rs = _load(file, names, layers)
+        console().print(f"[green]ok[/] {file}: {len(rs.rules)} rules, version {rs.version}, "
+                        f"default {rs.rules[-1].name!r}, sha256 {rs.sha256[:12]}", highlight=False,
+                        soft_wrap=True)
+        return
+    try:
+        rs = load_rules(file, names, layers)
+    except RuleSetError as exc:
+        emit_json({"ok": False, "file": str(file), "errors": [e.to_dict() for e in exc.errors]})
+        raise
+    emit_json({"ok": True, "errors": [], **rs.info(),
+               "rule_names": [r.name for r in rs.rules]})
+
+
+@app.command("fields")
+def fields(json_out: bool = JsonOpt) -> None:
+    """The signals a rule's condition may read: name, type, unit, meaning."""
+    from kite.yoco.signals import SIGNAL_FIELDS
+
+    if json_out:
+        emit_json([{"name": f.name, "type": f.type, "unit": f.unit, "doc": f.doc}
+                   for f in SIGNAL_FIELDS.values()])
+        return
+    from rich.table import Table
+
+    table = Table("field", "type", "unit", "meaning", box=None)
+    for f in SIGNAL_FIELDS.values():
+        table.add_row(f.name, f.type, f.unit, f.doc)
+    console().print(table)
+
+
+def _read_signals(spec: str) -> dict[str, Any]:
+    where = "--signals"
+    text = spec
+    if spec.startswith("@"):
+        path = Path(spec[1:])
+        where = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise BadInput(f"--signals {spec}: no such file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise BadInput(f"--signals {spec}: cannot read ({exc})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadInput(f"{where}:{exc.lineno}:{exc.colno}: not JSON ({exc.msg})") from None
+    if not isinstance(data, dict):
+        raise BadInput(f"{where}: expected a JSON object of signals")
+    return data
+
+
+def _min_hit_gain(value: float | None) -> float:
+    if value is not None:
+        return value
+    try:
+        from kite.config import load_config
+    except ModuleNotFoundError as exc:
+        if exc.name != "kite.config":
+            raise
+        return DEFAULT_MIN_HIT_GAIN
+    return float(load_config().features.yoco_min_hit_gain)
+
+
+def run_decision(rules_path: Path, signals, state, min_hit_gain: float, json_out: bool) -> None:
+    """Load the rules (checked against the state's labels), decide, print. Shared by every way
+    of getting signals (explicit JSON now; a `.upc` state and a query later)."""
+    from kite.yoco.engine import decide
+
+    rs = _load(rules_path, state.labels if state.health else None, state.n_layers)
+    if signals.state_health_score is None:
+        from dataclasses import replace
+
+        signals = replace(signals, state_health_score=state.health_score())
+    plan = decide(rs, signals, state, min_hit_gain)
+    if json_out:
+        emit_json({"rules": rs.info(), "signals": signals.flat(), "state": {
+            "labels": state.health, "n_layers": state.n_layers},
+            "min_hit_gain": min_hit_gain, "plan": plan.to_dict()})
+        return
+    from rich.markup import escape
+
+    out = console()
+    out.print(f"[bold]rules[/]   {rs.source} ({rs.version}, sha256 {rs.sha256[:12]})",
+              highlight=False, soft_wrap=True)
+    out.print("[bold]signals[/] " + escape(", ".join(f"{k}={v!r}" for k, v in signals.flat().items())),
+              highlight=False, soft_wrap=True)
+    out.print(f"[bold]matched[/] {escape(plan.matched_rule)}", highlight=False, soft_wrap=True)
+    out.print(f"[bold]reason[/]  {escape(plan.reason)}", highlight=False, soft_wrap=True)
+    if plan.skipped:
+        out.print(f"[bold yellow]skip[/]    {escape(plan.skip_reason or '')}", highlight=False, soft_wrap=True)
+    else:
+        clusters = plan.clusters if plan.clusters == "all" else ", ".join(plan.clusters)
+        layers = "all" if plan.layers is None else _ranges(plan.layers)
+        out.print(f"[bold green]load[/]    clusters {escape(clusters)}; layers {layers}; precision "
+                  f"{plan.precision or 'as stored'}", highlight=False, soft_wrap=True)
+    out.print(f"[bold]gain[/]    predicted {plan.predicted_gain:.4g} (min {min_hit_gain:.4g})"
+              + ("; micro-sampling on" if plan.enable_micro_sampling else ""), highlight=False, soft_wrap=True)
+
+
+def _ranges(layers: list[int]) -> str:
+    parts, start = [], None
+    for i, x in enumerate(layers):
+        if start is None:
+            start = x
+        if i + 1 == len(layers) or layers[i + 1] != x + 1:
+            parts.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ",".join(parts)
+
+
+@app.command("decide")
+def decide_cmd(
+    signals: Annotated[str, typer.Option("--signals", help="Signals as JSON, or @file.json "
+                                         "(nested or dotted keys; missing ones default).")],
+    rules: Optional[Path] = RulesOpt,
+    labels: Optional[str] = LabelsOpt,
+    layers: Optional[int] = LayersOpt,
+    min_hit_gain: Annotated[Optional[float], typer.Option(
+        "--min-hit-gain", help="Skip loads predicted to gain less (default: config "
+        "features.yoco_min_hit_gain).")] = None,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Show the rule that matches and the load plan for explicit signals."""
+    from kite.yoco.engine import StateInfo
+    from kite.yoco.health import health_from_gain, DEFAULT_PRIOR_GAIN
+    from kite.yoco.rules import default_rules_path
+    from kite.yoco.signals import Signals
+
+    sig = Signals.from_mapping(_read_signals(signals), where="--signals")
+    prior = health_from_gain(DEFAULT_PRIOR_GAIN)
+    health = {k: (prior if v is None else v) for k, v in (_labels(labels) or {}).items()}
+    state = StateInfo(health, layers)
+    run_decision(rules or default_rules_path(), sig, state, _min_hit_gain(min_hit_gain), json_out)
