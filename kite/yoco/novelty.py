@@ -83,7 +83,7 @@ class NoveltyTracker:
     `max_exact=None` is always exact (one distance per recent query at worst).
     """
 
-    def __init__(self, maxlen: int = 128, max_chars: int = 256, max_exact: int | None = 16):
+    def __init__(self, maxlen: int = 128, max_chars: int = 256, max_exact: int | None = 8):
         if maxlen < 1 or max_chars < 1:
             raise ValueError("maxlen and max_chars must be >= 1")
         self.maxlen, self.max_chars = maxlen, max_chars

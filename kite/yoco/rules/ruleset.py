@@ -102,6 +102,7 @@ def parse_rules(data: bytes | str, source: str = "<rules>", labels: Iterable[str
     rules = builder.build()
     if builder.errors:
         raise RuleSetError(sorted(builder.errors, key=lambda e: (e.line, e.col)))
+    _warm(rules)
     return RuleSet(tuple(rules), hashlib.sha256(raw).hexdigest(), source, time.time(),
                    version or Path(source).stem,
                    None if labels is None else tuple(builder.labels or ()), n_layers)
@@ -332,6 +333,19 @@ class _Builder:
                 return i + 1, col0 + 1 + (offset - flat)
             flat += n + 1
         return start.line + 1, start.column + 1
+
+
+def _warm(rules: list[Rule]) -> None:
+    """Run each new condition a few times so CPython's adaptive interpreter has specialized its
+    code before the first request does (3.11+ quickens a code object after ~8 calls)."""
+    from kite.yoco.signals import Signals
+
+    probe = Signals(state_health_score=0.5)
+    for rule in rules:
+        for _ in range(16):
+            rule.test(probe)
+        for get in rule.getters:
+            get(probe)
 
 
 def _getter(name: str) -> Callable[[Any], Any]:

@@ -1,0 +1,185 @@
+"""YOCO decision latency, reload jitter, sampler CPU cost, novelty and per-request overhead.
+
+    .venv/bin/python benchmarks/yoco_decision.py [--decisions 20000] [--sampler-seconds 5]
+
+Targets (issue 4): decision p99 <= 50 us with 50 rules; the 100 decisions after a reload no
+slower than steady state; the sampler at 10 ms < 2% of one core; YOCO's per-request overhead
+(signals except the model's entropy pass + decision + plan) <= 1 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kite.yoco.engine import StateInfo, decide  # noqa: E402
+from kite.yoco.novelty import NoveltyTracker  # noqa: E402
+from kite.yoco.rules import parse_rules  # noqa: E402
+from kite.yoco.signals import HardwareWatermark, Signals  # noqa: E402
+from kite.yoco.watermark import WatermarkSampler, default_backend  # noqa: E402
+
+LABELS = ["违约责任", "管辖法院", "保密义务", "知识产权", "不可抗力"]
+
+
+def rules_yaml(n: int, seed: int = 0) -> str:
+    """`n` rules: n-1 with 2-3 comparisons over the schema, then the default."""
+    rng = random.Random(seed)
+    lines = ["rules:"]
+    for i in range(n - 1):
+        conds = [
+            f"intent_entropy > {rng.uniform(4.0, 7.5):.2f}",
+            f"state_health_score >= {rng.uniform(0.5, 0.95):.2f}",
+            f"hardware_watermark.gpu_mem < {rng.uniform(0.5, 0.95):.2f}",
+            f"query_novelty > {rng.uniform(0.7, 0.99):.2f}",
+            f'query_label == "{rng.choice(LABELS)}"',
+            f"label_entropy < {rng.uniform(0.1, 0.6):.2f}",
+            "NOT hardware_watermark.spike",
+            f"hardware_watermark.cpu_queue > {rng.uniform(1.0, 3.0):.2f}",
+        ]
+        cond = " AND ".join(rng.sample(conds, rng.choice([2, 3])))
+        if rng.random() < 0.3:
+            cond = f"({cond}) OR hardware_watermark.pcie_util > {rng.uniform(0.9, 0.99):.2f}"
+        action = rng.choice([
+            "{load_all_clusters: true, precision: int8}",
+            "{load_cluster: $query_label, precision: bf16}",
+            '{load_cluster: $query_label, layers: "12-18", precision: int4, enable_micro_sampling: true}',
+            "{skip: true}",
+        ])
+        lines += [f"  - name: r{i:02d}", f"    condition: {cond}", f"    action: {action}"]
+    lines += ["  - name: default", "    action: {load_all_clusters: true}"]
+    return "\n".join(lines) + "\n"
+
+
+def random_signals(rng: random.Random) -> Signals:
+    return Signals(
+        intent_entropy=rng.uniform(1.0, 8.0), query_novelty=rng.random(),
+        query_label=rng.choice(LABELS), label_entropy=rng.uniform(0.0, 2.0),
+        state_health_score=None,
+        hardware_watermark=HardwareWatermark(
+            gpu_mem=rng.random(), gpu_mem_gb=rng.uniform(0, 80), pcie_util=rng.random(),
+            nvlink_util=0.0, cpu_queue=rng.uniform(0, 2.0), spike=rng.random() < 0.05))
+
+
+def pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+
+
+def time_decisions(rs, sigs, state, n) -> list[float]:
+    out = []
+    clock = time.perf_counter_ns
+    for i in range(n):
+        s = sigs[i % len(sigs)]
+        t0 = clock()
+        decide(rs, s, state, 0.005)
+        out.append((clock() - t0) / 1e3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--decisions", type=int, default=20000)
+    ap.add_argument("--rules", type=int, default=50)
+    ap.add_argument("--reloads", type=int, default=30)
+    ap.add_argument("--sampler-seconds", type=float, default=5.0)
+    args = ap.parse_args()
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"Python {platform.python_version()}, load avg {os.getloadavg()[0]:.2f}")
+
+    rng = random.Random(1)
+    text = rules_yaml(args.rules)
+    t0 = time.perf_counter()
+    rs = parse_rules(text, "<bench>")
+    compile_ms = (time.perf_counter() - t0) * 1e3
+    state = StateInfo({l: rng.uniform(0.55, 0.95) for l in LABELS}, 30)
+    sigs = [random_signals(rng) for _ in range(4096)]
+    matched = [decide(rs, s, state, 0.005).matched_rule for s in sigs]
+    depth = statistics.mean(int(m[1:]) + 1 if m != "default" else args.rules for m in matched)
+    time_decisions(rs, sigs, state, 2000)  # warm up
+    lat = time_decisions(rs, sigs, state, args.decisions)
+    print(f"\n## decide(), {args.rules} rules (compile {compile_ms:.1f} ms; mean rules tested "
+          f"{depth:.1f}; {sum(m == 'default' for m in matched) / len(matched):.0%} reach the default)")
+    p50, p99 = pct(lat, 50), pct(lat, 99)
+    print(f"p50 {p50:.1f} us  p99 {p99:.1f} us  max {max(lat):.1f} us  "
+          f"(p99 = {p99 / 50:.0%} of the 50 us target)")
+    worst = [Signals(intent_entropy=0.0, query_novelty=0.0, query_label="", label_entropy=9.0,
+                     state_health_score=0.0,
+                     hardware_watermark=HardwareWatermark(gpu_mem=0.99, spike=True))]
+    wl = time_decisions(rs, worst, state, args.decisions // 2)
+    assert decide(rs, worst[0], state, 0.005).matched_rule == "default"
+    print(f"worst case (all {args.rules} conditions tested, default matches): "
+          f"p50 {pct(wl, 50):.1f} us  p99 {pct(wl, 99):.1f} us")
+
+    # Reload: compile a fresh set, then the first 100 decisions vs steady state.
+    first: list[float] = []
+    steady: list[float] = []
+    for k in range(args.reloads):
+        rs = parse_rules(text.replace("r0", f"x{k}r0"), "<bench>")
+        first += time_decisions(rs, sigs, state, 100)
+        steady += time_decisions(rs, sigs, state, 1000)[500:]
+    print(f"\n## after a reload ({args.reloads} reloads)")
+    print(f"first 100 decisions: p50 {pct(first, 50):.1f} us  p99 {pct(first, 99):.1f} us  "
+          f"mean {statistics.mean(first):.1f} us")
+    print(f"steady state:        p50 {pct(steady, 50):.1f} us  p99 {pct(steady, 99):.1f} us  "
+          f"mean {statistics.mean(steady):.1f} us")
+    print(f"ratio first/steady (mean): {statistics.mean(first) / statistics.mean(steady):.2f}")
+
+    # Novelty and the whole per-request overhead (everything but the model's entropy pass).
+    words = ("contract party breach damages court jurisdiction confidentiality clause payment "
+             "term notice termination liability indemnity force majeure arbitration law "
+             "intellectual property license warranty delivery price invoice penalty").split()
+    queries = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 10))) for _ in range(3000)]
+    tracker = NoveltyTracker()
+    for q in queries[:128]:
+        tracker.observe(q)
+    sampler = WatermarkSampler(default_backend(), interval_ms=200)
+    sampler.sample_once()
+    nov, total = [], []
+    for q in queries[128:1128]:
+        t0 = time.perf_counter_ns()
+        novelty = tracker.observe(q)
+        t1 = time.perf_counter_ns()
+        sig = Signals(intent_entropy=5.0, query_novelty=novelty, query_label=LABELS[0],
+                      label_entropy=0.3, hardware_watermark=sampler.latest().watermark)
+        decide(rs, sig, state, 0.005)
+        t2 = time.perf_counter_ns()
+        nov.append((t1 - t0) / 1e3)
+        total.append((t2 - t0) / 1e3)
+    print(f"\n## per-request overhead (novelty over 128 recent queries, mean "
+          f"{statistics.mean(len(q) for q in queries):.0f} chars + watermark read + decide)")
+    print(f"novelty: p50 {pct(nov, 50):.0f} us  p99 {pct(nov, 99):.0f} us")
+    print(f"total:   p50 {pct(total, 50):.0f} us  p99 {pct(total, 99):.0f} us  "
+          f"(p99 = {pct(total, 99) / 1000:.0%} of the 1 ms target)")
+
+    # Sampler CPU cost at 10 ms: process CPU time while the main thread sleeps.
+    backend = default_backend()
+    secs = args.sampler_seconds
+    c0, w0 = time.process_time(), time.perf_counter()
+    time.sleep(min(1.0, secs / 5))
+    idle = (time.process_time() - c0) / (time.perf_counter() - w0)
+    s = WatermarkSampler(backend, interval_ms=10, link_interval_ms=1000)
+    c0, w0 = time.process_time(), time.perf_counter()
+    s.start()
+    time.sleep(secs)
+    s.stop()
+    cpu = time.process_time() - c0
+    wall = time.perf_counter() - w0
+    print(f"\n## watermark sampler at 10 ms ({s.latest().source}; links loop every 1 s: "
+          f"{'on' if backend.has_links else 'none'})")
+    print(f"{s.samples} samples in {wall:.1f} s ({s.samples / wall:.0f}/s, target 100/s); "
+          f"CPU {cpu / wall:.2%} of one core (idle process {idle:.2%}; target < 2%)")
+    if s.last_error:
+        print(f"last sampler error: {s.last_error}")
+    backend.close()
+
+
+if __name__ == "__main__":
+    main()
