@@ -171,6 +171,9 @@ def _syntax_error(text: str, exc: UnexpectedInput) -> ConditionSyntaxError:
     while end < len(src) and src[end] in _OP_CHARS:
         end += 1
     run = src[start:end]
+    if run in ("<", "<=", ">", ">=", "==", "!="):
+        return ConditionSyntaxError(f"unexpected {run!r}: comparisons do not chain; write "
+                                    "`a < b AND b < c`", Pos(line, start + 1, len(run)))
     if run:
         fix = _OP_FIX.get(run)
         hint = f"; did you mean {fix!r}?" if fix else "; comparisons are < <= > >= == !="
@@ -184,9 +187,6 @@ def _syntax_error(text: str, exc: UnexpectedInput) -> ConditionSyntaxError:
     expected = sorted(exc.expected or ())
     if expected and set(expected) <= {"AND", "OR", "RPAR", "DOT", "COMP_OP", "$END"}:
         msg = f"unexpected {what} {str(tok)!r}: expected AND, OR, a comparison or the end"
-        if tok.type == "COMP_OP":
-            msg = (f"unexpected {str(tok)!r}: comparisons do not chain; "
-                   "write `a < b AND b < c`")
     else:
         msg = f"unexpected {what} {str(tok)!r}: expected a field, a value, NOT or '('"
     return ConditionSyntaxError(msg, Pos(tok.line, tok.column, max(1, len(str(tok)))))
