@@ -185,3 +185,40 @@ def test_host_backend_reads_memory_and_cpu_queue():
     r = s.sample_once()
     assert r.source.startswith("host:") and r.total_gb > 0
     assert 0 < r.watermark.gpu_mem < 1 and r.watermark.cpu_queue >= 0
+
+
+def _gpu_present() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount() > 0
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _gpu_present(), reason="needs an NVIDIA GPU (the real NVML path)")
+def test_real_nvml_sees_an_allocation_spike_and_torch_peak():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    torch.cuda.init()
+    s = WatermarkSampler(NvmlBackend(0), spike_threshold_gb=3.0, spike_samples=3,
+                         link_interval_ms=100)
+    try:
+        before = s.sample_once()
+        assert before.source == "nvml:0+torch" and before.total_gb > 10
+        blocks = [torch.empty(int(2.5 * GB), dtype=torch.uint8, device="cuda") for _ in range(2)]
+        torch.cuda.synchronize()
+        after = s.sample_once()
+        assert after.watermark.gpu_mem_gb - before.watermark.gpu_mem_gb > 4.5
+        assert after.watermark.spike and after.torch_peak_gb >= 5.0
+        s.sample_links()  # the blocking PCIe counters and NVLink fields where supported
+        assert 0.0 <= s.sample_once().watermark.pcie_util <= 1.0
+        del blocks
+    finally:
+        s.close()
+        torch.cuda.empty_cache()

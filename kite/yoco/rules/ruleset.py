@@ -113,6 +113,7 @@ class _Builder:
         self.source, self.text, self.labels, self.n_layers = source, text, labels, n_layers
         self.lines = text.split("\n")
         self.errors: list[RuleError] = []
+        self._names: dict[str, int] = {}  # rule name -> line of its first use
         self._constructor = yaml.SafeLoader("")
 
     # -- errors -------------------------------------------------------------------------------
@@ -207,12 +208,6 @@ class _Builder:
         getters = tuple(_getter(f) for f in fields)
         return Rule(name, cond_text, action, test, fields, getters, node.start_mark.line + 1,
                     is_default)
-
-    @property
-    def _names(self) -> dict[str, int]:
-        if not hasattr(self, "_seen_names"):
-            self._seen_names: dict[str, int] = {}
-        return self._seen_names
 
     def condition(self, pair, name):
         if pair is None:
