@@ -2,11 +2,11 @@
 1 − Levenshtein distance / length of the longer string.
 
 Fast for short queries in three steps: an exact repeat is a dictionary hit; every recent query
-gets an upper bound on its similarity from character histograms (one numpy operation over the
-whole window: shared characters / longer length, since distance ≥ longer − shared); exact
-distances (Myers' bit-parallel algorithm, Hyyrö's form, over Python ints: ~0.5 µs a character)
-are computed in order of that bound, and the scan stops when no remaining query can beat the
-best found, or after `max_exact` distances.
+gets, from character and character-pair histograms (one numpy operation over the whole window),
+an upper bound on its similarity (shared characters / longer length, since distance ≥ longer −
+shared) and a rank (shared pairs / longer length); exact distances (Myers' bit-parallel
+algorithm, Hyyrö's form, over Python ints: ~0.5 µs a character) are computed in rank order for
+the queries whose bound can still beat the best found, at most `max_exact` of them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import threading
 
 import numpy as np
 
-_BUCKETS = 128  # characters hash into histogram buckets; a collision only loosens the bound
+_UNI = 128  # characters hash into histogram buckets; a collision only loosens the bound
+_BI = 256  # character pairs hash into these (an ordering heuristic, not a bound)
 
 
 def edit_distance(a: str, b: str) -> int:
@@ -68,28 +69,31 @@ def similarity(a: str, b: str) -> float:
 
 
 def _histogram(text: str) -> np.ndarray:
-    h = np.zeros(_BUCKETS, dtype=np.int16)
-    for ch in text:
-        h[ord(ch) % _BUCKETS] += 1
-    return h
+    """Character counts (by bucket), then character-pair counts (by bucket)."""
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
+    prev = np.concatenate(([0], codes[:-1]))
+    return np.concatenate((np.bincount(codes % _UNI, minlength=_UNI),
+                           np.bincount((prev * 1_000_003 + codes) % _BI, minlength=_BI)
+                           )).astype(np.int16)
 
 
 class NoveltyTracker:
     """The last `maxlen` queries (each cut to `max_chars`), and how novel a new one is.
 
-    At most `max_exact` exact distances per call (the candidates with the highest bound): the
-    result is exact whenever the bound prunes the scan before that, which near-duplicates make
-    it do; otherwise it is the best among those candidates (novelty can only be overstated).
-    `max_exact=None` is always exact (one distance per recent query at worst).
+    At most `max_exact` exact distances per call (the best-ranked candidates): the result is
+    exact whenever the bound rules out the rest, which a near-duplicate makes it do; otherwise
+    it is the best among those candidates, so novelty can only be overstated (a novel-looking
+    query is treated as riskier, never the reverse). `max_exact=None` is always exact, at one
+    distance per recent query at worst (benchmarks/yoco_decision.py measures both).
     """
 
-    def __init__(self, maxlen: int = 128, max_chars: int = 256, max_exact: int | None = 8):
+    def __init__(self, maxlen: int = 128, max_chars: int = 256, max_exact: int | None = 6):
         if maxlen < 1 or max_chars < 1:
             raise ValueError("maxlen and max_chars must be >= 1")
         self.maxlen, self.max_chars = maxlen, max_chars
         self.max_exact = maxlen if max_exact is None else max(1, max_exact)
         self._texts: list[str] = []
-        self._hist = np.zeros((maxlen, _BUCKETS), dtype=np.int16)
+        self._hist = np.zeros((maxlen, _UNI + _BI), dtype=np.int16)
         self._lens = np.zeros(maxlen, dtype=np.float64)
         self._next = 0  # ring slot the next query goes to
         self._counts: dict[str, int] = {}
@@ -136,15 +140,20 @@ class NoveltyTracker:
         if n == 0:
             return 1.0  # every recent query is non-empty (an empty one would be an exact hit)
         longer = np.maximum(self._lens[:k], n)
-        # distance >= longer - shared characters, so similarity <= shared / longer
-        upper = np.minimum(self._hist[:k], h).sum(axis=1) / longer
-        order = np.argsort(-upper, kind="stable")
+        shared = np.minimum(self._hist[:k], h)
+        # distance >= longer - shared characters, so similarity <= shared / longer (a bound);
+        # shared character pairs / longer ranks the likely-closest first (a heuristic).
+        upper = (shared[:, :_UNI].sum(axis=1) / longer).tolist()
+        order = np.argsort(-shared[:, _UNI:].sum(axis=1) / longer, kind="stable").tolist()
         peq = _peq(q)
-        best = 0.0
-        for i in order[: self.max_exact].tolist():
+        best, computed = 0.0, 0
+        for i in order:
             if upper[i] <= best:
-                break  # sorted: nothing left can beat `best`
+                continue  # cannot beat what we have
+            if computed == self.max_exact:
+                break
             text = self._texts[i]
+            computed += 1
             sim = 1.0 - _myers(peq, n, text) / max(n, len(text))
             if sim > best:
                 best = sim
