@@ -182,13 +182,14 @@ def _syntax_error(text: str, exc: UnexpectedInput) -> ConditionSyntaxError:
         ch = src[col - 1] if 0 < col <= len(src) else "?"
         return ConditionSyntaxError(f"unexpected character {ch!r}", Pos(line, col))
     tok = exc.token  # UnexpectedToken
-    what = {"NAME": "field", "NUMBER": "number", "STRING": "string", "RPAR": "')'",
-            "LPAR": "'('"}.get(tok.type, repr(str(tok)))
+    kind = {"NAME": "field ", "NUMBER": "number ", "STRING": "string ", "TRUE": "value ",
+            "FALSE": "value "}.get(tok.type, "")
+    what = f"{kind}{str(tok)!r}"
     expected = sorted(exc.expected or ())
     if expected and set(expected) <= {"AND", "OR", "RPAR", "DOT", "COMP_OP", "$END"}:
-        msg = f"unexpected {what} {str(tok)!r}: expected AND, OR, a comparison or the end"
+        msg = f"unexpected {what}: expected AND, OR, a comparison or the end"
     else:
-        msg = f"unexpected {what} {str(tok)!r}: expected a field, a value, NOT or '('"
+        msg = f"unexpected {what}: expected a field, a value, NOT or '('"
     return ConditionSyntaxError(msg, Pos(tok.line, tok.column, max(1, len(str(tok)))))
 
 
