@@ -252,7 +252,10 @@ class WatermarkSampler:
         self.cpu_interval_s = cpu_interval_ms / 1000.0
         self._cpu_queue, self._cpu_due = 0.0, float("-inf")
         self._stop = threading.Event()
-        self._wake = threading.Event()
+        # A held lock the memory loop waits on with a timeout; releasing it wakes the loop.
+        # (Cheaper per wait than Event.wait, which builds a Condition waiter each time.)
+        self._wake = threading.Lock()
+        self._wake.acquire()
         self._threads: list[threading.Thread] = []
         self.samples = 0
         self.last_error: str | None = None
@@ -268,7 +271,13 @@ class WatermarkSampler:
         a second call extends the window."""
         until = self.clock() + (self.micro_window_s if window_s is None else window_s)
         self._micro_until = max(self._micro_until, until)
-        self._wake.set()  # leave the long wait now
+        self._wakeup()  # leave the long wait now
+
+    def _wakeup(self) -> None:
+        try:
+            self._wake.release()
+        except RuntimeError:
+            pass  # already released: a wake-up is pending
 
     @property
     def micro_sampling(self) -> bool:
@@ -322,7 +331,7 @@ class WatermarkSampler:
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
-        self._wake.set()
+        self._wakeup()
         for t in self._threads:
             t.join(timeout)
         self._threads = []
@@ -348,9 +357,8 @@ class WatermarkSampler:
             # one was due (never in the past, so a stall does not cause a burst).
             now = time.monotonic()
             due = max(now, due + self.current_interval_ms() / 1000.0)
-            if self._wake.wait(due - now):
-                self._wake.clear()
-                due = time.monotonic()  # micro-sampling switched on: sample now
+            if self._wake.acquire(timeout=due - now):
+                due = time.monotonic()  # woken (micro-sampling switched on): sample now
 
     def _link_loop(self) -> None:
         while not self._stop.is_set():
