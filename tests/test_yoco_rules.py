@@ -342,3 +342,14 @@ def test_active_rules_reload_and_switch(tmp_path):
     assert active.current is v2 and v2.version == "v2" and v2.rules[0].condition == "intent_entropy > 6"
     with pytest.raises(BadInput):
         active.switch("../etc")
+
+
+def test_constants_are_data_never_code():
+    cond = """query_label == "x') or __import__('os').system('true') or ('" """
+    f = compile_condition(parse_condition(cond))
+    assert f(Signals(query_label="x') or __import__('os').system('true') or ('"))
+    assert not f(Signals(query_label="x"))
+    with pytest.raises(ConditionSyntaxError, match="out of range"):
+        parse_condition("intent_entropy > 1e999")
+    with pytest.raises(ConditionSyntaxError, match="bad escape"):
+        parse_condition(r'query_label == "\x"')

@@ -7,6 +7,7 @@ text and a message a person can act on ("bad operator '=': did you mean '=='?").
 from __future__ import annotations
 
 import ast as _pyast
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -81,10 +82,17 @@ def _tpos(tok: Token) -> Pos:
 @v_args(inline=True)
 class _ToAst(Transformer):
     def number(self, tok):
-        return Literal(float(tok), "number", _tpos(tok))
+        value = float(tok)
+        if not math.isfinite(value):
+            raise ConditionSyntaxError(f"number {str(tok)!r} is out of range", _tpos(tok))
+        return Literal(value, "number", _tpos(tok))
 
     def string(self, tok):
-        return Literal(_pyast.literal_eval(str(tok)), "string", _tpos(tok))
+        try:
+            value = _pyast.literal_eval(str(tok))
+        except (ValueError, SyntaxError):
+            raise ConditionSyntaxError(f"bad escape in the string {str(tok)}", _tpos(tok)) from None
+        return Literal(value, "string", _tpos(tok))
 
     def true(self, tok):
         return Literal(True, "bool", _tpos(tok))

@@ -69,7 +69,7 @@ class RuleSet:
 
 
 def version_of(path: str | os.PathLike[str]) -> str:
-    """`yoco_rules_v2.yaml` → `v2`; a file without a `_vN` suffix is `v1`... or its stem."""
+    """`yoco_rules_v2.yaml` → `v2`; `yoco_rules.yaml` → `v1`; any other name → its stem."""
     stem = Path(path).stem
     head, _, tail = stem.rpartition("_")
     if head and tail[:1] == "v" and tail[1:].isdigit():
