@@ -147,6 +147,16 @@ def test_bad_operator_inside_quoted_and_block_conditions():
         assert lines[e.line - 1][e.col - 1] == "="
 
 
+@pytest.mark.parametrize("cond", [
+    "    condition: intent_entropy > 5 AND\n      label_entropy => 1\n",
+    '    condition: "intent_entropy > 5 AND\n      label_entropy => 1"\n',
+])
+def test_multiline_plain_and_quoted_conditions_map_to_their_file_line(cond):
+    text = "rules:\n  - name: m\n" + cond + "    action: {skip: true}\n" + textwrap.indent(DEFAULT, "  ")
+    e = one_error(text)
+    assert (e.line, e.col) == (4, 21) and text.split("\n")[3][20:22] == "=>"
+
+
 def test_folded_condition_maps_to_its_file_line():
     text = ("rules:\n  - name: f\n    condition: >\n      intent_entropy > 5 and\n"
             "      query_novelty >> 1\n    action: {skip: true}\n" + textwrap.indent(DEFAULT, "  "))

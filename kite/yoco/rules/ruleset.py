@@ -306,9 +306,8 @@ class _Builder:
             indent = len(first) - len(first.lstrip(" "))
             return start.line + pos.line + 1, indent + pos.col
         quote = 1 if node.style in ("'", '"') else 0
-        if start.line == node.end_mark.line or (pos.line == 1 and node.style is None):
-            if pos.line == 1:
-                return start.line + 1, start.column + 1 + quote + pos.col - 1
+        if start.line == node.end_mark.line and pos.line == 1:
+            return start.line + 1, start.column + 1 + quote + pos.col - 1
         # Folded or multi-line plain/quoted: lines were joined with spaces. Walk the source
         # segments to find where the flat offset lands.
         value_lines = str(node.value).split("\n")
