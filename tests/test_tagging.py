@@ -1,0 +1,184 @@
+"""Clause tagger: order independence, storage, bad input (tiny random Llama); accuracy (embedded)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kite.data import LABELS, generate_contracts, labeled_examples, to_jsonl
+from kite.errors import BadInput
+from kite.upcycle.tagging import ClauseTagger, candidate_layers, hidden_states_at
+from kite.upcycle.tagging_eval import embed_spans_in_document, evaluate_tagging
+from tests.tiny_models import tiny_config, tiny_tokenizer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matmuls on a busy 2-core machine: a second thread only adds spin-waiting (40x slower).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import AutoModelForCausalLM
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    config = tiny_config("llama", vocab_size=len(tok), layers=2)
+    config.max_position_embeddings = 4096  # the tiny BPE spends ~3 tokens a word
+    model = AutoModelForCausalLM.from_config(config)
+    return model.eval(), tok
+
+
+@pytest.fixture(scope="module")
+def data():
+    cases = generate_contracts(2, 700, seed=11)
+    examples = labeled_examples(11, 2, exclude_ids=[c["id"] for c in cases])
+    texts = [c["text"][s["start"]:s["end"]] for c in cases for s in c["spans"]]
+    return cases, examples, texts
+
+
+def test_label_and_example_order_do_not_change_predictions(tiny, data):
+    model, tok = tiny
+    _, examples, texts = data
+    a = ClauseTagger.fit(model, tok, examples, list(LABELS))
+    rng = random.Random(3)
+    shuffled_labels, shuffled_examples = list(LABELS), list(examples)
+    rng.shuffle(shuffled_labels)
+    rng.shuffle(shuffled_examples)
+    b = ClauseTagger.fit(model, tok, shuffled_examples, shuffled_labels)
+    assert a.labels == b.labels == sorted(LABELS)
+    ra, rb = a.tag_texts(model, tok, texts), b.tag_texts(model, tok, texts)
+    assert [r.label for r in ra] == [r.label for r in rb]
+    assert [r.probs for r in ra] == [r.probs for r in rb]
+    for r in ra:
+        assert abs(sum(r.probs.values()) - 1) < 1e-5 and 0 < r.confidence <= 1
+        assert r.confidence == max(r.probs.values())
+
+
+def test_to_dict_round_trip_is_json_and_identical(tiny, data):
+    model, tok = tiny
+    _, examples, texts = data
+    tagger = ClauseTagger.fit(model, tok, examples)
+    restored = ClauseTagger.from_dict(json.loads(json.dumps(tagger.to_dict())))
+    E = tagger.embed_texts(model, tok, texts)
+    assert E.shape == (len(texts), 64 * len(tagger.embedding_layers))
+    assert [r.probs for r in restored.predict_embeddings(E)] == \
+        [r.probs for r in tagger.predict_embeddings(E)]
+    assert restored.embedding_layers == tagger.embedding_layers
+    assert tagger.validation["folds"] == 2 and tagger.method in ("ridge", "centroid")
+    with pytest.raises(BadInput, match="format"):
+        ClauseTagger.from_dict({"format": "other"})
+    broken = tagger.to_dict()
+    broken["weights"] = broken["weights"][:3]
+    with pytest.raises(BadInput, match="weights"):
+        ClauseTagger.from_dict(broken)
+
+
+def test_bad_examples(tiny):
+    model, tok = tiny
+    two = [("Pay within 30 days.", "payment"), ("Courts of Paris.", "jurisdiction")]
+    with pytest.raises(BadInput, match="label 'warranty' has no example"):
+        ClauseTagger.fit(model, tok, two, ["payment", "jurisdiction", "warranty"])
+    with pytest.raises(BadInput, match="label 'jurisdiction', which is not among the labels"):
+        ClauseTagger.fit(model, tok, two, ["payment", "warranty"])
+    with pytest.raises(BadInput, match="text is empty"):
+        ClauseTagger.fit(model, tok, [*two, ("  ", "payment")])
+    with pytest.raises(BadInput, match="at least 2 labels"):
+        ClauseTagger.fit(model, tok, two[:1])
+    with pytest.raises(BadInput, match="tagging method"):
+        ClauseTagger.fit(model, tok, two, methods=["knn"])
+    with pytest.raises(BadInput, match="pair"):
+        ClauseTagger.fit(model, tok, [("text only",)])
+    # one example per label still fits (unvalidated)
+    tagger = ClauseTagger.fit(model, tok, two)
+    assert tagger.validation["folds"] == 0 and tagger.method == "ridge"
+    assert tagger.tag_texts(model, tok, ["Pay within 30 days."])[0].label in ("payment",
+                                                                             "jurisdiction")
+
+
+def test_hidden_states_and_in_document_pooling_match_hf(tiny, data):
+    model, tok = tiny
+    cases, examples, _ = data
+    ids = torch.tensor([tok("The parties agree that the supplier shall deliver.")["input_ids"]])
+    ref = model(input_ids=ids, output_hidden_states=True).hidden_states
+    got = hidden_states_at(model, ids, None, [0, 1])
+    for h in (0, 1):
+        torch.testing.assert_close(got[h], ref[h].float())
+    assert candidate_layers(2) == [1] and candidate_layers(30)[0] == 1
+    # a "document" that is exactly one span pools to the standalone embedding of that span
+    tagger = ClauseTagger.fit(model, tok, examples)
+    text = examples[0][0]
+    E_doc = embed_spans_in_document(tagger, model, tok, text, [{"start": 0, "end": len(text)}])
+    torch.testing.assert_close(E_doc, tagger.embed_texts(model, tok, [text]), rtol=1e-4,
+                               atol=1e-5)
+    report = evaluate_tagging(model, tok, cases, examples, tagger=tagger, mode="both")
+    n = sum(len(c["spans"]) for c in cases)
+    for mode in ("standalone", "in_document"):
+        r = report[mode]
+        assert r["n"] == n == sum(sum(row.values()) for row in r["confusion"].values())
+        assert set(r["per_label"]) == set(LABELS)
+    with pytest.raises(BadInput, match="token span"):
+        tagger.pool_spans(got, [(3, 3)])
+
+
+def test_prompt_method_is_order_independent(tiny):
+    model, tok = tiny
+    ex = [("Pay the fee within 30 days of invoice.", "payment"),
+          ("All invoices are due in 45 days.", "payment"),
+          ("The courts of Paris decide disputes.", "jurisdiction"),
+          ("Disputes go to the courts in London.", "jurisdiction")]
+    a = ClauseTagger.fit(model, tok, ex, methods=["prompt"],
+                         label_names={"payment": "payment terms"})
+    b = ClauseTagger.fit(model, tok, ex[::-1], ["payment", "jurisdiction"], methods=["prompt"],
+                         label_names={"payment": "payment terms"})
+    assert a.method == b.method == "prompt" and a.to_dict() == b.to_dict()
+    texts = ["Invoices are payable in 10 days.", "Courts of Tokyo."]
+    assert [r.probs for r in a.tag_texts(model, tok, texts)] == \
+        [r.probs for r in b.tag_texts(model, tok, texts)]
+    c = ClauseTagger.from_dict(json.loads(json.dumps(a.to_dict())))
+    assert [r.probs for r in c.tag_texts(model, tok, texts)] == \
+        [r.probs for r in a.tag_texts(model, tok, texts)]
+
+
+def test_eval_tagging_cli_rejects_bad_input_before_loading_a_model(tmp_path):
+    from kite.cli._common import new_app
+    from kite.cli.upcycle_tagging import eval_tagging
+
+    app = new_app("test")
+    app.command("eval-tagging")(eval_tagging)
+    app.command("noop")(lambda: None)
+    runner = CliRunner()
+    bad = tmp_path / "cases.jsonl"
+    bad.write_text('{"id": "a", "text": "x"}\nnot json\n')
+    res = runner.invoke(app, ["eval-tagging", "--cases", str(bad)])
+    assert res.exit_code == 2 and "cases.jsonl:2:1: invalid JSON" in res.output
+    good = tmp_path / "good.jsonl"
+    good.write_text(to_jsonl(generate_contracts(1, 600, 0)))
+    ex = tmp_path / "ex.jsonl"
+    ex.write_text('{"text": "Pay within 30 days.", "label": "payment"}\n')
+    res = runner.invoke(app, ["eval-tagging", "--cases", str(good), "--examples", str(ex)])
+    assert res.exit_code == 2 and "has no labeled example" in res.output
+    res = runner.invoke(app, ["eval-tagging", "--cases", str(good), "--mode", "sideways"])
+    assert res.exit_code == 2 and "--mode sideways" in res.output
+    res = runner.invoke(app, ["eval-tagging", "--cases", str(good), "--examples-per-label", "0"])
+    assert res.exit_code == 2
+
+
+@pytest.mark.slow
+def test_embedded_model_tags_unseen_contracts(embedded):
+    """≥ 90% on spans of contracts no example came from (measured figures: docs/tagging.md)."""
+    cases = generate_contracts(4, 800, seed=300)
+    examples = labeled_examples(300, 3, exclude_ids=[c["id"] for c in cases])
+    tagger = ClauseTagger.fit(embedded.model, embedded.tokenizer, examples, layers=[1, 4, 8])
+    report = evaluate_tagging(embedded.model, embedded.tokenizer, cases, examples, tagger=tagger,
+                              mode="both")
+    assert report["standalone"]["accuracy"] >= 0.9, report["standalone"]["confusion"]
+    assert report["in_document"]["accuracy"] >= 0.9, report["in_document"]["confusion"]
