@@ -8,7 +8,9 @@
   per token across channels -- KIVI's value layout; ``axis=-2``: groups run along the
   second-to-last dimension, e.g. per channel across tokens -- KIVI's key layout).  Scale and
   minimum are stored in fp16 and the codes are computed against the *stored* fp16 values, so
-  dequantization is exactly what the encoder assumed.
+  dequantization is exactly what the encoder assumed.  ``range_mode="mse"`` picks each group's
+  grid (step and offset) among Gaussian-optimal steps and min/max by least squared error, which
+  at 1-3 bits is far better than min/max (2 bits on Gaussian data: ~0.12 vs ~0.3 of the variance).
 * fp8 (``torch.float8_e4m3fn``) with an fp32 scale per group, and plain fp16 / bf16 / fp32 casts.
 
 Every quantized tensor is a :class:`QTensor`: a dict of tensors plus a small JSON-able meta, with
@@ -126,7 +128,43 @@ def _ungroup(g: torch.Tensor, info, orig_shape) -> torch.Tensor:
     return m.reshape(orig_shape)
 
 
-def quantize(x: torch.Tensor, fmt: str, group_size: int = 0, axis: int = -1) -> QTensor:
+# Step of the MSE-optimal uniform quantizer of a unit Gaussian with 2**b levels (Max 1960).
+GAUSS_STEP = {1: 1.596, 2: 0.9957, 3: 0.5860, 4: 0.3352, 5: 0.1881, 6: 0.1041, 7: 0.0569, 8: 0.0308}
+_MSE_GRID = (0.6, 0.75, 0.9, 1.0, 1.15, 1.35, 1.6, 2.0)
+
+
+def _mse_range(g: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group (rows of g): (minimum, step) of the uniform grid with the least squared error.
+
+    Candidates: the Gaussian-optimal step for the group's std times a few factors, centred on
+    the group mean, and the plain min/max grid.
+    """
+    levels = (1 << bits) - 1
+    mu = g.mean(dim=1, keepdim=True)
+    sd = g.std(dim=1, keepdim=True, unbiased=False)
+    mn_mm = g.amin(dim=1, keepdim=True)
+    st_mm = (g.amax(dim=1, keepdim=True) - mn_mm) / levels
+    cand_st = [sd * GAUSS_STEP[bits] * f for f in _MSE_GRID] + [st_mm]
+    cand_mn = [mu - st * (levels / 2) for st in cand_st[:-1]] + [mn_mm]
+    best_err = best_mn = best_st = None
+    for mn, st in zip(cand_mn, cand_st):
+        mn = mn.to(torch.float16).float()
+        st = st.to(torch.float16).float()
+        safe = torch.where(st > 0, st, torch.ones_like(st))
+        q = torch.round((g - mn) / safe).clamp(0, levels)
+        err = (mn + q * st - g).pow(2).sum(dim=1, keepdim=True)
+        if best_err is None:
+            best_err, best_mn, best_st = err, mn, st
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_mn = torch.where(better, mn, best_mn)
+            best_st = torch.where(better, st, best_st)
+    return best_mn, best_st
+
+
+def quantize(x: torch.Tensor, fmt: str, group_size: int = 0, axis: int = -1,
+             range_mode: str = "minmax") -> QTensor:
     """Quantize ``x`` (float) to ``fmt`` (``int1..int8``, ``fp8``, ``fp16``, ``bf16``, ``fp32``).
 
     ``group_size`` <= 0 means one group per row along ``axis``.  Float casts ignore grouping
@@ -148,6 +186,13 @@ def quantize(x: torch.Tensor, fmt: str, group_size: int = 0, axis: int = -1) -> 
         raise ValueError(f"unknown format {fmt!r}")
     bits = INT_FORMATS[fmt]
     levels = (1 << bits) - 1
+    if range_mode == "mse" and bits < 8:
+        mn16, s = _mse_range(g, bits)
+        sf = s
+        q = torch.round((g - mn16) / torch.where(sf > 0, sf, torch.ones_like(sf))).clamp(0, levels)
+        meta.update(n=q.numel(), padded_cols=g.shape[1])
+        return QTensor({"codes": pack_bits(q, bits), "scale": s.to(torch.float16).reshape(-1).contiguous(),
+                        "min": mn16.to(torch.float16).reshape(-1).contiguous()}, meta)
     mn = g.amin(dim=1, keepdim=True)
     mx = g.amax(dim=1, keepdim=True)
     mn16 = mn.to(torch.float16)
