@@ -37,6 +37,14 @@ def read_text_input(prompt: str | None, prompt_file: Path | None) -> str:
     return text
 
 
+def state_prompt_ids(lm, text: str, *, chat: bool, system: str | None, with_state: bool) -> list[int]:
+    """The prompt's ids. After a state the prompt continues the document: no BOS token again."""
+    from kite.runtime.generate import encode_prompt
+
+    return encode_prompt(lm.tokenizer, text, chat=chat, system=system,
+                         add_special_tokens=not with_state)
+
+
 def generate(
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt text.")] = None,
     prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from a file ('-' = stdin).")] = None,
@@ -49,6 +57,10 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
     dtype: Annotated[str | None, typer.Option(help="fp32 | bf16 | fp16 (default fp32 on CPU, bf16 on CUDA).")] = None,
     adapter: Annotated[str | None, typer.Option(help="A peft adapter folder.")] = None,
+    upc: Annotated[Path | None, typer.Option("--upc", help="Answer from this .upc state instead of prefilling the document.")] = None,
+    clusters: Annotated[str | None, typer.Option(help="With --upc: load only these clusters (labels or ids, comma-separated).")] = None,
+    layers: Annotated[str | None, typer.Option(help="With --upc: load into these layers only ('12-18', '0,2,4', 'all').")] = None,
+    precision: Annotated[str | None, typer.Option(help="With --upc: hold the loaded KV at fp16|bf16|fp8|int8|int4.")] = None,
     json_out: bool = JsonOpt,
 ) -> None:
     """Generate text; streams to the terminal. --json gives text, token counts, ttft_ms, tokens/s.
@@ -56,21 +68,37 @@ def generate(
     Examples:
       kite generate --chat --prompt "What is the capital of France?"
       echo "Once upon a time" | kite generate --max-new-tokens 40 --temperature 0.8 --seed 1
+      kite generate --upc contract.upc --clusters breach --prompt "What is the penalty for breach?"
     """
     from kite.model import load_model
-    from kite.runtime.generate import encode_prompt
     from kite.runtime.generate import generate as run_generate
 
+    from kite.cli._common import parse_layers
+
+    if upc is None and (clusters or layers or precision):
+        raise BadInput("--clusters, --layers and --precision restrict what --upc loads; give --upc")
     text = read_text_input(prompt, prompt_file)
     lm = load_model(model, adapter=adapter, dtype=dtype)
-    ids = encode_prompt(lm.tokenizer, text, chat=chat, system=system)
+    prefix = report = None
+    if upc is not None:
+        from kite.upcycle.load import load_prefix
+
+        prefix, report = load_prefix(upc, lm, layers=parse_layers(layers, lm.geometry.n_layers),
+                                     clusters=[c.strip() for c in clusters.split(",") if c.strip()]
+                                     if clusters else None, precision=precision)
+    ids = state_prompt_ids(lm, text, chat=chat, system=system, with_state=prefix is not None)
     stream = None if json_out else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     result = run_generate(lm, ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_p=top_p, seed=seed, on_text=stream)
+                          top_p=top_p, seed=seed, on_text=stream, prefix=prefix)
     if json_out:
-        emit_json({"model": lm.source.spec, **result.to_dict()})
+        emit_json({"model": lm.source.spec, **result.to_dict(),
+                   "state": report.to_dict() if report else None})
         return
     sys.stdout.write("\n")
+    if report is not None:
+        console().print(f"[dim]state {upc}: clusters {', '.join(report.labels) or 'none'} · "
+                        f"{len(report.layers)} layers · {report.tokens} tokens · "
+                        f"{report.bytes_read:,} B read · load {report.load_ms:.0f} ms[/]", highlight=False)
     console().print(
         f"[dim]{result.prompt_tokens} prompt + {result.new_tokens} new tokens · ttft "
         f"{result.ttft_ms:.0f} ms · {result.tokens_per_s:.1f} tok/s · {result.stop_reason}[/]",

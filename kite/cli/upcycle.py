@@ -1,0 +1,235 @@
+"""`kite upcycle`: compress a document into a .upc state; inspect, evaluate and migrate states."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kite.cli._common import JsonOpt, console, emit_json, new_app
+from kite.errors import BadInput
+
+app = new_app("Turn a document's KV cache into a .upc state; inspect, evaluate, migrate.")
+
+ModelOpt = typer.Option("--model", "-m", help="HF folder, .gguf file or embedded name (default smollm2-135m).")
+
+
+def read_document(path: str) -> tuple[str, str]:
+    """(text, name) from a file path or '-' (stdin). Non-UTF-8 and empty input are BadInput."""
+    if path == "-":
+        data, name = sys.stdin.buffer.read(), "stdin"
+    else:
+        try:
+            data, name = Path(path).read_bytes(), Path(path).name
+        except FileNotFoundError:
+            raise BadInput(f"--input {path}: no such file")
+        except IsADirectoryError:
+            raise BadInput(f"--input {path}: is a folder, expected a text file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise BadInput(f"--input {path}:{line}: not UTF-8 text (byte {exc.start})")
+    if not text.strip():
+        raise BadInput(f"--input {path}: the document is empty")
+    return text, name
+
+
+def codec_settings(ratio: float | None, precision: str | None, cfg) -> "object":
+    """--precision (a preset) wins over --ratio, which wins over the config's svd_ratio/precision."""
+    from kite.upcycle import codec
+
+    try:
+        if precision:
+            return codec.settings_for(precision)
+        if ratio is not None:
+            if ratio < 1:
+                raise BadInput(f"--ratio {ratio}: a compression ratio is ≥ 1 (4 = a quarter of raw fp16 KV)")
+            return codec.settings_for(ratio)
+        if cfg.compression.precision:
+            return codec.settings_for(cfg.compression.precision)
+        return codec.settings_for(1.0 / cfg.compression.svd_ratio)
+    except ValueError as exc:
+        raise BadInput(str(exc))
+
+
+@app.command("compress")
+def compress(
+    input: Annotated[str, typer.Option("--input", "-i", help="The document (text file, or '-' for stdin).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the .upc state.")],
+    model: Annotated[str | None, ModelOpt] = None,
+    config: Annotated[Path | None, typer.Option(help="upcycle_config.yaml (default configs/upcycle_config.yaml).")] = None,
+    ratio: Annotated[float | None, typer.Option(help="Compression ratio against raw fp16 KV (4 = 4×).")] = None,
+    precision: Annotated[str | None, typer.Option(help="A precision preset instead: exact|fp16|bf16|fp8|int8|int4.")] = None,
+    clusters: Annotated[int | None, typer.Option(min=1, help="Number of clusters (compression.cluster_num).")] = None,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Prefill a document, cluster and tag its spans, compress its KV cache into a .upc state.
+
+    Example: kite upcycle compress --input contract.txt --output contract.upc --ratio 4
+    """
+    from kite.cli._progress import progress_bar
+    from kite.model import load_model
+    from kite.upcycle.compress import CompressSettings, compress_document
+    from kite.upcycle.settings import load_upcycle_config
+    from kite.upcycle.tagger_setup import build_tagger
+
+    cfg, cfg_path = load_upcycle_config(config)
+    text, name = read_document(input)
+    settings = CompressSettings(codec=codec_settings(ratio, precision, cfg),
+                                n_clusters=clusters or cfg.compression.cluster_num,
+                                min_span_tokens=cfg.compression.min_span_tokens,
+                                max_span_tokens=cfg.compression.max_span_tokens)
+    lm = load_model(model, adapter=cfg.adapter)
+    with progress_bar() as progress:
+        tagger = build_tagger(lm, cfg, cfg_path, progress=progress)
+        result = compress_document(lm, text, output, settings, tagger=tagger, source_name=name,
+                                   progress=progress)
+    if json_out:
+        emit_json(result.to_dict())
+        return
+    out = console()
+    out.print(f"[bold green]wrote[/] {output}: {result.n_tokens:,} tokens → {result.state_bytes:,} B "
+              f"({result.compression_ratio:.2f}× smaller than raw fp16 KV {result.raw_kv_bytes:,} B)",
+              highlight=False)
+    for c in result.clusters:
+        out.print(f"  cluster {c.id:>2}  {c.label:<22} conf {c.confidence:.2f}  {c.n_tokens:>6} tokens  "
+                  f"[dim]{c.preview[:60]}[/]", highlight=False)
+    out.print("  " + "  ".join(f"{k} {v:.0f} ms" for k, v in result.timings_ms.items()), highlight=False)
+
+
+@app.command("inspect")
+def inspect(
+    state: Annotated[Path, typer.Argument(help="A .upc state file.")],
+    verify: Annotated[bool, typer.Option(help="Check every part's checksum.")] = False,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Header, fingerprints, clusters (label, confidence, tokens, preview), bytes per part, checksums."""
+    from kite.upcycle.inspect import describe_state
+
+    report = describe_state(state, verify=verify)
+    if json_out:
+        emit_json(report)
+        if verify and report["checksums"]["failed"]:
+            raise typer.Exit(1)
+        return
+    out = console()
+    out.print(f"[bold]{state}[/]  format v{report['format_version']}  {report['file_bytes']:,} B  "
+              f"{report['n_tokens']:,} tokens  {report['compression_ratio']:.2f}× vs raw fp16 KV", highlight=False)
+    fp = report["fingerprints"]
+    out.print(f"  model {fp['model']}\n  tokenizer {fp['tokenizer']}\n  adapter {fp['adapter']}", highlight=False)
+    out.print(f"  geometry {report['geometry']}", highlight=False)
+    out.print(f"  codec {report['codec']['name']}  created {report['created_at']}", highlight=False)
+    for c in report["clusters"]:
+        out.print(f"  cluster {c['id']:>2}  {c['label']:<22} conf {c['confidence']:.2f}  {c['n_tokens']:>6} tokens  "
+                  f"{c['bytes']:>10,} B  [dim]{c['preview'][:50]}[/]", highlight=False)
+    out.print(f"  shared per-layer codecs {report['bytes']['layer_codecs']:,} B, header {report['bytes']['header']:,} B",
+              highlight=False)
+    if verify:
+        ck = report["checksums"]
+        colour = "green" if not ck["failed"] else "red"
+        out.print(f"  checksums: [{colour}]{ck['ok']} ok, {len(ck['failed'])} failed[/] {ck['failed'][:5]}")
+        if ck["failed"]:
+            raise typer.Exit(1)
+
+
+@app.command("eval")
+def eval_cmd(
+    input: Annotated[str, typer.Option("--input", "-i", help="A text file ('-' = stdin) long enough for both parts.")],
+    model: Annotated[str | None, ModelOpt] = None,
+    context_tokens: Annotated[int, typer.Option(min=1, help="Tokens compressed into the state.")] = 2048,
+    continuation_tokens: Annotated[int, typer.Option(min=2, help="Tokens scored after it.")] = 512,
+    ratio: Annotated[float | None, typer.Option(help="Compression ratio against raw fp16 KV.")] = None,
+    precision: Annotated[str | None, typer.Option(help="A precision preset instead (exact|fp16|int8|int4 ...).")] = None,
+    clusters: Annotated[int | None, typer.Option(min=1, help="Number of clusters.")] = None,
+    config: Annotated[Path | None, typer.Option(help="upcycle_config.yaml.")] = None,
+    probe: Annotated[str | None, typer.Option(help="'passkey': also retrieve facts planted early in the context.")] = None,
+    json_out: bool = JsonOpt,
+) -> None:
+    """What a setting loses on your text: PPL full vs state, delta, KL, top-1 agreement, bytes.
+
+    Example: kite upcycle eval --input /usr/share/common-licenses/GPL-3 --ratio 8 --probe passkey
+    """
+    from kite.cli._progress import progress_bar
+    from kite.model import load_model
+    from kite.upcycle.compress import CompressSettings
+    from kite.upcycle.evaluate import evaluate
+    from kite.upcycle.settings import load_upcycle_config
+    from kite.upcycle.tagger_setup import build_tagger
+
+    cfg, cfg_path = load_upcycle_config(config)
+    text, _ = read_document(input)
+    settings = CompressSettings(codec=codec_settings(ratio, precision, cfg),
+                                n_clusters=clusters or cfg.compression.cluster_num)
+    lm = load_model(model, adapter=cfg.adapter)
+    with progress_bar() as progress:
+        tagger = build_tagger(lm, cfg, cfg_path, progress=progress)
+        result = evaluate(lm, text, context_tokens=context_tokens, continuation_tokens=continuation_tokens,
+                          settings=settings, tagger=tagger, probe=probe, progress=progress)
+    if json_out:
+        emit_json(result.to_dict())
+        return
+    out = console()
+    out.print(f"[bold]{result.codec}[/] on {result.context_tokens} context + {result.continuation_tokens} "
+              f"continuation tokens", highlight=False)
+    out.print(f"  PPL full {result.ppl_full:.3f} · state {result.ppl_state:.3f} · delta "
+              f"{result.ppl_delta:+.3f} · KL {result.kl_mean:.4f} · top-1 {result.top1_agreement:.1%}",
+              highlight=False)
+    out.print(f"  state {result.state_bytes:,} B vs raw fp16 KV {result.raw_kv_bytes:,} B = "
+              f"{result.compression_ratio:.2f}× (every byte counted: codecs, scales, header)", highlight=False)
+    if result.probe:
+        p = result.probe
+        out.print(f"  passkey: full context {p['full_accuracy']:.0%} · state {p['state_accuracy']:.0%}",
+                  highlight=False)
+
+
+@app.command("migrate")
+def migrate_cmd(
+    old_model_fingerprint: Annotated[str | None, typer.Option(help="Fingerprint the states were made with (short or full).")] = None,
+    new_model_fingerprint: Annotated[str | None, typer.Option(help="Fingerprint to move them to.")] = None,
+    upcycle_dir: Annotated[Path, typer.Option(help="The folder of .upc states.")] = Path("."),
+    new_model: Annotated[str | None, typer.Option(help="The new model: checks its geometry and records all its fingerprints.")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Say what would happen; change nothing.")] = False,
+    force: Annotated[bool, typer.Option(help="Migrate even when the new model's KV geometry differs.")] = False,
+    rollback: Annotated[bool, typer.Option(help="Undo an interrupted migration recorded in the folder's journal.")] = False,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Move states to a new model fingerprint: rewrite headers and file names, journaled.
+
+    Example: kite upcycle migrate --old-model-fingerprint 3f4a7011d963 --new-model-fingerprint 9b1c22e0aa41 \\
+      --upcycle-dir ./states --new-model ./SmolLM2-ft
+    """
+    from kite.upcycle import migrate as mig
+    from kite.yoco.health import HealthStore
+
+    if rollback:
+        report = mig.rollback(upcycle_dir)
+    else:
+        if not old_model_fingerprint or not new_model_fingerprint:
+            raise BadInput("give --old-model-fingerprint and --new-model-fingerprint (or --rollback)")
+        fps = geometry = None
+        if new_model is not None:
+            from kite.model.fingerprint import fingerprints
+            from kite.model.geometry import geometry_from_config
+            from kite.model.loader import load_config_only
+
+            _, folder, config = load_config_only(new_model)
+            fps, geometry = fingerprints(folder), geometry_from_config(config)
+        report = mig.migrate(upcycle_dir, old_model_fingerprint, new_model_fingerprint, new_fps=fps,
+                             new_geometry=geometry, force=force, dry_run=dry_run,
+                             health=None if dry_run else HealthStore())
+    if json_out:
+        emit_json(report.to_dict())
+    else:
+        out = console()
+        verb = "would " if report.dry_run else ""
+        for f in report.files:
+            colour = {"migrate": "green", "refuse": "red", "done": "green"}.get(f.action, "dim")
+            target = f" → {f.new_path}" if f.new_path != f.old_path else ""
+            out.print(f"[{colour}]{verb}{f.action}[/] {f.old_path}{target} {f.reason}", highlight=False)
+        if not report.files:
+            out.print(f"no .upc states in {upcycle_dir}")
+    if any(f.action == "refuse" for f in report.files):
+        raise typer.Exit(1)

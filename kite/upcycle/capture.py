@@ -1,0 +1,91 @@
+"""Prefill a document (chunked) and capture its KV cache with pre-RoPE keys, and hidden states."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kite.runtime.cache import cache_layers, new_cache
+from kite.runtime.generate import _cache_kwarg
+from kite.upcycle.rope import remove_rope, rope_cos_sin
+
+
+@dataclass
+class Capture:
+    """A document's cache: keys_pre[l] and values[l] are [H_kv, T, d] fp32 (keys before RoPE)."""
+
+    text: str
+    ids: list[int]
+    offsets: list[tuple[int, int]]  # each token's character range in `text`
+    keys_pre: list[torch.Tensor]
+    values: list[torch.Tensor]
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer → [T, hidden]
+    prefill_ms: float = 0.0
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.ids)
+
+
+def tokenize_document(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids (no special tokens added) and each token's character range."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+
+def token_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """A text for `ids` (token pieces joined) and each token's character range in it."""
+    pieces = tokenizer.batch_decode([[t] for t in ids])
+    offsets, pos = [], 0
+    for piece in pieces:
+        offsets.append((pos, pos + len(piece)))
+        pos += len(piece)
+    return "".join(pieces), offsets
+
+
+@torch.inference_mode()
+def capture(lm, text: str, *, chunk_tokens: int = 1024, hidden_layers: Sequence[int] = (),
+            progress: Callable[[int, int], None] | None = None,
+            ids: list[int] | None = None) -> Capture:
+    """Prefill `text` in chunks of `chunk_tokens`, keeping K (pre-RoPE), V and some hidden states.
+
+    hidden_layers: indices into HF's hidden_states (0 = embeddings, i = after layer i).
+    progress(done_tokens, total_tokens) is called after each chunk.
+    """
+    from kite.errors import BadInput
+
+    if ids is None:
+        ids, offsets = tokenize_document(lm.tokenizer, text)
+    else:
+        text, offsets = token_offsets(lm.tokenizer, ids)
+    if not ids:
+        raise BadInput("the document is empty")
+    limit = lm.geometry.context_length
+    if limit and len(ids) > limit:
+        raise BadInput(f"the document has {len(ids)} tokens, past the model's context of {limit}")
+    model = lm.model
+    device = lm.device
+    cache = new_cache(model)
+    hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in hidden_layers}
+    t0 = time.perf_counter()
+    for start in range(0, len(ids), chunk_tokens):
+        chunk = torch.tensor([ids[start:start + chunk_tokens]], device=device)
+        pos = torch.arange(start, start + chunk.shape[1], device=device).unsqueeze(0)
+        out = model(input_ids=chunk, position_ids=pos, use_cache=True,
+                    output_hidden_states=bool(hidden_layers), logits_to_keep=1,
+                    **{_cache_kwarg(model): cache})
+        for layer in hidden_layers:
+            hidden[layer].append(out.hidden_states[layer][0].float())
+        if progress:
+            progress(min(start + chunk_tokens, len(ids)), len(ids))
+    prefill_ms = (time.perf_counter() - t0) * 1e3
+    cos, sin = rope_cos_sin(model, torch.arange(len(ids)), device=device)
+    keys_pre, values = [], []
+    for k, v in cache_layers(cache):
+        keys_pre.append(remove_rope(k[0].float(), cos, sin))
+        values.append(v[0].float())
+    return Capture(text=text, ids=ids, offsets=offsets, keys_pre=keys_pre, values=values,
+                   hidden={l: torch.cat(h) for l, h in hidden.items()}, prefill_ms=prefill_ms)

@@ -1,0 +1,47 @@
+"""k-means over span embeddings (cosine geometry, k-means++ seeding, deterministic)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def kmeans(x: torch.Tensor, k: int, iters: int = 30, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cluster rows of x [n, D] into k groups. Returns (assignment [n] long, centroids [k, D]).
+
+    Rows are L2-normalised first; k is capped at the number of distinct rows. Empty clusters are
+    reseeded with the points farthest from their centroids, and the returned cluster ids are
+    renumbered 0..k'-1 over the non-empty ones, so every returned cluster has a member.
+    """
+    n = x.shape[0]
+    if n == 0:
+        raise ValueError("nothing to cluster")
+    x = torch.nn.functional.normalize(x.float(), dim=1)
+    k = max(1, min(k, torch.unique(x.round(decimals=5), dim=0).shape[0]))
+    g = torch.Generator().manual_seed(seed)
+    centroids = x[torch.randint(n, (1,), generator=g)]
+    for _ in range(1, k):  # k-means++
+        d2 = (1 - x @ centroids.T).clamp_min(0).min(dim=1).values
+        if d2.sum() <= 0:
+            idx = torch.randint(n, (1,), generator=g)
+        else:
+            idx = torch.multinomial(d2 / d2.sum(), 1, generator=g)
+        centroids = torch.cat([centroids, x[idx]])
+    assign = torch.zeros(n, dtype=torch.long)
+    for _ in range(iters):
+        sim = x @ centroids.T
+        new_assign = sim.argmax(dim=1)
+        counts = torch.bincount(new_assign, minlength=k)
+        empties = torch.nonzero(counts == 0).flatten().tolist()
+        if empties:
+            own = sim.gather(1, new_assign[:, None]).squeeze(1)
+            for empty, far in zip(empties, torch.argsort(own).tolist()):
+                new_assign[far] = empty
+        sums = torch.zeros_like(centroids).index_add_(0, new_assign, x)
+        centroids = torch.nn.functional.normalize(sums, dim=1)
+        if torch.equal(new_assign, assign):
+            break
+        assign = new_assign
+    used = torch.unique(assign)
+    remap = torch.full((k,), -1, dtype=torch.long)
+    remap[used] = torch.arange(used.numel())
+    return remap[assign], centroids[used]

@@ -1,0 +1,195 @@
+"""Document → `.upc`: prefill, capture, cut spans, cluster, tag, compress per cluster × layer, write.
+
+This is the Upcycle pipeline a reader can follow top to bottom in `compress_document`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kite import __version__
+from kite.upcycle import codec
+from kite.upcycle.capture import Capture, capture
+from kite.upcycle.cluster import kmeans
+from kite.upcycle.spans import cut_spans
+from kite.upcycle.state_file import StateWriter
+from kite.upcycle.tagger_setup import describe as describe_tagger
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+@dataclass
+class CompressSettings:
+    codec: codec.CodecSettings = field(default_factory=lambda: codec.settings_for(4.0))
+    n_clusters: int = 8
+    min_span_tokens: int = 32
+    max_span_tokens: int = 128
+    chunk_tokens: int = 1024
+    seed: int = 0
+
+
+@dataclass
+class ClusterInfo:
+    id: int
+    label: str
+    confidence: float
+    token_ranges: list[list[int]]
+    n_tokens: int
+    preview: str
+    probs: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class CompressResult:
+    path: str
+    n_tokens: int
+    clusters: list[ClusterInfo]
+    state_bytes: int
+    raw_kv_bytes: int  # the document's KV at fp16, what a cache would hold
+    timings_ms: dict[str, float]
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.raw_kv_bytes / self.state_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["compression_ratio"] = round(self.compression_ratio, 3)
+        return d
+
+
+def blob_key(cluster: int | None, layer: int, side: str | None = None) -> str:
+    """Names of the parts: 'L3' (layer 3's shared codec), 'c2/L3/K', 'c2/L3/V'."""
+    return f"L{layer}" if cluster is None else f"c{cluster}/L{layer}/{side}"
+
+
+def _uses_embeddings(tagger) -> bool:
+    return tagger is not None and bool(tagger.embedding_layers)
+
+
+def _span_embeddings(cap: Capture, spans: list[tuple[int, int]], tagger) -> torch.Tensor:
+    """Span vectors for clustering: the tagger's own pooling of the document's hidden states."""
+    if _uses_embeddings(tagger):
+        return tagger.pool_spans(cap.hidden, spans)
+    h = cap.hidden[max(cap.hidden)]
+    return torch.stack([h[s:e].mean(0) for s, e in spans])
+
+
+def _span_tags(lm, text: str, cap: Capture, spans, emb: torch.Tensor, tagger):
+    if _uses_embeddings(tagger):
+        return tagger.predict_embeddings(emb)
+    # A prompt-scoring tagger reads each span's text.
+    texts = [text[cap.offsets[s][0]:cap.offsets[e - 1][1]] for s, e in spans]
+    return tagger.tag_texts(lm.model, lm.tokenizer, texts)
+
+
+def _tag_clusters(assign: torch.Tensor, results) -> list[tuple[str, float, dict]]:
+    k = int(assign.max()) + 1
+    if results is None:
+        return [(f"cluster-{c}", 0.0, {}) for c in range(k)]
+    out = []
+    for c in range(k):
+        members = torch.nonzero(assign == c).flatten().tolist()
+        probs: dict[str, float] = {}
+        for i in members:
+            for label, p in results[i].probs.items():
+                probs[label] = probs.get(label, 0.0) + p / len(members)
+        label = max(sorted(probs), key=probs.get)
+        out.append((label, round(probs[label], 4), {k2: round(v, 4) for k2, v in sorted(probs.items())}))
+    return out
+
+
+def _ranges(token_idx: list[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for t in token_idx:
+        if out and out[-1][1] == t:
+            out[-1][1] = t + 1
+        else:
+            out.append([t, t + 1])
+    return out
+
+
+def compress_document(lm, text: str, output: str | Path, settings: CompressSettings | None = None, *,
+                      tagger=None, source_name: str = "-", progress: Progress | None = None,
+                      ids: list[int] | None = None) -> CompressResult:
+    """Turn `text` into a `.upc` state at `output` (written atomically).
+
+    `ids`: the document's token ids when the caller already has them (what the state will be
+    reused after); `text` is then ignored and rebuilt from the ids' pieces.
+    """
+    settings = settings or CompressSettings()
+    timings: dict[str, float] = {}
+    layers_needed = list(tagger.embedding_layers) if _uses_embeddings(tagger) else [lm.geometry.n_layers // 2]
+    cap = capture(lm, text, chunk_tokens=settings.chunk_tokens, hidden_layers=layers_needed,
+                  progress=(lambda d, t: progress("prefill", d, t)) if progress else None, ids=ids)
+    timings["prefill"] = cap.prefill_ms
+
+    t = time.perf_counter()
+    text = cap.text
+    spans = cut_spans(text, cap.offsets, settings.min_span_tokens, settings.max_span_tokens)
+    emb = _span_embeddings(cap, spans, tagger)
+    results = _span_tags(lm, text, cap, spans, emb, tagger) if tagger is not None else None
+    # Cluster where the clause types separate: the tagger's calibrated label probabilities
+    # (k-means on raw hidden means groups spans by style and position more than by clause type).
+    features = (torch.tensor([[r.probs[lab] for lab in sorted(r.probs)] for r in results])
+                if results else emb)
+    assign, _ = kmeans(features, settings.n_clusters, seed=settings.seed)
+    tags = _tag_clusters(assign, results)
+    timings["cluster_and_tag"] = (time.perf_counter() - t) * 1e3
+
+    t = time.perf_counter()
+    clusters: list[ClusterInfo] = []
+    token_sets: list[torch.Tensor] = []
+    for c, (label, conf, probs) in enumerate(tags):
+        idx = [i for (s, e), a in zip(spans, assign.tolist()) if a == c for i in range(s, e)]
+        first = next(((s, e) for (s, e), a in zip(spans, assign.tolist()) if a == c), (0, 0))
+        chars = (cap.offsets[first[0]][0], cap.offsets[first[1] - 1][1]) if cap.offsets else (0, 0)
+        preview = " ".join(text[chars[0]:chars[1]].split())[:120]
+        clusters.append(ClusterInfo(c, label, conf, _ranges(idx), len(idx), preview, probs))
+        token_sets.append(torch.tensor(idx, dtype=torch.long))
+
+    writer = StateWriter()
+    n_layers = lm.geometry.n_layers
+    for layer in range(n_layers):
+        K, V = cap.keys_pre[layer], cap.values[layer]
+        lc = codec.fit_layer(K, V, settings.codec)
+        writer.add(blob_key(None, layer), codec.to_bytes(lc))
+        for c, idx in enumerate(token_sets):
+            part = codec.encode(lc, K[:, idx], V[:, idx])
+            writer.add(blob_key(c, layer, "K"), codec.to_bytes(part.k))
+            writer.add(blob_key(c, layer, "V"), codec.to_bytes(part.v))
+        if progress:
+            progress("compress", layer + 1, n_layers)
+    timings["compress"] = (time.perf_counter() - t) * 1e3
+
+    raw_kv = int(lm.geometry.kv_bytes_per_token("fp16") * cap.n_tokens)
+    fps = lm.fingerprints
+    meta = {
+        "format": "kite-upc",
+        "kite_version": __version__,
+        "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "fingerprints": fps.to_dict(),
+        "model": {"spec": lm.source.spec, "geometry": lm.geometry.to_dict()},
+        "source": {"name": source_name, "sha256": hashlib.sha256(text.encode()).hexdigest(),
+                   "chars": len(text), "tokens": cap.n_tokens},
+        "n_tokens": cap.n_tokens,
+        "codec": settings.codec.to_json(),
+        "spans": {"count": len(spans), "min_tokens": settings.min_span_tokens,
+                  "max_tokens": settings.max_span_tokens},
+        "clusters": [asdict(c) for c in clusters],
+        "tagger": describe_tagger(tagger),
+        "raw_kv_bytes_fp16": raw_kv,
+    }
+    t = time.perf_counter()
+    size = writer.write(output, meta)
+    timings["write"] = (time.perf_counter() - t) * 1e3
+    return CompressResult(path=str(output), n_tokens=cap.n_tokens, clusters=clusters, state_bytes=size,
+                          raw_kv_bytes=raw_kv, timings_ms={k: round(v, 1) for k, v in timings.items()})

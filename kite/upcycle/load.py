@@ -1,0 +1,146 @@
+"""`.upc` → KV prefix: check fingerprints, read only the parts asked for, rebuild, re-apply RoPE."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kite.errors import BadInput, FingerprintMismatch
+from kite.model.fingerprint import PREFIX, short
+from kite.runtime.cache import KVPrefix
+from kite.upcycle import codec
+from kite.upcycle.compress import blob_key
+from kite.upcycle.quant import dequantize, quantize
+from kite.upcycle.rope import apply_rope, rope_cos_sin
+from kite.upcycle.state_file import StateFile
+
+LOAD_PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
+
+
+@dataclass
+class LoadReport:
+    clusters: list[int]
+    labels: list[str]
+    layers: list[int]
+    precision: str | None
+    tokens: int  # document tokens loaded (per loaded layer)
+    bytes_read: int
+    load_ms: float
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_fingerprints(state: StateFile, lm) -> None:
+    """Invariant 3: a state made by another model, tokenizer or adapter never loads silently."""
+    have = state.meta.get("fingerprints") or {}
+    want = lm.fingerprints
+    if have.get("model") is None and have.get("migrated_from"):
+        # Migrated knowing only the new model's combined fingerprint (full or short form).
+        if want.combined.removeprefix(PREFIX).startswith(have["combined"].removeprefix(PREFIX)):
+            return
+        raise FingerprintMismatch(
+            f"{state.path}: migrated to model {short(have['combined'])}, but the loaded model is "
+            f"{short(want.combined)}; load that model or migrate the state again")
+    for part in ("model", "tokenizer", "adapter"):
+        a, b = have.get(part), getattr(want, part)
+        if a != b:
+            old = short(have.get("combined") or "") or "?"
+            raise FingerprintMismatch(
+                f"{state.path}: made with another {part} ({part} fingerprint {short(a or 'none')} ≠ "
+                f"{short(b or 'none')} of the loaded model); re-run `kite upcycle compress`, or if the "
+                f"weights are compatible: kite upcycle migrate --old-model-fingerprint {old} "
+                f"--new-model-fingerprint {short(want.combined)} --upcycle-dir {state.path.parent}")
+
+
+def select_clusters(state: StateFile, wanted: list[str] | None) -> list[int]:
+    """Cluster ids for labels or ids in `wanted` (None = all). Unknown names are BadInput."""
+    clusters = state.meta["clusters"]
+    if not wanted:
+        return [c["id"] for c in clusters]
+    chosen: list[int] = []
+    labels = sorted({c["label"] for c in clusters})
+    for name in wanted:
+        hits = [c["id"] for c in clusters if c["label"] == name or str(c["id"]) == name]
+        if not hits:
+            raise BadInput(f"--clusters {name}: not in this state (labels: {', '.join(labels)}; "
+                           f"or cluster ids 0-{len(clusters) - 1})")
+        chosen.extend(h for h in hits if h not in chosen)
+    return sorted(chosen)
+
+
+def _at_precision(x: torch.Tensor, precision: str | None) -> torch.Tensor:
+    if precision is None or precision == "fp32":
+        return x
+    if precision in ("fp16", "bf16"):
+        return x.to(getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[precision])).float()
+    group = 32 if precision in ("int4",) else 64
+    return dequantize(quantize(x, precision, group_size=group, axis=-1))
+
+
+@torch.inference_mode()
+def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None = None,
+                layers: list[int] | None = None, precision: str | None = None,
+                verify: bool = True) -> tuple[KVPrefix, LoadReport]:
+    """Rebuild the KV prefix of the chosen clusters and layers of `state` for `lm`.
+
+    Loaded tokens keep their original positions; the query goes after the document's last one.
+    Layers not chosen get an empty prefix. `precision` sets the precision the prefix is held at.
+    """
+    t0 = time.perf_counter()
+    if not isinstance(state, StateFile):
+        state = StateFile(state)
+    if precision is not None and precision not in LOAD_PRECISIONS:
+        raise BadInput(f"--precision {precision}: expected one of {', '.join(LOAD_PRECISIONS)}")
+    check_fingerprints(state, lm)
+    geo = lm.geometry
+    chosen = select_clusters(state, clusters)
+    layer_set = set(range(geo.n_layers)) if layers is None else set(layers)
+    bad = sorted(l for l in layer_set if not 0 <= l < geo.n_layers)
+    if bad:
+        raise BadInput(f"--layers: layer {bad[0]} is out of range 0-{geo.n_layers - 1}")
+    info = {c["id"]: c for c in state.meta["clusters"]}
+    positions = torch.cat([torch.arange(s, e) for c in chosen for s, e in info[c]["token_ranges"]]
+                          or [torch.zeros(0, dtype=torch.long)])
+    order = torch.argsort(positions)
+    positions = positions[order]
+    device, dtype = lm.device, lm.dtype
+    cos, sin = rope_cos_sin(lm.model, positions, device="cpu")
+    H, d = geo.n_kv_heads, geo.head_dim
+    empty = torch.zeros(H, 0, d, dtype=dtype, device=device)
+    keys, values = [], []
+    nbytes = 0
+    t_read = t_decode = 0.0
+    for layer in range(geo.n_layers):
+        if layer not in layer_set or not chosen:
+            keys.append(empty)
+            values.append(empty)
+            continue
+        t = time.perf_counter()
+        raw = state.read(blob_key(None, layer), verify=verify)
+        lc = codec.from_bytes(raw, codec.LayerCodec)
+        parts = []
+        for c in chosen:
+            kb, vb = state.read(blob_key(c, layer, "K"), verify), state.read(blob_key(c, layer, "V"), verify)
+            nbytes += state.index[blob_key(c, layer, "K")].length + state.index[blob_key(c, layer, "V")].length
+            parts.append(codec.EncodedPart(codec.from_bytes(kb), codec.from_bytes(vb)))
+        nbytes += state.index[blob_key(None, layer)].length
+        t_read += time.perf_counter() - t
+        t = time.perf_counter()
+        ks, vs = zip(*(codec.decode(lc, p) for p in parts))
+        k_pre = torch.cat(ks, dim=1)[:, order]
+        v = torch.cat(vs, dim=1)[:, order]
+        k = apply_rope(k_pre, cos, sin)
+        keys.append(_at_precision(k, precision).to(device, dtype))
+        values.append(_at_precision(v, precision).to(device, dtype))
+        t_decode += time.perf_counter() - t
+    prefix = KVPrefix(keys, values, next_position=int(state.meta["n_tokens"]))
+    report = LoadReport(clusters=chosen, labels=[info[c]["label"] for c in chosen],
+                        layers=sorted(layer_set), precision=precision, tokens=int(positions.numel()),
+                        bytes_read=nbytes, load_ms=round((time.perf_counter() - t0) * 1e3, 3),
+                        timings_ms={"read": round(t_read * 1e3, 3), "decode": round(t_decode * 1e3, 3)})
+    return prefix, report

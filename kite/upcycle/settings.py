@@ -1,0 +1,70 @@
+"""`upcycle_config.yaml` in the seed's shape: adapter, compression, semantic_tagging."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kite.yaml_model import load_yaml_model
+
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4", "int3", "int2")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CompressionConfig(_Strict):
+    # The state's size as a fraction of the document's raw fp16 KV (0.25 = 4× compression).
+    # The seed's name; KITE's codec spends this byte budget on PCA components of pre-RoPE keys
+    # and values by bit allocation (docs/compression.md), not on a plain SVD rank.
+    svd_ratio: float = Field(0.25, gt=0, le=1)
+    cluster_num: int = Field(8, ge=1, le=256)
+    # A preset instead of a ratio: exact | fp16 | bf16 | fp8 | int8 | int4 ... (overrides svd_ratio)
+    precision: str | None = None
+    min_span_tokens: int = Field(32, ge=4)
+    max_span_tokens: int = Field(128, ge=8)
+
+    @field_validator("precision")
+    @classmethod
+    def _known(cls, v: str | None) -> str | None:
+        if v is not None and v not in PRECISIONS + ("exact",):
+            raise ValueError(f"must be one of exact, {', '.join(PRECISIONS)}")
+        return v
+
+
+class Example(_Strict):
+    text: str = Field(min_length=1)
+    label: str = Field(min_length=1)
+
+
+class TaggingConfig(_Strict):
+    prompt_template: str = (
+        "Clause: {text}\nThe type of this clause is: {label}")
+    labels: list[str] = Field(default_factory=list)
+    examples: list[Example] = Field(default_factory=list)
+    # A labeled JSONL file ({"text": ..., "label": ...} per line), relative to the config file.
+    examples_file: str | None = None
+    # Generated examples per label when none are given (from `kite data contracts`' generator).
+    generated_examples_per_label: int = Field(4, ge=0, le=64)
+
+
+class UpcycleConfig(_Strict):
+    adapter: str | None = None
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    semantic_tagging: TaggingConfig = Field(default_factory=TaggingConfig)
+
+
+def load_upcycle_config(path: str | Path | None) -> tuple[UpcycleConfig, Path | None]:
+    """The config at `path`, else `configs/upcycle_config.yaml` when present, else defaults."""
+    if path is None:
+        from kite.paths import repo_root
+
+        root = repo_root()
+        default = root / "configs" / "upcycle_config.yaml" if root else None
+        if default is None or not default.exists():
+            return UpcycleConfig(), None
+        path = default
+    path = Path(path)
+    return load_yaml_model(path, UpcycleConfig), path

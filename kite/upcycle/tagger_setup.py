@@ -1,0 +1,78 @@
+"""Build the clause tagger an upcycle config asks for: examples → fitted ClauseTagger (cached)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from kite.errors import BadInput
+from kite.paths import cache_dir
+
+TAGGER_CACHE_VERSION = 1
+
+
+def config_examples(cfg, cfg_path: Path | None) -> list[tuple[str, str]]:
+    """Labeled examples: the config's list, its examples_file, else generated contracts' clauses."""
+    st = cfg.semantic_tagging
+    examples = [(e.text, e.label) for e in st.examples]
+    if st.examples_file:
+        path = Path(st.examples_file)
+        if not path.is_absolute() and cfg_path is not None:
+            path = cfg_path.parent / path
+        from kite.data.jsonl import read_jsonl
+
+        for n, rec in enumerate(read_jsonl(path), 1):
+            if not isinstance(rec.get("text"), str) or not isinstance(rec.get("label"), str):
+                raise BadInput(f"{path}: record {n}: expected {{\"text\": ..., \"label\": ...}}")
+            examples.append((rec["text"], rec["label"]))
+    if not examples and st.generated_examples_per_label:
+        from kite.data.contracts import labeled_examples
+
+        # Seed 1000: contracts the benchmark and evaluation sets (small seeds) never contain.
+        examples = labeled_examples(seed=1000, per_label=st.generated_examples_per_label)
+    if st.labels:
+        known = set(st.labels)
+        unknown = sorted({lab for _, lab in examples if lab not in known})
+        if unknown:
+            raise BadInput(f"semantic_tagging: example label {unknown[0]!r} is not in labels "
+                           f"({', '.join(st.labels)})")
+    return examples
+
+
+def build_tagger(lm, cfg, cfg_path: Path | None = None, progress=None):
+    """A fitted ClauseTagger for `lm`, or None when the config has no labels and no examples."""
+    from kite.upcycle.tagging import ClauseTagger
+
+    examples = config_examples(cfg, cfg_path)
+    labels = list(cfg.semantic_tagging.labels) or sorted({lab for _, lab in examples})
+    if not examples:
+        return None
+    key = hashlib.sha256(json.dumps([TAGGER_CACHE_VERSION, lm.fingerprints.combined, sorted(labels),
+                                     examples]).encode()).hexdigest()[:24]
+    path = cache_dir() / "taggers" / f"{key}.json"
+    if path.exists():
+        try:
+            return ClauseTagger.from_dict(json.loads(path.read_text()))
+        except (ValueError, BadInput):
+            pass  # a damaged cache entry is refitted below
+    if progress:
+        progress("tagger", 0, 1)
+    tagger = ClauseTagger.fit(lm.model, lm.tokenizer, examples, labels)
+    if progress:
+        progress("tagger", 1, 1)
+    from kite.atomic import write_text
+
+    try:
+        write_text(path, json.dumps(tagger.to_dict()))
+    except OSError:
+        pass
+    return tagger
+
+
+def describe(tagger) -> dict | None:
+    if tagger is None:
+        return None
+    return {"method": tagger.method, "embedding_layers": tagger.embedding_layers, "labels": tagger.labels,
+            "validation_accuracy": tagger.validation.get("accuracy"),
+            "temperature": tagger.temperature}

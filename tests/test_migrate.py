@@ -1,0 +1,154 @@
+"""`kite upcycle migrate`: fingerprints and names rewritten, geometry checked, journaled."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from kite.cli.main import app
+from kite.model.fingerprint import fingerprints, short
+from kite.upcycle import codec
+from kite.upcycle import migrate as mig
+from kite.upcycle.compress import CompressSettings, compress_document
+from kite.upcycle.load import load_prefix
+from kite.upcycle.state_file import StateFile
+from tests.conftest import parse_json
+from tests.tiny_models import CORPUS, make_tiny_model
+
+runner = CliRunner()
+
+
+@pytest.fixture()
+def setup(tiny_models, tmp_path):
+    """Two states of model A (one named by its fingerprint), model B of the same geometry."""
+    from kite.model import load_model
+
+    a = load_model(str(tiny_models["llama"]))
+    b_dir = make_tiny_model(tmp_path / "model-b", "llama", seed=9)
+    states = tmp_path / "states"
+    old = short(a.fingerprints.combined)
+    settings = CompressSettings(codec=codec.settings_for("exact"), n_clusters=2, min_span_tokens=8)
+    compress_document(a, CORPUS, states / f"contract.{old}.upc", settings)
+    compress_document(a, CORPUS[:400], states / "notes.upc", settings)
+    return a, b_dir, states, old, short(fingerprints(b_dir).combined)
+
+
+def test_dry_run_changes_nothing(setup):
+    _, b_dir, states, old, new = setup
+    before = {p.name: p.read_bytes() for p in states.iterdir()}
+    result = runner.invoke(app, ["upcycle", "migrate", "--old-model-fingerprint", old, "--new-model-fingerprint",
+                                 new, "--upcycle-dir", str(states), "--new-model", str(b_dir), "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    report = parse_json(result.stdout)
+    assert [f["action"] for f in report["files"]] == ["migrate", "migrate"]
+    assert {p.name: p.read_bytes() for p in states.iterdir()} == before
+
+
+def test_migrate_rewrites_fingerprints_and_names_and_loads(setup):
+    from kite.model import load_model
+
+    _, b_dir, states, old, new = setup
+    result = runner.invoke(app, ["upcycle", "migrate", "--old-model-fingerprint", old, "--new-model-fingerprint",
+                                 new, "--upcycle-dir", str(states), "--new-model", str(b_dir), "--json"])
+    assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in states.iterdir())
+    assert names == sorted([f"contract.{new}.upc", "notes.upc"])  # no journal left behind
+    meta = StateFile(states / f"contract.{new}.upc").meta
+    assert short(meta["fingerprints"]["combined"]) == new
+    assert short(meta["fingerprints"]["migrated_from"]) == old
+    prefix, _ = load_prefix(states / "notes.upc", load_model(str(b_dir)))
+    assert prefix.next_position > 0
+    again = runner.invoke(app, ["upcycle", "migrate", "--old-model-fingerprint", old, "--new-model-fingerprint",
+                                new, "--upcycle-dir", str(states), "--json"])
+    assert {f["action"] for f in parse_json(again.stdout)["files"]} == {"skip"}
+
+
+def test_other_geometry_is_refused_unless_forced(setup, tiny_models):
+    _, _, states, old, _ = setup
+    qwen = tiny_models["qwen2"]  # other RoPE theta: keys would be rotated wrongly
+    new = short(fingerprints(qwen).combined)
+    args = ["upcycle", "migrate", "--old-model-fingerprint", old, "--new-model-fingerprint", new,
+            "--upcycle-dir", str(states), "--new-model", str(qwen)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1 and "geometry differs" in result.output
+    assert (states / f"contract.{old}.upc").exists()
+    assert runner.invoke(app, args + ["--force"]).exit_code == 0
+    assert (states / f"contract.{new}.upc").exists()
+
+
+def test_wrong_new_fingerprint_for_the_model(setup):
+    _, b_dir, states, old, _ = setup
+    result = runner.invoke(app, ["upcycle", "migrate", "--old-model-fingerprint", old, "--new-model-fingerprint",
+                                 "deadbeefdead", "--upcycle-dir", str(states), "--new-model", str(b_dir)])
+    assert result.exit_code == 2 and "is not the fingerprint of --new-model" in result.output
+
+
+def test_bad_fingerprint_argument(setup):
+    _, _, states, _, _ = setup
+    result = runner.invoke(app, ["upcycle", "migrate", "--old-model-fingerprint", "xyz", "--new-model-fingerprint",
+                                 "abcdef012345", "--upcycle-dir", str(states)])
+    assert result.exit_code == 2 and "expected a fingerprint" in result.output
+
+
+def test_interrupted_run_resumes(setup, monkeypatch):
+    _, b_dir, states, old, new = setup
+    new_fps = fingerprints(b_dir)
+    calls = {"n": 0}
+    real = mig.rewrite_header
+
+    def crash_on_second(src, dest, meta):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("power cut")
+        return real(src, dest, meta)
+
+    monkeypatch.setattr(mig, "rewrite_header", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        mig.migrate(states, old, new, new_fps=new_fps)
+    assert (states / mig.JOURNAL).exists()
+    monkeypatch.setattr(mig, "rewrite_header", real)
+    report = mig.migrate(states, old, new, new_fps=new_fps)
+    assert report.resumed
+    assert not (states / mig.JOURNAL).exists()
+    for path in states.glob("*.upc"):
+        assert short(StateFile(path).meta["fingerprints"]["combined"]) == new
+
+
+def test_interrupted_run_rolls_back(setup, monkeypatch):
+    _, b_dir, states, old, new = setup
+    before = {p.name: StateFile(p).meta["fingerprints"] for p in states.glob("*.upc")}
+    real = mig.rewrite_header
+    calls = {"n": 0}
+
+    def crash_on_second(src, dest, meta):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("power cut")
+        return real(src, dest, meta)
+
+    monkeypatch.setattr(mig, "rewrite_header", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        mig.migrate(states, old, new, new_fps=fingerprints(b_dir))
+    monkeypatch.setattr(mig, "rewrite_header", real)
+    other = runner.invoke(app, ["upcycle", "migrate", "--old-model-fingerprint", "abcdef012345",
+                                "--new-model-fingerprint", new, "--upcycle-dir", str(states)])
+    assert other.exit_code == 1 and "unfinished migration" in other.output
+    result = runner.invoke(app, ["upcycle", "migrate", "--rollback", "--upcycle-dir", str(states), "--json"])
+    assert result.exit_code == 0, result.output
+    after = {p.name: StateFile(p).meta["fingerprints"] for p in states.glob("*.upc")}
+    assert after == before
+    assert not (states / mig.JOURNAL).exists()
+
+
+def test_health_records_reset(setup):
+    from kite.yoco.health import HealthStore
+
+    _, b_dir, states, old, new = setup
+    store = HealthStore()
+    store.record("notes", "breach", 0.02)
+    assert store.records("notes")
+    mig.migrate(states, old, new, new_fps=fingerprints(b_dir), health=store)
+    assert not store.records("notes")
