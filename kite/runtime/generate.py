@@ -21,6 +21,9 @@ class GenerationResult:
     total_ms: float
     tokens_per_s: float  # decode speed after the first token
     stop_reason: str  # "eos" | "length"
+    # Mean next-token entropy (bits) over the prompt's positions, from the prefill's own logits:
+    # YOCO compares it with and without a state to measure what a load gained.
+    prompt_entropy_bits: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,7 +106,10 @@ def generate(lm, prompt_ids: list[int], *, max_new_tokens: int = 128, temperatur
     gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     t0 = time.perf_counter()
     cache = new_cache(model, prefix)
-    logits = forward_tokens(model, prompt_ids, cache, start)[-1]
+    prompt_logits = forward_tokens(model, prompt_ids, cache, start)
+    logits = prompt_logits[-1]
+    probs = torch.softmax(prompt_logits, dim=-1)
+    prompt_entropy = float(-(probs * torch.log2(probs.clamp_min(1e-12))).sum(-1).mean())
     pos = start + len(prompt_ids)
     new: list[int] = []
     emitted = ""
@@ -138,5 +144,5 @@ def generate(lm, prompt_ids: list[int], *, max_new_tokens: int = 128, temperatur
         prefix_tokens=sum(prefix.tokens_per_layer()) // max(prefix.n_layers, 1) if prefix else 0,
         ttft_ms=round(ttft or total, 3), total_ms=round(total, 3),
         tokens_per_s=round((len(new) - 1) / decode_s, 3) if len(new) > 1 and decode_s > 0 else 0.0,
-        stop_reason=stop,
+        stop_reason=stop, prompt_entropy_bits=round(prompt_entropy, 4),
     )

@@ -1,0 +1,134 @@
+"""The fused loop for one request: signals → rules → LoadPlan → partial load → generate → feedback.
+
+Used by `kite yoco decide --state`, the server and the benchmark, so all three decide and load
+the same way. Measured gain of a load: how much the state lowered the model's uncertainty over
+the query, (H_without − H_with) / H_without, where H is the mean next-token entropy (bits) over
+the prompt's tokens — one short forward without the state, and the prefill's own logits with it.
+Positive = the state told the model something about the query.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kite.runtime.generate import GenerationResult, generate
+from kite.upcycle.load import LoadReport, load_prefix
+from kite.upcycle.state_file import StateFile
+from kite.yoco.engine import StateInfo, decide
+from kite.yoco.intent import QuerySignals, query_signals
+from kite.yoco.plan import LoadPlan
+from kite.yoco.signals import HardwareWatermark, Signals
+
+
+def state_id_of(path: str | Path) -> str:
+    """A state's id in the health store: its file name without `.upc`."""
+    return Path(path).name.removesuffix(".upc")
+
+
+def state_info(state: StateFile, health=None, state_id: str | None = None) -> StateInfo:
+    """What the rules engine knows of a state: labels with their health, tokens, layers."""
+    tokens: dict[str, int] = {}
+    for c in state.meta["clusters"]:
+        tokens[c["label"]] = tokens.get(c["label"], 0) + c["n_tokens"]
+    labels = sorted(tokens)
+    sid = state_id or state_id_of(state.path)
+    scores = health.scores(sid, labels) if health is not None else {lab: 0.5 for lab in labels}
+    return StateInfo(health=scores, n_layers=state.meta["model"]["geometry"]["n_layers"], tokens=tokens,
+                     state_id=sid)
+
+
+def build_signals(q: QuerySignals, novelty: float, info: StateInfo,
+                  watermark: HardwareWatermark | None = None) -> Signals:
+    return Signals(intent_entropy=q.intent_entropy, query_novelty=novelty, query_label=q.query_label,
+                   label_entropy=q.label_entropy, state_health_score=info.health_score(),
+                   hardware_watermark=watermark or HardwareWatermark())
+
+
+def load_args(plan: LoadPlan, query_label: str) -> dict:
+    """load_prefix keyword arguments for a plan (None when it loads nothing)."""
+    clusters = None if plan.clusters == "all" else [query_label if c == "$query_label" else c
+                                                     for c in plan.clusters]
+    return {"clusters": clusters, "layers": plan.layers, "precision": plan.precision}
+
+
+def prompt_entropy(lm, prompt_ids: list[int]) -> float:
+    """Mean next-token entropy (bits) over `prompt_ids` with no state: the baseline of a gain."""
+    import torch
+
+    from kite.runtime.cache import new_cache
+    from kite.runtime.generate import forward_tokens
+
+    probs = torch.softmax(forward_tokens(lm.model, prompt_ids, new_cache(lm.model), 0), dim=-1)
+    return float(-(probs * torch.log2(probs.clamp_min(1e-12))).sum(-1).mean())
+
+
+def measured_gain(entropy_without: float, entropy_with: float) -> float:
+    if entropy_without <= 0:
+        return 0.0
+    return (entropy_without - entropy_with) / entropy_without
+
+
+@dataclass
+class FusedAnswer:
+    signals: Signals
+    plan: LoadPlan
+    load: LoadReport | None
+    generation: GenerationResult
+    gain: float | None  # measured; None when nothing was loaded
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"signals": self.signals.flat(), "plan": self.plan.to_dict(),
+                "load": self.load.to_dict() if self.load else None,
+                "generation": self.generation.to_dict(), "gain": self.gain, "timings_ms": self.timings_ms}
+
+
+def plan_for(lm, tagger, rules, state: StateFile, query: str, *, health=None, novelty=None,
+             watermark: HardwareWatermark | None = None, min_hit_gain: float = 0.005,
+             state_id: str | None = None) -> tuple[Signals, LoadPlan, QuerySignals, StateInfo]:
+    """Signals and the rules' decision for `query` against `state` (no loading)."""
+    q = query_signals(lm, [query], tagger)[0]
+    nov = novelty.novelty(query) if novelty is not None else 1.0
+    if novelty is not None:
+        novelty.observe(query)
+    info = state_info(state, health, state_id)
+    signals = build_signals(q, nov, info, watermark)
+    return signals, decide(rules, signals, info, min_hit_gain), q, info
+
+
+def answer(lm, tagger, rules, state_path: str | Path, query: str, prompt_ids: list[int], *,
+           health=None, novelty=None, sampler=None, min_hit_gain: float = 0.005,
+           fusion_enabled: bool = True, state_id: str | None = None, **gen_kwargs) -> FusedAnswer:
+    """Answer `prompt_ids` (the query, formatted) with whatever the rules load from the state.
+
+    With fusion disabled (`features.upcycle_yoco_fusion: false`) nothing is loaded and plain
+    generation runs; the decision is still reported.
+    """
+    t0 = time.perf_counter()
+    with StateFile(state_path) as state:
+        watermark = sampler.latest().watermark if sampler is not None else None
+        signals, plan, q, info = plan_for(lm, tagger, rules, state, query, health=health, novelty=novelty,
+                                          watermark=watermark, min_hit_gain=min_hit_gain, state_id=state_id)
+        t_decide = time.perf_counter()
+        if plan.enable_micro_sampling and sampler is not None:
+            sampler.enable_micro_sampling()
+        prefix = report = None
+        if plan.loads and fusion_enabled:
+            prefix, report = load_prefix(state, lm, **load_args(plan, q.query_label))
+        t_load = time.perf_counter()
+    gen = generate(lm, prompt_ids, prefix=prefix, **gen_kwargs)
+    gain = None
+    if report is not None:
+        gain = measured_gain(prompt_entropy(lm, prompt_ids), gen.prompt_entropy_bits)
+        if health is not None:
+            for label in sorted(set(report.labels)):
+                health.record(info.state_id, label, gain)
+    return FusedAnswer(signals, plan, report, gen, gain, timings_ms={
+        "signals_and_decision": round((t_decide - t0) * 1e3, 3), "load": round((t_load - t_decide) * 1e3, 3),
+        "generate": gen.total_ms})
+
+
+__all__ = ["FusedAnswer", "answer", "plan_for", "state_info", "build_signals", "load_args", "measured_gain",
+           "state_id_of", "asdict"]
