@@ -102,35 +102,27 @@ PRESETS: dict[str, CodecSettings] = {
                           group_size=32, v_group_size=32),
 }
 
-# ratio -> (k_bits, v_bits) of the PCA codec; bits per element, all bytes counted (16 = raw fp16).
-# Chosen by benchmarks/codec_sweep.py (docs/compression.md); other ratios interpolate.
-RATIO_BITS: dict[float, tuple[float, float]] = {
-    2.0: (6.0, 10.0),
-    4.0: (3.0, 5.0),
-    8.0: (1.5, 2.5),
-    12.0: (1.0, 1.67),
-    16.0: (0.75, 1.25),
-    20.0: (0.6, 1.0),
-}
-RATIO_DEFAULTS = dict(group_size=128, outliers=0, joint_heads=False)
+# ratio R -> the PCA codec's bits per element, all bytes counted (16 = raw fp16): k_bits + v_bits
+# = 32 / R * RATIO_FILL (the rest is left for per-part headers and fp16 sinks), of which keys get
+# the share below (values are the more sensitive side).  Chosen by benchmarks/codec_sweep.py
+# (docs/compression.md); shares between tabled ratios interpolate in log-ratio.
+RATIO_FILL = 0.975
+RATIO_K_SHARE: dict[float, float] = {2.0: 0.375, 4.0: 0.375, 8.0: 0.3125, 16.0: 0.3, 32.0: 0.3}
+RATIO_DEFAULTS = dict(group_size=256, outliers=0, joint_heads=True, basis_fmt="int6", sink_tokens=1)
 
 
 def _ratio_bits(ratio: float) -> tuple[float, float]:
-    if ratio in RATIO_BITS:
-        return RATIO_BITS[ratio]
-    total = 32.0 / ratio  # k_bits + v_bits
-    # K share: interpolate in log-ratio between the tabled points
-    pts = sorted(RATIO_BITS)
+    total = 32.0 / ratio * RATIO_FILL
+    pts = sorted(RATIO_K_SHARE)
     r = min(max(ratio, pts[0]), pts[-1])
     lo = max(p for p in pts if p <= r)
     hi = min(p for p in pts if p >= r)
-    share = lambda p: RATIO_BITS[p][0] / sum(RATIO_BITS[p])  # noqa: E731
     if hi == lo:
-        s = share(lo)
+        share = RATIO_K_SHARE[lo]
     else:
         w = (math.log(r) - math.log(lo)) / (math.log(hi) - math.log(lo))
-        s = share(lo) * (1 - w) + share(hi) * w
-    return total * s, total * (1 - s)
+        share = RATIO_K_SHARE[lo] * (1 - w) + RATIO_K_SHARE[hi] * w
+    return total * share, total * (1 - share)
 
 
 def settings_for(spec: str | float | int | CodecSettings | None = None, **overrides) -> CodecSettings:
@@ -290,8 +282,10 @@ def allocate_bits(evals: torch.Tensor, budget_bits: float, T: int, d_in: int, s:
     """
     B, r = evals.shape
     groups = math.ceil(T / max(1, s.group_size)) if s.group_size > 0 else 1
-    basis_bits = {"fp32": 32, "fp16": 16, "bf16": 16}.get(s.basis_fmt, 8) + (32 / d_in if s.basis_fmt
-                                                                               .startswith("int") else 0)
+    if s.basis_fmt in INT_FORMATS:
+        basis_bits = INT_FORMATS[s.basis_fmt] + 32 / d_in
+    else:
+        basis_bits = {"fp32": 32, "fp16": 16, "bf16": 16}[s.basis_fmt]
     first_cost = T + groups * 32 + d_in * basis_bits      # first bit: codes + scale/min + basis col
     bits = torch.zeros(B, r, dtype=torch.int64)
     ev = evals.double().tolist()
@@ -480,11 +474,30 @@ def _encode_side(lc: LayerCodec, side: str, X: torch.Tensor, positions: torch.Te
         keep[idx] = False
         if keep.any():
             C[idx] = C[keep].mean(dim=0)  # neutral value: does not widen any group's range
+    # one codes / scale / min tensor for all bit classes: the layout follows from the layer's bits
+    codes, scales, mins = [], [], []
     for bw in sorted(set(colbits.tolist())):
         sel = torch.nonzero(colbits == bw).flatten()
         q = quantize(C[:, sel], f"int{bw}", group_size=s.group_size, axis=-2, range_mode=s.range_mode)
-        _qblob_put(tensors, f"c{bw}", q, meta, f"c{bw}")
+        codes.append(q.tensors["codes"])
+        scales.append(q.tensors["scale"])
+        mins.append(q.tensors["min"])
+    if codes:
+        tensors["codes"] = torch.cat(codes)
+        tensors["scale"] = torch.cat(scales)
+        tensors["min"] = torch.cat(mins)
     return Blob(tensors, meta)
+
+
+def _class_layout(T: int, ncols: int, bw: int, group_size: int) -> tuple[dict, int, int]:
+    """The QTensor meta, code bytes and group count of one bit class of a part (as quantize made it)."""
+    gs = T if group_size <= 0 or group_size >= T else group_size
+    padded = -(-T // gs) * gs if T else 0
+    n = ncols * padded
+    groups = n // gs if gs else 0
+    meta = {"fmt": f"int{bw}", "shape": [T, ncols], "group_size": gs, "axis": -2, "n": n,
+            "padded_cols": gs}
+    return meta, (n * bw + 7) // 8, groups
 
 
 def _decode_side(lc: LayerCodec, side: str, blob: Blob) -> torch.Tensor:
@@ -500,9 +513,14 @@ def _decode_side(lc: LayerCodec, side: str, blob: Blob) -> torch.Tensor:
     B, D = bits.shape
     colbits = torch.cat([bits[b][bits[b] > 0] for b in range(B)])
     C = torch.zeros(T, colbits.numel())
+    co = go = 0
     for bw in sorted(set(colbits.tolist())):
         sel = torch.nonzero(colbits == bw).flatten()
-        C[:, sel] = dequantize(_qblob_get(blob.tensors, f"c{bw}", blob.meta, f"c{bw}"), torch.float32)
+        qmeta, nb, ng = _class_layout(T, sel.numel(), bw, s.group_size)
+        q = QTensor({"codes": blob.tensors["codes"][co:co + nb], "scale": blob.tensors["scale"][go:go + ng],
+                     "min": blob.tensors["min"][go:go + ng]}, qmeta)
+        co, go = co + nb, go + ng
+        C[:, sel] = dequantize(q, torch.float32)
     Y = torch.empty(B, T, D)
     off = 0
     for b in range(B):
