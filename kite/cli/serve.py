@@ -1,0 +1,66 @@
+"""`kite serve`: one model behind an OpenAI-style HTTP API with YOCO, states, admin and metrics.
+
+Thin over `kite.serve`: read the config (flags override it), load the model and its tagger,
+build the app, run uvicorn.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kite.cli._common import console
+
+
+def serve(
+    model: Annotated[str | None, typer.Option("--model", "-m", help="HF folder, .gguf file or embedded name "
+                                              "(default: config model.default).")] = None,
+    host: Annotated[str | None, typer.Option(help="Address to bind (default: config server.host, 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default: config server.port, 8088).")] = None,
+    rules: Annotated[Path | None, typer.Option(help="Rule file (default: config yoco.rules_file).")] = None,
+    state_dir: Annotated[Path | None, typer.Option(help="Where states live (default: config server.state_dir, "
+                                                   "else $KITE_HOME/states).")] = None,
+    admin_token: Annotated[str | None, typer.Option(help="Token for /admin (default: config server.admin_token "
+                                                    "or KITE_ADMIN_TOKEN; none = admin refused).")] = None,
+    fusion: Annotated[bool | None, typer.Option("--fusion/--no-fusion", help="Load states by YOCO's rules "
+                                                "(default: config features.upcycle_yoco_fusion).")] = None,
+    upcycle_config: Annotated[Path | None, typer.Option(help="upcycle_config.yaml for uploads and the tagger "
+                                                        "(default configs/upcycle_config.yaml).")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Serve one model over HTTP: /v1/completions, /v1/chat/completions (with a `kite` field naming
+    a state or a document), /v1/states, /admin/rules/*, /metrics, /healthz. See docs/serving.md.
+
+    Example: KITE_ADMIN_TOKEN=s3cret kite serve --port 8088 --rules rules/yoco_rules.yaml
+    """
+    from kite.config import load_config
+
+    cfg = load_config(overrides={"server.host": host, "server.port": port, "server.admin_token": admin_token,
+                                 "server.state_dir": str(state_dir) if state_dir else None,
+                                 "features.upcycle_yoco_fusion": fusion, "model.default": model})
+    from kite.serve import ServeSettings, create_app, run
+    from kite.serve.app import compress_settings_for
+    from kite.serve.settings import LOOPBACK
+
+    settings = ServeSettings.from_config(cfg, rules=rules)
+    out = console()
+    from kite.model import load_model
+    from kite.upcycle.settings import load_upcycle_config
+    from kite.upcycle.tagger_setup import build_tagger
+
+    ucfg, ucfg_path = load_upcycle_config(upcycle_config)
+    out.print(f"loading model {cfg.model.default} …", highlight=False)
+    lm = load_model(cfg.model.default, adapter=ucfg.adapter)
+    tagger = build_tagger(lm, ucfg, ucfg_path)
+    app = create_app(lm, settings, tagger=tagger, compress_settings=compress_settings_for(ucfg))
+    if settings.host not in LOOPBACK:
+        out.print(f"[yellow]warning:[/] binding {settings.host}: the API is reachable from other machines",
+                  highlight=False)
+    admin = "on" if settings.admin_token else "off (no admin token configured)"
+    out.print(f"[bold green]serving[/] {lm.source.spec} on http://{settings.host}:{settings.port}  "
+              f"rules {settings.rules_path.name}  fusion {'on' if settings.fusion else 'off'}  admin {admin}  "
+              f"states {settings.state_dir}", highlight=False, soft_wrap=True)
+    run(app, settings.host, settings.port, log_level=log_level)
+

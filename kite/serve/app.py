@@ -1,0 +1,94 @@
+"""The app factory: one model, its state store, rules, health store, sampler and metrics, behind
+the routes. `create_app` takes a loaded model, so tests inject a tiny one."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+
+from kite.serve.metrics import ServerMetrics
+from kite.serve.runner import ModelRunner
+from kite.serve.settings import ServeSettings
+from kite.serve.states import StateStore
+
+
+@dataclass(slots=True)
+class ServerState:
+    """Everything a request may touch, at `app.state.kite`."""
+
+    settings: ServeSettings
+    runner: ModelRunner
+    store: StateStore
+    rules: object  # kite.yoco.rules.ActiveRules
+    metrics: ServerMetrics
+    health: object | None
+    sampler: object | None
+
+
+def create_app(lm, settings: ServeSettings, *, tagger=None, compress_settings=None, health=None,
+               sampler=None, start_sampler: bool = True) -> FastAPI:
+    """An ASGI app serving `lm`. The rule file is compiled now (a bad one fails here, before the
+    server binds); the watermark sampler runs from startup to shutdown."""
+    from kite.yoco.health import HealthStore
+    from kite.yoco.novelty import NoveltyTracker
+    from kite.yoco.rules import ActiveRules
+    from kite.yoco.watermark import WatermarkSampler, default_backend
+
+    rules = ActiveRules.from_file(settings.rules_path, n_layers=lm.geometry.n_layers)
+    store = StateStore(settings.state_dir)
+    health = health if health is not None else HealthStore()
+    if sampler is None and start_sampler:
+        sampler = WatermarkSampler(default_backend(), interval_ms=settings.sampler_interval_ms,
+                                   spike_threshold_gb=settings.spike_threshold_gb)
+    if compress_settings is None:
+        compress_settings = default_compress_settings()
+    runner = ModelRunner(lm, settings, rules, store, tagger=tagger, health=health, novelty=NoveltyTracker(),
+                         sampler=sampler, compress_settings=compress_settings)
+    metrics = ServerMetrics()
+    metrics.bind_rules(rules)
+    if sampler is not None:
+        metrics.bind_sampler(sampler)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if sampler is not None and start_sampler:
+            sampler.start()
+        try:
+            yield
+        finally:
+            if sampler is not None and start_sampler:
+                sampler.stop()
+
+    from kite.serve import routes_admin, routes_openai, routes_ops, routes_states
+    from kite.serve.errors import install_handlers
+    from kite.serve.instrument import RequestMetrics
+    from kite.serve.limits import BodyLimit
+
+    app = FastAPI(title="KITE", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kite = ServerState(settings, runner, store, rules, metrics, health, sampler)
+    for module in (routes_openai, routes_states, routes_admin, routes_ops):
+        app.include_router(module.router)
+    install_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=metrics)  # outermost: counts 413s too
+    return app
+
+
+def compress_settings_for(ucfg):
+    """CompressSettings from an upcycle config, as `kite upcycle compress` reads it."""
+    from kite.upcycle import codec
+    from kite.upcycle.compress import CompressSettings
+
+    c = ucfg.compression
+    codec_settings = codec.settings_for(c.precision) if c.precision else codec.settings_for(1.0 / c.svd_ratio)
+    return CompressSettings(codec=codec_settings, n_clusters=c.cluster_num, min_span_tokens=c.min_span_tokens,
+                            max_span_tokens=c.max_span_tokens)
+
+
+def default_compress_settings():
+    """How uploads are upcycled by default: configs/upcycle_config.yaml, else its defaults."""
+    from kite.upcycle.settings import load_upcycle_config
+
+    return compress_settings_for(load_upcycle_config(None)[0])

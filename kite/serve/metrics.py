@@ -1,0 +1,108 @@
+"""Prometheus metrics of one server, in a registry of its own (two apps in one process, as in the
+tests, never share or clash). Names are listed in docs/serving.md."""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Decisions (signals + rules) and loads are fast; requests on a CPU are slow: separate buckets.
+_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+WATERMARK_FIELDS = ("gpu_mem", "gpu_mem_gb", "pcie_util", "nvlink_util", "cpu_queue", "spike")
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("kite_requests", "HTTP requests by route and status.",
+                                ["route", "method", "status"], registry=r)
+        self.request_latency = Histogram("kite_request_latency_seconds", "HTTP request latency by route.",
+                                         ["route"], buckets=_SLOW, registry=r)
+        self.decision_latency = Histogram(
+            "kite_yoco_decision_latency_seconds",
+            "YOCO signals (including the model's entropy pass over the query) + rules decision, per request.",
+            buckets=_FAST, registry=r)
+        self.load_latency = Histogram("kite_yoco_load_latency_seconds", "Partial read + rebuild of a state's KV.",
+                                      buckets=_FAST, registry=r)
+        self.loads = Counter("kite_yoco_loads", "Requests that loaded state.", registry=r)
+        self.hits = Counter("kite_yoco_hits", "Loads whose measured gain was positive.", registry=r)
+        self.skips = Counter("kite_yoco_skips", "Requests naming a state whose plan loaded nothing.", registry=r)
+        self.hit_rate = Gauge("kite_yoco_hit_rate", "Among loads since start, the fraction with positive gain.",
+                              registry=r)
+        self.gain = Histogram("kite_yoco_gain", "Measured gain of loads (entropy reduction, fraction).",
+                              buckets=(-0.5, -0.1, -0.05, -0.01, 0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0), registry=r)
+        self.tokens = Counter("kite_generated_tokens", "Tokens by kind (prompt, completion, prefix).", ["kind"],
+                              registry=r)
+        self.upcycles = Counter("kite_upcycle_states", "Documents upcycled into states.", registry=r)
+        self.upcycle_bytes = Counter("kite_upcycle_bytes", "Bytes of .upc written.", registry=r)
+        self.upcycle_tokens = Counter("kite_upcycle_context_tokens", "Context tokens upcycled.", registry=r)
+        self.regenerate_rate = Gauge("kite_upcycle_regenerate_rate",
+                                     "MB of .upc produced per 1,000 context tokens (since start).", registry=r)
+        self.compression_ratio = Gauge("kite_upcycle_compression_ratio",
+                                       "Raw fp16 KV bytes / .upc bytes (since start).", registry=r)
+        self.rule_reloads = Counter("kite_rules_reloads", "Rule reloads and switches by result.", ["result"],
+                                    registry=r)
+        self.rules_loaded_at = Gauge("kite_rules_loaded_at_seconds", "Unix time the active rule set compiled.",
+                                     registry=r)
+        self.watermark = {f: Gauge(f"kite_watermark_{f}", f"hardware_watermark.{f} (latest sample).", registry=r)
+                          for f in WATERMARK_FIELDS}
+        self.watermark_samples = Gauge("kite_watermark_samples", "Samples the watermark sampler has taken.",
+                                       registry=r)
+        self._lock = threading.Lock()
+        self._loads = self._hits = 0
+        self._up_bytes = self._up_tokens = self._raw_bytes = 0
+
+    def bind_sampler(self, sampler) -> None:
+        """Watermark gauges read the sampler's latest reading at scrape time (never blocks)."""
+        for name, gauge in self.watermark.items():
+            gauge.set_function(lambda n=name: float(getattr(sampler.latest().watermark, n) or 0.0))
+        self.watermark_samples.set_function(lambda: float(sampler.samples))
+
+    def bind_rules(self, active) -> None:
+        self.rules_loaded_at.set_function(lambda: float(active.current.loaded_at))
+
+    def observe_answer(self, answer) -> None:
+        g = answer.generation
+        self.tokens.labels("prompt").inc(g.prompt_tokens)
+        self.tokens.labels("completion").inc(g.new_tokens)
+        if g.prefix_tokens:
+            self.tokens.labels("prefix").inc(g.prefix_tokens)
+        f = answer.fused
+        if f is None:
+            return
+        self.decision_latency.observe(f.timings_ms.get("signals_and_decision", 0.0) / 1e3)
+        if f.load is None:
+            self.skips.inc()
+            return
+        self.load_latency.observe(f.timings_ms.get("load", 0.0) / 1e3)
+        hit = f.gain is not None and f.gain > 0
+        self.loads.inc()
+        if f.gain is not None:
+            self.gain.observe(f.gain)
+        if hit:
+            self.hits.inc()
+        with self._lock:
+            self._loads += 1
+            self._hits += int(hit)
+            self.hit_rate.set(self._hits / self._loads)
+
+    def observe_upcycle(self, up) -> None:
+        if not up.created:
+            return
+        s = up.summary
+        self.upcycles.inc()
+        self.upcycle_bytes.inc(s.bytes)
+        self.upcycle_tokens.inc(s.tokens)
+        with self._lock:
+            self._up_bytes += s.bytes
+            self._up_tokens += s.tokens
+            self._raw_bytes += up.raw_kv_bytes
+            if self._up_tokens:
+                self.regenerate_rate.set((self._up_bytes / 1e6) / (self._up_tokens / 1000))
+            if self._up_bytes and self._raw_bytes:
+                self.compression_ratio.set(self._raw_bytes / self._up_bytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

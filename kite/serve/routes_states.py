@@ -1,0 +1,44 @@
+"""`/v1/states`: upload a document (upcycled into a state), list states, delete one."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from kite.serve.routes_openai import in_worker
+from kite.serve.schemas import StateUpload
+
+router = APIRouter()
+
+
+@router.post("/v1/states")
+async def upload(request: Request, body: StateUpload):
+    """Upcycle `document` and store it; 201 with the state's id (200 when the same document was
+    already stored under its content id)."""
+    srv = request.app.state.kite
+    if body.id is not None:
+        srv.store.path_for(body.id)  # refuse a bad id before any work
+    up = await in_worker(srv.runner.upcycle, body.document, body.id, body.name or "-", body.overwrite)
+    srv.metrics.observe_upcycle(up)
+    return JSONResponse(up.to_dict(), status_code=201 if up.created else 200)
+
+
+@router.get("/v1/states")
+async def list_states(request: Request):
+    srv = request.app.state.kite
+    states = await in_worker(srv.store.list)
+    return {"object": "list", "data": [s.to_dict() for s in states]}
+
+
+@router.get("/v1/states/{state_id}")
+async def get_state(request: Request, state_id: str):
+    return request.app.state.kite.store.summary(state_id).to_dict()
+
+
+@router.delete("/v1/states/{state_id}")
+async def delete_state(request: Request, state_id: str):
+    srv = request.app.state.kite
+    srv.store.delete(state_id)
+    if srv.health is not None:
+        srv.health.reset(state_id)
+    return {"id": state_id, "deleted": True}

@@ -1,0 +1,150 @@
+"""The one model a server runs, and everything that touches it: upcycling uploads and answering.
+
+Every call takes the model lock, so one generation (or one upcycle) runs at a time; routes call
+these from a worker thread, which keeps the event loop free for admin, health and metrics.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kite.errors import BadInput
+from kite.serve.settings import ServeSettings
+from kite.serve.states import StateExists, StateStore, StateSummary
+
+FUSION_OFF_NOTE = "features.upcycle_yoco_fusion is off: nothing was loaded; plain generation ran"
+
+
+@dataclass(slots=True)
+class GenOptions:
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    on_text: Callable[[str], None] | None = None
+
+
+@dataclass(slots=True)
+class Upcycled:
+    """A stored state and whether this call made it (False: the same document was already there)."""
+
+    summary: StateSummary
+    created: bool
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    raw_kv_bytes: int = 0
+
+    def to_dict(self) -> dict:
+        return {**self.summary.to_dict(), "created": self.created, "timings_ms": self.timings_ms}
+
+
+@dataclass(slots=True)
+class Answer:
+    """One completion: the generation and, when a state was named, what YOCO did with it."""
+
+    generation: object  # kite.runtime.generate.GenerationResult
+    fused: object | None = None  # kite.yoco.fused.FusedAnswer
+    state_id: str | None = None
+    rules: dict | None = None  # version and sha256 of the rule set that decided
+    wait_ms: float = 0.0  # time spent waiting for the model lock
+
+    def kite_dict(self, fusion: bool) -> dict:
+        out: dict = {"state": self.state_id, "fusion": fusion, "loaded": False, "wait_ms": round(self.wait_ms, 3)}
+        if self.fused is not None:
+            f = self.fused
+            out.update(loaded=f.load is not None, plan=f.plan.to_dict(), signals=f.signals.flat(),
+                       load=f.load.to_dict() if f.load else None, gain=f.gain, timings_ms=f.timings_ms,
+                       rules=self.rules)
+        else:
+            out["timings_ms"] = {"generate": self.generation.total_ms}
+        if self.state_id is not None and not fusion:
+            out["note"] = FUSION_OFF_NOTE
+        g = self.generation
+        out["generation"] = {"ttft_ms": g.ttft_ms, "total_ms": g.total_ms, "tokens_per_s": g.tokens_per_s,
+                             "prefix_tokens": g.prefix_tokens, "prompt_entropy_bits": g.prompt_entropy_bits}
+        return out
+
+
+class ModelRunner:
+    """Holds the model, its tagger, the rules, health store, novelty tracker and sampler."""
+
+    def __init__(self, lm, settings: ServeSettings, rules, store: StateStore, *, tagger=None,
+                 health=None, novelty=None, sampler=None, compress_settings=None):
+        self.lm, self.settings, self.rules, self.store = lm, settings, rules, store
+        self.tagger, self.health, self.novelty, self.sampler = tagger, health, novelty, sampler
+        self.compress_settings = compress_settings
+        self._lock = threading.Lock()
+
+    @property
+    def model_name(self) -> str:
+        return str(self.lm.source.spec)
+
+    def _locked(self):
+        t0 = time.perf_counter()
+        self._lock.acquire()
+        return (time.perf_counter() - t0) * 1e3
+
+    # -- states -----------------------------------------------------------------------------
+    def upcycle(self, document: str, state_id: str | None = None, name: str = "-",
+                overwrite: bool = False) -> Upcycled:
+        """Store `document` as a state. Without an id the id is a hash of the document and the
+        model, and a document already stored is reused rather than upcycled again."""
+        from kite.upcycle.compress import compress_document
+
+        if not document.strip():
+            raise BadInput("the document is empty")
+        explicit = state_id is not None
+        sid = state_id or self.store.id_for(document, self.lm.fingerprints.combined)
+        path = self.store.path_for(sid)
+        if path.is_file():
+            if not explicit:
+                return Upcycled(self.store.summary(sid), created=False)
+            if not overwrite:
+                raise StateExists(f"state {sid!r} exists (send \"overwrite\": true to replace it)")
+        self._locked()
+        try:
+            result = compress_document(self.lm, document, path, self.compress_settings,
+                                       tagger=self.tagger, source_name=name)
+        finally:
+            self._lock.release()
+        if explicit and overwrite and self.health is not None:
+            self.health.reset(sid)  # a new document under an old id: its old record means nothing
+        return Upcycled(self.store.summary(sid), created=True, timings_ms=result.timings_ms,
+                        raw_kv_bytes=result.raw_kv_bytes)
+
+    # -- answering --------------------------------------------------------------------------
+    def encode(self, prompt: str, after_state: bool) -> list[int]:
+        # After a state the prompt continues the document: no BOS in the middle.
+        return self.lm.tokenizer(prompt, add_special_tokens=not after_state)["input_ids"]
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        tok = self.lm.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise BadInput("this model's tokenizer has no chat template: use /v1/completions")
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    def answer(self, prompt_ids: list[int], query: str, state_id: str | None, opts: GenOptions) -> Answer:
+        """Generate after `prompt_ids`; with a state, through YOCO's fused loop (which decides,
+        loads, generates and records the measured gain in the health store)."""
+        from kite.runtime.generate import generate
+        from kite.yoco.fused import answer as fused_answer
+
+        path = self.store.existing(state_id) if state_id is not None else None
+        gen_kwargs = dict(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
+                          top_p=opts.top_p, seed=opts.seed, on_text=opts.on_text)
+        wait = self._locked()
+        try:
+            if path is None:
+                return Answer(generate(self.lm, prompt_ids, **gen_kwargs), wait_ms=wait)
+            ruleset = self.rules.current  # one read: the set that decides this request
+            fused = fused_answer(self.lm, self.tagger, ruleset, path, query, prompt_ids,
+                                 health=self.health, novelty=self.novelty, sampler=self.sampler,
+                                 min_hit_gain=self.settings.min_hit_gain, fusion_enabled=self.settings.fusion,
+                                 state_id=state_id, **gen_kwargs)
+            return Answer(fused.generation, fused, state_id,
+                          {"version": ruleset.version, "sha256": ruleset.sha256}, wait_ms=wait)
+        finally:
+            self._lock.release()

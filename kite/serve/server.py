@@ -1,0 +1,63 @@
+"""Run an app under uvicorn: in the foreground (`kite serve`) or in a background thread (tests,
+benchmarks), on 127.0.0.1 unless told otherwise."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+
+def uvicorn_config(app, host: str, port: int, log_level: str = "warning"):
+    import uvicorn
+
+    # One process, one model: no workers, no reload. h11 keeps the dependency set small.
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                          lifespan="on", http="h11", ws="none", timeout_graceful_shutdown=5)
+
+
+def run(app, host: str = "127.0.0.1", port: int = 8088, log_level: str = "info") -> None:
+    import uvicorn
+
+    uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class BackgroundServer:
+    """`with BackgroundServer(app) as url:` serves `app` on a free port in a thread."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None):
+        import uvicorn
+
+        self.host, self.port = host, port or free_port(host)
+        self.server = uvicorn.Server(uvicorn_config(app, self.host, self.port))
+        self.server.install_signal_handlers = lambda: None  # not the main thread
+        self.thread = threading.Thread(target=self.server.run, name="kite-serve", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {self.url}")
+            time.sleep(0.02)
+        return self.url
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,80 @@
+"""What one server runs with: address, limits, token, where states and rules live, the loop's knobs."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from kite.errors import BadInput
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(slots=True)
+class ServeSettings:
+    """Settings of one `kite serve` process (built from the config by `from_config`)."""
+
+    state_dir: Path
+    rules_path: Path
+    host: str = "127.0.0.1"
+    port: int = 8088
+    admin_token: str | None = None  # None: admin endpoints refuse (403), never run open
+    max_body_mb: float = 32.0
+    fusion: bool = False  # features.upcycle_yoco_fusion: off → nothing is loaded
+    min_hit_gain: float = 0.005
+    default_max_tokens: int = 64
+    max_tokens_limit: int = 2048
+    sampler_interval_ms: float = 200.0
+    spike_threshold_gb: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.max_body_mb <= 0:
+            raise BadInput(f"server.max_body_mb {self.max_body_mb}: must be > 0")
+        if not 1 <= self.port <= 65535 and self.port != 0:
+            raise BadInput(f"server.port {self.port}: must be 1-65535")
+        self.state_dir = Path(self.state_dir).expanduser()
+        self.rules_path = Path(self.rules_path).expanduser()
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 1024 * 1024)
+
+    @classmethod
+    def from_config(cls, cfg, *, rules: str | Path | None = None, **kw) -> "ServeSettings":
+        """From a `KiteConfig` (server.*, features.*, hardware_watermark.*, yoco.rules_file)."""
+        from kite.paths import kite_home
+
+        s = cfg.server
+        return cls(state_dir=s.state_dir or kite_home() / "states",
+                   rules_path=resolve_rules_path(rules or cfg.yoco.rules_file),
+                   host=s.host, port=s.port, admin_token=s.admin_token, max_body_mb=s.max_body_mb,
+                   fusion=cfg.features.upcycle_yoco_fusion, min_hit_gain=cfg.features.yoco_min_hit_gain,
+                   sampler_interval_ms=cfg.hardware_watermark.gpu_mem.sampling_interval_ms,
+                   spike_threshold_gb=cfg.hardware_watermark.gpu_mem.spike_threshold_gb, **kw)
+
+
+def resolve_rules_path(spec: str | Path) -> Path:
+    """A rule file named in the config or on the command line: as given when it exists (absolute
+    or relative to the working folder), else under $KITE_HOME, else under the checkout."""
+    from kite.paths import kite_home, repo_root
+
+    p = Path(spec).expanduser()
+    if p.is_absolute() or p.exists():
+        return p.resolve()
+    for base in (kite_home(), repo_root()):
+        if base is not None and (base / p).exists():
+            return (base / p).resolve()
+    raise BadInput(f"rules file {spec}: not found (looked in the working folder, $KITE_HOME and the checkout)")
+
+
+_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+def check_state_id(state_id: str) -> str:
+    """A state id is a plain name: letters, digits, `.`, `_`, `-`, at most 128, not starting with
+    a dot (no `..`, no hidden temp files). Raises BadInput otherwise."""
+    if not isinstance(state_id, str) or not _ID.fullmatch(state_id) or state_id.startswith("."):
+        raise BadInput(f"state id {str(state_id)[:80]!r}: expected 1-128 of A-Z a-z 0-9 . _ - "
+                       "(not starting with '.')")
+    return state_id

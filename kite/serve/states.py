@@ -1,0 +1,116 @@
+"""The server's state store: one folder of `<id>.upc` files; ids never name a path outside it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kite.errors import BadInput, KiteError
+from kite.serve.settings import check_state_id
+
+
+class StateNotFound(KiteError):
+    """No state with that id (HTTP 404)."""
+
+
+class StateExists(KiteError):
+    """A state with that id exists and overwrite was not asked for (HTTP 409)."""
+
+
+@dataclass(slots=True)
+class StateSummary:
+    id: str
+    labels: list[str]
+    tokens: int
+    bytes: int
+    created: str
+    source: str = ""
+    error: str | None = None  # set when the file does not read as a state
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(d.pop("extra"))
+        return d
+
+
+class StateStore:
+    """`<state_dir>/<id>.upc`. Every id goes through `path_for`, which checks it and checks that
+    the resolved path stays directly inside the folder."""
+
+    def __init__(self, folder: str | os.PathLike[str]):
+        self.folder = Path(folder).expanduser()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.root = self.folder.resolve()
+        self._summaries: dict[str, tuple[tuple[int, int], StateSummary]] = {}
+        self._lock = threading.Lock()
+
+    def path_for(self, state_id: str) -> Path:
+        check_state_id(state_id)
+        path = (self.root / f"{state_id}.upc").resolve()
+        if path.parent != self.root:  # a symlink or anything else that leads out
+            raise BadInput(f"state id {state_id!r}: resolves outside the state store")
+        return path
+
+    def existing(self, state_id: str) -> Path:
+        path = self.path_for(state_id)
+        if not path.is_file():
+            raise StateNotFound(f"no state {state_id!r} (list them with GET /v1/states)")
+        return path
+
+    def exists(self, state_id: str) -> bool:
+        return self.path_for(state_id).is_file()
+
+    @staticmethod
+    def id_for(document: str, model_fingerprint: str) -> str:
+        """A content id: the same document for the same model is the same state."""
+        digest = hashlib.sha256(model_fingerprint.encode() + b"\0" + document.encode("utf-8")).hexdigest()
+        return f"doc-{digest[:16]}"
+
+    def summary(self, state_id: str) -> StateSummary:
+        path = self.existing(state_id)
+        st = path.stat()
+        key = (st.st_mtime_ns, st.st_size)
+        with self._lock:
+            hit = self._summaries.get(state_id)
+        if hit and hit[0] == key:
+            return hit[1]
+        summary = _read_summary(state_id, path, st.st_size)
+        with self._lock:
+            self._summaries[state_id] = (key, summary)
+        return summary
+
+    def list(self) -> list[StateSummary]:
+        out = []
+        for path in sorted(self.root.glob("*.upc")):
+            sid = path.name.removesuffix(".upc")
+            try:
+                out.append(self.summary(sid))
+            except (BadInput, StateNotFound):
+                continue  # a name that is not a valid id (placed by hand) or gone meanwhile
+        return out
+
+    def delete(self, state_id: str) -> None:
+        path = self.existing(state_id)
+        path.unlink()
+        with self._lock:
+            self._summaries.pop(state_id, None)
+
+
+def _read_summary(state_id: str, path: Path, size: int) -> StateSummary:
+    from kite.upcycle.state_file import StateFile
+
+    try:
+        with StateFile(path) as state:
+            meta = state.meta
+    except (KiteError, OSError, ValueError) as exc:
+        return StateSummary(state_id, [], 0, size, "", error=str(exc).splitlines()[0])
+    labels = sorted({c["label"] for c in meta.get("clusters", [])})
+    raw = meta.get("raw_kv_bytes_fp16") or 0
+    return StateSummary(state_id, labels, int(meta.get("n_tokens", 0)), size, meta.get("created_at", ""),
+                        source=(meta.get("source") or {}).get("name", ""),
+                        extra={"clusters": len(meta.get("clusters", [])),
+                               "compression_ratio": round(raw / size, 3) if raw and size else None})
