@@ -3,13 +3,36 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KITE=.venv/bin/kite
-step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+OUT=out/demo
+mkdir -p "$OUT"
+step() { printf '\n\033[1m== %s\033[0m\n' "$*"; START=$EPOCHREALTIME; }
+took() { awk -v a="$START" -v b="$EPOCHREALTIME" 'BEGIN { printf "\033[2m   (%.1f s)\033[0m\n", b - a }'; }
 
 step "kite version"
-$KITE version
+$KITE version; took
 
 step "kite model info (the embedded SmolLM2-135M; the first run converts its GGUF once)"
-$KITE model info
+$KITE model info; took
 
-step "kite generate --chat"
-$KITE generate --chat --prompt "What is the capital of France?" --max-new-tokens 32
+step "kite generate --chat (plain generation)"
+$KITE generate --chat --prompt "What is the capital of France?" --max-new-tokens 32; took
+
+step "kite data contracts: a synthetic contract of ~2,000 tokens"
+$KITE data contracts --n 1 --tokens 2000 --seed 7 --out "$OUT/contract.jsonl"
+.venv/bin/python -c "import json,sys; r=json.loads(open(sys.argv[1]).readline()); open(sys.argv[2],'w').write(r['text'])" \
+  "$OUT/contract.jsonl" "$OUT/contract.txt"
+head -c 400 "$OUT/contract.txt"; echo " …"; took
+
+step "kite upcycle compress: prefill once, cluster and tag the clauses, compress the KV cache"
+$KITE upcycle compress --input "$OUT/contract.txt" --output "$OUT/contract.upc"; took
+
+step "kite upcycle inspect --verify"
+$KITE upcycle inspect "$OUT/contract.upc" --verify; took
+
+step "answer from the state, loading only the jurisdiction clauses (no document prefill)"
+$KITE generate --upc "$OUT/contract.upc" --clusters jurisdiction --chat --max-new-tokens 40 \
+  --prompt "Which city's courts have jurisdiction over disputes under the Agreement?"; took
+
+step "answer from the state, loading only the payment clauses"
+$KITE generate --upc "$OUT/contract.upc" --clusters payment --chat --max-new-tokens 40 \
+  --prompt "Within how many days must invoices be paid?"; took

@@ -233,3 +233,12 @@ def migrate_cmd(
             out.print(f"no .upc states in {upcycle_dir}")
     if any(f.action == "refuse" for f in report.files):
         raise typer.Exit(1)
+
+
+def _register_eval_tagging() -> None:
+    from kite.cli.upcycle_tagging import eval_tagging
+
+    app.command("eval-tagging", help="Tagging accuracy against the ground truth of generated contracts.")(eval_tagging)
+
+
+_register_eval_tagging()
