@@ -175,10 +175,9 @@ def test_eval_tagging_cli_rejects_bad_input_before_loading_a_model(tmp_path):
 @pytest.mark.slow
 def test_embedded_model_tags_unseen_contracts(embedded):
     """≥ 90% on spans of contracts no example came from (measured figures: docs/tagging.md)."""
-    cases = generate_contracts(4, 800, seed=300)
+    cases = generate_contracts(6, 1000, seed=300)
     examples = labeled_examples(300, 3, exclude_ids=[c["id"] for c in cases])
-    tagger = ClauseTagger.fit(embedded.model, embedded.tokenizer, examples, layers=[1, 4, 8])
-    report = evaluate_tagging(embedded.model, embedded.tokenizer, cases, examples, tagger=tagger,
-                              mode="both")
+    report = evaluate_tagging(embedded.model, embedded.tokenizer, cases, examples, mode="both")
+    assert report["validation"]["folds"] == 3 and report["validation"]["accuracy"] >= 0.9
     assert report["standalone"]["accuracy"] >= 0.9, report["standalone"]["confusion"]
     assert report["in_document"]["accuracy"] >= 0.9, report["in_document"]["confusion"]

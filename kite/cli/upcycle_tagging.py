@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -68,9 +69,12 @@ def eval_tagging(
 
     loaded = load_model(model)
     with torch.inference_mode():
+        t0 = time.perf_counter()
         tagger = ClauseTagger.fit(loaded.model, loaded.tokenizer, ex)
+        fit_s = time.perf_counter() - t0
         report = evaluate_tagging(loaded.model, loaded.tokenizer, records, ex, tagger=tagger,
                                   mode=mode_key)
+    report["fit_s"] = round(fit_s, 2)
     report["examples_source"] = source
     report["cases_file"] = str(cases)
     if save_tagger is not None:
