@@ -74,6 +74,7 @@ class CodecSettings:
     max_bits: int = 8            # per component
     outliers: int = 0            # per part: tokens with the largest normalized energy kept in fp16
     sink_tokens: int = 1         # tokens at positions < sink_tokens kept in fp16 (attention sinks)
+    part_tokens: int = 256       # expected tokens per encoded part (budgets its fixed costs)
     joint_heads: bool = False    # one PCA over the concatenated heads of a layer (H*d dims)
     center: bool = True          # subtract the per-head mean before PCA
     range_mode: str = "mse"      # pca coefficients: "mse" (clipped, Gaussian-optimal) | "minmax"
@@ -106,7 +107,7 @@ PRESETS: dict[str, CodecSettings] = {
 # = 32 / R * RATIO_FILL (the rest is left for per-part headers and fp16 sinks), of which keys get
 # the share below (values are the more sensitive side).  Chosen by benchmarks/codec_sweep.py
 # (docs/compression.md); shares between tabled ratios interpolate in log-ratio.
-RATIO_FILL = 0.975
+RATIO_FILL = 1.0
 RATIO_K_SHARE: dict[float, float] = {2.0: 0.375, 4.0: 0.375, 8.0: 0.3125, 16.0: 0.3, 32.0: 0.3}
 RATIO_DEFAULTS = dict(group_size=256, outliers=0, joint_heads=True, basis_fmt="int6", sink_tokens=1)
 
@@ -281,7 +282,10 @@ def allocate_bits(evals: torch.Tensor, budget_bits: float, T: int, d_in: int, s:
     whole layer tensor (coefficients + scales + basis columns).  Returns int bits [B, r].
     """
     B, r = evals.shape
-    groups = math.ceil(T / max(1, s.group_size)) if s.group_size > 0 else 1
+    n_parts = max(1, math.ceil(T / max(1, s.part_tokens)))
+    per_part = min(T, s.part_tokens)
+    gs = s.group_size if 0 < s.group_size < per_part else per_part
+    groups = n_parts * math.ceil(per_part / max(1, gs))
     if s.basis_fmt in INT_FORMATS:
         basis_bits = INT_FORMATS[s.basis_fmt] + 32 / d_in
     else:
@@ -341,7 +345,11 @@ def _fit_pca_side(prefix: str, X: torch.Tensor, bits_per_elem: float, s: CodecSe
     Xb = _blocks(X.float(), s.joint_heads)
     mean, evals, U = pca if pca is not None else batched_pca(Xb, center=s.center)
     B, D = evals.shape
-    budget = bits_per_elem * H * T * d - B * D * 16  # the mean is fixed cost
+    # fixed costs: the mean, the layer header's share, and per expected part (``part_tokens``) a
+    # blob header (~160 B) and the fp16 sinks of the first part
+    n_parts = max(1, math.ceil(T / max(1, s.part_tokens)))
+    budget = (bits_per_elem * H * T * d - B * D * 16 - 8 * 450 - n_parts * 8 * 160
+              - s.sink_tokens * H * d * 16)
     bits = allocate_bits(evals, budget, T, D, s)
     r = int((bits > 0).sum(dim=1).max().item()) if bits.numel() else 0
     # components with bits are a prefix per block (greedy on desc eigvals mostly is); store the

@@ -1,0 +1,158 @@
+"""KV codec: exact round trip, byte accounting, precision tolerances (random tensors, fast)."""
+
+import math
+
+import pytest
+import torch
+
+from kite.upcycle import codec as C
+from kite.upcycle.quant import (dequantize, pack_bits, packed_nbytes, quantize, unpack_bits)
+
+H, T, D = 3, 512, 64
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # many small ops: intra-op threads only add contention (10x slower on a busy 2-core box)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _kv(seed=0, T=T):
+    g = torch.Generator().manual_seed(seed)
+    # keys: large mean + decaying spectrum (pre-RoPE-like); values: flatter spectrum
+    scales_k = torch.logspace(0.5, -1.5, D)
+    scales_v = torch.logspace(0, -0.7, D)
+    rot = torch.linalg.qr(torch.randn(H, D, D, generator=g))[0]
+    k = (torch.randn(H, T, D, generator=g) * scales_k) @ rot + 3 * torch.randn(H, 1, D, generator=g)
+    v = (torch.randn(H, T, D, generator=g) * scales_v) @ rot.transpose(1, 2)
+    k[:, 0] *= 4  # a sink-like first token
+    return k.float(), v.float()
+
+
+def _rel(a, b):
+    return ((a - b).pow(2).sum() / (b - b.mean(dim=1, keepdim=True)).pow(2).sum()).item()
+
+
+def _roundtrip(setting, k, v, parts=2):
+    s = C.settings_for(setting)
+    lc = C.fit_layer(k, v, s)
+    n = k.shape[1]
+    b = [round(i * n / parts) for i in range(parts + 1)]
+    enc = [C.encode(lc, k[:, x:y], v[:, x:y], torch.arange(x, y)) for x, y in zip(b[:-1], b[1:])]
+    dec = [C.decode(lc, p) for p in enc]
+    kh = torch.cat([d[0] for d in dec], dim=1)
+    vh = torch.cat([d[1] for d in dec], dim=1)
+    return lc, enc, kh, vh, C.nbytes(lc) + C.nbytes(enc)
+
+
+def test_exact_is_bit_exact():
+    k, v = _kv()
+    _, _, kh, vh, nb = _roundtrip("exact", k, v)
+    assert torch.equal(kh, k) and torch.equal(vh, v)
+
+
+def test_full_rank_fp32_pca_is_near_exact():
+    k, v = _kv(T=256)
+    s = C.CodecSettings(k_bits=64, v_bits=64, basis_fmt="fp32", max_bits=8, group_size=0)
+    _, _, kh, vh, _ = _roundtrip(s, k, v)
+    assert _rel(kh, k) < 1e-4 and _rel(vh, v) < 1e-4
+
+
+@pytest.mark.parametrize("setting", ["exact", "fp16", "int4", "ratio=4", "ratio=8"])
+def test_byte_accounting_matches_serialized(setting):
+    k, v = _kv(1)
+    lc, enc, kh, vh, nb = _roundtrip(setting, k, v)
+    ser = C.to_bytes(lc)
+    assert len(ser) == C.nbytes(lc)
+    total = len(ser)
+    lc2 = C.from_bytes(ser, C.LayerCodec)
+    for p in enc:
+        bk, bv = C.to_bytes(p.k), C.to_bytes(p.v)
+        assert len(bk) == C.nbytes(p.k) and len(bv) == C.nbytes(p.v)
+        total += len(bk) + len(bv)
+        p2 = C.EncodedPart(C.from_bytes(bk), C.from_bytes(bv))
+        a, b = C.decode(lc, p), C.decode(lc2, p2)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert total == nb
+
+
+@pytest.mark.parametrize("setting,tol_k,tol_v", [
+    ("fp16", 1e-6, 1e-6), ("bf16", 1e-4, 1e-4), ("fp8", 1e-2, 1e-2), ("int8", 1e-4, 1e-4),
+    ("int4", 2e-2, 2e-2), ("ratio=2", 1e-2, 1e-2), ("ratio=4", 4e-2, 4e-2), ("ratio=8", 0.2, 0.2),
+])
+def test_precision_tolerance(setting, tol_k, tol_v):
+    k, v = _kv(2)
+    _, _, kh, vh, _ = _roundtrip(setting, k, v)
+    assert _rel(kh, k) < tol_k, _rel(kh, k)
+    assert _rel(vh, v) < tol_v, _rel(vh, v)
+
+
+@pytest.mark.parametrize("ratio", [4, 8, 16])
+def test_ratio_is_met(ratio):
+    k, v = _kv(3, T=1024)
+    _, _, _, _, nb = _roundtrip(f"ratio={ratio}", k, v, parts=4)
+    raw = 2 * k.numel() * 2
+    assert raw / nb >= ratio * 0.99, raw / nb
+
+
+def test_sinks_are_kept_exactly():
+    k, v = _kv(4)
+    _, _, kh, vh, _ = _roundtrip("ratio=8", k, v)
+    assert torch.allclose(kh[:, 0], k[:, 0].half().float()) and torch.allclose(vh[:, 0], v[:, 0].half().float())
+
+
+def test_batched_pca_matches_eigh():
+    X = torch.randn(5, 100, 16)
+    mean, ev, U = C.batched_pca(X)
+    for i in range(5):
+        Xc = (X[i] - X[i].mean(0)).double()
+        s = torch.linalg.svdvals(Xc) ** 2 / 100
+        assert torch.allclose(ev[i].double(), s, rtol=1e-4, atol=1e-6)
+        # orthonormal and diagonalizing
+        assert torch.allclose(U[i].T @ U[i], torch.eye(16), atol=1e-5)
+
+
+def test_settings_for_names():
+    assert C.settings_for("exact").k_fmt == "fp32"
+    assert C.settings_for("8").name == C.settings_for("ratio=8").name == C.settings_for(8).name
+    s = C.settings_for("ratio=6")
+    assert math.isclose(s.k_bits + s.v_bits, 32 / 6 * C.RATIO_FILL)
+    assert C.settings_for("ratio=8", outliers=3).outliers == 3
+    with pytest.raises(ValueError):
+        C.settings_for("nonsense")
+
+
+def test_shape_checks():
+    k, v = _kv(T=64)
+    lc = C.fit_layer(k, v, "ratio=4")
+    with pytest.raises(ValueError):
+        C.encode(lc, k[:2], v[:2])
+    with pytest.raises(ValueError):
+        C.encode(lc, k, v, positions=torch.arange(3))
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_pack_unpack(bits):
+    n = 1001
+    c = torch.randint(0, 1 << bits, (n,))
+    p = pack_bits(c, bits)
+    assert p.dtype == torch.uint8 and p.numel() == packed_nbytes(n, bits)
+    assert torch.equal(unpack_bits(p, bits, n), c.to(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt,tol", [("int8", 0.02), ("int4", 0.3), ("int3", 0.6), ("int2", 1.3),
+                                     ("fp8", 0.3), ("fp16", 2e-3), ("bf16", 0.03), ("fp32", 0)])
+@pytest.mark.parametrize("axis", [-1, -2])
+def test_quantize_formats(fmt, tol, axis):
+    x = torch.randn(3, 100, 64)
+    q = quantize(x, fmt, group_size=32, axis=axis)
+    y = dequantize(q)
+    assert y.shape == x.shape
+    assert (y - x).abs().max().item() <= tol
+    for mode in ("mse",):
+        if fmt.startswith("int") and fmt != "int8":
+            y2 = dequantize(quantize(x, fmt, group_size=32, axis=axis, range_mode=mode))
+            assert (y2 - x).pow(2).mean() <= (y - x).pow(2).mean() * 1.01
