@@ -97,10 +97,10 @@ def test_values_strings_booleans_and_keywords_any_case():
 # -- errors: message, place, caret ------------------------------------------------------------------
 
 def test_unknown_field_with_did_you_mean_line_col_caret():
-    text = rules(f"""
+    text = rules("""
         - name: vague
           condition: intent_entropi > 5.2
-          action: {{load_all_clusters: true}}""")
+          action: {load_all_clusters: true}""")
     e = one_error(text)
     assert e.header == "r.yaml:3:16: unknown field 'intent_entropi'; did you mean 'intent_entropy'?"
     assert e.render().splitlines()[1:] == ["        condition: intent_entropi > 5.2",
@@ -108,15 +108,15 @@ def test_unknown_field_with_did_you_mean_line_col_caret():
 
 
 def test_unknown_dotted_field_suggests_the_dotted_name():
-    e = one_error(rules(f"""
+    e = one_error(rules("""
         - name: mem
           condition: hardware_watermark.gpu_memory > 0.9
-          action: {{skip: true}}"""))
+          action: {skip: true}"""))
     assert "did you mean 'hardware_watermark.gpu_mem'?" in e.message
-    e = one_error(rules(f"""
+    e = one_error(rules("""
         - name: mem
           condition: gpu_mem > 0.9
-          action: {{skip: true}}"""))
+          action: {skip: true}"""))
     assert "did you mean 'hardware_watermark.gpu_mem'?" in e.message
 
 
@@ -185,10 +185,10 @@ def test_type_mismatch(cond, message, col):
 
 
 def test_unknown_label_in_condition_and_action():
-    text = rules(f"""
+    text = rules("""
         - name: l
           condition: query_label == "违约责"
-          action: {{load_cluster: 管辖法, precision: int8}}""")
+          action: {load_cluster: 管辖法, precision: int8}""")
     errs = errors_of(text, labels=["违约责任", "管辖法院"])
     assert [(e.line, e.col) for e in errs] == [(3, 31), (4, 28)]
     assert errs[0].message == ("unknown label '违约责'; did you mean '违约责任'? "
@@ -198,7 +198,7 @@ def test_unknown_label_in_condition_and_action():
 
 
 def test_bad_precision_and_layers_out_of_range():
-    text = rules(f"""
+    text = rules("""
         - name: p
           condition: intent_entropy > 5
           action:
@@ -207,7 +207,7 @@ def test_bad_precision_and_layers_out_of_range():
             layers: "12-40"
         - name: q
           condition: intent_entropy > 6
-          action: {{load_all_clusters: true, layers: [3, 30]}}""")
+          action: {load_all_clusters: true, layers: [3, 30]}""")
     errs = errors_of(text, n_layers=30)
     assert [(e.line, e.col) for e in errs] == [(6, 18), (7, 16), (10, 51)]
     assert errs[0].message.startswith("bad precision 'fp12': choose one of fp32, fp16, bf16, fp8, "
@@ -237,10 +237,10 @@ def test_rule_after_default_is_unreachable():
 
 
 def test_unknown_action_key_and_rule_key():
-    errs = errors_of(rules(f"""
+    errs = errors_of(rules("""
         - name: k
           conditon: intent_entropy > 5
-          action: {{load_all_clusters: true, precison: int8}}"""))
+          action: {load_all_clusters: true, precison: int8}"""))
     msgs = {(e.line, e.col): e.message for e in errs}
     assert msgs[(3, 5)] == "unknown rule key 'conditon'; did you mean 'condition'?"
     assert msgs[(4, 39)] == "unknown action key 'precison'; did you mean 'precision'?"
@@ -295,13 +295,13 @@ def test_syntax_errors_in_condition():
 
 def test_all_errors_reported_and_nothing_half_built(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text(rules(f"""
+    path.write_text(rules("""
         - name: one
           condition: intent_entropi > 5
-          action: {{load_all_clusters: true}}
+          action: {load_all_clusters: true}
         - name: two
           condition: query_label = "x"
-          action: {{load_cluster: x, precision: fp64}}"""), encoding="utf-8")
+          action: {load_cluster: x, precision: fp64}"""), encoding="utf-8")
     with pytest.raises(RuleSetError) as info:
         load_rules(path)
     exc = info.value
@@ -312,10 +312,10 @@ def test_all_errors_reported_and_nothing_half_built(tmp_path):
 
 
 def test_ruleset_identity_and_version(tmp_path):
-    text = rules(f"""
+    text = rules("""
         - name: a
           condition: intent_entropy > 5
-          action: {{load_all_clusters: true}}""")
+          action: {load_all_clusters: true}""")
     (tmp_path / "yoco_rules_v2.yaml").write_text(text, encoding="utf-8")
     rs = load_rules(tmp_path / "yoco_rules_v2.yaml")
     import hashlib
@@ -335,10 +335,10 @@ def test_seed_rule_files_load():
 
 
 def test_active_rules_reload_and_switch(tmp_path):
-    good = rules(f"""
+    good = rules("""
         - name: a
           condition: intent_entropy > 5
-          action: {{load_all_clusters: true}}""")
+          action: {load_all_clusters: true}""")
     (tmp_path / "yoco_rules.yaml").write_text(good, encoding="utf-8")
     (tmp_path / "yoco_rules_v2.yaml").write_text(good.replace("> 5", "> 6"), encoding="utf-8")
     active = ActiveRules.from_file(tmp_path / "yoco_rules.yaml")
