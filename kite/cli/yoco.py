@@ -214,3 +214,107 @@ def decide_cmd(
     health = {k: (prior if v is None else v) for k, v in (_labels(labels) or {}).items()}
     state = StateInfo(health, layers)
     run_decision(rules or default_rules_path(), sig, state, _min_hit_gain(min_hit_gain), json_out)
+
+
+# -- talking to a running `kite serve` ---------------------------------------------------------
+
+ServerOpt = typer.Option(None, "--server", help="The server's URL (default: http://server.host:server.port "
+                         "from the config).")
+TokenOpt = typer.Option(None, "--token", help="Admin token (default: config server.admin_token or "
+                        "KITE_ADMIN_TOKEN).")
+
+
+def _admin(server: str | None, token: str | None):
+    from kite.serve.client import AdminClient, default_server_url
+
+    cfg = None
+    if server is None or token is None:
+        from kite.config import load_config
+
+        cfg = load_config()
+    return AdminClient(server or default_server_url(cfg), token or (cfg.server.admin_token if cfg else None))
+
+
+def _rules_call(call, json_out: bool) -> dict:
+    """Run one admin call; a refused rule set prints its full report (or JSON) before the error line."""
+    from kite.serve.client import RulesRejected
+
+    try:
+        return call()
+    except RulesRejected as exc:
+        if json_out:
+            emit_json({"ok": False, "error": str(exc), "errors": exc.errors, "report": exc.report})
+        else:
+            err_console().print(exc.report, markup=False, highlight=False, soft_wrap=True)
+        raise
+
+
+def _print_active(verb: str, info: dict) -> None:
+    import datetime as dt
+
+    when = dt.datetime.fromtimestamp(info["loaded_at"], dt.timezone.utc).isoformat(timespec="seconds")
+    console().print(f"[green]{verb}[/] rules {info['version']} ({info['rules']} rules, sha256 "
+                    f"{info['sha256'][:12]}) from {info['source']}, loaded {when}", highlight=False,
+                    soft_wrap=True)
+
+
+@app.command("reload-rules")
+def reload_rules(
+    file: Annotated[Optional[str], typer.Argument(help="A rule file inside the server's rules folder "
+                                                  "(default: the active file, re-read).")] = None,
+    server: Optional[str] = ServerOpt,
+    token: Optional[str] = TokenOpt,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Ask the running server to recompile its rules (or FILE) and swap them in. A bad file is
+    refused with all its errors and the old set keeps serving (exit 2).
+
+    Example: kite yoco reload-rules rules/yoco_rules.yaml --server http://127.0.0.1:8088
+    """
+    path = file
+    if file is not None and Path(file).exists():
+        path = str(Path(file).resolve())  # the server runs here too: name the same file
+    info = _rules_call(lambda: _admin(server, token).reload(path), json_out)
+    if json_out:
+        emit_json(info)
+        return
+    _print_active("reloaded", info)
+
+
+@app.command("switch-rules")
+def switch_rules(
+    version: Annotated[str, typer.Argument(help="A version: v2 → yoco_rules_v2.yaml (v1 → yoco_rules.yaml).")],
+    server: Optional[str] = ServerOpt,
+    token: Optional[str] = TokenOpt,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Switch the running server to another versioned rule set, atomically.
+
+    Example: kite yoco switch-rules v2
+    """
+    info = _rules_call(lambda: _admin(server, token).switch(version), json_out)
+    if json_out:
+        emit_json(info)
+        return
+    _print_active("switched to", info)
+
+
+@app.command("rules-status")
+def rules_status(
+    server: Optional[str] = ServerOpt,
+    token: Optional[str] = TokenOpt,
+    json_out: bool = JsonOpt,
+) -> None:
+    """The running server's active rule set (version, sha256, when it loaded) and the last reload error."""
+    info = _admin(server, token).status()
+    if json_out:
+        emit_json(info)
+        return
+    _print_active("active", info)
+    err = info.get("last_error")
+    if err:
+        import datetime as dt
+
+        when = dt.datetime.fromtimestamp(err["when"], dt.timezone.utc).isoformat(timespec="seconds")
+        console().print(f"[yellow]last error[/] {when} ({err['source']}):", highlight=False, soft_wrap=True)
+        console().print(err["message"], markup=False, highlight=False, soft_wrap=True)

@@ -66,7 +66,8 @@ def create_app(lm, settings: ServeSettings, *, tagger=None, compress_settings=No
     from kite.serve.instrument import RequestMetrics
     from kite.serve.limits import BodyLimit
 
-    app = FastAPI(title="KITE", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="KITE", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
     app.state.kite = ServerState(settings, runner, store, rules, metrics, health, sampler)
     for module in (routes_openai, routes_states, routes_admin, routes_ops):
         app.include_router(module.router)

@@ -1,0 +1,390 @@
+"""`kite serve` over real HTTP: a uvicorn server on a free port serving a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from urllib.parse import quote
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from kite.cli.main import app as cli
+from kite.serve import BackgroundServer, ServeSettings, create_app
+from tests.conftest import parse_json
+from tests.tiny_models import CORPUS
+
+TOKEN = "s3cret-token"
+DOC = CORPUS.replace(". ", ".\n\n", 3)
+RULES_V1 = """version: v1
+rules:
+  - name: very_vague
+    condition: intent_entropy > 100
+    action:
+      load_all_clusters: true
+      precision: int8
+  - name: default
+    condition: true
+    action:
+      load_all_clusters: true
+"""
+RULES_V2 = RULES_V1.replace("version: v1", "version: v2").replace("name: default", "name: default_v2")
+RULES_BAD = """rules:
+  - name: r1
+    condition: intent_entropyy > 3
+    action:
+      load_all_clusters: true
+  - name: r2
+    condition: intent_entropy >> 3
+    action:
+      layers: "12-18"
+  - name: default
+    condition: true
+    action:
+      load_all_clusters: true
+"""
+runner = CliRunner()
+
+
+def _settings(root, **kw) -> ServeSettings:
+    rules = root / "rules"
+    rules.mkdir(parents=True, exist_ok=True)
+    for name, text in (("yoco_rules.yaml", RULES_V1), ("yoco_rules_v2.yaml", RULES_V2),
+                       ("yoco_rules_bad.yaml", RULES_BAD)):
+        (rules / name).write_text(text)
+    # min_hit_gain -1: every plan loads, whatever the tiny model's measured gains did to health.
+    return ServeSettings(state_dir=root / "states", rules_path=rules / "yoco_rules.yaml",
+                         min_hit_gain=-1.0, max_body_mb=0.25, default_max_tokens=3, **kw)
+
+
+def _start(lm, settings, tmp):
+    from kite.upcycle import codec
+    from kite.upcycle.compress import CompressSettings
+    from kite.yoco.health import HealthStore
+
+    cs = CompressSettings(codec=codec.settings_for("exact"), n_clusters=3, min_span_tokens=8, max_span_tokens=24)
+    health = HealthStore(tmp / "health.sqlite")
+    app = create_app(lm, settings, compress_settings=cs, health=health)
+    server = BackgroundServer(app)
+    server.start()
+    return server, app, health
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_models):
+    import torch
+
+    from kite.model import load_model
+
+    torch.set_num_threads(1)  # a shared 2-core machine
+    return load_model(str(tiny_models["llama"]))
+
+
+@pytest.fixture(scope="module")
+def live(lm, tmp_path_factory):
+    """The main server: fusion on, an admin token, a 0.25 MB body limit."""
+    root = tmp_path_factory.mktemp("serve")
+    settings = _settings(root, admin_token=TOKEN, fusion=True)
+    server, app, health = _start(lm, settings, root)
+    client = httpx.Client(base_url=server.url, timeout=60)
+    yield {"url": server.url, "client": client, "root": root, "app": app, "health": health,
+           "settings": settings}
+    client.close()
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(lm, tmp_path_factory):
+    """A second server: fusion off and no admin token configured."""
+    root = tmp_path_factory.mktemp("serve-plain")
+    server, _, _ = _start(lm, _settings(root, admin_token=None, fusion=False), root)
+    client = httpx.Client(base_url=server.url, timeout=60)
+    yield {"url": server.url, "client": client}
+    client.close()
+    server.stop()
+
+
+def _auth(token=TOKEN):
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _upload(client, text=DOC, **kw) -> str:
+    r = client.post("/v1/states", json={"document": text, **kw})
+    assert r.status_code in (200, 201), r.text
+    return r.json()["id"]
+
+
+def _ask(client, state_id, prompt=" What is the capital of France?", **kw):
+    return client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "kite": {"state": state_id},
+                                                **kw})
+
+
+# -- completions -------------------------------------------------------------------------------
+
+def test_completion_using_an_uploaded_state(live):
+    c = live["client"]
+    r = c.post("/v1/states", json={"document": DOC, "name": "contract.txt"})
+    assert r.status_code in (200, 201), r.text
+    up = r.json()
+    sid = up["id"]
+    assert up["tokens"] > 100 and up["bytes"] > 0 and up["labels"]
+    again = c.post("/v1/states", json={"document": DOC})  # same document: the same state, not redone
+    assert again.status_code == 200 and again.json()["id"] == sid and again.json()["created"] is False
+    listed = {s["id"]: s for s in c.get("/v1/states").json()["data"]}
+    assert set(listed[sid]) >= {"id", "labels", "tokens", "bytes", "created"}
+
+    r = _ask(c, sid)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and isinstance(body["choices"][0]["text"], str)
+    assert body["usage"]["completion_tokens"] <= 2
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    k = body["kite"]
+    assert k["state"] == sid and k["fusion"] is True and k["loaded"] is True
+    assert k["plan"]["matched_rule"] == "default" and k["load"]["tokens"] == up["tokens"]
+    assert k["gain"] is not None and "intent_entropy" in k["signals"]
+    assert {"signals_and_decision", "load", "generate"} <= set(k["timings_ms"])
+    assert k["rules"]["version"] == "v1"
+    # Feedback: the measured gain went into the health store.
+    assert {rec.cluster for rec in live["health"].records(sid)} == set(k["load"]["labels"])
+
+
+def test_chat_completion_with_a_document_and_without_state(live):
+    c = live["client"]
+    doc = DOC + "\n\nPayment is due within thirty days."
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Who pays?"}],
+                                             "max_tokens": 2, "kite": {"document": doc}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["kite"]["upcycled"]["id"] == body["kite"]["state"] and body["kite"]["loaded"]
+    plain = c.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": "Be brief."},
+                                                              {"role": "user", "content": "Hello"}]})
+    assert plain.status_code == 200 and plain.json()["kite"]["state"] is None
+    assert plain.json()["usage"]["completion_tokens"] <= 3  # the server's default max_tokens
+
+
+def test_streaming_completion(live):
+    c = live["client"]
+    sid = _upload(c)
+    events = []
+    with c.stream("POST", "/v1/completions", json={"prompt": " Payment?", "max_tokens": 3, "stream": True,
+                                                   "kite": {"state": sid}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["choices"][0]["finish_reason"] in ("stop", "length")
+    assert last["kite"]["loaded"] is True and last["usage"]["completion_tokens"] <= 3
+
+
+def test_bad_requests_are_one_clear_error(live):
+    c = live["client"]
+    r = c.post("/v1/completions", json={"prompt": "x", "kite": {"state": "a", "document": "b"}})
+    assert r.status_code == 400 and "exactly one" in r.json()["error"]["message"]
+    r = c.post("/v1/completions", json={"prompt": "x", "kite": {"state": "no-such-state"}})
+    assert r.status_code == 404 and "no-such-state" in r.json()["error"]["message"]
+    r = c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 10**6})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
+# -- state ids ---------------------------------------------------------------------------------
+
+TRAVERSALS = ["../x", "..", "../../etc/passwd", "/etc/passwd", "a/b", "a\\b", ".hidden", "x" * 129,
+              "..%2fx", "%2e%2e%2fx", "a%2Fb", "", "a b", "a\x00b"]
+
+
+@pytest.mark.parametrize("bad", TRAVERSALS)
+def test_state_ids_cannot_leave_the_store(live, bad):
+    c = live["client"]
+    outside = live["root"] / "outside.upc"
+    outside.write_bytes(b"not yours")
+    r = _ask(c, bad)
+    assert r.status_code == 400, r.text
+    r = c.post("/v1/states", json={"document": DOC, "id": bad})
+    assert r.status_code == 400, r.text
+    for method in ("GET", "DELETE"):  # in the URL: refused, or no route at all; never served
+        r = c.request(method, "/v1/states/" + quote(bad, safe="/%\\"))
+        assert r.status_code in (400, 404, 405), (method, bad, r.status_code)
+    assert outside.read_bytes() == b"not yours"
+
+
+def test_symlinked_state_leading_out_is_refused(live):
+    c = live["client"]
+    target = live["root"] / "elsewhere.upc"
+    target.write_bytes(b"x")
+    (live["settings"].state_dir / "evil.upc").symlink_to(target)
+    assert _ask(c, "evil").status_code == 400
+    assert c.delete("/v1/states/evil").status_code == 400
+    assert target.exists()
+
+
+def test_delete_state(live):
+    c = live["client"]
+    sid = _upload(c, DOC + " Termination needs notice.", id="to-delete")
+    assert c.get(f"/v1/states/{sid}").status_code == 200
+    assert c.delete(f"/v1/states/{sid}").json() == {"id": sid, "deleted": True}
+    assert c.delete(f"/v1/states/{sid}").status_code == 404
+    assert _ask(c, sid).status_code == 404
+
+
+# -- admin -------------------------------------------------------------------------------------
+
+def test_bad_reload_is_refused_while_requests_keep_succeeding(live):
+    c = live["client"]
+    sid = _upload(c)
+    before = c.get("/admin/rules/status", headers=_auth()).json()
+    results: list[httpx.Response] = []
+
+    def ask():
+        with httpx.Client(base_url=live["url"], timeout=60) as own:
+            results.append(_ask(own, sid))
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    r = c.post("/admin/rules/reload", json={"path": "yoco_rules_bad.yaml"}, headers=_auth())
+    for t in threads:
+        t.join()
+    assert r.status_code == 422
+    err = r.json()["error"]
+    assert len(err["errors"]) == 4 and "4 errors" in err["report"]
+    assert "did you mean 'intent_entropy'" in err["report"] and "^" in err["report"]
+    assert [x.status_code for x in results] == [200] * 4
+    assert {x.json()["kite"]["rules"]["sha256"] for x in results} == {before["sha256"]}
+    after = c.get("/admin/rules/status", headers=_auth()).json()
+    assert after["sha256"] == before["sha256"] and after["version"] == "v1"
+    assert "yoco_rules_bad.yaml" in after["last_error"]["source"]
+    assert "unknown field" in after["last_error"]["message"]
+    assert _ask(c, sid).status_code == 200  # the old set still serves
+
+
+def test_switch_rules_and_status(live):
+    c = live["client"]
+    r = c.post("/admin/rules/switch", json={"version": "v2"}, headers=_auth())
+    assert r.status_code == 200 and r.json()["version"] == "v2"
+    status = c.get("/admin/rules/status", headers=_auth()).json()
+    assert status["version"] == "v2" and status["source"].endswith("yoco_rules_v2.yaml")
+    assert len(status["sha256"]) == 64 and status["loaded_at"] > 0
+    assert _ask(c, _upload(c)).json()["kite"]["plan"]["matched_rule"] == "default_v2"
+    assert c.post("/admin/rules/switch", json={"version": "v9"}, headers=_auth()).status_code == 404
+    assert c.post("/admin/rules/switch", json={"version": "../x"}, headers=_auth()).status_code == 400
+    outside = live["root"] / "rules_outside.yaml"
+    outside.write_text(RULES_V1)
+    for path in (str(outside), "../rules_outside.yaml"):
+        r = c.post("/admin/rules/reload", json={"path": path}, headers=_auth())
+        assert r.status_code == 400 and "outside the rules folder" in r.json()["error"]["message"]
+    r = c.post("/admin/rules/switch", json={"version": "v1"}, headers=_auth())
+    assert r.status_code == 200 and r.json()["version"] == "v1"
+
+
+def test_admin_needs_the_token(live, plain):
+    c = live["client"]
+    for method, path in (("GET", "/admin/rules/status"), ("POST", "/admin/rules/reload"),
+                         ("POST", "/admin/rules/switch")):
+        r = c.request(method, path, json={"version": "v2"} if path.endswith("switch") else None)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        r = c.request(method, path, headers=_auth("wrong"), json={"version": "v2"})
+        assert r.status_code == 403
+    assert c.get("/admin/rules/status", headers={"Authorization": TOKEN}).status_code == 401  # not Bearer
+    # No token configured: refused, not open.
+    r = plain["client"].get("/admin/rules/status", headers=_auth())
+    assert r.status_code == 403 and "no admin token is configured" in r.json()["error"]["message"]
+    assert c.get("/admin/rules/status", headers=_auth()).json()["version"] == "v1"
+
+
+# -- limits, fusion off, metrics ---------------------------------------------------------------
+
+def test_oversized_bodies_are_refused(live):
+    c = live["client"]
+    big = {"prompt": "x", "kite": {"document": "word " * 60_000}}  # ~0.3 MB > 0.25 MB
+    r = c.post("/v1/completions", json=big)
+    assert r.status_code == 413 and "max_body_mb" in r.json()["error"]["message"]
+
+    def chunks():
+        for _ in range(40):
+            yield b" " * 10_000
+
+    r = c.post("/v1/states", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    # A declared length over the limit is refused before any of the body is sent.
+    host, port = live["url"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000000000\r\n\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.1 413")
+    assert c.get("/healthz").json()["ok"] is True
+
+
+def test_fusion_off_loads_nothing(plain):
+    c = plain["client"]
+    sid = _upload(c)
+    body = _ask(c, sid).json()
+    k = body["kite"]
+    assert k["fusion"] is False and k["loaded"] is False and k["load"] is None and k["gain"] is None
+    assert "upcycle_yoco_fusion is off" in k["note"] and body["usage"]["prefix_tokens"] == 0
+    assert k["plan"]["matched_rule"] == "default"  # the decision is still reported
+
+
+def test_metrics_and_healthz(live):
+    c = live["client"]
+    _ask(c, _upload(c))
+    health = c.get("/healthz").json()
+    assert health["ok"] and health["fusion"] is True and health["rules"]["version"] in ("v1", "v2")
+    text = c.get("/metrics").text
+    for name in ("kite_yoco_decision_latency_seconds_bucket", "kite_yoco_loads_total", "kite_yoco_hits_total",
+                 "kite_yoco_hit_rate", "kite_upcycle_regenerate_rate", "kite_requests_total",
+                 "kite_request_latency_seconds_bucket", "kite_watermark_gpu_mem", "kite_watermark_cpu_queue",
+                 "kite_watermark_spike", "kite_rules_reloads_total"):
+        assert f"\n{name}" in text, name
+    rate = next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("kite_upcycle_regenerate_rate "))
+    assert rate > 0
+    loads = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("kite_yoco_loads_total"))
+    assert loads >= 1
+
+
+# -- the CLI against the live server -----------------------------------------------------------
+
+def test_cli_rules_commands_against_the_live_server(live, monkeypatch):
+    url = live["url"]
+    res = runner.invoke(cli, ["yoco", "rules-status", "--server", url, "--token", TOKEN, "--json"])
+    assert res.exit_code == 0, res.output
+    assert parse_json(res.output)["version"] == "v1"
+
+    res = runner.invoke(cli, ["yoco", "reload-rules", "yoco_rules_bad.yaml", "--server", url, "--token", TOKEN])
+    assert res.exit_code == 2
+    assert "did you mean 'intent_entropy'" in res.output and "the old set keeps serving" in res.output
+
+    monkeypatch.setenv("KITE_ADMIN_TOKEN", TOKEN)  # the token from the environment
+    res = runner.invoke(cli, ["yoco", "switch-rules", "v2", "--server", url])
+    assert res.exit_code == 0 and "switched to rules v2" in res.output
+    res = runner.invoke(cli, ["yoco", "reload-rules", str(live["settings"].rules_path), "--server", url, "--json"])
+    assert res.exit_code == 0 and parse_json(res.output)["version"] == "v1"
+    res = runner.invoke(cli, ["yoco", "rules-status", "--server", url])
+    assert res.exit_code == 0 and "active rules v1" in res.output and "last error" in res.output
+
+    monkeypatch.delenv("KITE_ADMIN_TOKEN")
+    res = runner.invoke(cli, ["yoco", "rules-status", "--server", url])
+    assert res.exit_code == 2 and "401" in res.output
+    res = runner.invoke(cli, ["yoco", "rules-status", "--server", url, "--token", "wrong"])
+    assert res.exit_code == 2 and "403" in res.output
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    res = runner.invoke(cli, ["yoco", "rules-status", "--server", dead, "--token", TOKEN])
+    assert res.exit_code == 1 and "cannot reach the KITE server" in res.output
+
+
+def test_server_binds_loopback_by_default(tmp_path):
+    s = ServeSettings(state_dir=tmp_path / "s", rules_path=tmp_path / "r.yaml")
+    assert s.host == "127.0.0.1"
+    from kite.config import load_config
+
+    cfg = load_config()
+    assert cfg.server.host == "127.0.0.1"
