@@ -143,7 +143,9 @@ def settings_for(spec: str | float | int | CodecSettings | None = None, **overri
             s = PRESETS["fp16"]
         else:
             kb, vb = _ratio_bits(ratio)
-            s = _pca(kb, vb, name=f"ratio={ratio:g}", **RATIO_DEFAULTS)
+            # a finer basis pays at low ratios, where the coefficients are precise (measured)
+            basis = "fp16" if ratio <= 2.5 else ("int8" if ratio <= 5 else "int6")
+            s = _pca(kb, vb, name=f"ratio={ratio:g}", **{**RATIO_DEFAULTS, "basis_fmt": basis})
     else:
         text = str(spec).strip().lower()
         if text in PRESETS:
