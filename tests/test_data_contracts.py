@@ -71,7 +71,8 @@ def test_length_follows_tokens():
         assert 4000 <= r["tokens"] <= 4400
     assert all(s["tokens"] < 1600 for s in short)
     exact = generate_contracts(1, 1500, 1, count_tokens=lambda t: len(t))  # 1 "token" per char
-    assert exact[0]["tokens"] == len(exact[0]["text"]) and exact[0]["tokens_measured_by"] == "tokenizer"
+    assert exact[0]["tokens"] == len(exact[0]["text"])
+    assert exact[0]["tokens_measured_by"] == "tokenizer"
 
 
 def _sentences(text: str) -> list[str]:
@@ -135,7 +136,8 @@ def test_reader_round_trip_and_malformed_lines(tmp_path, records):
     bad.write_text('{"id": "a", "text": "   "}\n')
     with pytest.raises(BadInput, match=r"bad\.jsonl:1: case 'a' has an empty document"):
         read_cases(bad)
-    bad.write_text('\n{"id": "a", "text": "abc", "spans": [{"start": 1, "end": 9, "label": "x"}]}\n')
+    bad.write_text('\n{"id": "a", "text": "abc", '
+                   '"spans": [{"start": 1, "end": 9, "label": "x"}]}\n')
     with pytest.raises(BadInput, match=r"bad\.jsonl:2: case 'a' span 0: \[1, 9\) is outside"):
         read_cases(bad)
     bad.write_text('{"id": "a", "text": "abc"}\n{"id": "a", "text": "abc"}\n')

@@ -1,4 +1,4 @@
-"""Clause tagger: order independence, storage, bad input (tiny random Llama); accuracy (embedded)."""
+"""Clause tagger: order independence, storage, bad input (tiny Llama); accuracy (embedded)."""
 
 from __future__ import annotations
 

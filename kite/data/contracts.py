@@ -264,7 +264,10 @@ def _layout(c: _Contract, rng: random.Random, tokens: int, measure: Callable[[st
         k = rng.randint(1, 3)
         sents = [rng.choice(MAIN[lab])] + [extras_left[lab].pop() for _ in range(k)]
         main, rest = sents[0], sents[1:]
-        rest.insert(rng.randint(0, len(rest)), main) if rng.random() < 0.35 else rest.insert(0, main)
+        if rng.random() < 0.35:  # the key sentence is usually first, not always
+            rest.insert(rng.randint(0, len(rest)), main)
+        else:
+            rest.insert(0, main)
         clauses.append(_Paragraph(" ".join(_fill_numbers(rng, x) for x in rest), lab, "main"))
     rng.shuffle(clauses)
     body: list[_Paragraph] = list(clauses)
@@ -368,7 +371,8 @@ def _summary(c: _Contract) -> str:
     return (f"{s['title']} dated {s['date']} between {s['a']} ({s['A'][4:]}) and {s['b']} "
             f"({s['B'][4:]}). {s['b']} pays {f['price']}, invoices due within {f['pay_days']}. "
             f"Breach: liquidated damages of {f['penalty']}. Confidentiality lasts {f['duration']}. "
-            f"Intellectual property belongs to {f['owner'].rstrip('.')}. Warranty of {f['period']}. "
+            f"Intellectual property belongs to {f['owner'].rstrip('.')}. "
+            f"Warranty of {f['period']}. "
             f"Force majeure must be notified within {f['notice']}. Termination for convenience "
             f"on notice of {f['term_notice']}. Disputes go to the courts of {f['court']} under "
             f"{f['law']}.")

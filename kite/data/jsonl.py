@@ -33,7 +33,8 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict]:
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise BadInput(f"{name}:{lineno}: not UTF-8 (byte {exc.start + 1} of the line)") from None
+            raise BadInput(f"{name}:{lineno}: not UTF-8 (byte {exc.start + 1} of the line)") \
+                from None
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:

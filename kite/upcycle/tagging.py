@@ -82,8 +82,8 @@ class ClauseTagger:
 
         `labels` (any order) restricts/declares the label set; every label needs ≥ 1 example,
         and cross-validation needs ≥ 2 per label (with 1, ridge on the first candidate layer
-        is used unvalidated). `methods` defaults to ridge and centroid, plus prompt on models of ≥ 1B
-        parameters. `label_names` gives the prompt method a readable name per label id.
+        is used unvalidated). `methods` defaults to ridge and centroid, plus prompt on models of
+        ≥ 1B parameters. `label_names` gives the prompt method a readable name per label id.
         Raises BadInput on unknown labels, empty texts, or a label without examples.
         """
         labels_sorted, data = _check_examples(examples, labels)
@@ -134,9 +134,11 @@ class ClauseTagger:
             best = _choose(trials)
             validation = {"folds": k, "examples": len(data), "accuracy": best["accuracy"],
                           "nll": best["nll"], "trials": [
-                              {key: t[key] for key in ("method", "layers", "lam", "accuracy", "nll")}
+                              {key: t[key] for key in ("method", "layers", "lam", "accuracy",
+                                                       "nll")}
                               for t in trials]}
-            method, lay, lam, temp = best["method"], best["layers"], best["lam"], best["temperature"]
+            method, lay = best["method"], best["layers"]
+            lam, temp = best["lam"], best["temperature"]
         else:  # one example of some label: nothing to validate on
             method = "ridge" if "ridge" in emb_methods else (emb_methods or ["prompt"])[0]
             lay = [] if method == "prompt" else cand_layers[:1]
@@ -161,14 +163,16 @@ class ClauseTagger:
 
     # ------------------------------------------------------------------ embedding and predicting
 
-    def embed_texts(self, model, tokenizer, texts: Sequence[str], batch_size: int = 8) -> torch.Tensor:
+    def embed_texts(self, model, tokenizer, texts: Sequence[str],
+                    batch_size: int = 8) -> torch.Tensor:
         """Mean hidden states of each text at `embedding_layers`, concatenated: [n, D·layers]."""
         if self.method == "prompt":
             raise _no_embedding_head()
         feats = _embed_layers(model, tokenizer, list(texts), self.embedding_layers, batch_size)
         return torch.cat([feats[h] for h in self.embedding_layers], dim=-1)
 
-    def pool_spans(self, hidden_states_per_layer, token_spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    def pool_spans(self, hidden_states_per_layer,
+                   token_spans: Sequence[tuple[int, int]]) -> torch.Tensor:
         """Embeddings of spans of an already-run document: [n_spans, D·layers].
 
         `hidden_states_per_layer`: HF's `hidden_states` tuple (index = hidden-state index) or a
@@ -196,7 +200,8 @@ class ClauseTagger:
         scores = _zscore(E.float(), self.mean, self.scale) @ self.weights + self.bias
         return self._results(scores)
 
-    def tag_texts(self, model, tokenizer, texts: Sequence[str], batch_size: int = 8) -> list[TagResult]:
+    def tag_texts(self, model, tokenizer, texts: Sequence[str],
+                  batch_size: int = 8) -> list[TagResult]:
         """Tag standalone texts with whichever method was chosen."""
         if not texts:
             return []
@@ -243,8 +248,8 @@ class ClauseTagger:
                          prompt=d.get("prompt"), validation=d.get("validation", {}))
         except (KeyError, TypeError, ValueError) as exc:
             raise BadInput(f"tagger: malformed ({type(exc).__name__}: {exc})") from None
-        if tagger.method != "prompt" and (tagger.weights is None or
-                                          tagger.weights.shape != (tagger._dim(), len(tagger.labels))):
+        shape = None if tagger.weights is None else tuple(tagger.weights.shape)
+        if tagger.method != "prompt" and shape != (tagger._dim(), len(tagger.labels)):
             raise BadInput("tagger: weights do not match the labels and embedding size")
         return tagger
 
@@ -548,7 +553,8 @@ class _PromptScorer:
         out = torch.zeros(len(texts), len(self.labels))
         for i, text in enumerate(texts):
             prompt = self._prefix() + self.TEMPLATE.format(text=_clip_words(text, 200))
-            ids = torch.tensor([self.tok(prompt, add_special_tokens=False)["input_ids"]], device=device)
+            ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([ids], device=device)
             cache = DynamicCache(config=self.model.config)
             res = self.model(input_ids=ids, cache=cache, use_cache=True)
             first = torch.log_softmax(res.logits[0, -1].float(), -1)

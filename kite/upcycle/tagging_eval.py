@@ -74,7 +74,8 @@ def char_spans_to_token_spans(offsets: Sequence[tuple[int, int]],
     """Token (start, end) of each char span {start, end}: the tokens overlapping it."""
     out = []
     for sp in spans:
-        toks = [i for i, (a, b) in enumerate(offsets) if b > a and a < sp["end"] and b > sp["start"]]
+        toks = [i for i, (a, b) in enumerate(offsets)
+                if b > a and a < sp["end"] and b > sp["start"]]
         if not toks:
             raise BadInput(f"span [{sp['start']}, {sp['end']}) covers no token")
         out.append((toks[0], toks[-1] + 1))
