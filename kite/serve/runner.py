@@ -105,6 +105,8 @@ class ModelRunner:
                 raise StateExists(f"state {sid!r} exists (send \"overwrite\": true to replace it)")
         self._locked()
         try:
+            if not explicit and path.is_file():  # the same document, upcycled while we waited
+                return Upcycled(self.store.summary(sid), created=False)
             result = compress_document(self.lm, document, path, self.compress_settings,
                                        tagger=self.tagger, source_name=name)
         finally:
