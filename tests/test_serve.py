@@ -281,6 +281,8 @@ def test_switch_rules_and_status(live):
         assert r.status_code == 400 and "outside the rules folder" in r.json()["error"]["message"]
     r = c.post("/admin/rules/switch", json={"version": "v1"}, headers=_auth())
     assert r.status_code == 200 and r.json()["version"] == "v1"
+    r = c.post("/admin/rules/reload", headers=_auth())  # no body: re-read the active file
+    assert r.status_code == 200 and r.json()["version"] == "v1"
 
 
 def test_admin_needs_the_token(live, plain):
@@ -388,3 +390,15 @@ def test_server_binds_loopback_by_default(tmp_path):
 
     cfg = load_config()
     assert cfg.server.host == "127.0.0.1"
+
+
+def test_serve_command_refuses_a_bad_rule_file_before_loading(tmp_path):
+    bad = tmp_path / "rules" / "yoco_rules.yaml"
+    bad.parent.mkdir()
+    bad.write_text(RULES_BAD)
+    res = runner.invoke(cli, ["serve", "--model", str(tmp_path / "no-model"), "--rules", str(bad)])
+    assert res.exit_code == 2 and "unknown field 'intent_entropyy'" in res.output
+    res = runner.invoke(cli, ["serve", "--rules", str(tmp_path / "missing.yaml")])
+    assert res.exit_code == 2 and "no such rule file" in res.output
+    res = runner.invoke(cli, ["serve", "--port", "70000"])
+    assert res.exit_code == 2 and "server.port" in res.output

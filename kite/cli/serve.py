@@ -11,7 +11,8 @@ from typing import Annotated
 
 import typer
 
-from kite.cli._common import console
+from kite.cli._common import console, err_console
+from kite.errors import BadInput, KiteError
 
 
 def serve(
@@ -40,11 +41,15 @@ def serve(
     cfg = load_config(overrides={"server.host": host, "server.port": port, "server.admin_token": admin_token,
                                  "server.state_dir": str(state_dir) if state_dir else None,
                                  "features.upcycle_yoco_fusion": fusion, "model.default": model})
-    from kite.serve import ServeSettings, create_app, run
+    try:
+        from kite.serve import ServeSettings, create_app, run
+    except ModuleNotFoundError as exc:
+        raise KiteError(f"kite serve needs {exc.name}: pip install 'kite[serve]'") from None
     from kite.serve.app import compress_settings_for
     from kite.serve.settings import LOOPBACK
 
     settings = ServeSettings.from_config(cfg, rules=rules)
+    _check_rules(settings.rules_path)  # a bad rule file fails now, before the model loads
     out = console()
     from kite.model import load_model
     from kite.upcycle.settings import load_upcycle_config
@@ -64,3 +69,13 @@ def serve(
               f"states {settings.state_dir}", highlight=False, soft_wrap=True)
     run(app, settings.host, settings.port, log_level=log_level)
 
+
+
+def _check_rules(path: Path) -> None:
+    from kite.yoco.rules import RuleSetError, load_rules
+
+    try:
+        load_rules(path)
+    except RuleSetError as exc:
+        err_console().print(exc.report(), markup=False, highlight=False, soft_wrap=True)
+        raise BadInput(f"{path}: {len(exc.errors)} error(s) in the rule set (first: {exc.errors[0].header})") from None

@@ -46,7 +46,10 @@ class AdminClient:
     timeout_s: float = 30.0
 
     def _call(self, method: str, path: str, json: dict | None = None) -> dict:
-        import httpx
+        try:
+            import httpx
+        except ModuleNotFoundError:
+            raise KiteError("talking to a KITE server needs httpx: pip install httpx") from None
 
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         try:
