@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from urllib.parse import quote
 
 import httpx
@@ -402,3 +403,27 @@ def test_serve_command_refuses_a_bad_rule_file_before_loading(tmp_path):
     assert res.exit_code == 2 and "no such rule file" in res.output
     res = runner.invoke(cli, ["serve", "--port", "70000"])
     assert res.exit_code == 2 and "server.port" in res.output
+
+
+def test_admin_and_metrics_answer_while_the_model_is_busy(live):
+    c = live["client"]
+    done: dict[str, float] = {}
+
+    def long_completion(i):
+        with httpx.Client(base_url=live["url"], timeout=120) as own:
+            r = own.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 150})
+            assert r.status_code == 200
+            done[f"gen{i}"] = time.perf_counter()
+
+    threads = [threading.Thread(target=long_completion, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    assert c.get("/admin/rules/status", headers=_auth()).status_code == 200
+    assert c.post("/admin/rules/reload", headers=_auth()).status_code == 200
+    assert "kite_requests_total" in c.get("/metrics").text
+    done["admin"] = time.perf_counter()
+    for t in threads:
+        t.join()
+    # Three generations queue for the model one after another; admin did not wait behind them.
+    assert done["admin"] < max(done[f"gen{i}"] for i in range(3)), done

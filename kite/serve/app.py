@@ -25,6 +25,7 @@ class ServerState:
     metrics: ServerMetrics
     health: object | None
     sampler: object | None
+    model_limiter: object | None = None  # anyio.CapacityLimiter(1), made in the loop (workers.py)
 
 
 def create_app(lm, settings: ServeSettings, *, tagger=None, compress_settings=None, health=None,

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from kite.errors import BadInput
 from kite.serve.auth import require_admin
 from kite.serve.errors import error_response
-from kite.serve.routes_openai import in_worker
+from kite.serve.workers import in_worker
 from kite.serve.schemas import ReloadRequest, SwitchRequest
 from kite.serve.states import StateNotFound
 

@@ -8,22 +8,16 @@ import asyncio
 import json
 import time
 import uuid
-from functools import partial
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from kite.errors import BadInput, KiteError
 from kite.serve.runner import GenOptions
 from kite.serve.schemas import ChatRequest, CompletionRequest
+from kite.serve.workers import on_model
 
 router = APIRouter()
-
-
-async def in_worker(fn, *args, **kwargs):
-    """Run blocking model work in a worker thread; the event loop keeps serving."""
-    return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs))
 
 
 def _apply_stops(text: str, stops: list[str], stop_reason: str) -> tuple[str, str]:
@@ -39,7 +33,7 @@ async def _prepare(request: Request, body, chat: bool):
     state_id = upcycled = None
     if body.kite is not None:
         if body.kite.document is not None:
-            upcycled = await in_worker(srv.runner.upcycle, body.kite.document, None, body.kite.name or "-")
+            upcycled = await on_model(srv, srv.runner.upcycle, body.kite.document, None, body.kite.name or "-")
             srv.metrics.observe_upcycle(upcycled)
             state_id = upcycled.summary.id
         else:
@@ -60,7 +54,8 @@ async def _prepare(request: Request, body, chat: bool):
         prompt_ids = srv.runner.encode(query, after_state=state_id is not None)
     if not prompt_ids:
         raise BadInput("the prompt is empty")
-    opts = GenOptions(max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p, seed=body.seed)
+    opts = GenOptions(max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                      queued_at=time.perf_counter())
     return srv, state_id, upcycled, prompt_ids, query, opts
 
 
@@ -92,7 +87,7 @@ async def _respond(request: Request, body, chat: bool):
     if body.stream:
         return StreamingResponse(_stream(srv, head, chat, prompt_ids, query, state_id, opts, upcycled),
                                  media_type="text/event-stream", headers={"cache-control": "no-cache"})
-    answer = await in_worker(srv.runner.answer, prompt_ids, query, state_id, opts)
+    answer = await on_model(srv, srv.runner.answer, prompt_ids, query, state_id, opts)
     srv.metrics.observe_answer(answer)
     text, finish = _apply_stops(answer.generation.text, body.stops, answer.generation.stop_reason)
     kite = _kite(srv, answer, upcycled)
@@ -108,7 +103,7 @@ async def _stream(srv, head, chat, prompt_ids, query, state_id, opts, upcycled):
     queue: asyncio.Queue = asyncio.Queue()
     opts.on_text = lambda piece: loop.call_soon_threadsafe(queue.put_nowait, piece)
     obj = "chat.completion.chunk" if chat else "text_completion"
-    task = asyncio.ensure_future(in_worker(srv.runner.answer, prompt_ids, query, state_id, opts))
+    task = asyncio.ensure_future(on_model(srv, srv.runner.answer, prompt_ids, query, state_id, opts))
     task.add_done_callback(lambda _: loop.call_soon(queue.put_nowait, None))
 
     def event(choice: dict, **extra) -> str:

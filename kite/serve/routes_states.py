@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from kite.serve.routes_openai import in_worker
+from kite.serve.workers import in_worker, on_model
 from kite.serve.schemas import StateUpload
 
 router = APIRouter()
@@ -18,7 +18,7 @@ async def upload(request: Request, body: StateUpload):
     srv = request.app.state.kite
     if body.id is not None:
         srv.store.path_for(body.id)  # refuse a bad id before any work
-    up = await in_worker(srv.runner.upcycle, body.document, body.id, body.name or "-", body.overwrite)
+    up = await on_model(srv, srv.runner.upcycle, body.document, body.id, body.name or "-", body.overwrite)
     srv.metrics.observe_upcycle(up)
     return JSONResponse(up.to_dict(), status_code=201 if up.created else 200)
 

@@ -25,6 +25,7 @@ class GenOptions:
     top_p: float = 1.0
     seed: int | None = None
     on_text: Callable[[str], None] | None = None
+    queued_at: float | None = None  # time.perf_counter() when the request arrived
 
 
 @dataclass(slots=True)
@@ -48,7 +49,7 @@ class Answer:
     fused: object | None = None  # kite.yoco.fused.FusedAnswer
     state_id: str | None = None
     rules: dict | None = None  # version and sha256 of the rule set that decided
-    wait_ms: float = 0.0  # time spent waiting for the model lock
+    wait_ms: float = 0.0  # queued for the model: from arrival (after any upcycle) to holding it
 
     def kite_dict(self, fusion: bool) -> dict:
         out: dict = {"state": self.state_id, "fusion": fusion, "loaded": False, "wait_ms": round(self.wait_ms, 3)}
@@ -81,8 +82,9 @@ class ModelRunner:
     def model_name(self) -> str:
         return str(self.lm.source.spec)
 
-    def _locked(self):
-        t0 = time.perf_counter()
+    def _locked(self, since: float | None = None) -> float:
+        """Take the model lock; ms waited since `since` (default: now)."""
+        t0 = since if since is not None else time.perf_counter()
         self._lock.acquire()
         return (time.perf_counter() - t0) * 1e3
 
@@ -137,7 +139,7 @@ class ModelRunner:
         path = self.store.existing(state_id) if state_id is not None else None
         gen_kwargs = dict(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
                           top_p=opts.top_p, seed=opts.seed, on_text=opts.on_text)
-        wait = self._locked()
+        wait = self._locked(opts.queued_at)
         try:
             if path is None:
                 return Answer(generate(self.lm, prompt_ids, **gen_kwargs), wait_ms=wait)
