@@ -2,14 +2,26 @@
 
 One batched forward per group of queries gives both: next-token entropies from the logits and,
 from the same pass's hidden states, the tagger's embedding of the query.
+
+The pass is built for traffic samples (`kite yoco analyze`): queries are tokenized in one call,
+sorted by token count and cut into batches under a padded-token budget (little padding), the
+decoder runs without a KV cache, and the LM head runs only on the queries' real tokens, a chunk
+at a time, with the entropy taken as logsumexp(z) − Σ softmax(z)·z (no [B, T, V] probability
+tensor). Precisions other than fp32 are opt-in; their measured deviation is in
+docs/rules-dsl.md ("Analyzing traffic").
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
 
 import torch
+
+PRECISIONS = ("fp32", "bf16", "int8")
+_LN2 = math.log(2.0)
 
 
 @dataclass
@@ -25,45 +37,128 @@ def _entropy_bits(probs: torch.Tensor) -> torch.Tensor:
     return -(probs * torch.log2(probs.clamp_min(1e-12))).sum(-1)
 
 
+def entropy_bits_of_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (bits) of softmax(logits) over the last axis: (logsumexp(z) − Σ p·z) / ln 2."""
+    z = logits.float()
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    p = torch.exp(z - lse)
+    return (lse.squeeze(-1) - (p * z).sum(-1)) / _LN2
+
+
+def head_entropy_bits(head: torch.nn.Module, hidden: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """Entropy (bits) of the next-token distribution for each row of `hidden` [N, D], running
+    `head` (the LM head) `chunk` rows at a time so the logits stay small enough for the cache."""
+    out = torch.empty(hidden.shape[0], dtype=torch.float32)
+    for s in range(0, hidden.shape[0], chunk):
+        out[s:s + chunk] = entropy_bits_of_logits(head(hidden[s:s + chunk])).cpu()
+    return out
+
+
+def _plain_head(model) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(decoder, LM head) when logits are exactly head(decoder(x)) — the Llama family; else None
+    (logit soft-capping or scaling: run the whole model instead)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+        return None
+    try:
+        decoder, head = model.get_decoder(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    return (decoder, head) if decoder is not None and head is not None else None
+
+
+def int8_model(lm):
+    """A copy of `lm` whose Linear layers (LM head included) are dynamically quantized to int8
+    (torch.ao; weights int8, activations quantized per batch). For `--fast`: its entropies deviate
+    from fp32 by the tolerance measured in benchmarks/yoco_analyze.py."""
+    import copy
+
+    from torch.ao.quantization import quantize_dynamic
+
+    model = quantize_dynamic(copy.deepcopy(lm.model), {torch.nn.Linear}, dtype=torch.qint8)
+    return replace(lm, model=model)
+
+
+def _batches(lengths: list[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
+    """Indices sorted by length, cut so each batch has ≤ batch_size rows and ≤ batch_tokens
+    padded tokens (rows × longest row)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and (len(cur) + 1 > batch_size or (len(cur) + 1) * lengths[i] > batch_tokens):
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
+
+
 @torch.inference_mode()
-def query_signals(lm, queries: list[str], tagger=None, batch_size: int = 32,
-                  max_tokens: int = 128) -> list[QuerySignals]:
-    """Signals for each query (right-padded batches, so each query's own tokens are unaffected)."""
+def query_signals(lm, queries: list[str], tagger=None, batch_size: int = 64,
+                  max_tokens: int = 128, *, batch_tokens: int = 1024, precision: str = "fp32",
+                  progress: Callable[[int, int], None] | None = None) -> list[QuerySignals]:
+    """Signals for each query, in order (right-padded batches, so each query's own tokens are
+    unaffected by the others). `precision`: fp32 (exact), bf16 (autocast matmuls) — for int8 pass
+    `int8_model(lm)`. `progress(done, total)` after each batch."""
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision {precision!r}: expected fp32 or bf16 (int8: int8_model(lm))")
     tok = lm.tokenizer
     layers = list(tagger.embedding_layers) if tagger is not None and tagger.embedding_layers else []
-    out: list[QuerySignals] = []
-    order = sorted(range(len(queries)), key=lambda i: len(queries[i]))  # similar lengths together
-    results: dict[int, QuerySignals] = {}
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
-        enc = [tok(queries[i], add_special_tokens=False)["input_ids"][:max_tokens] or [pad] for i in idx]
-        width = max(len(e) for e in enc)
-        ids = torch.full((len(enc), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(enc), width), dtype=torch.long)
-        for row, e in enumerate(enc):
-            ids[row, :len(e)] = torch.tensor(e)
-            mask[row, :len(e)] = 1
-        res = lm.model(input_ids=ids.to(lm.device), attention_mask=mask.to(lm.device),
-                       output_hidden_states=bool(layers))
-        ent = _entropy_bits(torch.softmax(res.logits.float(), dim=-1)).cpu()
-        m = mask.bool()
-        emb = None
-        if layers:
-            emb = torch.cat([(res.hidden_states[h].float().cpu() * mask[..., None]).sum(1)
-                             / mask.sum(1, keepdim=True) for h in layers], dim=-1)
-        tags = tagger.predict_embeddings(emb) if emb is not None else None
+    enc = tok(list(queries), add_special_tokens=False)["input_ids"] if queries else []
+    enc = [e[:max_tokens] or [pad] for e in enc]
+    plain = _plain_head(lm.model)
+    device = lm.device
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+    results: list[QuerySignals | None] = [None] * len(enc)
+    done = 0
+    for idx in _batches([len(e) for e in enc], batch_size, batch_tokens):
+        width = max(len(enc[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
         for row, i in enumerate(idx):
-            n = int(m[row].sum())
+            ids[row, :len(enc[i])] = torch.tensor(enc[i])
+            mask[row, :len(enc[i])] = 1
+        m = mask.bool()
+        with cast:
+            if plain is not None:
+                decoder, head = plain
+                res = decoder(input_ids=ids.to(device), attention_mask=mask.to(device),
+                              output_hidden_states=bool(layers), use_cache=False)
+                ent_flat = head_entropy_bits(head, res.last_hidden_state[m.to(device)])
+                hidden_states = res.hidden_states
+            else:
+                res = lm.model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                               output_hidden_states=bool(layers), use_cache=False)
+                ent_flat = entropy_bits_of_logits(res.logits[m.to(device)]).cpu()
+                hidden_states = res.hidden_states
+        # Mean over each row's own tokens: the flat entropies are in row-major order.
+        counts = m.sum(1)
+        sums = torch.zeros(len(idx)).index_add_(0, torch.repeat_interleave(torch.arange(len(idx)), counts),
+                                                ent_flat)
+        means = (sums / counts.clamp_min(1)).tolist()
+        tags = None
+        if layers:
+            mf = mask[..., None].float()
+            emb = torch.cat([(hidden_states[h].float().cpu() * mf).sum(1) / mf.sum(1) for h in layers], dim=-1)
+            tags = tagger.predict_embeddings(emb)
+        for row, i in enumerate(idx):
             probs = tags[row].probs if tags else {}
             results[i] = QuerySignals(
-                intent_entropy=float(ent[row][m[row]].mean()) if n else 0.0,
-                query_label=tags[row].label if tags else "",
-                label_entropy=float(-sum(p * math.log2(p) for p in probs.values() if p > 0)),
-                label_probs=probs, tokens=n)
-    out = [results[i] for i in range(len(queries))]
+                intent_entropy=float(means[row]), query_label=tags[row].label if tags else "",
+                label_entropy=_label_entropy(probs), label_probs=probs, tokens=int(counts[row]))
+        done += len(idx)
+        if progress is not None:
+            progress(done, len(enc))
+    out = [r for r in results if r is not None]
     if tagger is not None and not layers and queries:  # a prompt-scoring tagger reads the text
         for sig, tag in zip(out, tagger.tag_texts(lm.model, tok, queries)):
             sig.query_label, sig.label_probs = tag.label, tag.probs
-            sig.label_entropy = float(-sum(p * math.log2(p) for p in tag.probs.values() if p > 0))
+            sig.label_entropy = _label_entropy(tag.probs)
     return out
+
+
+def _label_entropy(probs: dict[str, float]) -> float:
+    return float(-sum(p * math.log2(p) for p in probs.values() if p > 0))
