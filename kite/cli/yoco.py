@@ -191,10 +191,18 @@ def _ranges(layers: list[int]) -> str:
     return ",".join(parts)
 
 
+ModelOpt = typer.Option("--model", "-m", help="HF folder, .gguf file or embedded name (default smollm2-135m).")
+
+
 @app.command("decide")
 def decide_cmd(
-    signals: Annotated[str, typer.Option("--signals", help="Signals as JSON, or @file.json "
-                                         "(nested or dotted keys; missing ones default).")],
+    signals: Annotated[Optional[str], typer.Option("--signals", help="Signals as JSON, or @file.json "
+                                                   "(nested or dotted keys; missing ones default).")] = None,
+    state: Annotated[Optional[Path], typer.Option("--state", help="A .upc state: its labels, health "
+                                                  "(health store) and layers; needs --query.")] = None,
+    query: Annotated[Optional[str], typer.Option("--query", help="The query whose signals the model "
+                                                 "computes (with --state).")] = None,
+    model: Annotated[Optional[str], ModelOpt] = None,
     rules: Optional[Path] = RulesOpt,
     labels: Optional[str] = LabelsOpt,
     layers: Optional[int] = LayersOpt,
@@ -203,17 +211,196 @@ def decide_cmd(
         "features.yoco_min_hit_gain).")] = None,
     json_out: bool = JsonOpt,
 ) -> None:
-    """Show the rule that matches and the load plan for explicit signals."""
+    """Show the rule that matches and the load plan: for explicit --signals, or for a --query
+    against a --state (the model computes the query's signals; health from the health store,
+    watermark from one sample of the device or host).
+
+    Example: kite yoco decide --state contract.upc --query "who owns the code?" --json
+    """
     from kite.yoco.engine import StateInfo
     from kite.yoco.health import health_from_gain, DEFAULT_PRIOR_GAIN
     from kite.yoco.rules import default_rules_path
     from kite.yoco.signals import Signals
 
+    if (signals is None) == (state is None):
+        raise BadInput("give either --signals, or --state with --query")
+    if state is not None:
+        if query is None:
+            raise BadInput("--state needs --query (the text to decide for)")
+        if labels is not None or layers is not None:
+            raise BadInput("--labels and --layers come from the state with --state; leave them out")
+        return _decide_for_state(state, query, model, rules or default_rules_path(),
+                                 _min_hit_gain(min_hit_gain), json_out)
+    if query is not None:
+        raise BadInput("--query needs --state (with --signals the query's signals are given)")
     sig = Signals.from_mapping(_read_signals(signals), where="--signals")
     prior = health_from_gain(DEFAULT_PRIOR_GAIN)
     health = {k: (prior if v is None else v) for k, v in (_labels(labels) or {}).items()}
-    state = StateInfo(health, layers)
-    run_decision(rules or default_rules_path(), sig, state, _min_hit_gain(min_hit_gain), json_out)
+    info = StateInfo(health, layers)
+    run_decision(rules or default_rules_path(), sig, info, _min_hit_gain(min_hit_gain), json_out)
+
+
+def _model_and_tagger(model: str | None, progress=None):
+    """The model and the clause tagger the upcycle config asks for (the one states are tagged with)."""
+    from kite.model import load_model
+    from kite.upcycle.settings import load_upcycle_config
+    from kite.upcycle.tagger_setup import build_tagger
+
+    cfg, cfg_path = load_upcycle_config(None)
+    lm = load_model(model, adapter=cfg.adapter)
+    return lm, build_tagger(lm, cfg, cfg_path, progress=progress)
+
+
+def _decide_for_state(path: Path, query: str, model: str | None, rules_path: Path,
+                      min_hit_gain: float, json_out: bool) -> None:
+    from kite.cli._progress import progress_bar
+    from kite.upcycle.state_file import StateFile
+    from kite.yoco.fused import plan_for, state_info
+    from kite.yoco.health import HealthStore
+    from kite.yoco.watermark import WatermarkSampler, default_backend
+
+    with progress_bar() as progress:
+        lm, tagger = _model_and_tagger(model, progress)
+    sampler = WatermarkSampler(default_backend())
+    try:
+        reading = sampler.sample_once()
+    finally:
+        sampler.close()
+    with StateFile(path) as st, HealthStore() as health:
+        info = state_info(st, health)
+        ruleset = _load(rules_path, info.labels, info.n_layers)
+        signals, plan, q, info = plan_for(lm, tagger, ruleset, st, query, health=health,
+                                          watermark=reading.watermark, min_hit_gain=min_hit_gain)
+    if not json_out:
+        run_decision(rules_path, signals, info, min_hit_gain, False)
+        return
+    emit_json({"state": str(path), "state_id": info.state_id, "query": query, "query_tokens": q.tokens,
+               "label_probs": q.label_probs, "watermark_source": reading.source, "rules": ruleset.info(),
+               "signals": signals.flat(), "state_labels": info.health, "n_layers": info.n_layers,
+               "min_hit_gain": min_hit_gain, "matched_rule": plan.matched_rule, "plan": plan.to_dict()})
+
+
+@app.command("analyze")
+def analyze_cmd(
+    queries: Annotated[Path, typer.Option("--queries", help="Traffic JSONL: one {\"query\": ...} a line "
+                                          "(other fields kept; `family` groups the coverage).")],
+    model: Annotated[Optional[str], ModelOpt] = None,
+    rules: Optional[Path] = RulesOpt,
+    labels: Annotated[Optional[str], typer.Option("--labels", help="Cluster labels the rules may name, "
+                                                  "comma-separated (default: the tagger's).")] = None,
+    assume: Annotated[Optional[str], typer.Option("--assume", help="The non-query signals coverage "
+                                                  "assumes, JSON or @file (default: prior health, idle "
+                                                  "hardware), e.g. '{\"hardware_watermark.gpu_mem\": 0.9}'.")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG histogram of intent "
+                                                 "entropy with the rules' thresholds.")] = None,
+    fast: Annotated[bool, typer.Option("--fast", help="bf16 matmuls: faster on AVX512-BF16 CPUs; "
+                                       "entropies move by up to ~0.06 bits (docs/rules-dsl.md).")] = False,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Queries per forward.")] = 64,
+    threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="torch threads (default: "
+                                                   "torch's; 1 can win on a loaded machine).")] = None,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Intent-entropy distribution, query labels, suggested thresholds and rule coverage of a
+    traffic sample (one batched entropy pass over every query).
+
+    Example: kite data traffic --n 2000 --out traffic.jsonl && kite yoco analyze --queries traffic.jsonl --plot h.png
+    """
+    from kite.cli._progress import progress_bar
+    from kite.data.jsonl import read_jsonl
+    from kite.yoco.analyze import analyze, neutral_signals, plot_entropy
+    from kite.yoco.intent import query_signals
+    from kite.yoco.rules import default_rules_path
+    from kite.yoco.signals import Signals
+
+    records = read_jsonl(queries)
+    for rec in records:
+        if not isinstance(rec.get("query"), str):
+            raise BadInput(f"{queries}:{rec['_line']}: expected a \"query\" string")
+    base = neutral_signals()
+    if assume is not None:
+        given = Signals.from_mapping(_read_signals(assume), where="--assume")
+        own = [k for k in _read_signals(assume) if k in ("intent_entropy", "query_label", "label_entropy",
+                                                          "query_novelty")]
+        if own:
+            raise BadInput(f"--assume: {own[0]} is the query's own signal (measured, not assumed)")
+        given.state_health_score = (given.state_health_score if given.state_health_score is not None
+                                    else base.state_health_score)
+        base = given
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    texts = [rec["query"] for rec in records]
+    with progress_bar() as progress:
+        lm, tagger = _model_and_tagger(model, progress)
+        names = [s.strip() for s in labels.split(",") if s.strip()] if labels is not None else (
+            list(tagger.labels) if tagger is not None else None)
+        ruleset = _load(rules or default_rules_path(), names, lm.geometry.n_layers)
+        sigs = query_signals(lm, texts, tagger, batch_size=batch_size, precision="bf16" if fast else "fp32",
+                             progress=lambda d, t: progress("entropy", d, t))
+    groups = [rec.get("family") for rec in records] if any("family" in rec for rec in records) else None
+    report = analyze(sigs, ruleset, queries=texts, base=base, groups=groups)
+    report["source"] = {"queries": str(queries), "model": lm.source.spec, "precision": "bf16" if fast else "fp32",
+                        "tagger": None if tagger is None else tagger.method}
+    if plot is not None:
+        plot_entropy(report, plot, title=f"Intent entropy: {queries.name} ({len(sigs)} queries)")
+        report["plot"] = str(plot)
+    if json_out:
+        emit_json(report)
+        return
+    _print_analysis(report)
+
+
+def _print_analysis(report: dict) -> None:
+    import math
+
+    from rich.markup import escape
+    from rich.table import Table
+
+    out = console()
+    d = report["intent_entropy"]
+    out.print(f"[bold]{report['queries']}[/] queries, {report['tokens']['mean']:.1f} tokens each "
+              f"({report['source']['precision']})", highlight=False)
+    out.print(f"[bold]intent entropy[/] (bits) mean {d['mean']:.3f}, std {d['std']:.3f}, "
+              f"min {d['min']:.3f}, max {d['max']:.3f}", highlight=False)
+    out.print("  " + "  ".join(f"{k} {v:.3f}" for k, v in d["quantiles"].items()), highlight=False)
+    peak = max(d["histogram"]["counts"]) or 1
+    edges = d["histogram"]["edges"]
+    width = edges[1] - edges[0]  # enough decimals that neighbouring edges differ
+    prec = max(2, 1 - math.floor(math.log10(width))) if width > 0 else 2
+    for k, c in enumerate(d["histogram"]["counts"]):
+        out.print(f"  {edges[k]:.{prec}f}-{edges[k + 1]:<.{prec}f} {c:>7}  {'█' * round(40 * c / peak)}",
+                  highlight=False)
+    labels = Table("label", "queries", "share", "mean label entropy", box=None, title="query labels",
+                   title_justify="left")
+    for row in report["labels"]:
+        labels.add_row(escape(row["label"] or "(no tagger)"), str(row["count"]), f"{100 * row['share']:.1f}%",
+                       f"{row['mean_label_entropy']:.3f}")
+    out.print(labels)
+    cuts = report["cuts"]
+    out.print("[bold]suggested intent_entropy cuts[/] (share at or below | above)", highlight=False)
+    for c in cuts["quantiles"]:
+        out.print(f"  p{round(100 * c['quantile']):<3} {c['value']:7.3f}  {100 * c['below']:5.1f}% | "
+                  f"{100 * c['above']:5.1f}%", highlight=False)
+    if cuts["otsu"]:
+        o = cuts["otsu"]
+        out.print(f"  Otsu {o['value']:7.3f}  {100 * o['below']:5.1f}% | {100 * o['above']:5.1f}%  (group means "
+                  f"{o['mean_below']:.2f} / {o['mean_above']:.2f}, separation {o['separation']:.2f})",
+                  highlight=False)
+    for c in cuts["rules"]:
+        out.print(f"  rule {escape(c['rule'])}: intent_entropy {c['op']} {c['value']:g}  "
+                  f"{100 * c['below']:5.1f}% | {100 * c['above']:5.1f}%", highlight=False)
+    cov = report["coverage"]
+    table = Table("rule", "queries", "share", box=None, title=f"coverage ({cov['rules_version']}, assuming "
+                  + ", ".join(f"{k}={v}" for k, v in cov["assumed"].items() if v) + ")", title_justify="left")
+    for row in cov["rules"]:
+        table.add_row(escape(row["rule"]) + (" (default)" if row["default"] else ""), str(row["count"]),
+                      f"{100 * row['share']:.1f}%")
+    out.print(table)
+    if cov["unmatched_rules"]:
+        out.print(f"[yellow]never hit[/]: {escape(', '.join(cov['unmatched_rules']))}", highlight=False)
+    if "plot" in report:
+        out.print(f"wrote {report['plot']}", highlight=False)
 
 
 # -- talking to a running `kite serve` ---------------------------------------------------------
