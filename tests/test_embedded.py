@@ -34,3 +34,23 @@ def test_gguf_and_cached_folder_give_identical_logits(embedded):
         a = direct(ids).logits
         b = embedded.model(ids).logits
     assert torch.equal(a, b) or (a - b).abs().max() < 1e-5
+
+
+def test_embedded_exact_reuse_from_upc(embedded, tmp_path):
+    """Invariant 1 on the embedded model: .upc (exact, every cluster) + query == prefill."""
+    from kite.runtime.cache import new_cache
+    from kite.runtime.generate import forward_tokens
+    from kite.upcycle import codec
+    from kite.upcycle.capture import tokenize_document
+    from kite.upcycle.compress import CompressSettings, compress_document
+    from kite.upcycle.load import load_prefix
+
+    text = open("/usr/share/common-licenses/Apache-2.0", encoding="utf-8").read()[:3000]
+    out = tmp_path / "apache.upc"
+    compress_document(embedded, text, out, CompressSettings(codec=codec.settings_for("exact"), n_clusters=4))
+    ids, _ = tokenize_document(embedded.tokenizer, text)
+    query = embedded.tokenizer("\nWhat does the license grant?", add_special_tokens=False)["input_ids"]
+    full = forward_tokens(embedded.model, ids + query, new_cache(embedded.model), 0)[-len(query):]
+    prefix, _ = load_prefix(out, embedded)
+    got = forward_tokens(embedded.model, query, new_cache(embedded.model, prefix), prefix.next_position)
+    assert (full - got).abs().max() <= 1e-4
