@@ -1,0 +1,240 @@
+"""`run_bench`: the same cases, in one process, through every method; results written after
+every case (atomically) so an interrupted or failing run keeps what it finished."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kite.bench.cases import BenchCase, load_cases
+from kite.bench.methods import ALL_METHODS, BASELINES, Fused, Method, kvpress_status
+from kite.errors import BadInput
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class BenchSettings:
+    cases: str
+    output: str
+    model: str | None = None
+    upcycle_dir: str = "bench-states"
+    rules: str | None = None
+    upcycle_config: str | None = None
+    baselines: list[str] = field(default_factory=lambda: ["full", "window", "kivi", "snapkv", "kvpress"])
+    thresholds: str | None = None
+    families: list[str] | None = None
+    per_family: int | None = None
+    max_cases: int | None = None
+    max_new_tokens: int = 32
+    ratio: float | None = None  # state compression ratio; None: the upcycle config's
+    chat: bool = True
+    device: str | None = None
+
+
+def check_methods(names: list[str]) -> list[str]:
+    bad = [n for n in names if n not in BASELINES]
+    if bad:
+        raise BadInput(f"--baselines {bad[0]!r}: expected some of {', '.join(BASELINES)}")
+    if "full" not in names:
+        names = ["full", *names]  # the reference every delta is measured against
+    return list(dict.fromkeys(names))
+
+
+def prompt_ids(lm, question: str, chat: bool) -> list[int]:
+    """The question as the prompt after the document (no BOS: it continues the document)."""
+    from kite.runtime.generate import encode_prompt
+
+    use_chat = chat and bool(getattr(lm.tokenizer, "chat_template", None))
+    text = question if use_chat else f"\nQuestion: {question}\nAnswer:"
+    return encode_prompt(lm.tokenizer, text, chat=use_chat, add_special_tokens=False)
+
+
+def check_lengths(lm, cases: list[BenchCase], max_new_tokens: int, chat: bool) -> dict[str, tuple]:
+    """Token ids of every case; a case past the model's context is BadInput (file:line)."""
+    from kite.bench.document import document_ids
+
+    limit = lm.geometry.context_length
+    docs: dict[str, list[int]] = {}
+    out = {}
+    for c in cases:
+        ids = docs.setdefault(c.document_key, document_ids(lm, c.document))
+        p = prompt_ids(lm, c.question, chat)
+        ref = lm.tokenizer(" " + c.reference.strip(), add_special_tokens=False)["input_ids"]
+        need = len(ids) + len(p) + max(len(ref), max_new_tokens)
+        if limit and need > limit:
+            raise BadInput(f"{c.where}: case {c.id}: document ({len(ids)}) + prompt ({len(p)}) + "
+                           f"reference ({len(ref)}) or --max-new-tokens ({max_new_tokens}) tokens = "
+                           f"{need}, past the model's context of {limit}")
+        out[c.id] = (ids, p, ref)
+    return out
+
+
+def write_result(path: str | Path, result: dict) -> None:
+    from kite.atomic import write_text
+
+    write_text(path, json.dumps(result, indent=1, default=_json_default) + "\n")
+
+
+def _json_default(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return str(x)
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
+    """Run the benchmark; returns the result document (also written to `s.output`)."""
+    import torch
+
+    from kite.bench import report
+    from kite.bench.document import prefill_document
+    from kite.bench.machine import machine_info, memory_peak_gb, reset_peak
+    from kite.bench.scoring import exact_match, f1_score, perplexity, reference_logits
+    from kite.bench.states import ensure_state
+    from kite.bench.thresholds import evaluate, load_thresholds
+    from kite.model import load_model
+    from kite.upcycle.compress import CompressSettings
+    from kite.upcycle.evaluate import compare_logits
+    from kite.upcycle.settings import load_upcycle_config
+    from kite.upcycle.tagger_setup import build_tagger
+    from kite.yoco.health import HealthStore
+    from kite.yoco.rules import default_rules_path, load_rules
+
+    # Everything that can be wrong with the input is checked before the model loads.
+    thresholds, th_source = load_thresholds(s.thresholds)
+    names = check_methods(s.baselines)
+    cases = load_cases(s.cases, s.families, s.per_family)[: s.max_cases]
+    cfg, cfg_path = load_upcycle_config(s.upcycle_config)
+    rules_path = Path(s.rules) if s.rules else default_rules_path()
+    if s.ratio is not None and s.ratio < 1:
+        raise BadInput(f"--ratio {s.ratio}: a compression ratio is ≥ 1 (4 = a quarter of raw fp16 KV)")
+    notes: list[str] = []
+    usable, kv_note = kvpress_status()
+    if "kvpress" in names and not usable:
+        names.remove("kvpress")
+        notes.append(kv_note)
+
+    lm = load_model(s.model, adapter=cfg.adapter, device=s.device)
+    ids_of = check_lengths(lm, cases, s.max_new_tokens, s.chat)
+    from kite.upcycle import codec
+
+    codec_s = (codec.settings_for(s.ratio) if s.ratio is not None else
+               codec.settings_for(cfg.compression.precision) if cfg.compression.precision else
+               codec.settings_for(1.0 / cfg.compression.svd_ratio))
+    settings = CompressSettings(codec=codec_s, n_clusters=cfg.compression.cluster_num,
+                                min_span_tokens=cfg.compression.min_span_tokens,
+                                max_span_tokens=cfg.compression.max_span_tokens)
+    tagger = build_tagger(lm, cfg, cfg_path, progress=progress)
+    labels = sorted(set(tagger.labels)) if tagger is not None else None
+    rules = load_rules(rules_path, None, lm.geometry.n_layers)
+    try:
+        from kite.config import load_config
+
+        min_gain = float(load_config().features.yoco_min_hit_gain)
+    except Exception:  # noqa: BLE001 - a broken user config must not stop a benchmark
+        min_gain = 0.005
+    methods: dict[str, Method] = {n: BASELINES[n]() for n in names}
+    methods["fused"] = Fused(tagger=tagger, rules=rules, health=HealthStore(), min_hit_gain=min_gain)
+    all_names = [n for n in ALL_METHODS if n in methods]
+
+    result = {
+        "kite_bench": 1, "complete": False, "error": None, "started_at": _now(), "finished_at": None,
+        "config": {**asdict(s), "codec": codec_s.name, "n_clusters": settings.n_clusters,
+                   "rules_file": str(rules_path), "rules_version": rules.version,
+                   "rules_sha256": rules.sha256, "upcycle_config_file": str(cfg_path) if cfg_path else None,
+                   "tagger_labels": labels, "yoco_min_hit_gain": min_gain},
+        "model": {"spec": str(lm.source.spec), "fingerprint": lm.fingerprints.combined,
+                  "geometry": lm.geometry.to_dict()},
+        "machine": machine_info(lm.device), "methods": all_names, "notes": notes,
+        "cases": [], "summary": {}, "thresholds": [], "thresholds_source": th_source, "passed": None,
+        "targets": [],
+    }
+    gen = dict(max_new_tokens=s.max_new_tokens, temperature=0.0)
+    docs: dict = {}
+    t_run = time.perf_counter()
+
+    def finish(error: str | None) -> dict:
+        rows = result["cases"]
+        result["summary"] = report.summarize(rows, all_names) if rows else {}
+        fused = result["summary"].get("fused", {}) if rows else {}
+        figures = dict(fused)
+        if rows:
+            figures["memory_peak_gb"] = max(r["memory_peak_gb"] for r in rows)
+        result["thresholds"] = evaluate(thresholds, figures)
+        result["passed"] = bool(rows) and error is None and all(t["pass"] for t in result["thresholds"])
+        result["targets"] = report.targets(result["summary"]) if rows else []
+        result["error"] = error
+        result["complete"] = error is None and len(rows) == len(cases)
+        result["finished_at"] = _now()
+        result["wall_s"] = round(time.perf_counter() - t_run, 1)
+        write_result(s.output, result)
+        return result
+
+    try:
+        for i, case in enumerate(cases):
+            doc_ids, p_ids, ref_ids = ids_of[case.id]
+            if case.document_key not in docs:
+                docs.clear()  # one document's caches at a time
+                doc = prefill_document(lm, case.document_key, doc_ids)
+                state = ensure_state(lm, case.document_key, doc_ids, Path(s.upcycle_dir), settings, tagger)
+                preps = {}
+                for name, m in methods.items():
+                    preps[name] = m.prepare(lm, doc, state.state_bytes)
+                preps["fused"].data = state
+                docs[case.document_key] = (doc, state, preps)
+            doc, state, preps = docs[case.document_key]
+            row = {"id": case.id, "family": case.family, "label": case.label, "question": case.question,
+                   "reference": case.reference, "document_tokens": doc.n_tokens,
+                   "prompt_tokens": len(p_ids), "reference_tokens": len(ref_ids),
+                   "document_raw_kv_bytes": doc.raw_kv_bytes(lm),
+                   "state": {"file": state.path.name, "bytes": state.state_bytes, "reused": state.reused,
+                             "build_ms": round(state.build_ms, 1),
+                             "compression_ratio": round(state.compression_ratio, 3),
+                             "regenerate_rate": round(state.regenerate_rate, 4)},
+                   "methods": {}}
+            full_logits = None
+            for name in all_names:
+                reset_peak(lm.device)
+                ans = methods[name].answer(lm, doc, preps[name], case.question, p_ids, gen)
+                logits = reference_logits(lm, ans.ppl_prefix, ans.ppl_prompt, ref_ids)
+                if name == "full":
+                    full_logits = logits
+                cmp = compare_logits(full_logits, logits, torch.tensor(ref_ids))
+                peak, source = memory_peak_gb(lm.device)
+                row["methods"][name] = {
+                    "text": ans.text, "f1": round(f1_score(ans.text, case.reference), 4),
+                    "exact_match": exact_match(ans.text, case.reference),
+                    "ppl": round(perplexity(logits, ref_ids), 4), "ttft_ms": round(ans.ttft_ms, 3),
+                    "latency_ms": round(ans.latency_ms, 3), "tokens_per_s": ans.tokens_per_s,
+                    "new_tokens": ans.new_tokens, "kv_bytes": ans.kv_bytes,
+                    "kl_mean": round(cmp["kl_mean"], 5), "top1": round(cmp["top1"], 4),
+                    "memory_peak_gb": round(peak, 4), "memory_source": source, "note": preps[name].note,
+                    **{k: v for k, v in ans.details.items()}}
+                if progress:
+                    progress("methods", all_names.index(name) + 1, len(all_names))
+            full = row["methods"]["full"]
+            for m in row["methods"].values():
+                m["ppl_delta"] = round(m["ppl"] - full["ppl"], 4)
+                m["f1_delta"] = round(m["f1"] - full["f1"], 4)
+            row["memory_peak_gb"], row["memory_source"] = (round(x, 4) if isinstance(x, float) else x
+                                                           for x in memory_peak_gb(lm.device))
+            result["cases"].append(row)
+            write_result(s.output, {**result, "summary": report.summarize(result["cases"], all_names)})
+            if progress:
+                progress("cases", i + 1, len(cases))
+    except KeyboardInterrupt:
+        finish("interrupted (Ctrl-C)")
+        raise
+    except Exception as exc:
+        finish(f"case {case.id}: {type(exc).__name__}: {exc}")
+        raise
+    return finish(None)

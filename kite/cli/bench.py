@@ -1,0 +1,178 @@
+"""`kite bench`: the fused pipeline against full prefill and equal-size baselines; results history."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kite.cli._common import JsonOpt, console, emit_json, new_app
+from kite.errors import BadInput
+
+app = new_app(
+    "Benchmark the fused pipeline against full prefill and baselines.\n\n"
+    "Examples:\n\n"
+    "  kite bench run --upcycle out/bench-states --cases configs/bench_cases.jsonl --output out/bench.json\n\n"
+    "  kite bench run --baselines full,window,kivi --thresholds configs/bench.yaml --plot out/plots --json\n\n"
+    "  kite bench history --json"
+)
+
+
+@app.callback()
+def _group() -> None:
+    """Benchmark the fused pipeline against full prefill and baselines; list past runs."""
+
+
+@app.command("run")
+def run(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Results JSON (rewritten after every case).")],
+    cases: Annotated[Optional[str], typer.Option("--cases", help="Cases JSONL (docs/bench-cases.md); "
+                                                 "default configs/bench_cases.jsonl.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF folder, .gguf or embedded name.")] = None,
+    upcycle: Annotated[Path, typer.Option("--upcycle", help="Folder of the documents' .upc states "
+                                          "(made when missing, reused when they match).")] = Path("bench-states"),
+    yoco_rules: Annotated[Optional[Path], typer.Option("--yoco-rules", help="YOCO rule file "
+                                                       "(default rules/yoco_rules.yaml).")] = None,
+    upcycle_config: Annotated[Optional[Path], typer.Option("--upcycle-config", help="upcycle_config.yaml "
+                                                            "(default configs/upcycle_config.yaml).")] = None,
+    baselines: Annotated[str, typer.Option(help="Comma list of full,window,kivi,snapkv,kvpress (full is "
+                                           "always run: it is the reference).")] = "full,window,kivi,snapkv,kvpress",
+    thresholds: Annotated[Optional[Path], typer.Option(help="bench.yaml with `thresholds:` (default "
+                                                       "configs/bench.yaml, else the seed's table).")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write PNG plots into this folder.")] = None,
+    families: Annotated[Optional[str], typer.Option(help="Only these families (summary,multihop,fuzzy,needle,qa).")] = None,
+    per_family: Annotated[Optional[int], typer.Option(min=1, help="At most N questions per family per contract.")] = None,
+    max_cases: Annotated[Optional[int], typer.Option(min=1, help="Stop after N cases.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per answer.")] = 32,
+    ratio: Annotated[Optional[float], typer.Option(help="State compression ratio (default: the upcycle config's).")] = None,
+    device: Annotated[Optional[str], typer.Option(help="cpu | cuda (default: cuda when present).")] = None,
+    threads: Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads (on a loaded machine "
+                                                   "1 is often fastest).")] = None,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Run every case through full prefill, the baselines and the fused pipeline; exit 1 when a
+    threshold fails (or a case fails: the cases finished are still written)."""
+    from kite.bench.cases import default_cases_path
+    from kite.bench.history import append_run, record_of
+    from kite.bench.runner import BenchSettings, run_bench
+    from kite.cli._progress import progress_bar
+
+    if cases is None:
+        found = default_cases_path()
+        if found is None:
+            raise BadInput("--cases: give a cases JSONL (kite bench cases --out FILE makes one)")
+        cases = str(found)
+    s = BenchSettings(cases=cases, output=str(output), model=model, upcycle_dir=str(upcycle),
+                      rules=str(yoco_rules) if yoco_rules else None,
+                      upcycle_config=str(upcycle_config) if upcycle_config else None,
+                      baselines=[b.strip() for b in baselines.split(",") if b.strip()],
+                      thresholds=str(thresholds) if thresholds else None,
+                      families=[f.strip() for f in families.split(",")] if families else None,
+                      per_family=per_family, max_cases=max_cases, max_new_tokens=max_new_tokens,
+                      ratio=ratio, device=device)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    result = None
+    try:
+        with progress_bar() as progress:
+            result = run_bench(s, progress)
+    finally:
+        if result is None and output.exists():
+            import json
+
+            try:  # a partial run: record what it finished
+                partial = json.loads(output.read_text())
+                if partial.get("cases") and partial.get("error"):
+                    append_run(record_of(partial, str(output)))
+            except (ValueError, OSError, KeyError):
+                pass
+    append_run(record_of(result, str(output)))
+    plots = []
+    if plot is not None:
+        from kite.bench.plots import write_plots
+
+        plots = write_plots(result, plot)
+    if json_out:
+        emit_json({**result, "plots": plots})
+    else:
+        _print(result, output, plots)
+    if not result["passed"]:
+        raise typer.Exit(1)
+
+
+def _print(result: dict, output: Path, plots: list[str]) -> None:
+    from kite.bench.report import family_table, results_table, threshold_table
+
+    out = console()
+    out.print(results_table(result))
+    out.print(family_table(result))
+    for note in result["notes"]:
+        out.print(f"[yellow]note[/] {note}", highlight=False)
+    fused = result["summary"]["fused"]
+    out.print(f"fused: regenerate rate {fused.get('upcycle_regenerate_rate')} MB/1K tokens · yoco_hit_rate "
+              f"{fused.get('yoco_hit_rate')} ({fused.get('loads')} loads) · memory peak "
+              f"{result['cases'][-1]['memory_peak_gb']:.2f} GB ({result['cases'][-1]['memory_source']})",
+              highlight=False)
+    out.print(threshold_table(result))
+    out.print(f"wrote {output}" + (f", plots {', '.join(plots)}" if plots else ""), highlight=False)
+    verdict = "[green]PASS[/]" if result["passed"] else "[red]FAIL[/]"
+    out.print(f"{verdict} ({len(result['cases'])} cases, {result['wall_s']} s)")
+
+
+@app.command("history")
+def history(
+    limit: Annotated[int, typer.Option(min=1, help="Show the last N runs.")] = 20,
+    json_out: bool = JsonOpt,
+) -> None:
+    """List recorded bench runs ($KITE_HOME/results/bench.jsonl), newest last."""
+    from kite.bench.history import history_path, read_history
+
+    runs = read_history()[-limit:]
+    if json_out:
+        emit_json({"path": str(history_path()), "runs": runs})
+        return
+    out = console()
+    if not runs:
+        out.print(f"no bench runs recorded yet ({history_path()})", highlight=False)
+        return
+    from rich.table import Table
+
+    t = Table("run", "finished", "model", "cases", "passed", "fused F1", "full F1", "fused TTFT ms",
+              "full TTFT ms", box=None)
+    for r in runs:
+        f, g = r["figures"].get("fused", {}), r["figures"].get("full", {})
+        t.add_row(r["run_id"], str(r["finished_at"]), r["model"]["fingerprint"][9:21], str(r["cases"]),
+                  {True: "[green]yes[/]", False: "[red]no[/]"}.get(r["passed"], "-"),
+                  _n(f.get("f1")), _n(g.get("f1")), _n(f.get("ttft_ms"), ".0f"), _n(g.get("ttft_ms"), ".0f"))
+    out.print(t)
+
+
+def _n(x, fmt=".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+@app.command("cases")
+def cases_cmd(
+    out: Annotated[Path, typer.Option("--out", help="Where to write the cases JSONL.")],
+    n: Annotated[int, typer.Option("--n", min=1, help="Contracts.")] = 2,
+    tokens: Annotated[int, typer.Option(min=1, help="Tokens per contract (words × 1.45 estimate).")] = 1200,
+    seed: Annotated[int, typer.Option(help="Same seed, same file.")] = 0,
+    per_family: Annotated[int, typer.Option(min=1, help="Questions kept per family per contract.")] = 1,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Write a small deterministic case set (the bundled configs/bench_cases.jsonl is --n 2
+    --tokens 1200 --seed 0 --per-family 1)."""
+    from kite.atomic import write_text
+    from kite.bench.cases import make_default_cases
+    from kite.data.contracts import to_jsonl
+
+    records = make_default_cases(n, tokens, seed, per_family)
+    write_text(out, to_jsonl(records))
+    info = {"out": str(out), "contracts": n, "questions": sum(len(r["questions"]) for r in records)}
+    if json_out:
+        emit_json(info)
+    else:
+        console().print(f"wrote {info['questions']} questions on {n} contracts to {out}", highlight=False)
