@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 demo: install
 	bash scripts/demo.sh
 
-test: install
+test: install runtime-if-possible
 	$(BIN)/python -m pytest -q -ra
 
 test-fast: install
@@ -32,6 +32,32 @@ test-fast: install
 
 lint: install
 	$(BIN)/ruff check kite tests
+
+# Native runtime (csrc/ -> build/): the CPU library always (C++17, OpenMP, ~5 s), the CUDA one too
+# where nvcc is found (KITE_NO_CUDA=1 skips it). Built for this machine (-march=native); files are
+# written to a temporary name and renamed. `make test` builds the CPU library if it can and
+# otherwise tests the pure-torch fallbacks.
+CXX       ?= g++
+NVCC      ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+RT_CFLAGS ?= -std=c++17 -O3 -march=native -fopenmp -fPIC -ffp-contract=off -Wall
+CU_ARCH   ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=[sm_80,compute_80]
+RT_SRCS   := $(wildcard csrc/*.cpp)
+RT_HDRS   := $(wildcard csrc/*.h)
+RT_CUDA   := $(if $(KITE_NO_CUDA),,$(if $(NVCC),build/libkite_runtime_cuda.so))
+
+build-runtime: build/libkite_runtime.so $(RT_CUDA)
+
+build/libkite_runtime.so: $(RT_SRCS) $(RT_HDRS)
+	@mkdir -p build
+	$(CXX) $(RT_CFLAGS) -shared -o $@.tmp $(RT_SRCS) && mv $@.tmp $@
+
+build/libkite_runtime_cuda.so: $(wildcard csrc/cuda/*.cu) $(RT_HDRS)
+	@mkdir -p build
+	$(NVCC) -O3 -std=c++17 --compiler-options -fPIC -shared $(CU_ARCH) -o $@.tmp csrc/cuda/kernels.cu && mv $@.tmp $@
+
+.PHONY: runtime-if-possible
+runtime-if-possible:
+	-@$(MAKE) --no-print-directory build/libkite_runtime.so || echo "native runtime not built: tests use the torch fallback"
 
 clean:
 	rm -rf build .pytest_cache

@@ -1,0 +1,368 @@
+// CUDA kernels of libkite_runtime_cuda.so: cosine k-means (assign + update), batched Jacobi
+// eigendecomposition of small symmetric matrices in one launch, and the fused PCA load
+// (dequantize + reconstruct + RoPE into the cache layout). Device pointers; one stream.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdio.h>
+
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
+#include "../kite_runtime.h"
+
+#define CK(x)                                   \
+  do {                                          \
+    cudaError_t e_ = (x);                       \
+    if (e_ != cudaSuccess) return -2;           \
+  } while (0)
+
+static __device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+
+static __device__ __forceinline__ uint32_t code_at(const uint8_t* p, int64_t bitoff, int bits) {
+  const int64_t byte = bitoff >> 3;
+  const int sh = (int)(bitoff & 7);
+  uint32_t v = p[byte];
+  if (sh + bits > 8) v |= (uint32_t)p[byte + 1] << 8;
+  return (v >> sh) & ((1u << bits) - 1u);
+}
+
+extern "C" const char* kite_cuda_version(void) {
+  static char buf[160];
+  int rt = 0, drv = 0, dev = 0;
+  cudaRuntimeGetVersion(&rt);
+  cudaDriverGetVersion(&drv);
+  cudaDeviceProp prop;
+  const bool ok = cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&prop, dev) == cudaSuccess;
+  snprintf(buf, sizeof buf, "kite-runtime %d.0 (cuda runtime %d, driver %d, %s)", KITE_RUNTIME_ABI, rt,
+           drv, ok ? prop.name : "no device");
+  return buf;
+}
+
+// ---------------------------------------------------------------------------------------------
+// k-means
+
+__global__ void km_assign(const float* __restrict__ x, int64_t n, int64_t D, const float* __restrict__ C,
+                          int64_t k, int64_t* __restrict__ nxt, float* __restrict__ own,
+                          int* __restrict__ counts) {
+  const int lane = threadIdx.x & 31;
+  const int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (i >= n) return;
+  const float* xi = x + i * D;
+  float bs = -INFINITY;
+  int64_t best = 0;
+  for (int64_t c = 0; c < k; ++c) {
+    const float* cc = C + c * D;
+    float s = 0.f;
+    for (int64_t j = lane; j < D; j += 32) s += xi[j] * cc[j];
+    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (s > bs) { bs = s; best = c; }
+  }
+  if (lane == 0) {
+    nxt[i] = best;
+    own[i] = bs;
+    atomicAdd(counts + best, 1);
+  }
+}
+
+__global__ void km_sum(const float* __restrict__ x, int64_t n, int64_t D, const int64_t* __restrict__ a,
+                       float* __restrict__ sums) {
+  const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= n * D) return;
+  const int64_t i = idx / D, j = idx % D;
+  atomicAdd(sums + a[i] * D + j, x[idx]);
+}
+
+__global__ void km_normalise(const float* __restrict__ sums, int64_t D, float* __restrict__ C) {
+  __shared__ float red[32];
+  const float* s = sums + (int64_t)blockIdx.x * D;
+  float acc = 0.f;
+  for (int64_t j = threadIdx.x; j < D; j += blockDim.x) acc += s[j] * s[j];
+  for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float v = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.f;
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (threadIdx.x == 0) red[0] = v;
+  }
+  __syncthreads();
+  const float inv = 1.f / fmaxf(sqrtf(red[0]), 1e-12f);
+  for (int64_t j = threadIdx.x; j < D; j += blockDim.x) C[(int64_t)blockIdx.x * D + j] = s[j] * inv;
+}
+
+extern "C" int kite_cuda_kmeans_cosine(const float* x, int64_t n, int64_t D, float* C, int64_t k,
+                                       int iters, int64_t* assign, void* stream_) {
+  if (n < 1 || D < 1 || k < 1 || iters < 0) return -1;
+  cudaStream_t st = (cudaStream_t)stream_;
+  int64_t* nxt = nullptr;
+  float *own = nullptr, *sums = nullptr;
+  int* counts = nullptr;
+  CK(cudaMallocAsync(&nxt, n * sizeof(int64_t), st));
+  CK(cudaMallocAsync(&own, n * sizeof(float), st));
+  CK(cudaMallocAsync(&sums, k * D * sizeof(float), st));
+  CK(cudaMallocAsync(&counts, k * sizeof(int), st));
+  CK(cudaMemsetAsync(assign, 0, n * sizeof(int64_t), st));
+  std::vector<int> hc((size_t)k);
+  std::vector<int64_t> hcur((size_t)n, 0), hnxt((size_t)n);
+  std::vector<float> hown((size_t)n);
+  int it = 0;
+  for (; it < iters; ++it) {
+    CK(cudaMemsetAsync(counts, 0, k * sizeof(int), st));
+    km_assign<<<(unsigned)((n * 32 + 255) / 256), 256, 0, st>>>(x, n, D, C, k, nxt, own, counts);
+    CK(cudaGetLastError());
+    // the assignment is small (spans of one document): compare and fix empties on the host
+    CK(cudaMemcpyAsync(hc.data(), counts, k * sizeof(int), cudaMemcpyDeviceToHost, st));
+    CK(cudaMemcpyAsync(hnxt.data(), nxt, n * sizeof(int64_t), cudaMemcpyDeviceToHost, st));
+    CK(cudaStreamSynchronize(st));
+    std::vector<int64_t> empties;
+    for (int64_t c = 0; c < k; ++c) if (hc[c] == 0) empties.push_back(c);
+    if (!empties.empty()) {
+      CK(cudaMemcpyAsync(hown.data(), own, n * sizeof(float), cudaMemcpyDeviceToHost, st));
+      CK(cudaStreamSynchronize(st));
+      std::vector<int64_t> order((size_t)n);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return hown[a] < hown[b]; });
+      for (size_t e = 0; e < empties.size() && e < (size_t)n; ++e) hnxt[order[e]] = empties[e];
+      CK(cudaMemcpyAsync(nxt, hnxt.data(), n * sizeof(int64_t), cudaMemcpyHostToDevice, st));
+    }
+    CK(cudaMemsetAsync(sums, 0, k * D * sizeof(float), st));
+    km_sum<<<(unsigned)((n * D + 255) / 256), 256, 0, st>>>(x, n, D, nxt, sums);
+    km_normalise<<<(unsigned)k, 256, 0, st>>>(sums, D, C);
+    CK(cudaGetLastError());
+    const bool same = hcur == hnxt;
+    CK(cudaMemcpyAsync(assign, nxt, n * sizeof(int64_t), cudaMemcpyDeviceToDevice, st));
+    CK(cudaStreamSynchronize(st));  // hnxt must stay valid until its copy is done
+    if (same) { ++it; break; }
+    hcur.swap(hnxt);
+  }
+  cudaFreeAsync(nxt, st);
+  cudaFreeAsync(own, st);
+  cudaFreeAsync(sums, st);
+  cudaFreeAsync(counts, st);
+  CK(cudaGetLastError());
+  return it;
+}
+
+// ---------------------------------------------------------------------------------------------
+// batched Jacobi eigendecomposition: one block per matrix, A and V in shared memory (fp32),
+// parallel cyclic Jacobi with round-robin pairs (d/2 disjoint rotations per step).
+
+__global__ void __launch_bounds__(512) jacobi_eigh(const float* __restrict__ A, int d,
+                                                   float* __restrict__ evals,
+                                                   float* __restrict__ evecs, int max_sweeps) {
+  extern __shared__ float sm[];
+  const int ld = d + 1, m = d / 2, tid = threadIdx.x, nt = blockDim.x;
+  float* a = sm;
+  float* v = a + d * ld;
+  float* cs = v + d * ld;
+  float* sn = cs + m;
+  int* P = (int*)(sn + m);
+  int* Q = P + m;
+  int* rank = Q + m;
+  __shared__ float red[2][32];
+  __shared__ int stop;
+  const float* Ab = A + (size_t)blockIdx.x * d * d;
+  for (int idx = tid; idx < d * d; idx += nt) {
+    const int r = idx / d, c = idx % d;
+    a[r * ld + c] = Ab[idx];
+    v[r * ld + c] = r == c ? 1.f : 0.f;
+  }
+  __syncthreads();
+  for (int sweep = 0; sweep < max_sweeps; ++sweep) {
+    float off = 0.f, tot = 0.f;
+    for (int idx = tid; idx < d * d; idx += nt) {
+      const int r = idx / d, c = idx % d;
+      const float x = a[r * ld + c];
+      tot += x * x;
+      if (r != c) off += x * x;
+    }
+    for (int o = 16; o; o >>= 1) {
+      off += __shfl_xor_sync(0xffffffffu, off, o);
+      tot += __shfl_xor_sync(0xffffffffu, tot, o);
+    }
+    if ((tid & 31) == 0) { red[0][tid >> 5] = off; red[1][tid >> 5] = tot; }
+    __syncthreads();
+    if (tid == 0) {
+      float so = 0.f, sa = 0.f;
+      for (int w = 0; w < (nt + 31) / 32; ++w) { so += red[0][w]; sa += red[1][w]; }
+      stop = !(so > 1e-13f * sa);
+    }
+    __syncthreads();
+    if (stop) break;
+    for (int rnd = 0; rnd < d - 1; ++rnd) {
+      if (tid < m) {
+        int p, q;
+        if (tid == 0) { p = d - 1; q = rnd; }
+        else { p = (rnd + tid) % (d - 1); q = (rnd - tid + (d - 1)) % (d - 1); }
+        if (p > q) { const int t = p; p = q; q = t; }
+        const float apq = a[p * ld + q];
+        float c = 1.f, s = 0.f;
+        if (fabsf(apq) > 1e-30f) {
+          const float tau = (a[q * ld + q] - a[p * ld + p]) / (2.f * apq);
+          const float t = copysignf(1.f, tau) / (fabsf(tau) + sqrtf(1.f + tau * tau));
+          c = rsqrtf(1.f + t * t);
+          s = t * c;
+        }
+        P[tid] = p; Q[tid] = q; cs[tid] = c; sn[tid] = s;
+      }
+      __syncthreads();
+      for (int w = tid; w < m * d; w += nt) {  // rows p, q <- J^T A
+        const int i = w / d, col = w % d, p = P[i], q = Q[i];
+        const float c = cs[i], s = sn[i], ap = a[p * ld + col], aq = a[q * ld + col];
+        a[p * ld + col] = c * ap - s * aq;
+        a[q * ld + col] = s * ap + c * aq;
+      }
+      __syncthreads();
+      for (int w = tid; w < m * d; w += nt) {  // columns p, q <- A J, V J
+        const int i = w / d, row = w % d, p = P[i], q = Q[i];
+        const float c = cs[i], s = sn[i];
+        const float ap = a[row * ld + p], aq = a[row * ld + q];
+        a[row * ld + p] = c * ap - s * aq;
+        a[row * ld + q] = s * ap + c * aq;
+        const float vp = v[row * ld + p], vq = v[row * ld + q];
+        v[row * ld + p] = c * vp - s * vq;
+        v[row * ld + q] = s * vp + c * vq;
+      }
+      __syncthreads();
+    }
+  }
+  for (int j = tid; j < d; j += nt) {
+    const float lj = a[j * ld + j];
+    int r = 0;
+    for (int k2 = 0; k2 < d; ++k2) {
+      const float lk = a[k2 * ld + k2];
+      r += (lk > lj) || (lk == lj && k2 < j);
+    }
+    rank[j] = r;
+    evals[(size_t)blockIdx.x * d + r] = lj;
+  }
+  __syncthreads();
+  float* U = evecs + (size_t)blockIdx.x * d * d;
+  for (int idx = tid; idx < d * d; idx += nt) {
+    const int row = idx / d, j = idx % d;
+    U[row * d + rank[j]] = v[row * ld + j];
+  }
+}
+
+extern "C" int kite_cuda_eigh_batched(const float* A, int64_t B, int64_t d, float* evals, float* evecs,
+                                      int max_sweeps, void* stream_) {
+  if (B < 0 || d < 2 || d > 128 || d % 2) return -1;
+  if (B == 0) return 0;
+  const size_t smem = (size_t)2 * d * (d + 1) * sizeof(float) + (size_t)(d / 2) * 2 * sizeof(float) +
+                      (size_t)(d / 2) * 2 * sizeof(int) + (size_t)d * sizeof(int);
+  CK(cudaFuncSetAttribute(jacobi_eigh, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  const int threads = d >= 128 ? 512 : 256;
+  jacobi_eigh<<<(unsigned)B, threads, smem, (cudaStream_t)stream_>>>(A, (int)d, evals, evecs,
+                                                                      max_sweeps > 0 ? max_sweeps : 15);
+  CK(cudaGetLastError());
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// fused PCA load. Block = (tile of TT tokens, 2*blockDim.x dims of one rope pair set). Each thread
+// owns one RoPE pair (i, i + d/2) of one head and accumulates TT tokens in registers; the tile's
+// dequantized coefficients sit in shared memory and are read as broadcasts.
+
+constexpr int TT = 16;
+
+template <int OUT>
+__global__ void __launch_bounds__(128) pca_load_kernel(
+    int64_t T, int64_t R, int64_t D, int64_t H, int64_t d, const uint8_t* __restrict__ codes,
+    const int64_t* __restrict__ col_bitoff, const uint8_t* __restrict__ col_bits,
+    const int64_t* __restrict__ col_goff, int64_t gs, const uint16_t* __restrict__ scale16,
+    const uint16_t* __restrict__ min16, const int64_t* __restrict__ blk_off,
+    const float* __restrict__ basis_t, const float* __restrict__ mean, const int64_t* __restrict__ dest,
+    int64_t T_out, const int32_t* __restrict__ ovr_idx, const uint16_t* __restrict__ ovr_x16,
+    int64_t n_ovr, const float* __restrict__ cosv, const float* __restrict__ sinv, void* __restrict__ out) {
+  extern __shared__ float coef[];  // [TT][R]
+  const int64_t t0 = (int64_t)blockIdx.y * TT;
+  for (int64_t idx = threadIdx.x; idx < (int64_t)TT * R; idx += blockDim.x) {
+    const int64_t tt = idx / R, j = idx % R, t = t0 + tt;
+    float c = 0.f;
+    if (t < T) {
+      const int bits = col_bits[j];
+      const int64_t g = col_goff[j] + t / gs;
+      c = h2f(min16[g]) + h2f(scale16[g]) * (float)code_at(codes, col_bitoff[j] + t * bits, bits);
+    }
+    coef[idx] = c;
+  }
+  __syncthreads();
+  const int64_t half = d / 2;
+  const int64_t pair = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;  // over H * half
+  if (pair >= H * half) return;
+  const int64_t h = pair / half, i = pair % half;
+  const int64_t f_lo = h * d + i, f_hi = f_lo + half;
+  const int64_t b = f_lo / D, k_lo = f_lo % D, k_hi = f_hi % D;
+  float lo[TT], hi[TT];
+  const float m_lo = mean[b * D + k_lo], m_hi = mean[b * D + k_hi];
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt) { lo[tt] = 0.f; hi[tt] = 0.f; }
+  const int64_t j0 = blk_off[b], j1 = blk_off[b + 1];
+  for (int64_t j = j0; j < j1; ++j) {
+    const float bl = basis_t[j * D + k_lo], bh = basis_t[j * D + k_hi];
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) {
+      const float c = coef[tt * R + j];
+      lo[tt] = fmaf(c, bl, lo[tt]);
+      hi[tt] = fmaf(c, bh, hi[tt]);
+    }
+  }
+#pragma unroll
+  for (int tt = 0; tt < TT; ++tt) {
+    const int64_t t = t0 + tt;
+    if (t >= T) break;
+    float yl = lo[tt] + m_lo, yh = hi[tt] + m_hi;
+    const int32_t ov = ovr_idx ? ovr_idx[t] : -1;
+    if (ov >= 0) {
+      yl = h2f(ovr_x16[(h * n_ovr + ov) * d + i]);
+      yh = h2f(ovr_x16[(h * n_ovr + ov) * d + i + half]);
+    }
+    const int64_t row = dest ? dest[t] : t;
+    float ol = yl, oh = yh;
+    if (cosv) {
+      ol = yl * cosv[row * d + i] - yh * sinv[row * d + i];
+      oh = yh * cosv[row * d + i + half] + yl * sinv[row * d + i + half];
+    }
+    const int64_t o = (h * T_out + row) * d + i;
+    if (OUT == 0) { ((float*)out)[o] = ol; ((float*)out)[o + half] = oh; }
+    else if (OUT == 1) {
+      ((__nv_bfloat16*)out)[o] = __float2bfloat16_rn(ol);
+      ((__nv_bfloat16*)out)[o + half] = __float2bfloat16_rn(oh);
+    } else {
+      ((__half*)out)[o] = __float2half_rn(ol);
+      ((__half*)out)[o + half] = __float2half_rn(oh);
+    }
+  }
+}
+
+extern "C" int kite_cuda_pca_load(int64_t T, int64_t R, int64_t B, int64_t D, int64_t H, int64_t d,
+                                  const uint8_t* codes, const int64_t* col_bitoff, const uint8_t* col_bits,
+                                  const int64_t* col_goff, int64_t gs, const uint16_t* scale16,
+                                  const uint16_t* min16, const int64_t* blk_off, const float* basis_t,
+                                  const float* mean, const int64_t* dest, int64_t T_out,
+                                  const int32_t* override_idx, const uint16_t* ovr_x16, int64_t n_ovr,
+                                  const float* cos, const float* sin, void* out, int out_dtype,
+                                  void* stream_) {
+  if (T < 0 || R < 0 || B < 1 || D < 1 || d < 2 || B * D != H * d || D % d || d % 2 || gs < 1 ||
+      out_dtype < 0 || out_dtype > 2)
+    return -1;
+  if (T == 0) return 0;
+  const size_t smem = (size_t)TT * (R > 0 ? R : 1) * sizeof(float);
+  if (smem > 200 * 1024) return -1;
+  const int threads = 128;
+  dim3 grid((unsigned)((H * (d / 2) + threads - 1) / threads), (unsigned)((T + TT - 1) / TT));
+  cudaStream_t st = (cudaStream_t)stream_;
+#define LAUNCH(O)                                                                                   \
+  CK(cudaFuncSetAttribute(pca_load_kernel<O>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)); \
+  pca_load_kernel<O><<<grid, threads, smem, st>>>(T, R, D, H, d, codes, col_bitoff, col_bits, col_goff, gs, \
+                                                  scale16, min16, blk_off, basis_t, mean, dest, T_out,      \
+                                                  override_idx, ovr_x16, n_ovr, cos, sin, out)
+  if (out_dtype == 0) { LAUNCH(0); }
+  else if (out_dtype == 1) { LAUNCH(1); }
+  else { LAUNCH(2); }
+#undef LAUNCH
+  CK(cudaGetLastError());
+  return 0;
+}

@@ -1,0 +1,23 @@
+"""Which implementation runs each kernel: the native runtime (CPU or CUDA) or pure torch."""
+
+from __future__ import annotations
+
+from kite.kernels import native
+
+KERNELS = ("quantize_groups", "dequantize_groups", "lloyd_cosine", "eigh_desc", "pca_load")
+_CUDA_KERNELS = {"lloyd_cosine", "eigh_desc", "pca_load"}
+
+
+def backend(device: str = "cpu") -> str:
+    """``"native-cpu"``, ``"native-cuda"`` or ``"torch"`` for kernels on ``device``."""
+    if str(device).startswith("cuda"):
+        return "native-cuda" if native.cuda() is not None else "torch"
+    return "native-cpu" if native.cpu() is not None else "torch"
+
+
+def backends(device: str = "cpu") -> dict[str, str]:
+    """Per kernel: what runs on ``device`` (CUDA has no quantize kernels: torch runs those)."""
+    b = backend(device)
+    if b == "native-cuda":
+        return {k: (b if k in _CUDA_KERNELS else "torch") for k in KERNELS}
+    return {k: b for k in KERNELS}

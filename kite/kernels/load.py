@@ -1,0 +1,124 @@
+"""Fused load of one PCA-coded part: dequantize + reconstruct + re-apply RoPE, native or torch.
+
+The part's coefficients are the codec's layout (:mod:`kite.upcycle.codec`): coefficient column j
+has its own bit width; columns of one width form a class whose codes were packed together
+(per column, groups of ``gs`` tokens, fp16 scale and minimum per group), classes in ascending
+width order. :func:`pca_layout` turns the per-column widths into the bit and group offsets the
+kernel reads; :func:`pca_load` writes the rebuilt keys or values [H, T, d] straight into rows of
+a cache tensor [H, T_out, d] (fp32 / bf16 / fp16), RoPE applied at those rows' positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kite.kernels import native
+
+__all__ = ["PcaLayout", "pca_layout", "pca_load", "pca_load_torch"]
+
+_OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@dataclass
+class PcaLayout:
+    """Where each coefficient column's codes and groups are (int64 / uint8 tensors of length R)."""
+
+    col_bits: torch.Tensor
+    col_bitoff: torch.Tensor
+    col_goff: torch.Tensor
+    gs: int
+
+    def to(self, device) -> PcaLayout:
+        return PcaLayout(self.col_bits.to(device), self.col_bitoff.to(device), self.col_goff.to(device), self.gs)
+
+
+def pca_layout(col_bits: list[int] | torch.Tensor, T: int, group_size: int) -> PcaLayout:
+    """Offsets of the codec's layout for a part of T tokens (as ``codec._class_layout`` packs it)."""
+    bits = [int(b) for b in (col_bits.tolist() if isinstance(col_bits, torch.Tensor) else col_bits)]
+    gs = T if group_size <= 0 or group_size >= T else group_size
+    gs = max(gs, 1)
+    padded = -(-T // gs) * gs if T else 0
+    bitoff, goff = [0] * len(bits), [0] * len(bits)
+    byte = group = 0
+    for bw in sorted(set(bits)):
+        cols = [j for j, b in enumerate(bits) if b == bw]
+        for c, j in enumerate(cols):
+            bitoff[j] = byte * 8 + c * padded * bw
+            goff[j] = group + c * (padded // gs)
+        n = len(cols) * padded
+        byte += (n * bw + 7) // 8
+        group += n // gs
+    return PcaLayout(torch.tensor(bits, dtype=torch.uint8), torch.tensor(bitoff, dtype=torch.int64),
+                     torch.tensor(goff, dtype=torch.int64), gs)
+
+
+def pca_load(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, layout: PcaLayout,
+             blk_off: torch.Tensor, basis_t: torch.Tensor, mean: torch.Tensor, T: int, *,
+             dest: torch.Tensor | None = None, override_idx: torch.Tensor | None = None,
+             ovr_x: torch.Tensor | None = None, cos: torch.Tensor | None = None,
+             sin: torch.Tensor | None = None) -> torch.Tensor:
+    """Rebuild T tokens of one part into ``out`` [H, T_out, d] and return ``out``.
+
+    ``codes`` uint8, ``scale`` / ``mn`` fp16: the part's blob tensors; ``blk_off`` int64 [B+1]:
+    block b owns coefficient columns blk_off[b]:blk_off[b+1] and dims b*D:(b+1)*D of the flat
+    H*d layout; ``basis_t`` [R, D] float32; ``mean`` [B, D] float32; ``dest`` int64 [T]: each
+    token's row of ``out`` (default: row t); ``override_idx`` int32 [T] (-1: none) with ``ovr_x``
+    fp16 [H, n, d]: raw pre-RoPE rows for sinks and outliers; ``cos`` / ``sin`` float32
+    [T_out, d] (None: no RoPE). Every tensor on ``out``'s device.
+    """
+    H, T_out, d = out.shape
+    B, D = mean.shape
+    R = basis_t.shape[0]
+    lib = native.lib_for(out)
+    if lib is None or out.dtype not in _OUT_DTYPES or not out.is_contiguous():
+        return pca_load_torch(out, codes, scale, mn, layout, blk_off, basis_t, mean, T, dest=dest,
+                              override_idx=override_idx, ovr_x=ovr_x, cos=cos, sin=sin)
+    n_ovr = ovr_x.shape[1] if ovr_x is not None else 0
+    cs = [t.contiguous() if t is not None else None for t in (cos, sin)]
+    ovr = ovr_x.to(torch.float16).contiguous() if ovr_x is not None else None
+    args = [T, R, B, D, H, d, native.ptr(codes.contiguous()), native.ptr(layout.col_bitoff),
+            native.ptr(layout.col_bits), native.ptr(layout.col_goff), layout.gs,
+            native.ptr(scale.contiguous()), native.ptr(mn.contiguous()), native.ptr(blk_off),
+            native.ptr(basis_t.float().contiguous()), native.ptr(mean.float().contiguous()),
+            native.ptr(dest), T_out, native.ptr(override_idx), native.ptr(ovr), n_ovr,
+            native.ptr(cs[0]), native.ptr(cs[1]), out.data_ptr(), _OUT_DTYPES[out.dtype]]
+    if out.is_cuda:
+        rc = lib.kite_cuda_pca_load(*args, native.stream(out))
+    else:
+        rc = lib.kite_pca_load(*args)
+    native.check(rc, "pca_load")
+    return out
+
+
+def pca_load_torch(out, codes, scale, mn, layout: PcaLayout, blk_off, basis_t, mean, T: int, *, dest=None,
+                   override_idx=None, ovr_x=None, cos=None, sin=None) -> torch.Tensor:
+    H, T_out, d = out.shape
+    B, D = mean.shape
+    dev = out.device
+    bits = layout.col_bits.to(dev).long()
+    t = torch.arange(T, device=dev)
+    bitpos = layout.col_bitoff.to(dev)[None, :] + t[:, None] * bits[None, :]
+    byte, sh = bitpos >> 3, bitpos & 7
+    c8 = codes.to(dev).long()
+    v = c8[byte] | (c8[(byte + 1).clamp_max(c8.numel() - 1)] << 8)
+    q = (v >> sh) & ((1 << bits) - 1)
+    g = layout.col_goff.to(dev)[None, :] + t[:, None] // layout.gs
+    C = mn.to(dev).float()[g] + scale.to(dev).float()[g] * q.float()          # [T, R]
+    Y = torch.empty(T, B * D, dtype=torch.float32, device=dev)
+    for b in range(B):
+        lo, hi = int(blk_off[b]), int(blk_off[b + 1])
+        Y[:, b * D:(b + 1) * D] = C[:, lo:hi] @ basis_t[lo:hi].float() + mean[b].float()
+    X = Y.view(T, H, d).permute(1, 0, 2).clone()                             # [H, T, d]
+    if override_idx is not None:
+        sel = torch.nonzero(override_idx >= 0).flatten()
+        if sel.numel():
+            X[:, sel] = ovr_x[:, override_idx[sel].long()].float()
+    rows = dest if dest is not None else t
+    if cos is not None:
+        c, s = cos[rows].float(), sin[rows].float()
+        half = d // 2
+        X = X * c + torch.cat((-X[..., half:], X[..., :half]), dim=-1) * s
+    out[:, rows] = X.to(out.dtype)
+    return out

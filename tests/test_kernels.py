@@ -1,0 +1,298 @@
+"""Native kernels vs their pure-torch fallbacks (and the codec they serve), on fresh random inputs.
+
+Native comparisons skip when build/libkite_runtime.so is not built (then only the fallbacks
+run); CUDA ones skip without a GPU or without build/libkite_runtime_cuda.so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kite.kernels import eigh, kmeans, load, native, quant
+from kite.kernels.backend import backend
+from kite.kernels.locate import cpu_version, runtime_path, runtime_status
+from kite.upcycle import codec
+from kite.upcycle import quant as upq
+
+ROOT = Path(__file__).resolve().parent.parent
+has_cpu = pytest.mark.skipif(native.cpu() is None, reason="native runtime not built (make build-runtime)")
+has_cuda = pytest.mark.skipif(not torch.cuda.is_available() or native.cuda() is None,
+                              reason="no GPU or CUDA runtime not built")
+
+
+def _rng(seed=None):
+    return torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))) if seed is None else seed)
+
+
+def _native_quant(g, bits, mode):
+    return quant.quantize_groups(g, bits, mode)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantization
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("shape,gs,axis", [((37, 64), 32, -1), ((300, 5), 128, -2), ((9, 13), 0, -1)])
+def test_quant_fallback_matches_upcycle_quant(bits, shape, gs, axis):
+    x = torch.randn(*shape, generator=_rng()) * 3 + 1
+    ref = upq.quantize(x, f"int{bits}", group_size=gs, axis=axis)
+    g, _ = upq._grouped(x.float(), gs, axis)
+    packed, scale, mn = quant.quantize_groups_torch(g, bits)
+    assert torch.equal(packed, ref.tensors["codes"])
+    assert torch.equal(scale, ref.tensors["scale"]) and torch.equal(mn, ref.tensors["min"])
+    back = quant.dequantize_groups_torch(packed, *g.shape, bits, scale, mn)
+    assert torch.equal(back, upq._grouped(upq.dequantize(ref), gs, axis)[0])
+    assert torch.allclose(back, g, atol=float(scale.float().max()) / 2 + 1e-6)
+
+
+@has_cpu
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("G,gs", [(257, 32), (64, 128), (3, 7), (1000, 5)])
+def test_quant_minmax_native_bit_exact(bits, G, gs):
+    g = torch.randn(G, gs, generator=_rng()) * torch.rand(G, 1, generator=_rng()) * 10
+    g[0] = 0.5  # a constant group: zero range
+    want = quant.quantize_groups_torch(g, bits)
+    got = _native_quant(g, bits, "minmax")
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    back = quant.dequantize_groups(got[0], G, gs, bits, got[1], got[2])
+    assert torch.equal(back, quant.dequantize_groups_torch(*want[:1], G, gs, bits, *want[1:]))
+
+
+@has_cpu
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 6])
+def test_quant_mse_native_matches_fallback(bits):
+    G, gs = 400, 128
+    g = torch.randn(G, gs, generator=_rng()) * 2 - 0.3
+    want = quant.quantize_groups_torch(g, bits, "mse")
+    got = _native_quant(g, bits, "mse")
+    # the grid choice compares squared errors whose sums differ in order: near-ties may flip
+    same = (got[1] == want[1]) & (got[2] == want[2])
+    assert same.float().mean() > 0.97
+    e_native = (quant.dequantize_groups(got[0], G, gs, bits, got[1], got[2]) - g).pow(2).sum()
+    e_torch = (quant.dequantize_groups_torch(want[0], G, gs, bits, want[1], want[2]) - g).pow(2).sum()
+    assert e_native <= e_torch * 1.001
+
+
+# ---------------------------------------------------------------------------------------------
+# k-means
+
+
+def _blobs(n=600, D=96, k=7):
+    g = _rng()
+    centers = torch.nn.functional.normalize(torch.randn(k, D, generator=g), dim=1)
+    x = centers[torch.randint(k, (n,), generator=g)] + 0.15 * torch.randn(n, D, generator=g)
+    x = torch.nn.functional.normalize(x, dim=1)
+    init = x[torch.randperm(n, generator=g)[:k]].clone()
+    return x, init
+
+
+@has_cpu
+@pytest.mark.parametrize("k", [1, 7, 12])
+def test_kmeans_native_matches_fallback(k):
+    x, _ = _blobs()
+    init = x[torch.randperm(x.shape[0], generator=_rng())[:k]].clone()
+    a1, c1, it1 = kmeans.lloyd_cosine(x, init, 30)
+    a2, c2, it2 = kmeans.lloyd_cosine_torch(x, init, 30)
+    assert torch.equal(a1, a2) and it1 == it2
+    assert torch.allclose(c1, c2, atol=1e-5)
+
+
+@has_cpu
+def test_kmeans_native_reseeds_empty_clusters():
+    x, _ = _blobs(n=200, D=32, k=3)
+    init = torch.cat([x[:3], x[:1]])  # two identical centroids: one stays empty at first
+    a1, c1, _ = kmeans.lloyd_cosine(x, init, 10)
+    a2, c2, _ = kmeans.lloyd_cosine_torch(x, init, 10)
+    assert torch.equal(a1, a2)
+    assert torch.bincount(a1, minlength=4).min() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# eigendecomposition / PCA
+
+
+def _check_eigh(A, evals, evecs, atol):
+    A, evals, evecs = A.double(), evals.double(), evecs.double()
+    assert (evals[:, :-1] >= evals[:, 1:] - atol).all()
+    resid = A @ evecs - evecs * evals[:, None, :]
+    assert resid.abs().max() <= atol * max(1.0, A.abs().max().item())
+    eye = torch.eye(A.shape[-1], dtype=torch.float64)
+    assert (evecs.transpose(1, 2) @ evecs - eye).abs().max() <= atol
+
+
+@has_cpu
+@pytest.mark.parametrize("B,d", [(5, 64), (3, 128), (4, 33), (2, 1)])
+def test_eigh_native_matches_fallback(B, d):
+    X = torch.randn(B, 2 * d + 3, d, generator=_rng(), dtype=torch.float64)
+    X[..., : max(1, d // 4)] *= 10  # a spread spectrum, like keys
+    A = X.transpose(1, 2) @ X
+    ev, U = eigh.eigh_desc(A)
+    ev_t, _ = eigh.eigh_desc_torch(A)
+    assert torch.allclose(ev, ev_t, rtol=1e-9, atol=1e-9 * ev_t.abs().max().item())
+    _check_eigh(A, ev, U, 1e-9)
+
+
+@has_cpu
+@pytest.mark.parametrize("center", [True, False])
+def test_batched_pca_matches_codec(center):
+    X = torch.randn(6, 300, 64, generator=_rng()) * torch.linspace(3, 0.1, 64) + 0.5
+    m1, e1, U1 = eigh.batched_pca(X, center)
+    m2, e2, U2 = codec.batched_pca(X, center)
+    assert torch.allclose(m1, m2) and torch.allclose(e1, e2, rtol=1e-5, atol=1e-6)
+    top = 8  # distinct leading eigenvalues: vectors agree up to sign
+    assert torch.allclose((U1[..., :top] * U2[..., :top]).sum(1).abs(), torch.ones(6, top), atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# fused load: codec parts rebuilt by pca_load == codec.decode + apply_rope
+
+
+def _rope(T, d, base=10000.0):
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = torch.arange(T, dtype=torch.float32)[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], dim=1)
+    return ang.cos(), ang.sin()
+
+
+def _part_inputs(lc, blob, side):
+    bits = lc.tensors[f"{side}.bits"].long()
+    B, D = bits.shape
+    counts = (bits > 0).sum(dim=1)
+    colbits = torch.cat([bits[b][bits[b] > 0] for b in range(B)])
+    T = blob.meta["T"]
+    layout = load.pca_layout(colbits, T, lc.settings.group_size)
+    blk_off = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    basis_t = codec._basis(lc, side).T.contiguous()
+    mean = lc.tensors[f"{side}.mean"].float().contiguous()
+    ov_idx = ov_x = None
+    if "out.idx" in blob.tensors:
+        ov_idx = torch.full((T,), -1, dtype=torch.int32)
+        idx = blob.tensors["out.idx"].long()
+        ov_idx[idx] = torch.arange(idx.numel(), dtype=torch.int32)
+        ov_x = blob.tensors["out.x"]
+    return dict(codes=blob.tensors["codes"], scale=blob.tensors["scale"], mn=blob.tensors["min"], layout=layout,
+                blk_off=blk_off, basis_t=basis_t, mean=mean, T=T, override_idx=ov_idx, ovr_x=ov_x)
+
+
+@pytest.mark.parametrize("joint", [True, False])
+@pytest.mark.parametrize("ratio", [4, 10])
+@pytest.mark.parametrize("fn", ["native", "torch"])
+def test_pca_load_matches_codec_decode(joint, ratio, fn):
+    if fn == "native" and native.cpu() is None:
+        pytest.skip("native runtime not built")
+    H, T, d = 3, 200, 64
+    g = _rng()
+    K = torch.randn(H, T, d, generator=g) * torch.linspace(2, 0.05, d) + torch.randn(H, 1, d, generator=g)
+    V = torch.randn(H, T, d, generator=g)
+    s = codec.settings_for(f"ratio={ratio}", joint_heads=joint, group_size=64, outliers=2)
+    lc = codec.fit_layer(K, V, s)
+    positions = torch.arange(T) + 7
+    part = codec.encode(lc, K, V, positions=torch.cat([torch.tensor([0]), positions[1:]]))
+    k_ref, v_ref = codec.decode(lc, part)
+    cos, sin = _rope(T + 7, d)
+    rows = positions  # the part's tokens land at rows 7.. of a longer cache
+    k_ref = k_ref * cos[rows] + torch.cat((-k_ref[..., d // 2:], k_ref[..., : d // 2]), -1) * sin[rows]
+    run = load.pca_load if fn == "native" else load.pca_load_torch
+    for side, ref, rope in (("k", k_ref, True), ("v", v_ref, False)):
+        out = torch.full((H, T + 7, d), float("nan"))
+        kw = _part_inputs(lc, getattr(part, side), side)
+        run(out, **kw, dest=rows, cos=cos if rope else None, sin=sin if rope else None)
+        assert torch.isnan(out[:, :7]).all()  # rows not in the part are untouched
+        assert torch.allclose(out[:, 7:], ref, atol=1e-4, rtol=1e-4), (out[:, 7:] - ref).abs().max()
+
+
+@has_cpu
+def test_pca_load_native_bf16_matches_fallback():
+    H, T, d = 4, 150, 128
+    K = torch.randn(H, T, d, generator=_rng()) * torch.linspace(3, 0.1, d)
+    lc = codec.fit_layer(K, K.flip(1), codec.settings_for("ratio=6", joint_heads=True))
+    part = codec.encode(lc, K, K.flip(1))
+    kw = _part_inputs(lc, part.k, "k")
+    cos, sin = _rope(T, d)
+    perm = torch.randperm(T, generator=_rng())
+    a = load.pca_load(torch.empty(H, T, d, dtype=torch.bfloat16), **kw, dest=perm, cos=cos, sin=sin)
+    b = load.pca_load_torch(torch.empty(H, T, d, dtype=torch.bfloat16), **kw, dest=perm, cos=cos, sin=sin)
+    assert (a.float() - b.float()).abs().max() <= 0.02 * b.float().abs().max()
+
+
+# ---------------------------------------------------------------------------------------------
+# library, build, backend selection
+
+
+def test_backend_follows_env(monkeypatch):
+    monkeypatch.setenv("KITE_RUNTIME", "torch")
+    assert backend() == "torch" and backend("cuda") == "torch"
+    assert "forces the fallback" in runtime_status() or "not built" in runtime_status()
+    x = torch.randn(50, 8)
+    assert quant.quantize_groups(x, 3)[0].numel() == math.ceil(400 * 3 / 8)
+
+
+@has_cpu
+def test_library_reports_version():
+    assert native.cpu().kite_runtime_abi() == native.ABI
+    assert cpu_version().startswith("kite-runtime ")
+    assert "CPU kernels" in runtime_status() and backend() == "native-cpu"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None or shutil.which("make") is None, reason="no g++ / make")
+def test_build_from_clean_tree(tmp_path):
+    shutil.copytree(ROOT / "csrc", tmp_path / "csrc")
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    r = subprocess.run(["make", "-C", str(tmp_path), "build-runtime", "KITE_NO_CUDA=1"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lib = ctypes.CDLL(str(tmp_path / "build" / "libkite_runtime.so"))
+    lib.kite_runtime_version.restype = ctypes.c_char_p
+    assert lib.kite_runtime_version().decode().startswith("kite-runtime 1.")
+    assert runtime_path() is None or runtime_path().name == "libkite_runtime.so"
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA kernels (GPU machines only)
+
+
+@has_cuda
+def test_cuda_kmeans_matches_fallback():
+    x, init = _blobs(n=2000, D=512, k=12)
+    a1, c1, it1 = kmeans.lloyd_cosine(x.cuda(), init.cuda(), 30)
+    a2, c2, it2 = kmeans.lloyd_cosine_torch(x, init, 30)
+    assert torch.equal(a1.cpu(), a2) and it1 == it2
+    assert torch.allclose(c1.cpu(), c2, atol=1e-4)
+
+
+@has_cuda
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_eigh_matches_fallback(d):
+    X = torch.randn(40, 3 * d, d, generator=_rng()) * torch.linspace(3, 0.1, d)
+    A = (X.transpose(1, 2) @ X / (3 * d)).cuda()
+    ev, U = eigh.eigh_desc(A)
+    ev_ref, _ = eigh.eigh_desc_torch(A.cpu().double())
+    assert torch.allclose(ev.cpu().double(), ev_ref, rtol=1e-4, atol=1e-4 * ev_ref.max().item())
+    _check_eigh(A.cpu(), ev.cpu(), U.cpu(), 2e-3)
+
+
+@has_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_pca_load_matches_fallback(dtype):
+    H, T, d = 4, 700, 128
+    K = torch.randn(H, T, d, generator=_rng()) * torch.linspace(3, 0.1, d)
+    lc = codec.fit_layer(K, K, codec.settings_for("ratio=4", joint_heads=True, outliers=3))
+    part = codec.encode(lc, K, K, positions=torch.arange(T))
+    kw = _part_inputs(lc, part.k, "k")
+    cos, sin = _rope(T, d)
+    want = load.pca_load_torch(torch.empty(H, T, d, dtype=dtype), **kw, cos=cos, sin=sin)
+    kw_gpu = {k: (v.cuda() if isinstance(v, torch.Tensor) else v.to("cuda") if isinstance(v, load.PcaLayout) else v)
+              for k, v in kw.items()}
+    got = load.pca_load(torch.empty(H, T, d, dtype=dtype, device="cuda"), **kw_gpu, cos=cos.cuda(), sin=sin.cuda())
+    tol = 1e-4 if dtype == torch.float32 else 0.02
+    assert (got.cpu().float() - want.float()).abs().max() <= tol * want.float().abs().max()
