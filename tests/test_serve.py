@@ -146,7 +146,7 @@ def test_completion_using_an_uploaded_state(live):
     assert k["state"] == sid and k["fusion"] is True and k["loaded"] is True
     assert k["plan"]["matched_rule"] == "default" and k["load"]["tokens"] == up["tokens"]
     assert k["gain"] is not None and "intent_entropy" in k["signals"]
-    assert {"signals_and_decision", "load", "generate"} <= set(k["timings_ms"])
+    assert {"signals_and_decision", "model_signals", "decide", "load", "generate"} <= set(k["timings_ms"])
     assert k["rules"]["version"] == "v1"
     # Feedback: the measured gain went into the health store.
     assert {rec.cluster for rec in live["health"].records(sid)} == set(k["load"]["labels"])
@@ -340,7 +340,8 @@ def test_metrics_and_healthz(live):
     health = c.get("/healthz").json()
     assert health["ok"] and health["fusion"] is True and health["rules"]["version"] in ("v1", "v2")
     text = c.get("/metrics").text
-    for name in ("kite_yoco_decision_latency_seconds_bucket", "kite_yoco_loads_total", "kite_yoco_hits_total",
+    for name in ("kite_yoco_decision_latency_seconds_bucket", "kite_yoco_signals_latency_seconds_bucket",
+                 "kite_yoco_loads_total", "kite_yoco_hits_total",
                  "kite_yoco_hit_rate", "kite_upcycle_regenerate_rate", "kite_requests_total",
                  "kite_request_latency_seconds_bucket", "kite_watermark_gpu_mem", "kite_watermark_cpu_queue",
                  "kite_watermark_spike", "kite_rules_reloads_total"):

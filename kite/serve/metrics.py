@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 # Decisions (signals + rules) and loads are fast; requests on a CPU are slow: separate buckets.
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_DECISION = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)  # the target is p99 <= 50 us
 _SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 WATERMARK_FIELDS = ("gpu_mem", "gpu_mem_gb", "pcie_util", "nvlink_util", "cpu_queue", "spike")
 
@@ -20,9 +21,12 @@ class ServerMetrics:
                                 ["route", "method", "status"], registry=r)
         self.request_latency = Histogram("kite_request_latency_seconds", "HTTP request latency by route.",
                                          ["route"], buckets=_SLOW, registry=r)
-        self.decision_latency = Histogram(
-            "kite_yoco_decision_latency_seconds",
-            "YOCO signals (including the model's entropy pass over the query) + rules decision, per request.",
+        self.decision_latency = Histogram("kite_yoco_decision_latency_seconds",
+                                          "The rules' decision (match + plan) per request naming a state.",
+                                          buckets=_DECISION, registry=r)
+        self.signals_latency = Histogram(
+            "kite_yoco_signals_latency_seconds",
+            "Signals (the model's entropy/label pass over the query, novelty, health) + decision.",
             buckets=_FAST, registry=r)
         self.load_latency = Histogram("kite_yoco_load_latency_seconds", "Partial read + rebuild of a state's KV.",
                                       buckets=_FAST, registry=r)
@@ -72,7 +76,9 @@ class ServerMetrics:
         f = answer.fused
         if f is None:
             return
-        self.decision_latency.observe(f.timings_ms.get("signals_and_decision", 0.0) / 1e3)
+        self.signals_latency.observe(f.timings_ms.get("signals_and_decision", 0.0) / 1e3)
+        if "decide" in f.timings_ms:
+            self.decision_latency.observe(f.timings_ms["decide"] / 1e3)
         if f.load is None:
             self.skips.inc()
             return

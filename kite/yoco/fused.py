@@ -87,15 +87,24 @@ class FusedAnswer:
 
 def plan_for(lm, tagger, rules, state: StateFile, query: str, *, health=None, novelty=None,
              watermark: HardwareWatermark | None = None, min_hit_gain: float = 0.005,
-             state_id: str | None = None) -> tuple[Signals, LoadPlan, QuerySignals, StateInfo]:
-    """Signals and the rules' decision for `query` against `state` (no loading)."""
+             state_id: str | None = None,
+             timings: dict | None = None) -> tuple[Signals, LoadPlan, QuerySignals, StateInfo]:
+    """Signals and the rules' decision for `query` against `state` (no loading). `timings`, when
+    given, receives `model_signals` (the model's pass over the query) and `decide` (the rules), ms."""
+    t0 = time.perf_counter()
     q = query_signals(lm, [query], tagger)[0]
+    t1 = time.perf_counter()
     nov = novelty.novelty(query) if novelty is not None else 1.0
     if novelty is not None:
         novelty.observe(query)
     info = state_info(state, health, state_id)
     signals = build_signals(q, nov, info, watermark)
-    return signals, decide(rules, signals, info, min_hit_gain), q, info
+    t2 = time.perf_counter()
+    plan = decide(rules, signals, info, min_hit_gain)
+    if timings is not None:
+        timings["model_signals"] = round((t1 - t0) * 1e3, 3)
+        timings["decide"] = round((time.perf_counter() - t2) * 1e3, 4)
+    return signals, plan, q, info
 
 
 def answer(lm, tagger, rules, state_path: str | Path, query: str, prompt_ids: list[int], *,
@@ -109,8 +118,10 @@ def answer(lm, tagger, rules, state_path: str | Path, query: str, prompt_ids: li
     t0 = time.perf_counter()
     with StateFile(state_path) as state:
         watermark = sampler.latest().watermark if sampler is not None else None
+        parts: dict[str, float] = {}
         signals, plan, q, info = plan_for(lm, tagger, rules, state, query, health=health, novelty=novelty,
-                                          watermark=watermark, min_hit_gain=min_hit_gain, state_id=state_id)
+                                          watermark=watermark, min_hit_gain=min_hit_gain, state_id=state_id,
+                                          timings=parts)
         t_decide = time.perf_counter()
         if plan.enable_micro_sampling and sampler is not None:
             sampler.enable_micro_sampling()
@@ -126,8 +137,8 @@ def answer(lm, tagger, rules, state_path: str | Path, query: str, prompt_ids: li
             for label in sorted(set(report.labels)):
                 health.record(info.state_id, label, gain)
     return FusedAnswer(signals, plan, report, gen, gain, timings_ms={
-        "signals_and_decision": round((t_decide - t0) * 1e3, 3), "load": round((t_load - t_decide) * 1e3, 3),
-        "generate": gen.total_ms})
+        "signals_and_decision": round((t_decide - t0) * 1e3, 3), **parts,
+        "load": round((t_load - t_decide) * 1e3, 3), "generate": gen.total_ms})
 
 
 __all__ = ["FusedAnswer", "answer", "plan_for", "state_info", "build_signals", "load_args", "measured_gain",
