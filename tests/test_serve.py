@@ -180,6 +180,14 @@ def test_streaming_completion(live):
     last = json.loads(events[-2])
     assert last["choices"][0]["finish_reason"] in ("stop", "length")
     assert last["kite"]["loaded"] is True and last["usage"]["completion_tokens"] <= 3
+    with c.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                        "max_tokens": 3, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert all(ch["object"] == "chat.completion.chunk" for ch in chunks)
+    assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["kite"]["state"] is None
+    text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks)
+    assert isinstance(text, str)
 
 
 def test_bad_requests_are_one_clear_error(live):
