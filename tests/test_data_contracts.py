@@ -175,3 +175,25 @@ def test_cli_writes_cases_and_reports_json(tmp_path):
     assert res.exit_code == 2
     res = runner.invoke(app, ["contracts", "--n", "two"])
     assert res.exit_code == 2
+    res = runner.invoke(app, ["contracts", "--n", "1", "--model", str(tmp_path / "nope")])
+    assert res.exit_code == 2 and "--model" in res.output
+
+
+def test_cli_counts_tokens_with_a_model_tokenizer(tmp_path, tiny_models):
+    out = tmp_path / "cases.jsonl"
+    res = CliRunner().invoke(app, ["contracts", "--n", "1", "--tokens", "5000", "--out", str(out),
+                                   "--model", str(tiny_models["llama"]), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["tokens_measured_by"] == "tokenizer"
+    rec = read_cases(out)[0]
+    assert 5000 <= rec["tokens"] <= 5600  # the tiny BPE spends ~3 tokens a word
+
+
+def test_long_contracts_stay_varied():
+    r = generate_contracts(1, 12000, 0)[0]
+    paras = r["text"].split("\n\n")
+    assert 11000 <= r["tokens"] <= 12600
+    assert len(set(paras)) == len(paras), "no paragraph repeats"
+    schedules = [p for p in paras if p.startswith(("Deliverable", "Milestone", "Service item",
+                                                   "Work package"))]
+    assert sum(map(len, schedules)) < 0.5 * len(r["text"])

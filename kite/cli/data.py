@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from collections import Counter
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -31,6 +31,9 @@ def contracts(
                                         "tokens (words x 1.45 estimate).")] = 2000,
     seed: Annotated[int, typer.Option("--seed", help="Same seed, byte-identical output.")] = 0,
     out: Annotated[str, typer.Option("--out", help="Output JSONL file; '-' for stdout.")] = "-",
+    model: Annotated[Optional[str], typer.Option(
+        "--model", help="Count tokens exactly with this model's tokenizer (HF folder, .gguf or "
+        "embedded name) instead of estimating.")] = None,
     json_out: bool = JsonOpt,
 ) -> None:
     from kite.atomic import write_text
@@ -40,7 +43,8 @@ def contracts(
         raise BadInput(f"--n {n}: need at least one contract")
     if out == "-" and json_out:
         raise BadInput("--json with --out -: both would go to stdout; write the cases to a file")
-    records = generate_contracts(n, tokens, seed)
+    count_tokens = _token_counter(model) if model else None
+    records = generate_contracts(n, tokens, seed, count_tokens=count_tokens)
     data = to_jsonl(records)
     if out == "-":
         sys.stdout.write(data)
@@ -86,6 +90,9 @@ def traffic(
     n: Annotated[int, typer.Option("--n", help="Number of queries.")] = 1000,
     seed: Annotated[int, typer.Option("--seed", help="Same seed, byte-identical output.")] = 0,
     out: Annotated[str, typer.Option("--out", help="Output JSONL file; '-' for stdout.")] = "-",
+    model: Annotated[Optional[str], typer.Option(
+        "--model", help="Count tokens exactly with this model's tokenizer (HF folder, .gguf or "
+        "embedded name) instead of estimating.")] = None,
     json_out: bool = JsonOpt,
 ) -> None:
     from kite.atomic import write_text
@@ -112,3 +119,13 @@ def traffic(
     console().print(f"wrote [bold]{n}[/] queries to {out} ({summary['bytes']:,} bytes, sha256 "
                     f"{summary['sha256'][:12]}): " + ", ".join(f"{k} {v}" for k, v in families.items()),
                     highlight=False)
+
+
+def _token_counter(spec: str):
+    """Tokens of a text under `spec`'s tokenizer (no special tokens)."""
+    from transformers import AutoTokenizer
+
+    from kite.model.sources import hf_folder, resolve
+
+    tok = AutoTokenizer.from_pretrained(hf_folder(resolve(spec)))
+    return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])

@@ -397,3 +397,44 @@ FUZZY: dict[str, list[str]] = {
     "warranty": ["how long are they on the hook if the thing turns out broken?",
                  "that guarantee thing — how many months does it cover?"],
 }
+
+# Long documents, once the boilerplate above is used up: definitions and scope-of-work prose.
+DEFINITIONS: list[str] = [
+    '"Business Day" means a day other than a Saturday, Sunday or public holiday in {city}.',
+    '"Deliverables" means all documents, software and other items to be supplied by {A} as '
+    "described in the schedules.",
+    '"Effective Date" means the date on which this Agreement has been signed by both parties.',
+    '"Personnel" means the employees, agents and subcontractors engaged by a party.',
+    '"Specifications" means the functional and technical requirements agreed in writing.',
+    '"Change Request" means a written proposal by either party to alter the scope of the work.',
+    '"Site" means the premises of {B} at which the services are to be performed.',
+    '"Service Levels" means the performance standards set out in the service level annex.',
+    '"Acceptance Certificate" means the document issued by {B} confirming that a milestone has '
+    "passed its tests.",
+    '"Project Plan" means the timetable of milestones agreed at the kick-off meeting.',
+    '"Affiliate" means any entity that controls, is controlled by or is under common control '
+    "with a party.",
+    '"Documentation" means the user manuals and operating instructions for the Deliverables.',
+    '"Working Hours" means 9:00 to 17:00 local time on Business Days.',
+    '"Steering Committee" means the body made up of senior representatives of both parties.',
+]
+SCOPE_SENTENCES: list[str] = [
+    "{A} shall {verb} the {adj} {thing} used by the {dept} department.",
+    "The work includes {activity}, {activity2} and {activity3}.",
+    "{B} shall provide {resource} to support the {dept} team during {phase}.",
+    "Progress on the {thing} will be measured against {metric}.",
+    "During {phase}, {A} will {verb} the {thing} in close cooperation with the {dept} team.",
+    "Any {adj} components of the {thing} shall be documented before {phase} begins.",
+    "{A} will assign a lead engineer to the {thing} for the whole of {phase}.",
+]
+VERBS = ["design", "install", "configure", "migrate", "maintain", "upgrade", "test", "document",
+         "integrate", "monitor"]
+ACTIVITIES = ["requirements workshops", "data migration", "user training", "load testing",
+              "a security review", "site surveys", "hypercare support", "capacity planning",
+              "interface development", "report design"]
+RESOURCES = ["office space", "test data", "remote access", "subject-matter experts",
+             "a project sponsor", "meeting rooms", "sample products"]
+PHASES = ["the pilot phase", "the roll-out", "acceptance testing", "the transition period",
+          "the stabilisation period", "the design phase"]
+METRICS = ["the agreed milestone plan", "the service level targets", "weekly status reports",
+           "the quality plan", "the acceptance criteria"]

@@ -12,8 +12,9 @@ import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from kite.data.clauses import (ADJECTIVES, BOILERPLATE, BY_ID, DEPTS, EXTRA, FUZZY, LABELS, MAIN,
-                               NEEDLES, QA, SCHEDULE_ITEMS, THINGS)
+from kite.data.clauses import (ACTIVITIES, ADJECTIVES, BOILERPLATE, BY_ID, DEFINITIONS, DEPTS,
+                               EXTRA, FUZZY, LABELS, MAIN, METRICS, NEEDLES, PHASES, QA, RESOURCES,
+                               SCHEDULE_ITEMS, SCOPE_SENTENCES, THINGS, VERBS)
 from kite.errors import BadInput
 
 FORMAT_VERSION = 1
@@ -62,7 +63,8 @@ _CHANGEABLE = ("jurisdiction", "confidentiality", "force_majeure", "payment", "t
 class _Paragraph:
     text: str  # with slots still unfilled for version-dependent facts
     label: str | None
-    role: str  # "main", "secondary", "boilerplate", "preamble", "needle", "schedule", "signature"
+    role: str  # main, secondary, boilerplate, definitions, scope, preamble, needle, schedule,
+    # signature
 
 
 @dataclass(slots=True)
@@ -272,6 +274,7 @@ def _layout(c: _Contract, rng: random.Random, tokens: int, measure: Callable[[st
     rng.shuffle(clauses)
     body: list[_Paragraph] = list(clauses)
     boiler = rng.sample(BOILERPLATE, len(BOILERPLATE))
+    definitions: list[str] | None = None  # drawn when first needed: short contracts unchanged
     tail = [_Paragraph(_signature(s), None, "signature")]
 
     def total() -> int:
@@ -289,6 +292,15 @@ def _layout(c: _Contract, rng: random.Random, tokens: int, measure: Callable[[st
             para = _Paragraph(" ".join(_fill_numbers(rng, x) for x in sents), lab, "secondary")
         elif roll < 0.8 and boiler:
             para = _Paragraph(_fill_numbers(rng, boiler.pop()), None, "boilerplate")
+        elif not boiler and rng.random() < 0.7:  # long documents: definitions, scope of work
+            if definitions is None:
+                definitions = rng.sample(DEFINITIONS, len(DEFINITIONS))
+            if definitions and rng.random() < 0.4:
+                para = _Paragraph(" ".join(definitions.pop().replace("{city}", s["city_a"])
+                                           for _ in range(min(len(definitions), 3))),
+                                  None, "definitions")
+            else:
+                para = _Paragraph(_scope(rng), None, "scope")
         else:
             items = []
             for _ in range(rng.randint(3, 6)):
@@ -410,6 +422,17 @@ def _recital(rng: random.Random, s: dict[str, str]) -> str:
 def _signature(s: dict[str, str]) -> str:
     return (f"IN WITNESS WHEREOF the parties have signed this Agreement. For {s['a']}: "
             f"authorised signatory. For {s['b']}: authorised signatory.")
+
+
+def _scope(rng: random.Random) -> str:
+    """A scope-of-work paragraph: 3-4 sentences with drawn slots (unlimited variety)."""
+    acts = rng.sample(ACTIVITIES, 3)
+    sents = rng.sample(SCOPE_SENTENCES, rng.randint(3, 4))
+    return " ".join(t.format(A="{A}", B="{B}", verb=rng.choice(VERBS), adj=rng.choice(ADJECTIVES),
+                             thing=rng.choice(THINGS), dept=rng.choice(DEPTS),
+                             activity=acts[0], activity2=acts[1], activity3=acts[2],
+                             resource=rng.choice(RESOURCES), phase=rng.choice(PHASES),
+                             metric=rng.choice(METRICS)) for t in sents)
 
 
 def _company(rng: random.Random) -> str:
