@@ -109,3 +109,94 @@ def test_run_all_methods_fields_equal_bytes_history(setup):
     assert r2.exit_code == 0, r2.output
     assert all(row["state"]["reused"] for row in parse_json(r2.output)["cases"])
     assert len(parse_json(runner.invoke(app, ["bench", "history", "--json"]).output)["runs"]) == 2
+
+
+def test_threshold_fail_exits_1(setup):
+    r = _run(setup, "--baselines", "window", "--max-cases", "1",
+             thresholds="thresholds:\n  f1: {min: 2}\n  memory_peak_gb: {max: 1000}\n")
+    assert r.exit_code == 1, r.output
+    res = json.loads((setup["tmp"] / "results.json").read_text())
+    rows = {t["metric"]: t["pass"] for t in res["thresholds"]}
+    assert rows == {"f1": False, "memory_peak_gb": True} and res["passed"] is False
+    assert "FAIL" in r.stdout
+
+
+def test_failing_case_keeps_finished_cases(setup, monkeypatch):
+    from kite.bench import methods
+
+    calls = {"n": 0}
+    real = methods.KeepLastWindow.answer
+
+    def flaky(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(methods.KeepLastWindow, "answer", flaky)
+    r = _run(setup, "--baselines", "window")
+    assert r.exit_code == 1 and "boom" in r.stderr
+    res = json.loads((setup["tmp"] / "results.json").read_text())
+    assert len(res["cases"]) == 1 and not res["complete"] and "case b/q0" in res["error"]
+    runs = parse_json(runner.invoke(app, ["bench", "history", "--json"]).output)["runs"]
+    assert len(runs) == 1 and runs[0]["complete"] is False and runs[0]["cases"] == 1
+
+
+def _bad(setup, lines: list[str] | None = None, *extra, thresholds=None):
+    if lines is not None:
+        setup["cases"].write_text("\n".join(lines) + "\n")
+    return _run(setup, *extra, thresholds=thresholds)
+
+
+def test_malformed_jsonl(setup):
+    good = json.dumps(_case("a", DOC_A, "qa", "Q?", "A"))
+    r = _bad(setup, [good, '{"id": "b", "text": '])
+    assert r.exit_code == 2 and f"{setup['cases']}:2:" in r.stderr and "invalid JSON" in r.stderr
+
+
+def test_case_without_document(setup):
+    r = _bad(setup, [json.dumps({"id": "x", "questions": [{"question": "Q?", "answer": "A"}]})])
+    assert r.exit_code == 2 and f"{setup['cases']}:1: case 'x' has no document" in r.stderr
+
+
+def test_reference_longer_than_context(setup):
+    long_ref = "the court of Shanghai " * 200
+    r = _bad(setup, [json.dumps(_case("a", DOC_A, "qa", "Which court?", long_ref))])
+    assert r.exit_code == 2 and "past the model's context of 512" in r.stderr and ":1: case a/q0" in r.stderr
+
+
+def test_unknown_threshold_metric(setup):
+    r = _bad(setup, None, thresholds="thresholds:\n  latency_ms: {max: 3}\n")
+    assert r.exit_code == 2
+    assert "bench.yaml:2: thresholds.latency_ms: unknown metric (did you mean 'ttft_ms'" in r.stderr \
+        or "bench.yaml:2: thresholds.latency_ms: unknown metric" in r.stderr
+
+
+def test_unknown_baseline_and_family(setup):
+    r = _bad(setup, None, "--baselines", "full,h2o")
+    assert r.exit_code == 2 and "--baselines 'h2o'" in r.stderr
+    r = _bad(setup, None, "--families", "trivia")
+    assert r.exit_code == 2 and "--families 'trivia'" in r.stderr
+
+
+def test_scoring_squad_normalisation():
+    from kite.bench.scoring import exact_match, f1_score, normalize_answer
+
+    assert normalize_answer("The Court of  Shanghai!") == "court of shanghai"
+    assert exact_match("the court of Shanghai.", "Court of Shanghai") == 1.0
+    assert exact_match("It is the court of Shanghai.", "court of Shanghai") == 1.0
+    assert exact_match("Beijing", "Shanghai") == 0.0
+    assert f1_score("court of Shanghai", "the court of Beijing") == pytest.approx(2 / 3)
+    assert f1_score("", "x") == 0.0
+
+
+def test_bundled_cases_are_deterministic():
+    from kite.bench.cases import FAMILIES, load_cases, make_default_cases
+    from kite.data.contracts import to_jsonl
+
+    bundled = REPO / "configs" / "bench_cases.jsonl"
+    assert to_jsonl(make_default_cases(2, 1500, 0, 1)) == bundled.read_text(encoding="utf-8")
+    cases = load_cases(bundled)
+    assert sorted({c.family for c in cases}) == sorted(FAMILIES) and len(cases) == 10
+    multihop = next(c for c in cases if c.family == "multihop")
+    assert "PREVIOUS VERSION" in multihop.document

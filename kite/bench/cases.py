@@ -92,7 +92,7 @@ def default_cases_path():
     return path if path is not None and path.exists() else None
 
 
-def make_default_cases(n: int = 2, tokens: int = 1200, seed: int = 0, per_family: int = 1) -> list[dict]:
+def make_default_cases(n: int = 2, tokens: int = 1500, seed: int = 0, per_family: int = 1) -> list[dict]:
     """The bundled set: `n` generated contracts, keeping `per_family` questions of each family
     (the first ones, so the file is deterministic)."""
     from kite.data.contracts import generate_contracts

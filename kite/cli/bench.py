@@ -158,13 +158,13 @@ def _n(x, fmt=".3f") -> str:
 def cases_cmd(
     out: Annotated[Path, typer.Option("--out", help="Where to write the cases JSONL.")],
     n: Annotated[int, typer.Option("--n", min=1, help="Contracts.")] = 2,
-    tokens: Annotated[int, typer.Option(min=1, help="Tokens per contract (words × 1.45 estimate).")] = 1200,
+    tokens: Annotated[int, typer.Option(min=1, help="Tokens per contract (words × 1.45 estimate).")] = 1500,
     seed: Annotated[int, typer.Option(help="Same seed, same file.")] = 0,
     per_family: Annotated[int, typer.Option(min=1, help="Questions kept per family per contract.")] = 1,
     json_out: bool = JsonOpt,
 ) -> None:
     """Write a small deterministic case set (the bundled configs/bench_cases.jsonl is --n 2
-    --tokens 1200 --seed 0 --per-family 1)."""
+    --tokens 1500 --seed 0 --per-family 1)."""
     from kite.atomic import write_text
     from kite.bench.cases import make_default_cases
     from kite.data.contracts import to_jsonl
