@@ -293,8 +293,9 @@ def analyze_cmd(
                                                   "hardware), e.g. '{\"hardware_watermark.gpu_mem\": 0.9}'.")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG histogram of intent "
                                                  "entropy with the rules' thresholds.")] = None,
-    fast: Annotated[bool, typer.Option("--fast", help="bf16 matmuls: faster on AVX512-BF16 CPUs; "
-                                       "entropies move by up to ~0.06 bits (docs/rules-dsl.md).")] = False,
+    fast: Annotated[bool, typer.Option("--fast", help="bf16 matmuls: ~2x faster on AVX512-BF16 CPUs; "
+                                       "entropies move by up to ~0.06 bits, ~0.02 on average "
+                                       "(docs/rules-dsl.md).")] = False,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Queries per forward.")] = 64,
     threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="torch threads (default: "
                                                    "torch's; 1 can win on a loaded machine).")] = None,
@@ -305,6 +306,13 @@ def analyze_cmd(
 
     Example: kite data traffic --n 2000 --out traffic.jsonl && kite yoco analyze --queries traffic.jsonl --plot h.png
     """
+    import os
+    import sys
+
+    if "torch" not in sys.modules:  # read once, when torch loads
+        # OpenMP threads that sleep while they wait: on a shared machine spinning ones take the
+        # time slices the working ones need (3-4x slower, benchmarks/yoco_analyze.py).
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from kite.cli._progress import progress_bar
     from kite.data.jsonl import read_jsonl
     from kite.yoco.analyze import analyze, neutral_signals, plot_entropy
@@ -341,7 +349,8 @@ def analyze_cmd(
     groups = [rec.get("family") for rec in records] if any("family" in rec for rec in records) else None
     report = analyze(sigs, ruleset, queries=texts, base=base, groups=groups)
     report["source"] = {"queries": str(queries), "model": lm.source.spec, "precision": "bf16" if fast else "fp32",
-                        "tagger": None if tagger is None else tagger.method}
+                        "tagger": None if tagger is None else tagger.method,
+                        "threads": _torch_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
     if plot is not None:
         plot_entropy(report, plot, title=f"Intent entropy: {queries.name} ({len(sigs)} queries)")
         report["plot"] = str(plot)
@@ -349,6 +358,12 @@ def analyze_cmd(
         emit_json(report)
         return
     _print_analysis(report)
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _print_analysis(report: dict) -> None:
@@ -359,8 +374,9 @@ def _print_analysis(report: dict) -> None:
 
     out = console()
     d = report["intent_entropy"]
+    src = report["source"]
     out.print(f"[bold]{report['queries']}[/] queries, {report['tokens']['mean']:.1f} tokens each "
-              f"({report['source']['precision']})", highlight=False)
+              f"({src['model']}, {src['precision']}, {src['threads']} threads)", highlight=False)
     out.print(f"[bold]intent entropy[/] (bits) mean {d['mean']:.3f}, std {d['std']:.3f}, "
               f"min {d['min']:.3f}, max {d['max']:.3f}", highlight=False)
     out.print("  " + "  ".join(f"{k} {v:.3f}" for k, v in d["quantiles"].items()), highlight=False)
@@ -390,6 +406,12 @@ def _print_analysis(report: dict) -> None:
     for c in cuts["rules"]:
         out.print(f"  rule {escape(c['rule'])}: intent_entropy {c['op']} {c['value']:g}  "
                   f"{100 * c['below']:5.1f}% | {100 * c['above']:5.1f}%", highlight=False)
+    if "by_group" in report:
+        groups = Table("family", "queries", "mean", "p10", "p50", "p90", box=None,
+                       title="intent entropy by family", title_justify="left")
+        for g, st in report["by_group"].items():
+            groups.add_row(escape(g), str(st["count"]), *(f"{st[k]:.3f}" for k in ("mean", "p10", "p50", "p90")))
+        out.print(groups)
     cov = report["coverage"]
     table = Table("rule", "queries", "share", box=None, title=f"coverage ({cov['rules_version']}, assuming "
                   + ", ".join(f"{k}={v}" for k, v in cov["assumed"].items() if v) + ")", title_justify="left")

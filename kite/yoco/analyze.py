@@ -189,7 +189,23 @@ def analyze(signals: Sequence[QuerySignals], ruleset=None, *, queries: Sequence[
                               "rules_sha256": ruleset.sha256, "assumed": assumed,
                               "novelty": "traffic order" if nov is not None else base.query_novelty,
                               **coverage(matched, ruleset, groups)}
+    if groups is not None:
+        report["by_group"] = group_entropy(ent, groups)
     return report
+
+
+def group_entropy(values: Sequence[float], groups: Sequence[str | None]) -> dict[str, dict[str, float]]:
+    """Per group (e.g. the traffic's `family`): count, mean, p10, median and p90 of intent entropy,
+    to see whether a threshold separates the kinds of query at all."""
+    by: dict[str, list[float]] = {}
+    for v, g in zip(values, groups):
+        by.setdefault("(none)" if g is None else str(g), []).append(v)
+    out = {}
+    for g, vs in sorted(by.items()):
+        p10, p50, p90 = np.quantile(np.asarray(vs), (0.1, 0.5, 0.9))
+        out[g] = {"count": len(vs), "mean": float(np.mean(vs)), "p10": float(p10), "p50": float(p50),
+                  "p90": float(p90)}
+    return out
 
 
 def plot_entropy(report: dict[str, Any], path, title: str | None = None) -> None:
