@@ -197,7 +197,8 @@ class ClauseTagger:
         """Label, calibrated confidence and per-label probabilities for each row of `E`."""
         if self.method == "prompt":
             raise _no_embedding_head()
-        scores = _zscore(E.float(), self.mean, self.scale) @ self.weights + self.bias
+        E = E.detach().float().cpu()  # pooled from a GPU prefill, perhaps in bf16
+        scores = _zscore(E, self.mean, self.scale) @ self.weights + self.bias
         return self._results(scores)
 
     def tag_texts(self, model, tokenizer, texts: Sequence[str],
