@@ -204,28 +204,29 @@ class Fused(Method):
 
 
 def kvpress_status() -> tuple[bool, str]:
-    """(usable, note): kvpress presses run only when importable and made for this transformers."""
-    try:
-        import kvpress  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
-        return False, f"kvpress is not importable ({type(exc).__name__}: {exc}); its presses were not run"
+    """(usable, note): kvpress presses run only when kvpress is installed, declares support for
+    the installed transformers, and imports."""
     import importlib.metadata as md
 
     import transformers
 
     try:
-        reqs = md.requires("kvpress") or []
+        version, reqs = md.version("kvpress"), md.requires("kvpress") or []
     except md.PackageNotFoundError:
-        reqs = []
+        return False, "kvpress is not installed; its presses were not run"
     spec = next((r for r in reqs if r.replace(" ", "").startswith("transformers")), "")
     if spec:
         from packaging.requirements import Requirement
 
         req = Requirement(spec.split(";")[0])
-        if transformers.__version__ not in req.specifier:
-            return False, (f"kvpress {md.version('kvpress')} needs {req}, installed transformers is "
+        if not req.specifier.contains(transformers.__version__, prereleases=True):
+            return False, (f"kvpress {version} needs {req}, the installed transformers is "
                            f"{transformers.__version__}; its presses were not run")
-    return True, f"kvpress {md.version('kvpress')} is importable"
+    try:
+        import kvpress  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        return False, f"kvpress {version} does not import ({type(exc).__name__}: {exc}); its presses were not run"
+    return True, f"kvpress {version} is importable"
 
 
 @dataclass
