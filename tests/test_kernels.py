@@ -296,3 +296,17 @@ def test_cuda_pca_load_matches_fallback(dtype):
     got = load.pca_load(torch.empty(H, T, d, dtype=dtype, device="cuda"), **kw_gpu, cos=cos.cuda(), sin=sin.cuda())
     tol = 1e-4 if dtype == torch.float32 else 0.02
     assert (got.cpu().float() - want.float()).abs().max() <= tol * want.float().abs().max()
+
+
+@has_cuda
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_cuda_quant_matches_fallback(bits):
+    g = torch.randn(3000, 256, generator=_rng()) * 2 + 0.1
+    want = quant.quantize_groups_torch(g, bits)
+    got = quant.quantize_groups(g.cuda(), bits)
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b)
+    got = quant.quantize_groups(g.cuda(), bits, "mse")
+    want = quant.quantize_groups_torch(g, bits, "mse")
+    same = (got[1].cpu() == want[1]) & (got[2].cpu() == want[2])
+    assert same.float().mean() > 0.97

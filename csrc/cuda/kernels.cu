@@ -366,3 +366,90 @@ extern "C" int kite_cuda_pca_load(int64_t T, int64_t R, int64_t B, int64_t D, in
   CK(cudaGetLastError());
   return 0;
 }
+
+// ---------------------------------------------------------------------------------------------
+// group quantization (one warp per group), the arithmetic of kite/upcycle/quant.py: explicit
+// _rn intrinsics so no multiply-add is fused. Needs gs * bits % 8 == 0 (each group owns whole
+// bytes); the caller falls back to torch otherwise.
+
+__constant__ float kGaussStepC[9] = {0.f, 1.596f, 0.9957f, 0.5860f, 0.3352f, 0.1881f, 0.1041f, 0.0569f, 0.0308f};
+__constant__ float kMseGridC[8] = {0.6f, 0.75f, 0.9f, 1.0f, 1.15f, 1.35f, 1.6f, 2.0f};
+
+static __device__ __forceinline__ float fp16r(float x) { return __half2float(__float2half_rn(x)); }
+static __device__ __forceinline__ float qcode(float x, float mn, float st, float levels) {
+  const float safe = st > 0.f ? st : 1.f;
+  return fminf(fmaxf(rintf(__fdiv_rn(__fsub_rn(x, mn), safe)), 0.f), levels);
+}
+
+__global__ void quant_groups(const float* __restrict__ g, int64_t G, int gs, int bits, int mode,
+                             uint8_t* __restrict__ packed, uint16_t* __restrict__ scale16,
+                             uint16_t* __restrict__ min16) {
+  const int lane = threadIdx.x & 31;
+  const int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (r >= G) return;
+  const float* x = g + r * gs;
+  const float levels = (float)((1 << bits) - 1);
+  float mn = INFINITY, mx = -INFINITY;
+  double sum = 0.0;
+  for (int i = lane; i < gs; i += 32) { const float v = x[i]; mn = fminf(mn, v); mx = fmaxf(mx, v); sum += v; }
+  for (int o = 16; o; o >>= 1) {
+    mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  }
+  float bmn, bst;
+  if (mode == 1 && bits < 8) {
+    const float mu = (float)(sum / gs);
+    double ss = 0.0;
+    for (int i = lane; i < gs; i += 32) { const double e = (double)x[i] - mu; ss += e * e; }
+    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float sd = (float)sqrt(ss / gs);
+    const float half_levels = (float)(((1 << bits) - 1) / 2.0);
+    float best = INFINITY;
+    bmn = 0.f; bst = 0.f;
+    for (int c = 0; c < 9; ++c) {
+      float st, m;
+      if (c < 8) { st = __fmul_rn(__fmul_rn(sd, kGaussStepC[bits]), kMseGridC[c]); m = __fsub_rn(mu, __fmul_rn(st, half_levels)); }
+      else { st = __fdiv_rn(__fsub_rn(mx, mn), levels); m = mn; }
+      m = fp16r(m); st = fp16r(st);
+      float err = 0.f;
+      for (int i = lane; i < gs; i += 32) {
+        const float e = __fsub_rn(__fadd_rn(m, __fmul_rn(qcode(x[i], m, st, levels), st)), x[i]);
+        err = __fadd_rn(err, __fmul_rn(e, e));
+      }
+      for (int o = 16; o; o >>= 1) err += __shfl_xor_sync(0xffffffffu, err, o);
+      if (c == 0 || err < best) { best = err; bmn = m; bst = st; }
+    }
+  } else {
+    bmn = fp16r(mn);
+    float s = fp16r(__fdiv_rn(__fsub_rn(mx, bmn), levels));
+    if (__fadd_rn(bmn, __fmul_rn(s, levels)) < mx) s = fp16r(__fmul_rn(s, 1.0f + 0x1.0p-10f));
+    bst = s;
+  }
+  if (lane == 0) {
+    scale16[r] = __half_as_ushort(__float2half_rn(bst));
+    min16[r] = __half_as_ushort(__float2half_rn(bmn));
+  }
+  uint8_t* out = packed + r * gs * bits / 8;
+  for (int c = lane; c * 8 < gs; c += 32) {
+    const int n = min(8, gs - c * 8);
+    uint64_t acc = 0;
+    for (int i = 0; i < n; ++i) {
+      const float v = x[c * 8 + i];
+      const float q = (mode == 0 || bits == 8) ? (bst > 0.f ? qcode(v, bmn, bst, levels) : 0.f) : qcode(v, bmn, bst, levels);
+      acc |= (uint64_t)q << (i * bits);
+    }
+    const int nbytes = (n * bits + 7) / 8;
+    for (int b = 0; b < nbytes; ++b) out[c * bits + b] = (uint8_t)(acc >> (8 * b));
+  }
+}
+
+extern "C" int kite_cuda_quantize_groups(const float* g, int64_t G, int64_t gs, int bits, int mode,
+                                         uint8_t* packed, uint16_t* scale16, uint16_t* min16, void* stream) {
+  if (bits < 1 || bits > 8 || G < 0 || gs < 1 || (gs * bits) % 8 || (mode != 0 && mode != 1)) return -1;
+  if (G == 0) return 0;
+  quant_groups<<<(unsigned)((G * 32 + 255) / 256), 256, 0, (cudaStream_t)stream>>>(g, G, (int)gs, bits, mode,
+                                                                                   packed, scale16, min16);
+  CK(cudaGetLastError());
+  return 0;
+}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kite.kernels import native
 
 KERNELS = ("quantize_groups", "dequantize_groups", "lloyd_cosine", "eigh_desc", "pca_load")
-_CUDA_KERNELS = {"lloyd_cosine", "eigh_desc", "pca_load"}
+_CUDA_KERNELS = {"quantize_groups", "lloyd_cosine", "eigh_desc", "pca_load"}
 
 
 def backend(device: str = "cpu") -> str:
@@ -16,7 +16,7 @@ def backend(device: str = "cpu") -> str:
 
 
 def backends(device: str = "cpu") -> dict[str, str]:
-    """Per kernel: what runs on ``device`` (CUDA has no quantize kernels: torch runs those)."""
+    """Per kernel: what runs on ``device`` (CUDA has no dequantize kernel: pca_load dequantizes)."""
     b = backend(device)
     if b == "native-cuda":
         return {k: (b if k in _CUDA_KERNELS else "torch") for k in KERNELS}

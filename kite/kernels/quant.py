@@ -27,18 +27,26 @@ def _check(bits: int, range_mode: str) -> None:
 
 
 def quantize_groups(g: torch.Tensor, bits: int, range_mode: str = "minmax"):
-    """Quantize each row of ``g`` [G, gs] (float32) -> (packed uint8, scale fp16 [G], min fp16 [G])."""
+    """Quantize each row of ``g`` [G, gs] (float32) -> (packed uint8, scale fp16 [G], min fp16 [G]).
+
+    On a GPU the native kernel needs ``gs * bits % 8 == 0`` (each group owns whole bytes);
+    otherwise torch runs.
+    """
     _check(bits, range_mode)
-    lib = native.cpu() if not g.is_cuda else None
-    if lib is None:
+    lib = native.lib_for(g)
+    G, gs = g.shape
+    if lib is None or (g.is_cuda and (gs * bits) % 8):
         return quantize_groups_torch(g, bits, range_mode)
     g = g.float().contiguous()
-    G, gs = g.shape
-    packed = torch.empty((G * gs * bits + 7) // 8, dtype=torch.uint8)
-    scale = torch.empty(G, dtype=torch.float16)
-    mn = torch.empty(G, dtype=torch.float16)
-    native.check(lib.kite_quantize_groups(g.data_ptr(), G, gs, bits, _MODES[range_mode], packed.data_ptr(),
-                                          scale.data_ptr(), mn.data_ptr()), "quantize_groups")
+    packed = torch.empty((G * gs * bits + 7) // 8, dtype=torch.uint8, device=g.device)
+    scale = torch.empty(G, dtype=torch.float16, device=g.device)
+    mn = torch.empty(G, dtype=torch.float16, device=g.device)
+    args = [g.data_ptr(), G, gs, bits, _MODES[range_mode], packed.data_ptr(), scale.data_ptr(), mn.data_ptr()]
+    if g.is_cuda:
+        rc = lib.kite_cuda_quantize_groups(*args, native.stream(g))
+    else:
+        rc = lib.kite_quantize_groups(*args)
+    native.check(rc, "quantize_groups")
     return packed, scale, mn
 
 
