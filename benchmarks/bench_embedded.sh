@@ -10,6 +10,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT_DIR:-out/bench}
+export COLUMNS=${COLUMNS:-200}  # the rich tables in table.txt at full width
 mkdir -p "$OUT"
 .venv/bin/kite bench run \
   --cases configs/bench_cases.jsonl \
@@ -20,5 +21,6 @@ mkdir -p "$OUT"
   --max-new-tokens 32 --threads 1 \
   --output "$OUT/results.json" --plot "$OUT" 2>&1 | tee "$OUT/table.txt"
 rc=${PIPESTATUS[0]}
+.venv/bin/kite bench show "$OUT/results.json" --markdown > "$OUT/table.md"
 echo "kite bench run exit code: $rc"
 exit "$rc"

@@ -35,6 +35,10 @@ class BenchSettings:
     ratio: float | None = None  # state compression ratio; None: the upcycle config's
     chat: bool = True
     device: str | None = None
+    # The health store the fused pipeline records its measured gains in. None: a fresh store for
+    # this run (results do not depend on earlier runs); a path: that store (e.g. the shared
+    # $KITE_HOME/health.sqlite, to measure the pipeline as it has learned so far).
+    health_store: str | None = None
 
 
 def check_methods(names: list[str]) -> list[str]:
@@ -143,7 +147,13 @@ def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
     except Exception:  # noqa: BLE001 - a broken user config must not stop a benchmark
         min_gain = 0.005
     methods: dict[str, Method] = {n: BASELINES[n]() for n in names}
-    methods["fused"] = Fused(tagger=tagger, rules=rules, health=HealthStore(), min_hit_gain=min_gain)
+    import tempfile
+
+    health_tmp = None
+    if s.health_store is None:
+        health_tmp = tempfile.TemporaryDirectory(prefix="kite-bench-health-")
+    health = HealthStore(Path(s.health_store) if s.health_store else Path(health_tmp.name) / "health.sqlite")
+    methods["fused"] = Fused(tagger=tagger, rules=rules, health=health, min_hit_gain=min_gain)
     all_names = [n for n in ALL_METHODS if n in methods]
 
     result = {
@@ -237,4 +247,8 @@ def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
     except Exception as exc:
         finish(f"case {case.id}: {type(exc).__name__}: {exc}")
         raise
+    finally:
+        health.close()
+        if health_tmp is not None:
+            health_tmp.cleanup()
     return finish(None)

@@ -27,6 +27,7 @@ METRICS: dict[str, str] = {
     "exact_match": "mean exact match",
     "ppl": "mean teacher-forced PPL of the reference",
     "ppl_delta": "mean PPL of the reference minus full prefill's",
+    "ppl_ratio": "geometric mean of PPL / full prefill's PPL (exp of the mean log-PPL delta)",
     "f1_delta": "mean F1 minus full prefill's",
     "ttft_speedup": "full prefill's mean TTFT / the fused pipeline's",
     "latency_speedup": "full prefill's mean latency / the fused pipeline's",

@@ -49,6 +49,8 @@ def run(
     device: Annotated[Optional[str], typer.Option(help="cpu | cuda (default: cuda when present).")] = None,
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads (on a loaded machine "
                                                    "1 is often fastest).")] = None,
+    health_store: Annotated[Optional[Path], typer.Option(help="Health store the fused pipeline learns in "
+                                                         "(default: a fresh one for this run).")] = None,
     json_out: bool = JsonOpt,
 ) -> None:
     """Run every case through full prefill, the baselines and the fused pipeline; exit 1 when a
@@ -70,7 +72,7 @@ def run(
                       thresholds=str(thresholds) if thresholds else None,
                       families=[f.strip() for f in families.split(",")] if families else None,
                       per_family=per_family, max_cases=max_cases, max_new_tokens=max_new_tokens,
-                      ratio=ratio, device=device)
+                      ratio=ratio, device=device, health_store=str(health_store) if health_store else None)
     if threads is not None:
         import torch
 
@@ -104,7 +106,7 @@ def run(
 
 
 def _print(result: dict, output: Path, plots: list[str]) -> None:
-    from kite.bench.report import family_table, results_table, threshold_table
+    from kite.bench.report import family_table, results_table, targets_table, threshold_table
 
     out = console()
     out.print(results_table(result))
@@ -116,10 +118,45 @@ def _print(result: dict, output: Path, plots: list[str]) -> None:
               f"{fused.get('yoco_hit_rate')} ({fused.get('loads')} loads) · memory peak "
               f"{result['cases'][-1]['memory_peak_gb']:.2f} GB ({result['cases'][-1]['memory_source']})",
               highlight=False)
+    out.print(targets_table(result))
     out.print(threshold_table(result))
+    if result.get("error"):
+        out.print(f"[red]partial run[/]: {result['error']}", highlight=False)
     out.print(f"wrote {output}" + (f", plots {', '.join(plots)}" if plots else ""), highlight=False)
     verdict = "[green]PASS[/]" if result["passed"] else "[red]FAIL[/]"
     out.print(f"{verdict} ({len(result['cases'])} cases, {result['wall_s']} s)")
+
+
+@app.command("show")
+def show(
+    results: Annotated[Path, typer.Argument(help="A results JSON written by `kite bench run`.")],
+    markdown: Annotated[bool, typer.Option("--markdown", help="Markdown tables (for docs).")] = False,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Print a results file's tables again (figures recomputed from its cases)."""
+    import json
+
+    from kite.bench.report import summarize, targets
+
+    try:
+        result = json.loads(results.read_text(encoding="utf-8"))
+        result["summary"] = summarize(result["cases"], result["methods"])
+    except FileNotFoundError:
+        raise BadInput(f"{results}: no such file") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BadInput(f"{results}: not a kite bench results file ({exc})") from None
+    result["targets"] = targets(result["summary"])
+    if json_out:
+        emit_json(result)
+        return
+    if markdown:
+        import sys
+
+        from kite.bench.report import markdown as to_markdown
+
+        sys.stdout.write(to_markdown(result))
+        return
+    _print(result, results, [])
 
 
 @app.command("history")
