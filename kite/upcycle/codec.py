@@ -104,10 +104,10 @@ PRESETS: dict[str, CodecSettings] = {
 }
 
 # ratio R -> the PCA codec's bits per element, all bytes counted (16 = raw fp16): k_bits + v_bits
-# = 32 / R * RATIO_FILL (the rest is left for per-part headers and fp16 sinks), of which keys get
+# = 32 / R * RATIO_FILL (a margin: short parts cost more headers than budgeted), of which keys get
 # the share below (values are the more sensitive side).  Chosen by benchmarks/codec_sweep.py
 # (docs/compression.md); shares between tabled ratios interpolate in log-ratio.
-RATIO_FILL = 1.0
+RATIO_FILL = 0.99
 RATIO_K_SHARE: dict[float, float] = {2.0: 0.375, 4.0: 0.375, 8.0: 0.3125, 16.0: 0.3, 32.0: 0.3}
 RATIO_DEFAULTS = dict(group_size=256, outliers=0, joint_heads=True, basis_fmt="int6", sink_tokens=1)
 
@@ -350,7 +350,7 @@ def _fit_pca_side(prefix: str, X: torch.Tensor, bits_per_elem: float, s: CodecSe
     # fixed costs: the mean, the layer header's share, and per expected part (``part_tokens``) a
     # blob header (~160 B) and the fp16 sinks of the first part
     n_parts = max(1, math.ceil(T / max(1, s.part_tokens)))
-    budget = (bits_per_elem * H * T * d - B * D * 16 - 8 * 450 - n_parts * 8 * 160
+    budget = (bits_per_elem * H * T * d - B * D * (16 + 8) - 8 * 450 - n_parts * 8 * 160
               - s.sink_tokens * H * d * 16)
     bits = allocate_bits(evals, budget, T, D, s)
     r = int((bits > 0).sum(dim=1).max().item()) if bits.numel() else 0
