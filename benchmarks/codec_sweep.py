@@ -37,6 +37,7 @@ from kite.upcycle.rope import apply_rope, remove_rope, rope_cos_sin  # noqa: E40
 
 HF_CACHE = Path(os.environ.get("KITE_CODEC_MODEL_DIR", "/tmp/smollm2-hf-codec"))
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LOADER = "?"
 DEFAULT_SETTINGS = ["exact", "int8", "int4", "ratio=4", "ratio=6", "ratio=8", "ratio=12", "ratio=16",
                     "ratio=20"]
 
@@ -49,6 +50,8 @@ def load_model():
         from kite.model import load_model as kite_load  # type: ignore
 
         lm = kite_load("smollm2-135m", dtype="fp32")
+        global LOADER
+        LOADER = "kite.model.load_model('smollm2-135m', dtype='fp32')"
         return lm.model.eval(), lm.tokenizer
     except Exception:  # noqa: BLE001 - fall back to the direct path
         pass
@@ -63,6 +66,8 @@ def load_model():
         tok.save_pretrained(HF_CACHE)
     m = AutoModelForCausalLM.from_pretrained(HF_CACHE, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(HF_CACHE)
+    global LOADER
+    LOADER = f"transformers from {HF_CACHE} (GGUF converted once)"
     return m, tok
 
 
@@ -197,6 +202,7 @@ def main(argv=None) -> int:
         print(f"model SmolLM2-135M fp32 | text {Path(args.text).name} | context {n_ctx} | continuation "
               f"{cont.numel()} | parts {args.parts} | raw fp16 KV {raw_fp16:,} B | full PPL "
               f"{full['ppl']:.3f} | no-context PPL {none['ppl']:.3f} | prefill {prefill_s:.1f}s")
+        print(f"loaded via {LOADER}")
         print(_header())
     for spec in args.settings:
         name, *ov = spec.split(",")
@@ -221,7 +227,7 @@ def main(argv=None) -> int:
             kv, nb = kivi(kv_post, bits, group)
             add(f"kivi int{bits} g{group}", "kivi", nb, continuation_logits(model, kv, cont, n_ctx))
     result = {"machine": {"platform": platform.platform(), "cpu_threads": args.threads,
-                          "torch": torch.__version__},
+                          "torch": torch.__version__, "loader": LOADER},
               "text": Path(args.text).name, "context": n_ctx, "continuation": int(cont.numel()),
               "parts": args.parts, "raw_fp16_bytes": raw_fp16, "full_ppl": full["ppl"],
               "no_context_ppl": none["ppl"], "no_context_kl": none["kl"], "rows": rows}
