@@ -5,20 +5,25 @@ they are, shaped ``[H_kv, T, d]``.  The state is split into clusters (sets of to
 must load independently, so the stored form is
 
 * one **shared part per layer** (:class:`LayerCodec`, from :func:`fit_layer` on the whole
-  document): per (layer, head) mean and PCA basis of the pre-RoPE keys and of the values, and the
-  number of bits given to every principal component (0 = dropped; only the columns of the basis
-  that get bits are stored);
+  document): the mean and PCA basis of the pre-RoPE keys and of the values -- per (layer, head),
+  or over the concatenated heads of the layer (``joint_heads``, the default of ``ratio=R``) -- and
+  the number of bits given to every principal component (0 = dropped; only the columns of the
+  basis that get bits are stored, int8/int6 with a scale per column);
 * one **part per (cluster, layer, K|V)** (:class:`Blob`, two per :class:`EncodedPart` from
   :func:`encode`): the tokens' PCA coefficients, each component quantized with its own bit width
-  in groups of ``group_size`` tokens (fp16 scale and minimum per group and component), plus a few
-  outlier tokens kept in fp16 with their indices.
+  in groups of ``group_size`` tokens (fp16 scale and minimum per group and component, the grid
+  picked by least squared error), plus the attention sink (position < ``sink_tokens``, when
+  ``encode`` is given positions) and optionally a few outlier tokens kept in fp16 with their
+  indices.  Keeping the sink exact is what makes low bit widths work: its value is near zero and
+  takes most of the attention, so any error on it is multiplied.
 
 Bit allocation is greedy reverse water-filling on the eigenvalues: every next bit goes to the
 component where it removes the most expected squared error per stored bit (the first bit of a
 component also pays for its basis column and its scales), until the layer's budget of
 ``k_bits`` / ``v_bits`` bits per original element is spent.  High-variance components get many
 bits, the tail gets none.  The budget counts every stored byte, so ``ratio=R`` lands at about
-``16 / R`` bits per element, i.e. ``1/R`` of the raw fp16 KV.
+``16 / R`` bits per element, i.e. ``1/R`` of the raw fp16 KV.  The codec is pure torch; on a
+busy CPU run it with one intra-op thread (its ops are small).
 
 Other modes (``k_mode`` / ``v_mode``): ``"quant"`` -- KIVI-style plain int-N (keys per channel,
 values per token, groups of ``group_size``), ``"raw"`` -- a float cast (``fp32`` is exact).
