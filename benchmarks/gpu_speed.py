@@ -381,11 +381,15 @@ def main() -> None:
         off, dt, shape, nb = offsets[layer][(s, nm)]
         return staging[off:off + nb].view(dt).view(shape)
 
+    launchers = [[load.prepare_pca_load(dst[layer], view(layer, s, "codes"), view(layer, s, "scale"),
+                                        view(layer, s, "mn"), lay[s], boff[s], view(layer, s, "basis_t"),
+                                        view(layer, s, "mean"), T, cos=cos if s == 0 else None,
+                                        sin=sin if s == 0 else None)
+                  for s, dst in ((0, Kc), (1, Vc))] for layer in range(L)]
+
     def decode_layer(layer):
-        for s, dst in ((0, Kc), (1, Vc)):
-            load.pca_load(dst[layer], view(layer, s, "codes"), view(layer, s, "scale"), view(layer, s, "mn"),
-                          lay[s], boff[s], view(layer, s, "basis_t"), view(layer, s, "mean"), T,
-                          cos=cos if s == 0 else None, sin=sin if s == 0 else None)
+        for launch in launchers[layer]:
+            launch()
 
     def load_one_copy():
         staging.copy_(host, non_blocking=True)

@@ -310,3 +310,16 @@ def test_cuda_quant_matches_fallback(bits):
     want = quant.quantize_groups_torch(g, bits, "mse")
     same = (got[1].cpu() == want[1]) & (got[2].cpu() == want[2])
     assert same.float().mean() > 0.97
+
+
+@has_cpu
+def test_prepared_pca_load_matches_direct():
+    H, T, d = 2, 90, 64
+    K = torch.randn(H, T, d, generator=_rng())
+    lc = codec.fit_layer(K, K, codec.settings_for("ratio=5", joint_heads=False))
+    kw = _part_inputs(lc, codec.encode(lc, K, K).v, "v")
+    cos, sin = _rope(T, d)
+    a = load.pca_load(torch.empty(H, T, d), **kw, cos=cos, sin=sin)
+    out = torch.empty(H, T, d)
+    launch = load.prepare_pca_load(out, **kw, cos=cos, sin=sin)
+    assert launch() is out and torch.equal(out, a)

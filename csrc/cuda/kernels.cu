@@ -29,7 +29,7 @@ static __device__ __forceinline__ uint32_t code_at(const uint8_t* p, int64_t bit
 }
 
 extern "C" const char* kite_cuda_version(void) {
-  static char buf[160];
+  static char buf[400];
   int rt = 0, drv = 0, dev = 0;
   cudaRuntimeGetVersion(&rt);
   cudaDriverGetVersion(&drv);
@@ -261,14 +261,17 @@ extern "C" int kite_cuda_eigh_batched(const float* A, int64_t B, int64_t d, floa
 }
 
 // ---------------------------------------------------------------------------------------------
-// fused PCA load. Block = (tile of TT tokens, 2*blockDim.x dims of one rope pair set). Each thread
-// owns one RoPE pair (i, i + d/2) of one head and accumulates TT tokens in registers; the tile's
-// dequantized coefficients sit in shared memory and are read as broadcasts.
+// fused PCA load. Block = (tile of TT tokens, up to 256 RoPE pairs). Each thread owns one RoPE
+// pair (i, i + d/2) of one head and accumulates TT tokens in registers; the tile's dequantized
+// coefficients sit in shared memory ([TT][RP], RP = R rounded up to 4, plus 4 against bank
+// conflicts) and are read four columns at a time as float4 broadcasts.
 
 constexpr int TT = 16;
 
+static __host__ __device__ __forceinline__ int64_t coef_pitch(int64_t R) { return (R + 3) / 4 * 4 + 4; }
+
 template <int OUT>
-__global__ void __launch_bounds__(128) pca_load_kernel(
+__global__ void __launch_bounds__(256) pca_load_kernel(
     int64_t T, int64_t R, int64_t D, int64_t H, int64_t d, const uint8_t* __restrict__ codes,
     const int64_t* __restrict__ col_bitoff, const uint8_t* __restrict__ col_bits,
     const int64_t* __restrict__ col_goff, int64_t gs, const uint16_t* __restrict__ scale16,
@@ -276,17 +279,20 @@ __global__ void __launch_bounds__(128) pca_load_kernel(
     const float* __restrict__ basis_t, const float* __restrict__ mean, const int64_t* __restrict__ dest,
     int64_t T_out, const int32_t* __restrict__ ovr_idx, const uint16_t* __restrict__ ovr_x16,
     int64_t n_ovr, const float* __restrict__ cosv, const float* __restrict__ sinv, void* __restrict__ out) {
-  extern __shared__ float coef[];  // [TT][R]
+  extern __shared__ float4 coef4[];
+  float* coef = (float*)coef4;
+  const int64_t RP = coef_pitch(R);
   const int64_t t0 = (int64_t)blockIdx.y * TT;
+  // consecutive threads: consecutive tokens of one column (one code stream, one group)
   for (int64_t idx = threadIdx.x; idx < (int64_t)TT * R; idx += blockDim.x) {
-    const int64_t tt = idx / R, j = idx % R, t = t0 + tt;
+    const int64_t j = idx / TT, tt = idx % TT, t = t0 + tt;
     float c = 0.f;
     if (t < T) {
       const int bits = col_bits[j];
       const int64_t g = col_goff[j] + t / gs;
       c = h2f(min16[g]) + h2f(scale16[g]) * (float)code_at(codes, col_bitoff[j] + t * bits, bits);
     }
-    coef[idx] = c;
+    coef[tt * RP + j] = c;
   }
   __syncthreads();
   const int64_t half = d / 2;
@@ -300,11 +306,27 @@ __global__ void __launch_bounds__(128) pca_load_kernel(
 #pragma unroll
   for (int tt = 0; tt < TT; ++tt) { lo[tt] = 0.f; hi[tt] = 0.f; }
   const int64_t j0 = blk_off[b], j1 = blk_off[b + 1];
-  for (int64_t j = j0; j < j1; ++j) {
+  int64_t j = j0;
+  if ((j0 & 3) == 0) {
+    for (; j + 4 <= j1; j += 4) {
+      float bl[4], bh[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) { bl[u] = basis_t[(j + u) * D + k_lo]; bh[u] = basis_t[(j + u) * D + k_hi]; }
+#pragma unroll
+      for (int tt = 0; tt < TT; ++tt) {
+        const float4 c = coef4[(tt * RP + j) >> 2];
+        lo[tt] = fmaf(c.x, bl[0], lo[tt]); hi[tt] = fmaf(c.x, bh[0], hi[tt]);
+        lo[tt] = fmaf(c.y, bl[1], lo[tt]); hi[tt] = fmaf(c.y, bh[1], hi[tt]);
+        lo[tt] = fmaf(c.z, bl[2], lo[tt]); hi[tt] = fmaf(c.z, bh[2], hi[tt]);
+        lo[tt] = fmaf(c.w, bl[3], lo[tt]); hi[tt] = fmaf(c.w, bh[3], hi[tt]);
+      }
+    }
+  }
+  for (; j < j1; ++j) {
     const float bl = basis_t[j * D + k_lo], bh = basis_t[j * D + k_hi];
 #pragma unroll
     for (int tt = 0; tt < TT; ++tt) {
-      const float c = coef[tt * R + j];
+      const float c = coef[tt * RP + j];
       lo[tt] = fmaf(c, bl, lo[tt]);
       hi[tt] = fmaf(c, bh, hi[tt]);
     }
@@ -349,13 +371,18 @@ extern "C" int kite_cuda_pca_load(int64_t T, int64_t R, int64_t B, int64_t D, in
       out_dtype < 0 || out_dtype > 2)
     return -1;
   if (T == 0) return 0;
-  const size_t smem = (size_t)TT * (R > 0 ? R : 1) * sizeof(float);
+  const size_t smem = (size_t)TT * coef_pitch(R) * sizeof(float);
   if (smem > 200 * 1024) return -1;
-  const int threads = 128;
-  dim3 grid((unsigned)((H * (d / 2) + threads - 1) / threads), (unsigned)((T + TT - 1) / TT));
+  const int64_t pairs = H * (d / 2);
+  const int threads = pairs >= 256 ? 256 : (int)((pairs + 31) / 32 * 32);
+  dim3 grid((unsigned)((pairs + threads - 1) / threads), (unsigned)((T + TT - 1) / TT));
   cudaStream_t st = (cudaStream_t)stream_;
+  static size_t smem_set[3] = {0, 0, 0};  // raise the dynamic shared-memory limit once per size
 #define LAUNCH(O)                                                                                   \
-  CK(cudaFuncSetAttribute(pca_load_kernel<O>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)); \
+  if (smem > 48 * 1024 && smem > smem_set[O]) {                                                      \
+    CK(cudaFuncSetAttribute(pca_load_kernel<O>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)); \
+    smem_set[O] = smem;                                                                              \
+  }                                                                                                  \
   pca_load_kernel<O><<<grid, threads, smem, st>>>(T, R, D, H, d, codes, col_bitoff, col_bits, col_goff, gs, \
                                                   scale16, min16, blk_off, basis_t, mean, dest, T_out,      \
                                                   override_idx, ovr_x16, n_ovr, cos, sin, out)
