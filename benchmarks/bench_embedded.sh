@@ -17,7 +17,7 @@ mkdir -p "$OUT"
   --upcycle "$OUT/states" \
   --yoco-rules rules/yoco_rules.yaml \
   --thresholds configs/bench.yaml \
-  --baselines full,window,kivi,snapkv,kvpress \
+  --baselines full,window,kivi,snapkv,state,kvpress \
   --max-new-tokens 32 --threads 1 \
   --output "$OUT/results.json" --plot "$OUT" 2>&1 | tee "$OUT/table.txt"
 rc=${PIPESTATUS[0]}

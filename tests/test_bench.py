@@ -82,11 +82,11 @@ def test_run_all_methods_fields_equal_bytes_history(setup):
     assert r.exit_code == 0, r.output
     res = parse_json(r.output)
     assert res["complete"] and res["passed"]
-    assert set(res["methods"]) == {"full", "window", "kivi", "snapkv", "fused"}
+    assert set(res["methods"]) == {"full", "window", "kivi", "snapkv", "state", "fused"}
     assert any("kvpress" in n for n in res["notes"])
     for row in res["cases"]:
         budget = row["state"]["bytes"]
-        for name in ("window", "kivi", "snapkv"):
+        for name in ("window", "kivi", "snapkv", "state"):
             assert abs(row["methods"][name]["kv_bytes"] - budget) <= 0.05 * budget, (name, row)
         for m in row["methods"].values():
             for key in ("f1", "exact_match", "ppl", "ppl_delta", "ttft_ms", "latency_ms", "tokens_per_s",
@@ -95,7 +95,7 @@ def test_run_all_methods_fields_equal_bytes_history(setup):
         assert row["methods"]["full"]["ppl_delta"] == 0
     fused = res["summary"]["fused"]
     for key in ("avg_latency_ms", "ttft_ms", "tokens_per_s", "memory_peak_gb", "upcycle_regenerate_rate",
-                "compression_ratio", "yoco_hit_rate", "ppl_delta", "f1", "exact_match"):
+                "compression_ratio", "yoco_hit_rate", "load_helped_rate", "ppl_delta", "f1", "exact_match"):
         assert key in fused
     assert set(res["summary"]["families"]) == {"qa", "needle"}
     assert (setup["tmp"] / "plots" / "latency.png").stat().st_size > 0

@@ -55,6 +55,7 @@ def fp16_token_bytes(lm) -> float:
 class Method:
     name: ClassVar[str]
     equal_bytes: ClassVar[bool] = True  # held to the state's byte budget
+    uses_state: ClassVar[bool] = False  # Prepared.data is the document's states.StateRef
 
     def prepare(self, lm, doc: DocumentContext, budget_bytes: int) -> Prepared:
         return Prepared(kv_bytes=doc.raw_kv_bytes(lm))
@@ -171,12 +172,35 @@ class SnapKV(Method):
 
 
 @dataclass
+class WholeState(Method):
+    """Diagnostic: the fused pipeline's state loaded whole (every cluster, every layer, as
+    stored), no rules. Separates what the codec keeps from what YOCO chooses to load."""
+
+    name: ClassVar[str] = "state"
+    uses_state: ClassVar[bool] = True
+
+    def prepare(self, lm, doc, budget_bytes):
+        return Prepared(kv_bytes=budget_bytes)
+
+    def answer(self, lm, doc, prep, question, prompt, gen):
+        from kite.upcycle.load import load_prefix
+
+        t0 = time.perf_counter()
+        prefix, report = load_prefix(prep.data.path, lm)
+        load_ms = (time.perf_counter() - t0) * 1e3
+        g = generate(lm, prompt, prefix=prefix, **gen)
+        return _answer(g, load_ms, prep.kv_bytes, prefix, prompt, load_ms=round(load_ms, 3),
+                       bytes_read=report.bytes_read)
+
+
+@dataclass
 class Fused(Method):
     """The fused pipeline: signals → rules → LoadPlan → partial load of the state → generate →
     measured gain recorded in the health store (kite.yoco.fused.answer)."""
 
     name: ClassVar[str] = "fused"
     equal_bytes: ClassVar[bool] = False  # it *is* the budget
+    uses_state: ClassVar[bool] = True
     tagger: Any = None
     rules: Any = None
     health: Any = None
@@ -254,5 +278,6 @@ class KVPress(Method):
         return _answer(g, 0.0, prep.kv_bytes, prep.data, prompt)
 
 
-BASELINES: dict[str, type[Method]] = {m.name: m for m in (FullPrefill, KeepLastWindow, KiviQuant, SnapKV, KVPress)}
+BASELINES: dict[str, type[Method]] = {m.name: m for m in (FullPrefill, KeepLastWindow, KiviQuant, SnapKV,
+                                                         WholeState, KVPress)}
 ALL_METHODS = tuple(BASELINES) + ("fused",)

@@ -43,6 +43,10 @@ def method_figures(rows: list[dict], name: str) -> dict:
         gains = [m["gain"] for m in loads if m.get("gain") is not None]
         out["loads"] = len(loads)
         out["yoco_hit_rate"] = round(sum(g > 0 for g in gains) / len(gains), 4) if gains else None
+        # The same question asked of quality: among loads, the fraction whose reference PPL is
+        # lower than with no document at all.
+        helped = [m["beats_no_document"] for m in loads if "beats_no_document" in m]
+        out["load_helped_rate"] = round(sum(helped) / len(helped), 4) if helped else None
         out["upcycle_regenerate_rate"] = _mean([r["state"]["regenerate_rate"] for r in rows])
     return out
 
@@ -71,7 +75,7 @@ def targets(summary: dict) -> list[dict]:
         if not fused:
             continue
         for base, bf in figs.items():
-            if base in ("fused", "full") or not bf:
+            if base in ("fused", "full", "state") or not bf:
                 continue
             for metric, better in (("f1", "higher"), ("ppl_delta", "lower"), ("ppl_ratio", "lower")):
                 a, b = fused.get(metric), bf.get(metric)
@@ -170,7 +174,7 @@ def markdown(result: dict) -> str:
     groups = [("overall", result["summary"]["overall"])] + list(result["summary"]["families"].items())
     for group, figs in groups:
         fused = figs.get("fused") or {}
-        base = {m: f for m, f in figs.items() if m not in ("fused", "full") and f}
+        base = {m: f for m, f in figs.items() if m not in ("fused", "full", "state") and f}
         if not fused or not base:
             continue
         cells = []

@@ -26,7 +26,7 @@ class BenchSettings:
     upcycle_dir: str = "bench-states"
     rules: str | None = None
     upcycle_config: str | None = None
-    baselines: list[str] = field(default_factory=lambda: ["full", "window", "kivi", "snapkv", "kvpress"])
+    baselines: list[str] = field(default_factory=lambda: ["full", "window", "kivi", "snapkv", "state", "kvpress"])
     thresholds: str | None = None
     families: list[str] | None = None
     per_family: int | None = None
@@ -199,7 +199,9 @@ def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
                 preps = {}
                 for name, m in methods.items():
                     preps[name] = m.prepare(lm, doc, state.state_bytes)
-                preps["fused"].data = state
+                for name, m in methods.items():
+                    if m.uses_state:
+                        preps[name].data = state
                 docs[case.document_key] = (doc, state, preps)
             doc, state, preps = docs[case.document_key]
             row = {"id": case.id, "family": case.family, "label": case.label, "question": case.question,
@@ -212,18 +214,23 @@ def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
                              "regenerate_rate": round(state.regenerate_rate, 4)},
                    "methods": {}}
             full_logits = None
+            # The reference without any document: did a load help at all?
+            ppl_none = perplexity(reference_logits(lm, None, p_ids, ref_ids), ref_ids)
+            row["ppl_no_document"] = round(ppl_none, 4)
             for name in all_names:
                 reset_peak(lm.device)
                 ans = methods[name].answer(lm, doc, preps[name], case.question, p_ids, gen)
                 logits = reference_logits(lm, ans.ppl_prefix, ans.ppl_prompt, ref_ids)
                 if name == "full":
                     full_logits = logits
+                ppl = perplexity(logits, ref_ids)
                 cmp = compare_logits(full_logits, logits, torch.tensor(ref_ids))
                 peak, source = memory_peak_gb(lm.device)
                 row["methods"][name] = {
                     "text": ans.text, "f1": round(f1_score(ans.text, case.reference), 4),
                     "exact_match": exact_match(ans.text, case.reference),
-                    "ppl": round(perplexity(logits, ref_ids), 4), "ttft_ms": round(ans.ttft_ms, 3),
+                    "ppl": round(ppl, 4), "ttft_ms": round(ans.ttft_ms, 3),
+                    "beats_no_document": ppl < ppl_none,
                     "latency_ms": round(ans.latency_ms, 3), "tokens_per_s": ans.tokens_per_s,
                     "new_tokens": ans.new_tokens, "kv_bytes": ans.kv_bytes,
                     "kl_mean": round(cmp["kl_mean"], 5), "top1": round(cmp["top1"], 4),

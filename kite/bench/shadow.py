@@ -33,7 +33,7 @@ class ShadowConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str | None = None
-    method: Literal["full", "window", "kivi", "snapkv", "fused"] = "fused"
+    method: Literal["full", "window", "kivi", "snapkv", "state", "fused"] = "fused"
     ratio: float = Field(4.0, ge=1)  # state compression (fused) = the baselines' byte budget
     rules: str | None = None  # fused: the YOCO rule file (default rules/yoco_rules.yaml)
     upcycle_config: str | None = None  # fused: upcycle_config.yaml (default configs/...)
@@ -161,7 +161,7 @@ def answer_all(lm, cfg: ShadowConfig, cases, states_dir: Path, *, seed: int | No
             doc = prefill_document(lm, case.document_key, ids)
             state = ensure_state(lm, case.document_key, ids, states_dir, settings, tagger)
             prep = method.prepare(lm, doc, state.state_bytes)
-            if cfg.method == "fused":
+            if method.uses_state:
                 prep.data = state
             current = (case.document_key, doc, prep)
         _, doc, prep = current

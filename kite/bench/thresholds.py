@@ -23,6 +23,7 @@ METRICS: dict[str, str] = {
     "upcycle_regenerate_rate": "MB of .upc per 1,000 document tokens",
     "compression_ratio": "raw fp16 KV bytes / state bytes",
     "yoco_hit_rate": "among loads, the fraction with a positive measured gain",
+    "load_helped_rate": "among loads, the fraction whose reference PPL beats no document at all",
     "f1": "mean answer token F1",
     "exact_match": "mean exact match",
     "ppl": "mean teacher-forced PPL of the reference",

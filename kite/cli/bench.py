@@ -36,8 +36,8 @@ def run(
                                                        "(default rules/yoco_rules.yaml).")] = None,
     upcycle_config: Annotated[Optional[Path], typer.Option("--upcycle-config", help="upcycle_config.yaml "
                                                             "(default configs/upcycle_config.yaml).")] = None,
-    baselines: Annotated[str, typer.Option(help="Comma list of full,window,kivi,snapkv,kvpress (full is "
-                                           "always run: it is the reference).")] = "full,window,kivi,snapkv,kvpress",
+    baselines: Annotated[str, typer.Option(help="Comma list of full,window,kivi,snapkv,state,kvpress (full is "
+                                           "always run: it is the reference).")] = "full,window,kivi,snapkv,state,kvpress",
     thresholds: Annotated[Optional[Path], typer.Option(help="bench.yaml with `thresholds:` (default "
                                                        "configs/bench.yaml, else the seed's table).")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write PNG plots into this folder.")] = None,
@@ -115,7 +115,8 @@ def _print(result: dict, output: Path, plots: list[str]) -> None:
         out.print(f"[yellow]note[/] {note}", highlight=False)
     fused = result["summary"]["fused"]
     out.print(f"fused: regenerate rate {fused.get('upcycle_regenerate_rate')} MB/1K tokens · yoco_hit_rate "
-              f"{fused.get('yoco_hit_rate')} ({fused.get('loads')} loads) · memory peak "
+              f"{fused.get('yoco_hit_rate')} ({fused.get('loads')} loads; reference PPL better than no "
+              f"document in {fused.get('load_helped_rate')} of them) · memory peak "
               f"{result['cases'][-1]['memory_peak_gb']:.2f} GB ({result['cases'][-1]['memory_source']})",
               highlight=False)
     out.print(targets_table(result))
