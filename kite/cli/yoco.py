@@ -308,6 +308,7 @@ def analyze_cmd(
     """
     import os
     import sys
+    import time
 
     if "torch" not in sys.modules:  # read once, when torch loads
         # OpenMP threads that sleep while they wait: on a shared machine spinning ones take the
@@ -344,13 +345,18 @@ def analyze_cmd(
         names = [s.strip() for s in labels.split(",") if s.strip()] if labels is not None else (
             list(tagger.labels) if tagger is not None else None)
         ruleset = _load(rules or default_rules_path(), names, lm.geometry.n_layers)
+        t0 = time.perf_counter()
         sigs = query_signals(lm, texts, tagger, batch_size=batch_size, precision="bf16" if fast else "fp32",
                              progress=lambda d, t: progress("entropy", d, t))
+        pass_s = time.perf_counter() - t0
     groups = [rec.get("family") for rec in records] if any("family" in rec for rec in records) else None
     report = analyze(sigs, ruleset, queries=texts, base=base, groups=groups)
     report["source"] = {"queries": str(queries), "model": lm.source.spec, "precision": "bf16" if fast else "fp32",
                         "tagger": None if tagger is None else tagger.method,
                         "threads": _torch_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+    report["timing"] = {"entropy_pass_s": pass_s, "queries_per_s": len(sigs) / pass_s if pass_s else None,
+                        "tokens_per_s": report["tokens"]["total"] / pass_s if pass_s else None,
+                        "load_avg_1m": os.getloadavg()[0]}
     if plot is not None:
         plot_entropy(report, plot, title=f"Intent entropy: {queries.name} ({len(sigs)} queries)")
         report["plot"] = str(plot)
@@ -377,6 +383,9 @@ def _print_analysis(report: dict) -> None:
     src = report["source"]
     out.print(f"[bold]{report['queries']}[/] queries, {report['tokens']['mean']:.1f} tokens each "
               f"({src['model']}, {src['precision']}, {src['threads']} threads)", highlight=False)
+    t = report["timing"]
+    out.print(f"  entropy pass {t['entropy_pass_s']:.1f} s: {t['queries_per_s']:.1f} queries/s, "
+              f"{t['tokens_per_s']:.0f} tokens/s (load average {t['load_avg_1m']:.2f})", highlight=False)
     out.print(f"[bold]intent entropy[/] (bits) mean {d['mean']:.3f}, std {d['std']:.3f}, "
               f"min {d['min']:.3f}, max {d['max']:.3f}", highlight=False)
     out.print("  " + "  ".join(f"{k} {v:.3f}" for k, v in d["quantiles"].items()), highlight=False)
