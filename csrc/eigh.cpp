@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kite_runtime.h"
+#include "threads.h"
 
 namespace {
 
@@ -135,7 +136,8 @@ void tql2(int n, double* W, double* d, double* e) {
 extern "C" int kite_eigh_batched(const double* A, int64_t B, int64_t d, double* evals, double* evecs) {
   if (B < 0 || d < 1) return -1;
   const int n = (int)d;
-#pragma omp parallel
+  const int nt = kite_threads_for(10.0 * B * d * d * d);
+#pragma omp parallel num_threads(nt) if (nt > 1)
   {
     std::vector<double> V((size_t)n * n), W((size_t)n * n), dv(n), ev(n);
     std::vector<int> order(n);

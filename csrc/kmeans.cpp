@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kite_runtime.h"
+#include "threads.h"
 
 extern "C" int kite_kmeans_cosine(const float* x, int64_t n, int64_t D, float* C, int64_t k,
                                   int iters, int64_t* assign) {
@@ -16,11 +17,11 @@ extern "C" int kite_kmeans_cosine(const float* x, int64_t n, int64_t D, float* C
   std::vector<int64_t> cur((size_t)n, 0), nxt((size_t)n);
   std::vector<float> own((size_t)n);
   std::vector<int64_t> counts((size_t)k);
-  const int nt = omp_get_max_threads();
+  const int nt = kite_threads_for(0.5 * n * k * D + 2.0 * n * D);
   std::vector<double> part((size_t)nt * k * D);
   int it = 0;
   for (; it < iters; ++it) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
     for (int64_t i = 0; i < n; ++i) {
       const float* xi = x + i * D;
       int64_t best = 0;
@@ -47,7 +48,7 @@ extern "C" int kite_kmeans_cosine(const float* x, int64_t n, int64_t D, float* C
     }
     // member sums: per-thread partials in double, then reduce and normalise
     std::fill(part.begin(), part.end(), 0.0);
-#pragma omp parallel
+#pragma omp parallel num_threads(nt) if (nt > 1)
     {
       double* mine = part.data() + (size_t)omp_get_thread_num() * k * D;
 #pragma omp for schedule(static)
@@ -57,7 +58,7 @@ extern "C" int kite_kmeans_cosine(const float* x, int64_t n, int64_t D, float* C
         for (int64_t j = 0; j < D; ++j) dst[j] += xi[j];
       }
     }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
     for (int64_t c = 0; c < k; ++c) {
       double nrm = 0.0;
       float* cc = C + c * D;

@@ -7,6 +7,7 @@
 
 #include "half.h"
 #include "kite_runtime.h"
+#include "threads.h"
 
 extern "C" int kite_pca_load(int64_t T, int64_t R, int64_t B, int64_t D, int64_t H, int64_t d,
                              const uint8_t* codes, const int64_t* col_bitoff, const uint8_t* col_bits,
@@ -19,7 +20,8 @@ extern "C" int kite_pca_load(int64_t T, int64_t R, int64_t B, int64_t D, int64_t
       out_dtype < 0 || out_dtype > 2 || blk_off[0] != 0 || blk_off[B] != R)
     return -1;
   const int64_t half = d / 2, HD = H * d;
-#pragma omp parallel
+  const int nt = kite_threads_for(0.5 * T * R * D + 5.0 * T * HD);
+#pragma omp parallel num_threads(nt) if (nt > 1)
   {
     std::vector<float> c((size_t)R + 1), y((size_t)HD);
 #pragma omp for schedule(static)

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "half.h"
+#include "threads.h"
 #include "kite_runtime.h"
 
 namespace {
@@ -73,7 +74,8 @@ void quant_mse(const float* x, int64_t gs, int bits, uint8_t* q, uint8_t* tmp, u
 // Pack n codes LSB first. Chunks of 8 codes fill exactly `bits` bytes, so threads never share one.
 void pack(const uint8_t* q, int64_t n, int bits, uint8_t* out) {
   const int64_t chunks = n / 8;
-#pragma omp parallel for schedule(static)
+  const int nt = kite_threads_for(1.0 * n);
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
   for (int64_t c = 0; c < chunks; ++c) {
     uint64_t acc = 0;
     for (int i = 0; i < 8; ++i) acc |= (uint64_t)q[c * 8 + i] << (i * bits);
@@ -95,8 +97,9 @@ extern "C" int kite_quantize_groups(const float* g, int64_t G, int64_t gs, int b
   if (bits < 1 || bits > 8 || G < 0 || gs < 1 || (mode != 0 && mode != 1)) return -1;
   const int64_t n = G * gs;
   std::vector<uint8_t> q((size_t)n);
+  const int nt = kite_threads_for((mode == 1 && bits < 8 ? 40.0 : 4.0) * n);
   if (mode == 1 && bits < 8) {
-#pragma omp parallel
+#pragma omp parallel num_threads(nt) if (nt > 1)
     {
       std::vector<uint8_t> tmp((size_t)gs);
 #pragma omp for schedule(static)
@@ -104,7 +107,7 @@ extern "C" int kite_quantize_groups(const float* g, int64_t G, int64_t gs, int b
         quant_mse(g + r * gs, gs, bits, q.data() + r * gs, tmp.data(), scale16 + r, min16 + r);
     }
   } else {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
     for (int64_t r = 0; r < G; ++r)
       quant_minmax(g + r * gs, gs, bits, q.data() + r * gs, scale16 + r, min16 + r);
   }
@@ -115,7 +118,8 @@ extern "C" int kite_quantize_groups(const float* g, int64_t G, int64_t gs, int b
 extern "C" int kite_dequantize_groups(const uint8_t* packed, int64_t G, int64_t gs, int bits,
                                       const uint16_t* scale16, const uint16_t* min16, float* out) {
   if (bits < 1 || bits > 8 || G < 0 || gs < 1) return -1;
-#pragma omp parallel for schedule(static)
+  const int nt = kite_threads_for(2.0 * G * gs);
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
   for (int64_t r = 0; r < G; ++r) {
     const float mn = kite_h2f(min16[r]), s = kite_h2f(scale16[r]);
     float* o = out + r * gs;
