@@ -59,6 +59,15 @@ def test_batched_pass_matches_one_by_one(lm):
         assert one.tokens == b.tokens
 
 
+def test_repeated_queries_run_once_and_come_back_in_order(lm):
+    calls = []
+    queries = ["the supplier shall deliver", "hi", "the supplier shall deliver", "hi", "court"]
+    out = query_signals(lm, queries, progress=lambda d, t: calls.append(t))
+    assert calls[-1] == 3  # distinct texts
+    assert out[0].intent_entropy == out[2].intent_entropy and out[0] is not out[2]
+    assert [s.tokens for s in out] == [query_signals(lm, [q])[0].tokens for q in queries]
+
+
 def test_report_on_synthetic_signals():
     rs = parse_rules(RULES, "rules.yaml")
     sigs = [QuerySignals(e, lab, le, tokens=5) for e, lab, le in
@@ -88,7 +97,8 @@ def test_analyze_cli_json_and_plot(lm, tiny_models, files, tmp_path):
             str(rules), "--plot", str(png), "--json")
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
-    assert rep["queries"] == 24
+    assert rep["queries"] == 24 and 0 < rep["distinct_queries"] <= 24
+    assert rep["timing"]["queries_per_s"] > 0
     qs = list(rep["intent_entropy"]["quantiles"].values())
     assert qs == sorted(qs)
     cov = rep["coverage"]

@@ -355,6 +355,7 @@ def analyze_cmd(
                         "tagger": None if tagger is None else tagger.method,
                         "threads": _torch_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
     report["timing"] = {"entropy_pass_s": pass_s, "queries_per_s": len(sigs) / pass_s if pass_s else None,
+                        "distinct_per_s": report["distinct_queries"] / pass_s if pass_s else None,
                         "tokens_per_s": report["tokens"]["total"] / pass_s if pass_s else None,
                         "load_avg_1m": os.getloadavg()[0]}
     if plot is not None:
@@ -384,8 +385,9 @@ def _print_analysis(report: dict) -> None:
     out.print(f"[bold]{report['queries']}[/] queries, {report['tokens']['mean']:.1f} tokens each "
               f"({src['model']}, {src['precision']}, {src['threads']} threads)", highlight=False)
     t = report["timing"]
-    out.print(f"  entropy pass {t['entropy_pass_s']:.1f} s: {t['queries_per_s']:.1f} queries/s, "
-              f"{t['tokens_per_s']:.0f} tokens/s (load average {t['load_avg_1m']:.2f})", highlight=False)
+    out.print(f"  entropy pass {t['entropy_pass_s']:.1f} s: {t['queries_per_s']:.1f} queries/s "
+              f"({report['distinct_queries']} distinct texts, {t['distinct_per_s']:.1f}/s; load average "
+              f"{t['load_avg_1m']:.2f})", highlight=False)
     out.print(f"[bold]intent entropy[/] (bits) mean {d['mean']:.3f}, std {d['std']:.3f}, "
               f"min {d['min']:.3f}, max {d['max']:.3f}", highlight=False)
     out.print("  " + "  ".join(f"{k} {v:.3f}" for k, v in d["quantiles"].items()), highlight=False)

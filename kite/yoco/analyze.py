@@ -12,7 +12,6 @@ measured in traffic order with a `NoveltyTracker`, as the server would see it.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import replace
 from typing import Any, Iterable, Sequence
@@ -172,6 +171,7 @@ def analyze(signals: Sequence[QuerySignals], ruleset=None, *, queries: Sequence[
     tokens = [s.tokens for s in signals]
     report: dict[str, Any] = {
         "queries": len(signals),
+        "distinct_queries": len(set(queries)) if queries is not None else None,
         "tokens": {"total": int(sum(tokens)), "mean": sum(tokens) / len(tokens) if tokens else 0.0},
         "intent_entropy": distribution(ent, bins),
         "label_entropy": {k: v for k, v in distribution([s.label_entropy for s in signals], bins).items()

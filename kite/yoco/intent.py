@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -89,9 +89,20 @@ def query_signals(lm, queries: list[str], tagger=None, batch_size: int = 64,
                   progress: Callable[[int, int], None] | None = None) -> list[QuerySignals]:
     """Signals for each query, in order (right-padded batches, so each query's own tokens are
     unaffected by the others). `precision`: fp32 (exact) or bf16 (autocast matmuls: about 2× faster
-    on AVX512-BF16 CPUs, entropies within ~0.06 bits). `progress(done, total)` after each batch."""
+    on AVX512-BF16 CPUs, entropies within ~0.06 bits). Repeated texts are computed once.
+    `progress(done, total)` after each batch, in distinct texts."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    # Each distinct text runs once (traffic repeats itself: "hi", the same question twice).
+    slot: dict[str, int] = {}
+    which = [slot.setdefault(q, len(slot)) for q in queries]
+    distinct = _distinct_signals(lm, list(slot), tagger, batch_size, max_tokens, batch_tokens, precision,
+                                 progress)
+    return [replace(distinct[k], label_probs=dict(distinct[k].label_probs)) for k in which]
+
+
+def _distinct_signals(lm, queries: list[str], tagger, batch_size: int, max_tokens: int, batch_tokens: int,
+                      precision: str, progress) -> list[QuerySignals]:
     tok = lm.tokenizer
     layers = list(tagger.embedding_layers) if tagger is not None and tagger.embedding_layers else []
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0

@@ -1,0 +1,192 @@
+"""Throughput of `kite yoco analyze`'s entropy pass on the embedded model, variants side by side.
+
+    .venv/bin/python benchmarks/yoco_analyze.py [--n 256] [--rounds 2] [--json]
+
+Variants run interleaved (round-robin, `--rounds` times) on the same distinct queries of synthetic
+traffic (kite.data.traffic), so a shared machine's load drifts over all of them alike:
+  before     the pass as first written: full model forward, softmax of the [B, T, V] logits,
+             32 queries a batch sorted by characters
+  fp32       query_signals: token-length buckets, no KV cache, head on real tokens in chunks
+  fp32-1t    the same on one thread (a loaded 2-core machine may favour it)
+  bf16       autocast bf16 matmuls (AVX512-BF16): `kite yoco analyze --fast`
+  bf16-1t    the same on one thread
+  int8       dynamically quantized Linear layers (torch.ao), LM head kept fp32 (not shipped:
+             see its deviation)
+Each prints q/s, tokens/s, achieved GFLOP/s and its ratio to this CPU's fp32 FMA peak, the
+max and mean |Δ entropy| against fp32 (bits), and the load average when it ran. OpenMP's wait
+policy (OMP_WAIT_POLICY, read when torch loads) is printed too: run the script with and without
+OMP_WAIT_POLICY=PASSIVE to see what spinning threads cost on a loaded machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+
+
+def fp32_peak_gflops() -> tuple[float, str]:
+    """cores × GHz × fp32 FLOP/cycle. Zen 4 (and most AVX-512 / AVX2 cores) issue two 256-bit
+    FMA per cycle: 2 × 8 lanes × 2 FLOP = 32. The clock is the TSC (bogomips / 2)."""
+    cores = os.cpu_count() or 1
+    ghz = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("bogomips"):
+                    ghz = float(line.split(":")[1]) / 2000.0
+                    break
+    except OSError:
+        pass
+    ghz = ghz or 2.5
+    return cores * ghz * 32, f"{cores} cores x {ghz:.2f} GHz x 32 FLOP/cycle"
+
+
+def measured_gemm_gflops(threads: int) -> float:
+    """What an fp32 GEMM of the model's shape reaches right now (the load included)."""
+    torch.set_num_threads(threads)
+    x, w = torch.randn(512, 576), torch.randn(1536, 576)
+    torch.nn.functional.linear(x, w)
+    t = time.perf_counter()
+    for _ in range(20):
+        torch.nn.functional.linear(x, w)
+    return 2 * 512 * 576 * 1536 * 20 / (time.perf_counter() - t) / 1e9
+
+
+def flops_per_token(model, mean_tokens: float) -> float:
+    """2 × (Linear weights, LM head included) + attention scores and mixing at the mean length."""
+    lin = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    cfg = model.config
+    attn = 4 * cfg.num_hidden_layers * cfg.hidden_size * mean_tokens / 2  # QK^T and AV, causal
+    return 2 * lin + attn
+
+
+@torch.inference_mode()
+def before(lm, queries: list[str], batch_size: int = 32) -> list[float]:
+    """The pass as first committed (4074a9d), kept here as the baseline."""
+    tok = lm.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    order = sorted(range(len(queries)), key=lambda i: len(queries[i]))
+    out: dict[int, float] = {}
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        enc = [tok(queries[i], add_special_tokens=False)["input_ids"][:128] or [pad] for i in idx]
+        width = max(len(e) for e in enc)
+        ids = torch.full((len(enc), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(enc), width), dtype=torch.long)
+        for row, e in enumerate(enc):
+            ids[row, :len(e)] = torch.tensor(e)
+            mask[row, :len(e)] = 1
+        res = lm.model(input_ids=ids, attention_mask=mask)
+        probs = torch.softmax(res.logits.float(), dim=-1)
+        ent = -(probs * torch.log2(probs.clamp_min(1e-12))).sum(-1)
+        for row, i in enumerate(idx):
+            out[i] = float(ent[row][mask[row].bool()].mean())
+    return [out[i] for i in range(len(queries))]
+
+
+def int8_model(lm):
+    """`lm` with its decoder's Linear layers dynamically quantized to int8 (torch.ao)."""
+    import copy
+    import warnings
+    from dataclasses import replace
+
+    from torch.ao.quantization import quantize_dynamic
+
+    model = copy.deepcopy(lm.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.model = quantize_dynamic(model.model, {torch.nn.Linear}, dtype=torch.qint8)
+    return replace(lm, model=model)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=256, help="queries per variant per round")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", default="before,fp32,fp32-1t,bf16,bf16-1t,int8")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    from kite.data.traffic import generate_traffic
+    from kite.model import load_model
+    from kite.yoco.intent import query_signals
+
+    lm = load_model(None)
+    # Distinct texts only: query_signals runs a repeated text once, which would flatter q/s.
+    pool = dict.fromkeys(r["query"] for r in generate_traffic(max(10_000, 20 * args.n), args.seed))
+    queries = list(pool)[:args.n]
+    tokens = sum(len(e) for e in lm.tokenizer(queries, add_special_tokens=False)["input_ids"])
+    threads = torch.get_num_threads()
+    lm8 = int8_model(lm) if "int8" in args.variants else None
+
+    def signals(model, **kw):
+        return [s.intent_entropy for s in query_signals(model, queries, **kw)]
+
+    runs = {
+        "before": lambda: before(lm, queries),
+        "fp32": lambda: signals(lm),
+        "fp32-1t": lambda: signals(lm),
+        "bf16": lambda: signals(lm, precision="bf16"),
+        "bf16-1t": lambda: signals(lm, precision="bf16"),
+        "int8": lambda: signals(lm8),
+    }
+    names = [v for v in args.variants.split(",") if v in runs]
+    reference = signals(lm)  # also warms up
+    times: dict[str, list[float]] = {v: [] for v in names}
+    loads: dict[str, list[float]] = {v: [] for v in names}
+    dev: dict[str, float] = {}
+    mean_dev: dict[str, float] = {}
+    for _ in range(args.rounds):
+        for v in names:
+            torch.set_num_threads(1 if v.endswith("-1t") else threads)
+            t = time.perf_counter()
+            ent = runs[v]()
+            times[v].append(time.perf_counter() - t)
+            loads[v].append(os.getloadavg()[0])
+            dev[v] = max(abs(a - b) for a, b in zip(ent, reference))
+            mean_dev[v] = statistics.mean(abs(a - b) for a, b in zip(ent, reference))
+    torch.set_num_threads(threads)
+    peak, how = fp32_peak_gflops()
+    flop_tok = flops_per_token(lm.model, tokens / len(queries))
+    rows = []
+    for v in names:
+        best = min(times[v])
+        rows.append({"variant": v, "queries": len(queries), "tokens": tokens,
+                     "q_per_s": len(queries) / best, "tokens_per_s": tokens / best,
+                     "q_per_s_median": len(queries) / statistics.median(times[v]),
+                     "gflops": tokens * flop_tok / best / 1e9,
+                     "ratio_to_fp32_peak": tokens * flop_tok / best / 1e9 / peak,
+                     "max_abs_dev_bits": dev[v],
+                     "mean_abs_dev_bits": mean_dev[v], "load_avg_1m": statistics.mean(loads[v])})
+    base = next((r for r in rows if r["variant"] == "before"), None)
+    gemm = measured_gemm_gflops(threads)
+    report = {"cpu_fp32_peak_gflops": peak, "peak_from": how, "gemm_gflops_now": gemm,
+              "flop_per_token": flop_tok, "mean_tokens": tokens / len(queries), "threads": threads,
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+              "load_avg": os.getloadavg(), "rows": rows}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"{len(queries)} queries, {tokens / len(queries):.1f} tokens each, "
+          f"{flop_tok / 1e6:.0f} MFLOP/token; {args.rounds} rounds, best shown; {threads} threads, "
+          f"OMP_WAIT_POLICY={report['omp_wait_policy']}")
+    print(f"fp32 peak {peak:.0f} GFLOP/s ({how}); an fp32 GEMM reaches {gemm:.0f} GFLOP/s now; "
+          f"load avg {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"{'variant':<9} {'q/s':>7} {'median':>7} {'tok/s':>7} {'GFLOP/s':>8} {'%peak':>6} "
+          f"{'vs before':>9} {'max|dH|':>8} {'mean|dH|':>8} {'load':>5}")
+    for r in rows:
+        speedup = r["q_per_s"] / base["q_per_s"] if base else math.nan
+        print(f"{r['variant']:<9} {r['q_per_s']:7.1f} {r['q_per_s_median']:7.1f} {r['tokens_per_s']:7.0f} "
+              f"{r['gflops']:8.1f} {100 * r['ratio_to_fp32_peak']:5.1f}% {speedup:8.2f}x "
+              f"{r['max_abs_dev_bits']:8.4f} {r['mean_abs_dev_bits']:8.4f} {r['load_avg_1m']:5.2f}")
+
+
+if __name__ == "__main__":
+    main()
