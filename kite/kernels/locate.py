@@ -62,6 +62,6 @@ def runtime_status() -> str:
     version = cpu_version(path)
     if version is None:
         return f"broken: {path} does not load (pure-torch fallback; run `make build-runtime`)"
-    kinds = "CPU kernels" + (" + CUDA kernels" if cuda else "")
+    cuda_note = f"; CUDA kernels built ({cuda.name}, used for tensors on a GPU)" if cuda else ""
     forced = "; KITE_RUNTIME=torch forces the fallback" if forced_torch() else ""
-    return f"{kinds} available: {version} at {path.parent}{forced}"
+    return f"CPU kernels available: {version} at {path.parent}{cuda_note}{forced}"
