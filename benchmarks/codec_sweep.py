@@ -44,13 +44,13 @@ DEFAULT_SETTINGS = ["exact", "int8", "int4", "ratio=4", "ratio=6", "ratio=8", "r
 
 def load_model():
     """The embedded SmolLM2-135M (fp32): kite.model if present, else the GGUF converted once."""
+    global LOADER
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         from kite.model import load_model as kite_load  # type: ignore
 
         lm = kite_load("smollm2-135m", dtype="fp32")
-        global LOADER
         LOADER = "kite.model.load_model('smollm2-135m', dtype='fp32')"
         return lm.model.eval(), lm.tokenizer
     except Exception:  # noqa: BLE001 - fall back to the direct path
@@ -66,7 +66,6 @@ def load_model():
         tok.save_pretrained(HF_CACHE)
     m = AutoModelForCausalLM.from_pretrained(HF_CACHE, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(HF_CACHE)
-    global LOADER
     LOADER = f"transformers from {HF_CACHE} (GGUF converted once)"
     return m, tok
 
