@@ -163,7 +163,7 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
         lc = codec.fit_layer(K, V, settings.codec)
         writer.add(blob_key(None, layer), codec.to_bytes(lc))
         for c, idx in enumerate(token_sets):
-            part = codec.encode(lc, K[:, idx], V[:, idx])
+            part = codec.encode(lc, K[:, idx], V[:, idx], idx)
             writer.add(blob_key(c, layer, "K"), codec.to_bytes(part.k))
             writer.add(blob_key(c, layer, "V"), codec.to_bytes(part.v))
         if progress:
