@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kite.kernels.kmeans import lloyd_cosine
+
 
 def kmeans(x: torch.Tensor, k: int, iters: int = 30, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Cluster rows of x [n, D] into k groups. Returns (assignment [n] long, centroids [k, D]).
@@ -26,21 +28,7 @@ def kmeans(x: torch.Tensor, k: int, iters: int = 30, seed: int = 0) -> tuple[tor
         else:
             idx = torch.multinomial(d2 / d2.sum(), 1, generator=g)
         centroids = torch.cat([centroids, x[idx]])
-    assign = torch.zeros(n, dtype=torch.long)
-    for _ in range(iters):
-        sim = x @ centroids.T
-        new_assign = sim.argmax(dim=1)
-        counts = torch.bincount(new_assign, minlength=k)
-        empties = torch.nonzero(counts == 0).flatten().tolist()
-        if empties:
-            own = sim.gather(1, new_assign[:, None]).squeeze(1)
-            for empty, far in zip(empties, torch.argsort(own).tolist()):
-                new_assign[far] = empty
-        sums = torch.zeros_like(centroids).index_add_(0, new_assign, x)
-        centroids = torch.nn.functional.normalize(sums, dim=1)
-        if torch.equal(new_assign, assign):
-            break
-        assign = new_assign
+    assign, centroids, _ = lloyd_cosine(x, centroids, iters)  # native when built, else torch
     used = torch.unique(assign)
     remap = torch.full((k,), -1, dtype=torch.long)
     remap[used] = torch.arange(used.numel())

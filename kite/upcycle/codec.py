@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from kite.kernels.eigh import batched_pca as kernel_pca
 from kite.upcycle.quant import (FLOAT_FORMATS, INT_FORMATS, QTensor, dequantize, quantize,
                                 tensors_nbytes)
 
@@ -254,18 +255,11 @@ def nbytes(obj) -> int:
 def batched_pca(X: torch.Tensor, center: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PCA of many small matrices at once: X [B, T, d] -> mean [B, d], eigvals [B, d] (desc), U [B, d, d].
 
-    Batched Gram (``X^T X`` in fp64) + one ``torch.linalg.eigh`` over [B, d, d] instead of a
+    Batched fp64 Gram + one batched symmetric eigensolver (kite.kernels: native Householder/QL
+    per matrix when the runtime is built, ``torch.linalg.eigh`` otherwise) instead of a
     per-matrix SVD.  Eigenvalues are per-token variances (Gram / T).
     """
-    Xd = X.double()
-    mean = Xd.mean(dim=1) if center else torch.zeros(X.shape[0], X.shape[2], dtype=torch.float64,
-                                                       device=X.device)
-    Xc = Xd - mean[:, None, :]
-    G = Xc.transpose(1, 2) @ Xc / max(1, X.shape[1])
-    evals, evecs = torch.linalg.eigh(G)
-    evals = evals.flip(-1).clamp_min(0)
-    evecs = evecs.flip(-1)
-    return mean.float(), evals.float(), evecs.float()
+    return kernel_pca(X, center)
 
 
 # expected squared error of a b-bit min/max uniform quantizer on ~Gaussian data, relative to the

@@ -19,10 +19,11 @@ Every quantized tensor is a :class:`QTensor`: a dict of tensors plus a small JSO
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
+
+from kite.kernels.quant import dequantize_groups, quantize_groups
 
 __all__ = [
     "INT_FORMATS", "FLOAT_FORMATS", "pack_bits", "unpack_bits", "packed_nbytes",
@@ -128,41 +129,6 @@ def _ungroup(g: torch.Tensor, info, orig_shape) -> torch.Tensor:
     return m.reshape(orig_shape)
 
 
-# Step of the MSE-optimal uniform quantizer of a unit Gaussian with 2**b levels (Max 1960).
-GAUSS_STEP = {1: 1.596, 2: 0.9957, 3: 0.5860, 4: 0.3352, 5: 0.1881, 6: 0.1041, 7: 0.0569, 8: 0.0308}
-_MSE_GRID = (0.6, 0.75, 0.9, 1.0, 1.15, 1.35, 1.6, 2.0)
-
-
-def _mse_range(g: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per group (rows of g): (minimum, step) of the uniform grid with the least squared error.
-
-    Candidates: the Gaussian-optimal step for the group's std times a few factors, centred on
-    the group mean, and the plain min/max grid.
-    """
-    levels = (1 << bits) - 1
-    mu = g.mean(dim=1, keepdim=True)
-    sd = g.std(dim=1, keepdim=True, unbiased=False)
-    mn_mm = g.amin(dim=1, keepdim=True)
-    st_mm = (g.amax(dim=1, keepdim=True) - mn_mm) / levels
-    cand_st = [sd * GAUSS_STEP[bits] * f for f in _MSE_GRID] + [st_mm]
-    cand_mn = [mu - st * (levels / 2) for st in cand_st[:-1]] + [mn_mm]
-    best_err = best_mn = best_st = None
-    for mn, st in zip(cand_mn, cand_st):
-        mn = mn.to(torch.float16).float()
-        st = st.to(torch.float16).float()
-        safe = torch.where(st > 0, st, torch.ones_like(st))
-        q = torch.round((g - mn) / safe).clamp(0, levels)
-        err = (mn + q * st - g).pow(2).sum(dim=1, keepdim=True)
-        if best_err is None:
-            best_err, best_mn, best_st = err, mn, st
-        else:
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_mn = torch.where(better, mn, best_mn)
-            best_st = torch.where(better, st, best_st)
-    return best_mn, best_st
-
-
 def quantize(x: torch.Tensor, fmt: str, group_size: int = 0, axis: int = -1,
              range_mode: str = "minmax") -> QTensor:
     """Quantize ``x`` (float) to ``fmt`` (``int1..int8``, ``fp8``, ``fp16``, ``bf16``, ``fp32``).
@@ -185,28 +151,12 @@ def quantize(x: torch.Tensor, fmt: str, group_size: int = 0, axis: int = -1,
     if fmt not in INT_FORMATS:
         raise ValueError(f"unknown format {fmt!r}")
     bits = INT_FORMATS[fmt]
-    levels = (1 << bits) - 1
-    if range_mode == "mse" and bits < 8:
-        mn16, s = _mse_range(g, bits)
-        sf = s
-        q = torch.round((g - mn16) / torch.where(sf > 0, sf, torch.ones_like(sf))).clamp(0, levels)
-        meta.update(n=q.numel(), padded_cols=g.shape[1])
-        return QTensor({"codes": pack_bits(q, bits), "scale": s.to(torch.float16).reshape(-1).contiguous(),
-                        "min": mn16.to(torch.float16).reshape(-1).contiguous()}, meta)
-    mn = g.amin(dim=1, keepdim=True)
-    mx = g.amax(dim=1, keepdim=True)
-    mn16 = mn.to(torch.float16)
-    scale16 = ((mx - mn16.float()) / levels).to(torch.float16)
-    # fp16 rounding may make the scale a hair small: widen so mx stays representable
-    s = scale16.float()
-    s = torch.where((mn16.float() + s * levels) < mx, s * (1 + 2.0 ** -10), s).to(torch.float16)
-    sf = s.float()
-    q = torch.where(sf > 0, torch.round((g - mn16.float()) / torch.where(sf > 0, sf, 1.0)), 0.0)
-    q = q.clamp(0, levels)
-    n = q.numel()
-    meta.update(n=n, padded_cols=g.shape[1])
-    return QTensor({"codes": pack_bits(q, bits), "scale": s.reshape(-1).contiguous(),
-                    "min": mn16.reshape(-1).contiguous()}, meta)
+    # The arithmetic (fp16 minimum and scale, codes against the stored values, LSB-first packing;
+    # "mse": the least-squared-error grid among Gaussian-optimal steps and min/max) lives in
+    # kite.kernels.quant: native when libkite_runtime.so is built, torch otherwise.
+    codes, scale, mn = quantize_groups(g, bits, range_mode if bits < 8 else "minmax")
+    meta.update(n=g.numel(), padded_cols=g.shape[1])
+    return QTensor({"codes": codes, "scale": scale, "min": mn}, meta)
 
 
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -220,8 +170,6 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if fmt == "fp8":
         g = t["data"].float() * t["scale"].float()[:, None]
     else:
-        bits = INT_FORMATS[fmt]
         gs = info[2]
-        codes = unpack_bits(t["codes"], bits, meta["n"]).float().view(-1, gs)
-        g = t["min"].float()[:, None] + t["scale"].float()[:, None] * codes
+        g = dequantize_groups(t["codes"], meta["n"] // gs, gs, INT_FORMATS[fmt], t["scale"], t["min"])
     return _ungroup(g, info, shape).to(dtype)
