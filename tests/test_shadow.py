@@ -78,3 +78,25 @@ def test_shadow_sampled_candidate_fails(files):
 def test_shadow_bad_config(files):
     r = _shadow(files, "method: full\ntemprature: 0.5\n")
     assert r.exit_code == 2 and "unknown key 'temprature'; did you mean 'temperature'?" in r.stderr
+
+
+def test_shadow_fused_is_reproducible_and_sampled_noise_floor(files):
+    from tests.test_bench import RULES
+
+    tmp = files["tmp"]
+    (tmp / "rules.yaml").write_text(RULES)
+    (tmp / "upcycle.yaml").write_text(
+        "compression: {svd_ratio: 0.25, cluster_num: 2, min_span_tokens: 8, max_span_tokens: 24}\n"
+        "semantic_tagging: {labels: [], generated_examples_per_label: 0}\n")
+    fused = (f"method: fused\nrules: {tmp / 'rules.yaml'}\nupcycle_config: {tmp / 'upcycle.yaml'}\n"
+             "max_new_tokens: 4\n")
+    files["golden"].write_text(fused)
+    r = _shadow(files, fused)  # greedy, a fresh health store per pass: the same answers
+    assert r.exit_code == 0, r.output
+    rep = parse_json(r.stdout)
+    assert rep["rates"]["identical"] == 1.0 and rep["noise_floor"] == 0.0
+    files["golden"].write_text(fused + "temperature: 2.0\nseed: 1\n")
+    r = _shadow(files, fused + "temperature: 2.0\nseed: 1\n", "--max-substantive", "1")
+    rep = parse_json(r.stdout)
+    assert r.exit_code == 0 and rep["rates"]["identical"] == 1.0  # same config, same seed
+    assert sum(rep["noise_rates"].values()) == pytest.approx(1.0, abs=1e-3)

@@ -10,8 +10,10 @@ itself.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -125,6 +127,11 @@ def compare(case_ids: list[str], questions: list[str], golden: list[str], golden
 def answer_all(lm, cfg: ShadowConfig, cases, states_dir: Path, *, seed: int | None = None,
                progress=None, stage: str = "answers") -> list[str]:
     """The texts `cfg`'s pipeline generates for `cases` (in order)."""
+    with contextlib.ExitStack() as cleanup:
+        return _answer_all(lm, cfg, cases, states_dir, seed, progress, stage, cleanup)
+
+
+def _answer_all(lm, cfg, cases, states_dir, seed, progress, stage, cleanup) -> list[str]:
     from kite.bench.document import prefill_document
     from kite.bench.methods import BASELINES, Fused
     from kite.bench.runner import prompt_ids
@@ -146,7 +153,13 @@ def answer_all(lm, cfg: ShadowConfig, cases, states_dir: Path, *, seed: int | No
 
         tagger = build_tagger(lm, ucfg, ucfg_path)
         rules = load_rules(Path(cfg.rules) if cfg.rules else default_rules_path(), None, lm.geometry.n_layers)
-        method = Fused(tagger=tagger, rules=rules, health=HealthStore())
+        # A fresh health store for each pass: every pass starts from what the pipeline knows
+        # before any of these cases (a shared store would let the first pass steer the next).
+        tmp = tempfile.TemporaryDirectory(prefix="kite-shadow-health-")
+        cleanup.callback(tmp.cleanup)
+        health = HealthStore(Path(tmp.name) / "health.sqlite")
+        cleanup.callback(health.close)
+        method = Fused(tagger=tagger, rules=rules, health=health)
     else:
         method = BASELINES[cfg.method]()
     gen = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -191,7 +204,9 @@ def run_shadow(golden_path: str | Path, candidate_path: str | Path, cases_path: 
     check_lengths(lm, cases, max(golden.max_new_tokens, candidate.max_new_tokens), True)
     states = Path(states_dir)
     g = answer_all(lm, golden, cases, states, progress=progress, stage="golden")
-    g2 = answer_all(lm, golden, cases, states, seed=golden.seed + 1, progress=progress, stage="noise")
+    # Greedy decoding is deterministic: the second golden run would repeat the first.
+    g2 = (list(g) if golden.temperature == 0 else
+          answer_all(lm, golden, cases, states, seed=golden.seed + 1, progress=progress, stage="noise"))
     c = answer_all(lm, candidate, cases, states, progress=progress, stage="candidate")
     names = (golden.name or Path(golden_path).stem, candidate.name or Path(candidate_path).stem)
     return compare([x.id for x in cases], [x.question for x in cases], g, g2, c, max_substantive, names)

@@ -30,8 +30,9 @@ def run(
     cases: Annotated[Optional[str], typer.Option("--cases", help="Cases JSONL (docs/bench-cases.md); "
                                                  "default configs/bench_cases.jsonl.")] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF folder, .gguf or embedded name.")] = None,
-    upcycle: Annotated[Path, typer.Option("--upcycle", help="Folder of the documents' .upc states "
-                                          "(made when missing, reused when they match).")] = Path("bench-states"),
+    upcycle: Annotated[Optional[Path], typer.Option("--upcycle", help="Folder of the documents' .upc states "
+                                                    "(made when missing, reused when they match; default "
+                                                    "$KITE_HOME/bench-states).")] = None,
     yoco_rules: Annotated[Optional[Path], typer.Option("--yoco-rules", help="YOCO rule file "
                                                        "(default rules/yoco_rules.yaml).")] = None,
     upcycle_config: Annotated[Optional[Path], typer.Option("--upcycle-config", help="upcycle_config.yaml "
@@ -65,6 +66,10 @@ def run(
         if found is None:
             raise BadInput("--cases: give a cases JSONL (kite bench cases --out FILE makes one)")
         cases = str(found)
+    if upcycle is None:
+        from kite.paths import kite_home
+
+        upcycle = kite_home() / "bench-states"
     s = BenchSettings(cases=cases, output=str(output), model=model, upcycle_dir=str(upcycle),
                       rules=str(yoco_rules) if yoco_rules else None,
                       upcycle_config=str(upcycle_config) if upcycle_config else None,
