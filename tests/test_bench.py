@@ -121,7 +121,9 @@ def test_threshold_fail_exits_1(setup):
     assert "FAIL" in r.stdout
 
 
-def test_failing_case_keeps_finished_cases(setup, monkeypatch):
+@pytest.mark.parametrize("exc, code, error", [(RuntimeError("boom"), 1, "case b/q0: RuntimeError: boom"),
+                                               (KeyboardInterrupt(), 130, "interrupted (Ctrl-C)")])
+def test_failing_or_interrupted_run_keeps_finished_cases(setup, monkeypatch, exc, code, error):
     from kite.bench import methods
 
     calls = {"n": 0}
@@ -130,14 +132,14 @@ def test_failing_case_keeps_finished_cases(setup, monkeypatch):
     def flaky(self, *a, **kw):
         calls["n"] += 1
         if calls["n"] == 2:
-            raise RuntimeError("boom")
+            raise exc
         return real(self, *a, **kw)
 
     monkeypatch.setattr(methods.KeepLastWindow, "answer", flaky)
     r = _run(setup, "--baselines", "window")
-    assert r.exit_code == 1 and "boom" in r.stderr
+    assert r.exit_code == code, r.output
     res = json.loads((setup["tmp"] / "results.json").read_text())
-    assert len(res["cases"]) == 1 and not res["complete"] and "case b/q0" in res["error"]
+    assert len(res["cases"]) == 1 and not res["complete"] and res["error"] == error
     runs = parse_json(runner.invoke(app, ["bench", "history", "--json"]).output)["runs"]
     assert len(runs) == 1 and runs[0]["complete"] is False and runs[0]["cases"] == 1
 
