@@ -202,3 +202,41 @@ def test_bundled_cases_are_deterministic():
     assert sorted({c.family for c in cases}) == sorted(FAMILIES) and len(cases) == 10
     multihop = next(c for c in cases if c.family == "multihop")
     assert "PREVIOUS VERSION" in multihop.document
+
+
+def test_snapkv_selects_the_attended_tokens():
+    import torch
+
+    from kite.bench.snapkv import select
+    from kite.runtime.cache import KVPrefix
+
+    torch.manual_seed(0)
+    H, T, d, w = 2, 40, 8, 3
+    keys = torch.randn(H, T, d) * 0.01
+    target = [5, 17, 33]
+    q = torch.zeros(2 * H, w, d)
+    q[..., 0] = 50.0
+    keys[:, target, 0] = 1.0  # only these keys answer the window's queries
+    full = KVPrefix([keys], [torch.randn(H, T, d)], next_position=T)
+    picks = select(full, [q], [torch.zeros(H, w, d)], keep=3, kernel=1)
+    assert picks[0].shape == (H, 3) and picks[0].tolist() == [target, target]
+
+
+@pytest.mark.parametrize("budget_fraction", [0.5, 0.25, 0.1])
+def test_kivi_spends_the_budget(budget_fraction):
+    import torch
+
+    from kite.bench.kivi import kivi_at_budget
+    from kite.runtime.cache import KVPrefix
+
+    torch.manual_seed(0)
+    L, H, T, d = 2, 2, 300, 16
+    full = KVPrefix([torch.randn(H, T, d) for _ in range(L)], [torch.randn(H, T, d) for _ in range(L)], T)
+    raw = L * 2 * H * T * d * 2
+    budget = int(raw * budget_fraction)
+    cache = kivi_at_budget(full, budget)
+    assert cache.nbytes <= budget and cache.nbytes >= 0.95 * budget
+    prefix = cache.to_prefix()
+    assert prefix.keys[0].shape == (H, T - cache.first_token, d)
+    err = (prefix.values[0] - full.values[0][:, cache.first_token:]).abs().mean()
+    assert err < 0.5
