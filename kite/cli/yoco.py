@@ -298,7 +298,8 @@ def analyze_cmd(
                                        "(docs/rules-dsl.md).")] = False,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Queries per forward.")] = 64,
     threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="torch threads (default: "
-                                                   "torch's; 1 can win on a loaded machine).")] = None,
+                                                   "1 when the load average is at least the core "
+                                                   "count, else torch's).")] = None,
     json_out: bool = JsonOpt,
 ) -> None:
     """Intent-entropy distribution, query labels, suggested thresholds and rule coverage of a
@@ -335,9 +336,14 @@ def analyze_cmd(
         given.state_health_score = (given.state_health_score if given.state_health_score is not None
                                     else base.state_health_score)
         base = given
-    if threads is not None:
-        import torch
+    import torch
 
+    cores = os.cpu_count() or 1
+    if threads is None and os.getloadavg()[0] >= cores:
+        # Other jobs already fill the cores: a second thread would wait on the one that shares
+        # its core at every op (measured 1.7-2.8x slower than one thread, docs/rules-dsl.md).
+        threads = 1
+    if threads is not None:
         torch.set_num_threads(threads)
     texts = [rec["query"] for rec in records]
     with progress_bar() as progress:
@@ -353,7 +359,7 @@ def analyze_cmd(
     report = analyze(sigs, ruleset, queries=texts, base=base, groups=groups)
     report["source"] = {"queries": str(queries), "model": lm.source.spec, "precision": "bf16" if fast else "fp32",
                         "tagger": None if tagger is None else tagger.method,
-                        "threads": _torch_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+                        "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
     report["timing"] = {"entropy_pass_s": pass_s, "queries_per_s": len(sigs) / pass_s if pass_s else None,
                         "distinct_per_s": report["distinct_queries"] / pass_s if pass_s else None,
                         "tokens_per_s": report["tokens"]["total"] / pass_s if pass_s else None,
@@ -365,12 +371,6 @@ def analyze_cmd(
         emit_json(report)
         return
     _print_analysis(report)
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def _print_analysis(report: dict) -> None:
