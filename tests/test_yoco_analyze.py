@@ -145,3 +145,14 @@ def test_data_traffic_is_deterministic(tmp_path):
     assert json.loads(r.stdout)["queries"] == 50
     assert out.read_text(encoding="utf-8") == to_jsonl(generate_traffic(50, seed=7))
     assert generate_traffic(60, seed=7)[:50] == generate_traffic(50, seed=7)
+
+
+def test_analyze_checks_rule_labels(tiny_models, files, tmp_path):
+    _, traffic = files
+    rules = tmp_path / "named.yaml"
+    rules.write_text(RULES.replace("{load_cluster: $query_label}", "{load_cluster: escrow}"), encoding="utf-8")
+    args = ["analyze", "--queries", str(traffic), "--model", str(tiny_models["llama"]), "--rules", str(rules)]
+    r = run(*args)  # the tagger's labels: no `escrow`
+    assert r.exit_code == 2 and "escrow" in r.stderr
+    r = run(*args, "--labels", "escrow,payment", "--json")
+    assert r.exit_code == 0, r.output
