@@ -29,10 +29,15 @@ $KITE upcycle compress --input "$OUT/contract.txt" --output "$OUT/contract.upc";
 step "kite upcycle inspect --verify"
 $KITE upcycle inspect "$OUT/contract.upc" --verify; took
 
-step "answer from the state, loading only the jurisdiction clauses (no document prefill)"
-$KITE generate --upc "$OUT/contract.upc" --clusters jurisdiction --chat --max-new-tokens 40 \
-  --prompt "Which city's courts have jurisdiction over disputes under the Agreement?"; took
+fact() { .venv/bin/python -c "import json,sys; print(json.loads(open(sys.argv[1]).readline())['facts'][sys.argv[2]])" "$OUT/contract.jsonl" "$1"; }
 
-step "answer from the state, loading only the payment clauses"
-$KITE generate --upc "$OUT/contract.upc" --clusters payment --chat --max-new-tokens 40 \
-  --prompt "Within how many days must invoices be paid?"; took
+step "answer from the whole state (no document prefill); the contract says: $(fact jurisdiction)"
+$KITE generate --upc "$OUT/contract.upc" --max-new-tokens 12 \
+  --prompt $'\nIn short, any action under this Agreement must be brought before the courts in'; took
+
+step "answer loading only the clusters tagged 'payment'; the contract says: $(fact payment)"
+$KITE generate --upc "$OUT/contract.upc" --clusters payment --max-new-tokens 12 \
+  --prompt $'\nIn short, the fees payable under this Agreement total'; took
+
+printf '\nThe 135M model is small: it answers by continuing the text, and not always right.\n'
+printf 'Measure what a setting costs on your own text: kite upcycle eval --input FILE --ratio 8\n'
