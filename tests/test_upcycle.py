@@ -61,7 +61,7 @@ def test_partial_load_keeps_positions(lm, tmp_path):
     meta = StateFile(out).meta
     cluster = meta["clusters"][1]
     idx = torch.cat([torch.arange(s, e) for s, e in cluster["token_ranges"]])
-    prefix, report = load_prefix(out, lm, clusters=[str(cluster["id"])], layers=[0, 2])
+    prefix, report = load_prefix(out, lm, clusters=[str(cluster["id"])], layers=[0, 2], sink_tokens=0)
     assert report.tokens == idx.numel() and report.layers == [0, 2]
     layers = cache_layers(cache)
     for layer in (0, 2):
@@ -69,6 +69,23 @@ def test_partial_load_keeps_positions(lm, tmp_path):
         assert torch.allclose(prefix.values[layer], layers[layer][1][0][:, idx], atol=1e-6)
     assert prefix.keys[1].shape[1] == 0  # a layer left out holds nothing
     assert prefix.next_position == len(ids)  # the query still follows the whole document
+
+
+def test_partial_load_brings_the_attention_sinks(lm, tmp_path):
+    out = tmp_path / "doc.upc"
+    compress_document(lm, DOC, out, _exact())
+    meta = StateFile(out).meta
+    other = next(c for c in meta["clusters"] if c["token_ranges"][0][0] > 0)
+    idx = torch.cat([torch.arange(s, e) for s, e in other["token_ranges"]])
+    ids, _ = tokenize_document(lm.tokenizer, DOC)
+    cache = new_cache(lm.model)
+    forward_tokens(lm.model, ids, cache, 0)
+    prefix, report = load_prefix(out, lm, clusters=[str(other["id"])])
+    assert report.sink_tokens == 4 and report.tokens == idx.numel() + 4
+    want = torch.cat([torch.arange(4), idx]).sort().values
+    assert torch.allclose(prefix.keys[1], cache_layers(cache)[1][0][0][:, want], atol=1e-5)
+    everything, report = load_prefix(out, lm)
+    assert report.sink_tokens == 0  # nothing extra when every cluster is loaded
 
 
 def test_clusters_partition_the_document(lm, tmp_path):

@@ -18,6 +18,10 @@ from kite.upcycle.rope import apply_rope, rope_cos_sin
 from kite.upcycle.state_file import StateFile
 
 LOAD_PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
+# A partial load always brings the document's first tokens along: they are attention sinks
+# (most of the attention mass lands on them), and without them a cluster loaded alone made the
+# model worse than no state at all in the bench (kite bench run, embedded model).
+SINK_TOKENS = 4
 
 
 @dataclass
@@ -26,10 +30,11 @@ class LoadReport:
     labels: list[str]
     layers: list[int]
     precision: str | None
-    tokens: int  # document tokens loaded (per loaded layer)
+    tokens: int  # document tokens loaded (per loaded layer), sinks included
     bytes_read: int
     load_ms: float
     timings_ms: dict[str, float] = field(default_factory=dict)
+    sink_tokens: int = 0  # of `tokens`, how many came along as attention sinks
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,11 +90,12 @@ def _at_precision(x: torch.Tensor, precision: str | None) -> torch.Tensor:
 @torch.inference_mode()
 def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None = None,
                 layers: list[int] | None = None, precision: str | None = None,
-                verify: bool = True) -> tuple[KVPrefix, LoadReport]:
+                verify: bool = True, sink_tokens: int = SINK_TOKENS) -> tuple[KVPrefix, LoadReport]:
     """Rebuild the KV prefix of the chosen clusters and layers of `state` for `lm`.
 
     Loaded tokens keep their original positions; the query goes after the document's last one.
     Layers not chosen get an empty prefix. `precision` sets the precision the prefix is held at.
+    When only some clusters are chosen, the document's first `sink_tokens` tokens come too.
     """
     t0 = time.perf_counter()
     if not isinstance(state, StateFile):
@@ -104,8 +110,19 @@ def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None
     if bad:
         raise BadInput(f"--layers: layer {bad[0]} is out of range 0-{geo.n_layers - 1}")
     info = {c["id"]: c for c in state.meta["clusters"]}
-    positions = torch.cat([torch.arange(s, e) for c in chosen for s, e in info[c]["token_ranges"]]
-                          or [torch.zeros(0, dtype=torch.long)])
+
+    def cluster_positions(c: int) -> torch.Tensor:
+        return torch.cat([torch.arange(s, e) for s, e in info[c]["token_ranges"]])
+
+    # (cluster, which of its tokens to keep: None = all) — chosen clusters, then the sinks.
+    selection: list[tuple[int, torch.Tensor | None]] = [(c, None) for c in chosen]
+    if chosen and sink_tokens > 0:
+        for c in sorted(set(info) - set(chosen)):
+            keep = cluster_positions(c) < sink_tokens
+            if keep.any():
+                selection.append((c, keep))
+    positions = torch.cat([cluster_positions(c) if keep is None else cluster_positions(c)[keep]
+                           for c, keep in selection] or [torch.zeros(0, dtype=torch.long)])
     order = torch.argsort(positions)
     positions = positions[order]
     device, dtype = lm.device, lm.dtype
@@ -124,14 +141,16 @@ def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None
         raw = state.read(blob_key(None, layer), verify=verify)
         lc = codec.from_bytes(raw, codec.LayerCodec)
         parts = []
-        for c in chosen:
+        for c, _ in selection:
             kb, vb = state.read(blob_key(c, layer, "K"), verify), state.read(blob_key(c, layer, "V"), verify)
             nbytes += state.index[blob_key(c, layer, "K")].length + state.index[blob_key(c, layer, "V")].length
             parts.append(codec.EncodedPart(codec.from_bytes(kb), codec.from_bytes(vb)))
         nbytes += state.index[blob_key(None, layer)].length
         t_read += time.perf_counter() - t
         t = time.perf_counter()
-        ks, vs = zip(*(codec.decode(lc, p) for p in parts))
+        decoded = [codec.decode(lc, p) for p in parts]
+        ks = [k if keep is None else k[:, keep] for (k, _), (_, keep) in zip(decoded, selection)]
+        vs = [v if keep is None else v[:, keep] for (_, v), (_, keep) in zip(decoded, selection)]
         k_pre = torch.cat(ks, dim=1)[:, order]
         v = torch.cat(vs, dim=1)[:, order]
         k = apply_rope(k_pre, cos, sin)
@@ -141,6 +160,7 @@ def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None
     prefix = KVPrefix(keys, values, next_position=int(state.meta["n_tokens"]))
     report = LoadReport(clusters=chosen, labels=[info[c]["label"] for c in chosen],
                         layers=sorted(layer_set), precision=precision, tokens=int(positions.numel()),
+                        sink_tokens=sum(int(keep.sum()) for _, keep in selection if keep is not None),
                         bytes_read=nbytes, load_ms=round((time.perf_counter() - t0) * 1e3, 3),
                         timings_ms={"read": round(t_read * 1e3, 3), "decode": round(t_decode * 1e3, 3)})
     return prefix, report
