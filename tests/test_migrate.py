@@ -91,11 +91,9 @@ def test_bad_fingerprint_argument(setup):
     assert result.exit_code == 2 and "expected a fingerprint" in result.output
 
 
-def test_interrupted_run_resumes(setup, monkeypatch):
-    _, b_dir, states, old, new = setup
-    new_fps = fingerprints(b_dir)
-    calls = {"n": 0}
-    real = mig.rewrite_header
+def _interrupt_second_file(monkeypatch, states, old, new, new_fps) -> None:
+    """Run a migration that dies (a power cut) while rewriting its second file."""
+    real, calls = mig.rewrite_header, {"n": 0}
 
     def crash_on_second(src, dest, meta):
         calls["n"] += 1
@@ -106,8 +104,14 @@ def test_interrupted_run_resumes(setup, monkeypatch):
     monkeypatch.setattr(mig, "rewrite_header", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
         mig.migrate(states, old, new, new_fps=new_fps)
-    assert (states / mig.JOURNAL).exists()
     monkeypatch.setattr(mig, "rewrite_header", real)
+
+
+def test_interrupted_run_resumes(setup, monkeypatch):
+    _, b_dir, states, old, new = setup
+    new_fps = fingerprints(b_dir)
+    _interrupt_second_file(monkeypatch, states, old, new, new_fps)
+    assert (states / mig.JOURNAL).exists()
     report = mig.migrate(states, old, new, new_fps=new_fps)
     assert report.resumed
     assert not (states / mig.JOURNAL).exists()
@@ -118,19 +122,7 @@ def test_interrupted_run_resumes(setup, monkeypatch):
 def test_interrupted_run_rolls_back(setup, monkeypatch):
     _, b_dir, states, old, new = setup
     before = {p.name: StateFile(p).meta["fingerprints"] for p in states.glob("*.upc")}
-    real = mig.rewrite_header
-    calls = {"n": 0}
-
-    def crash_on_second(src, dest, meta):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt("power cut")
-        return real(src, dest, meta)
-
-    monkeypatch.setattr(mig, "rewrite_header", crash_on_second)
-    with pytest.raises(KeyboardInterrupt):
-        mig.migrate(states, old, new, new_fps=fingerprints(b_dir))
-    monkeypatch.setattr(mig, "rewrite_header", real)
+    _interrupt_second_file(monkeypatch, states, old, new, fingerprints(b_dir))
     other = runner.invoke(app, ["upcycle", "migrate", "--old-model-fingerprint", "abcdef012345",
                                 "--new-model-fingerprint", new, "--upcycle-dir", str(states)])
     assert other.exit_code == 1 and "unfinished migration" in other.output
