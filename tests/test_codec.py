@@ -81,7 +81,8 @@ def test_byte_accounting_matches_serialized(setting):
 
 @pytest.mark.parametrize("setting,tol_k,tol_v", [
     ("fp16", 1e-6, 1e-6), ("bf16", 1e-4, 1e-4), ("fp8", 1e-2, 1e-2), ("int8", 1e-4, 1e-4),
-    ("int4", 2e-2, 2e-2), ("ratio=2", 1e-2, 1e-2), ("ratio=4", 6e-2, 6e-2), ("ratio=8", 0.2, 0.2),
+    ("int4", 2e-2, 2e-2), ("ratio=2", 1e-2, 1e-2), ("ratio=4", 6e-2, 6e-2),
+    ("ratio=8", 0.25, 0.2),  # 8× gives keys a quarter of the bits: values are the sensitive side
 ])
 def test_precision_tolerance(setting, tol_k, tol_v):
     k, v = _kv(2)

@@ -112,10 +112,13 @@ PRESETS: dict[str, CodecSettings] = {
 # ratio R -> the PCA codec's bits per element, all bytes counted (16 = raw fp16): k_bits + v_bits
 # = 32 / R * RATIO_FILL (a margin: short parts cost more headers than budgeted), of which keys get
 # the share below (values are the more sensitive side).  Chosen by benchmarks/codec_sweep.py
-# (docs/compression.md); shares between tabled ratios interpolate in log-ratio.
+# (docs/compression.md); shares between tabled ratios interpolate in log-ratio. The 8× share and
+# the 512-token groups were re-tuned through the whole pipeline (8 tagged clusters, `kite upcycle
+# eval` on GPL-3 2,048/512): 8× share 0.3125 / groups 256 gave ΔPPL +0.52, share 0.25 +0.46,
+# groups 512 +0.45, both +0.44; 4× with groups 512: -0.05 (docs/PERFORMANCE.md).
 RATIO_FILL = 0.99
-RATIO_K_SHARE: dict[float, float] = {2.0: 0.375, 4.0: 0.375, 8.0: 0.3125, 16.0: 0.3, 32.0: 0.3}
-RATIO_DEFAULTS = dict(group_size=256, outliers=0, joint_heads=True, basis_fmt="int6", sink_tokens=1)
+RATIO_K_SHARE: dict[float, float] = {2.0: 0.375, 4.0: 0.375, 8.0: 0.25, 16.0: 0.3, 32.0: 0.3}
+RATIO_DEFAULTS = dict(group_size=512, outliers=0, joint_heads=True, basis_fmt="int6", sink_tokens=1)
 
 
 def _ratio_bits(ratio: float) -> tuple[float, float]:
