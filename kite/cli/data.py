@@ -90,9 +90,6 @@ def traffic(
     n: Annotated[int, typer.Option("--n", help="Number of queries.")] = 1000,
     seed: Annotated[int, typer.Option("--seed", help="Same seed, byte-identical output.")] = 0,
     out: Annotated[str, typer.Option("--out", help="Output JSONL file; '-' for stdout.")] = "-",
-    model: Annotated[Optional[str], typer.Option(
-        "--model", help="Count tokens exactly with this model's tokenizer (HF folder, .gguf or "
-        "embedded name) instead of estimating.")] = None,
     json_out: bool = JsonOpt,
 ) -> None:
     from kite.atomic import write_text
