@@ -9,6 +9,8 @@ pays: full prefill pays the document's prefill every time; a reusable cache pays
 
 from __future__ import annotations
 
+import abc
+
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -52,7 +54,7 @@ def fp16_token_bytes(lm) -> float:
     return lm.geometry.kv_bytes_per_token("fp16")
 
 
-class Method:
+class Method(abc.ABC):
     name: ClassVar[str]
     equal_bytes: ClassVar[bool] = True  # held to the state's byte budget
     uses_state: ClassVar[bool] = False  # Prepared.data is the document's states.StateRef
@@ -60,9 +62,10 @@ class Method:
     def prepare(self, lm, doc: DocumentContext, budget_bytes: int) -> Prepared:
         return Prepared(kv_bytes=doc.raw_kv_bytes(lm))
 
+    @abc.abstractmethod
     def answer(self, lm, doc: DocumentContext, prep: Prepared, question: str, prompt: list[int],
                gen: dict) -> MethodAnswer:
-        raise NotImplementedError
+        """Answer `question` (tokens `prompt`) about the document with this method's cache."""
 
 
 @dataclass
