@@ -10,7 +10,7 @@ Positive = the state told the model something about the query.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kite.runtime.generate import GenerationResult, generate
@@ -142,4 +142,4 @@ def answer(lm, tagger, rules, state_path: str | Path, query: str, prompt_ids: li
 
 
 __all__ = ["FusedAnswer", "answer", "plan_for", "state_info", "build_signals", "load_args", "measured_gain",
-           "state_id_of", "asdict"]
+           "state_id_of", "prompt_entropy"]
