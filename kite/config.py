@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from kite.atomic import write_text
 from kite.errors import BadInput, KiteError
 from kite.paths import config_path, kite_home
+from kite.yaml_model import read_utf8
 
 # --------------------------------------------------------------------------- the schema
 
@@ -347,17 +348,7 @@ def _drop_empty_sections(data: dict[Any, Any], prefix: tuple[str, ...] = ()) -> 
 
 
 def _read(path: Path) -> str:
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise BadInput(f"{path}: no such config file")
-    except OSError as exc:
-        raise KiteError(f"{path}: cannot read: {exc.strerror}")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise BadInput(f"{path}:{line}: not UTF-8 text (byte {exc.start})")
+    return read_utf8(path, what="config file")
 
 
 # --------------------------------------------------------------------------- validation

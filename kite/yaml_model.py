@@ -9,18 +9,21 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from kite.errors import BadInput
+from kite.errors import BadInput, KiteError
 
 M = TypeVar("M", bound=BaseModel)
 
 
-def read_utf8(path: Path) -> str:
+def read_utf8(path: Path, what: str = "file") -> str:
+    """The file's text. Missing, a folder, unreadable or not UTF-8: one error naming the line."""
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
-        raise BadInput(f"{path}: no such file")
+        raise BadInput(f"{path}: no such {what}")
     except IsADirectoryError:
-        raise BadInput(f"{path}: is a folder, expected a file")
+        raise BadInput(f"{path}: is a folder, expected a {what}")
+    except OSError as exc:
+        raise KiteError(f"{path}: cannot read: {exc.strerror}")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

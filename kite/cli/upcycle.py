@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kite.cli._common import JsonOpt, console, emit_json, new_app
 from kite.errors import BadInput
+
+if TYPE_CHECKING:
+    from kite.upcycle.codec import CodecSettings
 
 app = new_app("Turn a document's KV cache into a .upc state; inspect, evaluate, migrate.")
 
@@ -37,7 +40,7 @@ def read_document(path: str) -> tuple[str, str]:
     return text, name
 
 
-def codec_settings(ratio: float | None, precision: str | None, cfg) -> "object":
+def codec_settings(ratio: float | None, precision: str | None, cfg) -> "CodecSettings":
     """--precision (a preset) wins over --ratio, which wins over the config's svd_ratio/precision."""
     from kite.upcycle import codec
 

@@ -22,9 +22,9 @@ def config_examples(cfg, cfg_path: Path | None) -> list[tuple[str, str]]:
             path = cfg_path.parent / path
         from kite.data.jsonl import read_jsonl
 
-        for n, rec in enumerate(read_jsonl(path), 1):
+        for rec in read_jsonl(path):
             if not isinstance(rec.get("text"), str) or not isinstance(rec.get("label"), str):
-                raise BadInput(f"{path}: record {n}: expected {{\"text\": ..., \"label\": ...}}")
+                raise BadInput(f"{path}:{rec['_line']}: expected {{\"text\": ..., \"label\": ...}}")
             examples.append((rec["text"], rec["label"]))
     if not examples and st.generated_examples_per_label:
         from kite.data.contracts import labeled_examples
