@@ -148,6 +148,50 @@ def test_prompt_method_is_order_independent(tiny):
         [r.probs for r in a.tag_texts(model, tok, texts)]
 
 
+def test_query_head_fits_on_questions_round_trips_and_old_taggers_still_load(tiny, data):
+    from kite.data.traffic import calibration_queries, generate_traffic
+    from kite.upcycle.tagger_setup import calibration_set
+    from kite.upcycle.tagging_eval import evaluate_queries
+
+    model, tok = tiny
+    _, examples, _ = data
+    tagger = ClauseTagger.fit(model, tok, examples)
+    old = json.loads(json.dumps(tagger.to_dict()))
+    old.pop("query_head")  # a tagger saved before query calibration
+    legacy = ClauseTagger.from_dict(old)
+    assert legacy.query_head is None and legacy.query_layers == tagger.embedding_layers
+    queries = ["Which courts decide disputes?", "hi"]
+    assert [r.probs for r in legacy.tag_queries(model, tok, queries)] == \
+        [r.probs for r in tagger.tag_texts(model, tok, queries)]
+
+    calib = calibration_set(tagger.labels, n=200)
+    bench_phrasings = {r["query"] for r in generate_traffic(200, 0)}
+    assert calib and not {q for q, _, _ in calib} & bench_phrasings
+    head = tagger.fit_queries(model, tok, calib, layers=[1])
+    assert head is tagger.query_head and tagger.query_layers == [1]
+    v = head.validation
+    assert v["folds"] == 5 and v["per_class"][""] > 0 and 0 <= v["accuracy"] <= 1
+    restored = ClauseTagger.from_dict(json.loads(json.dumps(tagger.to_dict())))
+    res, back = tagger.tag_queries(model, tok, queries), restored.tag_queries(model, tok, queries)
+    assert [r.probs for r in res] == [r.probs for r in back]
+    for r in res:  # "no clause" is spread over the labels: probs still sum to 1
+        assert abs(sum(r.probs.values()) - 1) < 1e-5 and set(r.probs) == set(LABELS)
+        assert r.label in ("", *LABELS)
+    report = evaluate_queries(model, tok, tagger, generate_traffic(40, 0))
+    assert report["query_head"]["all"]["n"] == report["clause_head"]["all"]["n"] == 40
+    assert report["clause_head"]["all"]["no_label"] == 0  # the clause head always names one
+    with pytest.raises(BadInput, match="not among the tagger's labels"):
+        tagger.fit_queries(model, tok, [("x", "nope", "g")])
+    with pytest.raises(BadInput, match="at least 2 phrasings"):
+        tagger.fit_queries(model, tok, [("x", None, "g"), ("y", None, "g")])
+    broken = tagger.to_dict()
+    broken["query_head"]["weights"] = broken["query_head"]["weights"][:2]
+    with pytest.raises(BadInput, match="query head"):
+        ClauseTagger.from_dict(broken)
+    assert calibration_queries(5, 1) == calibration_queries(5, 1)
+    assert calibration_set(["a", "b"]) == []  # other labels: no generated calibration
+
+
 def test_eval_tagging_cli_rejects_bad_input_before_loading_a_model(tmp_path):
     from kite.cli._common import new_app
     from kite.cli.upcycle_tagging import eval_tagging
@@ -170,6 +214,12 @@ def test_eval_tagging_cli_rejects_bad_input_before_loading_a_model(tmp_path):
     assert res.exit_code == 2 and "--mode sideways" in res.output
     res = runner.invoke(app, ["eval-tagging", "--cases", str(good), "--examples-per-label", "0"])
     assert res.exit_code == 2
+    res = runner.invoke(app, ["eval-tagging"])
+    assert res.exit_code == 2 and "--queries" in res.output
+    q = tmp_path / "q.jsonl"
+    q.write_text('{"query": "hi", "label": "nonsense"}\n')
+    res = runner.invoke(app, ["eval-tagging", "--queries", str(q)])
+    assert res.exit_code == 2 and "q.jsonl:1: label 'nonsense'" in res.output
 
 
 @pytest.mark.slow

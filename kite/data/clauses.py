@@ -398,6 +398,101 @@ FUZZY: dict[str, list[str]] = {
                  "that guarantee thing — how many months does it cover?"],
 }
 
+# Questions kept apart from QA/FUZZY/NEEDLES (the bench's and `kite data traffic`'s phrasings):
+# the query side of the tagger is calibrated on these (kite.data.traffic.calibration_queries), so
+# its held-out accuracy on the bench's phrasings measures questions it has never seen.
+QA_CALIBRATION: dict[str, list[str]] = {
+    "breach": ["What penalty applies if a party fails to perform its obligations?",
+               "What does the defaulting party owe under the liquidated damages clause?",
+               "How are damages for non-performance calculated?",
+               "What sum is payable to the injured party after a material breach?"],
+    "jurisdiction": ["Which law governs this contract and where are the courts?",
+                     "In which city would a lawsuit about the Agreement be heard?",
+                     "What is the venue for legal proceedings under the contract?",
+                     "Which courts have exclusive jurisdiction?"],
+    "confidentiality": ["How many years does the secrecy obligation survive?",
+                        "When does the duty to protect confidential information end?",
+                        "How long must trade secrets be kept from third parties?",
+                        "What is the term of the non-disclosure obligation?"],
+    "intellectual_property": ["Which party owns the copyright in the deliverables?",
+                              "Who holds the patents on inventions made during the project?",
+                              "Who is the owner of the work product?",
+                              "Who gets the IP rights in what is developed?"],
+    "force_majeure": ["How many days does a party have to give notice of a force majeure event?",
+                      "What is the deadline for notifying an act of God?",
+                      "How soon must an unforeseeable event preventing performance be reported?",
+                      "What notice is required when circumstances beyond control delay work?"],
+    "payment": ["What is the contract price?", "How much is the total fee?",
+                "What amount does the client pay for the services?",
+                "What is the overall price stated in the payment clause?"],
+    "termination": ["What is the notice period for terminating for convenience?",
+                    "How many days of notice are needed to end the Agreement without cause?",
+                    "How can a party terminate the contract early, and with what notice?",
+                    "What advance notice must be given before cancelling the Agreement?"],
+    "warranty": ["How many months does the warranty cover?",
+                 "What is the guarantee period for the deliverables?",
+                 "For how long does the supplier warrant the work against defects?",
+                 "When does the warranty on the goods expire?"],
+}
+FUZZY_CALIBRATION: dict[str, list[str]] = {
+    "breach": ["what do we owe them if we drop the ball?",
+               "say we screw up the delivery — what's it going to cost us?",
+               "the money part when someone doesn't do what they promised?"],
+    "jurisdiction": ["where would we have to go if we end up suing each other?",
+                     "whose judges would sort it out if we disagree?",
+                     "which place handles it if it all blows up?"],
+    "confidentiality": ["how long until we can mention their stuff to other people?",
+                        "when does the hush-hush part stop applying?",
+                        "can we tell anyone about their plans, and for how long not?"],
+    "intellectual_property": ["the stuff we make together — whose is it at the end?",
+                              "who keeps the code and designs once we're done?",
+                              "do we get to keep what we build or do they?"],
+    "force_majeure": ["if an earthquake hits, how long do we have to warn them?",
+                      "something out of our hands happens — when do we have to say so?",
+                      "the bit about floods and wars, how quickly do we tell them?"],
+    "payment": ["when do we actually have to pay the bill?",
+                "how many days after the invoice does the money need to arrive?",
+                "so how much are we paying them overall?"],
+    "termination": ["if we want to pull out, how early do we say so?",
+                    "can we just walk away, and how much warning do they get?",
+                    "how do we get out of this deal if we change our minds?"],
+    "warranty": ["if it breaks after a while, are they still responsible?",
+                 "how long can we complain about faulty stuff?",
+                 "the cover for broken things — how long is it good for?"],
+}
+# Not about one clause type: label None.
+NONE_CALIBRATION: dict[str, list[str]] = {
+    "needle": ["What is the reference code recorded in the Agreement?",
+               "What project code appears in the recitals?",
+               "Which registration number is quoted at the start of the contract?",
+               "What is the access code mentioned in the Agreement?"],
+    "contract": ["What is this agreement about?", "Give me the key points of the contract.",
+                 "Who signed this document?", "When was the Agreement made?",
+                 "What are the most important terms here?",
+                 "How does this version compare with the last one overall?"],
+    "off_topic": ["What's a good recipe for pancakes?", "How tall is Mount Everest?",
+                  "Write a short poem about the sea.", "How do I centre a div in CSS?",
+                  "What is the population of Canada?", "hello", "thank you", "good morning",
+                  "What movies are showing tonight?", "How do I fix a flat bicycle tyre?",
+                  "What is 45 divided by 9?", "Tell me something interesting about owls."],
+}
+
+# Completion-style prompts (the bench's `prompt` of a question): the start of a sentence whose
+# continuation is the key fact, as `make demo` asks. The 135M model rarely answers a chat-formatted
+# question from a long document, but it continues such a sentence (docs/bench-cases.md has the
+# full-prefill F1 of each prompt format).
+CLOZE: dict[str, str] = {
+    "breach": "In short, a party in breach must pay liquidated damages of",
+    "jurisdiction": "In short, any action under this Agreement must be brought before the courts in",
+    "confidentiality": "In short, the duty of confidentiality lasts for",
+    "intellectual_property": "In short, the intellectual property in the deliverables belongs to",
+    "force_majeure": "In short, a force majeure event must be notified within",
+    "payment": "In short, the fees payable under this Agreement total",
+    "termination": "In short, termination for convenience requires a notice period of",
+    "warranty": "In short, the warranty period is",
+}
+CLOZE_PAY_DAYS = "In short, invoices must be paid within"  # the fuzzy payment question's fact
+
 # Long documents, once the boilerplate above is used up: definitions and scope-of-work prose.
 DEFINITIONS: list[str] = [
     '"Business Day" means a day other than a Saturday, Sunday or public holiday in {city}.',

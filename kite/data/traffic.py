@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import random
 
-from kite.data.clauses import BY_ID, FUZZY, LABELS, NEEDLES, QA
+from kite.data.clauses import (BY_ID, FUZZY, FUZZY_CALIBRATION, LABELS, NEEDLES, NONE_CALIBRATION,
+                               QA, QA_CALIBRATION)
 
 # Share of each family in the traffic (sums to 1).
 MIX: dict[str, float] = {"precise": 0.45, "fuzzy": 0.25, "needle": 0.05, "contract": 0.10,
@@ -77,6 +78,35 @@ def generate_traffic(n: int, seed: int = 0) -> list[dict]:
         if lead and family != "off_topic":
             query = lead + query[0].lower() + query[1:]
         out.append({"id": f"t{seed}-{i}", "query": query, "family": family, "label": label})
+    return out
+
+
+def calibration_queries(n: int, seed: int = 1001) -> list[dict]:
+    """`n` labeled queries for calibrating the query side of the tagger: the same families and
+    mix as `generate_traffic`, drawn from phrasings the bench and the traffic never use
+    (kite.data.clauses `QA_CALIBRATION`, `FUZZY_CALIBRATION`, `NONE_CALIBRATION`). Records
+    `{"id", "query", "family", "label", "group"}`; `group` names the phrasing (lead and clause
+    prefix aside), so cross-validation can keep a phrasing's variants in one fold."""
+    families, weights = zip(*MIX.items())
+    out = []
+    for i in range(n):
+        rng = random.Random(f"calibration:{seed}:{i}")
+        family = rng.choices(families, weights)[0]
+        label: str | None = None
+        if family in ("precise", "fuzzy"):
+            label = rng.choice(LABELS)
+            pool = (QA_CALIBRATION if family == "precise" else FUZZY_CALIBRATION)[label]
+        else:
+            pool = NONE_CALIBRATION[family]
+        k = rng.randrange(len(pool))
+        query = pool[k]
+        if family == "precise" and rng.random() < 0.3:
+            query = f"In the {BY_ID[label].en} clause: {query[0].lower()}{query[1:]}"
+        lead = rng.choice(_LEADS)
+        if lead and family != "off_topic":
+            query = lead + query[0].lower() + query[1:]
+        out.append({"id": f"c{seed}-{i}", "query": query, "family": family, "label": label,
+                    "group": f"{family}:{label or '-'}:{k}"})
     return out
 
 

@@ -9,7 +9,12 @@ from pathlib import Path
 from kite.errors import BadInput
 from kite.paths import cache_dir
 
-TAGGER_CACHE_VERSION = 1
+TAGGER_CACHE_VERSION = 2  # 2: taggers carry a query head calibrated on questions
+# The query head's calibration set: generated labeled questions (kite.data.traffic
+# `calibration_queries`), phrasings the bench and `kite data traffic` never use; seed 1001 like
+# the clause examples' 1000 stays clear of the small seeds of the evaluation sets.
+QUERY_CALIBRATION_N = 800
+QUERY_CALIBRATION_SEED = 1001
 
 
 def config_examples(cfg, cfg_path: Path | None) -> list[tuple[str, str]]:
@@ -59,6 +64,9 @@ def build_tagger(lm, cfg, cfg_path: Path | None = None, progress=None):
     if progress:
         progress("tagger", 0, 1)
     tagger = ClauseTagger.fit(lm.model, lm.tokenizer, examples, labels)
+    queries = calibration_set(tagger.labels)
+    if queries:
+        tagger.fit_queries(lm.model, lm.tokenizer, queries)
     if progress:
         progress("tagger", 1, 1)
     from kite.atomic import write_text
@@ -70,9 +78,27 @@ def build_tagger(lm, cfg, cfg_path: Path | None = None, progress=None):
     return tagger
 
 
+def calibration_set(labels, n: int = QUERY_CALIBRATION_N,
+                    seed: int = QUERY_CALIBRATION_SEED) -> list[tuple[str, str | None, str]]:
+    """(query, label or None, phrasing) for `fit_queries`: the generated calibration questions,
+    when the tagger's labels are the generated contracts' clause types (else none: a tagger of
+    other labels keeps its clause head for queries)."""
+    from kite.data.clauses import LABELS
+    from kite.data.traffic import calibration_queries
+
+    if set(labels) != set(LABELS):
+        return []
+    return [(r["query"], r["label"], r["group"]) for r in calibration_queries(n, seed)]
+
+
 def describe(tagger) -> dict | None:
     if tagger is None:
         return None
-    return {"method": tagger.method, "embedding_layers": tagger.embedding_layers, "labels": tagger.labels,
-            "validation_accuracy": tagger.validation.get("accuracy"),
-            "temperature": tagger.temperature}
+    out = {"method": tagger.method, "embedding_layers": tagger.embedding_layers, "labels": tagger.labels,
+           "validation_accuracy": tagger.validation.get("accuracy"),
+           "temperature": tagger.temperature}
+    if tagger.query_head is not None:
+        q = tagger.query_head
+        out["query_head"] = {"layers": q.layers, "temperature": q.temperature,
+                             "validation_accuracy": q.validation.get("accuracy")}
+    return out

@@ -24,6 +24,13 @@ span texts. Deeper layers mix in the surrounding document, so `fit` embeds every
 alone and from inside a pseudo-document of other examples, trains on both views and scores both
 in cross-validation. Both uses are measured by `evaluate_tagging(..., mode="both")`; on the
 embedded model they are equally accurate (docs/tagging.md).
+
+**Queries** are not clauses: a head fitted and temperature-calibrated on clause texts is confident
+about any question, off-topic ones included. `fit_queries` adds a `QueryHead`: a ridge head with
+one more class, "no clause type", fitted on labeled *questions* (kite.data.traffic
+`calibration_queries`), its layer, λ and temperature chosen by cross-validation that keeps each
+phrasing's variants in one fold. `predict_queries` spreads the "no clause" probability evenly
+over the clause labels, so a vague or off-topic question has a high label entropy and no label.
 """
 
 from __future__ import annotations
@@ -57,6 +64,38 @@ class TagResult:
 
 
 @dataclass(slots=True)
+class QueryHead:
+    """The query side of a tagger: classes = the tagger's labels + "no clause type" (last)."""
+
+    layers: list[int]  # hidden-state indices pooled over the query's tokens
+    temperature: float
+    lam: float
+    mean: torch.Tensor  # [D]
+    scale: torch.Tensor  # [D]
+    weights: torch.Tensor  # [D, C + 1]
+    bias: torch.Tensor  # [C + 1]
+    validation: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layers": self.layers, "temperature": self.temperature, "lam": self.lam,
+                "mean": self.mean.tolist(), "scale": self.scale.tolist(),
+                "weights": self.weights.tolist(), "bias": self.bias.tolist(),
+                "validation": self.validation}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], n_labels: int) -> QueryHead:
+        def t(x):
+            return torch.tensor(x, dtype=torch.float32)
+        head = cls(layers=[int(h) for h in d["layers"]], temperature=float(d["temperature"]),
+                   lam=float(d["lam"]), mean=t(d["mean"]), scale=t(d["scale"]),
+                   weights=t(d["weights"]), bias=t(d["bias"]),
+                   validation=d.get("validation", {}))
+        if tuple(head.weights.shape) != (head.mean.shape[0], n_labels + 1):
+            raise BadInput("tagger: the query head does not match the labels and embedding size")
+        return head
+
+
+@dataclass(slots=True)
 class ClauseTagger:
     """A fitted tagger. Build it with `ClauseTagger.fit`; store it with `to_dict`/`from_dict`."""
 
@@ -70,6 +109,7 @@ class ClauseTagger:
     bias: torch.Tensor | None = None  # [C]
     prompt: dict[str, Any] | None = None  # prompt method: shots, label names, content-free scores
     validation: dict[str, Any] = field(default_factory=dict)
+    query_head: QueryHead | None = None  # fitted on questions (fit_queries); None: clause head
 
     # ------------------------------------------------------------------ fitting
 
@@ -161,6 +201,101 @@ class ClauseTagger:
         self.weights, self.bias = _fit_head(_zscore(X, self.mean, self.scale), y, method, lam,
                                             len(self.labels))
 
+    # ------------------------------------------------------------------ the query side
+
+    def fit_queries(self, model, tokenizer, queries: Sequence[tuple[str, str | None, str]], *,
+                    layers: Sequence[int] | None = None, folds: int = 5,
+                    batch_size: int = 32) -> QueryHead:
+        """Fit the query head on `(text, label or None, group)` questions; returns it (also set
+        as `self.query_head`). Label None = about no single clause type (off-topic, the whole
+        contract, a planted code). Layer and λ: the lowest out-of-fold log-loss after fitting
+        the temperature, folds by `group` (a phrasing's variants never straddle folds).
+        Repeated texts count once."""
+        seen: dict[str, tuple[str | None, str]] = {}
+        for k, q in enumerate(queries):
+            if not (isinstance(q, (tuple, list)) and len(q) == 3 and isinstance(q[0], str)
+                    and q[0].strip()):
+                raise BadInput(f"query example {k}: expected (text, label or None, group)")
+            if q[1] is not None and q[1] not in self.labels:
+                raise BadInput(f"query example {k}: label {q[1]!r} is not among the tagger's "
+                               f"labels ({', '.join(self.labels)})")
+            seen.setdefault(q[0], (q[1], str(q[2])))
+        texts = sorted(seen)
+        C = len(self.labels)
+        y = torch.tensor([C if seen[t][0] is None else self.labels.index(seen[t][0])
+                          for t in texts])
+        groups = sorted({seen[t][1] for t in texts},
+                        key=lambda g: (min(int(y[i]) for i, t in enumerate(texts)
+                                           if seen[t][1] == g), g))
+        k = min(folds, len(groups))
+        if k < 2 or len(set(y.tolist())) < 2:
+            raise BadInput("query calibration needs at least 2 phrasings and 2 classes")
+        fold_of_group = {g: i % k for i, g in enumerate(groups)}
+        fold_of = [fold_of_group[seen[t][1]] for t in texts]
+        n_layers = _num_layers(model)
+        cand = sorted(set(layers)) if layers else query_candidate_layers(n_layers)
+        feats = _embed_layers(model, tokenizer, texts, cand, batch_size)
+        trials = []
+        for h in cand:
+            for lam in RIDGE_LAMBDAS:
+                scores = _cv_scores(feats[h], y, fold_of, "ridge", lam, C + 1)
+                trials.append(_trial("ridge", [h], lam, scores, y))
+        best = min(trials, key=lambda t: (t["nll"], t["layers"][0], t["lam"]))
+        h = best["layers"][0]
+        mean, scale = _zscore_params(feats[h])
+        W, b = _fit_head(_zscore(feats[h], mean, scale), y, "ridge", best["lam"], C + 1)
+        counts = {lab: int((y == i).sum()) for i, lab in enumerate([*self.labels, ""])}
+        self.query_head = QueryHead(
+            layers=[h], temperature=float(best["temperature"]), lam=best["lam"], mean=mean,
+            scale=scale, weights=W, bias=b,
+            validation={"folds": k, "queries": len(texts), "phrasings": len(groups),
+                        "per_class": counts, "accuracy": best["accuracy"], "nll": best["nll"],
+                        "trials": [{key: t[key] for key in ("layers", "lam", "accuracy", "nll")}
+                                   for t in trials]})
+        return self.query_head
+
+    @property
+    def query_layers(self) -> list[int]:
+        """Hidden-state indices a query's embedding pools (the query head's, else the clause
+        head's; empty for a prompt-scoring tagger without a query head)."""
+        if self.query_head is not None:
+            return list(self.query_head.layers)
+        return list(self.embedding_layers)
+
+    def predict_queries(self, E: torch.Tensor) -> list[TagResult]:
+        """Labels of queries from their pooled embeddings at `query_layers`.
+
+        With a query head: probabilities over the C labels + "no clause"; the "no clause" mass is
+        spread evenly over the labels in `probs` (a question about no clause is about any of
+        them), and `label` is "" when "no clause" is the most likely class. Without one (a tagger
+        saved before query calibration): the clause head, as before.
+        """
+        head = self.query_head
+        if head is None:
+            return self.predict_embeddings(E)
+        E = E.detach().float().cpu()
+        scores = _zscore(E, head.mean, head.scale) @ head.weights + head.bias
+        raw = torch.softmax(scores / head.temperature, dim=-1)
+        C = len(self.labels)
+        out = []
+        for row in raw:
+            spread = row[:C] + row[C] / C
+            i = int(row.argmax())
+            label = self.labels[i] if i < C else ""
+            out.append(TagResult(label, float(row[i]),
+                                 {lab: float(p) for lab, p in zip(self.labels, spread)}))
+        return out
+
+    def tag_queries(self, model, tokenizer, texts: Sequence[str],
+                    batch_size: int = 32) -> list[TagResult]:
+        """Tag standalone queries (the query head when there is one)."""
+        if not texts:
+            return []
+        if self.query_head is None:
+            return self.tag_texts(model, tokenizer, texts, batch_size)
+        feats = _embed_layers(model, tokenizer, list(texts), self.query_head.layers, batch_size)
+        return self.predict_queries(torch.cat([feats[h] for h in self.query_head.layers], -1))
+
     # ------------------------------------------------------------------ embedding and predicting
 
     def embed_texts(self, model, tokenizer, texts: Sequence[str],
@@ -232,7 +367,8 @@ class ClauseTagger:
         return {"format": FORMAT, "labels": self.labels, "method": self.method,
                 "embedding_layers": self.embedding_layers, "temperature": self.temperature,
                 "mean": t(self.mean), "scale": t(self.scale), "weights": t(self.weights),
-                "bias": t(self.bias), "prompt": self.prompt, "validation": self.validation}
+                "bias": t(self.bias), "prompt": self.prompt, "validation": self.validation,
+                "query_head": self.query_head.to_dict() if self.query_head else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ClauseTagger:
@@ -247,6 +383,8 @@ class ClauseTagger:
                          temperature=float(d["temperature"]), mean=t(d["mean"]),
                          scale=t(d["scale"]), weights=t(d["weights"]), bias=t(d["bias"]),
                          prompt=d.get("prompt"), validation=d.get("validation", {}))
+            if d.get("query_head") is not None:  # absent from taggers saved before it existed
+                tagger.query_head = QueryHead.from_dict(d["query_head"], len(tagger.labels))
         except (KeyError, TypeError, ValueError) as exc:
             raise BadInput(f"tagger: malformed ({type(exc).__name__}: {exc})") from None
         shape = None if tagger.weights is None else tuple(tagger.weights.shape)
@@ -271,6 +409,15 @@ def candidate_layers(n_layers: int) -> list[int]:
     if n_layers <= 1:
         return [0]
     return sorted({min(n_layers - 1, max(1, round(f * n_layers))) for f in _LAYER_FRACTIONS})
+
+
+def query_candidate_layers(n_layers: int) -> list[int]:
+    """Hidden-state indices `fit_queries` tries: the clause candidates plus deeper ones (a vague
+    question names no clause word; its type, if any, is in the later layers)."""
+    if n_layers <= 1:
+        return [0]
+    deep = {min(n_layers - 1, round(f * n_layers)) for f in (0.9, 1.0)}
+    return sorted(set(candidate_layers(n_layers)) | deep)
 
 
 def _check_examples(examples, labels) -> tuple[list[str], list[tuple[str, str]]]:

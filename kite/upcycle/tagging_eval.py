@@ -116,3 +116,56 @@ def _score(y: list[str], preds: list[TagResult], labels: list[str], seconds: flo
             "per_label": per, "confusion": confusion,
             "mean_confidence": mean(conf_ok + conf_bad), "mean_confidence_correct": mean(conf_ok),
             "mean_confidence_wrong": mean(conf_bad), "s": round(seconds, 2)}
+
+
+def evaluate_queries(model, tokenizer, tagger: ClauseTagger, records: Sequence[dict]) -> dict[str, Any]:
+    """How the tagger labels questions: `records` are `{"query", "family", "label"}` (label None:
+    about no single clause type, where the right answer is no label, "").
+
+    Scores the query head (`predict_queries`) and, for comparison, the clause head alone (what
+    taggers did before query calibration; it always names a label). Per family and overall:
+    n, accuracy, mean and median label entropy (bits), mean confidence, share given no label.
+    """
+    from dataclasses import replace
+
+    if not records:
+        raise BadInput("no queries to score")
+    texts = [r["query"] for r in records]
+    heads = {"clause_head": replace(tagger, query_head=None)}
+    if tagger.query_head is not None:
+        heads["query_head"] = tagger
+    out: dict[str, Any] = {"n": len(records)}
+    for name, t in heads.items():
+        if t.method == "prompt" and t.query_head is None:
+            preds = t.tag_texts(model, tokenizer, texts)
+        else:
+            preds = t.tag_queries(model, tokenizer, texts)
+        fams: dict[str, list[tuple[dict, TagResult]]] = {}
+        for r, p in zip(records, preds):
+            fams.setdefault(str(r.get("family", "all")), []).append((r, p))
+        fams["all"] = list(zip(records, preds))
+        out[name] = {fam: _query_stats(rows) for fam, rows in fams.items()}
+    if tagger.query_head is not None:
+        out["query_head_fit"] = {k: v for k, v in tagger.query_head.validation.items()
+                                 if k != "trials"}
+        out["query_head_fit"].update(layers=tagger.query_head.layers,
+                                     temperature=tagger.query_head.temperature)
+    return out
+
+
+def _query_stats(rows: list[tuple[dict, TagResult]]) -> dict[str, Any]:
+    import statistics
+
+    ent = [_entropy_bits(p.probs) for _, p in rows]
+    right = [p.label == (r.get("label") or "") for r, p in rows]
+    return {"n": len(rows), "accuracy": round(sum(right) / len(rows), 4),
+            "label_entropy_mean": round(statistics.mean(ent), 3),
+            "label_entropy_median": round(statistics.median(ent), 3),
+            "confidence_mean": round(statistics.mean(p.confidence for _, p in rows), 3),
+            "no_label": round(sum(p.label == "" for _, p in rows) / len(rows), 4)}
+
+
+def _entropy_bits(probs: dict[str, float]) -> float:
+    import math
+
+    return max(0.0, -sum(p * math.log2(p) for p in probs.values() if p > 0))

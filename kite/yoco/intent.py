@@ -1,7 +1,8 @@
 """Query signals that need the model: intent entropy (bits) and the query's clause label.
 
 One batched forward per group of queries gives both: next-token entropies from the logits and,
-from the same pass's hidden states, the tagger's embedding of the query.
+from the same pass's hidden states, the tagger's embedding of the query (at its query head's
+layer when it has one: `ClauseTagger.query_layers` / `predict_queries`, calibrated on questions).
 
 The pass is built for traffic samples (`kite yoco analyze`): queries are tokenized in one call,
 sorted by token count and cut into batches under a padded-token budget (little padding), the
@@ -104,7 +105,7 @@ def query_signals(lm, queries: list[str], tagger=None, batch_size: int = 64,
 def _distinct_signals(lm, queries: list[str], tagger, batch_size: int, max_tokens: int, batch_tokens: int,
                       precision: str, progress) -> list[QuerySignals]:
     tok = lm.tokenizer
-    layers = list(tagger.embedding_layers) if tagger is not None and tagger.embedding_layers else []
+    layers = list(tagger.query_layers) if tagger is not None else []
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     enc = tok(list(queries), add_special_tokens=False)["input_ids"] if queries else []
     enc = [e[:max_tokens] or [pad] for e in enc]
@@ -142,7 +143,7 @@ def _distinct_signals(lm, queries: list[str], tagger, batch_size: int, max_token
         if layers:
             mf = mask[..., None].float()
             emb = torch.cat([(hidden_states[h].float().cpu() * mf).sum(1) / mf.sum(1) for h in layers], dim=-1)
-            tags = tagger.predict_embeddings(emb)
+            tags = tagger.predict_queries(emb)
         for row, i in enumerate(idx):
             probs = tags[row].probs if tags else {}
             results[i] = QuerySignals(
@@ -153,7 +154,7 @@ def _distinct_signals(lm, queries: list[str], tagger, batch_size: int, max_token
             progress(done, len(enc))
     out = [r for r in results if r is not None]
     if tagger is not None and not layers and queries:  # a prompt-scoring tagger reads the text
-        for sig, tag in zip(out, tagger.tag_texts(lm.model, tok, queries)):
+        for sig, tag in zip(out, tagger.tag_queries(lm.model, tok, queries)):
             sig.query_label, sig.label_probs = tag.label, tag.probs
             sig.label_entropy = _label_entropy(tag.probs)
     return out
