@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import difflib
 import os
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -31,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from kite.atomic import write_text
 from kite.errors import BadInput, KiteError
 from kite.paths import config_path, kite_home
-from kite.yaml_model import read_utf8
+from kite.yaml_model import YamlLoader, parse_yaml_tree, read_utf8
 
 # --------------------------------------------------------------------------- the schema
 
@@ -225,7 +224,7 @@ def parse_raw(dotted_key: str, raw: str) -> Any:
     except ValueError:
         pass
     try:
-        value = yaml.load(text, Loader=_Loader)
+        value = yaml.load(text, Loader=YamlLoader)
     except yaml.YAMLError:
         return raw
     return value if not isinstance(value, (dict, list)) else raw
@@ -266,62 +265,18 @@ def require_enabled(cfg: KiteConfig, dotted_key: str, what: str) -> None:
 
 # --------------------------------------------------------------------------- YAML with lines
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-3` as a float (YAML 1.2), as users expect."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
 class _Doc:
     """A parsed config file: its data, its node tree, and the line of every dotted key."""
 
     def __init__(self, path: Path, text: str) -> None:
         self.path, self.text = path, text
-        loader = _Loader(text)
-        try:
-            self.root = loader.get_single_node()
-            self.data = loader.construct_document(self.root) if self.root is not None else None
-        except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-            context = ""
-            if exc.context and exc.problem:
-                started = exc.context_mark
-                context = f" ({exc.context}" + (
-                    f" started on line {started.line + 1})" if started and started is not mark
-                    and started.line != mark.line else ")")
-            raise BadInput(f"{where}: YAML syntax error: {exc.problem or exc.context}{context}")
-        except yaml.YAMLError as exc:
-            raise BadInput(f"{path}: not readable as YAML: {' '.join(str(exc).split())}")
-        finally:
-            loader.dispose()
+        self.root, self.data, self.lines = parse_yaml_tree(path, text)
         if self.data is None:
             self.data = {}
         if not isinstance(self.data, dict):
             raise BadInput(f"{path}:1: the top level must be a mapping of sections "
                            f"({', '.join(KiteConfig.model_fields)})")
         _drop_empty_sections(self.data)
-        self.lines: dict[str, int] = {}
-        self._index(self.root, "")
-
-    def _index(self, node: Any, prefix: str) -> None:
-        if not isinstance(node, yaml.MappingNode):
-            return
-        for key_node, value_node in node.value:
-            if not isinstance(key_node, yaml.ScalarNode):
-                continue
-            key = prefix + key_node.value
-            line = key_node.start_mark.line + 1
-            if key in self.lines:
-                raise BadInput(f"{self.path}:{line}: {key} is set twice (first on line "
-                               f"{self.lines[key]}); keep one")
-            self.lines[key] = line
-            self._index(value_node, key + ".")
 
     def line_of(self, key: str) -> int:
         """The line of `key`, or of its nearest section the file has; 0 if none."""

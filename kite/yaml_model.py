@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,16 +32,36 @@ def read_utf8(path: Path, what: str = "file") -> str:
         raise BadInput(f"{path}:{line}: not UTF-8 text (byte {exc.start})")
 
 
-def parse_yaml(path: Path, text: str) -> tuple[Any, dict[str, int]]:
-    """The document's data and the line of every dotted key (list items by index)."""
-    loader = yaml.SafeLoader(text)
+class YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-3` as a float (YAML 1.2), as users expect."""
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_yaml_tree(path: Path, text: str) -> tuple[yaml.Node | None, Any, dict[str, int]]:
+    """The document's node tree, its data and the line of every dotted key (list items by
+    index). A syntax error or a mapping key set twice is one BadInput line with file:line."""
+    loader = YamlLoader(text)
     try:
         root = loader.get_single_node()
         data = loader.construct_document(root) if root is not None else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise BadInput(f"{where}: YAML syntax error: {exc.problem or exc.context}")
+        context = ""
+        if exc.context and exc.problem:
+            started = exc.context_mark
+            context = f" ({exc.context}" + (
+                f" started on line {started.line + 1})" if started and started is not mark
+                and started.line != mark.line else ")")
+        raise BadInput(f"{where}: YAML syntax error: {exc.problem or exc.context}{context}")
+    except yaml.YAMLError as exc:
+        raise BadInput(f"{path}: not readable as YAML: {' '.join(str(exc).split())}")
     finally:
         loader.dispose()
     lines: dict[str, int] = {}
@@ -48,8 +69,13 @@ def parse_yaml(path: Path, text: str) -> tuple[Any, dict[str, int]]:
     def walk(node: Any, prefix: str) -> None:
         if isinstance(node, yaml.MappingNode):
             for k, v in node.value:
+                if not isinstance(k, yaml.ScalarNode):
+                    continue
                 key = prefix + str(k.value)
-                lines.setdefault(key, k.start_mark.line + 1)
+                line = k.start_mark.line + 1
+                if key in lines:
+                    raise BadInput(f"{path}:{line}: {key} is set twice (first on line {lines[key]}); keep one")
+                lines[key] = line
                 walk(v, key + ".")
         elif isinstance(node, yaml.SequenceNode):
             for i, v in enumerate(node.value):
@@ -58,6 +84,12 @@ def parse_yaml(path: Path, text: str) -> tuple[Any, dict[str, int]]:
 
     if root is not None:
         walk(root, "")
+    return root, data, lines
+
+
+def parse_yaml(path: Path, text: str) -> tuple[Any, dict[str, int]]:
+    """The document's data and the line of every dotted key (list items by index)."""
+    _, data, lines = parse_yaml_tree(path, text)
     return data, lines
 
 
