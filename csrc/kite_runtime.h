@@ -68,6 +68,21 @@ int kite_cuda_pca_load(int64_t T, int64_t R, int64_t B, int64_t D, int64_t H, in
                        const int32_t* override_idx, const uint16_t* ovr_x16, int64_t n_ovr,
                        const float* cos, const float* sin, void* out, int out_dtype, void* stream);
 
+// Split PCA load, CUDA only. pca_coefs: dequantize coefficient columns of P parts held in one staging
+// region `base`: tab [P, 6] = row0, T, gs, codes_off, scale_off, min_off (bytes from base);
+// column j of part p: bits col_bits[j], codes from bit col_bitoff[p*R + j] of the part's codes,
+// groups from col_goff[p*R + j]; out [R, ld] (dtype 0 f32, 1 bf16, 2 f16), token t of part p at
+// column row0 + t. pca_finish: Y (block b, token t, dim k at b*sB + t*sT + k; dtype as out) + mean
+// [H*d] f32, sink rows from ovr [n_ovr, 4] (token, byte offset of fp16 [H, n, d] in base, n, index),
+// RoPE by cos/sin [T_out, d] at row dest[t] (< 0: skipped) of out [H, T_out, d].
+int kite_cuda_pca_coefs(const uint8_t* base, int64_t P, const int64_t* tab, int64_t max_T, int64_t R,
+                        const uint8_t* col_bits, const int64_t* col_bitoff, const int64_t* col_goff,
+                        void* out, int64_t ld, int out_dtype, void* stream);
+int kite_cuda_pca_finish(int64_t T, int64_t H, int64_t d, int64_t D, const void* Y, int y_dtype,
+                         int64_t sB, int64_t sT, const float* mean, const int64_t* dest, int64_t T_out,
+                         int64_t n_ovr, const int64_t* ovr, const uint8_t* base, const float* cos,
+                         const float* sin, void* out, int out_dtype, void* stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -480,3 +480,122 @@ extern "C" int kite_cuda_quantize_groups(const float* g, int64_t G, int64_t gs, 
   CK(cudaGetLastError());
   return 0;
 }
+
+// ---------------------------------------------------------------------------------------------
+// split PCA load (joint-head blocks make the fused kernel's fp32 FMAs the bottleneck): dequantize
+// every coefficient column of a layer's parts into out [R, ld] (tensor-core matmul input), then,
+// after the matmul Y = C @ basis, one pass adds the mean, puts back the fp16 sinks and re-applies
+// RoPE into the cache layout. All buffers live in one staging region `base` (one copy per layer);
+// fp16 scales, minimums and sink rows are read bytewise (blobs are not aligned there).
+
+static __device__ __forceinline__ float h2f_at(const uint8_t* p) {
+  return h2f((uint16_t)((uint16_t)p[0] | ((uint16_t)p[1] << 8)));
+}
+
+template <typename OT> static __device__ __forceinline__ OT from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+static __device__ __forceinline__ float to_f(float x) { return x; }
+static __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+static __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+
+// tab [P, 6]: row0, T, gs, codes_off, scale_off, min_off (byte offsets from base)
+template <typename OT>
+__global__ void pca_coefs_kernel(const uint8_t* __restrict__ base, const int64_t* __restrict__ tab, int64_t R,
+                                 const uint8_t* __restrict__ col_bits, const int64_t* __restrict__ col_bitoff,
+                                 const int64_t* __restrict__ col_goff, OT* __restrict__ out, int64_t ld) {
+  const int64_t p = blockIdx.z, j = blockIdx.y;
+  const int64_t* e = tab + p * 6;
+  const int64_t T = e[1];
+  const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= T) return;
+  const int bits = col_bits[j];
+  const int64_t g = col_goff[p * R + j] + t / e[2];
+  const float s = h2f_at(base + e[4] + 2 * g), m = h2f_at(base + e[5] + 2 * g);
+  const float q = (float)code_at(base + e[3], col_bitoff[p * R + j] + t * bits, bits);
+  out[j * ld + e[0] + t] = from_f<OT>(__fadd_rn(m, __fmul_rn(s, q)));
+}
+
+extern "C" int kite_cuda_pca_coefs(const uint8_t* base, int64_t P, const int64_t* tab, int64_t max_T, int64_t R,
+                                   const uint8_t* col_bits, const int64_t* col_bitoff, const int64_t* col_goff,
+                                   void* out, int64_t ld, int out_dtype, void* stream_) {
+  if (P < 0 || R < 0 || max_T < 0 || ld < 0 || out_dtype < 0 || out_dtype > 2 || P > 65535 || R > 65535) return -1;
+  if (P == 0 || R == 0 || max_T == 0) return 0;
+  dim3 grid((unsigned)((max_T + 255) / 256), (unsigned)R, (unsigned)P);
+  cudaStream_t st = (cudaStream_t)stream_;
+  if (out_dtype == 0)
+    pca_coefs_kernel<float><<<grid, 256, 0, st>>>(base, tab, R, col_bits, col_bitoff, col_goff, (float*)out, ld);
+  else if (out_dtype == 1)
+    pca_coefs_kernel<__nv_bfloat16><<<grid, 256, 0, st>>>(base, tab, R, col_bits, col_bitoff, col_goff,
+                                                          (__nv_bfloat16*)out, ld);
+  else
+    pca_coefs_kernel<__half><<<grid, 256, 0, st>>>(base, tab, R, col_bits, col_bitoff, col_goff, (__half*)out, ld);
+  CK(cudaGetLastError());
+  return 0;
+}
+
+// Y: block b, row t, dim k at Y[b * sB + t * sT + k] (B * D == H * d); mean [H * d] float32;
+// ovr [n_ovr, 4]: row, byte offset of the part's fp16 sinks [H, n, d] in base, n, index.
+template <typename YT, int OUT>
+__global__ void pca_finish_kernel(int64_t T, int64_t H, int64_t d, int64_t D, const YT* __restrict__ Y, int64_t sB,
+                                  int64_t sT, const float* __restrict__ mean, const int64_t* __restrict__ dest,
+                                  int64_t T_out, int64_t n_ovr, const int64_t* __restrict__ ovr,
+                                  const uint8_t* __restrict__ base, const float* __restrict__ cosv,
+                                  const float* __restrict__ sinv, void* __restrict__ out) {
+  const int64_t half = d / 2, pairs = H * half;
+  const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= T * pairs) return;
+  const int64_t t = idx / pairs, pr = idx % pairs;
+  const int64_t row = dest ? dest[t] : t;
+  if (row < 0) return;
+  const int64_t h = pr / half, i = pr % half;
+  const int64_t f_lo = h * d + i, f_hi = f_lo + half;
+  float yl = to_f(Y[(f_lo / D) * sB + t * sT + f_lo % D]) + mean[f_lo];
+  float yh = to_f(Y[(f_hi / D) * sB + t * sT + f_hi % D]) + mean[f_hi];
+  for (int64_t o = 0; o < n_ovr; ++o) {
+    const int64_t* e = ovr + 4 * o;
+    if (e[0] != t) continue;
+    const uint8_t* x = base + e[1] + 2 * ((h * e[2] + e[3]) * d + i);
+    yl = h2f_at(x);
+    yh = h2f_at(x + 2 * half);
+    break;
+  }
+  float ol = yl, oh = yh;
+  if (cosv) {
+    ol = yl * cosv[row * d + i] - yh * sinv[row * d + i];
+    oh = yh * cosv[row * d + i + half] + yl * sinv[row * d + i + half];
+  }
+  const int64_t o = (h * T_out + row) * d + i;
+  if (OUT == 0) { ((float*)out)[o] = ol; ((float*)out)[o + half] = oh; }
+  else if (OUT == 1) {
+    ((__nv_bfloat16*)out)[o] = __float2bfloat16_rn(ol);
+    ((__nv_bfloat16*)out)[o + half] = __float2bfloat16_rn(oh);
+  } else {
+    ((__half*)out)[o] = __float2half_rn(ol);
+    ((__half*)out)[o + half] = __float2half_rn(oh);
+  }
+}
+
+extern "C" int kite_cuda_pca_finish(int64_t T, int64_t H, int64_t d, int64_t D, const void* Y, int y_dtype,
+                                    int64_t sB, int64_t sT, const float* mean, const int64_t* dest, int64_t T_out,
+                                    int64_t n_ovr, const int64_t* ovr, const uint8_t* base, const float* cos,
+                                    const float* sin, void* out, int out_dtype, void* stream_) {
+  if (T < 0 || H < 1 || d < 2 || d % 2 || D < 1 || (H * d) % D || y_dtype < 0 || y_dtype > 2 || out_dtype < 0 ||
+      out_dtype > 2 || n_ovr < 0)
+    return -1;
+  if (T == 0) return 0;
+  const int64_t n = T * H * (d / 2);
+  const unsigned blocks = (unsigned)((n + 255) / 256);
+  cudaStream_t st = (cudaStream_t)stream_;
+#define FIN(YT, O) pca_finish_kernel<YT, O><<<blocks, 256, 0, st>>>(T, H, d, D, (const YT*)Y, sB, sT, mean, dest, \
+                                                                      T_out, n_ovr, ovr, base, cos, sin, out)
+#define FIN_O(YT) if (out_dtype == 0) { FIN(YT, 0); } else if (out_dtype == 1) { FIN(YT, 1); } else { FIN(YT, 2); }
+  if (y_dtype == 0) { FIN_O(float) }
+  else if (y_dtype == 1) { FIN_O(__nv_bfloat16) }
+  else { FIN_O(__half) }
+#undef FIN_O
+#undef FIN
+  CK(cudaGetLastError());
+  return 0;
+}

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from kite.kernels import native
 
-KERNELS = ("quantize_groups", "dequantize_groups", "lloyd_cosine", "eigh_desc", "pca_load")
-_CUDA_KERNELS = {"quantize_groups", "lloyd_cosine", "eigh_desc", "pca_load"}
+KERNELS = ("quantize_groups", "dequantize_groups", "lloyd_cosine", "eigh_desc", "pca_load", "pca_coefs",
+           "pca_finish")
+_CUDA_KERNELS = {"quantize_groups", "lloyd_cosine", "eigh_desc", "pca_load", "pca_coefs", "pca_finish"}
+_CUDA_ONLY = {"pca_coefs", "pca_finish"}  # the split load: torch on the CPU
 
 
 def backend(device: str = "cpu") -> str:
@@ -20,4 +22,4 @@ def backends(device: str = "cpu") -> dict[str, str]:
     b = backend(device)
     if b == "native-cuda":
         return {k: (b if k in _CUDA_KERNELS else "torch") for k in KERNELS}
-    return {k: b for k in KERNELS}
+    return {k: ("torch" if k in _CUDA_ONLY else b) for k in KERNELS}

@@ -35,6 +35,9 @@ _CUDA_SIGNATURES = {
     "kite_cuda_quantize_groups": (c_int, [P, c_int64, c_int64, c_int, c_int, P, P, P, P]),
     "kite_cuda_eigh_batched": (c_int, [P, c_int64, c_int64, P, P, c_int, P]),
     "kite_cuda_pca_load": (c_int, _LOAD_ARGS + [P]),
+    "kite_cuda_pca_coefs": (c_int, [P, c_int64, P, c_int64, c_int64, P, P, P, P, c_int64, c_int, P]),
+    "kite_cuda_pca_finish": (c_int, [c_int64] * 4 + [P, c_int, c_int64, c_int64, P, P, c_int64, c_int64, P, P, P,
+                                                      P, P, c_int, P]),
 }
 ABI = 1
 

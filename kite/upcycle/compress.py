@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kite import __version__
-from kite.upcycle import codec
+from kite.upcycle import codec, codec_batched
 from kite.upcycle.capture import Capture, capture
 from kite.upcycle.cluster import kmeans
 from kite.upcycle.spans import cut_spans
@@ -119,11 +119,14 @@ def _ranges(token_idx: list[int]) -> list[list[int]]:
 
 def compress_document(lm, text: str, output: str | Path, settings: CompressSettings | None = None, *,
                       tagger=None, source_name: str = "-", progress: Progress | None = None,
-                      ids: list[int] | None = None) -> CompressResult:
+                      ids: list[int] | None = None, device: str | torch.device | None = None) -> CompressResult:
     """Turn `text` into a `.upc` state at `output` (written atomically).
 
     `ids`: the document's token ids when the caller already has them (what the state will be
     reused after); `text` is then ignored and rebuilt from the ids' pieces.
+    `device`: where the codec runs batched over layers and parts (`kite.upcycle.codec_batched`,
+    same byte format); None = batched on the model's GPU when it has one, else the per-layer codec.
+    Settings the batched codec does not take always use the per-layer codec.
     """
     settings = settings or CompressSettings()
     timings: dict[str, float] = {}
@@ -158,16 +161,24 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
 
     writer = StateWriter()
     n_layers = lm.geometry.n_layers
-    for layer in range(n_layers):
-        K, V = cap.keys_pre[layer], cap.values[layer]
-        lc = codec.fit_layer(K, V, settings.codec)
-        writer.add(blob_key(None, layer), codec.to_bytes(lc))
-        for c, idx in enumerate(token_sets):
-            part = codec.encode(lc, K[:, idx], V[:, idx], idx)
-            writer.add(blob_key(c, layer, "K"), codec.to_bytes(part.k))
-            writer.add(blob_key(c, layer, "V"), codec.to_bytes(part.v))
+    if device is None and torch.device(lm.device).type == "cuda":
+        device = lm.device
+    if device is not None and codec_batched.supports(settings.codec):
+        enc = codec_batched.encode_state(cap.keys_pre, cap.values, token_sets, settings.codec, device=device)
+        enc.add_to(writer, blob_key)
         if progress:
-            progress("compress", layer + 1, n_layers)
+            progress("compress", n_layers, n_layers)
+    else:
+        for layer in range(n_layers):
+            K, V = cap.keys_pre[layer], cap.values[layer]
+            lc = codec.fit_layer(K, V, settings.codec)
+            writer.add(blob_key(None, layer), codec.to_bytes(lc))
+            for c, idx in enumerate(token_sets):
+                part = codec.encode(lc, K[:, idx], V[:, idx], idx)
+                writer.add(blob_key(c, layer, "K"), codec.to_bytes(part.k))
+                writer.add(blob_key(c, layer, "V"), codec.to_bytes(part.v))
+            if progress:
+                progress("compress", layer + 1, n_layers)
     timings["compress"] = (time.perf_counter() - t) * 1e3
 
     raw_kv = int(lm.geometry.kv_bytes_per_token("fp16") * cap.n_tokens)

@@ -78,6 +78,48 @@ def select_clusters(state: StateFile, wanted: list[str] | None) -> list[int]:
     return sorted(chosen)
 
 
+def _gpu_path(state: StateFile, device, dtype, precision: str | None) -> bool:
+    from kite.upcycle.gpu_load import supports_state
+
+    if torch.device(device).type != "cuda" or not supports_state(state):
+        return False
+    return precision in (None, "fp32") or {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision) == dtype
+
+
+def _load_on_gpu(state, lm, chosen, selection, cluster_positions, layer_set, verify, sink_tokens, precision, tier,
+                 t0) -> tuple[KVPrefix, LoadReport]:
+    from kite.upcycle import gpu_load
+
+    geo = lm.geometry
+    H, d = geo.n_kv_heads, geo.head_dim
+    tier = tier or gpu_load.default_tier()
+    st = state.path.stat()
+    key = (str(state.path.resolve()), st.st_mtime_ns, st.st_size, tuple(chosen), sink_tokens, tuple(sorted(layer_set)))
+    t = time.perf_counter()
+    hot = tier.get(key)
+    hit = hot is not None
+    if not hit:
+        hot = gpu_load.stage_state(state, selection, [cluster_positions(c) for c, _ in selection], sorted(layer_set),
+                                   n_layers=geo.n_layers, H=H, d=d, verify=verify, tier=tier, key=key, wait=False)
+    cos, sin = rope_cos_sin(lm.model, hot.positions, device=lm.device)
+    keys, values = gpu_load.load_staged(hot, device=lm.device, dtype=lm.dtype, cos=cos, sin=sin, n_layers=geo.n_layers)
+    if not hit:
+        tier.put(hot)
+    empty = torch.zeros(H, 0, d, dtype=lm.dtype, device=lm.device)
+    keys = [k if k is not None else empty for k in keys]
+    values = [v if v is not None else empty for v in values]
+    torch.cuda.synchronize(lm.device)
+    info = {c["id"]: c for c in state.meta["clusters"]}
+    prefix = KVPrefix(keys, values, next_position=int(state.meta["n_tokens"]))
+    report = LoadReport(clusters=chosen, labels=[info[c]["label"] for c in chosen], layers=sorted(layer_set),
+                        precision=precision, tokens=int(hot.positions.numel()),
+                        sink_tokens=sum(int(keep.sum()) for _, keep in selection if keep is not None),
+                        bytes_read=0 if hit else hot.bytes_read, load_ms=round((time.perf_counter() - t0) * 1e3, 3),
+                        timings_ms={"gpu_load": round((time.perf_counter() - t) * 1e3, 3),
+                                    "hot_tier_hit": float(hit)})
+    return prefix, report
+
+
 def _at_precision(x: torch.Tensor, precision: str | None) -> torch.Tensor:
     if precision is None or precision == "fp32":
         return x
@@ -90,12 +132,15 @@ def _at_precision(x: torch.Tensor, precision: str | None) -> torch.Tensor:
 @torch.inference_mode()
 def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None = None,
                 layers: list[int] | None = None, precision: str | None = None,
-                verify: bool = True, sink_tokens: int = SINK_TOKENS) -> tuple[KVPrefix, LoadReport]:
+                verify: bool = True, sink_tokens: int = SINK_TOKENS, tier=None) -> tuple[KVPrefix, LoadReport]:
     """Rebuild the KV prefix of the chosen clusters and layers of `state` for `lm`.
 
     Loaded tokens keep their original positions; the query goes after the document's last one.
     Layers not chosen get an empty prefix. `precision` sets the precision the prefix is held at.
     When only some clusters are chosen, the document's first `sink_tokens` tokens come too.
+    With the model on a GPU and a PCA-coded state, the compressed parts go to the GPU and are
+    rebuilt there (`kite.upcycle.gpu_load`, through the pinned hot tier `tier`, default
+    `gpu_load.default_tier()`); otherwise they are decoded on the host.
     """
     t0 = time.perf_counter()
     if not isinstance(state, StateFile):
@@ -126,6 +171,9 @@ def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None
     order = torch.argsort(positions)
     positions = positions[order]
     device, dtype = lm.device, lm.dtype
+    if _gpu_path(state, device, dtype, precision) and chosen:
+        return _load_on_gpu(state, lm, chosen, selection, cluster_positions, layer_set, verify, sink_tokens,
+                            precision, tier, t0)
     cos, sin = rope_cos_sin(lm.model, positions, device="cpu")
     H, d = geo.n_kv_heads, geo.head_dim
     empty = torch.zeros(H, 0, d, dtype=dtype, device=device)

@@ -1,0 +1,477 @@
+"""The PCA codec of :mod:`kite.upcycle.codec`, batched over layers and parts, on any device.
+
+:func:`encode_state` does what ``compress_document``'s per-layer loop does (``fit_layer`` per layer,
+then ``encode`` per (cluster, layer)) in a few large operations, so it runs on a GPU without host
+round trips until the blobs are serialized:
+
+* **fit**: one batched Gram + eigendecomposition per side over every layer
+  (:func:`kite.kernels.eigh.batched_pca`: the native Jacobi kernel for blocks of d <= 128 on a
+  GPU, ``torch.linalg.eigh`` for larger blocks such as the joint-head 512 dims of Qwen2-7B);
+* **bit allocation**: :func:`allocate_bits_batched`, the codec's greedy reverse water-filling
+  (``codec.allocate_bits``) as a sort: every increment (component, bit b) is ranked by its gain
+  per stored bit, ironed so that bit b never ranks above bit b-1 (a running minimum along b), and
+  the budget is spent down that order with the heap's rules (an increment that does not fit is
+  skipped and ends its component; once an increment of plain cost T fails nothing fits);
+* **encode**: the basis of every layer is quantized in one launch per side, the coefficients of
+  all (cluster, layer) parts are one batched matmul per side (tokens reordered by cluster once),
+  the attention sinks are replaced by their part's mean column as the codec does, and every
+  coefficient group of one (group size, bit width) of both sides is quantized in one launch.
+
+The byte format is the codec's (docs/upc-format.md): the layer blobs and part blobs it returns
+are what ``codec.to_bytes`` gives for a ``LayerCodec`` / part ``Blob`` and read back with
+``codec.from_bytes`` / ``codec.decode``. Results match the per-layer codec up to floating-point
+summation order (the eigendecomposition on a GPU is float32; a coefficient near a quantization
+boundary may land on the next code).
+
+Supported: ``k_mode == v_mode == "pca"`` with ``outliers == 0`` (the ``ratio=R`` presets);
+:func:`supports` says so, and the caller uses the per-layer codec otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kite.kernels.eigh import batched_pca
+from kite.kernels.quant import quantize_groups
+from kite.upcycle import codec
+from kite.upcycle.codec import CodecSettings, settings_for
+from kite.upcycle.quant import INT_FORMATS
+
+__all__ = ["supports", "allocate_bits_batched", "encode_state", "EncodedState", "unpack_codes"]
+
+
+def supports(settings: CodecSettings | str | float | None) -> bool:
+    """Whether :func:`encode_state` takes these settings (else use the per-layer codec)."""
+    s = settings_for(settings)
+    return s.k_mode == "pca" and s.v_mode == "pca" and s.outliers == 0 and s.max_bits <= 8
+
+
+# --------------------------------------------------------------------------------------------
+# bit allocation
+
+
+def _costs(T: int, d_in: int, s: CodecSettings) -> float:
+    """The first bit's cost in codec.allocate_bits (codes + scale/min per group + basis column)."""
+    n_parts = max(1, math.ceil(T / max(1, s.part_tokens)))
+    per_part = min(T, s.part_tokens)
+    gs = s.group_size if 0 < s.group_size < per_part else per_part
+    groups = n_parts * math.ceil(per_part / max(1, gs))
+    if s.basis_fmt in INT_FORMATS:
+        basis_bits = INT_FORMATS[s.basis_fmt] + 32 / d_in
+    else:
+        basis_bits = {"fp32": 32, "fp16": 16, "bf16": 16}[s.basis_fmt]
+    return T + groups * 32 + d_in * basis_bits
+
+
+def allocate_bits_batched(evals: torch.Tensor, budgets, T: int, d_in: int, s: CodecSettings) -> torch.Tensor:
+    """``codec.allocate_bits`` for N layers at once: evals [N, B, r], budgets [N] -> int64 bits [N, B, r].
+
+    Same greedy order as the heap (ties aside) and the same skip rules at the budget's edge; runs
+    on ``evals``' device.
+    """
+    N, B, r = evals.shape
+    dev = evals.device
+    M = s.max_bits
+    first = _costs(T, d_in, s)
+    dist = [codec._rel_distortion(b, s.range_mode) for b in range(M + 1)]
+    drop = torch.tensor([dist[b] - dist[b + 1] for b in range(M)], dtype=torch.float64, device=dev)
+    drop[0] = 1.0 - dist[1]
+    cost = torch.full((M,), float(T), dtype=torch.float64, device=dev)
+    cost[0] = first
+    lam = evals.double().reshape(N, B * r)
+    # the heap's arithmetic: gain = lam * factor * T, priority = gain / cost
+    prio = (lam[:, :, None] * drop) * T / cost                          # [N, C, M]
+    eff = torch.cummin(prio, dim=2).values                              # bit b never before b-1
+    valid = (lam > 0)[:, :, None].expand(N, B * r, M)
+    eff = torch.where(valid, eff, torch.full_like(eff, -math.inf)).reshape(N, -1)
+    order = torch.sort(eff, dim=1, descending=True, stable=True).indices   # [N, C*M]
+    bit_of = order % M                                                  # 0 = the first bit
+    comp_of = order // M
+    ok_item = torch.gather(valid.reshape(N, -1), 1, order)
+    c_sorted = cost[bit_of]
+    budgets = torch.as_tensor(budgets, dtype=torch.float64, device=dev).reshape(N, 1)
+    cum = torch.cumsum(c_sorted, dim=1)
+    fits = (cum <= budgets) & ok_item
+    n_items = fits.shape[1]
+    all_fit = fits.all(dim=1)
+    k = torch.where(all_fit, torch.full_like(all_fit, n_items, dtype=torch.long),
+                    (~fits).long().argmax(dim=1))                       # first item that does not fit
+    pos = torch.arange(n_items, device=dev)[None, :]
+    taken = pos < k[:, None]
+    # after a first bit fails (and only then), the started components' later bits still fit one
+    # by one while the budget lasts; after a plain increment fails, nothing fits any more
+    k_c = k.clamp_max(n_items - 1)
+    first_failed = (~all_fit) & (bit_of.gather(1, k_c[:, None]).squeeze(1) == 0) \
+        & ok_item.gather(1, k_c[:, None]).squeeze(1)
+    started = torch.zeros(N, B * r, dtype=torch.long, device=dev)
+    started.scatter_add_(1, comp_of, (taken & (bit_of == 0)).long())
+    started = started > 0
+    spent = torch.where(k[:, None] > 0, cum.gather(1, (k - 1).clamp_min(0)[:, None]), torch.zeros_like(budgets))
+    cand = first_failed[:, None] & (pos > k[:, None]) & (bit_of > 0) & ok_item & started.gather(1, comp_of)
+    cum2 = spent + torch.cumsum(torch.where(cand, c_sorted, torch.zeros_like(c_sorted)), dim=1)
+    taken = taken | (cand & (cum2 <= budgets))
+    bits = torch.zeros(N, B * r, dtype=torch.int64, device=dev)
+    bits.scatter_add_(1, comp_of, taken.long())
+    return bits.reshape(N, B, r)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """The first n codes of an LSB-first bit stream (codec/quant layout) as int32, any device."""
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int32, device=packed.device)
+    p = packed.reshape(-1).to(torch.int32)
+    if bits == 8:
+        return p[:n]
+    pos = torch.arange(n, device=packed.device, dtype=torch.int64) * bits
+    byte = pos >> 3
+    v = p[byte] | (p[(byte + 1).clamp_max(p.numel() - 1)] << 8)
+    return (v >> (pos & 7).to(torch.int32)) & ((1 << bits) - 1)
+
+
+def _blob_bytes(meta: dict, table: list[tuple[str, str, list[int], bytes]]) -> bytes:
+    """codec.to_bytes of a blob given as (name, dtype name, shape, raw bytes) rows, in order."""
+    head = codec.json.dumps({"m": meta, "t": [[n, dt, list(sh)] for n, dt, sh, _ in table]},
+                            separators=(",", ":")).encode()
+    return b"".join([codec._MAGIC, codec.struct.pack("<I", len(head)), head] + [b for *_, b in table])
+
+
+@dataclass
+class EncodedState:
+    """Serialized blobs: layer_blobs[l] (the 'L{l}' blob), part_blobs[l][c] = (K blob, V blob)."""
+
+    layer_blobs: list[bytes]
+    part_blobs: list[list[tuple[bytes, bytes]]]
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+
+    def add_to(self, writer, blob_key: Callable) -> None:
+        """Add every blob to a StateWriter in compress_document's order."""
+        for layer, lb in enumerate(self.layer_blobs):
+            writer.add(blob_key(None, layer), lb)
+            for c, (kb, vb) in enumerate(self.part_blobs[layer]):
+                writer.add(blob_key(c, layer, "K"), kb)
+                writer.add(blob_key(c, layer, "V"), vb)
+
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.layer_blobs) + sum(len(k) + len(v) for p in self.part_blobs for k, v in p)
+
+
+class _Clock:
+    def __init__(self, dev: torch.device, sync: bool):
+        self.sync = sync and dev.type == "cuda"
+        self.dev = dev
+        self.times: dict[str, float] = {}
+        self.t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.sync:
+            torch.cuda.synchronize(self.dev)
+        now = time.perf_counter()
+        self.times[name] = self.times.get(name, 0.0) + (now - self.t) * 1e3
+        self.t = now
+
+
+# --------------------------------------------------------------------------------------------
+# fit
+
+
+@dataclass
+class _Side:
+    """One side (k or v) of every layer, fitted: device tensors plus host copies of the small ones."""
+
+    mean16: torch.Tensor       # [L, B*D] float32 holding the stored fp16 mean (what encode subtracts)
+    bits: torch.Tensor         # [L, B, D] int64 (host)
+    colbits: list[np.ndarray]  # per layer: bit width of each stored column (block-major)
+    basis_exp: torch.Tensor    # [L, R_max, B*D]: column j of the stored basis, placed in its block's dims
+    layer_tensors: list[list[tuple[str, str, list[int], bytes]]]
+    layer_meta: list[dict]     # per layer: {"<side>.basis": qmeta?, "<side>": {...}} in insertion order
+
+
+def _fit_side(prefix: str, X: torch.Tensor, bpe: float, s: CodecSettings, clock: _Clock) -> _Side:
+    """X: [L, H, T, d] float32 on the device."""
+    L, H, T, d = X.shape
+    dev = X.device
+    if s.joint_heads:
+        Xb = X.permute(0, 2, 1, 3).reshape(L, T, H * d)                    # [L*1, T, H*d]
+        B, D = 1, H * d
+    else:
+        Xb = X.reshape(L * H, T, d)
+        B, D = H, d
+    mean, evals, U = batched_pca(Xb, center=s.center)                    # [L*B, D], [L*B, D], [L*B, D, D]
+    clock.lap("fit: gram + eigh")
+    n_parts = max(1, math.ceil(T / max(1, s.part_tokens)))
+    budget = (bpe * H * T * d - B * D * (16 + 8) - 8 * 450 - n_parts * 8 * 160 - s.sink_tokens * H * d * 16)
+    bits = allocate_bits_batched(evals.reshape(L, B, D), [budget] * L, T, D, s)   # [L, B, D]
+    clock.lap("fit: bit allocation")
+    mean_fmt = "fp32" if s.basis_fmt == "fp32" else "fp16"
+    mean_st = mean.reshape(L, B, D).to(codec.FLOAT_FORMATS[mean_fmt])
+    bits_h = bits.cpu()
+    sel = bits > 0                                                        # [L, B, D]
+    R = sel.reshape(L, -1).sum(dim=1).cpu()
+    R_max = int(R.max()) if L else 0
+    # the stored basis: per layer, per block, the columns (eigenvectors) that get bits, in order
+    Ub = U.reshape(L, B, D, D)                                            # [l, b, dim, component]
+    rank = torch.cumsum(sel.reshape(L, -1).long(), dim=1) - 1             # column index of each kept comp
+    lidx, bidx, cidx = torch.nonzero(sel, as_tuple=True)
+    cols = rank.reshape(L, B, D)[lidx, bidx, cidx]
+    basis_cols = torch.zeros(L, R_max, D, dtype=torch.float32, device=dev)   # [l, column, dim]
+    basis_cols[lidx, cols] = Ub[lidx, bidx, :, cidx]
+    col_block = torch.zeros(L, R_max, dtype=torch.long, device=dev)
+    col_block[lidx, cols] = bidx
+    tensors_per_layer: list[list] = [[] for _ in range(L)]
+    metas: list[dict] = [dict() for _ in range(L)]
+    mean_h = mean_st.cpu()
+    for layer in range(L):
+        dt = "f32" if mean_fmt == "fp32" else "f16"
+        tensors_per_layer[layer].append((f"{prefix}.mean", dt, [B, D],
+                                         mean_h[layer].contiguous().view(torch.uint8).numpy().tobytes()))
+    if s.basis_fmt.startswith("int"):
+        bb = INT_FORMATS[s.basis_fmt]
+        # one launch for every layer's columns: groups = columns of D values (quantize(basis, fmt,
+        # group_size=D, axis=-2) groups the same way), whole bytes per column when D * bits % 8 == 0
+        rows = basis_cols.reshape(L * R_max, D)
+        live = (torch.arange(R_max, device=dev)[None, :] < R.to(dev)[:, None]).reshape(-1)
+        g = rows[live].contiguous()
+        if (D * bb) % 8 == 0:
+            packed, scale, mn = quantize_groups(g, bb, "minmax") if g.shape[0] else (
+                torch.zeros(0, dtype=torch.uint8, device=dev), torch.zeros(0, dtype=torch.float16, device=dev),
+                torch.zeros(0, dtype=torch.float16, device=dev))
+            per = D * bb // 8
+            pieces = None
+        else:  # not byte-aligned per column: one call per layer
+            pieces, off = [], 0
+            for layer in range(L):
+                n = int(R[layer])
+                pieces.append(quantize_groups(g[off:off + n].contiguous(), bb, "minmax") if n else
+                              (torch.zeros(0, dtype=torch.uint8, device=dev),
+                               torch.zeros(0, dtype=torch.float16, device=dev),
+                               torch.zeros(0, dtype=torch.float16, device=dev)))
+                off += n
+            packed = torch.cat([p[0] for p in pieces])
+            scale = torch.cat([p[1] for p in pieces])
+            mn = torch.cat([p[2] for p in pieces])
+        # the dequantized basis is what encode projects on (codec._basis)
+        if pieces is None:
+            q = unpack_codes(packed, bb, g.shape[0] * D).view(-1, D).float()
+            deq = mn.float()[:, None] + scale.float()[:, None] * q
+        else:
+            deq = torch.cat([p[2].float()[:, None] + p[1].float()[:, None]
+                             * unpack_codes(p[0], bb, p[1].numel() * D).view(-1, D).float()
+                             for p in pieces if p[1].numel()] or [g[:0]])
+        full = torch.zeros(L * R_max, D, dtype=torch.float32, device=dev)
+        full[live] = deq
+        basis_cols = full.view(L, R_max, D)
+        packed_h, scale_h, mn_h = packed.cpu(), scale.cpu(), mn.cpu()
+        off_c = off_g = 0
+        for layer in range(L):
+            n = int(R[layer])
+            nb = (n * D * bb + 7) // 8 if pieces is not None else n * per
+            qmeta = {"fmt": s.basis_fmt, "shape": [D, n], "group_size": D, "axis": -2, "n": n * D,
+                     "padded_cols": D}
+            tensors_per_layer[layer] += [
+                (f"{prefix}.basis.codes", "u8", [nb], packed_h[off_c:off_c + nb].numpy().tobytes()),
+                (f"{prefix}.basis.scale", "f16", [n], scale_h[off_g:off_g + n].view(torch.uint8).numpy().tobytes()),
+                (f"{prefix}.basis.min", "f16", [n], mn_h[off_g:off_g + n].view(torch.uint8).numpy().tobytes())]
+            metas[layer][f"{prefix}.basis"] = qmeta
+            off_c += nb
+            off_g += n
+    else:
+        st = codec.FLOAT_FORMATS[s.basis_fmt]
+        stored = basis_cols.to(st)
+        basis_cols = stored.float()
+        stored_h = stored.cpu()
+        name = codec._DTYPE_NAMES[st]
+        for layer in range(L):
+            n = int(R[layer])
+            tensors_per_layer[layer].append((f"{prefix}.basis", name, [D, n],
+                                             stored_h[layer, :n].T.contiguous().view(torch.uint8).numpy().tobytes()))
+    colbits = []
+    for layer in range(L):
+        b = bits_h[layer]
+        tensors_per_layer[layer].append((f"{prefix}.bits", "u8", [B, D], b.to(torch.uint8).numpy().tobytes()))
+        r = int((b > 0).sum(dim=1).max()) if b.numel() else 0
+        metas[layer][prefix] = {"mode": "pca", "blocks": B, "dim": D, "rank_max": r}
+        colbits.append(b[b > 0].numpy().astype(np.int64))   # block-major, ascending component
+    # place each column in its block's dims of the flat H*d layout (joint: B = 1, nothing moves)
+    if B == 1:
+        basis_exp = basis_cols
+    else:
+        basis_exp = torch.zeros(L, R_max, B * D, dtype=torch.float32, device=dev)
+        idx = (col_block[:, :, None] * D + torch.arange(D, device=dev)).reshape(L, R_max, D)
+        basis_exp.scatter_(2, idx, basis_cols)
+    clock.lap("fit: store basis")
+    return _Side(mean16=mean_st.float().reshape(L, B * D), bits=bits_h, colbits=colbits, basis_exp=basis_exp,
+                 layer_tensors=tensors_per_layer, layer_meta=metas)
+
+
+# --------------------------------------------------------------------------------------------
+# encode
+
+
+def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tensor | list[torch.Tensor],
+                 token_sets: list[torch.Tensor], settings: CodecSettings | str | float | None = None, *,
+                 device: torch.device | str | None = None, sync_timings: bool = False) -> EncodedState:
+    """Fit and encode a whole document: keys (pre-RoPE) and values [L, H, T, d] (or per-layer lists),
+    clusters given as token index sets (a partition of range(T), each ascending).
+
+    Every part keeps the attention sinks (positions < ``sink_tokens``) in fp16, as
+    ``codec.encode(..., positions)`` does. ``sync_timings`` synchronizes the device between stages so
+    ``timings_ms`` splits the time by stage (off: one figure per stage, host-side only).
+    """
+    s = settings_for(settings)
+    if not supports(s):
+        raise ValueError(f"the batched codec takes pca keys and values without outliers, not {s.name}")
+    if isinstance(keys_pre, (list, tuple)):
+        dev0 = keys_pre[0].device
+    else:
+        dev0 = keys_pre.device
+    dev = torch.device(device) if device is not None else dev0
+    clock = _Clock(dev, sync_timings)
+    K = torch.stack(list(keys_pre)).to(dev, torch.float32) if isinstance(keys_pre, (list, tuple)) \
+        else keys_pre.to(dev, torch.float32)
+    V = torch.stack(list(values)).to(dev, torch.float32) if isinstance(values, (list, tuple)) \
+        else values.to(dev, torch.float32)
+    if K.dim() != 4 or K.shape != V.shape:
+        raise ValueError(f"keys and values must both be [L, H, T, d], got {tuple(K.shape)} and {tuple(V.shape)}")
+    L, H, T, d = K.shape
+    sets = [torch.as_tensor(t, dtype=torch.long).reshape(-1).cpu() for t in token_sets]
+    perm = torch.cat(sets) if sets else torch.zeros(0, dtype=torch.long)
+    if perm.numel() != T or not torch.equal(torch.sort(perm).values, torch.arange(T)):
+        raise ValueError("token_sets must partition the document's tokens")
+    clock.lap("move")
+    sides = {}
+    for prefix, X, bpe in (("k", K, s.k_bits), ("v", V, s.v_bits)):
+        sides[prefix] = _fit_side(prefix, X, bpe, s, clock)
+    # layer blobs
+    layer_blobs = []
+    for layer in range(L):
+        meta = {"settings": s.to_json(), "H": H, "d": d, "T_fit": T}
+        table = []
+        for prefix in ("k", "v"):
+            meta.update(sides[prefix].layer_meta[layer])
+            table += sides[prefix].layer_tensors[layer]
+        layer_blobs.append(_blob_bytes(meta, table))
+    clock.lap("fit: layer blobs")
+
+    # ---- coefficients of every part: one matmul per side over tokens in cluster order ---------
+    perm_d = perm.to(dev)
+    bounds = np.cumsum([0] + [int(t.numel()) for t in sets])
+    forced = [torch.nonzero(t < s.sink_tokens).flatten() for t in sets]       # per cluster, local rows
+    jobs: dict[tuple[int, int], list] = {}   # (gs, bw) -> [(side, cluster, rows tensor, per-layer rows)]
+    layouts: dict[tuple[str, int], tuple[int, int]] = {}
+    out_x: dict[tuple[str, int], torch.Tensor] = {}
+    for prefix, X in (("k", K), ("v", V)):
+        side = sides[prefix]
+        Xs = X.permute(0, 2, 1, 3).reshape(L, T, H * d)[:, perm_d]             # [L, T, H*d] cluster order
+        Xs = Xs - side.mean16[:, None, :]
+        Ct = torch.matmul(side.basis_exp, Xs.transpose(1, 2))                  # [L, R_max, T]
+        del Xs
+        R_max = Ct.shape[1]
+        cb = torch.zeros(L, R_max, dtype=torch.long)
+        for layer in range(L):
+            cb[layer, :len(side.colbits[layer])] = torch.from_numpy(side.colbits[layer])
+        cb_d = cb.to(dev)
+        for c, t_set in enumerate(sets):
+            a, b = int(bounds[c]), int(bounds[c + 1])
+            Tc = b - a
+            if Tc == 0:
+                continue
+            C = Ct[:, :, a:b]
+            f = forced[c]
+            if f.numel() and R_max:
+                out_x[(prefix, c)] = X[:, :, t_set[f].to(dev), :].to(torch.float16)   # [L, H, n, d]
+                keep = torch.ones(Tc, dtype=torch.bool)
+                keep[f] = False
+                if keep.any():
+                    C = C.clone()
+                    C[:, :, f.to(dev)] = C[:, :, keep.to(dev)].mean(dim=2, keepdim=True)
+            gs = Tc if s.group_size <= 0 or s.group_size >= Tc else s.group_size
+            padded = -(-Tc // gs) * gs
+            if padded > Tc:
+                C = torch.cat([C, C[:, :, -1:].expand(L, R_max, padded - Tc)], dim=2)
+            G = C.reshape(L, R_max, padded // gs, gs)
+            layouts[(prefix, c)] = (gs, padded)
+            for bw in sorted(set(int(x) for x in cb.unique().tolist()) - {0}):
+                m = cb_d == bw
+                rows = G[m].reshape(-1, gs)                                      # (layer, column, group)
+                per_layer = (cb == bw).sum(dim=1) * (padded // gs)
+                jobs.setdefault((gs, bw), []).append((prefix, c, rows, per_layer))
+        del Ct
+    clock.lap("encode: project")
+
+    # ---- quantize: one launch per (group size, bit width) where groups are whole bytes --------
+    # results[(side, c, layer, bw)] = (codes bytes, scale bytes, min bytes)
+    results: dict[tuple[str, int, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    for (gs, bw), items in jobs.items():
+        aligned = (gs * bw) % 8 == 0
+        if aligned:
+            allrows = torch.cat([it[2] for it in items]) if len(items) > 1 else items[0][2]
+            packed, scale, mn = quantize_groups(allrows.contiguous(), bw, s.range_mode if bw < 8 else "minmax")
+            packed_h = packed.cpu().numpy()
+            scale_h = scale.cpu().view(torch.uint8).numpy()
+            mn_h = mn.cpu().view(torch.uint8).numpy()
+            per = gs * bw // 8
+            g0 = 0
+            for prefix, c, _, per_layer in items:
+                for layer in range(L):
+                    n = int(per_layer[layer])
+                    if n:
+                        results[(prefix, c, layer, bw)] = (packed_h[g0 * per:(g0 + n) * per],
+                                                           scale_h[2 * g0:2 * (g0 + n)], mn_h[2 * g0:2 * (g0 + n)])
+                    g0 += n
+        else:   # a bit stream across groups: quantize each part's class on its own
+            for prefix, c, rows, per_layer in items:
+                g0 = 0
+                for layer in range(L):
+                    n = int(per_layer[layer])
+                    if n:
+                        p, sc, m = quantize_groups(rows[g0:g0 + n].contiguous(), bw,
+                                                   s.range_mode if bw < 8 else "minmax")
+                        results[(prefix, c, layer, bw)] = (p.cpu().numpy(), sc.cpu().view(torch.uint8).numpy(),
+                                                           m.cpu().view(torch.uint8).numpy())
+                    g0 += n
+    out_x_h = {k: v.cpu() for k, v in out_x.items()}
+    clock.lap("encode: quantize + to host")
+
+    # ---- part blobs ------------------------------------------------------------------------------
+    part_blobs: list[list[tuple[bytes, bytes]]] = []
+    for layer in range(L):
+        row = []
+        for c, t_set in enumerate(sets):
+            Tc = int(t_set.numel())
+            pair = []
+            for prefix in ("k", "v"):
+                table = []
+                widths = sorted(set(int(x) for x in sides[prefix].colbits[layer].tolist()))
+                if (prefix, c) in out_x_h and len(sides[prefix].colbits[layer]):
+                    idx = forced[c]
+                    it = torch.int32 if Tc > 32767 else torch.int16
+                    table.append(("out.idx", codec._DTYPE_NAMES[it], [idx.numel()],
+                                  idx.to(it).numpy().tobytes()))
+                    x = out_x_h[(prefix, c)][layer]
+                    table.append(("out.x", "f16", list(x.shape), x.contiguous().view(torch.uint8).numpy().tobytes()))
+                if widths:
+                    parts = [results[(prefix, c, layer, bw)] for bw in widths]
+                    codes = b"".join(p[0].tobytes() for p in parts)
+                    sc = b"".join(p[1].tobytes() for p in parts)
+                    mn = b"".join(p[2].tobytes() for p in parts)
+                    table += [("codes", "u8", [len(codes)], codes), ("scale", "f16", [len(sc) // 2], sc),
+                              ("min", "f16", [len(mn) // 2], mn)]
+                pair.append(_blob_bytes({"T": Tc}, table))
+            row.append((pair[0], pair[1]))
+        part_blobs.append(row)
+    clock.lap("serialize")
+    info = {"R_k": [len(c) for c in sides["k"].colbits], "R_v": [len(c) for c in sides["v"].colbits],
+            "launch_groups": len(jobs)}
+    return EncodedState(layer_blobs=layer_blobs, part_blobs=part_blobs,
+                        timings_ms={k: round(v, 3) for k, v in clock.times.items()}, info=info)

@@ -1,0 +1,525 @@
+"""Load `.upc` states onto a GPU: page cache -> pinned host tier -> one copy per layer -> kernels.
+
+The CPU path (``load_prefix``) decodes every part with the codec on the host and copies the rebuilt
+KV; this one moves the *compressed* bytes and rebuilds on the device:
+
+1. **stage** (:func:`stage_state`): every blob a load needs (the layer's shared codec, then each
+   chosen part's K and V) is read from the file (``preadv`` straight into pinned host memory, in a
+   thread pool, checksums verified there), laid out one region per layer, followed by small
+   aligned tables (each part's row range and bit offsets, the means as float32, the sink rows);
+2. **hot tier** (:class:`HotTier`): staged states stay in pinned memory, least recently used out
+   first, up to a byte budget; a hit skips step 1 entirely;
+3. **load** (:func:`load_staged`): per layer, one host-to-device copy on a copy stream, then per
+   side (K, V) four launches: dequantize the basis, dequantize the coefficients of every part
+   (``kite.kernels.load.pca_coefs``), one matmul on tensor cores (bf16 on a GPU), and a finish pass
+   (``pca_finish``: mean, fp16 sinks, RoPE at each token's position, written into the cache rows),
+   pipelined with the next layer's copy.
+
+On the CPU the same code runs with torch fallbacks (no pinning, no copy): that is how the tests
+compare it with the codec's own decode. Supported: states whose keys and values are PCA-coded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kite.errors import BadInput
+from kite.kernels.load import pca_coefs, pca_finish
+from kite.upcycle.state_file import StateFile
+
+__all__ = ["HotTier", "HotState", "stage_state", "load_staged", "supports_state", "default_tier"]
+
+_ALIGN = 256
+_DT = {"f32": (np.float32, 4), "f16": (np.float16, 2), "bf16": (None, 2), "f8e4m3": (None, 1), "u8": (np.uint8, 1),
+       "i16": (np.int16, 2), "i32": (np.int32, 4), "i64": (np.int64, 8)}
+
+
+def _up(n: int, a: int = 16) -> int:
+    return (n + a - 1) // a * a
+
+
+def supports_state(state: StateFile) -> bool:
+    """Whether the GPU path decodes this state (PCA keys and values)."""
+    c = state.meta.get("codec") or {}
+    return c.get("k_mode") == "pca" and c.get("v_mode") == "pca"
+
+
+# --------------------------------------------------------------------------------------------
+# staged layout
+
+
+@dataclass
+class _SidePlan:
+    R: int
+    B: int
+    D: int
+    blk_off: list[int]
+    mean: int                   # float32 [H*d] (table offset in the region)
+    basis_kind: str             # "int" | "float"
+    basis: tuple                # int: (tab, bits, bitoff, goff) offsets; float: (off, dtype, D, R)
+    parts_tab: int              # int64 [P, 6]
+    parts_tab_host: list
+    col_bits: int               # uint8 [R]
+    col_bitoff: int             # int64 [P, R]
+    col_goff: int               # int64 [P, R]
+    max_T: int
+    n_ovr: int
+    ovr: int                    # int64 [n_ovr, 4]
+    ovr_host: list
+
+
+@dataclass
+class _LayerPlan:
+    off: int                    # region start in the staged buffer
+    size: int
+    sides: dict[str, _SidePlan]
+
+
+@dataclass
+class HotState:
+    """A state's chosen blobs in (pinned) host memory, one region per layer, ready to copy."""
+
+    key: tuple
+    buffer: torch.Tensor                      # uint8 [nbytes]
+    H: int
+    d: int
+    rows: int                                 # decoded rows per layer (every token of the chosen parts)
+    dest: torch.Tensor                        # int64 [rows]: cache row of each decoded row (-1: not kept)
+    positions: torch.Tensor                   # int64 [T_out]: the kept tokens' positions, ascending
+    layers: list[_LayerPlan | None]
+    bytes_read: int = 0
+    _futures: list[Future | None] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.numel())
+
+    def wait(self, layer: int) -> _LayerPlan | None:
+        """The layer's plan once its blobs are staged (re-raises a read error)."""
+        if self._futures and self._futures[layer] is not None:
+            self.layers[layer] = self._futures[layer].result()
+            self._futures[layer] = None
+        return self.layers[layer]
+
+    def wait_all(self) -> HotState:
+        for layer in range(len(self.layers)):
+            self.wait(layer)
+        return self
+
+
+class HotTier:
+    """Pinned host memory for hot states: an LRU of staged states within ``capacity_bytes``.
+
+    Buffers of evicted states are kept (up to ``spare`` of them) and reused for the next staging,
+    so a miss does not pay for pinning new memory.
+    """
+
+    def __init__(self, capacity_bytes: int = 8 << 30, spare: int = 2, pin: bool | None = None):
+        self.capacity = int(capacity_bytes)
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._states: OrderedDict[tuple, HotState] = OrderedDict()
+        self._spare: list[torch.Tensor] = []
+        self._n_spare = spare
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(s.nbytes for s in self._states.values())
+
+    def get(self, key: tuple) -> HotState | None:
+        with self._lock:
+            hot = self._states.get(key)
+            if hot is not None:
+                self._states.move_to_end(key)
+                self.hits += 1
+            else:
+                self.misses += 1
+            return hot
+
+    def put(self, hot: HotState) -> None:
+        with self._lock:
+            self._states[hot.key] = hot
+            self._states.move_to_end(hot.key)
+            while len(self._states) > 1 and self.held_bytes > self.capacity:
+                _, old = self._states.popitem(last=False)
+                self._keep_spare(old.buffer)
+
+    def drop(self, key: tuple) -> None:
+        with self._lock:
+            old = self._states.pop(key, None)
+            if old is not None:
+                self._keep_spare(old.buffer)
+
+    def clear(self) -> None:
+        with self._lock:
+            for old in self._states.values():
+                self._keep_spare(old.buffer)
+            self._states.clear()
+
+    def _keep_spare(self, buf: torch.Tensor) -> None:
+        self._spare.append(buf)
+        self._spare.sort(key=lambda b: b.numel())
+        while len(self._spare) > self._n_spare:
+            self._spare.pop(0)
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of at least nbytes (a spare one when big enough, else newly pinned)."""
+        with self._lock:
+            for i, b in enumerate(self._spare):
+                if b.numel() >= nbytes:
+                    return self._spare.pop(i)[:nbytes]
+        return torch.empty(_up(nbytes, 2 << 20), dtype=torch.uint8, pin_memory=self.pin)[:nbytes]
+
+
+_DEFAULT: HotTier | None = None
+
+
+def default_tier() -> HotTier:
+    """The process's hot tier (``KITE_HOT_TIER_GB``, default 8 GB of pinned host memory)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = HotTier(int(float(os.environ.get("KITE_HOT_TIER_GB", "8")) * (1 << 30)))
+    return _DEFAULT
+
+
+# --------------------------------------------------------------------------------------------
+# staging
+
+
+def _parse_blob(view: np.ndarray, off: int) -> tuple[dict, dict[str, tuple[int, str, list[int]]]]:
+    """A codec blob at view[off:]: its meta and {tensor: (offset, dtype name, shape)} (offsets absolute)."""
+    if bytes(view[off:off + 3]) != b"KC1":
+        raise BadInput("corrupt .upc state (a part is not a codec blob)")
+    n = int.from_bytes(bytes(view[off + 3:off + 7]), "little")
+    head = json.loads(bytes(view[off + 7:off + 7 + n]))
+    pos = off + 7 + n
+    tensors = {}
+    for name, dt, shape in head["t"]:
+        tensors[name] = (pos, dt, shape)
+        pos += int(np.prod(shape)) * _DT[dt][1]
+    return head["m"], tensors
+
+
+def _np_at(view: np.ndarray, spec: tuple[int, str, list[int]]) -> np.ndarray:
+    off, dt, shape = spec
+    count = int(np.prod(shape))
+    return np.frombuffer(view, dtype=_DT[dt][0], count=count, offset=off).reshape(shape)
+
+
+def _layouts(colbits: np.ndarray, Ts: list[int], group_size: int):
+    """pca_layout for several parts at once: bit offsets / group offsets [P, R] and each part's gs."""
+    P, R = len(Ts), len(colbits)
+    gs = np.array([T if group_size <= 0 or group_size >= T else group_size for T in Ts], dtype=np.int64)
+    gs = np.maximum(gs, 1)
+    Ta = np.array(Ts, dtype=np.int64)
+    padded = -(-Ta // gs) * gs
+    bitoff = np.zeros((P, R), dtype=np.int64)
+    goff = np.zeros((P, R), dtype=np.int64)
+    byte = np.zeros(P, dtype=np.int64)
+    group = np.zeros(P, dtype=np.int64)
+    for bw in sorted(set(colbits.tolist())):
+        cols = np.nonzero(colbits == bw)[0]
+        rank = np.arange(len(cols), dtype=np.int64)
+        bitoff[:, cols] = byte[:, None] * 8 + rank[None, :] * padded[:, None] * bw
+        goff[:, cols] = group[:, None] + rank[None, :] * (padded // gs)[:, None]
+        n = len(cols) * padded
+        byte += (n * bw + 7) // 8
+        group += n // gs
+    return bitoff, goff, gs
+
+
+def _table_bound(H: int, d: int, P: int, s: dict) -> int:
+    """Bytes the tables of one layer may take (both sides), from the codec settings."""
+    HD = H * d
+    D = HD if s.get("joint_heads") else d
+    basis_float = 0 if str(s.get("basis_fmt", "int8")).startswith("int") else D * HD * 4 + 16
+    n_ovr = int(s.get("sink_tokens", 1)) + P * int(s.get("outliers", 0))
+    per_side = (4 * HD + 16) + (HD + 16) + (48 + 16 * HD + 32) + basis_float + (48 * P + 16) + (16 * P * HD + 32) \
+        + (32 * n_ovr + 16)
+    return 2 * per_side + 64
+
+
+def _stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region: int, keys: list[str],
+                 blob_offs: list[int], tables_at: int, table_cap: int, H: int, d: int, verify: bool) -> _LayerPlan:
+    # 1. blobs: raw ones read straight into the buffer, zstd ones decompressed into it
+    for key, off in zip(keys, blob_offs):
+        e = state.index[key]
+        start = state._data_start + e.offset
+        if e.codec == "raw":
+            dst = memoryview(view)[off:off + e.length]
+            got = 0
+            while got < e.length:
+                n = os.preadv(fd, [dst[got:]], start + got)
+                if n <= 0:
+                    raise BadInput(f"{state.path}: truncated .upc state (part {key} is cut off)")
+                got += n
+            if verify and hashlib.blake2b(dst, digest_size=16).hexdigest() != e.checksum:
+                raise BadInput(f"{state.path}: corrupt .upc state (checksum mismatch in part {key})")
+        else:
+            data = os.pread(fd, e.length, start)
+            if len(data) < e.length:
+                raise BadInput(f"{state.path}: truncated .upc state (part {key} is cut off)")
+            if verify and hashlib.blake2b(data, digest_size=16).hexdigest() != e.checksum:
+                raise BadInput(f"{state.path}: corrupt .upc state (checksum mismatch in part {key})")
+            import zstandard
+
+            raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=e.raw_length)
+            view[off:off + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    # 2. tables
+    lmeta, lt = _parse_blob(view, blob_offs[0])
+    gsz = int(lmeta["settings"]["group_size"])
+    parts = [_parse_blob(view, o) for o in blob_offs[1:]]          # K, V, K, V, ... of the chosen parts
+    cur = tables_at
+
+    def put(arr: np.ndarray) -> int:
+        nonlocal cur
+        b = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
+        at = cur
+        if at + b.size > tables_at + table_cap:
+            raise BadInput(f"{state.path}: layer {layer} needs larger tables than budgeted")
+        view[at:at + b.size] = b
+        cur = _up(at + b.size)
+        return at - region
+
+    sides = {}
+    for si, side in enumerate(("k", "v")):
+        info = lmeta[side]
+        if info.get("mode") != "pca":
+            raise BadInput(f"{state.path}: layer {layer} {side} is not PCA-coded (the GPU path needs pca)")
+        B, D = int(info["blocks"]), int(info["dim"])
+        bits = _np_at(view, lt[f"{side}.bits"]).astype(np.int64)                  # [B, D]
+        colbits = bits[bits > 0]
+        R = int(colbits.size)
+        blk_off = np.concatenate([[0], np.cumsum((bits > 0).sum(axis=1))]).astype(np.int64).tolist()
+        mean = _np_at(view, lt[f"{side}.mean"]).astype(np.float32).reshape(-1)
+        mean_at = put(mean)
+        if f"{side}.basis.codes" in lt:
+            bq = lmeta[f"{side}.basis"]
+            bb = int(bq["fmt"][3:])
+            codes, sc, mn = lt[f"{side}.basis.codes"], lt[f"{side}.basis.scale"], lt[f"{side}.basis.min"]
+            btab = np.array([[0, D, D, codes[0] - region, sc[0] - region, mn[0] - region]], dtype=np.int64)
+            basis = (put(btab), put(np.full(R, bb, dtype=np.uint8)),
+                     put(np.arange(R, dtype=np.int64) * D * bb), put(np.arange(R, dtype=np.int64)), btab.tolist())
+            kind = "int"
+        else:
+            off, dt, shape = lt[f"{side}.basis"]
+            raw = np.frombuffer(view, dtype=np.uint8, count=int(np.prod(shape)) * _DT[dt][1], offset=off)
+            basis = (put(raw.copy()), dt, int(shape[0]), int(shape[1]))
+            kind = "float"
+        Ts, tab, ovr = [], [], []
+        row0 = 0
+        for meta, pt in parts[si::2]:
+            T = int(meta["T"])
+            Ts.append(T)
+            if R:
+                c, s_, m_ = pt["codes"], pt["scale"], pt["min"]
+                tab.append([row0, T, 0, c[0] - region, s_[0] - region, m_[0] - region])
+            else:
+                tab.append([row0, T, 0, 0, 0, 0])
+            if "out.idx" in pt:
+                idx = _np_at(view, pt["out.idx"]).astype(np.int64)
+                xoff = pt["out.x"][0] - region
+                n = int(pt["out.x"][2][1])
+                ovr += [[row0 + int(t), xoff, n, k] for k, t in enumerate(idx.tolist())]
+            row0 += T
+        bitoff, goff, gs = _layouts(colbits, Ts, gsz)
+        for p in range(len(tab)):
+            tab[p][2] = int(gs[p])
+        tab_np = np.array(tab, dtype=np.int64).reshape(-1, 6)
+        sides[side] = _SidePlan(
+            R=R, B=B, D=D, blk_off=blk_off, mean=mean_at, basis_kind=kind, basis=basis,
+            parts_tab=put(tab_np), parts_tab_host=tab_np.tolist(), col_bits=put(colbits.astype(np.uint8)),
+            col_bitoff=put(bitoff), col_goff=put(goff), max_T=max(Ts) if Ts else 0, n_ovr=len(ovr),
+            ovr=put(np.array(ovr, dtype=np.int64).reshape(-1, 4)), ovr_host=ovr)
+    return _LayerPlan(off=region, size=cur - region, sides=sides)
+
+
+def stage_state(state: StateFile, selection: list[tuple[int, torch.Tensor | None]], part_positions: list[torch.Tensor],
+                layers: list[int], *, n_layers: int, H: int, d: int, verify: bool = True,
+                tier: HotTier | None = None, threads: int = 8, key: tuple | None = None,
+                wait: bool = True) -> HotState:
+    """Stage the chosen parts of ``state`` (``selection``: (cluster, keep mask or None)) for ``layers``.
+
+    ``part_positions[i]``: the document positions of selection i's tokens (all of them, ascending).
+    Layers are read in a thread pool; ``wait=False`` returns at once and :meth:`HotState.wait`
+    blocks per layer (the GPU load starts on layer 0 while the rest is still being read).
+    """
+    tier = tier or HotTier(pin=False)
+    s = state.meta.get("codec") or {}
+    # rows: every token of every chosen part, in selection order; dest = its rank among kept ones
+    pos_all = torch.cat(part_positions) if part_positions else torch.zeros(0, dtype=torch.long)
+    kept = torch.cat([torch.ones(len(p), dtype=torch.bool) if keep is None else keep
+                      for (_, keep), p in zip(selection, part_positions)]) if part_positions else \
+        torch.zeros(0, dtype=torch.bool)
+    kept_pos = pos_all[kept]
+    order = torch.argsort(kept_pos)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel())
+    dest = torch.full((pos_all.numel(),), -1, dtype=torch.long)
+    dest[kept] = rank
+    # regions
+    layer_set = sorted(set(layers))
+    plans: list = [None] * n_layers
+    jobs = []
+    cur = 0
+    bound = _table_bound(H, d, len(selection), s)
+    for layer in layer_set:
+        keys = [f"L{layer}"] + [f"c{c}/L{layer}/{side}" for c, _ in selection for side in ("K", "V")]
+        for k in keys:
+            if k not in state.index:
+                raise BadInput(f"{state.path}: no part {k!r} in this state")
+        region = cur
+        offs = []
+        for k in keys:
+            offs.append(cur)
+            cur = _up(cur + state.index[k].raw_length)
+        tables_at = cur
+        cur = _up(cur + bound, _ALIGN)
+        jobs.append((layer, region, keys, offs, tables_at, bound))
+    buf = tier.buffer(max(cur, 1))
+    view = buf.numpy()
+    nread = sum(state.index[k].length for _, _, keys, *_ in jobs for k in keys)
+    fd = state._fh.fileno()
+    hot = HotState(key=key or (), buffer=buf, H=H, d=d, rows=int(pos_all.numel()), dest=dest,
+                   positions=kept_pos[order], layers=plans, bytes_read=nread)
+    if threads <= 1:
+        for layer, region, keys, offs, tables_at, cap in jobs:
+            plans[layer] = _stage_layer(state, fd, view, layer, region, keys, offs, tables_at, cap, H, d, verify)
+        return hot
+    pool = _pool(threads)
+    futures: list[Future | None] = [None] * n_layers
+    for layer, region, keys, offs, tables_at, cap in jobs:
+        futures[layer] = pool.submit(_stage_layer, state, fd, view, layer, region, keys, offs, tables_at, cap, H, d,
+                                     verify)
+    hot._futures = futures
+    if wait:
+        hot.wait_all()
+    return hot
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    if n not in _POOLS:
+        _POOLS[n] = ThreadPoolExecutor(n, thread_name_prefix="kite-stage")
+    return _POOLS[n]
+
+
+# --------------------------------------------------------------------------------------------
+# load
+
+
+class _Views:
+    """Typed views into one layer's region (device or host)."""
+
+    def __init__(self, region: torch.Tensor):
+        self.r = region
+
+    def t(self, off: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+        size = torch.empty((), dtype=dtype).element_size()
+        return self.r[off:off + n * size].view(dtype)
+
+
+def load_staged(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                out: list[tuple[torch.Tensor, torch.Tensor]] | None = None, n_layers: int | None = None,
+                compute_dtype: torch.dtype | None = None, staging: torch.Tensor | None = None
+                ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Rebuild the staged layers on ``device``: per layer (keys [H, T_out, d], values) in ``dtype``.
+
+    ``cos`` / ``sin`` [T_out, d] float32 on ``device``: RoPE at the kept positions (row order).
+    ``out``: write into these tensors instead ([H, >= T_out, d] each, rows 0..T_out-1 filled), e.g.
+    a static cache's. ``compute_dtype``: coefficient / basis precision of the matmul (default bf16
+    on a GPU, float32 elsewhere). ``staging``: a device buffer of >= hot.nbytes to copy into.
+    Returns lists over layers (None where the layer was not staged).
+    """
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    cdt = compute_dtype or (torch.bfloat16 if cuda else torch.float32)
+    L = n_layers or len(hot.layers)
+    H, d, T = hot.H, hot.d, hot.rows
+    T_out = int(hot.positions.numel())
+    keys: list[torch.Tensor | None] = [None] * L
+    values: list[torch.Tensor | None] = [None] * L
+    if cuda:
+        if staging is None or staging.numel() < hot.nbytes:
+            staging = torch.empty(hot.nbytes, dtype=torch.uint8, device=dev)
+        copy_stream = _copy_stream(dev)
+        dest = hot.dest.to(dev, non_blocking=True)
+        main = torch.cuda.current_stream(dev)
+        copy_stream.wait_stream(main)   # staging may still be read by an earlier load on `main`
+    else:
+        staging = hot.buffer
+        dest = hot.dest
+    if out is None:
+        alloc = torch.empty(2, L, H, T_out, d, dtype=dtype, device=dev) if L else None
+    for layer in range(L):
+        plan = hot.wait(layer)
+        if plan is None:
+            continue
+        region = staging[plan.off:plan.off + plan.size]
+        if cuda:
+            with torch.cuda.stream(copy_stream):
+                region.copy_(hot.buffer[plan.off:plan.off + plan.size], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(copy_stream)
+            main.wait_event(ev)
+        v = _Views(region)
+        if out is not None:
+            k_out, v_out = out[layer]
+        else:
+            k_out, v_out = alloc[0, layer], alloc[1, layer]
+        for side, dst in (("k", k_out), ("v", v_out)):
+            sp = plan.sides[side]
+            R, B, D = sp.R, sp.B, sp.D
+            P = len(sp.parts_tab_host)
+            if sp.basis_kind == "int":
+                btab, bbits, bbitoff, bgoff, btab_host = sp.basis
+                Bt = torch.empty(R, D, dtype=cdt, device=dev)
+                pca_coefs(region, v.t(btab, torch.int64, 6).view(1, 6), D, v.t(bbits, torch.uint8, R),
+                          v.t(bbitoff, torch.int64, R).view(1, R), v.t(bgoff, torch.int64, R).view(1, R), Bt,
+                          tab_host=btab_host)
+            else:
+                off, dt, Dn, Rn = sp.basis
+                tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dt]
+                Bt = v.t(off, tdt, Dn * Rn).view(Dn, Rn).t().to(cdt)
+            Ct = torch.empty(R, T, dtype=cdt, device=dev)
+            pca_coefs(region, v.t(sp.parts_tab, torch.int64, 6 * P).view(P, 6), sp.max_T,
+                      v.t(sp.col_bits, torch.uint8, R), v.t(sp.col_bitoff, torch.int64, P * R).view(P, R),
+                      v.t(sp.col_goff, torch.int64, P * R).view(P, R), Ct, tab_host=sp.parts_tab_host)
+            if B == 1:
+                Y = Ct.t() @ Bt if R else torch.zeros(T, D, dtype=cdt, device=dev)
+            else:
+                Y = torch.zeros(B, T, D, dtype=cdt, device=dev)
+                for b in range(B):
+                    lo, hi = sp.blk_off[b], sp.blk_off[b + 1]
+                    if hi > lo:
+                        torch.mm(Ct[lo:hi].t(), Bt[lo:hi], out=Y[b])
+            mean = v.t(sp.mean, torch.float32, H * d)
+            ovr = v.t(sp.ovr, torch.int64, 4 * sp.n_ovr).view(-1, 4) if sp.n_ovr else None
+            rope = side == "k" and cos is not None
+            pca_finish(dst, Y, mean, D, dest=dest, ovr=ovr, ovr_host=sp.ovr_host, base=region,
+                       cos=cos if rope else None, sin=sin if rope else None)
+        keys[layer] = k_out if out is not None else alloc[0, layer]
+        values[layer] = v_out if out is not None else alloc[1, layer]
+    return keys, values
+
+
+_STREAMS: dict = {}
+
+
+def _copy_stream(dev: torch.device):
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(device=dev)
+    return _STREAMS[key]

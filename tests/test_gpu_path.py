@@ -1,0 +1,188 @@
+"""The GPU path of the codec and of loading, run on the CPU (torch fallbacks; CI has no GPU).
+
+codec_batched must write the bytes the per-layer codec writes; gpu_load must rebuild what
+load_prefix's host decode rebuilds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kite.kernels.load import pca_layout, pca_load_torch
+from kite.upcycle import codec, codec_batched, gpu_load
+from kite.upcycle.compress import CompressSettings, compress_document
+from kite.upcycle.load import load_prefix
+from kite.upcycle.rope import rope_cos_sin
+from kite.upcycle.state_file import StateFile
+from tests.tiny_models import CORPUS
+
+DOC = CORPUS.replace(". ", ".\n\n", 3)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_models):
+    from kite.model import load_model
+
+    return load_model(str(tiny_models["qwen2"]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_vectorized_bit_allocation_matches_the_heap(seed):
+    g = torch.Generator().manual_seed(seed)
+    s = codec.settings_for([4, 8, 2][seed % 3], range_mode="mse" if seed % 2 else "minmax")
+    N, B, r = 4, (1, 4)[seed % 2], (48, 16)[seed % 2]
+    T = (40, 300, 2048)[seed % 3]
+    ev = (torch.rand(N, B, r, generator=g) ** (1 + seed % 4) * 10).sort(dim=-1, descending=True).values
+    ev[0, 0, -3:] = 0  # components without variance get nothing
+    budgets = [float(x) for x in torch.randint(500, 80000, (N,), generator=g) * T / 300]
+    got = codec_batched.allocate_bits_batched(ev, budgets, T, r, s)
+    for n in range(N):
+        want = codec.allocate_bits(ev[n], budgets[n], T, r, s)
+        # same allocation (the heap and the sort agree; at the budget's edge one increment may differ)
+        assert (got[n] - want).abs().sum() <= 1
+        assert int(got[n].sum()) >= int(want.sum()) - 1
+
+
+def _kv(L=2, H=2, T=600, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    K = torch.randn(L, H, T, d, generator=g) * torch.linspace(3, 0.1, d) + 1.0
+    V = torch.randn(L, H, T, d, generator=g) * torch.linspace(2, 0.1, d)
+    perm = torch.randperm(T, generator=g)
+    sets = [perm[:250].sort().values, perm[250:420].sort().values, perm[420:].sort().values]
+    return K, V, sets
+
+
+@pytest.mark.parametrize("spec", ["ratio=4", "ratio=8", "ratio=2", "per-head", "minmax-3sinks"])
+def test_batched_encode_writes_the_codec_bytes(spec):
+    s = {"per-head": codec.settings_for(4, joint_heads=False),
+         "minmax-3sinks": codec.settings_for(8, range_mode="minmax", sink_tokens=3, group_size=128)}.get(spec) \
+        or codec.settings_for(spec)
+    K, V, sets = _kv()
+    enc = codec_batched.encode_state(K, V, sets, s)
+    for layer in range(K.shape[0]):
+        lc = codec.fit_layer(K[layer], V[layer], s)
+        assert enc.layer_blobs[layer] == codec.to_bytes(lc)
+        for c, idx in enumerate(sets):
+            part = codec.encode(lc, K[layer][:, idx], V[layer][:, idx], idx)
+            assert enc.part_blobs[layer][c] == (codec.to_bytes(part.k), codec.to_bytes(part.v))
+
+
+def test_batched_codec_refuses_what_it_does_not_take():
+    K, V, sets = _kv(L=1, T=64)
+    assert not codec_batched.supports("int4")
+    with pytest.raises(ValueError):
+        codec_batched.encode_state(K, V, sets, "int4")
+    with pytest.raises(ValueError):
+        codec_batched.encode_state(K, V, [sets[0][:10]], "ratio=4")
+
+
+def test_compress_document_batched_matches_per_layer(lm, tmp_path):
+    st = CompressSettings(codec=codec.settings_for(4), n_clusters=3, min_span_tokens=8, max_span_tokens=24)
+    a = compress_document(lm, DOC, tmp_path / "a.upc", st)
+    b = compress_document(lm, DOC, tmp_path / "b.upc", st, device="cpu")
+    assert a.state_bytes == b.state_bytes
+    with StateFile(a.path) as fa, StateFile(b.path) as fb:
+        assert list(fa.index) == list(fb.index)
+        for key in fa.index:
+            assert fa.read(key) == fb.read(key), key
+
+
+def _staged_load(path, lm, clusters=None, layers=None, sink_tokens=4):
+    """gpu_load on the CPU, selection built as load_prefix builds it."""
+    state = StateFile(path)
+    info = {c["id"]: c for c in state.meta["clusters"]}
+    ids = sorted(info) if not clusters else [int(c) for c in clusters]
+
+    def pos(c):
+        return torch.cat([torch.arange(s, e) for s, e in info[c]["token_ranges"]])
+
+    selection = [(c, None) for c in ids]
+    if clusters:
+        for c in sorted(set(info) - set(ids)):
+            keep = pos(c) < sink_tokens
+            if keep.any():
+                selection.append((c, keep))
+    geo = lm.geometry
+    layer_list = list(range(geo.n_layers)) if layers is None else layers
+    hot = gpu_load.stage_state(state, selection, [pos(c) for c, _ in selection], layer_list, n_layers=geo.n_layers,
+                               H=geo.n_kv_heads, d=geo.head_dim, threads=2)
+    cos, sin = rope_cos_sin(lm.model, hot.positions)
+    keys, values = gpu_load.load_staged(hot, device="cpu", dtype=torch.float32, cos=cos, sin=sin,
+                                        n_layers=geo.n_layers)
+    state.close()
+    return hot, keys, values
+
+
+@pytest.mark.parametrize("spec", ["ratio=4", "per-head", "ratio=2"])
+@pytest.mark.parametrize("partial", [False, True])
+def test_gpu_load_matches_host_decode(lm, tmp_path, spec, partial):
+    s = codec.settings_for(4, joint_heads=False) if spec == "per-head" else codec.settings_for(spec)
+    out = tmp_path / "s.upc"
+    compress_document(lm, DOC, out, CompressSettings(codec=s, n_clusters=3, min_span_tokens=8, max_span_tokens=24))
+    if partial:
+        with StateFile(out) as sf:
+            other = next(c for c in sf.meta["clusters"] if c["token_ranges"][0][0] > 0)
+        clusters, layers = [str(other["id"])], [0, 2]
+    else:
+        clusters, layers = None, None
+    ref, report = load_prefix(out, lm, clusters=clusters, layers=layers)
+    hot, keys, values = _staged_load(out, lm, clusters=clusters, layers=layers)
+    assert hot.bytes_read == report.bytes_read
+    assert int(hot.positions.numel()) == report.tokens
+    for layer in range(lm.geometry.n_layers):
+        rk, rv = ref.keys[layer], ref.values[layer]
+        if rk.shape[1] == 0:
+            assert keys[layer] is None
+            continue
+        for got, want in ((keys[layer], rk), (values[layer], rv)):
+            assert got.shape == want.shape
+            assert torch.allclose(got, want, atol=1e-4 * float(want.abs().max()), rtol=1e-4)
+
+
+def test_hot_tier_lru_and_spare_buffers():
+    tier = gpu_load.HotTier(capacity_bytes=250, spare=1, pin=False)
+
+    def hot(key, n):
+        return gpu_load.HotState(key=key, buffer=tier.buffer(n), H=1, d=2, rows=0, dest=torch.zeros(0),
+                                 positions=torch.zeros(0), layers=[])
+
+    tier.put(hot("a", 100))
+    tier.put(hot("b", 100))
+    assert tier.get("a") is not None            # a is now the most recent
+    tier.put(hot("c", 100))                     # over 250 bytes: b (least recent) goes
+    assert tier.get("b") is None and tier.get("a") is not None and tier.get("c") is not None
+    assert tier.hits == 3 and tier.misses == 1
+    spare = tier._spare[0]
+    assert tier.buffer(50).data_ptr() == spare.data_ptr()   # reused, not allocated
+
+
+def test_fused_load_kernel_takes_joint_head_blocks():
+    """kernels.load's layout over a joint-head (B = 1, D = H*d) codec part, against codec.decode."""
+    K, V, sets = _kv(L=1, H=2, T=300, d=16)
+    s = codec.settings_for(4)
+    lc = codec.fit_layer(K[0], V[0], s)
+    idx = sets[0]
+    part = codec.encode(lc, K[0][:, idx], V[0][:, idx], idx)
+    _, want = codec.decode(lc, part)
+    bits = lc.tensors["v.bits"].long()
+    colbits = bits[bits > 0]
+    blk_off = torch.tensor([0, int(colbits.numel())])
+    basis_t = codec._basis(lc, "v").T.contiguous()
+    T = int(idx.numel())
+    out = torch.empty(2, T, 16)
+    ovr_idx = torch.full((T,), -1, dtype=torch.int32)
+    n = part.v.tensors.get("out.idx", torch.zeros(0, dtype=torch.int16)).long()
+    ovr_idx[n] = torch.arange(n.numel(), dtype=torch.int32)
+    pca_load_torch(out, part.v.tensors["codes"], part.v.tensors["scale"], part.v.tensors["min"],
+                   pca_layout(colbits, T, s.group_size), blk_off, basis_t, lc.tensors["v.mean"].float(), T,
+                   override_idx=ovr_idx if n.numel() else None, ovr_x=part.v.tensors.get("out.x"))
+    assert torch.allclose(out, want, atol=1e-5)
