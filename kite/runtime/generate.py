@@ -85,10 +85,15 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.G
 def generate(lm, prompt_ids: list[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
              top_p: float = 1.0, seed: int | None = None, prefix: KVPrefix | None = None,
              on_text: Callable[[str], None] | None = None,
-             stop_ids: set[int] | None = None) -> GenerationResult:
+             stop_ids: set[int] | None = None, cache=None,
+             prefill_chunk: int | None = None) -> GenerationResult:
     """Generate after `prompt_ids` (and after `prefix`, a loaded state, when given).
 
     Greedy when temperature is 0. `on_text` receives each new piece of text as it is decoded.
+    `cache`: an empty transformers Cache to generate into (e.g. a memory-budgeted one) instead of
+    a fresh DynamicCache; not together with `prefix`. `prefill_chunk`: run the prompt through the
+    model that many tokens at a time (a budgeted cache then never holds more than its budget plus
+    one chunk raw); default one forward.
     """
     if not prompt_ids:
         from kite.errors import BadInput
@@ -105,11 +110,17 @@ def generate(lm, prompt_ids: list[int], *, max_new_tokens: int = 128, temperatur
     stop_ids = stop_ids if stop_ids is not None else lm.eos_ids()
     gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     t0 = time.perf_counter()
-    cache = new_cache(model, prefix)
-    prompt_logits = forward_tokens(model, prompt_ids, cache, start)
+    if cache is not None and prefix is not None:
+        raise ValueError("give a prefix or a cache, not both")
+    cache = cache if cache is not None else new_cache(model, prefix)
+    step = prefill_chunk if prefill_chunk and prefill_chunk > 0 else len(prompt_ids)
+    entropy_sum = 0.0
+    for at in range(0, len(prompt_ids), step):
+        prompt_logits = forward_tokens(model, prompt_ids[at:at + step], cache, start + at)
+        probs = torch.softmax(prompt_logits, dim=-1)
+        entropy_sum += float(-(probs * torch.log2(probs.clamp_min(1e-12))).sum(-1).sum())
     logits = prompt_logits[-1]
-    probs = torch.softmax(prompt_logits, dim=-1)
-    prompt_entropy = float(-(probs * torch.log2(probs.clamp_min(1e-12))).sum(-1).mean())
+    prompt_entropy = entropy_sum / len(prompt_ids)
     pos = start + len(prompt_ids)
     new: list[int] = []
     emitted = ""

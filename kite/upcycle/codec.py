@@ -344,8 +344,9 @@ def _store_float(t: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def _fit_pca_side(prefix: str, X: torch.Tensor, bits_per_elem: float, s: CodecSettings,
-                  tensors: dict, meta: dict, pca=None) -> None:
+                  tensors: dict, meta: dict, pca=None, budget_tokens: int | None = None) -> None:
     H, T, d = X.shape
+    T = budget_tokens or T  # the tokens the shared part's bytes are spread over
     Xb = _blocks(X.float(), s.joint_heads)
     mean, evals, U = pca if pca is not None else batched_pca(Xb, center=s.center)
     B, D = evals.shape
@@ -374,11 +375,13 @@ def _fit_pca_side(prefix: str, X: torch.Tensor, bits_per_elem: float, s: CodecSe
 
 
 def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | str | float | None = None,
-              pca: dict | None = None) -> LayerCodec:
+              pca: dict | None = None, budget_tokens: int | None = None) -> LayerCodec:
     """Fit the shared per-layer part on the whole document's pre-RoPE keys and values [H, T, d].
 
     ``pca`` may carry precomputed ``{"k": (mean, evals, U), "v": (...)}`` from :func:`fit_layers`'
-    batched path.
+    batched path. ``budget_tokens`` (default: the T fitted on) is how many tokens the bit budget
+    is spread over: the shared part is paid once for that many tokens, so a codec fitted on a
+    sample and used for more tokens (the budgeted KV cache) gives its parts the bits they carry.
     """
     s = settings_for(settings)
     if K_pre.dim() != 3 or K_pre.shape != V.shape:
@@ -389,7 +392,8 @@ def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | st
     meta: dict = {"settings": s.to_json(), "H": H, "d": d, "T_fit": T}
     for side, X, mode, bpe in (("k", K_pre, s.k_mode, s.k_bits), ("v", V, s.v_mode, s.v_bits)):
         if mode == "pca":
-            _fit_pca_side(side, X, bpe, s, tensors, meta, pca=(pca or {}).get(side))
+            _fit_pca_side(side, X, bpe, s, tensors, meta, pca=(pca or {}).get(side),
+                          budget_tokens=budget_tokens)
         elif mode in ("quant", "raw"):
             meta[side] = {"mode": mode}
         else:
