@@ -61,6 +61,14 @@ def generate(
     clusters: Annotated[str | None, typer.Option(help="With --upc: load only these clusters (labels or ids, comma-separated).")] = None,
     layers: Annotated[str | None, typer.Option(help="With --upc: load into these layers only ('12-18', '0,2,4', 'all').")] = None,
     precision: Annotated[str | None, typer.Option(help="With --upc: hold the loaded KV at fp16|bf16|fp8|int8|int4.")] = None,
+    kv_budget_tokens: Annotated[int | None, typer.Option(
+        "--kv-budget-tokens", help="Hold at most N tokens' KV raw; older tokens are compressed in blocks "
+        "and keep taking part in attention (see docs/kv-budget.md).")] = None,
+    kv_budget_codec: Annotated[str | None, typer.Option(
+        "--kv-budget-codec", help="With --kv-budget-tokens: the codec of the compressed blocks "
+        "(ratio=R, int4, int8, exact, ...; default ratio=8).")] = None,
+    kv_budget_block: Annotated[int | None, typer.Option(
+        "--kv-budget-block", help="With --kv-budget-tokens: tokens per compressed block (default 256).")] = None,
     json_out: bool = JsonOpt,
 ) -> None:
     """Generate text; streams to the terminal. --json gives text, token counts, ttft_ms, tokens/s.
@@ -69,6 +77,7 @@ def generate(
       kite generate --chat --prompt "What is the capital of France?"
       echo "Once upon a time" | kite generate --max-new-tokens 40 --temperature 0.8 --seed 1
       kite generate --upc contract.upc --clusters breach --prompt "What is the penalty for breach?"
+      kite generate --prompt-file long.txt --kv-budget-tokens 1024 --kv-budget-codec ratio=8 --json
     """
     from kite.model import load_model
     from kite.runtime.generate import generate as run_generate
@@ -77,6 +86,7 @@ def generate(
 
     if upc is None and (clusters or layers or precision):
         raise BadInput("--clusters, --layers and --precision restrict what --upc loads; give --upc")
+    budget = _budget_settings(kv_budget_tokens, kv_budget_codec, kv_budget_block, upc)
     text = read_text_input(prompt, prompt_file)
     lm = load_model(model, adapter=adapter, dtype=dtype)
     prefix = report = None
@@ -87,14 +97,26 @@ def generate(
                                      clusters=[c.strip() for c in clusters.split(",") if c.strip()]
                                      if clusters else None, precision=precision)
     ids = state_prompt_ids(lm, text, chat=chat, system=system, with_state=prefix is not None)
+    cache = None
+    if budget is not None:
+        from kite.upcycle.budget import BudgetCache, check_budget
+
+        cache = BudgetCache(lm.model, check_budget(budget, lm.geometry.context_length))
     stream = None if json_out else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     result = run_generate(lm, ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_p=top_p, seed=seed, on_text=stream, prefix=prefix)
+                          top_p=top_p, seed=seed, on_text=stream, prefix=prefix, cache=cache,
+                          prefill_chunk=budget.block_tokens if budget is not None else None)
+    stats = cache.stats() if cache is not None else None
     if json_out:
         emit_json({"model": lm.source.spec, **result.to_dict(),
-                   "state": report.to_dict() if report else None})
+                   "state": report.to_dict() if report else None, "kv_budget": stats})
         return
     sys.stdout.write("\n")
+    if stats is not None:
+        console().print(
+            f"[dim]kv budget {stats['budget_tokens']} tokens ({stats['codec']}): {stats['compressed_tokens']:,} "
+            f"of {stats['tokens']:,} tokens compressed · KV {stats['kv_bytes']:,} B vs {stats['raw_kv_bytes']:,} B "
+            f"raw 16-bit ({stats['ratio_to_raw']:.2f} of raw)[/]", highlight=False)
     if report is not None:
         console().print(f"[dim]state {upc}: clusters {', '.join(report.labels) or 'none'} · "
                         f"{len(report.layers)} layers · {report.tokens} tokens · "
@@ -103,3 +125,18 @@ def generate(
         f"[dim]{result.prompt_tokens} prompt + {result.new_tokens} new tokens · ttft "
         f"{result.ttft_ms:.0f} ms · {result.tokens_per_s:.1f} tok/s · {result.stop_reason}[/]",
         highlight=False)
+
+
+def _budget_settings(tokens: int | None, codec: str | None, block: int | None, upc: Path | None):
+    """BudgetSettings from the --kv-budget-* flags (None without --kv-budget-tokens). Raises BadInput."""
+    from kite.upcycle.budget import DEFAULT_BLOCK_TOKENS, DEFAULT_CODEC, BudgetSettings, check_budget
+
+    if tokens is None:
+        if codec is not None or block is not None:
+            raise BadInput("--kv-budget-codec and --kv-budget-block set up --kv-budget-tokens; give it too")
+        return None
+    if upc is not None:
+        raise BadInput("--kv-budget-tokens cannot be combined with --upc (a loaded state is its own compressed "
+                       "prefix); use one or the other")
+    return check_budget(BudgetSettings(budget_tokens=tokens, codec=codec or DEFAULT_CODEC,
+                                       block_tokens=block if block is not None else DEFAULT_BLOCK_TOKENS))
