@@ -29,6 +29,13 @@ def serve(
                                                 "(default: config features.upcycle_yoco_fusion).")] = None,
     upcycle_config: Annotated[Path | None, typer.Option(help="upcycle_config.yaml for uploads and the tagger "
                                                         "(default configs/upcycle_config.yaml).")] = None,
+    kv_budget_tokens: Annotated[int | None, typer.Option(
+        "--kv-budget-tokens", help="Completions without a state hold at most N tokens' KV raw; older tokens are "
+        "compressed in blocks and keep taking part in attention (docs/kv-budget.md).")] = None,
+    kv_budget_codec: Annotated[str | None, typer.Option(
+        "--kv-budget-codec", help="With --kv-budget-tokens: the blocks' codec (ratio=R, int4, ...; default ratio=8).")] = None,
+    kv_budget_block: Annotated[int | None, typer.Option(
+        "--kv-budget-block", help="With --kv-budget-tokens: tokens per compressed block (default 256).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Serve one model over HTTP: /v1/completions, /v1/chat/completions (with a `kite` field naming
@@ -48,7 +55,12 @@ def serve(
     from kite.serve.app import compress_settings_for
     from kite.serve.settings import LOOPBACK
 
-    settings = ServeSettings.from_config(cfg, rules=rules)
+    if kv_budget_tokens is None and (kv_budget_codec is not None or kv_budget_block is not None):
+        raise BadInput("--kv-budget-codec and --kv-budget-block set up --kv-budget-tokens; give it too")
+    budget_kw = {} if kv_budget_tokens is None else {
+        "kv_budget_tokens": kv_budget_tokens, **({"kv_budget_codec": kv_budget_codec} if kv_budget_codec else {}),
+        **({"kv_budget_block": kv_budget_block} if kv_budget_block is not None else {})}
+    settings = ServeSettings.from_config(cfg, rules=rules, **budget_kw)
     _check_rules(settings.rules_path)  # a bad rule file fails now, before the model loads
     out = console()
     from kite.model import load_model
@@ -58,6 +70,7 @@ def serve(
     ucfg, ucfg_path = load_upcycle_config(upcycle_config)
     out.print(f"loading model {cfg.model.default} …", highlight=False)
     lm = load_model(cfg.model.default, adapter=ucfg.adapter)
+    settings.budget_settings(lm.geometry.context_length)  # a budget past the model's context fails now
     tagger = build_tagger(lm, ucfg, ucfg_path)
     app = create_app(lm, settings, tagger=tagger, compress_settings=compress_settings_for(ucfg))
     if settings.host not in LOOPBACK:
@@ -66,7 +79,9 @@ def serve(
     admin = "on" if settings.admin_token else "off (no admin token configured)"
     out.print(f"[bold green]serving[/] {lm.source.spec} on http://{settings.host}:{settings.port}  "
               f"rules {settings.rules_path.name}  fusion {'on' if settings.fusion else 'off'}  admin {admin}  "
-              f"states {settings.state_dir}", highlight=False, soft_wrap=True)
+              f"states {settings.state_dir}" + (f"  kv budget {settings.kv_budget_tokens} tokens "
+                                                f"({settings.kv_budget_codec})" if settings.kv_budget_tokens else ""),
+              highlight=False, soft_wrap=True)
     run(app, settings.host, settings.port, log_level=log_level)
 
 

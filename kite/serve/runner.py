@@ -50,6 +50,7 @@ class Answer:
     state_id: str | None = None
     rules: dict | None = None  # version and sha256 of the rule set that decided
     wait_ms: float = 0.0  # queued for the model: from arrival (after any upcycle) to holding it
+    kv_budget: dict | None = None  # the budgeted cache's stats, or why the budget did not apply
 
     def kite_dict(self, fusion: bool) -> dict:
         out: dict = {"state": self.state_id, "fusion": fusion, "loaded": False, "wait_ms": round(self.wait_ms, 3)}
@@ -62,6 +63,8 @@ class Answer:
             out["timings_ms"] = {"generate": self.generation.total_ms}
         if self.state_id is not None and not fusion:
             out["note"] = FUSION_OFF_NOTE
+        if self.kv_budget is not None:
+            out["kv_budget"] = self.kv_budget
         g = self.generation
         out["generation"] = {"ttft_ms": g.ttft_ms, "total_ms": g.total_ms, "tokens_per_s": g.tokens_per_s,
                              "prefix_tokens": g.prefix_tokens, "prompt_entropy_bits": g.prompt_entropy_bits}
@@ -76,6 +79,7 @@ class ModelRunner:
         self.lm, self.settings, self.rules, self.store = lm, settings, rules, store
         self.tagger, self.health, self.novelty, self.sampler = tagger, health, novelty, sampler
         self.compress_settings = compress_settings
+        self.kv_budget = settings.budget_settings(lm.geometry.context_length)
         self._lock = threading.Lock()
 
     @property
@@ -142,13 +146,22 @@ class ModelRunner:
         wait = self._locked(opts.queued_at)
         try:
             if path is None:
-                return Answer(generate(self.lm, prompt_ids, **gen_kwargs), wait_ms=wait)
+                if self.kv_budget is None:
+                    return Answer(generate(self.lm, prompt_ids, **gen_kwargs), wait_ms=wait)
+                from kite.upcycle.budget import BudgetCache
+
+                cache = BudgetCache(self.lm.model, self.kv_budget)
+                result = generate(self.lm, prompt_ids, cache=cache, prefill_chunk=self.kv_budget.block_tokens,
+                                  **gen_kwargs)
+                return Answer(result, wait_ms=wait, kv_budget={"applied": True, **cache.stats()})
             ruleset = self.rules.current  # one read: the set that decides this request
             fused = fused_answer(self.lm, self.tagger, ruleset, path, query, prompt_ids,
                                  health=self.health, novelty=self.novelty, sampler=self.sampler,
                                  min_hit_gain=self.settings.min_hit_gain, fusion_enabled=self.settings.fusion,
                                  state_id=state_id, **gen_kwargs)
+            skipped = None if self.kv_budget is None else {
+                "applied": False, "reason": "a state was named: its KV is loaded as the state's own compressed prefix"}
             return Answer(fused.generation, fused, state_id,
-                          {"version": ruleset.version, "sha256": ruleset.sha256}, wait_ms=wait)
+                          {"version": ruleset.version, "sha256": ruleset.sha256}, wait_ms=wait, kv_budget=skipped)
         finally:
             self._lock.release()

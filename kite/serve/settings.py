@@ -27,6 +27,10 @@ class ServeSettings:
     max_tokens_limit: int = 2048
     sampler_interval_ms: float = 200.0
     spike_threshold_gb: float = 3.0
+    # memory-budgeted long context for completions without a state (docs/kv-budget.md): None = off
+    kv_budget_tokens: int | None = None
+    kv_budget_codec: str = "ratio=8"
+    kv_budget_block: int = 256
 
     def __post_init__(self) -> None:
         if self.max_body_mb <= 0:
@@ -35,6 +39,16 @@ class ServeSettings:
             raise BadInput(f"server.port {self.port}: must be 1-65535")
         self.state_dir = Path(self.state_dir).expanduser()
         self.rules_path = Path(self.rules_path).expanduser()
+        self.budget_settings()  # a bad budget fails at startup (the model's context is checked on load)
+
+    def budget_settings(self, context_length: int | None = None):
+        """The KV budget as `kite.upcycle.budget.BudgetSettings` (None when off). Raises BadInput."""
+        if self.kv_budget_tokens is None:
+            return None
+        from kite.upcycle.budget import BudgetSettings, check_budget
+
+        return check_budget(BudgetSettings(budget_tokens=self.kv_budget_tokens, codec=self.kv_budget_codec,
+                                           block_tokens=self.kv_budget_block), context_length)
 
     @property
     def max_body_bytes(self) -> int:
