@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -205,17 +204,21 @@ def main() -> None:
     ap.add_argument("--no-build", action="store_true")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU: checks the script runs")
+    ap.add_argument("--ratio", type=float, default=4.0, help="codec ratio (settings_for(R))")
+    ap.add_argument("--kv-budget-gb", type=float, default=40.0)
+    ap.add_argument("--chunk", type=int, default=8, help="sequences rebuilt per layer at once (concurrency)")
     args = ap.parse_args()
     global DEV, PIN
     if args.cpu_smoke:
         DEV, PIN = "cpu", False
+        args.kv_budget_gb = min(args.kv_budget_gb, 0.02)
     warnings.filterwarnings("ignore")
     report = Report()
     report.data["device"] = torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu"
     report.data["torch"] = torch.__version__
     if not args.no_build:
         build(report)
-    from kite.kernels import backends, eigh, kmeans, load, native, quant
+    from kite.kernels import backends, eigh, kmeans, native
     from kite.upcycle.rope import remove_rope
 
     report.data["backends"] = backends(DEV)
@@ -270,16 +273,22 @@ def main() -> None:
                note=f"{raw_bytes / 1e6:.0f} MB, {raw_bytes / ms / 1e6:.1f} GB/s")
     host_raw = dev_raw = None  # free 1.8 GB
 
-    # ---- compress ---------------------------------------------------------------------------
-    kcls = tuple((b, n * d // 128) for b, n in K_CLASSES)   # per 128 dims (the smoke model has 64)
-    vcls = tuple((b, n * d // 128) for b, n in V_CLASSES)
-    kc = state_layout(H, d, kcls, T)
-    vc = state_layout(H, d, vcls, T)
+
+    from kite.upcycle import codec, codec_batched, gpu_load
+    from kite.upcycle.compress import blob_key
+    from kite.upcycle.rope import apply_rope
+    from kite.upcycle.state_file import StateFile, StateWriter
+
+    # ---- compress: the real codec, batched on the GPU ------------------------------------------
+    settings = codec.settings_for(args.ratio)
+    per_head = codec.settings_for(args.ratio, joint_heads=False)
+    report.data["codec"] = settings.to_json()
 
     def remove():
-        return remove_rope(K.float(), cos, sin)
+        return remove_rope(K.float(), cos, sin)                              # [L, H, T, d] fp32
 
     def cluster():
+        """Spans of SPAN tokens, k-means++ (torch) + Lloyd (kernel) -> token sets (ascending)."""
         n = T // SPAN
         emb = torch.nn.functional.normalize(span_h[: n * SPAN].view(n, SPAN, -1).mean(1), dim=1)
         gen = torch.Generator(device=DEV).manual_seed(0)
@@ -287,229 +296,296 @@ def main() -> None:
         for _ in range(1, CLUSTERS):   # k-means++ (as kite/upcycle/cluster.py)
             d2 = (1 - emb @ cent.T).clamp_min(0).min(dim=1).values
             cent = torch.cat([cent, emb[torch.multinomial(d2 / d2.sum(), 1, generator=gen)]])
-        return kmeans.lloyd_cosine(emb, cent, 30)
+        assign, _, iters = kmeans.lloyd_cosine(emb, cent, 30)
+        tok = torch.cat([assign.repeat_interleave(SPAN), assign[-1:].expand(T - n * SPAN)]).cpu()
+        sets = [torch.nonzero(tok == c).flatten() for c in range(CLUSTERS)]
+        return [s_ for s_ in sets if s_.numel()], iters
 
-    def factorize(k_pre, use_native=True):
-        X = torch.stack([k_pre, V.float()]).reshape(2 * L * H, T, d)          # [2LH, T, d]
-        mean = X.mean(dim=1)
-        Xc = X - mean[:, None]
-        Gm = Xc.transpose(1, 2) @ Xc / T
-        ev, U = eigh.eigh_desc(Gm) if use_native else eigh.eigh_desc_torch(Gm)
-        return X, mean, U.float()
-
-    def quantize(X, mean, U):
-        """Coefficients per class, quantized in groups of GROUP tokens along each column."""
-        XU = X.view(2, L, H, T, d)
-        mean = mean.view(2, L, H, d)
-        U = U.view(2, L, H, d, d)
-        parts = {}
-        for s, (colbits, blk_off, layout, r) in ((0, kc), (1, vc)):
-            C = (XU[s] - mean[s][:, :, None]) @ U[s][..., :r]                # [L, H, T, r]
-            col = 0
-            codes, scales, mins = {}, {}, {}
-            for bits, ncols in (kcls if s == 0 else vcls):
-                # class columns of every head, ordered head-major as the layout expects
-                g = C[..., col:col + ncols].permute(0, 1, 3, 2).reshape(-1, GROUP)
-                p, sc, mn = quant.quantize_groups(g.contiguous(), bits, "mse")
-                codes[bits], scales[bits], mins[bits] = p.view(L, -1), sc.view(L, -1), mn.view(L, -1)
-                col += ncols
-            order = sorted(codes)  # the layout stores bit classes in ascending width
-            parts[s] = dict(codes=torch.cat([codes[b] for b in order], 1),
-                            scale=torch.cat([scales[b] for b in order], 1),
-                            mn=torch.cat([mins[b] for b in order], 1),
-                            basis_t=U[s][..., :r].transpose(-1, -2).reshape(L, H * r, d).contiguous(),
-                            mean=mean[s].contiguous())
-        return parts
-
-    def compress():
+    def compress(s, sync=False):
         k_pre = remove()
-        assign, _, iters = cluster()
-        X, mean, U = factorize(k_pre)
-        parts = quantize(X, mean, U)
-        return parts, iters
+        sets, _ = cluster()
+        return codec_batched.encode_state(k_pre, V, sets, s, device=DEV, sync_timings=sync), sets
 
-    timings = {}
-    for name, fn in (("remove RoPE", remove), ("cluster (k-means++ + Lloyd)", cluster)):
-        timings[name] = cuda_ms(fn, reps=5)
-    k_pre = remove()
-    timings["factorize (Gram + eigh kernel)"] = cuda_ms(lambda: factorize(k_pre), reps=5)
-    X, mean, U = factorize(k_pre)
-    timings["project + quantize (mse, packed)"] = cuda_ms(lambda: quantize(X, mean, U), reps=5)
-    total = host_ms(compress, reps=3)
-    kv_floor = (raw_bytes + raw_bytes * 2) / HBM_BPS * 1e3   # read bf16 KV + fp32 working copy, once
-    report.row(f"compress {T} tokens (total)", total, kv_floor, note="target <= 50 ms, <= 10% of prefill")
-    for name, ms in timings.items():
-        report.row(f"  {name}", ms)
+    ms_remove = cuda_ms(remove, reps=5)
+    ms_cluster = host_ms(lambda: cluster(), reps=5)
+    for label, s in (("joint heads (codec default)", settings), ("per head", per_head)):
+        total = host_ms(lambda: compress(s), reps=3)
+        enc, sets = compress(s, sync=True)
+        stages = dict(enc.timings_ms)
+        serialize = stages.pop("serialize", 0.0) + stages.pop("fit: layer blobs", 0.0)
+        gpu_part = ms_remove + ms_cluster + sum(stages.values())
+        report.row(f"compress, {label}: remove RoPE + cluster + fit + encode", gpu_part,
+                   (raw_bytes + raw_bytes * 2) / HBM_BPS * 1e3,
+                   note="target <= 50 ms; coefficients on the host, blobs not yet serialized")
+        report.row(f"  compress, {label}, end to end incl. blob serialization", total)
+        for name, ms in [("remove RoPE", ms_remove), ("cluster spans (k-means++ + Lloyd kernel)", ms_cluster)] \
+                + list(stages.items()) + [("serialize blobs (codec byte format)", serialize)]:
+            report.row(f"    {name}", ms)
+        report.data[f"compress_info_{label}"] = enc.info
+        if s is settings:
+            enc_main, sets_main = enc, sets
+    # eigendecomposition alternatives (the default's 512x512 blocks have no one-launch kernel)
     try:
-        ms = cuda_ms(lambda: factorize(k_pre, use_native=False), reps=2)
-        report.row("  factorize with torch.linalg.eigh (fallback)", ms, note="for comparison")
+        k_pre = remove()
         Xj = k_pre.permute(0, 2, 1, 3).reshape(L, T, H * d)
-        Gj = (Xj - Xj.mean(1, keepdim=True)).transpose(1, 2) @ (Xj - Xj.mean(1, keepdim=True)) / T
-        ms = cuda_ms(lambda: torch.linalg.eigh(Gj), reps=2)
-        report.row(f"  joint-heads keys: torch eigh of {L} x {H * d}x{H * d}", ms, note="codec default; > 128: no kernel")
+        Xj = Xj - Xj.mean(1, keepdim=True)
+        Gj = Xj.transpose(1, 2) @ Xj / T
+        Xj = None
+        report.row(f"  eigh {L} x {H * d}x{H * d} (joint): torch.linalg.eigh on the GPU", cuda_ms(lambda: torch.linalg.eigh(Gj), reps=3))
+        if DEV == "cuda":
+            try:
+                torch.backends.cuda.preferred_linalg_library("magma")
+                report.row(f"  eigh {L} x {H * d}x{H * d} (joint): magma", cuda_ms(lambda: torch.linalg.eigh(Gj), reps=3))
+            finally:
+                torch.backends.cuda.preferred_linalg_library("default")
+            pool = ThreadPoolExecutor(16)
+            report.row(f"  eigh {L} x {H * d}x{H * d} (joint): host LAPACK, 16 threads, incl. copies",
+                       host_ms(lambda: [f.result() for f in [pool.submit(torch.linalg.eigh, Gj[i].cpu()) for i in range(L)]], reps=3))
+        Xh = k_pre.reshape(L * H, T, d)
+        Xh = Xh - Xh.mean(1, keepdim=True)
+        Gh = Xh.transpose(1, 2) @ Xh / T
+        Xh = None
+        report.row(f"  eigh {L * H} x {d}x{d} (per head): Jacobi kernel", cuda_ms(lambda: eigh.eigh_desc(Gh), reps=3))
+        k_pre = Gj = Gh = None
     except Exception:  # noqa: BLE001
         traceback.print_exc()
-    parts, iters = compress()
-    report.data["kmeans_iters"] = iters
+    raw16 = K.numel() * 2 * 2
 
-    # ---- the state as one pinned host buffer (per layer: K then V tensors, 256-byte aligned) --
-    names = ("codes", "scale", "mn", "basis_t", "mean")
-    layer_chunks, offsets, cursor = [], [], 0
-    for layer in range(L):
-        start = cursor
-        offs = {}
-        for s in (0, 1):
-            for nm in names:
-                t = parts[s][nm][layer]
-                nb = t.numel() * t.element_size()
-                offs[(s, nm)] = (cursor, t.dtype, tuple(t.shape), nb)
-                cursor += (nb + 255) // 256 * 256
-        layer_chunks.append((start, cursor))
-        offsets.append(offs)
-    state_bytes = cursor
-    report.data["state_bytes"] = state_bytes
-    report.data["ratio_vs_bf16"] = raw_bytes / state_bytes
-    host = torch.empty(state_bytes, dtype=torch.uint8, pin_memory=PIN)
-    for layer in range(L):
-        for (s, nm), (off, dt, shape, nb) in offsets[layer].items():
-            src = parts[s][nm][layer].contiguous().view(-1).view(torch.uint8)
-            host[off:off + nb].copy_(src.cpu())
-    staging = torch.empty(state_bytes, dtype=torch.uint8, device=DEV)
-    Kc = torch.empty(L, H, T, d, dtype=torch.bfloat16, device=DEV)
-    Vc = torch.empty_like(Kc)
-    lay = {0: kc[2].to(DEV), 1: vc[2].to(DEV)}
-    boff = {0: kc[1].to(DEV), 1: vc[1].to(DEV)}
+    # GPU encode vs CPU encode (the same codec on both devices), decoded and compared, on a slice
+    try:
+        n_chk = min(T, 2048)
+        kp = remove()[:2, :, :n_chk].contiguous()
+        vs = V[:2, :, :n_chk].float().contiguous()
+        perm = torch.randperm(n_chk, generator=torch.Generator().manual_seed(1))
+        ss = [perm[i::4].sort().values for i in range(4)]
+        eg = codec_batched.encode_state(kp, vs, ss, settings, device=DEV)
+        ec = codec_batched.encode_state(kp.cpu(), vs.cpu(), ss, settings, device="cpu")
+        num = den = errg = errc = 0.0
+        same = tot = 0
+        for layer in range(2):
+            lg, lcp = codec.from_bytes(eg.layer_blobs[layer], codec.LayerCodec), codec.from_bytes(ec.layer_blobs[layer], codec.LayerCodec)
+            for c, idx in enumerate(ss):
+                pg = codec.EncodedPart(*(codec.from_bytes(b) for b in eg.part_blobs[layer][c]))
+                pc = codec.EncodedPart(*(codec.from_bytes(b) for b in ec.part_blobs[layer][c]))
+                same += sum(a == b for a, b in zip(eg.part_blobs[layer][c], ec.part_blobs[layer][c]))
+                tot += 2
+                for (xg, xc), x in zip(zip(codec.decode(lg, pg), codec.decode(lcp, pc)),
+                                       (kp[layer][:, idx].cpu(), vs[layer][:, idx].cpu())):
+                    num += float((xg - xc).norm() ** 2)
+                    den += float(x.norm() ** 2)
+                    errg += float((xg - x).norm() ** 2)
+                    errc += float((xc - x).norm() ** 2)
+        report.data["gpu_vs_cpu_encode"] = {"decoded_rel_diff": (num / den) ** 0.5, "rel_err_gpu": (errg / den) ** 0.5,
+                                            "rel_err_cpu": (errc / den) ** 0.5, "identical_part_blobs": f"{same}/{tot}",
+                                            "identical_layer_blobs": sum(a == b for a, b in zip(eg.layer_blobs, ec.layer_blobs))}
+        print("gpu vs cpu encode:", report.data["gpu_vs_cpu_encode"], flush=True)
+        kp = vs = None
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
 
-    def view(layer, s, nm):
-        off, dt, shape, nb = offsets[layer][(s, nm)]
-        return staging[off:off + nb].view(dt).view(shape)
+    # ---- write a real .upc ----------------------------------------------------------------------
+    path = Path(tempfile.gettempdir()) / "kite_gpu_speed.upc"
+    meta = {"format": "kite-upc", "kite_version": "bench", "fingerprints": {}, "n_tokens": T,
+            "model": {"geometry": {"n_layers": L, "n_kv_heads": H, "head_dim": d}}, "codec": settings.to_json(),
+            "clusters": [{"id": c, "label": f"cluster-{c}", "confidence": 0.0,
+                          "token_ranges": [[int(t), int(t) + 1] for t in idx.tolist()], "n_tokens": int(idx.numel())}
+                         for c, idx in enumerate(sets_main)], "raw_kv_bytes_fp16": raw16}
+    writer = StateWriter()
+    t0 = time.perf_counter()
+    enc_main.add_to(writer, blob_key)
+    t1 = time.perf_counter()
+    size = writer.write(path, meta)
+    t2 = time.perf_counter()
+    report.row("serialize into StateWriter (zstd tried per blob)", (t1 - t0) * 1e3)
+    report.row("write .upc (temp file, fsync, rename)", (t2 - t1) * 1e3, note=f"{size / 1e6:.1f} MB")
+    report.data["state_bytes"] = size
+    report.data["ratio_vs_fp16"] = raw16 / size
+    enc_main = None
 
-    launchers = [[load.prepare_pca_load(dst[layer], view(layer, s, "codes"), view(layer, s, "scale"),
-                                        view(layer, s, "mn"), lay[s], boff[s], view(layer, s, "basis_t"),
-                                        view(layer, s, "mean"), T, cos=cos if s == 0 else None,
-                                        sin=sin if s == 0 else None)
-                  for s, dst in ((0, Kc), (1, Vc))] for layer in range(L)]
+    # ---- load: page cache -> pinned tier -> GPU ---------------------------------------------------
+    sf = StateFile(path)
+    sel = [(c, None) for c in range(len(sets_main))]
+    part_pos = list(sets_main)
+    tier = gpu_load.HotTier(capacity_bytes=4 * size + (1 << 30), pin=PIN)
 
-    def decode_layer(layer):
-        for launch in launchers[layer]:
-            launch()
+    def stage(verify=True, wait=False):
+        return gpu_load.stage_state(sf, sel, part_pos, list(range(L)), n_layers=L, H=H, d=d, verify=verify,
+                                    tier=tier, key=("bench",), threads=8, wait=wait)
 
-    def load_one_copy():
-        staging.copy_(host, non_blocking=True)
+    hot = stage(wait=True)
+    tier.put(hot)
+    with torch.inference_mode():
+        cq, sq = model.model.rotary_emb(torch.zeros(1, device=DEV), hot.positions.to(DEV)[None])
+    cq, sq = cq[0].float().contiguous(), sq[0].float().contiguous()
+    # the device copy of the staged bytes (on the CPU the loader reads the host buffer itself)
+    staging = torch.empty(hot.nbytes, dtype=torch.uint8, device=DEV) if DEV == "cuda" else hot.buffer
+    KV = torch.empty(2, L, H, T, d, dtype=torch.bfloat16, device=DEV)
+    outs = [(KV[0, layer], KV[1, layer]) for layer in range(L)]
+    dest_dev = hot.dest.to(DEV)
+
+    def load_hot(h=None, into=None):
+        gpu_load.load_staged(h or hot, device=DEV, dtype=torch.bfloat16, cos=cq, sin=sq, out=into or outs, staging=staging)
+
+    def load_file(verify=True, into=None):
+        tier.drop(("bench",))
+        h = stage(verify)
+        load_hot(h, into)
+        tier.put(h)
+
+    wire = hot.nbytes / PCIE_BPS * 1e3
+    report.row("load from pinned hot tier (copy + rebuild, pipelined per layer)", cuda_ms(load_hot, reps=10), wire,
+               note=f"state {size / 1e6:.1f} MB = 1/{raw16 / size:.2f} of fp16 KV; target <= 10 ms")
+
+    def rebuild_all():
         for layer in range(L):
-            decode_layer(layer)
+            plan = hot.layers[layer]
+            gpu_load.rebuild_layer(staging[plan.off:plan.off + plan.size], plan, KV[0, layer], KV[1, layer],
+                                   dest=dest_dev, cos=cq, sin=sq, H=H, d=d, rows=hot.rows,
+                                   compute_dtype=torch.bfloat16 if DEV == "cuda" else torch.float32)
 
-    copy_stream = torch.cuda.Stream() if DEV == "cuda" else None
+    report.row(f"  rebuild only ({L} layers x 2 x [dequantize basis, coefficients, matmul, finish])",
+               cuda_ms(rebuild_all, reps=10), (hot.nbytes + raw_bytes) / HBM_BPS * 1e3)
+    report.row("  stage from page cache only (8 threads: preadv into pinned, blake2b, tables)",
+               host_ms(lambda: (tier.drop(("bench",)), tier.put(stage(True, wait=True))), reps=5))
+    report.row("load from .upc in page cache (stage + copy + rebuild, pipelined), checksums verified",
+               host_ms(lambda: load_file(True), reps=5), wire, note="target <= 40 ms")
+    report.row("  same without checksum verification", host_ms(lambda: load_file(False), reps=5), wire)
+    load_hot()
+    sync()
+    # correctness: layer 3 against the codec's host decode + RoPE
+    try:
+        lc_i = min(3, L - 1)
+        lcodec = codec.from_bytes(sf.read(blob_key(None, lc_i)), codec.LayerCodec)
+        ks, vs_ = [], []
+        for c in range(len(sets_main)):
+            part = codec.EncodedPart(codec.from_bytes(sf.read(blob_key(c, lc_i, "K"))),
+                                     codec.from_bytes(sf.read(blob_key(c, lc_i, "V"))))
+            k_, v_ = codec.decode(lcodec, part)
+            ks.append(k_)
+            vs_.append(v_)
+        order = torch.argsort(torch.cat(part_pos))
+        kref = apply_rope(torch.cat(ks, 1)[:, order], cos.cpu(), sin.cpu())
+        vref = torch.cat(vs_, 1)[:, order]
+        for name, got, ref, orig in (("k", KV[0, lc_i], kref, K[lc_i]), ("v", KV[1, lc_i], vref, V[lc_i])):
+            g = got.float().cpu()
+            report.data[f"load_vs_host_decode_{name}"] = {
+                "max_abs_diff_over_max": float((g - ref).abs().max() / ref.abs().max()),
+                "rel_diff": float((g - ref).norm() / ref.norm()),
+                "bf16_rounding_rel": float((ref.bfloat16().float() - ref).norm() / ref.norm()),
+                "recon_rel_err_vs_prefill_kv": float((g - orig.float().cpu()).norm() / orig.float().norm())}
+        print("load vs host decode:", report.data["load_vs_host_decode_k"], report.data["load_vs_host_decode_v"], flush=True)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
 
-    def load_pipelined(src=host):
-        events = []
-        with on_stream(copy_stream):
-            for a, b in layer_chunks:
-                staging[a:b].copy_(src[a:b], non_blocking=True)
-                ev = event()
-                ev.record(copy_stream)
-                events.append(ev)
-        for layer in range(L):
-            wait(events[layer])
-            decode_layer(layer)
-
-    wire_floor = state_bytes / PCIE_BPS * 1e3
-    note = f"state {state_bytes / 1e6:.1f} MB = 1/{raw_bytes / state_bytes:.2f} of bf16 KV"
-    report.row("load from pinned host (one copy, then decode)", cuda_ms(load_one_copy, reps=10), wire_floor, note=note)
-    report.row("load from pinned host (pipelined per layer)", cuda_ms(load_pipelined, reps=10), wire_floor,
-               note="target <= 10 ms")
-    staging.copy_(host)
-    report.row(f"  decode only ({2 * L} fused kernels, HBM-resident)",
-               cuda_ms(lambda: [decode_layer(layer) for layer in range(L)], reps=10),
-               (state_bytes + raw_bytes) / HBM_BPS * 1e3, note="dequant + reconstruct + RoPE -> bf16")
-    # correctness of the GPU load against the torch fallback on one layer
-    lc = min(3, L - 1)
-    ref_k = load.pca_load_torch(torch.empty(H, T, d, dtype=torch.bfloat16, device=DEV), view(lc, 0, "codes"),
-                                view(lc, 0, "scale"), view(lc, 0, "mn"), lay[0], boff[0], view(lc, 0, "basis_t"),
-                                view(lc, 0, "mean"), T, cos=cos, sin=sin)
-    report.data["load_vs_fallback_maxdiff"] = float((Kc[lc].float() - ref_k.float()).abs().max())
-    report.data["load_vs_fallback_maxref"] = float(ref_k.float().abs().max())
-    report.data["recon_rel_err_k_layer3"] = float((Kc[lc].float() - K[lc].float()).norm() / K[lc].float().norm())
-
-    # ---- from a file in the page cache ----------------------------------------------------------
-    path = Path(tempfile.gettempdir()) / "kite_gpu_speed.state"
-    with open(path, "wb") as f:
-        f.write(host.numpy().tobytes())
-    fd = os.open(path, os.O_RDONLY)
-    hostf = torch.empty(state_bytes, dtype=torch.uint8, pin_memory=PIN)
-    buf = hostf.numpy()
-    pool = ThreadPoolExecutor(8)
-
-    def read_chunk(a, b):
-        mv = memoryview(buf)[a:b]
-        got = 0
-        while got < b - a:
-            got += os.preadv(fd, [mv[got:]], a + got)
-
-    def load_file():
-        futures = [pool.submit(read_chunk, a, b) for a, b in layer_chunks]
-        for layer, (a, b) in enumerate(layer_chunks):
-            futures[layer].result()
-            with on_stream(copy_stream):
-                staging[a:b].copy_(hostf[a:b], non_blocking=True)
-                ev = event()
-                ev.record(copy_stream)
-            wait(ev)
-            decode_layer(layer)
-
-    load_file()
-    report.row("load from file in page cache (8 read threads, pipelined)", host_ms(load_file, reps=7),
-               wire_floor, note="target <= 40 ms")
-    os.close(fd)
-    path.unlink()
-
-    # ---- time to first token from the state ----------------------------------------------------
+    # ---- time to first token ------------------------------------------------------------------------
     from transformers import DynamicCache
 
-    def ttft_state():
-        load_pipelined()
-        c = DynamicCache(config=cfg)
-        for layer in range(L):
-            c.update(Kc[layer][None], Vc[layer][None], layer)
-        with torch.inference_mode():
-            o = model(query, past_key_values=c, position_ids=(T + torch.arange(QUERY, device=DEV))[None],
-                      logits_to_keep=1)
-        return o.logits.argmax(-1), c
+    qpos = (T + torch.arange(QUERY, device=DEV))[None]
 
     def assemble():
         c = DynamicCache(config=cfg)
         for layer in range(L):
-            c.update(Kc[layer][None], Vc[layer][None], layer)
+            c.update(KV[0, layer][None], KV[1, layer][None], layer)
         return c
 
-    ms_ttft = host_ms(lambda: ttft_state(), reps=5)
+    def forward_q(c):
+        with torch.inference_mode():
+            return model(query, past_key_values=c, position_ids=qpos, logits_to_keep=1).logits
+
+    def ttft_eager():
+        load_hot()
+        return forward_q(assemble()).argmax(-1)
+
+    ms_ttft = host_ms(ttft_eager, reps=5)
     ms_asm = cuda_ms(assemble, reps=5)
-
-    def first_forward():
-        c = assemble()
-        with torch.inference_mode():
-            model(query, past_key_values=c, position_ids=(T + torch.arange(QUERY, device=DEV))[None],
-                  logits_to_keep=1)
-
-    ms_fwd = cuda_ms(first_forward, reps=5) - ms_asm
-    report.row("TTFT from state (load + cache + 16-token forward)", ms_ttft, note=f"{prefill_ms / ms_ttft:.1f}x "
-               "faster than prefill; target >= 8x")
+    ms_fwd = cuda_ms(lambda: forward_q(assemble()), reps=5) - ms_asm
+    fwd_floor = (2 * n_params + raw_bytes) / HBM_BPS * 1e3
+    report.row("TTFT from the hot tier, eager (load + DynamicCache + 16-token forward)", ms_ttft,
+               note=f"{prefill_ms / ms_ttft:.1f}x faster than prefill; target >= 8x")
     report.row("  cache assembly (DynamicCache.update copies)", ms_asm, raw_bytes * 2 / HBM_BPS * 1e3)
-    report.row("  first forward, 16 query tokens at 16K context", ms_fwd,
-               (2 * n_params + raw_bytes) / HBM_BPS * 1e3, note="floor: bf16 weights + KV read once")
-    _, c = ttft_state()
-    nxt = query[:, :1]
+    report.row("  first forward, 16 query tokens at 16K, eager", ms_fwd, fwd_floor, note="floor: weights + KV once")
+    report.row("TTFT from the .upc in page cache, eager", host_ms(lambda: (load_file(True), forward_q(assemble())), reps=3))
 
-    def one_token():
+    # CUDA graphs over a static cache: the load writes straight into the cache's tensors
+    try:
+        if DEV != "cuda":
+            raise RuntimeError("CUDA graphs need a GPU (skipped)")
+        from transformers import StaticCache
+
+        sc = StaticCache(config=cfg, max_cache_len=T + QUERY + 8)
         with torch.inference_mode():
-            model(nxt, past_key_values=c, position_ids=torch.tensor([[T + QUERY]], device=DEV), logits_to_keep=1)
-        try:
-            c.crop(T + QUERY)   # transformers <= 5.2x: keep this many tokens
-        except ValueError:
-            c.crop(-1)          # newer: remove this many
+            for layer in range(L):   # lazy init of the static tensors + the loaded prefix
+                sc.layers[layer].update(KV[0, layer][None], KV[1, layer][None],
+                                        cache_kwargs={"cache_position": torch.arange(T, device=DEV)})
+        souts = [(sc.layers[layer].keys[0], sc.layers[layer].values[0]) for layer in range(L)]
 
-    report.row("  eager 1-token decode step at 16K (for reference)", cuda_ms(one_token, reps=5),
-               (2 * n_params + raw_bytes) / HBM_BPS * 1e3, vs_prefill=False)
+        def reset(n):
+            for layer in sc.layers:
+                cl = getattr(layer, "cumulative_length", None)
+                if torch.is_tensor(cl):
+                    cl.fill_(n)
+
+        s_ids, s_pos, s_cp = query.clone(), qpos.clone(), qpos[0].clone()
+        s_ids1 = query[:, :1].clone()
+        s_pos1 = torch.tensor([[T + QUERY]], device=DEV)
+        s_cp1 = s_pos1[0].clone()
+
+        def fq():
+            reset(T)
+            return model(s_ids, past_key_values=sc, position_ids=s_pos, cache_position=s_cp, logits_to_keep=1).logits
+
+        def f1():
+            reset(T + QUERY)
+            return model(s_ids1, past_key_values=sc, position_ids=s_pos1, cache_position=s_cp1, logits_to_keep=1).logits
+
+        graphs = {}
+        with torch.inference_mode():
+            eager_q = cuda_ms(fq, reps=5)
+            eager_1 = cuda_ms(f1, reps=5)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for fn in (fq, f1, fq, f1):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            for name, fn in (("q", fq), ("1", f1)):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    o = fn()
+                graphs[name] = (g, o)
+            ref = fq().float()
+            graphs["q"][0].replay()
+            report.data["graph_vs_eager_logits_maxdiff"] = float((graphs["q"][1].float() - ref).abs().max())
+            report.row("  first forward, 16 tokens, static cache, eager", eager_q, fwd_floor)
+            report.row("  first forward, 16 tokens, static cache, CUDA graph", cuda_ms(graphs["q"][0].replay, reps=10),
+                       fwd_floor)
+            report.row("  one-token decode step at 16K, static cache, eager", eager_1, fwd_floor, vs_prefill=False)
+            report.row("  one-token decode step at 16K, static cache, CUDA graph", cuda_ms(graphs["1"][0].replay, reps=10),
+                       fwd_floor, vs_prefill=False)
+
+            def ttft_graph():
+                load_hot(into=souts)
+                graphs["q"][0].replay()
+                return graphs["q"][1].argmax(-1)
+
+            ms_g = host_ms(ttft_graph, reps=5)
+            report.row("TTFT from the hot tier, CUDA graph (load into the static cache + graph replay)", ms_g,
+                       note=f"{prefill_ms / ms_g:.1f}x faster than prefill")
+            ms_gf = host_ms(lambda: (load_file(True, into=souts), graphs["q"][0].replay()), reps=3)
+            report.row("TTFT from the .upc in page cache, CUDA graph", ms_gf, note=f"{prefill_ms / ms_gf:.1f}x")
+        graphs = sc = souts = None
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        report.data["graph_error"] = traceback.format_exc()[-800:]
+
+    # ---- concurrency at a fixed GPU memory budget -------------------------------------------------
+    try:
+        concurrency(report, args, L, H, d, T, cfg, hot, staging, dest_dev, cq, sq, raw_bytes)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        report.data["concurrency_error"] = traceback.format_exc()[-800:]
+    sf.close()
+    path.unlink()
 
     text = report.table(prefill_ms)
     report.data["table"] = text
@@ -518,6 +594,66 @@ def main() -> None:
     print(json.dumps({k: v for k, v in report.data.items() if k not in ("table",) and not isinstance(v, dict)
                       or k in ("checks", "build")}, default=str))
     print(text)
+
+
+def concurrency(report, args, L, H, d, T, cfg, hot, staging, dest, cq, sq, raw_bytes) -> None:
+    """How many T-token sequences fit in a KV budget, raw bf16 vs compressed states on the GPU, and the
+    attention part of one batched decode step for each (every layer: raw = SDPA over the cached KV;
+    compressed = rebuild the layer's KV of a chunk of sequences into a transient buffer, then SDPA).
+    """
+    from kite.upcycle import gpu_load
+
+    torch.cuda.empty_cache() if DEV == "cuda" else None
+    budget = args.kv_budget_gb * 1e9
+    Hq = cfg.num_attention_heads
+    per_layer = 2 * H * T * d * 2
+    n_raw = int(budget // raw_bytes)
+    chunk = args.chunk
+    n_comp = int((budget - chunk * per_layer) // hot.nbytes)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    res = {"budget_gb": args.kv_budget_gb, "raw_bytes_per_seq": raw_bytes, "state_bytes_on_gpu_per_seq": hot.nbytes,
+           "n_raw": n_raw, "n_compressed": n_comp, "chunk": chunk, "transient_bytes": chunk * per_layer}
+    # raw: every sequence's bf16 KV resident
+    kv = torch.empty(L, 2, n_raw, H, T, d, dtype=torch.bfloat16, device=DEV)
+    for layer in range(L):
+        kv[layer].normal_(generator=gen)
+    q = torch.randn(n_raw, Hq, 1, d, dtype=torch.bfloat16, device=DEV, generator=gen)
+
+    def step_raw():
+        for layer in range(L):
+            torch.nn.functional.scaled_dot_product_attention(q, kv[layer, 0], kv[layer, 1], enable_gqa=True)
+
+    res["raw_step_attention_ms"] = cuda_ms(step_raw, reps=5)
+    res["raw_floor_ms"] = n_raw * raw_bytes / HBM_BPS * 1e3
+    kv = q = None
+    torch.cuda.empty_cache() if DEV == "cuda" else None
+    # compressed: n_comp staged states resident (copies of one), rebuilt per layer in chunks
+    states = torch.empty(n_comp, hot.nbytes, dtype=torch.uint8, device=DEV)
+    states.copy_(staging[:hot.nbytes].expand(n_comp, -1))
+    kt = torch.empty(2, chunk, H, T, d, dtype=torch.bfloat16, device=DEV)
+    q = torch.randn(n_comp, Hq, 1, d, dtype=torch.bfloat16, device=DEV, generator=gen)
+    cdt = torch.bfloat16 if DEV == "cuda" else torch.float32
+
+    def step_comp():
+        for layer in range(L):
+            plan = hot.layers[layer]
+            for c0 in range(0, n_comp, chunk):
+                m = min(chunk, n_comp - c0)
+                for j in range(m):
+                    gpu_load.rebuild_layer(states[c0 + j, plan.off:plan.off + plan.size], plan, kt[0, j], kt[1, j],
+                                           dest=dest, cos=cq, sin=sq, H=H, d=d, rows=hot.rows, compute_dtype=cdt)
+                torch.nn.functional.scaled_dot_product_attention(q[c0:c0 + m], kt[0, :m], kt[1, :m], enable_gqa=True)
+
+    res["compressed_step_attention_ms"] = cuda_ms(step_comp, reps=2)
+    res["compressed_floor_ms"] = n_comp * hot.nbytes / HBM_BPS * 1e3
+    states = kt = q = None
+    report.data["concurrency"] = res
+    report.row(f"concurrency at {args.kv_budget_gb:g} GB of KV: raw bf16, {n_raw} x {T}-token sequences, "
+               "attention of one decode step", res["raw_step_attention_ms"], res["raw_floor_ms"], vs_prefill=False,
+               note=f"{n_raw} sequences")
+    report.row(f"concurrency at {args.kv_budget_gb:g} GB: compressed states, {n_comp} sequences "
+               f"({n_comp / max(1, n_raw):.2f}x), rebuilt per layer", res["compressed_step_attention_ms"],
+               res["compressed_floor_ms"], vs_prefill=False, note="target >= 3x the sequences")
 
 
 if __name__ == "__main__":

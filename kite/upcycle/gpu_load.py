@@ -36,7 +36,7 @@ from kite.errors import BadInput
 from kite.kernels.load import pca_coefs, pca_finish
 from kite.upcycle.state_file import StateFile
 
-__all__ = ["HotTier", "HotState", "stage_state", "load_staged", "supports_state", "default_tier"]
+__all__ = ["HotTier", "HotState", "stage_state", "load_staged", "rebuild_layer", "supports_state", "default_tier"]
 
 _ALIGN = 256
 _DT = {"f32": (np.float32, 4), "f16": (np.float16, 2), "bf16": (None, 2), "f8e4m3": (None, 1), "u8": (np.uint8, 1),
@@ -474,45 +474,54 @@ def load_staged(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor 
                 ev = torch.cuda.Event()
                 ev.record(copy_stream)
             main.wait_event(ev)
-        v = _Views(region)
         if out is not None:
             k_out, v_out = out[layer]
         else:
             k_out, v_out = alloc[0, layer], alloc[1, layer]
-        for side, dst in (("k", k_out), ("v", v_out)):
-            sp = plan.sides[side]
-            R, B, D = sp.R, sp.B, sp.D
-            P = len(sp.parts_tab_host)
-            if sp.basis_kind == "int":
-                btab, bbits, bbitoff, bgoff, btab_host = sp.basis
-                Bt = torch.empty(R, D, dtype=cdt, device=dev)
-                pca_coefs(region, v.t(btab, torch.int64, 6).view(1, 6), D, v.t(bbits, torch.uint8, R),
-                          v.t(bbitoff, torch.int64, R).view(1, R), v.t(bgoff, torch.int64, R).view(1, R), Bt,
-                          tab_host=btab_host)
-            else:
-                off, dt, Dn, Rn = sp.basis
-                tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dt]
-                Bt = v.t(off, tdt, Dn * Rn).view(Dn, Rn).t().to(cdt)
-            Ct = torch.empty(R, T, dtype=cdt, device=dev)
-            pca_coefs(region, v.t(sp.parts_tab, torch.int64, 6 * P).view(P, 6), sp.max_T,
-                      v.t(sp.col_bits, torch.uint8, R), v.t(sp.col_bitoff, torch.int64, P * R).view(P, R),
-                      v.t(sp.col_goff, torch.int64, P * R).view(P, R), Ct, tab_host=sp.parts_tab_host)
-            if B == 1:
-                Y = Ct.t() @ Bt if R else torch.zeros(T, D, dtype=cdt, device=dev)
-            else:
-                Y = torch.zeros(B, T, D, dtype=cdt, device=dev)
-                for b in range(B):
-                    lo, hi = sp.blk_off[b], sp.blk_off[b + 1]
-                    if hi > lo:
-                        torch.mm(Ct[lo:hi].t(), Bt[lo:hi], out=Y[b])
-            mean = v.t(sp.mean, torch.float32, H * d)
-            ovr = v.t(sp.ovr, torch.int64, 4 * sp.n_ovr).view(-1, 4) if sp.n_ovr else None
-            rope = side == "k" and cos is not None
-            pca_finish(dst, Y, mean, D, dest=dest, ovr=ovr, ovr_host=sp.ovr_host, base=region,
-                       cos=cos if rope else None, sin=sin if rope else None)
+        rebuild_layer(region, plan, k_out, v_out, dest=dest, cos=cos, sin=sin, H=H, d=d, rows=T,
+                      compute_dtype=cdt)
         keys[layer] = k_out if out is not None else alloc[0, layer]
         values[layer] = v_out if out is not None else alloc[1, layer]
     return keys, values
+
+
+def rebuild_layer(region: torch.Tensor, plan: _LayerPlan, k_out: torch.Tensor, v_out: torch.Tensor, *,
+                  dest: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, H: int, d: int, rows: int,
+                  compute_dtype: torch.dtype) -> None:
+    """One staged layer (``region``: its bytes, on the output's device) -> keys / values rows."""
+    dev, cdt, T = k_out.device, compute_dtype, rows
+    v = _Views(region)
+    for side, dst in (("k", k_out), ("v", v_out)):
+        sp = plan.sides[side]
+        R, B, D = sp.R, sp.B, sp.D
+        P = len(sp.parts_tab_host)
+        if sp.basis_kind == "int":
+            btab, bbits, bbitoff, bgoff, btab_host = sp.basis
+            Bt = torch.empty(R, D, dtype=cdt, device=dev)
+            pca_coefs(region, v.t(btab, torch.int64, 6).view(1, 6), D, v.t(bbits, torch.uint8, R),
+                      v.t(bbitoff, torch.int64, R).view(1, R), v.t(bgoff, torch.int64, R).view(1, R), Bt,
+                      tab_host=btab_host)
+        else:
+            off, dt, Dn, Rn = sp.basis
+            tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dt]
+            Bt = v.t(off, tdt, Dn * Rn).view(Dn, Rn).t().to(cdt)
+        Ct = torch.empty(R, T, dtype=cdt, device=dev)
+        pca_coefs(region, v.t(sp.parts_tab, torch.int64, 6 * P).view(P, 6), sp.max_T,
+                  v.t(sp.col_bits, torch.uint8, R), v.t(sp.col_bitoff, torch.int64, P * R).view(P, R),
+                  v.t(sp.col_goff, torch.int64, P * R).view(P, R), Ct, tab_host=sp.parts_tab_host)
+        if B == 1:
+            Y = Ct.t() @ Bt if R else torch.zeros(T, D, dtype=cdt, device=dev)
+        else:
+            Y = torch.zeros(B, T, D, dtype=cdt, device=dev)
+            for b in range(B):
+                lo, hi = sp.blk_off[b], sp.blk_off[b + 1]
+                if hi > lo:
+                    torch.mm(Ct[lo:hi].t(), Bt[lo:hi], out=Y[b])
+        mean = v.t(sp.mean, torch.float32, H * d)
+        ovr = v.t(sp.ovr, torch.int64, 4 * sp.n_ovr).view(-1, 4) if sp.n_ovr else None
+        rope = side == "k" and cos is not None
+        pca_finish(dst, Y, mean, D, dest=dest, ovr=ovr, ovr_host=sp.ovr_host, base=region,
+                   cos=cos if rope else None, sin=sin if rope else None)
 
 
 _STREAMS: dict = {}
