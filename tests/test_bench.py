@@ -240,3 +240,24 @@ def test_kivi_spends_the_budget(budget_fraction):
     assert prefix.keys[0].shape == (H, T - cache.first_token, d)
     err = (prefix.values[0] - full.values[0][:, cache.first_token:]).abs().mean()
     assert err < 0.5
+
+
+def test_completion_prompts_and_the_scored_answer(tmp_path):
+    from kite.bench.cases import BenchCase, load_cases
+    from kite.bench.runner import answer_text, prompt_text
+    from kite.errors import BadInput
+
+    base = dict(id="c/q0", family="qa", document="d", question="Which court?", reference="Paris",
+                label=None, where="f:1")
+    assert prompt_text(BenchCase(**base)) == ("Which court?", True)
+    text, chat = prompt_text(BenchCase(**base, prompt="In short, the courts in"))
+    assert text == "\nIn short, the courts in" and not chat
+    assert answer_text("  Paris.\nThe Supplier shall") == "Paris."
+    bad = tmp_path / "bad.jsonl"
+    case = _case("a", DOC_A, "qa", "Which court?", "Shanghai")
+    case["questions"][0]["prompt"] = " "
+    bad.write_text(json.dumps(case) + "\n")
+    with pytest.raises(BadInput, match="prompt must be a non-empty string"):
+        load_cases(bad)
+    # every bundled question carries its completion-style prompt
+    assert all(c.prompt for c in load_cases(REPO / "configs" / "bench_cases.jsonl"))

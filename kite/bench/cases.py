@@ -26,6 +26,10 @@ class BenchCase:
     reference: str
     label: str | None
     where: str  # "file:line" of the contract record, for error messages
+    # What the model is asked to continue (docs/bench-cases.md): a completion-style sentence
+    # start whose continuation is `reference`. None (hand-written cases without one): the
+    # question itself is the prompt, through the chat template.
+    prompt: str | None = None
 
     @property
     def document_key(self) -> str:
@@ -67,9 +71,14 @@ def expand(records: list[dict], path: str | os.PathLike[str], families: list[str
             taken[fam] = taken.get(fam, 0) + 1
             if not q["answer"].strip():
                 raise BadInput(f"{where}: case {rec['id']!r} question {k}: the reference answer is empty")
+            prompt = q.get("prompt")
+            if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
+                raise BadInput(f"{where}: case {rec['id']!r} question {k}: prompt must be a "
+                               "non-empty string")
             cases.append(BenchCase(id=f"{rec['id']}/{q.get('id', f'q{k}')}", family=fam,
                                    document=document_for(rec, fam), question=q["question"],
-                                   reference=q["answer"], label=q.get("label"), where=where))
+                                   reference=q["answer"], label=q.get("label"), where=where,
+                                   prompt=prompt))
     if not cases:
         raise BadInput(f"{path}: no questions of the families asked for ({', '.join(sorted(wanted))})")
     return cases

@@ -50,13 +50,33 @@ def check_methods(names: list[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def prompt_ids(lm, question: str, chat: bool) -> list[int]:
-    """The question as the prompt after the document (no BOS: it continues the document)."""
+def prompt_text(case: BenchCase) -> tuple[str, bool]:
+    """(text the model continues after the document, whether it goes through the chat template).
+
+    A case with a completion-style `prompt` is asked as `\nP`: of the formats measured, the one
+    with the best full-prefill F1 (docs/bench-cases.md, "Prompt format"); a case without one
+    asks its question through the chat template. YOCO's signals read the question either way."""
+    if case.prompt is None:
+        return case.question, True
+    return f"\n{case.prompt}", False
+
+
+def prompt_ids(lm, case: BenchCase, chat: bool = True) -> list[int]:
+    """The case's prompt after the document (no BOS: it continues the document). `chat=False`
+    asks a case without a `prompt` as `\nQuestion: Q\nAnswer:` instead of a chat turn."""
     from kite.runtime.generate import encode_prompt
 
-    use_chat = chat and bool(getattr(lm.tokenizer, "chat_template", None))
-    text = question if use_chat else f"\nQuestion: {question}\nAnswer:"
+    text, wants_chat = prompt_text(case)
+    use_chat = wants_chat and chat and bool(getattr(lm.tokenizer, "chat_template", None))
+    if wants_chat and not use_chat:
+        text = f"\nQuestion: {case.question}\nAnswer:"
     return encode_prompt(lm.tokenizer, text, chat=use_chat, add_special_tokens=False)
+
+
+def answer_text(generated: str) -> str:
+    """The answer scored for F1 / exact match: the generated text up to its first line break
+    (a base-model continuation runs on past the answer; the same cut for every method)."""
+    return generated.strip().split("\n", 1)[0]
 
 
 def check_lengths(lm, cases: list[BenchCase], max_new_tokens: int, chat: bool) -> dict[str, tuple]:
@@ -68,7 +88,7 @@ def check_lengths(lm, cases: list[BenchCase], max_new_tokens: int, chat: bool) -
     out = {}
     for c in cases:
         ids = docs.setdefault(c.document_key, document_ids(lm, c.document))
-        p = prompt_ids(lm, c.question, chat)
+        p = prompt_ids(lm, c, chat)
         ref = lm.tokenizer(" " + c.reference.strip(), add_special_tokens=False)["input_ids"]
         need = len(ids) + len(p) + max(len(ref), max_new_tokens)
         if limit and need > limit:
@@ -227,8 +247,9 @@ def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
                 cmp = compare_logits(full_logits, logits, torch.tensor(ref_ids))
                 peak, source = memory_peak_gb(lm.device)
                 row["methods"][name] = {
-                    "text": ans.text, "f1": round(f1_score(ans.text, case.reference), 4),
-                    "exact_match": exact_match(ans.text, case.reference),
+                    "text": ans.text, "answer": answer_text(ans.text),
+                    "f1": round(f1_score(answer_text(ans.text), case.reference), 4),
+                    "exact_match": exact_match(answer_text(ans.text), case.reference),
                     "ppl": round(ppl, 4), "ttft_ms": round(ans.ttft_ms, 3),
                     "beats_no_document": ppl < ppl_none,
                     "latency_ms": round(ans.latency_ms, 3), "tokens_per_s": ans.tokens_per_s,

@@ -178,7 +178,7 @@ def _answer_all(lm, cfg, cases, states_dir, seed, progress, stage, cleanup) -> l
                 prep.data = state
             current = (case.document_key, doc, prep)
         _, doc, prep = current
-        ans = method.answer(lm, doc, prep, case.question, prompt_ids(lm, case.question, True), gen)
+        ans = method.answer(lm, doc, prep, case.question, prompt_ids(lm, case), gen)
         texts.append(ans.text)
         if progress:
             progress(stage, i + 1, len(cases))

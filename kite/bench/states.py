@@ -34,8 +34,11 @@ class StateRef:
 def settings_key(settings, tagger) -> str:
     from kite.upcycle.tagger_setup import describe
 
+    tagged = describe(tagger)
+    if tagged is not None:  # the query head tags questions, not the state: states are reused
+        tagged = {k: v for k, v in tagged.items() if k != "query_head"}
     blob = json.dumps([settings.codec.to_json(), settings.n_clusters, settings.min_span_tokens,
-                       settings.max_span_tokens, describe(tagger)], sort_keys=True, default=str)
+                       settings.max_span_tokens, tagged], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 

@@ -12,9 +12,10 @@ import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from kite.data.clauses import (ACTIVITIES, ADJECTIVES, BOILERPLATE, BY_ID, DEFINITIONS, DEPTS,
-                               EXTRA, FUZZY, LABELS, MAIN, METRICS, NEEDLES, PHASES, QA, RESOURCES,
-                               SCHEDULE_ITEMS, SCOPE_SENTENCES, THINGS, VERBS)
+from kite.data.clauses import (ACTIVITIES, ADJECTIVES, BOILERPLATE, BY_ID, CLOZE, CLOZE_PAY_DAYS,
+                               DEFINITIONS, DEPTS, EXTRA, FUZZY, LABELS, MAIN, METRICS, NEEDLES,
+                               PHASES, QA, RESOURCES, SCHEDULE_ITEMS, SCOPE_SENTENCES, THINGS,
+                               VERBS)
 from kite.errors import BadInput
 
 FORMAT_VERSION = 1
@@ -338,39 +339,50 @@ def _render(c: _Contract, version: str) -> dict:
 
 
 def _questions(rng: random.Random, c: _Contract, changed: list[str]) -> list[dict]:
+    """The questions of one contract. Each has a `question` (as a user would ask it: YOCO's
+    query) and a `prompt` (a completion-style sentence start whose continuation is `answer`:
+    what the bench asks the model). The random draws are those of format 1 before prompts."""
     cur, prev = c.facts["current"], c.facts["previous"]
     py = c.slots["prev_year"]
     qs: list[dict] = [{"family": "summary", "label": None,
                        "question": "Summarize the main obligations and terms of this contract.",
+                       "prompt": "In short, the main terms of this Agreement are:",
                        "answer": _summary(c)}]
     for lab in LABELS:
         qs.append({"family": "qa", "label": lab, "question": rng.choice(QA[lab]),
-                   "answer": _key_fact(lab, cur)})
+                   "prompt": CLOZE[lab], "answer": _key_fact(lab, cur)})
+    needle_stem = c.slots["needle_sentence"].split(c.slots["needle_code"])[0].rstrip()
     qs.append({"family": "needle", "label": None, "question": c.slots["needle_question"],
+               "prompt": f"In short, {needle_stem[0].lower()}{needle_stem[1:]}",
                "answer": c.slots["needle_code"]})
     for lab in rng.sample(list(LABELS), 3):
         qs.append({"family": "fuzzy", "label": lab, "question": rng.choice(FUZZY[lab]),
+                   "prompt": CLOZE_PAY_DAYS if lab == "payment" else CLOZE[lab],
                    "answer": cur["pay_days"] if lab == "payment" else _key_fact(lab, cur)})
     qs.append({"family": "multihop", "label": "breach",
                "question": ("Find the clause about the other party's rights after a breach and "
                             f"compare it with the {py} version: what changed?"),
-               "answer": f"The liquidated damages changed from {prev['penalty']} in the {py} "
-                         f"version to {cur['penalty']}.",
+               "prompt": f"In short, compared with the {py} version, the liquidated damages "
+                         "changed from",
+               "answer": f"{prev['penalty']} in the {py} version to {cur['penalty']}.",
                "answer_previous": prev["penalty"], "answer_current": cur["penalty"]})
     other = [lab for lab in changed if lab != "breach"]
     lab = rng.choice(other)
     qs.append({"family": "multihop", "label": lab,
                "question": f"How does the {BY_ID[lab].en} clause differ from the {py} version?",
-               "answer": f"It changed from {_key_fact(lab, prev)} in the {py} version to "
-                         f"{_key_fact(lab, cur)}.",
+               "prompt": f"In short, the {BY_ID[lab].en} clause changed from",
+               "answer": f"{_key_fact(lab, prev)} in the {py} version to {_key_fact(lab, cur)}.",
                "answer_previous": _key_fact(lab, prev), "answer_current": _key_fact(lab, cur)})
     same = rng.choice([x for x in LABELS if x not in changed])
     qs.append({"family": "multihop", "label": same,
                "question": f"Did the {BY_ID[same].en} clause change since the {py} version?",
-               "answer": f"No, it is unchanged: {_key_fact(same, cur)} in both versions.",
+               "prompt": f"In short, compared with the {py} version, the {BY_ID[same].en} "
+                         "clause is",
+               "answer": f"unchanged: {_key_fact(same, cur)} in both versions.",
                "answer_previous": _key_fact(same, prev), "answer_current": _key_fact(same, cur)})
     qs.append({"family": "multihop", "label": None,
                "question": f"Which clauses changed between the {py} version and this one?",
+               "prompt": f"In short, the clauses that changed since the {py} version are",
                "answer": ", ".join(BY_ID[x].en for x in changed) + ".",
                "answer_labels": list(changed)})
     for k, q in enumerate(qs):

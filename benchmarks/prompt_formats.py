@@ -1,0 +1,103 @@
+"""Which prompt format lets the embedded model answer bench questions from the whole document?
+
+Full prefill only (no state, no baseline: the format must not be tuned on a method being
+compared): each generated contract is prefilled once, then every question is asked in each
+format, greedy, and the answer scored with token F1 / exact match against its reference, on the
+whole generated text and on its first line. Contracts of another seed than the bundled bench set.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/prompt_formats.py --n 3 --seed 3 --json out/formats.json
+
+Formats: `chat` (the question through the chat template, what the bench asked before),
+`question` ("\\nQuestion: Q\\nAnswer:"), `question_cloze` ("\\nQuestion: Q\\nAnswer: P"), `cloze`
+("\\nP"), where P is the question's completion-style `prompt` (kite.data.contracts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+FORMATS = ("chat", "question", "question_cloze", "cloze")
+
+
+def format_text(fmt: str, question: str, prompt: str) -> tuple[str, bool]:
+    """(text, through the chat template)."""
+    if fmt == "chat":
+        return question, True
+    if fmt == "question":
+        return f"\nQuestion: {question}\nAnswer:", False
+    if fmt == "question_cloze":
+        return f"\nQuestion: {question}\nAnswer: {prompt}", False
+    if fmt == "cloze":
+        return f"\n{prompt}", False
+    raise ValueError(fmt)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=1500)
+    ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default=None, help="write every answer here")
+    args = ap.parse_args()
+
+    import torch
+
+    from kite.bench.cases import document_for
+    from kite.bench.document import document_ids, prefill_document
+    from kite.bench.scoring import exact_match, f1_score
+    from kite.data.contracts import generate_contracts
+    from kite.model import load_model
+    from kite.runtime.generate import encode_prompt, generate
+
+    torch.set_num_threads(args.threads)
+    formats = args.formats.split(",")
+    lm = load_model(None)
+    rows = []
+    t0 = time.perf_counter()
+    for rec in generate_contracts(args.n, args.tokens, args.seed):
+        by_doc: dict[str, list[dict]] = {}
+        for q in rec["questions"]:
+            by_doc.setdefault(document_for(rec, q["family"]), []).append(q)
+        for doc_text, qs in by_doc.items():
+            ids = document_ids(lm, doc_text)
+            doc = prefill_document(lm, rec["id"], ids)
+            for q in qs:
+                for fmt in formats:
+                    text, chat = format_text(fmt, q["question"], q["prompt"])
+                    p = encode_prompt(lm.tokenizer, text, chat=chat, add_special_tokens=False)
+                    g = generate(lm, p, prefix=doc.full, max_new_tokens=args.max_new_tokens,
+                                 temperature=0.0)
+                    first = g.text.strip().split("\n")[0]
+                    rows.append({"contract": rec["id"], "id": q["id"], "family": q["family"],
+                                 "format": fmt, "text": g.text, "reference": q["answer"],
+                                 "f1": f1_score(g.text, q["answer"]),
+                                 "f1_first_line": f1_score(first, q["answer"]),
+                                 "em": exact_match(g.text, q["answer"])})
+            print(f"{rec['id']}: {len(qs)} questions, {len(ids)} tokens "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    fams = sorted({r["family"] for r in rows})
+    print(f"\nfull-prefill answers, mean F1 (whole text / first line / exact match), "
+          f"{len(rows) // len(formats)} questions")
+    print("| format | " + " | ".join(fams) + " | all |")
+    print("|---|" + "---|" * (len(fams) + 1))
+    for fmt in formats:
+        cells = []
+        for fam in [*fams, None]:
+            sel = [r for r in rows if r["format"] == fmt and (fam is None or r["family"] == fam)]
+            cells.append(f"{statistics.mean(r['f1'] for r in sel):.3f} / "
+                         f"{statistics.mean(r['f1_first_line'] for r in sel):.3f} / "
+                         f"{statistics.mean(r['em'] for r in sel):.2f}")
+        print(f"| {fmt} | " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
