@@ -138,11 +138,42 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return (v >> (pos & 7).to(torch.int32)) & ((1 << bits) - 1)
 
 
-def _blob_bytes(meta: dict, table: list[tuple[str, str, list[int], bytes]]) -> bytes:
-    """codec.to_bytes of a blob given as (name, dtype name, shape, raw bytes) rows, in order."""
+def _blob_bytes(meta: dict, table: list[tuple[str, str, list[int], object]]) -> bytes:
+    """codec.to_bytes of a blob given as (name, dtype name, shape, bytes or list of buffers) rows."""
     head = codec.json.dumps({"m": meta, "t": [[n, dt, list(sh)] for n, dt, sh, _ in table]},
                             separators=(",", ":")).encode()
-    return b"".join([codec._MAGIC, codec.struct.pack("<I", len(head)), head] + [b for *_, b in table])
+    bufs = [codec._MAGIC, codec.struct.pack("<I", len(head)), head]
+    for *_, b in table:
+        if isinstance(b, list):
+            bufs += b
+        else:
+            bufs.append(b)
+    return b"".join(bufs)
+
+
+_PINNED: dict = {}
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """uint8 device tensors -> numpy views of host copies: one reusable pinned buffer per call site
+    on a GPU (asynchronous copies; call _host_sync before reading them), plain .cpu() elsewhere."""
+    if not tensors or not tensors[0].is_cuda:
+        return [t.cpu().numpy() for t in tensors]
+    out = []
+    for t in tensors:
+        n = t.numel()
+        key = len(_PINNED)
+        buf = torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=True)
+        _PINNED[key] = buf   # kept alive until _host_sync
+        buf[:n].copy_(t.reshape(-1), non_blocking=True)
+        out.append(buf[:n].numpy())
+    return out
+
+
+def _host_sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    _PINNED.clear()
 
 
 @dataclass
@@ -380,7 +411,10 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
         cb = torch.zeros(L, R_max, dtype=torch.long)
         for layer in range(L):
             cb[layer, :len(side.colbits[layer])] = torch.from_numpy(side.colbits[layer])
-        cb_d = cb.to(dev)
+        sel_idx = {}   # bit width -> (layer, column) index tensors on the device (no mask: no sync)
+        for bw in sorted(set(int(x) for x in cb.unique().tolist()) - {0}):
+            li, ci = torch.nonzero(cb == bw, as_tuple=True)
+            sel_idx[bw] = (li.to(dev), ci.to(dev))
         for c, t_set in enumerate(sets):
             a, b = int(bounds[c]), int(bounds[c + 1])
             Tc = b - a
@@ -401,9 +435,8 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
                 C = torch.cat([C, C[:, :, -1:].expand(L, R_max, padded - Tc)], dim=2)
             G = C.reshape(L, R_max, padded // gs, gs)
             layouts[(prefix, c)] = (gs, padded)
-            for bw in sorted(set(int(x) for x in cb.unique().tolist()) - {0}):
-                m = cb_d == bw
-                rows = G[m].reshape(-1, gs)                                      # (layer, column, group)
+            for bw, (li, ci) in sel_idx.items():
+                rows = G[li, ci].reshape(-1, gs)                                  # (layer, column, group)
                 per_layer = (cb == bw).sum(dim=1) * (padded // gs)
                 jobs.setdefault((gs, bw), []).append((prefix, c, rows, per_layer))
         del Ct
@@ -417,9 +450,7 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
         if aligned:
             allrows = torch.cat([it[2] for it in items]) if len(items) > 1 else items[0][2]
             packed, scale, mn = quantize_groups(allrows.contiguous(), bw, s.range_mode if bw < 8 else "minmax")
-            packed_h = packed.cpu().numpy()
-            scale_h = scale.cpu().view(torch.uint8).numpy()
-            mn_h = mn.cpu().view(torch.uint8).numpy()
+            packed_h, scale_h, mn_h = _to_host([packed, scale.view(torch.uint8), mn.view(torch.uint8)])
             per = gs * bw // 8
             g0 = 0
             for prefix, c, _, per_layer in items:
@@ -441,6 +472,7 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
                                                            m.cpu().view(torch.uint8).numpy())
                     g0 += n
     out_x_h = {k: v.cpu() for k, v in out_x.items()}
+    _host_sync(dev)
     clock.lap("encode: quantize + to host")
 
     # ---- part blobs ------------------------------------------------------------------------------
@@ -462,11 +494,11 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
                     table.append(("out.x", "f16", list(x.shape), x.contiguous().view(torch.uint8).numpy().tobytes()))
                 if widths:
                     parts = [results[(prefix, c, layer, bw)] for bw in widths]
-                    codes = b"".join(p[0].tobytes() for p in parts)
-                    sc = b"".join(p[1].tobytes() for p in parts)
-                    mn = b"".join(p[2].tobytes() for p in parts)
-                    table += [("codes", "u8", [len(codes)], codes), ("scale", "f16", [len(sc) // 2], sc),
-                              ("min", "f16", [len(mn) // 2], mn)]
+                    n_codes = sum(p[0].size for p in parts)
+                    n_sc = sum(p[1].size for p in parts) // 2
+                    table += [("codes", "u8", [n_codes], [p[0] for p in parts]),
+                              ("scale", "f16", [n_sc], [p[1] for p in parts]),
+                              ("min", "f16", [n_sc], [p[2] for p in parts])]
                 pair.append(_blob_bytes({"T": Tc}, table))
             row.append((pair[0], pair[1]))
         part_blobs.append(row)

@@ -244,8 +244,8 @@ def _table_bound(H: int, d: int, P: int, s: dict) -> int:
     D = HD if s.get("joint_heads") else d
     basis_float = 0 if str(s.get("basis_fmt", "int8")).startswith("int") else D * HD * 4 + 16
     n_ovr = int(s.get("sink_tokens", 1)) + P * int(s.get("outliers", 0))
-    per_side = (4 * HD + 16) + (HD + 16) + (48 + 16 * HD + 32) + basis_float + (48 * P + 16) + (16 * P * HD + 32) \
-        + (32 * n_ovr + 16)
+    # mean, column widths, basis table + widths + offsets, parts table, column offsets, sinks
+    per_side = 4 * HD + HD + (48 + 17 * HD) + basis_float + 48 * P + 16 * P * HD + 32 * n_ovr + 16 * 12
     return 2 * per_side + 64
 
 
