@@ -1,25 +1,29 @@
-"""GPU speed of KITE's native runtime on Qwen2-7B geometry: build, check, time, in one run.
+"""GPU speed of KITE's real GPU path on Qwen2-7B geometry: build, check, time, in one run.
 
-    python benchmarks/gpu_speed.py [--tokens 16384] [--out out/gpu_speed.json] [--no-build]
+    python benchmarks/gpu_speed.py [--tokens 16384] [--ratio 4] [--kv-budget-gb 40] [--out out/gpu_speed.json]
+    python benchmarks/gpu_speed.py --cpu-smoke --no-build --tokens 1024   # the same code on the CPU
 
 Random-weight Qwen2-7B (28 layers, 28 query / 4 KV heads, head_dim 128, bf16, sdpa) and a
-random-token document. Figures (CUDA events, median of repeats after a warm-up):
+random-token document. Figures (CUDA events or synchronized host clocks, median of repeats after
+a warm-up):
 
-* prefill of the document (the work a state replaces);
-* compress = remove RoPE + cluster spans (k-means++ seeding in torch, Lloyd iterations native)
-  + factorize (per (layer, head, K|V) Gram + batched eigendecomposition, one launch)
-  + project and quantize the coefficients (per-column groups of 256 tokens, bit packing);
-* load into a bf16 KV cache from pinned host memory (one copy; and pipelined per layer), and
-  from a file in the page cache (threaded reads into pinned memory, pipelined per layer);
-* time to first token from the state (load + cache assembly + the query's forward) vs prefill.
+* prefill of the document + a 16-token query (the work a state replaces);
+* compress with the real codec (``kite.upcycle.codec_batched``: remove RoPE, cluster 64-token
+  spans with k-means, fit every layer in one batched Gram + eigh per side, vectorized bit
+  allocation, project + quantize every (cluster, layer) part), for the codec default (joint-head
+  PCA, 512x512 blocks) and per head; the blobs are serialized and a real ``.upc`` is written;
+* load that ``.upc`` (``kite.upcycle.gpu_load``): from the pinned hot tier (one copy per layer +
+  dequantize / tensor-core matmul / finish, replayed from CUDA graphs), and from the file in the
+  page cache (staging into pinned memory with checksums, then the same);
+* time to first token from the state (load + cache + the query's forward), eager and with the
+  forward captured in a CUDA graph over a static cache that the load writes into;
+* concurrency at a fixed KV budget: 16K-token sequences as raw bf16 KV vs as compressed states
+  resident on the GPU, and the attention part of one batched decode step for each.
 
-Each figure is printed with its ratio to the prefill it replaces and to its hardware floor:
-bytes moved over HBM bandwidth (4.8 TB/s) or PCIe (55 GB/s) for host tiers, FLOPs over the bf16
-matrix rate (790 TFLOP/s measured on these H200s) for prefill. The state here is one part per
-layer (the whole document) with a fixed bit allocation (K: 32 components at 4 bits, 32 at 3,
-32 at 2; V: 64 at 4, 32 at 3, 32 at 2) standing in for the codec's greedy one; the file is the
-state's raw tensor bytes (no .upc header / checksums). Random weights make the KV far from low
-rank, so reconstruction error here says nothing about quality.
+Each figure is printed with its ratio to the prefill and to its hardware floor: bytes over HBM
+bandwidth (4.8 TB/s) or PCIe (55 GB/s) for host tiers, FLOPs over the bf16 matrix rate (790
+TFLOP/s) for prefill. Random weights make the KV far from low rank, so the reconstruction errors
+printed here say nothing about quality (that is measured on the embedded model).
 """
 
 from __future__ import annotations
