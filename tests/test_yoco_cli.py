@@ -29,7 +29,7 @@ def run(*args: str):
 def test_validate_ok():
     r = run("validate", str(RULES / "yoco_rules.yaml"), "--labels", "违约责任,管辖法院", "--layers", "30")
     assert r.exit_code == 0, r.output
-    assert "ok" in r.stdout and "6 rules" in r.stdout
+    assert "ok" in r.stdout and "5 rules" in r.stdout
 
 
 def test_validate_reports_every_error_with_carets_and_exits_2(tmp_path):
@@ -70,13 +70,13 @@ def test_validate_missing_file():
 
 
 def test_decide_json_and_human(tmp_path):
-    sig = {"intent_entropy": 4.0, "query_label": "违约责任", "label_entropy": 0.2}
+    sig = {"hardware_watermark.gpu_mem": 0.95, "query_label": "违约责任", "label_entropy": 0.2}
     r = run("decide", "--rules", str(RULES / "yoco_rules.yaml"), "--signals", json.dumps(sig),
             "--labels", "违约责任=0.8,管辖法院", "--layers", "30", "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    assert doc["plan"]["matched_rule"] == "confident_label"
-    assert doc["plan"]["clusters"] == ["违约责任"] and doc["plan"]["precision"] == "bf16"
+    assert doc["plan"]["matched_rule"] == "memory_pressure"
+    assert doc["plan"]["clusters"] == ["违约责任"] and doc["plan"]["precision"] == "int4"
     assert doc["signals"]["state_health_score"] > 0 and doc["rules"]["version"] == "v1"
     f = tmp_path / "s.json"
     f.write_text(json.dumps({"hardware_watermark": {"spike": True}, "query_label": "管辖法院"}))

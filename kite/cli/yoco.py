@@ -401,7 +401,7 @@ def _print_analysis(report: dict) -> None:
     labels = Table("label", "queries", "share", "mean label entropy", box=None, title="query labels",
                    title_justify="left")
     for row in report["labels"]:
-        labels.add_row(escape(row["label"] or "(no tagger)"), str(row["count"]), f"{100 * row['share']:.1f}%",
+        labels.add_row(escape(row["label"] or "(no label)"), str(row["count"]), f"{100 * row['share']:.1f}%",
                        f"{row['mean_label_entropy']:.3f}")
     out.print(labels)
     cuts = report["cuts"]

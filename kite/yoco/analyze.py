@@ -48,7 +48,8 @@ def distribution(values: Sequence[float], bins: int = 20) -> dict[str, Any]:
 
 
 def label_distribution(signals: Sequence[QuerySignals]) -> list[dict[str, Any]]:
-    """Per query label (`""` = no tagger): count, share and mean label entropy (bits), most first."""
+    """Per query label (`""` = no label: no tagger, or the query names no clause type): count,
+    share and mean label entropy (bits), most first."""
     counts = Counter(s.query_label for s in signals)
     ent: dict[str, float] = {}
     for s in signals:

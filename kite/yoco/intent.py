@@ -28,7 +28,7 @@ _LN2 = math.log(2.0)
 @dataclass
 class QuerySignals:
     intent_entropy: float  # bits: mean next-token entropy over the query's tokens
-    query_label: str  # "" when there is no tagger
+    query_label: str  # "": no tagger, or the query head says it names no clause type
     label_entropy: float  # bits: entropy of the tagger's label distribution
     label_probs: dict[str, float] = field(default_factory=dict)
     tokens: int = 0
