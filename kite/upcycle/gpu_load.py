@@ -15,6 +15,16 @@ KV; this one moves the *compressed* bytes and rebuilds on the device:
    (``pca_finish``: mean, fp16 sinks, RoPE at each token's position, written into the cache rows),
    pipelined with the next layer's copy.
 
+Checksums are verified once per *file version* (path, device, inode, size, mtime and ctime in ns,
+from ``fstat`` of the open file) and the verified blobs are remembered in-process: a later staging
+of the unchanged file reads without re-hashing, and reuses the tables (and, on a GPU, the rebuild
+graphs and device row map) built the first time for the same clusters and layers. A file written in
+place gets a new mtime/ctime and a replaced one a new inode, so either is verified again; checks are
+recorded only if the file's version did not change while they ran, and ``verify=False`` records
+nothing. The gap is a change that leaves every one of those fields as it was (a write within the
+same coarse timestamp tick as the file's previous change, after it was staged, and no change
+since, or bytes changed behind the file system's back): :func:`forget_verified` drops the record.
+
 On the CPU the same code runs with torch fallbacks (no pinning, no copy): that is how the tests
 compare it with the codec's own decode. Supported: states whose keys and values are PCA-coded.
 """
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -36,7 +47,8 @@ from kite.errors import BadInput
 from kite.kernels.load import pca_coefs, pca_finish
 from kite.upcycle.state_file import StateFile
 
-__all__ = ["HotTier", "HotState", "stage_state", "load_staged", "rebuild_layer", "supports_state", "default_tier"]
+__all__ = ["HotTier", "HotState", "stage_state", "load_staged", "rebuild_layer", "supports_state", "default_tier",
+           "forget_verified"]
 
 _ALIGN = 256
 _DT = {"f32": (np.float32, 4), "f16": (np.float16, 2), "bf16": (None, 2), "f8e4m3": (None, 1), "u8": (np.uint8, 1),
@@ -100,7 +112,8 @@ class HotState:
     bytes_read: int = 0
     _futures: list[Future | None] = field(default_factory=list)
     _graphs: dict = field(default_factory=dict)   # rebuild graphs per (buffers) on a GPU
-    _dest_dev: dict = field(default_factory=dict)
+    _dest_dev: dict = field(default_factory=dict)  # device -> (host dest, device copy)
+    cached_tables: bool = False                # True when the tables came from the plan cache
 
     @property
     def nbytes(self) -> int:
@@ -209,13 +222,13 @@ def _parse_blob(view: np.ndarray, off: int) -> tuple[dict, dict[str, tuple[int, 
     tensors = {}
     for name, dt, shape in head["t"]:
         tensors[name] = (pos, dt, shape)
-        pos += int(np.prod(shape)) * _DT[dt][1]
+        pos += math.prod(shape) * _DT[dt][1]
     return head["m"], tensors
 
 
 def _np_at(view: np.ndarray, spec: tuple[int, str, list[int]]) -> np.ndarray:
     off, dt, shape = spec
-    count = int(np.prod(shape))
+    count = math.prod(shape)
     return np.frombuffer(view, dtype=_DT[dt][0], count=count, offset=off).reshape(shape)
 
 
@@ -252,16 +265,67 @@ def _table_bound(H: int, d: int, P: int, s: dict) -> int:
     return 2 * per_side + 64
 
 
+@dataclass
+class _PlanCache:
+    layers: dict[int, tuple[_LayerPlan, np.ndarray]] = field(default_factory=dict)   # plan + its table bytes
+    graphs: dict = field(default_factory=dict)
+    dest_dev: dict = field(default_factory=dict)
+
+
+def _file_version(fd: int, path) -> tuple:
+    """What identifies one version of a file's bytes: path, device, inode, size, mtime and ctime (ns).
+
+    An in-place write changes mtime (and ctime, which no user can set back), a replacement by rename
+    changes the inode: either gives a new version, whose blobs are verified again.
+    """
+    st = os.fstat(fd)
+    return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+# blob checksums verified per file version (in-process): a later staging of the unchanged file skips
+# re-hashing them; the tables of each (version, clusters, layers) staged, and the rebuild graphs and
+# device row maps built on them, so that restaging an unchanged file skips building them again
+_VERIFIED: dict[tuple, set[str]] = {}
+_PLANS: OrderedDict[tuple, _PlanCache] = OrderedDict()
+_CACHE_LOCK = threading.Lock()
+_PLAN_CACHE_SIZE = 32
+_GRAPHS_PER_ENTRY = 256
+
+
+def forget_verified(path: str | os.PathLike[str] | None = None) -> None:
+    """Drop the in-process record of verified blobs and cached tables (of one file, or all)."""
+    with _CACHE_LOCK:
+        if path is None:
+            _VERIFIED.clear()
+            _PLANS.clear()
+            return
+        p = str(os.path.realpath(path))
+        for k in [k for k in _VERIFIED if k[0] == p]:
+            del _VERIFIED[k]
+        for k in [k for k in _PLANS if k[0][0] == p]:
+            del _PLANS[k]
+
+
 def _stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region: int, keys: list[str],
-                 blob_offs: list[int], tables_at: int, table_cap: int, H: int, d: int, verify: bool) -> _LayerPlan:
+                 blob_offs: list[int], tables_at: int, table_cap: int, H: int, d: int, verify: bool,
+                 verified: set[str] | None = None, cached: tuple[_LayerPlan, np.ndarray] | None = None,
+                 ) -> tuple[_LayerPlan, np.ndarray | None, list[str]]:
+    """Read one layer's blobs into its region and lay out its tables.
+
+    Returns (plan, table bytes when built here, blob keys whose checksum was checked here).
+    ``verified``: keys already checked for this file version (not hashed again); ``cached``: the
+    plan and table bytes of an earlier staging of the same version, copied instead of rebuilt.
+    """
     # 1. blobs: raw ones read straight into the buffer, zstd ones decompressed into it
     import time
 
     t_read = t_verify = 0.0
+    checked: list[str] = []
     for key, off in zip(keys, blob_offs):
         t0 = time.perf_counter()
         e = state.index[key]
         start = state._data_start + e.offset
+        check = verify and (verified is None or key not in verified)
         if e.codec == "raw":
             dst = memoryview(view)[off:off + e.length]
             got = 0
@@ -272,21 +336,32 @@ def _stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region
                 got += n
             t1 = time.perf_counter()
             t_read += t1 - t0
-            if verify and hashlib.blake2b(dst, digest_size=16).hexdigest() != e.checksum:
-                raise BadInput(f"{state.path}: corrupt .upc state (checksum mismatch in part {key})")
+            if check:
+                if hashlib.blake2b(dst, digest_size=16).hexdigest() != e.checksum:
+                    raise BadInput(f"{state.path}: corrupt .upc state (checksum mismatch in part {key})")
+                checked.append(key)
         else:
             data = os.pread(fd, e.length, start)
             if len(data) < e.length:
                 raise BadInput(f"{state.path}: truncated .upc state (part {key} is cut off)")
-            if verify and hashlib.blake2b(data, digest_size=16).hexdigest() != e.checksum:
-                raise BadInput(f"{state.path}: corrupt .upc state (checksum mismatch in part {key})")
+            t1 = time.perf_counter()
+            t_read += t1 - t0
+            if check:
+                if hashlib.blake2b(data, digest_size=16).hexdigest() != e.checksum:
+                    raise BadInput(f"{state.path}: corrupt .upc state (checksum mismatch in part {key})")
+                checked.append(key)
             import zstandard
 
             raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=e.raw_length)
             view[off:off + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-            t1 = t0
         t_verify += time.perf_counter() - t1
     t_tables = time.perf_counter()
+    if cached is not None:
+        plan, tbytes = cached
+        view[tables_at:tables_at + tbytes.size] = tbytes
+        return (_LayerPlan(off=plan.off, size=plan.size, sides=plan.sides,
+                           times_ms={"read": t_read * 1e3, "verify": t_verify * 1e3,
+                                     "tables": (time.perf_counter() - t_tables) * 1e3}), None, checked)
     # 2. tables
     lmeta, lt = _parse_blob(view, blob_offs[0])
     gsz = int(lmeta["settings"]["group_size"])
@@ -353,9 +428,10 @@ def _stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region
             parts_tab=put(tab_np), parts_tab_host=tab_np.tolist(), col_bits=put(colbits.astype(np.uint8)),
             col_bitoff=put(bitoff), col_goff=put(goff), max_T=max(Ts) if Ts else 0, n_ovr=len(ovr),
             ovr=put(np.array(ovr, dtype=np.int64).reshape(-1, 4)), ovr_host=ovr)
-    return _LayerPlan(off=region, size=cur - region, sides=sides,
+    plan = _LayerPlan(off=region, size=cur - region, sides=sides,
                       times_ms={"read": t_read * 1e3, "verify": t_verify * 1e3,
                                 "tables": (time.perf_counter() - t_tables) * 1e3})
+    return plan, view[tables_at:cur].copy(), checked
 
 
 def stage_state(state: StateFile, selection: list[tuple[int, torch.Tensor | None]], part_positions: list[torch.Tensor],
@@ -404,17 +480,42 @@ def stage_state(state: StateFile, selection: list[tuple[int, torch.Tensor | None
     view = buf.numpy()
     nread = sum(state.index[k].length for _, _, keys, *_ in jobs for k in keys)
     fd = state._fh.fileno()
+    version = _file_version(fd, os.path.realpath(state.path))
+    ckey = (version, tuple(c for c, _ in selection), tuple(layer_set), H, d)
+    with _CACHE_LOCK:
+        verified = _VERIFIED.get(version)
+        entry = _PLANS.get(ckey)
+        if entry is None:
+            entry = _PLANS[ckey] = _PlanCache()
+            while len(_PLANS) > _PLAN_CACHE_SIZE:
+                _PLANS.popitem(last=False)
+        _PLANS.move_to_end(ckey)
+    verified = set(verified) if verified else None   # a snapshot: other threads may add to the original
     hot = HotState(key=key or (), buffer=buf, H=H, d=d, rows=int(pos_all.numel()), dest=dest,
-                   positions=kept_pos[order], layers=plans, bytes_read=nread)
+                   positions=kept_pos[order], layers=plans, bytes_read=nread,
+                   _graphs=entry.graphs, _dest_dev=entry.dest_dev,
+                   cached_tables=all(layer in entry.layers for layer in layer_set))
+
+    def one(layer, region, keys, offs, tables_at, cap):
+        plan, tbytes, checked = _stage_layer(state, fd, view, layer, region, keys, offs, tables_at, cap, H, d,
+                                             verify, verified, entry.layers.get(layer))
+        if tbytes is not None:
+            entry.layers[layer] = (plan, tbytes)
+        if checked:
+            # remember the checks only while the file is still the version they were made on
+            with _CACHE_LOCK:
+                if _file_version(fd, version[0]) == version:
+                    _VERIFIED.setdefault(version, set()).update(checked)
+        return plan
+
     if threads <= 1:
-        for layer, region, keys, offs, tables_at, cap in jobs:
-            plans[layer] = _stage_layer(state, fd, view, layer, region, keys, offs, tables_at, cap, H, d, verify)
+        for job in jobs:
+            plans[job[0]] = one(*job)
         return hot
     pool = _pool(threads)
     futures: list[Future | None] = [None] * n_layers
-    for layer, region, keys, offs, tables_at, cap in jobs:
-        futures[layer] = pool.submit(_stage_layer, state, fd, view, layer, region, keys, offs, tables_at, cap, H, d,
-                                     verify)
+    for job in jobs:
+        futures[job[0]] = pool.submit(one, *job)
     hot._futures = futures
     if wait:
         hot.wait_all()
@@ -471,9 +572,13 @@ def load_staged(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor 
         if staging is None or staging.numel() < hot.nbytes:
             staging = torch.empty(hot.nbytes, dtype=torch.uint8, device=dev)
         copy_stream = _copy_stream(dev)
-        if dev not in hot._dest_dev:
-            hot._dest_dev[dev] = hot.dest.to(dev)
-        dest = hot._dest_dev[dev]
+        dd = hot._dest_dev.get(dev)
+        if dd is None or (dd[0] is not hot.dest and not torch.equal(dd[0], hot.dest)):
+            dd = hot._dest_dev[dev] = (hot.dest, hot.dest.to(dev))
+        dest = dd[1]
+        if use_graphs and len(hot._graphs) > _GRAPHS_PER_ENTRY:   # many buffers seen: start again
+            torch.cuda.synchronize(dev)
+            hot._graphs.clear()
         main = torch.cuda.current_stream(dev)
         copy_stream.wait_stream(main)   # staging may still be read by an earlier load on `main`
     else:
