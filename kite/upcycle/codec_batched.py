@@ -223,7 +223,9 @@ class _Side:
     mean16: torch.Tensor       # [L, B*D] float32 holding the stored fp16 mean (what encode subtracts)
     bits: torch.Tensor         # [L, B, D] int64 (host)
     colbits: list[np.ndarray]  # per layer: bit width of each stored column (block-major)
-    basis_exp: torch.Tensor    # [L, R_max, B*D]: column j of the stored basis, placed in its block's dims
+    basis_exp: torch.Tensor | None   # B == 1: [L, R_max, D], column j of the stored basis
+    basis_blk: torch.Tensor | None   # B > 1: [L, B, rb_max, D], each block's stored columns in order
+    colmap: torch.Tensor | None      # B > 1: [L, R_max] int64, column j's row in basis_blk[l] viewed [B*rb_max, D]
     layer_tensors: list[list[tuple[str, str, list[int], bytes]]]
     layer_meta: list[dict]     # per layer: {"<side>.basis": qmeta?, "<side>": {...}} in insertion order
 
@@ -333,16 +335,22 @@ def _fit_side(prefix: str, X: torch.Tensor, bpe: float, s: CodecSettings, clock:
         r = int((b > 0).sum(dim=1).max()) if b.numel() else 0
         metas[layer][prefix] = {"mode": "pca", "blocks": B, "dim": D, "rank_max": r}
         colbits.append(b[b > 0].numpy().astype(np.int64))   # block-major, ascending component
-    # place each column in its block's dims of the flat H*d layout (joint: B = 1, nothing moves)
+    # per block (B > 1): each block's columns in order, so that encode projects every block on its
+    # own d dims in one batched matmul (not a dense one over B*D dims that is mostly zeros)
     if B == 1:
-        basis_exp = basis_cols
+        basis_exp, basis_blk, colmap = basis_cols, None, None
     else:
-        basis_exp = torch.zeros(L, R_max, B * D, dtype=torch.float32, device=dev)
-        idx = (col_block[:, :, None] * D + torch.arange(D, device=dev)).reshape(L, R_max, D)
-        basis_exp.scatter_(2, idx, basis_cols)
+        per_blk = sel.sum(dim=2)                                          # [L, B]
+        rb_max = int(per_blk.max()) if per_blk.numel() else 0
+        wb = (torch.cumsum(sel.long(), dim=2) - 1)[lidx, bidx, cidx]       # rank of the column in its block
+        basis_blk = torch.zeros(L, B, rb_max, D, dtype=torch.float32, device=dev)
+        basis_blk[lidx, bidx, wb] = basis_cols[lidx, cols]
+        colmap = torch.zeros(L, R_max, dtype=torch.long, device=dev)
+        colmap[lidx, cols] = bidx * rb_max + wb
+        basis_exp = None
     clock.lap("fit: store basis")
     return _Side(mean16=mean_st.float().reshape(L, B * D), bits=bits_h, colbits=colbits, basis_exp=basis_exp,
-                 layer_tensors=tensors_per_layer, layer_meta=metas)
+                 basis_blk=basis_blk, colmap=colmap, layer_tensors=tensors_per_layer, layer_meta=metas)
 
 
 # --------------------------------------------------------------------------------------------
@@ -403,9 +411,15 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
     out_x: dict[tuple[str, int], torch.Tensor] = {}
     for prefix, X in (("k", K), ("v", V)):
         side = sides[prefix]
-        Xs = X.permute(0, 2, 1, 3).reshape(L, T, H * d)[:, perm_d]             # [L, T, H*d] cluster order
-        Xs = Xs - side.mean16[:, None, :]
-        Ct = torch.matmul(side.basis_exp, Xs.transpose(1, 2))                  # [L, R_max, T]
+        if side.basis_blk is None:   # joint heads: one block of H*d dims
+            Xs = X.permute(0, 2, 1, 3).reshape(L, T, H * d)[:, perm_d]         # [L, T, H*d] cluster order
+            Xs = Xs - side.mean16[:, None, :]
+            Ct = torch.matmul(side.basis_exp, Xs.transpose(1, 2))              # [L, R_max, T]
+        else:                        # per head: a batched matmul per (layer, head) over d dims
+            Xs = X[:, :, perm_d] - side.mean16.view(L, H, 1, d)                 # [L, H, T, d] cluster order
+            Cb = torch.matmul(side.basis_blk, Xs.transpose(2, 3))              # [L, H, rb_max, T]
+            Ct = Cb.reshape(L, -1, T)[torch.arange(L, device=dev)[:, None], side.colmap]   # [L, R_max, T]
+            del Cb
         del Xs
         R_max = Ct.shape[1]
         cb = torch.zeros(L, R_max, dtype=torch.long)
