@@ -186,12 +186,13 @@ class EncodedState:
     info: dict = field(default_factory=dict)
 
     def add_to(self, writer, blob_key: Callable) -> None:
-        """Add every blob to a StateWriter in compress_document's order."""
+        """Add every blob to a StateWriter in compress_document's order (zstd tried in a thread pool)."""
+        items = []
         for layer, lb in enumerate(self.layer_blobs):
-            writer.add(blob_key(None, layer), lb)
+            items.append((blob_key(None, layer), lb))
             for c, (kb, vb) in enumerate(self.part_blobs[layer]):
-                writer.add(blob_key(c, layer, "K"), kb)
-                writer.add(blob_key(c, layer, "V"), vb)
+                items += [(blob_key(c, layer, "K"), kb), (blob_key(c, layer, "V"), vb)]
+        writer.add_many(items)
 
     def nbytes(self) -> int:
         return sum(len(b) for b in self.layer_blobs) + sum(len(k) + len(v) for p in self.part_blobs for k, v in p)

@@ -64,18 +64,36 @@ class StateWriter:
 
     def add(self, key: str, raw: bytes) -> int:
         """Add a blob; zstd-compressed where that saves ≥ 3 %. Returns its stored size."""
-        if key in self._keys:
-            raise ValueError(f"duplicate blob {key}")
+        return self.add_many([(key, raw)], threads=1)[0]
+
+    def add_many(self, items, threads: int | None = None) -> list[int]:
+        """``add`` for many (key, raw) blobs in order, zstd tried in a thread pool (zstandard releases
+        the GIL): the same blobs as ``add`` one by one. Returns their stored sizes."""
+        items = list(items)
+        keys = [k for k, _ in items]
+        if len(set(keys)) < len(keys) or self._keys.intersection(keys):
+            dup = next(k for i, k in enumerate(keys) if k in self._keys or k in keys[:i])
+            raise ValueError(f"duplicate blob {dup}")
         import zstandard
 
-        packed = zstandard.ZstdCompressor(level=self._level).compress(raw) if raw else b""
-        if raw and len(packed) < 0.97 * len(raw):
-            self._blobs.append((key, packed, len(raw), "zstd"))
+        level = self._level
+
+        def pack(raw: bytes) -> tuple[bytes, str]:
+            packed = zstandard.ZstdCompressor(level=level).compress(raw) if raw else b""
+            return (packed, "zstd") if raw and len(packed) < 0.97 * len(raw) else (raw, "raw")
+
+        n = threads or min(8, os.cpu_count() or 1)
+        if n <= 1 or len(items) < 2:
+            done = [pack(raw) for _, raw in items]
         else:
-            self._blobs.append((key, raw, len(raw), "raw"))
-            packed = raw
-        self._keys.add(key)
-        return len(packed)
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(n) as pool:
+                done = list(pool.map(pack, [raw for _, raw in items]))
+        for (key, raw), (data, codec) in zip(items, done):
+            self._blobs.append((key, data, len(raw), codec))
+            self._keys.add(key)
+        return [len(data) for data, _ in done]
 
     def write(self, path: str | os.PathLike[str], meta: dict[str, Any]) -> int:
         """Write the state to `path`; returns its size in bytes."""
