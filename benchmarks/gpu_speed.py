@@ -452,16 +452,30 @@ def main() -> None:
 
     report.row(f"  rebuild only ({L} layers x 2 x [dequantize basis, coefficients, matmul, finish])",
                cuda_ms(rebuild_all, reps=10), (hot.nbytes + raw_bytes) / HBM_BPS * 1e3)
-    report.row("  stage from page cache only (8 threads: preadv into pinned, blake2b, tables)",
+    def first(fn):
+        """fn() as on the first staging of this file version: no verified blobs, tables or graphs kept."""
+        gpu_load.forget_verified()
+        return fn()
+
+    def split(h):
+        return {k: round(sum(p.times_ms[k] for p in h.layers if p is not None), 2) for k in ("read", "verify", "tables")}
+
+    report.row("  stage from page cache only, first load of the file (8 threads: preadv, blake2b, tables)",
+               host_ms(lambda: first(lambda: (tier.drop(("bench",)), tier.put(stage(True, wait=True)))), reps=5))
+    report.row("  stage from page cache only, repeat load (verified version: preadv + cached tables)",
                host_ms(lambda: (tier.drop(("bench",)), tier.put(stage(True, wait=True))), reps=5))
-    h_split = stage(True, wait=True)
-    report.data["stage_split_ms_summed_over_threads"] = {
-        k: round(sum(p.times_ms[k] for p in h_split.layers if p is not None), 2) for k in ("read", "verify", "tables")}
-    print("stage split:", report.data["stage_split_ms_summed_over_threads"], flush=True)
-    h_split = None
+    gpu_load.forget_verified()
+    report.data["stage_split_ms_summed_over_threads"] = split(stage(True, wait=True))
+    report.data["stage_split_ms_summed_over_threads_repeat"] = split(stage(True, wait=True))
+    print("stage split (first, repeat):", report.data["stage_split_ms_summed_over_threads"],
+          report.data["stage_split_ms_summed_over_threads_repeat"], flush=True)
+    report.row("load from .upc in page cache, first load of the file version (verify + tables + graph capture)",
+               host_ms(lambda: first(lambda: load_file(True)), reps=5), wire, note="target <= 40 ms")
     report.row("load from .upc in page cache (stage + copy + rebuild, pipelined), checksums verified",
-               host_ms(lambda: load_file(True), reps=5), wire, note="target <= 40 ms")
-    report.row("  same without checksum verification", host_ms(lambda: load_file(False), reps=5), wire)
+               host_ms(lambda: load_file(True), reps=5), wire,
+               note="repeat load of the unchanged file (verified version); target <= 40 ms")
+    report.row("  same without checksum verification, first load (tables + graph capture)",
+               host_ms(lambda: first(lambda: load_file(False)), reps=5), wire)
     load_hot()
     sync()
     # correctness: layer 3 against the codec's host decode + RoPE
