@@ -29,7 +29,7 @@ def run(*args: str):
 def test_validate_ok():
     r = run("validate", str(RULES / "yoco_rules.yaml"), "--labels", "违约责任,管辖法院", "--layers", "30")
     assert r.exit_code == 0, r.output
-    assert "ok" in r.stdout and "5 rules" in r.stdout
+    assert "ok" in r.stdout and "6 rules" in r.stdout
 
 
 def test_validate_reports_every_error_with_carets_and_exits_2(tmp_path):

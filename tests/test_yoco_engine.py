@@ -40,7 +40,10 @@ CASES = [
     (sig(intent_entropy=6.0, state_health_score=0.5), "unhealthy_state", [], None, None, False, True),
     (sig(intent_entropy=6.0, hw_gpu_mem=0.5), "high_intent_entropy", "all", None, None, True, False),
     (sig(intent_entropy=6.0, hw_gpu_mem=0.88), "default", "all", None, None, False, False),
-    # a confidently labelled query with room on the device: the whole state (measured better)
+    # the query head is sure of the label: that cluster, as stored
+    (sig(intent_entropy=6.0, query_label="违约责任", label_entropy=0.05), "confident_label",
+     ["违约责任"], None, None, False, False),
+    # less sure (0.1-0.5 bits lost F1 with one cluster): the whole state
     (sig(intent_entropy=4.0, query_label="违约责任", label_entropy=0.2), "default", "all", None,
      None, False, False),
     (sig(intent_entropy=4.0, label_entropy=1.5), "default", "all", None, None, False, False),
@@ -74,9 +77,30 @@ def test_min_hit_gain_skips_and_says_why(ruleset):
     assert decide(ruleset, s, weak, min_hit_gain=0.001).loads
 
 
-def test_query_label_not_in_state_is_skipped(ruleset):
+def test_query_label_not_in_state_passes_to_the_next_rule(ruleset):
     plan = decide(ruleset, sig(hw_spike=True, query_label="不可抗力"), STATE, 0.005)
-    assert plan.skipped and "query_label '不可抗力' is not a cluster label of this state" in plan.skip_reason
+    assert plan.matched_rule == "memory_pressure_no_label" and plan.skipped
+    assert ("rule 'memory_pressure' passed on: query_label '不可抗力' is not a cluster label of "
+            "this state") in plan.reason
+    rs = parse_rules("""
+rules:
+  - name: by_label
+    condition: query_label != ""
+    action: {load_cluster: $query_label}
+  - name: default
+    action: {load_cluster: $query_label}
+""")
+    st = StateInfo({"a": 0.8})
+    assert decide(rs, Signals(query_label="a"), st, 0.0).clusters == ["a"]
+    # the default rule does not pass on: it reports the missing cluster and loads nothing
+    # with room on the device, a label the state lacks falls through to the whole state
+    plan = decide(ruleset, sig(query_label="不可抗力", label_entropy=0.01), STATE, 0.005)
+    assert plan.matched_rule == "default" and plan.clusters == "all"
+    assert "rule 'confident_label' passed on" in plan.reason
+    plan = decide(rs, Signals(query_label="b"), st, 0.0)
+    assert plan.matched_rule == "default" and plan.skipped
+    assert plan.skip_reason == "query_label 'b' is not a cluster label of this state"
+    assert "rule 'by_label' passed on" in plan.reason
 
 
 def test_state_health_score_is_filled_from_the_state(ruleset):

@@ -1,5 +1,7 @@
 """`decide`: run a compiled rule set over one request's signals and turn the matched action into
-a `LoadPlan`, skipping loads whose predicted gain is below `yoco_min_hit_gain`.
+a `LoadPlan`, skipping loads whose predicted gain is below `yoco_min_hit_gain`. A rule that
+would load `$query_label` from a state with no cluster of that label passes the request on to the
+next matching rule.
 
 Predicted gain (documented in docs/rules-dsl.md): each cluster label c the plan loads has a
 health h_c in [0, 1] from the health store, the squashed exponentially weighted gain measured
@@ -63,9 +65,21 @@ def decide(ruleset: RuleSet, signals: Signals, state: StateInfo, min_hit_gain: f
     """
     if signals.state_health_score is None:
         signals = replace(signals, state_health_score=state.health_score())
-    rule = ruleset.match(signals)
+    # A rule that loads `$query_label` from a state without such a cluster passes the request on
+    # to the next rule that matches (a state's clusters need not cover every clause type; loading
+    # nothing instead lost the whole document on the bench). The default always matches.
+    passed: list[str] = []
+    for rule in ruleset.rules:
+        if not rule.test(signals):
+            continue
+        if rule.action.load == "query_label" and signals.query_label not in state.health \
+                and not rule.is_default:
+            passed.append(f"rule {rule.name!r} passed on: query_label {signals.query_label!r} is "
+                          "not a cluster label of this state")
+            continue
+        break
     action = rule.action
-    why = _why(rule, signals)
+    why = "; ".join([_why(rule, signals), *passed])
     layers = None if action.layers is None else list(action.layers)
 
     def plan(clusters, gain=0.0, skip=None) -> LoadPlan:
