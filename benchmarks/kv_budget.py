@@ -9,7 +9,9 @@ forward (every token after the first is predicted once), with
 * **window** -- dropping at the same bytes (StreamingLLM: 4 sinks + as many recent tokens as the
   budget row's bytes hold at 16 bits), one per budget row;
 * **quanto** -- transformers' own ``QuantizedCache`` (optimum-quanto backend, int-N in groups of
-  64 with a raw residual of 128 tokens), when optimum-quanto imports.
+  64 with a raw residual of 128 tokens), when optimum-quanto imports
+  (``.venv/bin/pip install --no-deps optimum-quanto==0.2.7``: pure torch on the CPU; its other
+  requirements are already there). Without it the rows are skipped and the error is reported.
 
 Bytes are what each cache holds at the end of the document, raw tokens counted at 16 bits (the
 bf16 / fp16 KV a GPU holds): budget = compressed blocks + the codec's per-layer parts (every
