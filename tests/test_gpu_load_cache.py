@@ -123,3 +123,134 @@ def test_rewritten_file_gets_a_new_version(state, lm, monkeypatch):
     count = _Count(monkeypatch)
     hot, *_ = _stage(state, lm)
     assert count.n > 0 and not hot.cached_tables
+
+
+# --- verified-version records across processes ---------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """The cross-process records go to this test's own KITE_CACHE."""
+    monkeypatch.setenv("KITE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("KITE_VERIFY_RECORD", raising=False)
+
+
+def _rewrite_with_writer(src, dst):
+    """src's blobs written again by StateWriter (which records the new file as verified)."""
+    from kite.upcycle.state_file import StateWriter
+
+    with StateFile(src) as sf:
+        w = StateWriter()
+        for key in sf.index:
+            w.add(key, sf.read(key))
+        w.write(dst, dict(sf.meta))
+    return dst
+
+
+_STAGE_IN_CHILD = """
+import sys, torch
+from kite.upcycle import gpu_load
+from kite.upcycle.state_file import StateFile
+with StateFile(sys.argv[1]) as sf:
+    g = sf.meta["model"]["geometry"]
+    sel = [(c["id"], None) for c in sf.meta["clusters"]]
+    pos = [torch.cat([torch.arange(s, e) for s, e in c["token_ranges"]]) for c in sf.meta["clusters"]]
+    gpu_load.stage_state(sf, sel, pos, list(range(g["n_layers"])), n_layers=g["n_layers"], H=g["n_kv_heads"],
+                         d=g["head_dim"], threads=2)
+gpu_load._flush_records()
+"""
+
+
+def _stage_in_another_process(path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-c", _STAGE_IN_CHILD, str(path)], check=True, cwd=root,
+                   env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+
+
+def test_writer_records_the_file_it_wrote(state, lm, monkeypatch):
+    out = _rewrite_with_writer(state, state.with_name("w.upc"))
+    gpu_load.forget_verified(persisted=False)          # a new process: nothing in memory
+    count = _Count(monkeypatch)
+    hot, k1, v1, _ = _stage(out, lm)
+    assert count.n == 0 and not hot.cached_tables      # the writer's record: no blob hashed
+    gpu_load.forget_verified(out)                      # record dropped: every blob hashed again
+    hot2, k2, v2, n_blobs = _stage(out, lm)
+    assert count.n == n_blobs
+    for a, b in zip(k1 + v1, k2 + v2):
+        assert torch.equal(a, b)
+
+
+def test_writer_records_nothing_when_turned_off(state, lm, monkeypatch):
+    monkeypatch.setenv("KITE_VERIFY_RECORD", "0")
+    out = _rewrite_with_writer(state, state.with_name("w.upc"))
+    monkeypatch.delenv("KITE_VERIFY_RECORD")
+    gpu_load.forget_verified(persisted=False)
+    count = _Count(monkeypatch)
+    _, _, _, n_blobs = _stage(out, lm)
+    assert count.n == n_blobs
+
+
+def test_record_of_another_process_honoured_only_for_the_identical_version(state, lm, monkeypatch):
+    _stage_in_another_process(state)                   # verifies every blob there and records it
+    gpu_load.forget_verified(persisted=False)
+    count = _Count(monkeypatch)
+    _stage(state, lm)
+    assert count.n == 0                                 # same version: taken from the record
+    # replaced by a copy (same bytes, new inode): another version, hashed again
+    tmp = state.with_suffix(".new")
+    tmp.write_bytes(state.read_bytes())
+    os.replace(tmp, state)
+    gpu_load.forget_verified(persisted=False)
+    _, _, _, n_blobs = _stage(state, lm)
+    assert count.n == n_blobs
+    # recorded again by another process, then modified in place: re-verified and refused
+    _stage_in_another_process(state)
+    with StateFile(state) as sf:
+        key = next(k for k in sf.index if k.endswith("/V"))
+    _flip_byte_in_place(state, key)
+    gpu_load.forget_verified(persisted=False)
+    with pytest.raises(BadInput, match=f"checksum mismatch in part {key}"):
+        _stage(state, lm)
+
+
+def test_corrupt_blob_caught_when_no_record(state, lm, monkeypatch):
+    out = _rewrite_with_writer(state, state.with_name("w.upc"))
+    with StateFile(out) as sf:
+        key = next(k for k in sf.index if k.endswith("/K"))
+    _flip_byte_in_place(out, key)                      # new version: the writer's record no longer counts
+    gpu_load.forget_verified(persisted=False)
+    with pytest.raises(BadInput, match=f"checksum mismatch in part {key}"):
+        _stage(out, lm)
+    gpu_load.forget_verified()                         # no record at all
+    with pytest.raises(BadInput, match=f"checksum mismatch in part {key}"):
+        _stage(out, lm)
+    with StateFile(out) as sf:                         # the full check never trusts a record
+        assert sf.verify()[key].startswith("corrupt")
+
+
+def test_writer_keeps_zstd_for_large_blobs_only_where_it_saves_a_lot(tmp_path):
+    import numpy as np
+
+    from kite.upcycle.state_file import LARGE_BLOB, StateWriter
+
+    rng = np.random.default_rng(0)
+    seven_bit = lambda n: rng.integers(0, 128, n, dtype=np.uint8).tobytes()   # noqa: E731  ~12 % under zstd
+    blobs = {"small": seven_bit(4096), "large": seven_bit(4 * LARGE_BLOB), "zeros": bytes(4 * LARGE_BLOB),
+             "noise": rng.integers(0, 256, 8192, dtype=np.uint8).tobytes()}
+    w = StateWriter()
+    for k, b in blobs.items():
+        w.add(k, b)
+    w.write(tmp_path / "z.upc", {"format": "kite-upc"})
+    old = StateWriter(large_min_saving=0.03)           # the threshold before: 3 % for every blob
+    for k, b in blobs.items():
+        old.add(k, b)
+    old.write(tmp_path / "z_old.upc", {"format": "kite-upc"})
+    with StateFile(tmp_path / "z.upc") as sf, StateFile(tmp_path / "z_old.upc") as so:
+        assert {k: e.codec for k, e in sf.index.items()} == {"small": "zstd", "large": "raw", "zeros": "zstd",
+                                                              "noise": "raw"}
+        assert so.index["large"].codec == "zstd"
+        for k, b in blobs.items():
+            assert sf.read(k) == b == so.read(k)

@@ -18,12 +18,18 @@ KV; this one moves the *compressed* bytes and rebuilds on the device:
 Checksums are verified once per *file version* (path, device, inode, size, mtime and ctime in ns,
 from ``fstat`` of the open file) and the verified blobs are remembered in-process: a later staging
 of the unchanged file reads without re-hashing, and reuses the tables (and, on a GPU, the rebuild
-graphs and device row map) built the first time for the same clusters and layers. A file written in
-place gets a new mtime/ctime and a replaced one a new inode, so either is verified again; checks are
-recorded only if the file's version did not change while they ran, and ``verify=False`` records
-nothing. The gap is a change that leaves every one of those fields as it was (a write within the
-same coarse timestamp tick as the file's previous change, after it was staged, and no change
-since, or bytes changed behind the file system's back): :func:`forget_verified` drops the record.
+graphs and device row map) built the first time for the same clusters and layers. The verified
+blobs are also recorded across processes (``kite.upcycle.state_file.record_verified``, in
+``KITE_CACHE``; ``StateWriter`` records the file it wrote, whose checksums it computed itself), so a
+new process loading an unchanged file does not re-hash it either; a record counts only for the
+identical version and header checksum. A file written in place gets a new mtime/ctime and a
+replaced one a new inode, so either is verified again; checks are recorded only if the file's
+version did not change while they ran, and ``verify=False`` records nothing. The gap is a change
+that leaves every one of those fields as it was (a write within the same coarse timestamp tick as
+the file's previous change, after it was staged or written, and no change since, or bytes changed
+behind the file system's back, e.g. bit rot): such a file is not re-hashed here, while
+``StateFile.verify()`` / ``kite upcycle inspect --verify`` still check every blob.
+:func:`forget_verified` drops the records (``KITE_VERIFY_RECORD=0``: no cross-process records).
 
 On the CPU the same code runs with torch fallbacks (no pinning, no copy): that is how the tests
 compare it with the codec's own decode. Supported: states whose keys and values are PCA-coded.
@@ -45,7 +51,7 @@ import torch
 
 from kite.errors import BadInput
 from kite.kernels.load import pca_coefs, pca_finish
-from kite.upcycle.state_file import StateFile
+from kite.upcycle.state_file import StateFile, file_version, forget_record, record_verified, verified_record
 
 __all__ = ["HotTier", "HotState", "stage_state", "load_staged", "rebuild_layer", "supports_state", "default_tier",
            "forget_verified"]
@@ -273,13 +279,8 @@ class _PlanCache:
 
 
 def _file_version(fd: int, path) -> tuple:
-    """What identifies one version of a file's bytes: path, device, inode, size, mtime and ctime (ns).
-
-    An in-place write changes mtime (and ctime, which no user can set back), a replacement by rename
-    changes the inode: either gives a new version, whose blobs are verified again.
-    """
-    st = os.fstat(fd)
-    return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    """What identifies one version of a file's bytes (see ``state_file.file_version``)."""
+    return file_version(fd, path)
 
 
 # blob checksums verified per file version (in-process): a later staging of the unchanged file skips
@@ -292,18 +293,33 @@ _PLAN_CACHE_SIZE = 32
 _GRAPHS_PER_ENTRY = 256
 
 
-def forget_verified(path: str | os.PathLike[str] | None = None) -> None:
-    """Drop the in-process record of verified blobs and cached tables (of one file, or all)."""
+def forget_verified(path: str | os.PathLike[str] | None = None, *, persisted: bool = True) -> None:
+    """Drop the record of verified blobs and the cached tables (of one file, or all).
+
+    ``persisted=False`` keeps the cross-process record: what a new process would find.
+    """
+    _flush_records()
     with _CACHE_LOCK:
         if path is None:
             _VERIFIED.clear()
             _PLANS.clear()
-            return
-        p = str(os.path.realpath(path))
-        for k in [k for k in _VERIFIED if k[0] == p]:
-            del _VERIFIED[k]
-        for k in [k for k in _PLANS if k[0][0] == p]:
-            del _PLANS[k]
+        else:
+            p = str(os.path.realpath(path))
+            for k in [k for k in _VERIFIED if k[0] == p]:
+                del _VERIFIED[k]
+            for k in [k for k in _PLANS if k[0][0] == p]:
+                del _PLANS[k]
+    if persisted:
+        forget_record(path)
+
+
+_RECORDS: list[Future] = []
+
+
+def _flush_records() -> None:
+    """Wait for the cross-process records being written in the background."""
+    while _RECORDS:
+        _RECORDS.pop().result()
 
 
 def _stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region: int, keys: list[str],
@@ -490,22 +506,43 @@ def stage_state(state: StateFile, selection: list[tuple[int, torch.Tensor | None
             while len(_PLANS) > _PLAN_CACHE_SIZE:
                 _PLANS.popitem(last=False)
         _PLANS.move_to_end(ckey)
+    header_sum = getattr(state, "header_sum", None)
+    if verify and verified is None and header_sum is not None:
+        # checked in another process (or by the writer) for this very version and header
+        rec = verified_record(version, header_sum)
+        if rec:
+            with _CACHE_LOCK:
+                verified = _VERIFIED.setdefault(version, set())
+                verified.update(rec)
     verified = set(verified) if verified else None   # a snapshot: other threads may add to the original
     hot = HotState(key=key or (), buffer=buf, H=H, d=d, rows=int(pos_all.numel()), dest=dest,
                    positions=kept_pos[order], layers=plans, bytes_read=nread,
                    _graphs=entry.graphs, _dest_dev=entry.dest_dev,
                    cached_tables=all(layer in entry.layers for layer in layer_set))
+    pending = [len(jobs), False]      # layers still to stage, whether any blob was checked
 
     def one(layer, region, keys, offs, tables_at, cap):
-        plan, tbytes, checked = _stage_layer(state, fd, view, layer, region, keys, offs, tables_at, cap, H, d,
-                                             verify, verified, entry.layers.get(layer))
+        try:
+            plan, tbytes, checked = _stage_layer(state, fd, view, layer, region, keys, offs, tables_at, cap, H, d,
+                                                 verify, verified, entry.layers.get(layer))
+        except BaseException:
+            with _CACHE_LOCK:
+                pending[0] = -1        # a failed staging records nothing across processes
+            raise
         if tbytes is not None:
             entry.layers[layer] = (plan, tbytes)
-        if checked:
+        with _CACHE_LOCK:
             # remember the checks only while the file is still the version they were made on
-            with _CACHE_LOCK:
-                if _file_version(fd, version[0]) == version:
-                    _VERIFIED.setdefault(version, set()).update(checked)
+            if checked and _file_version(fd, version[0]) == version:
+                _VERIFIED.setdefault(version, set()).update(checked)
+                pending[1] = True
+            pending[0] -= 1
+            last = pending[0] == 0 and pending[1]
+            done = set(_VERIFIED.get(version, ())) if last else None
+        if last and header_sum is not None:
+            # the whole staging checked out: record it for other processes, off the load's path
+            _RECORDS[:] = [f for f in _RECORDS if not f.done()]
+            _RECORDS.append(_pool(1).submit(record_verified, version, header_sum, done))
         return plan
 
     if threads <= 1:

@@ -12,6 +12,14 @@ Layout (all integers little-endian; see docs/upc-format.md):
               stored length, raw length, codec ("zstd" | "raw") and blake2b-128 of the stored bytes
 
 Loading one cluster of a few layers reads the header and just those blobs.
+
+Verified-version records (``KITE_CACHE/upc_verified.json``): which blobs of which *version* of a file
+(real path, device, inode, size, mtime and ctime in ns, plus the header's checksum) had their
+checksums checked, by the writer that made the file or by a loader (``kite.upcycle.gpu_load``).
+A loader in any process skips re-hashing those blobs while the file keeps that version; a file
+written in place or replaced gets a new version and is checked again. ``StateFile.read`` and
+``StateFile.verify`` (``kite upcycle inspect --verify``) never consult them. ``KITE_VERIFY_RECORD=0``
+turns them off (nothing read, nothing written).
 """
 
 from __future__ import annotations
@@ -54,16 +62,35 @@ class BlobEntry:
         return cls(*row)
 
 
-class StateWriter:
-    """Collect blobs, then write header + blobs atomically (invariant 4)."""
+# zstd is kept where it saves at least this fraction; a blob of LARGE_BLOB bytes or more needs
+# LARGE_MIN_SAVING: decompressing costs ~1 ms per MB and core on every load from the page cache
+# (several times the read it saves), which quantized codes (~5-13 % smaller under zstd) do not repay
+MIN_SAVING = 0.03
+LARGE_BLOB = 64 << 10
+LARGE_MIN_SAVING = 0.25
 
-    def __init__(self, zstd_level: int = 3):
+
+class StateWriter:
+    """Collect blobs, then write header + blobs atomically (invariant 4).
+
+    A blob is stored zstd-compressed where that saves ≥ ``min_saving`` of its bytes (≥
+    ``large_min_saving`` for blobs of ``large_blob`` bytes or more), else raw; either reads back
+    the same. ``register``: record the written file's version as verified (the writer computed
+    every checksum itself), so that loaders in any process skip re-hashing it.
+    """
+
+    def __init__(self, zstd_level: int = 3, min_saving: float = MIN_SAVING,
+                 large_min_saving: float = LARGE_MIN_SAVING, large_blob: int = LARGE_BLOB, register: bool = True):
         self._blobs: list[tuple[str, bytes, int, str]] = []
         self._keys: set[str] = set()
         self._level = zstd_level
+        self._min_saving = float(min_saving)
+        self._large_min_saving = float(large_min_saving)
+        self._large_blob = int(large_blob)
+        self._register = register
 
     def add(self, key: str, raw: bytes) -> int:
-        """Add a blob; zstd-compressed where that saves ≥ 3 %. Returns its stored size."""
+        """Add a blob; zstd-compressed where that saves enough (see the class). Returns its stored size."""
         return self.add_many([(key, raw)], threads=1)[0]
 
     def add_many(self, items, threads: int | None = None) -> list[int]:
@@ -76,11 +103,14 @@ class StateWriter:
             raise ValueError(f"duplicate blob {dup}")
         import zstandard
 
-        level = self._level
+        level, small, large, big = self._level, self._min_saving, self._large_min_saving, self._large_blob
 
         def pack(raw: bytes) -> tuple[bytes, str]:
-            packed = zstandard.ZstdCompressor(level=level).compress(raw) if raw else b""
-            return (packed, "zstd") if raw and len(packed) < 0.97 * len(raw) else (raw, "raw")
+            if not raw:
+                return raw, "raw"
+            packed = zstandard.ZstdCompressor(level=level).compress(raw)
+            need = large if len(raw) >= big else small
+            return (packed, "zstd") if len(packed) <= (1.0 - need) * len(raw) else (raw, "raw")
 
         n = threads or min(8, os.cpu_count() or 1)
         if n <= 1 or len(items) < 2:
@@ -108,6 +138,23 @@ class StateWriter:
             fh.write(header)
             for _, data, _, _ in self._blobs:
                 fh.write(data)
+            fh.flush()
+            written = os.fstat(fh.fileno())
+        if self._register and records_enabled():
+            # the file now at `path` is the one written here when it is the same inode, unchanged
+            # since (the rename keeps mtime); its checksums were computed from these very bytes
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                fd = -1
+            if fd >= 0:
+                try:
+                    st = os.fstat(fd)
+                    if (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns) == \
+                            (written.st_ino, written.st_dev, written.st_size, written.st_mtime_ns):
+                        record_verified(file_version(fd, path), _digest(header), [k for k, *_ in self._blobs])
+                finally:
+                    os.close(fd)
         return _PREAMBLE.size + len(header) + offset
 
 
@@ -147,6 +194,7 @@ class StateFile:
             raise BadInput(f"{self.path}: truncated .upc state (the header is cut off)")
         if _digest(header) != hsum.hex():
             raise BadInput(f"{self.path}: corrupt .upc state (header checksum mismatch)")
+        self.header_sum = hsum.hex()
         try:
             meta = json.loads(header)
         except ValueError:
@@ -204,3 +252,90 @@ def rewrite_header(src: str | os.PathLike[str], dest: str | os.PathLike[str], me
             while chunk := sf._fh.read(1 << 20):
                 fh.write(chunk)
         return len(pre) + len(header) + sum(e.length for e in sf.index.values())
+
+
+# --- verified-version records, shared between processes ---------------------------------------
+
+_RECORD_LIMIT = 512          # files remembered (the oldest record goes first)
+_RECORD_LOCK = __import__("threading").Lock()
+
+
+def records_enabled() -> bool:
+    return os.environ.get("KITE_VERIFY_RECORD", "1") not in ("0", "false", "no", "off")
+
+
+def file_version(fd: int, path: str | os.PathLike[str]) -> tuple:
+    """What identifies one version of a file's bytes: real path, device, inode, size, mtime and ctime (ns).
+
+    An in-place write changes mtime (and ctime, which no user can set back), a replacement by rename
+    changes the inode: either gives a new version.
+    """
+    st = os.fstat(fd)
+    return (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _record_file() -> Path:
+    from kite.paths import cache_dir
+
+    return cache_dir() / "upc_verified.json"
+
+
+def _load_records() -> dict:
+    try:
+        data = json.loads(_record_file().read_text())
+        return data if isinstance(data, dict) and isinstance(data.get("files"), dict) else {"files": {}}
+    except (OSError, ValueError):
+        return {"files": {}}
+
+
+def verified_record(version: tuple, header_sum: str) -> set[str] | None:
+    """The blob keys recorded as verified for exactly this file version and header (None: no record)."""
+    if not records_enabled():
+        return None
+    rec = _load_records()["files"].get(version[0])
+    if not isinstance(rec, dict) or rec.get("version") != list(version[1:]) or rec.get("header") != header_sum:
+        return None
+    keys = rec.get("keys")
+    return set(keys) if isinstance(keys, list) else None
+
+
+def record_verified(version: tuple, header_sum: str, keys) -> None:
+    """Remember that these blobs of this file version checked out (merged with an existing record of
+    the same version; a record of another version of the path is replaced). Best effort: a cache
+    that cannot be written only costs a re-hash later."""
+    if not records_enabled():
+        return
+    from kite.atomic import write_text
+
+    with _RECORD_LOCK:
+        data = _load_records()
+        files = data["files"]
+        old = files.pop(version[0], None)
+        keys = set(keys)
+        if isinstance(old, dict) and old.get("version") == list(version[1:]) and old.get("header") == header_sum:
+            keys |= set(old.get("keys") or [])
+        files[version[0]] = {"version": list(version[1:]), "header": header_sum, "keys": sorted(keys)}
+        while len(files) > _RECORD_LIMIT:
+            files.pop(next(iter(files)))
+        try:
+            write_text(_record_file(), json.dumps(data, separators=(",", ":")))
+        except OSError:
+            pass
+
+
+def forget_record(path: str | os.PathLike[str] | None = None) -> None:
+    """Drop the verified-version record of one file (or every record)."""
+    with _RECORD_LOCK:
+        data = _load_records()
+        if path is None:
+            if not data["files"]:
+                return
+            data["files"] = {}
+        elif data["files"].pop(os.path.realpath(path), None) is None:
+            return
+        from kite.atomic import write_text
+
+        try:
+            write_text(_record_file(), json.dumps(data, separators=(",", ":")))
+        except OSError:
+            pass
