@@ -152,22 +152,43 @@ def _blob_bytes(meta: dict, table: list[tuple[str, str, list[int], object]]) -> 
 
 
 _PINNED: dict = {}
+_COPY_STREAMS: dict = {}
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
-    """uint8 device tensors -> numpy views of host copies: one reusable pinned buffer per call site
-    on a GPU (asynchronous copies; call _host_sync before reading them), plain .cpu() elsewhere."""
+    """uint8 device tensors -> numpy views of host copies. On a GPU: pinned buffers filled on a copy
+    stream once the tensors' producers on the current stream are done, so the copies overlap the
+    work queued after them (call _host_sync before reading them); plain .cpu() elsewhere."""
     if not tensors or not tensors[0].is_cuda:
         return [t.cpu().numpy() for t in tensors]
+    dev = tensors[0].device
+    main = torch.cuda.current_stream(dev)
+    cs = _COPY_STREAMS.get(dev)
+    if cs is None:
+        cs = _COPY_STREAMS[dev] = torch.cuda.Stream(device=dev)
+    cs.wait_stream(main)
     out = []
-    for t in tensors:
-        n = t.numel()
-        key = len(_PINNED)
-        buf = torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=True)
-        _PINNED[key] = buf   # kept alive until _host_sync
-        buf[:n].copy_(t.reshape(-1), non_blocking=True)
-        out.append(buf[:n].numpy())
+    with torch.cuda.stream(cs):
+        for t in tensors:
+            n = t.numel()
+            buf = torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=True)
+            _PINNED[len(_PINNED)] = buf   # kept alive until _host_sync
+            buf[:n].copy_(t.reshape(-1), non_blocking=True)
+            t.record_stream(cs)           # not reused by the allocator before the copy is done
+            out.append(buf[:n].numpy())
     return out
+
+
+def _to_dev(dev: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Small int64 host tensors -> the device in one asynchronous copy (no host sync)."""
+    if dev.type != "cuda" or not tensors:
+        return [t.to(dev) for t in tensors]
+    sizes = [t.numel() for t in tensors]
+    buf = torch.empty(max(1, sum(sizes)), dtype=torch.int64, pin_memory=True)
+    if sizes and sum(sizes):
+        torch.cat([t.reshape(-1).to(torch.int64) for t in tensors], out=buf[:sum(sizes)])
+    d = buf.to(dev, non_blocking=True)
+    return [x.view(t.shape) for x, t in zip(torch.split(d[:sum(sizes)], sizes), tensors)]
 
 
 def _host_sync(dev: torch.device) -> None:
@@ -249,33 +270,35 @@ def _fit_side(prefix: str, X: torch.Tensor, bpe: float, s: CodecSettings, clock:
     clock.lap("fit: bit allocation")
     mean_fmt = "fp32" if s.basis_fmt == "fp32" else "fp16"
     mean_st = mean.reshape(L, B, D).to(codec.FLOAT_FORMATS[mean_fmt])
+    # the one host sync of the fit: the bit allocation; every index below is derived from it on the
+    # host and sent back in one asynchronous copy, every host copy is asynchronous (read after the
+    # encoder's final sync), so the device never waits for the host in between
     bits_h = bits.cpu()
-    sel = bits > 0                                                        # [L, B, D]
-    R = sel.reshape(L, -1).sum(dim=1).cpu()
+    sel_h = bits_h > 0                                                    # [L, B, D]
+    R = sel_h.reshape(L, -1).sum(dim=1)
     R_max = int(R.max()) if L else 0
     # the stored basis: per layer, per block, the columns (eigenvectors) that get bits, in order
     Ub = U.reshape(L, B, D, D)                                            # [l, b, dim, component]
-    rank = torch.cumsum(sel.reshape(L, -1).long(), dim=1) - 1             # column index of each kept comp
-    lidx, bidx, cidx = torch.nonzero(sel, as_tuple=True)
-    cols = rank.reshape(L, B, D)[lidx, bidx, cidx]
+    rank = torch.cumsum(sel_h.reshape(L, -1).long(), dim=1) - 1           # column index of each kept comp
+    lidx_h, bidx_h, cidx_h = torch.nonzero(sel_h, as_tuple=True)
+    cols_h = rank.reshape(L, B, D)[lidx_h, bidx_h, cidx_h]
+    live_h = (torch.arange(R_max)[None, :] < R[:, None]).reshape(-1).nonzero().flatten()   # live (layer, column) rows
+    wb_h = (torch.cumsum(sel_h.long(), dim=2) - 1)[lidx_h, bidx_h, cidx_h]   # rank of the column in its block
+    lidx, bidx, cidx, cols, live, wb = _to_dev(dev, lidx_h, bidx_h, cidx_h, cols_h, live_h, wb_h)
     basis_cols = torch.zeros(L, R_max, D, dtype=torch.float32, device=dev)   # [l, column, dim]
     basis_cols[lidx, cols] = Ub[lidx, bidx, :, cidx]
-    col_block = torch.zeros(L, R_max, dtype=torch.long, device=dev)
-    col_block[lidx, cols] = bidx
     tensors_per_layer: list[list] = [[] for _ in range(L)]
     metas: list[dict] = [dict() for _ in range(L)]
-    mean_h = mean_st.cpu()
+    mean_h = _to_host([mean_st.contiguous().view(torch.uint8)])[0].reshape(L, -1)
     for layer in range(L):
         dt = "f32" if mean_fmt == "fp32" else "f16"
-        tensors_per_layer[layer].append((f"{prefix}.mean", dt, [B, D],
-                                         mean_h[layer].contiguous().view(torch.uint8).numpy().tobytes()))
+        tensors_per_layer[layer].append((f"{prefix}.mean", dt, [B, D], mean_h[layer]))
     if s.basis_fmt.startswith("int"):
         bb = INT_FORMATS[s.basis_fmt]
         # one launch for every layer's columns: groups = columns of D values (quantize(basis, fmt,
         # group_size=D, axis=-2) groups the same way), whole bytes per column when D * bits % 8 == 0
         rows = basis_cols.reshape(L * R_max, D)
-        live = (torch.arange(R_max, device=dev)[None, :] < R.to(dev)[:, None]).reshape(-1)
-        g = rows[live].contiguous()
+        g = rows.index_select(0, live)
         if (D * bb) % 8 == 0:
             packed, scale, mn = quantize_groups(g, bb, "minmax") if g.shape[0] else (
                 torch.zeros(0, dtype=torch.uint8, device=dev), torch.zeros(0, dtype=torch.float16, device=dev),
@@ -303,9 +326,9 @@ def _fit_side(prefix: str, X: torch.Tensor, bpe: float, s: CodecSettings, clock:
                              * unpack_codes(p[0], bb, p[1].numel() * D).view(-1, D).float()
                              for p in pieces if p[1].numel()] or [g[:0]])
         full = torch.zeros(L * R_max, D, dtype=torch.float32, device=dev)
-        full[live] = deq
+        full.index_copy_(0, live, deq)
         basis_cols = full.view(L, R_max, D)
-        packed_h, scale_h, mn_h = packed.cpu(), scale.cpu(), mn.cpu()
+        packed_h, scale_h, mn_h = _to_host([packed, scale.view(torch.uint8), mn.view(torch.uint8)])
         off_c = off_g = 0
         for layer in range(L):
             n = int(R[layer])
@@ -313,9 +336,9 @@ def _fit_side(prefix: str, X: torch.Tensor, bpe: float, s: CodecSettings, clock:
             qmeta = {"fmt": s.basis_fmt, "shape": [D, n], "group_size": D, "axis": -2, "n": n * D,
                      "padded_cols": D}
             tensors_per_layer[layer] += [
-                (f"{prefix}.basis.codes", "u8", [nb], packed_h[off_c:off_c + nb].numpy().tobytes()),
-                (f"{prefix}.basis.scale", "f16", [n], scale_h[off_g:off_g + n].view(torch.uint8).numpy().tobytes()),
-                (f"{prefix}.basis.min", "f16", [n], mn_h[off_g:off_g + n].view(torch.uint8).numpy().tobytes())]
+                (f"{prefix}.basis.codes", "u8", [nb], packed_h[off_c:off_c + nb]),
+                (f"{prefix}.basis.scale", "f16", [n], scale_h[2 * off_g:2 * (off_g + n)]),
+                (f"{prefix}.basis.min", "f16", [n], mn_h[2 * off_g:2 * (off_g + n)])]
             metas[layer][f"{prefix}.basis"] = qmeta
             off_c += nb
             off_g += n
@@ -341,9 +364,8 @@ def _fit_side(prefix: str, X: torch.Tensor, bpe: float, s: CodecSettings, clock:
     if B == 1:
         basis_exp, basis_blk, colmap = basis_cols, None, None
     else:
-        per_blk = sel.sum(dim=2)                                          # [L, B]
+        per_blk = sel_h.sum(dim=2)                                        # [L, B]
         rb_max = int(per_blk.max()) if per_blk.numel() else 0
-        wb = (torch.cumsum(sel.long(), dim=2) - 1)[lidx, bidx, cidx]       # rank of the column in its block
         basis_blk = torch.zeros(L, B, rb_max, D, dtype=torch.float32, device=dev)
         basis_blk[lidx, bidx, wb] = basis_cols[lidx, cols]
         colmap = torch.zeros(L, R_max, dtype=torch.long, device=dev)
@@ -392,21 +414,18 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
     sides = {}
     for prefix, X, bpe in (("k", K, s.k_bits), ("v", V, s.v_bits)):
         sides[prefix] = _fit_side(prefix, X, bpe, s, clock)
-    # layer blobs
-    layer_blobs = []
-    for layer in range(L):
-        meta = {"settings": s.to_json(), "H": H, "d": d, "T_fit": T}
-        table = []
-        for prefix in ("k", "v"):
-            meta.update(sides[prefix].layer_meta[layer])
-            table += sides[prefix].layer_tensors[layer]
-        layer_blobs.append(_blob_bytes(meta, table))
-    clock.lap("fit: layer blobs")
-
     # ---- coefficients of every part: one matmul per side over tokens in cluster order ---------
-    perm_d = perm.to(dev)
     bounds = np.cumsum([0] + [int(t.numel()) for t in sets])
     forced = [torch.nonzero(t < s.sink_tokens).flatten() for t in sets]       # per cluster, local rows
+    # every index the device needs, in one asynchronous copy (a .to(dev) of a host tensor syncs)
+    keeps = []
+    for f, t_set in zip(forced, sets):
+        keep = torch.ones(t_set.numel(), dtype=torch.bool)
+        keep[f] = False
+        keeps.append(keep.nonzero().flatten() if f.numel() else f)
+    idx_d = _to_dev(dev, perm, *forced, *[t[f] for t, f in zip(sets, forced)], *keeps)
+    nc = len(sets)
+    perm_d, forced_d, sinkpos_d, keep_d = idx_d[0], idx_d[1:1 + nc], idx_d[1 + nc:1 + 2 * nc], idx_d[1 + 2 * nc:]
     jobs: dict[tuple[int, int], list] = {}   # (gs, bw) -> [(side, cluster, rows tensor, per-layer rows)]
     layouts: dict[tuple[str, int], tuple[int, int]] = {}
     out_x: dict[tuple[str, int], torch.Tensor] = {}
@@ -426,10 +445,9 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
         cb = torch.zeros(L, R_max, dtype=torch.long)
         for layer in range(L):
             cb[layer, :len(side.colbits[layer])] = torch.from_numpy(side.colbits[layer])
-        sel_idx = {}   # bit width -> (layer, column) index tensors on the device (no mask: no sync)
-        for bw in sorted(set(int(x) for x in cb.unique().tolist()) - {0}):
-            li, ci = torch.nonzero(cb == bw, as_tuple=True)
-            sel_idx[bw] = (li.to(dev), ci.to(dev))
+        widths = sorted(set(int(x) for x in cb.unique().tolist()) - {0})
+        flat = _to_dev(dev, *[i for bw in widths for i in torch.nonzero(cb == bw, as_tuple=True)])
+        sel_idx = {bw: (flat[2 * i], flat[2 * i + 1]) for i, bw in enumerate(widths)}   # (layer, column) per width
         for c, t_set in enumerate(sets):
             a, b = int(bounds[c]), int(bounds[c + 1])
             Tc = b - a
@@ -438,12 +456,10 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
             C = Ct[:, :, a:b]
             f = forced[c]
             if f.numel() and R_max:
-                out_x[(prefix, c)] = X[:, :, t_set[f].to(dev), :].to(torch.float16)   # [L, H, n, d]
-                keep = torch.ones(Tc, dtype=torch.bool)
-                keep[f] = False
-                if keep.any():
+                out_x[(prefix, c)] = X[:, :, sinkpos_d[c], :].to(torch.float16)   # [L, H, n, d]
+                if keeps[c].numel():
                     C = C.clone()
-                    C[:, :, f.to(dev)] = C[:, :, keep.to(dev)].mean(dim=2, keepdim=True)
+                    C[:, :, forced_d[c]] = C[:, :, keep_d[c]].mean(dim=2, keepdim=True)
             gs = Tc if s.group_size <= 0 or s.group_size >= Tc else s.group_size
             padded = -(-Tc // gs) * gs
             if padded > Tc:
@@ -483,12 +499,23 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
                     if n:
                         p, sc, m = quantize_groups(rows[g0:g0 + n].contiguous(), bw,
                                                    s.range_mode if bw < 8 else "minmax")
-                        results[(prefix, c, layer, bw)] = (p.cpu().numpy(), sc.cpu().view(torch.uint8).numpy(),
-                                                           m.cpu().view(torch.uint8).numpy())
+                        results[(prefix, c, layer, bw)] = tuple(_to_host([p, sc.view(torch.uint8), m.view(torch.uint8)]))
                     g0 += n
-    out_x_h = {k: v.cpu() for k, v in out_x.items()}
+    xs = list(out_x.items())
+    out_x_h = {k: (h, v.shape) for (k, v), h in zip(xs, _to_host([v.contiguous().view(torch.uint8) for _, v in xs]))}
     _host_sync(dev)
     clock.lap("encode: quantize + to host")
+
+    # ---- layer blobs (host only: the device work is done) --------------------------------------
+    layer_blobs = []
+    for layer in range(L):
+        meta = {"settings": s.to_json(), "H": H, "d": d, "T_fit": T}
+        table = []
+        for prefix in ("k", "v"):
+            meta.update(sides[prefix].layer_meta[layer])
+            table += sides[prefix].layer_tensors[layer]
+        layer_blobs.append(_blob_bytes(meta, table))
+    clock.lap("fit: layer blobs")
 
     # ---- part blobs ------------------------------------------------------------------------------
     part_blobs: list[list[tuple[bytes, bytes]]] = []
@@ -505,8 +532,9 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
                     it = torch.int32 if Tc > 32767 else torch.int16
                     table.append(("out.idx", codec._DTYPE_NAMES[it], [idx.numel()],
                                   idx.to(it).numpy().tobytes()))
-                    x = out_x_h[(prefix, c)][layer]
-                    table.append(("out.x", "f16", list(x.shape), x.contiguous().view(torch.uint8).numpy().tobytes()))
+                    xh, shape = out_x_h[(prefix, c)]
+                    x = xh.reshape(shape[0], -1)[layer]                          # [H, n, d] fp16 as bytes
+                    table.append(("out.x", "f16", list(shape[1:]), x))
                 if widths:
                     parts = [results[(prefix, c, layer, bw)] for bw in widths]
                     n_codes = sum(p[0].size for p in parts)
