@@ -8,8 +8,10 @@ traffic (kite.data.traffic), so a shared machine's load drifts over all of them 
              32 queries a batch sorted by characters
   fp32       query_signals: token-length buckets, no KV cache, head on real tokens in chunks
   fp32-1t    the same on one thread (a loaded 2-core machine may favour it)
-  bf16       autocast bf16 matmuls (AVX512-BF16): `kite yoco analyze --fast`
+  bf16       bf16 weights cast once, fp32 between the matmuls (kite.runtime.lowp.bf16_linears):
+             `kite yoco analyze --fast`
   bf16-1t    the same on one thread
+  autocast   torch.autocast bf16 (the first `--fast`: re-casts every weight on every call)
   int8       dynamically quantized Linear layers (torch.ao), LM head kept fp32 (not shipped:
              see its deviation)
 Each prints q/s, tokens/s, achieved GFLOP/s and its ratio to this CPU's fp32 FMA peak, the
@@ -47,10 +49,10 @@ def fp32_peak_gflops() -> tuple[float, str]:
     return cores * ghz * 32, f"{cores} cores x {ghz:.2f} GHz x 32 FLOP/cycle"
 
 
-def measured_gemm_gflops(threads: int) -> float:
-    """What an fp32 GEMM of the model's shape reaches right now (the load included)."""
+def measured_gemm_gflops(threads: int, dtype: torch.dtype = torch.float32) -> float:
+    """What a GEMM of the model's shape reaches right now (the load included)."""
     torch.set_num_threads(threads)
-    x, w = torch.randn(512, 576), torch.randn(1536, 576)
+    x, w = torch.randn(512, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
     torch.nn.functional.linear(x, w)
     t = time.perf_counter()
     for _ in range(20):
@@ -110,7 +112,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=256, help="queries per variant per round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--variants", default="before,fp32,fp32-1t,bf16,bf16-1t,int8")
+    ap.add_argument("--variants", default="before,fp32,fp32-1t,bf16,bf16-1t,autocast,int8")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -129,12 +131,17 @@ def main() -> None:
     def signals(model, **kw):
         return [s.intent_entropy for s in query_signals(model, queries, **kw)]
 
+    def autocast_signals():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return signals(lm)
+
     runs = {
         "before": lambda: before(lm, queries),
         "fp32": lambda: signals(lm),
         "fp32-1t": lambda: signals(lm),
         "bf16": lambda: signals(lm, precision="bf16"),
         "bf16-1t": lambda: signals(lm, precision="bf16"),
+        "autocast": lambda: autocast_signals(),
         "int8": lambda: signals(lm8),
     }
     names = [v for v in args.variants.split(",") if v in runs]
@@ -167,7 +174,11 @@ def main() -> None:
                      "mean_abs_dev_bits": mean_dev[v], "load_avg_1m": statistics.mean(loads[v])})
     base = next((r for r in rows if r["variant"] == "before"), None)
     gemm = measured_gemm_gflops(threads)
+    gemm_bf16 = measured_gemm_gflops(threads, torch.bfloat16)
+    # The most a pass can do if it were nothing but GEMMs at the bf16 rate just measured.
+    ceiling = gemm_bf16 * 1e9 / (flop_tok * tokens / len(queries))
     report = {"cpu_fp32_peak_gflops": peak, "peak_from": how, "gemm_gflops_now": gemm,
+              "gemm_bf16_gflops_now": gemm_bf16, "q_per_s_ceiling_bf16_gemm": ceiling,
               "flop_per_token": flop_tok, "mean_tokens": tokens / len(queries), "threads": threads,
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
               "load_avg": os.getloadavg(), "rows": rows}
@@ -179,6 +190,8 @@ def main() -> None:
           f"OMP_WAIT_POLICY={report['omp_wait_policy']}")
     print(f"fp32 peak {peak:.0f} GFLOP/s ({how}); an fp32 GEMM reaches {gemm:.0f} GFLOP/s now; "
           f"load avg {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"a bf16 GEMM reaches {gemm_bf16:.0f} GFLOP/s now: a pass of nothing but bf16 GEMMs would "
+          f"do {ceiling:.0f} q/s")
     print(f"{'variant':<9} {'q/s':>7} {'median':>7} {'tok/s':>7} {'GFLOP/s':>8} {'%peak':>6} "
           f"{'vs before':>9} {'max|dH|':>8} {'mean|dH|':>8} {'load':>5}")
     for r in rows:

@@ -156,3 +156,15 @@ def test_analyze_checks_rule_labels(tiny_models, files, tmp_path):
     assert r.exit_code == 2 and "escrow" in r.stderr
     r = run(*args, "--labels", "escrow,payment", "--json")
     assert r.exit_code == 0, r.output
+
+
+def test_bf16_pass_is_close_and_leaves_the_model_fp32(lm):
+    queries = [r["query"] for r in generate_traffic(24, seed=3)]
+    exact = query_signals(lm, queries)
+    fast = query_signals(lm, queries, precision="bf16")
+    dev = [abs(a.intent_entropy - b.intent_entropy) for a, b in zip(exact, fast)]
+    assert max(dev) < 0.2 and any(d > 0 for d in dev)  # bf16 rounding: close, not identical
+    assert all(type(m).__name__ != "BF16Linear" for m in lm.model.modules())
+    assert [s.intent_entropy for s in query_signals(lm, queries)] == [s.intent_entropy for s in exact]
+    with pytest.raises(ValueError, match="precision"):
+        query_signals(lm, queries, precision="int3")

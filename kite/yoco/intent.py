@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from kite.runtime.lowp import bf16_linears
 PRECISIONS = ("fp32", "bf16")
 _LN2 = math.log(2.0)
 
@@ -89,8 +90,9 @@ def query_signals(lm, queries: list[str], tagger=None, batch_size: int = 64,
                   max_tokens: int = 128, *, batch_tokens: int = 1024, precision: str = "fp32",
                   progress: Callable[[int, int], None] | None = None) -> list[QuerySignals]:
     """Signals for each query, in order (right-padded batches, so each query's own tokens are
-    unaffected by the others). `precision`: fp32 (exact) or bf16 (autocast matmuls: about 2× faster
-    on AVX512-BF16 CPUs, entropies off by ≤ ~0.14 bits). Repeated texts are computed once.
+    unaffected by the others). `precision`: fp32 (exact) or bf16 (the matmuls on bf16 weights, fp32
+    between them: faster on AVX512-BF16 CPUs, entropies off by ~0.1 bits at most; measured in
+    benchmarks/yoco_analyze.py). Repeated texts are computed once.
     `progress(done, total)` after each batch, in distinct texts."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
@@ -109,20 +111,20 @@ def _distinct_signals(lm, queries: list[str], tagger, batch_size: int, max_token
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     enc = tok(list(queries), add_special_tokens=False)["input_ids"] if queries else []
     enc = [e[:max_tokens] or [pad] for e in enc]
-    plain = _plain_head(lm.model)
-    device = lm.device
-    cast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
     results: list[QuerySignals | None] = [None] * len(enc)
     done = 0
-    for idx in _batches([len(e) for e in enc], batch_size, batch_tokens):
-        width = max(len(enc[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for row, i in enumerate(idx):
-            ids[row, :len(enc[i])] = torch.tensor(enc[i])
-            mask[row, :len(enc[i])] = 1
-        m = mask.bool()
-        with cast:
+    # bf16: the Linear layers on bf16 weights cast once, fp32 between them (kite.runtime.lowp)
+    with bf16_linears(lm.model) if precision == "bf16" else nullcontext():
+        plain = _plain_head(lm.model)
+        device = lm.device
+        for idx in _batches([len(e) for e in enc], batch_size, batch_tokens):
+            width = max(len(enc[i]) for i in idx)
+            ids = torch.full((len(idx), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            for row, i in enumerate(idx):
+                ids[row, :len(enc[i])] = torch.tensor(enc[i])
+                mask[row, :len(enc[i])] = 1
+            m = mask.bool()
             if plain is not None:
                 decoder, head = plain
                 res = decoder(input_ids=ids.to(device), attention_mask=mask.to(device),
@@ -134,24 +136,24 @@ def _distinct_signals(lm, queries: list[str], tagger, batch_size: int, max_token
                                output_hidden_states=bool(layers), use_cache=False)
                 ent_flat = entropy_bits_of_logits(res.logits[m.to(device)]).cpu()
                 hidden_states = res.hidden_states
-        # Mean over each row's own tokens: the flat entropies are in row-major order.
-        counts = m.sum(1)
-        sums = torch.zeros(len(idx)).index_add_(0, torch.repeat_interleave(torch.arange(len(idx)), counts),
-                                                ent_flat)
-        means = (sums / counts.clamp_min(1)).tolist()
-        tags = None
-        if layers:
-            mf = mask[..., None].float()
-            emb = torch.cat([(hidden_states[h].float().cpu() * mf).sum(1) / mf.sum(1) for h in layers], dim=-1)
-            tags = tagger.predict_queries(emb)
-        for row, i in enumerate(idx):
-            probs = tags[row].probs if tags else {}
-            results[i] = QuerySignals(
-                intent_entropy=float(means[row]), query_label=tags[row].label if tags else "",
-                label_entropy=_label_entropy(probs), label_probs=probs, tokens=int(counts[row]))
-        done += len(idx)
-        if progress is not None:
-            progress(done, len(enc))
+            # Mean over each row's own tokens: the flat entropies are in row-major order.
+            counts = m.sum(1)
+            sums = torch.zeros(len(idx)).index_add_(0, torch.repeat_interleave(torch.arange(len(idx)), counts),
+                                                    ent_flat)
+            means = (sums / counts.clamp_min(1)).tolist()
+            tags = None
+            if layers:
+                mf = mask[..., None].float()
+                emb = torch.cat([(hidden_states[h].float().cpu() * mf).sum(1) / mf.sum(1) for h in layers], dim=-1)
+                tags = tagger.predict_queries(emb)
+            for row, i in enumerate(idx):
+                probs = tags[row].probs if tags else {}
+                results[i] = QuerySignals(
+                    intent_entropy=float(means[row]), query_label=tags[row].label if tags else "",
+                    label_entropy=_label_entropy(probs), label_probs=probs, tokens=int(counts[row]))
+            done += len(idx)
+            if progress is not None:
+                progress(done, len(enc))
     out = [r for r in results if r is not None]
     if tagger is not None and not layers and queries:  # a prompt-scoring tagger reads the text
         for sig, tag in zip(out, tagger.tag_queries(lm.model, tok, queries)):
