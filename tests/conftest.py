@@ -10,9 +10,12 @@ from tests.tiny_models import make_tiny_model
 
 @pytest.fixture(autouse=True)
 def kite_home(tmp_path, monkeypatch):
-    """Every test gets its own KITE_HOME; no test reads or writes the user's ~/.kite."""
+    """Every test gets its own KITE_HOME; no test reads or writes the user's ~/.kite. KITE_CACHE
+    stays shared (the converted embedded model), so states the tests write are not recorded as
+    verified there (tests of those records set their own KITE_CACHE)."""
     home = tmp_path / "kite-home"
     monkeypatch.setenv("KITE_HOME", str(home))
+    monkeypatch.setenv("KITE_VERIFY_RECORD", "0")
     for var in ("KITE_DEBUG",):
         monkeypatch.delenv(var, raising=False)
     return home

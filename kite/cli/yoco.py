@@ -293,8 +293,8 @@ def analyze_cmd(
                                                   "hardware), e.g. '{\"hardware_watermark.gpu_mem\": 0.9}'.")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG histogram of intent "
                                                  "entropy with the rules' thresholds.")] = None,
-    fast: Annotated[bool, typer.Option("--fast", help="bf16 matmuls: ~2x faster on AVX512-BF16 CPUs; "
-                                       "entropies move by up to ~0.14 bits, ~0.02 on average "
+    fast: Annotated[bool, typer.Option("--fast", help="bf16 matmuls: ~1.7x faster on AVX512-BF16 CPUs; "
+                                       "entropies move by up to ~0.09 bits, ~0.01 on average "
                                        "(docs/rules-dsl.md).")] = False,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Queries per forward.")] = 64,
     threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="torch threads (default: "
