@@ -6,10 +6,8 @@ in place (a new mtime) is verified again, and a corrupt blob never loads silentl
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
-import types
 
 import pytest
 import torch
@@ -43,17 +41,17 @@ def state(lm, tmp_path):
 
 
 class _Count:
-    """Counts the blake2b calls made by gpu_load (the real hash underneath)."""
+    """Counts the blob checksum checks (the real check underneath)."""
 
     def __init__(self, monkeypatch):
         self.n = 0
-        real = hashlib.blake2b
+        real = StateFile.check_blob
 
-        def counted(*a, **k):
+        def counted(sf, key, stored):
             self.n += 1
-            return real(*a, **k)
+            return real(sf, key, stored)
 
-        monkeypatch.setattr(gpu_load, "hashlib", types.SimpleNamespace(blake2b=counted))
+        monkeypatch.setattr(StateFile, "check_blob", counted)
 
 
 def _stage(path, lm, verify=True):

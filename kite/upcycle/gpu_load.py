@@ -37,7 +37,6 @@ compare it with the codec's own decode. Supported: states whose keys and values 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -353,8 +352,7 @@ def _stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region
             t1 = time.perf_counter()
             t_read += t1 - t0
             if check:
-                if hashlib.blake2b(dst, digest_size=16).hexdigest() != e.checksum:
-                    raise BadInput(f"{state.path}: corrupt .upc state (checksum mismatch in part {key})")
+                state.check_blob(key, dst)
                 checked.append(key)
         else:
             data = os.pread(fd, e.length, start)
@@ -363,8 +361,7 @@ def _stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region
             t1 = time.perf_counter()
             t_read += t1 - t0
             if check:
-                if hashlib.blake2b(data, digest_size=16).hexdigest() != e.checksum:
-                    raise BadInput(f"{state.path}: corrupt .upc state (checksum mismatch in part {key})")
+                state.check_blob(key, data)
                 checked.append(key)
             import zstandard
 

@@ -210,13 +210,18 @@ class StateFile:
         data = self._fh.read(entry.length)
         if len(data) < entry.length:
             raise BadInput(f"{self.path}: truncated .upc state (part {key} is cut off)")
-        if verify and _digest(data) != entry.checksum:
-            raise BadInput(f"{self.path}: corrupt .upc state (checksum mismatch in part {key})")
+        if verify:
+            self.check_blob(key, data)
         if entry.codec == "zstd":
             import zstandard
 
             data = zstandard.ZstdDecompressor().decompress(data, max_output_size=entry.raw_length)
         return data
+
+    def check_blob(self, key: str, stored) -> None:
+        """BadInput unless `stored` (part `key`'s bytes as stored) matches the index's checksum."""
+        if _digest(stored) != self.index[key].checksum:
+            raise BadInput(f"{self.path}: corrupt .upc state (checksum mismatch in part {key})")
 
     def verify(self) -> dict[str, str]:
         """Checksum status of every blob: 'ok' or what is wrong."""

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from kite.errors import BadInput
+from kite.runtime.batch import right_padded
 
 FORMAT = "kite-tagger/1"
 EMBEDDING_METHODS = ("ridge", "centroid")
@@ -527,12 +528,7 @@ def _embed_layers(model, tokenizer, texts: list[str], layers: Sequence[int],
     out = {h: torch.zeros(len(ids), _hidden_size(model)) for h in layers}
     for b in range(0, len(order), batch_size):
         idx = order[b:b + batch_size]
-        width = max(len(ids[i]) for i in idx)
-        inp = torch.full((len(idx), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for r, i in enumerate(idx):
-            inp[r, :len(ids[i])] = torch.tensor(ids[i])
-            mask[r, :len(ids[i])] = 1
+        inp, mask = right_padded([ids[i] for i in idx], pad)
         hs = hidden_states_at(model, inp.to(device), mask.to(device), layers)
         m = mask.to(device)[..., None].float()
         for h in layers:

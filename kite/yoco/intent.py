@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from kite.runtime.batch import right_padded
 from kite.runtime.lowp import bf16_linears
 PRECISIONS = ("fp32", "bf16")
 _LN2 = math.log(2.0)
@@ -118,12 +119,7 @@ def _distinct_signals(lm, queries: list[str], tagger, batch_size: int, max_token
         plain = _plain_head(lm.model)
         device = lm.device
         for idx in _batches([len(e) for e in enc], batch_size, batch_tokens):
-            width = max(len(enc[i]) for i in idx)
-            ids = torch.full((len(idx), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(idx), width), dtype=torch.long)
-            for row, i in enumerate(idx):
-                ids[row, :len(enc[i])] = torch.tensor(enc[i])
-                mask[row, :len(enc[i])] = 1
+            ids, mask = right_padded([enc[i] for i in idx], pad)
             m = mask.bool()
             if plain is not None:
                 decoder, head = plain
