@@ -279,13 +279,9 @@ def _rel_distortion(b: int, range_mode: str = "mse") -> float:
     return min(1.0, (5.2 ** 2 / 12.0) * 4.0 ** (-b))
 
 
-def allocate_bits(evals: torch.Tensor, budget_bits: float, T: int, d_in: int, s: CodecSettings) -> torch.Tensor:
-    """Greedy bit allocation over components of several blocks.
-
-    evals [B, r] (variances, per block sorted desc); ``budget_bits``: bits available for the
-    whole layer tensor (coefficients + scales + basis columns).  Returns int bits [B, r].
-    """
-    B, r = evals.shape
+def first_bit_cost(T: int, d_in: int, s: CodecSettings) -> float:
+    """Bits the first bit of a component costs: its T codes, a scale and minimum (fp16) per group
+    of every expected part, and its basis column of `d_in` entries (with a scale when int)."""
     n_parts = max(1, math.ceil(T / max(1, s.part_tokens)))
     per_part = min(T, s.part_tokens)
     gs = s.group_size if 0 < s.group_size < per_part else per_part
@@ -294,7 +290,17 @@ def allocate_bits(evals: torch.Tensor, budget_bits: float, T: int, d_in: int, s:
         basis_bits = INT_FORMATS[s.basis_fmt] + 32 / d_in
     else:
         basis_bits = {"fp32": 32, "fp16": 16, "bf16": 16}[s.basis_fmt]
-    first_cost = T + groups * 32 + d_in * basis_bits      # first bit: codes + scale/min + basis col
+    return T + groups * 32 + d_in * basis_bits
+
+
+def allocate_bits(evals: torch.Tensor, budget_bits: float, T: int, d_in: int, s: CodecSettings) -> torch.Tensor:
+    """Greedy bit allocation over components of several blocks.
+
+    evals [B, r] (variances, per block sorted desc); ``budget_bits``: bits available for the
+    whole layer tensor (coefficients + scales + basis columns).  Returns int bits [B, r].
+    """
+    B, r = evals.shape
+    first_cost = first_bit_cost(T, d_in, s)
     bits = torch.zeros(B, r, dtype=torch.int64)
     ev = evals.double().tolist()
     heap = []
