@@ -76,6 +76,24 @@ def test_batched_encode_writes_the_codec_bytes(spec):
             assert enc.part_blobs[layer][c] == (codec.to_bytes(part.k), codec.to_bytes(part.v))
 
 
+@pytest.mark.parametrize("joint", [False, True])
+def test_batched_encode_mixed_group_sizes_and_sinks(joint):
+    # parts of three group sizes (a 3-token part holding both sinks, a 100-token part, two parts of whole
+    # and padded 128-token groups): one projection over all of them, rows picked per (size, width)
+    s = codec.settings_for(8, joint_heads=joint, group_size=128, sink_tokens=2)
+    K, V, _ = _kv(T=700, seed=3)
+    g = torch.Generator().manual_seed(4)
+    rest = torch.randperm(697, generator=g) + 3
+    sets = [torch.arange(3), rest[:100].sort().values, rest[100:356].sort().values, rest[356:].sort().values]
+    enc = codec_batched.encode_state(K, V, sets[::-1], s)
+    for layer in range(K.shape[0]):
+        lc = codec.fit_layer(K[layer], V[layer], s)
+        assert enc.layer_blobs[layer] == codec.to_bytes(lc)
+        for c, idx in enumerate(sets[::-1]):
+            part = codec.encode(lc, K[layer][:, idx], V[layer][:, idx], idx)
+            assert enc.part_blobs[layer][c] == (codec.to_bytes(part.k), codec.to_bytes(part.v))
+
+
 def test_batched_codec_refuses_what_it_does_not_take():
     K, V, sets = _kv(L=1, T=64)
     assert not codec_batched.supports("int4")

@@ -12,10 +12,14 @@ round trips until the blobs are serialized:
   per stored bit, ironed so that bit b never ranks above bit b-1 (a running minimum along b), and
   the budget is spent down that order with the heap's rules (an increment that does not fit is
   skipped and ends its component; once an increment of plain cost T fails nothing fits);
-* **encode**: the basis of every layer is quantized in one launch per side, the coefficients of
-  all (cluster, layer) parts are one batched matmul per side (tokens reordered by cluster once),
-  the attention sinks are replaced by their part's mean column as the codec does, and every
-  coefficient group of one (group size, bit width) of both sides is quantized in one launch.
+* **encode**: the basis of every layer is quantized in one launch per side; the coefficients of
+  all (cluster, layer) parts are one batched matmul per side over the tokens in document order
+  (per head: over each head's d dims); the attention sinks are replaced by their part's mean
+  column as the codec does; then, per (group size, bit width), one gather takes that width's rows
+  and the tokens of the parts of that group size in part order, padded to whole groups with the
+  part's last token, and one launch quantizes them (a small gather of the packed codes puts them
+  in (part, layer) order). The keys' fit is finished on the host while the values' fit runs, and
+  the keys' codes go to the host on a copy stream while the values are projected.
 
 The byte format is the codec's (docs/upc-format.md): the layer blobs and part blobs it returns
 are what ``codec.to_bytes`` gives for a ``LayerCodec`` / part ``Blob`` and read back with
@@ -247,15 +251,15 @@ class _Side:
     colbits: list[np.ndarray]  # per layer: bit width of each stored column (block-major)
     basis_exp: torch.Tensor | None   # B == 1: [L, R_max, D], column j of the stored basis
     basis_blk: torch.Tensor | None   # B > 1: [L, B, rb_max, D], each block's stored columns in order
-    colmap: torch.Tensor | None      # B > 1: [L, R_max] int64, column j's row in basis_blk[l] viewed [B*rb_max, D]
+    row_of: torch.Tensor             # [L, R_max] int64 (host): column j's row in the coefficients [L*B*rb_max or L*R_max, P]
     layer_tensors: list[list[tuple[str, str, list[int], bytes]]]
     layer_meta: list[dict]     # per layer: {"<side>.basis": qmeta?, "<side>": {...}} in insertion order
 
 
-def _fit_side(prefix: str, X: torch.Tensor, bpe: float, s: CodecSettings, clock: _Clock) -> _Side:
-    """X: [L, H, T, d] float32 on the device."""
+def _fit_launch(X: torch.Tensor, bpe: float, s: CodecSettings, clock: _Clock) -> tuple:
+    """Queue one side's fit (X: [L, H, T, d] float32 on the device): Gram + eigh + bit allocation,
+    and an asynchronous copy of the allocation to the host. Nothing here waits for the device."""
     L, H, T, d = X.shape
-    dev = X.device
     if s.joint_heads:
         Xb = X.permute(0, 2, 1, 3).reshape(L, T, H * d)                    # [L*1, T, H*d]
         B, D = 1, H * d
@@ -263,17 +267,38 @@ def _fit_side(prefix: str, X: torch.Tensor, bpe: float, s: CodecSettings, clock:
         Xb = X.reshape(L * H, T, d)
         B, D = H, d
     mean, evals, U = batched_pca(Xb, center=s.center)                    # [L*B, D], [L*B, D], [L*B, D, D]
+    del Xb
     clock.lap("fit: gram + eigh")
     n_parts = max(1, math.ceil(T / max(1, s.part_tokens)))
     budget = (bpe * H * T * d - B * D * (16 + 8) - 8 * 450 - n_parts * 8 * 160 - s.sink_tokens * H * d * 16)
     bits = allocate_bits_batched(evals.reshape(L, B, D), [budget] * L, T, D, s)   # [L, B, D]
     clock.lap("fit: bit allocation")
+    return (X.shape, B, D, mean, U) + _host_async(bits)
+
+
+def _host_async(t: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """A host copy of a device tensor that is ready once the returned event is (None on the CPU)."""
+    if not t.is_cuda:
+        return t, None
+    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    buf.copy_(t, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    return buf, ev
+
+
+def _fit_side(prefix: str, launched: tuple, s: CodecSettings, clock: _Clock) -> _Side:
+    """Finish a side queued by :func:`_fit_launch`: waits for its bit allocation only (later work
+    already queued on the device, such as the other side's fit, keeps running)."""
+    (L, H, T, d), B, D, mean, U, bits_h, ev = launched
+    dev = mean.device
     mean_fmt = "fp32" if s.basis_fmt == "fp32" else "fp16"
     mean_st = mean.reshape(L, B, D).to(codec.FLOAT_FORMATS[mean_fmt])
-    # the one host sync of the fit: the bit allocation; every index below is derived from it on the
+    # the one host wait of the fit: the bit allocation; every index below is derived from it on the
     # host and sent back in one asynchronous copy, every host copy is asynchronous (read after the
     # encoder's final sync), so the device never waits for the host in between
-    bits_h = bits.cpu()
+    if ev is not None:
+        ev.synchronize()
     sel_h = bits_h > 0                                                    # [L, B, D]
     R = sel_h.reshape(L, -1).sum(dim=1)
     R_max = int(R.max()) if L else 0
@@ -360,24 +385,163 @@ def _fit_side(prefix: str, X: torch.Tensor, bpe: float, s: CodecSettings, clock:
         metas[layer][prefix] = {"mode": "pca", "blocks": B, "dim": D, "rank_max": r}
         colbits.append(b[b > 0].numpy().astype(np.int64))   # block-major, ascending component
     # per block (B > 1): each block's columns in order, so that encode projects every block on its
-    # own d dims in one batched matmul (not a dense one over B*D dims that is mostly zeros)
+    # own d dims in one batched matmul (not a dense one over B*D dims that is mostly zeros);
+    # row_of[l, j]: the row of stored column j of layer l in encode's coefficient matrix
     if B == 1:
-        basis_exp, basis_blk, colmap = basis_cols, None, None
+        basis_exp, basis_blk = basis_cols, None
+        row_of = torch.arange(L)[:, None] * R_max + torch.arange(R_max)[None, :]
     else:
         per_blk = sel_h.sum(dim=2)                                        # [L, B]
         rb_max = int(per_blk.max()) if per_blk.numel() else 0
         basis_blk = torch.zeros(L, B, rb_max, D, dtype=torch.float32, device=dev)
         basis_blk[lidx, bidx, wb] = basis_cols[lidx, cols]
-        colmap = torch.zeros(L, R_max, dtype=torch.long, device=dev)
-        colmap[lidx, cols] = bidx * rb_max + wb
+        row_of = torch.zeros(L, R_max, dtype=torch.long)
+        row_of[lidx_h, cols_h] = lidx_h * (B * rb_max) + bidx_h * rb_max + wb_h
         basis_exp = None
     clock.lap("fit: store basis")
     return _Side(mean16=mean_st.float().reshape(L, B * D), bits=bits_h, colbits=colbits, basis_exp=basis_exp,
-                 basis_blk=basis_blk, colmap=colmap, layer_tensors=tensors_per_layer, layer_meta=metas)
+                 basis_blk=basis_blk, row_of=row_of, layer_tensors=tensors_per_layer, layer_meta=metas)
 
 
 # --------------------------------------------------------------------------------------------
 # encode
+
+
+@dataclass
+class _Layout:
+    """Where every cluster's tokens sit in the quantizer's rows (host-side plan, device indices).
+
+    Clusters of one quantization group size gs form a segment; each cluster takes ``padded`` columns
+    (its tokens in order, then copies of its last token up to a multiple of gs), so every group of
+    every part is gs consecutive columns and a segment of one row is whole groups."""
+
+    forced: list[torch.Tensor]              # per cluster: local rows of its sinks (host)
+    segments: list[tuple[int, int, int, list[int], torch.Tensor]]   # (gs, start, end, clusters, tokens)
+    off: dict[int, int]                     # cluster -> first column
+    n_groups: dict[int, int]                # cluster -> groups per row
+    sink: dict[int, tuple[torch.Tensor, torch.Tensor]]   # cluster -> (its sinks, its other tokens) (device)
+
+
+def _layout(sets: list[torch.Tensor], s: CodecSettings, dev: torch.device) -> _Layout:
+    forced = [torch.nonzero(t < s.sink_tokens).flatten() for t in sets]       # per cluster, local rows
+    by_gs: dict[int, list[int]] = {}
+    for c, t_set in enumerate(sets):
+        Tc = int(t_set.numel())
+        if Tc:
+            by_gs.setdefault(Tc if s.group_size <= 0 or s.group_size >= Tc else s.group_size, []).append(c)
+    seg_h, off, n_groups = [], {}, {}
+    sink_h: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    P = 0
+    for gs, cl in by_gs.items():
+        start, toks = P, []
+        for c in cl:
+            t_set, Tc = sets[c], int(sets[c].numel())
+            padded = -(-Tc // gs) * gs
+            off[c], n_groups[c] = P, padded // gs
+            toks += [t_set, t_set[-1:].expand(padded - Tc)]
+            f = forced[c]
+            if f.numel():
+                keep = torch.ones(Tc, dtype=torch.bool)
+                keep[f] = False
+                sink_h.append((c, t_set[f], t_set[keep]))
+            P += padded
+        seg_h.append((gs, start, P, cl, torch.cat(toks)))
+    d = _to_dev(dev, *[x[4] for x in seg_h], *[t for _, f, k in sink_h for t in (f, k)])   # one async copy
+    segments = [(gs, a, b, cl, tok) for (gs, a, b, cl, _), tok in zip(seg_h, d)]
+    n = len(seg_h)
+    sink = {c: (d[n + 2 * i], d[n + 2 * i + 1]) for i, (c, *_) in enumerate(sink_h)}
+    return _Layout(forced=forced, segments=segments, off=off, n_groups=n_groups, sink=sink)
+
+
+def _encode_side(prefix: str, X: torch.Tensor, side: _Side, lay: _Layout, s: CodecSettings, clock: _Clock,
+                 results: dict, out_x: dict) -> int:
+    """Project one side's tokens on its stored basis (all parts at once), quantize every (group size,
+    bit width) class of it in one launch each and start the copies to the host; fills
+    results[(side, c, layer, bw)] = (codes, scale, min) host arrays (valid after _host_sync)."""
+    L, H, T, d = X.shape
+    dev = X.device
+    if side.basis_blk is None:   # joint heads: one block of H*d dims
+        Xc = X.permute(0, 2, 1, 3).reshape(L, T, H * d)                       # [L, T, H*d]
+        Xc.sub_(side.mean16[:, None, :])
+        clock.lap("encode: center")
+        Y = torch.matmul(side.basis_exp, Xc.transpose(1, 2))                   # [L, R_max, T]
+    else:                        # per head: a batched matmul per (layer, head) over d dims
+        Xc = X - side.mean16.view(L, H, 1, d)
+        clock.lap("encode: center")
+        Y = torch.matmul(side.basis_blk, Xc.transpose(2, 3))                   # [L, H, rb_max, T]
+    del Xc
+    Y = Y.reshape(-1, T)                                                        # rows: side.row_of, document order
+    clock.lap("encode: project")
+    R_max = side.row_of.shape[1]
+    # the attention sinks: kept in fp16, their coefficients replaced by their part's mean (codec.encode)
+    for c, (pos, kept) in lay.sink.items():
+        if R_max:
+            out_x[(prefix, c)] = X[:, :, pos, :].to(torch.float16)             # [L, H, n, d]
+            if kept.numel():
+                Y[:, pos] = Y[:, kept].mean(dim=1, keepdim=True)
+    clock.lap("encode: sinks")
+    cb = torch.zeros(L, R_max, dtype=torch.long)
+    for layer in range(L):
+        cb[layer, :len(side.colbits[layer])] = torch.from_numpy(side.colbits[layer])
+    widths = sorted(set(int(x) for x in cb.unique().tolist()) - {0})
+    # per width: the coefficient rows of its (layer, column) pairs, layer-major; per (segment, width)
+    # the order (cluster, layer, column, group) the part blobs want, where the segment has several parts
+    rows_h = {bw: side.row_of[cb == bw] for bw in widths}
+    per_layer = {bw: (cb == bw).sum(dim=1).tolist() for bw in widths}
+    plan, reorder = [], []
+    for gs, start, end, cl, tok in lay.segments:
+        G_seg = (end - start) // gs
+        for bw in widths:
+            n_lc = int(rows_h[bw].numel())
+            if len(cl) > 1:
+                base = np.arange(n_lc)[:, None] * G_seg
+                reorder.append(torch.from_numpy(np.concatenate([
+                    (base + (lay.off[c] - start) // gs + np.arange(lay.n_groups[c])[None, :]).reshape(-1)
+                    for c in cl])))
+            plan.append((gs, start, end, cl, tok, bw, n_lc, len(cl) > 1))
+    idx = _to_dev(dev, *[rows_h[bw] for bw in widths], *reorder)
+    rows_d = dict(zip(widths, idx[:len(widths)]))
+    reorder_d = iter(idx[len(widths):])
+    n_launch = 0
+    for gs, start, end, cl, tok, bw, n_lc, mixed in plan:
+        if not n_lc:
+            continue
+        # one gather: the width's rows, the segment's tokens in part order (a padding column is a copy
+        # of its part's last token, so of its last coefficient)
+        rows = Y[rows_d[bw][:, None], tok[None, :]].view(-1, gs)               # (layer, column, group)
+        ro = next(reorder_d) if mixed else None
+        clock.lap("encode: select rows")
+        mode = s.range_mode if bw < 8 else "minmax"
+        if (gs * bw) % 8 == 0:   # whole bytes per group: one launch, then the parts' order
+            packed, scale, mn = quantize_groups(rows, bw, mode)
+            n_launch += 1
+            per = gs * bw // 8
+            if ro is not None:
+                packed = packed.view(-1, per).index_select(0, ro).reshape(-1)
+                scale, mn = scale.index_select(0, ro), mn.index_select(0, ro)
+            packed_h, scale_h, mn_h = _to_host([packed, scale.view(torch.uint8), mn.view(torch.uint8)])
+            g0 = 0
+            for c in cl:
+                for layer in range(L):
+                    n = per_layer[bw][layer] * lay.n_groups[c]
+                    if n:
+                        results[(prefix, c, layer, bw)] = (packed_h[g0 * per:(g0 + n) * per],
+                                                           scale_h[2 * g0:2 * (g0 + n)], mn_h[2 * g0:2 * (g0 + n)])
+                    g0 += n
+        else:   # a bit stream across groups: quantize each part's class on its own
+            if ro is not None:
+                rows = rows.index_select(0, ro)
+            g0 = 0
+            for c in cl:
+                for layer in range(L):
+                    n = per_layer[bw][layer] * lay.n_groups[c]
+                    if n:
+                        p, sc, m = quantize_groups(rows[g0:g0 + n].contiguous(), bw, mode)
+                        n_launch += 1
+                        results[(prefix, c, layer, bw)] = tuple(_to_host([p, sc.view(torch.uint8), m.view(torch.uint8)]))
+                    g0 += n
+        clock.lap("encode: quantize")
+    return n_launch
 
 
 def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tensor | list[torch.Tensor],
@@ -411,100 +575,22 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
     if perm.numel() != T or not torch.equal(torch.sort(perm).values, torch.arange(T)):
         raise ValueError("token_sets must partition the document's tokens")
     clock.lap("move")
-    sides = {}
-    for prefix, X, bpe in (("k", K, s.k_bits), ("v", V, s.v_bits)):
-        sides[prefix] = _fit_side(prefix, X, bpe, s, clock)
-    # ---- coefficients of every part: one matmul per side over tokens in cluster order ---------
-    bounds = np.cumsum([0] + [int(t.numel()) for t in sets])
-    forced = [torch.nonzero(t < s.sink_tokens).flatten() for t in sets]       # per cluster, local rows
-    # every index the device needs, in one asynchronous copy (a .to(dev) of a host tensor syncs)
-    keeps = []
-    for f, t_set in zip(forced, sets):
-        keep = torch.ones(t_set.numel(), dtype=torch.bool)
-        keep[f] = False
-        keeps.append(keep.nonzero().flatten() if f.numel() else f)
-    idx_d = _to_dev(dev, perm, *forced, *[t[f] for t, f in zip(sets, forced)], *keeps)
-    nc = len(sets)
-    perm_d, forced_d, sinkpos_d, keep_d = idx_d[0], idx_d[1:1 + nc], idx_d[1 + nc:1 + 2 * nc], idx_d[1 + 2 * nc:]
-    jobs: dict[tuple[int, int], list] = {}   # (gs, bw) -> [(side, cluster, rows tensor, per-layer rows)]
-    layouts: dict[tuple[str, int], tuple[int, int]] = {}
-    out_x: dict[tuple[str, int], torch.Tensor] = {}
-    for prefix, X in (("k", K), ("v", V)):
-        side = sides[prefix]
-        if side.basis_blk is None:   # joint heads: one block of H*d dims
-            Xs = X.permute(0, 2, 1, 3).reshape(L, T, H * d)[:, perm_d]         # [L, T, H*d] cluster order
-            Xs = Xs - side.mean16[:, None, :]
-            Ct = torch.matmul(side.basis_exp, Xs.transpose(1, 2))              # [L, R_max, T]
-        else:                        # per head: a batched matmul per (layer, head) over d dims
-            Xs = X[:, :, perm_d] - side.mean16.view(L, H, 1, d)                 # [L, H, T, d] cluster order
-            Cb = torch.matmul(side.basis_blk, Xs.transpose(2, 3))              # [L, H, rb_max, T]
-            Ct = Cb.reshape(L, -1, T)[torch.arange(L, device=dev)[:, None], side.colmap]   # [L, R_max, T]
-            del Cb
-        del Xs
-        R_max = Ct.shape[1]
-        cb = torch.zeros(L, R_max, dtype=torch.long)
-        for layer in range(L):
-            cb[layer, :len(side.colbits[layer])] = torch.from_numpy(side.colbits[layer])
-        widths = sorted(set(int(x) for x in cb.unique().tolist()) - {0})
-        flat = _to_dev(dev, *[i for bw in widths for i in torch.nonzero(cb == bw, as_tuple=True)])
-        sel_idx = {bw: (flat[2 * i], flat[2 * i + 1]) for i, bw in enumerate(widths)}   # (layer, column) per width
-        for c, t_set in enumerate(sets):
-            a, b = int(bounds[c]), int(bounds[c + 1])
-            Tc = b - a
-            if Tc == 0:
-                continue
-            C = Ct[:, :, a:b]
-            f = forced[c]
-            if f.numel() and R_max:
-                out_x[(prefix, c)] = X[:, :, sinkpos_d[c], :].to(torch.float16)   # [L, H, n, d]
-                if keeps[c].numel():
-                    C = C.clone()
-                    C[:, :, forced_d[c]] = C[:, :, keep_d[c]].mean(dim=2, keepdim=True)
-            gs = Tc if s.group_size <= 0 or s.group_size >= Tc else s.group_size
-            padded = -(-Tc // gs) * gs
-            if padded > Tc:
-                C = torch.cat([C, C[:, :, -1:].expand(L, R_max, padded - Tc)], dim=2)
-            G = C.reshape(L, R_max, padded // gs, gs)
-            layouts[(prefix, c)] = (gs, padded)
-            for bw, (li, ci) in sel_idx.items():
-                rows = G[li, ci].reshape(-1, gs)                                  # (layer, column, group)
-                per_layer = (cb == bw).sum(dim=1) * (padded // gs)
-                jobs.setdefault((gs, bw), []).append((prefix, c, rows, per_layer))
-        del Ct
-    clock.lap("encode: project")
-
-    # ---- quantize: one launch per (group size, bit width) where groups are whole bytes --------
-    # results[(side, c, layer, bw)] = (codes bytes, scale bytes, min bytes)
+    launched = {prefix: _fit_launch(X, bpe, s, clock) for prefix, X, bpe in (("k", K, s.k_bits), ("v", V, s.v_bits))}
+    lay = _layout(sets, s, dev)   # host work while the fits run
     results: dict[tuple[str, int, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-    for (gs, bw), items in jobs.items():
-        aligned = (gs * bw) % 8 == 0
-        if aligned:
-            allrows = torch.cat([it[2] for it in items]) if len(items) > 1 else items[0][2]
-            packed, scale, mn = quantize_groups(allrows.contiguous(), bw, s.range_mode if bw < 8 else "minmax")
-            packed_h, scale_h, mn_h = _to_host([packed, scale.view(torch.uint8), mn.view(torch.uint8)])
-            per = gs * bw // 8
-            g0 = 0
-            for prefix, c, _, per_layer in items:
-                for layer in range(L):
-                    n = int(per_layer[layer])
-                    if n:
-                        results[(prefix, c, layer, bw)] = (packed_h[g0 * per:(g0 + n) * per],
-                                                           scale_h[2 * g0:2 * (g0 + n)], mn_h[2 * g0:2 * (g0 + n)])
-                    g0 += n
-        else:   # a bit stream across groups: quantize each part's class on its own
-            for prefix, c, rows, per_layer in items:
-                g0 = 0
-                for layer in range(L):
-                    n = int(per_layer[layer])
-                    if n:
-                        p, sc, m = quantize_groups(rows[g0:g0 + n].contiguous(), bw,
-                                                   s.range_mode if bw < 8 else "minmax")
-                        results[(prefix, c, layer, bw)] = tuple(_to_host([p, sc.view(torch.uint8), m.view(torch.uint8)]))
-                    g0 += n
+    sides: dict[str, _Side] = {}
+    out_x: dict[tuple[str, int], torch.Tensor] = {}
+    n_launch = 0
+    # side by side: the keys' host work overlaps the values' fit, and the keys' codes go to the host
+    # on the copy stream while the values are fitted and projected
+    for prefix, X in (("k", K), ("v", V)):
+        side = sides[prefix] = _fit_side(prefix, launched.pop(prefix), s, clock)
+        n_launch += _encode_side(prefix, X, side, lay, s, clock, results, out_x)
     xs = list(out_x.items())
     out_x_h = {k: (h, v.shape) for (k, v), h in zip(xs, _to_host([v.contiguous().view(torch.uint8) for _, v in xs]))}
     _host_sync(dev)
-    clock.lap("encode: quantize + to host")
+    clock.lap("encode: wait for the host copies")
+    forced = lay.forced
 
     # ---- layer blobs (host only: the device work is done) --------------------------------------
     layer_blobs = []
@@ -547,6 +633,6 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
         part_blobs.append(row)
     clock.lap("serialize")
     info = {"R_k": [len(c) for c in sides["k"].colbits], "R_v": [len(c) for c in sides["v"].colbits],
-            "launch_groups": len(jobs)}
+            "launch_groups": n_launch}
     return EncodedState(layer_blobs=layer_blobs, part_blobs=part_blobs,
                         timings_ms={k: round(v, 3) for k, v in clock.times.items()}, info=info)
