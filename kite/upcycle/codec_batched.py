@@ -13,12 +13,12 @@ round trips until the blobs are serialized:
   the budget is spent down that order with the heap's rules (an increment that does not fit is
   skipped and ends its component; once an increment of plain cost T fails nothing fits);
 * **encode**: the basis of every layer is quantized in one launch per side; the coefficients of
-  all (cluster, layer) parts are one batched matmul per side over the tokens in document order
-  (per head: over each head's d dims); the attention sinks are replaced by their part's mean
-  column as the codec does; then, per (group size, bit width), one gather takes that width's rows
-  and the tokens of the parts of that group size in part order, padded to whole groups with the
-  part's last token, and one launch quantizes them (a small gather of the packed codes puts them
-  in (part, layer) order). The keys' fit is finished on the host while the values' fit runs, and
+  all (cluster, layer) parts are one batched matmul per side over the tokens gathered once in part
+  order, each part padded to whole groups with its last token (per head: over each head's d
+  dims); the attention sinks are replaced by their part's mean column as the codec does, padding
+  columns then repeat their part's last one; per (group size, bit width), one row gather takes
+  that width's (layer, component) rows and one launch quantizes them (a small gather of the packed
+  codes puts them in (part, layer) order). The keys' fit is finished on the host while the values' fit runs, and
   the keys' codes go to the host on a copy stream while the values are projected.
 
 The byte format is the codec's (docs/upc-format.md): the layer blobs and part blobs it returns
@@ -409,17 +409,20 @@ def _fit_side(prefix: str, launched: tuple, s: CodecSettings, clock: _Clock) -> 
 
 @dataclass
 class _Layout:
-    """Where every cluster's tokens sit in the quantizer's rows (host-side plan, device indices).
+    """Where every cluster's tokens sit on the projection's token axis (host-side plan, device indices).
 
     Clusters of one quantization group size gs form a segment; each cluster takes ``padded`` columns
     (its tokens in order, then copies of its last token up to a multiple of gs), so every group of
     every part is gs consecutive columns and a segment of one row is whole groups."""
 
     forced: list[torch.Tensor]              # per cluster: local rows of its sinks (host)
-    segments: list[tuple[int, int, int, list[int], torch.Tensor]]   # (gs, start, end, clusters, tokens)
+    perm: torch.Tensor                      # [P] the token of each column (device)
+    segments: list[tuple[int, int, int, list[int]]]   # (gs, first column, end, clusters)
     off: dict[int, int]                     # cluster -> first column
     n_groups: dict[int, int]                # cluster -> groups per row
-    sink: dict[int, tuple[torch.Tensor, torch.Tensor]]   # cluster -> (its sinks, its other tokens) (device)
+    pad_dst: torch.Tensor | None            # padding columns and the columns they repeat (device)
+    pad_src: torch.Tensor | None
+    sink: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]   # c -> (sink tokens, their columns, kept columns)
 
 
 def _layout(sets: list[torch.Tensor], s: CodecSettings, dev: torch.device) -> _Layout:
@@ -429,28 +432,36 @@ def _layout(sets: list[torch.Tensor], s: CodecSettings, dev: torch.device) -> _L
         Tc = int(t_set.numel())
         if Tc:
             by_gs.setdefault(Tc if s.group_size <= 0 or s.group_size >= Tc else s.group_size, []).append(c)
-    seg_h, off, n_groups = [], {}, {}
-    sink_h: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    perm, pad_dst, pad_src, segments, off, n_groups = [], [], [], [], {}, {}
+    sink_h: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     P = 0
     for gs, cl in by_gs.items():
-        start, toks = P, []
+        start = P
         for c in cl:
             t_set, Tc = sets[c], int(sets[c].numel())
             padded = -(-Tc // gs) * gs
             off[c], n_groups[c] = P, padded // gs
-            toks += [t_set, t_set[-1:].expand(padded - Tc)]
+            perm += [t_set, t_set[-1:].expand(padded - Tc)]
+            if padded > Tc:
+                pad_dst.append(torch.arange(P + Tc, P + padded))
+                pad_src.append(torch.full((padded - Tc,), P + Tc - 1, dtype=torch.long))
             f = forced[c]
             if f.numel():
                 keep = torch.ones(Tc, dtype=torch.bool)
                 keep[f] = False
-                sink_h.append((c, t_set[f], t_set[keep]))
+                sink_h.append((c, t_set[f], f + P, keep.nonzero().flatten() + P))
             P += padded
-        seg_h.append((gs, start, P, cl, torch.cat(toks)))
-    d = _to_dev(dev, *[x[4] for x in seg_h], *[t for _, f, k in sink_h for t in (f, k)])   # one async copy
-    segments = [(gs, a, b, cl, tok) for (gs, a, b, cl, _), tok in zip(seg_h, d)]
-    n = len(seg_h)
-    sink = {c: (d[n + 2 * i], d[n + 2 * i + 1]) for i, (c, *_) in enumerate(sink_h)}
-    return _Layout(forced=forced, segments=segments, off=off, n_groups=n_groups, sink=sink)
+        segments.append((gs, start, P, cl))
+    flat = [torch.cat(perm) if perm else torch.zeros(0, dtype=torch.long)]
+    if pad_dst:
+        flat += [torch.cat(pad_dst), torch.cat(pad_src)]
+    for _, pos, cols, kept in sink_h:
+        flat += [pos, cols, kept]
+    d = _to_dev(dev, *flat)   # one asynchronous copy
+    k = 3 if pad_dst else 1
+    sink = {c: tuple(d[k + 3 * i:k + 3 * i + 3]) for i, (c, *_) in enumerate(sink_h)}
+    return _Layout(forced=forced, perm=d[0], segments=segments, off=off, n_groups=n_groups,
+                   pad_dst=d[1] if pad_dst else None, pad_src=d[2] if pad_dst else None, sink=sink)
 
 
 def _encode_side(prefix: str, X: torch.Tensor, side: _Side, lay: _Layout, s: CodecSettings, clock: _Clock,
@@ -460,26 +471,31 @@ def _encode_side(prefix: str, X: torch.Tensor, side: _Side, lay: _Layout, s: Cod
     results[(side, c, layer, bw)] = (codes, scale, min) host arrays (valid after _host_sync)."""
     L, H, T, d = X.shape
     dev = X.device
+    # the tokens in part order, each part padded to whole groups (a gather of d-value rows)
+    Xs = X.index_select(2, lay.perm)                                          # [L, H, P, d]
     if side.basis_blk is None:   # joint heads: one block of H*d dims
-        Xc = X.permute(0, 2, 1, 3).reshape(L, T, H * d)                       # [L, T, H*d]
-        Xc.sub_(side.mean16[:, None, :])
-        clock.lap("encode: center")
-        Y = torch.matmul(side.basis_exp, Xc.transpose(1, 2))                   # [L, R_max, T]
+        Xs = Xs.permute(0, 2, 1, 3).reshape(L, -1, H * d)                     # [L, P, H*d]
+        Xs.sub_(side.mean16[:, None, :])
+        clock.lap("encode: gather + center")
+        Y = torch.matmul(side.basis_exp, Xs.transpose(1, 2))                   # [L, R_max, P]
     else:                        # per head: a batched matmul per (layer, head) over d dims
-        Xc = X - side.mean16.view(L, H, 1, d)
-        clock.lap("encode: center")
-        Y = torch.matmul(side.basis_blk, Xc.transpose(2, 3))                   # [L, H, rb_max, T]
-    del Xc
-    Y = Y.reshape(-1, T)                                                        # rows: side.row_of, document order
+        Xs.sub_(side.mean16.view(L, H, 1, d))
+        clock.lap("encode: gather + center")
+        Y = torch.matmul(side.basis_blk, Xs.transpose(2, 3))                   # [L, H, rb_max, P]
+    del Xs
+    P = Y.shape[-1]
+    Y = Y.reshape(-1, P)                                                        # rows: side.row_of
     clock.lap("encode: project")
     R_max = side.row_of.shape[1]
     # the attention sinks: kept in fp16, their coefficients replaced by their part's mean (codec.encode)
-    for c, (pos, kept) in lay.sink.items():
+    for c, (pos, cols, kept) in lay.sink.items():
         if R_max:
             out_x[(prefix, c)] = X[:, :, pos, :].to(torch.float16)             # [L, H, n, d]
             if kept.numel():
-                Y[:, pos] = Y[:, kept].mean(dim=1, keepdim=True)
-    clock.lap("encode: sinks")
+                Y[:, cols] = Y[:, kept].mean(dim=1, keepdim=True)
+    if lay.pad_dst is not None:   # a padding column repeats its part's last coefficient (after the sinks)
+        Y[:, lay.pad_dst] = Y[:, lay.pad_src]
+    clock.lap("encode: sinks + padding")
     cb = torch.zeros(L, R_max, dtype=torch.long)
     for layer in range(L):
         cb[layer, :len(side.colbits[layer])] = torch.from_numpy(side.colbits[layer])
@@ -489,7 +505,7 @@ def _encode_side(prefix: str, X: torch.Tensor, side: _Side, lay: _Layout, s: Cod
     rows_h = {bw: side.row_of[cb == bw] for bw in widths}
     per_layer = {bw: (cb == bw).sum(dim=1).tolist() for bw in widths}
     plan, reorder = [], []
-    for gs, start, end, cl, tok in lay.segments:
+    for gs, start, end, cl in lay.segments:
         G_seg = (end - start) // gs
         for bw in widths:
             n_lc = int(rows_h[bw].numel())
@@ -498,17 +514,19 @@ def _encode_side(prefix: str, X: torch.Tensor, side: _Side, lay: _Layout, s: Cod
                 reorder.append(torch.from_numpy(np.concatenate([
                     (base + (lay.off[c] - start) // gs + np.arange(lay.n_groups[c])[None, :]).reshape(-1)
                     for c in cl])))
-            plan.append((gs, start, end, cl, tok, bw, n_lc, len(cl) > 1))
+            plan.append((gs, start, end, cl, bw, n_lc, len(cl) > 1))
     idx = _to_dev(dev, *[rows_h[bw] for bw in widths], *reorder)
     rows_d = dict(zip(widths, idx[:len(widths)]))
     reorder_d = iter(idx[len(widths):])
     n_launch = 0
-    for gs, start, end, cl, tok, bw, n_lc, mixed in plan:
+    for gs, start, end, cl, bw, n_lc, mixed in plan:
         if not n_lc:
             continue
-        # one gather: the width's rows, the segment's tokens in part order (a padding column is a copy
-        # of its part's last token, so of its last coefficient)
-        rows = Y[rows_d[bw][:, None], tok[None, :]].view(-1, gs)               # (layer, column, group)
+        # one gather of whole rows (a 2-D gather of rows x tokens took 15 ms on the H200, run 4)
+        src = Y if (start, end) == (0, P) else Y[:, start:end]
+        buf = torch.empty(n_lc, end - start, dtype=torch.float32, device=dev)
+        torch.index_select(src, 0, rows_d[bw], out=buf)
+        rows = buf.view(-1, gs)                                                 # (layer, column, group)
         ro = next(reorder_d) if mixed else None
         clock.lap("encode: select rows")
         mode = s.range_mode if bw < 8 else "minmax"
