@@ -1,10 +1,18 @@
 """The fused loop for one request: signals → rules → LoadPlan → partial load → generate → feedback.
 
 Used by `kite yoco decide --state`, the server and the benchmark, so all three decide and load
-the same way. Measured gain of a load: how much the state lowered the model's uncertainty over
-the query, (H_without − H_with) / H_without, where H is the mean next-token entropy (bits) over
-the prompt's tokens — one short forward without the state, and the prefill's own logits with it.
-Positive = the state told the model something about the query.
+the same way. Measured gain of a load: how much the state made the query's own words more
+predictable, (N_without − N_with) / N_without, where N is the mean negative log-likelihood (bits)
+of the prompt's tokens after its first, teacher-forced — one short forward of the prompt without
+the state and one with it (no generation). Positive = the state told the model something about
+the query (its document speaks of what the query asks).
+
+Measured on held-out generated contracts (`benchmarks/gain_proxy.py`, docs/rules-dsl.md "The
+measured gain"): every one of 59 loads lowered the reference answer's PPL below no document's;
+this gain was positive on 58 of them (Spearman ρ 0.49 with ln PPL_none/PPL_load), the mean
+next-token *entropy* over the prompt, the gain before, on 47 (ρ 0.29), and the entropy at the
+prompt's last position on 30: a document often makes the model less sure of the answer's first
+token (several candidates), so entropy cannot tell a useful load from a useless one.
 """
 
 from __future__ import annotations
@@ -53,21 +61,34 @@ def load_args(plan: LoadPlan, query_label: str) -> dict:
     return {"clusters": clusters, "layers": plan.layers, "precision": plan.precision}
 
 
-def prompt_entropy(lm, prompt_ids: list[int]) -> float:
-    """Mean next-token entropy (bits) over `prompt_ids` with no state: the baseline of a gain."""
+def prompt_nll(lm, prompt_ids: list[int], prefix=None) -> float | None:
+    """Mean negative log-likelihood (bits) of the prompt's tokens after its first, teacher-forced,
+    after `prefix` (a loaded state) when given; None for a prompt of fewer than 2 tokens. The
+    first token is left out on both sides: without a state nothing predicts it."""
+    if len(prompt_ids) < 2:
+        return None
+    import math
+
     import torch
 
     from kite.runtime.cache import new_cache
     from kite.runtime.generate import forward_tokens
 
-    probs = torch.softmax(forward_tokens(lm.model, prompt_ids, new_cache(lm.model), 0), dim=-1)
-    return float(-(probs * torch.log2(probs.clamp_min(1e-12))).sum(-1).mean())
+    start = prefix.next_position if prefix is not None else 0
+    logits = forward_tokens(lm.model, prompt_ids[:-1], new_cache(lm.model, prefix), start)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    nll = -logp.gather(1, torch.tensor(prompt_ids[1:], device=logp.device)[:, None])
+    return float(nll.mean()) / math.log(2)
 
 
-def measured_gain(entropy_without: float, entropy_with: float) -> float:
-    if entropy_without <= 0:
+def measured_gain(without: float | None, with_state: float | None) -> float | None:
+    """Relative drop (without − with) / without of the prompt's NLL (`prompt_nll`); None when
+    either is unknown (a one-token prompt), 0 when there was nothing to lower."""
+    if without is None or with_state is None:
+        return None
+    if without <= 0:
         return 0.0
-    return (entropy_without - entropy_with) / entropy_without
+    return (without - with_state) / without
 
 
 @dataclass
@@ -76,7 +97,7 @@ class FusedAnswer:
     plan: LoadPlan
     load: LoadReport | None
     generation: GenerationResult
-    gain: float | None  # measured; None when nothing was loaded
+    gain: float | None  # measured; None when nothing was loaded (or the prompt has one token)
     timings_ms: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -131,15 +152,18 @@ def answer(lm, tagger, rules, state_path: str | Path, query: str, prompt_ids: li
         t_load = time.perf_counter()
     gen = generate(lm, prompt_ids, prefix=prefix, **gen_kwargs)
     gain = None
+    extra: dict[str, float] = {}
     if report is not None:
-        gain = measured_gain(prompt_entropy(lm, prompt_ids), gen.prompt_entropy_bits)
-        if health is not None:
+        t_gain = time.perf_counter()
+        gain = measured_gain(prompt_nll(lm, prompt_ids), prompt_nll(lm, prompt_ids, prefix))
+        extra["gain"] = round((time.perf_counter() - t_gain) * 1e3, 3)
+        if health is not None and gain is not None:
             for label in sorted(set(report.labels)):
                 health.record(info.state_id, label, gain)
     return FusedAnswer(signals, plan, report, gen, gain, timings_ms={
         "signals_and_decision": round((t_decide - t0) * 1e3, 3), **parts,
-        "load": round((t_load - t_decide) * 1e3, 3), "generate": gen.total_ms})
+        "load": round((t_load - t_decide) * 1e3, 3), "generate": gen.total_ms, **extra})
 
 
 __all__ = ["FusedAnswer", "answer", "plan_for", "state_info", "build_signals", "load_args", "measured_gain",
-           "state_id_of", "prompt_entropy"]
+           "state_id_of", "prompt_nll"]

@@ -1,0 +1,90 @@
+"""The measured gain the fused pipeline feeds the health store: the relative drop of the prompt's
+own NLL with the state (kite.yoco.fused.prompt_nll / measured_gain), on a tiny random model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.tiny_models import CORPUS
+
+RULES = """rules:
+  - name: default
+    condition: true
+    action: {load_all_clusters: true}
+"""
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_models, tmp_path_factory):
+    from kite.model import load_model
+    from kite.upcycle import codec
+    from kite.upcycle.compress import CompressSettings, compress_document
+    from kite.upcycle.settings import load_upcycle_config
+    from kite.upcycle.tagger_setup import build_tagger
+
+    lm = load_model(str(tiny_models["llama"]))
+    tagger = build_tagger(lm, *load_upcycle_config(None))
+    out = tmp_path_factory.mktemp("state") / "contract.upc"
+    compress_document(lm, CORPUS.replace(". ", ".\n\n", 3), out,
+                      CompressSettings(codec=codec.settings_for("exact"), n_clusters=3, min_span_tokens=8,
+                                       max_span_tokens=24), tagger=tagger)
+    return lm, tagger, out
+
+
+def test_measured_gain_is_the_relative_drop():
+    from kite.yoco.fused import measured_gain
+
+    assert measured_gain(4.0, 3.0) == pytest.approx(0.25)
+    assert measured_gain(4.0, 5.0) == pytest.approx(-0.25)
+    assert measured_gain(0.0, 0.0) == 0.0
+    assert measured_gain(None, 1.0) is None and measured_gain(1.0, None) is None
+
+
+def test_prompt_nll_is_the_teacher_forced_nll_of_the_prompt(setup):
+    """The same number as the benchmark's reference PPL of prompt[1:] after prompt[0] (an
+    independent path: kite.bench.scoring), with and without the state."""
+    from kite.bench.scoring import perplexity, reference_logits
+    from kite.upcycle.load import load_prefix
+    from kite.yoco.fused import prompt_nll
+
+    lm, _, state = setup
+    ids = lm.tokenizer("Any breach shall be settled by the court of", add_special_tokens=False)["input_ids"]
+    assert len(ids) >= 3
+    prefix, _ = load_prefix(state, lm)
+    for pre in (None, prefix):
+        want = math.log2(perplexity(reference_logits(lm, pre, ids[:1], ids[1:]), ids[1:]))
+        assert prompt_nll(lm, ids, pre) == pytest.approx(want, rel=1e-4)
+    assert prompt_nll(lm, ids[:1]) is None and prompt_nll(lm, ids[:1], prefix) is None
+
+
+def test_answer_records_the_prompt_nll_gain(setup, tmp_path):
+    from kite.upcycle.load import load_prefix
+    from kite.yoco.fused import answer, measured_gain, prompt_nll
+    from kite.yoco.health import HealthStore, health_from_gain
+    from kite.yoco.rules import parse_rules
+
+    lm, tagger, state = setup
+    rules = parse_rules(RULES)
+    ids = lm.tokenizer("The court of Shanghai settles any breach", add_special_tokens=False)["input_ids"]
+    with HealthStore(tmp_path / "h.sqlite") as health:
+        out = answer(lm, tagger, rules, state, "Which court settles a breach?", ids, health=health,
+                     max_new_tokens=2, min_hit_gain=-1.0)
+        assert out.load is not None and "gain" in out.timings_ms
+        prefix, _ = load_prefix(state, lm)
+        want = measured_gain(prompt_nll(lm, ids), prompt_nll(lm, ids, prefix))
+        assert out.gain == pytest.approx(want, abs=1e-6)
+        recs = health.records("contract")
+        assert recs and {r.cluster for r in recs} == set(out.load.labels)
+        # first load: the prior counts as one load, so the mean moves half-way to the gain
+        for r in recs:
+            assert r.loads == 1 and r.hits == int(out.gain > 0)
+            assert r.mean_gain == pytest.approx(health.prior_gain + (out.gain - health.prior_gain) / 2,
+                                                abs=1e-6)
+            assert r.health == pytest.approx(health_from_gain(r.mean_gain))
+        # a one-token prompt has no gain to measure: nothing is recorded
+        one = answer(lm, tagger, rules, state, "court?", ids[:1], health=health, max_new_tokens=1,
+                     min_hit_gain=-1.0)
+        assert one.load is not None and one.gain is None
+        assert all(r.loads == 1 for r in health.records("contract"))
