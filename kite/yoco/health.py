@@ -2,8 +2,9 @@
 measured when it was loaded, decaying toward a prior with age. SQLite in WAL mode, so several
 processes (server workers, `kite bench`) can record at once.
 
-Gain is the measured quality delta of a request that loaded the cluster (e.g. answer F1 with the
-state minus without, as a fraction). Health squashes it into 0-1:
+Gain is what a request that loaded the cluster measured, `kite.yoco.fused.measured_gain`: the
+relative drop of the prompt's own NLL with the state (positive = the state told the model
+something about the query; docs/rules-dsl.md "The measured gain"). Health squashes it into 0-1:
     health = clip(0.5 + gain / (2·gain_scale), 0, 1)      (gain_scale 0.02: +2% F1 → 1.0)
 Between loads the mean gain relaxes toward `prior_gain` with half-life `half_life_s`:
     mean(t) = prior + (mean − prior)·2^(−age/half_life)
