@@ -281,7 +281,7 @@ def main() -> None:
     from kite.upcycle import codec, codec_batched, gpu_load
     from kite.upcycle.compress import blob_key
     from kite.upcycle.rope import apply_rope
-    from kite.upcycle.state_file import StateFile, StateWriter
+    from kite.upcycle.state_file import LARGE_MIN_SAVING, StateFile, StateWriter
 
     # ---- compress: the real codec, batched on the GPU ------------------------------------------
     settings = codec.settings_for(args.ratio)
@@ -405,7 +405,7 @@ def main() -> None:
             "clusters": [{"id": c, "label": f"cluster-{c}", "confidence": 0.0,
                           "token_ranges": [[int(t), int(t) + 1] for t in idx.tolist()], "n_tokens": int(idx.numel())}
                          for c, idx in enumerate(sets_main)], "raw_kv_bytes_fp16": raw16}
-    writer = StateWriter()
+    writer = StateWriter(large_min_saving=LARGE_MIN_SAVING)   # as compress_document on a GPU
     t0 = time.perf_counter()
     enc_main.add_to(writer, blob_key)
     t1 = time.perf_counter()

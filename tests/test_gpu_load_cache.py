@@ -232,17 +232,17 @@ def test_corrupt_blob_caught_when_no_record(state, lm, monkeypatch):
 def test_writer_keeps_zstd_for_large_blobs_only_where_it_saves_a_lot(tmp_path):
     import numpy as np
 
-    from kite.upcycle.state_file import LARGE_BLOB, StateWriter
+    from kite.upcycle.state_file import LARGE_BLOB, LARGE_MIN_SAVING, StateWriter
 
     rng = np.random.default_rng(0)
     seven_bit = lambda n: rng.integers(0, 128, n, dtype=np.uint8).tobytes()   # noqa: E731  ~12 % under zstd
     blobs = {"small": seven_bit(4096), "large": seven_bit(4 * LARGE_BLOB), "zeros": bytes(4 * LARGE_BLOB),
              "noise": rng.integers(0, 256, 8192, dtype=np.uint8).tobytes()}
-    w = StateWriter()
+    w = StateWriter(large_min_saving=LARGE_MIN_SAVING)  # the GPU-serving rule
     for k, b in blobs.items():
         w.add(k, b)
     w.write(tmp_path / "z.upc", {"format": "kite-upc"})
-    old = StateWriter(large_min_saving=0.03)           # the threshold before: 3 % for every blob
+    old = StateWriter()                                # the default: 3 % for every blob
     for k, b in blobs.items():
         old.add(k, b)
     old.write(tmp_path / "z_old.upc", {"format": "kite-upc"})

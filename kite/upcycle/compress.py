@@ -20,7 +20,7 @@ from kite.upcycle import codec, codec_batched
 from kite.upcycle.capture import Capture, capture
 from kite.upcycle.cluster import kmeans
 from kite.upcycle.spans import cut_spans
-from kite.upcycle.state_file import StateWriter
+from kite.upcycle.state_file import LARGE_MIN_SAVING, MIN_SAVING, StateWriter
 from kite.upcycle.tagger_setup import describe as describe_tagger
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -159,10 +159,12 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
         clusters.append(ClusterInfo(c, label, conf, _ranges(idx), len(idx), preview, probs))
         token_sets.append(torch.tensor(idx, dtype=torch.long))
 
-    writer = StateWriter()
     n_layers = lm.geometry.n_layers
     if device is None and torch.device(lm.device).type == "cuda":
         device = lm.device
+    # a state made on a GPU is served from one: big blobs stay raw unless zstd saves a lot (load speed)
+    gpu = device is not None and torch.device(device).type == "cuda"
+    writer = StateWriter(large_min_saving=LARGE_MIN_SAVING if gpu else MIN_SAVING)
     if device is not None and codec_batched.supports(settings.codec):
         enc = codec_batched.encode_state(cap.keys_pre, cap.values, token_sets, settings.codec, device=device)
         enc.add_to(writer, blob_key)
