@@ -22,6 +22,15 @@ __all__ = ["PcaLayout", "pca_layout", "pca_load", "prepare_pca_load", "pca_load_
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+def _rope_rows(X: torch.Tensor, rows: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+    """X [H, n, d] rotated by RoPE at `rows` of cos/sin [T, d] (rotate-half layout); X when cos is None."""
+    if cos is None:
+        return X
+    c, s = cos[rows].float(), sin[rows].float()
+    half = X.shape[-1] // 2
+    return X * c + torch.cat((-X[..., half:], X[..., :half]), dim=-1) * s
+
+
 @dataclass
 class PcaLayout:
     """Where each coefficient column's codes and groups are (int64 / uint8 tensors of length R)."""
@@ -138,11 +147,7 @@ def pca_load_torch(out, codes, scale, mn, layout: PcaLayout, blk_off, basis_t, m
         if sel.numel():
             X[:, sel] = ovr_x[:, override_idx[sel].long()].float()
     rows = dest if dest is not None else t
-    if cos is not None:
-        c, s = cos[rows].float(), sin[rows].float()
-        half = d // 2
-        X = X * c + torch.cat((-X[..., half:], X[..., :half]), dim=-1) * s
-    out[:, rows] = X.to(out.dtype)
+    out[:, rows] = _rope_rows(X, rows, cos, sin).to(out.dtype)
     return out
 
 
@@ -238,9 +243,5 @@ def pca_finish_torch(out, Y, mean, D: int, *, dest=None, ovr=None, ovr_host=None
     rows = dest if dest is not None else torch.arange(T, device=out.device)
     keep = rows >= 0
     X, rows = X[:, keep], rows[keep]
-    if cos is not None:
-        c, s = cos[rows].float(), sin[rows].float()
-        half = d // 2
-        X = X * c + torch.cat((-X[..., half:], X[..., :half]), dim=-1) * s
-    out[:, rows] = X.to(out.dtype)
+    out[:, rows] = _rope_rows(X, rows, cos, sin).to(out.dtype)
     return out

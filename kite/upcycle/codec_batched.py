@@ -60,19 +60,6 @@ def supports(settings: CodecSettings | str | float | None) -> bool:
 # bit allocation
 
 
-def _costs(T: int, d_in: int, s: CodecSettings) -> float:
-    """The first bit's cost in codec.allocate_bits (codes + scale/min per group + basis column)."""
-    n_parts = max(1, math.ceil(T / max(1, s.part_tokens)))
-    per_part = min(T, s.part_tokens)
-    gs = s.group_size if 0 < s.group_size < per_part else per_part
-    groups = n_parts * math.ceil(per_part / max(1, gs))
-    if s.basis_fmt in INT_FORMATS:
-        basis_bits = INT_FORMATS[s.basis_fmt] + 32 / d_in
-    else:
-        basis_bits = {"fp32": 32, "fp16": 16, "bf16": 16}[s.basis_fmt]
-    return T + groups * 32 + d_in * basis_bits
-
-
 def allocate_bits_batched(evals: torch.Tensor, budgets, T: int, d_in: int, s: CodecSettings) -> torch.Tensor:
     """``codec.allocate_bits`` for N layers at once: evals [N, B, r], budgets [N] -> int64 bits [N, B, r].
 
@@ -82,7 +69,7 @@ def allocate_bits_batched(evals: torch.Tensor, budgets, T: int, d_in: int, s: Co
     N, B, r = evals.shape
     dev = evals.device
     M = s.max_bits
-    first = _costs(T, d_in, s)
+    first = codec.first_bit_cost(T, d_in, s)
     dist = [codec._rel_distortion(b, s.range_mode) for b in range(M + 1)]
     drop = torch.tensor([dist[b] - dist[b + 1] for b in range(M)], dtype=torch.float64, device=dev)
     drop[0] = 1.0 - dist[1]
