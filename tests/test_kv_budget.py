@@ -114,7 +114,7 @@ def test_generation_runs_with_a_budget(lm):
     plain = generate(lm, prompt, max_new_tokens=12, stop_ids=set())
     chunked = generate(lm, prompt, max_new_tokens=12, stop_ids=set(), prefill_chunk=32)
     assert plain.text == chunked.text
-    assert math.isclose(plain.prompt_entropy_bits, chunked.prompt_entropy_bits, abs_tol=1e-3)
+    assert math.isclose(plain.prompt_nll_bits, chunked.prompt_nll_bits, abs_tol=1e-3)
 
 
 def test_window_cache_drops_but_keeps_positions(lm):

@@ -88,3 +88,37 @@ def test_answer_records_the_prompt_nll_gain(setup, tmp_path):
                      min_hit_gain=-1.0)
         assert one.load is not None and one.gain is None
         assert all(r.loads == 1 for r in health.records("contract"))
+
+
+def test_generate_reports_the_prompt_nll_it_prefilled(setup):
+    """`generate` takes the prompt's NLL from its own prefill (the gain's with-state side costs no
+    extra forward), in one forward or in chunks."""
+    from kite.runtime.generate import generate
+    from kite.upcycle.load import load_prefix
+    from kite.yoco.fused import prompt_nll
+
+    lm, _, state = setup
+    ids = lm.tokenizer("Any breach shall be settled by the court of", add_special_tokens=False)["input_ids"]
+    prefix, _ = load_prefix(state, lm)
+    for pre in (None, prefix):
+        want = prompt_nll(lm, ids, pre)
+        for chunk in (None, 2):
+            got = generate(lm, ids, max_new_tokens=1, prefix=pre, prefill_chunk=chunk).prompt_nll_bits
+            assert got == pytest.approx(want, rel=1e-5)
+    assert generate(lm, ids[:1], max_new_tokens=1).prompt_nll_bits is None
+
+
+def test_without_a_health_store_the_state_stands_at_the_prior(setup):
+    """No store means no evidence: the health is the prior a new state gets in a store, not a
+    score below the v1 rules' `unhealthy_state` cut."""
+    from kite.upcycle.state_file import StateFile
+    from kite.yoco.fused import state_info
+    from kite.yoco.health import HealthStore
+
+    _, _, state = setup
+    with StateFile(state) as st:
+        bare = state_info(st, None)
+        with HealthStore(setup[2].parent / "fresh.sqlite") as fresh:
+            new = state_info(st, fresh)
+    assert bare.health_score() == pytest.approx(new.health_score())
+    assert bare.health_score() >= 0.55

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -21,9 +22,10 @@ class GenerationResult:
     total_ms: float
     tokens_per_s: float  # decode speed after the first token
     stop_reason: str  # "eos" | "length"
-    # Mean next-token entropy (bits) over the prompt's positions, from the prefill's own logits:
-    # YOCO compares it with and without a state to measure what a load gained.
-    prompt_entropy_bits: float = 0.0
+    # Mean negative log-likelihood (bits) of the prompt's tokens after its first, from the
+    # prefill's own logits (None for a one-token prompt): YOCO compares it with and without a
+    # state to measure what a load gained (kite.yoco.fused.measured_gain).
+    prompt_nll_bits: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,13 +116,15 @@ def generate(lm, prompt_ids: list[int], *, max_new_tokens: int = 128, temperatur
         raise ValueError("give a prefix or a cache, not both")
     cache = cache if cache is not None else new_cache(model, prefix)
     step = prefill_chunk if prefill_chunk and prefill_chunk > 0 else len(prompt_ids)
-    entropy_sum = 0.0
+    nll_sum = 0.0  # nats, over prompt tokens 1.. (each predicted by the position before it)
     for at in range(0, len(prompt_ids), step):
         prompt_logits = forward_tokens(model, prompt_ids[at:at + step], cache, start + at)
-        probs = torch.softmax(prompt_logits, dim=-1)
-        entropy_sum += float(-(probs * torch.log2(probs.clamp_min(1e-12))).sum(-1).sum())
+        targets = prompt_ids[at + 1:at + 1 + len(prompt_logits)]
+        if targets:
+            logp = torch.log_softmax(prompt_logits[:len(targets)].float(), dim=-1)
+            nll_sum -= float(logp.gather(1, torch.tensor(targets, device=logp.device)[:, None]).sum())
     logits = prompt_logits[-1]
-    prompt_entropy = entropy_sum / len(prompt_ids)
+    prompt_nll = nll_sum / (len(prompt_ids) - 1) / math.log(2) if len(prompt_ids) > 1 else None
     pos = start + len(prompt_ids)
     new: list[int] = []
     emitted = ""
@@ -155,5 +159,5 @@ def generate(lm, prompt_ids: list[int], *, max_new_tokens: int = 128, temperatur
         prefix_tokens=sum(prefix.tokens_per_layer()) // max(prefix.n_layers, 1) if prefix else 0,
         ttft_ms=round(ttft or total, 3), total_ms=round(total, 3),
         tokens_per_s=round((len(new) - 1) / decode_s, 3) if len(new) > 1 and decode_s > 0 else 0.0,
-        stop_reason=stop, prompt_entropy_bits=round(prompt_entropy, 4),
+        stop_reason=stop, prompt_nll_bits=prompt_nll,
     )

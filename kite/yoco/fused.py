@@ -4,7 +4,7 @@ Used by `kite yoco decide --state`, the server and the benchmark, so all three d
 the same way. Measured gain of a load: how much the state made the query's own words more
 predictable, (N_without − N_with) / N_without, where N is the mean negative log-likelihood (bits)
 of the prompt's tokens after its first, teacher-forced — one short forward of the prompt without
-the state and one with it (no generation). Positive = the state told the model something about
+the state; the side with it comes from the generation's own prefill (`prompt_nll_bits`). Positive = the state told the model something about
 the query (its document speaks of what the query asks).
 
 Measured on held-out generated contracts (`benchmarks/gain_proxy.py`, two seeds of 3 contracts,
@@ -26,6 +26,7 @@ from kite.runtime.generate import GenerationResult, generate
 from kite.upcycle.load import LoadReport, load_prefix
 from kite.upcycle.state_file import StateFile
 from kite.yoco.engine import StateInfo, decide
+from kite.yoco.health import DEFAULT_GAIN_SCALE, DEFAULT_PRIOR_GAIN, health_from_gain
 from kite.yoco.intent import QuerySignals, query_signals
 from kite.yoco.plan import LoadPlan
 from kite.yoco.signals import HardwareWatermark, Signals
@@ -43,7 +44,9 @@ def state_info(state: StateFile, health=None, state_id: str | None = None) -> St
         tokens[c["label"]] = tokens.get(c["label"], 0) + c["n_tokens"]
     labels = sorted(tokens)
     sid = state_id or state_id_of(state.path)
-    scores = health.scores(sid, labels) if health is not None else {lab: 0.5 for lab in labels}
+    # no store: no evidence either way, so every cluster stands at the prior (as a new state does)
+    prior = health_from_gain(DEFAULT_PRIOR_GAIN, DEFAULT_GAIN_SCALE)
+    scores = health.scores(sid, labels) if health is not None else {lab: prior for lab in labels}
     return StateInfo(health=scores, n_layers=state.meta["model"]["geometry"]["n_layers"], tokens=tokens,
                      state_id=sid)
 
@@ -156,7 +159,8 @@ def answer(lm, tagger, rules, state_path: str | Path, query: str, prompt_ids: li
     extra: dict[str, float] = {}
     if report is not None:
         t_gain = time.perf_counter()
-        gain = measured_gain(prompt_nll(lm, prompt_ids), prompt_nll(lm, prompt_ids, prefix))
+        # with the state: the prefill's own logits (generate); without: one short forward
+        gain = measured_gain(prompt_nll(lm, prompt_ids), gen.prompt_nll_bits)
         extra["gain"] = round((time.perf_counter() - t_gain) * 1e3, 3)
         if health is not None and gain is not None:
             for label in sorted(set(report.labels)):
