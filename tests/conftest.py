@@ -5,17 +5,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import CORPUS, make_tiny_model
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_verification_records():
+    """KITE_CACHE stays shared (the converted embedded model), so states the tests write, in
+    fixtures of any scope, are not recorded as verified there (tests of those records set their
+    own KITE_CACHE and this variable)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KITE_VERIFY_RECORD", "0")
+        yield
 
 
 @pytest.fixture(autouse=True)
 def kite_home(tmp_path, monkeypatch):
-    """Every test gets its own KITE_HOME; no test reads or writes the user's ~/.kite. KITE_CACHE
-    stays shared (the converted embedded model), so states the tests write are not recorded as
-    verified there (tests of those records set their own KITE_CACHE)."""
+    """Every test gets its own KITE_HOME; no test reads or writes the user's ~/.kite."""
     home = tmp_path / "kite-home"
     monkeypatch.setenv("KITE_HOME", str(home))
-    monkeypatch.setenv("KITE_VERIFY_RECORD", "0")
     for var in ("KITE_DEBUG",):
         monkeypatch.delenv(var, raising=False)
     return home
@@ -40,3 +47,22 @@ def parse_json(output: str):
     """The JSON document a `--json` command printed (ignores any lines before it)."""
     start = output.index("{") if "{" in output else output.index("[")
     return json.loads(output[start:])
+
+
+@pytest.fixture(scope="session")
+def tiny_contract_state(tiny_models, tmp_path_factory):
+    """(lm, tagger, path): the tiny Llama, the default tagger and an exact `.upc` of the tiny
+    corpus cut into paragraphs (3 clusters of 8-24-token spans), made once per session."""
+    from kite.model import load_model
+    from kite.upcycle import codec
+    from kite.upcycle.compress import CompressSettings, compress_document
+    from kite.upcycle.settings import load_upcycle_config
+    from kite.upcycle.tagger_setup import build_tagger
+
+    lm = load_model(str(tiny_models["llama"]))
+    tagger = build_tagger(lm, *load_upcycle_config(None))
+    out = tmp_path_factory.mktemp("state") / "contract.upc"
+    compress_document(lm, CORPUS.replace(". ", ".\n\n", 3), out,
+                      CompressSettings(codec=codec.settings_for("exact"), n_clusters=3, min_span_tokens=8,
+                                       max_span_tokens=24), tagger=tagger)
+    return lm, tagger, out

@@ -51,6 +51,18 @@ def test_budget_past_the_document_equals_the_plain_cache(lm):
     assert st["compressed_tokens"] == 0 and st["raw_tokens"] == 200 and st["ratio_to_raw"] == 1.0
 
 
+def test_crop_and_beam_reordering_are_refused_with_a_reason(lm):
+    from kite.errors import KiteError
+
+    cache = _budget(lm, 100)
+    _run(lm.model, _ids(lm, 150), cache)
+    with pytest.raises(KiteError, match="cannot be cropped"):
+        cache.crop(10)
+    for op in (cache.reorder_cache, cache.batch_select_indices, cache.batch_repeat_interleave):
+        with pytest.raises(KiteError, match="one sequence"):
+            op(torch.tensor([0]))
+
+
 def test_lossless_codec_matches_the_full_cache_and_keeps_positions(lm):
     """With the exact (fp32) codec every compressed token comes back at its own position: the
     decoded keys equal the full cache's, and the logits match the full cache's."""

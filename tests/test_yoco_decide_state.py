@@ -9,7 +9,6 @@ import pytest
 from typer.testing import CliRunner
 
 from kite.cli.main import app
-from tests.tiny_models import CORPUS
 
 RULES = """rules:
   - name: pressure
@@ -25,20 +24,8 @@ RULES = """rules:
 
 
 @pytest.fixture(scope="module")
-def state(tiny_models, tmp_path_factory):
-    from kite.model import load_model
-    from kite.upcycle import codec
-    from kite.upcycle.compress import CompressSettings, compress_document
-    from kite.upcycle.settings import load_upcycle_config
-    from kite.upcycle.tagger_setup import build_tagger
-
-    lm = load_model(str(tiny_models["llama"]))
-    tagger = build_tagger(lm, *load_upcycle_config(None))
-    out = tmp_path_factory.mktemp("state") / "contract.upc"
-    compress_document(lm, CORPUS.replace(". ", ".\n\n", 3), out,
-                      CompressSettings(codec=codec.settings_for("exact"), n_clusters=3, min_span_tokens=8,
-                                       max_span_tokens=24), tagger=tagger)
-    return out
+def state(tiny_contract_state):
+    return tiny_contract_state[2]
 
 
 def run(*args: str):

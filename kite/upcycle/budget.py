@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kite.errors import BadInput
+from kite.errors import BadInput, KiteError
 from kite.upcycle import codec as C
 from kite.upcycle.rope import apply_rope, remove_rope, rope_cos_sin, rotary_module
 
@@ -164,11 +164,13 @@ class BudgetLayer(DynamicLayer):
         self.layer_codec = None
         self.codec_nbytes = 0
 
+    # What a budgeted cache refuses by design: its old tokens are coded in blocks (nothing to
+    # crop back to) and it holds one sequence (no beams, no batch reordering).
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a budgeted KV cache cannot be cropped")
+        raise KiteError("a memory-budgeted KV cache cannot be cropped (its old tokens are coded in blocks)")
 
     def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError("a budgeted KV cache holds one sequence (no beam search)")
+        raise KiteError("a memory-budgeted KV cache holds one sequence: no beam search or batch reordering")
 
     batch_repeat_interleave = batch_select_indices = reorder_cache
 
