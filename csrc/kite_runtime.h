@@ -54,9 +54,15 @@ int kite_pca_load(int64_t T, int64_t R, int64_t B, int64_t D, int64_t H, int64_t
 const char* kite_cuda_version(void);
 int kite_cuda_kmeans_cosine(const float* x, int64_t n, int64_t D, float* C, int64_t k, int iters,
                             int64_t* assign, void* stream);
-// Same as kite_quantize_groups (minmax bit-exact; mse up to summation order); gs * bits % 8 == 0.
+// Same as kite_quantize_groups (minmax bit-exact; mse: the grid search sums in another order and
+// multiplies by the reciprocal, so a near-tie may pick another grid point); gs * bits % 8 == 0.
 int kite_cuda_quantize_groups(const float* g, int64_t G, int64_t gs, int bits, int mode,
                               uint8_t* packed, uint16_t* scale16, uint16_t* min16, void* stream);
+// The same quantization, reading group r from row rows[r / gpr] of a row-major matrix src with
+// leading dimension ld, at columns col0 + (r % gpr) * gs (rows = int64 device indices).
+int kite_cuda_quantize_rows(const float* src, int64_t ld, const int64_t* rows, int64_t n_rows, int64_t col0,
+                            int64_t gpr, int64_t gs, int bits, int mode, uint8_t* packed, uint16_t* scale16,
+                            uint16_t* min16, void* stream);
 // A: [B, d, d] float32 symmetric, d even and <= 128: one launch, one block per matrix (Jacobi).
 int kite_cuda_eigh_batched(const float* A, int64_t B, int64_t d, float* evals, float* evecs,
                            int max_sweeps, void* stream);

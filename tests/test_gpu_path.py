@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kite.errors import KiteError
+from kite.kernels import eigh
 from kite.kernels.load import pca_layout, pca_load_torch
 from kite.upcycle import codec, codec_batched, gpu_load
 from kite.upcycle.compress import CompressSettings, compress_document
@@ -101,6 +103,39 @@ def test_batched_codec_refuses_what_it_does_not_take():
         codec_batched.encode_state(K, V, sets, "int4")
     with pytest.raises(ValueError):
         codec_batched.encode_state(K, V, [sets[0][:10]], "ratio=4")
+
+
+def test_batched_encode_takes_the_clusters_from_a_function():
+    """The fit is queued before the caller clusters: same bytes as with the sets given up front."""
+    K, V, sets = _kv(L=2)
+    calls = []
+
+    def later():
+        calls.append(1)
+        return sets
+    a = codec_batched.encode_state(K, V, sets, "ratio=4")
+    b = codec_batched.encode_state(K, V, later, "ratio=4")
+    assert calls == [1] and a.layer_blobs == b.layer_blobs and a.part_blobs == b.part_blobs
+    with pytest.raises(ValueError, match="partition"):
+        codec_batched.encode_state(K, V, lambda: sets[:1], "ratio=4")
+
+
+def test_batched_codec_names_the_layer_it_cannot_fit():
+    K, V, sets = _kv(L=2, T=128)
+    K[1, 0, 5, 3] = float("nan")
+    with pytest.raises(KiteError, match=r"k Gram of layer\(s\) \[1\]"):
+        codec_batched.encode_state(K, V, sets, "ratio=4")
+
+
+def test_fused_joint_gram_matches_the_blocks_gram():
+    """The GPU's one-pass interleave + centering gives the Gram of the joint-head blocks."""
+    X = torch.randn(3, 4, 200, 16, generator=torch.Generator().manual_seed(5)) + 2.0
+    blocks = X.permute(0, 2, 1, 3).reshape(3, 200, 64)
+    for center in (True, False):
+        mean, G = codec_batched._joint_gram_fused(X, center)
+        mean_ref, G_ref = eigh.centered_gram(blocks, center)
+        assert torch.allclose(mean, mean_ref.float(), atol=1e-5)
+        assert torch.allclose(G, G_ref.float(), rtol=1e-4, atol=1e-4)
 
 
 def test_compress_document_batched_matches_per_layer(lm, tmp_path):

@@ -312,6 +312,56 @@ def test_cuda_quant_matches_fallback(bits):
     assert same.float().mean() > 0.97
 
 
+@has_cuda
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("mode", ["minmax", "mse"])
+def test_cuda_quantize_rows_reads_rows_in_place(bits, mode):
+    Y = torch.randn(300, 1536, generator=_rng()) * 2 + 0.1
+    rows = torch.tensor([7, 0, 299, 12, 12, 150])
+    want = quant.quantize_groups_torch(Y[:, 512:1536].index_select(0, rows).reshape(-1, 256), bits, mode)
+    got = quant.quantize_rows(Y.cuda(), rows.cuda(), 512, 1536, 256, bits, mode)
+    if mode == "minmax":
+        for a, b in zip(got, want):
+            assert torch.equal(a.cpu(), b)
+    else:   # the kernel's mean and std sum in another order (as quantize_groups)
+        same = (got[1].cpu() == want[1]) & (got[2].cpu() == want[2])
+        assert same.float().mean() > 0.95
+    # the same as the native group kernel on the gathered rows
+    ref = quant.quantize_groups(Y[:, 512:1536].index_select(0, rows).reshape(-1, 256).cuda(), bits, mode)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cusolver_batched_eigh_matches_fallback():
+    from kite.kernels import cusolver
+
+    if not cusolver.available():
+        pytest.skip("cusolverDnXsyevBatched missing (cuSOLVER < 11.7)")
+    d = 512
+    X = torch.randn(6, 2 * d, d, generator=_rng()) * torch.linspace(3, 0.01, d)
+    A = (X.transpose(1, 2) @ X / (2 * d)).cuda()
+    ev, U = eigh.eigh_desc(A)
+    ev_ref, _ = eigh.eigh_desc_torch(A.cpu().double())
+    assert torch.allclose(ev.cpu().double(), ev_ref, rtol=1e-4, atol=1e-5 * ev_ref.max().item())
+    _check_eigh(A.cpu(), ev.cpu(), U.cpu(), 2e-3)
+    bad = A.clone()
+    bad[2, 0, 0] = float("nan")
+    ev_bad, _ = eigh.eigh_desc(bad)
+    assert not torch.isfinite(ev_bad[2]).all() and torch.isfinite(ev_bad[[0, 1, 3, 4, 5]]).all()
+
+
+def test_quantize_rows_matches_gather_then_quantize():
+    Y = torch.randn(40, 96, generator=_rng())
+    rows = torch.tensor([3, 39, 0, 3])
+    got = quant.quantize_rows(Y, rows, 32, 96, 16, 4)
+    want = quant.quantize_groups(Y[:, 32:96].index_select(0, rows).reshape(-1, 16), 4)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="groups of 16"):
+        quant.quantize_rows(Y, rows, 32, 90, 16, 4)
+
+
 @has_cpu
 def test_prepared_pca_load_matches_direct():
     H, T, d = 2, 90, 64

@@ -408,13 +408,17 @@ static __device__ __forceinline__ float qcode(float x, float mn, float st, float
   return fminf(fmaxf(rintf(__fdiv_rn(__fsub_rn(x, mn), safe)), 0.f), levels);
 }
 
+// rows == nullptr: group r is g[r * gs, (r + 1) * gs). Otherwise group r is gs columns of row
+// rows[r / gpr] of a matrix with leading dimension ld: columns col0 + (r % gpr) * gs onwards (the
+// encoder's coefficient rows of one bit width, read in place instead of gathered first).
 __global__ void quant_groups(const float* __restrict__ g, int64_t G, int gs, int bits, int mode,
                              uint8_t* __restrict__ packed, uint16_t* __restrict__ scale16,
-                             uint16_t* __restrict__ min16) {
+                             uint16_t* __restrict__ min16, const int64_t* __restrict__ rows, int64_t ld,
+                             int64_t col0, int64_t gpr) {
   const int lane = threadIdx.x & 31;
   const int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (r >= G) return;
-  const float* x = g + r * gs;
+  const float* x = rows ? g + rows[r / gpr] * ld + col0 + (r % gpr) * gs : g + r * gs;
   const float levels = (float)((1 << bits) - 1);
   float mn = INFINITY, mx = -INFINITY;
   double sum = 0.0;
@@ -439,9 +443,13 @@ __global__ void quant_groups(const float* __restrict__ g, int64_t G, int gs, int
       if (c < 8) { st = __fmul_rn(__fmul_rn(sd, kGaussStepC[bits]), kMseGridC[c]); m = __fsub_rn(mu, __fmul_rn(st, half_levels)); }
       else { st = __fdiv_rn(__fsub_rn(mx, mn), levels); m = mn; }
       m = fp16r(m); st = fp16r(st);
+      // the search multiplies by the reciprocal (a code can differ from the division's only where
+      // (x - m) / st is within an ulp of a half-integer); the stored codes below divide exactly
+      const float inv = __frcp_rn(st > 0.f ? st : 1.f);
       float err = 0.f;
       for (int i = lane; i < gs; i += 32) {
-        const float e = __fsub_rn(__fadd_rn(m, __fmul_rn(qcode(x[i], m, st, levels), st)), x[i]);
+        const float q = fminf(fmaxf(rintf(__fmul_rn(__fsub_rn(x[i], m), inv)), 0.f), levels);
+        const float e = __fsub_rn(__fadd_rn(m, __fmul_rn(q, st)), x[i]);
         err = __fadd_rn(err, __fmul_rn(e, e));
       }
       for (int o = 16; o; o >>= 1) err += __shfl_xor_sync(0xffffffffu, err, o);
@@ -476,7 +484,23 @@ extern "C" int kite_cuda_quantize_groups(const float* g, int64_t G, int64_t gs, 
   if (bits < 1 || bits > 8 || G < 0 || gs < 1 || (gs * bits) % 8 || (mode != 0 && mode != 1)) return -1;
   if (G == 0) return 0;
   quant_groups<<<(unsigned)((G * 32 + 255) / 256), 256, 0, (cudaStream_t)stream>>>(g, G, (int)gs, bits, mode,
-                                                                                   packed, scale16, min16);
+                                                                                   packed, scale16, min16,
+                                                                                   nullptr, 0, 0, 1);
+  CK(cudaGetLastError());
+  return 0;
+}
+
+extern "C" int kite_cuda_quantize_rows(const float* src, int64_t ld, const int64_t* rows, int64_t n_rows,
+                                       int64_t col0, int64_t gpr, int64_t gs, int bits, int mode,
+                                       uint8_t* packed, uint16_t* scale16, uint16_t* min16, void* stream) {
+  if (bits < 1 || bits > 8 || n_rows < 0 || gpr < 1 || gs < 1 || (gs * bits) % 8 || (mode != 0 && mode != 1) ||
+      col0 < 0 || col0 + gpr * gs > ld)
+    return -1;
+  const int64_t G = n_rows * gpr;
+  if (G == 0) return 0;
+  quant_groups<<<(unsigned)((G * 32 + 255) / 256), 256, 0, (cudaStream_t)stream>>>(src, G, (int)gs, bits, mode,
+                                                                                   packed, scale16, min16,
+                                                                                   rows, ld, col0, gpr);
   CK(cudaGetLastError());
   return 0;
 }

@@ -33,6 +33,7 @@ _CUDA_SIGNATURES = {
     "kite_cuda_version": (c_char_p, []),
     "kite_cuda_kmeans_cosine": (c_int, [P, c_int64, c_int64, P, c_int64, c_int, P, P]),
     "kite_cuda_quantize_groups": (c_int, [P, c_int64, c_int64, c_int, c_int, P, P, P, P]),
+    "kite_cuda_quantize_rows": (c_int, [P, c_int64, P, c_int64, c_int64, c_int64, c_int64, c_int, c_int, P, P, P, P]),
     "kite_cuda_eigh_batched": (c_int, [P, c_int64, c_int64, P, P, c_int, P]),
     "kite_cuda_pca_load": (c_int, _LOAD_ARGS + [P]),
     "kite_cuda_pca_coefs": (c_int, [P, c_int64, P, c_int64, c_int64, P, P, P, P, c_int64, c_int, P]),

@@ -12,7 +12,8 @@ import torch
 
 from kite.kernels import native
 
-__all__ = ["quantize_groups", "dequantize_groups", "quantize_groups_torch", "dequantize_groups_torch"]
+__all__ = ["quantize_groups", "quantize_rows", "dequantize_groups", "quantize_groups_torch",
+           "dequantize_groups_torch"]
 
 GAUSS_STEP = {1: 1.596, 2: 0.9957, 3: 0.5860, 4: 0.3352, 5: 0.1881, 6: 0.1041, 7: 0.0569, 8: 0.0308}
 MSE_GRID = (0.6, 0.75, 0.9, 1.0, 1.15, 1.35, 1.6, 2.0)
@@ -47,6 +48,31 @@ def quantize_groups(g: torch.Tensor, bits: int, range_mode: str = "minmax"):
     else:
         rc = lib.kite_quantize_groups(*args)
     native.check(rc, "quantize_groups")
+    return packed, scale, mn
+
+
+def quantize_rows(src: torch.Tensor, rows: torch.Tensor, col0: int, col1: int, gs: int, bits: int,
+                  range_mode: str = "minmax"):
+    """:func:`quantize_groups` of ``src[rows, col0:col1]`` cut into groups of ``gs`` columns (row by
+    row), without gathering the rows first on a GPU (the native kernel reads them in place).
+
+    ``src`` [N, M] float32, ``rows`` int64 indices on its device, ``col1 - col0`` a multiple of gs.
+    """
+    _check(bits, range_mode)
+    if (col1 - col0) % gs or not 0 <= col0 <= col1 <= src.shape[1]:
+        raise ValueError(f"columns [{col0}, {col1}) of {src.shape[1]} do not split into groups of {gs}")
+    lib = native.lib_for(src)
+    if (lib is None or not src.is_cuda or (gs * bits) % 8 or src.dtype != torch.float32
+            or src.stride(1) != 1 or rows.numel() == 0 or col1 == col0):
+        return quantize_groups(src[:, col0:col1].index_select(0, rows).reshape(-1, gs), bits, range_mode)
+    rows = rows.to(torch.int64).contiguous()
+    G = rows.numel() * ((col1 - col0) // gs)
+    packed = torch.empty((G * gs * bits + 7) // 8, dtype=torch.uint8, device=src.device)
+    scale = torch.empty(G, dtype=torch.float16, device=src.device)
+    mn = torch.empty(G, dtype=torch.float16, device=src.device)
+    native.check(lib.kite_cuda_quantize_rows(src.data_ptr(), src.stride(0), rows.data_ptr(), rows.numel(), col0,
+                                             (col1 - col0) // gs, gs, bits, _MODES[range_mode], packed.data_ptr(),
+                                             scale.data_ptr(), mn.data_ptr(), native.stream(src)), "quantize_rows")
     return packed, scale, mn
 
 

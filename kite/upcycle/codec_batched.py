@@ -4,9 +4,10 @@
 then ``encode`` per (cluster, layer)) in a few large operations, so it runs on a GPU without host
 round trips until the blobs are serialized:
 
-* **fit**: one batched Gram + eigendecomposition per side over every layer
-  (:func:`kite.kernels.eigh.batched_pca`: the native Jacobi kernel for blocks of d <= 128 on a
-  GPU, ``torch.linalg.eigh`` for larger blocks such as the joint-head 512 dims of Qwen2-7B);
+* **fit**: a batched Gram per side, then one eigendecomposition of every block of both sides
+  (:func:`kite.kernels.eigh.eigh_desc`: the native Jacobi kernel for blocks of d <= 128 on a
+  GPU, cuSOLVER's batched solver for larger blocks such as the joint-head 512 dims of Qwen2-7B);
+  on a GPU the Gram and the projection run on TF32 tensor cores;
 * **bit allocation**: :func:`allocate_bits_batched`, the codec's greedy reverse water-filling
   (``codec.allocate_bits``) as a sort: every increment (component, bit b) is ranked by its gain
   per stored bit, ironed so that bit b never ranks above bit b-1 (a running minimum along b), and
@@ -16,10 +17,11 @@ round trips until the blobs are serialized:
   all (cluster, layer) parts are one batched matmul per side over the tokens gathered once in part
   order, each part padded to whole groups with its last token (per head: over each head's d
   dims); the attention sinks are replaced by their part's mean column as the codec does, padding
-  columns then repeat their part's last one; per (group size, bit width), one row gather takes
-  that width's (layer, component) rows and one launch quantizes them (a small gather of the packed
-  codes puts them in (part, layer) order). The keys' fit is finished on the host while the values' fit runs, and
-  the keys' codes go to the host on a copy stream while the values are projected.
+  columns then repeat their part's last one; per (group size, bit width), one launch quantizes
+  that width's (layer, component) rows, read in place by the kernel on a GPU (gathered first
+  elsewhere; a small gather of the packed codes puts them in (part, layer) order). The keys' fit
+  is finished on the host while the values' encode runs, and the keys' codes go to the host on a
+  copy stream while the values are projected.
 
 The byte format is the codec's (docs/upc-format.md): the layer blobs and part blobs it returns
 are what ``codec.to_bytes`` gives for a ``LayerCodec`` / part ``Blob`` and read back with
@@ -33,6 +35,7 @@ Supported: ``k_mode == v_mode == "pca"`` with ``outliers == 0`` (the ``ratio=R``
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -41,8 +44,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kite.kernels.eigh import batched_pca
-from kite.kernels.quant import quantize_groups
+from kite.errors import KiteError
+from kite.kernels.eigh import centered_gram, eigh_desc
+from kite.kernels.quant import quantize_groups, quantize_rows
 from kite.upcycle import codec
 from kite.upcycle.codec import CodecSettings, settings_for
 from kite.upcycle.quant import INT_FORMATS
@@ -233,7 +237,6 @@ class _Clock:
 class _Side:
     """One side (k or v) of every layer, fitted: device tensors plus host copies of the small ones."""
 
-    mean16: torch.Tensor       # [L, B*D] float32 holding the stored fp16 mean (what encode subtracts)
     bits: torch.Tensor         # [L, B, D] int64 (host)
     colbits: list[np.ndarray]  # per layer: bit width of each stored column (block-major)
     basis_exp: torch.Tensor | None   # B == 1: [L, R_max, D], column j of the stored basis
@@ -243,49 +246,139 @@ class _Side:
     layer_meta: list[dict]     # per layer: {"<side>.basis": qmeta?, "<side>": {...}} in insertion order
 
 
-def _fit_launch(X: torch.Tensor, bpe: float, s: CodecSettings, clock: _Clock) -> tuple:
-    """Queue one side's fit (X: [L, H, T, d] float32 on the device): Gram + eigh + bit allocation,
-    and an asynchronous copy of the allocation to the host. Nothing here waits for the device."""
+def _blocks(X: torch.Tensor, s: CodecSettings) -> tuple[torch.Tensor, int, int]:
+    """One side's data as the PCA's blocks: [L*B, T, D] with B = 1, D = H*d (joint heads) or B = H, D = d."""
     L, H, T, d = X.shape
     if s.joint_heads:
-        Xb = X.permute(0, 2, 1, 3).reshape(L, T, H * d)                    # [L*1, T, H*d]
-        B, D = 1, H * d
-    else:
-        Xb = X.reshape(L * H, T, d)
-        B, D = H, d
-    mean, evals, U = batched_pca(Xb, center=s.center)                    # [L*B, D], [L*B, D], [L*B, D, D]
-    del Xb
-    clock.lap("fit: gram + eigh")
-    n_parts = max(1, math.ceil(T / max(1, s.part_tokens)))
-    budget = (bpe * H * T * d - B * D * (16 + 8) - 8 * 450 - n_parts * 8 * 160 - s.sink_tokens * H * d * 16)
-    bits = allocate_bits_batched(evals.reshape(L, B, D), [budget] * L, T, D, s)   # [L, B, D]
+        return X.permute(0, 2, 1, 3).reshape(L, T, H * d), 1, H * d
+    return X.reshape(L * H, T, d), H, d
+
+
+def _fit_launch(sides: dict[str, tuple[torch.Tensor, float]], s: CodecSettings, clock: _Clock) -> dict[str, tuple]:
+    """Queue both sides' fits (X: [L, H, T, d] float32 on the device): the Grams, one batched
+    eigendecomposition for every block of both sides (cuSOLVER takes 2 x 28 512x512 matrices in 25 ms
+    where one side alone takes 21), the bit allocations, and asynchronous copies of the allocations
+    and of a did-it-converge flag per block to the host. Nothing here waits for the device."""
+    means, grams, shapes = {}, [], {}
+    with _tf32(clock.dev):
+        for prefix, (X, _) in sides.items():
+            if s.joint_heads and X.is_cuda:
+                means[prefix], G = _joint_gram_fused(X, s.center)
+                B, D = 1, X.shape[1] * X.shape[3]
+            else:
+                Xb, B, D = _blocks(X, s)
+                means[prefix], G = centered_gram(Xb, center=s.center)              # [L*B, D], [L*B, D, D]
+                del Xb
+            grams.append(G)
+            shapes[prefix] = (X.shape, B, D)
+    mean_fmt = codec.FLOAT_FORMATS["fp32" if s.basis_fmt == "fp32" else "fp16"]
+    G_all = torch.cat(grams) if len(grams) > 1 else grams[0]
+    del grams
+    out, at = {}, 0
+    with _on_fit_stream(clock.dev) as st:
+        if st is not None:
+            G_all.record_stream(st)
+        evals_all, U_all = eigh_desc(G_all)
+        clock.lap("fit: gram + eigh")
+        for prefix, (X, bpe) in sides.items():
+            (L, H, T, d), B, D = shapes[prefix]
+            evals = evals_all[at:at + L * B].clamp_min(0).float()
+            U = U_all[at:at + L * B].float()
+            at += L * B
+            n_parts = max(1, math.ceil(T / max(1, s.part_tokens)))
+            budget = (bpe * H * T * d - B * D * (16 + 8) - 8 * 450 - n_parts * 8 * 160 - s.sink_tokens * H * d * 16)
+            bits = allocate_bits_batched(evals.reshape(L, B, D), [budget] * L, T, D, s)   # [L, B, D]
+            solved = torch.isfinite(evals).all(dim=1).reshape(L, B)
+            mean_st = means[prefix].reshape(L, B, D).to(mean_fmt)     # the stored mean (encode subtracts it)
+            out[prefix] = ((L, H, T, d), B, D, mean_st, U) + _host_async(bits, solved)
+            if st is not None:
+                U.record_stream(torch.cuda.current_stream(clock.dev))
+                bits.record_stream(torch.cuda.current_stream(clock.dev))
     clock.lap("fit: bit allocation")
-    return (X.shape, B, D, mean, U) + _host_async(bits)
+    return out
 
 
-def _host_async(t: torch.Tensor) -> tuple[torch.Tensor, object]:
-    """A host copy of a device tensor that is ready once the returned event is (None on the CPU)."""
-    if not t.is_cuda:
-        return t, None
-    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    buf.copy_(t, non_blocking=True)
+_FIT_STREAMS: dict = {}
+
+
+@contextlib.contextmanager
+def _on_fit_stream(dev: torch.device):
+    """On a GPU: the work inside runs on a side stream that starts after everything queued so far;
+    the caller's stream waits for it at :func:`_join_fit` (meanwhile the caller queues the tokens'
+    gather, which does not need the eigenvectors). Elsewhere: no stream (yields None)."""
+    if dev.type != "cuda":
+        yield None
+        return
+    st = _FIT_STREAMS.get(dev)
+    if st is None:
+        st = _FIT_STREAMS[dev] = torch.cuda.Stream(device=dev)
+    st.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(st):
+        yield st
+
+
+def _join_fit(dev: torch.device) -> None:
+    if dev.type == "cuda" and dev in _FIT_STREAMS:
+        torch.cuda.current_stream(dev).wait_stream(_FIT_STREAMS[dev])
+
+
+def _joint_gram_fused(X: torch.Tensor, center: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """centered_gram of the joint-head blocks of X [L, H, T, d] (fp32, CUDA) with the head
+    interleave and the centering in one pass (a permuted copy, then a centered one, before)."""
+    L, H, T, d = X.shape
+    mean = X.mean(dim=2) if center else X.new_zeros(L, H, d)                      # [L, H, d]
+    Xc = torch.empty(L, T, H, d, dtype=X.dtype, device=X.device)
+    torch.sub(X.permute(0, 2, 1, 3), mean[:, None], out=Xc)
+    Xc = Xc.view(L, T, H * d)
+    return mean.reshape(L, H * d), Xc.transpose(1, 2) @ Xc / max(1, T)
+
+
+@contextlib.contextmanager
+def _tf32(dev: torch.device):
+    """fp32 matmuls on TF32 tensor cores inside (CUDA only): the Gram and the projection. Inputs
+    round to 10-bit mantissas, unbiasedly, so over thousands of tokens the Gram moves by ~1e-5 of
+    its scale and a coefficient by ~3e-4 of its norm, far under the finest quantization step
+    kept (8 bits: 1/255 of a group's range)."""
+    if dev.type != "cuda":
+        yield
+        return
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def _host_async(*ts: torch.Tensor) -> tuple:
+    """Host copies of device tensors, ready once the returned event is (last item; None on the CPU)."""
+    if not ts[0].is_cuda:
+        return ts + (None,)
+    bufs = []
+    for t in ts:
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t, non_blocking=True)
+        bufs.append(buf)
     ev = torch.cuda.Event()
     ev.record()
-    return buf, ev
+    return tuple(bufs) + (ev,)
 
 
 def _fit_side(prefix: str, launched: tuple, s: CodecSettings, clock: _Clock) -> _Side:
     """Finish a side queued by :func:`_fit_launch`: waits for its bit allocation only (later work
     already queued on the device, such as the other side's fit, keeps running)."""
-    (L, H, T, d), B, D, mean, U, bits_h, ev = launched
-    dev = mean.device
+    (L, H, T, d), B, D, mean_st, U, bits_h, solved_h, ev = launched
+    dev = mean_st.device
     mean_fmt = "fp32" if s.basis_fmt == "fp32" else "fp16"
-    mean_st = mean.reshape(L, B, D).to(codec.FLOAT_FORMATS[mean_fmt])
     # the one host wait of the fit: the bit allocation; every index below is derived from it on the
     # host and sent back in one asynchronous copy, every host copy is asynchronous (read after the
     # encoder's final sync), so the device never waits for the host in between
     if ev is not None:
         ev.synchronize()
+    if not bool(solved_h.all()):
+        bad = sorted({int(i) for i in torch.nonzero(~solved_h)[:, 0]})
+        raise KiteError(f"the eigensolver did not converge on the {prefix} Gram of layer(s) {bad} "
+                        "(non-finite KV values?)")
     sel_h = bits_h > 0                                                    # [L, B, D]
     R = sel_h.reshape(L, -1).sum(dim=1)
     R_max = int(R.max()) if L else 0
@@ -386,7 +479,7 @@ def _fit_side(prefix: str, launched: tuple, s: CodecSettings, clock: _Clock) -> 
         row_of[lidx_h, cols_h] = lidx_h * (B * rb_max) + bidx_h * rb_max + wb_h
         basis_exp = None
     clock.lap("fit: store basis")
-    return _Side(mean16=mean_st.float().reshape(L, B * D), bits=bits_h, colbits=colbits, basis_exp=basis_exp,
+    return _Side(bits=bits_h, colbits=colbits, basis_exp=basis_exp,
                  basis_blk=basis_blk, row_of=row_of, layer_tensors=tensors_per_layer, layer_meta=metas)
 
 
@@ -451,24 +544,35 @@ def _layout(sets: list[torch.Tensor], s: CodecSettings, dev: torch.device) -> _L
                    pad_dst=d[1] if pad_dst else None, pad_src=d[2] if pad_dst else None, sink=sink)
 
 
-def _encode_side(prefix: str, X: torch.Tensor, side: _Side, lay: _Layout, s: CodecSettings, clock: _Clock,
-                 results: dict, out_x: dict) -> int:
-    """Project one side's tokens on its stored basis (all parts at once), quantize every (group size,
-    bit width) class of it in one launch each and start the copies to the host; fills
-    results[(side, c, layer, bw)] = (codes, scale, min) host arrays (valid after _host_sync)."""
+def _gather_center(X: torch.Tensor, mean_st: torch.Tensor, lay: _Layout, clock: _Clock) -> torch.Tensor:
+    """The tokens in part order, each part padded to whole groups (a gather of d-value rows), minus
+    the stored mean: [L, P, H*d] for joint heads (interleaved by the gather), else [L, H, P, d]."""
+    L, H, T, d = X.shape
+    mean16 = mean_st.float()                                                  # [L, B, D]
+    if mean_st.shape[1] == 1:
+        Xs = X.permute(0, 2, 1, 3).index_select(1, lay.perm).view(L, -1, H * d)
+        Xs.sub_(mean16.view(L, 1, H * d))
+    else:
+        Xs = X.index_select(2, lay.perm)
+        Xs.sub_(mean16.view(L, H, 1, d))
+    clock.lap("encode: gather + center")
+    return Xs
+
+
+def _encode_side(prefix: str, X: torch.Tensor, Xs: torch.Tensor, side: _Side, lay: _Layout, s: CodecSettings,
+                 clock: _Clock, results: dict, out_x: dict) -> int:
+    """Project one side's tokens (Xs from :func:`_gather_center`) on its stored basis (all parts at
+    once), quantize every (group size, bit width) class of it in one launch each and start the
+    copies to the host; fills results[(side, c, layer, bw)] = (codes, scale, min) host arrays (valid
+    after _host_sync)."""
     L, H, T, d = X.shape
     dev = X.device
-    # the tokens in part order, each part padded to whole groups (a gather of d-value rows)
-    Xs = X.index_select(2, lay.perm)                                          # [L, H, P, d]
     if side.basis_blk is None:   # joint heads: one block of H*d dims
-        Xs = Xs.permute(0, 2, 1, 3).reshape(L, -1, H * d)                     # [L, P, H*d]
-        Xs.sub_(side.mean16[:, None, :])
-        clock.lap("encode: gather + center")
-        Y = torch.matmul(side.basis_exp, Xs.transpose(1, 2))                   # [L, R_max, P]
+        with _tf32(dev):
+            Y = torch.matmul(side.basis_exp, Xs.transpose(1, 2))               # [L, R_max, P]
     else:                        # per head: a batched matmul per (layer, head) over d dims
-        Xs.sub_(side.mean16.view(L, H, 1, d))
-        clock.lap("encode: gather + center")
-        Y = torch.matmul(side.basis_blk, Xs.transpose(2, 3))                   # [L, H, rb_max, P]
+        with _tf32(dev):
+            Y = torch.matmul(side.basis_blk, Xs.transpose(2, 3))               # [L, H, rb_max, P]
     del Xs
     P = Y.shape[-1]
     Y = Y.reshape(-1, P)                                                        # rows: side.row_of
@@ -509,16 +613,12 @@ def _encode_side(prefix: str, X: torch.Tensor, side: _Side, lay: _Layout, s: Cod
     for gs, start, end, cl, bw, n_lc, mixed in plan:
         if not n_lc:
             continue
-        # one gather of whole rows (a 2-D gather of rows x tokens took 15 ms on the H200, run 4)
-        src = Y if (start, end) == (0, P) else Y[:, start:end]
-        buf = torch.empty(n_lc, end - start, dtype=torch.float32, device=dev)
-        torch.index_select(src, 0, rows_d[bw], out=buf)
-        rows = buf.view(-1, gs)                                                 # (layer, column, group)
         ro = next(reorder_d) if mixed else None
-        clock.lap("encode: select rows")
         mode = s.range_mode if bw < 8 else "minmax"
         if (gs * bw) % 8 == 0:   # whole bytes per group: one launch, then the parts' order
-            packed, scale, mn = quantize_groups(rows, bw, mode)
+            # groups in (layer, column, group) order, read in place on a GPU (a gather of the rows
+            # first cost 7.7 ms for both sides on the H200, run 5)
+            packed, scale, mn = quantize_rows(Y, rows_d[bw], start, end, gs, bw, mode)
             n_launch += 1
             per = gs * bw // 8
             if ro is not None:
@@ -534,6 +634,7 @@ def _encode_side(prefix: str, X: torch.Tensor, side: _Side, lay: _Layout, s: Cod
                                                            scale_h[2 * g0:2 * (g0 + n)], mn_h[2 * g0:2 * (g0 + n)])
                     g0 += n
         else:   # a bit stream across groups: quantize each part's class on its own
+            rows = Y[:, start:end].index_select(0, rows_d[bw]).view(-1, gs)   # (layer, column, group)
             if ro is not None:
                 rows = rows.index_select(0, ro)
             g0 = 0
@@ -549,11 +650,23 @@ def _encode_side(prefix: str, X: torch.Tensor, side: _Side, lay: _Layout, s: Cod
     return n_launch
 
 
+def _partition(token_sets, T: int) -> list[torch.Tensor]:
+    sets = [torch.as_tensor(t, dtype=torch.long).reshape(-1).cpu() for t in token_sets]
+    perm = torch.cat(sets) if sets else torch.zeros(0, dtype=torch.long)
+    if perm.numel() != T or not torch.equal(torch.sort(perm).values, torch.arange(T)):
+        raise ValueError("token_sets must partition the document's tokens")
+    return sets
+
+
 def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tensor | list[torch.Tensor],
-                 token_sets: list[torch.Tensor], settings: CodecSettings | str | float | None = None, *,
+                 token_sets: list[torch.Tensor] | Callable[[], list[torch.Tensor]],
+                 settings: CodecSettings | str | float | None = None, *,
                  device: torch.device | str | None = None, sync_timings: bool = False) -> EncodedState:
     """Fit and encode a whole document: keys (pre-RoPE) and values [L, H, T, d] (or per-layer lists),
     clusters given as token index sets (a partition of range(T), each ascending).
+
+    ``token_sets`` may be a function that returns them: the fit does not need the clusters, so it is
+    called once the fit is queued, and the caller's clustering runs on the host while the GPU fits.
 
     Every part keeps the attention sinks (positions < ``sink_tokens``) in fp16, as
     ``codec.encode(..., positions)`` does. ``sync_timings`` synchronizes the device between stages so
@@ -575,22 +688,26 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
     if K.dim() != 4 or K.shape != V.shape:
         raise ValueError(f"keys and values must both be [L, H, T, d], got {tuple(K.shape)} and {tuple(V.shape)}")
     L, H, T, d = K.shape
-    sets = [torch.as_tensor(t, dtype=torch.long).reshape(-1).cpu() for t in token_sets]
-    perm = torch.cat(sets) if sets else torch.zeros(0, dtype=torch.long)
-    if perm.numel() != T or not torch.equal(torch.sort(perm).values, torch.arange(T)):
-        raise ValueError("token_sets must partition the document's tokens")
+    if not callable(token_sets):
+        sets = _partition(token_sets, T)
     clock.lap("move")
-    launched = {prefix: _fit_launch(X, bpe, s, clock) for prefix, X, bpe in (("k", K, s.k_bits), ("v", V, s.v_bits))}
-    lay = _layout(sets, s, dev)   # host work while the fits run
+    launched = _fit_launch({"k": (K, s.k_bits), "v": (V, s.v_bits)}, s, clock)
+    if callable(token_sets):
+        sets = _partition(token_sets(), T)
+        clock.lap("cluster (caller's)")
+    lay = _layout(sets, s, dev)   # host work while the eigensolver runs
+    # the tokens gathered and centered while the eigensolver runs on its stream
+    gathered = {prefix: _gather_center(X, launched[prefix][3], lay, clock) for prefix, X in (("k", K), ("v", V))}
+    _join_fit(dev)
     results: dict[tuple[str, int, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     sides: dict[str, _Side] = {}
     out_x: dict[tuple[str, int], torch.Tensor] = {}
     n_launch = 0
-    # side by side: the keys' host work overlaps the values' fit, and the keys' codes go to the host
-    # on the copy stream while the values are fitted and projected
+    # side by side: the keys' host work overlaps the values' bit allocation, and the keys' codes go
+    # to the host on the copy stream while the values are projected
     for prefix, X in (("k", K), ("v", V)):
         side = sides[prefix] = _fit_side(prefix, launched.pop(prefix), s, clock)
-        n_launch += _encode_side(prefix, X, side, lay, s, clock, results, out_x)
+        n_launch += _encode_side(prefix, X, gathered.pop(prefix), side, lay, s, clock, results, out_x)
     xs = list(out_x.items())
     out_x_h = {k: (h, v.shape) for (k, v), h in zip(xs, _to_host([v.contiguous().view(torch.uint8) for _, v in xs]))}
     _host_sync(dev)

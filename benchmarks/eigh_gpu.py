@@ -1,0 +1,154 @@
+"""The joint-head codec's eigensolver on a GPU: every way to get 2 x 28 eigendecompositions of
+512x512 Grams, timed side by side in one run, with their accuracy.
+
+    python benchmarks/eigh_gpu.py [--layers 28] [--dim 512] [--tokens 16384] [--out out/eigh_gpu.json]
+
+Grams come from [layers, tokens, dim] fp32 data with a power-law spectrum (the KV of a trained model
+decays; random weights give a flat one, so both are timed). Rows:
+
+* ``torch.linalg.eigh`` (one ``syevd`` per matrix on the current stream);
+* ``cusolverDnXsyevBatched`` through ``kite.kernels.cusolver`` (one call for the batch), fp32, fp64;
+  direct or replayed from a CUDA graph;
+* ``torch.linalg.eigh`` split over 8 host threads, one CUDA stream each;
+* for scale: the Jacobi kernel on the per-head 128x128 blocks, and the Gram itself;
+* the joint codec's projection ([layers, tokens, 512] @ [512, 512]) in fp32, TF32 and bf16.
+
+Accuracy: max over matrices of ||G V - V diag(w)||_F / ||G||_F, ||V^T V - I||_max, and the largest
+eigenvalue error relative to the largest eigenvalue, against fp64 ``torch.linalg.eigh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def cuda_ms(fn, reps: int = 5, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def grams(L: int, T: int, D: int, decay: float, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    s = torch.arange(1, D + 1, device="cuda", dtype=torch.float32) ** (-decay)
+    Q, _ = torch.linalg.qr(torch.randn(L, D, D, device="cuda", generator=g))
+    X = torch.randn(L, T, D, device="cuda", generator=g) * s
+    X = X @ Q.transpose(1, 2)
+    X = X - X.mean(1, keepdim=True)
+    return X, (X.transpose(1, 2) @ X) / T
+
+
+def accuracy(G: torch.Tensor, w: torch.Tensor, V: torch.Tensor, w_ref: torch.Tensor) -> dict:
+    G, w, V = G.double(), w.double(), V.double()
+    res = torch.linalg.matrix_norm(G @ V - V * w[:, None, :]) / torch.linalg.matrix_norm(G)
+    eye = torch.eye(G.shape[-1], dtype=torch.float64, device=G.device)
+    orth = (V.transpose(1, 2) @ V - eye).abs().amax()
+    ev = ((w.sort(dim=1).values - w_ref.sort(dim=1).values).abs().amax(dim=1) / w_ref.abs().amax(dim=1)).max()
+    return {"residual": float(res.max()), "orthogonality": float(orth), "eigenvalue_rel_err": float(ev)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--out", type=Path, default=ROOT / "out" / "eigh_gpu.json")
+    args = ap.parse_args()
+    from kite.kernels import cusolver, eigh
+
+    L, D, T = args.layers, args.dim, args.tokens
+    out: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                 "cusolver_batched": cusolver.available(), "rows": {}}
+
+    def row(name: str, ms: float, acc: dict | None = None) -> None:
+        out["rows"][name] = {"ms": round(ms, 3), **(acc or {})}
+        extra = "  ".join(f"{k} {v:.2e}" for k, v in (acc or {}).items())
+        print(f"{name:<64} {ms:9.3f} ms  {extra}", flush=True)
+
+    for decay in (0.0, 1.0):
+        X, G1 = grams(L, T, D, decay, seed=0)
+        _, G2 = grams(L, T, D, decay, seed=1)
+        G = torch.cat([G1, G2])                            # both sides: 2L matrices
+        tag = f"{2 * L} x {D}x{D}, spectrum ~ k^-{decay:g}"
+        w64, _ = torch.linalg.eigh(G.double())
+        row(f"Gram [{L}, {T}, {D}] fp32 (one side)", cuda_ms(lambda: X.transpose(1, 2) @ X))
+        ms = cuda_ms(lambda: torch.linalg.eigh(G), reps=3)
+        w, V = torch.linalg.eigh(G)
+        row(f"torch.linalg.eigh fp32, {tag}", ms, accuracy(G, w, V, w64))
+        if cusolver.available():
+            for dt in (torch.float32, torch.float64):
+                Gd = G.to(dt)
+                ms = cuda_ms(lambda: cusolver.syev_batched(Gd, graph=False), reps=5)
+                w, V, info = cusolver.syev_batched(Gd, graph=False)
+                acc = accuracy(G, w, V, w64)
+                acc["info_nonzero"] = int((info != 0).sum())
+                row(f"cusolverDnXsyevBatched {str(dt)[6:]}, direct call, {tag}", ms, acc)
+            for graph in (False, True):
+                ms = cuda_ms(lambda: cusolver.syev_batched(G, graph=graph), reps=5)
+                w, V, info = cusolver.syev_batched(G, graph=graph)
+                row(f"cusolverDnXsyevBatched fp32, {'graph replay' if graph else 'direct'}, {tag}", ms,
+                    accuracy(G, w, V, w64))
+            Gh = G[:L].contiguous()
+            row(f"cusolverDnXsyevBatched fp32, one side ({L} matrices), graph, 1 stream, {tag}",
+                cuda_ms(lambda: cusolver.syev_batched(Gh), reps=5))
+
+        def threaded(n_threads: int = 8) -> None:
+            chunks = G.chunk(n_threads)
+
+            def work(c):
+                s = torch.cuda.Stream()
+                with torch.cuda.stream(s):
+                    torch.linalg.eigh(c)
+                s.synchronize()
+            ts = [threading.Thread(target=work, args=(c,)) for c in chunks]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+        row(f"torch.linalg.eigh fp32 in 8 threads x 1 stream, {tag}", cuda_ms(threaded, reps=3))
+        H = D // 128
+        blocks = torch.stack([G[:, h * 128:(h + 1) * 128, h * 128:(h + 1) * 128] for h in range(H)], 1)
+        blocks = blocks.reshape(-1, 128, 128).contiguous()
+        row(f"per-head blocks: eigh_desc (Jacobi kernel when built) {blocks.shape[0]} x 128x128",
+            cuda_ms(lambda: eigh.eigh_desc(blocks), reps=5))
+        X = G1 = G2 = G = blocks = None  # free before the next spectrum
+        torch.cuda.empty_cache()
+
+    X = torch.randn(L, T, D, device="cuda")
+    U = torch.linalg.qr(torch.randn(L, D, D, device="cuda"))[0]
+    ref = (X.double() @ U.double())
+    for name, fn in (("fp32", lambda: X @ U),
+                     ("bf16", lambda: (X.bfloat16() @ U.bfloat16()).float())):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        ms = cuda_ms(fn)
+        err = float(((fn().double() - ref).norm() / ref.norm()))
+        row(f"project [{L}, {T}, {D}] @ [{D}, {D}] {name}", ms, {"rel_err": err})
+    torch.backends.cuda.matmul.allow_tf32 = True
+    ms = cuda_ms(lambda: X @ U)
+    err = float(((X @ U).double() - ref).norm() / ref.norm())
+    row(f"project [{L}, {T}, {D}] @ [{D}, {D}] tf32", ms, {"rel_err": err})
+    torch.backends.cuda.matmul.allow_tf32 = False
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
