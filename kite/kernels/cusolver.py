@@ -81,13 +81,15 @@ _local = threading.local()
 
 
 def _handle(device: torch.device) -> tuple[c_void_p, c_void_p]:
-    """One cuSOLVER handle + params per thread and device (handles are not thread-safe)."""
+    """One cuSOLVER handle + params per thread, device and stream: handles are not thread-safe, and
+    calls on two streams that share a handle do not overlap (the handle's scratch is shared)."""
     cache = _local.__dict__.setdefault("handles", {})
-    key = device.index if device.index is not None else torch.cuda.current_device()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
     if key not in cache:
         lib = _lib()
         h, p = c_void_p(), c_void_p()
-        with torch.cuda.device(key):
+        with torch.cuda.device(index):
             _check(lib.cusolverDnCreate(ctypes.byref(h)), "cusolverDnCreate")
             _check(lib.cusolverDnCreateParams(ctypes.byref(p)), "cusolverDnCreateParams")
         cache[key] = (h, p)
@@ -110,9 +112,9 @@ def syev_batched(A: torch.Tensor, graph: bool = True) -> tuple[torch.Tensor, tor
     time than the device spends on them; a replay launches them all at once. Falls back to the
     direct call where capture fails (56 x 512x512 on an H200: 20.4-23.0 ms replayed, 23.0-27.3 direct).
 
-    One call per batch: chunks of it on concurrent streams share the handle and ran slower (2
-    chunks 40-45 ms, 4 chunks 75-79 ms direct), and replays of such chunks on concurrent streams
-    gave wrong vectors, so there is no split (benchmarks/eigh_gpu.py, run of 2026-11-30)."""
+    Each stream has its own handle: chunks of a batch on concurrent streams that shared one handle
+    ran slower (2 chunks 40-45 ms, 4 chunks 75-79 ms, direct calls) and their replays gave wrong
+    vectors (benchmarks/eigh_gpu.py, 2026-11-30)."""
     lib = _lib()
     if lib is None:
         raise CusolverError("cusolverDnXsyevBatched is not available (CPU torch, or cuSOLVER older than 11.7)")
@@ -138,12 +140,13 @@ def _buffers(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
             torch.zeros(B, dtype=torch.int32, device=A.device))
 
 
-def _call(V: torch.Tensor, W: torch.Tensor, info: torch.Tensor) -> None:
-    """The solver on the current stream: V [B, n, n] in (symmetric), eigenvectors out (column-major)."""
+def _call(V: torch.Tensor, W: torch.Tensor, info: torch.Tensor, handle=None) -> None:
+    """The solver on the current stream: V [B, n, n] in (symmetric), eigenvectors out (column-major).
+    ``handle``: the (handle, params) to use (default: the current stream's)."""
     lib = _lib()
     B, n, _ = V.shape
     dt = _DTYPES[V.dtype]
-    h, p = _handle(V.device)
+    h, p = handle or _handle(V.device)
     _check(lib.cusolverDnSetStream(h, c_void_p(torch.cuda.current_stream(V.device).cuda_stream)),
            "cusolverDnSetStream")
     ws_dev, ws_host = c_size_t(), c_size_t()
@@ -168,17 +171,17 @@ class _Graph:
         self.inp = torch.empty_like(A, memory_format=torch.contiguous_format)
         self.W, self.V, self.info = _buffers(A)
         self.inp.copy_(A)
-        side = torch.cuda.Stream(A.device)
-        side.wait_stream(torch.cuda.current_stream(A.device))
-        with torch.cuda.stream(side):   # warm-up outside capture (handle, workspace size)
-            self.V.copy_(self.inp)
-            _call(self.V, self.W, self.info)
-        torch.cuda.current_stream(A.device).wait_stream(side)
+        # the caller's stream's handle, made and warmed up before capture (creating one allocates);
+        # graphs replayed on different streams then never share a handle's scratch
+        handle = _handle(A.device)
+        self.V.copy_(self.inp)
+        _call(self.V, self.W, self.info, handle)
+        torch.cuda.synchronize(A.device)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.V.copy_(self.inp)
-            _call(self.V, self.W, self.info)
-        self.keep = (_local.workspace, _local.host_workspace)
+            _call(self.V, self.W, self.info, handle)
+        self.keep = (_local.workspace, _local.host_workspace, handle)
 
     def __call__(self, A: torch.Tensor):
         self.inp.copy_(A)
@@ -192,7 +195,8 @@ _GRAPH_CACHE = 4
 
 
 def _graph_for(A: torch.Tensor):
-    key = (A.device.index, tuple(A.shape), A.dtype, threading.get_ident())
+    key = (A.device.index, tuple(A.shape), A.dtype, threading.get_ident(),
+           torch.cuda.current_stream(A.device).cuda_stream)
     if key in _NO_GRAPH:
         return None
     g = _GRAPHS.pop(key, None)
