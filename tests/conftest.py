@@ -59,7 +59,7 @@ def tiny_contract_state(tiny_models, tmp_path_factory):
     from kite.upcycle.settings import load_upcycle_config
     from kite.upcycle.tagger_setup import build_tagger
 
-    lm = load_model(str(tiny_models["llama"]))
+    lm = load_model(str(tiny_models["llama"]), device="cpu")
     tagger = build_tagger(lm, *load_upcycle_config(None))
     out = tmp_path_factory.mktemp("state") / "contract.upc"
     compress_document(lm, CORPUS.replace(". ", ".\n\n", 3), out,

@@ -26,7 +26,7 @@ DOC = CORPUS.replace(". ", ".\n\n", 3)
 def lm(tiny_models):
     from kite.model import load_model
 
-    return load_model(str(tiny_models["qwen2"]))
+    return load_model(str(tiny_models["qwen2"]), device="cpu")
 
 
 @pytest.fixture()

@@ -34,7 +34,7 @@ def _one_thread():
 def lm(tiny_models):
     from kite.model import load_model
 
-    return load_model(str(tiny_models["qwen2"]))
+    return load_model(str(tiny_models["qwen2"]), device="cpu")
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -173,6 +173,26 @@ def _staged_load(path, lm, clusters=None, layers=None, sink_tokens=4):
                                         n_layers=geo.n_layers)
     state.close()
     return hot, keys, values
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compress_document_on_the_gpu(lm, tiny_models, tmp_path):
+    """A model on the GPU: spans clustered from CUDA features, the batched codec on the device, and a
+    state that decodes like the CPU's (the GPU fit is fp32, so not byte for byte)."""
+    from kite.model import load_model
+
+    lm_gpu = load_model(str(tiny_models["qwen2"]), device="cuda", dtype="fp32")
+    cs = CompressSettings(codec=codec.settings_for(4), n_clusters=3, min_span_tokens=8, max_span_tokens=24)
+    compress_document(lm_gpu, DOC, tmp_path / "g.upc", cs)
+    compress_document(lm, DOC, tmp_path / "c.upc", cs)
+    with StateFile(tmp_path / "g.upc") as a, StateFile(tmp_path / "c.upc") as b:
+        assert a.meta["n_tokens"] == b.meta["n_tokens"] and len(a.meta["clusters"]) == len(b.meta["clusters"])
+    got, _ = load_prefix(tmp_path / "g.upc", lm)
+    ref, _ = load_prefix(tmp_path / "c.upc", lm)
+    for layer in range(lm.geometry.n_layers):
+        for x, y in ((got.keys[layer], ref.keys[layer]), (got.values[layer], ref.values[layer])):
+            assert torch.isfinite(x).all()
+            assert (x - y).norm() <= 0.25 * y.norm()
 
 
 @pytest.mark.parametrize("spec", ["ratio=4", "per-head", "ratio=2"])

@@ -25,7 +25,7 @@ def lm(request, tiny_models):
     from kite.model import load_model
 
     torch.set_num_threads(1)
-    return load_model(str(tiny_models[request.param]))
+    return load_model(str(tiny_models[request.param]), device="cpu")
 
 
 def _ids(lm, n, seed=0):

@@ -10,7 +10,7 @@ from kite.runtime.lowp import BF16Linear, bf16_linears
 def test_bf16_linears_close_and_restored(tiny_models, arch):
     from kite.model import load_model
 
-    lm = load_model(str(tiny_models[arch]))
+    lm = load_model(str(tiny_models[arch]), device="cpu")
     ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 8]])
     with torch.inference_mode():
         ref = lm.model(ids).logits
@@ -28,7 +28,7 @@ def test_bf16_linears_close_and_restored(tiny_models, arch):
 def test_bf16_linears_restores_on_error(tiny_models):
     from kite.model import load_model
 
-    lm = load_model(str(tiny_models["llama"]))
+    lm = load_model(str(tiny_models["llama"]), device="cpu")
     before = dict(lm.model.named_modules())
     with pytest.raises(RuntimeError), bf16_linears(lm.model):
         raise RuntimeError("boom")

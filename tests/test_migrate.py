@@ -24,7 +24,7 @@ def setup(tiny_models, tmp_path):
     """Two states of model A (one named by its fingerprint), model B of the same geometry."""
     from kite.model import load_model
 
-    a = load_model(str(tiny_models["llama"]))
+    a = load_model(str(tiny_models["llama"]), device="cpu")
     b_dir = make_tiny_model(tmp_path / "model-b", "llama", seed=9)
     states = tmp_path / "states"
     old = short(a.fingerprints.combined)
@@ -57,7 +57,7 @@ def test_migrate_rewrites_fingerprints_and_names_and_loads(setup):
     meta = StateFile(states / f"contract.{new}.upc").meta
     assert short(meta["fingerprints"]["combined"]) == new
     assert short(meta["fingerprints"]["migrated_from"]) == old
-    prefix, _ = load_prefix(states / "notes.upc", load_model(str(b_dir)))
+    prefix, _ = load_prefix(states / "notes.upc", load_model(str(b_dir), device="cpu"))
     assert prefix.next_position > 0
     again = runner.invoke(app, ["upcycle", "migrate", "--old-model-fingerprint", old, "--new-model-fingerprint",
                                 new, "--upcycle-dir", str(states), "--json"])

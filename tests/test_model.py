@@ -98,7 +98,7 @@ def test_not_a_gguf_file_is_bad_input(tmp_path):
 def test_load_model_geometry_and_kite_attention(tiny_models):
     from kite.model import load_model
 
-    lm = load_model(str(tiny_models["qwen2"]))
+    lm = load_model(str(tiny_models["qwen2"]), device="cpu")
     assert lm.geometry.model_type == "qwen2" and lm.geometry.n_kv_heads == 2
     assert lm.model.config._attn_implementation == "kite"
     assert lm.dtype == torch.float32

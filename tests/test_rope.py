@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from kite.runtime.generate import _cache_kwarg
+
 from kite.upcycle.rope import apply_rope, remove_rope, rope_cos_sin, rotary_module
 
 transformers = pytest.importorskip("transformers")
@@ -62,8 +64,8 @@ def test_round_trip_against_model_cache(name):
         assert (back - k).abs().max().item() <= 1e-5 * max(1.0, k.abs().max().item())
         new.update(back, layer.values, i)
     with torch.no_grad():
-        logits = model(ids[:, T:], cache=new,
-                       position_ids=torch.arange(T, T + 5)[None]).logits[0]
+        logits = model(ids[:, T:], position_ids=torch.arange(T, T + 5)[None],
+                       **{_cache_kwarg(model): new}).logits[0]
     assert (logits - full).abs().max().item() <= 1e-4
 
 

@@ -18,7 +18,7 @@ runner = CliRunner()
 def lm(request, tiny_models):
     from kite.model import load_model
 
-    return load_model(str(tiny_models[request.param]))
+    return load_model(str(tiny_models[request.param]), device="cpu")
 
 
 def _ids(lm, n, seed=0):

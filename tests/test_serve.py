@@ -80,7 +80,7 @@ def lm(tiny_models):
     from kite.model import load_model
 
     torch.set_num_threads(1)  # a shared 2-core machine
-    return load_model(str(tiny_models["llama"]))
+    return load_model(str(tiny_models["llama"]), device="cpu")
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ DOC = CORPUS.replace(". ", ".\n\n", 3)
 def lm(request, tiny_models):
     from kite.model import load_model
 
-    return load_model(str(tiny_models[request.param]))
+    return load_model(str(tiny_models[request.param]), device="cpu")
 
 
 def _exact(n_clusters=3, **kw):
@@ -115,8 +115,8 @@ def test_unknown_cluster_label_is_bad_input(lm, tmp_path):
 def test_other_model_is_refused_with_migrate_hint(tiny_models, tmp_path):
     from kite.model import load_model
 
-    a = load_model(str(tiny_models["llama"]))
-    b = load_model(str(make_tiny_model(tmp_path / "other", "llama", seed=5)))
+    a = load_model(str(tiny_models["llama"]), device="cpu")
+    b = load_model(str(make_tiny_model(tmp_path / "other", "llama", seed=5)), device="cpu")
     out = tmp_path / "doc.upc"
     compress_document(a, DOC, out, _exact())
     with pytest.raises(FingerprintMismatch, match="model fingerprint.*kite upcycle migrate"):
@@ -129,7 +129,7 @@ def test_other_model_is_refused_with_migrate_hint(tiny_models, tmp_path):
 def good_state(tiny_models, tmp_path_factory):
     from kite.model import load_model
 
-    lm = load_model(str(tiny_models["llama"]))
+    lm = load_model(str(tiny_models["llama"]), device="cpu")
     out = tmp_path_factory.mktemp("state") / "good.upc"
     compress_document(lm, DOC, out, _exact())
     return out

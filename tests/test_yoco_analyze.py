@@ -34,7 +34,7 @@ RULES = """rules:
 def lm(tiny_models):
     from kite.model import load_model
 
-    return load_model(str(tiny_models["llama"]))
+    return load_model(str(tiny_models["llama"]), device="cpu")
 
 
 @pytest.fixture

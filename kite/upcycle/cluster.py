@@ -18,18 +18,21 @@ def kmeans(x: torch.Tensor, k: int, iters: int = 30, seed: int = 0) -> tuple[tor
     if n == 0:
         raise ValueError("nothing to cluster")
     x = torch.nn.functional.normalize(x.float(), dim=1)
-    k = max(1, min(k, torch.unique(x.round(decimals=5), dim=0).shape[0]))
+    # the seeding runs on the host whatever x's device (same seeds for the same rows; a CUDA
+    # tensor takes no CPU generator), Lloyd's iterations on x's device
+    xh = x.cpu()
+    k = max(1, min(k, torch.unique(xh.round(decimals=5), dim=0).shape[0]))
     g = torch.Generator().manual_seed(seed)
-    centroids = x[torch.randint(n, (1,), generator=g)]
+    centroids = xh[torch.randint(n, (1,), generator=g)]
     for _ in range(1, k):  # k-means++
-        d2 = (1 - x @ centroids.T).clamp_min(0).min(dim=1).values
+        d2 = (1 - xh @ centroids.T).clamp_min(0).min(dim=1).values
         if d2.sum() <= 0:
             idx = torch.randint(n, (1,), generator=g)
         else:
             idx = torch.multinomial(d2 / d2.sum(), 1, generator=g)
-        centroids = torch.cat([centroids, x[idx]])
-    assign, centroids, _ = lloyd_cosine(x, centroids, iters)  # native when built, else torch
+        centroids = torch.cat([centroids, xh[idx]])
+    assign, centroids, _ = lloyd_cosine(x, centroids.to(x.device), iters)  # native when built, else torch
     used = torch.unique(assign)
-    remap = torch.full((k,), -1, dtype=torch.long)
-    remap[used] = torch.arange(used.numel())
+    remap = torch.full((k,), -1, dtype=torch.long, device=assign.device)
+    remap[used] = torch.arange(used.numel(), device=assign.device)
     return remap[assign], centroids[used]

@@ -44,6 +44,7 @@ import torch
 
 from kite.errors import BadInput
 from kite.runtime.batch import right_padded
+from kite.runtime.generate import _cache_kwarg
 
 FORMAT = "kite-tagger/1"
 EMBEDDING_METHODS = ("ridge", "centroid")
@@ -700,14 +701,15 @@ class _PromptScorer:
             ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
             ids = torch.tensor([ids], device=device)
             cache = DynamicCache(config=self.model.config)
-            res = self.model(input_ids=ids, cache=cache, use_cache=True)
+            kw = _cache_kwarg(self.model)   # `cache` in transformers 5.2x, `past_key_values` before
+            res = self.model(input_ids=ids, use_cache=True, **{kw: cache})
             first = torch.log_softmax(res.logits[0, -1].float(), -1)
             n = ids.shape[1]
             for j, cand in enumerate(cands):
                 lp = first[cand[0]].item()
                 if len(cand) > 1:
                     r = self.model(input_ids=torch.tensor([cand[:-1]], device=device),
-                                   cache=cache, use_cache=True)
+                                   use_cache=True, **{kw: cache})
                     logp = torch.log_softmax(r.logits[0].float(), -1)
                     lp += sum(logp[t, cand[t + 1]].item() for t in range(len(cand) - 1))
                     _crop_to(cache, n)
