@@ -62,6 +62,8 @@ def runtime_status() -> str:
     version = cpu_version(path)
     if version is None:
         return f"broken: {path} does not load (pure-torch fallback; run `make build-runtime`)"
-    cuda_note = f"; CUDA kernels built ({cuda.name}, used for tensors on a GPU)" if cuda else ""
+    cuda_note = (f"; CUDA kernels built ({cuda.name}, used for tensors on a GPU; eigendecompositions of"
+                 " blocks over 128 dims go to cuSOLVER's batched solver where torch's CUDA build has it)"
+                 if cuda else "")
     forced = "; KITE_RUNTIME=torch forces the fallback" if forced_torch() else ""
     return f"CPU kernels available: {version} at {path.parent}{cuda_note}{forced}"
