@@ -110,7 +110,7 @@ def syev_batched(A: torch.Tensor, graph: bool = True) -> tuple[torch.Tensor, tor
     ``graph``: replay the call from a CUDA graph captured once per (device, B, n, dtype). For n = 512
     the solver launches ~25 small kernels per column (~1,500 for the batch), which costs more host
     time than the device spends on them; a replay launches them all at once. Falls back to the
-    direct call where capture fails (56 x 512x512 on an H200: 20.4-23.0 ms replayed, 23.0-27.3 direct).
+    direct call where capture fails (56 x 512x512 on an H200: 20.3-22.8 ms replayed, 22.5-27.3 direct).
 
     Each stream has its own handle: chunks of a batch on concurrent streams that shared one handle
     ran slower (2 chunks 40-45 ms, 4 chunks 75-79 ms, direct calls) and their replays gave wrong

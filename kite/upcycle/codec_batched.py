@@ -255,10 +255,11 @@ def _blocks(X: torch.Tensor, s: CodecSettings) -> tuple[torch.Tensor, int, int]:
 
 
 def _fit_launch(sides: dict[str, tuple[torch.Tensor, float]], s: CodecSettings, clock: _Clock) -> dict[str, tuple]:
-    """Queue both sides' fits (X: [L, H, T, d] float32 on the device): the Grams, one batched
-    eigendecomposition for every block of both sides (cuSOLVER takes 2 x 28 512x512 matrices in 25 ms
-    where one side alone takes 21), the bit allocations, and asynchronous copies of the allocations
-    and of a did-it-converge flag per block to the host. Nothing here waits for the device."""
+    """Queue both sides' fits (X: [L, H, T, d] float32 on the device): the Grams, then on the fit
+    stream one batched eigendecomposition for every block of both sides (cuSOLVER: 2 x 28 512x512
+    matrices in 20-23 ms on an H200, one side alone 15-16), the bit allocations, and asynchronous
+    copies of the allocations and of a did-it-converge flag per block to the host. Nothing here
+    waits for the device."""
     means, grams, shapes = {}, [], {}
     with _tf32(clock.dev):
         for prefix, (X, _) in sides.items():
@@ -272,6 +273,9 @@ def _fit_launch(sides: dict[str, tuple[torch.Tensor, float]], s: CodecSettings, 
             grams.append(G)
             shapes[prefix] = (X.shape, B, D)
     mean_fmt = codec.FLOAT_FORMATS["fp32" if s.basis_fmt == "fp32" else "fp16"]
+    # the stored means (what encode subtracts), made here on the caller's stream: the caller's
+    # gather uses them before it waits for the fit stream
+    mean_st = {prefix: means[prefix].reshape(-1, B, D).to(mean_fmt) for prefix, (_, B, D) in shapes.items()}
     G_all = torch.cat(grams) if len(grams) > 1 else grams[0]
     del grams
     out, at = {}, 0
@@ -289,11 +293,9 @@ def _fit_launch(sides: dict[str, tuple[torch.Tensor, float]], s: CodecSettings, 
             budget = (bpe * H * T * d - B * D * (16 + 8) - 8 * 450 - n_parts * 8 * 160 - s.sink_tokens * H * d * 16)
             bits = allocate_bits_batched(evals.reshape(L, B, D), [budget] * L, T, D, s)   # [L, B, D]
             solved = torch.isfinite(evals).all(dim=1).reshape(L, B)
-            mean_st = means[prefix].reshape(L, B, D).to(mean_fmt)     # the stored mean (encode subtracts it)
-            out[prefix] = ((L, H, T, d), B, D, mean_st, U) + _host_async(bits, solved)
-            if st is not None:
+            out[prefix] = ((L, H, T, d), B, D, mean_st[prefix], U) + _host_async(bits, solved)
+            if st is not None:   # made on the fit stream, used on the caller's after _join_fit
                 U.record_stream(torch.cuda.current_stream(clock.dev))
-                bits.record_stream(torch.cuda.current_stream(clock.dev))
     clock.lap("fit: bit allocation")
     return out
 
