@@ -29,21 +29,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-
-def cuda_ms(fn, reps: int = 5, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+from gpu_speed import cuda_ms  # noqa: E402  (CUDA-event medians, as every GPU figure)
 
 
 def grams(L: int, T: int, D: int, decay: float, seed: int) -> torch.Tensor:

@@ -18,6 +18,18 @@ def no_verification_records():
         yield
 
 
+@pytest.fixture()
+def one_thread():
+    """Torch on one intra-op thread for the test (modules of many small ops: extra threads only add
+    contention, 10x slower on a busy 2-core box); restored after."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def kite_home(tmp_path, monkeypatch):
     """Every test gets its own KITE_HOME; no test reads or writes the user's ~/.kite."""

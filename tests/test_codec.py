@@ -11,13 +11,7 @@ from kite.upcycle.quant import (dequantize, pack_bits, packed_nbytes, quantize, 
 H, T, D = 3, 512, 64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # many small ops: intra-op threads only add contention (10x slower on a busy 2-core box)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _kv(seed=0, T=T):

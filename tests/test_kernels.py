@@ -273,11 +273,20 @@ def test_cuda_kmeans_matches_fallback():
 @has_cuda
 @pytest.mark.parametrize("d", [64, 128])
 def test_cuda_eigh_matches_fallback(d):
-    X = torch.randn(40, 3 * d, d, generator=_rng()) * torch.linspace(3, 0.1, d)
-    A = (X.transpose(1, 2) @ X / (3 * d)).cuda()
+    _check_cuda_eigh(_gram_batch(40, d, 3, 0.1), atol=1e-4)
+
+
+def _gram_batch(B: int, d: int, hi: float, lo: float) -> torch.Tensor:
+    """B symmetric PSD d x d matrices with a decaying spectrum, on the GPU."""
+    X = torch.randn(B, 3 * d, d, generator=_rng()) * torch.linspace(hi, lo, d)
+    return (X.transpose(1, 2) @ X / (3 * d)).cuda()
+
+
+def _check_cuda_eigh(A: torch.Tensor, atol: float) -> None:
+    """eigh_desc on the GPU against torch's fp64 eigenvalues, and a true decomposition."""
     ev, U = eigh.eigh_desc(A)
     ev_ref, _ = eigh.eigh_desc_torch(A.cpu().double())
-    assert torch.allclose(ev.cpu().double(), ev_ref, rtol=1e-4, atol=1e-4 * ev_ref.max().item())
+    assert torch.allclose(ev.cpu().double(), ev_ref, rtol=1e-4, atol=atol * ev_ref.max().item())
     _check_eigh(A.cpu(), ev.cpu(), U.cpu(), 2e-3)
 
 
@@ -338,13 +347,8 @@ def test_cusolver_batched_eigh_matches_fallback():
 
     if not cusolver.available():
         pytest.skip("cusolverDnXsyevBatched missing (cuSOLVER < 11.7)")
-    d = 512
-    X = torch.randn(6, 2 * d, d, generator=_rng()) * torch.linspace(3, 0.01, d)
-    A = (X.transpose(1, 2) @ X / (2 * d)).cuda()
-    ev, U = eigh.eigh_desc(A)
-    ev_ref, _ = eigh.eigh_desc_torch(A.cpu().double())
-    assert torch.allclose(ev.cpu().double(), ev_ref, rtol=1e-4, atol=1e-5 * ev_ref.max().item())
-    _check_eigh(A.cpu(), ev.cpu(), U.cpu(), 2e-3)
+    A = _gram_batch(6, 512, 3, 0.01)
+    _check_cuda_eigh(A, atol=1e-5)
     bad = A.clone()
     bad[2, 0, 0] = float("nan")
     ev_bad, _ = eigh.eigh_desc(bad)

@@ -270,6 +270,26 @@ constexpr int TT = 16;
 
 static __host__ __device__ __forceinline__ int64_t coef_pitch(int64_t R) { return (R + 3) / 4 * 4 + 4; }
 
+// One rotated pair (i, i + half) of a head's row: RoPE at the table row cs (when cosv is given),
+// then the store in the cache dtype (OUT 0: fp32, 1: bf16, 2: fp16) at out[o] and out[o + half].
+template <int OUT>
+static __device__ __forceinline__ void store_roped(void* out, int64_t o, int64_t half, const float* cosv,
+                                                   const float* sinv, int64_t cs, float yl, float yh) {
+  float ol = yl, oh = yh;
+  if (cosv) {
+    ol = yl * cosv[cs] - yh * sinv[cs];
+    oh = yh * cosv[cs + half] + yl * sinv[cs + half];
+  }
+  if (OUT == 0) { ((float*)out)[o] = ol; ((float*)out)[o + half] = oh; }
+  else if (OUT == 1) {
+    ((__nv_bfloat16*)out)[o] = __float2bfloat16_rn(ol);
+    ((__nv_bfloat16*)out)[o + half] = __float2bfloat16_rn(oh);
+  } else {
+    ((__half*)out)[o] = __float2half_rn(ol);
+    ((__half*)out)[o + half] = __float2half_rn(oh);
+  }
+}
+
 template <int OUT>
 __global__ void __launch_bounds__(256) pca_load_kernel(
     int64_t T, int64_t R, int64_t D, int64_t H, int64_t d, const uint8_t* __restrict__ codes,
@@ -342,20 +362,7 @@ __global__ void __launch_bounds__(256) pca_load_kernel(
       yh = h2f(ovr_x16[(h * n_ovr + ov) * d + i + half]);
     }
     const int64_t row = dest ? dest[t] : t;
-    float ol = yl, oh = yh;
-    if (cosv) {
-      ol = yl * cosv[row * d + i] - yh * sinv[row * d + i];
-      oh = yh * cosv[row * d + i + half] + yl * sinv[row * d + i + half];
-    }
-    const int64_t o = (h * T_out + row) * d + i;
-    if (OUT == 0) { ((float*)out)[o] = ol; ((float*)out)[o + half] = oh; }
-    else if (OUT == 1) {
-      ((__nv_bfloat16*)out)[o] = __float2bfloat16_rn(ol);
-      ((__nv_bfloat16*)out)[o + half] = __float2bfloat16_rn(oh);
-    } else {
-      ((__half*)out)[o] = __float2half_rn(ol);
-      ((__half*)out)[o + half] = __float2half_rn(oh);
-    }
+    store_roped<OUT>(out, (h * T_out + row) * d + i, half, cosv, sinv, row * d + i, yl, yh);
   }
 }
 
@@ -585,20 +592,7 @@ __global__ void pca_finish_kernel(int64_t T, int64_t H, int64_t d, int64_t D, co
     yh = h2f_at(x + 2 * half);
     break;
   }
-  float ol = yl, oh = yh;
-  if (cosv) {
-    ol = yl * cosv[row * d + i] - yh * sinv[row * d + i];
-    oh = yh * cosv[row * d + i + half] + yl * sinv[row * d + i + half];
-  }
-  const int64_t o = (h * T_out + row) * d + i;
-  if (OUT == 0) { ((float*)out)[o] = ol; ((float*)out)[o + half] = oh; }
-  else if (OUT == 1) {
-    ((__nv_bfloat16*)out)[o] = __float2bfloat16_rn(ol);
-    ((__nv_bfloat16*)out)[o + half] = __float2bfloat16_rn(oh);
-  } else {
-    ((__half*)out)[o] = __float2half_rn(ol);
-    ((__half*)out)[o + half] = __float2half_rn(oh);
-  }
+  store_roped<OUT>(out, (h * T_out + row) * d + i, half, cosv, sinv, row * d + i, yl, yh);
 }
 
 extern "C" int kite_cuda_pca_finish(int64_t T, int64_t H, int64_t d, int64_t D, const void* Y, int y_dtype,
