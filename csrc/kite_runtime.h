@@ -58,11 +58,19 @@ int kite_cuda_kmeans_cosine(const float* x, int64_t n, int64_t D, float* C, int6
 // multiplies by the reciprocal, so a near-tie may pick another grid point); gs * bits % 8 == 0.
 int kite_cuda_quantize_groups(const float* g, int64_t G, int64_t gs, int bits, int mode,
                               uint8_t* packed, uint16_t* scale16, uint16_t* min16, void* stream);
-// The same quantization, reading group r from row rows[r / gpr] of a row-major matrix src with
-// leading dimension ld, at columns col0 + (r % gpr) * gs (rows = int64 device indices).
-int kite_cuda_quantize_rows(const float* src, int64_t ld, const int64_t* rows, int64_t n_rows, int64_t col0,
-                            int64_t gpr, int64_t gs, int bits, int mode, uint8_t* packed, uint16_t* scale16,
-                            uint16_t* min16, void* stream);
+// Planned quantization of many rows of one row-major matrix src (leading dimension ld) in one launch,
+// each row at its own bit width (row_bits[r], int64; 0 = the row is not stored) and cut into the
+// groups of a table (groups: n_groups x {part c, group g of the part, first column, size gs}, int64).
+// Group (r, j) is quantized as kite_quantize_groups quantizes a group (mode: 0 minmax, 1 mse below
+// 8 bits); its codes go to packed from bit base_bit[r * C + c] + g * gs * bits (LSB first), its fp16
+// scale and minimum to index base_sc[r * C + c] + g. use_or = 0: every group starts on a byte and
+// gs * bits % 8 == 0 (plain stores); use_or = 1: the codes are OR-ed into 32-bit words (packed must be
+// zeroed, 4-byte aligned, and 8 bytes longer than the last code). deq (optional, leading dimension
+// ld_deq): the dequantized values, min + scale * code, at the rows' and groups' positions.
+int kite_cuda_quantize_plan(const float* src, int64_t ld, int64_t n_rows, const int64_t* row_bits,
+                            const int64_t* base_bit, const int64_t* base_sc, int64_t C, const int64_t* groups,
+                            int64_t n_groups, int mode, int use_or, uint8_t* packed, uint16_t* scale16,
+                            uint16_t* min16, float* deq, int64_t ld_deq, void* stream);
 // A: [B, d, d] float32 symmetric, d even and <= 128: one launch, one block per matrix (Jacobi).
 int kite_cuda_eigh_batched(const float* A, int64_t B, int64_t d, float* evals, float* evecs,
                            int max_sweeps, void* stream);

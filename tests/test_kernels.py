@@ -322,23 +322,23 @@ def test_cuda_quant_matches_fallback(bits):
 
 
 @has_cuda
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("sizes", [(512, 64, 512), (3, 100, 128, 7)])
 @pytest.mark.parametrize("mode", ["minmax", "mse"])
-def test_cuda_quantize_rows_reads_rows_in_place(bits, mode):
-    Y = torch.randn(300, 1536, generator=_rng()) * 2 + 0.1
-    rows = torch.tensor([7, 0, 299, 12, 12, 150])
-    want = quant.quantize_groups_torch(Y[:, 512:1536].index_select(0, rows).reshape(-1, 256), bits, mode)
-    got = quant.quantize_rows(Y.cuda(), rows.cuda(), 512, 1536, 256, bits, mode)
+def test_cuda_quantize_plan_matches_fallback(sizes, mode):
+    """One launch over rows of mixed widths and parts of several group sizes (whole bytes per group, or
+    groups sharing bytes: OR-ed into words), with the decoded values, as the torch fallback lays them."""
+    src, row_bits, plan, groups, n_bytes, n_sc, whole = _plan_case(sizes, seed=11)
+    want = [torch.zeros(n_bytes + 8, dtype=torch.uint8), torch.zeros(n_sc, dtype=torch.float16),
+            torch.zeros(n_sc, dtype=torch.float16), torch.zeros_like(src)]
+    quant.quantize_plan_torch(src, row_bits, plan.base_bit, plan.base_sc, groups, mode, *want)
+    deq = torch.zeros_like(src).cuda()
+    got = quant.quantize_plan(src.cuda(), row_bits.cuda(), plan.base_bit.cuda(), plan.base_sc.cuda(), groups.cuda(),
+                              mode, n_bytes, n_sc, whole_bytes=whole, deq=deq)
+    same = (got[1].cpu() == want[1]) & (got[2].cpu() == want[2])
     if mode == "minmax":
-        for a, b in zip(got, want):
-            assert torch.equal(a.cpu(), b)
-    else:   # the kernel's mean and std sum in another order (as quantize_groups)
-        same = (got[1].cpu() == want[1]) & (got[2].cpu() == want[2])
+        assert same.all() and torch.equal(got[0].cpu(), want[0][:n_bytes]) and torch.equal(deq.cpu(), want[3])
+    else:   # the kernel's mean and std sum in another order (as quantize_groups): a near-tie may pick another grid
         assert same.float().mean() > 0.95
-    # the same as the native group kernel on the gathered rows
-    ref = quant.quantize_groups(Y[:, 512:1536].index_select(0, rows).reshape(-1, 256).cuda(), bits, mode)
-    for a, b in zip(got, ref):
-        assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -355,15 +355,59 @@ def test_cusolver_batched_eigh_matches_fallback():
     assert not torch.isfinite(ev_bad[2]).all() and torch.isfinite(ev_bad[[0, 1, 3, 4, 5]]).all()
 
 
-def test_quantize_rows_matches_gather_then_quantize():
-    Y = torch.randn(40, 96, generator=_rng())
-    rows = torch.tensor([3, 39, 0, 3])
-    got = quant.quantize_rows(Y, rows, 32, 96, 16, 4)
-    want = quant.quantize_groups(Y[:, 32:96].index_select(0, rows).reshape(-1, 16), 4)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="groups of 16"):
-        quant.quantize_rows(Y, rows, 32, 90, 16, 4)
+def _plan_case(sizes, seed=0, n_rows=40):
+    """Rows at widths 0-8 over parts of the given sizes (group size 128, a smaller part is one group of
+    its size, each part padded to whole groups): src, row_bits, the encoder's plan, the group table,
+    the buffer sizes, whether every group owns whole bytes."""
+    from kite.upcycle.codec_batched import _plan
+
+    g = torch.Generator().manual_seed(seed)
+    gs = torch.tensor([min(n, 128) for n in sizes])
+    ng = torch.tensor([-(-n // 128) if n > 128 else 1 for n in sizes])
+    first = torch.cumsum(ng * gs, 0) - ng * gs
+    groups = torch.cat([torch.stack([torch.full((int(n),), c), torch.arange(int(n)),
+                                     first[c] + torch.arange(int(n)) * gs[c], torch.full((int(n),), int(gs[c]))], 1)
+                        for c, n in enumerate(ng)])
+    src = torch.randn(2 * n_rows, int((ng * gs).sum()), generator=g) * torch.rand(2 * n_rows, 1, generator=g) * 3
+    row_bits = torch.randint(0, 9, (2 * n_rows,), generator=g)
+    plan = _plan(row_bits.view(2, n_rows), ng, gs, 8)
+    return (src, row_bits, plan, groups, int(plan.tables[1].sum()), int(plan.tables[3].sum()),
+            all(int(x) % 8 == 0 for x in gs))
+
+
+@pytest.mark.parametrize("sizes", [(512, 64, 300), (3, 100, 128, 7)])
+@pytest.mark.parametrize("mode", ["minmax", "mse"])
+def test_quantize_plan_puts_each_group_where_the_plan_says(sizes, mode):
+    """Each group quantized as quantize_groups would, its codes at its planned bit, its scale and
+    minimum at its planned index, its decoded values in place; bytes of no group stay zero."""
+    src, row_bits, plan, groups, n_bytes, n_sc, whole = _plan_case(sizes)
+    deq = torch.zeros_like(src)
+    packed, scale, mn = quant.quantize_plan(src, row_bits, plan.base_bit, plan.base_sc, groups, mode, n_bytes, n_sc,
+                                            whole_bytes=whole, deq=deq)
+    bits_out = torch.zeros(n_bytes * 8, dtype=torch.uint8)
+    want_deq = torch.zeros_like(src)
+    C = plan.base_bit.shape[1]
+    seen = torch.zeros(n_sc, dtype=torch.bool)
+    for r in range(src.shape[0]):
+        w = int(row_bits[r])
+        for c, gi, col, gs in groups.tolist():
+            if not w:
+                continue
+            x = src[r, col:col + gs][None]
+            p, sc, m = quant.quantize_groups_torch(x, w, mode if w < 8 else "minmax")
+            at = int(plan.base_sc.view(-1, C)[r, c]) + gi
+            assert scale[at] == sc[0] and mn[at] == m[0]
+            seen[at] = True
+            codes = quant._unpack(p, w, gs)
+            bit = int(plan.base_bit.view(-1, C)[r, c]) + gi * gs * w
+            for i, q in enumerate(codes.tolist()):
+                for b in range(w):
+                    bits_out[bit + i * w + b] = (q >> b) & 1
+            want_deq[r, col:col + gs] = quant.dequantize_groups_torch(p, 1, gs, w, sc, m)[0]
+    assert seen.all()   # every planned scale written once: the runs tile the buffer
+    want = (bits_out.view(-1, 8).long() << torch.arange(8)).sum(1).to(torch.uint8)
+    assert torch.equal(packed, want)
+    assert torch.equal(deq, want_deq)
 
 
 @has_cpu

@@ -415,17 +415,10 @@ static __device__ __forceinline__ float qcode(float x, float mn, float st, float
   return fminf(fmaxf(rintf(__fdiv_rn(__fsub_rn(x, mn), safe)), 0.f), levels);
 }
 
-// rows == nullptr: group r is g[r * gs, (r + 1) * gs). Otherwise group r is gs columns of row
-// rows[r / gpr] of a matrix with leading dimension ld: columns col0 + (r % gpr) * gs onwards (the
-// encoder's coefficient rows of one bit width, read in place instead of gathered first).
-__global__ void quant_groups(const float* __restrict__ g, int64_t G, int gs, int bits, int mode,
-                             uint8_t* __restrict__ packed, uint16_t* __restrict__ scale16,
-                             uint16_t* __restrict__ min16, const int64_t* __restrict__ rows, int64_t ld,
-                             int64_t col0, int64_t gpr) {
-  const int lane = threadIdx.x & 31;
-  const int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  if (r >= G) return;
-  const float* x = rows ? g + rows[r / gpr] * ld + col0 + (r % gpr) * gs : g + r * gs;
+// The grid of one group of gs values at x (one warp, every lane returns it): fp16 minimum and
+// step, min/max ("minmax", or at 8 bits) or the least-squared-error grid ("mse").
+static __device__ void group_grid(const float* __restrict__ x, int gs, int bits, int mode, int lane,
+                                  float& bmn, float& bst) {
   const float levels = (float)((1 << bits) - 1);
   float mn = INFINITY, mx = -INFINITY;
   double sum = 0.0;
@@ -435,7 +428,6 @@ __global__ void quant_groups(const float* __restrict__ g, int64_t G, int gs, int
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     sum += __shfl_xor_sync(0xffffffffu, sum, o);
   }
-  float bmn, bst;
   if (mode == 1 && bits < 8) {
     const float mu = (float)(sum / gs);
     double ss = 0.0;
@@ -468,6 +460,32 @@ __global__ void quant_groups(const float* __restrict__ g, int64_t G, int gs, int
     if (__fadd_rn(bmn, __fmul_rn(s, levels)) < mx) s = fp16r(__fmul_rn(s, 1.0f + 0x1.0p-10f));
     bst = s;
   }
+}
+
+// The codes of 8 values (n <= 8 of them) packed LSB first into the low n * bits bits.
+static __device__ __forceinline__ uint64_t pack8(const float* __restrict__ x, int n, int bits, int mode,
+                                                float bmn, float bst, float* __restrict__ deq) {
+  const float levels = (float)((1 << bits) - 1);
+  uint64_t acc = 0;
+  for (int i = 0; i < n; ++i) {
+    const float q = (mode == 0 || bits == 8) ? (bst > 0.f ? qcode(x[i], bmn, bst, levels) : 0.f)
+                                             : qcode(x[i], bmn, bst, levels);
+    if (deq) deq[i] = __fadd_rn(bmn, __fmul_rn(bst, q));   // what dequantize gives (no fused multiply-add)
+    acc |= (uint64_t)q << (i * bits);
+  }
+  return acc;
+}
+
+// Group r = g[r * gs, (r + 1) * gs): one warp per group, whole bytes per group.
+__global__ void quant_groups(const float* __restrict__ g, int64_t G, int gs, int bits, int mode,
+                             uint8_t* __restrict__ packed, uint16_t* __restrict__ scale16,
+                             uint16_t* __restrict__ min16) {
+  const int lane = threadIdx.x & 31;
+  const int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (r >= G) return;
+  const float* x = g + r * gs;
+  float bmn, bst;
+  group_grid(x, gs, bits, mode, lane, bmn, bst);
   if (lane == 0) {
     scale16[r] = __half_as_ushort(__float2half_rn(bst));
     min16[r] = __half_as_ushort(__float2half_rn(bmn));
@@ -475,12 +493,7 @@ __global__ void quant_groups(const float* __restrict__ g, int64_t G, int gs, int
   uint8_t* out = packed + r * gs * bits / 8;
   for (int c = lane; c * 8 < gs; c += 32) {
     const int n = min(8, gs - c * 8);
-    uint64_t acc = 0;
-    for (int i = 0; i < n; ++i) {
-      const float v = x[c * 8 + i];
-      const float q = (mode == 0 || bits == 8) ? (bst > 0.f ? qcode(v, bmn, bst, levels) : 0.f) : qcode(v, bmn, bst, levels);
-      acc |= (uint64_t)q << (i * bits);
-    }
+    const uint64_t acc = pack8(x + c * 8, n, bits, mode, bmn, bst, nullptr);
     const int nbytes = (n * bits + 7) / 8;
     for (int b = 0; b < nbytes; ++b) out[c * bits + b] = (uint8_t)(acc >> (8 * b));
   }
@@ -491,23 +504,69 @@ extern "C" int kite_cuda_quantize_groups(const float* g, int64_t G, int64_t gs, 
   if (bits < 1 || bits > 8 || G < 0 || gs < 1 || (gs * bits) % 8 || (mode != 0 && mode != 1)) return -1;
   if (G == 0) return 0;
   quant_groups<<<(unsigned)((G * 32 + 255) / 256), 256, 0, (cudaStream_t)stream>>>(g, G, (int)gs, bits, mode,
-                                                                                   packed, scale16, min16,
-                                                                                   nullptr, 0, 0, 1);
+                                                                                   packed, scale16, min16);
   CK(cudaGetLastError());
   return 0;
 }
 
-extern "C" int kite_cuda_quantize_rows(const float* src, int64_t ld, const int64_t* rows, int64_t n_rows,
-                                       int64_t col0, int64_t gpr, int64_t gs, int bits, int mode,
-                                       uint8_t* packed, uint16_t* scale16, uint16_t* min16, void* stream) {
-  if (bits < 1 || bits > 8 || n_rows < 0 || gpr < 1 || gs < 1 || (gs * bits) % 8 || (mode != 0 && mode != 1) ||
-      col0 < 0 || col0 + gpr * gs > ld)
-    return -1;
-  const int64_t G = n_rows * gpr;
-  if (G == 0) return 0;
-  quant_groups<<<(unsigned)((G * 32 + 255) / 256), 256, 0, (cudaStream_t)stream>>>(src, G, (int)gs, bits, mode,
-                                                                                   packed, scale16, min16,
-                                                                                   rows, ld, col0, gpr);
+// Planned quantization (the batched encoder's, see kite_runtime.h): item (r, j) is row r of src
+// (rows[r] bits, 0 = not stored) times group j of the group table (part c, group g of the part,
+// first column, size gs); its codes start at bit base_bit[r * C + c] + g * gs * bits of packed,
+// its scale and minimum sit at base_sc[r * C + c] + g. One warp per item.
+__global__ void quant_plan(const float* __restrict__ src, int64_t ld, int64_t n_rows,
+                           const int64_t* __restrict__ row_bits, const int64_t* __restrict__ base_bit,
+                           const int64_t* __restrict__ base_sc, int64_t C, const int64_t* __restrict__ grp,
+                           int64_t n_grp, int mode, int use_or, uint8_t* __restrict__ packed,
+                           uint16_t* __restrict__ scale16, uint16_t* __restrict__ min16, float* __restrict__ deq,
+                           int64_t ld_deq) {
+  const int lane = threadIdx.x & 31;
+  const int64_t item = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (item >= n_rows * n_grp) return;
+  const int64_t r = item / n_grp, j = item % n_grp;
+  const int bits = (int)row_bits[r];
+  if (bits <= 0) return;
+  const int64_t c = grp[4 * j], g = grp[4 * j + 1], col = grp[4 * j + 2];
+  const int gs = (int)grp[4 * j + 3];
+  const float* x = src + r * ld + col;
+  float bmn, bst;
+  group_grid(x, gs, bits, mode, lane, bmn, bst);
+  const int64_t si = base_sc[r * C + c] + g;
+  if (lane == 0) {
+    scale16[si] = __half_as_ushort(__float2half_rn(bst));
+    min16[si] = __half_as_ushort(__float2half_rn(bmn));
+  }
+  const int64_t bit0 = base_bit[r * C + c] + g * gs * bits;
+  float* dq = deq ? deq + r * ld_deq + col : nullptr;
+  for (int ch = lane; ch * 8 < gs; ch += 32) {
+    const int n = min(8, gs - ch * 8);
+    const uint64_t acc = pack8(x + ch * 8, n, bits, mode, bmn, bst, dq ? dq + ch * 8 : nullptr);
+    const int64_t b = bit0 + (int64_t)ch * 8 * bits;
+    if (!use_or) {   // every group starts on a byte and owns whole bytes
+      uint8_t* out = packed + (b >> 3);
+      const int nbytes = (n * bits + 7) / 8;
+      for (int k = 0; k < nbytes; ++k) out[k] = (uint8_t)(acc >> (8 * k));
+    } else {         // groups share bytes: OR the bits into the zeroed buffer, 32-bit words
+      uint32_t* w = reinterpret_cast<uint32_t*>(packed) + (b >> 5);
+      const int sh = (int)(b & 31);
+      const uint64_t lo = acc << sh, hi = sh ? acc >> (64 - sh) : 0;
+      if ((uint32_t)lo) atomicOr(w, (uint32_t)lo);
+      if ((uint32_t)(lo >> 32)) atomicOr(w + 1, (uint32_t)(lo >> 32));
+      if ((uint32_t)hi) atomicOr(w + 2, (uint32_t)hi);
+    }
+  }
+}
+
+extern "C" int kite_cuda_quantize_plan(const float* src, int64_t ld, int64_t n_rows, const int64_t* row_bits,
+                                       const int64_t* base_bit, const int64_t* base_sc, int64_t C,
+                                       const int64_t* groups, int64_t n_groups, int mode, int use_or,
+                                       uint8_t* packed, uint16_t* scale16, uint16_t* min16, float* deq,
+                                       int64_t ld_deq, void* stream) {
+  if (n_rows < 0 || n_groups < 0 || C < 1 || (mode != 0 && mode != 1) || (deq && ld_deq < 1)) return -1;
+  if (n_rows == 0 || n_groups == 0) return 0;
+  const int64_t items = n_rows * n_groups;
+  quant_plan<<<(unsigned)((items * 32 + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
+      src, ld, n_rows, row_bits, base_bit, base_sc, C, groups, n_groups, mode, use_or, packed, scale16, min16,
+      deq, ld_deq);
   CK(cudaGetLastError());
   return 0;
 }

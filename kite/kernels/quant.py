@@ -8,11 +8,12 @@ fp16 minimum and scale, codes against the stored fp16 values, codes packed LSB f
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kite.kernels import native
 
-__all__ = ["quantize_groups", "quantize_rows", "dequantize_groups", "quantize_groups_torch",
+__all__ = ["quantize_groups", "quantize_plan", "quantize_plan_torch", "dequantize_groups", "quantize_groups_torch",
            "dequantize_groups_torch"]
 
 GAUSS_STEP = {1: 1.596, 2: 0.9957, 3: 0.5860, 4: 0.3352, 5: 0.1881, 6: 0.1041, 7: 0.0569, 8: 0.0308}
@@ -51,29 +52,77 @@ def quantize_groups(g: torch.Tensor, bits: int, range_mode: str = "minmax"):
     return packed, scale, mn
 
 
-def quantize_rows(src: torch.Tensor, rows: torch.Tensor, col0: int, col1: int, gs: int, bits: int,
-                  range_mode: str = "minmax"):
-    """:func:`quantize_groups` of ``src[rows, col0:col1]`` cut into groups of ``gs`` columns (row by
-    row), without gathering the rows first on a GPU (the native kernel reads them in place).
+def quantize_plan(src: torch.Tensor, row_bits: torch.Tensor, base_bit: torch.Tensor, base_sc: torch.Tensor,
+                  groups: torch.Tensor, range_mode: str, n_bytes: int, n_scales: int, *, whole_bytes: bool,
+                  deq: torch.Tensor | None = None):
+    """Quantize many rows of ``src`` [N, M] (float32), each at its own bit width, into one buffer laid out
+    by the caller: the batched encoder's one launch per side (no host planning between the bit
+    allocation and the codes).
 
-    ``src`` [N, M] float32, ``rows`` int64 indices on its device, ``col1 - col0`` a multiple of gs.
+    ``row_bits`` [N] int64 (0: the row is not stored); ``groups`` [n_g, 4] int64 rows of (part c, group
+    g of the part, first column, size gs); group (r, j) is quantized as :func:`quantize_groups` would
+    (``range_mode`` below 8 bits, min/max at 8), its codes packed LSB first from bit
+    ``base_bit[r, c] + g * gs * bits`` of the returned bytes, its fp16 scale and minimum at index
+    ``base_sc[r, c] + g``. ``whole_bytes``: every gs is a multiple of 8 (each group starts on a byte
+    and owns whole bytes); otherwise groups share bytes. ``n_bytes`` / ``n_scales``: the buffers'
+    sizes (an upper bound will do). ``deq`` (optional, float32 [N, M]): receives the dequantized
+    values (``min + scale * code``) at the quantized positions.
+
+    Returns (packed uint8 [n_bytes], scale fp16 [n_scales], min fp16 [n_scales]). All on ``src``'s
+    device: the CUDA kernel when built, else :func:`quantize_plan_torch`.
     """
-    _check(bits, range_mode)
-    if (col1 - col0) % gs or not 0 <= col0 <= col1 <= src.shape[1]:
-        raise ValueError(f"columns [{col0}, {col1}) of {src.shape[1]} do not split into groups of {gs}")
+    _check(1, range_mode)
     lib = native.lib_for(src)
-    if (lib is None or not src.is_cuda or (gs * bits) % 8 or src.dtype != torch.float32
-            or src.stride(1) != 1 or rows.numel() == 0 or col1 == col0):
-        return quantize_groups(src[:, col0:col1].index_select(0, rows).reshape(-1, gs), bits, range_mode)
-    rows = rows.to(torch.int64).contiguous()
-    G = rows.numel() * ((col1 - col0) // gs)
-    packed = torch.empty((G * gs * bits + 7) // 8, dtype=torch.uint8, device=src.device)
-    scale = torch.empty(G, dtype=torch.float16, device=src.device)
-    mn = torch.empty(G, dtype=torch.float16, device=src.device)
-    native.check(lib.kite_cuda_quantize_rows(src.data_ptr(), src.stride(0), rows.data_ptr(), rows.numel(), col0,
-                                             (col1 - col0) // gs, gs, bits, _MODES[range_mode], packed.data_ptr(),
-                                             scale.data_ptr(), mn.data_ptr(), native.stream(src)), "quantize_rows")
-    return packed, scale, mn
+    dev = src.device
+    packed = (torch.empty if whole_bytes else torch.zeros)(n_bytes + 8, dtype=torch.uint8, device=dev)
+    scale = torch.empty(max(1, n_scales), dtype=torch.float16, device=dev)
+    mn = torch.empty(max(1, n_scales), dtype=torch.float16, device=dev)
+    if lib is None or not src.is_cuda:
+        quantize_plan_torch(src, row_bits, base_bit, base_sc, groups, range_mode, packed, scale, mn, deq)
+    else:
+        src = src.float().contiguous()
+        if deq is not None and (deq.dtype != torch.float32 or not deq.is_contiguous() or deq.shape != src.shape):
+            raise ValueError("deq must be a contiguous float32 tensor shaped like src")
+        ints = [t.to(torch.int64).contiguous() for t in (row_bits, base_bit, base_sc, groups)]
+        native.check(lib.kite_cuda_quantize_plan(
+            src.data_ptr(), src.shape[1], src.shape[0], ints[0].data_ptr(), ints[1].data_ptr(), ints[2].data_ptr(),
+            base_bit.shape[1], ints[3].data_ptr(), groups.shape[0], _MODES[range_mode], 0 if whole_bytes else 1,
+            packed.data_ptr(), scale.data_ptr(), mn.data_ptr(), deq.data_ptr() if deq is not None else None,
+            src.shape[1], native.stream(src)), "quantize_plan")
+    return packed[:n_bytes], scale[:n_scales], mn[:n_scales]
+
+
+def quantize_plan_torch(src, row_bits, base_bit, base_sc, groups, range_mode, packed, scale, mn, deq=None) -> None:
+    """:func:`quantize_plan` by classes of (bit width, group size): gather, :func:`quantize_groups`
+    (native on the CPU), then scatter to the planned places (reads the tables on the host)."""
+    dev = src.device
+    rb, grp = row_bits.cpu(), groups.cpu()
+    b_bit, b_sc = base_bit.cpu(), base_sc.cpu()
+    out = packed.cpu().numpy() if packed.is_cuda else packed.numpy()
+    for w in sorted(set(rb.unique().tolist()) - {0}):
+        rows = torch.nonzero(rb == w).flatten()
+        mode = range_mode if w < 8 else "minmax"
+        for gs in sorted(set(grp[:, 3].tolist())):
+            c, g, col = grp[grp[:, 3] == gs, :3].unbind(1)
+            cols = (col[:, None] + torch.arange(gs)).reshape(-1)
+            x = src.index_select(0, rows.to(dev)).index_select(1, cols.to(dev)).float().reshape(-1, gs)
+            p, sc, m = quantize_groups(x, w, mode)
+            at = (b_sc[rows][:, c] + g).reshape(-1).to(dev)
+            scale[at], mn[at] = sc.to(dev), m.to(dev)
+            bit = (b_bit[rows][:, c] + g * gs * w).reshape(-1).numpy()
+            if (gs * w) % 8 == 0:   # whole bytes per group
+                per = gs * w // 8
+                out[(bit // 8)[:, None] + np.arange(per)] = p.cpu().numpy().reshape(-1, per)
+            else:                    # a code may straddle bytes shared with the next group
+                pos = (bit[:, None] + np.arange(gs) * w).reshape(-1)
+                v = _unpack(p.cpu(), w, x.numel()).numpy().astype(np.uint32) << (pos & 7).astype(np.uint32)
+                np.bitwise_or.at(out, pos >> 3, (v & 255).astype(np.uint8))
+                np.bitwise_or.at(out, (pos >> 3) + 1, (v >> 8).astype(np.uint8))
+            if deq is not None:
+                d = dequantize_groups(p, x.shape[0], gs, w, sc, m).view(rows.numel(), -1)
+                deq[rows.to(dev)[:, None], cols.to(dev)[None, :]] = d.to(dev)
+    if packed.is_cuda:
+        packed.copy_(torch.from_numpy(out))
 
 
 def dequantize_groups(packed: torch.Tensor, G: int, gs: int, bits: int, scale: torch.Tensor,

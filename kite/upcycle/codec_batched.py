@@ -13,15 +13,20 @@ round trips until the blobs are serialized:
   per stored bit, ironed so that bit b never ranks above bit b-1 (a running minimum along b), and
   the budget is spent down that order with the heap's rules (an increment that does not fit is
   skipped and ends its component; once an increment of plain cost T fails nothing fits);
-* **encode**: the basis of every layer is quantized in one launch per side; the coefficients of
-  all (cluster, layer) parts are one batched matmul per side over the tokens gathered once in part
-  order, each part padded to whole groups with its last token (per head: over each head's d
-  dims); the attention sinks are replaced by their part's mean column as the codec does, padding
-  columns then repeat their part's last one; per (group size, bit width), one launch quantizes
-  that width's (layer, component) rows, read in place by the kernel on a GPU (gathered first
-  elsewhere; a small gather of the packed codes puts them in (part, layer) order). The keys' fit
-  is finished on the host while the values' encode runs, and the keys' codes go to the host on a
-  copy stream while the values are projected.
+* **stored basis**: each block's columns that get bits become rows of a [L, B, D, D] basis (a
+  scatter by rank; rows past a block's last column stay zero), quantized in one launch per side
+  (:func:`kite.kernels.quant.quantize_plan`, which also writes the decoded basis encode projects on);
+* **encode**: the coefficients of all (cluster, layer) parts are one batched matmul per side over
+  the tokens gathered once in part order, each part padded to whole groups with its last token
+  (per head: over each head's d dims); the attention sinks are replaced by their part's mean
+  column as the codec does, padding columns then repeat their part's last one; one launch per side
+  quantizes every stored row at its own width into the places a *plan* computed on the device gives
+  it (:func:`_plan`: runs of (layer, part, width), each part blob's codes one slice).
+
+Nothing between the eigensolver and the codes waits for the host: every size and index is made on
+the device. The host waits once for the small tables (bit allocations, run sizes) while the encode
+runs, then copies exactly the bytes written on a copy stream (the keys' while the values are
+encoded) and builds the blobs from slices.
 
 The byte format is the codec's (docs/upc-format.md): the layer blobs and part blobs it returns
 are what ``codec.to_bytes`` gives for a ``LayerCodec`` / part ``Blob`` and read back with
@@ -46,12 +51,12 @@ import torch
 
 from kite.errors import KiteError
 from kite.kernels.eigh import centered_gram, eigh_desc
-from kite.kernels.quant import quantize_groups, quantize_rows
+from kite.kernels.quant import quantize_plan
 from kite.upcycle import codec
 from kite.upcycle.codec import CodecSettings, settings_for
 from kite.upcycle.quant import INT_FORMATS
 
-__all__ = ["supports", "allocate_bits_batched", "encode_state", "EncodedState", "unpack_codes"]
+__all__ = ["supports", "allocate_bits_batched", "encode_state", "EncodedState"]
 
 
 def supports(settings: CodecSettings | str | float | None) -> bool:
@@ -75,8 +80,7 @@ def allocate_bits_batched(evals: torch.Tensor, budgets, T: int, d_in: int, s: Co
     M = s.max_bits
     first = codec.first_bit_cost(T, d_in, s)
     dist = [codec._rel_distortion(b, s.range_mode) for b in range(M + 1)]
-    drop = torch.tensor([dist[b] - dist[b + 1] for b in range(M)], dtype=torch.float64, device=dev)
-    drop[0] = 1.0 - dist[1]
+    drop = _const([1.0 - dist[1]] + [dist[b] - dist[b + 1] for b in range(1, M)], dev)
     cost = torch.full((M,), float(T), dtype=torch.float64, device=dev)
     cost[0] = first
     lam = evals.double().reshape(N, B * r)
@@ -90,7 +94,7 @@ def allocate_bits_batched(evals: torch.Tensor, budgets, T: int, d_in: int, s: Co
     comp_of = order // M
     ok_item = torch.gather(valid.reshape(N, -1), 1, order)
     c_sorted = cost[bit_of]
-    budgets = torch.as_tensor(budgets, dtype=torch.float64, device=dev).reshape(N, 1)
+    budgets = _const(budgets, dev).reshape(N, 1)
     cum = torch.cumsum(c_sorted, dim=1)
     fits = (cum <= budgets) & ok_item
     n_items = fits.shape[1]
@@ -120,17 +124,11 @@ def allocate_bits_batched(evals: torch.Tensor, budgets, T: int, d_in: int, s: Co
 # helpers
 
 
-def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """The first n codes of an LSB-first bit stream (codec/quant layout) as int32, any device."""
-    if n == 0:
-        return torch.zeros(0, dtype=torch.int32, device=packed.device)
-    p = packed.reshape(-1).to(torch.int32)
-    if bits == 8:
-        return p[:n]
-    pos = torch.arange(n, device=packed.device, dtype=torch.int64) * bits
-    byte = pos >> 3
-    v = p[byte] | (p[(byte + 1).clamp_max(p.numel() - 1)] << 8)
-    return (v >> (pos & 7).to(torch.int32)) & ((1 << bits) - 1)
+def _const(values, dev: torch.device) -> torch.Tensor:
+    """A float64 host list on ``dev`` without a host sync (torch.tensor(..., device=cuda) waits
+    for the stream: here, for the eigensolver)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
 
 
 def _blob_bytes(meta: dict, table: list[tuple[str, str, list[int], object]]) -> bytes:
@@ -150,18 +148,21 @@ _PINNED: dict = {}
 _COPY_STREAMS: dict = {}
 
 
-def _to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+def _to_host(tensors: list[torch.Tensor], after: torch.cuda.Event | None = None) -> list[np.ndarray]:
     """uint8 device tensors -> numpy views of host copies. On a GPU: pinned buffers filled on a copy
-    stream once the tensors' producers on the current stream are done, so the copies overlap the
-    work queued after them (call _host_sync before reading them); plain .cpu() elsewhere."""
+    stream once ``after`` has happened (default: once the work queued so far on the current stream is
+    done), so the copies overlap the work queued after it (call _host_sync before reading them);
+    plain .cpu() elsewhere."""
     if not tensors or not tensors[0].is_cuda:
         return [t.cpu().numpy() for t in tensors]
     dev = tensors[0].device
-    main = torch.cuda.current_stream(dev)
     cs = _COPY_STREAMS.get(dev)
     if cs is None:
         cs = _COPY_STREAMS[dev] = torch.cuda.Stream(device=dev)
-    cs.wait_stream(main)
+    if after is None:
+        cs.wait_stream(torch.cuda.current_stream(dev))
+    else:
+        cs.wait_event(after)
     out = []
     with torch.cuda.stream(cs):
         for t in tensors:
@@ -233,19 +234,6 @@ class _Clock:
 # fit
 
 
-@dataclass
-class _Side:
-    """One side (k or v) of every layer, fitted: device tensors plus host copies of the small ones."""
-
-    bits: torch.Tensor         # [L, B, D] int64 (host)
-    colbits: list[np.ndarray]  # per layer: bit width of each stored column (block-major)
-    basis_exp: torch.Tensor | None   # B == 1: [L, R_max, D], column j of the stored basis
-    basis_blk: torch.Tensor | None   # B > 1: [L, B, rb_max, D], each block's stored columns in order
-    row_of: torch.Tensor             # [L, R_max] int64 (host): column j's row in the coefficients [L*B*rb_max or L*R_max, P]
-    layer_tensors: list[list[tuple[str, str, list[int], bytes]]]
-    layer_meta: list[dict]     # per layer: {"<side>.basis": qmeta?, "<side>": {...}} in insertion order
-
-
 def _blocks(X: torch.Tensor, s: CodecSettings) -> tuple[torch.Tensor, int, int]:
     """One side's data as the PCA's blocks: [L*B, T, D] with B = 1, D = H*d (joint heads) or B = H, D = d."""
     L, H, T, d = X.shape
@@ -254,12 +242,99 @@ def _blocks(X: torch.Tensor, s: CodecSettings) -> tuple[torch.Tensor, int, int]:
     return X.reshape(L * H, T, d), H, d
 
 
-def _fit_launch(sides: dict[str, tuple[torch.Tensor, float]], s: CodecSettings, clock: _Clock) -> dict[str, tuple]:
+@dataclass
+class _Plan:
+    """Where quantize_plan puts the codes of rows at their bit widths, cut into the groups of parts.
+
+    Runs (layer, part, width) lie in that order, each a whole number of bytes, so one part blob's
+    codes (all its widths, ascending) are one slice. ``tables`` [4, L, C, W]: each run's first byte,
+    bytes, first scale and scales."""
+
+    base_bit: torch.Tensor    # [L*S, C] int64: first bit of row r's codes in part c
+    base_sc: torch.Tensor     # [L*S, C] int64: index of row r's first scale in part c
+    tables: torch.Tensor      # [4, L, C, W] int64
+
+
+def _plan(row_bits: torch.Tensor, ng: torch.Tensor, gs: torch.Tensor, max_bits: int) -> _Plan:
+    """The plan of rows [L, S] at bits row_bits (0: not stored) over C parts of ng groups of gs
+    columns (device tensors; no host sync). Within a run the rows keep their order, each with its
+    part's groups in order: the per-layer codec's (column, group) order of one width."""
+    L, S = row_bits.shape
+    w = torch.arange(max_bits + 1, device=row_bits.device)
+    onehot = (row_bits[..., None] == w).long()                             # [L, S, W]
+    rank = ((onehot.cumsum(1) - onehot) * onehot).sum(2)                   # among the layer's rows of its width
+    count = onehot.sum(1)                                                  # [L, W]
+    per_row = ng * gs                                                      # codes of one row in each part
+    nbytes = (count[:, None, :] * per_row[None, :, None] * w + 7) // 8     # [L, C, W]
+    nsc = count[:, None, :] * ng[None, :, None] * (w > 0)
+    first = nbytes.reshape(-1).cumsum(0).view_as(nbytes) - nbytes
+    first_sc = nsc.reshape(-1).cumsum(0).view_as(nsc) - nsc
+    at = row_bits[:, :, None].expand(L, S, ng.numel())
+    base_bit = first.transpose(1, 2).gather(1, at) * 8 + (rank * row_bits)[..., None] * per_row
+    base_sc = first_sc.transpose(1, 2).gather(1, at) + rank[..., None] * ng
+    return _Plan(base_bit.reshape(L * S, -1), base_sc.reshape(L * S, -1), torch.stack([first, nbytes, first_sc, nsc]))
+
+
+def _run_sizes(plan: _Plan, upper: tuple[int, int]) -> tuple[int, int]:
+    """Buffer sizes for a plan: exact on the CPU, the upper bound on a GPU (no host sync)."""
+    if plan.tables.is_cuda:
+        return upper
+    return int(plan.tables[1].sum()), int(plan.tables[3].sum())
+
+
+@dataclass
+class _Fitted:
+    """One side's fit, on the device: what encode projects on and what the layer blobs store."""
+
+    shape: tuple[int, int, int, int]   # L, H, T, d
+    B: int
+    D: int
+    mean_st: torch.Tensor      # [L, B, D] the stored means (fp16, or fp32 with an fp32 basis)
+    bits: torch.Tensor         # [L, B, D] int64: each component's bits
+    solved: torch.Tensor       # [L, B] bool: the eigensolver converged
+    row_bits: torch.Tensor     # [L, B*D] int64: bits of the stored column in each basis row (0: none)
+    basis: torch.Tensor        # [L, B, D, D] float32: row (l, b, j) = block b's j-th stored column, as decoded
+    stored: dict               # the basis as stored: int formats {"packed", "scale", "min", "plan"}, else {"rows"}
+
+
+def _stored_basis(U: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """U [L, B, D, D] (column i = component i), bits [L, B, D] -> the stored columns as rows, block by
+    block in component order (row_bits [L, B*D], rows [L, B, D, D]; rows past a block's last stored
+    column are zero), by a scatter on the device."""
+    L, B, D, _ = U.shape
+    sel = bits > 0
+    slot = torch.where(sel, sel.long().cumsum(2) - 1, torch.full_like(bits, D))   # slot D: dropped
+    rows = torch.zeros(L, B, D + 1, D, dtype=torch.float32, device=U.device)
+    rows.scatter_(2, slot[..., None].expand(L, B, D, D), U.transpose(2, 3).float())
+    row_bits = torch.zeros(L, B, D + 1, dtype=torch.int64, device=U.device).scatter_(2, slot, bits)
+    return row_bits[:, :, :D].reshape(L, B * D).contiguous(), rows[:, :, :D].contiguous()
+
+
+def _quantize_basis(rows: torch.Tensor, row_bits: torch.Tensor, s: CodecSettings) -> tuple[torch.Tensor, dict]:
+    """The stored basis (codec._basis: int formats quantize each column of D values, min/max) and
+    what encode projects on (the decoded basis), in one launch for every layer."""
+    L, B, D, _ = rows.shape
+    if not s.basis_fmt.startswith("int"):
+        stored = rows.to(codec.FLOAT_FORMATS[s.basis_fmt])
+        return stored.float(), {"rows": stored}
+    bb = INT_FORMATS[s.basis_fmt]
+    dev = rows.device
+    rb = torch.where(row_bits > 0, bb, 0)
+    ng, gs, groups = _to_dev(dev, torch.ones(1, dtype=torch.long), torch.tensor([D]), torch.tensor([[0, 0, 0, D]]))
+    plan = _plan(rb, ng, gs, bb)
+    n_bytes, n_sc = _run_sizes(plan, (L * B * D * D * bb // 8 + L, L * B * D))
+    flat = rows.view(L * B * D, D)
+    deq = torch.zeros_like(flat)
+    packed, scale, mn = quantize_plan(flat, rb.view(-1), plan.base_bit, plan.base_sc, groups, "minmax",
+                                      n_bytes, n_sc, whole_bytes=(D * bb) % 8 == 0, deq=deq)
+    return deq.view(L, B, D, D), {"packed": packed, "scale": scale, "min": mn, "plan": plan}
+
+
+def _fit_launch(sides: dict[str, tuple[torch.Tensor, float]], s: CodecSettings, clock: _Clock) -> dict[str, _Fitted]:
     """Queue both sides' fits (X: [L, H, T, d] float32 on the device): the Grams, then on the fit
     stream one batched eigendecomposition for every block of both sides (cuSOLVER: 2 x 28 512x512
-    matrices in 20-23 ms on an H200, one side alone 15-16), the bit allocations, and asynchronous
-    copies of the allocations and of a did-it-converge flag per block to the host. Nothing here
-    waits for the device."""
+    matrices in 20-23 ms on an H200, one side alone 15-16), the bit allocations, the stored bases
+    and their quantization. Nothing here waits for the device."""
     means, grams, shapes = {}, [], {}
     with _tf32(clock.dev):
         for prefix, (X, _) in sides.items():
@@ -293,14 +368,19 @@ def _fit_launch(sides: dict[str, tuple[torch.Tensor, float]], s: CodecSettings, 
             budget = (bpe * H * T * d - B * D * (16 + 8) - 8 * 450 - n_parts * 8 * 160 - s.sink_tokens * H * d * 16)
             bits = allocate_bits_batched(evals.reshape(L, B, D), [budget] * L, T, D, s)   # [L, B, D]
             solved = torch.isfinite(evals).all(dim=1).reshape(L, B)
-            out[prefix] = ((L, H, T, d), B, D, mean_st[prefix], U) + _host_async(bits, solved)
+            row_bits, rows = _stored_basis(U.view(L, B, D, D), bits)
+            basis, stored = _quantize_basis(rows, row_bits, s)
+            out[prefix] = f = _Fitted((L, H, T, d), B, D, mean_st[prefix], bits, solved, row_bits, basis, stored)
             if st is not None:   # made on the fit stream, used on the caller's after _join_fit
-                U.record_stream(torch.cuda.current_stream(clock.dev))
-    clock.lap("fit: bit allocation")
+                main = torch.cuda.current_stream(clock.dev)
+                for t in [f.bits, f.solved, f.row_bits, f.basis] + [v for v in stored.values() if torch.is_tensor(v)]:
+                    t.record_stream(main)
+        clock.lap("fit: bits + basis")
     return out
 
 
 _FIT_STREAMS: dict = {}
+
 
 
 @contextlib.contextmanager
@@ -366,125 +446,6 @@ def _host_async(*ts: torch.Tensor) -> tuple:
     return tuple(bufs) + (ev,)
 
 
-def _fit_side(prefix: str, launched: tuple, s: CodecSettings, clock: _Clock) -> _Side:
-    """Finish a side queued by :func:`_fit_launch`: waits for its bit allocation only (later work
-    already queued on the device, such as the other side's fit, keeps running)."""
-    (L, H, T, d), B, D, mean_st, U, bits_h, solved_h, ev = launched
-    dev = mean_st.device
-    mean_fmt = "fp32" if s.basis_fmt == "fp32" else "fp16"
-    # the one host wait of the fit: the bit allocation; every index below is derived from it on the
-    # host and sent back in one asynchronous copy, every host copy is asynchronous (read after the
-    # encoder's final sync), so the device never waits for the host in between
-    if ev is not None:
-        ev.synchronize()
-    if not bool(solved_h.all()):
-        bad = sorted({int(i) for i in torch.nonzero(~solved_h)[:, 0]})
-        raise KiteError(f"the eigensolver did not converge on the {prefix} Gram of layer(s) {bad} "
-                        "(non-finite KV values?)")
-    sel_h = bits_h > 0                                                    # [L, B, D]
-    R = sel_h.reshape(L, -1).sum(dim=1)
-    R_max = int(R.max()) if L else 0
-    # the stored basis: per layer, per block, the columns (eigenvectors) that get bits, in order
-    Ub = U.reshape(L, B, D, D)                                            # [l, b, dim, component]
-    rank = torch.cumsum(sel_h.reshape(L, -1).long(), dim=1) - 1           # column index of each kept comp
-    lidx_h, bidx_h, cidx_h = torch.nonzero(sel_h, as_tuple=True)
-    cols_h = rank.reshape(L, B, D)[lidx_h, bidx_h, cidx_h]
-    live_h = (torch.arange(R_max)[None, :] < R[:, None]).reshape(-1).nonzero().flatten()   # live (layer, column) rows
-    wb_h = (torch.cumsum(sel_h.long(), dim=2) - 1)[lidx_h, bidx_h, cidx_h]   # rank of the column in its block
-    lidx, bidx, cidx, cols, live, wb = _to_dev(dev, lidx_h, bidx_h, cidx_h, cols_h, live_h, wb_h)
-    basis_cols = torch.zeros(L, R_max, D, dtype=torch.float32, device=dev)   # [l, column, dim]
-    basis_cols[lidx, cols] = Ub[lidx, bidx, :, cidx]
-    tensors_per_layer: list[list] = [[] for _ in range(L)]
-    metas: list[dict] = [dict() for _ in range(L)]
-    mean_h = _to_host([mean_st.contiguous().view(torch.uint8)])[0].reshape(L, -1)
-    for layer in range(L):
-        dt = "f32" if mean_fmt == "fp32" else "f16"
-        tensors_per_layer[layer].append((f"{prefix}.mean", dt, [B, D], mean_h[layer]))
-    if s.basis_fmt.startswith("int"):
-        bb = INT_FORMATS[s.basis_fmt]
-        # one launch for every layer's columns: groups = columns of D values (quantize(basis, fmt,
-        # group_size=D, axis=-2) groups the same way), whole bytes per column when D * bits % 8 == 0
-        rows = basis_cols.reshape(L * R_max, D)
-        g = rows.index_select(0, live)
-        if (D * bb) % 8 == 0:
-            packed, scale, mn = quantize_groups(g, bb, "minmax") if g.shape[0] else (
-                torch.zeros(0, dtype=torch.uint8, device=dev), torch.zeros(0, dtype=torch.float16, device=dev),
-                torch.zeros(0, dtype=torch.float16, device=dev))
-            per = D * bb // 8
-            pieces = None
-        else:  # not byte-aligned per column: one call per layer
-            pieces, off = [], 0
-            for layer in range(L):
-                n = int(R[layer])
-                pieces.append(quantize_groups(g[off:off + n].contiguous(), bb, "minmax") if n else
-                              (torch.zeros(0, dtype=torch.uint8, device=dev),
-                               torch.zeros(0, dtype=torch.float16, device=dev),
-                               torch.zeros(0, dtype=torch.float16, device=dev)))
-                off += n
-            packed = torch.cat([p[0] for p in pieces])
-            scale = torch.cat([p[1] for p in pieces])
-            mn = torch.cat([p[2] for p in pieces])
-        # the dequantized basis is what encode projects on (codec._basis)
-        if pieces is None:
-            q = unpack_codes(packed, bb, g.shape[0] * D).view(-1, D).float()
-            deq = mn.float()[:, None] + scale.float()[:, None] * q
-        else:
-            deq = torch.cat([p[2].float()[:, None] + p[1].float()[:, None]
-                             * unpack_codes(p[0], bb, p[1].numel() * D).view(-1, D).float()
-                             for p in pieces if p[1].numel()] or [g[:0]])
-        full = torch.zeros(L * R_max, D, dtype=torch.float32, device=dev)
-        full.index_copy_(0, live, deq)
-        basis_cols = full.view(L, R_max, D)
-        packed_h, scale_h, mn_h = _to_host([packed, scale.view(torch.uint8), mn.view(torch.uint8)])
-        off_c = off_g = 0
-        for layer in range(L):
-            n = int(R[layer])
-            nb = (n * D * bb + 7) // 8 if pieces is not None else n * per
-            qmeta = {"fmt": s.basis_fmt, "shape": [D, n], "group_size": D, "axis": -2, "n": n * D,
-                     "padded_cols": D}
-            tensors_per_layer[layer] += [
-                (f"{prefix}.basis.codes", "u8", [nb], packed_h[off_c:off_c + nb]),
-                (f"{prefix}.basis.scale", "f16", [n], scale_h[2 * off_g:2 * (off_g + n)]),
-                (f"{prefix}.basis.min", "f16", [n], mn_h[2 * off_g:2 * (off_g + n)])]
-            metas[layer][f"{prefix}.basis"] = qmeta
-            off_c += nb
-            off_g += n
-    else:
-        st = codec.FLOAT_FORMATS[s.basis_fmt]
-        stored = basis_cols.to(st)
-        basis_cols = stored.float()
-        stored_h = stored.cpu()
-        name = codec._DTYPE_NAMES[st]
-        for layer in range(L):
-            n = int(R[layer])
-            tensors_per_layer[layer].append((f"{prefix}.basis", name, [D, n],
-                                             stored_h[layer, :n].T.contiguous().view(torch.uint8).numpy().tobytes()))
-    colbits = []
-    for layer in range(L):
-        b = bits_h[layer]
-        tensors_per_layer[layer].append((f"{prefix}.bits", "u8", [B, D], b.to(torch.uint8).numpy().tobytes()))
-        r = int((b > 0).sum(dim=1).max()) if b.numel() else 0
-        metas[layer][prefix] = {"mode": "pca", "blocks": B, "dim": D, "rank_max": r}
-        colbits.append(b[b > 0].numpy().astype(np.int64))   # block-major, ascending component
-    # per block (B > 1): each block's columns in order, so that encode projects every block on its
-    # own d dims in one batched matmul (not a dense one over B*D dims that is mostly zeros);
-    # row_of[l, j]: the row of stored column j of layer l in encode's coefficient matrix
-    if B == 1:
-        basis_exp, basis_blk = basis_cols, None
-        row_of = torch.arange(L)[:, None] * R_max + torch.arange(R_max)[None, :]
-    else:
-        per_blk = sel_h.sum(dim=2)                                        # [L, B]
-        rb_max = int(per_blk.max()) if per_blk.numel() else 0
-        basis_blk = torch.zeros(L, B, rb_max, D, dtype=torch.float32, device=dev)
-        basis_blk[lidx, bidx, wb] = basis_cols[lidx, cols]
-        row_of = torch.zeros(L, R_max, dtype=torch.long)
-        row_of[lidx_h, cols_h] = lidx_h * (B * rb_max) + bidx_h * rb_max + wb_h
-        basis_exp = None
-    clock.lap("fit: store basis")
-    return _Side(bits=bits_h, colbits=colbits, basis_exp=basis_exp,
-                 basis_blk=basis_blk, row_of=row_of, layer_tensors=tensors_per_layer, layer_meta=metas)
-
-
 # --------------------------------------------------------------------------------------------
 # encode
 
@@ -493,57 +454,62 @@ def _fit_side(prefix: str, launched: tuple, s: CodecSettings, clock: _Clock) -> 
 class _Layout:
     """Where every cluster's tokens sit on the projection's token axis (host-side plan, device indices).
 
-    Clusters of one quantization group size gs form a segment; each cluster takes ``padded`` columns
-    (its tokens in order, then copies of its last token up to a multiple of gs), so every group of
-    every part is gs consecutive columns and a segment of one row is whole groups."""
+    Cluster c takes ``ng[c]`` groups of ``gs[c]`` columns (gs = the group size, or the cluster's size
+    when smaller): its tokens in order, then copies of its last token up to a whole group."""
 
     forced: list[torch.Tensor]              # per cluster: local rows of its sinks (host)
     perm: torch.Tensor                      # [P] the token of each column (device)
-    segments: list[tuple[int, int, int, list[int]]]   # (gs, first column, end, clusters)
-    off: dict[int, int]                     # cluster -> first column
-    n_groups: dict[int, int]                # cluster -> groups per row
+    ng: torch.Tensor                        # [C] groups per row of each cluster (device)
+    gs: torch.Tensor                        # [C] group size of each cluster (device)
+    groups: torch.Tensor                    # [G, 4] (cluster, group, first column, size) of every group (device)
+    whole_bytes: bool                       # every group size a multiple of 8: groups own whole bytes
     pad_dst: torch.Tensor | None            # padding columns and the columns they repeat (device)
     pad_src: torch.Tensor | None
     sink: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]   # c -> (sink tokens, their columns, kept columns)
 
+    @property
+    def n_columns(self) -> int:
+        return self.perm.numel()
+
 
 def _layout(sets: list[torch.Tensor], s: CodecSettings, dev: torch.device) -> _Layout:
     forced = [torch.nonzero(t < s.sink_tokens).flatten() for t in sets]       # per cluster, local rows
-    by_gs: dict[int, list[int]] = {}
-    for c, t_set in enumerate(sets):
-        Tc = int(t_set.numel())
-        if Tc:
-            by_gs.setdefault(Tc if s.group_size <= 0 or s.group_size >= Tc else s.group_size, []).append(c)
-    perm, pad_dst, pad_src, segments, off, n_groups = [], [], [], [], {}, {}
+    C = len(sets)
+    ng, gsz = torch.zeros(C, dtype=torch.long), torch.zeros(C, dtype=torch.long)
+    perm, pad_dst, pad_src, groups = [], [], [], []
     sink_h: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     P = 0
-    for gs, cl in by_gs.items():
-        start = P
-        for c in cl:
-            t_set, Tc = sets[c], int(sets[c].numel())
-            padded = -(-Tc // gs) * gs
-            off[c], n_groups[c] = P, padded // gs
-            perm += [t_set, t_set[-1:].expand(padded - Tc)]
-            if padded > Tc:
-                pad_dst.append(torch.arange(P + Tc, P + padded))
-                pad_src.append(torch.full((padded - Tc,), P + Tc - 1, dtype=torch.long))
-            f = forced[c]
-            if f.numel():
-                keep = torch.ones(Tc, dtype=torch.bool)
-                keep[f] = False
-                sink_h.append((c, t_set[f], f + P, keep.nonzero().flatten() + P))
-            P += padded
-        segments.append((gs, start, P, cl))
-    flat = [torch.cat(perm) if perm else torch.zeros(0, dtype=torch.long)]
+    for c, t_set in enumerate(sets):
+        Tc = int(t_set.numel())
+        if not Tc:
+            continue
+        gs = Tc if s.group_size <= 0 or s.group_size >= Tc else s.group_size
+        padded = -(-Tc // gs) * gs
+        ng[c], gsz[c] = padded // gs, gs
+        g = torch.arange(padded // gs)
+        groups.append(torch.stack([torch.full_like(g, c), g, P + g * gs, torch.full_like(g, gs)], dim=1))
+        perm += [t_set, t_set[-1:].expand(padded - Tc)]
+        if padded > Tc:
+            pad_dst.append(torch.arange(P + Tc, P + padded))
+            pad_src.append(torch.full((padded - Tc,), P + Tc - 1, dtype=torch.long))
+        f = forced[c]
+        if f.numel():
+            keep = torch.ones(Tc, dtype=torch.bool)
+            keep[f] = False
+            sink_h.append((c, t_set[f], f + P, keep.nonzero().flatten() + P))
+        P += padded
+    flat = [torch.cat(perm) if perm else torch.zeros(0, dtype=torch.long), ng, gsz,
+            torch.cat(groups) if groups else torch.zeros(0, 4, dtype=torch.long)]
     if pad_dst:
         flat += [torch.cat(pad_dst), torch.cat(pad_src)]
     for _, pos, cols, kept in sink_h:
         flat += [pos, cols, kept]
     d = _to_dev(dev, *flat)   # one asynchronous copy
-    k = 3 if pad_dst else 1
+    k = 6 if pad_dst else 4
     sink = {c: tuple(d[k + 3 * i:k + 3 * i + 3]) for i, (c, *_) in enumerate(sink_h)}
-    return _Layout(forced=forced, perm=d[0], segments=segments, off=off, n_groups=n_groups,
-                   pad_dst=d[1] if pad_dst else None, pad_src=d[2] if pad_dst else None, sink=sink)
+    return _Layout(forced=forced, perm=d[0], ng=d[1], gs=d[2], groups=d[3],
+                   whole_bytes=all(int(x) % 8 == 0 for x in gsz if x),
+                   pad_dst=d[4] if pad_dst else None, pad_src=d[5] if pad_dst else None, sink=sink)
 
 
 def _gather_center(X: torch.Tensor, mean_st: torch.Tensor, lay: _Layout, clock: _Clock) -> torch.Tensor:
@@ -561,95 +527,35 @@ def _gather_center(X: torch.Tensor, mean_st: torch.Tensor, lay: _Layout, clock: 
     return Xs
 
 
-def _encode_side(prefix: str, X: torch.Tensor, Xs: torch.Tensor, side: _Side, lay: _Layout, s: CodecSettings,
-                 clock: _Clock, results: dict, out_x: dict) -> int:
-    """Project one side's tokens (Xs from :func:`_gather_center`) on its stored basis (all parts at
-    once), quantize every (group size, bit width) class of it in one launch each and start the
-    copies to the host; fills results[(side, c, layer, bw)] = (codes, scale, min) host arrays (valid
-    after _host_sync)."""
+def _encode_side(prefix: str, X: torch.Tensor, Xs: torch.Tensor, fit: _Fitted, plan: _Plan, lay: _Layout,
+                 s: CodecSettings, clock: _Clock, out_x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Project one side's tokens (Xs from :func:`_gather_center`) on its decoded basis (every part
+    at once), replace the sinks' and the padding's coefficients, and quantize every stored row at
+    its width in one launch as ``plan`` lays it out: (codes, scale, min) on the device."""
     L, H, T, d = X.shape
-    dev = X.device
-    if side.basis_blk is None:   # joint heads: one block of H*d dims
-        with _tf32(dev):
-            Y = torch.matmul(side.basis_exp, Xs.transpose(1, 2))               # [L, R_max, P]
-    else:                        # per head: a batched matmul per (layer, head) over d dims
-        with _tf32(dev):
-            Y = torch.matmul(side.basis_blk, Xs.transpose(2, 3))               # [L, H, rb_max, P]
+    with _tf32(X.device):
+        if fit.B == 1:   # joint heads: one block of H*d dims
+            Y = torch.matmul(fit.basis[:, 0], Xs.transpose(1, 2))            # [L, D, P]
+        else:            # per head: a batched matmul per (layer, head) over d dims
+            Y = torch.matmul(fit.basis, Xs.transpose(2, 3))                  # [L, H, D, P]
     del Xs
     P = Y.shape[-1]
-    Y = Y.reshape(-1, P)                                                        # rows: side.row_of
+    Y = Y.reshape(-1, P)                                                       # rows: fit.row_bits
     clock.lap("encode: project")
-    R_max = side.row_of.shape[1]
     # the attention sinks: kept in fp16, their coefficients replaced by their part's mean (codec.encode)
     for c, (pos, cols, kept) in lay.sink.items():
-        if R_max:
-            out_x[(prefix, c)] = X[:, :, pos, :].to(torch.float16)             # [L, H, n, d]
-            if kept.numel():
-                Y[:, cols] = Y[:, kept].mean(dim=1, keepdim=True)
+        out_x[(prefix, c)] = X[:, :, pos, :].to(torch.float16)                # [L, H, n, d]
+        if kept.numel():
+            Y[:, cols] = Y[:, kept].mean(dim=1, keepdim=True)
     if lay.pad_dst is not None:   # a padding column repeats its part's last coefficient (after the sinks)
         Y[:, lay.pad_dst] = Y[:, lay.pad_src]
     clock.lap("encode: sinks + padding")
-    cb = torch.zeros(L, R_max, dtype=torch.long)
-    for layer in range(L):
-        cb[layer, :len(side.colbits[layer])] = torch.from_numpy(side.colbits[layer])
-    widths = sorted(set(int(x) for x in cb.unique().tolist()) - {0})
-    # per width: the coefficient rows of its (layer, column) pairs, layer-major; per (segment, width)
-    # the order (cluster, layer, column, group) the part blobs want, where the segment has several parts
-    rows_h = {bw: side.row_of[cb == bw] for bw in widths}
-    per_layer = {bw: (cb == bw).sum(dim=1).tolist() for bw in widths}
-    plan, reorder = [], []
-    for gs, start, end, cl in lay.segments:
-        G_seg = (end - start) // gs
-        for bw in widths:
-            n_lc = int(rows_h[bw].numel())
-            if len(cl) > 1:
-                base = np.arange(n_lc)[:, None] * G_seg
-                reorder.append(torch.from_numpy(np.concatenate([
-                    (base + (lay.off[c] - start) // gs + np.arange(lay.n_groups[c])[None, :]).reshape(-1)
-                    for c in cl])))
-            plan.append((gs, start, end, cl, bw, n_lc, len(cl) > 1))
-    idx = _to_dev(dev, *[rows_h[bw] for bw in widths], *reorder)
-    rows_d = dict(zip(widths, idx[:len(widths)]))
-    reorder_d = iter(idx[len(widths):])
-    n_launch = 0
-    for gs, start, end, cl, bw, n_lc, mixed in plan:
-        if not n_lc:
-            continue
-        ro = next(reorder_d) if mixed else None
-        mode = s.range_mode if bw < 8 else "minmax"
-        if (gs * bw) % 8 == 0:   # whole bytes per group: one launch, then the parts' order
-            # groups in (layer, column, group) order, read in place on a GPU (a gather of the rows
-            # first cost 7.7 ms for both sides on the H200, run 5)
-            packed, scale, mn = quantize_rows(Y, rows_d[bw], start, end, gs, bw, mode)
-            n_launch += 1
-            per = gs * bw // 8
-            if ro is not None:
-                packed = packed.view(-1, per).index_select(0, ro).reshape(-1)
-                scale, mn = scale.index_select(0, ro), mn.index_select(0, ro)
-            packed_h, scale_h, mn_h = _to_host([packed, scale.view(torch.uint8), mn.view(torch.uint8)])
-            g0 = 0
-            for c in cl:
-                for layer in range(L):
-                    n = per_layer[bw][layer] * lay.n_groups[c]
-                    if n:
-                        results[(prefix, c, layer, bw)] = (packed_h[g0 * per:(g0 + n) * per],
-                                                           scale_h[2 * g0:2 * (g0 + n)], mn_h[2 * g0:2 * (g0 + n)])
-                    g0 += n
-        else:   # a bit stream across groups: quantize each part's class on its own
-            rows = Y[:, start:end].index_select(0, rows_d[bw]).view(-1, gs)   # (layer, column, group)
-            if ro is not None:
-                rows = rows.index_select(0, ro)
-            g0 = 0
-            for c in cl:
-                for layer in range(L):
-                    n = per_layer[bw][layer] * lay.n_groups[c]
-                    if n:
-                        p, sc, m = quantize_groups(rows[g0:g0 + n].contiguous(), bw, mode)
-                        n_launch += 1
-                        results[(prefix, c, layer, bw)] = tuple(_to_host([p, sc.view(torch.uint8), m.view(torch.uint8)]))
-                    g0 += n
-        clock.lap("encode: quantize")
-    return n_launch
+    n_rows, G = Y.shape[0], lay.groups.shape[0]
+    sizes = _run_sizes(plan, (n_rows * P * s.max_bits // 8 + L * lay.ng.numel() * (s.max_bits + 1), n_rows * G))
+    out = quantize_plan(Y, fit.row_bits.view(-1), plan.base_bit, plan.base_sc, lay.groups, s.range_mode, *sizes,
+                        whole_bytes=lay.whole_bytes)
+    clock.lap("encode: quantize")
+    return out
 
 
 def _partition(token_sets, T: int) -> list[torch.Tensor]:
@@ -658,6 +564,97 @@ def _partition(token_sets, T: int) -> list[torch.Tensor]:
     if perm.numel() != T or not torch.equal(torch.sort(perm).values, torch.arange(T)):
         raise ValueError("token_sets must partition the document's tokens")
     return sets
+
+
+# --------------------------------------------------------------------------------------------
+# the host side: copies back and the codec's byte format
+
+
+@dataclass
+class _HostSide:
+    """One side on the host (numpy; the arrays behind the copies are valid after _host_sync)."""
+
+    B: int
+    D: int
+    bits: np.ndarray          # [L, B, D] int64
+    row_bits: np.ndarray      # [L, B*D] int64
+    tables: np.ndarray        # [4, L, C, W] the coefficient runs (first byte, bytes, first scale, scales)
+    basis_tables: np.ndarray | None   # [4, L, 1, W] the int basis' runs
+    mean: np.ndarray = None   # [L, bytes]
+    codes: tuple = ()         # (packed, scale, min) as uint8
+    basis: tuple = ()         # int formats: (packed, scale, min) as uint8; float formats: (rows,)
+
+    def rank(self, layer: int) -> int:
+        return int((self.row_bits[layer] > 0).sum())
+
+
+def _event(dev: torch.device):
+    if dev.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
+def _copy_back(fit: _Fitted, codes: tuple, hs: _HostSide, done) -> None:
+    """Queue one side's host copies of exactly the bytes the tables say it wrote, once ``done``."""
+    n_bytes, n_sc = int(hs.tables[1].sum()), int(hs.tables[3].sum())
+    packed, scale, mn = codes
+    hs.codes = tuple(_to_host([packed[:n_bytes], scale[:n_sc].view(torch.uint8), mn[:n_sc].view(torch.uint8)],
+                              after=done))
+    st = fit.stored
+    if hs.basis_tables is not None:
+        nb, ns = int(hs.basis_tables[1].sum()), int(hs.basis_tables[3].sum())
+        hs.basis = tuple(_to_host([st["packed"][:nb], st["scale"][:ns].view(torch.uint8),
+                                   st["min"][:ns].view(torch.uint8)], after=done))
+    else:
+        hs.basis = tuple(_to_host([st["rows"].contiguous().view(torch.uint8)], after=done))
+    hs.mean = _to_host([fit.mean_st.contiguous().view(torch.uint8)], after=done)[0].reshape(fit.shape[0], -1)
+
+
+def _layer_blob(layer: int, sides: dict[str, _HostSide], s: CodecSettings, H: int, d: int, T: int) -> bytes:
+    """The 'L{layer}' blob (codec.to_bytes of the layer's LayerCodec)."""
+    meta = {"settings": s.to_json(), "H": H, "d": d, "T_fit": T}
+    table = []
+    for prefix, hs in sides.items():
+        B, D, R = hs.B, hs.D, hs.rank(layer)
+        table.append((f"{prefix}.mean", "f32" if s.basis_fmt == "fp32" else "f16", [B, D], hs.mean[layer]))
+        if hs.basis_tables is not None:
+            first, nbytes, first_sc, nsc = hs.basis_tables[:, layer, 0, INT_FORMATS[s.basis_fmt]]
+            packed, scale, mn = hs.basis
+            table += [(f"{prefix}.basis.codes", "u8", [int(nbytes)], packed[first:first + nbytes]),
+                      (f"{prefix}.basis.scale", "f16", [R], scale[2 * first_sc:2 * (first_sc + nsc)]),
+                      (f"{prefix}.basis.min", "f16", [R], mn[2 * first_sc:2 * (first_sc + nsc)])]
+            meta[f"{prefix}.basis"] = {"fmt": s.basis_fmt, "shape": [D, R], "group_size": D, "axis": -2,
+                                       "n": R * D, "padded_cols": D}
+        else:   # the stored columns as a [D, R] matrix
+            rows = hs.basis[0].reshape(hs.row_bits.shape[0], B * D, D, -1)[layer][hs.row_bits[layer] > 0]
+            dt = codec.FLOAT_FORMATS[s.basis_fmt]
+            table.append((f"{prefix}.basis", codec._DTYPE_NAMES[dt], [D, R],
+                          np.ascontiguousarray(rows.transpose(1, 0, 2)).tobytes()))
+        b = hs.bits[layer]
+        table.append((f"{prefix}.bits", "u8", [B, D], b.astype(np.uint8).tobytes()))
+        meta[prefix] = {"mode": "pca", "blocks": B, "dim": D, "rank_max": int((b > 0).sum(axis=1).max()) if b.size else 0}
+    return _blob_bytes(meta, table)
+
+
+def _part_blob(layer: int, c: int, Tc: int, prefix: str, hs: _HostSide, out_x: dict, forced: torch.Tensor) -> bytes:
+    """The part blob of cluster c, one side (codec.to_bytes of codec.encode's Blob)."""
+    table = []
+    if not hs.rank(layer):
+        return _blob_bytes({"T": Tc}, table)
+    if (prefix, c) in out_x:
+        it = torch.int32 if Tc > 32767 else torch.int16
+        table.append(("out.idx", codec._DTYPE_NAMES[it], [forced.numel()], forced.to(it).numpy().tobytes()))
+        xh, shape = out_x[(prefix, c)]
+        table.append(("out.x", "f16", list(shape[1:]), xh.reshape(shape[0], -1)[layer]))   # [H, n, d] fp16
+    first, nbytes, first_sc, nsc = hs.tables[:, layer, c]     # [W] each: the part's runs, widths ascending
+    a, b = int(first[0]), int(first[-1] + nbytes[-1])
+    sa, sb = int(first_sc[0]), int(first_sc[-1] + nsc[-1])
+    packed, scale, mn = hs.codes
+    table += [("codes", "u8", [b - a], packed[a:b]), ("scale", "f16", [sb - sa], scale[2 * sa:2 * sb]),
+              ("min", "f16", [sb - sa], mn[2 * sa:2 * sb])]
+    return _blob_bytes({"T": Tc}, table)
 
 
 def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tensor | list[torch.Tensor],
@@ -693,70 +690,53 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
     if not callable(token_sets):
         sets = _partition(token_sets, T)
     clock.lap("move")
-    launched = _fit_launch({"k": (K, s.k_bits), "v": (V, s.v_bits)}, s, clock)
+    fits = _fit_launch({"k": (K, s.k_bits), "v": (V, s.v_bits)}, s, clock)
     if callable(token_sets):
         sets = _partition(token_sets(), T)
         clock.lap("cluster (caller's)")
     lay = _layout(sets, s, dev)   # host work while the eigensolver runs
     # the tokens gathered and centered while the eigensolver runs on its stream
-    gathered = {prefix: _gather_center(X, launched[prefix][3], lay, clock) for prefix, X in (("k", K), ("v", V))}
+    gathered = {prefix: _gather_center(X, fits[prefix].mean_st, lay, clock) for prefix, X in (("k", K), ("v", V))}
     _join_fit(dev)
-    results: dict[tuple[str, int, int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-    sides: dict[str, _Side] = {}
-    out_x: dict[tuple[str, int], torch.Tensor] = {}
-    n_launch = 0
-    # side by side: the keys' host work overlaps the values' bit allocation, and the keys' codes go
-    # to the host on the copy stream while the values are projected
+    plans = {prefix: _plan(f.row_bits, lay.ng, lay.gs, s.max_bits) for prefix, f in fits.items()}
+    small = []
+    for prefix, f in fits.items():
+        small += [f.bits, f.solved, f.row_bits, plans[prefix].tables]
+        if "plan" in f.stored:
+            small.append(f.stored["plan"].tables)
+    *small_h, tables_ready = _host_async(*small)
+    clock.lap("encode: plan")
+    coded, done, out_x = {}, {}, {}
     for prefix, X in (("k", K), ("v", V)):
-        side = sides[prefix] = _fit_side(prefix, launched.pop(prefix), s, clock)
-        n_launch += _encode_side(prefix, X, gathered.pop(prefix), side, lay, s, clock, results, out_x)
+        coded[prefix] = _encode_side(prefix, X, gathered.pop(prefix), fits[prefix], plans[prefix], lay, s, clock, out_x)
+        done[prefix] = _event(dev)
+    # the one wait for the device before the end: the bit allocations and the plans' sizes (the
+    # encode queued above keeps the device busy meanwhile), then copies of exactly what was written
+    if tables_ready is not None:
+        tables_ready.synchronize()
+    small_h = iter(t.numpy() for t in small_h)
+    host: dict[str, _HostSide] = {}
+    for prefix, f in fits.items():
+        bits_h, solved_h, row_bits_h, tables_h = (next(small_h) for _ in range(4))
+        if not solved_h.all():
+            bad = sorted({int(i) for i in np.nonzero(~solved_h)[0]})
+            raise KiteError(f"the eigensolver did not converge on the {prefix} Gram of layer(s) {bad} "
+                            "(non-finite KV values?)")
+        host[prefix] = _HostSide(f.B, f.D, bits_h, row_bits_h, tables_h,
+                                 next(small_h) if "plan" in f.stored else None)
+    for prefix, f in fits.items():
+        _copy_back(f, coded[prefix], host[prefix], done[prefix])
     xs = list(out_x.items())
     out_x_h = {k: (h, v.shape) for (k, v), h in zip(xs, _to_host([v.contiguous().view(torch.uint8) for _, v in xs]))}
     _host_sync(dev)
     clock.lap("encode: wait for the host copies")
-    forced = lay.forced
 
-    # ---- layer blobs (host only: the device work is done) --------------------------------------
-    layer_blobs = []
-    for layer in range(L):
-        meta = {"settings": s.to_json(), "H": H, "d": d, "T_fit": T}
-        table = []
-        for prefix in ("k", "v"):
-            meta.update(sides[prefix].layer_meta[layer])
-            table += sides[prefix].layer_tensors[layer]
-        layer_blobs.append(_blob_bytes(meta, table))
+    layer_blobs = [_layer_blob(layer, host, s, H, d, T) for layer in range(L)]
     clock.lap("fit: layer blobs")
-
-    # ---- part blobs ------------------------------------------------------------------------------
-    part_blobs: list[list[tuple[bytes, bytes]]] = []
-    for layer in range(L):
-        row = []
-        for c, t_set in enumerate(sets):
-            Tc = int(t_set.numel())
-            pair = []
-            for prefix in ("k", "v"):
-                table = []
-                widths = sorted(set(int(x) for x in sides[prefix].colbits[layer].tolist()))
-                if (prefix, c) in out_x_h and len(sides[prefix].colbits[layer]):
-                    idx = forced[c]
-                    it = torch.int32 if Tc > 32767 else torch.int16
-                    table.append(("out.idx", codec._DTYPE_NAMES[it], [idx.numel()],
-                                  idx.to(it).numpy().tobytes()))
-                    xh, shape = out_x_h[(prefix, c)]
-                    x = xh.reshape(shape[0], -1)[layer]                          # [H, n, d] fp16 as bytes
-                    table.append(("out.x", "f16", list(shape[1:]), x))
-                if widths:
-                    parts = [results[(prefix, c, layer, bw)] for bw in widths]
-                    n_codes = sum(p[0].size for p in parts)
-                    n_sc = sum(p[1].size for p in parts) // 2
-                    table += [("codes", "u8", [n_codes], [p[0] for p in parts]),
-                              ("scale", "f16", [n_sc], [p[1] for p in parts]),
-                              ("min", "f16", [n_sc], [p[2] for p in parts])]
-                pair.append(_blob_bytes({"T": Tc}, table))
-            row.append((pair[0], pair[1]))
-        part_blobs.append(row)
+    part_blobs = [[tuple(_part_blob(layer, c, int(t_set.numel()), prefix, host[prefix], out_x_h, lay.forced[c])
+                         for prefix in ("k", "v"))
+                   for c, t_set in enumerate(sets)] for layer in range(L)]
     clock.lap("serialize")
-    info = {"R_k": [len(c) for c in sides["k"].colbits], "R_v": [len(c) for c in sides["v"].colbits],
-            "launch_groups": n_launch}
+    info = {f"R_{prefix}": [hs.rank(layer) for layer in range(L)] for prefix, hs in host.items()}
     return EncodedState(layer_blobs=layer_blobs, part_blobs=part_blobs,
                         timings_ms={k: round(v, 3) for k, v in clock.times.items()}, info=info)
