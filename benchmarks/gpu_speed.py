@@ -190,22 +190,91 @@ def make_model(T: int, small: bool):
 
 
 def profile_compress(fn, top: int = 30) -> dict:
-    """One call of fn under torch.profiler: the ops with the most device time and host time."""
+    """One call of fn under torch.profiler: the ops with the most device time and host time, and the
+    call's timeline (:func:`timeline`)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         fn()
         sync()
+        wall = (time.perf_counter() - t0) * 1e3
     ev = prof.key_averages()
     dev_attr = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
     by_dev = sorted(ev, key=lambda e: getattr(e, dev_attr), reverse=True)[:top]
     by_host = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     table = ev.table(sort_by=dev_attr, row_limit=top)
     print(table, flush=True)
-    return {"device_ms": [(e.key, e.count, round(getattr(e, dev_attr) / 1e3, 3)) for e in by_dev],
-            "host_ms": [(e.key, e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in by_host]}
+    out = {"wall_ms_profiled": round(wall, 3),
+           "device_ms": [(e.key, e.count, round(getattr(e, dev_attr) / 1e3, 3)) for e in by_dev],
+           "host_ms": [(e.key, e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in by_host]}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        try:
+            out["timeline"] = timeline(json.loads(path.read_text()))
+        except (KeyError, ValueError) as exc:   # the trace's layout moved: the summary above still stands
+            out["timeline"] = {"error": repr(exc)}
+    return out
+
+
+def find_syncs(fn) -> list[str]:
+    """The host syncs torch makes during fn() (torch.cuda.set_sync_debug_mode), each with the
+    innermost frames of this repository that led to it."""
+    found = []
+
+    def hook(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if str(ROOT) in f.filename]
+        found.append(f"{str(message)[:60]} @ " + " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                                                         for f in reversed(frames[-3:])))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hook
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return found
+
+
+def timeline(trace: dict, min_gap_ms: float = 0.3) -> dict:
+    """Where a profiled call's device time went, from its chrome trace: the span from the first
+    kernel or copy to the last, the time some stream was busy (union) and each stream's, every idle
+    gap of the device over min_gap_ms with what ran before and after it, and the host's waits."""
+    evs = trace["traceEvents"] if isinstance(trace, dict) else trace
+    dev = [e for e in evs if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not dev:
+        return {}
+    dev.sort(key=lambda e: e["ts"])
+    t0 = dev[0]["ts"]
+    end = max(e["ts"] + e["dur"] for e in dev)
+    busy, gaps, cur_end, last = 0.0, [], t0, None
+    for e in dev:
+        if e["ts"] > cur_end and (e["ts"] - cur_end) / 1e3 >= min_gap_ms:
+            gaps.append({"at_ms": round((cur_end - t0) / 1e3, 3), "ms": round((e["ts"] - cur_end) / 1e3, 3),
+                         "after": last["name"][:80], "before": e["name"][:80]})
+        busy += max(0.0, e["ts"] + e["dur"] - max(cur_end, e["ts"]))
+        if e["ts"] + e["dur"] >= cur_end:
+            cur_end, last = e["ts"] + e["dur"], e
+    per_stream: dict = {}
+    for e in dev:
+        k = str(e.get("args", {}).get("stream", "?"))
+        per_stream[k] = per_stream.get(k, 0.0) + e["dur"] / 1e3
+    ops = [e for e in evs if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+
+    def caller(e):   # the innermost host op around a runtime call
+        around = [o for o in ops if o.get("tid") == e.get("tid") and o["ts"] <= e["ts"] <= o["ts"] + o["dur"]]
+        return min(around, key=lambda o: o["dur"])["name"] if around else ""
+    waits = [{"call": e["name"], "in": caller(e), "at_ms": round((e["ts"] - t0) / 1e3, 3),
+              "ms": round(e["dur"] / 1e3, 3)}
+             for e in evs if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and e["dur"] > 200
+             and ("Synchronize" in e["name"] or e["name"] in ("cudaMemcpy", "cudaMemcpyAsync"))]
+    return {"span_ms": round((end - t0) / 1e3, 3), "busy_ms": round(busy / 1e3, 3),
+            "per_stream_ms": {k: round(v, 3) for k, v in sorted(per_stream.items(), key=lambda kv: -kv[1])},
+            "gaps": gaps, "host_waits": waits}
 
 
 def state_layout(H: int, d: int, classes, T: int):
@@ -343,11 +412,14 @@ def main() -> None:
         t0 = time.perf_counter()
         enc, _ = compress(s)
         wall = (time.perf_counter() - t0) * 1e3
-        return wall - enc.timings_ms.get("serialize", 0.0) - enc.timings_ms.get("fit: layer blobs", 0.0)
+        return wall - enc.timings_ms.get("serialize", 0.0) - enc.timings_ms.get("fit: layer blobs", 0.0), enc.timings_ms
 
     for label, s in (("joint heads (codec default)", settings), ("per head", per_head)):
         total = host_ms(lambda: compress(s), reps=3)
-        walls = sorted(compress_wall(s) for _ in range(5))
+        runs = sorted((compress_wall(s) for _ in range(5)), key=lambda r: r[0])
+        walls = [w for w, _ in runs]
+        # the median run's host time between the encoder's stages (no syncs: where the host waited)
+        report.data[f"compress_host_laps_{label}"] = runs[len(runs) // 2][1]
         enc, sets = compress(s, sync=True)
         stages = dict(enc.timings_ms)
         serialize = stages.pop("serialize", 0.0) + stages.pop("fit: layer blobs", 0.0)
@@ -367,6 +439,7 @@ def main() -> None:
             enc_main, sets_main = enc, sets
     if args.profile and DEV == "cuda":
         report.data["compress_profile"] = profile_compress(lambda: compress(settings))
+        report.data["compress_host_syncs"] = find_syncs(lambda: compress(settings))
     # eigendecomposition alternatives (the default's 512x512 blocks have no one-launch kernel)
     try:
         k_pre = remove()

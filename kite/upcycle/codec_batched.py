@@ -81,8 +81,7 @@ def allocate_bits_batched(evals: torch.Tensor, budgets, T: int, d_in: int, s: Co
     first = codec.first_bit_cost(T, d_in, s)
     dist = [codec._rel_distortion(b, s.range_mode) for b in range(M + 1)]
     drop = _const([1.0 - dist[1]] + [dist[b] - dist[b + 1] for b in range(1, M)], dev)
-    cost = torch.full((M,), float(T), dtype=torch.float64, device=dev)
-    cost[0] = first
+    cost = _const([first] + [float(T)] * (M - 1), dev)   # (cost[0] = x on a GPU would wait for the stream)
     lam = evals.double().reshape(N, B * r)
     # the heap's arithmetic: gain = lam * factor * T, priority = gain / cost
     prio = (lam[:, :, None] * drop) * T / cost                          # [N, C, M]
