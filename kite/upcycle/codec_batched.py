@@ -705,8 +705,10 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
             small.append(f.stored["plan"].tables)
     *small_h, tables_ready = _host_async(*small)
     clock.lap("encode: plan")
+    # the side with more bits first: its codes go to the host while the other side is encoded
+    order = [("v", V), ("k", K)] if s.v_bits >= s.k_bits else [("k", K), ("v", V)]
     coded, done, out_x = {}, {}, {}
-    for prefix, X in (("k", K), ("v", V)):
+    for prefix, X in order:
         coded[prefix] = _encode_side(prefix, X, gathered.pop(prefix), fits[prefix], plans[prefix], lay, s, clock, out_x)
         done[prefix] = _event(dev)
     # the one wait for the device before the end: the bit allocations and the plans' sizes (the
@@ -723,8 +725,8 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
                             "(non-finite KV values?)")
         host[prefix] = _HostSide(f.B, f.D, bits_h, row_bits_h, tables_h,
                                  next(small_h) if "plan" in f.stored else None)
-    for prefix, f in fits.items():
-        _copy_back(f, coded[prefix], host[prefix], done[prefix])
+    for prefix, _ in order:   # the copy stream runs in order: first done, first copied
+        _copy_back(fits[prefix], coded[prefix], host[prefix], done[prefix])
     xs = list(out_x.items())
     out_x_h = {k: (h, v.shape) for (k, v), h in zip(xs, _to_host([v.contiguous().view(torch.uint8) for _, v in xs]))}
     _host_sync(dev)
