@@ -603,6 +603,12 @@ def main() -> None:
     report.row("load from .upc in page cache, first load in a new process of the file the writer recorded",
                host_ms(lambda: (gpu_load.forget_verified(persisted=False), load_file(True)), reps=5), wire,
                note="no blob hashed (writer's record); tables + graph capture")
+    # its staging alone by thread count (the tables are Python work: threads contend for the GIL)
+    report.data["stage_first_load_new_process_ms_by_threads"] = {
+        n: host_ms(lambda: (gpu_load.forget_verified(persisted=False), tier.drop(("bench",)),
+                            tier.put(gpu_load.stage_state(sf, sel, part_pos, list(range(L)), n_layers=L, H=H, d=d,
+                                                          tier=tier, key=("bench",), threads=n, wait=True))), reps=3)
+        for n in (1, 2, 4, 8, 16)}
     sf_old = StateFile(path_old)
     load_file(True, f=sf_old)
     report.row(f"load from .upc in page cache, repeat load, zstd rule before ({size_old / 1e6:.1f} MB file)",

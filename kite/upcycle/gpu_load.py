@@ -238,24 +238,23 @@ def _np_at(view: np.ndarray, spec: tuple[int, str, list[int]]) -> np.ndarray:
 
 
 def _layouts(colbits: np.ndarray, Ts: list[int], group_size: int):
-    """pca_layout for several parts at once: bit offsets / group offsets [P, R] and each part's gs."""
-    P, R = len(Ts), len(colbits)
-    gs = np.array([T if group_size <= 0 or group_size >= T else group_size for T in Ts], dtype=np.int64)
-    gs = np.maximum(gs, 1)
-    Ta = np.array(Ts, dtype=np.int64)
+    """pca_layout for several parts at once: bit offsets / group offsets [P, R] and each part's gs.
+
+    Per part, the columns' codes lie width by width (ascending), each width's columns in order, a
+    column's codes covering the part's padded tokens; every width's run starts on a byte."""
+    Ta = np.asarray(Ts, dtype=np.int64)
+    gs = np.maximum(np.where((group_size <= 0) | (group_size >= Ta), Ta, group_size), 1)
     padded = -(-Ta // gs) * gs
-    bitoff = np.zeros((P, R), dtype=np.int64)
-    goff = np.zeros((P, R), dtype=np.int64)
-    byte = np.zeros(P, dtype=np.int64)
-    group = np.zeros(P, dtype=np.int64)
-    for bw in sorted(set(colbits.tolist())):
-        cols = np.nonzero(colbits == bw)[0]
-        rank = np.arange(len(cols), dtype=np.int64)
-        bitoff[:, cols] = byte[:, None] * 8 + rank[None, :] * padded[:, None] * bw
-        goff[:, cols] = group[:, None] + rank[None, :] * (padded // gs)[:, None]
-        n = len(cols) * padded
-        byte += (n * bw + 7) // 8
-        group += n // gs
+    widths, widx, count = np.unique(colbits, return_inverse=True, return_counts=True)
+    order = np.argsort(widx, kind="stable")
+    rank = np.empty(len(colbits), dtype=np.int64)
+    rank[order] = np.arange(len(colbits)) - np.repeat(np.cumsum(count) - count, count)
+    codes = count[None, :] * padded[:, None]                              # [P, W] codes of each width's run
+    run_bytes = (codes * widths.astype(np.int64)[None, :] + 7) // 8
+    byte0 = np.cumsum(run_bytes, axis=1) - run_bytes
+    group0 = np.cumsum(codes // gs[:, None], axis=1) - codes // gs[:, None]
+    bitoff = byte0[:, widx] * 8 + rank[None, :] * padded[:, None] * colbits.astype(np.int64)[None, :]
+    goff = group0[:, widx] + rank[None, :] * (padded // gs)[:, None]
     return bitoff, goff, gs
 
 
@@ -590,8 +589,8 @@ def load_staged(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor 
     ``out``: write into these tensors instead ([H, >= T_out, d] each, rows 0..T_out-1 filled), e.g.
     a static cache's. ``compute_dtype``: coefficient / basis precision of the matmul (default bf16
     on a GPU, float32 elsewhere). ``staging``: a device buffer of >= hot.nbytes to copy into.
-    ``use_graphs``: on a GPU, capture each layer's rebuild once per set of buffers (kept on ``hot``)
-    and replay it on later loads.
+    ``use_graphs``: on a GPU, capture each layer's rebuild on the second load into the same buffers
+    (kept on ``hot``) and replay it on every later one; a first load runs eagerly.
     Returns lists over layers (None where the layer was not staged).
     """
     dev = torch.device(device)
@@ -636,12 +635,13 @@ def load_staged(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor 
         else:
             k_out, v_out = alloc[0, layer], alloc[1, layer]
         args = dict(dest=dest, cos=cos, sin=sin, H=H, d=d, rows=T, compute_dtype=cdt)
-        if cuda and use_graphs:
-            # the same launches every time for these buffers: replay a captured graph (the eager
-            # launches cost ~0.3 ms of host time per layer, more than the GPU work)
-            gkey = (layer, region.data_ptr(), k_out.data_ptr(), v_out.data_ptr(),
-                    None if cos is None else cos.data_ptr(), cdt)
-            g = hot._graphs.get(gkey)
+        gkey = (layer, region.data_ptr(), k_out.data_ptr(), v_out.data_ptr(),
+                None if cos is None else cos.data_ptr(), cdt)
+        if cuda and use_graphs and gkey in hot._graphs:
+            # the same launches again for these buffers: replay a captured graph (the eager launches
+            # cost ~0.3 ms of host time per layer, more than the GPU work). A first load runs eagerly
+            # and only marks the buffers: capturing 28 graphs costs more than one load saves.
+            g = hot._graphs[gkey]
             if g is None:
                 rebuild_layer(region, plan, k_out, v_out, **args)     # warm-up (and this load's result)
                 g = torch.cuda.CUDAGraph()
@@ -652,6 +652,8 @@ def load_staged(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor 
                 hot._graphs[gkey] = g
             g.replay()
         else:
+            if cuda and use_graphs:
+                hot._graphs[gkey] = None   # seen once: captured on the next load into these buffers
             rebuild_layer(region, plan, k_out, v_out, **args)
         keys[layer] = k_out if out is not None else alloc[0, layer]
         values[layer] = v_out if out is not None else alloc[1, layer]
