@@ -602,7 +602,7 @@ def main() -> None:
     # graphs are built again); then the same file with the zstd rule before
     report.row("load from .upc in page cache, first load in a new process of the file the writer recorded",
                host_ms(lambda: (gpu_load.forget_verified(persisted=False), load_file(True)), reps=5), wire,
-               note="no blob hashed (writer's record); tables + graph capture")
+               note="no blob hashed (writer's record); tables + eager rebuild")
     # its staging alone by thread count (the tables are Python work: threads contend for the GIL)
     report.data["stage_first_load_new_process_ms_by_threads"] = {
         n: host_ms(lambda: (gpu_load.forget_verified(persisted=False), tier.drop(("bench",)),
@@ -626,12 +626,12 @@ def main() -> None:
     report.data["stage_split_ms_summed_over_threads_repeat"] = split(stage(True, wait=True))
     print("stage split (first, repeat):", report.data["stage_split_ms_summed_over_threads"],
           report.data["stage_split_ms_summed_over_threads_repeat"], flush=True)
-    report.row("load from .upc in page cache, first load of the file version (verify + tables + graph capture)",
+    report.row("load from .upc in page cache, first load of the file version (verify + tables + eager rebuild)",
                host_ms(lambda: first(lambda: load_file(True)), reps=5), wire, note="target <= 40 ms")
     report.row("load from .upc in page cache (stage + copy + rebuild, pipelined), checksums verified",
                host_ms(lambda: load_file(True), reps=5), wire,
                note="repeat load of the unchanged file (verified version); target <= 40 ms")
-    report.row("  same without checksum verification, first load (tables + graph capture)",
+    report.row("  same without checksum verification, first load (tables + eager rebuild)",
                host_ms(lambda: first(lambda: load_file(False)), reps=5), wire)
     load_hot()
     sync()

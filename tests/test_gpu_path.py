@@ -195,6 +195,32 @@ def test_cuda_split_load_matches_the_torch_fallback(lm, tmp_path, spec, partial,
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rebuild_graphs_are_captured_on_the_second_load(lm, tmp_path):
+    """Into the same buffers: the first load runs eagerly and marks them, the second captures each
+    layer's rebuild, the third replays it; all three write what an eager load writes."""
+    out = tmp_path / "s.upc"
+    compress_document(lm, DOC, out, CompressSettings(codec=codec.settings_for(4), n_clusters=3, min_span_tokens=8,
+                                                     max_span_tokens=24))
+    hot, k_ref, v_ref = _staged_load(out, lm, device="cuda", dtype=torch.bfloat16)   # fresh buffers: eager
+    geo = lm.geometry
+    cos, sin = rope_cos_sin(lm.model, hot.positions, device="cuda")
+    bufs = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in zip(k_ref, v_ref)]
+    seen = []
+    for _ in range(3):
+        for k, v in bufs:
+            k.zero_()
+            v.zero_()
+        gpu_load.load_staged(hot, device="cuda", dtype=torch.bfloat16, cos=cos, sin=sin, out=bufs,
+                             n_layers=geo.n_layers)
+        torch.cuda.synchronize()
+        graphs = [g for key, g in hot._graphs.items() if key[2] in {k.data_ptr() for k, _ in bufs}]
+        seen.append(sorted({type(g).__name__ for g in graphs}))
+        for (k, v), kr, vr in zip(bufs, k_ref, v_ref):
+            assert torch.equal(k, kr) and torch.equal(v, vr)
+    assert seen == [["NoneType"], ["CUDAGraph"], ["CUDAGraph"]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compress_document_on_the_gpu(lm, tiny_models, tmp_path):
     """A model on the GPU: spans clustered from CUDA features, the batched codec on the device, and a
     state that decodes like the CPU's (the GPU fit is fp32, so not byte for byte)."""
