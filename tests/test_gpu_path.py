@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kite.errors import KiteError
+from kite.errors import BadInput, KiteError
 from kite.kernels import eigh
 from kite.kernels.load import pca_layout, pca_load_torch
 from kite.upcycle import codec, codec_batched, gpu_load
@@ -168,6 +168,20 @@ def _staged_load(path, lm, clusters=None, layers=None, sink_tokens=4, device="cp
                                         n_layers=geo.n_layers)
     state.close()
     return hot, keys, values
+
+
+def test_staging_a_truncated_state_is_one_clear_error(lm, tmp_path):
+    """Blobs read back to back with one preadv: a file cut short names the part that is cut off."""
+    out = tmp_path / "s.upc"
+    compress_document(lm, DOC, out, CompressSettings(codec=codec.settings_for(4), n_clusters=3, min_span_tokens=8,
+                                                     max_span_tokens=24), device="cpu")
+    with StateFile(out) as sf:
+        last = max(sf.index.values(), key=lambda e: e.offset)
+        raw = [e for e in sf.index.values() if e.codec == "raw"]
+    assert last.codec == "raw" and len(raw) > 3     # the run read in one call ends with the cut blob
+    out.write_bytes(out.read_bytes()[:-10])
+    with pytest.raises(BadInput, match=rf"truncated .upc state \(part {last.key} is cut off\)"):
+        _staged_load(out, lm)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -217,12 +217,12 @@ def default_tier() -> HotTier:
 # staging
 
 
-def _parse_blob(view: np.ndarray, off: int) -> tuple[dict, dict[str, tuple[int, str, list[int]]]]:
-    """A codec blob at view[off:]: its meta and {tensor: (offset, dtype name, shape)} (offsets absolute)."""
-    if bytes(view[off:off + 3]) != b"KC1":
+def _parse_blob(buf: memoryview, off: int) -> tuple[dict, dict[str, tuple[int, str, list[int]]]]:
+    """A codec blob at buf[off:]: its meta and {tensor: (offset, dtype name, shape)} (offsets absolute)."""
+    if buf[off:off + 3] != b"KC1":
         raise BadInput("corrupt .upc state (a part is not a codec blob)")
-    n = int.from_bytes(bytes(view[off + 3:off + 7]), "little")
-    head = json.loads(bytes(view[off + 7:off + 7 + n]))
+    n = int.from_bytes(buf[off + 3:off + 7], "little")
+    head = json.loads(buf[off + 7:off + 7 + n].tobytes())
     pos = off + 7 + n
     tensors = {}
     for name, dt, shape in head["t"]:
@@ -245,16 +245,16 @@ def _layouts(colbits: np.ndarray, Ts: list[int], group_size: int):
     Ta = np.asarray(Ts, dtype=np.int64)
     gs = np.maximum(np.where((group_size <= 0) | (group_size >= Ta), Ta, group_size), 1)
     padded = -(-Ta // gs) * gs
-    widths, widx, count = np.unique(colbits, return_inverse=True, return_counts=True)
-    order = np.argsort(widx, kind="stable")
-    rank = np.empty(len(colbits), dtype=np.int64)
-    rank[order] = np.arange(len(colbits)) - np.repeat(np.cumsum(count) - count, count)
-    codes = count[None, :] * padded[:, None]                              # [P, W] codes of each width's run
-    run_bytes = (codes * widths.astype(np.int64)[None, :] + 7) // 8
+    cb = np.asarray(colbits, dtype=np.int64)
+    seen = np.cumsum(cb[None, :] == np.arange(9)[:, None], axis=1)       # [width, column]: columns so far
+    rank = seen[cb, np.arange(cb.size)] - 1                               # among the columns of its width
+    codes = seen[:, -1][None, :] * padded[:, None] if cb.size else np.zeros((Ta.size, 9), dtype=np.int64)
+    run_bytes = (codes * np.arange(9) + 7) // 8                          # [P, width] each width's run
     byte0 = np.cumsum(run_bytes, axis=1) - run_bytes
-    group0 = np.cumsum(codes // gs[:, None], axis=1) - codes // gs[:, None]
-    bitoff = byte0[:, widx] * 8 + rank[None, :] * padded[:, None] * colbits.astype(np.int64)[None, :]
-    goff = group0[:, widx] + rank[None, :] * (padded // gs)[:, None]
+    groups = codes // gs[:, None]
+    group0 = np.cumsum(groups, axis=1) - groups
+    bitoff = byte0[:, cb] * 8 + rank[None, :] * padded[:, None] * cb[None, :]
+    goff = group0[:, cb] + rank[None, :] * (padded // gs)[:, None]
     return bitoff, goff, gs
 
 
@@ -320,6 +320,23 @@ def _flush_records() -> None:
         _RECORDS.pop().result()
 
 
+def _preadv_all(fd: int, bufs: list[tuple[str, memoryview]], pos: int, path) -> None:
+    """Fill the buffers from consecutive file bytes starting at pos (preadv, short reads resumed)."""
+    todo = [b for _, b in bufs]
+    names = [k for k, _ in bufs]
+    while todo:
+        n = os.preadv(fd, todo[:512], pos)
+        if n <= 0:
+            raise BadInput(f"{path}: truncated .upc state (part {names[0]} is cut off)")
+        pos += n
+        while todo and n >= len(todo[0]):
+            n -= len(todo[0])
+            todo.pop(0)
+            names.pop(0)
+        if n:
+            todo[0] = todo[0][n:]
+
+
 def _stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region: int, keys: list[str],
                  blob_offs: list[int], tables_at: int, table_cap: int, H: int, d: int, verify: bool,
                  verified: set[str] | None = None, cached: tuple[_LayerPlan, np.ndarray] | None = None,
@@ -330,36 +347,40 @@ def _stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region
     ``verified``: keys already checked for this file version (not hashed again); ``cached``: the
     plan and table bytes of an earlier staging of the same version, copied instead of rebuilt.
     """
-    # 1. blobs: raw ones read straight into the buffer, zstd ones decompressed into it
+    # 1. blobs: raw ones read straight into the buffer (one preadv per run of blobs that lie back to
+    # back in the file: each call hands the GIL back once, not once per blob), zstd ones decompressed
     import time
 
     t_read = t_verify = 0.0
     checked: list[str] = []
+    mv = memoryview(view)
+    runs: list[list[tuple[str, object, int]]] = []
     for key, off in zip(keys, blob_offs):
-        t0 = time.perf_counter()
         e = state.index[key]
-        start = state._data_start + e.offset
-        check = verify and (verified is None or key not in verified)
-        if e.codec == "raw":
-            dst = memoryview(view)[off:off + e.length]
-            got = 0
-            while got < e.length:
-                n = os.preadv(fd, [dst[got:]], start + got)
-                if n <= 0:
-                    raise BadInput(f"{state.path}: truncated .upc state (part {key} is cut off)")
-                got += n
+        if e.codec == "raw" and runs and runs[-1][-1][1].codec == "raw" \
+                and runs[-1][-1][1].offset + runs[-1][-1][1].length == e.offset:
+            runs[-1].append((key, e, off))
+        else:
+            runs.append([(key, e, off)])
+    for run in runs:
+        t0 = time.perf_counter()
+        if run[0][1].codec == "raw":
+            bufs = [(key, mv[off:off + e.length]) for key, e, off in run]
+            _preadv_all(fd, bufs, state._data_start + run[0][1].offset, state.path)
             t1 = time.perf_counter()
             t_read += t1 - t0
-            if check:
-                state.check_blob(key, dst)
-                checked.append(key)
+            for key, dst in bufs:
+                if verify and (verified is None or key not in verified):
+                    state.check_blob(key, dst)
+                    checked.append(key)
         else:
-            data = os.pread(fd, e.length, start)
+            (key, e, off), = run
+            data = os.pread(fd, e.length, state._data_start + e.offset)
             if len(data) < e.length:
                 raise BadInput(f"{state.path}: truncated .upc state (part {key} is cut off)")
             t1 = time.perf_counter()
             t_read += t1 - t0
-            if check:
+            if verify and (verified is None or key not in verified):
                 state.check_blob(key, data)
                 checked.append(key)
             import zstandard
@@ -375,9 +396,9 @@ def _stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region
                            times_ms={"read": t_read * 1e3, "verify": t_verify * 1e3,
                                      "tables": (time.perf_counter() - t_tables) * 1e3}), None, checked)
     # 2. tables
-    lmeta, lt = _parse_blob(view, blob_offs[0])
+    lmeta, lt = _parse_blob(mv, blob_offs[0])
     gsz = int(lmeta["settings"]["group_size"])
-    parts = [_parse_blob(view, o) for o in blob_offs[1:]]          # K, V, K, V, ... of the chosen parts
+    parts = [_parse_blob(mv, o) for o in blob_offs[1:]]          # K, V, K, V, ... of the chosen parts
     cur = tables_at
 
     def put(arr: np.ndarray) -> int:
