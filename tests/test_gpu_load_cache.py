@@ -252,3 +252,78 @@ def test_writer_keeps_zstd_for_large_blobs_only_where_it_saves_a_lot(tmp_path):
         assert so.index["large"].codec == "zstd"
         for k, b in blobs.items():
             assert sf.read(k) == b == so.read(k)
+
+
+# --- the loader's tables kept across processes ------------------------------------------------------
+
+class _CountTables:
+    """Counts the tables built (one _layouts call per side of a layer built, none when copied)."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        real = gpu_load._layouts
+
+        def counted(*a, **k):
+            self.n += 1
+            return real(*a, **k)
+
+        monkeypatch.setattr(gpu_load, "_layouts", counted)
+
+
+def _same_plans(a, b):
+    return all(pa.sides == pb.sides and pa.off == pb.off and pa.size == pb.size
+               for pa, pb in zip(a.layers, b.layers))
+
+
+def test_tables_kept_for_a_new_process(state, lm, monkeypatch):
+    """A new process staging a file some process staged copies the tables it saved: same plans,
+    same KV, nothing built; a damaged tables file is ignored."""
+    hot1, k1, v1, _ = _stage(state, lm)
+    gpu_load._flush_records()
+    assert len(list(gpu_load._tables_dir().glob("*.tbl"))) == 1
+    gpu_load.forget_verified(persisted=False)          # a new process: nothing in memory
+    built = _CountTables(monkeypatch)
+    hot2, k2, v2, _ = _stage(state, lm)
+    assert hot2.cached_tables and built.n == 0 and _same_plans(hot1, hot2)
+    for a, b in zip(k1 + v1, k2 + v2):
+        assert torch.equal(a, b)
+    (tbl,) = gpu_load._tables_dir().glob("*.tbl")
+    tbl.write_bytes(tbl.read_bytes()[:-100])            # cut short: not used, built again
+    gpu_load.forget_verified(persisted=False)
+    hot3, k3, v3, _ = _stage(state, lm)
+    assert not hot3.cached_tables and built.n > 0 and _same_plans(hot1, hot3)
+    for a, b in zip(k1 + v1, k3 + v3):
+        assert torch.equal(a, b)
+
+
+def test_prepared_state_loads_without_hashing_or_building_tables(state, lm, monkeypatch):
+    """compress_document on a GPU prepares the file it wrote: a new process's first load neither
+    hashes (the writer's record) nor builds tables; dropping the record drops the tables."""
+    out = _rewrite_with_writer(state, state.with_name("w.upc"))
+    assert gpu_load.prepare_state(out)
+    gpu_load.forget_verified(persisted=False)
+    count, built = _Count(monkeypatch), _CountTables(monkeypatch)
+    hot, *_ = _stage(out, lm)
+    assert count.n == 0 and built.n == 0 and hot.cached_tables
+    gpu_load.forget_verified(out)
+    assert not list(gpu_load._tables_dir().glob("*.tbl"))
+
+
+def test_tables_of_another_version_are_not_used(state, lm, monkeypatch):
+    _stage(state, lm)
+    gpu_load._flush_records()
+    tmp = state.with_suffix(".new")
+    tmp.write_bytes(state.read_bytes())
+    os.replace(tmp, state)                             # same bytes, a new inode: another version
+    gpu_load.forget_verified(persisted=False)
+    built = _CountTables(monkeypatch)
+    hot, *_ = _stage(state, lm)
+    assert not hot.cached_tables and built.n > 0
+
+
+def test_no_tables_kept_when_records_are_off(state, lm, monkeypatch):
+    monkeypatch.setenv("KITE_VERIFY_RECORD", "0")
+    assert not gpu_load.prepare_state(state)
+    _stage(state, lm)
+    gpu_load._flush_records()
+    assert not list(gpu_load._tables_dir().glob("*.tbl"))

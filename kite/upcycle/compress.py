@@ -213,5 +213,11 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
     t = time.perf_counter()
     size = writer.write(output, meta)
     timings["write"] = (time.perf_counter() - t) * 1e3
+    if gpu:   # a state made on a GPU is loaded on one: keep the loader's tables for the first load
+        from kite.upcycle.gpu_load import prepare_state
+
+        t = time.perf_counter()
+        if prepare_state(output):
+            timings["prepare_load"] = (time.perf_counter() - t) * 1e3
     return CompressResult(path=str(output), n_tokens=cap.n_tokens, clusters=clusters, state_bytes=size,
                           raw_kv_bytes=raw_kv, timings_ms={k: round(v, 1) for k, v in timings.items()})

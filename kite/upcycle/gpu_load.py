@@ -37,9 +37,12 @@ compare it with the codec's own decode. Supported: states whose keys and values 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
 import os
+import struct
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,10 +53,11 @@ import torch
 
 from kite.errors import BadInput
 from kite.kernels.load import pca_coefs, pca_finish
-from kite.upcycle.state_file import StateFile, file_version, forget_record, record_verified, verified_record
+from kite.upcycle.state_file import (StateFile, file_version, forget_record, record_verified, records_enabled,
+                                     verified_record)
 
 __all__ = ["HotTier", "HotState", "stage_state", "load_staged", "rebuild_layer", "supports_state", "default_tier",
-           "forget_verified"]
+           "forget_verified", "prepare_state"]
 
 _ALIGN = 256
 _DT = {"f32": (np.float32, 4), "f16": (np.float16, 2), "bf16": (None, 2), "f8e4m3": (None, 1), "u8": (np.uint8, 1),
@@ -309,6 +313,7 @@ def forget_verified(path: str | os.PathLike[str] | None = None, *, persisted: bo
                 del _PLANS[k]
     if persisted:
         forget_record(path)
+        _forget_tables(path)
 
 
 _RECORDS: list[Future] = []
@@ -318,6 +323,90 @@ def _flush_records() -> None:
     """Wait for the cross-process records being written in the background."""
     while _RECORDS:
         _RECORDS.pop().result()
+
+
+# --------------------------------------------------------------------------------------------
+# the loader's tables kept across processes (next to the verified-blob record, same trust and
+# version rules): a new process staging a file some process staged before (or compress_document
+# prepared) copies them instead of building them, which is most of a first load's host work
+
+_TABLES_MAGIC = b"KITETBL1"
+_TABLES_KEPT = 64
+
+
+def _tables_dir():
+    from kite.paths import cache_dir
+
+    return cache_dir() / "upc_tables"
+
+
+def _tables_file(ckey: tuple):
+    """One file per (file path, selection, layers, H, d); its name starts with the path's hash."""
+    version, clusters, layers, H, d = ckey
+    path_h = hashlib.sha256(version[0].encode()).hexdigest()[:16]
+    sel_h = hashlib.sha256(json.dumps([list(clusters), list(layers), H, d]).encode()).hexdigest()[:16]
+    return _tables_dir() / f"{path_h}-{sel_h}.tbl"
+
+
+def _save_tables(ckey: tuple, header_sum: str, layers: dict[int, tuple[_LayerPlan, np.ndarray]]) -> None:
+    """Best effort: a cache that cannot be written only costs building the tables again."""
+    from kite.atomic import write_bytes
+
+    items = sorted(layers.items())
+    head, at = [], 0
+    for layer, (plan, tbytes) in items:
+        head.append({"layer": layer, "off": plan.off, "size": plan.size, "at": at, "n": int(tbytes.size),
+                     "sides": {k: dataclasses.asdict(sp) for k, sp in plan.sides.items()}})
+        at += int(tbytes.size)
+    meta = json.dumps({"version": list(ckey[0]), "header": header_sum, "key": [list(ckey[1]), list(ckey[2]),
+                                                                               ckey[3], ckey[4]],
+                       "layers": head}, separators=(",", ":")).encode()
+    try:
+        target = _tables_file(ckey)
+        write_bytes(target, b"".join([_TABLES_MAGIC, struct.pack("<I", len(meta)), meta]
+                                     + [tbytes.tobytes() for _, (_, tbytes) in items]))
+        kept = sorted(_tables_dir().glob("*.tbl"), key=lambda f: f.stat().st_mtime_ns)
+        for old in kept[:-_TABLES_KEPT]:
+            old.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def _load_tables(ckey: tuple, header_sum: str) -> dict[int, tuple[_LayerPlan, np.ndarray]] | None:
+    """The tables saved for exactly this file version, header, selection and geometry (else None)."""
+    try:
+        data = _tables_file(ckey).read_bytes()
+        if data[:8] != _TABLES_MAGIC:
+            return None
+        (n,) = struct.unpack("<I", data[8:12])
+        meta = json.loads(data[12:12 + n])
+        if (meta.get("version") != list(ckey[0]) or meta.get("header") != header_sum
+                or meta.get("key") != [list(ckey[1]), list(ckey[2]), ckey[3], ckey[4]]):
+            return None
+        body = memoryview(data)[12 + n:]
+        out = {}
+        for e in meta["layers"]:
+            sides = {k: _SidePlan(**{**sp, "basis": tuple(sp["basis"])}) for k, sp in e["sides"].items()}
+            tbytes = np.frombuffer(body[e["at"]:e["at"] + e["n"]], dtype=np.uint8)
+            if tbytes.size != e["n"]:
+                return None
+            out[int(e["layer"])] = (_LayerPlan(off=e["off"], size=e["size"], sides=sides), tbytes)
+        return out
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+
+
+def _forget_tables(path=None) -> None:
+    try:
+        if path is None:
+            files = list(_tables_dir().glob("*.tbl"))
+        else:
+            path_h = hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:16]
+            files = list(_tables_dir().glob(f"{path_h}-*.tbl"))
+        for f in files:
+            f.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _preadv_all(fd: int, bufs: list[tuple[str, memoryview]], pos: int, path) -> None:
@@ -532,11 +621,21 @@ def stage_state(state: StateFile, selection: list[tuple[int, torch.Tensor | None
                 verified = _VERIFIED.setdefault(version, set())
                 verified.update(rec)
     verified = set(verified) if verified else None   # a snapshot: other threads may add to the original
+    if header_sum is not None and records_enabled() and not all(layer in entry.layers for layer in layer_set):
+        # tables another process built for this very version (checked against today's layout)
+        stored = _load_tables(ckey, header_sum)
+        if stored is not None and all(
+                layer in stored and stored[layer][0].off == region and stored[layer][1].size <= cap
+                and stored[layer][0].size == tables_at - region + stored[layer][1].size
+                for layer, region, _, _, tables_at, cap in jobs):
+            with _CACHE_LOCK:
+                for layer in layer_set:
+                    entry.layers.setdefault(layer, stored[layer])
     hot = HotState(key=key or (), buffer=buf, H=H, d=d, rows=int(pos_all.numel()), dest=dest,
                    positions=kept_pos[order], layers=plans, bytes_read=nread,
                    _graphs=entry.graphs, _dest_dev=entry.dest_dev,
                    cached_tables=all(layer in entry.layers for layer in layer_set))
-    pending = [len(jobs), False]      # layers still to stage, whether any blob was checked
+    pending = [len(jobs), False, False]   # layers still to stage, any blob checked, any tables built
 
     def one(layer, region, keys, offs, tables_at, cap):
         try:
@@ -550,16 +649,22 @@ def stage_state(state: StateFile, selection: list[tuple[int, torch.Tensor | None
             entry.layers[layer] = (plan, tbytes)
         with _CACHE_LOCK:
             # remember the checks only while the file is still the version they were made on
-            if checked and _file_version(fd, version[0]) == version:
+            unchanged = _file_version(fd, version[0]) == version
+            if checked and unchanged:
                 _VERIFIED.setdefault(version, set()).update(checked)
                 pending[1] = True
+            pending[2] = pending[2] or tbytes is not None
             pending[0] -= 1
-            last = pending[0] == 0 and pending[1]
-            done = set(_VERIFIED.get(version, ())) if last else None
+            last = pending[0] == 0
+            done = set(_VERIFIED.get(version, ())) if last and pending[1] else None
+            tables = {l: entry.layers[l] for l in layer_set} if last and pending[2] and verify and unchanged else None
         if last and header_sum is not None:
             # the whole staging checked out: record it for other processes, off the load's path
             _RECORDS[:] = [f for f in _RECORDS if not f.done()]
-            _RECORDS.append(_pool(1).submit(record_verified, version, header_sum, done))
+            if done is not None:
+                _RECORDS.append(_pool(1).submit(record_verified, version, header_sum, done))
+            if tables is not None and records_enabled():
+                _RECORDS.append(_pool(1).submit(_save_tables, ckey, header_sum, tables))
         return plan
 
     if threads <= 1:
@@ -574,6 +679,31 @@ def stage_state(state: StateFile, selection: list[tuple[int, torch.Tensor | None
     if wait:
         hot.wait_all()
     return hot
+
+
+def prepare_state(path, *, threads: int = 8) -> bool:
+    """Stage a state file once, whole (every cluster and layer, as ``load_prefix`` with no choice
+    stages it), so that its loader tables are kept for later processes: their first load of the
+    file copies them instead of building them. ``compress_document`` calls it on a GPU machine
+    after writing. Checksums are verified as a load would (none when the writer recorded the file).
+    Returns whether the tables were kept (False when records are off or the state is not PCA-coded).
+    """
+    if not records_enabled():
+        return False
+    from kite.upcycle.load import select_clusters
+
+    with StateFile(path) as state:
+        geo = (state.meta.get("model") or {}).get("geometry") or {}
+        if not supports_state(state) or not geo:
+            return False
+        info = {c["id"]: c for c in state.meta["clusters"]}
+        chosen = select_clusters(state, None)
+        positions = [torch.cat([torch.arange(s, e) for s, e in info[c]["token_ranges"]]) for c in chosen]
+        L = int(geo["n_layers"])
+        stage_state(state, [(c, None) for c in chosen], positions, list(range(L)), n_layers=L,
+                    H=int(geo["n_kv_heads"]), d=int(geo["head_dim"]), tier=HotTier(pin=False), threads=threads)
+    _flush_records()
+    return True
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
