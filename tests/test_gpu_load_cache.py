@@ -165,7 +165,8 @@ def _stage_in_another_process(path):
 
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "-c", _STAGE_IN_CHILD, str(path)], check=True, cwd=root,
-                   env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))},
+                   timeout=300)
 
 
 def test_writer_records_the_file_it_wrote(state, lm, monkeypatch):
