@@ -301,7 +301,11 @@ def test_prepared_state_loads_without_hashing_or_building_tables(state, lm, monk
     """compress_document on a GPU prepares the file it wrote: a new process's first load neither
     hashes (the writer's record) nor builds tables; dropping the record drops the tables."""
     out = _rewrite_with_writer(state, state.with_name("w.upc"))
-    assert gpu_load.prepare_state(out)
+    _stage(out, lm, verify=False)                      # tables in memory only: an unverified load keeps nothing
+    gpu_load._flush_records()
+    assert not list(gpu_load._tables_dir().glob("*.tbl"))
+    assert gpu_load.prepare_state(out)                 # kept now, though this process had them already
+    assert len(list(gpu_load._tables_dir().glob("*.tbl"))) == 1
     gpu_load.forget_verified(persisted=False)
     count, built = _Count(monkeypatch), _CountTables(monkeypatch)
     hot, *_ = _stage(out, lm)

@@ -25,8 +25,8 @@ round trips until the blobs are serialized:
 
 Nothing between the eigensolver and the codes waits for the host: every size and index is made on
 the device. The host waits once for the small tables (bit allocations, run sizes) while the encode
-runs, then copies exactly the bytes written on a copy stream (the keys' while the values are
-encoded) and builds the blobs from slices.
+runs, then copies exactly the bytes written on a copy stream (the side with more bits is encoded
+first, so its copy runs while the other side is encoded) and builds the blobs from slices.
 
 The byte format is the codec's (docs/upc-format.md): the layer blobs and part blobs it returns
 are what ``codec.to_bytes`` gives for a ``LayerCodec`` / part ``Blob`` and read back with
@@ -379,7 +379,6 @@ def _fit_launch(sides: dict[str, tuple[torch.Tensor, float]], s: CodecSettings, 
 
 
 _FIT_STREAMS: dict = {}
-
 
 
 @contextlib.contextmanager

@@ -335,7 +335,7 @@ def _flush_records() -> None:
 # version rules): a new process staging a file some process staged before (or compress_document
 # prepared) copies them instead of building them, which is most of a first load's host work
 
-_TABLES_MAGIC = b"KITETBL1"
+_TABLES_MAGIC = b"KITETBL1"   # bump the digit when _stage_layer's tables or _SidePlan change meaning
 _TABLES_KEPT = 64
 
 
@@ -662,13 +662,15 @@ def stage_state(state: StateFile, selection: list[tuple[int, torch.Tensor | None
             pending[0] -= 1
             last = pending[0] == 0
             done = set(_VERIFIED.get(version, ())) if last and pending[1] else None
-            tables = {l: entry.layers[l] for l in layer_set} if last and pending[2] and verify and unchanged else None
+            keep = last and verify and unchanged and header_sum is not None and records_enabled()
+            tables = {l: entry.layers[l] for l in layer_set} if keep and (pending[2] or not _tables_file(ckey).exists()) \
+                else None
         if last and header_sum is not None:
             # the whole staging checked out: record it for other processes, off the load's path
             _RECORDS[:] = [f for f in _RECORDS if not f.done()]
             if done is not None:
                 _RECORDS.append(_pool(1).submit(record_verified, version, header_sum, done))
-            if tables is not None and records_enabled():
+            if tables is not None:
                 _RECORDS.append(_pool(1).submit(_save_tables, ckey, header_sum, tables))
         return plan
 
@@ -691,7 +693,7 @@ def prepare_state(path, *, threads: int = 8) -> bool:
     stages it), so that its loader tables are kept for later processes: their first load of the
     file copies them instead of building them. ``compress_document`` calls it on a GPU machine
     after writing. Checksums are verified as a load would (none when the writer recorded the file).
-    Returns whether the tables were kept (False when records are off or the state is not PCA-coded).
+    Returns False (and stages nothing) when records are off or the state is not PCA-coded.
     """
     if not records_enabled():
         return False
