@@ -59,7 +59,7 @@ import torch
 from kite.errors import BadInput
 from kite.kernels.load import pca_coefs, pca_finish
 from kite.upcycle.state_file import (StateFile, file_version, forget_record, record_verified, records_enabled,
-                                     verified_record)
+                                     same_version, verified_record)
 
 __all__ = ["HotTier", "HotState", "stage_state", "load_staged", "rebuild_layer", "supports_state", "default_tier",
            "forget_verified", "prepare_state"]
@@ -654,7 +654,7 @@ def stage_state(state: StateFile, selection: list[tuple[int, torch.Tensor | None
             entry.layers[layer] = (plan, tbytes)
         with _CACHE_LOCK:
             # remember the checks only while the file is still the version they were made on
-            unchanged = _file_version(fd, version[0]) == version
+            unchanged = same_version(fd, version)
             if checked and unchanged:
                 _VERIFIED.setdefault(version, set()).update(checked)
                 pending[1] = True
@@ -733,8 +733,7 @@ class _Views:
         self.r = region
 
     def t(self, off: int, dtype: torch.dtype, n: int) -> torch.Tensor:
-        size = torch.empty((), dtype=dtype).element_size()
-        return self.r[off:off + n * size].view(dtype)
+        return self.r[off:off + n * dtype.itemsize].view(dtype)
 
 
 def load_staged(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor | None, sin: torch.Tensor | None,
