@@ -63,8 +63,9 @@ def quantize_plan(src: torch.Tensor, row_bits: torch.Tensor, base_bit: torch.Ten
     g of the part, first column, size gs); group (r, j) is quantized as :func:`quantize_groups` would
     (``range_mode`` below 8 bits, min/max at 8), its codes packed LSB first from bit
     ``base_bit[r, c] + g * gs * bits`` of the returned bytes, its fp16 scale and minimum at index
-    ``base_sc[r, c] + g``. ``whole_bytes``: every gs is a multiple of 8 (each group starts on a byte
-    and owns whole bytes); otherwise groups share bytes. ``n_bytes`` / ``n_scales``: the buffers'
+    ``base_sc[r, c] + g``; every group must lie inside ``src``'s columns (the kernel does not check).
+    ``whole_bytes``: every gs is a multiple of 8 (each group starts on a byte and owns whole bytes);
+    otherwise groups share bytes. ``n_bytes`` / ``n_scales``: the buffers'
     sizes (an upper bound will do). ``deq`` (optional, float32 [N, M]): receives the dequantized
     values (``min + scale * code``) at the quantized positions.
 
