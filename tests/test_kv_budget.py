@@ -175,6 +175,13 @@ def test_cli_bad_budget(tiny_models, args, needle):
     _one_line_error(r, needle)
 
 
+def test_cli_serve_refuses_budget_settings_without_a_budget(tiny_models, tmp_path):
+    """Checked before the rules, the model or the port: one line, exit 2."""
+    r = runner.invoke(app, ["serve", "-m", str(tiny_models["llama"]), "--kv-budget-block", "64",
+                            "--state-dir", str(tmp_path)])
+    _one_line_error(r, "give it too")
+
+
 def test_cli_generate_with_a_budget_reports_bytes(tiny_models):
     prompt = "The parties agree that the supplier shall deliver the goods. " * 18
     r = runner.invoke(app, ["generate", "-m", str(tiny_models["llama"]), "--prompt", prompt, "--max-new-tokens",

@@ -88,6 +88,17 @@ def report_error(exc: BaseException) -> int:
 
 
 JsonOpt = typer.Option(False, "--json", help="Print one JSON document for scripts.")
+# the memory-budgeted mode's block settings (kite generate, kite serve; docs/kv-budget.md)
+KvBudgetCodecOpt = typer.Option("--kv-budget-codec", help="With --kv-budget-tokens: the codec of the compressed "
+                                "blocks (ratio=R, int4, int8, exact, ...; default ratio=8).")
+KvBudgetBlockOpt = typer.Option("--kv-budget-block", help="With --kv-budget-tokens: tokens per compressed block "
+                                "(default 256).")
+
+
+def check_budget_flags(tokens: int | None, codec: str | None, block: int | None) -> None:
+    """--kv-budget-codec / --kv-budget-block only mean something with --kv-budget-tokens. Raises BadInput."""
+    if tokens is None and (codec is not None or block is not None):
+        raise BadInput("--kv-budget-codec and --kv-budget-block set up --kv-budget-tokens; give it too")
 
 
 def parse_layers(spec: str | None, n_layers: int) -> list[int] | None:

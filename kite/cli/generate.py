@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kite.cli._common import JsonOpt, console, emit_json
+from kite.cli._common import JsonOpt, KvBudgetBlockOpt, KvBudgetCodecOpt, check_budget_flags, console, emit_json
 from kite.errors import BadInput
 
 
@@ -64,11 +64,8 @@ def generate(
     kv_budget_tokens: Annotated[int | None, typer.Option(
         "--kv-budget-tokens", help="Hold at most N tokens' KV raw; older tokens are compressed in blocks "
         "and keep taking part in attention (see docs/kv-budget.md).")] = None,
-    kv_budget_codec: Annotated[str | None, typer.Option(
-        "--kv-budget-codec", help="With --kv-budget-tokens: the codec of the compressed blocks "
-        "(ratio=R, int4, int8, exact, ...; default ratio=8).")] = None,
-    kv_budget_block: Annotated[int | None, typer.Option(
-        "--kv-budget-block", help="With --kv-budget-tokens: tokens per compressed block (default 256).")] = None,
+    kv_budget_codec: Annotated[str | None, KvBudgetCodecOpt] = None,
+    kv_budget_block: Annotated[int | None, KvBudgetBlockOpt] = None,
     json_out: bool = JsonOpt,
 ) -> None:
     """Generate text; streams to the terminal. --json gives text, token counts, ttft_ms, tokens/s.
@@ -131,9 +128,8 @@ def _budget_settings(tokens: int | None, codec: str | None, block: int | None, u
     """BudgetSettings from the --kv-budget-* flags (None without --kv-budget-tokens). Raises BadInput."""
     from kite.upcycle.budget import DEFAULT_BLOCK_TOKENS, DEFAULT_CODEC, BudgetSettings, check_budget
 
+    check_budget_flags(tokens, codec, block)
     if tokens is None:
-        if codec is not None or block is not None:
-            raise BadInput("--kv-budget-codec and --kv-budget-block set up --kv-budget-tokens; give it too")
         return None
     if upc is not None:
         raise BadInput("--kv-budget-tokens cannot be combined with --upc (a loaded state is its own compressed "

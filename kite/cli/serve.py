@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from kite.cli._common import console, err_console
+from kite.cli._common import KvBudgetBlockOpt, KvBudgetCodecOpt, check_budget_flags, console, err_console
 from kite.errors import BadInput, KiteError
 
 
@@ -32,10 +32,8 @@ def serve(
     kv_budget_tokens: Annotated[int | None, typer.Option(
         "--kv-budget-tokens", help="Completions without a state hold at most N tokens' KV raw; older tokens are "
         "compressed in blocks and keep taking part in attention (docs/kv-budget.md).")] = None,
-    kv_budget_codec: Annotated[str | None, typer.Option(
-        "--kv-budget-codec", help="With --kv-budget-tokens: the blocks' codec (ratio=R, int4, ...; default ratio=8).")] = None,
-    kv_budget_block: Annotated[int | None, typer.Option(
-        "--kv-budget-block", help="With --kv-budget-tokens: tokens per compressed block (default 256).")] = None,
+    kv_budget_codec: Annotated[str | None, KvBudgetCodecOpt] = None,
+    kv_budget_block: Annotated[int | None, KvBudgetBlockOpt] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Serve one model over HTTP: /v1/completions, /v1/chat/completions (with a `kite` field naming
@@ -55,8 +53,7 @@ def serve(
     from kite.serve.app import compress_settings_for
     from kite.serve.settings import LOOPBACK
 
-    if kv_budget_tokens is None and (kv_budget_codec is not None or kv_budget_block is not None):
-        raise BadInput("--kv-budget-codec and --kv-budget-block set up --kv-budget-tokens; give it too")
+    check_budget_flags(kv_budget_tokens, kv_budget_codec, kv_budget_block)
     budget_kw = {} if kv_budget_tokens is None else {
         "kv_budget_tokens": kv_budget_tokens, **({"kv_budget_codec": kv_budget_codec} if kv_budget_codec else {}),
         **({"kv_budget_block": kv_budget_block} if kv_budget_block is not None else {})}
