@@ -78,3 +78,8 @@ def tiny_contract_state(tiny_models, tmp_path_factory):
                       CompressSettings(codec=codec.settings_for("exact"), n_clusters=3, min_span_tokens=8,
                                        max_span_tokens=24), tagger=tagger)
     return lm, tagger, out
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-golden", action="store_true", default=False,
+                     help="print the digests of tests/test_golden_state.py instead of checking them")
