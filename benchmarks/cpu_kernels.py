@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kite.kernels import eigh, kmeans, load, native, quant  # noqa: E402
+from kite.kernels import eigh, kmeans, native, quant  # noqa: E402
 from kite.upcycle import codec  # noqa: E402
 
 
@@ -63,20 +63,6 @@ def cases(T: int = 2048, L: int = 30, H: int = 3, d: int = 64, hidden: int = 576
     Xb = Xk.repeat(4, 1, 1)
     yield ("batched_pca (Gram + eigh)", f"[{Xb.shape[0]}, {T}, {d}]",
            lambda: eigh.batched_pca(Xb), lambda: codec.batched_pca(Xb))
-    # fused load of one layer's keys: dequantize + reconstruct + RoPE
-    lc = codec.fit_layer(Xk, Xk, codec.settings_for("ratio=4", joint_heads=True))
-    part = codec.encode(lc, Xk, Xk)
-    bits = lc.tensors["k.bits"].long()
-    colbits = torch.cat([bits[b][bits[b] > 0] for b in range(bits.shape[0])])
-    kw = dict(codes=part.k.tensors["codes"], scale=part.k.tensors["scale"], mn=part.k.tensors["min"],
-              layout=load.pca_layout(colbits, T, lc.settings.group_size),
-              blk_off=torch.tensor([0, colbits.numel()]), basis_t=codec._basis(lc, "k").T.contiguous(),
-              mean=lc.tensors["k.mean"].float().contiguous(), T=T)
-    ang = torch.arange(T)[:, None] * (1e4 ** (-torch.arange(0, d, 2) / d))[None]
-    cos, sin = torch.cat([ang, ang], 1).cos(), torch.cat([ang, ang], 1).sin()
-    out = torch.empty(H, T, d)
-    yield ("fused load (one layer's keys)", f"H={H}, T={T}, R={colbits.numel()}",
-           lambda: load.pca_load(out, **kw, cos=cos, sin=sin), lambda: load.pca_load_torch(out, **kw, cos=cos, sin=sin))
 
 
 def main() -> None:

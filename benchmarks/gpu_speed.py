@@ -299,17 +299,6 @@ def timeline(trace: dict, min_gap_ms: float = 0.3) -> dict:
             "gaps": gaps, "host_waits": waits}
 
 
-def state_layout(H: int, d: int, classes, T: int):
-    """Per (layer, side): column bits [R], per-block offsets, PcaLayout (one part of T tokens)."""
-    from kite.kernels.load import pca_layout
-
-    per_head = [b for b, n in classes for _ in range(n)]
-    colbits = per_head * H
-    r = len(per_head)
-    blk_off = torch.arange(H + 1, dtype=torch.long) * r
-    return colbits, blk_off, pca_layout(colbits, T, GROUP), r
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=16384)

@@ -34,22 +34,6 @@ int kite_kmeans_cosine(const float* x, int64_t n, int64_t D, float* C, int64_t k
 // A: [B, d, d] symmetric; evals [B, d] descending; evecs [B, d, d] with column j = eigvec j.
 int kite_eigh_batched(const double* A, int64_t B, int64_t d, double* evals, double* evecs);
 
-// ---- fused load: dequantize PCA coefficients + reconstruct + re-apply RoPE -------------------
-// Coefficient column j (of R) has bits col_bits[j] (1..8), its T codes start at bit col_bitoff[j]
-// of `codes`, its groups of gs tokens start at group col_goff[j] of scale16/min16. Block b owns
-// columns [blk_off[b], blk_off[b+1]) and dims [b*D, (b+1)*D) of the flat H*d head layout
-// (B*D == H*d, D % d == 0). basis_t: [R, D] float32 (row j = component j's direction in its
-// block), mean: [B, D]. Token t goes to row dest[t] (NULL: t) of out [H, T_out, d]; tokens with
-// override[t] >= 0 take raw pre-RoPE values from ovr_x16 [H, n_ovr, d] (fp16) instead.
-// cos, sin: [T_out, d] (NULL: no RoPE). out_dtype: 0 float32, 1 bfloat16, 2 float16.
-int kite_pca_load(int64_t T, int64_t R, int64_t B, int64_t D, int64_t H, int64_t d,
-                  const uint8_t* codes, const int64_t* col_bitoff, const uint8_t* col_bits,
-                  const int64_t* col_goff, int64_t gs, const uint16_t* scale16,
-                  const uint16_t* min16, const int64_t* blk_off, const float* basis_t,
-                  const float* mean, const int64_t* dest, int64_t T_out,
-                  const int32_t* override_idx, const uint16_t* ovr_x16, int64_t n_ovr,
-                  const float* cos, const float* sin, void* out, int out_dtype);
-
 // ---- CUDA (libkite_runtime_cuda.so; device pointers; stream = cudaStream_t or NULL) ----------
 const char* kite_cuda_version(void);
 int kite_cuda_kmeans_cosine(const float* x, int64_t n, int64_t D, float* C, int64_t k, int iters,
@@ -74,13 +58,6 @@ int kite_cuda_quantize_plan(const float* src, int64_t ld, int64_t n_rows, const 
 // A: [B, d, d] float32 symmetric, d even and <= 128: one launch, one block per matrix (Jacobi).
 int kite_cuda_eigh_batched(const float* A, int64_t B, int64_t d, float* evals, float* evecs,
                            int max_sweeps, void* stream);
-int kite_cuda_pca_load(int64_t T, int64_t R, int64_t B, int64_t D, int64_t H, int64_t d,
-                       const uint8_t* codes, const int64_t* col_bitoff, const uint8_t* col_bits,
-                       const int64_t* col_goff, int64_t gs, const uint16_t* scale16,
-                       const uint16_t* min16, const int64_t* blk_off, const float* basis_t,
-                       const float* mean, const int64_t* dest, int64_t T_out,
-                       const int32_t* override_idx, const uint16_t* ovr_x16, int64_t n_ovr,
-                       const float* cos, const float* sin, void* out, int out_dtype, void* stream);
 
 // Split PCA load, CUDA only. pca_coefs: dequantize coefficient columns of P parts held in one staging
 // region `base`: tab [P, 6] = row0, T, gs, codes_off, scale_off, min_off (bytes from base);

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kite.upcycle import codec as C
-from kite.upcycle.quant import (dequantize, pack_bits, packed_nbytes, quantize, unpack_bits)
+from kite.upcycle.quant import dequantize, quantize
 
 H, T, D = 3, 512, 64
 
@@ -127,15 +127,6 @@ def test_shape_checks():
         C.encode(lc, k[:2], v[:2])
     with pytest.raises(ValueError):
         C.encode(lc, k, v, positions=torch.arange(3))
-
-
-@pytest.mark.parametrize("bits", range(1, 9))
-def test_pack_unpack(bits):
-    n = 1001
-    c = torch.randint(0, 1 << bits, (n,))
-    p = pack_bits(c, bits)
-    assert p.dtype == torch.uint8 and p.numel() == packed_nbytes(n, bits)
-    assert torch.equal(unpack_bits(p, bits, n), c.to(torch.uint8))
 
 
 @pytest.mark.parametrize("fmt,tol", [("int8", 0.02), ("int4", 0.3), ("int3", 0.6), ("int2", 1.6),

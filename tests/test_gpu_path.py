@@ -11,7 +11,6 @@ import torch
 
 from kite.errors import BadInput, KiteError
 from kite.kernels import eigh
-from kite.kernels.load import pca_layout, pca_load_torch
 from kite.upcycle import codec, codec_batched, gpu_load
 from kite.upcycle.compress import CompressSettings, compress_document
 from kite.upcycle.load import load_prefix
@@ -295,26 +294,3 @@ def test_hot_tier_lru_and_spare_buffers():
     assert tier.hits == 3 and tier.misses == 1
     spare = tier._spare[0]
     assert tier.buffer(50).data_ptr() == spare.data_ptr()   # reused, not allocated
-
-
-def test_fused_load_kernel_takes_joint_head_blocks():
-    """kernels.load's layout over a joint-head (B = 1, D = H*d) codec part, against codec.decode."""
-    K, V, sets = _kv(L=1, H=2, T=300, d=16)
-    s = codec.settings_for(4)
-    lc = codec.fit_layer(K[0], V[0], s)
-    idx = sets[0]
-    part = codec.encode(lc, K[0][:, idx], V[0][:, idx], idx)
-    _, want = codec.decode(lc, part)
-    bits = lc.tensors["v.bits"].long()
-    colbits = bits[bits > 0]
-    blk_off = torch.tensor([0, int(colbits.numel())])
-    basis_t = codec._basis(lc, "v").T.contiguous()
-    T = int(idx.numel())
-    out = torch.empty(2, T, 16)
-    ovr_idx = torch.full((T,), -1, dtype=torch.int32)
-    n = part.v.tensors.get("out.idx", torch.zeros(0, dtype=torch.int16)).long()
-    ovr_idx[n] = torch.arange(n.numel(), dtype=torch.int32)
-    pca_load_torch(out, part.v.tensors["codes"], part.v.tensors["scale"], part.v.tensors["min"],
-                   pca_layout(colbits, T, s.group_size), blk_off, basis_t, lc.tensors["v.mean"].float(), T,
-                   override_idx=ovr_idx if n.numel() else None, ovr_x=part.v.tensors.get("out.x"))
-    assert torch.allclose(out, want, atol=1e-5)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kite.kernels import eigh, kmeans, load, native, quant
+from kite.kernels import eigh, kmeans, native, quant
 from kite.kernels.backend import backend
 from kite.kernels.locate import cpu_version, runtime_path, runtime_status
 from kite.upcycle import codec
@@ -153,78 +153,6 @@ def test_batched_pca_matches_codec(center):
 
 
 # ---------------------------------------------------------------------------------------------
-# fused load: codec parts rebuilt by pca_load == codec.decode + apply_rope
-
-
-def _rope(T, d, base=10000.0):
-    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    ang = torch.arange(T, dtype=torch.float32)[:, None] * inv[None, :]
-    ang = torch.cat([ang, ang], dim=1)
-    return ang.cos(), ang.sin()
-
-
-def _part_inputs(lc, blob, side):
-    bits = lc.tensors[f"{side}.bits"].long()
-    B, D = bits.shape
-    counts = (bits > 0).sum(dim=1)
-    colbits = torch.cat([bits[b][bits[b] > 0] for b in range(B)])
-    T = blob.meta["T"]
-    layout = load.pca_layout(colbits, T, lc.settings.group_size)
-    blk_off = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
-    basis_t = codec._basis(lc, side).T.contiguous()
-    mean = lc.tensors[f"{side}.mean"].float().contiguous()
-    ov_idx = ov_x = None
-    if "out.idx" in blob.tensors:
-        ov_idx = torch.full((T,), -1, dtype=torch.int32)
-        idx = blob.tensors["out.idx"].long()
-        ov_idx[idx] = torch.arange(idx.numel(), dtype=torch.int32)
-        ov_x = blob.tensors["out.x"]
-    return dict(codes=blob.tensors["codes"], scale=blob.tensors["scale"], mn=blob.tensors["min"], layout=layout,
-                blk_off=blk_off, basis_t=basis_t, mean=mean, T=T, override_idx=ov_idx, ovr_x=ov_x)
-
-
-@pytest.mark.parametrize("joint", [True, False])
-@pytest.mark.parametrize("ratio", [4, 10])
-@pytest.mark.parametrize("fn", ["native", "torch"])
-def test_pca_load_matches_codec_decode(joint, ratio, fn):
-    if fn == "native" and native.cpu() is None:
-        pytest.skip("native runtime not built")
-    H, T, d = 3, 200, 64
-    g = _rng()
-    K = torch.randn(H, T, d, generator=g) * torch.linspace(2, 0.05, d) + torch.randn(H, 1, d, generator=g)
-    V = torch.randn(H, T, d, generator=g)
-    s = codec.settings_for(f"ratio={ratio}", joint_heads=joint, group_size=64, outliers=2)
-    lc = codec.fit_layer(K, V, s)
-    positions = torch.arange(T) + 7
-    part = codec.encode(lc, K, V, positions=torch.cat([torch.tensor([0]), positions[1:]]))
-    k_ref, v_ref = codec.decode(lc, part)
-    cos, sin = _rope(T + 7, d)
-    rows = positions  # the part's tokens land at rows 7.. of a longer cache
-    k_ref = k_ref * cos[rows] + torch.cat((-k_ref[..., d // 2:], k_ref[..., : d // 2]), -1) * sin[rows]
-    run = load.pca_load if fn == "native" else load.pca_load_torch
-    for side, ref, rope in (("k", k_ref, True), ("v", v_ref, False)):
-        out = torch.full((H, T + 7, d), float("nan"))
-        kw = _part_inputs(lc, getattr(part, side), side)
-        run(out, **kw, dest=rows, cos=cos if rope else None, sin=sin if rope else None)
-        assert torch.isnan(out[:, :7]).all()  # rows not in the part are untouched
-        assert torch.allclose(out[:, 7:], ref, atol=1e-4, rtol=1e-4), (out[:, 7:] - ref).abs().max()
-
-
-@has_cpu
-def test_pca_load_native_bf16_matches_fallback():
-    H, T, d = 4, 150, 128
-    K = torch.randn(H, T, d, generator=_rng()) * torch.linspace(3, 0.1, d)
-    lc = codec.fit_layer(K, K.flip(1), codec.settings_for("ratio=6", joint_heads=True))
-    part = codec.encode(lc, K, K.flip(1))
-    kw = _part_inputs(lc, part.k, "k")
-    cos, sin = _rope(T, d)
-    perm = torch.randperm(T, generator=_rng())
-    a = load.pca_load(torch.empty(H, T, d, dtype=torch.bfloat16), **kw, dest=perm, cos=cos, sin=sin)
-    b = load.pca_load_torch(torch.empty(H, T, d, dtype=torch.bfloat16), **kw, dest=perm, cos=cos, sin=sin)
-    assert (a.float() - b.float()).abs().max() <= 0.02 * b.float().abs().max()
-
-
-# ---------------------------------------------------------------------------------------------
 # library, build, backend selection
 
 
@@ -288,23 +216,6 @@ def _check_cuda_eigh(A: torch.Tensor, atol: float) -> None:
     ev_ref, _ = eigh.eigh_desc_torch(A.cpu().double())
     assert torch.allclose(ev.cpu().double(), ev_ref, rtol=1e-4, atol=atol * ev_ref.max().item())
     _check_eigh(A.cpu(), ev.cpu(), U.cpu(), 2e-3)
-
-
-@has_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_pca_load_matches_fallback(dtype):
-    H, T, d = 4, 700, 128
-    K = torch.randn(H, T, d, generator=_rng()) * torch.linspace(3, 0.1, d)
-    lc = codec.fit_layer(K, K, codec.settings_for("ratio=4", joint_heads=True, outliers=3))
-    part = codec.encode(lc, K, K, positions=torch.arange(T))
-    kw = _part_inputs(lc, part.k, "k")
-    cos, sin = _rope(T, d)
-    want = load.pca_load_torch(torch.empty(H, T, d, dtype=dtype), **kw, cos=cos, sin=sin)
-    kw_gpu = {k: (v.cuda() if isinstance(v, torch.Tensor) else v.to("cuda") if isinstance(v, load.PcaLayout) else v)
-              for k, v in kw.items()}
-    got = load.pca_load(torch.empty(H, T, d, dtype=dtype, device="cuda"), **kw_gpu, cos=cos.cuda(), sin=sin.cuda())
-    tol = 1e-4 if dtype == torch.float32 else 0.02
-    assert (got.cpu().float() - want.float()).abs().max() <= tol * want.float().abs().max()
 
 
 @has_cuda
@@ -408,16 +319,3 @@ def test_quantize_plan_puts_each_group_where_the_plan_says(sizes, mode):
     want = (bits_out.view(-1, 8).long() << torch.arange(8)).sum(1).to(torch.uint8)
     assert torch.equal(packed, want)
     assert torch.equal(deq, want_deq)
-
-
-@has_cpu
-def test_prepared_pca_load_matches_direct():
-    H, T, d = 2, 90, 64
-    K = torch.randn(H, T, d, generator=_rng())
-    lc = codec.fit_layer(K, K, codec.settings_for("ratio=5", joint_heads=False))
-    kw = _part_inputs(lc, codec.encode(lc, K, K).v, "v")
-    cos, sin = _rope(T, d)
-    a = load.pca_load(torch.empty(H, T, d), **kw, cos=cos, sin=sin)
-    out = torch.empty(H, T, d)
-    launch = load.prepare_pca_load(out, **kw, cos=cos, sin=sin)
-    assert launch() is out and torch.equal(out, a)

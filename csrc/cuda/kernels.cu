@@ -1,6 +1,7 @@
 // CUDA kernels of libkite_runtime_cuda.so: cosine k-means (assign + update), batched Jacobi
-// eigendecomposition of small symmetric matrices in one launch, and the fused PCA load
-// (dequantize + reconstruct + RoPE into the cache layout). Device pointers; one stream.
+// eigendecomposition of small symmetric matrices in one launch, group quantization, and the split
+// PCA load (dequantize coefficients; mean + sinks + RoPE into the cache layout). Device pointers;
+// one stream.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -261,14 +262,7 @@ extern "C" int kite_cuda_eigh_batched(const float* A, int64_t B, int64_t d, floa
 }
 
 // ---------------------------------------------------------------------------------------------
-// fused PCA load. Block = (tile of TT tokens, up to 256 RoPE pairs). Each thread owns one RoPE
-// pair (i, i + d/2) of one head and accumulates TT tokens in registers; the tile's dequantized
-// coefficients sit in shared memory ([TT][RP], RP = R rounded up to 4, plus 4 against bank
-// conflicts) and are read four columns at a time as float4 broadcasts.
-
-constexpr int TT = 16;
-
-static __host__ __device__ __forceinline__ int64_t coef_pitch(int64_t R) { return (R + 3) / 4 * 4 + 4; }
+// RoPE and the cache-dtype store, for the split PCA load's finish pass (below).
 
 // One rotated pair (i, i + half) of a head's row: RoPE at the table row cs (when cosv is given),
 // then the store in the cache dtype (OUT 0: fp32, 1: bf16, 2: fp16) at out[o] and out[o + half].
@@ -288,117 +282,6 @@ static __device__ __forceinline__ void store_roped(void* out, int64_t o, int64_t
     ((__half*)out)[o] = __float2half_rn(ol);
     ((__half*)out)[o + half] = __float2half_rn(oh);
   }
-}
-
-template <int OUT>
-__global__ void __launch_bounds__(256) pca_load_kernel(
-    int64_t T, int64_t R, int64_t D, int64_t H, int64_t d, const uint8_t* __restrict__ codes,
-    const int64_t* __restrict__ col_bitoff, const uint8_t* __restrict__ col_bits,
-    const int64_t* __restrict__ col_goff, int64_t gs, const uint16_t* __restrict__ scale16,
-    const uint16_t* __restrict__ min16, const int64_t* __restrict__ blk_off,
-    const float* __restrict__ basis_t, const float* __restrict__ mean, const int64_t* __restrict__ dest,
-    int64_t T_out, const int32_t* __restrict__ ovr_idx, const uint16_t* __restrict__ ovr_x16,
-    int64_t n_ovr, const float* __restrict__ cosv, const float* __restrict__ sinv, void* __restrict__ out) {
-  extern __shared__ float4 coef4[];
-  float* coef = (float*)coef4;
-  const int64_t RP = coef_pitch(R);
-  const int64_t t0 = (int64_t)blockIdx.y * TT;
-  // consecutive threads: consecutive tokens of one column (one code stream, one group)
-  for (int64_t idx = threadIdx.x; idx < (int64_t)TT * R; idx += blockDim.x) {
-    const int64_t j = idx / TT, tt = idx % TT, t = t0 + tt;
-    float c = 0.f;
-    if (t < T) {
-      const int bits = col_bits[j];
-      const int64_t g = col_goff[j] + t / gs;
-      c = h2f(min16[g]) + h2f(scale16[g]) * (float)code_at(codes, col_bitoff[j] + t * bits, bits);
-    }
-    coef[tt * RP + j] = c;
-  }
-  __syncthreads();
-  const int64_t half = d / 2;
-  const int64_t pair = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;  // over H * half
-  if (pair >= H * half) return;
-  const int64_t h = pair / half, i = pair % half;
-  const int64_t f_lo = h * d + i, f_hi = f_lo + half;
-  const int64_t b = f_lo / D, k_lo = f_lo % D, k_hi = f_hi % D;
-  float lo[TT], hi[TT];
-  const float m_lo = mean[b * D + k_lo], m_hi = mean[b * D + k_hi];
-#pragma unroll
-  for (int tt = 0; tt < TT; ++tt) { lo[tt] = 0.f; hi[tt] = 0.f; }
-  const int64_t j0 = blk_off[b], j1 = blk_off[b + 1];
-  int64_t j = j0;
-  if ((j0 & 3) == 0) {
-    for (; j + 4 <= j1; j += 4) {
-      float bl[4], bh[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) { bl[u] = basis_t[(j + u) * D + k_lo]; bh[u] = basis_t[(j + u) * D + k_hi]; }
-#pragma unroll
-      for (int tt = 0; tt < TT; ++tt) {
-        const float4 c = coef4[(tt * RP + j) >> 2];
-        lo[tt] = fmaf(c.x, bl[0], lo[tt]); hi[tt] = fmaf(c.x, bh[0], hi[tt]);
-        lo[tt] = fmaf(c.y, bl[1], lo[tt]); hi[tt] = fmaf(c.y, bh[1], hi[tt]);
-        lo[tt] = fmaf(c.z, bl[2], lo[tt]); hi[tt] = fmaf(c.z, bh[2], hi[tt]);
-        lo[tt] = fmaf(c.w, bl[3], lo[tt]); hi[tt] = fmaf(c.w, bh[3], hi[tt]);
-      }
-    }
-  }
-  for (; j < j1; ++j) {
-    const float bl = basis_t[j * D + k_lo], bh = basis_t[j * D + k_hi];
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt) {
-      const float c = coef[tt * RP + j];
-      lo[tt] = fmaf(c, bl, lo[tt]);
-      hi[tt] = fmaf(c, bh, hi[tt]);
-    }
-  }
-#pragma unroll
-  for (int tt = 0; tt < TT; ++tt) {
-    const int64_t t = t0 + tt;
-    if (t >= T) break;
-    float yl = lo[tt] + m_lo, yh = hi[tt] + m_hi;
-    const int32_t ov = ovr_idx ? ovr_idx[t] : -1;
-    if (ov >= 0) {
-      yl = h2f(ovr_x16[(h * n_ovr + ov) * d + i]);
-      yh = h2f(ovr_x16[(h * n_ovr + ov) * d + i + half]);
-    }
-    const int64_t row = dest ? dest[t] : t;
-    store_roped<OUT>(out, (h * T_out + row) * d + i, half, cosv, sinv, row * d + i, yl, yh);
-  }
-}
-
-extern "C" int kite_cuda_pca_load(int64_t T, int64_t R, int64_t B, int64_t D, int64_t H, int64_t d,
-                                  const uint8_t* codes, const int64_t* col_bitoff, const uint8_t* col_bits,
-                                  const int64_t* col_goff, int64_t gs, const uint16_t* scale16,
-                                  const uint16_t* min16, const int64_t* blk_off, const float* basis_t,
-                                  const float* mean, const int64_t* dest, int64_t T_out,
-                                  const int32_t* override_idx, const uint16_t* ovr_x16, int64_t n_ovr,
-                                  const float* cos, const float* sin, void* out, int out_dtype,
-                                  void* stream_) {
-  if (T < 0 || R < 0 || B < 1 || D < 1 || d < 2 || B * D != H * d || D % d || d % 2 || gs < 1 ||
-      out_dtype < 0 || out_dtype > 2)
-    return -1;
-  if (T == 0) return 0;
-  const size_t smem = (size_t)TT * coef_pitch(R) * sizeof(float);
-  if (smem > 200 * 1024) return -1;
-  const int64_t pairs = H * (d / 2);
-  const int threads = pairs >= 256 ? 256 : (int)((pairs + 31) / 32 * 32);
-  dim3 grid((unsigned)((pairs + threads - 1) / threads), (unsigned)((T + TT - 1) / TT));
-  cudaStream_t st = (cudaStream_t)stream_;
-  static size_t smem_set[3] = {0, 0, 0};  // raise the dynamic shared-memory limit once per size
-#define LAUNCH(O)                                                                                   \
-  if (smem > 48 * 1024 && smem > smem_set[O]) {                                                      \
-    CK(cudaFuncSetAttribute(pca_load_kernel<O>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)); \
-    smem_set[O] = smem;                                                                              \
-  }                                                                                                  \
-  pca_load_kernel<O><<<grid, threads, smem, st>>>(T, R, D, H, d, codes, col_bitoff, col_bits, col_goff, gs, \
-                                                  scale16, min16, blk_off, basis_t, mean, dest, T_out,      \
-                                                  override_idx, ovr_x16, n_ovr, cos, sin, out)
-  if (out_dtype == 0) { LAUNCH(0); }
-  else if (out_dtype == 1) { LAUNCH(1); }
-  else { LAUNCH(2); }
-#undef LAUNCH
-  CK(cudaGetLastError());
-  return 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -572,11 +455,11 @@ extern "C" int kite_cuda_quantize_plan(const float* src, int64_t ld, int64_t n_r
 }
 
 // ---------------------------------------------------------------------------------------------
-// split PCA load (joint-head blocks make the fused kernel's fp32 FMAs the bottleneck): dequantize
-// every coefficient column of a layer's parts into out [R, ld] (tensor-core matmul input), then,
-// after the matmul Y = C @ basis, one pass adds the mean, puts back the fp16 sinks and re-applies
-// RoPE into the cache layout. All buffers live in one staging region `base` (one copy per layer);
-// fp16 scales, minimums and sink rows are read bytewise (blobs are not aligned there).
+// split PCA load: dequantize every coefficient column of a layer's parts into out [R, ld] (the
+// input of a tensor-core matmul), then, after the matmul Y = C @ basis, one pass adds the mean,
+// puts back the fp16 sinks and re-applies RoPE into the cache layout. All buffers live in one
+// staging region `base` (one copy per layer); fp16 scales, minimums and sink rows are read
+// bytewise (blobs are not aligned there).
 
 static __device__ __forceinline__ float h2f_at(const uint8_t* p) {
   return h2f((uint16_t)((uint16_t)p[0] | ((uint16_t)p[1] << 8)));

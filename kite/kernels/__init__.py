@@ -11,8 +11,7 @@ import importlib
 
 _EXPORTS = {
     "backend": "backend", "backends": "backend", "batched_pca": "eigh", "eigh_desc": "eigh",
-    "lloyd_cosine": "kmeans", "PcaLayout": "load", "pca_layout": "load", "pca_load": "load",
-    "quantize_groups": "quant", "dequantize_groups": "quant",
+    "lloyd_cosine": "kmeans", "quantize_groups": "quant", "dequantize_groups": "quant",
 }
 __all__ = list(_EXPORTS)
 

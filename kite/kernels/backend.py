@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from kite.kernels import native
 
-KERNELS = ("quantize_groups", "dequantize_groups", "lloyd_cosine", "eigh_desc", "pca_load", "pca_coefs",
-           "pca_finish")
-_CUDA_KERNELS = {"quantize_groups", "lloyd_cosine", "eigh_desc", "pca_load", "pca_coefs", "pca_finish"}
+KERNELS = ("quantize_groups", "dequantize_groups", "lloyd_cosine", "eigh_desc", "pca_coefs", "pca_finish")
+_CUDA_KERNELS = {"quantize_groups", "lloyd_cosine", "eigh_desc", "pca_coefs", "pca_finish"}
 _CUDA_ONLY = {"pca_coefs", "pca_finish"}  # the split load: torch on the CPU
 
 
@@ -18,7 +17,7 @@ def backend(device: str = "cpu") -> str:
 
 
 def backends(device: str = "cpu") -> dict[str, str]:
-    """Per kernel: what runs on ``device`` (CUDA has no dequantize kernel: pca_load dequantizes)."""
+    """Per kernel: what runs on ``device`` (CUDA has no dequantize kernel: pca_coefs dequantizes)."""
     b = backend(device)
     if b == "native-cuda":
         return {k: (b if k in _CUDA_KERNELS else "torch") for k in KERNELS}

@@ -17,7 +17,6 @@ import torch
 from kite.kernels.locate import RUNTIME_ENV, cuda_runtime_path, forced_torch, runtime_path
 
 P = c_void_p
-_LOAD_ARGS = [c_int64] * 6 + [P, P, P, P, c_int64, P, P, P, P, P, P, c_int64, P, P, c_int64, P, P, P, c_int]
 
 _CPU_SIGNATURES = {
     "kite_runtime_version": (c_char_p, []),
@@ -27,7 +26,6 @@ _CPU_SIGNATURES = {
     "kite_dequantize_groups": (c_int, [P, c_int64, c_int64, c_int, P, P, P]),
     "kite_kmeans_cosine": (c_int, [P, c_int64, c_int64, P, c_int64, c_int, P]),
     "kite_eigh_batched": (c_int, [P, c_int64, c_int64, P, P]),
-    "kite_pca_load": (c_int, _LOAD_ARGS),
 }
 _CUDA_SIGNATURES = {
     "kite_cuda_version": (c_char_p, []),
@@ -36,7 +34,6 @@ _CUDA_SIGNATURES = {
     "kite_cuda_quantize_plan": (c_int, [P, c_int64, c_int64, P, P, P, c_int64, P, c_int64, c_int, c_int, P, P, P, P,
                                         c_int64, P]),
     "kite_cuda_eigh_batched": (c_int, [P, c_int64, c_int64, P, P, c_int, P]),
-    "kite_cuda_pca_load": (c_int, _LOAD_ARGS + [P]),
     "kite_cuda_pca_coefs": (c_int, [P, c_int64, P, c_int64, c_int64, P, P, P, P, c_int64, c_int, P]),
     "kite_cuda_pca_finish": (c_int, [c_int64] * 4 + [P, c_int, c_int64, c_int64, P, P, c_int64, c_int64, P, P, P,
                                                       P, P, c_int, P]),

@@ -248,7 +248,7 @@ def _np_at(view: np.ndarray, spec: tuple[int, str, list[int]]) -> np.ndarray:
 
 
 def _layouts(colbits: np.ndarray, Ts: list[int], group_size: int):
-    """pca_layout for several parts at once: bit offsets / group offsets [P, R] and each part's gs.
+    """The codec's column layout for several parts at once: bit / group offsets [P, R], each part's gs.
 
     Per part, the columns' codes lie width by width (ascending), each width's columns in order, a
     column's codes covering the part's padded tokens; every width's run starts on a byte."""

@@ -1,7 +1,5 @@
 """Integer / float quantization with exact byte accounting.
 
-* :func:`pack_bits` / :func:`unpack_bits`: codes of 1..8 bits packed densely into ``uint8``
-  (LSB first; ``ceil(n * bits / 8)`` bytes for ``n`` codes, nothing else).
 * :func:`quantize` / :func:`dequantize`: group-wise asymmetric integer quantization
   (``x ~= mn + scale * q``, ``q`` in ``[0, 2**bits - 1]``), groups of ``group_size`` consecutive
   elements along one axis of a 2-D view (``axis=-1``: groups run along the last dimension, e.g.
@@ -26,59 +24,13 @@ import torch
 from kite.kernels.quant import dequantize_groups, quantize_groups
 
 __all__ = [
-    "INT_FORMATS", "FLOAT_FORMATS", "pack_bits", "unpack_bits", "packed_nbytes",
-    "QTensor", "quantize", "dequantize", "tensors_nbytes",
+    "INT_FORMATS", "FLOAT_FORMATS", "QTensor", "quantize", "dequantize", "tensors_nbytes",
 ]
 
 INT_FORMATS = {"int8": 8, "int7": 7, "int6": 6, "int5": 5, "int4": 4, "int3": 3, "int2": 2, "int1": 1}
 FLOAT_FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
                  "fp8": torch.float8_e4m3fn}
 FP8_MAX = 448.0
-
-
-def packed_nbytes(n: int, bits: int) -> int:
-    return (n * bits + 7) // 8
-
-
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integer codes in ``[0, 2**bits)`` (any shape, flattened) into a 1-D uint8 tensor."""
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits must be 1..8, got {bits}")
-    c = codes.reshape(-1).to(torch.uint8)
-    if bits == 8:
-        return c.clone()
-    n = c.numel()
-    if 8 % bits == 0:  # 1, 2, 4: fixed number of codes per byte
-        per = 8 // bits
-        pad = (-n) % per
-        if pad:
-            c = torch.cat([c, c.new_zeros(pad)])
-        c = c.view(-1, per).to(torch.int32)
-        shifts = torch.arange(per, dtype=torch.int32, device=c.device) * bits
-        return (c << shifts).sum(dim=1).to(torch.uint8)
-    # general: bit stream, LSB first
-    b = (c.to(torch.int32)[:, None] >> torch.arange(bits, dtype=torch.int32, device=c.device)) & 1
-    b = b.reshape(-1)
-    pad = (-b.numel()) % 8
-    if pad:
-        b = torch.cat([b, b.new_zeros(pad)])
-    b = b.view(-1, 8) << torch.arange(8, dtype=torch.int32, device=c.device)
-    return b.sum(dim=1).to(torch.uint8)
-
-
-def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: the first ``n`` codes as uint8."""
-    p = packed.reshape(-1).to(torch.int32)
-    if bits == 8:
-        return packed.reshape(-1)[:n].to(torch.uint8)
-    if 8 % bits == 0:
-        per = 8 // bits
-        shifts = torch.arange(per, dtype=torch.int32, device=p.device) * bits
-        out = (p[:, None] >> shifts) & ((1 << bits) - 1)
-        return out.reshape(-1)[:n].to(torch.uint8)
-    b = ((p[:, None] >> torch.arange(8, dtype=torch.int32, device=p.device)) & 1).reshape(-1)
-    b = b[: n * bits].view(n, bits) << torch.arange(bits, dtype=torch.int32, device=p.device)
-    return b.sum(dim=1).to(torch.uint8)
 
 
 def tensors_nbytes(tensors: dict[str, torch.Tensor]) -> int:

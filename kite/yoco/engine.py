@@ -14,7 +14,6 @@ Layers and precision do not enter it yet: no measurement says by how much they c
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Mapping
 
 from kite.yoco.health import DEFAULT_GAIN_SCALE, DEFAULT_PRIOR_GAIN, gain_from_health, health_from_gain
 from kite.yoco.plan import LoadPlan
@@ -122,8 +121,3 @@ def _fmt(v) -> str:
         return f"{v:.4g}"
     return repr(v) if isinstance(v, str) else str(v).lower()
 
-
-def state_from_scores(scores: Mapping[str, float], n_layers: int | None = None,
-                      tokens: Mapping[str, int] | None = None) -> StateInfo:
-    """A StateInfo from label → health (e.g. `HealthStore.scores(state_id)`)."""
-    return StateInfo(dict(scores), n_layers, dict(tokens or {}))
