@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kite.upcycle import codec as C  # noqa: E402
 from kite.upcycle.rope import apply_rope, remove_rope, rope_cos_sin  # noqa: E402
-from kite.runtime.generate import _cache_kwarg  # noqa: E402
+from kite.runtime.generate import cache_kwarg  # noqa: E402
 
 HF_CACHE = Path(os.environ.get("KITE_CODEC_MODEL_DIR", "/tmp/smollm2-hf-codec"))
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -89,7 +89,7 @@ def continuation_logits(model, kv: list, cont_ids: torch.Tensor, positions_after
         cache.update(k[None].contiguous(), v[None].contiguous(), i)
     n = cont_ids.numel()
     pos = torch.arange(positions_after, positions_after + n)[None]
-    logits = model(cont_ids[None], position_ids=pos, **{_cache_kwarg(model): cache}).logits[0].float()
+    logits = model(cont_ids[None], position_ids=pos, **{cache_kwarg(model): cache}).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
 
 

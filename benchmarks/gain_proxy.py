@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     from kite.upcycle.load import load_prefix
     from kite.upcycle.settings import load_upcycle_config
     from kite.upcycle.state_file import StateFile
-    from kite.upcycle.tagger_setup import build_tagger
+    from kite.upcycle import build_tagger
     from kite.yoco.fused import load_args, plan_for
     from kite.yoco.health import HealthStore
     from kite.yoco.rules import load_rules

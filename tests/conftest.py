@@ -69,7 +69,7 @@ def tiny_contract_state(tiny_models, tmp_path_factory):
     from kite.upcycle import codec
     from kite.upcycle.compress import CompressSettings, compress_document
     from kite.upcycle.settings import load_upcycle_config
-    from kite.upcycle.tagger_setup import build_tagger
+    from kite.upcycle import build_tagger
 
     lm = load_model(str(tiny_models["llama"]), device="cpu")
     tagger = build_tagger(lm, *load_upcycle_config(None))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kite.runtime.generate import _cache_kwarg
+from kite.runtime.generate import cache_kwarg
 
 from kite.upcycle.rope import apply_rope, remove_rope, rope_cos_sin, rotary_module
 
@@ -65,7 +65,7 @@ def test_round_trip_against_model_cache(name):
         new.update(back, layer.values, i)
     with torch.no_grad():
         logits = model(ids[:, T:], position_ids=torch.arange(T, T + 5)[None],
-                       **{_cache_kwarg(model): new}).logits[0]
+                       **{cache_kwarg(model): new}).logits[0]
     assert (logits - full).abs().max().item() <= 1e-4
 
 

@@ -11,8 +11,13 @@ from typer.testing import CliRunner
 
 from kite.data import LABELS, generate_contracts, labeled_examples, to_jsonl
 from kite.errors import BadInput
-from kite.upcycle.tagging import ClauseTagger, candidate_layers, hidden_states_at
-from kite.upcycle.tagging_eval import embed_spans_in_document, evaluate_tagging
+from kite.upcycle.tagging import (
+    ClauseTagger,
+    candidate_layers,
+    embed_spans_in_document,
+    evaluate_tagging,
+    hidden_states_at,
+)
 from tests.tiny_models import tiny_config, tiny_tokenizer
 
 
@@ -150,8 +155,7 @@ def test_prompt_method_is_order_independent(tiny):
 
 def test_query_head_fits_on_questions_round_trips_and_old_taggers_still_load(tiny, data):
     from kite.data.traffic import calibration_queries, generate_traffic
-    from kite.upcycle.tagger_setup import calibration_set
-    from kite.upcycle.tagging_eval import evaluate_queries
+    from kite.upcycle.tagging import calibration_set, evaluate_queries
 
     model, tok = tiny
     _, examples, _ = data

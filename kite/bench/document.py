@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kite.runtime.cache import KVPrefix, cache_layers, new_cache
-from kite.runtime.generate import _cache_kwarg
+from kite.runtime.generate import cache_kwarg
 
 
 @dataclass
@@ -44,7 +44,7 @@ def prefill_document(lm, key: str, ids: list[int], chunk_tokens: int = 1024) -> 
         chunk = torch.tensor([ids[start:start + chunk_tokens]], device=lm.device)
         pos = torch.arange(start, start + chunk.shape[1], device=lm.device).unsqueeze(0)
         model(input_ids=chunk, position_ids=pos, use_cache=True, logits_to_keep=1,
-              **{_cache_kwarg(model): cache})
+              **{cache_kwarg(model): cache})
     ms = (time.perf_counter() - t0) * 1e3
     keys = [k[0] for k, _ in cache_layers(cache)]
     values = [v[0] for _, v in cache_layers(cache)]

@@ -129,7 +129,7 @@ def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
     from kite.upcycle.compress import CompressSettings
     from kite.upcycle.evaluate import compare_logits
     from kite.upcycle.settings import load_upcycle_config
-    from kite.upcycle.tagger_setup import build_tagger
+    from kite.upcycle import build_tagger
     from kite.yoco.health import HealthStore
     from kite.yoco.rules import default_rules_path, load_rules
 

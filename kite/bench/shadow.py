@@ -147,7 +147,7 @@ def _answer_all(lm, cfg, cases, states_dir, seed, progress, stage, cleanup) -> l
                                 min_span_tokens=ucfg.compression.min_span_tokens,
                                 max_span_tokens=ucfg.compression.max_span_tokens)
     if cfg.method == "fused":
-        from kite.upcycle.tagger_setup import build_tagger
+        from kite.upcycle import build_tagger
         from kite.yoco.health import HealthStore
         from kite.yoco.rules import default_rules_path, load_rules
 

@@ -32,9 +32,9 @@ class StateRef:
 
 
 def settings_key(settings, tagger) -> str:
-    from kite.upcycle.tagger_setup import describe
+    from kite.upcycle import describe_tagger
 
-    tagged = describe(tagger)
+    tagged = describe_tagger(tagger)
     if tagged is not None:  # the query head tags questions, not the state: states are reused
         tagged = {k: v for k, v in tagged.items() if k != "query_head"}
     blob = json.dumps([settings.codec.to_json(), settings.n_clusters, settings.min_span_tokens,

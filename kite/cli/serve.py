@@ -62,7 +62,7 @@ def serve(
     out = console()
     from kite.model import load_model
     from kite.upcycle.settings import load_upcycle_config
-    from kite.upcycle.tagger_setup import build_tagger
+    from kite.upcycle import build_tagger
 
     ucfg, ucfg_path = load_upcycle_config(upcycle_config)
     out.print(f"loading model {cfg.model.default} …", highlight=False)

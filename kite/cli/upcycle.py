@@ -77,7 +77,7 @@ def compress(
     from kite.model import load_model
     from kite.upcycle.compress import CompressSettings, compress_document
     from kite.upcycle.settings import load_upcycle_config
-    from kite.upcycle.tagger_setup import build_tagger
+    from kite.upcycle import build_tagger
 
     cfg, cfg_path = load_upcycle_config(config)
     text, name = read_document(input)
@@ -160,7 +160,7 @@ def eval_cmd(
     from kite.upcycle.compress import CompressSettings
     from kite.upcycle.evaluate import evaluate
     from kite.upcycle.settings import load_upcycle_config
-    from kite.upcycle.tagger_setup import build_tagger
+    from kite.upcycle import build_tagger
 
     cfg, cfg_path = load_upcycle_config(config)
     text, _ = read_document(input)

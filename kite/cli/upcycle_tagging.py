@@ -78,9 +78,7 @@ def eval_tagging(
     import torch
 
     from kite.model import load_model
-    from kite.upcycle.tagging import ClauseTagger
-    from kite.upcycle.tagger_setup import calibration_set
-    from kite.upcycle.tagging_eval import evaluate_queries, evaluate_tagging
+    from kite.upcycle import ClauseTagger, calibration_set, evaluate_queries, evaluate_tagging
 
     loaded = load_model(model)
     with torch.inference_mode():

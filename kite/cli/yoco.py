@@ -244,7 +244,7 @@ def _model_and_tagger(model: str | None, progress=None):
     """The model and the clause tagger the upcycle config asks for (the one states are tagged with)."""
     from kite.model import load_model
     from kite.upcycle.settings import load_upcycle_config
-    from kite.upcycle.tagger_setup import build_tagger
+    from kite.upcycle import build_tagger
 
     cfg, cfg_path = load_upcycle_config(None)
     lm = load_model(model, adapter=cfg.adapter)

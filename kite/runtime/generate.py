@@ -46,7 +46,7 @@ def encode_prompt(tokenizer, prompt: str, chat: bool, system: str | None = None,
     return tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 
 
-def _cache_kwarg(model) -> str:
+def cache_kwarg(model) -> str:
     """transformers 5.x renamed `past_key_values` to `cache`; pass whichever this version takes."""
     cls = type(model)
     name = _CACHE_KWARG.get(cls)
@@ -67,7 +67,7 @@ def forward_tokens(model, ids: list[int] | torch.Tensor, cache, start_position: 
     device = next(model.parameters()).device
     ids_t = torch.as_tensor(ids, device=device).view(1, -1)
     pos = torch.arange(start_position, start_position + ids_t.shape[1], device=device).unsqueeze(0)
-    out = model(input_ids=ids_t, position_ids=pos, use_cache=True, **{_cache_kwarg(model): cache})
+    out = model(input_ids=ids_t, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache})
     return out.logits[0].float()
 
 

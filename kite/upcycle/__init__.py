@@ -4,7 +4,17 @@ from kite.upcycle.codec import settings_for as codec_settings
 from kite.upcycle.compress import CompressSettings, compress_document
 from kite.upcycle.load import load_prefix
 from kite.upcycle.settings import load_upcycle_config
-from kite.upcycle.tagger_setup import build_tagger
+from kite.upcycle.tagging import (
+    ClauseTagger,
+    QueryHead,
+    TagResult,
+    build_tagger,
+    calibration_set,
+    describe_tagger,
+    evaluate_queries,
+    evaluate_tagging,
+)
 
-__all__ = ["CompressSettings", "build_tagger", "codec_settings", "compress_document", "load_prefix",
-           "load_upcycle_config"]
+__all__ = ["ClauseTagger", "CompressSettings", "QueryHead", "TagResult", "build_tagger",
+           "calibration_set", "codec_settings", "compress_document", "describe_tagger",
+           "evaluate_queries", "evaluate_tagging", "load_prefix", "load_upcycle_config"]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kite.runtime.cache import cache_layers, new_cache
-from kite.runtime.generate import _cache_kwarg
+from kite.runtime.generate import cache_kwarg
 from kite.upcycle.rope import remove_rope, rope_cos_sin
 
 
@@ -76,7 +76,7 @@ def capture(lm, text: str, *, chunk_tokens: int = 1024, hidden_layers: Sequence[
         pos = torch.arange(start, start + chunk.shape[1], device=device).unsqueeze(0)
         out = model(input_ids=chunk, position_ids=pos, use_cache=True,
                     output_hidden_states=bool(hidden_layers), logits_to_keep=1,
-                    **{_cache_kwarg(model): cache})
+                    **{cache_kwarg(model): cache})
         for layer in hidden_layers:
             hidden[layer].append(out.hidden_states[layer][0].float())
         if progress:

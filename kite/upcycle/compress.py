@@ -21,7 +21,7 @@ from kite.upcycle.capture import Capture, capture
 from kite.upcycle.cluster import kmeans
 from kite.upcycle.spans import cut_spans
 from kite.upcycle.state_file import LARGE_MIN_SAVING, MIN_SAVING, StateWriter
-from kite.upcycle.tagger_setup import describe as describe_tagger
+from kite.upcycle.tagging.build import describe_tagger
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 

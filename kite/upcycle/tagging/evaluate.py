@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from kite.errors import BadInput
-from kite.upcycle.tagging import ClauseTagger, TagResult, hidden_states_at
+from kite.upcycle.tagging.hidden import hidden_states_at
+from kite.upcycle.tagging.tagger import ClauseTagger, TagResult
 
 MODES = ("standalone", "in_document", "both")
 
@@ -118,7 +119,8 @@ def _score(y: list[str], preds: list[TagResult], labels: list[str], seconds: flo
             "mean_confidence_wrong": mean(conf_bad), "s": round(seconds, 2)}
 
 
-def evaluate_queries(model, tokenizer, tagger: ClauseTagger, records: Sequence[dict]) -> dict[str, Any]:
+def evaluate_queries(model, tokenizer, tagger: ClauseTagger,
+                     records: Sequence[dict]) -> dict[str, Any]:
     """How the tagger labels questions: `records` are `{"query", "family", "label"}` (label None:
     about no single clause type, where the right answer is no label, "").
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kite.errors import BadInput
 from kite.paths import cache_dir
+from kite.upcycle.tagging.tagger import ClauseTagger
 
 TAGGER_CACHE_VERSION = 2  # 2: taggers carry a query head calibrated on questions
 # The query head's calibration set: generated labeled questions (kite.data.traffic
@@ -47,8 +48,6 @@ def config_examples(cfg, cfg_path: Path | None) -> list[tuple[str, str]]:
 
 def build_tagger(lm, cfg, cfg_path: Path | None = None, progress=None):
     """A fitted ClauseTagger for `lm`, or None when the config has no labels and no examples."""
-    from kite.upcycle.tagging import ClauseTagger
-
     examples = config_examples(cfg, cfg_path)
     labels = list(cfg.semantic_tagging.labels) or sorted({lab for _, lab in examples})
     if not examples:
@@ -91,10 +90,13 @@ def calibration_set(labels, n: int = QUERY_CALIBRATION_N,
     return [(r["query"], r["label"], r["group"]) for r in calibration_queries(n, seed)]
 
 
-def describe(tagger) -> dict | None:
+def describe_tagger(tagger) -> dict | None:
+    """A JSON-able summary of the tagger (method, layers, labels, validation accuracy,
+    temperature, query head), as a state's metadata records it; None for no tagger."""
     if tagger is None:
         return None
-    out = {"method": tagger.method, "embedding_layers": tagger.embedding_layers, "labels": tagger.labels,
+    out = {"method": tagger.method, "embedding_layers": tagger.embedding_layers,
+           "labels": tagger.labels,
            "validation_accuracy": tagger.validation.get("accuracy"),
            "temperature": tagger.temperature}
     if tagger.query_head is not None:
