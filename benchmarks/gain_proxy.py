@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     from kite.upcycle.compress import CompressSettings
     from kite.upcycle.load import load_prefix
     from kite.upcycle.settings import load_upcycle_config
-    from kite.upcycle.state_file import StateFile
+    from kite.upcycle.format import StateFile
     from kite.upcycle import build_tagger
     from kite.yoco.fused import load_args, plan_for
     from kite.yoco.health import HealthStore

@@ -377,10 +377,10 @@ def main() -> None:
     host_raw = dev_raw = None  # free 1.8 GB
 
 
-    from kite.upcycle import codec, codec_batched, gpu_load
-    from kite.upcycle.compress import blob_key
+    from kite.upcycle import codec, load
+    from kite.upcycle.format import blob_key
     from kite.upcycle.rope import apply_rope
-    from kite.upcycle.state_file import LARGE_MIN_SAVING, StateFile, StateWriter
+    from kite.upcycle.format import LARGE_MIN_SAVING, StateFile, StateWriter
 
     # ---- compress: the real codec, batched on the GPU ------------------------------------------
     settings = codec.settings_for(args.ratio)
@@ -412,7 +412,7 @@ def main() -> None:
         def clusters():
             got["sets"] = cluster()[0]
             return got["sets"]
-        return codec_batched.encode_state(k_pre, V, clusters, s, device=DEV, sync_timings=sync), got["sets"]
+        return codec.encode_state(k_pre, V, clusters, s, device=DEV, sync_timings=sync), got["sets"]
 
     ms_remove = cuda_ms(remove, reps=5)
     cluster()  # warm-up (the Lloyd kernel, the generator)
@@ -482,8 +482,8 @@ def main() -> None:
         vs = V[:2, :, :n_chk].float().contiguous()
         perm = torch.randperm(n_chk, generator=torch.Generator().manual_seed(1))
         ss = [perm[i::4].sort().values for i in range(4)]
-        eg = codec_batched.encode_state(kp, vs, ss, settings, device=DEV)
-        ec = codec_batched.encode_state(kp.cpu(), vs.cpu(), ss, settings, device="cpu")
+        eg = codec.encode_state(kp, vs, ss, settings, device=DEV)
+        ec = codec.encode_state(kp.cpu(), vs.cpu(), ss, settings, device="cpu")
         num = den = errg = errc = 0.0
         same = tot = 0
         for layer in range(2):
@@ -523,13 +523,13 @@ def main() -> None:
     report.row("serialize into StateWriter (zstd tried per blob)", (t1 - t0) * 1e3)
     report.row("write .upc (temp file, fsync, rename)", (t2 - t1) * 1e3, note=f"{size / 1e6:.1f} MB")
     t0 = time.perf_counter()
-    gpu_load.prepare_state(path)   # as compress_document on a GPU: the loader's tables kept for later processes
+    load.prepare_state(path)   # as compress_document on a GPU: the loader's tables kept for later processes
     report.row("prepare the loader's tables after writing (stage once, tables kept in KITE_CACHE)",
                (time.perf_counter() - t0) * 1e3)
     report.data["state_bytes"] = size
     report.data["ratio_vs_fp16"] = raw16 / size
     # the same blobs under the zstd rule before (>= 3 % saving for every blob): size and load compared
-    from kite.upcycle.state_file import MIN_SAVING
+    from kite.upcycle.format import MIN_SAVING
 
     path_old = Path(tempfile.gettempdir()) / "kite_gpu_speed_zstd3.upc"
     writer_old = StateWriter(large_min_saving=MIN_SAVING)
@@ -563,10 +563,10 @@ def main() -> None:
     sf = StateFile(path)
     sel = [(c, None) for c in range(len(sets_main))]
     part_pos = list(sets_main)
-    tier = gpu_load.HotTier(capacity_bytes=4 * size + (1 << 30), pin=PIN)
+    tier = load.HotTier(capacity_bytes=4 * size + (1 << 30), pin=PIN)
 
     def stage(verify=True, wait=False, f=None):
-        return gpu_load.stage_state(f or sf, sel, part_pos, list(range(L)), n_layers=L, H=H, d=d, verify=verify,
+        return load.stage_state(f or sf, sel, part_pos, list(range(L)), n_layers=L, H=H, d=d, verify=verify,
                                     tier=tier, key=("bench",), threads=8, wait=wait)
 
     hot = stage(wait=True)
@@ -581,7 +581,7 @@ def main() -> None:
     dest_dev = hot.dest.to(DEV)
 
     def load_hot(h=None, into=None):
-        gpu_load.load_staged(h or hot, device=DEV, dtype=torch.bfloat16, cos=cq, sin=sq, out=into or outs, staging=staging)
+        load.load_staged(h or hot, device=DEV, dtype=torch.bfloat16, cos=cq, sin=sq, out=into or outs, staging=staging)
 
     def load_file(verify=True, into=None, f=None, wait=False):
         tier.drop(("bench",))
@@ -591,7 +591,7 @@ def main() -> None:
 
     wire = hot.nbytes / PCIE_BPS * 1e3
     report.row("load from pinned hot tier, eager launches", cuda_ms(
-        lambda: gpu_load.load_staged(hot, device=DEV, dtype=torch.bfloat16, cos=cq, sin=sq, out=outs, staging=staging,
+        lambda: load.load_staged(hot, device=DEV, dtype=torch.bfloat16, cos=cq, sin=sq, out=outs, staging=staging,
                                      use_graphs=False), reps=10), wire)
     report.row("load from pinned hot tier (copy + rebuild graphs, pipelined per layer)", cuda_ms(load_hot, reps=10), wire,
                note=f"state {size / 1e6:.1f} MB = 1/{raw16 / size:.2f} of fp16 KV; target <= 10 ms")
@@ -599,7 +599,7 @@ def main() -> None:
     def rebuild_all():
         for layer in range(L):
             plan = hot.layers[layer]
-            gpu_load.rebuild_layer(staging[plan.off:plan.off + plan.size], plan, KV[0, layer], KV[1, layer],
+            load.rebuild_layer(staging[plan.off:plan.off + plan.size], plan, KV[0, layer], KV[1, layer],
                                    dest=dest_dev, cos=cq, sin=sq, H=H, d=d, rows=hot.rows,
                                    compute_dtype=torch.bfloat16 if DEV == "cuda" else torch.float32)
 
@@ -607,7 +607,7 @@ def main() -> None:
                cuda_ms(rebuild_all, reps=10), (hot.nbytes + raw_bytes) / HBM_BPS * 1e3)
     def first(fn):
         """fn() as on the first staging of this file version: no verified blobs, tables or graphs kept."""
-        gpu_load.forget_verified()
+        load.forget_verified()
         return fn()
 
     def split(h):
@@ -616,21 +616,21 @@ def main() -> None:
     # a new process loading the file StateWriter just wrote: its record spares the hashing (tables and
     # graphs are built again); then the same file with the zstd rule before
     report.row("load from .upc in page cache, first load in a new process of the file compress_document wrote",
-               host_ms(lambda: (gpu_load.forget_verified(persisted=False), load_file(True)), reps=5), wire,
+               host_ms(lambda: (load.forget_verified(persisted=False), load_file(True)), reps=5), wire,
                note="no blob hashed (writer's record), tables kept at write time; eager rebuild; target <= 40 ms")
     if args.profile:   # where the main thread's time goes in one such load (staging threads not profiled)
         report.data["first_load_new_process_main_thread"] = python_profile(
-            lambda: (gpu_load.forget_verified(persisted=False), load_file(True), sync()))
+            lambda: (load.forget_verified(persisted=False), load_file(True), sync()))
     report.row("  same, every layer staged before the first rebuild (no pipelining)",
-               host_ms(lambda: (gpu_load.forget_verified(persisted=False), load_file(True, wait=True)), reps=5), wire)
+               host_ms(lambda: (load.forget_verified(persisted=False), load_file(True, wait=True)), reps=5), wire)
     report.row("  same with no tables kept (the writer's record only: tables built in the load)",
-               host_ms(lambda: (gpu_load.forget_verified(persisted=False), gpu_load._forget_tables(path),
+               host_ms(lambda: (load.forget_verified(persisted=False), load.forget_tables(path),
                                 load_file(True)), reps=5), wire)
-    gpu_load.prepare_state(path)
+    load.prepare_state(path)
     # its staging alone by thread count
     report.data["stage_first_load_new_process_ms_by_threads"] = {
-        n: host_ms(lambda: (gpu_load.forget_verified(persisted=False), tier.drop(("bench",)),
-                            tier.put(gpu_load.stage_state(sf, sel, part_pos, list(range(L)), n_layers=L, H=H, d=d,
+        n: host_ms(lambda: (load.forget_verified(persisted=False), tier.drop(("bench",)),
+                            tier.put(load.stage_state(sf, sel, part_pos, list(range(L)), n_layers=L, H=H, d=d,
                                                           tier=tier, key=("bench",), threads=n, wait=True))), reps=3)
         for n in (1, 2, 4, 8, 16)}
     sf_old = StateFile(path_old)
@@ -645,7 +645,7 @@ def main() -> None:
                host_ms(lambda: first(lambda: (tier.drop(("bench",)), tier.put(stage(True, wait=True)))), reps=5))
     report.row("  stage from page cache only, repeat load (verified version: preadv + cached tables)",
                host_ms(lambda: (tier.drop(("bench",)), tier.put(stage(True, wait=True))), reps=5))
-    gpu_load.forget_verified()
+    load.forget_verified()
     report.data["stage_split_ms_summed_over_threads"] = split(stage(True, wait=True))
     report.data["stage_split_ms_summed_over_threads_repeat"] = split(stage(True, wait=True))
     print("stage split (first, repeat):", report.data["stage_split_ms_summed_over_threads"],
@@ -808,7 +808,7 @@ def concurrency(report, args, L, H, d, T, cfg, hot, staging, dest, cq, sq, raw_b
     attention part of one batched decode step for each (every layer: raw = SDPA over the cached KV;
     compressed = rebuild the layer's KV of a chunk of sequences into a transient buffer, then SDPA).
     """
-    from kite.upcycle import gpu_load
+    from kite.upcycle import load
 
     torch.cuda.empty_cache() if DEV == "cuda" else None
     budget = args.kv_budget_gb * 1e9
@@ -847,7 +847,7 @@ def concurrency(report, args, L, H, d, T, cfg, hot, staging, dest, cq, sq, raw_b
             for c0 in range(0, n_comp, chunk):
                 m = min(chunk, n_comp - c0)
                 for j in range(m):
-                    gpu_load.rebuild_layer(states[c0 + j, plan.off:plan.off + plan.size], plan, kt[0, j], kt[1, j],
+                    load.rebuild_layer(states[c0 + j, plan.off:plan.off + plan.size], plan, kt[0, j], kt[1, j],
                                            dest=dest, cos=cq, sin=sq, H=H, d=d, rows=hot.rows, compute_dtype=cdt)
                 torch.nn.functional.scaled_dot_product_attention(q[c0:c0 + m], kt[0, :m], kt[1, :m], enable_gqa=True)
 

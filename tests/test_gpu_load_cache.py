@@ -1,4 +1,4 @@
-"""gpu_load's in-process caches: blob checksums verified once per file version, tables reused.
+"""The loader's in-process caches: blob checksums verified once per file version, tables reused.
 
 A later staging of the unchanged file skips re-hashing and rebuilding the tables; a file changed
 in place (a new mtime) is verified again, and a corrupt blob never loads silently.
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from kite.errors import BadInput
-from kite.upcycle import codec, gpu_load
+from kite.upcycle import codec, load
 from kite.upcycle.compress import CompressSettings, compress_document
 from kite.upcycle.rope import rope_cos_sin
-from kite.upcycle.state_file import StateFile
+from kite.upcycle.format import StateFile
 from tests.tiny_models import CORPUS
 
 DOC = CORPUS.replace(". ", ".\n\n", 3)
@@ -35,9 +35,9 @@ def state(lm, tmp_path):
     out = tmp_path / "s.upc"
     compress_document(lm, DOC, out, CompressSettings(codec=codec.settings_for(4), n_clusters=3, min_span_tokens=8,
                                                      max_span_tokens=24))
-    gpu_load.forget_verified()
+    load.forget_verified()
     yield out
-    gpu_load.forget_verified()
+    load.forget_verified()
 
 
 class _Count:
@@ -59,17 +59,17 @@ def _stage(path, lm, verify=True):
         sel = [(c["id"], None) for c in sf.meta["clusters"]]
         pos = [torch.cat([torch.arange(s, e) for s, e in c["token_ranges"]]) for c in sf.meta["clusters"]]
         geo = lm.geometry
-        hot = gpu_load.stage_state(sf, sel, pos, list(range(geo.n_layers)), n_layers=geo.n_layers,
+        hot = load.stage_state(sf, sel, pos, list(range(geo.n_layers)), n_layers=geo.n_layers,
                                    H=geo.n_kv_heads, d=geo.head_dim, verify=verify, threads=2)
         n_blobs = len(sf.index)
     cos, sin = rope_cos_sin(lm.model, hot.positions)
-    keys, values = gpu_load.load_staged(hot, device="cpu", dtype=torch.float32, cos=cos, sin=sin)
+    keys, values = load.load_staged(hot, device="cpu", dtype=torch.float32, cos=cos, sin=sin)
     return hot, keys, values, n_blobs
 
 
 def _flip_byte_in_place(path, key):
     with StateFile(path) as sf:
-        at = sf._data_start + sf.index[key].offset + sf.index[key].length // 2
+        at = sf.data_start + sf.index[key].offset + sf.index[key].length // 2
     before = os.stat(path).st_mtime_ns
     time.sleep(0.02)   # the file system's timestamps are coarse: let the write land in a later tick
     with open(path, "r+b") as fh:
@@ -134,7 +134,7 @@ def _own_cache(tmp_path, monkeypatch):
 
 def _rewrite_with_writer(src, dst):
     """src's blobs written again by StateWriter (which records the new file as verified)."""
-    from kite.upcycle.state_file import StateWriter
+    from kite.upcycle.format import StateWriter
 
     with StateFile(src) as sf:
         w = StateWriter()
@@ -146,15 +146,15 @@ def _rewrite_with_writer(src, dst):
 
 _STAGE_IN_CHILD = """
 import sys, torch
-from kite.upcycle import gpu_load
-from kite.upcycle.state_file import StateFile
+from kite.upcycle import load
+from kite.upcycle.format import StateFile
 with StateFile(sys.argv[1]) as sf:
     g = sf.meta["model"]["geometry"]
     sel = [(c["id"], None) for c in sf.meta["clusters"]]
     pos = [torch.cat([torch.arange(s, e) for s, e in c["token_ranges"]]) for c in sf.meta["clusters"]]
-    gpu_load.stage_state(sf, sel, pos, list(range(g["n_layers"])), n_layers=g["n_layers"], H=g["n_kv_heads"],
+    load.stage_state(sf, sel, pos, list(range(g["n_layers"])), n_layers=g["n_layers"], H=g["n_kv_heads"],
                          d=g["head_dim"], threads=2)
-gpu_load._flush_records()
+load.flush_records()
 """
 
 
@@ -171,11 +171,11 @@ def _stage_in_another_process(path):
 
 def test_writer_records_the_file_it_wrote(state, lm, monkeypatch):
     out = _rewrite_with_writer(state, state.with_name("w.upc"))
-    gpu_load.forget_verified(persisted=False)          # a new process: nothing in memory
+    load.forget_verified(persisted=False)          # a new process: nothing in memory
     count = _Count(monkeypatch)
     hot, k1, v1, _ = _stage(out, lm)
     assert count.n == 0 and not hot.cached_tables      # the writer's record: no blob hashed
-    gpu_load.forget_verified(out)                      # record dropped: every blob hashed again
+    load.forget_verified(out)                      # record dropped: every blob hashed again
     hot2, k2, v2, n_blobs = _stage(out, lm)
     assert count.n == n_blobs
     for a, b in zip(k1 + v1, k2 + v2):
@@ -186,7 +186,7 @@ def test_writer_records_nothing_when_turned_off(state, lm, monkeypatch):
     monkeypatch.setenv("KITE_VERIFY_RECORD", "0")
     out = _rewrite_with_writer(state, state.with_name("w.upc"))
     monkeypatch.delenv("KITE_VERIFY_RECORD")
-    gpu_load.forget_verified(persisted=False)
+    load.forget_verified(persisted=False)
     count = _Count(monkeypatch)
     _, _, _, n_blobs = _stage(out, lm)
     assert count.n == n_blobs
@@ -194,7 +194,7 @@ def test_writer_records_nothing_when_turned_off(state, lm, monkeypatch):
 
 def test_record_of_another_process_honoured_only_for_the_identical_version(state, lm, monkeypatch):
     _stage_in_another_process(state)                   # verifies every blob there and records it
-    gpu_load.forget_verified(persisted=False)
+    load.forget_verified(persisted=False)
     count = _Count(monkeypatch)
     _stage(state, lm)
     assert count.n == 0                                 # same version: taken from the record
@@ -202,7 +202,7 @@ def test_record_of_another_process_honoured_only_for_the_identical_version(state
     tmp = state.with_suffix(".new")
     tmp.write_bytes(state.read_bytes())
     os.replace(tmp, state)
-    gpu_load.forget_verified(persisted=False)
+    load.forget_verified(persisted=False)
     _, _, _, n_blobs = _stage(state, lm)
     assert count.n == n_blobs
     # recorded again by another process, then modified in place: re-verified and refused
@@ -210,7 +210,7 @@ def test_record_of_another_process_honoured_only_for_the_identical_version(state
     with StateFile(state) as sf:
         key = next(k for k in sf.index if k.endswith("/V"))
     _flip_byte_in_place(state, key)
-    gpu_load.forget_verified(persisted=False)
+    load.forget_verified(persisted=False)
     with pytest.raises(BadInput, match=f"checksum mismatch in part {key}"):
         _stage(state, lm)
 
@@ -220,10 +220,10 @@ def test_corrupt_blob_caught_when_no_record(state, lm, monkeypatch):
     with StateFile(out) as sf:
         key = next(k for k in sf.index if k.endswith("/K"))
     _flip_byte_in_place(out, key)                      # new version: the writer's record no longer counts
-    gpu_load.forget_verified(persisted=False)
+    load.forget_verified(persisted=False)
     with pytest.raises(BadInput, match=f"checksum mismatch in part {key}"):
         _stage(out, lm)
-    gpu_load.forget_verified()                         # no record at all
+    load.forget_verified()                         # no record at all
     with pytest.raises(BadInput, match=f"checksum mismatch in part {key}"):
         _stage(out, lm)
     with StateFile(out) as sf:                         # the full check never trusts a record
@@ -233,7 +233,7 @@ def test_corrupt_blob_caught_when_no_record(state, lm, monkeypatch):
 def test_writer_keeps_zstd_for_large_blobs_only_where_it_saves_a_lot(tmp_path):
     import numpy as np
 
-    from kite.upcycle.state_file import LARGE_BLOB, LARGE_MIN_SAVING, StateWriter
+    from kite.upcycle.format import LARGE_BLOB, LARGE_MIN_SAVING, StateWriter
 
     rng = np.random.default_rng(0)
     seven_bit = lambda n: rng.integers(0, 128, n, dtype=np.uint8).tobytes()   # noqa: E731  ~12 % under zstd
@@ -258,17 +258,19 @@ def test_writer_keeps_zstd_for_large_blobs_only_where_it_saves_a_lot(tmp_path):
 # --- the loader's tables kept across processes ------------------------------------------------------
 
 class _CountTables:
-    """Counts the tables built (one _layouts call per side of a layer built, none when copied)."""
+    """Counts the tables built (one parts_layout call per side of a layer built, none when copied)."""
 
     def __init__(self, monkeypatch):
+        from kite.upcycle.load import staging
+
         self.n = 0
-        real = gpu_load._layouts
+        real = staging.parts_layout
 
         def counted(*a, **k):
             self.n += 1
             return real(*a, **k)
 
-        monkeypatch.setattr(gpu_load, "_layouts", counted)
+        monkeypatch.setattr(staging, "parts_layout", counted)
 
 
 def _same_plans(a, b):
@@ -280,17 +282,17 @@ def test_tables_kept_for_a_new_process(state, lm, monkeypatch):
     """A new process staging a file some process staged copies the tables it saved: same plans,
     same KV, nothing built; a damaged tables file is ignored."""
     hot1, k1, v1, _ = _stage(state, lm)
-    gpu_load._flush_records()
-    assert len(list(gpu_load._tables_dir().glob("*.tbl"))) == 1
-    gpu_load.forget_verified(persisted=False)          # a new process: nothing in memory
+    load.flush_records()
+    assert len(list(load.tables_dir().glob("*.tbl"))) == 1
+    load.forget_verified(persisted=False)          # a new process: nothing in memory
     built = _CountTables(monkeypatch)
     hot2, k2, v2, _ = _stage(state, lm)
     assert hot2.cached_tables and built.n == 0 and _same_plans(hot1, hot2)
     for a, b in zip(k1 + v1, k2 + v2):
         assert torch.equal(a, b)
-    (tbl,) = gpu_load._tables_dir().glob("*.tbl")
+    (tbl,) = load.tables_dir().glob("*.tbl")
     tbl.write_bytes(tbl.read_bytes()[:-100])            # cut short: not used, built again
-    gpu_load.forget_verified(persisted=False)
+    load.forget_verified(persisted=False)
     hot3, k3, v3, _ = _stage(state, lm)
     assert not hot3.cached_tables and built.n > 0 and _same_plans(hot1, hot3)
     for a, b in zip(k1 + v1, k3 + v3):
@@ -302,25 +304,25 @@ def test_prepared_state_loads_without_hashing_or_building_tables(state, lm, monk
     hashes (the writer's record) nor builds tables; dropping the record drops the tables."""
     out = _rewrite_with_writer(state, state.with_name("w.upc"))
     _stage(out, lm, verify=False)                      # tables in memory only: an unverified load keeps nothing
-    gpu_load._flush_records()
-    assert not list(gpu_load._tables_dir().glob("*.tbl"))
-    assert gpu_load.prepare_state(out)                 # kept now, though this process had them already
-    assert len(list(gpu_load._tables_dir().glob("*.tbl"))) == 1
-    gpu_load.forget_verified(persisted=False)
+    load.flush_records()
+    assert not list(load.tables_dir().glob("*.tbl"))
+    assert load.prepare_state(out)                 # kept now, though this process had them already
+    assert len(list(load.tables_dir().glob("*.tbl"))) == 1
+    load.forget_verified(persisted=False)
     count, built = _Count(monkeypatch), _CountTables(monkeypatch)
     hot, *_ = _stage(out, lm)
     assert count.n == 0 and built.n == 0 and hot.cached_tables
-    gpu_load.forget_verified(out)
-    assert not list(gpu_load._tables_dir().glob("*.tbl"))
+    load.forget_verified(out)
+    assert not list(load.tables_dir().glob("*.tbl"))
 
 
 def test_tables_of_another_version_are_not_used(state, lm, monkeypatch):
     _stage(state, lm)
-    gpu_load._flush_records()
+    load.flush_records()
     tmp = state.with_suffix(".new")
     tmp.write_bytes(state.read_bytes())
     os.replace(tmp, state)                             # same bytes, a new inode: another version
-    gpu_load.forget_verified(persisted=False)
+    load.forget_verified(persisted=False)
     built = _CountTables(monkeypatch)
     hot, *_ = _stage(state, lm)
     assert not hot.cached_tables and built.n > 0
@@ -328,7 +330,7 @@ def test_tables_of_another_version_are_not_used(state, lm, monkeypatch):
 
 def test_no_tables_kept_when_records_are_off(state, lm, monkeypatch):
     monkeypatch.setenv("KITE_VERIFY_RECORD", "0")
-    assert not gpu_load.prepare_state(state)
+    assert not load.prepare_state(state)
     _stage(state, lm)
-    gpu_load._flush_records()
-    assert not list(gpu_load._tables_dir().glob("*.tbl"))
+    load.flush_records()
+    assert not list(load.tables_dir().glob("*.tbl"))

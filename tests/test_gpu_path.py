@@ -1,6 +1,6 @@
 """The GPU path of the codec and of loading, run on the CPU (torch fallbacks; CI has no GPU).
 
-codec_batched must write the bytes the per-layer codec writes; gpu_load must rebuild what
+the batched encoder must write the bytes the per-layer codec writes; the staged load must rebuild what
 load_prefix's host decode rebuilds.
 """
 
@@ -11,11 +11,12 @@ import torch
 
 from kite.errors import BadInput, KiteError
 from kite.kernels import eigh
-from kite.upcycle import codec, codec_batched, gpu_load
+from kite.upcycle import codec, load
+from kite.upcycle.codec.batched_fit import joint_gram_fused
 from kite.upcycle.compress import CompressSettings, compress_document
 from kite.upcycle.load import load_prefix
 from kite.upcycle.rope import rope_cos_sin
-from kite.upcycle.state_file import StateFile
+from kite.upcycle.format import StateFile
 from tests.tiny_models import CORPUS
 
 DOC = CORPUS.replace(". ", ".\n\n", 3)
@@ -40,7 +41,7 @@ def test_vectorized_bit_allocation_matches_the_heap(seed):
     ev = (torch.rand(N, B, r, generator=g) ** (1 + seed % 4) * 10).sort(dim=-1, descending=True).values
     ev[0, 0, -3:] = 0  # components without variance get nothing
     budgets = [float(x) for x in torch.randint(500, 80000, (N,), generator=g) * T / 300]
-    got = codec_batched.allocate_bits_batched(ev, budgets, T, r, s)
+    got = codec.allocate_bits_batched(ev, budgets, T, r, s)
     for n in range(N):
         want = codec.allocate_bits(ev[n], budgets[n], T, r, s)
         # same allocation (the heap and the sort agree; at the budget's edge one increment may differ)
@@ -63,7 +64,7 @@ def test_batched_encode_writes_the_codec_bytes(spec):
          "minmax-3sinks": codec.settings_for(8, range_mode="minmax", sink_tokens=3, group_size=128)}.get(spec) \
         or codec.settings_for(spec)
     K, V, sets = _kv()
-    enc = codec_batched.encode_state(K, V, sets, s)
+    enc = codec.encode_state(K, V, sets, s)
     for layer in range(K.shape[0]):
         lc = codec.fit_layer(K[layer], V[layer], s)
         assert enc.layer_blobs[layer] == codec.to_bytes(lc)
@@ -81,7 +82,7 @@ def test_batched_encode_mixed_group_sizes_and_sinks(joint):
     g = torch.Generator().manual_seed(4)
     rest = torch.randperm(697, generator=g) + 3
     sets = [torch.arange(3), rest[:100].sort().values, rest[100:356].sort().values, rest[356:].sort().values]
-    enc = codec_batched.encode_state(K, V, sets[::-1], s)
+    enc = codec.encode_state(K, V, sets[::-1], s)
     for layer in range(K.shape[0]):
         lc = codec.fit_layer(K[layer], V[layer], s)
         assert enc.layer_blobs[layer] == codec.to_bytes(lc)
@@ -92,11 +93,11 @@ def test_batched_encode_mixed_group_sizes_and_sinks(joint):
 
 def test_batched_codec_refuses_what_it_does_not_take():
     K, V, sets = _kv(L=1, T=64)
-    assert not codec_batched.supports("int4")
+    assert not codec.supports_batched("int4")
     with pytest.raises(ValueError):
-        codec_batched.encode_state(K, V, sets, "int4")
+        codec.encode_state(K, V, sets, "int4")
     with pytest.raises(ValueError):
-        codec_batched.encode_state(K, V, [sets[0][:10]], "ratio=4")
+        codec.encode_state(K, V, [sets[0][:10]], "ratio=4")
 
 
 def test_batched_encode_takes_the_clusters_from_a_function():
@@ -107,18 +108,18 @@ def test_batched_encode_takes_the_clusters_from_a_function():
     def later():
         calls.append(1)
         return sets
-    a = codec_batched.encode_state(K, V, sets, "ratio=4")
-    b = codec_batched.encode_state(K, V, later, "ratio=4")
+    a = codec.encode_state(K, V, sets, "ratio=4")
+    b = codec.encode_state(K, V, later, "ratio=4")
     assert calls == [1] and a.layer_blobs == b.layer_blobs and a.part_blobs == b.part_blobs
     with pytest.raises(ValueError, match="partition"):
-        codec_batched.encode_state(K, V, lambda: sets[:1], "ratio=4")
+        codec.encode_state(K, V, lambda: sets[:1], "ratio=4")
 
 
 def test_batched_codec_names_the_layer_it_cannot_fit():
     K, V, sets = _kv(L=2, T=128)
     K[1, 0, 5, 3] = float("nan")
     with pytest.raises(KiteError, match=r"k Gram of layer\(s\) \[1\]"):
-        codec_batched.encode_state(K, V, sets, "ratio=4")
+        codec.encode_state(K, V, sets, "ratio=4")
 
 
 def test_fused_joint_gram_matches_the_blocks_gram():
@@ -126,7 +127,7 @@ def test_fused_joint_gram_matches_the_blocks_gram():
     X = torch.randn(3, 4, 200, 16, generator=torch.Generator().manual_seed(5)) + 2.0
     blocks = X.permute(0, 2, 1, 3).reshape(3, 200, 64)
     for center in (True, False):
-        mean, G = codec_batched._joint_gram_fused(X, center)
+        mean, G = joint_gram_fused(X, center)
         mean_ref, G_ref = eigh.centered_gram(blocks, center)
         assert torch.allclose(mean, mean_ref.float(), atol=1e-5)
         assert torch.allclose(G, G_ref.float(), rtol=1e-4, atol=1e-4)
@@ -144,7 +145,7 @@ def test_compress_document_batched_matches_per_layer(lm, tmp_path):
 
 
 def _staged_load(path, lm, clusters=None, layers=None, sink_tokens=4, device="cpu", dtype=torch.float32):
-    """gpu_load (on the CPU unless told), selection built as load_prefix builds it."""
+    """The staged load (on the CPU unless told), selection built as load_prefix builds it."""
     state = StateFile(path)
     info = {c["id"]: c for c in state.meta["clusters"]}
     ids = sorted(info) if not clusters else [int(c) for c in clusters]
@@ -160,10 +161,10 @@ def _staged_load(path, lm, clusters=None, layers=None, sink_tokens=4, device="cp
                 selection.append((c, keep))
     geo = lm.geometry
     layer_list = list(range(geo.n_layers)) if layers is None else layers
-    hot = gpu_load.stage_state(state, selection, [pos(c) for c, _ in selection], layer_list, n_layers=geo.n_layers,
+    hot = load.stage_state(state, selection, [pos(c) for c, _ in selection], layer_list, n_layers=geo.n_layers,
                                H=geo.n_kv_heads, d=geo.head_dim, threads=2)
     cos, sin = rope_cos_sin(lm.model, hot.positions, device=device)
-    keys, values = gpu_load.load_staged(hot, device=device, dtype=dtype, cos=cos, sin=sin,
+    keys, values = load.load_staged(hot, device=device, dtype=dtype, cos=cos, sin=sin,
                                         n_layers=geo.n_layers)
     state.close()
     return hot, keys, values
@@ -223,7 +224,7 @@ def test_cuda_rebuild_graphs_are_captured_on_the_second_load(lm, tmp_path):
         for k, v in bufs:
             k.zero_()
             v.zero_()
-        gpu_load.load_staged(hot, device="cuda", dtype=torch.bfloat16, cos=cos, sin=sin, out=bufs,
+        load.load_staged(hot, device="cuda", dtype=torch.bfloat16, cos=cos, sin=sin, out=bufs,
                              n_layers=geo.n_layers)
         torch.cuda.synchronize()
         graphs = [g for key, g in hot._graphs.items() if key[2] in {k.data_ptr() for k, _ in bufs}]
@@ -280,10 +281,10 @@ def test_gpu_load_matches_host_decode(lm, tmp_path, spec, partial):
 
 
 def test_hot_tier_lru_and_spare_buffers():
-    tier = gpu_load.HotTier(capacity_bytes=250, spare=1, pin=False)
+    tier = load.HotTier(capacity_bytes=250, spare=1, pin=False)
 
     def hot(key, n):
-        return gpu_load.HotState(key=key, buffer=tier.buffer(n), H=1, d=2, rows=0, dest=torch.zeros(0),
+        return load.HotState(key=key, buffer=tier.buffer(n), H=1, d=2, rows=0, dest=torch.zeros(0),
                                  positions=torch.zeros(0), layers=[])
 
     tier.put(hot("a", 100))

@@ -19,7 +19,7 @@ from kite.kernels import eigh, kmeans, native, quant
 from kite.kernels.backend import backend
 from kite.kernels.locate import cpu_version, runtime_path, runtime_status
 from kite.upcycle import codec
-from kite.upcycle import quant as upq
+from kite.upcycle.codec import quant as upq
 
 ROOT = Path(__file__).resolve().parent.parent
 has_cpu = pytest.mark.skipif(native.cpu() is None, reason="native runtime not built (make build-runtime)")
@@ -44,12 +44,12 @@ def _native_quant(g, bits, mode):
 def test_quant_fallback_matches_upcycle_quant(bits, shape, gs, axis):
     x = torch.randn(*shape, generator=_rng()) * 3 + 1
     ref = upq.quantize(x, f"int{bits}", group_size=gs, axis=axis)
-    g, _ = upq._grouped(x.float(), gs, axis)
+    g, _ = upq.grouped(x.float(), gs, axis)
     packed, scale, mn = quant.quantize_groups_torch(g, bits)
     assert torch.equal(packed, ref.tensors["codes"])
     assert torch.equal(scale, ref.tensors["scale"]) and torch.equal(mn, ref.tensors["min"])
     back = quant.dequantize_groups_torch(packed, *g.shape, bits, scale, mn)
-    assert torch.equal(back, upq._grouped(upq.dequantize(ref), gs, axis)[0])
+    assert torch.equal(back, upq.grouped(upq.dequantize(ref), gs, axis)[0])
     assert torch.allclose(back, g, atol=float(scale.float().max()) / 2 + 1e-6)
 
 
@@ -270,7 +270,7 @@ def _plan_case(sizes, seed=0, n_rows=40):
     """Rows at widths 0-8 over parts of the given sizes (group size 128, a smaller part is one group of
     its size, each part padded to whole groups): src, row_bits, the encoder's plan, the group table,
     the buffer sizes, whether every group owns whole bytes."""
-    from kite.upcycle.codec_batched import _plan
+    from kite.upcycle.format.bitlayout import runs_plan as _plan
 
     g = torch.Generator().manual_seed(seed)
     gs = torch.tensor([min(n, 128) for n in sizes])

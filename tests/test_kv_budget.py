@@ -103,7 +103,7 @@ def test_lossy_budget_holds_its_budget_and_counts_every_byte(lm):
     assert st["kv_bytes"] == st["compressed_bytes"] + st["codec_bytes"] + st["raw_bytes"]
     assert st["raw_kv_bytes"] == 400 * per_token and st["kv_bytes"] < st["raw_kv_bytes"]
     assert st["decoded_cache_bytes"] == 0
-    assert all("_cache" not in lay.layer_codec.__dict__ for lay in layers)  # no fp32 basis left behind
+    assert all(not lay.layer_codec.decoded for lay in layers)  # no fp32 basis left behind
 
 
 def test_keep_decoded_gives_the_same_logits_and_counts_its_memory(lm):
@@ -213,12 +213,13 @@ def test_server_completion_with_a_budget(lm, tmp_path):
     from fastapi.testclient import TestClient
 
     from kite.serve import ServeSettings, create_app
+    from kite.upcycle import open_pipeline
 
     rules = tmp_path / "rules.yaml"
     rules.write_text("rules:\n  - name: default\n    condition: true\n    action:\n      load_all_clusters: true\n")
     settings = ServeSettings(state_dir=tmp_path / "states", rules_path=rules, kv_budget_tokens=100,
                              kv_budget_block=32)
-    with TestClient(create_app(lm, settings)) as client:
+    with TestClient(create_app(open_pipeline(lm=lm, tagger=False), settings)) as client:
         prompt = "The parties agree that the supplier shall deliver the goods. " * 18
         r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3})
         assert r.status_code == 200, r.text

@@ -9,10 +9,10 @@ from typer.testing import CliRunner
 from kite.cli.main import app
 from kite.model.fingerprint import fingerprints, short
 from kite.upcycle import codec
-from kite.upcycle import migrate as mig
+from kite.upcycle import migration as mig
 from kite.upcycle.compress import CompressSettings, compress_document
 from kite.upcycle.load import load_prefix
-from kite.upcycle.state_file import StateFile
+from kite.upcycle.format import StateFile
 from tests.conftest import parse_json
 from tests.tiny_models import CORPUS, make_tiny_model
 

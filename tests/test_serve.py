@@ -61,13 +61,14 @@ def _settings(root, **kw) -> ServeSettings:
 
 
 def _start(lm, settings, tmp):
-    from kite.upcycle import codec
-    from kite.upcycle.compress import CompressSettings
+    from kite.upcycle import Pipeline, UpcycleConfig, compress_settings
     from kite.yoco.health import HealthStore
 
-    cs = CompressSettings(codec=codec.settings_for("exact"), n_clusters=3, min_span_tokens=8, max_span_tokens=24)
+    cfg = UpcycleConfig.model_validate({"compression": {"precision": "exact", "cluster_num": 3, "min_span_tokens": 8,
+                                                        "max_span_tokens": 24}})
+    pipe = Pipeline(lm=lm, tagger=None, settings=compress_settings(cfg), config=cfg, config_path=None)
     health = HealthStore(tmp / "health.sqlite")
-    app = create_app(lm, settings, compress_settings=cs, health=health)
+    app = create_app(pipe, settings, health=health)
     server = BackgroundServer(app)
     server.start()
     return server, app, health

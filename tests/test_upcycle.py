@@ -17,7 +17,7 @@ from kite.upcycle import codec
 from kite.upcycle.capture import tokenize_document
 from kite.upcycle.compress import CompressSettings, compress_document
 from kite.upcycle.load import load_prefix
-from kite.upcycle.state_file import StateFile
+from kite.upcycle.format import StateFile
 from tests.conftest import parse_json
 from tests.tiny_models import CORPUS, make_tiny_model
 

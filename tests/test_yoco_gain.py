@@ -98,7 +98,7 @@ def test_generate_reports_the_prompt_nll_it_prefilled(setup):
 def test_without_a_health_store_the_state_stands_at_the_prior(setup):
     """No store means no evidence: the health is the prior a new state gets in a store, not a
     score below the v1 rules' `unhealthy_state` cut."""
-    from kite.upcycle.state_file import StateFile
+    from kite.upcycle.format import StateFile
     from kite.yoco.fused import state_info
     from kite.yoco.health import HealthStore
 

@@ -29,7 +29,7 @@ class DocumentContext:
 
 def document_ids(lm, text: str) -> list[int]:
     """The document's token ids (no special tokens: states are made from the same ids)."""
-    from kite.upcycle.capture import tokenize_document
+    from kite.upcycle import tokenize_document
 
     return tokenize_document(lm.tokenizer, text)[0]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kite.runtime.cache import KVPrefix
-from kite.upcycle.quant import QTensor, dequantize, quantize, tensors_nbytes
+from kite.upcycle.codec import QTensor, dequantize, quantize, tensors_nbytes
 
 BITS = (8, 4, 3, 2)
 

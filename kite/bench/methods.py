@@ -186,7 +186,7 @@ class WholeState(Method):
         return Prepared(kv_bytes=budget_bytes)
 
     def answer(self, lm, doc, prep, question, prompt, gen):
-        from kite.upcycle.load import load_prefix
+        from kite.upcycle import load_prefix
 
         t0 = time.perf_counter()
         prefix, report = load_prefix(prep.data.path, lm)
@@ -213,7 +213,7 @@ class Fused(Method):
         return Prepared(kv_bytes=budget_bytes)  # the runner attaches the state (states.StateRef)
 
     def answer(self, lm, doc, prep, question, prompt, gen):
-        from kite.upcycle.load import load_prefix
+        from kite.upcycle import load_prefix
         from kite.yoco.fused import answer as fused_answer, load_args
 
         state = prep.data

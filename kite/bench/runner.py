@@ -125,11 +125,7 @@ def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
     from kite.bench.scoring import exact_match, f1_score, perplexity, reference_logits
     from kite.bench.states import ensure_state
     from kite.bench.thresholds import evaluate, load_thresholds
-    from kite.model import load_model
-    from kite.upcycle.compress import CompressSettings
-    from kite.upcycle.evaluate import compare_logits
-    from kite.upcycle.settings import load_upcycle_config
-    from kite.upcycle import build_tagger
+    from kite.upcycle import compare_logits, compress_settings, load_upcycle_config, open_pipeline
     from kite.yoco.health import HealthStore
     from kite.yoco.rules import default_rules_path, load_rules
 
@@ -137,27 +133,20 @@ def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
     thresholds, th_source = load_thresholds(s.thresholds)
     names = check_methods(s.baselines)
     cases = load_cases(s.cases, s.families, s.per_family)[: s.max_cases]
-    cfg, cfg_path = load_upcycle_config(s.upcycle_config)
+    cfg, cfg_path = ucfg = load_upcycle_config(s.upcycle_config)
+    compress_settings(cfg, ratio=s.ratio)   # a bad ratio fails before anything slow
     rules_path = Path(s.rules) if s.rules else default_rules_path()
-    if s.ratio is not None and s.ratio < 1:
-        raise BadInput(f"--ratio {s.ratio}: a compression ratio is ≥ 1 (4 = a quarter of raw fp16 KV)")
     notes: list[str] = []
     usable, kv_note = kvpress_status()
     if "kvpress" in names and not usable:
         names.remove("kvpress")
         notes.append(kv_note)
 
-    lm = load_model(s.model, adapter=cfg.adapter, device=s.device)
+    pipe = open_pipeline(s.model, ucfg, ratio=s.ratio, device=s.device, tagger=False)
+    lm, settings = pipe.lm, pipe.settings
     ids_of = check_lengths(lm, cases, s.max_new_tokens, s.chat)
-    from kite.upcycle import codec
-
-    codec_s = (codec.settings_for(s.ratio) if s.ratio is not None else
-               codec.settings_for(cfg.compression.precision) if cfg.compression.precision else
-               codec.settings_for(1.0 / cfg.compression.svd_ratio))
-    settings = CompressSettings(codec=codec_s, n_clusters=cfg.compression.cluster_num,
-                                min_span_tokens=cfg.compression.min_span_tokens,
-                                max_span_tokens=cfg.compression.max_span_tokens)
-    tagger = build_tagger(lm, cfg, cfg_path, progress=progress)
+    pipe.load_tagger(progress)
+    tagger = pipe.tagger
     labels = sorted(set(tagger.labels)) if tagger is not None else None
     rules = load_rules(rules_path, None, lm.geometry.n_layers)
     try:
@@ -178,7 +167,7 @@ def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
 
     result = {
         "kite_bench": 1, "complete": False, "error": None, "started_at": _now(), "finished_at": None,
-        "config": {**asdict(s), "codec": codec_s.name, "n_clusters": settings.n_clusters,
+        "config": {**asdict(s), "codec": settings.codec.name, "n_clusters": settings.n_clusters,
                    "rules_file": str(rules_path), "rules_version": rules.version,
                    "rules_sha256": rules.sha256, "upcycle_config_file": str(cfg_path) if cfg_path else None,
                    "tagger_labels": labels, "yoco_min_hit_gain": min_gain},
@@ -215,7 +204,7 @@ def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
             if case.document_key not in docs:
                 docs.clear()  # one document's caches at a time
                 doc = prefill_document(lm, case.document_key, doc_ids)
-                state = ensure_state(lm, case.document_key, doc_ids, Path(s.upcycle_dir), settings, tagger)
+                state = ensure_state(pipe, case.document_key, doc_ids, Path(s.upcycle_dir))
                 preps = {}
                 for name, m in methods.items():
                     preps[name] = m.prepare(lm, doc, state.state_bytes)

@@ -136,22 +136,13 @@ def _answer_all(lm, cfg, cases, states_dir, seed, progress, stage, cleanup) -> l
     from kite.bench.methods import BASELINES, Fused
     from kite.bench.runner import prompt_ids
     from kite.bench.states import ensure_state
-    from kite.upcycle import codec
-    from kite.upcycle.compress import CompressSettings
-    from kite.upcycle.settings import load_upcycle_config
+    from kite.upcycle import open_pipeline
 
-    method = None
-    settings = tagger = None
-    ucfg, ucfg_path = load_upcycle_config(cfg.upcycle_config)
-    settings = CompressSettings(codec=codec.settings_for(cfg.ratio), n_clusters=ucfg.compression.cluster_num,
-                                min_span_tokens=ucfg.compression.min_span_tokens,
-                                max_span_tokens=ucfg.compression.max_span_tokens)
+    pipe = open_pipeline(lm=lm, upcycle_config=cfg.upcycle_config, ratio=cfg.ratio, tagger=cfg.method == "fused")
     if cfg.method == "fused":
-        from kite.upcycle import build_tagger
         from kite.yoco.health import HealthStore
         from kite.yoco.rules import default_rules_path, load_rules
 
-        tagger = build_tagger(lm, ucfg, ucfg_path)
         rules = load_rules(Path(cfg.rules) if cfg.rules else default_rules_path(), None, lm.geometry.n_layers)
         # A fresh health store for each pass: every pass starts from what the pipeline knows
         # before any of these cases (a shared store would let the first pass steer the next).
@@ -159,7 +150,7 @@ def _answer_all(lm, cfg, cases, states_dir, seed, progress, stage, cleanup) -> l
         cleanup.callback(tmp.cleanup)
         health = HealthStore(Path(tmp.name) / "health.sqlite")
         cleanup.callback(health.close)
-        method = Fused(tagger=tagger, rules=rules, health=health)
+        method = Fused(tagger=pipe.tagger, rules=rules, health=health)
     else:
         method = BASELINES[cfg.method]()
     gen = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -172,7 +163,7 @@ def _answer_all(lm, cfg, cases, states_dir, seed, progress, stage, cleanup) -> l
 
             ids = document_ids(lm, case.document)
             doc = prefill_document(lm, case.document_key, ids)
-            state = ensure_state(lm, case.document_key, ids, states_dir, settings, tagger)
+            state = ensure_state(pipe, case.document_key, ids, states_dir)
             prep = method.prepare(lm, doc, state.state_bytes)
             if method.uses_state:
                 prep.data = state

@@ -43,8 +43,7 @@ def settings_key(settings, tagger) -> str:
 
 
 def _matches(path: Path, lm, n_tokens: int, settings) -> bool:
-    from kite.upcycle.load import check_fingerprints
-    from kite.upcycle.state_file import StateFile
+    from kite.upcycle import StateFile, check_fingerprints
 
     try:
         with StateFile(path) as state:
@@ -57,17 +56,16 @@ def _matches(path: Path, lm, n_tokens: int, settings) -> bool:
     return meta.get("n_tokens") == n_tokens and meta.get("codec") == settings.codec.to_json()
 
 
-def ensure_state(lm, doc_key: str, ids: list[int], folder: Path, settings, tagger) -> StateRef:
-    """The document's state in `folder`: reused when it matches, else made (written atomically)."""
-    from kite.upcycle.compress import compress_document
-
+def ensure_state(pipe, doc_key: str, ids: list[int], folder: Path) -> StateRef:
+    """The document's state in `folder`, made by ``pipe`` (a :class:`kite.upcycle.Pipeline`): reused
+    when it matches, else made (written atomically, prepared for loading on a GPU)."""
+    lm, settings, tagger = pipe.lm, pipe.settings, pipe.tagger
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"bench-{doc_key}-{settings_key(settings, tagger)}.upc"
     raw = int(lm.geometry.kv_bytes_per_token("fp16") * len(ids))
     if path.is_file() and _matches(path, lm, len(ids), settings):
         return StateRef(path, path.stat().st_size, raw, len(ids), True, 0.0)
     t0 = time.perf_counter()
-    made = compress_document(lm, "", path, settings, tagger=tagger, source_name=f"bench:{doc_key}",
-                             ids=ids)
+    made = pipe.compress("", path, source_name=f"bench:{doc_key}", ids=ids)
     return StateRef(path, made.state_bytes, made.raw_kv_bytes, made.n_tokens, False,
                     (time.perf_counter() - t0) * 1e3)

@@ -88,7 +88,7 @@ def generate(
     lm = load_model(model, adapter=adapter, dtype=dtype)
     prefix = report = None
     if upc is not None:
-        from kite.upcycle.load import load_prefix
+        from kite.upcycle import load_prefix
 
         prefix, report = load_prefix(upc, lm, layers=parse_layers(layers, lm.geometry.n_layers),
                                      clusters=[c.strip() for c in clusters.split(",") if c.strip()]
@@ -96,7 +96,7 @@ def generate(
     ids = state_prompt_ids(lm, text, chat=chat, system=system, with_state=prefix is not None)
     cache = None
     if budget is not None:
-        from kite.upcycle.budget import BudgetCache, check_budget
+        from kite.upcycle import BudgetCache, check_budget
 
         cache = BudgetCache(lm.model, check_budget(budget, lm.geometry.context_length))
     stream = None if json_out else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
@@ -126,7 +126,7 @@ def generate(
 
 def _budget_settings(tokens: int | None, codec: str | None, block: int | None, upc: Path | None):
     """BudgetSettings from the --kv-budget-* flags (None without --kv-budget-tokens). Raises BadInput."""
-    from kite.upcycle.budget import DEFAULT_BLOCK_TOKENS, DEFAULT_CODEC, BudgetSettings, check_budget
+    from kite.upcycle import DEFAULT_BLOCK_TOKENS, DEFAULT_CODEC, BudgetSettings, check_budget
 
     check_budget_flags(tokens, codec, block)
     if tokens is None:

@@ -50,7 +50,6 @@ def serve(
         from kite.serve import ServeSettings, create_app, run
     except ModuleNotFoundError as exc:
         raise KiteError(f"kite serve needs {exc.name}: pip install 'kite[serve]'") from None
-    from kite.serve.app import compress_settings_for
     from kite.serve.settings import LOOPBACK
 
     check_budget_flags(kv_budget_tokens, kv_budget_codec, kv_budget_block)
@@ -60,21 +59,18 @@ def serve(
     settings = ServeSettings.from_config(cfg, rules=rules, **budget_kw)
     _check_rules(settings.rules_path)  # a bad rule file fails now, before the model loads
     out = console()
-    from kite.model import load_model
-    from kite.upcycle.settings import load_upcycle_config
-    from kite.upcycle import build_tagger
+    from kite.upcycle import load_upcycle_config, open_pipeline
 
-    ucfg, ucfg_path = load_upcycle_config(upcycle_config)
+    ucfg = load_upcycle_config(upcycle_config)   # a bad upcycle config fails before the model loads
     out.print(f"loading model {cfg.model.default} …", highlight=False)
-    lm = load_model(cfg.model.default, adapter=ucfg.adapter)
-    settings.budget_settings(lm.geometry.context_length)  # a budget past the model's context fails now
-    tagger = build_tagger(lm, ucfg, ucfg_path)
-    app = create_app(lm, settings, tagger=tagger, compress_settings=compress_settings_for(ucfg))
+    pipe = open_pipeline(cfg.model.default, ucfg)
+    settings.budget_settings(pipe.lm.geometry.context_length)  # a budget past the model's context fails now
+    app = create_app(pipe, settings)
     if settings.host not in LOOPBACK:
         out.print(f"[yellow]warning:[/] binding {settings.host}: the API is reachable from other machines",
                   highlight=False)
     admin = "on" if settings.admin_token else "off (no admin token configured)"
-    out.print(f"[bold green]serving[/] {lm.source.spec} on http://{settings.host}:{settings.port}  "
+    out.print(f"[bold green]serving[/] {pipe.lm.source.spec} on http://{settings.host}:{settings.port}  "
               f"rules {settings.rules_path.name}  fusion {'on' if settings.fusion else 'off'}  admin {admin}  "
               f"states {settings.state_dir}" + (f"  kv budget {settings.kv_budget_tokens} tokens "
                                                 f"({settings.kv_budget_codec})" if settings.kv_budget_tokens else ""),

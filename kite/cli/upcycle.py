@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
 from kite.cli._common import JsonOpt, console, emit_json, new_app
 from kite.errors import BadInput
-
-if TYPE_CHECKING:
-    from kite.upcycle.codec import CodecSettings
 
 app = new_app("Turn a document's KV cache into a .upc state; inspect, evaluate, migrate.")
 
@@ -40,24 +37,6 @@ def read_document(path: str) -> tuple[str, str]:
     return text, name
 
 
-def codec_settings(ratio: float | None, precision: str | None, cfg) -> "CodecSettings":
-    """--precision (a preset) wins over --ratio, which wins over the config's svd_ratio/precision."""
-    from kite.upcycle import codec
-
-    try:
-        if precision:
-            return codec.settings_for(precision)
-        if ratio is not None:
-            if ratio < 1:
-                raise BadInput(f"--ratio {ratio}: a compression ratio is ≥ 1 (4 = a quarter of raw fp16 KV)")
-            return codec.settings_for(ratio)
-        if cfg.compression.precision:
-            return codec.settings_for(cfg.compression.precision)
-        return codec.settings_for(1.0 / cfg.compression.svd_ratio)
-    except ValueError as exc:
-        raise BadInput(str(exc))
-
-
 @app.command("compress")
 def compress(
     input: Annotated[str, typer.Option("--input", "-i", help="The document (text file, or '-' for stdin).")],
@@ -74,22 +53,12 @@ def compress(
     Example: kite upcycle compress --input contract.txt --output contract.upc --ratio 4
     """
     from kite.cli._progress import progress_bar
-    from kite.model import load_model
-    from kite.upcycle.compress import CompressSettings, compress_document
-    from kite.upcycle.settings import load_upcycle_config
-    from kite.upcycle import build_tagger
+    from kite.upcycle import open_pipeline
 
-    cfg, cfg_path = load_upcycle_config(config)
     text, name = read_document(input)
-    settings = CompressSettings(codec=codec_settings(ratio, precision, cfg),
-                                n_clusters=clusters or cfg.compression.cluster_num,
-                                min_span_tokens=cfg.compression.min_span_tokens,
-                                max_span_tokens=cfg.compression.max_span_tokens)
-    lm = load_model(model, adapter=cfg.adapter)
-    with progress_bar() as progress:
-        tagger = build_tagger(lm, cfg, cfg_path, progress=progress)
-        result = compress_document(lm, text, output, settings, tagger=tagger, source_name=name,
-                                   progress=progress)
+    with progress_bar() as progress:   # the config and the flags are checked before the model loads
+        pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress)
+        result = pipe.compress(text, output, source_name=name, progress=progress)
     if json_out:
         emit_json(result.to_dict())
         return
@@ -110,7 +79,7 @@ def inspect(
     json_out: bool = JsonOpt,
 ) -> None:
     """Header, fingerprints, clusters (label, confidence, tokens, preview), bytes per part, checksums."""
-    from kite.upcycle.inspect import describe_state
+    from kite.upcycle import describe_state
 
     report = describe_state(state, verify=verify)
     if json_out:
@@ -156,21 +125,13 @@ def eval_cmd(
     Example: kite upcycle eval --input /usr/share/common-licenses/GPL-3 --ratio 8 --probe passkey
     """
     from kite.cli._progress import progress_bar
-    from kite.model import load_model
-    from kite.upcycle.compress import CompressSettings
-    from kite.upcycle.evaluate import evaluate
-    from kite.upcycle.settings import load_upcycle_config
-    from kite.upcycle import build_tagger
+    from kite.upcycle import evaluate, open_pipeline
 
-    cfg, cfg_path = load_upcycle_config(config)
     text, _ = read_document(input)
-    settings = CompressSettings(codec=codec_settings(ratio, precision, cfg),
-                                n_clusters=clusters or cfg.compression.cluster_num)
-    lm = load_model(model, adapter=cfg.adapter)
-    with progress_bar() as progress:
-        tagger = build_tagger(lm, cfg, cfg_path, progress=progress)
-        result = evaluate(lm, text, context_tokens=context_tokens, continuation_tokens=continuation_tokens,
-                          settings=settings, tagger=tagger, probe=probe, progress=progress)
+    with progress_bar() as progress:   # the config and the flags are checked before the model loads
+        pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress)
+        result = evaluate(pipe.lm, text, context_tokens=context_tokens, continuation_tokens=continuation_tokens,
+                          settings=pipe.settings, tagger=pipe.tagger, probe=probe, progress=progress)
     if json_out:
         emit_json(result.to_dict())
         return
@@ -204,11 +165,12 @@ def migrate_cmd(
     Example: kite upcycle migrate --old-model-fingerprint 3f4a7011d963 --new-model-fingerprint 9b1c22e0aa41 \\
       --upcycle-dir ./states --new-model ./SmolLM2-ft
     """
-    from kite.upcycle import migrate as mig
+    from kite.upcycle import migrate as migrate_states
+    from kite.upcycle import rollback as rollback_migration
     from kite.yoco.health import HealthStore
 
     if rollback:
-        report = mig.rollback(upcycle_dir)
+        report = rollback_migration(upcycle_dir)
     else:
         if not old_model_fingerprint or not new_model_fingerprint:
             raise BadInput("give --old-model-fingerprint and --new-model-fingerprint (or --rollback)")
@@ -220,7 +182,7 @@ def migrate_cmd(
 
             _, folder, config = load_config_only(new_model)
             fps, geometry = fingerprints(folder), geometry_from_config(config)
-        report = mig.migrate(upcycle_dir, old_model_fingerprint, new_model_fingerprint, new_fps=fps,
+        report = migrate_states(upcycle_dir, old_model_fingerprint, new_model_fingerprint, new_fps=fps,
                              new_geometry=geometry, force=force, dry_run=dry_run,
                              health=None if dry_run else HealthStore())
     if json_out:

@@ -242,19 +242,16 @@ def decide_cmd(
 
 def _model_and_tagger(model: str | None, progress=None):
     """The model and the clause tagger the upcycle config asks for (the one states are tagged with)."""
-    from kite.model import load_model
-    from kite.upcycle.settings import load_upcycle_config
-    from kite.upcycle import build_tagger
+    from kite.upcycle import open_pipeline
 
-    cfg, cfg_path = load_upcycle_config(None)
-    lm = load_model(model, adapter=cfg.adapter)
-    return lm, build_tagger(lm, cfg, cfg_path, progress=progress)
+    pipe = open_pipeline(model, progress=progress)
+    return pipe.lm, pipe.tagger
 
 
 def _decide_for_state(path: Path, query: str, model: str | None, rules_path: Path,
                       min_hit_gain: float, json_out: bool) -> None:
     from kite.cli._progress import progress_bar
-    from kite.upcycle.state_file import StateFile
+    from kite.upcycle import StateFile
     from kite.yoco.fused import plan_for, state_info
     from kite.yoco.health import HealthStore
     from kite.yoco.watermark import WatermarkSampler, default_backend

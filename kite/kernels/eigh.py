@@ -73,9 +73,10 @@ def centered_gram(X: torch.Tensor, center: bool = True) -> tuple[torch.Tensor, t
 
 
 def batched_pca(X: torch.Tensor, center: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`kite.upcycle.codec.batched_pca`: X [B, T, d] -> mean [B, d],
-    eigenvalues [B, d] (descending, per-token variances, clamped at 0; NaN where a GPU solver did
-    not converge), U [B, d, d], all float32.
+    """PCA of many small matrices at once: X [B, T, d] -> mean [B, d], eigenvalues [B, d]
+    (descending, per-token variances (Gram / T), clamped at 0; NaN where a GPU solver did not
+    converge), U [B, d, d], all float32: one batched Gram and one batched symmetric eigensolver
+    instead of a per-matrix SVD.
 
     Gram in float64 on the CPU (as codec does), float32 on a GPU (the Jacobi kernel is fp32).
     """

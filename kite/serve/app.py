@@ -28,25 +28,23 @@ class ServerState:
     model_limiter: object | None = None  # anyio.CapacityLimiter(1), made in the loop (workers.py)
 
 
-def create_app(lm, settings: ServeSettings, *, tagger=None, compress_settings=None, health=None,
-               sampler=None, start_sampler: bool = True) -> FastAPI:
-    """An ASGI app serving `lm`. The rule file is compiled now (a bad one fails here, before the
-    server binds); the watermark sampler runs from startup to shutdown."""
+def create_app(pipeline, settings: ServeSettings, *, health=None, sampler=None,
+               start_sampler: bool = True) -> FastAPI:
+    """An ASGI app serving ``pipeline`` (a :class:`kite.upcycle.Pipeline`: the model, its tagger and
+    the compression settings uploads are upcycled with). The rule file is compiled now (a bad one
+    fails here, before the server binds); the watermark sampler runs from startup to shutdown."""
     from kite.yoco.health import HealthStore
     from kite.yoco.novelty import NoveltyTracker
     from kite.yoco.rules import ActiveRules
     from kite.yoco.watermark import WatermarkSampler, default_backend
 
-    rules = ActiveRules.from_file(settings.rules_path, n_layers=lm.geometry.n_layers)
+    rules = ActiveRules.from_file(settings.rules_path, n_layers=pipeline.lm.geometry.n_layers)
     store = StateStore(settings.state_dir)
     health = health if health is not None else HealthStore()
     if sampler is None and start_sampler:
         sampler = WatermarkSampler(default_backend(), interval_ms=settings.sampler_interval_ms,
                                    spike_threshold_gb=settings.spike_threshold_gb)
-    if compress_settings is None:
-        compress_settings = default_compress_settings()
-    runner = ModelRunner(lm, settings, rules, store, tagger=tagger, health=health, novelty=NoveltyTracker(),
-                         sampler=sampler, compress_settings=compress_settings)
+    runner = ModelRunner(pipeline, settings, rules, store, health=health, novelty=NoveltyTracker(), sampler=sampler)
     metrics = ServerMetrics()
     metrics.bind_rules(rules)
     if sampler is not None:
@@ -76,21 +74,3 @@ def create_app(lm, settings: ServeSettings, *, tagger=None, compress_settings=No
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=metrics)  # outermost: counts 413s too
     return app
-
-
-def compress_settings_for(ucfg):
-    """CompressSettings from an upcycle config, as `kite upcycle compress` reads it."""
-    from kite.upcycle import codec
-    from kite.upcycle.compress import CompressSettings
-
-    c = ucfg.compression
-    codec_settings = codec.settings_for(c.precision) if c.precision else codec.settings_for(1.0 / c.svd_ratio)
-    return CompressSettings(codec=codec_settings, n_clusters=c.cluster_num, min_span_tokens=c.min_span_tokens,
-                            max_span_tokens=c.max_span_tokens)
-
-
-def default_compress_settings():
-    """How uploads are upcycled by default: configs/upcycle_config.yaml, else its defaults."""
-    from kite.upcycle.settings import load_upcycle_config
-
-    return compress_settings_for(load_upcycle_config(None)[0])

@@ -72,14 +72,15 @@ class Answer:
 
 
 class ModelRunner:
-    """Holds the model, its tagger, the rules, health store, novelty tracker and sampler."""
+    """Holds the pipeline (model, tagger, compression settings), the rules, health store, novelty
+    tracker and sampler."""
 
-    def __init__(self, lm, settings: ServeSettings, rules, store: StateStore, *, tagger=None,
-                 health=None, novelty=None, sampler=None, compress_settings=None):
-        self.lm, self.settings, self.rules, self.store = lm, settings, rules, store
-        self.tagger, self.health, self.novelty, self.sampler = tagger, health, novelty, sampler
-        self.compress_settings = compress_settings
-        self.kv_budget = settings.budget_settings(lm.geometry.context_length)
+    def __init__(self, pipeline, settings: ServeSettings, rules, store: StateStore, *,
+                 health=None, novelty=None, sampler=None):
+        self.pipeline, self.lm, self.tagger = pipeline, pipeline.lm, pipeline.tagger
+        self.settings, self.rules, self.store = settings, rules, store
+        self.health, self.novelty, self.sampler = health, novelty, sampler
+        self.kv_budget = settings.budget_settings(self.lm.geometry.context_length)
         self._lock = threading.Lock()
 
     @property
@@ -97,8 +98,6 @@ class ModelRunner:
                 overwrite: bool = False) -> Upcycled:
         """Store `document` as a state. Without an id the id is a hash of the document and the
         model, and a document already stored is reused rather than upcycled again."""
-        from kite.upcycle.compress import compress_document
-
         if not document.strip():
             raise BadInput("the document is empty")
         explicit = state_id is not None
@@ -113,8 +112,7 @@ class ModelRunner:
         try:
             if not explicit and path.is_file():  # the same document, upcycled while we waited
                 return Upcycled(self.store.summary(sid), created=False)
-            result = compress_document(self.lm, document, path, self.compress_settings,
-                                       tagger=self.tagger, source_name=name)
+            result = self.pipeline.compress(document, path, source_name=name)
         finally:
             self._lock.release()
         if explicit and overwrite and self.health is not None:
@@ -148,7 +146,7 @@ class ModelRunner:
             if path is None:
                 if self.kv_budget is None:
                     return Answer(generate(self.lm, prompt_ids, **gen_kwargs), wait_ms=wait)
-                from kite.upcycle.budget import BudgetCache
+                from kite.upcycle import BudgetCache
 
                 cache = BudgetCache(self.lm.model, self.kv_budget)
                 result = generate(self.lm, prompt_ids, cache=cache, prefill_chunk=self.kv_budget.block_tokens,

@@ -42,10 +42,10 @@ class ServeSettings:
         self.budget_settings()  # a bad budget fails at startup (the model's context is checked on load)
 
     def budget_settings(self, context_length: int | None = None):
-        """The KV budget as `kite.upcycle.budget.BudgetSettings` (None when off). Raises BadInput."""
+        """The KV budget as `kite.upcycle.BudgetSettings` (None when off). Raises BadInput."""
         if self.kv_budget_tokens is None:
             return None
-        from kite.upcycle.budget import BudgetSettings, check_budget
+        from kite.upcycle import BudgetSettings, check_budget
 
         return check_budget(BudgetSettings(budget_tokens=self.kv_budget_tokens, codec=self.kv_budget_codec,
                                            block_tokens=self.kv_budget_block), context_length)

@@ -101,7 +101,7 @@ class StateStore:
 
 
 def _read_summary(state_id: str, path: Path, size: int) -> StateSummary:
-    from kite.upcycle.state_file import StateFile
+    from kite.upcycle import StateFile
 
     try:
         with StateFile(path) as state:

@@ -1,20 +1,44 @@
-"""Upcycle: capture, compress and reload a document's KV cache as a reusable state."""
+"""Upcycle: capture, compress and reload a document's KV cache as a reusable `.upc` state.
 
+The public face: code outside ``kite/upcycle/`` imports only these names (the subpackages ``codec``
+and ``format`` included, for benchmarks and tools that work on the codec or the container).
+
+    pipeline   open_pipeline, compress_settings: config + flags -> model, tagger, settings
+    compress   compress_document: text -> .upc (capture, spans, clusters, tags, codec, write)
+    load       load_prefix: .upc -> KV prefix (fingerprints checked, parts chosen, CPU or GPU rebuild)
+    format     the container (StateFile, StateWriter), blob names, codec blob bytes, bit layout
+    codec      settings and presets, side coders, per-layer codec, batched encoder, quantizer
+    tagging    the clause tagger
+    budget     the memory-budgeted KV cache (coded blocks that stay in attention)
+    migration, quality (what a setting loses), inspect, rope, capture
+"""
+
+from kite.upcycle import codec, format
+from kite.upcycle.budget import (DEFAULT_BLOCK_TOKENS, DEFAULT_CODEC, BudgetCache, BudgetSettings, WindowCache,
+                                 budget_cache, check_budget, kv_bytes_per_token, min_budget)
+from kite.upcycle.capture import tokenize_document
+from kite.upcycle.codec import CodecSettings
 from kite.upcycle.codec import settings_for as codec_settings
-from kite.upcycle.compress import CompressSettings, compress_document
-from kite.upcycle.load import load_prefix
-from kite.upcycle.settings import load_upcycle_config
-from kite.upcycle.tagging import (
-    ClauseTagger,
-    QueryHead,
-    TagResult,
-    build_tagger,
-    calibration_set,
-    describe_tagger,
-    evaluate_queries,
-    evaluate_tagging,
-)
+from kite.upcycle.compress import ClusterInfo, CompressResult, CompressSettings, compress_document
+from kite.upcycle.quality import EvalResult, compare_logits, evaluate
+from kite.upcycle.format import FORMAT_VERSION, StateFile, StateWriter
+from kite.upcycle.inspect import describe_state
+from kite.upcycle.load import (LOAD_PRECISIONS, SINK_TOKENS, HotTier, LoadReport, check_fingerprints, default_tier,
+                               load_prefix, prepare_state, select_clusters)
+from kite.upcycle.migration import MigrationReport, migrate, plan_migration, rollback
+from kite.upcycle.pipeline import Pipeline, compress_settings, open_pipeline
+from kite.upcycle.rope import apply_rope, remove_rope, rope_cos_sin
+from kite.upcycle.settings import UpcycleConfig, load_upcycle_config
+from kite.upcycle.tagging import (ClauseTagger, QueryHead, TagResult, build_tagger, calibration_set,
+                                  describe_tagger, evaluate_queries, evaluate_tagging)
 
-__all__ = ["ClauseTagger", "CompressSettings", "QueryHead", "TagResult", "build_tagger",
-           "calibration_set", "codec_settings", "compress_document", "describe_tagger",
-           "evaluate_queries", "evaluate_tagging", "load_prefix", "load_upcycle_config"]
+__all__ = [
+    "DEFAULT_BLOCK_TOKENS", "DEFAULT_CODEC", "FORMAT_VERSION", "LOAD_PRECISIONS", "SINK_TOKENS", "BudgetCache",
+    "BudgetSettings", "ClauseTagger", "ClusterInfo", "CodecSettings", "CompressResult", "CompressSettings",
+    "EvalResult", "HotTier", "LoadReport", "MigrationReport", "Pipeline", "QueryHead", "StateFile", "StateWriter",
+    "TagResult", "UpcycleConfig", "WindowCache", "apply_rope", "budget_cache", "build_tagger", "kv_bytes_per_token", "min_budget", "calibration_set",
+    "check_budget", "check_fingerprints", "codec", "codec_settings", "compare_logits", "compress_document",
+    "compress_settings", "default_tier", "describe_state", "describe_tagger", "evaluate", "evaluate_queries",
+    "evaluate_tagging", "format", "load_prefix", "load_upcycle_config", "migrate", "open_pipeline", "plan_migration",
+    "prepare_state", "remove_rope", "rollback", "rope_cos_sin", "select_clusters", "tokenize_document",
+]

@@ -43,12 +43,12 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kite.errors import BadInput, KiteError
 from kite.upcycle import codec as C
+from kite.upcycle.load.selection import SINK_TOKENS
 from kite.upcycle.rope import apply_rope, remove_rope, rope_cos_sin, rotary_module
 
 __all__ = ["BudgetSettings", "BudgetCache", "WindowCache", "budget_cache", "check_budget",
            "DEFAULT_CODEC", "DEFAULT_BLOCK_TOKENS", "SINK_TOKENS", "min_budget", "kv_bytes_per_token"]
 
-SINK_TOKENS = 4
 DEFAULT_BLOCK_TOKENS = 256
 DEFAULT_CODEC = "ratio=8"
 
@@ -230,7 +230,7 @@ class BudgetLayer(DynamicLayer):
     def _drop_basis_cache(self) -> None:
         # the codec memoizes its dequantized (fp32) basis; keep only the stored form between calls
         if self.layer_codec is not None and not self.owner.settings.keep_decoded:
-            self.layer_codec.__dict__.pop("_cache", None)
+            self.layer_codec.decoded.clear()
 
     def _decoded(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every compressed block of this layer, decoded and re-rotated: ([1, H, T_c, d]) x 2."""

@@ -16,11 +16,12 @@ from typing import Any
 import torch
 
 from kite import __version__
-from kite.upcycle import codec, codec_batched
+from kite.upcycle import codec
 from kite.upcycle.capture import Capture, capture
 from kite.upcycle.cluster import kmeans
 from kite.upcycle.spans import cut_spans
-from kite.upcycle.state_file import LARGE_MIN_SAVING, MIN_SAVING, StateWriter
+from kite.upcycle.format.container import LARGE_MIN_SAVING, MIN_SAVING, StateWriter
+from kite.upcycle.format.names import blob_key
 from kite.upcycle.tagging.build import describe_tagger
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -64,11 +65,6 @@ class CompressResult:
         d = asdict(self)
         d["compression_ratio"] = round(self.compression_ratio, 3)
         return d
-
-
-def blob_key(cluster: int | None, layer: int, side: str | None = None) -> str:
-    """Names of the parts: 'L3' (layer 3's shared codec), 'c2/L3/K', 'c2/L3/V'."""
-    return f"L{layer}" if cluster is None else f"c{cluster}/L{layer}/{side}"
 
 
 def _uses_embeddings(tagger) -> bool:
@@ -124,8 +120,8 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
 
     `ids`: the document's token ids when the caller already has them (what the state will be
     reused after); `text` is then ignored and rebuilt from the ids' pieces.
-    `device`: where the codec runs batched over layers and parts (`kite.upcycle.codec_batched`,
-    same byte format); None = batched on the model's GPU when it has one, else the per-layer codec.
+    `device`: where the codec runs batched over layers and parts (`kite.upcycle.codec.encode_state`,
+    same bytes); None = batched on the model's GPU when it has one, else the per-layer codec.
     Settings the batched codec does not take always use the per-layer codec.
     """
     settings = settings or CompressSettings()
@@ -171,9 +167,9 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
     # a state made on a GPU is served from one: big blobs stay raw unless zstd saves a lot (load speed)
     gpu = device is not None and torch.device(device).type == "cuda"
     writer = StateWriter(large_min_saving=LARGE_MIN_SAVING if gpu else MIN_SAVING)
-    if device is not None and codec_batched.supports(settings.codec):
-        enc = codec_batched.encode_state(cap.keys_pre, cap.values, cluster_spans, settings.codec, device=device)
-        enc.add_to(writer, blob_key)
+    if device is not None and codec.supports_batched(settings.codec):
+        enc = codec.encode_state(cap.keys_pre, cap.values, cluster_spans, settings.codec, device=device)
+        enc.add_to(writer)
         if progress:
             progress("compress", n_layers, n_layers)
     else:
@@ -213,11 +209,5 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
     t = time.perf_counter()
     size = writer.write(output, meta)
     timings["write"] = (time.perf_counter() - t) * 1e3
-    if gpu:   # a state made on a GPU is loaded on one: keep the loader's tables for the first load
-        from kite.upcycle.gpu_load import prepare_state
-
-        t = time.perf_counter()
-        if prepare_state(output):
-            timings["prepare_load"] = (time.perf_counter() - t) * 1e3
     return CompressResult(path=str(output), n_tokens=cap.n_tokens, clusters=clusters, state_bytes=size,
                           raw_kv_bytes=raw_kv, timings_ms={k: round(v, 1) for k, v in timings.items()})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kite.upcycle.state_file import FORMAT_VERSION, StateFile
+from kite.upcycle.format.container import FORMAT_VERSION, StateFile
 
 
 def describe_state(path: str | Path, verify: bool = False) -> dict:

@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kite.runtime.generate import GenerationResult, generate
-from kite.upcycle.load import LoadReport, load_prefix
-from kite.upcycle.state_file import StateFile
+from kite.upcycle import LoadReport, StateFile, load_prefix
 from kite.yoco.engine import StateInfo, decide
 from kite.yoco.health import DEFAULT_GAIN_SCALE, DEFAULT_PRIOR_GAIN, health_from_gain
 from kite.yoco.intent import QuerySignals, query_signals

@@ -11,15 +11,9 @@ Layout (all integers little-endian; see docs/upc-format.md):
     blobs     concatenated; the index gives each blob's offset from the end of the header,
               stored length, raw length, codec ("zstd" | "raw") and blake2b-128 of the stored bytes
 
-Loading one cluster of a few layers reads the header and just those blobs.
-
-Verified-version records (``KITE_CACHE/upc_verified.json``): which blobs of which *version* of a file
-(real path, device, inode, size, mtime and ctime in ns, plus the header's checksum) had their
-checksums checked, by the writer that made the file or by a loader (``kite.upcycle.gpu_load``).
-A loader in any process skips re-hashing those blobs while the file keeps that version; a file
-written in place or replaced gets a new version and is checked again. ``StateFile.read`` and
-``StateFile.verify`` (``kite upcycle inspect --verify``) never consult them. ``KITE_VERIFY_RECORD=0``
-turns them off (nothing read, nothing written).
+Loading one cluster of a few layers reads the header and just those blobs. The writer records
+the file it wrote as verified (:mod:`kite.upcycle.format.versions`): it computed every checksum
+itself, so a loader need not hash the file again while it keeps that version.
 """
 
 from __future__ import annotations
@@ -34,6 +28,7 @@ from typing import Any, BinaryIO
 
 from kite.atomic import atomic_writer
 from kite.errors import BadInput
+from kite.upcycle.format.versions import file_version, record_verified, records_enabled
 
 MAGIC = b"KITEUPC\0"
 FORMAT_VERSION = 1
@@ -64,9 +59,9 @@ class BlobEntry:
 
 # zstd is kept where it saves at least MIN_SAVING (the smallest file). States written for GPU
 # serving (compress_document on a CUDA model) ask blobs of LARGE_BLOB bytes or more for
-# LARGE_MIN_SAVING instead: decompressing costs ~1 ms per MB and core on every load from the page
-# cache (several times the read it saves), which quantized codes (~5-13 % smaller under zstd) do
-# not repay -- measured on the H200: page-cache load 40.8 -> 19.5 ms, file 6.6 % larger.
+# LARGE_MIN_SAVING instead: decompressing costs time on every load from the page cache, several
+# times the read it saves, which quantized codes (only a little smaller under zstd) do not repay
+# (docs/PERFORMANCE.md, "zstd and load speed").
 MIN_SAVING = 0.03
 LARGE_BLOB = 64 << 10
 LARGE_MIN_SAVING = 0.25
@@ -180,6 +175,21 @@ class StateFile:
         self.index = {e.key: e for e in (BlobEntry.from_json(r) for r in self.meta.pop("blobs"))}
         self.file_size = os.fstat(self._fh.fileno()).st_size
 
+    @property
+    def data_start(self) -> int:
+        """File offset of the first blob (a blob lies at ``data_start + entry.offset``)."""
+        return self._data_start
+
+    @property
+    def version(self) -> tuple:
+        """The version of the file's bytes now (:func:`kite.upcycle.format.versions.file_version`,
+        read again at every call): what every cache of a loaded state keys on."""
+        return file_version(self._fh.fileno(), self.path)
+
+    def fileno(self) -> int:
+        """The open file's descriptor (for ``os.pread`` / ``os.fstat`` by a loader)."""
+        return self._fh.fileno()
+
     def _read_header(self) -> tuple[dict, int]:
         pre = self._fh.read(_PREAMBLE.size)
         if len(pre) < 8 or pre[:8] != MAGIC:
@@ -260,100 +270,3 @@ def rewrite_header(src: str | os.PathLike[str], dest: str | os.PathLike[str], me
             while chunk := sf._fh.read(1 << 20):
                 fh.write(chunk)
         return len(pre) + len(header) + sum(e.length for e in sf.index.values())
-
-
-# --- verified-version records, shared between processes ---------------------------------------
-
-_RECORD_LIMIT = 512          # files remembered (the oldest record goes first)
-_RECORD_LOCK = __import__("threading").Lock()
-
-
-def records_enabled() -> bool:
-    return os.environ.get("KITE_VERIFY_RECORD", "1") not in ("0", "false", "no", "off")
-
-
-def file_version(fd: int, path: str | os.PathLike[str]) -> tuple:
-    """What identifies one version of a file's bytes: real path, device, inode, size, mtime and ctime (ns).
-
-    An in-place write changes mtime (and ctime, which no user can set back), a replacement by rename
-    changes the inode: either gives a new version.
-    """
-    return (os.path.realpath(path),) + _stat_version(fd)
-
-
-def _stat_version(fd: int) -> tuple:
-    st = os.fstat(fd)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def same_version(fd: int, version: tuple) -> bool:
-    """Whether the open file ``fd`` is still ``version`` (a file_version of it): its fstat fields
-    only, without resolving the path again (realpath costs ~0.5 ms a call on a busy host)."""
-    return _stat_version(fd) == tuple(version[1:])
-
-
-def _record_file() -> Path:
-    from kite.paths import cache_dir
-
-    return cache_dir() / "upc_verified.json"
-
-
-def _load_records() -> dict:
-    try:
-        data = json.loads(_record_file().read_text())
-        return data if isinstance(data, dict) and isinstance(data.get("files"), dict) else {"files": {}}
-    except (OSError, ValueError):
-        return {"files": {}}
-
-
-def verified_record(version: tuple, header_sum: str) -> set[str] | None:
-    """The blob keys recorded as verified for exactly this file version and header (None: no record)."""
-    if not records_enabled():
-        return None
-    rec = _load_records()["files"].get(version[0])
-    if not isinstance(rec, dict) or rec.get("version") != list(version[1:]) or rec.get("header") != header_sum:
-        return None
-    keys = rec.get("keys")
-    return set(keys) if isinstance(keys, list) else None
-
-
-def record_verified(version: tuple, header_sum: str, keys) -> None:
-    """Remember that these blobs of this file version checked out (merged with an existing record of
-    the same version; a record of another version of the path is replaced). Best effort: a cache
-    that cannot be written only costs a re-hash later."""
-    if not records_enabled():
-        return
-    from kite.atomic import write_text
-
-    with _RECORD_LOCK:
-        data = _load_records()
-        files = data["files"]
-        old = files.pop(version[0], None)
-        keys = set(keys)
-        if isinstance(old, dict) and old.get("version") == list(version[1:]) and old.get("header") == header_sum:
-            keys |= set(old.get("keys") or [])
-        files[version[0]] = {"version": list(version[1:]), "header": header_sum, "keys": sorted(keys)}
-        while len(files) > _RECORD_LIMIT:
-            files.pop(next(iter(files)))
-        try:
-            write_text(_record_file(), json.dumps(data, separators=(",", ":")))
-        except OSError:
-            pass
-
-
-def forget_record(path: str | os.PathLike[str] | None = None) -> None:
-    """Drop the verified-version record of one file (or every record)."""
-    with _RECORD_LOCK:
-        data = _load_records()
-        if path is None:
-            if not data["files"]:
-                return
-            data["files"] = {}
-        elif data["files"].pop(os.path.realpath(path), None) is None:
-            return
-        from kite.atomic import write_text
-
-        try:
-            write_text(_record_file(), json.dumps(data, separators=(",", ":")))
-        except OSError:
-            pass

@@ -24,7 +24,7 @@ import torch
 from kite.kernels.quant import dequantize_groups, quantize_groups
 
 __all__ = [
-    "INT_FORMATS", "FLOAT_FORMATS", "QTensor", "quantize", "dequantize", "tensors_nbytes",
+    "INT_FORMATS", "FLOAT_FORMATS", "QTensor", "quantize", "dequantize", "tensors_nbytes", "grouped", "ungroup",
 ]
 
 INT_FORMATS = {"int8": 8, "int7": 7, "int6": 6, "int5": 5, "int4": 4, "int3": 3, "int2": 2, "int1": 1}
@@ -49,10 +49,10 @@ class QTensor:
         return tensors_nbytes(self.tensors)
 
 
-def _grouped(x: torch.Tensor, group_size: int, axis: int) -> tuple[torch.Tensor, tuple]:
+def grouped(x: torch.Tensor, group_size: int, axis: int) -> tuple[torch.Tensor, tuple]:
     """View ``x`` as [G, group] groups along ``axis`` (-1 or -2 of a >=2-D tensor; 1-D uses -1).
 
-    Returns the [G, gs] matrix and what :func:`_ungroup` needs.  Pads with the group's last
+    Returns the [G, gs] matrix and what :func:`ungroup` needs.  Pads with the group's last
     element (replicate) so padding never widens a group's range.
     """
     if x.dim() == 1:
@@ -72,7 +72,7 @@ def _grouped(x: torch.Tensor, group_size: int, axis: int) -> tuple[torch.Tensor,
     return m.reshape(-1, gs), (shape, transposed, gs, pad)
 
 
-def _ungroup(g: torch.Tensor, info, orig_shape) -> torch.Tensor:
+def ungroup(g: torch.Tensor, info, orig_shape) -> torch.Tensor:
     shape, transposed, gs, pad = info
     B = shape[-1]
     m = g.reshape(-1, B + pad)[:, :B].reshape(shape)
@@ -93,7 +93,7 @@ def quantize(x: torch.Tensor, fmt: str, group_size: int = 0, axis: int = -1,
     if fmt in ("fp32", "fp16", "bf16"):
         return QTensor({"data": x.to(FLOAT_FORMATS[fmt]).contiguous()}, meta)
     xf = x.float()
-    g, info = _grouped(xf, group_size, axis)
+    g, info = grouped(xf, group_size, axis)
     meta.update(group_size=info[2], axis=-2 if info[1] else -1)
     if fmt == "fp8":
         amax = g.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
@@ -118,10 +118,10 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return t["data"].to(dtype)
     # rebuild the grouping of a tensor of this shape
     probe = torch.empty(shape, device="meta") if len(shape) else torch.empty(1, device="meta")
-    _, info = _grouped(probe, meta["group_size"], meta["axis"])
+    _, info = grouped(probe, meta["group_size"], meta["axis"])
     if fmt == "fp8":
         g = t["data"].float() * t["scale"].float()[:, None]
     else:
         gs = info[2]
         g = dequantize_groups(t["codes"], meta["n"] // gs, gs, INT_FORMATS[fmt], t["scale"], t["min"])
-    return _ungroup(g, info, shape).to(dtype)
+    return ungroup(g, info, shape).to(dtype)

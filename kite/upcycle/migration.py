@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kite.errors import BadInput, KiteError
 from kite.model.fingerprint import PREFIX, short
-from kite.upcycle.state_file import StateFile, rewrite_header
+from kite.upcycle.format.container import StateFile, rewrite_header
 
 JOURNAL = ".kite-migrate.journal"
 

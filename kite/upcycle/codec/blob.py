@@ -1,0 +1,62 @@
+"""The codec's stored units: a :class:`Blob` (compact tensors + JSON meta), the shared per-layer
+:class:`LayerCodec`, and a part's K and V blobs (:class:`EncodedPart`). Their bytes are
+:mod:`kite.upcycle.format.codec_blob`'s; :func:`nbytes` counts exactly what is stored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kite.upcycle.codec.settings import CodecSettings
+from kite.upcycle.format import codec_blob
+
+
+@dataclass
+class Blob:
+    """A stored unit: tensors of compact dtypes + a JSON-able meta."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class LayerCodec(Blob):
+    """The shared per-layer part (means, bases, bit allocations). ``decoded`` holds what the coders
+    derived from the stored tensors (a dequantized basis), kept for the next part; clear it to
+    free that memory."""
+
+    decoded: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def settings(self) -> CodecSettings:
+        return CodecSettings(**self.meta["settings"])
+
+
+@dataclass
+class EncodedPart:
+    """One (cluster, layer) part: the keys' blob and the values' blob, stored separately."""
+
+    k: Blob
+    v: Blob
+
+
+def to_bytes(blob: Blob) -> bytes:
+    """The blob's bytes (:mod:`kite.upcycle.format.codec_blob`)."""
+    return codec_blob.encode(blob.meta, blob.tensors)
+
+
+def from_bytes(data: bytes, cls=Blob) -> Blob:
+    meta, tensors = codec_blob.decode(data)
+    return cls(tensors=tensors, meta=meta)
+
+
+def nbytes(obj) -> int:
+    """Every stored byte of a blob, layer codec, part, or an iterable of them."""
+    if isinstance(obj, EncodedPart):
+        return nbytes(obj.k) + nbytes(obj.v)
+    if isinstance(obj, Blob):
+        return codec_blob.blob_nbytes(obj.meta, obj.tensors)
+    if isinstance(obj, dict):
+        return sum(nbytes(v) for v in obj.values())
+    return sum(nbytes(o) for o in obj)

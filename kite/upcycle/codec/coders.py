@@ -1,0 +1,252 @@
+"""Side coders: how one side (keys ``"k"`` or values ``"v"``) of a layer is stored, one registered
+class per mode, each behind the same interface (fit the shared layer part, encode a part, decode it).
+
+* :class:`RawSide` (``"raw"``): a float cast (``k_fmt`` / ``v_fmt``; ``fp32`` is exact, ``fp8`` keeps
+  an fp32 scale per token and head).
+* :class:`QuantSide` (``"quant"``): KIVI-style plain int-N: keys per channel (groups of
+  ``group_size`` tokens), values per token (groups of ``v_group_size`` channels).
+* :class:`PcaSide` (``"pca"``): the KVTC-style codec. The shared part holds the side's mean and PCA
+  basis -- per (layer, head), or over the concatenated heads of the layer (``joint_heads``) -- and
+  the bits of every principal component (:mod:`.bits`; only the columns that get bits are stored,
+  int or float with a scale per column). A part holds its tokens' coefficients, each component
+  quantized at its own width in groups of ``group_size`` tokens (fp16 scale and minimum per group
+  and component, the grid picked by least squared error; the bit-class layout is
+  :mod:`kite.upcycle.format.bitlayout`), plus the attention sinks (positions < ``sink_tokens``) and
+  optionally a few outlier tokens kept in fp16 with their indices. Keeping the sink exact is what
+  makes low widths work: its value is near zero and takes most of the attention, so any error on
+  it is multiplied.
+
+A new mode is a subclass registered with :func:`register`; :data:`CODERS` lists them, and the codec
+tests run over every preset that uses them.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from kite.kernels.eigh import batched_pca
+from kite.upcycle.codec.bits import allocate_bits, layer_budget_bits
+from kite.upcycle.codec.blob import Blob, LayerCodec
+from kite.upcycle.codec.quant import FLOAT_FORMATS, INT_FORMATS, QTensor, dequantize, quantize
+from kite.upcycle.codec.settings import CodecSettings
+from kite.upcycle.format.bitlayout import class_layout
+
+
+class SideCoder:
+    """One storage mode of a side. Subclasses set ``mode`` and implement the three methods."""
+
+    mode: ClassVar[str]
+
+    def fit(self, side: str, X: torch.Tensor, s: CodecSettings, tensors: dict, meta: dict, *,
+            pca=None, budget_tokens: int | None = None) -> None:
+        """Add the side's shared layer part to ``tensors`` / ``meta`` (X: [H, T, d] of the document)."""
+        meta[side] = {"mode": self.mode}
+
+    def encode(self, lc: LayerCodec, side: str, X: torch.Tensor, positions: torch.Tensor | None) -> Blob:
+        """A part: tokens X [H, T_sub, d] at ``positions`` in the document (None: unknown)."""
+        raise NotImplementedError
+
+    def decode(self, lc: LayerCodec, side: str, blob: Blob) -> torch.Tensor:
+        """The part back as float32 [H, T_sub, d]."""
+        raise NotImplementedError
+
+
+CODERS: dict[str, SideCoder] = {}
+
+
+def register(cls: type[SideCoder]) -> type[SideCoder]:
+    CODERS[cls.mode] = cls()
+    return cls
+
+
+def coder(mode: str) -> SideCoder:
+    try:
+        return CODERS[mode]
+    except KeyError:
+        raise ValueError(f"unknown mode {mode!r}") from None
+
+
+def put_qtensor(tensors: dict, prefix: str, q: QTensor, qmeta: dict, key: str) -> None:
+    for name, t in q.tensors.items():
+        tensors[f"{prefix}.{name}"] = t
+    qmeta[key] = q.meta
+
+
+def get_qtensor(tensors: dict, prefix: str, qmeta: dict, key: str) -> QTensor:
+    p = prefix + "."
+    return QTensor({n[len(p):]: t for n, t in tensors.items() if n.startswith(p)}, qmeta[key])
+
+
+@register
+class RawSide(SideCoder):
+    mode = "raw"
+
+    def encode(self, lc, side, X, positions):
+        s = lc.settings
+        fmt = s.k_fmt if side == "k" else s.v_fmt
+        tensors: dict[str, torch.Tensor] = {}
+        meta: dict = {"T": X.shape[1]}
+        put_qtensor(tensors, "x", quantize(X, fmt, group_size=0 if fmt != "fp8" else X.shape[2], axis=-1),
+                    meta, "x")
+        return Blob(tensors, meta)
+
+    def decode(self, lc, side, blob):
+        return dequantize(get_qtensor(blob.tensors, "x", blob.meta, "x"), torch.float32)
+
+
+@register
+class QuantSide(RawSide):
+    mode = "quant"
+
+    def encode(self, lc, side, X, positions):
+        s = lc.settings
+        bits = int(round(s.k_bits if side == "k" else s.v_bits))
+        if side == "k":  # KIVI: keys per channel (groups along tokens)
+            q = quantize(X.float(), f"int{bits}", group_size=s.group_size, axis=-2)
+        else:            # values per token (groups along channels)
+            q = quantize(X.float(), f"int{bits}", group_size=s.v_group_size, axis=-1)
+        tensors: dict[str, torch.Tensor] = {}
+        meta: dict = {"T": X.shape[1]}
+        put_qtensor(tensors, "x", q, meta, "x")
+        return Blob(tensors, meta)
+
+
+def blocks(X: torch.Tensor, joint: bool) -> torch.Tensor:
+    """[H, T, d] -> [B, T, D]: per head (B=H, D=d) or joint (B=1, D=H*d)."""
+    if joint:
+        H, T, d = X.shape
+        return X.permute(1, 0, 2).reshape(1, T, H * d)
+    return X
+
+
+def unblocks(Y: torch.Tensor, joint: bool, H: int, d: int) -> torch.Tensor:
+    if joint:
+        T = Y.shape[1]
+        return Y.reshape(T, H, d).permute(1, 0, 2)
+    return Y
+
+
+def _store_float(t: torch.Tensor, fmt: str) -> torch.Tensor:
+    return t.to(FLOAT_FORMATS[fmt] if fmt != "fp8" else torch.float16).contiguous()
+
+
+@register
+class PcaSide(SideCoder):
+    mode = "pca"
+
+    def fit(self, side, X, s, tensors, meta, *, pca=None, budget_tokens=None):
+        H, T, d = X.shape
+        T = budget_tokens or T  # the tokens the shared part's bytes are spread over
+        Xb = blocks(X.float(), s.joint_heads)
+        mean, evals, U = pca if pca is not None else batched_pca(Xb, center=s.center)
+        B, D = evals.shape
+        budget = layer_budget_bits(s.k_bits if side == "k" else s.v_bits, H, T, d, B, D, s)
+        bits = allocate_bits(evals, budget, T, D, s)
+        r = int((bits > 0).sum(dim=1).max().item()) if bits.numel() else 0
+        # components with bits are a prefix per block (greedy on desc eigvals mostly is); store the
+        # columns that get bits, in order, and the bit vector per block
+        tensors[f"{side}.mean"] = _store_float(mean, "fp32" if s.basis_fmt == "fp32" else "fp16")
+        cols = [U[b][:, torch.nonzero(bits[b] > 0).flatten()] for b in range(B)]
+        basis = torch.cat(cols, dim=1) if cols else torch.zeros(D, 0)
+        if s.basis_fmt.startswith("int"):
+            q = quantize(basis, s.basis_fmt, group_size=D, axis=-2)   # one scale per column
+            put_qtensor(tensors, f"{side}.basis", q, meta, f"{side}.basis")
+        else:
+            tensors[f"{side}.basis"] = _store_float(basis, s.basis_fmt)
+        tensors[f"{side}.bits"] = bits.to(torch.uint8).contiguous()
+        meta[side] = {"mode": "pca", "blocks": B, "dim": D, "rank_max": r}
+
+    @staticmethod
+    def basis(lc: LayerCodec, side: str) -> torch.Tensor:
+        """The stored columns [D, sum of ranks] as float32 (dequantized once per layer codec)."""
+        key = f"{side}.basis"
+        if key in lc.tensors:
+            return lc.tensors[key].float()
+        if key not in lc.decoded:
+            lc.decoded[key] = dequantize(get_qtensor(lc.tensors, key, lc.meta, key), torch.float32)
+        return lc.decoded[key]
+
+    def encode(self, lc, side, X, positions):
+        s = lc.settings
+        H, T, d = X.shape
+        tensors: dict[str, torch.Tensor] = {}
+        meta: dict = {"T": T}
+        Xb = blocks(X.float(), s.joint_heads)               # [B, T, D]
+        mean = lc.tensors[f"{side}.mean"].float()           # [B, D]
+        basis = self.basis(lc, side)                        # [D, sum r_b]
+        bits = lc.tensors[f"{side}.bits"].long()            # [B, D]
+        B = Xb.shape[0]
+        Xc = Xb - mean[:, None, :]
+        coefs = []
+        off = 0
+        for b in range(B):
+            r = int((bits[b] > 0).sum())
+            coefs.append(Xc[b] @ basis[:, off:off + r])      # [T, r]
+            off += r
+        C = torch.cat(coefs, dim=1) if coefs else Xc.new_zeros(T, 0)   # [T, R]
+        colbits = torch.cat([bits[b][bits[b] > 0] for b in range(B)]) if B else bits.new_zeros(0)
+        forced = (torch.nonzero(positions < s.sink_tokens).flatten() if positions is not None and s.sink_tokens > 0
+                  else torch.zeros(0, dtype=torch.long))
+        if (s.outliers > 0 or forced.numel()) and T > 0 and C.shape[1] > 0:
+            # sinks, then the tokens whose coefficients are most extreme relative to their column's spread
+            z = (C / C.std(dim=0, keepdim=True).clamp_min(1e-12)).abs().amax(dim=1)
+            z[forced] = float("inf")
+            n_out = min(s.outliers + forced.numel(), T)
+            idx = torch.topk(z, n_out).indices.sort().values
+            raw = X.float()[:, idx, :]                                    # [H, n, d]
+            tensors["out.idx"] = idx.to(torch.int32 if T > 32767 else torch.int16)
+            tensors["out.x"] = raw.to(torch.float16).contiguous()
+            C = C.clone()
+            keep = torch.ones(T, dtype=torch.bool)
+            keep[idx] = False
+            if keep.any():
+                C[idx] = C[keep].mean(dim=0)  # neutral value: does not widen any group's range
+        # one codes / scale / min tensor for all bit classes (the layout: format.bitlayout)
+        codes, scales, mins = [], [], []
+        for bw in sorted(set(colbits.tolist())):
+            sel = torch.nonzero(colbits == bw).flatten()
+            q = quantize(C[:, sel], f"int{bw}", group_size=s.group_size, axis=-2, range_mode=s.range_mode)
+            codes.append(q.tensors["codes"])
+            scales.append(q.tensors["scale"])
+            mins.append(q.tensors["min"])
+        if codes:
+            tensors["codes"] = torch.cat(codes)
+            tensors["scale"] = torch.cat(scales)
+            tensors["min"] = torch.cat(mins)
+        return Blob(tensors, meta)
+
+    def decode(self, lc, side, blob):
+        s = lc.settings
+        H, d = lc.meta["H"], lc.meta["d"]
+        T = blob.meta["T"]
+        mean = lc.tensors[f"{side}.mean"].float()
+        basis = self.basis(lc, side)
+        bits = lc.tensors[f"{side}.bits"].long()
+        B, D = bits.shape
+        colbits = torch.cat([bits[b][bits[b] > 0] for b in range(B)])
+        C = torch.zeros(T, colbits.numel())
+        co = go = 0
+        for bw in sorted(set(colbits.tolist())):
+            sel = torch.nonzero(colbits == bw).flatten()
+            qmeta, nb, ng = class_layout(T, sel.numel(), bw, s.group_size)
+            q = QTensor({"codes": blob.tensors["codes"][co:co + nb], "scale": blob.tensors["scale"][go:go + ng],
+                         "min": blob.tensors["min"][go:go + ng]}, qmeta)
+            co, go = co + nb, go + ng
+            C[:, sel] = dequantize(q, torch.float32)
+        Y = torch.empty(B, T, D)
+        off = 0
+        for b in range(B):
+            r = int((bits[b] > 0).sum())
+            Y[b] = C[:, off:off + r] @ basis[:, off:off + r].T + mean[b]
+            off += r
+        X = unblocks(Y, s.joint_heads, H, d)
+        if "out.idx" in blob.tensors:
+            idx = blob.tensors["out.idx"].long()
+            X = X.clone()
+            X[:, idx, :] = blob.tensors["out.x"].float()
+        return X
+
+
+__all__ = ["CODERS", "INT_FORMATS", "PcaSide", "QuantSide", "RawSide", "SideCoder", "coder", "register"]

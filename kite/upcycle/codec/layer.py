@@ -1,0 +1,85 @@
+"""The per-layer codec: fit a layer's shared part on the whole document, encode and decode parts.
+
+Keys are stored *pre-RoPE* (:mod:`kite.upcycle.rope`) and values as they are, shaped
+``[H_kv, T, d]``. A state is split into clusters (sets of token spans) that load independently, so
+the stored form is one **shared part per layer** (:class:`LayerCodec`, from :func:`fit_layer`) and
+one **part per (cluster, layer, K|V)** (a :class:`Blob`, two per :class:`EncodedPart` from
+:func:`encode`). How each side is stored is its mode's registered coder (:mod:`.coders`). The codec
+is pure torch; on a busy CPU run it with one intra-op thread (its ops are small).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kite.kernels.eigh import batched_pca
+from kite.upcycle.codec.blob import EncodedPart, LayerCodec
+from kite.upcycle.codec.coders import blocks, coder
+from kite.upcycle.codec.settings import CodecSettings, settings_for
+
+
+def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | str | float | None = None,
+              pca: dict | None = None, budget_tokens: int | None = None) -> LayerCodec:
+    """Fit the shared per-layer part on the whole document's pre-RoPE keys and values [H, T, d].
+
+    ``pca`` may carry precomputed ``{"k": (mean, evals, U), "v": (...)}`` from :func:`fit_layers`'
+    batched path. ``budget_tokens`` (default: the T fitted on) is how many tokens the bit budget
+    is spread over: the shared part is paid once for that many tokens, so a codec fitted on a
+    sample and used for more tokens (the budgeted KV cache) gives its parts the bits they carry.
+    """
+    s = settings_for(settings)
+    if K_pre.dim() != 3 or K_pre.shape != V.shape:
+        raise ValueError(f"keys and values must both be [H, T, d], got {tuple(K_pre.shape)} and "
+                         f"{tuple(V.shape)}")
+    H, T, d = K_pre.shape
+    tensors: dict[str, torch.Tensor] = {}
+    meta: dict = {"settings": s.to_json(), "H": H, "d": d, "T_fit": T}
+    for side, X, mode in (("k", K_pre, s.k_mode), ("v", V, s.v_mode)):
+        coder(mode).fit(side, X, s, tensors, meta, pca=(pca or {}).get(side), budget_tokens=budget_tokens)
+    return LayerCodec(tensors=tensors, meta=meta)
+
+
+def fit_layers(KV: list[tuple[torch.Tensor, torch.Tensor]], settings=None) -> list[LayerCodec]:
+    """Fit every layer, with all PCAs of the model in one batched Gram + eigh per side."""
+    s = settings_for(settings)
+    pcas: list[dict] = [dict() for _ in KV]
+    for side, mode in (("k", s.k_mode), ("v", s.v_mode)):
+        if mode != "pca":
+            continue
+        Xs = [blocks((k if side == "k" else v).float(), s.joint_heads) for k, v in KV]
+        if len({tuple(x.shape) for x in Xs}) == 1:
+            mean, ev, U = batched_pca(torch.cat(Xs, dim=0), center=s.center)
+            B = Xs[0].shape[0]
+            for i in range(len(KV)):
+                pcas[i][side] = (mean[i * B:(i + 1) * B], ev[i * B:(i + 1) * B], U[i * B:(i + 1) * B])
+    return [fit_layer(k, v, s, pca=p) for (k, v), p in zip(KV, pcas)]
+
+
+def encode(layer_codec: LayerCodec, K_pre_sub: torch.Tensor, V_sub: torch.Tensor,
+           positions=None) -> EncodedPart:
+    """Encode one part (a cluster's tokens of one layer): pre-RoPE keys and values [H, T_sub, d].
+
+    ``positions`` (1-D, the tokens' positions in the document) lets the codec keep the attention
+    sinks (positions < ``sink_tokens``) in fp16; without it no token is treated as a sink.
+    """
+    if positions is not None:
+        positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
+        if positions.numel() != K_pre_sub.shape[1]:
+            raise ValueError(f"{positions.numel()} positions for {K_pre_sub.shape[1]} tokens")
+    H, d = layer_codec.meta["H"], layer_codec.meta["d"]
+    for name, X in (("keys", K_pre_sub), ("values", V_sub)):
+        if X.dim() != 3 or X.shape[0] != H or X.shape[2] != d:
+            raise ValueError(f"{name} must be [{H}, T, {d}], got {tuple(X.shape)}")
+    meta = layer_codec.meta
+    return EncodedPart(k=coder(meta["k"]["mode"]).encode(layer_codec, "k", K_pre_sub, positions),
+                       v=coder(meta["v"]["mode"]).encode(layer_codec, "v", V_sub, positions))
+
+
+def decode(layer_codec: LayerCodec, part: EncodedPart) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode a part to float32 (pre-RoPE keys, values), each [H, T_sub, d]."""
+    meta = layer_codec.meta
+    return (coder(meta["k"]["mode"]).decode(layer_codec, "k", part.k),
+            coder(meta["v"]["mode"]).decode(layer_codec, "v", part.v))
+
+
+__all__ = ["batched_pca", "decode", "encode", "fit_layer", "fit_layers"]

@@ -1,0 +1,181 @@
+"""`.upc` → KV prefix: check fingerprints, read only the parts asked for, rebuild, re-apply RoPE.
+
+With the model on a GPU and a PCA-coded state, the compressed parts go to the GPU through the hot
+tier and are rebuilt there (:mod:`.staging`, :mod:`.rebuild`); otherwise the codec decodes them on
+the host.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kite.errors import BadInput, FingerprintMismatch
+from kite.model.fingerprint import PREFIX, short
+from kite.runtime.cache import KVPrefix
+from kite.upcycle import codec
+from kite.upcycle.format.container import StateFile
+from kite.upcycle.format.names import blob_key
+from kite.upcycle.load.hot_tier import HotTier, default_tier
+from kite.upcycle.load.rebuild import load_staged
+from kite.upcycle.load.selection import SINK_TOKENS, Selection, select
+from kite.upcycle.load.staging import stage_state, supports_state
+from kite.upcycle.rope import apply_rope, rope_cos_sin
+
+LOAD_PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
+
+
+@dataclass
+class LoadReport:
+    clusters: list[int]
+    labels: list[str]
+    layers: list[int]
+    precision: str | None
+    tokens: int  # document tokens loaded (per loaded layer), sinks included
+    bytes_read: int
+    load_ms: float
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    sink_tokens: int = 0  # of `tokens`, how many came along as attention sinks
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_fingerprints(state: StateFile, lm) -> None:
+    """Invariant 3: a state made by another model, tokenizer or adapter never loads silently."""
+    have = state.meta.get("fingerprints") or {}
+    want = lm.fingerprints
+    if have.get("model") is None and have.get("migrated_from"):
+        # Migrated knowing only the new model's combined fingerprint (full or short form).
+        if want.combined.removeprefix(PREFIX).startswith(have["combined"].removeprefix(PREFIX)):
+            return
+        raise FingerprintMismatch(
+            f"{state.path}: migrated to model {short(have['combined'])}, but the loaded model is "
+            f"{short(want.combined)}; load that model or migrate the state again")
+    for part in ("model", "tokenizer", "adapter"):
+        a, b = have.get(part), getattr(want, part)
+        if a != b:
+            old = short(have.get("combined") or "") or "?"
+            raise FingerprintMismatch(
+                f"{state.path}: made with another {part} ({part} fingerprint {short(a or 'none')} ≠ "
+                f"{short(b or 'none')} of the loaded model); re-run `kite upcycle compress`, or if the "
+                f"weights are compatible: kite upcycle migrate --old-model-fingerprint {old} "
+                f"--new-model-fingerprint {short(want.combined)} --upcycle-dir {state.path.parent}")
+
+
+def _on_gpu(state: StateFile, lm, precision: str | None) -> bool:
+    if torch.device(lm.device).type != "cuda" or not supports_state(state):
+        return False
+    return precision in (None, "fp32") or {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision) == lm.dtype
+
+
+def _load_on_gpu(state: StateFile, lm, sel: Selection, layer_set: set[int], verify: bool, sink_tokens: int,
+                 tier: HotTier | None) -> tuple[list, list, int, dict]:
+    geo = lm.geometry
+    H, d = geo.n_kv_heads, geo.head_dim
+    tier = tier or default_tier()
+    key = (state.version, tuple(sel.chosen), sink_tokens, tuple(sorted(layer_set)))
+    t = time.perf_counter()
+    hot = tier.get(key)
+    hit = hot is not None
+    if not hit:
+        hot = stage_state(state, sel.parts, sel.part_positions, sorted(layer_set), n_layers=geo.n_layers,
+                          H=H, d=d, verify=verify, tier=tier, key=key, wait=False)
+    cos, sin = rope_cos_sin(lm.model, hot.positions, device=lm.device)
+    keys, values = load_staged(hot, device=lm.device, dtype=lm.dtype, cos=cos, sin=sin, n_layers=geo.n_layers)
+    if not hit:
+        tier.put(hot)
+    empty = torch.zeros(H, 0, d, dtype=lm.dtype, device=lm.device)
+    keys = [k if k is not None else empty for k in keys]
+    values = [v if v is not None else empty for v in values]
+    torch.cuda.synchronize(lm.device)
+    timings = {"gpu_load": round((time.perf_counter() - t) * 1e3, 3), "hot_tier_hit": float(hit)}
+    return keys, values, 0 if hit else hot.bytes_read, timings
+
+
+def _at_precision(x: torch.Tensor, precision: str | None) -> torch.Tensor:
+    if precision is None or precision == "fp32":
+        return x
+    if precision in ("fp16", "bf16"):
+        return x.to(getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[precision])).float()
+    group = 32 if precision in ("int4",) else 64
+    return codec.dequantize(codec.quantize(x, precision, group_size=group, axis=-1))
+
+
+def _load_on_host(state: StateFile, lm, sel: Selection, layer_set: set[int], verify: bool,
+                  precision: str | None) -> tuple[list, list, int, dict]:
+    geo = lm.geometry
+    positions, order = sel.positions()
+    cos, sin = rope_cos_sin(lm.model, positions[order], device="cpu")
+    H, d = geo.n_kv_heads, geo.head_dim
+    device, dtype = lm.device, lm.dtype
+    empty = torch.zeros(H, 0, d, dtype=dtype, device=device)
+    keys, values = [], []
+    nbytes = 0
+    t_read = t_decode = 0.0
+    for layer in range(geo.n_layers):
+        if layer not in layer_set or not sel.chosen:
+            keys.append(empty)
+            values.append(empty)
+            continue
+        t = time.perf_counter()
+        lc = codec.from_bytes(state.read(blob_key(None, layer), verify=verify), codec.LayerCodec)
+        nbytes += state.index[blob_key(None, layer)].length
+        parts = []
+        for c, _ in sel.parts:
+            kb, vb = state.read(blob_key(c, layer, "K"), verify), state.read(blob_key(c, layer, "V"), verify)
+            nbytes += state.index[blob_key(c, layer, "K")].length + state.index[blob_key(c, layer, "V")].length
+            parts.append(codec.EncodedPart(codec.from_bytes(kb), codec.from_bytes(vb)))
+        t_read += time.perf_counter() - t
+        t = time.perf_counter()
+        decoded = [codec.decode(lc, p) for p in parts]
+        ks = [k if keep is None else k[:, keep] for (k, _), (_, keep) in zip(decoded, sel.parts)]
+        vs = [v if keep is None else v[:, keep] for (_, v), (_, keep) in zip(decoded, sel.parts)]
+        k = apply_rope(torch.cat(ks, dim=1)[:, order], cos, sin)
+        v = torch.cat(vs, dim=1)[:, order]
+        keys.append(_at_precision(k, precision).to(device, dtype))
+        values.append(_at_precision(v, precision).to(device, dtype))
+        t_decode += time.perf_counter() - t
+    return keys, values, nbytes, {"read": round(t_read * 1e3, 3), "decode": round(t_decode * 1e3, 3)}
+
+
+@torch.inference_mode()
+def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None = None,
+                layers: list[int] | None = None, precision: str | None = None,
+                verify: bool = True, sink_tokens: int = SINK_TOKENS,
+                tier: HotTier | None = None) -> tuple[KVPrefix, LoadReport]:
+    """Rebuild the KV prefix of the chosen clusters and layers of `state` for `lm`.
+
+    Loaded tokens keep their original positions; the query goes after the document's last one.
+    Layers not chosen get an empty prefix. `precision` sets the precision the prefix is held at.
+    When only some clusters are chosen, the document's first `sink_tokens` tokens come too.
+    With the model on a GPU and a PCA-coded state, the compressed parts go to the GPU and are
+    rebuilt there, through the pinned hot tier `tier` (default: the process's); otherwise they are
+    decoded on the host.
+    """
+    t0 = time.perf_counter()
+    if not isinstance(state, StateFile):
+        state = StateFile(state)
+    if precision is not None and precision not in LOAD_PRECISIONS:
+        raise BadInput(f"--precision {precision}: expected one of {', '.join(LOAD_PRECISIONS)}")
+    check_fingerprints(state, lm)
+    n_layers = lm.geometry.n_layers
+    sel = select(state, clusters, sink_tokens)
+    layer_set = set(range(n_layers)) if layers is None else set(layers)
+    bad = sorted(layer for layer in layer_set if not 0 <= layer < n_layers)
+    if bad:
+        raise BadInput(f"--layers: layer {bad[0]} is out of range 0-{n_layers - 1}")
+    if _on_gpu(state, lm, precision) and sel.chosen:
+        keys, values, nbytes, timings = _load_on_gpu(state, lm, sel, layer_set, verify, sink_tokens, tier)
+    else:
+        keys, values, nbytes, timings = _load_on_host(state, lm, sel, layer_set, verify, precision)
+    prefix = KVPrefix(keys, values, next_position=int(state.meta["n_tokens"]))
+    report = LoadReport(clusters=sel.chosen, labels=sel.labels, layers=sorted(layer_set), precision=precision,
+                        tokens=int(sum(int(p.numel()) if keep is None else int(keep.sum())
+                                       for (_, keep), p in zip(sel.parts, sel.part_positions))),
+                        sink_tokens=sel.sink_tokens, bytes_read=nbytes,
+                        load_ms=round((time.perf_counter() - t0) * 1e3, 3), timings_ms=timings)
+    return prefix, report

@@ -1,0 +1,109 @@
+"""The Upcycle pipeline assembled in one place: the compression settings an upcycle config and a
+command's flags ask for, the model, and the clause tagger the states are tagged with.
+
+Every caller (the CLI's upcycle and yoco commands, the server, the bench, shadow, the benchmarks)
+goes through :func:`compress_settings` and :func:`open_pipeline`, so the precedence of the knobs and
+their checks are written once:
+
+    --precision  >  --ratio  >  compression.precision (config)  >  1 / compression.svd_ratio (config)
+
+Span bounds and the cluster count come from the config (``clusters`` overrides the count).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kite.errors import BadInput
+from kite.upcycle.codec.settings import PRESETS, settings_for
+from kite.upcycle.compress import CompressResult, CompressSettings, Progress, compress_document
+from kite.upcycle.load.staging import prepare_state
+from kite.upcycle.settings import UpcycleConfig, load_upcycle_config
+from kite.upcycle.tagging.build import build_tagger
+
+
+def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precision: str | None = None,
+                      clusters: int | None = None) -> CompressSettings:
+    """The compression settings of an upcycle config and a command's flags (see the module doc).
+
+    BadInput for a ratio below 1 or a precision that is not a preset.
+    """
+    c = cfg.compression
+    try:
+        if precision:
+            if precision.strip().lower() not in PRESETS:
+                raise BadInput(f"--precision {precision}: expected one of {', '.join(PRESETS)}")
+            spec = settings_for(precision)
+        elif ratio is not None:
+            if ratio < 1:
+                raise BadInput(f"--ratio {ratio:g}: a compression ratio is ≥ 1 (4 = a quarter of raw fp16 KV)")
+            spec = settings_for(float(ratio))
+        elif c.precision:
+            spec = settings_for(c.precision)
+        else:
+            spec = settings_for(1.0 / c.svd_ratio)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    if clusters is not None and clusters < 1:
+        raise BadInput(f"--clusters {clusters}: at least one cluster")
+    return CompressSettings(codec=spec, n_clusters=clusters or c.cluster_num,
+                            min_span_tokens=c.min_span_tokens, max_span_tokens=c.max_span_tokens)
+
+
+@dataclass
+class Pipeline:
+    """A model with the tagger and the compression settings its states are made with."""
+
+    lm: object
+    tagger: object | None
+    settings: CompressSettings
+    config: UpcycleConfig
+    config_path: Path | None
+
+    def compress(self, text: str, output: str | Path, *, source_name: str = "-", progress: Progress | None = None,
+                 ids: list[int] | None = None, settings: CompressSettings | None = None) -> CompressResult:
+        """Write a state of ``text`` (or of the token ids ``ids``) to ``output`` and, with the model on
+        a GPU, prepare it for loading there (:func:`kite.upcycle.load.prepare_state`)."""
+        result = compress_document(self.lm, text, output, settings or self.settings, tagger=self.tagger,
+                                   source_name=source_name, progress=progress, ids=ids)
+        if torch.device(self.lm.device).type == "cuda":
+            t = time.perf_counter()
+            if prepare_state(output):
+                result.timings_ms["prepare_load"] = round((time.perf_counter() - t) * 1e3, 1)
+        return result
+
+    def load_tagger(self, progress=None) -> None:
+        """Build (or read from the cache) the tagger the config asks for."""
+        self.tagger = build_tagger(self.lm, self.config, self.config_path, progress=progress)
+
+
+def open_pipeline(model: str | None = None,
+                  upcycle_config: str | Path | UpcycleConfig | tuple[UpcycleConfig, Path | None] | None = None, *,
+                  ratio: float | None = None, precision: str | None = None, clusters: int | None = None,
+                  device: str | None = None, lm=None, tagger: bool = True, progress=None) -> Pipeline:
+    """Config → settings (checked before anything slow) → model (``lm`` when given, else ``model``
+    loaded with the config's adapter on ``device``) → the config's tagger (``tagger=False``: none).
+
+    ``upcycle_config``: a path; None for ``configs/upcycle_config.yaml`` (else the defaults); a loaded
+    config; or the (config, path) pair :func:`kite.upcycle.load_upcycle_config` returns (the path
+    resolves the config's relative example files).
+    """
+    if isinstance(upcycle_config, UpcycleConfig):
+        cfg, cfg_path = upcycle_config, None
+    elif isinstance(upcycle_config, tuple):
+        cfg, cfg_path = upcycle_config
+    else:
+        cfg, cfg_path = load_upcycle_config(upcycle_config)
+    settings = compress_settings(cfg, ratio=ratio, precision=precision, clusters=clusters)
+    if lm is None:
+        from kite.model import load_model
+
+        lm = load_model(model, adapter=cfg.adapter, device=device)
+    pipe = Pipeline(lm=lm, tagger=None, settings=settings, config=cfg, config_path=cfg_path)
+    if tagger:
+        pipe.load_tagger(progress)
+    return pipe
