@@ -56,6 +56,7 @@ class CompressResult:
     state_bytes: int
     raw_kv_bytes: int  # the document's KV at fp16, what a cache would hold
     timings_ms: dict[str, float]
+    spans: dict[str, int] = field(default_factory=dict)   # count, min_tokens, max_tokens
 
     @property
     def compression_ratio(self) -> float:
@@ -189,6 +190,7 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
     timings["compress"] = (time.perf_counter() - t) * 1e3
 
     raw_kv = int(lm.geometry.kv_bytes_per_token("fp16") * cap.n_tokens)
+    spans = {"count": n_spans[0], "min_tokens": settings.min_span_tokens, "max_tokens": settings.max_span_tokens}
     fps = lm.fingerprints
     meta = {
         "format": "kite-upc",
@@ -200,8 +202,7 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
                    "chars": len(text), "tokens": cap.n_tokens},
         "n_tokens": cap.n_tokens,
         "codec": settings.codec.to_json(),
-        "spans": {"count": n_spans[0], "min_tokens": settings.min_span_tokens,
-                  "max_tokens": settings.max_span_tokens},
+        "spans": spans,
         "clusters": [asdict(c) for c in clusters],
         "tagger": describe_tagger(tagger),
         "raw_kv_bytes_fp16": raw_kv,
@@ -210,4 +211,4 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
     size = writer.write(output, meta)
     timings["write"] = (time.perf_counter() - t) * 1e3
     return CompressResult(path=str(output), n_tokens=cap.n_tokens, clusters=clusters, state_bytes=size,
-                          raw_kv_bytes=raw_kv, timings_ms={k: round(v, 1) for k, v in timings.items()})
+                          raw_kv_bytes=raw_kv, timings_ms={k: round(v, 1) for k, v in timings.items()}, spans=spans)

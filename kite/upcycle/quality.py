@@ -40,6 +40,7 @@ class EvalResult:
     compression_ratio: float
     probe: dict | None = None
     timings_ms: dict = field(default_factory=dict)
+    spans: dict = field(default_factory=dict)   # the state's spans: count, min_tokens, max_tokens
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -98,7 +99,7 @@ def evaluate(lm, text: str, *, context_tokens: int = 2048, continuation_tokens: 
         ppl_delta=round(m["ppl_other"] - m["ppl_full"], 4), kl_mean=round(m["kl_mean"], 5),
         top1_agreement=round(m["top1"], 4), state_bytes=made.state_bytes, raw_kv_bytes=made.raw_kv_bytes,
         compression_ratio=round(made.compression_ratio, 3),
-        timings_ms={**made.timings_ms, "load": report.load_ms})
+        timings_ms={**made.timings_ms, "load": report.load_ms}, spans=made.spans)
     if probe == "passkey":
         result.probe = passkey_probe(lm, text, context_tokens, settings, tagger)
     elif probe is not None:

@@ -1,0 +1,74 @@
+"""The pipeline assembled in one place: the settings precedence, its checks, and every command
+taking the config's span bounds and cluster count from it."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from kite.cli.main import app
+from kite.errors import BadInput
+from kite.upcycle import UpcycleConfig, compress_settings, open_pipeline
+from tests.conftest import parse_json
+from tests.tiny_models import CORPUS
+
+runner = CliRunner()
+
+
+def _cfg(**compression) -> UpcycleConfig:
+    return UpcycleConfig.model_validate({"compression": compression})
+
+
+def test_precision_beats_ratio_beats_config_precision_beats_svd_ratio():
+    cfg = _cfg(svd_ratio=0.125, precision="int8")
+    assert compress_settings(cfg, precision="int4", ratio=2).codec.name == "int4"
+    assert compress_settings(cfg, ratio=2).codec.name == "ratio=2"
+    assert compress_settings(cfg).codec.name == "int8"
+    assert compress_settings(_cfg(svd_ratio=0.125)).codec.name == "ratio=8"
+
+
+def test_span_bounds_and_clusters_come_from_the_config():
+    s = compress_settings(_cfg(min_span_tokens=12, max_span_tokens=40, cluster_num=5))
+    assert (s.min_span_tokens, s.max_span_tokens, s.n_clusters) == (12, 40, 5)
+    assert compress_settings(_cfg(cluster_num=5), clusters=2).n_clusters == 2
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"ratio": 0.5}, "a compression ratio is ≥ 1"),
+    ({"precision": "int5"}, "--precision int5: expected one of"),
+    ({"precision": "ratio=4"}, "--precision ratio=4: expected one of"),
+    ({"clusters": 0}, "at least one cluster"),
+])
+def test_bad_flags_are_bad_input(kw, message):
+    with pytest.raises(BadInput, match=message):
+        compress_settings(_cfg(), **kw)
+
+
+def test_bad_flags_fail_before_the_model_loads(monkeypatch):
+    import kite.model
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(kite.model, "load_model", no_model)
+    with pytest.raises(BadInput):
+        open_pipeline("anything", ratio=0.5)
+
+
+def test_compress_and_eval_take_span_bounds_from_the_config(tiny_models, tmp_path):
+    cfg = tmp_path / "upcycle.yaml"
+    cfg.write_text("compression:\n  svd_ratio: 0.25\n  cluster_num: 2\n  min_span_tokens: 6\n  max_span_tokens: 14\n"
+                   "semantic_tagging:\n  generated_examples_per_label: 0\n")
+    doc = tmp_path / "doc.txt"
+    doc.write_text(CORPUS.replace(". ", ".\n\n"))
+    model = str(tiny_models["llama"])
+    made = runner.invoke(app, ["upcycle", "compress", "--model", model, "--input", str(doc), "--output",
+                               str(tmp_path / "d.upc"), "--config", str(cfg), "--json"])
+    assert made.exit_code == 0, made.output
+    evald = runner.invoke(app, ["upcycle", "eval", "--model", model, "--input", str(doc), "--config", str(cfg),
+                                "--context-tokens", "200", "--continuation-tokens", "40", "--json"])
+    assert evald.exit_code == 0, evald.output
+    for out in (parse_json(made.output), parse_json(evald.output)):
+        assert (out["spans"]["min_tokens"], out["spans"]["max_tokens"]) == (6, 14)
+        assert out["spans"]["count"] > 0
+    assert len(parse_json(made.output)["clusters"]) == 2
