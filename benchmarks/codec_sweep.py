@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kite.upcycle import codec as C  # noqa: E402
-from kite.upcycle.rope import apply_rope, remove_rope, rope_cos_sin  # noqa: E402
+from kite.upcycle import apply_rope, remove_rope, rope_cos_sin  # noqa: E402
 from kite.runtime.generate import cache_kwarg  # noqa: E402
 
 HF_CACHE = Path(os.environ.get("KITE_CODEC_MODEL_DIR", "/tmp/smollm2-hf-codec"))

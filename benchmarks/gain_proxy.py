@@ -147,13 +147,7 @@ def main(argv=None) -> int:
     from kite.bench.runner import answer_text, check_lengths
     from kite.bench.scoring import f1_score
     from kite.bench.states import ensure_state
-    from kite.model import load_model
-    from kite.upcycle import codec
-    from kite.upcycle.compress import CompressSettings
-    from kite.upcycle.load import load_prefix
-    from kite.upcycle.settings import load_upcycle_config
-    from kite.upcycle.format import StateFile
-    from kite.upcycle import build_tagger
+    from kite.upcycle import StateFile, load_prefix, open_pipeline
     from kite.yoco.fused import load_args, plan_for
     from kite.yoco.health import HealthStore
     from kite.yoco.rules import load_rules
@@ -161,15 +155,11 @@ def main(argv=None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     cases = load_cases(args.cases)
-    cfg, cfg_path = load_upcycle_config(None)
-    lm = load_model(None, adapter=cfg.adapter)
+    pipe = open_pipeline(None, tagger=False)
+    lm = pipe.lm
     ids_of = check_lengths(lm, cases, args.max_new_tokens, True)
-    settings = CompressSettings(codec=codec.settings_for(cfg.compression.precision) if cfg.compression.precision
-                                else codec.settings_for(1.0 / cfg.compression.svd_ratio),
-                                n_clusters=cfg.compression.cluster_num,
-                                min_span_tokens=cfg.compression.min_span_tokens,
-                                max_span_tokens=cfg.compression.max_span_tokens)
-    tagger = build_tagger(lm, cfg, cfg_path)
+    pipe.load_tagger()
+    tagger = pipe.tagger
     rules = load_rules(Path(args.rules), None, lm.geometry.n_layers)
     tmp = tempfile.TemporaryDirectory(prefix="kite-gain-proxy-")
     # One health store per proxy: the pipeline's decisions had each proxy been the measured gain.
@@ -179,8 +169,7 @@ def main(argv=None) -> int:
     for ci, case in enumerate(cases):
         doc_ids, p_ids, ref_ids = ids_of[case.id]
         if case.document_key not in states:
-            states[case.document_key] = ensure_state(lm, case.document_key, doc_ids, out_dir / "states",
-                                                     settings, tagger)
+            states[case.document_key] = ensure_state(pipe, case.document_key, doc_ids, out_dir / "states")
         st = states[case.document_key]
         sid = st.path.name.removesuffix(".upc")
         base = run_variant(lm, None, p_ids, ref_ids, args.max_new_tokens)

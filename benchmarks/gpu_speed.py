@@ -8,11 +8,11 @@ random-token document. Figures (CUDA events or synchronized host clocks, median 
 a warm-up):
 
 * prefill of the document + a 16-token query (the work a state replaces);
-* compress with the real codec (``kite.upcycle.codec_batched``: remove RoPE, cluster 64-token
+* compress with the real codec (``kite.upcycle.codec.encode_state``: remove RoPE, cluster 64-token
   spans with k-means, fit every layer in one batched Gram + eigh per side, vectorized bit
   allocation, project + quantize every (cluster, layer) part), for the codec default (joint-head
   PCA, 512x512 blocks) and per head; the blobs are serialized and a real ``.upc`` is written;
-* load that ``.upc`` (``kite.upcycle.gpu_load``): from the pinned hot tier (one copy per layer +
+* load that ``.upc`` (``kite.upcycle.load``): from the pinned hot tier (one copy per layer +
   dequantize / tensor-core matmul / finish, replayed from CUDA graphs), and from the file in the
   page cache (staging into pinned memory with checksums, then the same);
 * time to first token from the state (load + cache + the query's forward), eager and with the
@@ -322,7 +322,7 @@ def main() -> None:
     if not args.no_build:
         build(report)
     from kite.kernels import backends, eigh, kmeans, native
-    from kite.upcycle.rope import remove_rope
+    from kite.upcycle import remove_rope
 
     report.data["backends"] = backends(DEV)
     report.data["cuda_runtime"] = native.cuda().kite_cuda_version().decode() if native.cuda() else None
@@ -379,7 +379,7 @@ def main() -> None:
 
     from kite.upcycle import codec, load
     from kite.upcycle.format import blob_key
-    from kite.upcycle.rope import apply_rope
+    from kite.upcycle import apply_rope
     from kite.upcycle.format import LARGE_MIN_SAVING, StateFile, StateWriter
 
     # ---- compress: the real codec, batched on the GPU ------------------------------------------
@@ -516,7 +516,7 @@ def main() -> None:
                          for c, idx in enumerate(sets_main)], "raw_kv_bytes_fp16": raw16}
     writer = StateWriter(large_min_saving=LARGE_MIN_SAVING)   # as compress_document on a GPU
     t0 = time.perf_counter()
-    enc_main.add_to(writer, blob_key)
+    enc_main.add_to(writer)
     t1 = time.perf_counter()
     size = writer.write(path, meta)
     t2 = time.perf_counter()
@@ -533,7 +533,7 @@ def main() -> None:
 
     path_old = Path(tempfile.gettempdir()) / "kite_gpu_speed_zstd3.upc"
     writer_old = StateWriter(large_min_saving=MIN_SAVING)
-    enc_main.add_to(writer_old, blob_key)
+    enc_main.add_to(writer_old)
     size_old = writer_old.write(path_old, meta)
     writer = writer_old = None
     enc_main = None

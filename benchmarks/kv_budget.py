@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kite.runtime.cache import new_cache  # noqa: E402
 from kite.runtime.generate import forward_tokens  # noqa: E402
-from kite.upcycle.budget import (SINK_TOKENS, BudgetCache, BudgetSettings, WindowCache,  # noqa: E402
-                                 kv_bytes_per_token)
+from kite.upcycle import (SINK_TOKENS, BudgetCache, BudgetSettings, WindowCache,  # noqa: E402
+                          kv_bytes_per_token)
 
 GPL3 = "/usr/share/common-licenses/GPL-3"
 PROJECT_TOKENS = 16384
@@ -226,7 +226,7 @@ def main() -> None:
 
 def speed(lm, ids: list[int], args) -> None:
     from kite.runtime.generate import generate
-    from kite.upcycle.budget import budget_cache
+    from kite.upcycle import budget_cache
 
     codec = args.codecs[0] if args.codecs else "ratio=8"
     runs = [("plain", None, None), (f"plain, prefill chunks of {args.block}", None, args.block),

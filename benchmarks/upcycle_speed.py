@@ -38,10 +38,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from kite.model import load_model
     from kite.runtime.generate import generate
-    from kite.upcycle import codec
-    from kite.upcycle.capture import tokenize_document
-    from kite.upcycle.compress import CompressSettings, compress_document
-    from kite.upcycle.load import load_prefix
+    from kite.upcycle import CompressSettings, codec_settings, compress_document, load_prefix, tokenize_document
 
     lm = load_model(args.model)
     texts = [Path("/usr/share/common-licenses/GPL-3").read_text(), Path("/usr/share/common-licenses/Apache-2.0").read_text()]
@@ -65,7 +62,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.settings:
             path = Path(tmp) / f"{spec}.upc"
-            settings = CompressSettings(codec=codec.settings_for(spec))
+            settings = CompressSettings(codec=codec_settings(spec))
             comp_ms, made = best(lambda: compress_document(lm, "", path, settings, ids=doc), 1)
             load_ms, loaded = best(lambda: load_prefix(path, lm), args.repeats)
             prefix = loaded[0]
