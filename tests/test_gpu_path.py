@@ -227,7 +227,7 @@ def test_cuda_rebuild_graphs_are_captured_on_the_second_load(lm, tmp_path):
         load.load_staged(hot, device="cuda", dtype=torch.bfloat16, cos=cos, sin=sin, out=bufs,
                              n_layers=geo.n_layers)
         torch.cuda.synchronize()
-        graphs = [g for key, g in hot._graphs.items() if key[2] in {k.data_ptr() for k, _ in bufs}]
+        graphs = [g for key, g in hot.graphs.items() if key[2] in {k.data_ptr() for k, _ in bufs}]
         seen.append(sorted({type(g).__name__ for g in graphs}))
         for (k, v), kr, vr in zip(bufs, k_ref, v_ref):
             assert torch.equal(k, kr) and torch.equal(v, vr)
