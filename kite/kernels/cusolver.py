@@ -1,8 +1,8 @@
 """cuSOLVER's batched symmetric eigensolver (``cusolverDnXsyevBatched``) through ctypes.
 
-torch.linalg.eigh on a CUDA batch of matrices larger than 32x32 runs one ``syevd`` per matrix
-(28 x 512x512: ~360 ms on an H200, each call latency-bound); ``cusolverDnXsyevBatched`` (cuSOLVER
-11.7+, CUDA 12.6U2+) takes the whole batch in one call. The library is the one torch already
+torch.linalg.eigh on a CUDA batch of matrices larger than 32x32 runs one ``syevd`` per matrix, each
+call latency-bound; ``cusolverDnXsyevBatched`` (cuSOLVER 11.7+, CUDA 12.6U2+) takes the whole batch
+in one call (timings: docs/PERFORMANCE.md, ``benchmarks/eigh_gpu.py``). The library is the one torch already
 loaded (its CUDA wheels ship it), so nothing is built or installed for this.
 
 ``available()`` is False on a CPU-only torch, when the library lacks the symbol (older CUDA) or
@@ -110,11 +110,10 @@ def syev_batched(A: torch.Tensor, graph: bool = True) -> tuple[torch.Tensor, tor
     ``graph``: replay the call from a CUDA graph captured once per (device, B, n, dtype). For n = 512
     the solver launches ~25 small kernels per column (~1,500 for the batch), which costs more host
     time than the device spends on them; a replay launches them all at once. Falls back to the
-    direct call where capture fails (56 x 512x512 on an H200: 20.3-22.8 ms replayed, 22.5-27.3 direct).
+    direct call where capture fails.
 
     Each stream has its own handle: chunks of a batch on concurrent streams that shared one handle
-    ran slower (2 chunks 40-45 ms, 4 chunks 75-79 ms, direct calls) and their replays gave wrong
-    vectors (benchmarks/eigh_gpu.py, 2026-11-30)."""
+    ran slower than one call and their replays gave wrong vectors (benchmarks/eigh_gpu.py)."""
     lib = _lib()
     if lib is None:
         raise CusolverError("cusolverDnXsyevBatched is not available (CPU torch, or cuSOLVER older than 11.7)")

@@ -1,11 +1,11 @@
 """Batched symmetric eigendecomposition and PCA of many small matrices, native or torch.
 
-CPU: Householder + implicit QL in float64, one matrix per thread (``torch.linalg.eigh`` on this
-machine's LAPACK takes ~0.3 s per 128x128 matrix). CUDA: one launch, one thread block per matrix
-(parallel Jacobi in fp32 shared memory) for even d <= 128; larger d (the joint-head 512 dims of
-Qwen2-7B) goes to cuSOLVER's batched solver in one call (:mod:`kite.kernels.cusolver`: 56 x 512x512
-in 25 ms on an H200, where ``torch.linalg.eigh``'s one ``syevd`` per matrix took 717 ms), and to
-torch when that is missing. A matrix the batched solver did not converge on gets NaN eigenvalues
+CPU: Householder + implicit QL in float64, one matrix per thread (``torch.linalg.eigh`` solves one
+matrix at a time through LAPACK, far slower for many small ones). CUDA: one launch, one thread block
+per matrix (parallel Jacobi in fp32 shared memory) for even d <= 128; larger d (the joint-head 512
+dims of Qwen2-7B) goes to cuSOLVER's batched solver in one call (:mod:`kite.kernels.cusolver`;
+``torch.linalg.eigh`` runs one ``syevd`` per matrix), and to torch when that is missing. The solvers
+are compared in docs/PERFORMANCE.md (``benchmarks/eigh_gpu.py``). A matrix the batched solver did not converge on gets NaN eigenvalues
 (no host sync here: callers check ``isfinite`` where they read the results back).
 """
 

@@ -7,13 +7,10 @@ of the prompt's tokens after its first, teacher-forced — one short forward of 
 the state; the side with it comes from the generation's own prefill (`prompt_nll_bits`). Positive = the state told the model something about
 the query (its document speaks of what the query asks).
 
-Measured on held-out generated contracts (`benchmarks/gain_proxy.py`, two seeds of 3 contracts,
-docs/rules-dsl.md "The measured gain"): 118 of 119 loads lowered the reference answer's PPL below
-no document's; this gain's sign ("> 0" ⇔ "helped") was right on 115 (Spearman ρ 0.49 and 0.61
-with ln PPL_none/PPL_load), that of the mean next-token *entropy* over the prompt, the gain
-before, on 95 (ρ 0.29 and 0.03), that of the entropy at the prompt's last position on 65: a
-document often makes the model less sure of the answer's first token (several candidates), so
-entropy cannot tell a useful load from a useless one.
+Why the prompt's NLL and not its entropy (docs/rules-dsl.md "The measured gain", made by
+`benchmarks/gain_proxy.py` on held-out contracts): a document often makes the model less sure of
+the answer's first token (several candidates), so entropy cannot tell a useful load from a useless
+one, while the NLL's sign follows whether the load helped the reference answer.
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kite.config import DEFAULT_MIN_HIT_GAIN
 from kite.runtime.generate import GenerationResult, generate
 from kite.upcycle import LoadReport, StateFile, load_prefix
 from kite.yoco.engine import StateInfo, decide
@@ -110,7 +108,7 @@ class FusedAnswer:
 
 
 def plan_for(lm, tagger, rules, state: StateFile, query: str, *, health=None, novelty=None,
-             watermark: HardwareWatermark | None = None, min_hit_gain: float = 0.005,
+             watermark: HardwareWatermark | None = None, min_hit_gain: float = DEFAULT_MIN_HIT_GAIN,
              state_id: str | None = None,
              timings: dict | None = None) -> tuple[Signals, LoadPlan, QuerySignals, StateInfo]:
     """Signals and the rules' decision for `query` against `state` (no loading). `timings`, when
@@ -132,7 +130,7 @@ def plan_for(lm, tagger, rules, state: StateFile, query: str, *, health=None, no
 
 
 def answer(lm, tagger, rules, state_path: str | Path, query: str, prompt_ids: list[int], *,
-           health=None, novelty=None, sampler=None, min_hit_gain: float = 0.005,
+           health=None, novelty=None, sampler=None, min_hit_gain: float = DEFAULT_MIN_HIT_GAIN,
            fusion_enabled: bool = True, state_id: str | None = None, **gen_kwargs) -> FusedAnswer:
     """Answer `prompt_ids` (the query, formatted) with whatever the rules load from the state.
 

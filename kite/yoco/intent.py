@@ -92,8 +92,8 @@ def query_signals(lm, queries: list[str], tagger=None, batch_size: int = 64,
                   progress: Callable[[int, int], None] | None = None) -> list[QuerySignals]:
     """Signals for each query, in order (right-padded batches, so each query's own tokens are
     unaffected by the others). `precision`: fp32 (exact) or bf16 (the matmuls on bf16 weights, fp32
-    between them: faster on AVX512-BF16 CPUs, entropies off by ~0.1 bits at most; measured in
-    benchmarks/yoco_analyze.py). Repeated texts are computed once.
+    between them: faster on AVX512-BF16 CPUs, entropies off by a little; measured by
+    benchmarks/yoco_analyze.py, docs/rules-dsl.md). Repeated texts are computed once.
     `progress(done, total)` after each batch, in distinct texts."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")

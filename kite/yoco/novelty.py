@@ -5,7 +5,7 @@ Fast for short queries in three steps: an exact repeat is a dictionary hit; ever
 gets, from character and character-pair histograms (one numpy operation over the whole window),
 an upper bound on its similarity (shared characters / longer length, since distance ≥ longer −
 shared) and a rank (shared pairs / longer length); exact distances (Myers' bit-parallel
-algorithm, Hyyrö's form, over Python ints: ~0.5 µs a character) are computed in rank order for
+algorithm, Hyyrö's form, over Python ints) are computed in rank order for
 the queries whose bound can still beat the best found, at most `max_exact` of them.
 """
 

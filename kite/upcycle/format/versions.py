@@ -46,7 +46,7 @@ def _stat_version(fd: int) -> tuple:
 
 def same_version(fd: int, version: tuple) -> bool:
     """Whether the open file ``fd`` is still ``version`` (a file_version of it): its fstat fields
-    only, without resolving the path again (realpath costs ~0.5 ms a call on a busy host)."""
+    only, without resolving the path again (realpath is slow on a busy host)."""
     return _stat_version(fd) == tuple(version[1:])
 
 

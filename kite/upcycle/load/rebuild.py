@@ -87,8 +87,8 @@ def load_staged(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor 
                 None if cos is None else cos.data_ptr(), cdt)
         if cuda and use_graphs and gkey in hot.graphs:
             # the same launches again for these buffers: replay a captured graph (the eager launches
-            # cost ~0.3 ms of host time per layer, more than the GPU work). A first load runs eagerly
-            # and only marks the buffers: capturing 28 graphs costs more than one load saves.
+            # cost more host time per layer than the GPU work). A first load runs eagerly and only
+            # marks the buffers: capturing a graph per layer costs more than one load saves.
             g = hot.graphs[gkey]
             if g is None:
                 rebuild_layer(region, plan, k_out, v_out, **args)     # warm-up (and this load's result)

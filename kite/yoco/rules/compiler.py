@@ -3,7 +3,8 @@
 The function's source is generated from the checked AST: field names come only from the signal
 schema and constants are written with `repr`, so nothing from the rule file runs as code. One
 flat expression per rule (`s.intent_entropy > 5.2 and s.hardware_watermark.gpu_mem < 0.85`)
-costs about one attribute read per comparison, which is what keeps 50 rules under 50 µs.
+costs about one attribute read per comparison, which is what keeps a decision in microseconds
+(benchmarks/yoco_decision.py; docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
