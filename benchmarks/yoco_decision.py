@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kite.config import DEFAULT_MIN_HIT_GAIN  # noqa: E402
 from kite.yoco.engine import StateInfo, decide  # noqa: E402
 from kite.yoco.novelty import NoveltyTracker  # noqa: E402
 from kite.yoco.rules import parse_rules  # noqa: E402
@@ -79,7 +80,7 @@ def time_decisions(rs, sigs, state, n) -> list[float]:
     for i in range(n):
         s = sigs[i % len(sigs)]
         t0 = clock()
-        decide(rs, s, state, 0.005)
+        decide(rs, s, state, DEFAULT_MIN_HIT_GAIN)
         out.append((clock() - t0) / 1e3)
     return out
 
@@ -101,7 +102,7 @@ def main() -> None:
     compile_ms = (time.perf_counter() - t0) * 1e3
     state = StateInfo({l: rng.uniform(0.55, 0.95) for l in LABELS}, 30)
     sigs = [random_signals(rng) for _ in range(4096)]
-    matched = [decide(rs, s, state, 0.005).matched_rule for s in sigs]
+    matched = [decide(rs, s, state, DEFAULT_MIN_HIT_GAIN).matched_rule for s in sigs]
     depth = statistics.mean(int(m[1:]) + 1 if m != "default" else args.rules for m in matched)
     time_decisions(rs, sigs, state, 2000)  # warm up
     lat = time_decisions(rs, sigs, state, args.decisions)
@@ -122,7 +123,7 @@ def main() -> None:
                      state_health_score=0.0,
                      hardware_watermark=HardwareWatermark(gpu_mem=0.99, spike=True))]
     wl = time_decisions(rs, worst, state, args.decisions // 2)
-    assert decide(rs, worst[0], state, 0.005).matched_rule == "default"
+    assert decide(rs, worst[0], state, DEFAULT_MIN_HIT_GAIN).matched_rule == "default"
     print(f"worst case (all {args.rules} conditions tested, default matches): "
           f"p50 {pct(wl, 50):.1f} us  p99 {pct(wl, 99):.1f} us")
 
@@ -166,7 +167,7 @@ def main() -> None:
         t1 = time.perf_counter_ns()
         sig = Signals(intent_entropy=5.0, query_novelty=novelty, query_label=LABELS[0],
                       label_entropy=0.3, hardware_watermark=sampler.latest().watermark)
-        decide(rs, sig, state, 0.005)
+        decide(rs, sig, state, DEFAULT_MIN_HIT_GAIN)
         t2 = time.perf_counter_ns()
         cpu.append((time.thread_time_ns() - c0) / 1e3)
         nov.append((t1 - t0) / 1e3)

@@ -34,6 +34,10 @@ from kite.yaml_model import YamlLoader, parse_yaml_tree, read_utf8
 
 # --------------------------------------------------------------------------- the schema
 
+# features.yoco_min_hit_gain: a load predicted to gain less is skipped. Defined here, at the bottom of
+# the layers, so YOCO, the server, the bench and the CLI all import this one value.
+DEFAULT_MIN_HIT_GAIN = 0.005
+
 _STRICT = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 _SECRET = {"secret": True}  # marks a key that `kite config show` does not print
 
@@ -44,7 +48,7 @@ class FeaturesConfig(BaseModel):
     model_config = _STRICT
     upcycle_yoco_fusion: bool = False
     upcycle_compression_ratio: float = Field(0.15, gt=0, le=1)
-    yoco_min_hit_gain: float = Field(0.005, ge=0)
+    yoco_min_hit_gain: float = Field(DEFAULT_MIN_HIT_GAIN, ge=0)
 
 
 class GpuMemWatermarkConfig(BaseModel):

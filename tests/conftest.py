@@ -55,6 +55,23 @@ def embedded():
     return load_cached("smollm2-135m")
 
 
+@pytest.fixture()
+def rule_compiles(monkeypatch) -> list[str]:
+    """The source of every rule set compiled during the test, in order (every load, reload and
+    check goes through `kite.yoco.rules.ruleset.parse_rules`)."""
+    from kite.yoco.rules import ruleset
+
+    seen: list[str] = []
+    compile_set = ruleset.parse_rules
+
+    def counting(data, source="<rules>", *args, **kwargs):
+        seen.append(source)
+        return compile_set(data, source, *args, **kwargs)
+
+    monkeypatch.setattr(ruleset, "parse_rules", counting)
+    return seen
+
+
 def parse_json(output: str):
     """The JSON document a `--json` command printed (ignores any lines before it)."""
     start = output.index("{") if "{" in output else output.index("[")

@@ -60,15 +60,19 @@ def _settings(root, **kw) -> ServeSettings:
                          min_hit_gain=-1.0, max_body_mb=0.25, default_max_tokens=3, **kw)
 
 
-def _start(lm, settings, tmp):
+def _pipeline(lm):
     from kite.upcycle import Pipeline, UpcycleConfig, compress_settings
-    from kite.yoco.health import HealthStore
 
     cfg = UpcycleConfig.model_validate({"compression": {"precision": "exact", "cluster_num": 3, "min_span_tokens": 8,
                                                         "max_span_tokens": 24}})
-    pipe = Pipeline(lm=lm, tagger=None, settings=compress_settings(cfg), config=cfg, config_path=None)
+    return Pipeline(lm=lm, tagger=None, settings=compress_settings(cfg), config=cfg, config_path=None)
+
+
+def _start(lm, settings, tmp):
+    from kite.yoco.health import HealthStore
+
     health = HealthStore(tmp / "health.sqlite")
-    app = create_app(pipe, settings, health=health)
+    app = create_app(_pipeline(lm), settings, health=health)
     server = BackgroundServer(app)
     server.start()
     return server, app, health
@@ -413,6 +417,58 @@ def test_serve_command_refuses_a_bad_rule_file_before_loading(tmp_path):
     assert res.exit_code == 2 and "no such rule file" in res.output
     res = runner.invoke(cli, ["serve", "--port", "70000"])
     assert res.exit_code == 2 and "server.port" in res.output
+
+
+def _serve_without_binding(monkeypatch, lm, rule_compiles: list) -> list:
+    """`kite serve` on the tiny model with no port bound. Returns its events in order: ("model", rule
+    sets compiled so far) when the model loads, ("run", app) where it would start serving."""
+    import kite.serve.server
+    import kite.upcycle
+
+    events: list = []
+    pipe = _pipeline(lm)
+    monkeypatch.setattr(kite.upcycle, "open_pipeline",
+                        lambda *a, **kw: events.append(("model", len(rule_compiles))) or pipe)
+    monkeypatch.setattr(kite.serve.server, "run", lambda app, *a, **kw: events.append(("run", app)))
+    return events
+
+
+def test_serve_command_compiles_the_rule_set_once_and_before_the_model_loads(lm, tmp_path, monkeypatch,
+                                                                            rule_compiles):
+    settings = _settings(tmp_path)
+    events = _serve_without_binding(monkeypatch, lm, rule_compiles)
+    res = runner.invoke(cli, ["serve", "--rules", str(settings.rules_path), "--state-dir", str(tmp_path / "s")])
+    assert res.exit_code == 0, res.output
+    assert [e[0] for e in events] == ["model", "run"] and events[0][1] == 1  # compiled before the model
+    assert rule_compiles == [str(settings.rules_path)]  # and never again
+    active = events[1][1].state.kite.rules.current
+    assert active.source == str(settings.rules_path) and active.n_layers == lm.geometry.n_layers
+
+
+def test_serve_command_reports_rule_layers_past_the_model_with_a_caret(lm, tmp_path, monkeypatch, rule_compiles):
+    rules = tmp_path / "yoco_rules.yaml"
+    rules.write_text(RULES_V1.replace("precision: int8", 'precision: int8\n      layers: "0-7"'))
+    events = _serve_without_binding(monkeypatch, lm, rule_compiles)
+    res = runner.invoke(cli, ["serve", "--rules", str(rules), "--state-dir", str(tmp_path / "s")])
+    assert res.exit_code == 2 and [e[0] for e in events] == ["model"]  # the file compiled; the model refused it
+    assert f"{rules}:8:15: layer 7 is out of range 0-2 (the model has 3 layers)" in res.stderr
+    assert '      layers: "0-7"\n' in res.stderr and "^~~~~" in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith(f"error: {rules}: 1 error in the rule set")
+    assert len(rule_compiles) == 1
+
+
+def test_create_app_serves_a_compiled_rule_set_without_compiling_it_again(lm, tmp_path, rule_compiles):
+    from kite.yoco.health import HealthStore
+    from kite.yoco.rules import load_rules
+
+    settings = _settings(tmp_path)
+    given = load_rules(settings.rules_path)
+    with HealthStore(tmp_path / "health.sqlite") as health:
+        app = create_app(_pipeline(lm), settings, rules=given, health=health, start_sampler=False)
+        assert len(rule_compiles) == 1 and app.state.kite.rules.current.sha256 == given.sha256
+        app = create_app(_pipeline(lm), settings, health=health, start_sampler=False)
+    assert rule_compiles == [str(settings.rules_path)] * 2  # given none, it compiles the settings' file
+    assert app.state.kite.rules.current.n_layers == lm.geometry.n_layers
 
 
 def test_admin_and_metrics_answer_while_the_model_is_busy(live):

@@ -51,6 +51,27 @@ def test_decide_state_json(state, tiny_models, tmp_path):
     assert "matched default" in " ".join(human.stdout.split()) and "signals" in human.stdout
 
 
+@pytest.mark.parametrize("json_out", [True, False], ids=["json", "human"])
+def test_decide_state_compiles_the_rule_set_once(state, tiny_models, tmp_path, rule_compiles, json_out):
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES, encoding="utf-8")
+    r = run("decide", "--state", str(state), "--query", "Which court settles a breach?", "--model",
+            str(tiny_models["llama"]), "--rules", str(rules), *(["--json"] if json_out else []))
+    assert r.exit_code == 0, r.output
+    assert rule_compiles == [str(rules)]
+
+
+def test_decide_state_reports_a_bad_rule_file_with_its_carets(state, tiny_models, tmp_path):
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES.replace('layers: "0-1"', 'layers: "0-9"'), encoding="utf-8")
+    r = run("decide", "--state", str(state), "--query", "Which court settles a breach?", "--model",
+            str(tiny_models["llama"]), "--rules", str(rules))
+    assert r.exit_code == 2
+    assert f"{rules}:4:51: layer 9 is out of range 0-2 (the model has 3 layers)" in r.stderr
+    assert "^~~" in r.stderr and r.stderr.strip().splitlines()[-1].startswith(
+        f"error: {rules}: 1 error in the rule set")
+
+
 def test_decide_state_usage_errors(state, tmp_path):
     r = run("decide", "--state", str(state))
     assert r.exit_code == 2 and "--state needs --query" in r.stderr

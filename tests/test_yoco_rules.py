@@ -218,6 +218,38 @@ def test_bad_precision_and_layers_out_of_range():
     assert parse_rules(text.replace("fp12", "fp8"), "r.yaml")  # layers unchecked without n_layers
 
 
+LAYERS_PAST_3 = rules("""
+    - name: p
+      condition: intent_entropy > 5
+      action: {load_all_clusters: true, layers: "1-40"}
+    - name: q
+      condition: intent_entropy > 6
+      action: {load_all_clusters: true, layers: [0, 2]}""")
+
+
+def test_a_set_compiled_before_the_model_loads_is_checked_against_its_layers_without_recompiling():
+    rs = parse_rules(LAYERS_PAST_3, "r.yaml")  # compiled with no model: layers unchecked
+    assert rs.n_layers is None
+    assert rs.for_layers(41).n_layers == 41 and rs.for_layers(41).rules == rs.rules
+    with pytest.raises(RuleSetError) as info:
+        rs.for_layers(3)
+    (err,) = info.value.errors
+    at_compile = errors_of(LAYERS_PAST_3, n_layers=3)[0]
+    assert (err.file, err.line, err.message) == (at_compile.file, at_compile.line, at_compile.message)
+    assert err.message == "layer 40 is out of range 0-2 (the model has 3 layers)"
+    _, source, caret = err.render().splitlines()
+    assert caret.index("^") == source.index('"1-40"') and caret.strip() == "^~~~~~"  # under the value
+    checked = parse_rules(LAYERS_PAST_3.replace("1-40", "1-2"), "r.yaml", n_layers=3)
+    assert checked.for_layers(3) is checked  # already checked for that count: nothing to do
+
+
+def test_active_rules_hold_only_a_set_checked_against_their_layer_count():
+    with pytest.raises(RuleSetError, match="layer 40 is out of range 0-2"):
+        ActiveRules(parse_rules(LAYERS_PAST_3, "r.yaml"), n_layers=3)
+    active = ActiveRules(parse_rules(LAYERS_PAST_3.replace("1-40", "1-2"), "r.yaml"), n_layers=3)
+    assert active.current.n_layers == 3
+
+
 def test_missing_default_rule():
     e = one_error(rules("""
         - name: only

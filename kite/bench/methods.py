@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from kite.bench.document import DocumentContext, take_tokens
+from kite.config import DEFAULT_MIN_HIT_GAIN
 from kite.runtime.cache import KVPrefix, new_cache
 from kite.runtime.generate import GenerationResult, generate
 
@@ -207,7 +208,7 @@ class Fused(Method):
     tagger: Any = None
     rules: Any = None
     health: Any = None
-    min_hit_gain: float = 0.005
+    min_hit_gain: float = DEFAULT_MIN_HIT_GAIN
 
     def prepare(self, lm, doc, budget_bytes):
         return Prepared(kv_bytes=budget_bytes)  # the runner attaches the state (states.StateRef)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kite.bench.cases import BenchCase, load_cases
 from kite.bench.methods import ALL_METHODS, BASELINES, Fused, Method, kvpress_status
+from kite.config import DEFAULT_MIN_HIT_GAIN, load_config
 from kite.errors import BadInput
 
 Progress = Callable[[str, int, int], None]
@@ -150,11 +151,10 @@ def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
     labels = sorted(set(tagger.labels)) if tagger is not None else None
     rules = load_rules(rules_path, None, lm.geometry.n_layers)
     try:
-        from kite.config import load_config
-
         min_gain = float(load_config().features.yoco_min_hit_gain)
     except Exception:  # noqa: BLE001 - a broken user config must not stop a benchmark
-        min_gain = 0.005
+        # A broken config is silently replaced by the default here; issue 13 makes config errors loud.
+        min_gain = DEFAULT_MIN_HIT_GAIN
     methods: dict[str, Method] = {n: BASELINES[n]() for n in names}
     import tempfile
 

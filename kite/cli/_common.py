@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
+from os import PathLike
 from typing import Any
 
 import typer
@@ -85,6 +88,22 @@ def report_error(exc: BaseException) -> int:
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     err_console().print(f"[bold red]error:[/] {first}", highlight=False, markup=True, soft_wrap=True)
     return code
+
+
+@contextlib.contextmanager
+def rule_errors_reported(path: str | PathLike[str]) -> Iterator[None]:
+    """Inside, a rule set that does not load (RuleSetError) prints its full report to stderr (every
+    error as `file:line:col: message`, the line and a caret) and becomes one BadInput line that
+    names `path` and counts the errors."""
+    from kite.yoco.rules import RuleSetError
+
+    try:
+        yield
+    except RuleSetError as exc:
+        err_console().print(exc.report(), markup=False, highlight=False, soft_wrap=True)
+        n = len(exc.errors)
+        raise BadInput(f"{path}: {n} error{'s' if n != 1 else ''} in the rule set "
+                       f"(first: {exc.errors[0].header})") from None
 
 
 JsonOpt = typer.Option(False, "--json", help="Print one JSON document for scripts.")

@@ -24,43 +24,36 @@ app.command("version", help="Version, build, torch/transformers, device, native 
 )
 
 
-def _register() -> None:
-    """Attach every command group that exists. Heavy imports happen inside the commands."""
+# (name, module, help): command groups, each module's `app`.
+GROUPS = (
+    ("config", "kite.cli.config_cmd", "Show, read, change and check ~/.kite/config.yaml."),
+    ("model", "kite.cli.model", "Inspect models: geometry, KV bytes per token, fingerprint."),
+    ("upcycle", "kite.cli.upcycle", "Turn a document's KV cache into a .upc state; inspect, evaluate, migrate."),
+    ("yoco", "kite.cli.yoco", "Rules, signals and load decisions."),
+    ("data", "kite.cli.data", "Synthetic contracts and benchmark cases."),
+    ("bench", "kite.cli.bench", "Benchmark the fused pipeline against full prefill and baselines."),
+)
+# (name, module, function, help): single commands.
+COMMANDS = (
+    ("generate", "kite.cli.generate", "generate", "Generate text, optionally from a .upc state."),
+    ("serve", "kite.cli.serve", "serve", "Serve one model over HTTP (OpenAI-style)."),
+    ("shadow", "kite.cli.shadow", "shadow", "Compare a candidate config against the golden one."),
+)
+
+
+def register(root, groups=GROUPS, commands=COMMANDS) -> None:
+    """Attach every listed group and command to `root`. A command is listed by the change that
+    builds it; a listed module that does not import is an error here, never skipped. Heavy
+    imports happen inside the commands."""
     import importlib
 
-    groups = [
-        ("config", "kite.cli.config_cmd", "Show, read, change and check ~/.kite/config.yaml."),
-        ("model", "kite.cli.model", "Inspect models: geometry, KV bytes per token, fingerprint."),
-        ("upcycle", "kite.cli.upcycle", "Turn a document's KV cache into a .upc state; inspect, evaluate, migrate."),
-        ("yoco", "kite.cli.yoco", "Rules, signals and load decisions."),
-        ("data", "kite.cli.data", "Synthetic contracts and benchmark cases."),
-        ("bench", "kite.cli.bench", "Benchmark the fused pipeline against full prefill and baselines."),
-        ("tune", "kite.cli.tune", "Sweep settings against measured results."),
-    ]
     for name, module, help_text in groups:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name == module:
-                continue  # that group is not part of this build
-            raise
-        app.add_typer(mod.app, name=name, help=help_text)
-    for name, module, attr, help_text in [
-        ("generate", "kite.cli.generate", "generate", "Generate text, optionally from a .upc state."),
-        ("serve", "kite.cli.serve", "serve", "Serve one model over HTTP (OpenAI-style)."),
-        ("shadow", "kite.cli.shadow", "shadow", "Compare a candidate config against the golden one."),
-        ("capacity-plan", "kite.cli.capacity", "capacity_plan", "Plan GPU capacity from results."),
-    ]:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name == module:
-                continue
-            raise
-        app.command(name, help=help_text)(getattr(mod, attr))
+        root.add_typer(importlib.import_module(module).app, name=name, help=help_text)
+    for name, module, attr, help_text in commands:
+        root.command(name, help=help_text)(getattr(importlib.import_module(module), attr))
 
 
-_register()
+register(app)
 
 
 def main() -> None:
@@ -83,14 +76,6 @@ def yoco_main() -> None:
 
 def bench_main() -> None:
     _alias("bench", "kite-bench")
-
-
-def tune_main() -> None:
-    _alias("tune", "kite-tune")
-
-
-def capacity_main() -> None:
-    _alias("capacity-plan", "kite-capacity-plan")
 
 
 def shadow_main() -> None:

@@ -11,8 +11,8 @@ from typing import Annotated
 
 import typer
 
-from kite.cli._common import KvBudgetBlockOpt, KvBudgetCodecOpt, check_budget_flags, console, err_console
-from kite.errors import BadInput, KiteError
+from kite.cli._common import KvBudgetBlockOpt, KvBudgetCodecOpt, check_budget_flags, console, rule_errors_reported
+from kite.errors import KiteError
 
 
 def serve(
@@ -57,7 +57,10 @@ def serve(
         "kv_budget_tokens": kv_budget_tokens, **({"kv_budget_codec": kv_budget_codec} if kv_budget_codec else {}),
         **({"kv_budget_block": kv_budget_block} if kv_budget_block is not None else {})}
     settings = ServeSettings.from_config(cfg, rules=rules, **budget_kw)
-    _check_rules(settings.rules_path)  # a bad rule file fails now, before the model loads
+    from kite.yoco.rules import load_rules
+
+    with rule_errors_reported(settings.rules_path):
+        ruleset = load_rules(settings.rules_path)  # compiled once, now: a bad file fails before the model loads
     out = console()
     from kite.upcycle import load_upcycle_config, open_pipeline
 
@@ -65,7 +68,9 @@ def serve(
     out.print(f"loading model {cfg.model.default} …", highlight=False)
     pipe = open_pipeline(cfg.model.default, ucfg)
     settings.budget_settings(pipe.lm.geometry.context_length)  # a budget past the model's context fails now
-    app = create_app(pipe, settings)
+    with rule_errors_reported(settings.rules_path):
+        ruleset = ruleset.for_layers(pipe.lm.geometry.n_layers)  # `layers:` the model lacks
+    app = create_app(pipe, settings, rules=ruleset)
     if settings.host not in LOOPBACK:
         out.print(f"[yellow]warning:[/] binding {settings.host}: the API is reachable from other machines",
                   highlight=False)
@@ -76,14 +81,3 @@ def serve(
                                                 f"({settings.kv_budget_codec})" if settings.kv_budget_tokens else ""),
               highlight=False, soft_wrap=True)
     run(app, settings.host, settings.port, log_level=log_level)
-
-
-
-def _check_rules(path: Path) -> None:
-    from kite.yoco.rules import RuleSetError, load_rules
-
-    try:
-        load_rules(path)
-    except RuleSetError as exc:
-        err_console().print(exc.report(), markup=False, highlight=False, soft_wrap=True)
-        raise BadInput(f"{path}: {len(exc.errors)} error(s) in the rule set (first: {exc.errors[0].header})") from None

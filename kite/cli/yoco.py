@@ -11,10 +11,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from kite.cli._common import JsonOpt, console, emit_json, err_console, new_app
+from kite.cli._common import JsonOpt, console, emit_json, err_console, new_app, rule_errors_reported
 from kite.errors import BadInput
-
-DEFAULT_MIN_HIT_GAIN = 0.005
 
 app = new_app(
     "YOCO rules, signals and load decisions.\n\n"
@@ -56,15 +54,10 @@ def _labels(spec: str | None) -> dict[str, float | None] | None:
 
 def _load(path: Path, labels, n_layers):
     """Load a rule set; on errors print the full report (every error, with carets) first."""
-    from kite.yoco.rules import RuleSetError, load_rules
+    from kite.yoco.rules import load_rules
 
-    try:
+    with rule_errors_reported(path):
         return load_rules(path, labels, n_layers)
-    except RuleSetError as exc:
-        err_console().print(exc.report(), markup=False, highlight=False, soft_wrap=True)
-        n = len(exc.errors)
-        raise BadInput(f"{path}: {n} error{'s' if n != 1 else ''} in the rule set "
-                       f"(first: {exc.errors[0].header})") from None
 
 
 @app.command("validate")
@@ -135,18 +128,13 @@ def _read_signals(spec: str) -> dict[str, Any]:
 def _min_hit_gain(value: float | None) -> float:
     if value is not None:
         return value
-    try:
-        from kite.config import load_config
-    except ModuleNotFoundError as exc:
-        if exc.name != "kite.config":
-            raise
-        return DEFAULT_MIN_HIT_GAIN
+    from kite.config import load_config
+
     return float(load_config().features.yoco_min_hit_gain)
 
 
-def run_decision(rules_path: Path, signals, state, min_hit_gain: float, json_out: bool) -> None:
-    """Load the rules (checked against the state's labels), decide, print. Shared by every way
-    of getting signals (explicit JSON now; a `.upc` state and a query later)."""
+def _decide_for_signals(rules_path: Path, signals, state, min_hit_gain: float, json_out: bool) -> None:
+    """Load the rules (checked against the given labels and layers), decide, print."""
     from kite.yoco.engine import decide
 
     rs = _load(rules_path, state.labels if state.health else None, state.n_layers)
@@ -160,6 +148,11 @@ def run_decision(rules_path: Path, signals, state, min_hit_gain: float, json_out
             "labels": state.health, "n_layers": state.n_layers},
             "min_hit_gain": min_hit_gain, "plan": plan.to_dict()})
         return
+    _print_decision(rs, signals, plan, min_hit_gain)
+
+
+def _print_decision(rs, signals, plan, min_hit_gain: float) -> None:
+    """The rule set, the signals, the matched rule and the plan, for people."""
     from rich.markup import escape
 
     out = console()
@@ -237,7 +230,7 @@ def decide_cmd(
     prior = health_from_gain(DEFAULT_PRIOR_GAIN)
     health = {k: (prior if v is None else v) for k, v in (_labels(labels) or {}).items()}
     info = StateInfo(health, layers)
-    run_decision(rules or default_rules_path(), sig, info, _min_hit_gain(min_hit_gain), json_out)
+    _decide_for_signals(rules or default_rules_path(), sig, info, _min_hit_gain(min_hit_gain), json_out)
 
 
 def _model_and_tagger(model: str | None, progress=None):
@@ -269,7 +262,7 @@ def _decide_for_state(path: Path, query: str, model: str | None, rules_path: Pat
         signals, plan, q, info = plan_for(lm, tagger, ruleset, st, query, health=health,
                                           watermark=reading.watermark, min_hit_gain=min_hit_gain)
     if not json_out:
-        run_decision(rules_path, signals, info, min_hit_gain, False)
+        _print_decision(ruleset, signals, plan, min_hit_gain)
         return
     emit_json({"state": str(path), "state_id": info.state_id, "query": query, "query_tokens": q.tokens,
                "label_probs": q.label_probs, "watermark_source": reading.source, "rules": ruleset.info(),

@@ -28,17 +28,22 @@ class ServerState:
     model_limiter: object | None = None  # anyio.CapacityLimiter(1), made in the loop (workers.py)
 
 
-def create_app(pipeline, settings: ServeSettings, *, health=None, sampler=None,
+def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sampler=None,
                start_sampler: bool = True) -> FastAPI:
     """An ASGI app serving ``pipeline`` (a :class:`kite.upcycle.Pipeline`: the model, its tagger and
-    the compression settings uploads are upcycled with). The rule file is compiled now (a bad one
-    fails here, before the server binds); the watermark sampler runs from startup to shutdown."""
+    the compression settings uploads are upcycled with). ``rules``: the compiled
+    :class:`kite.yoco.rules.RuleSet` of ``settings.rules_path`` (compiled before the model loaded,
+    so a bad file failed early); None compiles that file now. Either way the set is checked against
+    the model's layers here (RuleSetError), before the server binds. The watermark sampler runs
+    from startup to shutdown."""
     from kite.yoco.health import HealthStore
     from kite.yoco.novelty import NoveltyTracker
     from kite.yoco.rules import ActiveRules
     from kite.yoco.watermark import WatermarkSampler, default_backend
 
-    rules = ActiveRules.from_file(settings.rules_path, n_layers=pipeline.lm.geometry.n_layers)
+    n_layers = pipeline.lm.geometry.n_layers
+    rules = (ActiveRules.from_file(settings.rules_path, n_layers=n_layers) if rules is None
+             else ActiveRules(rules, n_layers=n_layers))
     store = StateStore(settings.state_dir)
     health = health if health is not None else HealthStore()
     if sampler is None and start_sampler:

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kite.config import DEFAULT_MIN_HIT_GAIN
 from kite.errors import BadInput
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -22,7 +23,7 @@ class ServeSettings:
     admin_token: str | None = None  # None: admin endpoints refuse (403), never run open
     max_body_mb: float = 32.0
     fusion: bool = False  # features.upcycle_yoco_fusion: off → nothing is loaded
-    min_hit_gain: float = 0.005
+    min_hit_gain: float = DEFAULT_MIN_HIT_GAIN
     default_max_tokens: int = 64
     max_tokens_limit: int = 2048
     sampler_interval_ms: float = 200.0

@@ -91,13 +91,19 @@ def parse_layer_spec(spec: Any, n_layers: int | None) -> tuple[tuple[int, ...] |
     return tuple(sorted(layers)), problems
 
 
-def _add(layers, lo, hi, n_layers, where, at, length, problems) -> None:
+def layer_range_problem(lo: int, hi: int, n_layers: int | None) -> str | None:
+    """Why layers `lo`-`hi` do not fit a model of `n_layers` layers (None: any count), or None."""
     bad = next((i for i in (lo, hi) if i < 0 or (n_layers is not None and i >= n_layers)), None)
-    if bad is not None:
-        top = f"0-{n_layers - 1}" if n_layers is not None else "0 and up"
-        problems.append(ActionProblem(f"layer {bad} is out of range {top}"
-                                      + (f" (the model has {n_layers} layers)" if n_layers else ""),
-                                      where, at, length))
+    if bad is None:
+        return None
+    top = f"0-{n_layers - 1}" if n_layers is not None else "0 and up"
+    return f"layer {bad} is out of range {top}" + (f" (the model has {n_layers} layers)" if n_layers else "")
+
+
+def _add(layers, lo, hi, n_layers, where, at, length, problems) -> None:
+    message = layer_range_problem(lo, hi, n_layers)
+    if message is not None:
+        problems.append(ActionProblem(message, where, at, length))
         return
     layers.update(range(lo, hi + 1))
 

@@ -23,11 +23,12 @@ class ReloadError:
 
 class ActiveRules:
     """Holds one compiled `RuleSet`. `current` is a plain attribute read (no lock on the request
-    path); `reload`/`switch` compile the whole new file first, then swap the reference."""
+    path); `reload`/`switch` compile the whole new file first, then swap the reference. With
+    `n_layers`, every set it holds is checked against that many layers (RuleSetError if not)."""
 
     def __init__(self, ruleset: RuleSet, rules_dir: str | os.PathLike[str] | None = None,
                  labels: Iterable[str] | None = None, n_layers: int | None = None):
-        self.current = ruleset
+        self.current = ruleset if n_layers is None else ruleset.for_layers(n_layers)
         self.rules_dir = Path(rules_dir) if rules_dir else Path(ruleset.source).parent
         self.labels = None if labels is None else list(labels)
         self.n_layers = n_layers

@@ -35,6 +35,19 @@ class RuleError:
         return {"file": self.file, "line": self.line, "col": self.col, "message": self.message}
 
 
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Where something is written in a rule file: 1-based line and col, length, the line's text."""
+
+    line: int
+    col: int
+    length: int = 1
+    source_line: str = ""
+
+    def error(self, file: str, message: str) -> RuleError:
+        return RuleError(file, self.line, self.col, message, self.source_line, self.length)
+
+
 class RuleSetError(BadInput):
     """A rule file that does not load, with every error found in it (never a half-built set).
 

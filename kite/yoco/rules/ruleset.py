@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -18,10 +18,10 @@ import yaml
 from yaml.nodes import MappingNode, Node as YamlNode, ScalarNode, SequenceNode
 
 from kite.errors import BadInput
-from kite.yoco.rules.actions import ACTION_KEYS, Action, ActionProblem, check_action
+from kite.yoco.rules.actions import ACTION_KEYS, Action, ActionProblem, check_action, layer_range_problem
 from kite.yoco.rules.checker import check_condition
 from kite.yoco.rules.compiler import compile_condition, condition_source, fields_of
-from kite.yoco.rules.errors import RuleError, RuleSetError
+from kite.yoco.rules.errors import RuleError, RuleSetError, Span
 from kite.yoco.rules.parser import ConditionSyntaxError, Pos, parse_condition
 from kite.yoco.signals import suggest
 
@@ -41,6 +41,7 @@ class Rule:
     getters: tuple[Callable[[Any], Any], ...] = field(default=(), repr=False, compare=False)
     line: int = 0
     is_default: bool = False
+    layers_at: Span | None = field(default=None, repr=False, compare=False)  # its `layers:` value
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,23 @@ class RuleSet:
             if rule.test(signals):
                 return rule
         return self.rules[-1]  # unreachable for a checked set: the default matches
+
+    def for_layers(self, n_layers: int) -> "RuleSet":
+        """This set checked against a model of `n_layers` layers (a set compiled before its model
+        loaded is checked once the model is known, not compiled again): itself when it was compiled
+        for that count, else a copy that records it. Raises RuleSetError pointing at every
+        `layers:` that names a layer the model lacks."""
+        if self.n_layers == n_layers:
+            return self
+        errors = []
+        for rule in self.rules:
+            layers = rule.action.layers
+            message = layer_range_problem(layers[0], layers[-1], n_layers) if layers else None
+            if message is not None:
+                errors.append((rule.layers_at or Span(rule.line, 1)).error(self.source, message))
+        if errors:
+            raise RuleSetError(errors)
+        return replace(self, n_layers=n_layers)
 
     def info(self) -> dict[str, Any]:
         return {"source": self.source, "version": self.version, "sha256": self.sha256,
@@ -122,10 +140,15 @@ class _Builder:
         self.errors.append(RuleError(self.source, line, col, message, src, length))
 
     def at(self, node: YamlNode, message: str, offset: int = 0, length: int | None = None) -> None:
+        where = self.span(node)
+        self.error(where.line, where.col + offset, message, where.length if length is None else max(1, length))
+
+    def span(self, node: YamlNode) -> Span:
+        """Where `node` is written (a node over several lines: its first character)."""
         m = node.start_mark
-        if length is None:
-            length = (node.end_mark.index - m.index) if m.line == node.end_mark.line else 1
-        self.error(m.line + 1, m.column + 1 + offset, message, max(1, length))
+        length = (node.end_mark.index - m.index) if m.line == node.end_mark.line else 1
+        src = self.lines[m.line].rstrip("\r") if m.line < len(self.lines) else ""
+        return Span(m.line + 1, m.column + 1, max(1, length), src)
 
     # -- walk ---------------------------------------------------------------------------------
     def build(self) -> list[Rule]:
@@ -198,16 +221,16 @@ class _Builder:
                 self._names.setdefault(name, name_node.start_mark.line + 1)
         test, fields, cond_text, is_default = self.condition(parts.get("condition"), name)
         ok = ok and test is not None
-        action = None
+        action, layers_at = None, None
         if "action" not in parts:
             self.at(node, f"rule {name!r} has no action", length=1)
         else:
-            action = self.action(*parts["action"])
+            action, layers_at = self.action(*parts["action"])
         if not ok or action is None:
             return None
         getters = tuple(_getter(f) for f in fields)
         return Rule(name, cond_text, action, test, fields, getters, node.start_mark.line + 1,
-                    is_default)
+                    is_default, layers_at)
 
     def condition(self, pair, name):
         if pair is None:
@@ -232,7 +255,8 @@ class _Builder:
         is_default = condition_source(tree) == "True"
         return compile_condition(tree, name), fields_of(tree), " ".join(value.split()), is_default
 
-    def action(self, key: YamlNode, node: YamlNode) -> Action | None:
+    def action(self, key: YamlNode, node: YamlNode) -> tuple[Action | None, Span | None]:
+        """The checked action (None if it has errors) and where its `layers:` value is written."""
         data: dict[Any, Any] = {}
         where: dict[Any, YamlNode] = {"action": key}
         if isinstance(node, MappingNode):
@@ -250,7 +274,8 @@ class _Builder:
         action, problems = check_action(data, self.labels, self.n_layers)
         for p in problems:
             self.at_action(where.get(p.where, where["action"]), p)
-        return action
+        layers_at = self.span(where["layers"]) if action is not None and "layers" in where else None
+        return action, layers_at
 
     def at_action(self, node: YamlNode, p: ActionProblem) -> None:
         quote = 1 if isinstance(node, ScalarNode) and node.style in ("'", '"') else 0
