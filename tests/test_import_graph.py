@@ -146,14 +146,32 @@ def test_every_imported_kite_module_exists():
     assert missing == []
 
 
+def _private(attr: str) -> bool:
+    return attr.startswith("_") and not attr.startswith("__")
+
+
 def test_no_private_name_crosses_a_package_line():
-    """`from x import _name` only within one package."""
+    """`from x import _name` and `module._name` only within one package (kite/ and benchmarks/)."""
     bad = []
-    for name, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+    files = {**MODULES, **{f"benchmarks.{p.stem}": p for p in (ROOT / "benchmarks").glob("*.py")}}
+    for name, path in files.items():
+        pkg = _package(name) if name in MODULES else "benchmarks"
+        bound: dict[str, str] = {}   # local name -> the kite module it is bound to
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kite"):
                 for alias in node.names:
-                    if alias.name.startswith("_") and not alias.name.startswith("__"):
-                        if _resolve(node.module) and _package(_resolve(node.module)) != _package(name):
-                            bad.append(f"{name}: from {node.module} import {alias.name}")
+                    target = _resolve(node.module)
+                    if _private(alias.name) and target and _package(target) != pkg:
+                        bad.append(f"{name}: from {node.module} import {alias.name}")
+                    if f"{node.module}.{alias.name}" in MODULES:
+                        bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in MODULES and alias.asname:
+                        bound[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
+                    and node.value.id in bound and _package(bound[node.value.id]) != pkg):
+                bad.append(f"{name}: {node.value.id}.{node.attr}")
     assert bad == []

@@ -493,3 +493,28 @@ def test_admin_and_metrics_answer_while_the_model_is_busy(live):
         t.join()
     # Three generations queue for the model one after another; admin did not wait behind them.
     assert done["admin"] < max(done[f"gen{i}"] for i in range(3)), done
+
+
+def test_state_summaries_follow_the_file_version_not_its_size_and_mtime(tiny_contract_state, tmp_path):
+    """A state replaced by another file of the same size and mtime (a rename) is read again: the
+    store keys on the file version (inode, ctime too), as every cache of a state does."""
+    import os
+    import shutil
+
+    from kite.serve.states import StateStore
+
+    _, _, good = tiny_contract_state
+    store = StateStore(tmp_path / "states")
+    path = store.path_for("doc-a")
+    shutil.copyfile(good, path)
+    first = store.summary("doc-a")
+    assert first.error is None and first.tokens > 0
+    damaged = tmp_path / "damaged.upc"
+    data = bytearray(good.read_bytes())
+    data[40] ^= 0xFF   # inside the header: its checksum no longer matches
+    damaged.write_bytes(bytes(data))
+    st = path.stat()
+    os.utime(damaged, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(damaged, path)
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    assert store.summary("doc-a").error is not None

@@ -45,7 +45,7 @@ class StateStore:
         self.folder = Path(folder).expanduser()
         self.folder.mkdir(parents=True, exist_ok=True)
         self.root = self.folder.resolve()
-        self._summaries: dict[str, tuple[tuple[int, int], StateSummary]] = {}
+        self._summaries: dict[str, tuple[tuple, StateSummary]] = {}   # id -> (file version, summary)
         self._lock = threading.Lock()
 
     def path_for(self, state_id: str) -> Path:
@@ -71,14 +71,18 @@ class StateStore:
         return f"doc-{digest[:16]}"
 
     def summary(self, state_id: str) -> StateSummary:
+        from kite.upcycle import path_version
+
         path = self.existing(state_id)
-        st = path.stat()
-        key = (st.st_mtime_ns, st.st_size)
+        try:
+            key = path_version(path)   # the identity every cache of a state keys on
+        except FileNotFoundError:
+            raise StateNotFound(f"no state {state_id!r} (list them with GET /v1/states)") from None
         with self._lock:
             hit = self._summaries.get(state_id)
         if hit and hit[0] == key:
             return hit[1]
-        summary = _read_summary(state_id, path, st.st_size)
+        summary = _read_summary(state_id, path, key[3])
         with self._lock:
             self._summaries[state_id] = (key, summary)
         return summary

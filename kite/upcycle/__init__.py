@@ -21,7 +21,7 @@ from kite.upcycle.codec import CodecSettings
 from kite.upcycle.codec import settings_for as codec_settings
 from kite.upcycle.compress import ClusterInfo, CompressResult, CompressSettings, compress_document
 from kite.upcycle.quality import EvalResult, compare_logits, evaluate
-from kite.upcycle.format import FORMAT_VERSION, StateFile, StateWriter
+from kite.upcycle.format import FORMAT_VERSION, StateFile, StateWriter, path_version
 from kite.upcycle.inspect import describe_state
 from kite.upcycle.load import (LOAD_PRECISIONS, SINK_TOKENS, HotTier, LoadReport, check_fingerprints, default_tier,
                                load_prefix, prepare_state, select_clusters)
@@ -39,6 +39,6 @@ __all__ = [
     "TagResult", "UpcycleConfig", "WindowCache", "apply_rope", "budget_cache", "build_tagger", "kv_bytes_per_token", "min_budget", "calibration_set",
     "check_budget", "check_fingerprints", "codec", "codec_settings", "compare_logits", "compress_document",
     "compress_settings", "default_tier", "describe_state", "describe_tagger", "evaluate", "evaluate_queries",
-    "evaluate_tagging", "format", "load_prefix", "load_upcycle_config", "migrate", "open_pipeline", "plan_migration",
+    "evaluate_tagging", "format", "load_prefix", "load_upcycle_config", "migrate", "open_pipeline", "path_version", "plan_migration",
     "prepare_state", "remove_rope", "rollback", "rope_cos_sin", "select_clusters", "tokenize_document",
 ]

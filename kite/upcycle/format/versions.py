@@ -39,8 +39,16 @@ def file_version(fd: int, path: str | os.PathLike[str]) -> tuple:
     return (os.path.realpath(path),) + _stat_version(fd)
 
 
+def path_version(path: str | os.PathLike[str]) -> tuple:
+    """:func:`file_version` of the file at ``path`` now, without opening it (OSError if it is gone)."""
+    return (os.path.realpath(path),) + _fields(os.stat(path))
+
+
 def _stat_version(fd: int) -> tuple:
-    st = os.fstat(fd)
+    return _fields(os.fstat(fd))
+
+
+def _fields(st: os.stat_result) -> tuple:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
