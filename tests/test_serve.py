@@ -407,11 +407,11 @@ def test_server_binds_loopback_by_default(tmp_path):
     assert cfg.server.host == "127.0.0.1"
 
 
-def test_serve_command_refuses_a_bad_rule_file_before_loading(tmp_path):
+def test_serve_command_refuses_a_bad_rule_file_before_loading(tmp_path, tiny_models):
     bad = tmp_path / "rules" / "yoco_rules.yaml"
     bad.parent.mkdir()
     bad.write_text(RULES_BAD)
-    res = runner.invoke(cli, ["serve", "--model", str(tmp_path / "no-model"), "--rules", str(bad)])
+    res = runner.invoke(cli, ["serve", "--model", str(tiny_models["llama"]), "--rules", str(bad)])
     assert res.exit_code == 2 and "unknown field 'intent_entropyy'" in res.output
     res = runner.invoke(cli, ["serve", "--rules", str(tmp_path / "missing.yaml")])
     assert res.exit_code == 2 and "no such rule file" in res.output
@@ -434,10 +434,11 @@ def _serve_without_binding(monkeypatch, lm, rule_compiles: list) -> list:
 
 
 def test_serve_command_compiles_the_rule_set_once_and_before_the_model_loads(lm, tmp_path, monkeypatch,
-                                                                            rule_compiles):
+                                                                            rule_compiles, tiny_models):
     settings = _settings(tmp_path)
     events = _serve_without_binding(monkeypatch, lm, rule_compiles)
-    res = runner.invoke(cli, ["serve", "--rules", str(settings.rules_path), "--state-dir", str(tmp_path / "s")])
+    res = runner.invoke(cli, ["serve", "--model", str(tiny_models["llama"]), "--rules", str(settings.rules_path),
+                              "--state-dir", str(tmp_path / "s")])
     assert res.exit_code == 0, res.output
     assert [e[0] for e in events] == ["model", "run"] and events[0][1] == 1  # compiled before the model
     assert rule_compiles == [str(settings.rules_path)]  # and never again
@@ -445,14 +446,16 @@ def test_serve_command_compiles_the_rule_set_once_and_before_the_model_loads(lm,
     assert active.source == str(settings.rules_path) and active.n_layers == lm.geometry.n_layers
 
 
-def test_serve_command_reports_rule_layers_past_the_model_with_a_caret(lm, tmp_path, monkeypatch, rule_compiles):
+def test_serve_command_refuses_rule_layers_past_the_model_before_its_weights_load(lm, tmp_path, monkeypatch,
+                                                                                  rule_compiles, tiny_models):
     rules = tmp_path / "yoco_rules.yaml"
     rules.write_text(RULES_V1.replace("precision: int8", 'precision: int8\n      layers: "0-7"'))
     events = _serve_without_binding(monkeypatch, lm, rule_compiles)
-    res = runner.invoke(cli, ["serve", "--rules", str(rules), "--state-dir", str(tmp_path / "s")])
-    assert res.exit_code == 2 and [e[0] for e in events] == ["model"]  # the file compiled; the model refused it
-    assert f"{rules}:8:15: layer 7 is out of range 0-2 (the model has 3 layers)" in res.stderr
-    assert '      layers: "0-7"\n' in res.stderr and "^~~~~" in res.stderr
+    res = runner.invoke(cli, ["serve", "--model", str(tiny_models["llama"]), "--rules", str(rules),
+                              "--state-dir", str(tmp_path / "s")])
+    assert res.exit_code == 2 and events == []  # the model's config said 3 layers: no weights loaded
+    assert f"{rules}:8:16: layer 7 is out of range 0-2 (the model has 3 layers)" in res.stderr
+    assert '      layers: "0-7"\n' in res.stderr and "\n" + " " * 19 + "^~~\n" in res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith(f"error: {rules}: 1 error in the rule set")
     assert len(rule_compiles) == 1
 
@@ -469,6 +472,64 @@ def test_create_app_serves_a_compiled_rule_set_without_compiling_it_again(lm, tm
         app = create_app(_pipeline(lm), settings, health=health, start_sampler=False)
     assert rule_compiles == [str(settings.rules_path)] * 2  # given none, it compiles the settings' file
     assert app.state.kite.rules.current.n_layers == lm.geometry.n_layers
+
+
+RULES_TYPO_AND_LAYERS = """rules:
+  - name: r1
+    condition: intent_entropyy > 3
+    action: {load_all_clusters: true, layers: "1,40-50"}
+  - name: r2
+    condition: intent_entropy > 4
+    action: {load_all_clusters: true, layers: [0, 3]}
+  - name: default
+    action: {load_all_clusters: true}
+"""
+
+
+def test_one_rule_file_gets_one_error_list_from_validate_serve_and_reload(live, lm, tiny_models, tmp_path,
+                                                                         monkeypatch, rule_compiles):
+    """`kite yoco validate --model M` (or --layers N), `kite serve --model M` starting up and a reload
+    on a server of M list the same errors for one file: layers M lacks and everything else."""
+    path = live["settings"].rules_path.parent / "yoco_rules_typo.yaml"
+    path.write_text(RULES_TYPO_AND_LAYERS)
+    model = str(tiny_models["llama"])  # 3 layers
+    res = runner.invoke(cli, ["yoco", "validate", str(path), "--model", model, "--json"])
+    assert res.exit_code == 2
+    by_model = parse_json(res.stdout)["errors"]
+    assert [e["message"] for e in by_model] == [
+        "unknown field 'intent_entropyy'; did you mean 'intent_entropy'?",
+        "layer 40 is out of range 0-2 (the model has 3 layers)",
+        "layer 3 is out of range 0-2 (the model has 3 layers)"]
+    res = runner.invoke(cli, ["yoco", "validate", str(path), "--layers", "3", "--json"])
+    assert parse_json(res.stdout)["errors"] == by_model
+
+    events = _serve_without_binding(monkeypatch, lm, rule_compiles)
+    res = runner.invoke(cli, ["serve", "--model", model, "--rules", str(path), "--state-dir", str(tmp_path / "s")])
+    assert res.exit_code == 2 and events == []
+    assert res.stderr.strip().splitlines()[-1].startswith(f"error: {path}: 3 errors in the rule set")
+
+    r = live["client"].post("/admin/rules/reload", json={"path": path.name}, headers=_auth())
+    assert r.status_code == 422
+    err = r.json()["error"]
+    assert err["errors"] == by_model
+    assert err["report"] in res.stderr  # start-up printed the very same report
+
+
+def test_validate_checks_layers_only_against_a_model_and_says_so(tiny_models, tmp_path, monkeypatch):
+    import transformers
+
+    def no_weights(*a, **kw):
+        raise AssertionError("validate --model read the model's weights")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    path = tmp_path / "yoco_rules.yaml"
+    path.write_text(RULES_V1.replace("precision: int8", 'precision: int8\n      layers: "40-50"'))
+    res = runner.invoke(cli, ["yoco", "validate", str(path)])
+    assert res.exit_code == 0 and "layers not checked (give --model or --layers)" in res.stdout
+    res = runner.invoke(cli, ["yoco", "validate", str(path), "--model", str(tiny_models["llama"])])
+    assert res.exit_code == 2 and "layer 40 is out of range 0-2 (the model has 3 layers)" in res.stderr
+    res = runner.invoke(cli, ["yoco", "validate", str(path), "--model", str(tiny_models["llama"]), "--layers", "3"])
+    assert res.exit_code == 2 and "not both" in res.stderr
 
 
 def test_admin_and_metrics_answer_while_the_model_is_busy(live):

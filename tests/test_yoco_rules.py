@@ -234,13 +234,54 @@ def test_a_set_compiled_before_the_model_loads_is_checked_against_its_layers_wit
     with pytest.raises(RuleSetError) as info:
         rs.for_layers(3)
     (err,) = info.value.errors
-    at_compile = errors_of(LAYERS_PAST_3, n_layers=3)[0]
-    assert (err.file, err.line, err.message) == (at_compile.file, at_compile.line, at_compile.message)
+    assert [err] == errors_of(LAYERS_PAST_3, n_layers=3)  # the error compiling with the count gives
     assert err.message == "layer 40 is out of range 0-2 (the model has 3 layers)"
     _, source, caret = err.render().splitlines()
-    assert caret.index("^") == source.index('"1-40"') and caret.strip() == "^~~~~~"  # under the value
+    assert caret.index("^") == source.index('1-40') and caret.strip() == "^~~~"  # under the run
     checked = parse_rules(LAYERS_PAST_3.replace("1-40", "1-2"), "r.yaml", n_layers=3)
     assert checked.for_layers(3) is checked  # already checked for that count: nothing to do
+
+
+LAYERS_AND_MORE = rules("""
+    - name: early_default
+      action: {load_all_clusters: true, layers: "1,40-50,60"}
+    - name: p
+      condition: intent_entropy > 5
+      action: {load_cluster: [a, b], layers: [2, 31]}
+    - name: q
+      condition: intent_entropi > 6
+      action: {load_all_clusters: true, precision: fp12, layers: "29-30"}""")
+
+
+def test_the_layer_count_adds_its_own_errors_and_changes_no_other():
+    """One file, one list: compiled with a model's layer count, a file gets exactly the errors it
+    gets without it plus one per run of layers the model lacks (a rule whose layers the model
+    lacks still stands for the other checks), and a set compiled without the count and checked
+    later gets those same errors."""
+    without = errors_of(LAYERS_AND_MORE)
+    with_count = errors_of(LAYERS_AND_MORE, n_layers=30)
+    layer_errors = [e for e in with_count if e not in without]
+    assert sorted(without + layer_errors, key=lambda e: (e.line, e.col)) == with_count
+    assert [(e.line, e.message) for e in layer_errors] == [
+        (3, "layer 40 is out of range 0-29 (the model has 30 layers)"),
+        (3, "layer 60 is out of range 0-29 (the model has 30 layers)"),
+        (6, "layer 31 is out of range 0-29 (the model has 30 layers)"),
+        (9, "layer 30 is out of range 0-29 (the model has 30 layers)")]
+    assert any("can never match: the default rule 'early_default'" in e.message for e in with_count)
+    only_layers = (LAYERS_AND_MORE.replace("intent_entropi", "intent_entropy").replace(", precision: fp12", "")
+                   .replace("- name: early_default\n", "- name: early\n    condition: intent_entropy > 1\n"))
+    rs = parse_rules(only_layers, "r.yaml")  # compiles: nothing else is wrong
+    with pytest.raises(RuleSetError) as info:
+        rs.for_layers(30)
+    assert info.value.errors == errors_of(only_layers, n_layers=30) and len(info.value.errors) == 4
+
+
+def test_an_empty_layer_list_is_an_error():
+    e = one_error(rules("""
+        - name: p
+          condition: intent_entropy > 5
+          action: {load_all_clusters: true, layers: []}"""))
+    assert e.message.startswith("layers: an empty list loads into no layer")
 
 
 def test_active_rules_hold_only_a_set_checked_against_their_layer_count():

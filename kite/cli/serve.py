@@ -57,10 +57,14 @@ def serve(
         "kv_budget_tokens": kv_budget_tokens, **({"kv_budget_codec": kv_budget_codec} if kv_budget_codec else {}),
         **({"kv_budget_block": kv_budget_block} if kv_budget_block is not None else {})}
     settings = ServeSettings.from_config(cfg, rules=rules, **budget_kw)
+    from kite.model import geometry_from_config, load_config_only
     from kite.yoco.rules import load_rules
 
+    n_layers = geometry_from_config(load_config_only(cfg.model.default)[2]).n_layers  # config only, no weights
     with rule_errors_reported(settings.rules_path):
-        ruleset = load_rules(settings.rules_path)  # compiled once, now: a bad file fails before the model loads
+        # Compiled once, now, against the model's layers: a bad file fails before the weights load,
+        # with the errors `kite yoco validate --model` and a reload give.
+        ruleset = load_rules(settings.rules_path, n_layers=n_layers)
     out = console()
     from kite.upcycle import load_upcycle_config, open_pipeline
 
@@ -68,8 +72,6 @@ def serve(
     out.print(f"loading model {cfg.model.default} …", highlight=False)
     pipe = open_pipeline(cfg.model.default, ucfg)
     settings.budget_settings(pipe.lm.geometry.context_length)  # a budget past the model's context fails now
-    with rule_errors_reported(settings.rules_path):
-        ruleset = ruleset.for_layers(pipe.lm.geometry.n_layers)  # `layers:` the model lacks
     app = create_app(pipe, settings, rules=ruleset)
     if settings.host not in LOOPBACK:
         out.print(f"[yellow]warning:[/] binding {settings.host}: the API is reachable from other machines",

@@ -65,25 +65,41 @@ def validate(
     file: Annotated[Path, typer.Argument(help="The rule file to check.")],
     labels: Optional[str] = LabelsOpt,
     layers: Optional[int] = LayersOpt,
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m", help="Check `layers:` against this model's layer count, as `kite serve --model` "
+        "does (reads its config, not its weights): HF folder, .gguf file or embedded name.")] = None,
     json_out: bool = JsonOpt,
 ) -> None:
-    """Check a rule file: YAML, fields, operators, types, labels, actions, the default rule.
-    Every error prints as `file:line:col: message` with the line and a caret; exit 2."""
+    """Check a rule file: YAML, fields, operators, types, labels, actions, the default rule, and
+    with --model (or --layers) the layers against the model: the errors `kite serve` and a reload
+    would give for that model. Every error prints as `file:line:col: message` with the line and a
+    caret; exit 2."""
     from kite.yoco.rules import RuleSetError, load_rules
 
+    if model is not None and layers is not None:
+        raise BadInput("give --model or --layers, not both (--model reads the layer count from the model)")
     names = None if labels is None else list(_labels(labels) or {})
+    n_layers = layers
+    if model is not None:
+        from kite.model import geometry_from_config, load_config_only
+
+        n_layers = geometry_from_config(load_config_only(model)[2]).n_layers  # its config only, no weights
     if not json_out:
-        rs = _load(file, names, layers)
+        rs = _load(file, names, n_layers)
+        against = (f", layers checked against {n_layers}" if n_layers is not None else
+                   ", layers not checked (give --model or --layers)" if any(r.layer_runs for r in rs.rules)
+                   else "")
         console().print(f"[green]ok[/] {file}: {len(rs.rules)} rules, version {rs.version}, "
-                        f"default {rs.rules[-1].name!r}, sha256 {rs.sha256[:12]}", highlight=False,
+                        f"default {rs.rules[-1].name!r}, sha256 {rs.sha256[:12]}{against}", highlight=False,
                         soft_wrap=True)
         return
     try:
-        rs = load_rules(file, names, layers)
+        rs = load_rules(file, names, n_layers)
     except RuleSetError as exc:
-        emit_json({"ok": False, "file": str(file), "errors": [e.to_dict() for e in exc.errors]})
+        emit_json({"ok": False, "file": str(file), "n_layers": n_layers,
+                   "errors": [e.to_dict() for e in exc.errors]})
         raise
-    emit_json({"ok": True, "errors": [], **rs.info(),
+    emit_json({"ok": True, "errors": [], **rs.info(), "n_layers": n_layers,
                "rule_names": [r.name for r in rs.rules]})
 
 

@@ -50,24 +50,53 @@ class ActionProblem:
     length: int = 1
 
 
-def parse_layer_spec(spec: Any, n_layers: int | None) -> tuple[tuple[int, ...] | None, list[ActionProblem]]:
-    """`all` → None; `"12-18"`, `"1,3,5-7"`, `7` or `[12, 13]` → sorted layer numbers."""
+@dataclass(frozen=True, slots=True)
+class LayerRun:
+    """Layers `lo`-`hi`: one piece of a `layers:` value as written. `where`, `offset` and `length`
+    place it as an ActionProblem's do (a compiled rule keeps its runs placed in the file: `where`
+    is then a `Span`)."""
+
+    lo: int
+    hi: int
+    where: Any
+    offset: int = 0
+    length: int = 1
+
+
+def parse_layer_spec(spec: Any, n_layers: int | None = None
+                     ) -> tuple[tuple[int, ...] | None, list[ActionProblem]]:
+    """`all` → None; `"12-18"`, `"1,3,5-7"`, `7` or `[12, 13]` → sorted layer numbers. With
+    `n_layers`, each run that names a layer such a model lacks is a problem too."""
+    runs, problems = layer_runs(spec)
+    if runs is None:
+        return None, problems
+    return layer_numbers(runs), problems + layer_problems(runs, n_layers)
+
+
+def layer_numbers(runs) -> tuple[int, ...]:
+    """The sorted layer numbers a `layers:` value's runs cover."""
+    return tuple(sorted({i for r in runs for i in range(r.lo, r.hi + 1)}))
+
+
+def layer_runs(spec: Any) -> tuple[tuple[LayerRun, ...] | None, list[ActionProblem]]:
+    """A `layers:` value as the runs it is written in (None: `all`), and what is wrong with how
+    it is written. Whether a model has those layers is `layer_problems`' question."""
     problems: list[ActionProblem] = []
-    layers: set[int] = set()
+    runs: list[LayerRun] = []
     what = "layers: expected all, \"A-B\", a comma list like \"1,3,5-7\" or a list of numbers"
     if isinstance(spec, str) and spec.strip().lower() == "all":
         return None, problems
     if isinstance(spec, bool) or spec is None:
-        return None, [ActionProblem(what, "layers")]
+        return (), [ActionProblem(what, "layers")]
     if isinstance(spec, int):
-        spec = [spec]
-    if isinstance(spec, list):
+        _add_run(runs, problems, LayerRun(spec, spec, "layers", 0, len(str(spec))))
+    elif isinstance(spec, list):
         for i, item in enumerate(spec):
             if isinstance(item, bool) or not isinstance(item, int):
                 problems.append(ActionProblem(f"layers: {item!r} is not a layer number",
                                               ("layers", i)))
             else:
-                _add(layers, item, item, n_layers, ("layers", i), 0, len(str(item)), problems)
+                _add_run(runs, problems, LayerRun(item, item, ("layers", i), 0, len(str(item))))
     elif isinstance(spec, str):
         offset = 0
         for part in spec.split(","):
@@ -84,11 +113,33 @@ def parse_layer_spec(spec: Any, n_layers: int | None) -> tuple[tuple[int, ...] |
                     problems.append(ActionProblem(f"layers: range {text!r} runs backwards",
                                                   "layers", at, len(text)))
                 else:
-                    _add(layers, lo, hi, n_layers, "layers", at, len(text), problems)
+                    _add_run(runs, problems, LayerRun(lo, hi, "layers", at, len(text)))
             offset += len(part) + 1
     else:
         problems.append(ActionProblem(what, "layers"))
-    return tuple(sorted(layers)), problems
+    if not runs and not problems:
+        problems.append(ActionProblem("layers: an empty list loads into no layer; write all, or the "
+                                      "layers to load", "layers"))
+    return tuple(runs), problems
+
+
+def _add_run(runs: list[LayerRun], problems: list[ActionProblem], run: LayerRun) -> None:
+    negative = layer_problems([run], None)  # a layer below 0 is wrong for every model
+    if negative:
+        problems.extend(negative)
+    else:
+        runs.append(run)
+
+
+def layer_problems(runs, n_layers: int | None) -> list[ActionProblem]:
+    """One problem per run that names a layer a model of `n_layers` layers lacks (None: any count,
+    so only negative layers)."""
+    out = []
+    for run in runs:
+        message = layer_range_problem(run.lo, run.hi, n_layers)
+        if message is not None:
+            out.append(ActionProblem(message, run.where, run.offset, run.length))
+    return out
 
 
 def layer_range_problem(lo: int, hi: int, n_layers: int | None) -> str | None:
@@ -100,22 +151,16 @@ def layer_range_problem(lo: int, hi: int, n_layers: int | None) -> str | None:
     return f"layer {bad} is out of range {top}" + (f" (the model has {n_layers} layers)" if n_layers else "")
 
 
-def _add(layers, lo, hi, n_layers, where, at, length, problems) -> None:
-    message = layer_range_problem(lo, hi, n_layers)
-    if message is not None:
-        problems.append(ActionProblem(message, where, at, length))
-        return
-    layers.update(range(lo, hi + 1))
-
-
-def check_action(data: Any, labels: list[str] | None, n_layers: int | None
-                 ) -> tuple[Action | None, list[ActionProblem]]:
-    """Check one rule's `action:` mapping; return the Action (None if it has errors)."""
+def check_action(data: Any, labels: list[str] | None
+                 ) -> tuple[Action | None, list[ActionProblem], tuple[LayerRun, ...]]:
+    """Check one rule's `action:` mapping; return the Action (None if it has errors), the problems
+    and the runs its `layers:` names (checked against a model's layer count by the caller, once
+    the count is known: a model's layers are no part of how an action is written)."""
     from kite.yoco.rules.checker import label_problem
 
     if not isinstance(data, dict) or not data:
         return None, [ActionProblem("action: expected a mapping such as "
-                                    "`{load_cluster: LABEL, precision: int8}`", "action")]
+                                    "`{load_cluster: LABEL, precision: int8}`", "action")], ()
     problems: list[ActionProblem] = []
     for key in data:
         if key not in ACTION_KEYS:
@@ -175,14 +220,15 @@ def check_action(data: Any, labels: list[str] | None, n_layers: int | None
             f"bad precision {precision!r}: choose one of " + ", ".join(PRECISIONS)
             + (f"; did you mean {hint!r}?" if hint else ""), "precision",
             length=len(str(precision))))
-    layers = None
+    layers, runs = None, ()
     if "layers" in data:
-        layers, layer_problems = parse_layer_spec(data["layers"], n_layers)
-        problems.extend(layer_problems)
+        runs, written = layer_runs(data["layers"])
+        problems.extend(written)
+        layers = None if runs is None else layer_numbers(runs)
     micro = data.get("enable_micro_sampling", False)
     if not isinstance(micro, bool):
         problems.append(ActionProblem(f"enable_micro_sampling: expected true or false, got "
                                       f"{micro!r}", "enable_micro_sampling"))
     if problems:
-        return None, problems
-    return Action(kind, clusters, precision, layers, bool(micro)), []
+        return None, problems, runs or ()
+    return Action(kind, clusters, precision, layers, bool(micro)), [], runs or ()

@@ -18,7 +18,7 @@ import yaml
 from yaml.nodes import MappingNode, Node as YamlNode, ScalarNode, SequenceNode
 
 from kite.errors import BadInput
-from kite.yoco.rules.actions import ACTION_KEYS, Action, ActionProblem, check_action, layer_range_problem
+from kite.yoco.rules.actions import ACTION_KEYS, Action, LayerRun, check_action, layer_problems
 from kite.yoco.rules.checker import check_condition
 from kite.yoco.rules.compiler import compile_condition, condition_source, fields_of
 from kite.yoco.rules.errors import RuleError, RuleSetError, Span
@@ -41,7 +41,8 @@ class Rule:
     getters: tuple[Callable[[Any], Any], ...] = field(default=(), repr=False, compare=False)
     line: int = 0
     is_default: bool = False
-    layers_at: Span | None = field(default=None, repr=False, compare=False)  # its `layers:` value
+    # the runs its `layers:` names, each placed in the file (`where` is a Span)
+    layer_runs: tuple[LayerRun, ...] = field(default=(), repr=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,16 +67,11 @@ class RuleSet:
     def for_layers(self, n_layers: int) -> "RuleSet":
         """This set checked against a model of `n_layers` layers (a set compiled before its model
         loaded is checked once the model is known, not compiled again): itself when it was compiled
-        for that count, else a copy that records it. Raises RuleSetError pointing at every
-        `layers:` that names a layer the model lacks."""
+        for that count, else a copy that records it. Raises RuleSetError with the errors compiling
+        the file with `n_layers` gives (`layer_errors`): one per run of layers the model lacks."""
         if self.n_layers == n_layers:
             return self
-        errors = []
-        for rule in self.rules:
-            layers = rule.action.layers
-            message = layer_range_problem(layers[0], layers[-1], n_layers) if layers else None
-            if message is not None:
-                errors.append((rule.layers_at or Span(rule.line, 1)).error(self.source, message))
+        errors = layer_errors((run for rule in self.rules for run in rule.layer_runs), n_layers, self.source)
         if errors:
             raise RuleSetError(errors)
         return replace(self, n_layers=n_layers)
@@ -84,6 +80,14 @@ class RuleSet:
         return {"source": self.source, "version": self.version, "sha256": self.sha256,
                 "loaded_at": self.loaded_at, "rules": len(self.rules),
                 "default_rule": self.rules[-1].name}
+
+
+def layer_errors(runs: Iterable[LayerRun], n_layers: int, source: str) -> list[RuleError]:
+    """The one check of `layers:` against a model: an error for each run (placed in the file: its
+    `where` is a Span) naming a layer a model of `n_layers` layers lacks. A file compiled with the
+    count and a compiled set checked later (`RuleSet.for_layers`) both come here: one list."""
+    errors = [p.where.error(source, p.message) for p in layer_problems(runs, n_layers)]
+    return sorted(errors, key=lambda e: (e.line, e.col))
 
 
 def version_of(path: str | os.PathLike[str]) -> str:
@@ -221,16 +225,16 @@ class _Builder:
                 self._names.setdefault(name, name_node.start_mark.line + 1)
         test, fields, cond_text, is_default = self.condition(parts.get("condition"), name)
         ok = ok and test is not None
-        action, layers_at = None, None
+        action, runs = None, ()
         if "action" not in parts:
             self.at(node, f"rule {name!r} has no action", length=1)
         else:
-            action, layers_at = self.action(*parts["action"])
+            action, runs = self.action(*parts["action"])
         if not ok or action is None:
             return None
         getters = tuple(_getter(f) for f in fields)
         return Rule(name, cond_text, action, test, fields, getters, node.start_mark.line + 1,
-                    is_default, layers_at)
+                    is_default, runs)
 
     def condition(self, pair, name):
         if pair is None:
@@ -255,8 +259,10 @@ class _Builder:
         is_default = condition_source(tree) == "True"
         return compile_condition(tree, name), fields_of(tree), " ".join(value.split()), is_default
 
-    def action(self, key: YamlNode, node: YamlNode) -> tuple[Action | None, Span | None]:
-        """The checked action (None if it has errors) and where its `layers:` value is written."""
+    def action(self, key: YamlNode, node: YamlNode) -> tuple[Action | None, tuple[LayerRun, ...]]:
+        """The checked action (None if it has errors) and the runs its `layers:` names, placed in
+        the file. With the model's layer count known, the runs it lacks are errors (`layer_errors`);
+        they leave the action standing, so the rest of the file is checked as without the count."""
         data: dict[Any, Any] = {}
         where: dict[Any, YamlNode] = {"action": key}
         if isinstance(node, MappingNode):
@@ -271,16 +277,24 @@ class _Builder:
         else:
             data = self.value(node)
             where["action"] = node
-        action, problems = check_action(data, self.labels, self.n_layers)
+        action, problems, runs = check_action(data, self.labels)
         for p in problems:
-            self.at_action(where.get(p.where, where["action"]), p)
-        layers_at = self.span(where["layers"]) if action is not None and "layers" in where else None
-        return action, layers_at
+            self.errors.append(self.in_action(where.get(p.where, where["action"]), p.offset,
+                                              p.length).error(self.source, p.message))
+        placed = tuple(LayerRun(r.lo, r.hi, self.in_action(where.get(r.where, where["action"]), r.offset,
+                                                           r.length)) for r in runs)
+        if self.n_layers is not None:
+            self.errors.extend(layer_errors(placed, self.n_layers, self.source))
+        return action, placed
 
-    def at_action(self, node: YamlNode, p: ActionProblem) -> None:
+    def in_action(self, node: YamlNode, offset: int, length: int) -> Span:
+        """Where `offset`/`length` inside an action's value node are in the file (past an opening
+        quote; the whole node when they name no part of it)."""
         quote = 1 if isinstance(node, ScalarNode) and node.style in ("'", '"') else 0
-        length = p.length if (p.offset or p.length > 1) else None
-        self.at(node, p.message, offset=p.offset + quote, length=length)
+        where = self.span(node)
+        if not (offset or length > 1):
+            return replace(where, col=where.col + quote)
+        return replace(where, col=where.col + offset + quote, length=max(1, length))
 
     def check_default(self, rules_node: SequenceNode, rules: list[Rule]) -> None:
         if self.errors and len(rules) < len(rules_node.value):
