@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from kite.cli.main import app
@@ -111,3 +112,42 @@ def test_a_missing_command_module_fails_loudly():
                  commands=[])
     with pytest.raises(ModuleNotFoundError, match="kite.cli.no_such_command"):
         register(new_app("x"), groups=[], commands=[("nope", "kite.cli.no_such_command", "run", "Not built.")])
+
+
+ALIASES = [("kite-upcycle", "inspect"), ("kite-yoco", "validate"), ("kite-bench", "run"), ("kite-shadow", None),
+           ("kite-cli", "version")]
+
+
+def _run_script(name: str, args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """Run the installed console script `name` in this process, as the shell would start it."""
+    from importlib import metadata
+
+    entry = next(ep for ep in metadata.entry_points(group="console_scripts") if ep.name == name)
+    monkeypatch.setattr(sys, "argv", [f"/venv/bin/{name}", *args])
+    with pytest.raises(SystemExit) as exited:
+        entry.load()()
+    out = capsys.readouterr()
+    return exited.value.code, out.out, out.err
+
+
+def _usage(text: str) -> str:
+    return " ".join(next(line for line in text.splitlines() if "Usage:" in line).split())
+
+
+@pytest.mark.parametrize("script, command", ALIASES)
+def test_alias_scripts_show_the_usage_that_works(script, command, monkeypatch, capsys):
+    code, out, _ = _run_script(script, ["--help"], monkeypatch, capsys)
+    assert code == 0
+    assert _usage(out).startswith(f"Usage: {script} [OPTIONS]"), out  # not `kite-upcycle upcycle ...`
+    if command is not None:
+        code, out, _ = _run_script(script, [command, "--help"], monkeypatch, capsys)
+        assert code == 0 and _usage(out).startswith(f"Usage: {script} {command} [OPTIONS]"), out
+
+
+def test_alias_scripts_run_their_commands_under_the_one_error_boundary(monkeypatch, capsys, tmp_path):
+    code, _, err = _run_script("kite-upcycle", ["inspect", str(tmp_path / "nope.upc")], monkeypatch, capsys)
+    assert code == 2 and err.startswith("error:") and "nope.upc" in err
+    code, _, err = _run_script("kite-yoco", ["valdate"], monkeypatch, capsys)
+    assert code == 2 and "kite-yoco --help" in err and "Did you mean 'validate'" in err
+    code, out, _ = _run_script("kite-cli", ["version", "--json"], monkeypatch, capsys)
+    assert code == 0 and parse_json(out)["version"]

@@ -57,13 +57,22 @@ register(app)
 
 
 def main() -> None:
-    """`kite` and `kite-cli`."""
-    app(prog_name="kite")
+    """`kite`, and `kite-cli` under its own name."""
+    from pathlib import Path
+
+    app(prog_name="kite-cli" if Path(sys.argv[0]).name == "kite-cli" else "kite")
 
 
-def _alias(group: str, prog: str) -> None:
-    sys.argv[1:1] = [group]
-    app(prog_name=prog)
+def _alias(name: str, prog: str) -> None:
+    """Run `kite NAME` as the program `prog`: `kite-upcycle inspect x.upc` is `kite upcycle inspect
+    x.upc`, and its usage lines and errors say `kite-upcycle`, not `kite-upcycle upcycle`. The
+    command runs under a root of `kite`'s kind (its checks, its one error boundary) that has no
+    name of its own, so `prog` is the whole command path."""
+    import typer
+
+    root = typer.main.get_command(app)
+    alias = type(root)(name="", commands={prog: root.commands[name]})
+    alias.main(args=[prog, *sys.argv[1:]], prog_name="")
 
 
 def upcycle_main() -> None:
