@@ -47,7 +47,9 @@ class FeaturesConfig(BaseModel):
 
     model_config = _STRICT
     upcycle_yoco_fusion: bool = False
-    upcycle_compression_ratio: float = Field(0.15, gt=0, le=1)
+    # The seed's knob: the fraction of the raw fp16 KV a state keeps (0.25 = `--ratio 4`), the
+    # default of every `--ratio`; None leaves the upcycle config's compression settings.
+    upcycle_compression_ratio: float | None = Field(None, gt=0, le=1)
     yoco_min_hit_gain: float = Field(DEFAULT_MIN_HIT_GAIN, ge=0)
 
 
@@ -270,7 +272,8 @@ def require_enabled(cfg: KiteConfig, dotted_key: str, what: str) -> None:
 # --------------------------------------------------------------------------- YAML with lines
 
 class _Doc:
-    """A parsed config file: its data, its node tree, and the line of every dotted key."""
+    """A parsed config file: its data, its node tree, and the line and column of every dotted
+    key."""
 
     def __init__(self, path: Path, text: str) -> None:
         self.path, self.text = path, text
@@ -278,22 +281,43 @@ class _Doc:
         if self.data is None:
             self.data = {}
         if not isinstance(self.data, dict):
-            raise BadInput(f"{path}:1: the top level must be a mapping of sections "
+            raise BadInput(f"{path}:1:1: the top level must be a mapping of sections "
                            f"({', '.join(KiteConfig.model_fields)})")
         _drop_empty_sections(self.data)
+        self.columns: dict[str, int] = {}
+        stack = [(self.root, "")]
+        while stack:
+            node, prefix = stack.pop()
+            if isinstance(node, yaml.MappingNode):
+                for k, v in node.value:
+                    if isinstance(k, yaml.ScalarNode):
+                        self.columns.setdefault(prefix + str(k.value), k.start_mark.column + 1)
+                        stack.append((v, f"{prefix}{k.value}."))
+
+    def _nearest(self, key: str) -> str | None:
+        """`key`, or its nearest section the file has."""
+        parts = key.split(".")
+        for n in range(len(parts), 0, -1):
+            if self.lines.get(".".join(parts[:n])):
+                return ".".join(parts[:n])
+        return None
 
     def line_of(self, key: str) -> int:
         """The line of `key`, or of its nearest section the file has; 0 if none."""
-        parts = key.split(".")
-        for n in range(len(parts), 0, -1):
-            line = self.lines.get(".".join(parts[:n]))
-            if line:
-                return line
-        return 0
+        near = self._nearest(key)
+        return self.lines[near] if near else 0
 
     def where(self, key: str) -> str:
+        """`file:line` of `key` (what `kite config show` reports as its origin)."""
         line = self.line_of(key)
         return f"{self.path}:{line}" if line else str(self.path)
+
+    def at(self, key: str) -> str:
+        """`file:line:col` of `key` (or its nearest section), for error lines."""
+        near = self._nearest(key)
+        if near is None:
+            return str(self.path)
+        return f"{self.path}:{self.lines[near]}:{self.columns.get(near, 1)}"
 
 
 def _drop_empty_sections(data: dict[Any, Any], prefix: tuple[str, ...] = ()) -> None:
@@ -403,7 +427,7 @@ def _finish(data: dict[str, Any], sources: dict[str, tuple[str, str]]) -> KiteCo
 
 def _file_layer(path: Path) -> _Doc:
     doc = _Doc(path, _read(path))
-    _validate(doc.data, doc.where, order=doc.line_of)
+    _validate(doc.data, doc.at, order=doc.line_of)
     return doc
 
 
@@ -487,7 +511,7 @@ def set_value(path: str | os.PathLike[str], dotted_key: str, raw_value: Any) -> 
 
     doc = _Doc(path, _read(path)) if path.exists() else _Doc(path, "")
     data = _merge(doc.data, {key: value})
-    _validate(data, doc.where, order=doc.line_of)
+    _validate(data, doc.at, order=doc.line_of)
     text = _edited(doc, key.split("."), render_value(value))
     if text is None or _Doc(path, text).data != data:
         text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)

@@ -45,7 +45,7 @@ YamlLoader.add_implicit_resolver(
 
 def parse_yaml_tree(path: Path, text: str) -> tuple[yaml.Node | None, Any, dict[str, int]]:
     """The document's node tree, its data and the line of every dotted key (list items by
-    index). A syntax error or a mapping key set twice is one BadInput line with file:line."""
+    index). A syntax error or a mapping key set twice is one BadInput line with file:line:col."""
     loader = YamlLoader(text)
     try:
         root = loader.get_single_node()
@@ -74,7 +74,8 @@ def parse_yaml_tree(path: Path, text: str) -> tuple[yaml.Node | None, Any, dict[
                 key = prefix + str(k.value)
                 line = k.start_mark.line + 1
                 if key in lines:
-                    raise BadInput(f"{path}:{line}: {key} is set twice (first on line {lines[key]}); keep one")
+                    raise BadInput(f"{path}:{line}:{k.start_mark.column + 1}: {key} is set twice "
+                                   f"(first on line {lines[key]}); keep one")
                 lines[key] = line
                 walk(v, key + ".")
         elif isinstance(node, yaml.SequenceNode):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +54,7 @@ def error_line(result) -> str:
 def test_defaults_without_a_file(home):
     cfg = C.load_config(env={})
     assert cfg.features.upcycle_yoco_fusion is False
-    assert cfg.features.upcycle_compression_ratio == 0.15
+    assert cfg.features.upcycle_compression_ratio is None  # unset: the upcycle config decides
     assert cfg.hardware_watermark.gpu_mem.sampling_interval_ms == 200
     assert cfg.server.state_dir == home / "states"
     for key in C.CONFIG_KEYS:
@@ -130,7 +131,7 @@ def test_get_and_path(home):
                                          "origin": f"{home}/config.yaml:2"}
     assert kite("config", "get", "server.port").stdout.strip() == "9000"
     section = json.loads(kite("config", "get", "features", "--json").stdout)
-    assert section["value"]["upcycle_compression_ratio"] == 0.15
+    assert section["value"]["upcycle_compression_ratio"] is None
     path = json.loads(kite("config", "path", "--json").stdout)
     assert path == {"path": str(home / "config.yaml"), "exists": True, "kite_home": str(home)}
     assert kite("config", "path").stdout.strip() == str(home / "config.yaml")
@@ -183,7 +184,7 @@ def test_validate_bad_file_one_line_with_file_key_line(tmp_path, text, line, fra
         C.validate_file(path)
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith(f"{path}:{line}")
+    assert re.match(rf"{re.escape(str(path))}:{line}:\d+: ", message), message  # file:line:col
     for fragment in fragments:
         assert fragment in message
     result = kite("config", "validate", str(path))
@@ -201,7 +202,7 @@ def test_bad_file_breaks_load_and_show(home):
         C.load_config(env={})
     result = kite("config", "show")
     assert result.exit_code == 2
-    assert f"{home}/config.yaml:2: features.upcycle_compression_ratio = 0" in error_line(result)
+    assert f"{home}/config.yaml:2:3: features.upcycle_compression_ratio = 0" in error_line(result)
 
 
 def test_validate_missing_and_good_files(home, tmp_path):
@@ -346,7 +347,7 @@ def test_set_invalid_value_changes_nothing(home):
 def test_set_refuses_when_the_rest_of_the_file_is_bad(home):
     path = cfg_file(home, "server:\n  port: 0\n")
     result = kite("config", "set", "server.host", "::1")
-    assert result.exit_code == 2 and ":2: server.port = 0 is out of range" in error_line(result)
+    assert result.exit_code == 2 and ":2:3: server.port = 0 is out of range" in error_line(result)
     assert path.read_text() == "server:\n  port: 0\n"
 
 

@@ -19,12 +19,28 @@ def _cfg(**compression) -> UpcycleConfig:
     return UpcycleConfig.model_validate({"compression": compression})
 
 
-def test_precision_beats_ratio_beats_config_precision_beats_svd_ratio():
+def test_flag_beats_kite_config_fraction_beats_config_precision_beats_svd_ratio():
     cfg = _cfg(svd_ratio=0.125, precision="int8")
-    assert compress_settings(cfg, precision="int4", ratio=2).codec.name == "int4"
-    assert compress_settings(cfg, ratio=2).codec.name == "ratio=2"
+    assert compress_settings(cfg, precision="int4", kept_fraction=0.5).codec.name == "int4"
+    assert compress_settings(cfg, ratio=2, kept_fraction=0.125).codec.name == "ratio=2"
+    assert compress_settings(cfg, kept_fraction=0.5).codec.name == "ratio=2"   # ratio = 1 / fraction
     assert compress_settings(cfg).codec.name == "int8"
     assert compress_settings(_cfg(svd_ratio=0.125)).codec.name == "ratio=8"
+    assert compress_settings(_cfg(svd_ratio=0.125), kept_fraction=0.25).codec.name == "ratio=4"
+
+
+def test_the_default_is_unchanged_a_ratio_4_state():
+    from kite import config as C
+
+    assert C.DEFAULTS["features.upcycle_compression_ratio"] is None
+    assert compress_settings(UpcycleConfig(), kept_fraction=None).codec.name == "ratio=4"
+
+
+def test_ratio_and_precision_together_are_refused():
+    with pytest.raises(BadInput, match="use one of --ratio or --precision"):
+        compress_settings(_cfg(), ratio=4, precision="int8")
+    # a precision beats the config's fraction (a default, not a flag) without complaint
+    assert compress_settings(_cfg(), precision="int8", kept_fraction=0.5).codec.name == "int8"
 
 
 def test_span_bounds_and_clusters_come_from_the_config():
@@ -38,6 +54,8 @@ def test_span_bounds_and_clusters_come_from_the_config():
     ({"precision": "int5"}, "--precision int5: expected one of"),
     ({"precision": "ratio=4"}, "--precision ratio=4: expected one of"),
     ({"clusters": 0}, "at least one cluster"),
+    ({"ratio": 0.25}, "the fraction kept 0.25 is --ratio 4"),
+    ({"kept_fraction": 1.5}, "features.upcycle_compression_ratio 1.5"),
 ])
 def test_bad_flags_are_bad_input(kw, message):
     with pytest.raises(BadInput, match=message):
@@ -72,3 +90,43 @@ def test_compress_and_eval_take_span_bounds_from_the_config(tiny_models, tmp_pat
         assert (out["spans"]["min_tokens"], out["spans"]["max_tokens"]) == (6, 14)
         assert out["spans"]["count"] > 0
     assert len(parse_json(made.output)["clusters"]) == 2
+
+
+@pytest.mark.parametrize("command", ["compress", "eval"])
+def test_ratio_with_precision_is_refused_before_the_model_loads(command, tmp_path, monkeypatch):
+    import kite.model
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(kite.model, "load_model", no_model)
+    doc = tmp_path / "doc.txt"
+    doc.write_text(CORPUS)
+    args = ["upcycle", command, "--input", str(doc), "--ratio", "4", "--precision", "int8"]
+    r = runner.invoke(app, args + (["--output", str(tmp_path / "d.upc")] if command == "compress" else []))
+    assert r.exit_code == 2, r.output
+    assert "use one of --ratio or --precision" in r.stderr and "model was loaded" not in r.output
+
+
+def test_config_fraction_sets_the_ratio_of_compress(tiny_models, tmp_path):
+    """`kite config set features.upcycle_compression_ratio 0.5` then `kite upcycle compress`: a
+    ratio=2 state; unset, the upcycle config's svd_ratio 0.25 gives ratio=4; --ratio beats both."""
+    cfg = tmp_path / "upcycle.yaml"
+    cfg.write_text("compression:\n  svd_ratio: 0.25\n  cluster_num: 2\n  min_span_tokens: 6\n  max_span_tokens: 14\n"
+                   "semantic_tagging:\n  generated_examples_per_label: 0\n")
+    doc = tmp_path / "doc.txt"
+    doc.write_text(CORPUS.replace(". ", ".\n\n"))
+
+    def codec_of(*extra: str) -> str:
+        out = tmp_path / "d.upc"
+        made = runner.invoke(app, ["upcycle", "compress", "--model", str(tiny_models["llama"]), "--input", str(doc),
+                                   "--output", str(out), "--config", str(cfg), *extra])
+        assert made.exit_code == 0, made.output
+        shown = runner.invoke(app, ["upcycle", "inspect", str(out), "--json"])
+        assert shown.exit_code == 0, shown.output
+        return parse_json(shown.stdout)["codec"]["name"]
+
+    assert codec_of() == "ratio=4"
+    assert runner.invoke(app, ["config", "set", "features.upcycle_compression_ratio", "0.5"]).exit_code == 0
+    assert codec_of() == "ratio=2"
+    assert codec_of("--ratio", "8") == "ratio=8"

@@ -13,7 +13,7 @@ def test_lines_floats_and_lists(tmp_path):
 
 
 def test_a_key_set_twice_names_both_lines(tmp_path):
-    with pytest.raises(BadInput, match=r"x.yaml:3: a.k is set twice \(first on line 2\)"):
+    with pytest.raises(BadInput, match=r"x.yaml:3:3: a.k is set twice \(first on line 2\)"):
         parse_yaml(tmp_path / "x.yaml", "a:\n  k: 1\n  k: 2\n")
     # the same key in two list items is not a duplicate
     parse_yaml(tmp_path / "x.yaml", "rules:\n  - name: a\n  - name: b\n")

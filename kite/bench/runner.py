@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kite.bench.cases import BenchCase, load_cases
 from kite.bench.methods import ALL_METHODS, BASELINES, Fused, Method, kvpress_status
-from kite.config import DEFAULT_MIN_HIT_GAIN, load_config
+from kite.config import DEFAULT_MIN_HIT_GAIN
 from kite.errors import BadInput
 
 Progress = Callable[[str, int, int], None]
@@ -33,7 +33,9 @@ class BenchSettings:
     per_family: int | None = None
     max_cases: int | None = None
     max_new_tokens: int = 32
-    ratio: float | None = None  # state compression ratio; None: the upcycle config's
+    ratio: float | None = None  # state compression ratio; None: kept_fraction's, else the upcycle config's
+    kept_fraction: float | None = None  # the KITE config's features.upcycle_compression_ratio (0-1)
+    min_hit_gain: float = DEFAULT_MIN_HIT_GAIN  # the KITE config's features.yoco_min_hit_gain
     chat: bool = True
     device: str | None = None
     # The health store the fused pipeline records its measured gains in. None: a fresh store for
@@ -135,7 +137,7 @@ def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
     names = check_methods(s.baselines)
     cases = load_cases(s.cases, s.families, s.per_family)[: s.max_cases]
     cfg, cfg_path = ucfg = load_upcycle_config(s.upcycle_config)
-    compress_settings(cfg, ratio=s.ratio)   # a bad ratio fails before anything slow
+    compress_settings(cfg, ratio=s.ratio, kept_fraction=s.kept_fraction)   # a bad ratio fails before anything slow
     rules_path = Path(s.rules) if s.rules else default_rules_path()
     notes: list[str] = []
     usable, kv_note = kvpress_status()
@@ -143,18 +145,14 @@ def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
         names.remove("kvpress")
         notes.append(kv_note)
 
-    pipe = open_pipeline(s.model, ucfg, ratio=s.ratio, device=s.device, tagger=False)
+    pipe = open_pipeline(s.model, ucfg, ratio=s.ratio, kept_fraction=s.kept_fraction, device=s.device, tagger=False)
     lm, settings = pipe.lm, pipe.settings
     ids_of = check_lengths(lm, cases, s.max_new_tokens, s.chat)
     pipe.load_tagger(progress)
     tagger = pipe.tagger
     labels = sorted(set(tagger.labels)) if tagger is not None else None
     rules = load_rules(rules_path, None, lm.geometry.n_layers)
-    try:
-        min_gain = float(load_config().features.yoco_min_hit_gain)
-    except Exception:  # noqa: BLE001 - a broken user config must not stop a benchmark
-        # A broken config is silently replaced by the default here; issue 13 makes config errors loud.
-        min_gain = DEFAULT_MIN_HIT_GAIN
+    min_gain = float(s.min_hit_gain)
     methods: dict[str, Method] = {n: BASELINES[n]() for n in names}
     import tempfile
 

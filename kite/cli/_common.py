@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from os import PathLike
 from typing import Any
 
@@ -60,11 +60,11 @@ class SuggestingGroup(TyperGroup):
             raise typer.Exit(report_error(exc))
 
 
-def new_app(help: str) -> typer.Typer:
+def new_app(help: str, cls: type[SuggestingGroup] = SuggestingGroup) -> typer.Typer:
     """A Typer app with KITE's conventions: no rich tracebacks, typo suggestions."""
     return typer.Typer(
         help=help,
-        cls=SuggestingGroup,
+        cls=cls,
         no_args_is_help=True,
         pretty_exceptions_enable=False,
         add_completion=False,
@@ -104,6 +104,58 @@ def rule_errors_reported(path: str | PathLike[str]) -> Iterator[None]:
         n = len(exc.errors)
         raise BadInput(f"{path}: {n} error{'s' if n != 1 else ''} in the rule set "
                        f"(first: {exc.errors[0].header})") from None
+
+
+_loaded_config: tuple[Any, Any] | None = None  # (what it was loaded from, the config)
+
+
+def user_config(overrides: Mapping[str, Any] | None = None):
+    """The layered config every command runs with: defaults < $KITE_HOME/config.yaml < KITE_* env
+    < `overrides` (the command's flags; None values are flags not given).
+
+    Loaded once per process for the same file (path, size, mtime) and KITE_* environment. A broken
+    file or variable raises BadInput with one line (`file:line:col: ...`); `kite` checks it before
+    any command but `version` and `config` runs (see kite.cli.main)."""
+    import os
+
+    from kite.config import load_config
+    from kite.paths import config_path
+
+    global _loaded_config
+    if overrides and any(v is not None for v in overrides.values()):
+        return load_config(overrides=overrides)
+    path = config_path()
+    try:
+        st = path.stat()
+        stamp: Any = (st.st_ino, st.st_size, st.st_mtime_ns)
+    except OSError:
+        stamp = None
+    key = (str(path), stamp, sorted((k, v) for k, v in os.environ.items() if k.startswith("KITE_")))
+    if _loaded_config is None or _loaded_config[0] != key:
+        _loaded_config = (key, load_config(path))
+    return _loaded_config[1]
+
+
+def model_spec(flag: str | None) -> str:
+    """The model a command runs: --model, else the config's model.default. Resolved now (no
+    weights read), so a missing file or unknown name fails before anything slow, naming where
+    the value came from (the flag, the config file's line, or the environment variable)."""
+    from kite.config import config_origin
+    from kite.model.sources import resolve
+
+    if flag is not None:
+        resolve(flag)
+        return flag
+    cfg = user_config()
+    spec = cfg.model.default
+    try:
+        resolve(spec, what="model.default")
+    except BadInput as exc:
+        origin = config_origin(cfg, "model.default")
+        if origin.startswith("KITE_"):
+            origin = f"environment variable {origin}"
+        raise BadInput(f"{origin}: {exc}" if origin else str(exc)) from None
+    return spec
 
 
 JsonOpt = typer.Option(False, "--json", help="Print one JSON document for scripts.")

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kite.cli._common import JsonOpt, console, emit_json, new_app
+from kite.cli._common import JsonOpt, console, emit_json, model_spec, new_app, user_config
 from kite.errors import BadInput
 
 app = new_app(
@@ -29,7 +29,8 @@ def run(
     output: Annotated[Path, typer.Option("--output", "-o", help="Results JSON (rewritten after every case).")],
     cases: Annotated[Optional[str], typer.Option("--cases", help="Cases JSONL (docs/bench-cases.md); "
                                                  "default configs/bench_cases.jsonl.")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF folder, .gguf or embedded name.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF folder, .gguf or embedded name "
+                                                 "(default: config model.default).")] = None,
     upcycle: Annotated[Optional[Path], typer.Option("--upcycle", help="Folder of the documents' .upc states "
                                                     "(made when missing, reused when they match; default "
                                                     "$KITE_HOME/bench-states).")] = None,
@@ -46,7 +47,9 @@ def run(
     per_family: Annotated[Optional[int], typer.Option(min=1, help="At most N questions per family per contract.")] = None,
     max_cases: Annotated[Optional[int], typer.Option(min=1, help="Stop after N cases.")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per answer.")] = 32,
-    ratio: Annotated[Optional[float], typer.Option(help="State compression ratio (default: the upcycle config's).")] = None,
+    ratio: Annotated[Optional[float], typer.Option(help="State compression ratio (default: 1 / config "
+                                                   "features.upcycle_compression_ratio when set, else the "
+                                                   "upcycle config's).")] = None,
     device: Annotated[Optional[str], typer.Option(help="cpu | cuda (default: cuda when present).")] = None,
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads (on a loaded machine "
                                                    "1 is often fastest).")] = None,
@@ -70,14 +73,17 @@ def run(
         from kite.paths import kite_home
 
         upcycle = kite_home() / "bench-states"
-    s = BenchSettings(cases=cases, output=str(output), model=model, upcycle_dir=str(upcycle),
+    cfg = user_config()
+    s = BenchSettings(cases=cases, output=str(output), model=model_spec(model), upcycle_dir=str(upcycle),
                       rules=str(yoco_rules) if yoco_rules else None,
                       upcycle_config=str(upcycle_config) if upcycle_config else None,
                       baselines=[b.strip() for b in baselines.split(",") if b.strip()],
                       thresholds=str(thresholds) if thresholds else None,
                       families=[f.strip() for f in families.split(",")] if families else None,
                       per_family=per_family, max_cases=max_cases, max_new_tokens=max_new_tokens,
-                      ratio=ratio, device=device, health_store=str(health_store) if health_store else None)
+                      ratio=ratio, kept_fraction=cfg.features.upcycle_compression_ratio,
+                      min_hit_gain=cfg.features.yoco_min_hit_gain, device=device,
+                      health_store=str(health_store) if health_store else None)
     if threads is not None:
         import torch
 

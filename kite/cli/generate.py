@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from kite.cli._common import JsonOpt, KvBudgetBlockOpt, KvBudgetCodecOpt, check_budget_flags, console, emit_json
+from kite.cli._common import (JsonOpt, KvBudgetBlockOpt, KvBudgetCodecOpt, check_budget_flags, console, emit_json,
+                              model_spec)
 from kite.errors import BadInput
 
 
@@ -48,7 +49,8 @@ def state_prompt_ids(lm, text: str, *, chat: bool, system: str | None, with_stat
 def generate(
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt text.")] = None,
     prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from a file ('-' = stdin).")] = None,
-    model: Annotated[str | None, typer.Option("--model", "-m", help="HF folder, .gguf file or embedded name.")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="HF folder, .gguf file or embedded name "
+                                              "(default: config model.default).")] = None,
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
     system: Annotated[str | None, typer.Option(help="System message (with --chat).")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens to generate.")] = 128,
@@ -76,23 +78,35 @@ def generate(
       kite generate --upc contract.upc --clusters breach --prompt "What is the penalty for breach?"
       kite generate --prompt-file long.txt --kv-budget-tokens 1024 --kv-budget-codec ratio=8 --json
     """
+    from kite.cli._common import parse_layers
+
+    # Everything the request names is checked before the model loads (the slow part).
+    if upc is None and (clusters or layers or precision):
+        raise BadInput("--clusters, --layers and --precision restrict what --upc loads; give --upc")
+    text = read_text_input(prompt, prompt_file)
+    model = model_spec(model)
+    budget = _budget_settings(kv_budget_tokens, kv_budget_codec, kv_budget_block, upc)
+    state = load_kw = None
+    if upc is not None:
+        from kite.upcycle import LOAD_PRECISIONS, StateFile, select_clusters
+
+        if precision is not None and precision not in LOAD_PRECISIONS:
+            raise BadInput(f"--precision {precision}: expected one of {', '.join(LOAD_PRECISIONS)}")
+        state = StateFile(upc)  # a missing file, wrong magic or a bad header fails here
+        wanted = [c.strip() for c in clusters.split(",") if c.strip()] if clusters else None
+        select_clusters(state, wanted)
+        load_kw = {"clusters": wanted, "precision": precision,
+                   "layers": parse_layers(layers, state.meta["model"]["geometry"]["n_layers"])}
     from kite.model import load_model
     from kite.runtime.generate import generate as run_generate
 
-    from kite.cli._common import parse_layers
-
-    if upc is None and (clusters or layers or precision):
-        raise BadInput("--clusters, --layers and --precision restrict what --upc loads; give --upc")
-    budget = _budget_settings(kv_budget_tokens, kv_budget_codec, kv_budget_block, upc)
-    text = read_text_input(prompt, prompt_file)
     lm = load_model(model, adapter=adapter, dtype=dtype)
     prefix = report = None
-    if upc is not None:
+    if state is not None:
         from kite.upcycle import load_prefix
 
-        prefix, report = load_prefix(upc, lm, layers=parse_layers(layers, lm.geometry.n_layers),
-                                     clusters=[c.strip() for c in clusters.split(",") if c.strip()]
-                                     if clusters else None, precision=precision)
+        with state:
+            prefix, report = load_prefix(state, lm, **load_kw)
     ids = state_prompt_ids(lm, text, chat=chat, system=system, with_state=prefix is not None)
     cache = None
     if budget is not None:

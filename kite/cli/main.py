@@ -4,12 +4,29 @@ from __future__ import annotations
 
 import sys
 
-from kite.cli._common import new_app
+from kite.cli._common import SuggestingGroup, new_app, user_config
 from kite.cli import version as version_cmd
+
+# Commands that read the config themselves: `version` reports a broken one, `config` shows,
+# checks and edits it.
+OWN_CONFIG = ("version", "config")
+
+
+class KiteRoot(SuggestingGroup):
+    """The `kite` group: the layered config is loaded before any other command runs, so a broken
+    file or KITE_* variable stops every command with one `file:line:col` line (exit 2), whatever
+    the command reads. `--help` still answers."""
+
+    def resolve_command(self, ctx, args):
+        name, cmd, rest = super().resolve_command(ctx, args)
+        if name not in OWN_CONFIG and "--help" not in rest and not ctx.resilient_parsing:
+            user_config()
+        return name, cmd, rest
+
 
 app = new_app(
     "KITE: reuse long-context KV caches as compressed, tagged states (Upcycle) and load them by rule "
-    "(YOCO)."
+    "(YOCO).", cls=KiteRoot,
 )
 
 

@@ -6,11 +6,11 @@ from typing import Annotated
 
 import typer
 
-from kite.cli._common import JsonOpt, console, emit_json, new_app
+from kite.cli._common import JsonOpt, console, emit_json, model_spec, new_app
 
 app = new_app("Inspect models: geometry, KV bytes per token, fingerprint.")
 
-ModelOpt = typer.Option("--model", "-m", help="HF folder, .gguf file, or embedded name (default smollm2-135m).")
+ModelOpt = typer.Option("--model", "-m", help="HF folder, .gguf file, or embedded name (default: config model.default).")
 
 
 @app.command("info")
@@ -29,6 +29,7 @@ def info(
     from kite.model.geometry import DTYPE_BYTES, geometry_from_config
     from kite.model.loader import load_config_only
 
+    model = model_spec(model)
     source, folder, config = load_config_only(model, progress=lambda m: console().print(f"[dim]{m}[/]"))
     geo = geometry_from_config(config)
     fps = fingerprints(folder, Path(adapter) if adapter else None)

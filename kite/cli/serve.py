@@ -11,7 +11,8 @@ from typing import Annotated
 
 import typer
 
-from kite.cli._common import KvBudgetBlockOpt, KvBudgetCodecOpt, check_budget_flags, console, rule_errors_reported
+from kite.cli._common import (KvBudgetBlockOpt, KvBudgetCodecOpt, check_budget_flags, console, model_spec,
+                              rule_errors_reported, user_config)
 from kite.errors import KiteError
 
 
@@ -41,13 +42,12 @@ def serve(
 
     Example: KITE_ADMIN_TOKEN=s3cret kite serve --port 8088 --rules rules/yoco_rules.yaml
     """
-    from kite.config import load_config
-
-    cfg = load_config(overrides={"server.host": host, "server.port": port, "server.admin_token": admin_token,
+    cfg = user_config(overrides={"server.host": host, "server.port": port, "server.admin_token": admin_token,
                                  "server.state_dir": str(state_dir) if state_dir else None,
                                  "features.upcycle_yoco_fusion": fusion, "model.default": model})
+    model = model_spec(model)
     try:
-        from kite.serve import ServeSettings, create_app, run
+        from kite.serve import ServeSettings, bind_socket, create_app, run
     except ModuleNotFoundError as exc:
         raise KiteError(f"kite serve needs {exc.name}: pip install 'kite[serve]'") from None
     from kite.serve.settings import LOOPBACK
@@ -57,6 +57,8 @@ def serve(
         "kv_budget_tokens": kv_budget_tokens, **({"kv_budget_codec": kv_budget_codec} if kv_budget_codec else {}),
         **({"kv_budget_block": kv_budget_block} if kv_budget_block is not None else {})}
     settings = ServeSettings.from_config(cfg, rules=rules, **budget_kw)
+    sock = bind_socket(settings.host, settings.port)  # a busy port fails before anything slow
+    settings.port = sock.getsockname()[1]  # port 0: the one the system chose
     from kite.model import geometry_from_config, load_config_only
     from kite.yoco.rules import load_rules
 
@@ -66,11 +68,13 @@ def serve(
         # with the errors `kite yoco validate --model` and a reload give.
         ruleset = load_rules(settings.rules_path, n_layers=n_layers)
     out = console()
-    from kite.upcycle import load_upcycle_config, open_pipeline
+    from kite.upcycle import compress_settings, load_upcycle_config, open_pipeline
 
     ucfg = load_upcycle_config(upcycle_config)   # a bad upcycle config fails before the model loads
-    out.print(f"loading model {cfg.model.default} …", highlight=False)
-    pipe = open_pipeline(cfg.model.default, ucfg)
+    kept = cfg.features.upcycle_compression_ratio
+    compress_settings(ucfg[0], kept_fraction=kept)  # the settings uploads are compressed with
+    out.print(f"loading model {model} …", highlight=False)
+    pipe = open_pipeline(model, ucfg, kept_fraction=kept)
     settings.budget_settings(pipe.lm.geometry.context_length)  # a budget past the model's context fails now
     app = create_app(pipe, settings, rules=ruleset)
     if settings.host not in LOOPBACK:
@@ -82,4 +86,4 @@ def serve(
               f"states {settings.state_dir}" + (f"  kv budget {settings.kv_budget_tokens} tokens "
                                                 f"({settings.kv_budget_codec})" if settings.kv_budget_tokens else ""),
               highlight=False, soft_wrap=True)
-    run(app, settings.host, settings.port, log_level=log_level)
+    run(app, settings.host, settings.port, log_level=log_level, sock=sock)

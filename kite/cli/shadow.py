@@ -9,14 +9,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from kite.cli._common import JsonOpt, console, emit_json
+from kite.cli._common import JsonOpt, console, emit_json, model_spec
 
 
 def shadow(
     golden: Annotated[Path, typer.Option("--golden", help="The golden pipeline's YAML (method, ratio, rules, temperature ...).")],
     candidate: Annotated[Path, typer.Option("--candidate", help="The candidate pipeline's YAML.")],
     cases: Annotated[str, typer.Option("--cases", help="Cases JSONL (docs/bench-cases.md).")],
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF folder, .gguf or embedded name.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF folder, .gguf or embedded name "
+                                                 "(default: config model.default).")] = None,
     upcycle: Annotated[Optional[Path], typer.Option("--upcycle", help="Folder of states (default $KITE_HOME/bench-states).")] = None,
     max_substantive: Annotated[float, typer.Option(help="Largest substantive-diff rate above the noise floor that passes.")] = 0.05,
     max_cases: Annotated[Optional[int], typer.Option(min=1, help="Only the first N cases.")] = None,
@@ -32,6 +33,7 @@ def shadow(
     from kite.bench.shadow import run_shadow
     from kite.cli._progress import progress_bar
 
+    model = model_spec(model)
     if threads is not None:
         import torch
 

@@ -8,12 +8,12 @@ from typing import Annotated
 
 import typer
 
-from kite.cli._common import JsonOpt, console, emit_json, new_app
+from kite.cli._common import JsonOpt, console, emit_json, model_spec, new_app, user_config
 from kite.errors import BadInput
 
 app = new_app("Turn a document's KV cache into a .upc state; inspect, evaluate, migrate.")
 
-ModelOpt = typer.Option("--model", "-m", help="HF folder, .gguf file or embedded name (default smollm2-135m).")
+ModelOpt = typer.Option("--model", "-m", help="HF folder, .gguf file or embedded name (default: config model.default).")
 
 
 def read_document(path: str) -> tuple[str, str]:
@@ -43,8 +43,11 @@ def compress(
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the .upc state.")],
     model: Annotated[str | None, ModelOpt] = None,
     config: Annotated[Path | None, typer.Option(help="upcycle_config.yaml (default configs/upcycle_config.yaml).")] = None,
-    ratio: Annotated[float | None, typer.Option(help="Compression ratio against raw fp16 KV (4 = 4×).")] = None,
-    precision: Annotated[str | None, typer.Option(help="A precision preset instead: exact|fp16|bf16|fp8|int8|int4.")] = None,
+    ratio: Annotated[float | None, typer.Option(help="Compression ratio against raw fp16 KV (4 = 4×; default: "
+                                                "1 / config features.upcycle_compression_ratio when set, else the "
+                                                "upcycle config's).")] = None,
+    precision: Annotated[str | None, typer.Option(help="A precision preset instead of --ratio: "
+                                                    "exact|fp16|bf16|fp8|int8|int4.")] = None,
     clusters: Annotated[int | None, typer.Option(min=1, help="Number of clusters (compression.cluster_num).")] = None,
     json_out: bool = JsonOpt,
 ) -> None:
@@ -52,12 +55,14 @@ def compress(
 
     Example: kite upcycle compress --input contract.txt --output contract.upc --ratio 4
     """
+    text, name = read_document(input)   # before the heavy imports: a bad --input fails at once
+    model = model_spec(model)
     from kite.cli._progress import progress_bar
     from kite.upcycle import open_pipeline
 
-    text, name = read_document(input)
     with progress_bar() as progress:   # the config and the flags are checked before the model loads
-        pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress)
+        pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress,
+                             kept_fraction=user_config().features.upcycle_compression_ratio)
         result = pipe.compress(text, output, source_name=name, progress=progress)
     if json_out:
         emit_json(result.to_dict())
@@ -113,8 +118,10 @@ def eval_cmd(
     model: Annotated[str | None, ModelOpt] = None,
     context_tokens: Annotated[int, typer.Option(min=1, help="Tokens compressed into the state.")] = 2048,
     continuation_tokens: Annotated[int, typer.Option(min=2, help="Tokens scored after it.")] = 512,
-    ratio: Annotated[float | None, typer.Option(help="Compression ratio against raw fp16 KV.")] = None,
-    precision: Annotated[str | None, typer.Option(help="A precision preset instead (exact|fp16|int8|int4 ...).")] = None,
+    ratio: Annotated[float | None, typer.Option(help="Compression ratio against raw fp16 KV (default: as for "
+                                                "`kite upcycle compress`).")] = None,
+    precision: Annotated[str | None, typer.Option(help="A precision preset instead of --ratio "
+                                                    "(exact|fp16|int8|int4 ...).")] = None,
     clusters: Annotated[int | None, typer.Option(min=1, help="Number of clusters.")] = None,
     config: Annotated[Path | None, typer.Option(help="upcycle_config.yaml.")] = None,
     probe: Annotated[str | None, typer.Option(help="'passkey': also retrieve facts planted early in the context.")] = None,
@@ -124,12 +131,15 @@ def eval_cmd(
 
     Example: kite upcycle eval --input /usr/share/common-licenses/GPL-3 --ratio 8 --probe passkey
     """
+    text, _ = read_document(input)   # before the heavy imports: a bad --input fails at once
+    model = model_spec(model)
     from kite.cli._progress import progress_bar
-    from kite.upcycle import evaluate, open_pipeline
+    from kite.upcycle import check_probe, evaluate, open_pipeline
 
-    text, _ = read_document(input)
+    check_probe(probe)
     with progress_bar() as progress:   # the config and the flags are checked before the model loads
-        pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress)
+        pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress,
+                             kept_fraction=user_config().features.upcycle_compression_ratio)
         result = evaluate(pipe.lm, text, context_tokens=context_tokens, continuation_tokens=continuation_tokens,
                           settings=pipe.settings, tagger=pipe.tagger, probe=probe, progress=progress)
     if json_out:

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kite.cli._common import JsonOpt, console, emit_json
+from kite.cli._common import JsonOpt, console, emit_json, model_spec
 from kite.errors import BadInput
 
 
@@ -31,7 +31,7 @@ def eval_tagging(
         "--examples-seed", help="Seed of the contracts examples come from (default: the cases' "
         "seed; their ids are excluded).")] = None,
     model: Annotated[Optional[str], typer.Option(
-        "--model", help="HF folder, .gguf file or embedded name (default: the embedded model).")]
+        "--model", help="HF folder, .gguf file or embedded name (default: config model.default).")]
     = None,
     mode: Annotated[str, typer.Option(
         "--mode", help="standalone (each span embedded alone), in-document (pooled from one "
@@ -52,6 +52,7 @@ def eval_tagging(
     from kite.data.contracts import labeled_examples
     from kite.data.jsonl import read_cases, read_labeled
 
+    model = model_spec(model)
     mode_key = mode.replace("-", "_")
     if mode_key not in ("standalone", "in_document", "both"):
         raise BadInput(f"--mode {mode}: expected standalone, in-document or both")

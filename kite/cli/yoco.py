@@ -11,7 +11,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from kite.cli._common import JsonOpt, console, emit_json, err_console, new_app, rule_errors_reported
+from kite.cli._common import (JsonOpt, console, emit_json, err_console, model_spec, new_app, rule_errors_reported,
+                              user_config)
 from kite.errors import BadInput
 
 app = new_app(
@@ -144,9 +145,7 @@ def _read_signals(spec: str) -> dict[str, Any]:
 def _min_hit_gain(value: float | None) -> float:
     if value is not None:
         return value
-    from kite.config import load_config
-
-    return float(load_config().features.yoco_min_hit_gain)
+    return float(user_config().features.yoco_min_hit_gain)
 
 
 def _decide_for_signals(rules_path: Path, signals, state, min_hit_gain: float, json_out: bool) -> None:
@@ -200,7 +199,7 @@ def _ranges(layers: list[int]) -> str:
     return ",".join(parts)
 
 
-ModelOpt = typer.Option("--model", "-m", help="HF folder, .gguf file or embedded name (default smollm2-135m).")
+ModelOpt = typer.Option("--model", "-m", help="HF folder, .gguf file or embedded name (default: config model.default).")
 
 
 @app.command("decide")
@@ -238,7 +237,7 @@ def decide_cmd(
             raise BadInput("--state needs --query (the text to decide for)")
         if labels is not None or layers is not None:
             raise BadInput("--labels and --layers come from the state with --state; leave them out")
-        return _decide_for_state(state, query, model, rules or default_rules_path(),
+        return _decide_for_state(state, query, model_spec(model), rules or default_rules_path(),
                                  _min_hit_gain(min_hit_gain), json_out)
     if query is not None:
         raise BadInput("--query needs --state (with --signals the query's signals are given)")
@@ -253,7 +252,7 @@ def _model_and_tagger(model: str | None, progress=None):
     """The model and the clause tagger the upcycle config asks for (the one states are tagged with)."""
     from kite.upcycle import open_pipeline
 
-    pipe = open_pipeline(model, progress=progress)
+    pipe = open_pipeline(model, progress=progress, kept_fraction=user_config().features.upcycle_compression_ratio)
     return pipe.lm, pipe.tagger
 
 
@@ -265,16 +264,18 @@ def _decide_for_state(path: Path, query: str, model: str | None, rules_path: Pat
     from kite.yoco.health import HealthStore
     from kite.yoco.watermark import WatermarkSampler, default_backend
 
-    with progress_bar() as progress:
-        lm, tagger = _model_and_tagger(model, progress)
-    sampler = WatermarkSampler(default_backend())
-    try:
-        reading = sampler.sample_once()
-    finally:
-        sampler.close()
+    # The state (file, magic, header) and the rules checked against its labels and layers come
+    # before the model loads.
     with StateFile(path) as st, HealthStore() as health:
         info = state_info(st, health)
         ruleset = _load(rules_path, info.labels, info.n_layers)
+        with progress_bar() as progress:
+            lm, tagger = _model_and_tagger(model, progress)
+        sampler = WatermarkSampler(default_backend())
+        try:
+            reading = sampler.sample_once()
+        finally:
+            sampler.close()
         signals, plan, q, info = plan_for(lm, tagger, ruleset, st, query, health=health,
                                           watermark=reading.watermark, min_hit_gain=min_hit_gain)
     if not json_out:
@@ -328,6 +329,7 @@ def analyze_cmd(
     from kite.yoco.rules import default_rules_path
     from kite.yoco.signals import Signals
 
+    model = model_spec(model)
     records = read_jsonl(queries)
     for rec in records:
         if not isinstance(rec.get("query"), str):
@@ -453,11 +455,7 @@ TokenOpt = typer.Option(None, "--token", help="Admin token (default: config serv
 def _admin(server: str | None, token: str | None):
     from kite.serve.client import AdminClient, default_server_url
 
-    cfg = None
-    if server is None or token is None:
-        from kite.config import load_config
-
-        cfg = load_config()
+    cfg = user_config() if server is None or token is None else None
     return AdminClient(server or default_server_url(cfg), token or (cfg.server.admin_token if cfg else None))
 
 

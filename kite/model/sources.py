@@ -35,8 +35,9 @@ class ModelSource:
     path: Path  # what the user named (the .gguf file, or the folder)
 
 
-def resolve(spec: str | None) -> ModelSource:
-    """Turn a `--model` value into a source, or raise BadInput saying what is accepted."""
+def resolve(spec: str | None, what: str = "--model") -> ModelSource:
+    """Turn a `--model` value into a source, or raise BadInput saying what is accepted (`what`
+    names where the value came from)."""
     spec = spec or DEFAULT_MODEL
     if spec in EMBEDDED:
         return ModelSource(spec, "embedded", embedded_gguf_path(spec))
@@ -45,11 +46,11 @@ def resolve(spec: str | None) -> ModelSource:
         return ModelSource(spec, "gguf", path.resolve())
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise BadInput(f"--model {spec}: the folder has no config.json (expected a Hugging Face model folder)")
+            raise BadInput(f"{what} {spec}: the folder has no config.json (expected a Hugging Face model folder)")
         return ModelSource(spec, "hf", path.resolve())
     if path.exists():
-        raise BadInput(f"--model {spec}: expected an HF folder, a .gguf file or one of: {', '.join(EMBEDDED)}")
-    raise BadInput(f"--model {spec}: no such file or folder, and not an embedded model ({', '.join(EMBEDDED)})")
+        raise BadInput(f"{what} {spec}: expected an HF folder, a .gguf file or one of: {', '.join(EMBEDDED)}")
+    raise BadInput(f"{what} {spec}: no such file or folder, and not an embedded model ({', '.join(EMBEDDED)})")
 
 
 def embedded_gguf_path(name: str) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {"create_app": "kite.serve.app", "BackgroundServer": "kite.serve.server", "run": "kite.serve.server",
+            "bind_socket": "kite.serve.server",
             "ServeSettings": "kite.serve.settings", "check_state_id": "kite.serve.settings"}
 
 __all__ = sorted(_EXPORTS)

@@ -16,10 +16,41 @@ def uvicorn_config(app, host: str, port: int, log_level: str = "warning"):
                           lifespan="on", http="h11", ws="none", timeout_graceful_shutdown=5)
 
 
-def run(app, host: str = "127.0.0.1", port: int = 8088, log_level: str = "info") -> None:
+def run(app, host: str = "127.0.0.1", port: int = 8088, log_level: str = "info",
+        sock: socket.socket | None = None) -> None:
+    """Serve `app` in the foreground; on `sock` (from :func:`bind_socket`) when given."""
     import uvicorn
 
-    uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()
+    uvicorn.Server(uvicorn_config(app, host, port, log_level)).run(sockets=[sock] if sock else None)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port for :func:`run` (which listens on it): `kite serve` binds
+    before the model loads, so a busy port fails at once. A busy or forbidden port is KiteError
+    (exit 1); a host that is not an address of this machine is BadInput (exit 2)."""
+    import errno
+
+    from kite.errors import BadInput, KiteError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise BadInput(f"server.host {host}: not an address ({exc.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        where = f"{host}:{port}"
+        if exc.errno == errno.EADDRINUSE:
+            raise KiteError(f"cannot listen on {where}: the port is in use (another `kite serve`?); "
+                            "choose another with --port or server.port") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise BadInput(f"cannot listen on {where}: {host} is not an address of this machine") from None
+        raise KiteError(f"cannot listen on {where}: {exc.strerror}") from None
+    return sock
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -20,7 +20,7 @@ from kite.upcycle.capture import tokenize_document
 from kite.upcycle.codec import CodecSettings
 from kite.upcycle.codec import settings_for as codec_settings
 from kite.upcycle.compress import ClusterInfo, CompressResult, CompressSettings, compress_document
-from kite.upcycle.quality import EvalResult, compare_logits, evaluate
+from kite.upcycle.quality import PROBES, EvalResult, check_probe, compare_logits, evaluate
 from kite.upcycle.format import FORMAT_VERSION, StateFile, StateWriter, path_version
 from kite.upcycle.inspect import describe_state
 from kite.upcycle.load import (LOAD_PRECISIONS, SINK_TOKENS, HotTier, LoadReport, check_fingerprints, default_tier,
@@ -34,10 +34,10 @@ from kite.upcycle.tagging import (ClauseTagger, QueryHead, TagResult, build_tagg
 
 __all__ = [
     "DEFAULT_BLOCK_TOKENS", "DEFAULT_CODEC", "FORMAT_VERSION", "LOAD_PRECISIONS", "SINK_TOKENS", "BudgetCache",
-    "BudgetSettings", "ClauseTagger", "ClusterInfo", "CodecSettings", "CompressResult", "CompressSettings",
+    "BudgetSettings", "PROBES", "ClauseTagger", "ClusterInfo", "CodecSettings", "CompressResult", "CompressSettings",
     "EvalResult", "HotTier", "LoadReport", "MigrationReport", "Pipeline", "QueryHead", "StateFile", "StateWriter",
     "TagResult", "UpcycleConfig", "WindowCache", "apply_rope", "budget_cache", "build_tagger", "kv_bytes_per_token", "min_budget", "calibration_set",
-    "check_budget", "check_fingerprints", "codec", "codec_settings", "compare_logits", "compress_document",
+    "check_budget", "check_fingerprints", "check_probe", "codec", "codec_settings", "compare_logits", "compress_document",
     "compress_settings", "default_tier", "describe_state", "describe_tagger", "evaluate", "evaluate_queries",
     "evaluate_tagging", "format", "load_prefix", "load_upcycle_config", "migrate", "open_pipeline", "path_version", "plan_migration",
     "prepare_state", "remove_rope", "rollback", "rope_cos_sin", "select_clusters", "tokenize_document",

@@ -5,7 +5,12 @@ Every caller (the CLI's upcycle and yoco commands, the server, the bench, shadow
 goes through :func:`compress_settings` and :func:`open_pipeline`, so the precedence of the knobs and
 their checks are written once:
 
-    --precision  >  --ratio  >  compression.precision (config)  >  1 / compression.svd_ratio (config)
+    --precision or --ratio (one of them: both is an error)
+      >  features.upcycle_compression_ratio (KITE config, passed in as ``kept_fraction``; unset by default)
+      >  compression.precision (upcycle config)  >  compression.svd_ratio (upcycle config)
+
+The seed's names (``upcycle_compression_ratio``, ``svd_ratio``) are the fraction of the raw fp16 KV
+kept (0-1); ``--ratio`` is how many times smaller (>= 1): ratio = 1 / fraction.
 
 Span bounds and the cluster count come from the config (``clusters`` overrides the count).
 """
@@ -27,12 +32,21 @@ from kite.upcycle.tagging.build import build_tagger
 
 
 def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precision: str | None = None,
-                      clusters: int | None = None) -> CompressSettings:
+                      clusters: int | None = None, kept_fraction: float | None = None) -> CompressSettings:
     """The compression settings of an upcycle config and a command's flags (see the module doc).
 
-    BadInput for a ratio below 1 or a precision that is not a preset.
+    ``kept_fraction``: the user's default of ``ratio`` in the seed's spelling (the KITE config's
+    ``features.upcycle_compression_ratio``, 0-1); None leaves the upcycle config's settings.
+    BadInput for both ``ratio`` and ``precision``, a ratio below 1, a fraction outside (0, 1], or a
+    precision that is not a preset.
     """
     c = cfg.compression
+    if precision and ratio is not None:
+        raise BadInput(f"--ratio {ratio:g} --precision {precision}: use one of --ratio or --precision "
+                       "(a precision preset fixes the size itself)")
+    if kept_fraction is not None and not 0 < kept_fraction <= 1:
+        raise BadInput(f"features.upcycle_compression_ratio {kept_fraction:g}: the fraction of raw fp16 KV "
+                       "kept is in (0, 1] (0.25 = --ratio 4)")
     try:
         if precision:
             if precision.strip().lower() not in PRESETS:
@@ -40,8 +54,12 @@ def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precisi
             spec = settings_for(precision)
         elif ratio is not None:
             if ratio < 1:
-                raise BadInput(f"--ratio {ratio:g}: a compression ratio is ≥ 1 (4 = a quarter of raw fp16 KV)")
+                hint = f"; the fraction kept {ratio:g} is --ratio {1 / ratio:g}" if ratio > 0 else ""
+                raise BadInput(f"--ratio {ratio:g}: a compression ratio is ≥ 1 (4 = a quarter of raw fp16 KV)"
+                               + hint)
             spec = settings_for(float(ratio))
+        elif kept_fraction is not None:
+            spec = settings_for(1.0 / kept_fraction)
         elif c.precision:
             spec = settings_for(c.precision)
         else:
@@ -84,9 +102,11 @@ class Pipeline:
 def open_pipeline(model: str | None = None,
                   upcycle_config: str | Path | UpcycleConfig | tuple[UpcycleConfig, Path | None] | None = None, *,
                   ratio: float | None = None, precision: str | None = None, clusters: int | None = None,
-                  device: str | None = None, lm=None, tagger: bool = True, progress=None) -> Pipeline:
+                  kept_fraction: float | None = None, device: str | None = None, lm=None, tagger: bool = True,
+                  progress=None) -> Pipeline:
     """Config → settings (checked before anything slow) → model (``lm`` when given, else ``model``
     loaded with the config's adapter on ``device``) → the config's tagger (``tagger=False``: none).
+    ``ratio``, ``precision``, ``clusters`` and ``kept_fraction``: see :func:`compress_settings`.
 
     ``upcycle_config``: a path; None for ``configs/upcycle_config.yaml`` (else the defaults); a loaded
     config; or the (config, path) pair :func:`kite.upcycle.load_upcycle_config` returns (the path
@@ -98,7 +118,8 @@ def open_pipeline(model: str | None = None,
         cfg, cfg_path = upcycle_config
     else:
         cfg, cfg_path = load_upcycle_config(upcycle_config)
-    settings = compress_settings(cfg, ratio=ratio, precision=precision, clusters=clusters)
+    settings = compress_settings(cfg, ratio=ratio, precision=precision, clusters=clusters,
+                                 kept_fraction=kept_fraction)
     if lm is None:
         from kite.model import load_model
 

@@ -75,16 +75,32 @@ def split_text(lm, text: str, context_tokens: int, continuation_tokens: int) -> 
     return ids[:context_tokens], ids[context_tokens:need]
 
 
+PROBES = ("passkey",)
+
+
+def check_probe(probe: str | None) -> None:
+    """BadInput unless `probe` is None or a probe :func:`evaluate` knows (checked before any work)."""
+    if probe is not None and probe not in PROBES:
+        raise BadInput(f"--probe {probe}: expected one of {', '.join(PROBES)}")
+
+
 @torch.inference_mode()
 def evaluate(lm, text: str, *, context_tokens: int = 2048, continuation_tokens: int = 512,
              settings: CompressSettings | None = None, tagger=None, probe: str | None = None,
              progress=None) -> EvalResult:
+    """The module's measurement of `settings` on `text`; `progress(stage, done, total)` after the
+    full-context pass, each prefill chunk and compressed layer of the state, each passkey depth."""
+    check_probe(probe)
     settings = settings or CompressSettings()
     ctx, cont = split_text(lm, text, context_tokens, continuation_tokens)
     targets = torch.tensor(cont[1:])
+    if progress:
+        progress("full context", 0, 1)
     full_cache = new_cache(lm.model)
     forward_tokens(lm.model, ctx, full_cache, 0)
     full = forward_tokens(lm.model, cont, full_cache, len(ctx))[:-1]
+    if progress:
+        progress("full context", 1, 1)
     ctx_text = lm.tokenizer.decode(ctx)
     with tempfile.TemporaryDirectory() as tmp:
         state_path = Path(tmp) / "eval.upc"
@@ -101,9 +117,7 @@ def evaluate(lm, text: str, *, context_tokens: int = 2048, continuation_tokens: 
         compression_ratio=round(made.compression_ratio, 3),
         timings_ms={**made.timings_ms, "load": report.load_ms}, spans=made.spans)
     if probe == "passkey":
-        result.probe = passkey_probe(lm, text, context_tokens, settings, tagger)
-    elif probe is not None:
-        raise BadInput(f"--probe {probe}: the probe KITE knows is 'passkey'")
+        result.probe = passkey_probe(lm, text, context_tokens, settings, tagger, progress=progress)
     return result
 
 
@@ -112,7 +126,7 @@ PASSKEY_DEPTHS = (0.05, 0.15, 0.3)
 
 @torch.inference_mode()
 def passkey_probe(lm, text: str, context_tokens: int, settings: CompressSettings, tagger=None,
-                  depths=PASSKEY_DEPTHS, seed: int = 0) -> dict:
+                  depths=PASSKEY_DEPTHS, seed: int = 0, progress=None) -> dict:
     """Plant a passkey early in the context, compress without the question, ask for it.
 
     Returns retrieval accuracy with full context and from the state (greedy, exact digits).
@@ -136,6 +150,8 @@ def passkey_probe(lm, text: str, context_tokens: int, settings: CompressSettings
         from_state = generate(lm, question, max_new_tokens=8, prefix=prefix, stop_ids=set())
         rows.append({"depth": depth, "passkey": key, "full": key in full.text, "state": key in from_state.text,
                      "full_text": full.text.strip(), "state_text": from_state.text.strip()})
+        if progress:
+            progress("passkey", len(rows), len(depths))
     return {"kind": "passkey", "cases": rows,
             "full_accuracy": sum(r["full"] for r in rows) / len(rows),
             "state_accuracy": sum(r["state"] for r in rows) / len(rows)}

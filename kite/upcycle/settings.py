@@ -16,9 +16,11 @@ class _Strict(BaseModel):
 
 
 class CompressionConfig(_Strict):
-    # The state's size as a fraction of the document's raw fp16 KV (0.25 = 4× compression).
-    # The seed's name; KITE's codec spends this byte budget on PCA components of pre-RoPE keys
-    # and values by bit allocation (docs/compression.md), not on a plain SVD rank.
+    # The state's size as a fraction of the document's raw fp16 KV (0.25 = 4× compression), used
+    # when neither a flag nor the KITE config's features.upcycle_compression_ratio sets it
+    # (kite.upcycle.pipeline). The seed's name; KITE's codec spends this byte budget on PCA
+    # components of pre-RoPE keys and values by bit allocation (docs/compression.md), not on a
+    # plain SVD rank.
     svd_ratio: float = Field(0.25, gt=0, le=1)
     cluster_num: int = Field(8, ge=1, le=256)
     # A preset instead of a ratio: exact | fp16 | bf16 | fp8 | int8 | int4 ... (overrides svd_ratio)
