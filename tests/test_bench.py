@@ -119,6 +119,9 @@ def test_threshold_fail_exits_1(setup):
     rows = {t["metric"]: t["pass"] for t in res["thresholds"]}
     assert rows == {"f1": False, "memory_peak_gb": True} and res["passed"] is False
     assert "FAIL" in r.stdout
+    # off a terminal, progress is plain lines on stderr: each case and each method of it
+    progress = [line.split("] ", 1)[1] for line in r.stderr.splitlines() if line.startswith("[")]
+    assert "cases 1/1" in progress and "methods 3/3" in progress, r.stderr
 
 
 @pytest.mark.parametrize("exc, code, error", [(RuntimeError("boom"), 1, "case b/q0: RuntimeError: boom"),

@@ -202,7 +202,7 @@ def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
             if case.document_key not in docs:
                 docs.clear()  # one document's caches at a time
                 doc = prefill_document(lm, case.document_key, doc_ids)
-                state = ensure_state(pipe, case.document_key, doc_ids, Path(s.upcycle_dir))
+                state = ensure_state(pipe, case.document_key, doc_ids, Path(s.upcycle_dir), progress)
                 preps = {}
                 for name, m in methods.items():
                     preps[name] = m.prepare(lm, doc, state.state_bytes)

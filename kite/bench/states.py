@@ -56,9 +56,10 @@ def _matches(path: Path, lm, n_tokens: int, settings) -> bool:
     return meta.get("n_tokens") == n_tokens and meta.get("codec") == settings.codec.to_json()
 
 
-def ensure_state(pipe, doc_key: str, ids: list[int], folder: Path) -> StateRef:
+def ensure_state(pipe, doc_key: str, ids: list[int], folder: Path, progress=None) -> StateRef:
     """The document's state in `folder`, made by ``pipe`` (a :class:`kite.upcycle.Pipeline`): reused
-    when it matches, else made (written atomically, prepared for loading on a GPU)."""
+    when it matches, else made (written atomically, prepared for loading on a GPU; `progress` as
+    compress reports it)."""
     lm, settings, tagger = pipe.lm, pipe.settings, pipe.tagger
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"bench-{doc_key}-{settings_key(settings, tagger)}.upc"
@@ -66,6 +67,6 @@ def ensure_state(pipe, doc_key: str, ids: list[int], folder: Path) -> StateRef:
     if path.is_file() and _matches(path, lm, len(ids), settings):
         return StateRef(path, path.stat().st_size, raw, len(ids), True, 0.0)
     t0 = time.perf_counter()
-    made = pipe.compress("", path, source_name=f"bench:{doc_key}", ids=ids)
+    made = pipe.compress("", path, source_name=f"bench:{doc_key}", ids=ids, progress=progress)
     return StateRef(path, made.state_bytes, made.raw_kv_bytes, made.n_tokens, False,
                     (time.perf_counter() - t0) * 1e3)

@@ -1,26 +1,79 @@
-"""A rich progress bar on stderr for long work; silent when stderr is not a terminal."""
+"""Progress of long work, on stderr (never in `--json` stdout): a rich bar on a terminal; off one
+(a CI log, a file, a pipe) a plain line per step, at most every few seconds, as pip and cargo do."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import sys
+import time
+from collections.abc import Callable, Iterator
 
 from kite.cli._common import err_console
 
+Progress = Callable[[str, int, int], None]
+
+# Off a terminal, a stage's steps between its first and its last print at most this often (s).
+PLAIN_INTERVAL_S = 5.0
+
+
+class PlainProgress:
+    """`(stage, done, total)` → `[  41.2s] cases 3/12` lines on stderr (elapsed since the start).
+
+    A stage's first line and its last (done == total) always print; the steps between, at most
+    every `interval_s` per stage; the same (stage, done, total) twice in a row prints once."""
+
+    def __init__(self, interval_s: float = PLAIN_INTERVAL_S, clock: Callable[[], float] = time.monotonic):
+        self.interval_s = interval_s
+        self.clock = clock
+        self.start = clock()
+        self.last_at: dict[str, float] = {}
+        self.last_line: tuple[str, int, int] | None = None
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        now = self.clock()
+        key = (stage, done, total)
+        due = (stage not in self.last_at or done >= total
+               or now - self.last_at[stage] >= self.interval_s)
+        if not due or key == self.last_line:
+            return
+        self.last_at[stage], self.last_line = now, key
+        stream = sys.stderr  # looked up per line: the one in force now (tests swap it)
+        stream.write(f"[{now - self.start:7.1f}s] {stage} {done}/{total}\n")
+        stream.flush()
+
 
 @contextlib.contextmanager
-def progress_bar() -> Iterator:
-    """Yields a callback `(stage, done, total)`; one bar per stage."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+def progress_bar() -> Iterator[Progress]:
+    """Yields a callback `(stage, done, total)`: one rich bar per stage on a terminal, else
+    `PlainProgress` lines."""
     console = err_console()
+    if not console.is_terminal:
+        yield PlainProgress()
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress as RichProgress
+
     bars: dict[str, int] = {}
-    with Progress(TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True,
-                  disable=not console.is_terminal) as prog:
+    with RichProgress(TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True) as prog:
         def update(stage: str, done: int, total: int) -> None:
             if stage not in bars:
                 bars[stage] = prog.add_task(stage, total=total)
             prog.update(bars[stage], completed=done, total=total)
 
         yield update
+
+
+def say(message: str) -> None:
+    """A one-off progress message (a GGUF file being converted) on stderr, as the lines above."""
+    err_console().print(message, style="dim", highlight=False, markup=False, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def step(progress: Progress | None, stage: str) -> Iterator[None]:
+    """One step of work without steps of its own: `stage 0/1` before, `stage 1/1` after."""
+    if progress:
+        progress(stage, 0, 1)
+    yield
+    if progress:
+        progress(stage, 1, 1)

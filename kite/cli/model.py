@@ -30,7 +30,9 @@ def info(
     from kite.model.loader import load_config_only
 
     model = model_spec(model)
-    source, folder, config = load_config_only(model, progress=lambda m: console().print(f"[dim]{m}[/]"))
+    from kite.cli._progress import say
+
+    source, folder, config = load_config_only(model, progress=say)   # stderr: not in --json stdout
     geo = geometry_from_config(config)
     fps = fingerprints(folder, Path(adapter) if adapter else None)
     report = {

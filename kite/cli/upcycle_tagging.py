@@ -78,29 +78,34 @@ def eval_tagging(
 
     import torch
 
+    from kite.cli._progress import progress_bar, say, step
     from kite.model import load_model
     from kite.upcycle import ClauseTagger, calibration_set, evaluate_queries, evaluate_tagging
 
-    loaded = load_model(model)
-    with torch.inference_mode():
+    with progress_bar() as progress, torch.inference_mode():
+        with step(progress, "model"):
+            loaded = load_model(model, progress=say)
         t0 = time.perf_counter()
-        tagger = ClauseTagger.fit(loaded.model, loaded.tokenizer, ex)
+        with step(progress, "fit tagger"):
+            tagger = ClauseTagger.fit(loaded.model, loaded.tokenizer, ex)
         fit_s = time.perf_counter() - t0
         calib = calibration_set(tagger.labels)
         if calib:
-            tagger.fit_queries(loaded.model, loaded.tokenizer, calib)
+            with step(progress, "fit query head"):
+                tagger.fit_queries(loaded.model, loaded.tokenizer, calib)
         query_fit_s = time.perf_counter() - t0 - fit_s
         if records:
             report = evaluate_tagging(loaded.model, loaded.tokenizer, records, ex, tagger=tagger,
-                                      mode=mode_key)
+                                      mode=mode_key, progress=progress)
         else:
             report = {"labels": tagger.labels, "method": tagger.method,
                       "embedding_layers": tagger.embedding_layers,
                       "temperature": tagger.temperature, "examples": len(ex),
                       "validation": {k: v for k, v in tagger.validation.items() if k != "trials"}}
         if query_records is not None:
-            report["queries"] = evaluate_queries(loaded.model, loaded.tokenizer, tagger,
-                                                 query_records)
+            with step(progress, "queries"):
+                report["queries"] = evaluate_queries(loaded.model, loaded.tokenizer, tagger,
+                                                     query_records)
             report["queries_file"] = str(queries)
     report["fit_s"] = round(fit_s, 2)
     report["query_fit_s"] = round(query_fit_s, 2)

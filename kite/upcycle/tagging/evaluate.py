@@ -29,6 +29,7 @@ def evaluate_tagging(model, tokenizer, cases: Sequence[dict], examples: Sequence
     then per mode ("standalone" / "in_document"): {"n", "correct", "accuracy", "per_label":
     {label: {n, correct, accuracy}}, "confusion": {true: {predicted: count}},
     "mean_confidence", "mean_confidence_correct", "mean_confidence_wrong", "s"}}.
+    `progress(stage, done, total)`: standalone as one step, in-document after each contract.
     """
     if mode not in MODES:
         raise BadInput(f"mode {mode!r}: expected one of {', '.join(MODES)}")
@@ -54,7 +55,11 @@ def evaluate_tagging(model, tokenizer, cases: Sequence[dict], examples: Sequence
     if mode in ("standalone", "both"):
         t0 = time.perf_counter()
         texts = [c["text"][s["start"]:s["end"]] for c, s in truth]
+        if progress:
+            progress("standalone", 0, 1)
         preds = tagger.tag_texts(model, tokenizer, texts)
+        if progress:
+            progress("standalone", 1, 1)
         report["standalone"] = _score(y, preds, tagger.labels, time.perf_counter() - t0)
     if mode in ("in_document", "both"):
         if tagger.method == "prompt":
@@ -62,10 +67,10 @@ def evaluate_tagging(model, tokenizer, cases: Sequence[dict], examples: Sequence
         t0 = time.perf_counter()
         preds = []
         for k, case in enumerate(cases):
-            if progress:
-                progress("in-document", k, len(cases))
             E = embed_spans_in_document(tagger, model, tokenizer, case["text"], case["spans"])
             preds.extend(tagger.predict_embeddings(E))
+            if progress:
+                progress("in-document", k + 1, len(cases))
         report["in_document"] = _score(y, preds, tagger.labels, time.perf_counter() - t0)
     return report
 

@@ -1,0 +1,105 @@
+"""Output a CI log can use: progress lines off a terminal (on stderr, never in `--json` stdout),
+nothing cut at 80 columns, and Ctrl-C saying what was interrupted and what was kept (exit 130)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from kite.cli.main import app
+from tests.tiny_models import CORPUS
+
+runner = CliRunner()
+PROGRESS_LINE = re.compile(r"^\[\s*\d+\.\d+s\] (?P<stage>.+) (?P<done>\d+)/(?P<total>\d+)$")
+
+
+def _progress(stderr: str) -> list[tuple[str, int, int]]:
+    """The progress lines of a run's stderr as (stage, done, total)."""
+    return [(m["stage"], int(m["done"]), int(m["total"]))
+            for m in map(PROGRESS_LINE.match, stderr.splitlines()) if m]
+
+
+@pytest.fixture()
+def upcycle_cfg(tmp_path):
+    cfg = tmp_path / "upcycle.yaml"
+    cfg.write_text("compression: {svd_ratio: 0.25, cluster_num: 2, min_span_tokens: 6, max_span_tokens: 14}\n"
+                   "semantic_tagging: {generated_examples_per_label: 0}\n")
+    return cfg
+
+
+@pytest.fixture()
+def doc(tmp_path):
+    path = tmp_path / "doc.txt"
+    path.write_text(CORPUS.replace(". ", ".\n\n"))
+    return path
+
+
+# --- 6. progress off a terminal -------------------------------------------------------------
+
+def test_plain_progress_prints_first_and_last_step_and_at_most_every_interval(capsys):
+    from kite.cli._progress import PlainProgress
+
+    now = [0.0]
+    p = PlainProgress(interval_s=5.0, clock=lambda: now[0])
+    for done in range(1, 11):   # ten steps, one a second
+        now[0] += 1.0
+        p("prefill", done, 10)
+    p("prefill", 10, 10)   # the same step again: not a second line
+    now[0] += 0.1
+    p("compress", 1, 3)
+    lines = _progress(capsys.readouterr().err)
+    assert lines == [("prefill", 1, 10), ("prefill", 6, 10), ("prefill", 10, 10), ("compress", 1, 3)]
+
+
+def test_compress_prints_progress_lines_on_stderr_and_only_json_on_stdout(tiny_models, tmp_path, upcycle_cfg,
+                                                                          doc, one_thread):
+    r = runner.invoke(app, ["upcycle", "compress", "--model", str(tiny_models["llama"]), "--input", str(doc),
+                            "--output", str(tmp_path / "d.upc"), "--config", str(upcycle_cfg), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["n_tokens"] > 0   # stdout is the JSON document alone
+    stages = {stage: (done, total) for stage, done, total in _progress(r.stderr)}
+    assert stages["prefill"][0] == stages["prefill"][1] > 0   # each stage's last step is shown
+    assert stages["compress"][0] == stages["compress"][1] == 3   # the tiny model's 3 layers
+
+
+def test_eval_reports_its_full_context_pass_and_passkey_depths(tiny_models, upcycle_cfg, doc, one_thread):
+    r = runner.invoke(app, ["upcycle", "eval", "--model", str(tiny_models["llama"]), "--input", str(doc),
+                            "--config", str(upcycle_cfg), "--context-tokens", "120", "--continuation-tokens", "20",
+                            "--probe", "passkey", "--json"])
+    assert r.exit_code == 0, r.output
+    json.loads(r.stdout)
+    lines = _progress(r.stderr)
+    assert ("full context", 1, 1) in lines and ("passkey", 3, 3) in lines
+    assert {"prefill", "compress"} <= {stage for stage, _, _ in lines}
+
+
+def test_eval_tagging_reports_every_step(tiny_models, tmp_path, one_thread):
+    from kite.data import generate_contracts, to_jsonl
+
+    cases = tmp_path / "cases.jsonl"
+    cases.write_text(to_jsonl(generate_contracts(2, 90, 0)))
+    r = runner.invoke(app, ["upcycle", "eval-tagging", "--model", str(tiny_models["llama"]), "--cases", str(cases),
+                            "--examples-per-label", "2", "--mode", "standalone", "--json"])
+    assert r.exit_code == 0, r.output
+    json.loads(r.stdout)
+    lines = _progress(r.stderr)
+    for step in ("model", "fit tagger", "fit query head", "standalone"):
+        assert (step, 1, 1) in lines, lines
+
+
+def test_a_model_conversion_message_goes_to_stderr_not_into_json(tiny_models, monkeypatch):
+    from kite.model import loader
+
+    real = loader.load_config_only
+
+    def converting(spec, progress=None):
+        progress("converting model.gguf to safetensors (once)")
+        return real(spec)
+
+    monkeypatch.setattr(loader, "load_config_only", converting)
+    r = runner.invoke(app, ["model", "info", "--model", str(tiny_models["llama"]), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["n_layers"] == 3 and "converting model.gguf" in r.stderr
