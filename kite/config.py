@@ -12,6 +12,15 @@ read as YAML scalars, except that string and path keys take the text as it is (a
 stays `0123`) and boolean keys take 1/0, true/false, yes/no, on/off.
 
 Importing this module does not import torch.
+
+Why not pydantic-settings and ruamel.yaml (issue 13 asked; both were tried against
+tests/test_config.py): pydantic-settings merges the layers and reads `KITE_A__B` names, but an
+unknown section's variable (`KITE_SERVR__PORT`) passes silently, its errors name the key rather
+than the variable, and it records no origin per key, so the variable scan, the origins and the
+per-layer messages below would all stay. ruamel.yaml's round trip (in place of `_edited`) re-indents
+sections and moves trailing comments the user did not touch, writes untouched `null`s as empty
+values unless told otherwise, reads YAML 1.2 (`yes`, `on` would stop being booleans), and wrote
+`server: {port: 9000, host: ::1}`, which PyYAML, and so `kite`, refuses to read back.
 """
 
 from __future__ import annotations
