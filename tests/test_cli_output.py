@@ -103,3 +103,53 @@ def test_a_model_conversion_message_goes_to_stderr_not_into_json(tiny_models, mo
     r = runner.invoke(app, ["model", "info", "--model", str(tiny_models["llama"]), "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["n_layers"] == 3 and "converting model.gguf" in r.stderr
+
+
+# --- 7. nothing cut at 80 columns -----------------------------------------------------------
+
+def _commands(group, path=()):
+    import click
+
+    for name, cmd in group.commands.items():
+        yield (*path, name)
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, (*path, name))
+
+
+def test_no_help_text_is_cut_off_a_terminal():
+    import typer
+
+    root = typer.main.get_command(app)
+    cut = {}
+    for path in [(), *_commands(root)]:
+        r = runner.invoke(app, [*path, "--help"])
+        assert r.exit_code == 0, (path, r.output)
+        if "…" in r.output:
+            cut[" ".join(path)] = [line for line in r.output.splitlines() if "…" in line]
+    assert not cut
+
+
+def test_yoco_fields_are_whole_off_a_terminal_and_fold_at_an_explicit_columns():
+    from kite.yoco.signals import SIGNAL_FIELDS
+
+    r = runner.invoke(app, ["yoco", "fields"])
+    assert r.exit_code == 0
+    rows = {line.split()[0]: line for line in r.stdout.splitlines()[1:] if line.strip()}
+    for f in SIGNAL_FIELDS.values():   # one line per field: name, type, unit and the whole meaning
+        assert f.name in rows and rows[f.name].rstrip().endswith(f.doc), rows.get(f.name)
+    narrow = runner.invoke(app, ["yoco", "fields"], env={"COLUMNS": "60"})
+    assert narrow.exit_code == 0 and "…" not in narrow.stdout
+    assert max(map(len, narrow.stdout.splitlines())) <= 60
+    # wrapped and folded onto more lines, never cut: the same characters as the wide table
+    assert sorted("".join(narrow.stdout.split())) == sorted("".join(r.stdout.split()))
+
+
+def test_long_lines_are_not_wrapped_off_a_terminal(capsys, monkeypatch):
+    """A rich print off a terminal stays one line however long (a log is not wrapped at 80)."""
+    import kite.cli._common as common
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(common, "_console", None)
+    long = "x" * 150 + " " + "y" * 150
+    common.console().print(long, highlight=False)
+    assert capsys.readouterr().out == long + "\n"

@@ -1,4 +1,5 @@
-"""What every command shares: JSON output, the console, exit codes, typo suggestions."""
+"""What every command shares: JSON output, the consoles and their width, exit codes, typo
+suggestions."""
 
 from __future__ import annotations
 
@@ -19,23 +20,73 @@ _console = None
 _err_console = None
 
 
+# Off a terminal (a CI log, a file, a pipe) rich would wrap and cut at 80 columns: there lines
+# are not wrapped (tables take the width their values need) unless COLUMNS gives a width.
+OFF_TTY_WIDTH = 10_000
+# typer draws help and usage errors in boxes as wide as the console: off a terminal, this wide
+# (every option's help fits unwrapped words; COLUMNS or TERMINAL_WIDTH still win).
+OFF_TTY_HELP_WIDTH = 120
+
+
+def _columns_given() -> bool:
+    import os
+
+    return os.environ.get("COLUMNS", "").strip().isdigit()
+
+
+def _make_console(stderr: bool):
+    from rich.console import Console
+
+    c = Console(stderr=stderr)
+    if not c.is_terminal and not _columns_given():
+        c.width = OFF_TTY_WIDTH
+    c.push_render_hook(_FoldTables())
+    return c
+
+
+class _FoldTables:
+    """A rich render hook: table cells fold a value too long for its column onto the next line,
+    never cut it with an ellipsis (rich's default), at whatever width the console has."""
+
+    def process_renderables(self, renderables):
+        from rich.table import Table
+
+        for r in renderables:
+            if isinstance(r, Table):
+                for col in r.columns:
+                    if col.overflow == "ellipsis":
+                        col.overflow = "fold"
+        return renderables
+
+
 def console():
-    """The stdout console (rich), made on first use."""
+    """The stdout console (rich), made on first use in each command run."""
     global _console
     if _console is None:
-        from rich.console import Console
-
-        _console = Console()
+        _console = _make_console(stderr=False)
     return _console
 
 
 def err_console():
+    """The stderr console: errors, warnings, progress."""
     global _err_console
     if _err_console is None:
-        from rich.console import Console
-
-        _err_console = Console(stderr=True)
+        _err_console = _make_console(stderr=True)
     return _err_console
+
+
+@contextlib.contextmanager
+def _help_width() -> Iterator[None]:
+    """Typer's help and usage errors off a terminal: OFF_TTY_HELP_WIDTH wide, not 80."""
+    import typer.rich_utils as rich_utils
+
+    before = rich_utils.MAX_WIDTH
+    if before is None and not _columns_given() and not sys.stdout.isatty():
+        rich_utils.MAX_WIDTH = OFF_TTY_HELP_WIDTH
+    try:
+        yield
+    finally:
+        rich_utils.MAX_WIDTH = before
 
 
 def emit_json(obj: Any) -> None:
@@ -46,6 +97,14 @@ def emit_json(obj: Any) -> None:
 
 class SuggestingGroup(TyperGroup):
     """A command group (typer suggests "did you mean" for typos) whose errors are one red line."""
+
+    def main(self, *args, **kwargs):
+        # `kite ...` and typer's CliRunner both enter here: each run makes its consoles for the
+        # streams and COLUMNS in force now.
+        global _console, _err_console
+        _console = _err_console = None
+        with _help_width():
+            return super().main(*args, **kwargs)
 
     def invoke(self, ctx):
         # Every command's errors become one red line and an exit code, the same under
