@@ -145,6 +145,68 @@ def test_failing_or_interrupted_run_keeps_finished_cases(setup, monkeypatch, exc
     assert len(res["cases"]) == 1 and not res["complete"] and res["error"] == error
     runs = parse_json(runner.invoke(app, ["bench", "history", "--json"]).output)["runs"]
     assert len(runs) == 1 and runs[0]["complete"] is False and runs[0]["cases"] == 1
+    assert runs[0]["status"] == ("interrupted" if code == 130 else "error")
+    assert runs[0]["interrupted"] is (code == 130)
+    assert runs[0]["completed_cases"] == ["a/q0"] and runs[0]["cases_total"] == 2
+
+
+def _interrupt_case(monkeypatch, n: int) -> None:
+    """Ctrl-C in the n-th call of the window baseline's answer (one call a case)."""
+    from kite.bench import methods
+
+    calls = {"n": 0}
+    real = methods.KeepLastWindow.answer
+
+    def interrupted(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(methods.KeepLastWindow, "answer", interrupted)
+
+
+def test_interrupted_run_is_recorded_once_and_shown_as_interrupted(setup, monkeypatch):
+    _interrupt_case(monkeypatch, 2)
+    r = _run(setup, "--baselines", "window")
+    assert r.exit_code == 130
+    # a second run, interrupted before its first case, leaves the first run's results file in
+    # place: that run is not recorded again, and this one recorded no case
+    from kite.bench import runner as bench_runner
+
+    def no_lengths(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_runner, "check_lengths", no_lengths)
+    again = _run(setup, "--baselines", "window")
+    assert again.exit_code == 130
+    runs = json.loads(runner.invoke(app, ["bench", "history", "--json"]).stdout)["runs"]
+    assert [(x["status"], x["cases"], x["cases_total"]) for x in runs] == [("interrupted", 1, 2)]
+    table = runner.invoke(app, ["bench", "history"]).stdout
+    row = next(line for line in table.splitlines() if runs[0]["run_id"] in line)
+    assert " interrupted " in row and " 1/2 " in row, table
+
+
+def test_history_reads_each_run_once_with_its_status_old_lines_too(kite_home):
+    from kite.bench.history import append_run, history_path, read_history
+
+    base = {"started_at": "t0", "finished_at": "t1", "model": {"spec": "m", "fingerprint": "kite-fp1:" + "ab" * 8},
+            "cases": 1, "figures": {"fused": {"f1": 0.5}}}
+    old_lines = [  # written before `status`; the interrupted run twice, as the old CLI recorded it
+        {**base, "run_id": "r1", "complete": True, "passed": True, "error": None},
+        {**base, "run_id": "r2", "complete": False, "passed": False, "error": "interrupted (Ctrl-C)"},
+        {**base, "run_id": "r2", "complete": False, "passed": False, "error": "interrupted (Ctrl-C)"},
+        {**base, "run_id": "r3", "complete": False, "passed": False, "error": "case x: RuntimeError: boom"},
+        {**base, "run_id": "r4", "complete": True, "passed": False, "error": None},
+    ]
+    history_path().parent.mkdir(parents=True)
+    history_path().write_text("".join(json.dumps(x) + "\n" for x in old_lines))
+    runs = read_history()
+    assert [(x["run_id"], x["status"], x["interrupted"]) for x in runs] == [
+        ("r1", "passed", False), ("r2", "interrupted", True), ("r3", "error", False), ("r4", "failed", False)]
+    append_run({**runs[0], "finished_at": "t2"})   # the same run again: replaced, not added
+    assert [x["run_id"] for x in read_history()] == ["r2", "r3", "r4", "r1"]
+    assert len(history_path().read_text().splitlines()) == 4
 
 
 def _bad(setup, lines: list[str] | None = None, *extra, thresholds=None):

@@ -118,8 +118,13 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
-    """Run the benchmark; returns the result document (also written to `s.output`)."""
+def run_bench(s: BenchSettings, progress: Progress | None = None,
+              record: Callable[[dict], None] | None = None) -> dict:
+    """Run the benchmark; returns the result document (also written to `s.output`).
+
+    Once the cases start, the run ends in exactly one result document, however it ends: complete,
+    a case failing (its exception re-raised) or Ctrl-C (`interrupted`, KeyboardInterrupt
+    re-raised); `record` (e.g. the history's append) is called once with it."""
     import torch
 
     from kite.bench import report
@@ -172,14 +177,14 @@ def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
         "model": {"spec": str(lm.source.spec), "fingerprint": lm.fingerprints.combined,
                   "geometry": lm.geometry.to_dict()},
         "machine": machine_info(lm.device), "methods": all_names, "notes": notes,
-        "cases": [], "summary": {}, "thresholds": [], "thresholds_source": th_source, "passed": None,
-        "targets": [],
+        "cases": [], "cases_total": len(cases), "interrupted": False, "summary": {}, "thresholds": [],
+        "thresholds_source": th_source, "passed": None, "targets": [],
     }
     gen = dict(max_new_tokens=s.max_new_tokens, temperature=0.0)
     docs: dict = {}
     t_run = time.perf_counter()
 
-    def finish(error: str | None) -> dict:
+    def finish(error: str | None, interrupted: bool = False) -> dict:
         rows = result["cases"]
         result["summary"] = report.summarize(rows, all_names) if rows else {}
         fused = result["summary"].get("fused", {}) if rows else {}
@@ -189,11 +194,13 @@ def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
         result["thresholds"] = evaluate(thresholds, figures)
         result["passed"] = bool(rows) and error is None and all(t["pass"] for t in result["thresholds"])
         result["targets"] = report.targets(result["summary"]) if rows else []
-        result["error"] = error
+        result["error"], result["interrupted"] = error, interrupted
         result["complete"] = error is None and len(rows) == len(cases)
         result["finished_at"] = _now()
         result["wall_s"] = round(time.perf_counter() - t_run, 1)
         write_result(s.output, result)
+        if record is not None:
+            record(result)
         return result
 
     try:
@@ -257,7 +264,7 @@ def run_bench(s: BenchSettings, progress: Progress | None = None) -> dict:
             if progress:
                 progress("cases", i + 1, len(cases))
     except KeyboardInterrupt:
-        finish("interrupted (Ctrl-C)")
+        finish("interrupted (Ctrl-C)", interrupted=True)
         raise
     except Exception as exc:
         finish(f"case {case.id}: {type(exc).__name__}: {exc}")

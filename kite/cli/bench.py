@@ -88,21 +88,14 @@ def run(
         import torch
 
         torch.set_num_threads(threads)
-    result = None
-    try:
-        with progress_bar() as progress:
-            result = run_bench(s, progress)
-    finally:
-        if result is None and output.exists():
-            import json
+    ended: list[dict] = []   # the run's one result, however it ends: recorded once
 
-            try:  # a partial run: record what it finished
-                partial = json.loads(output.read_text())
-                if partial.get("cases") and partial.get("error"):
-                    append_run(record_of(partial, str(output)))
-            except (ValueError, OSError, KeyError):
-                pass
-    append_run(record_of(result, str(output)))
+    def record(result: dict) -> None:
+        ended.append(result)
+        append_run(record_of(result, str(output)))
+
+    with progress_bar() as progress:
+        result = run_bench(s, progress, record=record)
     plots = []
     if plot is not None:
         from kite.bench.plots import write_plots
@@ -189,14 +182,20 @@ def history(
         return
     from rich.table import Table
 
-    t = Table("run", "finished", "model", "cases", "passed", "fused F1", "full F1", "fused TTFT ms",
-              "full TTFT ms", box=None)
+    t = Table("run", "finished", "model", "status", "cases", "fused F1", "full F1", "fused TTFT ms",
+              "full TTFT ms", box=None, caption="figures are over the cases that finished" if any(
+                  r.get("cases_total") not in (None, r["cases"]) for r in runs) else None)
     for r in runs:
         f, g = r["figures"].get("fused", {}), r["figures"].get("full", {})
-        t.add_row(r["run_id"], str(r["finished_at"]), r["model"]["fingerprint"][9:21], str(r["cases"]),
-                  {True: "[green]yes[/]", False: "[red]no[/]"}.get(r["passed"], "-"),
+        total = r.get("cases_total")
+        t.add_row(r["run_id"], str(r["finished_at"]), r["model"]["fingerprint"][9:21],
+                  f"[{_STATUS_COLOUR[r['status']]}]{r['status']}[/]",
+                  f"{r['cases']}/{total}" if total is not None else str(r["cases"]),
                   _n(f.get("f1")), _n(g.get("f1")), _n(f.get("ttft_ms"), ".0f"), _n(g.get("ttft_ms"), ".0f"))
     out.print(t)
+
+
+_STATUS_COLOUR = {"passed": "green", "failed": "red", "error": "red", "interrupted": "yellow"}
 
 
 def _n(x, fmt=".3f") -> str:
