@@ -74,7 +74,7 @@ def _run(setup, *extra, thresholds: str | None = None):
             "--upcycle-config", str(setup["cfg"]), "--yoco-rules", str(setup["rules"]), "--cases", str(setup["cases"]),
             "--output", str(tmp / "results.json"), "--thresholds", str(th),
             "--max-new-tokens", "4", *extra]
-    return runner.invoke(app, args)
+    return runner.invoke(app, args, prog_name="kite")
 
 
 def test_run_all_methods_fields_equal_bytes_history(setup):
@@ -170,6 +170,9 @@ def test_interrupted_run_is_recorded_once_and_shown_as_interrupted(setup, monkey
     _interrupt_case(monkeypatch, 2)
     r = _run(setup, "--baselines", "window")
     assert r.exit_code == 130
+    said = r.stderr.strip().splitlines()[-1]
+    assert said.startswith("interrupted (Ctrl-C): kite bench run: 1 of 2 cases finished (a/q0)"), said
+    assert str(setup["tmp"] / "results.json") in said
     # a second run, interrupted before its first case, leaves the first run's results file in
     # place: that run is not recorded again, and this one recorded no case
     from kite.bench import runner as bench_runner
@@ -179,7 +182,7 @@ def test_interrupted_run_is_recorded_once_and_shown_as_interrupted(setup, monkey
 
     monkeypatch.setattr(bench_runner, "check_lengths", no_lengths)
     again = _run(setup, "--baselines", "window")
-    assert again.exit_code == 130
+    assert again.exit_code == 130 and "no case had started" in again.stderr
     runs = json.loads(runner.invoke(app, ["bench", "history", "--json"]).stdout)["runs"]
     assert [(x["status"], x["cases"], x["cases_total"]) for x in runs] == [("interrupted", 1, 2)]
     table = runner.invoke(app, ["bench", "history"]).stdout

@@ -153,3 +153,81 @@ def test_long_lines_are_not_wrapped_off_a_terminal(capsys, monkeypatch):
     long = "x" * 150 + " " + "y" * 150
     common.console().print(long, highlight=False)
     assert capsys.readouterr().out == long + "\n"
+
+
+# --- 8. Ctrl-C ----------------------------------------------------------------------------------
+
+def test_ctrl_c_in_compress_says_nothing_was_written_and_exits_130(tiny_models, tmp_path, upcycle_cfg, doc,
+                                                                   monkeypatch):
+    from kite.upcycle import compress as compress_mod
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compress_mod, "capture", interrupted)
+    out = tmp_path / "d.upc"
+    r = runner.invoke(app, ["upcycle", "compress", "--model", str(tiny_models["llama"]), "--input", str(doc),
+                            "--output", str(out), "--config", str(upcycle_cfg)], prog_name="kite")
+    assert r.exit_code == 130
+    lines = [line for line in r.stderr.splitlines() if line.startswith("interrupted")]
+    assert len(lines) == 1 and "kite upcycle compress" in lines[0] and str(out) in lines[0], r.stderr
+    assert not out.exists() and not list(tmp_path.glob(".d.upc.*"))
+
+
+def test_ctrl_c_elsewhere_names_the_command_and_the_default_kept(monkeypatch):
+    from kite.cli._common import KEPT_BY_DEFAULT
+    from kite.yoco import signals
+
+    class Interrupting(dict):
+        def values(self):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(signals, "SIGNAL_FIELDS", Interrupting())
+    r = runner.invoke(app, ["yoco", "fields"], prog_name="kite")
+    assert r.exit_code == 130
+    assert r.stderr.strip() == f"interrupted (Ctrl-C): kite yoco fields: {KEPT_BY_DEFAULT}"
+
+
+def test_ctrl_c_in_migrate_says_the_folder_is_half_migrated_and_how_to_resume_or_roll_back(
+        tiny_models, tmp_path, monkeypatch):
+    import shlex
+
+    from kite.model import load_model
+    from kite.model.fingerprint import fingerprints, short
+    from kite.upcycle import codec
+    from kite.upcycle import migration as mig
+    from kite.upcycle.compress import CompressSettings, compress_document
+    from kite.upcycle.format import StateFile
+    from tests.tiny_models import make_tiny_model
+
+    a = load_model(str(tiny_models["llama"]), device="cpu")
+    b_dir = make_tiny_model(tmp_path / "model-b", "llama", seed=9)
+    states = tmp_path / "states"
+    states.mkdir()
+    settings = CompressSettings(codec=codec.settings_for("exact"), n_clusters=2, min_span_tokens=8)
+    compress_document(a, CORPUS, states / "one.upc", settings)
+    compress_document(a, CORPUS[:400], states / "two.upc", settings)
+    old, new = short(a.fingerprints.combined), short(fingerprints(b_dir).combined)
+    real, calls = mig.rewrite_header, {"n": 0}
+
+    def crash_on_second(src, dest, meta):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(src, dest, meta)
+
+    monkeypatch.setattr(mig, "rewrite_header", crash_on_second)
+    args = ["upcycle", "migrate", "--old-model-fingerprint", old, "--new-model-fingerprint", new,
+            "--upcycle-dir", str(states)]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 130
+    line = r.stderr.strip()
+    assert "\n" not in line and "half-migrated (1 states moved" in line, line
+    resume, rollback = re.findall(r"`([^`]+)`", line)
+    assert shlex.split(resume)[1:] == args and shlex.split(rollback)[1:] == [
+        "upcycle", "migrate", "--rollback", "--upcycle-dir", str(states)]
+    monkeypatch.setattr(mig, "rewrite_header", real)
+    again = runner.invoke(app, shlex.split(resume)[1:] + ["--json"])   # the printed command resumes it
+    assert again.exit_code == 0, again.output
+    assert not (states / mig.JOURNAL).exists()
+    assert all(short(StateFile(p).meta["fingerprints"]["combined"]) == new for p in states.glob("*.upc"))

@@ -1,4 +1,4 @@
-"""What every command shares: JSON output, the consoles and their width, exit codes, typo
+"""What every command shares: JSON output, the consoles and their width, exit codes, Ctrl-C, typo
 suggestions."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from os import PathLike
 from typing import Any
 
@@ -113,7 +113,8 @@ class SuggestingGroup(TyperGroup):
             return super().invoke(ctx)
         except (typer_exc.TyperException, typer_exc.Exit, typer_exc.Abort):
             raise
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
+            report_interrupt(exc, " ".join(filter(None, (ctx.command_path.strip(), ctx.invoked_subcommand))))
             raise typer.Exit(130)
         except Exception as exc:  # noqa: BLE001 - this is the one place errors are reported
             raise typer.Exit(report_error(exc))
@@ -147,6 +148,36 @@ def report_error(exc: BaseException) -> int:
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     err_console().print(f"[bold red]error:[/] {first}", highlight=False, markup=True, soft_wrap=True)
     return code
+
+
+# What Ctrl-C keeps when a command says nothing more (invariant 4: kite.atomic).
+KEPT_BY_DEFAULT = "no file is left half-written (KITE writes each file whole, then renames it)"
+
+
+def report_interrupt(exc: KeyboardInterrupt, what: str) -> None:
+    """Ctrl-C's one line on stderr: what was interrupted and what was kept (the notes `kept_on_interrupt`
+    added, else KEPT_BY_DEFAULT)."""
+    from rich.markup import escape
+
+    kept = "; ".join(getattr(exc, "__notes__", None) or [KEPT_BY_DEFAULT])
+    err_console().print(f"[bold yellow]interrupted[/] (Ctrl-C): {escape(what)}: {escape(kept)}",
+                        highlight=False, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def kept_on_interrupt(kept: str | Callable[[], str]) -> Iterator[None]:
+    """Inside, Ctrl-C's line says `kept` (what the command kept, how to resume or undo) instead of
+    the default; a callable is asked when the interrupt comes."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        try:
+            note = kept() if callable(kept) else kept
+        except Exception:  # noqa: BLE001 - a note that cannot be made must not hide the interrupt
+            note = None
+        if note:
+            exc.__notes__ = [*getattr(exc, "__notes__", ()), note]  # add_note, on Python 3.10 too
+        raise
 
 
 @contextlib.contextmanager

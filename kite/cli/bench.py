@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kite.cli._common import JsonOpt, console, emit_json, model_spec, new_app, user_config
+from kite.cli._common import JsonOpt, console, emit_json, kept_on_interrupt, model_spec, new_app, user_config
 from kite.errors import BadInput
 
 app = new_app(
@@ -94,7 +94,7 @@ def run(
         ended.append(result)
         append_run(record_of(result, str(output)))
 
-    with progress_bar() as progress:
+    with kept_on_interrupt(lambda: _kept(ended, output)), progress_bar() as progress:
         result = run_bench(s, progress, record=record)
     plots = []
     if plot is not None:
@@ -107,6 +107,17 @@ def run(
         _print(result, output, plots)
     if not result["passed"]:
         raise typer.Exit(1)
+
+
+def _kept(ended: list[dict], output: Path) -> str:
+    """What an interrupted `bench run` kept."""
+    if not ended:
+        return f"no case had started; nothing recorded, {output} not written"
+    r = ended[-1]
+    done = [row["id"] for row in r["cases"]]
+    which = f" ({', '.join(done)})" if done else ""
+    return (f"{len(done)} of {r['cases_total']} cases finished{which}: kept in {output}, recorded in "
+            "`kite bench history` as interrupted")
 
 
 def _print(result: dict, output: Path, plots: list[str]) -> None:

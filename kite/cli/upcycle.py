@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kite.cli._common import JsonOpt, console, emit_json, model_spec, new_app, user_config
+from kite.cli._common import JsonOpt, console, emit_json, kept_on_interrupt, model_spec, new_app, user_config
 from kite.errors import BadInput
 
 app = new_app("Turn a document's KV cache into a .upc state; inspect, evaluate, migrate.")
@@ -60,7 +60,8 @@ def compress(
     from kite.cli._progress import progress_bar
     from kite.upcycle import open_pipeline
 
-    with progress_bar() as progress:   # the config and the flags are checked before the model loads
+    kept = f"nothing written to {output} (a state is written whole, then renamed into place)"
+    with kept_on_interrupt(kept), progress_bar() as progress:   # config and flags checked before the model loads
         pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress,
                              kept_fraction=user_config().features.upcycle_compression_ratio)
         result = pipe.compress(text, output, source_name=name, progress=progress)
@@ -180,7 +181,8 @@ def migrate_cmd(
     from kite.yoco.health import HealthStore
 
     if rollback:
-        report = rollback_migration(upcycle_dir)
+        with kept_on_interrupt(lambda: _rollback_kept(upcycle_dir)):
+            report = rollback_migration(upcycle_dir)
     else:
         if not old_model_fingerprint or not new_model_fingerprint:
             raise BadInput("give --old-model-fingerprint and --new-model-fingerprint (or --rollback)")
@@ -192,9 +194,13 @@ def migrate_cmd(
 
             _, folder, config = load_config_only(new_model)
             fps, geometry = fingerprints(folder), geometry_from_config(config)
-        report = migrate_states(upcycle_dir, old_model_fingerprint, new_model_fingerprint, new_fps=fps,
-                             new_geometry=geometry, force=force, dry_run=dry_run,
-                             health=None if dry_run else HealthStore())
+        resume = ["kite", "upcycle", "migrate", "--old-model-fingerprint", old_model_fingerprint,
+                  "--new-model-fingerprint", new_model_fingerprint, "--upcycle-dir", str(upcycle_dir),
+                  *(["--new-model", new_model] if new_model is not None else []), *(["--force"] if force else [])]
+        with kept_on_interrupt(lambda: _migrate_kept(upcycle_dir, resume, dry_run)):
+            report = migrate_states(upcycle_dir, old_model_fingerprint, new_model_fingerprint, new_fps=fps,
+                                    new_geometry=geometry, force=force, dry_run=dry_run,
+                                    health=None if dry_run else HealthStore())
     if json_out:
         emit_json(report.to_dict())
     else:
@@ -208,6 +214,31 @@ def migrate_cmd(
             out.print(f"no .upc states in {upcycle_dir}")
     if any(f.action == "refuse" for f in report.files):
         raise typer.Exit(1)
+
+
+def _migrate_kept(folder: Path, resume: list[str], dry_run: bool) -> str:
+    """What an interrupted migration left, from the folder's journal, and how to go on or back."""
+    import shlex
+
+    from kite.upcycle import pending_migration
+
+    pending = None if dry_run else pending_migration(folder)
+    if pending is None:
+        return f"no state in {folder} was changed"
+    return (f"{folder} may be half-migrated ({pending['done']} states moved to the new fingerprint so far, "
+            f"journal {pending['journal']}): resume with `{shlex.join(resume)}` or roll back with "
+            f"`{shlex.join(['kite', 'upcycle', 'migrate', '--rollback', '--upcycle-dir', str(folder)])}`")
+
+
+def _rollback_kept(folder: Path) -> str:
+    import shlex
+
+    from kite.upcycle import pending_migration
+
+    if pending_migration(folder) is None:
+        return f"the rollback of {folder} had finished"
+    return (f"{folder} may be half rolled back (its journal is kept): finish with "
+            f"`{shlex.join(['kite', 'upcycle', 'migrate', '--rollback', '--upcycle-dir', str(folder)])}`")
 
 
 def _register_eval_tagging() -> None:

@@ -25,7 +25,7 @@ from kite.upcycle.format import FORMAT_VERSION, StateFile, StateWriter, path_ver
 from kite.upcycle.inspect import describe_state
 from kite.upcycle.load import (LOAD_PRECISIONS, SINK_TOKENS, HotTier, LoadReport, check_fingerprints, default_tier,
                                load_prefix, prepare_state, select_clusters)
-from kite.upcycle.migration import MigrationReport, migrate, plan_migration, rollback
+from kite.upcycle.migration import MigrationReport, migrate, pending_migration, plan_migration, rollback
 from kite.upcycle.pipeline import Pipeline, compress_settings, open_pipeline
 from kite.upcycle.rope import apply_rope, remove_rope, rope_cos_sin
 from kite.upcycle.settings import UpcycleConfig, load_upcycle_config
@@ -39,6 +39,6 @@ __all__ = [
     "TagResult", "UpcycleConfig", "WindowCache", "apply_rope", "budget_cache", "build_tagger", "kv_bytes_per_token", "min_budget", "calibration_set",
     "check_budget", "check_fingerprints", "check_probe", "codec", "codec_settings", "compare_logits", "compress_document",
     "compress_settings", "default_tier", "describe_state", "describe_tagger", "evaluate", "evaluate_queries",
-    "evaluate_tagging", "format", "load_prefix", "load_upcycle_config", "migrate", "open_pipeline", "path_version", "plan_migration",
+    "evaluate_tagging", "format", "load_prefix", "load_upcycle_config", "migrate", "open_pipeline", "path_version", "pending_migration", "plan_migration",
     "prepare_state", "remove_rope", "rollback", "rope_cos_sin", "select_clusters", "tokenize_document",
 ]

@@ -170,6 +170,17 @@ def migrate(folder: str | Path, old: str, new: str, *, new_fps=None, new_geometr
     return report
 
 
+def pending_migration(folder: str | Path) -> dict | None:
+    """The unfinished migration `folder`'s journal records, None when there is none:
+    {"old", "new", "journal" (its path), "done" (states moved to the new fingerprint so far)}."""
+    folder = Path(folder)
+    journal = _journal_lines(folder)
+    if not journal:
+        return None
+    return {"old": journal[0].get("old"), "new": journal[0].get("new"), "journal": str(folder / JOURNAL),
+            "done": sum(r.get("step") == "done" for r in journal)}
+
+
 def rollback(folder: str | Path) -> MigrationReport:
     """Undo the finished files of an interrupted migration (the journal says which)."""
     folder = Path(folder)
