@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 import socket
 import threading
 import time
+from pathlib import Path
 from urllib.parse import quote
 
 import httpx
@@ -364,6 +367,127 @@ def test_metrics_and_healthz(live):
     assert rate > 0
     loads = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("kite_yoco_loads_total"))
     assert loads >= 1
+
+
+def _metric(client, name: str, **labels) -> float:
+    """One sample of /metrics (0 when the series does not exist yet)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))  # the exposition sorts labels
+    head = f"{name}{{{want}}} " if labels else f"{name} "
+    text = client.get("/metrics").text
+    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(head)), 0.0)
+
+
+def test_every_refused_reload_or_switch_counts_as_an_error_and_every_one_is_logged(live, caplog):
+    c = live["client"]
+    caplog.set_level(logging.INFO, logger="kite.serve")
+    before = {r: _metric(c, "kite_rules_reloads_total", result=r) for r in ("ok", "error")}
+    refused = [c.post("/admin/rules/switch", json={"version": "../x"}, headers=_auth()),       # 400: not a version
+               c.post("/admin/rules/switch", json={"version": "v9"}, headers=_auth()),         # 404: no such file
+               c.post("/admin/rules/reload", json={"path": "../x.yaml"}, headers=_auth()),     # 400: outside
+               c.post("/admin/rules/switch", json={"versoin": "v2"}, headers=_auth()),         # 400: bad body
+               c.post("/admin/rules/reload", content=b"{not json", headers=_auth()),           # 400: not JSON
+               c.post("/admin/rules/reload", json={"path": "yoco_rules_bad.yaml"}, headers=_auth())]  # 422
+    assert [r.status_code for r in refused] == [400, 404, 400, 400, 400, 422]
+    assert c.post("/admin/rules/switch", json={"version": "v2"}, headers=_auth()).status_code == 200
+    assert c.post("/admin/rules/switch", json={"version": "v1"}, headers=_auth()).status_code == 200
+    assert c.post("/admin/rules/reload", json={"version": "v2"}).status_code == 401  # not past the token
+    assert _metric(c, "kite_rules_reloads_total", result="error") == before["error"] + 6
+    assert _metric(c, "kite_rules_reloads_total", result="ok") == before["ok"] + 2
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "kite.serve"]
+    refusals = [m for level, m in lines if level == "WARNING" and m.startswith("rules ")]
+    assert [m.split(":")[0] for m in refusals] == ["rules switch refused (400)", "rules switch refused (404)",
+                                                   "rules reload refused (400)", "rules switch refused (400)",
+                                                   "rules reload refused (400)", "rules reload refused (422)"]
+    assert "4 errors in" in refusals[-1] and all("v1 (sha256" in m for m in refusals)
+    swaps = [m for level, m in lines if level == "INFO" and m.startswith("rules ")]
+    assert swaps[0].startswith("rules switch: v2 (") and "was v1" in swaps[0]
+    assert swaps[1].startswith("rules switch: v1 (") and "was v2" in swaps[1]
+    assert any(level == "WARNING" and m.startswith("admin request refused (401, no token sent): POST "
+                                                   "/admin/rules/reload from 127.0.0.1:") for level, m in lines)
+
+
+def test_refused_admin_tokens_are_logged_without_the_token(live, plain, caplog):
+    caplog.set_level(logging.INFO, logger="kite.serve")
+    assert live["client"].get("/admin/rules/status", headers=_auth("guess-1234")).status_code == 403
+    assert plain["client"].get("/admin/rules/status", headers=_auth()).status_code == 403
+    lines = [r.getMessage() for r in caplog.records if r.name == "kite.serve" and r.levelname == "WARNING"]
+    assert any(m.startswith("admin request refused (403, wrong token): GET /admin/rules/status from ")
+               for m in lines)
+    assert any(m.startswith("admin request refused (403, no token configured)") for m in lines)
+    assert not any("guess-1234" in r.getMessage() or TOKEN in r.getMessage() for r in caplog.records)
+
+
+def test_each_request_gets_an_access_line(live, caplog):
+    caplog.set_level(logging.INFO, logger="kite.serve")
+    c = live["client"]
+    assert c.get("/healthz").status_code == 200
+    assert c.post("/v1/completions", json={"prompt": "x", "kite": {"document": "word " * 60_000}}).status_code == 413
+    lines = [r.getMessage() for r in caplog.records if r.name == "kite.serve.access" and r.levelname == "INFO"]
+    assert any(re.fullmatch(r'127\.0\.0\.1:\d+ "GET /healthz HTTP/1\.1" 200 [\d.]+ ms', m) for m in lines), lines
+    assert any('"POST /v1/completions HTTP/1.1" 413 ' in m for m in lines), lines
+
+
+def test_kite_serve_logs_access_and_rule_lines_at_its_default_level():
+    """`kite serve`'s own logging (the foreground run, --log-level info by default) shows KITE's
+    server lines on stderr; debug stays out."""
+    import inspect
+    import subprocess
+    import sys
+
+    from kite.cli.serve import serve
+
+    assert inspect.signature(serve).parameters["log_level"].default == "info"
+    code = ("import logging\n"
+            "from kite.serve.server import uvicorn_config\n"
+            "uvicorn_config(None, '127.0.0.1', 1, 'info', kite_logs=True)\n"
+            "logging.getLogger('kite.serve.access').info('an access line')\n"
+            "logging.getLogger('kite.serve').info('a rules line')\n"
+            "logging.getLogger('kite.serve').debug('a debug line')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "INFO:     an access line" in proc.stderr and "INFO:     a rules line" in proc.stderr
+    assert "debug" not in proc.stderr
+
+
+def test_413s_are_counted_under_their_route(live):
+    c = live["client"]
+    before = _metric(c, "kite_requests_total", route="/v1/states", method="POST", status="413")
+    unmatched = _metric(c, "kite_requests_total", route="unmatched", method="POST", status="413")
+    r = c.post("/v1/states", json={"document": "word " * 60_000})
+    assert r.status_code == 413
+    assert _metric(c, "kite_requests_total", route="/v1/states", method="POST", status="413") == before + 1
+    assert _metric(c, "kite_requests_total", route="unmatched", method="POST", status="413") == unmatched
+    assert c.post("/no/such/route", json={}).status_code == 404
+    assert _metric(c, "kite_requests_total", route="unmatched", method="POST", status="404") >= 1
+
+
+def test_a_model_the_server_does_not_serve_is_not_found(live, lm):
+    c = live["client"]
+    spec = lm.source.spec
+    for name in ("gpt-4o", spec + "-other"):
+        for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                     "max_tokens": 1, "stream": True})):
+            r = c.post(path, json={**body, "model": name})
+            assert r.status_code == 404, r.text
+            err = r.json()["error"]
+            assert err["code"] == "model_not_found" and err["param"] == "model" and name in err["message"]
+    served = c.get("/v1/models").json()["data"][0]["id"]
+    for name in (served, Path(spec).name, None):  # the spec, its short name, or no model at all
+        body = {"prompt": "x", "max_tokens": 1, **({"model": name} if name else {})}
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["model"] == served, r.text
+
+
+def test_a_body_that_is_not_json_says_so(live):
+    c = live["client"]
+    for path in ("/v1/completions", "/v1/states", "/admin/rules/switch"):
+        r = c.post(path, content=b"{not json", headers={"content-type": "application/json", **_auth()})
+        assert r.status_code == 400
+        message = r.json()["error"]["message"]
+        assert message.startswith("the request body is not valid JSON"), message
+    r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_tokens: ")
 
 
 # -- the CLI against the live server -----------------------------------------------------------

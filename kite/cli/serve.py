@@ -35,7 +35,8 @@ def serve(
         "compressed in blocks and keep taking part in attention (docs/kv-budget.md).")] = None,
     kv_budget_codec: Annotated[str | None, KvBudgetCodecOpt] = None,
     kv_budget_block: Annotated[int | None, KvBudgetBlockOpt] = None,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    log_level: Annotated[str, typer.Option(help="Log level (uvicorn's and KITE's): info logs a line per request, "
+                                           "rule reloads and switches; warning only refusals and errors.")] = "info",
 ) -> None:
     """Serve one model over HTTP: /v1/completions, /v1/chat/completions (with a `kite` field naming
     a state or a document), /v1/states, /admin/rules/*, /metrics, /healthz. See docs/serving.md.

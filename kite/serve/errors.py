@@ -47,13 +47,23 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        problems = []
-        for e in exc.errors():
-            where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
-            problems.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
-        return error_response(400, "; ".join(problems) or "invalid request")
+        return error_response(400, "; ".join(_problem(e) for e in exc.errors()) or "invalid request")
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _problem(e: dict) -> str:
+    """One validation error as `field: what is wrong`; a body that is not JSON, or is missing, says
+    it is the request body."""
+    loc = tuple(e.get("loc", ()))
+    if e.get("type") == "json_invalid":
+        detail = (e.get("ctx") or {}).get("error") or e.get("msg")
+        at = f" at character {loc[1] + 1}" if len(loc) > 1 and isinstance(loc[1], int) else ""
+        return f"the request body is not valid JSON{at} ({detail})"
+    where = ".".join(str(p) for p in loc if p != "body")
+    if not where and loc[:1] == ("body",):
+        where = "request body"
+    return f"{where}: {e.get('msg')}" if where else str(e.get("msg"))

@@ -1,8 +1,12 @@
-"""Request counts and latency per route, as plain ASGI middleware (works for streamed bodies)."""
+"""Request counts and latency per route, and one access log line per request, as plain ASGI
+middleware (works for streamed bodies)."""
 
 from __future__ import annotations
 
+import logging
 import time
+
+access = logging.getLogger("kite.serve.access")
 
 
 class RequestMetrics:
@@ -23,6 +27,11 @@ class RequestMetrics:
         try:
             await self.app(scope, receive, send_and_see)
         finally:
+            seconds = time.perf_counter() - t0
             route = getattr(scope.get("route"), "path", None) or "unmatched"
             self.metrics.requests.labels(route, scope.get("method", ""), str(status["code"])).inc()
-            self.metrics.request_latency.labels(route).observe(time.perf_counter() - t0)
+            self.metrics.request_latency.labels(route).observe(seconds)
+            client = scope.get("client")
+            access.info('%s "%s %s HTTP/%s" %d %.1f ms', f"{client[0]}:{client[1]}" if client else "-",
+                        scope.get("method", ""), scope.get("path", ""), scope.get("http_version", "1.1"),
+                        status["code"], seconds * 1e3)

@@ -1,24 +1,20 @@
 """Request body size limit as plain ASGI middleware: a body over the limit gets 413 before it is
-read whole (a declared Content-Length is refused at once; a chunked body is refused as soon as
-it passes the limit)."""
+read whole (a declared Content-Length is refused at once, before any of the body is read; a
+chunked body as soon as it passes the limit).
+
+The refusal is raised from `receive` when the route reads the body, so it comes after routing:
+the request is counted and logged under its route like any other answer (a path no route serves
+gets its 404 without its body being read)."""
 
 from __future__ import annotations
 
-import json
+from starlette.exceptions import HTTPException
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
-def _refusal(limit: int) -> tuple[dict, dict]:
-    body = json.dumps({"error": {"message": f"request body over the limit of {limit:,} bytes "
-                                            "(server.max_body_mb)", "type": "request_too_large",
-                                 "code": 413}}).encode()
-    start = {"type": "http.response.start", "status": 413,
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                         (b"connection", b"close")]}
-    return start, {"type": "http.response.body", "body": body}
+def too_large(limit: int) -> HTTPException:
+    # connection: close, so the client stops sending the rest of the body
+    return HTTPException(413, f"request body over the limit of {limit:,} bytes (server.max_body_mb)",
+                         headers={"connection": "close"})
 
 
 class BodyLimit:
@@ -35,29 +31,17 @@ class BodyLimit:
                     declared = int(value)
                 except ValueError:
                     declared = None
-        if declared is not None and declared > self.max_bytes:
-            return await self._refuse(send)
-        if declared is not None:
-            return await self.app(scope, receive, send)
-        # No length given (chunked): read up to the limit, refuse past it, else replay.
-        messages, total = [], 0
-        while True:
-            msg = await receive()
-            messages.append(msg)
-            if msg["type"] != "http.request":
-                break
-            total += len(msg.get("body", b""))
-            if total > self.max_bytes:
-                return await self._refuse(send)
-            if not msg.get("more_body", False):
-                break
+        total = 0
 
-        async def replay():
-            return messages.pop(0) if messages else await receive()
+        async def limited():
+            nonlocal total
+            if declared is not None and declared > self.max_bytes:
+                raise too_large(self.max_bytes)
+            message = await receive()
+            if message["type"] == "http.request":
+                total += len(message.get("body", b""))
+                if total > self.max_bytes:
+                    raise too_large(self.max_bytes)
+            return message
 
-        return await self.app(scope, replay, send)
-
-    async def _refuse(self, send):
-        start, body = _refusal(self.max_bytes)
-        await send(start)
-        await send(body)
+        return await self.app(scope, limited, send)

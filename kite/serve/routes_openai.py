@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from kite.errors import BadInput, KiteError
+from kite.serve.errors import error_response
 from kite.serve.runner import GenOptions
 from kite.serve.schemas import ChatRequest, CompletionRequest
 from kite.serve.workers import on_model
@@ -78,8 +79,22 @@ def _choice(chat: bool, text: str, finish: str) -> dict:
     return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
 
 
+def _unknown_model(srv, name: str | None):
+    """OpenAI's answer to a model this server does not serve (404, code `model_not_found`), or None.
+    No `model` at all means the served one."""
+    names = srv.runner.model_names
+    if name is None or name in names:
+        return None
+    also = f" (or {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else ""
+    return error_response(404, f"The model {name!r} does not exist on this server: it serves {names[0]!r}{also}",
+                          type="invalid_request_error", param="model", code="model_not_found")
+
+
 async def _respond(request: Request, body, chat: bool):
     t0 = time.perf_counter()
+    refusal = _unknown_model(request.app.state.kite, body.model)
+    if refusal is not None:
+        return refusal
     srv, state_id, upcycled, prompt_ids, query, opts = await _prepare(request, body, chat)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),

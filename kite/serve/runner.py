@@ -87,6 +87,16 @@ class ModelRunner:
     def model_name(self) -> str:
         return str(self.lm.source.spec)
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names a request's `model` may give: the model as `--model` named it, and its short
+        name (the folder's name, the .gguf file's stem, the embedded model's name)."""
+        from pathlib import Path
+
+        spec = self.model_name
+        short = Path(spec).stem if spec.endswith(".gguf") else Path(spec).name
+        return tuple(dict.fromkeys(n for n in (spec, short) if n))
+
     def _locked(self, since: float | None = None) -> float:
         """Take the model lock; ms waited since `since` (default: now)."""
         t0 = since if since is not None else time.perf_counter()

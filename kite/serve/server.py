@@ -8,12 +8,31 @@ import threading
 import time
 
 
-def uvicorn_config(app, host: str, port: int, log_level: str = "warning"):
+def uvicorn_config(app, host: str, port: int, log_level: str = "warning", kite_logs: bool = False):
+    """uvicorn's settings for one app. `kite_logs`: also set up KITE's server logs (`log_config`),
+    as the foreground `kite serve` does; in tests and benchmarks they go wherever the caller's
+    logging sends them."""
     import uvicorn
 
-    # One process, one model: no workers, no reload. h11 keeps the dependency set small.
+    # One process, one model: no workers, no reload. h11 keeps the dependency set small. uvicorn's
+    # own access log is off: KITE's (kite.serve.access) has the route's latency too.
+    extra = {"log_config": log_config(log_level)} if kite_logs else {}
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                          lifespan="on", http="h11", ws="none", timeout_graceful_shutdown=5)
+                          lifespan="on", http="h11", ws="none", timeout_graceful_shutdown=5, **extra)
+
+
+def log_config(level: str) -> dict:
+    """uvicorn's logging setup plus KITE's server loggers at `level`, in uvicorn's format on
+    stderr: `kite.serve.access` (one line per request: client, request line, status, ms) at info;
+    `kite.serve` (rule reloads and switches at info, their refusals and refused admin tokens at
+    warning, unhandled errors)."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    cfg = copy.deepcopy(LOGGING_CONFIG)
+    cfg["loggers"]["kite.serve"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return cfg
 
 
 def run(app, host: str = "127.0.0.1", port: int = 8088, log_level: str = "info",
@@ -21,7 +40,7 @@ def run(app, host: str = "127.0.0.1", port: int = 8088, log_level: str = "info",
     """Serve `app` in the foreground; on `sock` (from :func:`bind_socket`) when given."""
     import uvicorn
 
-    uvicorn.Server(uvicorn_config(app, host, port, log_level)).run(sockets=[sock] if sock else None)
+    uvicorn.Server(uvicorn_config(app, host, port, log_level, kite_logs=True)).run(sockets=[sock] if sock else None)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
