@@ -88,6 +88,22 @@ def test_partial_load_brings_the_attention_sinks(lm, tmp_path):
     assert report.sink_tokens == 0  # nothing extra when every cluster is loaded
 
 
+@pytest.mark.parametrize("layers", [[0], [0, 2], [1, 2]])
+def test_a_load_into_some_layers_stays_causal(lm, tmp_path, layers):
+    """A query token never sees the tokens after it, whichever layers hold the state (the mask
+    made for layer 0's prefix was cut from the left for layers holding less, which let every
+    query token see the whole query)."""
+    out = tmp_path / "doc.upc"
+    compress_document(lm, DOC, out, _exact())
+    first, second = [5, 6, 7, 8, 9, 10], [5, 6, 7, 99, 98, 97]
+    logits = []
+    for query in (first, second):
+        prefix, _ = load_prefix(out, lm, layers=layers)
+        logits.append(forward_tokens(lm.model, query, new_cache(lm.model, prefix), prefix.next_position))
+    assert torch.equal(logits[0][:3], logits[1][:3])
+    assert not torch.equal(logits[0][3:], logits[1][3:])
+
+
 def test_clusters_partition_the_document(lm, tmp_path):
     result = compress_document(lm, DOC, tmp_path / "d.upc", _exact(n_clusters=4))
     covered = sorted(t for c in result.clusters for s, e in c.token_ranges for t in range(s, e))

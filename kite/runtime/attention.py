@@ -24,7 +24,10 @@ def kite_attention(module, query, key, value, attention_mask, scaling=None, drop
         if mask.shape[-1] < k_len or mask.shape[-2] != q_len:
             mask = None  # made for another layer's length: build our own below
         else:
-            mask = mask[..., :k_len]
+            # made for a longer prefix (layer 0's): its last k_len columns are this layer's (the
+            # new tokens come last, every cached one before them); its first k_len would give a
+            # layer with a shorter prefix a mask with no causal part
+            mask = mask[..., -k_len:]
     is_causal = False
     if mask is None and q_len > 1:
         if q_len == k_len:
