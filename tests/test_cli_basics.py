@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -151,3 +152,56 @@ def test_alias_scripts_run_their_commands_under_the_one_error_boundary(monkeypat
     assert code == 2 and "kite-yoco --help" in err and "Did you mean 'validate'" in err
     code, out, _ = _run_script("kite-cli", ["version", "--json"], monkeypatch, capsys)
     assert code == 0 and parse_json(out)["version"]
+
+
+def _failing_app():
+    from kite.cli._common import new_app
+
+    failing = new_app("test")
+
+    @failing.command("boom")
+    def boom() -> None:
+        raise RuntimeError("kaput")
+
+    failing.command("noop")(lambda: None)
+    return failing
+
+
+def test_the_debug_hint_only_when_debug_is_off(monkeypatch):
+    res = runner.invoke(_failing_app(), ["boom"])
+    assert res.exit_code == 1 and "error: RuntimeError: kaput (set KITE_DEBUG=1 for the traceback)" in res.stderr
+    monkeypatch.setenv("KITE_DEBUG", "1")
+    res = runner.invoke(_failing_app(), ["boom"])
+    assert res.exit_code == 1 and "Traceback" in res.stderr and "RuntimeError: kaput" in res.stderr
+    assert "set KITE_DEBUG=1" not in res.stderr
+
+
+def _listed(help_text: str, option: str) -> list[str]:
+    """The `a|b|c` list an option's help gives."""
+    flat = " ".join(help_text.replace("│", " ").split())
+    after = flat[flat.index(option) + len(option):]
+    return re.search(r"([a-z0-9]+(?:\|[a-z0-9]+)+)", after)[1].split("|")
+
+
+@pytest.mark.parametrize("command", ["compress", "eval"])
+def test_precision_help_lists_exactly_what_is_accepted(command, monkeypatch):
+    from kite.upcycle import UpcycleConfig, compress_settings
+    from kite.upcycle.codec import PRESETS
+
+    monkeypatch.setenv("COLUMNS", "200")
+    res = runner.invoke(app, ["upcycle", command, "--help"])
+    listed = _listed(res.stdout, "--precision")
+    assert listed == list(PRESETS)
+    for name in listed:
+        assert compress_settings(UpcycleConfig(), precision=name).codec.name == name
+    res = runner.invoke(app, ["upcycle", command, "--input", "README.md", "--precision", "int9",
+                              *(["--output", "x.upc"] if command == "compress" else [])])
+    assert res.exit_code == 2 and "int9" in res.stderr
+
+
+def test_generate_precision_help_lists_the_load_precisions(monkeypatch):
+    from kite.upcycle import LOAD_PRECISIONS
+
+    monkeypatch.setenv("COLUMNS", "200")
+    res = runner.invoke(app, ["generate", "--help"])
+    assert _listed(res.stdout, "--precision") == list(LOAD_PRECISIONS)

@@ -142,3 +142,14 @@ def test_health_records_reset(setup):
     assert store.records("notes")
     mig.migrate(states, old, new, new_fps=fingerprints(b_dir), health=store)
     assert not store.records("notes")
+
+
+def test_migrate_says_old_and_new_fingerprint_for_each_file(setup):
+    _, b_dir, states, old, new = setup
+    result = runner.invoke(app, ["upcycle", "migrate", "--old-model-fingerprint", old, "--new-model-fingerprint",
+                                 new, "--upcycle-dir", str(states), "--new-model", str(b_dir), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stdout.splitlines() if line.startswith("would migrate")]
+    assert len(lines) == 2, result.stdout
+    for line in lines:  # notes.upc keeps its name: the line still says what changes
+        assert f"fingerprint {old} → {new}" in line and line == line.rstrip(), line

@@ -422,9 +422,18 @@ def test_each_request_gets_an_access_line(live, caplog):
     c = live["client"]
     assert c.get("/healthz").status_code == 200
     assert c.post("/v1/completions", json={"prompt": "x", "kite": {"document": "word " * 60_000}}).status_code == 413
-    lines = [r.getMessage() for r in caplog.records if r.name == "kite.serve.access" and r.levelname == "INFO"]
-    assert any(re.fullmatch(r'127\.0\.0\.1:\d+ "GET /healthz HTTP/1\.1" 200 [\d.]+ ms', m) for m in lines), lines
-    assert any('"POST /v1/completions HTTP/1.1" 413 ' in m for m in lines), lines
+
+    def lines():  # the line is written once the response has gone: wait for it a moment
+        deadline = time.monotonic() + 5
+        while True:
+            out = [r.getMessage() for r in caplog.records if r.name == "kite.serve.access" and r.levelname == "INFO"]
+            if any(" 413 " in m for m in out) or time.monotonic() > deadline:
+                return out
+            time.sleep(0.02)
+
+    seen = lines()
+    assert any(re.fullmatch(r'127\.0\.0\.1:\d+ "GET /healthz HTTP/1\.1" 200 [\d.]+ ms', m) for m in seen), seen
+    assert any('"POST /v1/completions HTTP/1.1" 413 ' in m for m in seen), seen
 
 
 def test_kite_serve_logs_access_and_rule_lines_at_its_default_level():
@@ -520,6 +529,22 @@ def test_cli_rules_commands_against_the_live_server(live, monkeypatch):
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     res = runner.invoke(cli, ["yoco", "rules-status", "--server", dead, "--token", TOKEN])
     assert res.exit_code == 1 and "cannot reach the KITE server" in res.output
+
+
+@pytest.mark.parametrize("url", ["notaurl", "ftp://127.0.0.1:8088", "http://", "http://127.0.0.1:99999"])
+def test_a_server_url_that_names_no_server_is_bad_usage(url):
+    res = runner.invoke(cli, ["yoco", "rules-status", "--server", url, "--token", TOKEN])
+    assert res.exit_code == 2 and "expected http://HOST:PORT" in res.stderr, res.output
+
+
+def test_the_readme_says_fusion_is_off_by_default_as_it_is(tmp_path):
+    from kite.config import load_config
+
+    assert load_config().features.upcycle_yoco_fusion is False
+    assert ServeSettings(state_dir=tmp_path, rules_path=tmp_path / "r.yaml").fusion is False
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `kite serve"))
+    assert "Fusion is off by default" in row and "`--fusion`" in row
 
 
 def test_server_binds_loopback_by_default(tmp_path):

@@ -235,3 +235,16 @@ def test_embedded_model_tags_unseen_contracts(embedded):
     assert report["validation"]["folds"] == 3 and report["validation"]["accuracy"] >= 0.9
     assert report["standalone"]["accuracy"] >= 0.9, report["standalone"]["confusion"]
     assert report["in_document"]["accuracy"] >= 0.9, report["in_document"]["confusion"]
+
+
+def test_eval_tagging_summary_says_none_wrong_when_all_are_right():
+    from kite.cli.upcycle_tagging import mode_summary
+
+    r = {"n": 2, "correct": 2, "s": 0.1, "mean_confidence_correct": 0.91, "mean_confidence_wrong": None,
+         "confusion": {"payment": {"payment": 1, "breach": 0}, "breach": {"payment": 0, "breach": 1}}}
+    line = mode_summary("in_document", r)
+    assert line == "in-document: 2/2 correct in 0.1 s; mean confidence 0.91 right, none wrong"
+    r.update(correct=0, mean_confidence_correct=None, mean_confidence_wrong=0.4,
+             confusion={"payment": {"payment": 0, "breach": 2}})
+    line = mode_summary("standalone", r)
+    assert "None" not in line and "none right, 0.4 wrong; most confused: payment→breach ×2" in line

@@ -101,3 +101,20 @@ def test_fields_json():
     assert r.exit_code == 0
     names = [f["name"] for f in json.loads(r.stdout)]
     assert "hardware_watermark.spike" in names and "intent_entropy" in names
+
+
+def test_assume_errors_name_assume(tmp_path):
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"query": "who pays?"}\n')
+    r = run("analyze", "--queries", str(queries), "--assume", "{bad json")
+    assert r.exit_code == 2 and "--assume:1:2: not JSON" in r.stderr and "--signals" not in r.stderr
+    r = run("analyze", "--queries", str(queries), "--assume", f"@{tmp_path / 'none.json'}")
+    assert r.exit_code == 2 and "--assume @" in r.stderr and "no such file" in r.stderr
+
+
+def test_min_hit_gain_below_zero_is_refused():
+    rules = str(RULES / "yoco_rules.yaml")
+    r = run("decide", "--rules", rules, "--signals", "{}", "--min-hit-gain", "-5", "--json")
+    assert r.exit_code == 2 and r.stdout == "" and "--min-hit-gain" in r.stderr
+    r = run("decide", "--rules", rules, "--signals", "{}", "--min-hit-gain", "0", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["min_hit_gain"] == 0

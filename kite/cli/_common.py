@@ -139,12 +139,13 @@ def report_error(exc: BaseException) -> int:
 
     from kite.errors import KiteError
 
-    if os.environ.get("KITE_DEBUG") == "1":
+    debug = os.environ.get("KITE_DEBUG") == "1"
+    if debug:
         traceback.print_exception(exc, file=sys.stderr)
     if isinstance(exc, KiteError):
         text, code = str(exc), exc.exit_code
     else:
-        text, code = f"{type(exc).__name__}: {exc} (set KITE_DEBUG=1 for the traceback)", 1
+        text, code = f"{type(exc).__name__}: {exc}" + ("" if debug else " (set KITE_DEBUG=1 for the traceback)"), 1
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     err_console().print(f"[bold red]error:[/] {first}", highlight=False, markup=True, soft_wrap=True)
     return code

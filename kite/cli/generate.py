@@ -62,7 +62,7 @@ def generate(
     upc: Annotated[Path | None, typer.Option("--upc", help="Answer from this .upc state instead of prefilling the document.")] = None,
     clusters: Annotated[str | None, typer.Option(help="With --upc: load only these clusters (labels or ids, comma-separated).")] = None,
     layers: Annotated[str | None, typer.Option(help="With --upc: load into these layers only ('12-18', '0,2,4', 'all').")] = None,
-    precision: Annotated[str | None, typer.Option(help="With --upc: hold the loaded KV at fp16|bf16|fp8|int8|int4.")] = None,
+    precision: Annotated[str | None, typer.Option(help="With --upc: hold the loaded KV at fp32|fp16|bf16|fp8|int8|int4.")] = None,
     kv_budget_tokens: Annotated[int | None, typer.Option(
         "--kv-budget-tokens", help="Hold at most N tokens' KV raw; older tokens are compressed in blocks "
         "and keep taking part in attention (see docs/kv-budget.md).")] = None,

@@ -37,6 +37,11 @@ def read_document(path: str) -> tuple[str, str]:
     return text, name
 
 
+# Every preset `--precision` accepts (kite.upcycle.codec.PRESETS, which a test holds this list to;
+# written out so that listing commands does not import the codec).
+PRECISION_PRESETS = ("exact", "fp32", "fp16", "bf16", "fp8", "int8", "int4", "int3", "int2")
+PrecisionOpt = typer.Option(help="A precision preset instead of --ratio: " + "|".join(PRECISION_PRESETS) + ".")
+
 @app.command("compress")
 def compress(
     input: Annotated[str, typer.Option("--input", "-i", help="The document (text file, or '-' for stdin).")],
@@ -46,8 +51,7 @@ def compress(
     ratio: Annotated[float | None, typer.Option(help="Compression ratio against raw fp16 KV (4 = 4×; default: "
                                                 "1 / config features.upcycle_compression_ratio when set, else the "
                                                 "upcycle config's).")] = None,
-    precision: Annotated[str | None, typer.Option(help="A precision preset instead of --ratio: "
-                                                    "exact|fp16|bf16|fp8|int8|int4.")] = None,
+    precision: Annotated[str | None, PrecisionOpt] = None,
     clusters: Annotated[int | None, typer.Option(min=1, help="Number of clusters (compression.cluster_num).")] = None,
     json_out: bool = JsonOpt,
 ) -> None:
@@ -121,8 +125,7 @@ def eval_cmd(
     continuation_tokens: Annotated[int, typer.Option(min=2, help="Tokens scored after it.")] = 512,
     ratio: Annotated[float | None, typer.Option(help="Compression ratio against raw fp16 KV (default: as for "
                                                 "`kite upcycle compress`).")] = None,
-    precision: Annotated[str | None, typer.Option(help="A precision preset instead of --ratio "
-                                                    "(exact|fp16|int8|int4 ...).")] = None,
+    precision: Annotated[str | None, PrecisionOpt] = None,
     clusters: Annotated[int | None, typer.Option(min=1, help="Number of clusters.")] = None,
     config: Annotated[Path | None, typer.Option(help="upcycle_config.yaml.")] = None,
     probe: Annotated[str | None, typer.Option(help="'passkey': also retrieve facts planted early in the context.")] = None,
@@ -209,7 +212,10 @@ def migrate_cmd(
         for f in report.files:
             colour = {"migrate": "green", "refuse": "red", "done": "green"}.get(f.action, "dim")
             target = f" → {f.new_path}" if f.new_path != f.old_path else ""
-            out.print(f"[{colour}]{verb}{f.action}[/] {f.old_path}{target} {f.reason}", highlight=False)
+            moved = [f"fingerprint {report.old} → {report.new}"] if f.action in ("migrate", "done", "rolled back") else []
+            detail = "; ".join(moved + ([f.reason] if f.reason else []))
+            out.print(f"[{colour}]{verb}{f.action}[/] {f.old_path}{target}" + (f"  {detail}" if detail else ""),
+                      highlight=False, soft_wrap=True)
         if not report.files:
             out.print(f"no .upc states in {upcycle_dir}")
     if any(f.action == "refuse" for f in report.files):

@@ -200,12 +200,17 @@ def _print(report: dict) -> None:
     table.add_row(*row)
     out.print(table)
     for m in modes:
-        r = report[m]
-        errors = [(t, p, n) for t, preds in r["confusion"].items() for p, n in preds.items()
-                  if p != t and n]
-        errors.sort(key=lambda e: -e[2])
-        out.print(f"{m.replace('_', '-')}: {r['correct']}/{r['n']} correct in {r['s']} s; mean "
-                  f"confidence {r['mean_confidence_correct']} right, {r['mean_confidence_wrong']} "
-                  "wrong" + ("; most confused: " + ", ".join(f"{t}→{p} ×{n}" for t, p, n in
-                                                             errors[:3]) if errors else ""),
-                  highlight=False)
+        out.print(mode_summary(m, report[m]), highlight=False)
+
+
+def mode_summary(mode: str, r: dict) -> str:
+    """One line per tagging mode: how many right, the mean confidence of the right and of the wrong
+    answers (`none wrong` / `none right` when there are none), the most confused pairs."""
+    errors = [(t, p, n) for t, preds in r["confusion"].items() for p, n in preds.items() if p != t and n]
+    errors.sort(key=lambda e: -e[2])
+    right, wrong = r["mean_confidence_correct"], r["mean_confidence_wrong"]
+    confidence = ", ".join([f"{right} right" if right is not None else "none right",
+                            f"{wrong} wrong" if wrong is not None else "none wrong"])
+    confused = "; most confused: " + ", ".join(f"{t}→{p} ×{n}" for t, p, n in errors[:3]) if errors else ""
+    return (f"{mode.replace('_', '-')}: {r['correct']}/{r['n']} correct in {r['s']} s; mean confidence "
+            f"{confidence}{confused}")

@@ -121,8 +121,9 @@ def fields(json_out: bool = JsonOpt) -> None:
     console().print(table)
 
 
-def _read_signals(spec: str) -> dict[str, Any]:
-    where = "--signals"
+def _read_signals(spec: str, option: str = "--signals") -> dict[str, Any]:
+    """Signals given to `option` as JSON, or `@file.json`; errors name the option (or the file)."""
+    where = option
     text = spec
     if spec.startswith("@"):
         path = Path(spec[1:])
@@ -130,9 +131,9 @@ def _read_signals(spec: str) -> dict[str, Any]:
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
-            raise BadInput(f"--signals {spec}: no such file") from None
+            raise BadInput(f"{option} {spec}: no such file") from None
         except (OSError, UnicodeDecodeError) as exc:
-            raise BadInput(f"--signals {spec}: cannot read ({exc})") from None
+            raise BadInput(f"{option} {spec}: cannot read ({exc})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -215,7 +216,7 @@ def decide_cmd(
     labels: Optional[str] = LabelsOpt,
     layers: Optional[int] = LayersOpt,
     min_hit_gain: Annotated[Optional[float], typer.Option(
-        "--min-hit-gain", help="Skip loads predicted to gain less (default: config "
+        "--min-hit-gain", min=0.0, help="Skip loads predicted to gain less, >= 0 (default: config "
         "features.yoco_min_hit_gain).")] = None,
     json_out: bool = JsonOpt,
 ) -> None:
@@ -336,9 +337,9 @@ def analyze_cmd(
             raise BadInput(f"{queries}:{rec['_line']}: expected a \"query\" string")
     base = neutral_signals()
     if assume is not None:
-        given = Signals.from_mapping(_read_signals(assume), where="--assume")
-        own = [k for k in _read_signals(assume) if k in ("intent_entropy", "query_label", "label_entropy",
-                                                          "query_novelty")]
+        assumed = _read_signals(assume, "--assume")
+        given = Signals.from_mapping(assumed, where="--assume")
+        own = [k for k in assumed if k in ("intent_entropy", "query_label", "label_entropy", "query_novelty")]
         if own:
             raise BadInput(f"--assume: {own[0]} is the query's own signal (measured, not assumed)")
         given.state_health_score = (given.state_health_score if given.state_health_score is not None

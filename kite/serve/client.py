@@ -45,6 +45,18 @@ class AdminClient:
     token: str | None = None
     timeout_s: float = 30.0
 
+    def __post_init__(self) -> None:
+        """A URL that cannot name a server is bad input (exit 2), not an unreachable server."""
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(self.url)
+            ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+        except ValueError:  # a port that is not a number, or past 65535
+            ok = False
+        if not ok:
+            raise BadInput(f"server URL {self.url!r}: expected http://HOST:PORT, e.g. http://127.0.0.1:8088")
+
     def _call(self, method: str, path: str, json: dict | None = None) -> dict:
         try:
             import httpx
