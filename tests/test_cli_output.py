@@ -54,6 +54,37 @@ def test_plain_progress_prints_first_and_last_step_and_at_most_every_interval(ca
     assert lines == [("prefill", 1, 10), ("prefill", 6, 10), ("prefill", 10, 10), ("compress", 1, 3)]
 
 
+def test_a_long_step_has_its_line_repeated_while_it_runs(capsys):
+    from kite.cli._progress import PlainProgress
+
+    now = [0.0]
+    p = PlainProgress(clock=lambda: now[0], quiet_s=30.0)
+    p.beat()   # nothing running yet
+    p("tagger", 0, 1)
+    for t in (10.0, 29.0, 31.0, 45.0, 62.0):   # a timer thread calls beat() every few seconds
+        now[0] = t
+        p.beat()
+    p("tagger", 1, 1)
+    now[0] = 200.0
+    p.beat()   # nothing running: quiet
+    assert capsys.readouterr().err.splitlines() == [
+        "[    0.0s] tagger 0/1", "[   31.0s] tagger 0/1 (running)", "[   62.0s] tagger 0/1 (running)",
+        "[   62.0s] tagger 1/1"]
+
+
+def test_the_timer_thread_ends_with_the_progress(capsys, monkeypatch):
+    import threading
+
+    import kite.cli._common as common
+    from kite.cli import _progress
+
+    monkeypatch.setattr(common, "_err_console", None)   # made for capsys's stderr: not a terminal
+    with _progress.progress_bar() as progress:
+        assert any(t.name == "kite-progress" for t in threading.enumerate())
+    assert not any(t.name == "kite-progress" for t in threading.enumerate())
+    assert isinstance(progress, _progress.PlainProgress)
+
+
 def test_compress_prints_progress_lines_on_stderr_and_only_json_on_stdout(tiny_models, tmp_path, upcycle_cfg,
                                                                           doc, one_thread):
     r = runner.invoke(app, ["upcycle", "compress", "--model", str(tiny_models["llama"]), "--input", str(doc),

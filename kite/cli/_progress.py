@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -14,32 +15,70 @@ Progress = Callable[[str, int, int], None]
 
 # Off a terminal, a stage's steps between its first and its last print at most this often (s).
 PLAIN_INTERVAL_S = 5.0
+# ... and a step that runs longer than this without a line (a tagger fit, a model load) has its
+# line repeated, marked `(running)`, so a log (and a CI watchdog) sees the command is alive (s).
+QUIET_S = 30.0
 
 
 class PlainProgress:
     """`(stage, done, total)` → `[  41.2s] cases 3/12` lines on stderr (elapsed since the start).
 
     A stage's first line and its last (done == total) always print; the steps between, at most
-    every `interval_s` per stage; the same (stage, done, total) twice in a row prints once."""
+    every `interval_s` per stage; the same (stage, done, total) twice in a row prints once.
+    `beat()` repeats the latest unfinished step, marked `(running)`, after `quiet_s` without a line."""
 
-    def __init__(self, interval_s: float = PLAIN_INTERVAL_S, clock: Callable[[], float] = time.monotonic):
-        self.interval_s = interval_s
+    def __init__(self, interval_s: float = PLAIN_INTERVAL_S, clock: Callable[[], float] = time.monotonic,
+                 quiet_s: float = QUIET_S):
+        self.interval_s, self.quiet_s = interval_s, quiet_s
         self.clock = clock
-        self.start = clock()
+        self.start = self.printed_at = clock()
         self.last_at: dict[str, float] = {}
         self.last_line: tuple[str, int, int] | None = None
+        self.running: tuple[str, int, int] | None = None   # the latest step, while its stage is unfinished
+        self._lock = threading.Lock()   # beat() runs on a timer thread
 
     def __call__(self, stage: str, done: int, total: int) -> None:
-        now = self.clock()
-        key = (stage, done, total)
-        due = (stage not in self.last_at or done >= total
-               or now - self.last_at[stage] >= self.interval_s)
-        if not due or key == self.last_line:
-            return
-        self.last_at[stage], self.last_line = now, key
+        with self._lock:
+            now = self.clock()
+            key = (stage, done, total)
+            self.running = key if done < total else None
+            due = (stage not in self.last_at or done >= total
+                   or now - self.last_at[stage] >= self.interval_s)
+            if not due or key == self.last_line:
+                return
+            self.last_at[stage], self.last_line = now, key
+            self._write(now, f"{stage} {done}/{total}")
+
+    def beat(self) -> None:
+        with self._lock:
+            now = self.clock()
+            if self.running is not None and now - self.printed_at >= self.quiet_s:
+                stage, done, total = self.running
+                self._write(now, f"{stage} {done}/{total} (running)")
+
+    def _write(self, now: float, text: str) -> None:
+        self.printed_at = now
         stream = sys.stderr  # looked up per line: the one in force now (tests swap it)
-        stream.write(f"[{now - self.start:7.1f}s] {stage} {done}/{total}\n")
+        stream.write(f"[{now - self.start:7.1f}s] {text}\n")
         stream.flush()
+
+
+@contextlib.contextmanager
+def _beating(progress: PlainProgress) -> Iterator[None]:
+    """A daemon thread calls `progress.beat()` every few seconds until the block ends."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(min(5.0, progress.quiet_s)):
+            progress.beat()
+
+    thread = threading.Thread(target=loop, name="kite-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 @contextlib.contextmanager
@@ -48,14 +87,16 @@ def progress_bar() -> Iterator[Progress]:
     `PlainProgress` lines."""
     console = err_console()
     if not console.is_terminal:
-        yield PlainProgress()
+        plain = PlainProgress()
+        with _beating(plain):
+            yield plain
         return
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
     from rich.progress import Progress as RichProgress
 
     bars: dict[str, int] = {}
     with RichProgress(TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as prog:
+                      TimeElapsedColumn(), console=console, transient=True) as prog:
         def update(stage: str, done: int, total: int) -> None:
             if stage not in bars:
                 bars[stage] = prog.add_task(stage, total=total)
