@@ -60,9 +60,9 @@ def test_full_rank_fp32_pca_is_near_exact():
     assert _rel(kh, k) < 1e-4 and _rel(vh, v) < 1e-4
 
 
-def test_every_side_coder_is_used_by_a_preset():
+def test_every_side_coder_is_used_by_a_preset_or_the_regenerator():
     modes = {m for s in map(C.settings_for, SETTINGS) for m in (s.k_mode, s.v_mode)}
-    assert modes == set(C.CODERS)
+    assert modes | {C.RegenSide.mode} == set(C.CODERS)   # rpca: tested with a regenerator below
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -163,3 +163,50 @@ def test_quantize_formats(fmt, tol, axis):
         if fmt.startswith("int") and fmt != "int8":
             y2 = dequantize(quantize(x, fmt, group_size=32, axis=axis, range_mode=mode))
             assert (y2 - x).pow(2).mean() <= (y - x).pow(2).mean() * 1.01
+
+
+# --- a regenerator's basis (rpca) --------------------------------------------------------------
+
+def _regenerator(seeds=(10, 11, 12)):
+    from kite.upcycle.train.regenerator import RegeneratorFit
+
+    fit = RegeneratorFit(n_layers=1)
+    for seed in seeds:
+        k, v = _kv(seed)
+        fit.add([k], [v])
+    return fit.finish({"model_fingerprint": "kite-fp1:test"})
+
+
+@pytest.mark.parametrize("ratio", [4, 8, 16])
+def test_a_regenerator_basis_keeps_the_ratio_and_beats_the_documents_own_at_equal_bytes(ratio):
+    """Same distribution as the calibration: the calibrated basis costs no bytes in the state, so the
+    bits go to coefficients; the sides it codes store no basis."""
+    reg = _regenerator()
+    k, v = _kv(2)
+    lc_doc, _, kd, vd, nb_doc = _roundtrip(f"ratio={ratio}", k, v)
+    s = C.settings_for(f"ratio={ratio}")
+    lc = C.fit_layer(k, v, s, regenerator={side: reg.side(0, side) for side in "kv"})
+    modes = {lc.meta[side]["mode"] for side in "kv"}
+    assert "rpca" in modes
+    assert not any(n.startswith(f"{side}.basis") for side in "kv" if lc.meta[side]["mode"] == "rpca"
+                   for n in lc.tensors)
+    parts = [C.encode(lc, k[:, a:b], v[:, a:b], torch.arange(a, b)) for a, b in ((0, T // 2), (T // 2, T))]
+    nb = C.nbytes(lc) + C.nbytes(parts)
+    raw = 2 * k.numel() * 2
+    assert raw / nb >= ratio * 0.99
+    kh = torch.cat([C.decode(lc, p)[0] for p in parts], dim=1)
+    vh = torch.cat([C.decode(lc, p)[1] for p in parts], dim=1)
+    assert _rel(kh, k) + _rel(vh, v) <= _rel(kd, k) + _rel(vd, v)
+
+
+def test_an_rpca_side_does_not_decode_without_its_regenerator():
+    reg = _regenerator()
+    k, v = _kv(2)
+    lc = C.fit_layer(k, v, "ratio=8", regenerator={side: reg.side(0, side) for side in "kv"})
+    part = C.encode(lc, k, v, torch.arange(T))
+    bare = C.from_bytes(C.to_bytes(lc), C.LayerCodec)           # as read back from a state
+    with pytest.raises(ValueError, match="regenerator"):
+        C.decode(bare, part)
+    C.attach_regenerator(bare, {side: reg.side(0, side)[2] for side in "kv"})
+    a, b = C.decode(lc, part), C.decode(bare, part)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

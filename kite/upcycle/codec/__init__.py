@@ -6,13 +6,14 @@ from kite.upcycle.codec.batched import EncodedState, encode_state
 from kite.upcycle.codec.batched import supports as supports_batched
 from kite.upcycle.codec.bits import allocate_bits, allocate_bits_batched, first_bit_cost, layer_budget_bits
 from kite.upcycle.codec.blob import Blob, EncodedPart, LayerCodec, from_bytes, nbytes, to_bytes
-from kite.upcycle.codec.coders import CODERS, PcaSide, QuantSide, RawSide, SideCoder, register
+from kite.upcycle.codec.coders import (CODERS, PcaSide, QuantSide, RawSide, RegenSide, SideCoder, attach_regenerator,
+                                      register)
 from kite.upcycle.codec.layer import batched_pca, decode, encode, fit_layer, fit_layers
 from kite.upcycle.codec.quant import FLOAT_FORMATS, INT_FORMATS, QTensor, dequantize, quantize, tensors_nbytes
 from kite.upcycle.codec.settings import PRESETS, CodecSettings, settings_for
 
 __all__ = ["CODERS", "FLOAT_FORMATS", "INT_FORMATS", "PRESETS", "Blob", "CodecSettings", "EncodedPart", "EncodedState",
-           "LayerCodec", "PcaSide", "QTensor", "QuantSide", "RawSide", "SideCoder", "allocate_bits",
+           "LayerCodec", "PcaSide", "QTensor", "QuantSide", "RawSide", "RegenSide", "SideCoder", "attach_regenerator", "allocate_bits",
            "allocate_bits_batched", "batched_pca", "decode", "dequantize", "encode", "encode_state", "first_bit_cost",
            "fit_layer", "fit_layers", "from_bytes", "layer_budget_bits", "nbytes", "quantize", "register",
            "settings_for", "supports_batched", "tensors_nbytes", "to_bytes"]

@@ -37,9 +37,10 @@ def rel_distortion(b: int, range_mode: str = "mse") -> float:
     return min(1.0, (5.2 ** 2 / 12.0) * 4.0 ** (-b))
 
 
-def first_bit_cost(T: int, d_in: int, s: CodecSettings) -> float:
+def first_bit_cost(T: int, d_in: int, s: CodecSettings, basis_stored: bool = True) -> float:
     """Bits the first bit of a component costs: its T codes, a scale and minimum (fp16) per group
-    of every expected part, and its basis column of `d_in` entries (with a scale when int)."""
+    of every expected part, and its basis column of `d_in` entries (with a scale when int) unless
+    the basis is not stored (a regenerator's)."""
     n_parts = max(1, math.ceil(T / max(1, s.part_tokens)))
     per_part = min(T, s.part_tokens)
     gs = s.group_size if 0 < s.group_size < per_part else per_part
@@ -48,17 +49,19 @@ def first_bit_cost(T: int, d_in: int, s: CodecSettings) -> float:
         basis_bits = INT_FORMATS[s.basis_fmt] + 32 / d_in
     else:
         basis_bits = {"fp32": 32, "fp16": 16, "bf16": 16}[s.basis_fmt]
-    return T + groups * 32 + d_in * basis_bits
+    return T + groups * 32 + (d_in * basis_bits if basis_stored else 0)
 
 
-def allocate_bits(evals: torch.Tensor, budget_bits: float, T: int, d_in: int, s: CodecSettings) -> torch.Tensor:
+def allocate_bits(evals: torch.Tensor, budget_bits: float, T: int, d_in: int, s: CodecSettings,
+                  basis_stored: bool = True) -> torch.Tensor:
     """Greedy bit allocation over components of several blocks.
 
-    evals [B, r] (variances, per block sorted desc); ``budget_bits``: bits available for the
-    whole layer tensor (coefficients + scales + basis columns).  Returns int bits [B, r].
+    evals [B, r] (variances, per block; any order); ``budget_bits``: bits available for the
+    whole layer tensor (coefficients + scales + basis columns, unless ``basis_stored`` is False).
+    Returns int bits [B, r].
     """
     B, r = evals.shape
-    first_cost = first_bit_cost(T, d_in, s)
+    first_cost = first_bit_cost(T, d_in, s, basis_stored)
     bits = torch.zeros(B, r, dtype=torch.int64)
     ev = evals.double().tolist()
     heap = []
@@ -82,6 +85,13 @@ def allocate_bits(evals: torch.Tensor, budget_bits: float, T: int, d_in: int, s:
             gain = lam * (rel_distortion(cur, s.range_mode) - rel_distortion(cur + 1, s.range_mode)) * T
             heapq.heappush(heap, (-gain / T, b, j, T))
     return bits
+
+
+def expected_error(variances: torch.Tensor, bits: torch.Tensor, s: CodecSettings) -> float:
+    """The squared error an allocation is expected to leave, summed over components (variance x
+    relative distortion of its bits; a dropped component leaves its whole variance)."""
+    table = torch.tensor([rel_distortion(b, s.range_mode) for b in range(s.max_bits + 1)], dtype=torch.float64)
+    return float((variances.double().clamp_min(0) * table[bits.long().clamp(0, s.max_bits)]).sum())
 
 
 def layer_budget_bits(bits_per_elem: float, H: int, T: int, d: int, B: int, D: int, s: CodecSettings) -> float:

@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 
 from kite.kernels.eigh import batched_pca
-from kite.upcycle.codec.bits import allocate_bits, layer_budget_bits
+from kite.upcycle.codec.bits import allocate_bits, expected_error, layer_budget_bits
 from kite.upcycle.codec.blob import Blob, LayerCodec
 from kite.upcycle.codec.quant import FLOAT_FORMATS, INT_FORMATS, QTensor, dequantize, quantize
 from kite.upcycle.codec.settings import CodecSettings
@@ -40,9 +40,11 @@ class SideCoder:
     mode: ClassVar[str]
 
     def fit(self, side: str, X: torch.Tensor, s: CodecSettings, tensors: dict, meta: dict, *,
-            pca=None, budget_tokens: int | None = None) -> None:
-        """Add the side's shared layer part to ``tensors`` / ``meta`` (X: [H, T, d] of the document)."""
+            pca=None, budget_tokens: int | None = None) -> float | None:
+        """Add the side's shared layer part to ``tensors`` / ``meta`` (X: [H, T, d] of the document).
+        Returns the squared error the fit expects to leave where the mode can tell (else None)."""
         meta[side] = {"mode": self.mode}
+        return None
 
     def encode(self, lc: LayerCodec, side: str, X: torch.Tensor, positions: torch.Tensor | None) -> Blob:
         """A part: tokens X [H, T_sub, d] at ``positions`` in the document (None: unknown)."""
@@ -157,6 +159,7 @@ class PcaSide(SideCoder):
             tensors[f"{side}.basis"] = _store_float(basis, s.basis_fmt)
         tensors[f"{side}.bits"] = bits.to(torch.uint8).contiguous()
         meta[side] = {"mode": "pca", "blocks": B, "dim": D, "rank_max": r}
+        return expected_error(evals, bits, s)
 
     @staticmethod
     def basis(lc: LayerCodec, side: str) -> torch.Tensor:
@@ -164,6 +167,9 @@ class PcaSide(SideCoder):
         key = f"{side}.basis"
         if key in lc.tensors:
             return lc.tensors[key].float()
+        if lc.meta[side]["mode"] == RegenSide.mode and key not in lc.decoded:
+            raise ValueError(f"layer codec side {side} is coded on a regenerator's basis: attach it first "
+                             "(kite.upcycle.codec.attach_regenerator)")
         if key not in lc.decoded:
             lc.decoded[key] = dequantize(get_qtensor(lc.tensors, key, lc.meta, key), torch.float32)
         return lc.decoded[key]
@@ -249,4 +255,48 @@ class PcaSide(SideCoder):
         return X
 
 
-__all__ = ["CODERS", "INT_FORMATS", "PcaSide", "QuantSide", "RawSide", "SideCoder", "coder", "register"]
+@register
+class RegenSide(PcaSide):
+    """``pca`` on a regenerator's basis (``kite upcycle train``): the state stores the document's
+    mean, the bits of every component and the coefficients, not the basis. The bits follow the
+    document's own variance on each calibrated component, with no basis column to pay for."""
+
+    mode = "rpca"
+
+    def fit(self, side, X, s, tensors, meta, *, pca=None, budget_tokens=None):
+        if pca is None:
+            raise ValueError("rpca needs the regenerator's (mean, variances, basis) for this layer and side")
+        H, T, d = X.shape
+        T = budget_tokens or T
+        Xb = blocks(X.float(), s.joint_heads)                       # [B, T, D]
+        U = pca[2].float()                                           # [B, D, D]
+        B, D = U.shape[0], U.shape[1]
+        mean = Xb.mean(dim=1) if s.center else Xb.new_zeros(B, D)
+        variances = torch.matmul(Xb - mean[:, None, :], U).pow(2).mean(dim=1)     # [B, D]
+        bits = allocate_bits(variances, layer_budget_bits(s.k_bits if side == "k" else s.v_bits, H, T, d, B, D, s),
+                             T, D, s, basis_stored=False)
+        tensors[f"{side}.mean"] = _store_float(mean, "fp32" if s.basis_fmt == "fp32" else "fp16")
+        tensors[f"{side}.bits"] = bits.to(torch.uint8).contiguous()
+        meta[side] = {"mode": self.mode, "blocks": B, "dim": D,
+                      "rank_max": int((bits > 0).sum(dim=1).max().item()) if bits.numel() else 0}
+        return expected_error(variances, bits, s)
+
+
+def regen_columns(basis: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """The columns of a regenerator basis [B, D, D] a layer codec's ``bits`` [B, D] keep, as the
+    stored basis of a ``pca`` side would lie: [D, sum of ranks], block by block."""
+    cols = [basis[b][:, torch.nonzero(bits[b] > 0).flatten()] for b in range(basis.shape[0])]
+    return torch.cat(cols, dim=1).float().contiguous() if cols else basis.new_zeros(basis.shape[1], 0)
+
+
+def attach_regenerator(lc: LayerCodec, bases: dict[str, torch.Tensor]) -> LayerCodec:
+    """Give the ``rpca`` sides of a layer codec their regenerator columns (``bases``: side -> the
+    regenerator's basis [B, D, D] of this layer). Sides of other modes are left alone."""
+    for side in ("k", "v"):
+        if lc.meta[side]["mode"] == RegenSide.mode:
+            lc.decoded[f"{side}.basis"] = regen_columns(bases[side], lc.tensors[f"{side}.bits"].long())
+    return lc
+
+
+__all__ = ["CODERS", "INT_FORMATS", "PcaSide", "QuantSide", "RawSide", "RegenSide", "SideCoder", "attach_regenerator",
+           "coder", "regen_columns", "register"]

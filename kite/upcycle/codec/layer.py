@@ -14,18 +14,23 @@ import torch
 
 from kite.kernels.eigh import batched_pca
 from kite.upcycle.codec.blob import EncodedPart, LayerCodec
-from kite.upcycle.codec.coders import blocks, coder
+from kite.upcycle.codec.coders import attach_regenerator, blocks, coder
 from kite.upcycle.codec.settings import CodecSettings, settings_for
 
 
 def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | str | float | None = None,
-              pca: dict | None = None, budget_tokens: int | None = None) -> LayerCodec:
+              pca: dict | None = None, budget_tokens: int | None = None,
+              regenerator: dict | None = None) -> LayerCodec:
     """Fit the shared per-layer part on the whole document's pre-RoPE keys and values [H, T, d].
 
     ``pca`` may carry precomputed ``{"k": (mean, evals, U), "v": (...)}`` from :func:`fit_layers`'
     batched path. ``budget_tokens`` (default: the T fitted on) is how many tokens the bit budget
     is spread over: the shared part is paid once for that many tokens, so a codec fitted on a
     sample and used for more tokens (the budgeted KV cache) gives its parts the bits they carry.
+    ``regenerator``: this layer's calibrated ``{"k": (mean, variances, basis), "v": ...}``
+    (:class:`kite.upcycle.train.Regenerator`): each ``pca`` side is then coded on the regenerator's
+    basis (``rpca``, no basis stored) unless the document's own basis is expected to leave less
+    error for the same bytes.
     """
     s = settings_for(settings)
     if K_pre.dim() != 3 or K_pre.shape != V.shape:
@@ -35,8 +40,27 @@ def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | st
     tensors: dict[str, torch.Tensor] = {}
     meta: dict = {"settings": s.to_json(), "H": H, "d": d, "T_fit": T}
     for side, X, mode in (("k", K_pre, s.k_mode), ("v", V, s.v_mode)):
-        coder(mode).fit(side, X, s, tensors, meta, pca=(pca or {}).get(side), budget_tokens=budget_tokens)
-    return LayerCodec(tensors=tensors, meta=meta)
+        if regenerator is not None and mode == "pca":
+            _fit_best(side, X, s, tensors, meta, (pca or {}).get(side), regenerator[side], budget_tokens)
+        else:
+            coder(mode).fit(side, X, s, tensors, meta, pca=(pca or {}).get(side), budget_tokens=budget_tokens)
+    lc = LayerCodec(tensors=tensors, meta=meta)
+    if regenerator is not None:
+        attach_regenerator(lc, {side: regenerator[side][2] for side in ("k", "v")})
+    return lc
+
+
+def _fit_best(side, X, s, tensors, meta, pca, regen, budget_tokens) -> None:
+    """Fit one side both ways (the document's basis, the regenerator's) and keep the one expected
+    to leave less squared error at the same byte budget."""
+    tried = []
+    for mode, given in (("pca", pca), ("rpca", regen)):
+        t, m = {}, {}
+        err = coder(mode).fit(side, X, s, t, m, pca=given, budget_tokens=budget_tokens)
+        tried.append((err, mode, t, m))
+    _, _, t, m = min(tried, key=lambda x: (x[0], x[1] != "rpca"))
+    tensors.update(t)
+    meta.update(m)
 
 
 def fit_layers(KV: list[tuple[torch.Tensor, torch.Tensor]], settings=None) -> list[LayerCodec]:

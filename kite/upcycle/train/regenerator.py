@@ -1,0 +1,188 @@
+"""The regenerator: what compression learns once per model from a calibration set (KVTC's lesson).
+
+Per layer and side (pre-RoPE keys ``k``, values ``v``), in the blocks the codec uses (one block of
+``H*d`` dims with joint heads, else one per KV head): the calibration tokens' mean, the PCA basis
+(every component, columns in order of decreasing variance) and the per-component variances. States
+encoded against it store, per layer and side, only their own mean, the bits of each component and
+the coefficients; the basis comes from here (:class:`kite.upcycle.codec.RegenSide`). Where a
+document's own basis pays for its bytes, the state keeps it instead (the codec decides per layer
+and side by the expected error at the byte budget).
+
+On disk, in a folder: ``regenerator.safetensors`` (float32 tensors ``L{l}.{k|v}.{mean|basis|evals}``)
+and ``regenerator.json`` (what it was made for and from). Its fingerprint (``kite-fp1:`` + sha256 of
+the tensors' file and the canonical JSON) is what a state records; a state is never decoded with
+another regenerator (invariant 3). Fitting streams: each document's Gram is added to a float64 sum,
+so the calibration set never has to fit in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kite.errors import BadInput, FingerprintMismatch
+from kite.model.fingerprint import PREFIX, short
+
+FORMAT = "kite-regenerator"
+VERSION = 1
+TENSORS = "regenerator.safetensors"
+META = "regenerator.json"
+
+
+def _blocks(X: torch.Tensor, joint: bool) -> torch.Tensor:
+    """[H, T, d] -> [B, T, D] (as the codec's blocks: joint = one block of H*d dims)."""
+    if joint:
+        H, T, d = X.shape
+        return X.permute(1, 0, 2).reshape(1, T, H * d)
+    return X
+
+
+@dataclass
+class RegeneratorFit:
+    """Streaming sums of a calibration set: per (layer, side), sum x, sum x x^T and the token count."""
+
+    n_layers: int
+    joint_heads: bool = True
+    center: bool = True
+    sums: dict = field(default_factory=dict)      # (layer, side) -> [B, D] float64
+    grams: dict = field(default_factory=dict)     # (layer, side) -> [B, D, D] float64
+    tokens: int = 0
+    documents: int = 0
+    digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)
+
+    def add(self, keys_pre: list[torch.Tensor], values: list[torch.Tensor], ids: list[int] | None = None) -> None:
+        """Add one document's KV ([H, T, d] per layer, keys before RoPE)."""
+        if len(keys_pre) != self.n_layers or len(values) != self.n_layers:
+            raise ValueError(f"expected {self.n_layers} layers, got {len(keys_pre)}")
+        for layer in range(self.n_layers):
+            for side, X in (("k", keys_pre[layer]), ("v", values[layer])):
+                Xb = _blocks(X.double(), self.joint_heads)                    # [B, T, D]
+                s, g = Xb.sum(dim=1), Xb.transpose(1, 2) @ Xb
+                key = (layer, side)
+                if key in self.sums:
+                    self.sums[key] += s
+                    self.grams[key] += g
+                else:
+                    self.sums[key], self.grams[key] = s, g
+        self.tokens += int(keys_pre[0].shape[1])
+        self.documents += 1
+        if ids is not None:
+            self.digest.update(json.dumps(ids).encode())
+
+    def finish(self, meta: dict) -> "Regenerator":
+        """The regenerator of everything added (``meta``: what it is made for; see :class:`Regenerator`)."""
+        if not self.tokens:
+            raise BadInput("no calibration tokens: the regenerator needs at least one document")
+        tensors: dict[str, torch.Tensor] = {}
+        n = float(self.tokens)
+        for (layer, side), s in sorted(self.sums.items()):
+            mean = s / n if self.center else torch.zeros_like(s)
+            cov = self.grams[(layer, side)] / n - mean[:, :, None] * mean[:, None, :]
+            evals, U = torch.linalg.eigh((cov + cov.transpose(1, 2)) / 2)
+            order = torch.argsort(evals, dim=1, descending=True)
+            evals = evals.gather(1, order).clamp_min(0)
+            U = U.gather(2, order[:, None, :].expand_as(U))
+            tensors[f"L{layer}.{side}.mean"] = mean.float().contiguous()
+            tensors[f"L{layer}.{side}.basis"] = U.float().contiguous()
+            tensors[f"L{layer}.{side}.evals"] = evals.float().contiguous()
+        full = {"format": FORMAT, "version": VERSION, **meta, "n_layers": self.n_layers,
+                "joint_heads": self.joint_heads, "center": self.center,
+                "calibration": {**meta.get("calibration", {}), "documents": self.documents, "tokens": self.tokens,
+                                "ids_sha256": self.digest.hexdigest()}}
+        return Regenerator(full, tensors)
+
+
+@dataclass
+class Regenerator:
+    """Calibrated per-layer bases of one model. ``meta`` holds at least ``model_fingerprint`` (the
+    combined fingerprint of the model it was fitted on), ``n_layers``, ``joint_heads``, ``center``."""
+
+    meta: dict
+    tensors: dict[str, torch.Tensor]
+    _fingerprint: str | None = field(default=None, repr=False)
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = _fingerprint(_tensor_bytes(self.tensors), self.meta)
+        return self._fingerprint
+
+    @property
+    def joint_heads(self) -> bool:
+        return bool(self.meta["joint_heads"])
+
+    def side(self, layer: int, side: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mean [B, D], variances [B, D] descending, basis [B, D, D], column j = component j)."""
+        p = f"L{layer}.{side}"
+        try:
+            return self.tensors[f"{p}.mean"], self.tensors[f"{p}.evals"], self.tensors[f"{p}.basis"]
+        except KeyError:
+            raise BadInput(f"regenerator {short(self.fingerprint)} has no layer {layer} "
+                           f"(it has {self.meta.get('n_layers')})") from None
+
+    def check_model(self, lm) -> None:
+        """Refuse a model other than the one this regenerator was fitted on (invariant 3)."""
+        want = self.meta.get("model_fingerprint")
+        have = lm.fingerprints.combined
+        if want != have:
+            raise FingerprintMismatch(
+                f"regenerator {short(self.fingerprint)} was made for model {short(want or 'none')}, not the loaded "
+                f"model {short(have)}; run `kite upcycle train` for this model, or migrate the regenerator with "
+                f"the states")
+
+    def save(self, folder: str | Path) -> Path:
+        """Write ``regenerator.safetensors`` + ``regenerator.json`` into ``folder`` (each atomically)."""
+        from kite.atomic import write_bytes, write_text
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        data = _tensor_bytes(self.tensors)
+        write_bytes(folder / TENSORS, data)
+        write_text(folder / META, json.dumps({**self.meta, "fingerprint": _fingerprint(data, self.meta)}, indent=1,
+                                             sort_keys=True) + "\n")
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "Regenerator":
+        """Read a regenerator folder. BadInput when a file is missing, damaged or from another version."""
+        from safetensors.torch import load
+
+        folder = Path(folder)
+        try:
+            data = (folder / TENSORS).read_bytes()
+            raw = json.loads((folder / META).read_text())
+        except FileNotFoundError as exc:
+            raise BadInput(f"{folder}: not a regenerator ({Path(exc.filename).name} is missing; "
+                           f"`kite upcycle train` makes one)") from None
+        except (OSError, ValueError) as exc:
+            raise BadInput(f"{folder}: damaged regenerator ({exc})") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise BadInput(f"{folder / META}: not a regenerator's metadata")
+        if int(raw.get("version", 0)) > VERSION:
+            raise BadInput(f"{folder}: regenerator format {raw.get('version')} is newer than this KITE reads; upgrade")
+        stored = raw.pop("fingerprint", None)
+        try:
+            tensors = load(data)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises several types on damaged files
+            raise BadInput(f"{folder / TENSORS}: damaged ({exc})") from None
+        fp = _fingerprint(data, raw)
+        if stored is not None and stored != fp:
+            raise BadInput(f"{folder}: the regenerator's files do not match its recorded fingerprint "
+                           f"{short(stored)} (now {short(fp)}): damaged or edited")
+        return cls(raw, tensors, fp)
+
+
+def _tensor_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    return save({k: tensors[k].contiguous() for k in sorted(tensors)})
+
+
+def _fingerprint(data: bytes, meta: dict) -> str:
+    h = hashlib.sha256(data)
+    h.update(json.dumps({k: v for k, v in meta.items() if k != "fingerprint"}, sort_keys=True).encode())
+    return PREFIX + h.hexdigest()
