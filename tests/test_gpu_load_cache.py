@@ -237,20 +237,26 @@ def test_writer_keeps_zstd_for_large_blobs_only_where_it_saves_a_lot(tmp_path):
 
     rng = np.random.default_rng(0)
     seven_bit = lambda n: rng.integers(0, 128, n, dtype=np.uint8).tobytes()   # noqa: E731  ~12 % under zstd
-    blobs = {"small": seven_bit(4096), "large": seven_bit(4 * LARGE_BLOB), "zeros": bytes(4 * LARGE_BLOB),
-             "noise": rng.integers(0, 256, 8192, dtype=np.uint8).tobytes()}
+    # the parts of a one-layer, two-cluster state (a header names every part its geometry calls for)
+    small, large, zeros, noise, empty = "L0", "c0/L0/K", "c0/L0/V", "c1/L0/K", "c1/L0/V"
+    blobs = {small: seven_bit(4096), large: seven_bit(4 * LARGE_BLOB), zeros: bytes(4 * LARGE_BLOB),
+             noise: rng.integers(0, 256, 8192, dtype=np.uint8).tobytes(), empty: b""}
+    meta = {"format": "kite-upc", "n_tokens": 2, "model": {"geometry": {"n_layers": 1, "n_kv_heads": 1, "head_dim": 8}},
+            "codec": {"k_mode": "raw", "v_mode": "raw"},
+            "clusters": [{"id": 0, "label": "a", "token_ranges": [[0, 1]], "n_tokens": 1},
+                         {"id": 1, "label": "b", "token_ranges": [[1, 2]], "n_tokens": 1}]}
     w = StateWriter(large_min_saving=LARGE_MIN_SAVING)  # the GPU-serving rule
     for k, b in blobs.items():
         w.add(k, b)
-    w.write(tmp_path / "z.upc", {"format": "kite-upc"})
+    w.write(tmp_path / "z.upc", meta)
     old = StateWriter()                                # the default: 3 % for every blob
     for k, b in blobs.items():
         old.add(k, b)
-    old.write(tmp_path / "z_old.upc", {"format": "kite-upc"})
+    old.write(tmp_path / "z_old.upc", meta)
     with StateFile(tmp_path / "z.upc") as sf, StateFile(tmp_path / "z_old.upc") as so:
-        assert {k: e.codec for k, e in sf.index.items()} == {"small": "zstd", "large": "raw", "zeros": "zstd",
-                                                              "noise": "raw"}
-        assert so.index["large"].codec == "zstd"
+        assert {k: e.codec for k, e in sf.index.items()} == {small: "zstd", large: "raw", zeros: "zstd",
+                                                              noise: "raw", empty: "raw"}
+        assert so.index[large].codec == "zstd"
         for k, b in blobs.items():
             assert sf.read(k) == b == so.read(k)
 

@@ -6,6 +6,8 @@ load_prefix's host decode rebuilds.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -146,7 +148,7 @@ def test_compress_document_batched_matches_per_layer(lm, tmp_path):
 
 def _staged_load(path, lm, clusters=None, layers=None, sink_tokens=4, device="cpu", dtype=torch.float32):
     """The staged load (on the CPU unless told), selection built as load_prefix builds it."""
-    state = StateFile(path)
+    state = path if isinstance(path, StateFile) else StateFile(path)
     info = {c["id"]: c for c in state.meta["clusters"]}
     ids = sorted(info) if not clusters else [int(c) for c in clusters]
 
@@ -179,9 +181,10 @@ def test_staging_a_truncated_state_is_one_clear_error(lm, tmp_path):
         last = max(sf.index.values(), key=lambda e: e.offset)
         raw = [e for e in sf.index.values() if e.codec == "raw"]
     assert last.codec == "raw" and len(raw) > 3     # the run read in one call ends with the cut blob
-    out.write_bytes(out.read_bytes()[:-10])
+    state = StateFile(out)                          # cut short after it was opened (sized whole)
+    os.truncate(out, out.stat().st_size - 10)
     with pytest.raises(BadInput, match=rf"truncated .upc state \(part {last.key} is cut off\)"):
-        _staged_load(out, lm)
+        _staged_load(state, lm)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -173,7 +173,7 @@ def _damaged(good_state, tmp_path, how: str):
 
 @pytest.mark.parametrize("how,message", [
     ("magic", "wrong magic"), ("truncated_header", "truncated"), ("newer", "newer than this KITE"),
-    ("header", "header checksum"),
+    ("header", "header checksum"), ("truncated_blob", "truncated .upc state"),
 ])
 def test_damaged_header_is_one_clear_error(good_state, tmp_path, how, message):
     bad = _damaged(good_state, tmp_path, how)
@@ -181,7 +181,7 @@ def test_damaged_header_is_one_clear_error(good_state, tmp_path, how, message):
     assert result.exit_code == 2 and message in result.output, result.output
 
 
-@pytest.mark.parametrize("how,message", [("truncated_blob", "truncated"), ("checksum", "checksum mismatch")])
+@pytest.mark.parametrize("how,message", [("checksum", "checksum mismatch")])
 def test_damaged_blob_found_by_verify(good_state, tmp_path, how, message):
     bad = _damaged(good_state, tmp_path, how)
     result = runner.invoke(app, ["upcycle", "inspect", str(bad), "--verify", "--json"])

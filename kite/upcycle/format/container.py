@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 
 from kite.atomic import atomic_writer
 from kite.errors import BadInput
+from kite.upcycle.format.header import check_header
 from kite.upcycle.format.versions import file_version, record_verified, records_enabled
 
 MAGIC = b"KITEUPC\0"
@@ -129,6 +130,7 @@ class StateWriter:
         for key, data, raw_len, codec in self._blobs:
             index.append(BlobEntry(key, offset, len(data), raw_len, codec, _digest(data)).to_json())
             offset += len(data)
+        check_header({**meta, "blobs": index}, path)  # never write a state no reader would open
         header = json.dumps({**meta, "blobs": index}, separators=(",", ":"), ensure_ascii=False).encode()
         pre = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(header), bytes.fromhex(_digest(header)))
         with atomic_writer(path) as fh:
@@ -156,8 +158,29 @@ class StateWriter:
         return _PREAMBLE.size + len(header) + offset
 
 
+# Headers already checked in this process, by their checksum (the same bytes pass the same check):
+# a state opened on every request pays the check once. Header checksum -> the bytes of its blobs.
+_CHECKED: dict[str, int] = {}
+_CHECKED_LIMIT = 1024
+
+
+def _checked_header(meta: dict, header_sum: str, path) -> int:
+    data_bytes = _CHECKED.get(header_sum)
+    if data_bytes is None:
+        data_bytes = check_header(meta, path)
+        if len(_CHECKED) >= _CHECKED_LIMIT:
+            _CHECKED.clear()
+        _CHECKED[header_sum] = data_bytes
+    return data_bytes
+
+
 class StateFile:
-    """An open `.upc` file: `meta` (the header) and `read(key)` for any blob, checksum-verified."""
+    """An open `.upc` file: `meta` (the header) and `read(key)` for any blob, checksum-verified.
+
+    Opening checks the header's fields against each other (:mod:`.header`) and the file's size
+    against the blob index: a file cut short or with bytes after its last part is refused at once,
+    without reading any blob.
+    """
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
@@ -169,11 +192,21 @@ class StateFile:
             raise BadInput(f"{self.path}: is a folder, not a .upc state")
         try:
             self.meta, self._data_start = self._read_header()
+            self.file_size = os.fstat(self._fh.fileno()).st_size
+            self._check_size(self._data_start + _checked_header(self.meta, self.header_sum, self.path))
         except BaseException:
             self._fh.close()
             raise
         self.index = {e.key: e for e in (BlobEntry.from_json(r) for r in self.meta.pop("blobs"))}
-        self.file_size = os.fstat(self._fh.fileno()).st_size
+
+    def _check_size(self, expected: int) -> None:
+        have = self.file_size
+        if have < expected:
+            raise BadInput(f"{self.path}: truncated .upc state ({have:,} bytes; its header's blob index "
+                           f"says {expected:,})")
+        if have > expected:
+            raise BadInput(f"{self.path}: corrupt .upc state ({have:,} bytes; its header's blob index "
+                           f"says {expected:,}: {have - expected:,} bytes after the last part)")
 
     @property
     def data_start(self) -> int:
@@ -261,6 +294,7 @@ def rewrite_header(src: str | os.PathLike[str], dest: str | os.PathLike[str], me
     """Write `src` with a new header `meta` (blobs copied unchanged) to `dest`, atomically."""
     with StateFile(src) as sf:
         index = [e.to_json() for e in sf.index.values()]
+        check_header({**meta, "blobs": index}, dest)
         header = json.dumps({**meta, "blobs": index}, separators=(",", ":"), ensure_ascii=False).encode()
         pre = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(header), bytes.fromhex(_digest(header)))
         sf._fh.seek(sf._data_start)

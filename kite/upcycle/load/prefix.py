@@ -66,6 +66,17 @@ def check_fingerprints(state: StateFile, lm) -> None:
                 f"--new-model-fingerprint {short(want.combined)} --upcycle-dir {state.path.parent}")
 
 
+def check_geometry(state: StateFile, lm) -> None:
+    """A state's KV geometry (layers, KV heads, head size) is the model's, checked before any part
+    is read: one BadInput line for the first that differs."""
+    have = state.meta["model"]["geometry"]
+    want = lm.geometry
+    for key, what in (("n_layers", "layers"), ("n_kv_heads", "KV heads"), ("head_dim", "head_dim")):
+        if have[key] != getattr(want, key):
+            raise BadInput(f"{state.path}: the state was made for a model with {have[key]} {what}; the loaded "
+                           f"model has {getattr(want, key)}")
+
+
 def _on_gpu(state: StateFile, lm, precision: str | None) -> bool:
     if torch.device(lm.device).type != "cuda" or not supports_state(state):
         return False
@@ -162,6 +173,7 @@ def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None
     if precision is not None and precision not in LOAD_PRECISIONS:
         raise BadInput(f"--precision {precision}: expected one of {', '.join(LOAD_PRECISIONS)}")
     check_fingerprints(state, lm)
+    check_geometry(state, lm)
     n_layers = lm.geometry.n_layers
     sel = select(state, clusters, sink_tokens)
     layer_set = set(range(n_layers)) if layers is None else set(layers)

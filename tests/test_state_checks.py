@@ -1,0 +1,206 @@
+"""States checked before they are used (issue 13, "States and loads"): the file's size against its
+blob index, every header field against the others when it opens and against the model before a
+blob is read."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import pytest
+from typer.testing import CliRunner
+
+from kite.cli.main import app
+from kite.errors import BadInput
+from kite.upcycle import codec, load_prefix
+from kite.upcycle.compress import CompressSettings, compress_document
+from kite.upcycle.format import StateFile, StateWriter
+from tests.conftest import parse_json
+from tests.tiny_models import CORPUS
+
+runner = CliRunner()
+DOC = CORPUS.replace(". ", ".\n\n", 3)
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_models):
+    from kite.model import load_model
+
+    return load_model(str(tiny_models["llama"]), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def state(lm, tmp_path_factory):
+    """An exact state of the tiny 3-layer Llama, 3 clusters."""
+    out = tmp_path_factory.mktemp("checks") / "good.upc"
+    compress_document(lm, DOC, out, CompressSettings(codec=codec.settings_for("exact"), n_clusters=3,
+                                                     min_span_tokens=8, max_span_tokens=24))
+    return out
+
+
+def _split(path):
+    data = path.read_bytes()
+    (hlen,) = struct.unpack("<I", data[12:16])
+    return data[:32], json.loads(data[32:32 + hlen]), data[32 + hlen:]
+
+
+def _with_header(path, out, edit):
+    """`path` with its header edited by `edit(meta)` and the header checksum recomputed (what a
+    hand edit that knows the format gives)."""
+    pre, meta, blobs = _split(path)
+    edit(meta)
+    header = json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
+    digest = hashlib.blake2b(header, digest_size=16).digest()
+    out.write_bytes(pre[:12] + struct.pack("<I", len(header)) + digest + header + blobs)
+    return out
+
+
+def _inspect(path, *extra):
+    return runner.invoke(app, ["upcycle", "inspect", str(path), *extra])
+
+
+def _one_error_line(result) -> str:
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+# --- point 10: the file's size is what the blob index says ------------------------------------------
+
+def test_a_state_cut_to_half_is_refused_when_it_opens(state, lm, tmp_path):
+    data = state.read_bytes()
+    cut = tmp_path / "half.upc"
+    cut.write_bytes(data[: len(data) // 2])
+    result = _inspect(cut)                                 # no --verify: the size alone tells
+    assert result.exit_code == 2
+    line = _one_error_line(result)
+    assert "truncated" in line and f"{len(data) // 2:,} bytes" in line and f"says {len(data):,}" in line
+    with pytest.raises(BadInput, match="truncated"):
+        load_prefix(cut, lm)
+
+
+def test_a_state_with_bytes_appended_is_refused(state, lm, tmp_path):
+    longer = tmp_path / "longer.upc"
+    longer.write_bytes(state.read_bytes() + bytes(4096))
+    result = _inspect(longer, "--verify")
+    assert result.exit_code == 2 and "4,096 bytes after the last part" in _one_error_line(result)
+    with pytest.raises(BadInput, match="after the last part"):
+        load_prefix(longer, lm)
+
+
+def test_an_intact_state_passes(state):
+    result = _inspect(state, "--verify", "--json")
+    assert result.exit_code == 0, result.output
+    assert parse_json(result.stdout)["file_bytes"] == state.stat().st_size
+
+
+# --- point 11: every header field against the others, then against the model ------------------------
+
+def _past_n_tokens(meta):
+    meta["clusters"][0]["token_ranges"][-1][1] = meta["n_tokens"] + 50
+
+
+def _overlap(meta):
+    a, b = meta["clusters"][0], meta["clusters"][1]
+    s, e = b["token_ranges"][0]
+    a["token_ranges"].append([s, e])
+    a["n_tokens"] += e - s
+
+
+def _hole(meta):
+    c = max(meta["clusters"], key=lambda c: c["n_tokens"])
+    s, e = c["token_ranges"].pop()
+    c["n_tokens"] -= e - s
+
+
+def _one_more_layer(meta):
+    meta["model"]["geometry"]["n_layers"] += 1
+
+
+def _n_tokens_wrong(meta):
+    meta["clusters"][0]["n_tokens"] += 1
+
+
+def _renamed_cluster(meta):
+    meta["clusters"] = [c for c in meta["clusters"] if c["id"] != 2] + [
+        {**next(c for c in meta["clusters"] if c["id"] == 2), "id": 7}]
+
+
+def _part_of_no_cluster(meta):
+    end = sum(row[2] for row in meta["blobs"])
+    meta["blobs"].append(["c9/L0/K", end, 0, 0, "raw", hashlib.blake2b(b"", digest_size=16).hexdigest()])
+
+
+def _codec_mode(meta):
+    meta["codec"]["v_mode"] = "zip"
+
+
+def _blob_offset(meta):
+    meta["blobs"][1][1] += 1
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_past_n_tokens, "is not inside 0..n_tokens"),
+    (_overlap, "must not overlap"),
+    (_hole, "in no cluster"),
+    (_one_more_layer, "has no part L3"),
+    (_n_tokens_wrong, "its token ranges hold"),
+    (_renamed_cluster, "has no part c7/L0/K"),
+    (_part_of_no_cluster, "has a part c9/L0/K that 3 layers and clusters 0, 1, 2 do not call for"),
+    (_codec_mode, "codec.v_mode is 'zip'"),
+    (_blob_offset, "starts at offset"),
+    (lambda m: m.update(n_tokens="2048"), "n_tokens is '2048'"),
+    (lambda m: m["model"]["geometry"].update(head_dim=0), "head_dim is 0"),
+    (lambda m: m.pop("clusters"), "clusters is missing"),
+])
+def test_a_header_edited_with_its_checksum_is_one_clear_error(state, tmp_path, edit, message):
+    bad = _with_header(state, tmp_path / "edited.upc", edit)
+    result = _inspect(bad)
+    assert result.exit_code == 2, result.output
+    line = _one_error_line(result)
+    assert "corrupt .upc header" in line and message in line, line
+
+
+def test_the_header_check_knows_every_codec_mode():
+    from kite.upcycle.format.header import CODEC_MODES
+
+    assert set(CODEC_MODES) == set(codec.CODERS)
+
+
+def _rewrite(state, out, layers=None, geometry=None):
+    """`state`'s blobs for `layers` (ids in the new file, taken from the old layer ids given), a
+    consistent header whose geometry is updated by `geometry`."""
+    with StateFile(state) as sf:
+        meta = dict(sf.meta)
+        old_layers = list(range(meta["model"]["geometry"]["n_layers"]))
+        layers = layers or old_layers
+        w = StateWriter(register=False)
+        for new, old in enumerate(layers):
+            w.add(f"L{new}", sf.read(f"L{old}"))
+            for c in meta["clusters"]:
+                for side in ("K", "V"):
+                    w.add(f"c{c['id']}/L{new}/{side}", sf.read(f"c{c['id']}/L{old}/{side}"))
+    meta["model"] = {**meta["model"], "geometry": {**meta["model"]["geometry"], "n_layers": len(layers),
+                                                   **(geometry or {})}}
+    w.write(out, meta)
+    return out
+
+
+@pytest.mark.parametrize("layers,geometry,message", [
+    ([0, 1, 2, 2], None, "made for a model with 4 layers; the loaded model has 3"),
+    ([0, 1], None, "made for a model with 2 layers; the loaded model has 3"),
+    (None, {"n_kv_heads": 4}, "made for a model with 4 KV heads; the loaded model has 2"),
+    (None, {"head_dim": 32}, "made for a model with 32 head_dim; the loaded model has 16"),
+])
+def test_a_state_of_another_geometry_is_refused_before_any_part_is_read(state, lm, tmp_path, monkeypatch,
+                                                                        layers, geometry, message):
+    other = _rewrite(state, tmp_path / "other.upc", layers, geometry)
+    assert _inspect(other).exit_code == 0          # consistent in itself: only the model refuses it
+
+    def no_reads(*a, **k):
+        raise AssertionError("a part was read")
+
+    monkeypatch.setattr(StateFile, "read", no_reads)
+    with pytest.raises(BadInput, match=message):
+        load_prefix(other, lm)
