@@ -1,16 +1,18 @@
 """States checked before they are used (issue 13, "States and loads"): the file's size against its
 blob index, every header field against the others when it opens and against the model before a
-blob is read."""
+blob is read, load flags parsed strictly."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 
 import pytest
 from typer.testing import CliRunner
 
+from kite.cli._common import parse_clusters, parse_layers
 from kite.cli.main import app
 from kite.errors import BadInput
 from kite.upcycle import codec, load_prefix
@@ -204,3 +206,53 @@ def test_a_state_of_another_geometry_is_refused_before_any_part_is_read(state, l
     monkeypatch.setattr(StateFile, "read", no_reads)
     with pytest.raises(BadInput, match=message):
         load_prefix(other, lm)
+
+
+# --- point 12: layer and cluster lists --------------------------------------------------------------
+
+@pytest.mark.parametrize("spec,n,want", [
+    ("all", 30, None), ("1,3,5-7", 30, [1, 3, 5, 6, 7]), ("12-18", 30, list(range(12, 19))),
+    (" 0 , 29 ", 30, [0, 29]),
+])
+def test_layer_lists(spec, n, want):
+    assert parse_layers(spec, n) == want
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("18-12", "runs backwards (write 12-18)"),
+    ("25-40", "layer 30 is out of range 0-29"),
+    ("31", "layer 31 is out of range 0-29"),
+    ("", "an empty item"),
+    ("1,,3", "an empty item"),
+    ("-1", "'-1' is not a layer"),
+    ("x", "'x' is not a layer"),
+])
+def test_bad_layer_lists_are_bad_input(spec, message):
+    with pytest.raises(BadInput, match=re.escape(message)):
+        parse_layers(spec, 30)
+
+
+def test_cluster_lists():
+    assert parse_clusters(None) is None
+    assert parse_clusters("breach, 2,") == ["breach", "2"]
+    for spec in ("", " ", ",", " , "):
+        with pytest.raises(BadInput, match="no cluster named"):
+            parse_clusters(spec)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--layers", "2-1"], "runs backwards"),
+    (["--layers", "1-5"], "layer 3 is out of range 0-2"),
+    (["--clusters", ""], "no cluster named"),
+])
+def test_generate_refuses_load_lists_that_load_nothing_or_too_much(state, tiny_models, flags, message):
+    result = runner.invoke(app, ["generate", "--model", str(tiny_models["llama"]), "--upc", str(state), "--prompt",
+                                 "x", "--max-new-tokens", "1", *flags])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_empty_lists_do_not_load_everything_or_nothing(state, lm):
+    with pytest.raises(BadInput, match="no cluster named"):
+        load_prefix(state, lm, clusters=[])
+    with pytest.raises(BadInput, match="no layers"):
+        load_prefix(state, lm, layers=[])

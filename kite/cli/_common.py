@@ -264,21 +264,37 @@ def check_budget_flags(tokens: int | None, codec: str | None, block: int | None)
 
 
 def parse_layers(spec: str | None, n_layers: int) -> list[int] | None:
-    """`all` → None (every layer); `12-18` → [12..18]; `1,3,5-7` → list. Raises BadInput."""
+    """`all` → None (every layer); `12-18` → [12..18]; `1,3,5-7` → list. Raises BadInput for an
+    empty list, a reversed range (`18-12`) or a layer outside 0..n_layers-1 (naming the first)."""
     if spec is None or spec.strip().lower() == "all":
         return None
     layers: set[int] = set()
-    try:
-        for part in spec.split(","):
-            part = part.strip()
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                layers.update(range(lo, hi + 1))
-            else:
-                layers.add(int(part))
-    except ValueError:
-        raise BadInput(f"--layers {spec!r}: expected 'all', 'A-B' or a comma list of layer numbers")
-    bad = [i for i in layers if not 0 <= i < n_layers]
-    if bad:
-        raise BadInput(f"--layers {spec!r}: layer {bad[0]} is out of range 0-{n_layers - 1}")
+    for part in spec.split(","):
+        part = part.strip()
+        lo_s, dash, hi_s = part.partition("-")
+        try:
+            lo, hi = int(lo_s), int(hi_s) if dash else int(lo_s)
+        except ValueError:
+            what = "an empty item" if not part else repr(part)
+            raise BadInput(f"--layers {spec!r}: {what} is not a layer or a range; expected 'all', 'A-B' or a "
+                           f"comma list like '1,3,5-7'") from None
+        if lo > hi:
+            raise BadInput(f"--layers {spec!r}: the range {part} runs backwards (write {hi}-{lo})")
+        if lo < 0 or hi >= n_layers:
+            first = lo if lo < 0 else max(lo, n_layers)
+            raise BadInput(f"--layers {spec!r}: layer {first} is out of range 0-{n_layers - 1} (the model has "
+                           f"{n_layers} layers)")
+        layers.update(range(lo, hi + 1))
     return sorted(layers)
+
+
+def parse_clusters(spec: str | None) -> list[str] | None:
+    """`--clusters`: None (not given) → None, every cluster; `breach,2` → ['breach', '2'] (labels or
+    ids). A value that names no cluster (`""`, `","`) is BadInput, not a load of everything."""
+    if spec is None:
+        return None
+    names = [c.strip() for c in spec.split(",") if c.strip()]
+    if not names:
+        raise BadInput(f"--clusters {spec!r}: no cluster named; give labels or ids (comma-separated), or leave "
+                       f"--clusters out to load every cluster")
+    return names

@@ -78,7 +78,7 @@ def generate(
       kite generate --upc contract.upc --clusters breach --prompt "What is the penalty for breach?"
       kite generate --prompt-file long.txt --kv-budget-tokens 1024 --kv-budget-codec ratio=8 --json
     """
-    from kite.cli._common import parse_layers
+    from kite.cli._common import parse_clusters, parse_layers
 
     # Everything the request names is checked before the model loads (the slow part).
     if upc is None and (clusters or layers or precision):
@@ -93,7 +93,7 @@ def generate(
         if precision is not None and precision not in LOAD_PRECISIONS:
             raise BadInput(f"--precision {precision}: expected one of {', '.join(LOAD_PRECISIONS)}")
         state = StateFile(upc)  # a missing file, wrong magic or a bad header fails here
-        wanted = [c.strip() for c in clusters.split(",") if c.strip()] if clusters else None
+        wanted = parse_clusters(clusters)
         select_clusters(state, wanted)
         load_kw = {"clusters": wanted, "precision": precision,
                    "layers": parse_layers(layers, state.meta["model"]["geometry"]["n_layers"])}

@@ -176,10 +176,13 @@ def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None
     check_geometry(state, lm)
     n_layers = lm.geometry.n_layers
     sel = select(state, clusters, sink_tokens)
+    if layers is not None and not layers:
+        raise BadInput("--layers: no layers given (a load into no layer loads nothing)")
     layer_set = set(range(n_layers)) if layers is None else set(layers)
     bad = sorted(layer for layer in layer_set if not 0 <= layer < n_layers)
     if bad:
-        raise BadInput(f"--layers: layer {bad[0]} is out of range 0-{n_layers - 1}")
+        raise BadInput(f"--layers: layer {bad[0]} is out of range 0-{n_layers - 1} (the model has {n_layers} "
+                       f"layers)")
     if _on_gpu(state, lm, precision) and sel.chosen:
         keys, values, nbytes, timings = _load_on_gpu(state, lm, sel, layer_set, verify, sink_tokens, tier)
     else:

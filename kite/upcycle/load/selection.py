@@ -40,10 +40,13 @@ class Selection:
 
 
 def select_clusters(state: StateFile, wanted: list[str] | None) -> list[int]:
-    """Cluster ids for labels or ids in `wanted` (None = all). Unknown names are BadInput."""
+    """Cluster ids for labels or ids in `wanted` (None = all). Unknown names and an empty list
+    (which would load nothing, or everything) are BadInput."""
     clusters = state.meta["clusters"]
-    if not wanted:
+    if wanted is None:
         return [c["id"] for c in clusters]
+    if not wanted:
+        raise BadInput("--clusters: no cluster named (give labels or ids, or leave --clusters out to load all)")
     chosen: list[int] = []
     labels = sorted({c["label"] for c in clusters})
     for name in wanted:
