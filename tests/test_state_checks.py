@@ -1,6 +1,6 @@
 """States checked before they are used (issue 13, "States and loads"): the file's size against its
 blob index, every header field against the others when it opens and against the model before a
-blob is read, load flags parsed strictly."""
+blob is read, load flags parsed strictly, warnings for a load far from what the state was made for."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from kite.errors import BadInput
 from kite.upcycle import codec, load_prefix
 from kite.upcycle.compress import CompressSettings, compress_document
 from kite.upcycle.format import StateFile, StateWriter
+from kite.upcycle.load import load_warnings
 from tests.conftest import parse_json
 from tests.tiny_models import CORPUS
 
@@ -256,3 +257,76 @@ def test_empty_lists_do_not_load_everything_or_nothing(state, lm):
         load_prefix(state, lm, clusters=[])
     with pytest.raises(BadInput, match="no layers"):
         load_prefix(state, lm, layers=[])
+
+
+# --- point 13: loads far from what the state was made for ------------------------------------------
+
+EXACT = codec.settings_for("exact").to_json()
+INT8 = codec.settings_for("int8").to_json()
+RATIO4 = codec.settings_for(4).to_json()
+RATIO2 = codec.settings_for(2).to_json()
+
+
+@pytest.mark.parametrize("codec_json,layers,precision,far", [
+    (RATIO4, range(30), None, []),
+    (RATIO4, [0, 2, 4], None, ["layers"]),
+    (RATIO4, range(27), None, []),            # 90 % of the layers: near enough
+    (RATIO4, range(3, 30), None, []),
+    (RATIO4, range(26), None, ["layers"]),
+    (RATIO4, range(15, 30), None, ["layers"]),
+    (RATIO4, range(30), "int4", []),          # ~4 bits per value stored: int4 keeps them
+    (RATIO2, range(30), "int4", ["precision"]),
+    (RATIO2, range(30), "int8", []),
+    (EXACT, range(30), "fp16", []),           # a float cast is not a lossy precision
+    (EXACT, range(30), "int8", ["precision"]),
+    (INT8, range(30), "int8", []),
+    (INT8, range(30), "int4", ["precision"]),
+    (INT8, [0, 2, 4], "int4", ["layers", "precision"]),
+])
+def test_the_far_load_rule(codec_json, layers, precision, far):
+    warnings = load_warnings({"codec": codec_json}, 30, list(layers), precision)
+    assert [("layers" if "layers" in w else "precision") for w in warnings] == far, warnings
+
+
+def test_generate_warns_of_a_far_load_in_its_output_and_json(state, tiny_models):
+    args = ["generate", "--model", str(tiny_models["llama"]), "--upc", str(state), "--prompt", " The parties",
+            "--max-new-tokens", "2"]
+    far = runner.invoke(app, args + ["--layers", "0", "--precision", "int4", "--json"])
+    assert far.exit_code == 0, far.output
+    warnings = parse_json(far.stdout)["warnings"]
+    assert len(warnings) == 2 and "1 of the model's 3 layers" in warnings[0] and "int4" in warnings[1]
+    assert parse_json(far.stdout)["state"]["warnings"] == warnings
+    shown = runner.invoke(app, args + ["--layers", "0"])
+    assert shown.exit_code == 0 and "warning: the state goes into 1 of the model's 3 layers" in shown.output
+    near = runner.invoke(app, args + ["--json"])
+    assert near.exit_code == 0 and parse_json(near.stdout)["warnings"] == []
+    assert "warning" not in runner.invoke(app, args).output
+
+
+def test_the_server_reports_a_far_load_in_its_kite_field(lm, tmp_path):
+    import httpx
+
+    from kite.serve import BackgroundServer, ServeSettings, create_app
+    from kite.upcycle import Pipeline, UpcycleConfig, compress_settings
+    from kite.yoco.health import HealthStore
+
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "yoco_rules.yaml").write_text('rules:\n  - name: few_layers\n    condition: true\n    action:\n'
+                                           '      load_all_clusters: true\n      layers: "0"\n')
+    settings = ServeSettings(state_dir=tmp_path / "states", rules_path=rules / "yoco_rules.yaml", min_hit_gain=-1.0,
+                             default_max_tokens=2, fusion=True)
+    cfg = UpcycleConfig.model_validate({"compression": {"precision": "exact", "cluster_num": 3, "min_span_tokens": 8,
+                                                        "max_span_tokens": 24}})
+    pipe = Pipeline(lm=lm, tagger=None, settings=compress_settings(cfg), config=cfg, config_path=None)
+    server = BackgroundServer(create_app(pipe, settings, health=HealthStore(tmp_path / "health.sqlite")))
+    server.start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            sid = c.post("/v1/states", json={"document": DOC}).json()["id"]
+            kite = c.post("/v1/completions", json={"prompt": " The parties", "max_tokens": 2,
+                                                   "kite": {"state": sid}}).json()["kite"]
+    finally:
+        server.stop()
+    assert kite["loaded"] and kite["load"]["layers"] == [0]
+    assert len(kite["warnings"]) == 1 and "1 of the model's 3 layers" in kite["warnings"][0]

@@ -107,6 +107,8 @@ def generate(
 
         with state:
             prefix, report = load_prefix(state, lm, **load_kw)
+        if not json_out:
+            _print_warnings(report.warnings)
     ids = state_prompt_ids(lm, text, chat=chat, system=system, with_state=prefix is not None)
     cache = None
     if budget is not None:
@@ -120,7 +122,8 @@ def generate(
     stats = cache.stats() if cache is not None else None
     if json_out:
         emit_json({"model": lm.source.spec, **result.to_dict(),
-                   "state": report.to_dict() if report else None, "kv_budget": stats})
+                   "state": report.to_dict() if report else None, "kv_budget": stats,
+                   "warnings": report.warnings if report else []})
         return
     sys.stdout.write("\n")
     if stats is not None:
@@ -136,6 +139,16 @@ def generate(
         f"[dim]{result.prompt_tokens} prompt + {result.new_tokens} new tokens · ttft "
         f"{result.ttft_ms:.0f} ms · {result.tokens_per_s:.1f} tok/s · {result.stop_reason}[/]",
         highlight=False)
+
+
+def _print_warnings(warnings: list[str]) -> None:
+    """The load's warnings (far from what the state was made for), on stderr before the answer."""
+    from rich.markup import escape
+
+    from kite.cli._common import err_console
+
+    for text in warnings:
+        err_console().print(f"[bold yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
 
 
 def _budget_settings(tokens: int | None, codec: str | None, block: int | None, upc: Path | None):

@@ -58,7 +58,7 @@ class Answer:
             f = self.fused
             out.update(loaded=f.load is not None, plan=f.plan.to_dict(), signals=f.signals.flat(),
                        load=f.load.to_dict() if f.load else None, gain=f.gain, timings_ms=f.timings_ms,
-                       rules=self.rules)
+                       rules=self.rules, warnings=list(f.load.warnings) if f.load else [])
         else:
             out["timings_ms"] = {"generate": self.generation.total_ms}
         if self.state_id is not None and not fusion:

@@ -19,6 +19,7 @@ from kite.runtime.cache import KVPrefix
 from kite.upcycle import codec
 from kite.upcycle.format.container import StateFile
 from kite.upcycle.format.names import blob_key
+from kite.upcycle.load.fidelity import load_warnings
 from kite.upcycle.load.hot_tier import HotTier, default_tier
 from kite.upcycle.load.rebuild import load_staged
 from kite.upcycle.load.selection import SINK_TOKENS, Selection, select
@@ -39,6 +40,7 @@ class LoadReport:
     load_ms: float
     timings_ms: dict[str, float] = field(default_factory=dict)
     sink_tokens: int = 0  # of `tokens`, how many came along as attention sinks
+    warnings: list[str] = field(default_factory=list)  # the load is far from what the state was made for
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -162,6 +164,8 @@ def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None
 
     Loaded tokens keep their original positions; the query goes after the document's last one.
     Layers not chosen get an empty prefix. `precision` sets the precision the prefix is held at.
+    The report's `warnings` say when the load is far from what the state was made for (too few
+    layers, a precision below the state's own: :mod:`.fidelity`).
     When only some clusters are chosen, the document's first `sink_tokens` tokens come too.
     With the model on a GPU and a PCA-coded state, the compressed parts go to the GPU and are
     rebuilt there, through the pinned hot tier `tier` (default: the process's); otherwise they are
@@ -192,5 +196,6 @@ def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None
                         tokens=int(sum(int(p.numel()) if keep is None else int(keep.sum())
                                        for (_, keep), p in zip(sel.parts, sel.part_positions))),
                         sink_tokens=sel.sink_tokens, bytes_read=nbytes,
-                        load_ms=round((time.perf_counter() - t0) * 1e3, 3), timings_ms=timings)
+                        load_ms=round((time.perf_counter() - t0) * 1e3, 3), timings_ms=timings,
+                        warnings=load_warnings(state.meta, n_layers, sorted(layer_set), precision))
     return prefix, report
