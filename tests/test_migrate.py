@@ -153,3 +153,30 @@ def test_migrate_says_old_and_new_fingerprint_for_each_file(setup):
     assert len(lines) == 2, result.stdout
     for line in lines:  # notes.upc keeps its name: the line still says what changes
         assert f"fingerprint {old} → {new}" in line and line == line.rstrip(), line
+
+
+@pytest.mark.parametrize("part,form", [("combined", "full"), ("model", "full"), ("tokenizer", "short")])
+def test_any_of_the_three_fingerprints_names_the_states_and_the_plan_says_which(setup, part, form):
+    """`kite upcycle inspect` shows the combined fingerprint (and the model's and tokenizer's):
+    whichever is copied, in either form, names the states it made."""
+    a, b_dir, states, _, new = setup
+    fp = getattr(a.fingerprints, part)
+    old = fp if form == "full" else short(fp)
+    shown = parse_json(runner.invoke(app, ["upcycle", "inspect", str(states / "notes.upc"), "--json"]).stdout)
+    assert fp in (shown["fingerprint"], shown["fingerprints"][part])
+    result = runner.invoke(app, ["upcycle", "migrate", "--old-model-fingerprint", old, "--new-model-fingerprint",
+                                 new, "--upcycle-dir", str(states), "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    files = parse_json(result.stdout)["files"]
+    assert [f["action"] for f in files] == ["migrate", "migrate"]
+    assert {f["matched"] for f in files} == {part} and all(part in f["reason"] for f in files)
+
+
+def test_a_fingerprint_that_names_no_state_is_reported(setup):
+    _, _, states, old, new = setup
+    before = {p.name: p.read_bytes() for p in states.iterdir()}
+    result = runner.invoke(app, ["upcycle", "migrate", "--old-model-fingerprint", "deadbeefdead",
+                                 "--new-model-fingerprint", new, "--upcycle-dir", str(states)])
+    assert result.exit_code == 2
+    assert "names no state" in result.output and f"{old} (2 files)" in result.output
+    assert {p.name: p.read_bytes() for p in states.iterdir()} == before

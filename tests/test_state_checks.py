@@ -1,6 +1,7 @@
 """States checked before they are used (issue 13, "States and loads"): the file's size against its
 blob index, every header field against the others when it opens and against the model before a
-blob is read, load flags parsed strictly, warnings for a load far from what the state was made for."""
+blob is read, load flags parsed strictly, warnings for a load far from what the state was made for,
+and the combined fingerprint shown and taken everywhere."""
 
 from __future__ import annotations
 
@@ -330,3 +331,13 @@ def test_the_server_reports_a_far_load_in_its_kite_field(lm, tmp_path):
         server.stop()
     assert kite["loaded"] and kite["load"]["layers"] == [0]
     assert len(kite["warnings"]) == 1 and "1 of the model's 3 layers" in kite["warnings"][0]
+
+
+# --- point 14: the combined fingerprint, in inspect and in migrate ---------------------------------
+
+def test_inspect_shows_the_combined_fingerprint(state, lm):
+    combined = lm.fingerprints.combined
+    info = parse_json(_inspect(state, "--json").stdout)
+    assert info["fingerprint"] == combined == info["fingerprints"]["combined"]
+    table = _inspect(state).output
+    assert f"fingerprint {combined}" in table and combined.removeprefix("kite-fp1:")[:12] in table

@@ -98,14 +98,20 @@ def inspect(
             raise typer.Exit(1)
         return
     out = console()
+    ratio = report["compression_ratio"]
     out.print(f"[bold]{state}[/]  format v{report['format_version']}  {report['file_bytes']:,} B  "
-              f"{report['n_tokens']:,} tokens  {report['compression_ratio']:.2f}× vs raw fp16 KV", highlight=False)
+              f"{report['n_tokens']:,} tokens" + (f"  {ratio:.2f}× vs raw fp16 KV" if ratio else ""), highlight=False)
     fp = report["fingerprints"]
-    out.print(f"  model {fp['model']}\n  tokenizer {fp['tokenizer']}\n  adapter {fp['adapter']}", highlight=False)
+    combined = report["fingerprint"]
+    if combined:   # the one `kite model info` prints and `kite upcycle migrate` takes
+        out.print(f"  fingerprint {combined}  (short {combined.removeprefix('kite-fp1:')[:12]})", highlight=False)
+    out.print(f"  model {fp.get('model')}\n  tokenizer {fp.get('tokenizer')}\n  adapter {fp.get('adapter')}",
+              highlight=False)
     out.print(f"  geometry {report['geometry']}", highlight=False)
     out.print(f"  codec {report['codec']['name']}  created {report['created_at']}", highlight=False)
     for c in report["clusters"]:
-        out.print(f"  cluster {c['id']:>2}  {c['label']:<22} conf {c['confidence']:.2f}  {c['n_tokens']:>6} tokens  "
+        conf = f"{c['confidence']:.2f}" if c["confidence"] is not None else "  - "
+        out.print(f"  cluster {c['id']:>2}  {c['label']:<22} conf {conf}  {c['n_tokens']:>6} tokens  "
                   f"{c['bytes']:>10,} B  [dim]{c['preview'][:50]}[/]", highlight=False)
     out.print(f"  shared per-layer codecs {report['bytes']['layer_codecs']:,} B, header {report['bytes']['header']:,} B",
               highlight=False)

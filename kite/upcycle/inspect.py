@@ -8,6 +8,8 @@ from kite.upcycle.format.container import FORMAT_VERSION, StateFile
 
 
 def describe_state(path: str | Path, verify: bool = False) -> dict:
+    """The header as plain data (fingerprints, geometry, codec, clusters with their bytes); with
+    `verify`, every part's checksum too. Opening checks the header and the file's size."""
     with StateFile(path) as sf:
         meta = sf.meta
         per_cluster: dict[int, int] = {}
@@ -18,6 +20,8 @@ def describe_state(path: str | Path, verify: bool = False) -> dict:
             else:
                 layer_codecs += entry.length
         data_bytes = sum(e.length for e in sf.index.values())
+        fps = meta.get("fingerprints") or {}
+        raw = meta.get("raw_kv_bytes_fp16")
         report = {
             "path": str(path),
             "format_version": FORMAT_VERSION,
@@ -25,16 +29,18 @@ def describe_state(path: str | Path, verify: bool = False) -> dict:
             "n_tokens": meta["n_tokens"],
             "created_at": meta.get("created_at"),
             "kite_version": meta.get("kite_version"),
-            "fingerprints": meta["fingerprints"],
-            "model": meta["model"]["spec"],
+            # the combined fingerprint, as `kite model info` prints it and `upcycle migrate` takes it
+            "fingerprint": fps.get("combined"),
+            "fingerprints": fps,
+            "model": meta["model"].get("spec"),
             "geometry": meta["model"]["geometry"],
             "source": meta.get("source"),
             "codec": meta["codec"],
-            "raw_kv_bytes_fp16": meta["raw_kv_bytes_fp16"],
-            "compression_ratio": meta["raw_kv_bytes_fp16"] / sf.file_size,
-            "clusters": [{"id": c["id"], "label": c["label"], "confidence": c["confidence"],
+            "raw_kv_bytes_fp16": raw,
+            "compression_ratio": raw / sf.file_size if raw is not None else None,
+            "clusters": [{"id": c["id"], "label": c["label"], "confidence": c.get("confidence"),
                           "n_tokens": c["n_tokens"], "token_ranges": c["token_ranges"],
-                          "preview": c["preview"], "bytes": per_cluster.get(c["id"], 0)}
+                          "preview": c.get("preview", ""), "bytes": per_cluster.get(c["id"], 0)}
                          for c in meta["clusters"]],
             "bytes": {"header": sf.file_size - data_bytes, "layer_codecs": layer_codecs,
                       "clusters": sum(per_cluster.values())},

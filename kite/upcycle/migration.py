@@ -1,5 +1,9 @@
 """`kite upcycle migrate`: move states to a new model's fingerprint, journaled and resumable.
 
+Which states: those whose combined, model or tokenizer fingerprint the old fingerprint names
+(full or short form; each file's plan says which part matched). A fingerprint that names no state
+in the folder is an error that lists the fingerprints the folder holds.
+
 Per file: write the new file beside it (header rewritten, blobs copied), rename it into place,
 remove the old name, and record each step in `DIR/.kite-migrate.journal` (JSON lines). A run
 interrupted anywhere resumes from the journal, or `rollback` puts every finished file back.
@@ -25,6 +29,7 @@ class FileAction:
     new_path: str
     action: str  # "migrate" | "skip" | "refuse" | "done" (already migrated by a resumed run)
     reason: str = ""
+    matched: str | None = None  # which of the file's fingerprints the old one named: combined | model | tokenizer
 
 
 @dataclass
@@ -41,6 +46,15 @@ class MigrationReport:
 
 def _matches(fp: str | None, query: str) -> bool:
     return bool(fp) and fp.removeprefix(PREFIX).startswith(query.removeprefix(PREFIX).lower())
+
+
+MATCH_ORDER = ("combined", "model", "tokenizer")
+
+
+def matched_part(fps: dict, query: str) -> str | None:
+    """Which of a state's fingerprints (combined, model, tokenizer, in that order) `query` names
+    (full or short form), or None."""
+    return next((part for part in MATCH_ORDER if _matches(fps.get(part), query)), None)
 
 
 def _check_fp_arg(name: str, value: str) -> str:
@@ -79,10 +93,13 @@ def plan_migration(folder: Path, old: str, new: str, new_fps=None, new_geometry=
                    force: bool = False) -> MigrationReport:
     """What a migration would do to each .upc file in `folder`."""
     old_hex, new_hex = _check_fp_arg("old-model-fingerprint", old), _check_fp_arg("new-model-fingerprint", new)
-    if new_fps is not None and not _matches(new_fps.combined, new_hex):
+    if new_fps is not None and matched_part(new_fps.to_dict(), new_hex) is None:
         raise BadInput(f"--new-model-fingerprint {new} is not the fingerprint of --new-model "
-                       f"({short(new_fps.combined)})")
+                       f"({short(new_fps.combined)}, or its model or tokenizer fingerprint)")
+    if new_fps is not None:
+        new_hex = new_fps.combined.removeprefix(PREFIX)  # states record the combined one
     report = MigrationReport(old=old, new=new, dry_run=True)
+    seen: dict[str, int] = {}
     for path in sorted(folder.glob("*.upc")):
         try:
             with StateFile(path) as sf:
@@ -90,18 +107,29 @@ def plan_migration(folder: Path, old: str, new: str, new_fps=None, new_geometry=
         except BadInput as exc:
             report.files.append(FileAction(str(path), str(path), "skip", f"unreadable: {exc}"))
             continue
-        fp = meta.get("fingerprints", {}).get("combined")
-        target = _new_name(path, old_hex[:12], new_hex[:12])
+        fps = meta.get("fingerprints") or {}
+        fp = fps.get("combined")
+        seen[short(fp or "?")] = seen.get(short(fp or "?"), 0) + 1
+        part = matched_part(fps, old_hex)
+        old_short = short(fp) if part and fp and short(fp) in path.name else old_hex[:12]
+        target = _new_name(path, old_short, new_hex[:12])
         if _matches(fp, new_hex):
             report.files.append(FileAction(str(path), str(path), "skip", "already on the new fingerprint"))
-        elif not _matches(fp, old_hex):
+        elif part is None:
             report.files.append(FileAction(str(path), str(path), "skip", f"made by {short(fp or '?')}"))
         elif new_geometry is not None and not _geometry_ok(meta, new_geometry) and not force:
             report.files.append(FileAction(str(path), str(target), "refuse",
                                            "the new model's KV geometry differs (layers, KV heads, head_dim "
-                                           "or RoPE); --force to migrate anyway"))
+                                           "or RoPE); --force to migrate anyway", matched=part))
         else:
-            report.files.append(FileAction(str(path), str(target), "migrate"))
+            report.files.append(FileAction(str(path), str(target), "migrate",
+                                           f"its {part} fingerprint {short(fps[part])} matched", matched=part))
+    if not any(f.action != "skip" or f.reason == "already on the new fingerprint" for f in report.files):
+        if not seen:
+            raise BadInput(f"--upcycle-dir {folder}: no readable .upc states in it")
+        held = ", ".join(f"{fp} ({n} file{'s' if n != 1 else ''})" for fp, n in sorted(seen.items()))
+        raise BadInput(f"--old-model-fingerprint {old} names no state in {folder} (as combined, model or "
+                       f"tokenizer fingerprint); the states there were made by {held}")
     return report
 
 
@@ -148,7 +176,7 @@ def migrate(folder: str | Path, old: str, new: str, *, new_fps=None, new_geometr
                     f.action, f.old_path, f.new_path, f.reason = "done", rec["old_path"], rec["new_path"], "resumed"
     if dry_run:
         return report
-    new_hex = new.removeprefix(PREFIX).lower()
+    new_hex = (new_fps.combined if new_fps is not None else new).removeprefix(PREFIX).lower()
     if not journal:
         _append(folder, {"old": old, "new": new})
     for f in report.files:
