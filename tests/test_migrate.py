@@ -27,6 +27,7 @@ def setup(tiny_models, tmp_path):
     a = load_model(str(tiny_models["llama"]), device="cpu")
     b_dir = make_tiny_model(tmp_path / "model-b", "llama", seed=9)
     states = tmp_path / "states"
+    states.mkdir()
     old = short(a.fingerprints.combined)
     settings = CompressSettings(codec=codec.settings_for("exact"), n_clusters=2, min_span_tokens=8)
     compress_document(a, CORPUS, states / f"contract.{old}.upc", settings)

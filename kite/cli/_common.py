@@ -250,6 +250,10 @@ def model_spec(flag: str | None) -> str:
 
 
 JsonOpt = typer.Option(False, "--json", help="Print one JSON document for scripts.")
+# every command that writes an output path: a missing folder is an error unless --mkdir (or the path
+# lies under KITE_HOME / KITE_CACHE); kite.atomic.check_output checks it before any work
+MkdirOpt = typer.Option(False, "--mkdir", help="Create the output path's missing folders (without it a missing "
+                        "folder is an error).")
 # the memory-budgeted mode's block settings (kite generate, kite serve; docs/kv-budget.md)
 KvBudgetCodecOpt = typer.Option("--kv-budget-codec", help="With --kv-budget-tokens: the codec of the compressed "
                                 "blocks (ratio=R, int4, int8, exact, ...; default ratio=8).")

@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from kite.cli._common import JsonOpt, console, emit_json, kept_on_interrupt, model_spec, new_app, user_config
+from kite.cli._common import (JsonOpt, MkdirOpt, console, emit_json, kept_on_interrupt, model_spec, new_app,
+                              user_config)
 from kite.errors import BadInput
 
 app = new_app(
@@ -55,6 +56,7 @@ def run(
                                                    "1 is often fastest).")] = None,
     health_store: Annotated[Optional[Path], typer.Option(help="Health store the fused pipeline learns in "
                                                          "(default: a fresh one for this run).")] = None,
+    mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
     """Run every case through full prefill, the baselines and the fused pipeline; exit 1 when a
@@ -73,6 +75,14 @@ def run(
         from kite.paths import kite_home
 
         upcycle = kite_home() / "bench-states"
+    from kite.atomic import check_output, check_output_folder
+
+    check_output(output, mkdir, "--output")
+    check_output_folder(upcycle, mkdir, "--upcycle")
+    if plot is not None:
+        check_output_folder(plot, mkdir, "--plot")
+    if health_store is not None:
+        check_output(health_store, mkdir, "--health-store")
     cfg = user_config()
     s = BenchSettings(cases=cases, output=str(output), model=model_spec(model), upcycle_dir=str(upcycle),
                       rules=str(yoco_rules) if yoco_rules else None,
@@ -220,14 +230,16 @@ def cases_cmd(
     tokens: Annotated[int, typer.Option(min=1, help="Tokens per contract (words × 1.45 estimate).")] = 1500,
     seed: Annotated[int, typer.Option(help="Same seed, same file.")] = 0,
     per_family: Annotated[int, typer.Option(min=1, help="Questions kept per family per contract.")] = 1,
+    mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
     """Write a small deterministic case set (the bundled configs/bench_cases.jsonl is --n 2
     --tokens 1500 --seed 0 --per-family 1)."""
-    from kite.atomic import write_text
+    from kite.atomic import check_output, write_text
     from kite.bench.cases import make_default_cases
     from kite.data.contracts import to_jsonl
 
+    check_output(out, mkdir, "--out")
     records = make_default_cases(n, tokens, seed, per_family)
     write_text(out, to_jsonl(records))
     info = {"out": str(out), "contracts": n, "questions": sum(len(r["questions"]) for r in records)}

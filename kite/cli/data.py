@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kite.cli._common import JsonOpt, console, emit_json, new_app
+from kite.cli._common import JsonOpt, MkdirOpt, console, emit_json, new_app
 from kite.errors import BadInput
 
 app = new_app("Synthetic contracts and benchmark cases.")
@@ -34,15 +34,18 @@ def contracts(
     model: Annotated[Optional[str], typer.Option(
         "--model", help="Count tokens exactly with this model's tokenizer (HF folder, .gguf or "
         "embedded name) instead of estimating.")] = None,
+    mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
-    from kite.atomic import write_text
+    from kite.atomic import check_output, write_text
     from kite.data.contracts import generate_contracts, to_jsonl
 
     if n < 1:
         raise BadInput(f"--n {n}: need at least one contract")
     if out == "-" and json_out:
         raise BadInput("--json with --out -: both would go to stdout; write the cases to a file")
+    if out != "-":
+        check_output(out, mkdir, "--out")
     count_tokens = _token_counter(model) if model else None
     records = generate_contracts(n, tokens, seed, count_tokens=count_tokens)
     data = to_jsonl(records)
@@ -90,15 +93,18 @@ def traffic(
     n: Annotated[int, typer.Option("--n", help="Number of queries.")] = 1000,
     seed: Annotated[int, typer.Option("--seed", help="Same seed, byte-identical output.")] = 0,
     out: Annotated[str, typer.Option("--out", help="Output JSONL file; '-' for stdout.")] = "-",
+    mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
-    from kite.atomic import write_text
+    from kite.atomic import check_output, write_text
     from kite.data.traffic import generate_traffic, to_jsonl
 
     if n < 1:
         raise BadInput(f"--n {n}: need at least one query")
     if out == "-" and json_out:
         raise BadInput("--json with --out -: both would go to stdout; write the traffic to a file")
+    if out != "-":
+        check_output(out, mkdir, "--out")
     records = generate_traffic(n, seed)
     data = to_jsonl(records)
     if out == "-":

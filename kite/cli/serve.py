@@ -11,8 +11,8 @@ from typing import Annotated
 
 import typer
 
-from kite.cli._common import (KvBudgetBlockOpt, KvBudgetCodecOpt, check_budget_flags, console, model_spec,
-                              rule_errors_reported, user_config)
+from kite.cli._common import (KvBudgetBlockOpt, KvBudgetCodecOpt, MkdirOpt, check_budget_flags, console,
+                              model_spec, rule_errors_reported, user_config)
 from kite.errors import KiteError
 
 
@@ -37,6 +37,7 @@ def serve(
     kv_budget_block: Annotated[int | None, KvBudgetBlockOpt] = None,
     log_level: Annotated[str, typer.Option(help="Log level (uvicorn's and KITE's): info logs a line per request, "
                                            "rule reloads and switches; warning only refusals and errors.")] = "info",
+    mkdir: bool = MkdirOpt,
 ) -> None:
     """Serve one model over HTTP: /v1/completions, /v1/chat/completions (with a `kite` field naming
     a state or a document), /v1/states, /admin/rules/*, /metrics, /healthz. See docs/serving.md.
@@ -58,6 +59,9 @@ def serve(
         "kv_budget_tokens": kv_budget_tokens, **({"kv_budget_codec": kv_budget_codec} if kv_budget_codec else {}),
         **({"kv_budget_block": kv_budget_block} if kv_budget_block is not None else {})}
     settings = ServeSettings.from_config(cfg, rules=rules, **budget_kw)
+    from kite.atomic import check_output_folder
+
+    check_output_folder(settings.state_dir, mkdir, "--state-dir" if state_dir is not None else "server.state_dir")
     sock = bind_socket(settings.host, settings.port)  # a busy port fails before anything slow
     settings.port = sock.getsockname()[1]  # port 0: the one the system chose
     from kite.model import geometry_from_config, load_config_only

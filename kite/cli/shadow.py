@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kite.cli._common import JsonOpt, console, emit_json, model_spec
+from kite.cli._common import JsonOpt, MkdirOpt, console, emit_json, model_spec
 
 
 def shadow(
@@ -22,6 +22,7 @@ def shadow(
     max_substantive: Annotated[float, typer.Option(help="Largest substantive-diff rate above the noise floor that passes.")] = 0.05,
     max_cases: Annotated[Optional[int], typer.Option(min=1, help="Only the first N cases.")] = None,
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads.")] = None,
+    mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
     """Both pipelines answer the same cases; token diffs are classified identical /
@@ -34,6 +35,10 @@ def shadow(
     from kite.cli._progress import progress_bar
 
     model = model_spec(model)
+    if upcycle is not None:
+        from kite.atomic import check_output_folder
+
+        check_output_folder(upcycle, mkdir, "--upcycle")
     if threads is not None:
         import torch
 

@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from kite.cli._common import JsonOpt, console, emit_json, kept_on_interrupt, model_spec, new_app, user_config
+from kite.cli._common import (JsonOpt, MkdirOpt, console, emit_json, kept_on_interrupt, model_spec, new_app,
+                              user_config)
 from kite.errors import BadInput
 
 app = new_app("Turn a document's KV cache into a .upc state; inspect, evaluate, migrate.")
@@ -53,13 +54,17 @@ def compress(
                                                 "upcycle config's).")] = None,
     precision: Annotated[str | None, PrecisionOpt] = None,
     clusters: Annotated[int | None, typer.Option(min=1, help="Number of clusters (compression.cluster_num).")] = None,
+    mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
     """Prefill a document, cluster and tag its spans, compress its KV cache into a .upc state.
 
     Example: kite upcycle compress --input contract.txt --output contract.upc --ratio 4
     """
+    from kite.atomic import check_output
+
     text, name = read_document(input)   # before the heavy imports: a bad --input fails at once
+    check_output(output, mkdir, "--output")
     model = model_spec(model)
     from kite.cli._progress import progress_bar
     from kite.upcycle import open_pipeline

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kite.cli._common import JsonOpt, console, emit_json, model_spec
+from kite.cli._common import JsonOpt, MkdirOpt, console, emit_json, model_spec
 from kite.errors import BadInput
 
 
@@ -38,6 +38,7 @@ def eval_tagging(
         "prefill of the contract) or both.")] = "both",
     save_tagger: Annotated[Optional[Path], typer.Option(
         "--save-tagger", help="Write the fitted tagger (JSON) here.")] = None,
+    mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
     """Fit the clause tagger on labeled examples and report accuracy per label and confusion.
@@ -49,9 +50,12 @@ def eval_tagging(
     kite upcycle eval-tagging --queries t.jsonl[/] (examples from seed 1000, as the default
     upcycle config draws them).
     """
+    from kite.atomic import check_output
     from kite.data.contracts import labeled_examples
     from kite.data.jsonl import read_cases, read_labeled
 
+    if save_tagger is not None:
+        check_output(save_tagger, mkdir, "--save-tagger")
     model = model_spec(model)
     mode_key = mode.replace("-", "_")
     if mode_key not in ("standalone", "in_document", "both"):

@@ -11,8 +11,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from kite.cli._common import (JsonOpt, console, emit_json, err_console, model_spec, new_app, rule_errors_reported,
-                              user_config)
+from kite.cli._common import (JsonOpt, MkdirOpt, console, emit_json, err_console, model_spec, new_app,
+                              rule_errors_reported, user_config)
 from kite.errors import BadInput
 
 app = new_app(
@@ -301,6 +301,7 @@ def analyze_cmd(
                                                   "hardware), e.g. '{\"hardware_watermark.gpu_mem\": 0.9}'.")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG histogram of intent "
                                                  "entropy with the rules' thresholds.")] = None,
+    mkdir: bool = MkdirOpt,
     fast: Annotated[bool, typer.Option("--fast", help="bf16 matmuls: ~1.7x faster on AVX512-BF16 CPUs; "
                                        "entropies move by up to ~0.09 bits, ~0.01 on average "
                                        "(docs/rules-dsl.md).")] = False,
@@ -323,9 +324,13 @@ def analyze_cmd(
         # OpenMP threads that sleep while they wait: on a shared machine spinning ones take the
         # time slices the working ones need (3-4x slower, benchmarks/yoco_analyze.py).
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from kite.atomic import check_output
     from kite.cli._progress import progress_bar
     from kite.data.jsonl import read_jsonl
     from kite.yoco.analyze import analyze, neutral_signals, plot_entropy
+
+    if plot is not None:
+        check_output(plot, mkdir, "--plot")
     from kite.yoco.intent import query_signals
     from kite.yoco.rules import default_rules_path
     from kite.yoco.signals import Signals
