@@ -262,3 +262,17 @@ def test_ctrl_c_in_migrate_says_the_folder_is_half_migrated_and_how_to_resume_or
     assert again.exit_code == 0, again.output
     assert not (states / mig.JOURNAL).exists()
     assert all(short(StateFile(p).meta["fingerprints"]["combined"]) == new for p in states.glob("*.upc"))
+
+
+def test_a_stage_detail_keeps_one_line_rhythm_and_shows_the_latest_detail(capsys):
+    """`stage · detail`: the interval is the stage's (a changing detail is not a new stage)."""
+    from kite.cli._progress import PlainProgress
+
+    t = [0.0]
+    p = PlainProgress(interval_s=5.0, clock=lambda: t[0])
+    for step in range(1, 11):
+        t[0] = step * 1.0
+        p(f"train · loss {1 / step:.3f}", step, 10)
+    lines = capsys.readouterr().err.splitlines()
+    assert [ln.split("] ", 1)[1] for ln in lines] == ["train · loss 1.000 1/10", "train · loss 0.167 6/10",
+                                                      "train · loss 0.100 10/10"]

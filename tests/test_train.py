@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,3 +118,269 @@ def test_a_regenerator_is_refused_for_another_model():
 
     with pytest.raises(FingerprintMismatch, match="made for model aaaa"):
         reg.check_model(LM)
+
+
+# --- states coded on a regenerator, end to end (tiny Llama) --------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_models):
+    from kite.model import load_model
+
+    return load_model(str(tiny_models["llama"]), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_regenerator(tiny_lm):
+    from kite.upcycle.capture import capture
+    from tests.tiny_models import CORPUS
+
+    fit = RegeneratorFit(n_layers=tiny_lm.geometry.n_layers)
+    for i in range(3):
+        cap = capture(tiny_lm, CORPUS[i * 97:] + CORPUS[:i * 97])
+        fit.add(cap.keys_pre, cap.values, cap.ids)
+    return fit.finish({"model_fingerprint": tiny_lm.fingerprints.combined})
+
+
+def _compress_regenerated(lm, reg, out, ratio=8):
+    from kite.upcycle import CompressSettings, codec_settings, compress_document
+    from tests.tiny_models import CORPUS
+
+    return compress_document(lm, CORPUS.replace(". ", ".\n\n", 5), out,
+                             CompressSettings(codec=codec_settings(ratio), n_clusters=3, min_span_tokens=8,
+                                              max_span_tokens=24), regenerator=reg)
+
+
+def test_a_regenerated_state_records_its_regenerator_and_loads_only_with_it(tiny_lm, tiny_regenerator, tmp_path,
+                                                                             monkeypatch):
+    from kite.upcycle import StateFile, load_prefix
+    from kite.upcycle.train import regenerator as R
+
+    made = _compress_regenerated(tiny_lm, tiny_regenerator, tmp_path / "s.upc")
+    with StateFile(made.path) as sf:
+        rec = sf.meta["regenerator"]
+    assert rec["fingerprint"] == tiny_regenerator.fingerprint and rec["sides"] > 0
+    monkeypatch.setattr(R, "_LOADED", {})
+    with pytest.raises(FingerprintMismatch, match=f"regenerator {tiny_regenerator.fingerprint[9:21]}"):
+        load_prefix(made.path, tiny_lm)                             # neither given nor kept under KITE_HOME
+    given, _ = load_prefix(made.path, tiny_lm, regenerator=tiny_regenerator)
+    R.install(tiny_regenerator)                                     # kept by fingerprint: found without being given
+    kept, _ = load_prefix(made.path, tiny_lm)
+    assert all(torch.equal(a, b) for a, b in zip(given.keys + given.values, kept.keys + kept.values))
+
+
+def test_the_staged_load_of_a_regenerated_state_matches_the_host_decode(tiny_lm, tiny_regenerator, tmp_path):
+    from kite.upcycle import load, load_prefix, rope_cos_sin
+    from kite.upcycle.format import StateFile
+
+    made = _compress_regenerated(tiny_lm, tiny_regenerator, tmp_path / "s.upc", ratio=4)
+    ref, _ = load_prefix(made.path, tiny_lm, regenerator=tiny_regenerator)
+    geo = tiny_lm.geometry
+    with StateFile(made.path) as state:
+        sel = load.select(state, None)
+        hot = load.stage_state(state, sel.parts, sel.part_positions, list(range(geo.n_layers)), n_layers=geo.n_layers,
+                               H=geo.n_kv_heads, d=geo.head_dim, threads=1, regenerator=tiny_regenerator)
+    cos, sin = rope_cos_sin(tiny_lm.model, hot.positions)
+    keys, values = load.load_staged(hot, device="cpu", dtype=torch.float32, cos=cos, sin=sin, n_layers=geo.n_layers)
+    for layer in range(geo.n_layers):
+        for got, want in ((keys[layer], ref.keys[layer]), (values[layer], ref.values[layer])):
+            assert torch.allclose(got, want, atol=1e-4 * float(want.abs().max()), rtol=1e-4)
+
+
+def test_the_pipeline_takes_the_configs_regenerator(tiny_lm, tiny_regenerator, tmp_path):
+    from kite.upcycle import StateFile, UpcycleConfig, open_pipeline
+
+    tiny_regenerator.save(tmp_path / "reg")
+    cfg = tmp_path / "upcycle.yaml"
+    cfg.write_text("regenerator: reg\ncompression: {svd_ratio: 0.125, cluster_num: 2}\n"
+                   "semantic_tagging: {generated_examples_per_label: 0}\n")
+    pipe = open_pipeline(lm=tiny_lm, upcycle_config=cfg, tagger=False)
+    assert pipe.regenerator.fingerprint == tiny_regenerator.fingerprint
+    made = pipe.compress("The parties agree. " * 40, tmp_path / "p.upc")
+    with StateFile(made.path) as sf:
+        assert sf.meta["regenerator"]["fingerprint"] == tiny_regenerator.fingerprint
+    other = RegeneratorFit(n_layers=tiny_lm.geometry.n_layers)
+    other.add(*[[torch.randn(2, 40, 16)] * tiny_lm.geometry.n_layers] * 2)
+    other.finish({"model_fingerprint": "kite-fp1:another"}).save(tmp_path / "other")
+    with pytest.raises(FingerprintMismatch, match="made for model another"):
+        open_pipeline(lm=tiny_lm, upcycle_config=UpcycleConfig(), regenerator=tmp_path / "other", tagger=False)
+
+
+# --- kite upcycle train, end to end on the tiny Llama ---------------------------------------------
+
+def _pairs_file(folder, docs=5, per_doc=4):
+    from tests.tiny_models import CORPUS
+
+    words = CORPUS.split()
+    lines = [{"context": " ".join(words[d * 7:d * 7 + 120]) + f" The code of document {d} is {d * 11}.",
+              "prompt": f"\nCode number {q} of this document is", "response": f" {d * 11 + q}."}
+             for d in range(docs) for q in range(per_doc)]
+    path = folder / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def _train(tiny_models, tmp_path, out, *extra):
+    from typer.testing import CliRunner
+
+    from kite.cli.main import app
+
+    return CliRunner().invoke(app, ["upcycle", "train", "--model", str(tiny_models["llama"]), "--data-path",
+                                    str(_pairs_file(tmp_path)), "--output-dir", str(out), "--eval-fraction", "0.2",
+                                    "--json", *extra])
+
+
+def test_train_writes_a_regenerator_a_peft_adapter_and_a_report(tiny_models, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import parse_json
+
+    out = tmp_path / "run"
+    res = _train(tiny_models, tmp_path, out, "--epochs", "1")
+    assert res.exit_code == 0, res.output
+    rep = parse_json(res.output)
+    assert rep["train_documents"] == 4 and rep["held_out_documents"] == 1
+    assert Regenerator.load(out / "regenerator").fingerprint == rep["regenerator"]["fingerprint"]
+    assert rep["adapter"]["settings"]["chosen_by"].startswith("auto:")
+    assert rep["training"]["steps"] == 16 and len(rep["loss"]) == 16
+    held = rep["held_out"]["8"]
+    assert held["pairs"] == 4 and held["ppl_full"] > 0 and held["f1_state"] is not None
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "train_report.json").read_text())["regenerator"] == rep["regenerator"]
+    base = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
+    PeftModel.from_pretrained(base, out / "adapter")            # the standard peft format
+
+
+def test_a_folder_holding_a_run_is_refused_unless_resumed_or_overwritten(tiny_models, tmp_path):
+    out = tmp_path / "run"
+    assert _train(tiny_models, tmp_path, out, "--regenerator-only").exit_code == 0
+    again = _train(tiny_models, tmp_path, out, "--regenerator-only")
+    assert again.exit_code == 2 and "holds this run already" in again.output
+    other = _train(tiny_models, tmp_path, out, "--regenerator-only", "--seed", "5")
+    assert other.exit_code == 2 and "holds another run" in other.output
+    assert _train(tiny_models, tmp_path, out, "--regenerator-only", "--seed", "5", "--overwrite").exit_code == 0
+
+
+def test_custom_target_modules_that_do_not_exist_are_named_with_those_that_do(tiny_models, tmp_path):
+    cfg = tmp_path / "u.yaml"
+    cfg.write_text("adapter: {target_modules: [self_attn.nope]}\n")
+    res = _train(tiny_models, tmp_path, tmp_path / "run", "--mode", "custom", "--config", str(cfg))
+    assert res.exit_code == 2
+    assert "'self_attn.nope' is no module of this model" in res.output and "self_attn.q_proj" in res.output
+
+
+def test_train_bad_input_fails_before_the_model_loads(tiny_models, tmp_path, monkeypatch):
+    import kite.model
+
+    monkeypatch.setattr(kite.model, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    from typer.testing import CliRunner
+
+    from kite.cli.main import app
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"context": "x", "prompt": "q"}\n')
+    run = CliRunner().invoke
+    res = run(app, ["upcycle", "train", "--model", str(tiny_models["llama"]), "--data-path", str(bad),
+                    "--output-dir", str(tmp_path / "o")])
+    assert res.exit_code == 2 and f"{bad}:1: expected a non-empty string \"response\"" in res.output
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"context": "x", "prompt": "q", "response": "a"}\n')
+    res = run(app, ["upcycle", "train", "--model", str(tiny_models["llama"]), "--data-path", str(one),
+                    "--output-dir", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "at least 2 documents" in res.output
+
+
+def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(tiny_models, tmp_path):
+    """SIGKILL after the first checkpoint, then --resume: the same adapter as a run never stopped."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.torch import load_file
+
+    pairs = _pairs_file(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+    def cmd(out, *extra):
+        return [sys.executable, "-m", "kite.cli.main", "upcycle", "train", "--model", str(tiny_models["llama"]),
+                "--data-path", str(pairs), "--output-dir", str(out), "--eval-fraction", "0.2", "--epochs", "20",
+                "--checkpoint-every", "10", *extra]
+
+    whole = tmp_path / "whole"
+    subprocess.run(cmd(whole), env=env, check=True, capture_output=True)
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(cmd(cut), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = cut / "checkpoints" / "latest.json"
+    deadline = time.monotonic() + 120
+    while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert latest.exists() and not (cut / "adapter").exists(), "the run ended before it could be killed"
+    res = subprocess.run(cmd(cut, "--resume", "--json"), env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout[res.stdout.index("{"):])
+    assert 0 < report["training"]["resumed_from"] < report["training"]["steps"] == 320
+    a = load_file(whole / "adapter" / "adapter_model.safetensors")
+    b = load_file(cut / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- the reader adapter: on exactly while a state made for it is read -----------------------------
+
+@pytest.fixture(scope="module")
+def reader_dir(tiny_models, tmp_path_factory):
+    """A LoRA on q_proj/o_proj with random (non-zero) weights: it changes what the model says."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                                                 init_lora_weights=False))
+    out = tmp_path_factory.mktemp("reader") / "adapter"
+    peft_model.save_pretrained(out)
+    return out
+
+
+def _state(lm, out):
+    from kite.upcycle import CompressSettings, codec_settings, compress_document
+    from tests.tiny_models import CORPUS
+
+    compress_document(lm, CORPUS, out, CompressSettings(codec=codec_settings("exact"), n_clusters=2,
+                                                        min_span_tokens=8, max_span_tokens=24))
+    return out
+
+
+def test_the_reader_adapter_is_on_only_after_a_state_made_for_it(tiny_models, reader_dir, tmp_path):
+    from kite.model import load_model
+    from kite.runtime.generate import generate
+    from kite.upcycle import StateFile, load_prefix
+
+    base = load_model(str(tiny_models["llama"]), device="cpu")
+    reader = load_model(str(tiny_models["llama"]), adapter=reader_dir, device="cpu")
+    prompt = base.tokenizer(" The parties agree", add_special_tokens=False)["input_ids"]
+    # no state: the reader is off, the answer is the base model's
+    a, b = generate(base, prompt, max_new_tokens=6), generate(reader, prompt, max_new_tokens=6)
+    assert (a.text, a.reader_adapter, b.reader_adapter) == (b.text, False, False)
+    # a state made for the reader: on while it is read (the KV stays the base model's)
+    made = _state(reader, tmp_path / "for-reader.upc")
+    with StateFile(made) as sf:
+        assert sf.meta["fingerprints"]["adapter"] == reader.fingerprints.adapter
+    prefix, _ = load_prefix(made, reader)
+    on = generate(reader, prompt, max_new_tokens=6, prefix=prefix)
+    assert prefix.reader and on.reader_adapter
+    plain = _state(base, tmp_path / "plain.upc")
+    ref, _ = load_prefix(plain, base)
+    assert all(torch.equal(x, y) for x, y in zip(prefix.keys + prefix.values, ref.keys + ref.values))
+    assert generate(base, prompt, max_new_tokens=6, prefix=ref).reader_adapter is False
+    # a state made for no reader loads on the reader's model, with the reader off
+    other, _ = load_prefix(plain, reader)
+    off = generate(reader, prompt, max_new_tokens=6, prefix=other)
+    assert not other.reader and not off.reader_adapter
+    assert off.text == generate(base, prompt, max_new_tokens=6, prefix=ref).text
+    # a state made for the reader is refused by a model without it
+    with pytest.raises(FingerprintMismatch, match="made for reader adapter"):
+        load_prefix(made, base)

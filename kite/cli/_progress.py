@@ -1,5 +1,8 @@
 """Progress of long work, on stderr (never in `--json` stdout): a rich bar on a terminal; off one
-(a CI log, a file, a pipe) a plain line per step, at most every few seconds, as pip and cargo do."""
+(a CI log, a file, a pipe) a plain line per step, at most every few seconds, as pip and cargo do.
+
+A stage may carry a live detail after " · " (`"train · loss 0.41 · 52 tok/s"`): the bar and the
+line are the stage's (the part before it), the text shown is the whole."""
 
 from __future__ import annotations
 
@@ -40,13 +43,14 @@ class PlainProgress:
     def __call__(self, stage: str, done: int, total: int) -> None:
         with self._lock:
             now = self.clock()
+            name = stage.partition(" · ")[0]
             key = (stage, done, total)
             self.running = key if done < total else None
-            due = (stage not in self.last_at or done >= total
-                   or now - self.last_at[stage] >= self.interval_s)
+            due = (name not in self.last_at or done >= total
+                   or now - self.last_at[name] >= self.interval_s)
             if not due or key == self.last_line:
                 return
-            self.last_at[stage], self.last_line = now, key
+            self.last_at[name], self.last_line = now, key
             self._write(now, f"{stage} {done}/{total}")
 
     def beat(self) -> None:
@@ -98,9 +102,10 @@ def progress_bar() -> Iterator[Progress]:
     with RichProgress(TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console, transient=True) as prog:
         def update(stage: str, done: int, total: int) -> None:
-            if stage not in bars:
-                bars[stage] = prog.add_task(stage, total=total)
-            prog.update(bars[stage], completed=done, total=total)
+            name = stage.partition(" · ")[0]
+            if name not in bars:
+                bars[name] = prog.add_task(stage, total=total)
+            prog.update(bars[name], completed=done, total=total, description=stage)
 
         yield update
 

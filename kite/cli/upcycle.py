@@ -265,3 +265,12 @@ def _register_eval_tagging() -> None:
 
 
 _register_eval_tagging()
+
+
+def _register_train() -> None:
+    from kite.cli.upcycle_train import train
+
+    app.command("train", help="Fit the regenerator and train the reader adapter from training pairs.")(train)
+
+
+_register_train()

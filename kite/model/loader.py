@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,19 @@ class LoadedModel:
     @property
     def dtype(self):
         return next(self.model.parameters()).dtype
+
+    @contextlib.contextmanager
+    def reading(self, on: bool) -> Iterator[bool]:
+        """The reader adapter switched on inside when ``on`` (a state made for it is being read) and
+        the model has one; yields whether it is on. Off again after (the model's default)."""
+        if not on or self.adapter_dir is None:
+            yield False
+            return
+        self.model.base_model.enable_adapter_layers()
+        try:
+            yield True
+        finally:
+            self.model.base_model.disable_adapter_layers()
 
     def eos_ids(self) -> set[int]:
         """Token ids that end generation: config, generation config and the chat end marker."""
@@ -101,6 +116,8 @@ def load_model(spec: str | None = None, *, adapter: str | Path | None = None, dt
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter_dir)
+        # a reader adapter (kite upcycle train): on only while the model reads a state made for it
+        model.base_model.disable_adapter_layers()
     model.to(device).eval()
     geometry = geometry_from_config(model.config)
     return LoadedModel(model=model, tokenizer=tokenizer, source=source, folder=folder,

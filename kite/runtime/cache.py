@@ -19,6 +19,7 @@ class KVPrefix:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     next_position: int
+    reader: bool = False   # made for the model's reader adapter: generation switches it on after it
 
     @property
     def n_layers(self) -> int:

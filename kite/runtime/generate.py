@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
@@ -26,6 +27,7 @@ class GenerationResult:
     # prefill's own logits (None for a one-token prompt): YOCO compares it with and without a
     # state to measure what a load gained (kite.yoco.fused.measured_gain).
     prompt_nll_bits: float | None = None
+    reader_adapter: bool = False   # the model's reader adapter was on (a state made for it was read)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -48,6 +50,8 @@ def encode_prompt(tokenizer, prompt: str, chat: bool, system: str | None = None,
 
 def cache_kwarg(model) -> str:
     """transformers 5.x renamed `past_key_values` to `cache`; pass whichever this version takes."""
+    if hasattr(model, "get_base_model"):   # a peft model passes the kwarg on to the model it wraps
+        model = model.get_base_model()
     cls = type(model)
     name = _CACHE_KWARG.get(cls)
     if name is None:
@@ -95,8 +99,19 @@ def generate(lm, prompt_ids: list[int], *, max_new_tokens: int = 128, temperatur
     `cache`: an empty transformers Cache to generate into (e.g. a memory-budgeted one) instead of
     a fresh DynamicCache; not together with `prefix`. `prefill_chunk`: run the prompt through the
     model that many tokens at a time (a budgeted cache then never holds more than its budget plus
-    one chunk raw); default one forward.
+    one chunk raw); default one forward. A prefix made for the model's reader adapter switches it on
+    for this generation (`reader_adapter` in the result says so).
     """
+    reading = lm.reading(prefix is not None and prefix.reader) if hasattr(lm, "reading") else nullcontext(False)
+    with reading as reader_on:
+        result = _generate(lm, prompt_ids, max_new_tokens, temperature, top_p, seed, prefix, on_text, stop_ids,
+                           cache, prefill_chunk)
+    result.reader_adapter = bool(reader_on)
+    return result
+
+
+def _generate(lm, prompt_ids, max_new_tokens, temperature, top_p, seed, prefix, on_text, stop_ids, cache,
+              prefill_chunk) -> GenerationResult:
     if not prompt_ids:
         from kite.errors import BadInput
 

@@ -67,7 +67,8 @@ class Answer:
             out["kv_budget"] = self.kv_budget
         g = self.generation
         out["generation"] = {"ttft_ms": g.ttft_ms, "total_ms": g.total_ms, "tokens_per_s": g.tokens_per_s,
-                             "prefix_tokens": g.prefix_tokens, "prompt_nll_bits": g.prompt_nll_bits}
+                             "prefix_tokens": g.prefix_tokens, "prompt_nll_bits": g.prompt_nll_bits,
+                             "reader_adapter": g.reader_adapter}
         return out
 
 

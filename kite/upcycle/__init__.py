@@ -9,6 +9,7 @@ and ``format`` included, for benchmarks and tools that work on the codec or the 
     format     the container (StateFile, StateWriter), blob names, codec blob bytes, bit layout
     codec      settings and presets, side coders, per-layer codec, batched encoder, quantizer
     tagging    the clause tagger
+    train      `kite upcycle train`: the regenerator (calibrated bases) and the LoRA reader adapter
     budget     the memory-budgeted KV cache (coded blocks that stay in attention)
     migration, quality (what a setting loses), inspect, rope, capture
 """
@@ -29,6 +30,8 @@ from kite.upcycle.migration import MigrationReport, migrate, pending_migration, 
 from kite.upcycle.pipeline import Pipeline, compress_settings, open_pipeline
 from kite.upcycle.rope import apply_rope, remove_rope, rope_cos_sin
 from kite.upcycle.settings import UpcycleConfig, load_upcycle_config
+from kite.upcycle.train import Pair, Regenerator, RegeneratorFit, read_pairs, split_pairs
+from kite.upcycle.train.run import TrainRequest, train_upcycle
 from kite.upcycle.tagging import (ClauseTagger, QueryHead, TagResult, build_tagger, calibration_set,
                                   describe_tagger, evaluate_queries, evaluate_tagging)
 
@@ -40,5 +43,6 @@ __all__ = [
     "check_budget", "check_fingerprints", "check_probe", "codec", "codec_settings", "compare_logits", "compress_document",
     "compress_settings", "default_tier", "describe_state", "describe_tagger", "evaluate", "evaluate_queries",
     "evaluate_tagging", "format", "load_prefix", "load_upcycle_config", "migrate", "open_pipeline", "path_version", "pending_migration", "plan_migration",
+    "Pair", "Regenerator", "RegeneratorFit", "TrainRequest", "read_pairs", "split_pairs", "train_upcycle",
     "prepare_state", "remove_rope", "rollback", "rope_cos_sin", "select_clusters", "tokenize_document",
 ]

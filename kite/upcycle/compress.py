@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kite import __version__
+from kite.errors import BadInput
 from kite.upcycle import codec
 from kite.upcycle.capture import Capture, capture
 from kite.upcycle.cluster import kmeans
@@ -116,9 +117,13 @@ def _ranges(token_idx: list[int]) -> list[list[int]]:
 
 def compress_document(lm, text: str, output: str | Path, settings: CompressSettings | None = None, *,
                       tagger=None, source_name: str = "-", progress: Progress | None = None,
-                      ids: list[int] | None = None, device: str | torch.device | None = None) -> CompressResult:
+                      ids: list[int] | None = None, device: str | torch.device | None = None,
+                      regenerator=None) -> CompressResult:
     """Turn `text` into a `.upc` state at `output` (written atomically).
 
+    `regenerator`: a :class:`kite.upcycle.train.Regenerator` of this model: PCA sides are coded on
+    its calibrated bases where that is expected to pay (the state then records its fingerprint and
+    loads only with it); the per-layer codec runs.
     `ids`: the document's token ids when the caller already has them (what the state will be
     reused after); `text` is then ignored and rebuilt from the ids' pieces.
     `device`: where the codec runs batched over layers and parts (`kite.upcycle.codec.encode_state`,
@@ -126,6 +131,12 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
     Settings the batched codec does not take always use the per-layer codec.
     """
     settings = settings or CompressSettings()
+    if regenerator is not None:
+        regenerator.check_model(lm)
+        if regenerator.joint_heads != settings.codec.joint_heads:
+            raise BadInput(f"regenerator {regenerator.fingerprint.removeprefix('kite-fp1:')[:12]} has "
+                           f"{'joint-head' if regenerator.joint_heads else 'per-head'} bases; codec "
+                           f"{settings.codec.name} codes {'joint heads' if settings.codec.joint_heads else 'per head'}")
     timings: dict[str, float] = {}
     layers_needed = list(tagger.embedding_layers) if _uses_embeddings(tagger) else [lm.geometry.n_layers // 2]
     cap = capture(lm, text, chunk_tokens=settings.chunk_tokens, hidden_layers=layers_needed,
@@ -135,6 +146,7 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
     text = cap.text
     clusters: list[ClusterInfo] = []
     n_spans = []
+    regenerated = [0]
 
     def cluster_spans() -> list[torch.Tensor]:
         """Spans, their tags, k-means over them: the clusters' token sets (host work; on a GPU it
@@ -168,7 +180,7 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
     # a state made on a GPU is served from one: big blobs stay raw unless zstd saves a lot (load speed)
     gpu = device is not None and torch.device(device).type == "cuda"
     writer = StateWriter(large_min_saving=LARGE_MIN_SAVING if gpu else MIN_SAVING)
-    if device is not None and codec.supports_batched(settings.codec):
+    if device is not None and codec.supports_batched(settings.codec) and regenerator is None:
         enc = codec.encode_state(cap.keys_pre, cap.values, cluster_spans, settings.codec, device=device)
         enc.add_to(writer)
         if progress:
@@ -178,7 +190,9 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
         t = time.perf_counter()
         for layer in range(n_layers):
             K, V = cap.keys_pre[layer], cap.values[layer]
-            lc = codec.fit_layer(K, V, settings.codec)
+            regen = None if regenerator is None else {side: regenerator.side(layer, side) for side in ("k", "v")}
+            lc = codec.fit_layer(K, V, settings.codec, regenerator=regen)
+            regenerated[0] += sum(lc.meta[side]["mode"] == "rpca" for side in ("k", "v"))
             writer.add(blob_key(None, layer), codec.to_bytes(lc))
             for c, idx in enumerate(token_sets):
                 part = codec.encode(lc, K[:, idx], V[:, idx], idx)
@@ -207,6 +221,9 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
         "tagger": describe_tagger(tagger),
         "raw_kv_bytes_fp16": raw_kv,
     }
+    if regenerator is not None:
+        # sides: how many of the 2 x n_layers (layer, K|V) codecs took the regenerator's basis
+        meta["regenerator"] = {"fingerprint": regenerator.fingerprint, "sides": regenerated[0]}
     t = time.perf_counter()
     size = writer.write(output, meta)
     timings["write"] = (time.perf_counter() - t) * 1e3

@@ -29,6 +29,7 @@ from kite.upcycle.compress import CompressResult, CompressSettings, Progress, co
 from kite.upcycle.load.staging import prepare_state
 from kite.upcycle.settings import UpcycleConfig, load_upcycle_config
 from kite.upcycle.tagging.build import build_tagger
+from kite.upcycle.train.regenerator import Regenerator, install
 
 
 def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precision: str | None = None,
@@ -74,20 +75,23 @@ def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precisi
 
 @dataclass
 class Pipeline:
-    """A model with the tagger and the compression settings its states are made with."""
+    """A model with the tagger, the compression settings and the regenerator (None: each state
+    stores its own bases) its states are made with."""
 
     lm: object
     tagger: object | None
     settings: CompressSettings
     config: UpcycleConfig
     config_path: Path | None
+    regenerator: Regenerator | None = None
 
     def compress(self, text: str, output: str | Path, *, source_name: str = "-", progress: Progress | None = None,
                  ids: list[int] | None = None, settings: CompressSettings | None = None) -> CompressResult:
         """Write a state of ``text`` (or of the token ids ``ids``) to ``output`` and, with the model on
         a GPU, prepare it for loading there (:func:`kite.upcycle.load.prepare_state`)."""
         result = compress_document(self.lm, text, output, settings or self.settings, tagger=self.tagger,
-                                   source_name=source_name, progress=progress, ids=ids)
+                                   source_name=source_name, progress=progress, ids=ids,
+                                   regenerator=self.regenerator)
         if torch.device(self.lm.device).type == "cuda":
             t = time.perf_counter()
             if prepare_state(output):
@@ -103,14 +107,15 @@ def open_pipeline(model: str | None = None,
                   upcycle_config: str | Path | UpcycleConfig | tuple[UpcycleConfig, Path | None] | None = None, *,
                   ratio: float | None = None, precision: str | None = None, clusters: int | None = None,
                   kept_fraction: float | None = None, device: str | None = None, lm=None, tagger: bool = True,
-                  progress=None) -> Pipeline:
+                  regenerator: str | Path | None = None, progress=None) -> Pipeline:
     """Config → settings (checked before anything slow) → model (``lm`` when given, else ``model``
     loaded with the config's adapter on ``device``) → the config's tagger (``tagger=False``: none).
     ``ratio``, ``precision``, ``clusters`` and ``kept_fraction``: see :func:`compress_settings`.
 
     ``upcycle_config``: a path; None for ``configs/upcycle_config.yaml`` (else the defaults); a loaded
     config; or the (config, path) pair :func:`kite.upcycle.load_upcycle_config` returns (the path
-    resolves the config's relative example files).
+    resolves the config's relative example files). ``regenerator``: a regenerator folder (default:
+    the config's ``regenerator:``), read and checked against the model.
     """
     if isinstance(upcycle_config, UpcycleConfig):
         cfg, cfg_path = upcycle_config, None
@@ -120,11 +125,16 @@ def open_pipeline(model: str | None = None,
         cfg, cfg_path = load_upcycle_config(upcycle_config)
     settings = compress_settings(cfg, ratio=ratio, precision=precision, clusters=clusters,
                                  kept_fraction=kept_fraction)
+    regen_dir = Path(regenerator) if regenerator is not None else cfg.resolve(cfg.regenerator, cfg_path)
+    regen = Regenerator.load(regen_dir) if regen_dir is not None else None   # a bad folder fails before the model
     if lm is None:
         from kite.model import load_model
 
-        lm = load_model(model, adapter=cfg.adapter, device=device)
-    pipe = Pipeline(lm=lm, tagger=None, settings=settings, config=cfg, config_path=cfg_path)
+        lm = load_model(model, adapter=cfg.resolve(cfg.adapter.path, cfg_path), device=device)
+    if regen is not None:
+        regen.check_model(lm)
+        install(regen)
+    pipe = Pipeline(lm=lm, tagger=None, settings=settings, config=cfg, config_path=cfg_path, regenerator=regen)
     if tagger:
         pipe.load_tagger(progress)
     return pipe

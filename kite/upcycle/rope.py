@@ -40,6 +40,8 @@ def rotary_module(model_or_config):
     for it; Llama's is used for model types without their own).
     """
     obj = model_or_config
+    if hasattr(obj, "get_base_model"):   # a peft model (a reader adapter): the model it wraps
+        obj = obj.get_base_model()
     if hasattr(obj, "inv_freq") and callable(obj):
         return obj
     inner = getattr(obj, "model", None)

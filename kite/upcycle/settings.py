@@ -1,10 +1,10 @@
-"""`upcycle_config.yaml` in the seed's shape: adapter, compression, semantic_tagging."""
+"""`upcycle_config.yaml` in the seed's shape: adapter, regenerator, compression, semantic_tagging."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kite.yaml_model import load_yaml_model
 
@@ -52,10 +52,42 @@ class TaggingConfig(_Strict):
     generated_examples_per_label: int = Field(4, ge=0, le=64)
 
 
+class AdapterConfig(_Strict):
+    """The reader adapter: where a trained one is, and what `kite upcycle train --mode custom` trains."""
+
+    # A reader adapter folder (`kite upcycle train` writes DIR/adapter), relative to the config
+    # file: on while the model reads a state made for it, off otherwise.
+    path: str | None = None
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "o_proj"], min_length=1)
+    r: int = Field(16, ge=1, le=256)
+    lora_alpha: int = Field(32, ge=1)
+    lora_dropout: float = Field(0.05, ge=0, lt=1)
+    # The distillation's temperature (the teacher's and the student's logits are divided by it).
+    temperature: float = Field(1.0, gt=0)
+
+
 class UpcycleConfig(_Strict):
-    adapter: str | None = None
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    # A regenerator folder (`kite upcycle train` writes DIR/regenerator), relative to the config
+    # file: states are then coded on its calibrated bases where that pays.
+    regenerator: str | None = None
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     semantic_tagging: TaggingConfig = Field(default_factory=TaggingConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _adapter_path(cls, data):
+        """`adapter: DIR` (a string) is the reader adapter's path; `adapter: null` is none."""
+        if isinstance(data, dict) and (data.get("adapter") is None or isinstance(data.get("adapter"), str)):
+            data = {**data, "adapter": {"path": data.get("adapter")}}
+        return data
+
+    def resolve(self, value: str | None, base: Path | None) -> Path | None:
+        """A path of this config (adapter.path, regenerator) made absolute against its file's folder."""
+        if value is None:
+            return None
+        p = Path(value).expanduser()
+        return p if p.is_absolute() or base is None else base.parent / p
 
 
 def load_upcycle_config(path: str | Path | None) -> tuple[UpcycleConfig, Path | None]:

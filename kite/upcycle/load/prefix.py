@@ -24,6 +24,7 @@ from kite.upcycle.load.hot_tier import HotTier, default_tier
 from kite.upcycle.load.rebuild import load_staged
 from kite.upcycle.load.selection import SINK_TOKENS, Selection, select
 from kite.upcycle.load.staging import stage_state, supports_state
+from kite.upcycle.train.regenerator import resolve
 from kite.upcycle.rope import apply_rope, rope_cos_sin
 
 LOAD_PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
@@ -47,7 +48,11 @@ class LoadReport:
 
 
 def check_fingerprints(state: StateFile, lm) -> None:
-    """Invariant 3: a state made by another model, tokenizer or adapter never loads silently."""
+    """Invariant 3: a state made by another model, tokenizer or adapter never loads silently.
+
+    The adapter is a reader (on only while a state made for it is read; the state's KV is the base
+    model's): a state made for one loads only on a model that has it; a state made for none loads
+    on any model of its weights and tokenizer, and the reader stays off for it."""
     have = state.meta.get("fingerprints") or {}
     want = lm.fingerprints
     if have.get("model") is None and have.get("migrated_from"):
@@ -57,7 +62,13 @@ def check_fingerprints(state: StateFile, lm) -> None:
         raise FingerprintMismatch(
             f"{state.path}: migrated to model {short(have['combined'])}, but the loaded model is "
             f"{short(want.combined)}; load that model or migrate the state again")
-    for part in ("model", "tokenizer", "adapter"):
+    made_for = have.get("adapter")
+    if made_for is not None and made_for != want.adapter:
+        raise FingerprintMismatch(
+            f"{state.path}: made for reader adapter {short(made_for)}, and the loaded model has "
+            f"{'reader adapter ' + short(want.adapter) if want.adapter else 'none'}; load the model with that "
+            f"adapter (upcycle_config adapter.path, kite generate --adapter DIR), or compress the document again")
+    for part in ("model", "tokenizer"):
         a, b = have.get(part), getattr(want, part)
         if a != b:
             old = short(have.get("combined") or "") or "?"
@@ -86,7 +97,7 @@ def _on_gpu(state: StateFile, lm, precision: str | None) -> bool:
 
 
 def _load_on_gpu(state: StateFile, lm, sel: Selection, layer_set: set[int], verify: bool, sink_tokens: int,
-                 tier: HotTier | None) -> tuple[list, list, int, dict]:
+                 tier: HotTier | None, regenerator) -> tuple[list, list, int, dict]:
     geo = lm.geometry
     H, d = geo.n_kv_heads, geo.head_dim
     tier = tier or default_tier()
@@ -96,7 +107,7 @@ def _load_on_gpu(state: StateFile, lm, sel: Selection, layer_set: set[int], veri
     hit = hot is not None
     if not hit:
         hot = stage_state(state, sel.parts, sel.part_positions, sorted(layer_set), n_layers=geo.n_layers,
-                          H=H, d=d, verify=verify, tier=tier, key=key, wait=False)
+                          H=H, d=d, verify=verify, tier=tier, key=key, wait=False, regenerator=regenerator)
     cos, sin = rope_cos_sin(lm.model, hot.positions, device=lm.device)
     keys, values = load_staged(hot, device=lm.device, dtype=lm.dtype, cos=cos, sin=sin, n_layers=geo.n_layers)
     if not hit:
@@ -119,7 +130,7 @@ def _at_precision(x: torch.Tensor, precision: str | None) -> torch.Tensor:
 
 
 def _load_on_host(state: StateFile, lm, sel: Selection, layer_set: set[int], verify: bool,
-                  precision: str | None) -> tuple[list, list, int, dict]:
+                  precision: str | None, regenerator) -> tuple[list, list, int, dict]:
     geo = lm.geometry
     positions, order = sel.positions()
     cos, sin = rope_cos_sin(lm.model, positions[order], device="cpu")
@@ -136,6 +147,8 @@ def _load_on_host(state: StateFile, lm, sel: Selection, layer_set: set[int], ver
             continue
         t = time.perf_counter()
         lc = codec.from_bytes(state.read(blob_key(None, layer), verify=verify), codec.LayerCodec)
+        if regenerator is not None:
+            codec.attach_regenerator(lc, {side: regenerator.side(layer, side)[2] for side in ("k", "v")})
         nbytes += state.index[blob_key(None, layer)].length
         parts = []
         for c, _ in sel.parts:
@@ -159,7 +172,7 @@ def _load_on_host(state: StateFile, lm, sel: Selection, layer_set: set[int], ver
 def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None = None,
                 layers: list[int] | None = None, precision: str | None = None,
                 verify: bool = True, sink_tokens: int = SINK_TOKENS,
-                tier: HotTier | None = None) -> tuple[KVPrefix, LoadReport]:
+                tier: HotTier | None = None, regenerator=None) -> tuple[KVPrefix, LoadReport]:
     """Rebuild the KV prefix of the chosen clusters and layers of `state` for `lm`.
 
     Loaded tokens keep their original positions; the query goes after the document's last one.
@@ -169,7 +182,9 @@ def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None
     When only some clusters are chosen, the document's first `sink_tokens` tokens come too.
     With the model on a GPU and a PCA-coded state, the compressed parts go to the GPU and are
     rebuilt there, through the pinned hot tier `tier` (default: the process's); otherwise they are
-    decoded on the host.
+    decoded on the host. A state coded on a regenerator's bases decodes with that regenerator only:
+    `regenerator` when it is the one, else the copy kept under ``$KITE_HOME/regenerators``
+    (FingerprintMismatch naming it when there is none).
     """
     t0 = time.perf_counter()
     if not isinstance(state, StateFile):
@@ -178,6 +193,8 @@ def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None
         raise BadInput(f"--precision {precision}: expected one of {', '.join(LOAD_PRECISIONS)}")
     check_fingerprints(state, lm)
     check_geometry(state, lm)
+    regen_fp = (state.meta.get("regenerator") or {}).get("fingerprint")
+    regenerator = resolve(regen_fp, regenerator) if regen_fp else None
     n_layers = lm.geometry.n_layers
     sel = select(state, clusters, sink_tokens)
     if layers is not None and not layers:
@@ -188,10 +205,13 @@ def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None
         raise BadInput(f"--layers: layer {bad[0]} is out of range 0-{n_layers - 1} (the model has {n_layers} "
                        f"layers)")
     if _on_gpu(state, lm, precision) and sel.chosen:
-        keys, values, nbytes, timings = _load_on_gpu(state, lm, sel, layer_set, verify, sink_tokens, tier)
+        keys, values, nbytes, timings = _load_on_gpu(state, lm, sel, layer_set, verify, sink_tokens, tier,
+                                                     regenerator)
     else:
-        keys, values, nbytes, timings = _load_on_host(state, lm, sel, layer_set, verify, precision)
-    prefix = KVPrefix(keys, values, next_position=int(state.meta["n_tokens"]))
+        keys, values, nbytes, timings = _load_on_host(state, lm, sel, layer_set, verify, precision, regenerator)
+    made_for = (state.meta.get("fingerprints") or {}).get("adapter")
+    prefix = KVPrefix(keys, values, next_position=int(state.meta["n_tokens"]),
+                      reader=made_for is not None and made_for == lm.fingerprints.adapter)
     report = LoadReport(clusters=sel.chosen, labels=sel.labels, layers=sorted(layer_set), precision=precision,
                         tokens=int(sum(int(p.numel()) if keep is None else int(keep.sum())
                                        for (_, keep), p in zip(sel.parts, sel.part_positions))),

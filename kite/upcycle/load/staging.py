@@ -18,6 +18,7 @@ import torch
 import zstandard
 
 from kite.errors import BadInput
+from kite.upcycle.codec.coders import regen_columns
 from kite.upcycle.format import codec_blob
 from kite.upcycle.format.bitlayout import parts_layout
 from kite.upcycle.format.container import StateFile
@@ -26,6 +27,7 @@ from kite.upcycle.format.versions import record_verified, records_enabled, same_
 from kite.upcycle.load import caches
 from kite.upcycle.load.hot_tier import HotState, HotTier
 from kite.upcycle.load.selection import select
+from kite.upcycle.train.regenerator import resolve
 from kite.upcycle.load.tables import (ALIGN, LayerPlan, SidePlan, load_tables, round_up, save_tables,
                                           table_bound, tables_file)
 
@@ -57,12 +59,13 @@ def _preadv_all(fd: int, bufs: list[tuple[str, memoryview]], pos: int, path) -> 
 def stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region: int, keys: list[str],
                  blob_offs: list[int], tables_at: int, table_cap: int, H: int, d: int, verify: bool,
                  verified: set[str] | None = None, cached: tuple[LayerPlan, np.ndarray] | None = None,
-                 ) -> tuple[LayerPlan, np.ndarray | None, list[str]]:
+                 regenerator=None) -> tuple[LayerPlan, np.ndarray | None, list[str]]:
     """Read one layer's blobs into its region and lay out its tables.
 
     Returns (plan, table bytes when built here, blob keys whose checksum was checked here).
     ``verified``: keys already checked for this file version (not hashed again); ``cached``: the
     plan and table bytes of an earlier staging of the same version, copied instead of rebuilt.
+    ``regenerator``: the state's regenerator (its ``rpca`` sides' basis columns go into the tables).
     """
     # 1. blobs: raw ones read straight into the buffer (one preadv per run of blobs that lie back to
     # back in the file: each call hands the GIL back once, not once per blob), zstd ones decompressed
@@ -127,7 +130,7 @@ def stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region:
     sides = {}
     for si, side in enumerate(("k", "v")):
         info = lmeta[side]
-        if info.get("mode") != "pca":
+        if info.get("mode") not in ("pca", "rpca"):
             raise BadInput(f"{state.path}: layer {layer} {side} is not PCA-coded (the GPU path needs pca)")
         B, D = int(info["blocks"]), int(info["dim"])
         bits = codec_blob.numpy_at(view, lt[f"{side}.bits"]).astype(np.int64)                  # [B, D]
@@ -136,7 +139,11 @@ def stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region:
         blk_off = np.concatenate([[0], np.cumsum((bits > 0).sum(axis=1))]).astype(np.int64).tolist()
         mean = codec_blob.numpy_at(view, lt[f"{side}.mean"]).astype(np.float32).reshape(-1)
         mean_at = put(mean)
-        if f"{side}.basis.codes" in lt:
+        if info["mode"] == "rpca":   # the regenerator's columns, as a float basis [D, R]
+            cols = regen_columns(regenerator.side(layer, side)[2], torch.from_numpy(bits))
+            basis = (put(cols.numpy()), "f32", int(cols.shape[0]), int(cols.shape[1]))
+            kind = "float"
+        elif f"{side}.basis.codes" in lt:
             bq = lmeta[f"{side}.basis"]
             bb = int(bq["fmt"][3:])
             codes, sc, mn = lt[f"{side}.basis.codes"], lt[f"{side}.basis.scale"], lt[f"{side}.basis.min"]
@@ -183,8 +190,9 @@ def stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region:
 def stage_state(state: StateFile, selection: list[tuple[int, torch.Tensor | None]], part_positions: list[torch.Tensor],
                 layers: list[int], *, n_layers: int, H: int, d: int, verify: bool = True,
                 tier: HotTier | None = None, threads: int = 8, key: tuple | None = None,
-                wait: bool = True) -> HotState:
+                wait: bool = True, regenerator=None) -> HotState:
     """Stage the chosen parts of ``state`` (``selection``: (cluster, keep mask or None)) for ``layers``.
+    ``regenerator``: the state's (required when its header names one).
 
     ``part_positions[i]``: the document positions of selection i's tokens (all of them, ascending).
     Layers are read in a thread pool; ``wait=False`` returns at once and :meth:`HotState.wait`
@@ -208,7 +216,10 @@ def stage_state(state: StateFile, selection: list[tuple[int, torch.Tensor | None
     plans: list = [None] * n_layers
     jobs = []
     cur = 0
-    bound = table_bound(H, d, len(selection), s)
+    regen_fp = (state.meta.get("regenerator") or {}).get("fingerprint")
+    if regen_fp is not None:
+        regenerator = resolve(regen_fp, regenerator)
+    bound = table_bound(H, d, len(selection), s, regenerated=regen_fp is not None)
     for layer in layer_set:
         keys = layer_keys(layer, [c for c, _ in selection])
         for k in keys:
@@ -257,7 +268,7 @@ def stage_state(state: StateFile, selection: list[tuple[int, torch.Tensor | None
     def one(layer, region, keys, offs, tables_at, cap):
         try:
             plan, tbytes, checked = stage_layer(state, fd, view, layer, region, keys, offs, tables_at, cap, H, d,
-                                                 verify, verified, entry.layers.get(layer))
+                                                 verify, verified, entry.layers.get(layer), regenerator)
         except BaseException:
             with caches.LOCK:
                 pending[0] = -1        # a failed staging records nothing across processes

@@ -62,11 +62,12 @@ class LayerPlan:
     times_ms: dict[str, float] = field(default_factory=dict)   # read / verify / tables (this layer)
 
 
-def table_bound(H: int, d: int, P: int, s: dict) -> int:
-    """Bytes the tables of one layer may take (both sides), from the codec settings."""
+def table_bound(H: int, d: int, P: int, s: dict, regenerated: bool = False) -> int:
+    """Bytes the tables of one layer may take (both sides), from the codec settings (``regenerated``:
+    the state takes some bases from a regenerator, copied into the tables as float32)."""
     HD = H * d
     D = HD if s.get("joint_heads") else d
-    basis_float = 0 if str(s.get("basis_fmt", "int8")).startswith("int") else D * HD * 4 + 16
+    basis_float = 0 if str(s.get("basis_fmt", "int8")).startswith("int") and not regenerated else D * HD * 4 + 16
     n_ovr = int(s.get("sink_tokens", 1)) + P * int(s.get("outliers", 0))
     # mean, column widths, basis table + widths + offsets, parts table, column offsets, sinks
     per_side = 4 * HD + HD + (48 + 17 * HD) + basis_float + 48 * P + 16 * P * HD + 32 * n_ovr + 16 * 12

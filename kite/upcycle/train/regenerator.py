@@ -186,3 +186,41 @@ def _fingerprint(data: bytes, meta: dict) -> str:
     h = hashlib.sha256(data)
     h.update(json.dumps({k: v for k, v in meta.items() if k != "fingerprint"}, sort_keys=True).encode())
     return PREFIX + h.hexdigest()
+
+
+def regenerators_dir() -> Path:
+    """Where regenerators are kept by fingerprint, for states to find theirs: ``$KITE_HOME/regenerators``."""
+    from kite.paths import kite_home
+
+    return kite_home() / "regenerators"
+
+
+def install(reg: Regenerator) -> Path:
+    """Keep a copy under :func:`regenerators_dir` (named by its short fingerprint), so every load of a
+    state made with it finds it; returns the folder."""
+    folder = regenerators_dir() / short(reg.fingerprint)
+    if not (folder / META).exists():
+        reg.save(folder)
+    return folder
+
+
+_LOADED: dict[str, Regenerator] = {}
+
+
+def resolve(fingerprint: str, given: Regenerator | None = None) -> Regenerator:
+    """The regenerator a state was made with: ``given`` when it is that one, else the copy kept
+    under :func:`regenerators_dir`. FingerprintMismatch naming the fingerprint when neither is."""
+    if given is not None and given.fingerprint == fingerprint:
+        return given
+    if fingerprint in _LOADED:
+        return _LOADED[fingerprint]
+    folder = regenerators_dir() / short(fingerprint)
+    if (folder / META).exists():
+        reg = Regenerator.load(folder)
+        if reg.fingerprint == fingerprint:
+            _LOADED[fingerprint] = reg
+            return reg
+    hint = f" (the one given is {short(given.fingerprint)})" if given is not None else ""
+    raise FingerprintMismatch(
+        f"this state was encoded against regenerator {short(fingerprint)}, which is not here{hint}; pass its "
+        f"folder (--regenerator DIR, or regenerator: in upcycle_config.yaml) or keep a copy in {folder}")

@@ -1,0 +1,250 @@
+"""The reader adapter: a peft LoRA that teaches the model to read decoded states, by distillation.
+
+Teacher: the base model reading the full context; its distribution over every response token is
+computed once (top ``top_k`` log-probabilities, enough for the KL of a peaked distribution) and
+kept with the run. Student: the model with the LoRA on, reading the decoded state of the same
+context (the state's KV is fixed input: only the LoRA weights learn). Loss: KL(teacher ‖ student)
+on the response tokens at ``temperature``, times temperature².
+
+The loop is deterministic for a seed (data order per epoch, dropout from the saved generator), and
+checkpoints every ``checkpoint_every`` steps (:mod:`.checkpoint`), so a run resumed after a kill
+ends on the same weights as one never interrupted.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kite.errors import BadInput
+from kite.runtime.cache import KVPrefix, new_cache
+from kite.runtime.generate import cache_kwarg
+from kite.upcycle.capture import tokenize_document
+from kite.upcycle.train.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from kite.upcycle.train.data import Pair
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class AdapterSettings:
+    """LoRA shape and the distillation's knobs (``chosen_by`` says where the shape came from)."""
+
+    target_modules: list[str]
+    r: int
+    lora_alpha: int
+    lora_dropout: float = 0.05
+    temperature: float = 1.0
+    learning_rate: float = 5e-4
+    epochs: int = 2
+    top_k: int = 256
+    checkpoint_every: int = 25
+    chosen_by: str = "custom"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# the projections that read a state: queries decide what of the prefix each new token attends to,
+# the output projection what it takes from it (keys and values of the prefix are fixed input)
+AUTO_MODULES = ("q_proj", "o_proj")
+
+
+def auto_settings(model, train_tokens: int, **overrides) -> AdapterSettings:
+    """The architecture's query and output projections, at a rank that grows with the response
+    tokens to learn from (the seed's r 64 as the upper bound): few tokens, a small rank, so the
+    adapter cannot memorize the training answers."""
+    present = linear_module_names(model)
+    targets = [m for m in AUTO_MODULES if any(n.endswith(m) for n in present)]
+    if not targets:
+        raise BadInput(f"auto mode knows no {' / '.join(AUTO_MODULES)} in this model; use --mode custom with "
+                       f"adapter.target_modules from: {', '.join(sorted({n.rsplit('.', 1)[-1] for n in present}))}")
+    r = 8 if train_tokens < 20_000 else 16 if train_tokens < 200_000 else 32 if train_tokens < 2_000_000 else 64
+    why = (f"auto: {', '.join(targets)} (what reads the state; its keys and values are fixed), r {r} for "
+           f"{train_tokens:,} response tokens (8 below 20K, 16 below 200K, 32 below 2M, else 64)")
+    return AdapterSettings(**{"target_modules": targets, "r": r, "lora_alpha": 2 * r, "chosen_by": why,
+                              **overrides})
+
+
+def linear_module_names(model) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def check_targets(model, targets: list[str]) -> None:
+    """BadInput naming the modules that exist when a target matches none."""
+    names = linear_module_names(model)
+    for t in targets:
+        if not any(n == t or n.endswith("." + t) for n in names):
+            short = sorted({".".join(n.split(".")[-2:]) for n in names if "layers." in n})
+            raise BadInput(f"adapter.target_modules: {t!r} is no module of this model; it has: {', '.join(short)}")
+
+
+@dataclass
+class Example:
+    """One pair, tokenized, with the teacher's top-k over each response token."""
+
+    doc: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    teacher_idx: torch.Tensor = field(repr=False)    # [n, k] int64
+    teacher_logp: torch.Tensor = field(repr=False)   # [n, k] float32 (log-probabilities, T = 1)
+
+
+def tokenize_pair(tokenizer, pair: Pair) -> tuple[list[int], list[int], list[int]]:
+    ctx, _ = tokenize_document(tokenizer, pair.context)
+    p = tokenizer(pair.prompt, add_special_tokens=False)["input_ids"]
+    r = tokenizer(pair.response, add_special_tokens=False)["input_ids"]
+    return ctx, p, r
+
+
+@torch.inference_mode()
+def teacher_examples(lm, pairs: list[Pair], top_k: int, progress: Progress | None = None) -> list[Example]:
+    """Each pair's teacher: the base model over context + prompt + response (the context prefilled
+    once per document and shared by its pairs)."""
+    from kite.runtime.generate import forward_tokens
+
+    model, out = lm.model, []
+    by_doc: dict[str, list[int]] = {}
+    for i, p in enumerate(pairs):
+        by_doc.setdefault(p.document_key, []).append(i)
+    done = 0
+    limit = lm.geometry.context_length
+    slots: list[Example | None] = [None] * len(pairs)
+    for doc, idx in by_doc.items():
+        ctx = tokenize_pair(lm.tokenizer, pairs[idx[0]])[0]
+        cache = new_cache(model)
+        forward_tokens(model, ctx, cache, 0)
+        for i in idx:
+            _, p, r = tokenize_pair(lm.tokenizer, pairs[i])
+            if not p or not r:
+                raise BadInput(f"pairs line {pairs[i].line}: the prompt and the response must have tokens")
+            if limit and len(ctx) + len(p) + len(r) > limit:
+                raise BadInput(f"pairs line {pairs[i].line}: context + prompt + response are "
+                               f"{len(ctx) + len(p) + len(r)} tokens, past the model's context of {limit}")
+            logits = forward_tokens(model, p + r[:-1], cache, len(ctx))[len(p) - 1:]
+            cache.crop(-(len(p) + len(r) - 1))     # back to the context alone
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            top = torch.topk(logp, min(top_k, logp.shape[-1]), dim=-1)
+            slots[i] = Example(doc, p, r, top.indices, top.values)
+            done += 1
+            if progress:
+                progress("teacher (full context)", done, len(pairs))
+    out = [e for e in slots if e is not None]
+    return out
+
+
+def distill_loss(student_logits: torch.Tensor, ex: Example, temperature: float) -> torch.Tensor:
+    """KL(teacher ‖ student) over the teacher's top-k, mean over response tokens, × T²."""
+    t = temperature
+    # clones: the teacher's tensors were made under inference mode, which autograd refuses to save
+    q = torch.softmax(ex.teacher_logp.clone() / t, dim=-1)                           # [n, k]
+    logs = torch.log_softmax(student_logits.float() / t, dim=-1).gather(1, ex.teacher_idx.clone())
+    kl = (q * (torch.log(q.clamp_min(1e-12)) - logs)).sum(-1)
+    return kl.mean() * t * t
+
+
+def student_logits(model, prefix: KVPrefix, ex: Example) -> torch.Tensor:
+    """The (LoRA) model's logits over the response tokens, reading ``prefix`` (grad through the LoRA)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor(ex.prompt_ids + ex.response_ids[:-1], device=device)[None]
+    start = prefix.next_position
+    pos = torch.arange(start, start + ids.shape[1], device=device)[None]
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    out = model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(base): new_cache(base, prefix)})
+    return out.logits[0, len(ex.prompt_ids) - 1:]
+
+
+class PrefixCache:
+    """Decoded states by document, the most recent ``size`` kept (as plain tensors: autograd
+    refuses the inference tensors a load returns)."""
+
+    def __init__(self, load: Callable[[str], KVPrefix], size: int = 8):
+        self.load, self.size, self.items = load, size, OrderedDict()
+
+    def __call__(self, doc: str) -> KVPrefix:
+        if doc not in self.items:
+            p = self.load(doc)
+            self.items[doc] = KVPrefix([k.clone() for k in p.keys], [v.clone() for v in p.values], p.next_position)
+            while len(self.items) > self.size:
+                self.items.popitem(last=False)
+        self.items.move_to_end(doc)
+        return self.items[doc]
+
+
+def attach_lora(lm, s: AdapterSettings):
+    """The peft model wrapping ``lm.model`` (the LoRA layers go into lm.model itself: on by default,
+    off inside ``peft_model.disable_adapter()``)."""
+    from peft import LoraConfig, get_peft_model
+
+    check_targets(lm.model, s.target_modules)
+    cfg = LoraConfig(r=s.r, lora_alpha=s.lora_alpha, lora_dropout=s.lora_dropout, target_modules=s.target_modules,
+                     bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(lm.model, cfg)
+
+
+def train_adapter(peft_model, examples: list[Example], prefixes: Callable[[str], KVPrefix], s: AdapterSettings,
+                  out_dir: Path, *, seed: int, resume: bool, progress: Progress | None = None,
+                  stop_after: int | None = None) -> dict:
+    """Train the LoRA of ``peft_model`` on ``examples``; returns the history (loss per step, tokens/s).
+
+    ``resume``: continue from the newest checkpoint in ``out_dir`` (else start over).
+    ``stop_after``: return after that many steps in this call (tests of an interrupted run).
+    """
+    params = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(list(params.values()), lr=s.learning_rate, weight_decay=0.0)
+    total = s.epochs * len(examples)
+    progress_state = {"step": 0, "loss": [], "tokens": 0, "seconds": 0.0}
+    torch.manual_seed(seed)
+    ck = load_checkpoint(out_dir) if resume else None
+    resumed_from = ck.step if ck is not None else 0
+    if ck is not None:
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(ck.params[n])
+        opt.load_state_dict(ck.optimizer)
+        torch.set_rng_state(ck.rng)
+        progress_state = ck.progress
+    peft_model.train()
+    step, ran = progress_state["step"], 0
+    t0 = time.perf_counter()
+    while step < total:
+        epoch, at = divmod(step, len(examples))
+        order = list(range(len(examples)))
+        random.Random(f"kite-train:{seed}:{epoch}").shuffle(order)
+        ex = examples[order[at]]
+        logits = student_logits(peft_model, prefixes(ex.doc), ex)
+        loss = distill_loss(logits, ex, s.temperature)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        ran += 1
+        progress_state["step"] = step
+        progress_state["loss"].append(round(loss.item(), 6))
+        progress_state["tokens"] += len(ex.response_ids)
+        if progress:
+            tps = progress_state["tokens"] / max(1e-9, progress_state["seconds"] + time.perf_counter() - t0)
+            recent = progress_state["loss"][-20:]
+            progress(f"train adapter · loss {sum(recent) / len(recent):.4f} · {tps:.0f} tok/s", step, total)
+        if step % s.checkpoint_every == 0 or step == total:
+            progress_state["seconds"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            save_checkpoint(out_dir, Checkpoint(step, {n: p.detach() for n, p in params.items()}, opt.state_dict(),
+                                                torch.get_rng_state(), progress_state))
+        if stop_after is not None and ran >= stop_after:
+            break
+    peft_model.eval()
+    seconds = progress_state["seconds"] + time.perf_counter() - t0
+    return {"steps": step, "resumed_from": resumed_from, "loss": progress_state["loss"],
+            "response_tokens": progress_state["tokens"],
+            "seconds": round(seconds, 1),
+            "tokens_per_s": round(progress_state["tokens"] / seconds, 1) if seconds else None,
+            "final_loss": (sum(progress_state["loss"][-20:]) / len(progress_state["loss"][-20:])
+                           if progress_state["loss"] else math.nan)}

@@ -1,0 +1,104 @@
+"""What a trained run is worth on documents it never saw: for each held-out pair and training ratio,
+the PPL of the reference response after the full context, after the state without the adapter and
+after the state with it, and the greedy answers' F1 against the reference with and without the
+adapter (loss can fall while generation collapses: the report shows both)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kite.data.answers import f1_score
+from kite.runtime.cache import KVPrefix, new_cache
+from kite.runtime.generate import forward_tokens, generate
+from kite.upcycle.train.adapter import Example, tokenize_pair
+from kite.upcycle.train.data import Pair
+
+
+@torch.inference_mode()
+def _nll(model, prefix: KVPrefix | None, context_ids: list[int], ex: Example) -> float:
+    """Mean NLL (nats) of the response tokens after the prefix (a state) or the full context."""
+    if prefix is None:
+        cache = new_cache(model)
+        forward_tokens(model, context_ids, cache, 0)
+        start = len(context_ids)
+    else:
+        cache, start = new_cache(model, prefix), prefix.next_position
+    logits = forward_tokens(model, ex.prompt_ids + ex.response_ids[:-1], cache, start)[len(ex.prompt_ids) - 1:]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return float(-logp.gather(1, torch.tensor(ex.response_ids)[:, None]).mean())
+
+
+def held_out_report(lm, peft_model, pairs: list[Pair], examples: list[Example],
+                    prefixes: dict[float, Callable[[str], KVPrefix]], progress=None) -> dict:
+    """Per training ratio: mean PPL (full / state / state + adapter), the share of the gap between
+    the state and full context the adapter recovers, and mean answer F1 without / with it."""
+    out = {}
+    total = len(prefixes) * len(examples)
+    done = 0
+    for ratio, prefix_of in prefixes.items():
+        nll = {"full": [], "state": [], "state_adapter": []}
+        f1 = {"state": [], "state_adapter": []}
+        for pair, ex in zip(pairs, examples):
+            ctx, _, _ = tokenize_pair(lm.tokenizer, pair)
+            prefix = prefix_of(ex.doc)
+            with peft_model.disable_adapter():
+                nll["full"].append(_nll(lm.model, None, ctx, ex))
+                nll["state"].append(_nll(lm.model, prefix, ctx, ex))
+                f1["state"].append(f1_score(_answer(lm, prefix, ex), pair.response))
+            nll["state_adapter"].append(_nll(lm.model, prefix, ctx, ex))
+            f1["state_adapter"].append(f1_score(_answer(lm, prefix, ex), pair.response))
+            done += 1
+            if progress:
+                progress("held-out report", done, total)
+        ppl = {k: math.exp(sum(v) / len(v)) for k, v in nll.items()} if examples else {}
+        gap = ppl.get("state", 0) - ppl.get("full", 0)
+        out[f"{ratio:g}"] = {
+            "pairs": len(examples),
+            "ppl_full": round(ppl["full"], 4) if ppl else None,
+            "ppl_state": round(ppl["state"], 4) if ppl else None,
+            "ppl_state_adapter": round(ppl["state_adapter"], 4) if ppl else None,
+            "gap_recovered": round((ppl["state"] - ppl["state_adapter"]) / gap, 4) if ppl and gap > 0 else None,
+            "f1_state": round(sum(f1["state"]) / len(f1["state"]), 4) if examples else None,
+            "f1_state_adapter": round(sum(f1["state_adapter"]) / len(f1["state_adapter"]), 4) if examples else None,
+        }
+    return out
+
+
+def _answer(lm, prefix: KVPrefix, ex: Example) -> str:
+    res = generate(lm, ex.prompt_ids, max_new_tokens=len(ex.response_ids) + 8, prefix=prefix)
+    return res.text
+
+
+def loss_plot(history: dict, path: Path) -> Path | None:
+    """A PNG of the loss per step (and its running mean over 20); None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    from kite.atomic import write_bytes
+
+    loss = history.get("loss") or []
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=110)
+    ax.plot(range(1, len(loss) + 1), loss, lw=0.8, alpha=0.5, label="loss per step")
+    if len(loss) >= 20:
+        run = [sum(loss[max(0, i - 19):i + 1]) / len(loss[max(0, i - 19):i + 1]) for i in range(len(loss))]
+        ax.plot(range(1, len(loss) + 1), run, lw=1.6, label="mean of the last 20")
+    ax.set_xlabel("step")
+    ax.set_ylabel("KL (teacher ‖ student)")
+    ax.set_title("kite upcycle train: reader adapter")
+    ax.legend()
+    fig.tight_layout()
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    write_bytes(path, buf.getvalue())
+    return path

@@ -1,0 +1,206 @@
+"""`kite upcycle train`: pairs → regenerator → states → reader adapter → report, in one output folder.
+
+    DIR/run.json                       what the run was asked (a later run into DIR must match it)
+    DIR/regenerator/                   regenerator.safetensors + regenerator.json
+    DIR/states/<doc>-r<R>.upc          every document's state at each training ratio (regenerator-coded)
+    DIR/adapter/                       adapter_model.safetensors + adapter_config.json (peft)
+    DIR/checkpoints/                   the adapter's checkpoints (resume)
+    DIR/train_report.json, loss.png    the run's figures
+
+Each stage reuses what an earlier (interrupted) run of the same inputs left: a resumed run skips the
+regenerator and the states it finds and continues the adapter from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kite.atomic import write_text
+from kite.errors import BadInput
+from kite.upcycle.capture import capture
+from kite.upcycle.codec.settings import settings_for
+from kite.upcycle.compress import CompressSettings, compress_document
+from kite.upcycle.load.prefix import load_prefix
+from kite.upcycle.settings import UpcycleConfig
+from kite.upcycle.train.adapter import (AdapterSettings, PrefixCache, attach_lora, auto_settings, teacher_examples,
+                                        train_adapter)
+from kite.upcycle.train.data import Pair, split_pairs
+from kite.upcycle.train.regenerator import Regenerator, RegeneratorFit, install
+from kite.upcycle.train.report import held_out_report, loss_plot
+
+RUN = "run.json"
+
+
+@dataclass
+class TrainRequest:
+    """What `kite upcycle train` is asked (the seed's flags plus KITE's)."""
+
+    data_path: str
+    output_dir: Path
+    mode: str = "auto"                      # auto | custom
+    seed: int = 0
+    ratios: list[float] = field(default_factory=lambda: [8.0])
+    eval_fraction: float = 0.1
+    epochs: int = 2
+    checkpoint_every: int = 25
+    resume: bool = False
+    overwrite: bool = False
+    adapter: bool = True                    # train the reader adapter (else the regenerator only)
+
+    def check(self, pairs: list[Pair]) -> tuple[list[Pair], list[Pair]]:
+        """BadInput for a bad mode or ratio, or pairs too few to split; returns (train, held out)."""
+        if self.mode not in ("auto", "custom"):
+            raise BadInput(f"--mode {self.mode}: expected auto or custom")
+        if not self.ratios or any(r <= 1 for r in self.ratios):
+            raise BadInput("--ratio: each training ratio is > 1 (8 = an eighth of raw fp16 KV)")
+        if self.epochs < 1:
+            raise BadInput(f"--epochs {self.epochs}: at least 1")
+        if self.checkpoint_every < 1:
+            raise BadInput(f"--checkpoint-every {self.checkpoint_every}: at least 1")
+        return split_pairs(pairs, self.eval_fraction, self.seed)
+
+    def key(self, pairs: list[Pair], model_fp: str, cfg: UpcycleConfig) -> dict:
+        """What must match for a run to continue in the same folder."""
+        data = hashlib.sha256(json.dumps([(p.context, p.prompt, p.response) for p in pairs]).encode()).hexdigest()
+        return {"model": model_fp, "data_sha256": data, "mode": self.mode, "seed": self.seed,
+                "ratios": [float(r) for r in self.ratios], "eval_fraction": self.eval_fraction, "epochs": self.epochs,
+                "adapter": self.adapter, "config": cfg.model_dump(mode="json")}
+
+
+def prepare_output(req: TrainRequest, key: dict) -> None:
+    """Refuse a folder that holds another run unless told to resume it or overwrite it."""
+    out = req.output_dir
+    run = out / RUN
+    if run.exists():
+        try:
+            old = json.loads(run.read_text())
+        except (OSError, ValueError):
+            old = None
+        if req.overwrite:
+            for name in ("regenerator", "states", "adapter", "checkpoints"):
+                shutil.rmtree(out / name, ignore_errors=True)
+        elif old != key:
+            raise BadInput(f"--output-dir {out}: holds another run (other data, model or settings); "
+                           "use another folder, or --overwrite")
+        elif not req.resume:
+            raise BadInput(f"--output-dir {out}: holds this run already; --resume continues it, --overwrite "
+                           "starts it again")
+    elif out.exists() and any(out.iterdir()) and not req.overwrite:
+        raise BadInput(f"--output-dir {out}: not empty and not a training run; use an empty or new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(run, json.dumps(key, indent=1, sort_keys=True))
+
+
+def fit_regenerator(lm, train_pairs: list[Pair], cfg_codec, progress=None) -> Regenerator:
+    """Calibrate on the training documents (each once), in the blocks the codec uses."""
+    docs = {p.document_key: p for p in train_pairs}
+    fit = RegeneratorFit(n_layers=lm.geometry.n_layers, joint_heads=cfg_codec.joint_heads, center=cfg_codec.center)
+    for i, p in enumerate(docs.values()):
+        cap = capture(lm, p.context)
+        fit.add(cap.keys_pre, cap.values, cap.ids)
+        if progress:
+            progress("regenerator (calibrate)", i + 1, len(docs))
+    return fit.finish({"model_fingerprint": lm.fingerprints.combined, "geometry": lm.geometry.to_dict(),
+                       "calibration": {"source": "kite upcycle train"}})
+
+
+def train_upcycle(lm, pairs: list[Pair], cfg: UpcycleConfig, req: TrainRequest, progress=None) -> dict:
+    """Run every stage (see the module doc); returns the report (also written to train_report.json)."""
+    t_start = time.perf_counter()
+    train, held = req.check(pairs)
+    out = req.output_dir
+    prepare_output(req, req.key(pairs, lm.fingerprints.combined, cfg))
+    timings: dict[str, float] = {}
+
+    # 1. the regenerator (the codec of the first training ratio decides joint heads / centering)
+    t = time.perf_counter()
+    codec0 = settings_for(req.ratios[0])
+    if (out / "regenerator" / "regenerator.json").exists():
+        reg = Regenerator.load(out / "regenerator")
+    else:
+        reg = fit_regenerator(lm, train, codec0, progress)
+        reg.save(out / "regenerator")
+    install(reg)
+    timings["regenerator_s"] = round(time.perf_counter() - t, 1)
+
+    # 2. every document's state at each training ratio
+    t = time.perf_counter()
+    c = cfg.compression
+    docs = {p.document_key: p for p in pairs}
+    states: dict[tuple[str, float], Path] = {}
+    for i, (doc, p) in enumerate(docs.items()):
+        for ratio in req.ratios:
+            path = out / "states" / f"{doc}-r{ratio:g}.upc"
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                settings = CompressSettings(codec=settings_for(ratio), n_clusters=c.cluster_num,
+                                            min_span_tokens=c.min_span_tokens, max_span_tokens=c.max_span_tokens)
+                compress_document(lm, p.context, path, settings, source_name=f"train:{doc}", regenerator=reg)
+            states[(doc, ratio)] = path
+        if progress:
+            progress("states", i + 1, len(docs))
+    timings["states_s"] = round(time.perf_counter() - t, 1)
+    report: dict = {"kite_upcycle_train": 1, "model": lm.fingerprints.combined, "pairs": len(pairs),
+                    "train_pairs": len(train), "held_out_pairs": len(held),
+                    "train_documents": len({p.document_key for p in train}),
+                    "held_out_documents": len({p.document_key for p in held}),
+                    "regenerator": {"fingerprint": reg.fingerprint, "folder": str(out / "regenerator"),
+                                    "calibration": reg.meta.get("calibration")},
+                    "ratios": req.ratios, "timings": timings}
+    if req.adapter:
+        report.update(_train_adapter(lm, train, held, cfg, req, states, progress, timings))
+    timings["total_s"] = round(time.perf_counter() - t_start, 1)
+    write_text(out / "train_report.json", json.dumps(report, indent=1))
+    return report
+
+
+def _train_adapter(lm, train, held, cfg, req, states, progress, timings) -> dict:
+    t = time.perf_counter()
+    top_k = 256
+    examples = teacher_examples(lm, train, top_k, progress)
+    held_examples = teacher_examples(lm, held, top_k, progress) if held else []
+    timings["teacher_s"] = round(time.perf_counter() - t, 1)
+    train_tokens = sum(len(e.response_ids) for e in examples) * len(req.ratios)
+    a = cfg.adapter
+    if req.mode == "custom":
+        s = AdapterSettings(target_modules=list(a.target_modules), r=a.r, lora_alpha=a.lora_alpha,
+                            lora_dropout=a.lora_dropout, temperature=a.temperature, epochs=req.epochs,
+                            checkpoint_every=req.checkpoint_every, chosen_by="custom: upcycle_config adapter.*")
+    else:
+        s = auto_settings(lm.model, train_tokens, temperature=a.temperature, epochs=req.epochs,
+                          checkpoint_every=req.checkpoint_every)
+    torch.manual_seed(req.seed)   # the LoRA's initial weights
+    peft_model = attach_lora(lm, s)
+
+    def loader(ratio):
+        return PrefixCache(lambda doc: load_prefix(states[(doc, ratio)], lm)[0])
+
+    prefix_of = {ratio: loader(ratio) for ratio in req.ratios}
+    # one example per (pair, ratio): the adapter learns to read every ratio it is trained for
+    mixed = [(ratio, e) for e in examples for ratio in req.ratios]
+    keyed = [e.__class__(f"{e.doc}@{ratio:g}", e.prompt_ids, e.response_ids, e.teacher_idx, e.teacher_logp)
+             for ratio, e in mixed]
+
+    def prefix(doc_at: str):
+        doc, ratio = doc_at.rsplit("@", 1)
+        return prefix_of[float(ratio)](doc)
+
+    t = time.perf_counter()
+    history = train_adapter(peft_model, keyed, prefix, s, req.output_dir, seed=req.seed, resume=req.resume,
+                            progress=progress)
+    timings["adapter_s"] = round(time.perf_counter() - t, 1)
+    peft_model.save_pretrained(req.output_dir / "adapter")
+    t = time.perf_counter()
+    held_report = held_out_report(lm, peft_model, held, held_examples, prefix_of, progress) if held else {}
+    timings["report_s"] = round(time.perf_counter() - t, 1)
+    png = loss_plot(history, req.output_dir / "loss.png")
+    return {"adapter": {"folder": str(req.output_dir / "adapter"), "settings": s.to_dict()},
+            "training": {k: v for k, v in history.items() if k != "loss"}, "loss": history["loss"],
+            "loss_plot": str(png) if png else None, "held_out": held_report}
