@@ -384,3 +384,30 @@ def test_the_reader_adapter_is_on_only_after_a_state_made_for_it(tiny_models, re
     # a state made for the reader is refused by a model without it
     with pytest.raises(FingerprintMismatch, match="made for reader adapter"):
         load_prefix(made, base)
+
+
+def test_compress_and_eval_take_a_regenerator_folder(tiny_models, tiny_lm, tiny_regenerator, tmp_path):
+    from typer.testing import CliRunner
+
+    from kite.cli.main import app
+    from kite.upcycle import StateFile
+    from tests.conftest import parse_json
+    from tests.tiny_models import CORPUS
+
+    tiny_regenerator.save(tmp_path / "reg")
+    doc = tmp_path / "d.txt"
+    doc.write_text(CORPUS)
+    run = CliRunner().invoke
+    base = ["--model", str(tiny_models["llama"]), "--input", str(doc)]
+    res = run(app, ["upcycle", "compress", *base, "--output", str(tmp_path / "d.upc"), "--regenerator",
+                    str(tmp_path / "reg"), "--ratio", "8", "--json"])
+    assert res.exit_code == 0, res.output
+    with StateFile(tmp_path / "d.upc") as sf:
+        assert sf.meta["regenerator"]["fingerprint"] == tiny_regenerator.fingerprint
+    res = run(app, ["upcycle", "eval", *base, "--regenerator", str(tmp_path / "reg"), "--ratio", "8",
+                    "--context-tokens", "150", "--continuation-tokens", "40", "--json"])
+    assert res.exit_code == 0, res.output
+    assert parse_json(res.output)["regenerator"] == tiny_regenerator.fingerprint
+    res = run(app, ["upcycle", "compress", *base, "--output", str(tmp_path / "e.upc"), "--regenerator",
+                    str(tmp_path / "nope")])
+    assert res.exit_code == 2 and "not a regenerator" in res.output

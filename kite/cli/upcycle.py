@@ -14,6 +14,9 @@ from kite.errors import BadInput
 
 app = new_app("Turn a document's KV cache into a .upc state; inspect, evaluate, migrate.")
 
+RegeneratorOpt = typer.Option("--regenerator", help="A regenerator folder (`kite upcycle train` makes DIR/regenerator): "
+                              "code the state on its calibrated bases where that pays (default: upcycle_config "
+                              "regenerator:).")
 ModelOpt = typer.Option("--model", "-m", help="HF folder, .gguf file or embedded name (default: config model.default).")
 
 
@@ -54,6 +57,7 @@ def compress(
                                                 "upcycle config's).")] = None,
     precision: Annotated[str | None, PrecisionOpt] = None,
     clusters: Annotated[int | None, typer.Option(min=1, help="Number of clusters (compression.cluster_num).")] = None,
+    regenerator: Annotated[Path | None, RegeneratorOpt] = None,
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
@@ -72,7 +76,7 @@ def compress(
     kept = f"nothing written to {output} (a state is written whole, then renamed into place)"
     with kept_on_interrupt(kept), progress_bar() as progress:   # config and flags checked before the model loads
         pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress,
-                             kept_fraction=user_config().features.upcycle_compression_ratio)
+                             kept_fraction=user_config().features.upcycle_compression_ratio, regenerator=regenerator)
         result = pipe.compress(text, output, source_name=name, progress=progress)
     if json_out:
         emit_json(result.to_dict())
@@ -139,6 +143,7 @@ def eval_cmd(
     precision: Annotated[str | None, PrecisionOpt] = None,
     clusters: Annotated[int | None, typer.Option(min=1, help="Number of clusters.")] = None,
     config: Annotated[Path | None, typer.Option(help="upcycle_config.yaml.")] = None,
+    regenerator: Annotated[Path | None, RegeneratorOpt] = None,
     probe: Annotated[str | None, typer.Option(help="'passkey': also retrieve facts planted early in the context.")] = None,
     json_out: bool = JsonOpt,
 ) -> None:
@@ -154,9 +159,10 @@ def eval_cmd(
     check_probe(probe)
     with progress_bar() as progress:   # the config and the flags are checked before the model loads
         pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress,
-                             kept_fraction=user_config().features.upcycle_compression_ratio)
+                             kept_fraction=user_config().features.upcycle_compression_ratio, regenerator=regenerator)
         result = evaluate(pipe.lm, text, context_tokens=context_tokens, continuation_tokens=continuation_tokens,
-                          settings=pipe.settings, tagger=pipe.tagger, probe=probe, progress=progress)
+                          settings=pipe.settings, tagger=pipe.tagger, probe=probe, progress=progress,
+                          regenerator=pipe.regenerator)
     if json_out:
         emit_json(result.to_dict())
         return

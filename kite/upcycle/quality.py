@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 import tempfile
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,8 @@ class EvalResult:
     probe: dict | None = None
     timings_ms: dict = field(default_factory=dict)
     spans: dict = field(default_factory=dict)   # the state's spans: count, min_tokens, max_tokens
+    regenerator: str | None = None              # the fingerprint of the regenerator the state was coded on
+    reader_adapter: bool = False                # the model read the state with its reader adapter on
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,9 +90,11 @@ def check_probe(probe: str | None) -> None:
 @torch.inference_mode()
 def evaluate(lm, text: str, *, context_tokens: int = 2048, continuation_tokens: int = 512,
              settings: CompressSettings | None = None, tagger=None, probe: str | None = None,
-             progress=None) -> EvalResult:
+             progress=None, regenerator=None) -> EvalResult:
     """The module's measurement of `settings` on `text`; `progress(stage, done, total)` after the
-    full-context pass, each prefill chunk and compressed layer of the state, each passkey depth."""
+    full-context pass, each prefill chunk and compressed layer of the state, each passkey depth.
+    `regenerator`: code the state on it (:func:`compress_document`). A model with a reader adapter
+    reads the state with it on (the state is made for it), as generation would."""
     check_probe(probe)
     settings = settings or CompressSettings()
     ctx, cont = split_text(lm, text, context_tokens, continuation_tokens)
@@ -105,9 +110,10 @@ def evaluate(lm, text: str, *, context_tokens: int = 2048, continuation_tokens: 
     with tempfile.TemporaryDirectory() as tmp:
         state_path = Path(tmp) / "eval.upc"
         made = compress_document(lm, ctx_text, state_path, settings, tagger=tagger, progress=progress,
-                                 ids=ctx)
-        prefix, report = load_prefix(state_path, lm)
-    got = forward_tokens(lm.model, cont, new_cache(lm.model, prefix), prefix.next_position)[:-1]
+                                 ids=ctx, regenerator=regenerator)
+        prefix, report = load_prefix(state_path, lm, regenerator=regenerator)
+    with _reading(lm, prefix) as reader_on:
+        got = forward_tokens(lm.model, cont, new_cache(lm.model, prefix), prefix.next_position)[:-1]
     m = compare_logits(full, got, targets)
     result = EvalResult(
         context_tokens=len(ctx), continuation_tokens=len(cont), codec=settings.codec.name,
@@ -115,9 +121,11 @@ def evaluate(lm, text: str, *, context_tokens: int = 2048, continuation_tokens: 
         ppl_delta=round(m["ppl_other"] - m["ppl_full"], 4), kl_mean=round(m["kl_mean"], 5),
         top1_agreement=round(m["top1"], 4), state_bytes=made.state_bytes, raw_kv_bytes=made.raw_kv_bytes,
         compression_ratio=round(made.compression_ratio, 3),
-        timings_ms={**made.timings_ms, "load": report.load_ms}, spans=made.spans)
+        timings_ms={**made.timings_ms, "load": report.load_ms}, spans=made.spans,
+        regenerator=regenerator.fingerprint if regenerator is not None else None, reader_adapter=bool(reader_on))
     if probe == "passkey":
-        result.probe = passkey_probe(lm, text, context_tokens, settings, tagger, progress=progress)
+        result.probe = passkey_probe(lm, text, context_tokens, settings, tagger, progress=progress,
+                                     regenerator=regenerator)
     return result
 
 
@@ -125,8 +133,12 @@ PASSKEY_DEPTHS = (0.05, 0.15, 0.3)
 
 
 @torch.inference_mode()
+def _reading(lm, prefix):
+    return lm.reading(prefix.reader) if hasattr(lm, "reading") else nullcontext(False)
+
+
 def passkey_probe(lm, text: str, context_tokens: int, settings: CompressSettings, tagger=None,
-                  depths=PASSKEY_DEPTHS, seed: int = 0, progress=None) -> dict:
+                  depths=PASSKEY_DEPTHS, seed: int = 0, progress=None, regenerator=None) -> dict:
     """Plant a passkey early in the context, compress without the question, ask for it.
 
     Returns retrieval accuracy with full context and from the state (greedy, exact digits).
@@ -145,8 +157,9 @@ def passkey_probe(lm, text: str, context_tokens: int, settings: CompressSettings
         full = generate(lm, ctx + question, max_new_tokens=8, stop_ids=set())
         with tempfile.TemporaryDirectory() as tmp:
             state_path = Path(tmp) / "probe.upc"
-            compress_document(lm, lm.tokenizer.decode(ctx), state_path, settings, tagger=tagger, ids=ctx)
-            prefix, _ = load_prefix(state_path, lm)
+            compress_document(lm, lm.tokenizer.decode(ctx), state_path, settings, tagger=tagger, ids=ctx,
+                              regenerator=regenerator)
+            prefix, _ = load_prefix(state_path, lm, regenerator=regenerator)
         from_state = generate(lm, question, max_new_tokens=8, prefix=prefix, stop_ids=set())
         rows.append({"depth": depth, "passkey": key, "full": key in full.text, "state": key in from_state.text,
                      "full_text": full.text.strip(), "state_text": from_state.text.strip()})
