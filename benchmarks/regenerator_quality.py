@@ -1,0 +1,121 @@
+"""What the regenerator and the reader adapter buy, on documents neither ever saw (embedded model).
+
+For each held-out document and ratio, `kite upcycle eval`'s measurement (`kite.upcycle.evaluate`:
+PPL of the continuation after the state, its delta against full-context prefill, KL, top-1, every
+byte of the state) with:
+
+* ``doc``: per-document bases (the codec's default: every state stores its own);
+* ``regen``: the regenerator's calibrated bases (states store coefficients, plus a document's own
+  basis for the layers and sides where that is expected to pay);
+* ``regen+adapter``: the same states read with the reader adapter on (when ``--adapter`` is given).
+
+The regenerator is fitted here on a calibration set (``--calibration``: the training run's
+regenerator folder, or fit one from the licenses and generated contracts below, none of them
+held out). Held out: GPL-3 and Apache-2.0 (2,048 / 1,712 context tokens + 512) and generated
+contracts of seeds the calibration never drew.
+
+    .venv/bin/python benchmarks/regenerator_quality.py --out out/regen_quality.json
+    .venv/bin/python benchmarks/regenerator_quality.py --regenerator RUN/regenerator --adapter RUN/adapter
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kite.data.contracts import generate_contracts  # noqa: E402
+from kite.model import load_model  # noqa: E402
+from kite.upcycle import (CompressSettings, Regenerator, RegeneratorFit, codec_settings, evaluate,  # noqa: E402
+                          tokenize_document)
+from kite.upcycle.capture import capture  # noqa: E402
+
+LICENSES = Path("/usr/share/common-licenses")
+CALIBRATION_LICENSES = ("GFDL-1.3", "MPL-2.0", "Artistic", "CC0-1.0", "LGPL-2.1", "MPL-1.1")
+HELD_OUT = ("GPL-3", "Apache-2.0")
+
+
+def held_out_docs(contracts: int) -> dict[str, str]:
+    docs = {name: (LICENSES / name).read_text() for name in HELD_OUT}
+    for rec in generate_contracts(contracts, tokens=2700, seed=23):
+        docs[rec["id"]] = rec["text"]
+    return docs
+
+
+def fit_regenerator(lm, n_contracts: int) -> Regenerator:
+    texts = [(LICENSES / n).read_text() for n in CALIBRATION_LICENSES]
+    texts += [r["text"] for r in generate_contracts(n_contracts, tokens=2000, seed=1000)]
+    fit = RegeneratorFit(n_layers=lm.geometry.n_layers)
+    for i, t in enumerate(texts):
+        ids, _ = tokenize_document(lm.tokenizer, t)
+        cap = capture(lm, "", ids=ids[:2048])
+        fit.add(cap.keys_pre, cap.values, cap.ids)
+        print(f"calibration {i + 1}/{len(texts)}", file=sys.stderr, flush=True)
+    return fit.finish({"model_fingerprint": lm.fingerprints.combined, "geometry": lm.geometry.to_dict(),
+                       "calibration": {"source": "benchmarks/regenerator_quality.py",
+                                       "licenses": list(CALIBRATION_LICENSES), "contracts_seed": 1000,
+                                       "contracts": n_contracts}})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ratios", type=float, nargs="*", default=[4, 8, 16])
+    ap.add_argument("--regenerator", type=Path, help="a regenerator folder (default: fit one here)")
+    ap.add_argument("--adapter", type=Path, help="a reader adapter folder: also measure regen+adapter")
+    ap.add_argument("--calibration-contracts", type=int, default=6)
+    ap.add_argument("--held-out-contracts", type=int, default=2)
+    ap.add_argument("--clusters", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    lm = load_model(None)
+    reg = Regenerator.load(args.regenerator) if args.regenerator else fit_regenerator(lm, args.calibration_contracts)
+    reader = load_model(None, adapter=args.adapter) if args.adapter else None
+    rows = []
+    for name, text in held_out_docs(args.held_out_contracts).items():
+        n = len(tokenize_document(lm.tokenizer, text)[0])
+        ctx = min(2048, n - 512)
+        for ratio in args.ratios:
+            s = CompressSettings(codec=codec_settings(ratio), n_clusters=args.clusters)
+            row = {"document": name, "context_tokens": ctx, "ratio": ratio}
+            for label, model, regen in (("doc", lm, None), ("regen", lm, reg),
+                                        *((("regen+adapter", reader, reg),) if reader else ())):
+                r = evaluate(model, text, context_tokens=ctx, continuation_tokens=512, settings=s, regenerator=regen)
+                row[label] = {"ppl_full": r.ppl_full, "ppl_state": r.ppl_state, "ppl_delta": r.ppl_delta,
+                              "kl": r.kl_mean, "top1": r.top1_agreement, "compression_ratio": r.compression_ratio,
+                              "state_bytes": r.state_bytes, "reader_adapter": r.reader_adapter}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {"machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
+              "model": lm.fingerprints.combined, "regenerator": {"fingerprint": reg.fingerprint,
+                                                                  "calibration": reg.meta.get("calibration")},
+              "adapter": str(args.adapter) if args.adapter else None, "rows": rows,
+              "seconds": round(time.perf_counter() - t0, 1)}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    print(table(result))
+    return 0
+
+
+def table(result: dict) -> str:
+    kinds = [k for k in ("doc", "regen", "regen+adapter") if any(k in r for r in result["rows"])]
+    head = "| document | ratio | " + " | ".join(f"{k} ratio · ΔPPL · KL" for k in kinds) + " |"
+    lines = [head, "|---" * (2 + len(kinds)) + "|"]
+    for r in result["rows"]:
+        cells = [f"{r[k]['compression_ratio']:.2f}× · {r[k]['ppl_delta']:+.3f} · {r[k]['kl']:.4f}" for k in kinds]
+        lines.append(f"| {r['document']} ({r['context_tokens']}) | {r['ratio']:g}× | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
