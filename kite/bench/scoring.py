@@ -26,6 +26,6 @@ def reference_logits(lm, prefix, prompt_ids: list[int], reference_ids: list[int]
 def perplexity(logits: torch.Tensor, targets: list[int]) -> float:
     """exp(mean NLL) of `targets` under `logits` [n, vocab]."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    nll = -logp.gather(1, torch.tensor(targets)[:, None]).squeeze(1)
+    nll = -logp.gather(1, torch.tensor(targets, device=logp.device)[:, None]).squeeze(1)
     value = float(torch.exp(nll.mean()))
     return value if math.isfinite(value) else float("inf")

@@ -51,7 +51,7 @@ class EvalResult:
 
 def _score(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:
     logp = torch.log_softmax(logits.float(), dim=-1)
-    nll = -logp.gather(1, targets[:, None]).squeeze(1)
+    nll = -logp.gather(1, targets.to(logp.device)[:, None]).squeeze(1)
     return float(torch.exp(nll.mean())), logp
 
 

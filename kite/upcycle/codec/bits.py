@@ -91,7 +91,8 @@ def expected_error(variances: torch.Tensor, bits: torch.Tensor, s: CodecSettings
     """The squared error an allocation is expected to leave, summed over components (variance x
     relative distortion of its bits; a dropped component leaves its whole variance)."""
     table = torch.tensor([rel_distortion(b, s.range_mode) for b in range(s.max_bits + 1)], dtype=torch.float64)
-    return float((variances.double().clamp_min(0) * table[bits.long().clamp(0, s.max_bits)]).sum())
+    v, b = variances.detach().double().cpu().clamp_min(0), bits.detach().long().cpu().clamp(0, s.max_bits)
+    return float((v * table[b]).sum())
 
 
 def layer_budget_bits(bits_per_elem: float, H: int, T: int, d: int, B: int, D: int, s: CodecSettings) -> float:

@@ -269,7 +269,7 @@ class RegenSide(PcaSide):
         H, T, d = X.shape
         T = budget_tokens or T
         Xb = blocks(X.float(), s.joint_heads)                       # [B, T, D]
-        U = pca[2].float()                                           # [B, D, D]
+        U = pca[2].to(Xb.device, torch.float32)                      # [B, D, D]
         B, D = U.shape[0], U.shape[1]
         mean = Xb.mean(dim=1) if s.center else Xb.new_zeros(B, D)
         variances = torch.matmul(Xb - mean[:, None, :], U).pow(2).mean(dim=1)     # [B, D]
@@ -294,7 +294,8 @@ def attach_regenerator(lc: LayerCodec, bases: dict[str, torch.Tensor]) -> LayerC
     regenerator's basis [B, D, D] of this layer). Sides of other modes are left alone."""
     for side in ("k", "v"):
         if lc.meta[side]["mode"] == RegenSide.mode:
-            lc.decoded[f"{side}.basis"] = regen_columns(bases[side], lc.tensors[f"{side}.bits"].long())
+            cols = regen_columns(bases[side], lc.tensors[f"{side}.bits"].long().cpu())
+            lc.decoded[f"{side}.basis"] = cols.to(lc.tensors[f"{side}.mean"].device)
     return lc
 
 

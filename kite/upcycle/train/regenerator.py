@@ -86,9 +86,9 @@ class RegeneratorFit:
             order = torch.argsort(evals, dim=1, descending=True)
             evals = evals.gather(1, order).clamp_min(0)
             U = U.gather(2, order[:, None, :].expand_as(U))
-            tensors[f"L{layer}.{side}.mean"] = mean.float().contiguous()
-            tensors[f"L{layer}.{side}.basis"] = U.float().contiguous()
-            tensors[f"L{layer}.{side}.evals"] = evals.float().contiguous()
+            tensors[f"L{layer}.{side}.mean"] = mean.float().cpu().contiguous()
+            tensors[f"L{layer}.{side}.basis"] = U.float().cpu().contiguous()
+            tensors[f"L{layer}.{side}.evals"] = evals.float().cpu().contiguous()
         full = {"format": FORMAT, "version": VERSION, **meta, "n_layers": self.n_layers,
                 "joint_heads": self.joint_heads, "center": self.center,
                 "calibration": {**meta.get("calibration", {}), "documents": self.documents, "tokens": self.tokens,

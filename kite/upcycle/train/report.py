@@ -29,7 +29,7 @@ def _nll(model, prefix: KVPrefix | None, context_ids: list[int], ex: Example) ->
         cache, start = new_cache(model, prefix), prefix.next_position
     logits = forward_tokens(model, ex.prompt_ids + ex.response_ids[:-1], cache, start)[len(ex.prompt_ids) - 1:]
     logp = torch.log_softmax(logits.float(), dim=-1)
-    return float(-logp.gather(1, torch.tensor(ex.response_ids)[:, None]).mean())
+    return float(-logp.gather(1, torch.tensor(ex.response_ids, device=logp.device)[:, None]).mean())
 
 
 def held_out_report(lm, peft_model, pairs: list[Pair], examples: list[Example],
