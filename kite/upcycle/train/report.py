@@ -19,17 +19,29 @@ from kite.upcycle.train.data import Pair
 
 
 @torch.inference_mode()
-def _nll(model, prefix: KVPrefix | None, context_ids: list[int], ex: Example) -> float:
-    """Mean NLL (nats) of the response tokens after the prefix (a state) or the full context."""
-    if prefix is None:
-        cache = new_cache(model)
-        forward_tokens(model, context_ids, cache, 0)
-        start = len(context_ids)
-    else:
-        cache, start = new_cache(model, prefix), prefix.next_position
+def _nll(model, cache, start: int, ex: Example) -> float:
+    """Mean NLL (nats) of the response tokens after ``cache`` (a state, or the full context, whose
+    last position is ``start`` - 1)."""
     logits = forward_tokens(model, ex.prompt_ids + ex.response_ids[:-1], cache, start)[len(ex.prompt_ids) - 1:]
     logp = torch.log_softmax(logits.float(), dim=-1)
     return float(-logp.gather(1, torch.tensor(ex.response_ids, device=logp.device)[:, None]).mean())
+
+
+@torch.inference_mode()
+def _full_context_nll(model, pairs: list[Pair], examples: list[Example], tokenizer) -> list[float]:
+    """Each pair's response NLL after its full context (each document prefilled once)."""
+    out: list[float] = [0.0] * len(pairs)
+    by_doc: dict[str, list[int]] = {}
+    for i, ex in enumerate(examples):
+        by_doc.setdefault(ex.doc, []).append(i)
+    for idx in by_doc.values():
+        ctx, _, _ = tokenize_pair(tokenizer, pairs[idx[0]])
+        cache = new_cache(model)
+        forward_tokens(model, ctx, cache, 0)
+        for i in idx:
+            out[i] = _nll(model, cache, len(ctx), examples[i])
+            cache.crop(-(len(examples[i].prompt_ids) + len(examples[i].response_ids) - 1))
+    return out
 
 
 def held_out_report(lm, peft_model, pairs: list[Pair], examples: list[Example],
@@ -39,17 +51,17 @@ def held_out_report(lm, peft_model, pairs: list[Pair], examples: list[Example],
     out = {}
     total = len(prefixes) * len(examples)
     done = 0
+    with peft_model.disable_adapter():
+        full = _full_context_nll(lm.model, pairs, examples, lm.tokenizer)
     for ratio, prefix_of in prefixes.items():
-        nll = {"full": [], "state": [], "state_adapter": []}
+        nll = {"full": list(full), "state": [], "state_adapter": []}
         f1 = {"state": [], "state_adapter": []}
         for pair, ex in zip(pairs, examples):
-            ctx, _, _ = tokenize_pair(lm.tokenizer, pair)
             prefix = prefix_of(ex.doc)
             with peft_model.disable_adapter():
-                nll["full"].append(_nll(lm.model, None, ctx, ex))
-                nll["state"].append(_nll(lm.model, prefix, ctx, ex))
+                nll["state"].append(_nll(lm.model, new_cache(lm.model, prefix), prefix.next_position, ex))
                 f1["state"].append(f1_score(_answer(lm, prefix, ex), pair.response))
-            nll["state_adapter"].append(_nll(lm.model, prefix, ctx, ex))
+            nll["state_adapter"].append(_nll(lm.model, new_cache(lm.model, prefix), prefix.next_position, ex))
             f1["state_adapter"].append(f1_score(_answer(lm, prefix, ex), pair.response))
             done += 1
             if progress:
