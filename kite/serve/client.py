@@ -1,6 +1,7 @@
 """A small HTTP client for a running `kite serve`'s admin endpoints (used by `kite yoco
-reload-rules | switch-rules | rules-status`). Failures are KITE errors with one clear line:
-server unreachable (exit 1), auth refused (exit 2), rule set refused (exit 2, with its report)."""
+reload-rules | switch-rules | rules-status`), and how commands find a server's URL and check it.
+Failures are KITE errors with one clear line: server unreachable (exit 1), auth refused (exit 2),
+rule set refused (exit 2, with its report)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,21 @@ def default_server_url(cfg=None) -> str:
     return f"http://{host}:{cfg.server.port}"
 
 
+def check_server_url(url: str) -> str:
+    """`url` when it can name a server (http or https, a host, a port that is a number 1-65535);
+    otherwise BadInput (exit 2): a URL that names no server is bad usage, not an unreachable server."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a port that is not a number, or past 65535
+        ok = False
+    if not ok:
+        raise BadInput(f"server URL {url!r}: expected http://HOST:PORT, e.g. http://127.0.0.1:8088")
+    return url
+
+
 @dataclass
 class AdminClient:
     url: str
@@ -46,16 +62,7 @@ class AdminClient:
     timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        """A URL that cannot name a server is bad input (exit 2), not an unreachable server."""
-        from urllib.parse import urlsplit
-
-        try:
-            parts = urlsplit(self.url)
-            ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
-        except ValueError:  # a port that is not a number, or past 65535
-            ok = False
-        if not ok:
-            raise BadInput(f"server URL {self.url!r}: expected http://HOST:PORT, e.g. http://127.0.0.1:8088")
+        check_server_url(self.url)
 
     def _call(self, method: str, path: str, json: dict | None = None) -> dict:
         try:

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _DECISION = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)  # the target is p99 <= 50 us
 _SLOW = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TTFT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)  # GPU to loaded CPU
 WATERMARK_FIELDS = ("gpu_mem", "gpu_mem_gb", "pcie_util", "nvlink_util", "cpu_queue", "spike")
 
 
@@ -28,6 +29,11 @@ class ServerMetrics:
             "kite_yoco_signals_latency_seconds",
             "Signals (the model's entropy/label pass over the query, novelty, health) + decision.",
             buckets=_FAST, registry=r)
+        self.ttft = Histogram(
+            "kite_ttft_seconds",
+            "Time to first token once the model holds the request: signals, decision, state load, prompt "
+            "prefill, first step (the bench's ttft_ms; queueing for the model not included).",
+            buckets=_TTFT, registry=r)
         self.load_latency = Histogram("kite_yoco_load_latency_seconds", "Partial read + rebuild of a state's KV.",
                                       buckets=_FAST, registry=r)
         self.loads = Counter("kite_yoco_loads", "Requests that loaded state.", registry=r)
@@ -74,6 +80,8 @@ class ServerMetrics:
         if g.prefix_tokens:
             self.tokens.labels("prefix").inc(g.prefix_tokens)
         f = answer.fused
+        before_ms = 0.0 if f is None else f.timings_ms.get("signals_and_decision", 0.0) + f.timings_ms.get("load", 0.0)
+        self.ttft.observe((before_ms + g.ttft_ms) / 1e3)
         if f is None:
             return
         self.signals_latency.observe(f.timings_ms.get("signals_and_decision", 0.0) / 1e3)
