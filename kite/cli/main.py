@@ -55,6 +55,7 @@ COMMANDS = (
     ("generate", "kite.cli.generate", "generate", "Generate text, optionally from a .upc state."),
     ("serve", "kite.cli.serve", "serve", "Serve one model over HTTP (OpenAI-style)."),
     ("shadow", "kite.cli.shadow", "shadow", "Compare a candidate config against the golden one."),
+    ("monitor", "kite.cli.monitor", "monitor", "A live dashboard of a running server, from its /metrics."),
 )
 
 
