@@ -49,6 +49,7 @@ GROUPS = (
     ("yoco", "kite.cli.yoco", "Rules, signals and load decisions."),
     ("data", "kite.cli.data", "Synthetic contracts and benchmark cases."),
     ("bench", "kite.cli.bench", "Benchmark the fused pipeline against full prefill and baselines."),
+    ("report", "kite.cli.report", "Reports across bench runs: regenerate rate against hit rate."),
 )
 # (name, module, function, help): single commands.
 COMMANDS = (
