@@ -58,7 +58,7 @@ def fit_regenerator(lm, n_contracts: int) -> Regenerator:
         cap = capture(lm, "", ids=ids[:2048])
         fit.add(cap.keys_pre, cap.values, cap.ids)
         print(f"calibration {i + 1}/{len(texts)}", file=sys.stderr, flush=True)
-    return fit.finish({"model_fingerprint": lm.fingerprints.combined, "geometry": lm.geometry.to_dict(),
+    return fit.finish({"model_fingerprint": lm.fingerprints.base, "geometry": lm.geometry.to_dict(),
                        "calibration": {"source": "benchmarks/regenerator_quality.py",
                                        "licenses": list(CALIBRATION_LICENSES), "contracts_seed": 1000,
                                        "contracts": n_contracts}})

@@ -114,7 +114,7 @@ def test_a_regenerator_is_refused_for_another_model():
 
     class LM:
         class fingerprints:
-            combined = "kite-fp1:bbbb"
+            base = "kite-fp1:bbbb"
 
     with pytest.raises(FingerprintMismatch, match="made for model aaaa"):
         reg.check_model(LM)

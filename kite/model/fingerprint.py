@@ -39,6 +39,19 @@ class Fingerprints:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def base(self) -> str:
+        """The combined fingerprint of the weights and tokenizer alone (no adapter): what the KV a
+        model computes depends on, since a reader adapter is off while a document is captured."""
+        return combine(self.model, self.tokenizer, None)
+
+
+def combine(model: str, tokenizer: str, adapter: str | None) -> str:
+    h = hashlib.sha256(b"kite-fp1\0")
+    for part in (model, tokenizer, adapter or "-"):
+        h.update(part.encode() + b"\0")
+    return _fmt(h)
+
 
 def short(fp: str) -> str:
     """The short form: the first 12 hex digits."""
@@ -102,10 +115,7 @@ def fingerprints(folder: Path, adapter_dir: Path | None = None) -> Fingerprints:
     model = weights_fingerprint(folder)
     tok = tokenizer_fingerprint(folder)
     adapter = adapter_fingerprint(adapter_dir) if adapter_dir else None
-    h = hashlib.sha256(b"kite-fp1\0")
-    for part in (model, tok, adapter or "-"):
-        h.update(part.encode() + b"\0")
-    return Fingerprints(model=model, tokenizer=tok, adapter=adapter, combined=_fmt(h))
+    return Fingerprints(model=model, tokenizer=tok, adapter=adapter, combined=combine(model, tok, adapter))
 
 
 # --- streamed file hashing with a cache keyed by path, size and mtime ------------------------

@@ -125,9 +125,11 @@ class Regenerator:
                            f"(it has {self.meta.get('n_layers')})") from None
 
     def check_model(self, lm) -> None:
-        """Refuse a model other than the one this regenerator was fitted on (invariant 3)."""
+        """Refuse a model other than the one this regenerator was fitted on (invariant 3): its weights
+        and tokenizer (``model_fingerprint`` is their combined fingerprint without an adapter; a reader
+        adapter does not change the KV a document is captured with)."""
         want = self.meta.get("model_fingerprint")
-        have = lm.fingerprints.combined
+        have = lm.fingerprints.base
         if want != have:
             raise FingerprintMismatch(
                 f"regenerator {short(self.fingerprint)} was made for model {short(want or 'none')}, not the loaded "

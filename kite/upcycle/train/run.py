@@ -107,7 +107,7 @@ def fit_regenerator(lm, train_pairs: list[Pair], cfg_codec, progress=None) -> Re
         fit.add(cap.keys_pre, cap.values, cap.ids)
         if progress:
             progress("regenerator (calibrate)", i + 1, len(docs))
-    return fit.finish({"model_fingerprint": lm.fingerprints.combined, "geometry": lm.geometry.to_dict(),
+    return fit.finish({"model_fingerprint": lm.fingerprints.base, "geometry": lm.geometry.to_dict(),
                        "calibration": {"source": "kite upcycle train"}})
 
 
