@@ -56,6 +56,7 @@ COMMANDS = (
     ("generate", "kite.cli.generate", "generate", "Generate text, optionally from a .upc state."),
     ("serve", "kite.cli.serve", "serve", "Serve one model over HTTP (OpenAI-style)."),
     ("shadow", "kite.cli.shadow", "shadow", "Compare a candidate config against the golden one."),
+    ("capacity-plan", "kite.cli.capacity", "capacity_plan", "GPUs for a load, raw and with compressed states; the setting to run."),
     ("monitor", "kite.cli.monitor", "monitor", "A live dashboard of a running server, from its /metrics."),
 )
 
@@ -108,6 +109,10 @@ def bench_main() -> None:
 
 def shadow_main() -> None:
     _alias("shadow", "kite-shadow")
+
+
+def capacity_main() -> None:
+    _alias("capacity-plan", "kite-capacity-plan")
 
 
 if __name__ == "__main__":
