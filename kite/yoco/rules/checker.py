@@ -4,10 +4,10 @@ types, every label exists in the state (when its labels are known), every action
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from kite.yoco.rules.parser import And, Compare, Field, Literal, Node, Not, Or, Pos
-from kite.yoco.signals import SIGNAL_FIELDS, suggest
+from kite.yoco.signals import SIGNAL_FIELDS, SignalField, suggest
 
 ORDERING = frozenset({"<", "<=", ">", ">="})
 
@@ -20,11 +20,15 @@ class Problem:
     pos: Pos
 
 
-def check_condition(node: Node, labels: Iterable[str] | None = None) -> list[Problem]:
-    """Every problem in a parsed condition. An empty list means it compiles."""
+def check_condition(node: Node, labels: Iterable[str] | None = None,
+                    fields: Mapping[str, SignalField] | None = None, noun: str = "field") -> list[Problem]:
+    """Every problem in a parsed condition. An empty list means it compiles.
+
+    `fields`: the schema its names are checked against (default: the signals; `kite tune` passes
+    the bench's metrics, called `noun` in the messages)."""
     problems: list[Problem] = []
     known = None if labels is None else list(labels)
-    kind = _check(node, known, problems)
+    kind = _check(node, known, problems, SIGNAL_FIELDS if fields is None else fields, noun)
     if kind not in (None, "bool"):
         problems.append(Problem(f"the condition is a {kind}, not true/false: compare it "
                                 f"(e.g. `{_describe(node)} > 0`)", _pos(node)))
@@ -41,21 +45,22 @@ def label_problem(label: str, labels: list[str]) -> str | None:
             + f" (the state's labels: {shown})")
 
 
-def _check(node: Node, labels: list[str] | None, out: list[Problem]) -> str | None:
+def _check(node: Node, labels: list[str] | None, out: list[Problem], schema: Mapping[str, SignalField],
+           noun: str) -> str | None:
     """The node's type ('number' | 'string' | 'bool'), or None where an error hides it."""
     if isinstance(node, Literal):
         return node.type
     if isinstance(node, Field):
-        spec = SIGNAL_FIELDS.get(node.name)
+        spec = schema.get(node.name)
         if spec is None:
-            hint = suggest(node.name, SIGNAL_FIELDS)
-            out.append(Problem(f"unknown field {node.name!r}"
+            hint = suggest(node.name, schema)
+            out.append(Problem(f"unknown {noun} {node.name!r}"
                                + (f"; did you mean {hint!r}?" if hint else
-                                  "; fields: " + ", ".join(SIGNAL_FIELDS)), node.pos))
+                                  f"; {noun}s: " + ", ".join(schema)), node.pos))
             return None
         return spec.type
     if isinstance(node, Compare):
-        lt, rt = _check(node.left, labels, out), _check(node.right, labels, out)
+        lt, rt = _check(node.left, labels, out, schema, noun), _check(node.right, labels, out, schema, noun)
         if lt is None or rt is None:
             return "bool"
         if node.op in ORDERING:
@@ -76,12 +81,12 @@ def _check(node: Node, labels: list[str] | None, out: list[Problem]) -> str | No
                         out.append(Problem(msg, b.pos))
         return "bool"
     if isinstance(node, Not):
-        _want_bool(node.item, _check(node.item, labels, out), "NOT", out)
+        _want_bool(node.item, _check(node.item, labels, out, schema, noun), "NOT", out)
         return "bool"
     if isinstance(node, (And, Or)):
         word = "AND" if isinstance(node, And) else "OR"
         for item in node.items:
-            _want_bool(item, _check(item, labels, out), word, out)
+            _want_bool(item, _check(item, labels, out, schema, noun), word, out)
         return "bool"
     raise TypeError(f"not a condition node: {node!r}")
 
