@@ -15,7 +15,9 @@ from kite.runtime.generate import cache_kwarg
 class DocumentContext:
     key: str  # BenchCase.document_key
     ids: list[int]
-    full: KVPrefix  # post-RoPE K, V of every document token, every layer
+    # post-RoPE K, V of every document token, every layer; None when a run reused full prefill's
+    # answers and no method reads the cache (kite.bench.reuse)
+    full: KVPrefix | None
     prefill_ms: float  # the measured prefill of the whole document (what full prefill pays)
 
     @property

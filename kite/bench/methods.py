@@ -59,6 +59,7 @@ class Method(abc.ABC):
     name: ClassVar[str]
     equal_bytes: ClassVar[bool] = True  # held to the state's byte budget
     uses_state: ClassVar[bool] = False  # Prepared.data is the document's states.StateRef
+    needs_document: ClassVar[bool] = True  # reads the document's full cache (DocumentContext.full)
 
     def prepare(self, lm, doc: DocumentContext, budget_bytes: int) -> Prepared:
         return Prepared(kv_bytes=doc.raw_kv_bytes(lm))
@@ -182,6 +183,7 @@ class WholeState(Method):
 
     name: ClassVar[str] = "state"
     uses_state: ClassVar[bool] = True
+    needs_document: ClassVar[bool] = False
 
     def prepare(self, lm, doc, budget_bytes):
         return Prepared(kv_bytes=budget_bytes)
@@ -205,6 +207,7 @@ class Fused(Method):
     name: ClassVar[str] = "fused"
     equal_bytes: ClassVar[bool] = False  # it *is* the budget
     uses_state: ClassVar[bool] = True
+    needs_document: ClassVar[bool] = False
     tagger: Any = None
     rules: Any = None
     health: Any = None

@@ -3,6 +3,7 @@ every case (atomically) so an interrupted or failing run keeps what it finished.
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import json
 import math
@@ -12,7 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kite.bench.cases import BenchCase, load_cases
+from kite.bench.document import DocumentContext
 from kite.bench.methods import ALL_METHODS, BASELINES, Fused, Method, kvpress_status
+from kite.bench.reuse import BenchReuse, Reference
 from kite.config import DEFAULT_MIN_HIT_GAIN
 from kite.errors import BadInput
 
@@ -114,17 +117,29 @@ def _json_default(x):
     return str(x)
 
 
+def _tagger_key(fingerprint: str, cfg, cfg_path) -> str:
+    """What the tagger depends on: the model and the config's tagging section (its examples file
+    by absolute path: a config written elsewhere with the same examples gets the same tagger)."""
+    tagging = cfg.semantic_tagging.model_dump(mode="json")
+    tagging["examples_file"] = str(cfg.resolve(tagging["examples_file"], cfg_path) or "")
+    return json.dumps([fingerprint, tagging], sort_keys=True)
+
+
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def run_bench(s: BenchSettings, progress: Progress | None = None,
-              record: Callable[[dict], None] | None = None) -> dict:
+              record: Callable[[dict], None] | None = None, reuse: BenchReuse | None = None) -> dict:
     """Run the benchmark; returns the result document (also written to `s.output`).
 
     Once the cases start, the run ends in exactly one result document, however it ends: complete,
     a case failing (its exception re-raised) or Ctrl-C (`interrupted`, KeyboardInterrupt
-    re-raised); `record` (e.g. the history's append) is called once with it."""
+    re-raised); `record` (e.g. the history's append) is called once with it.
+
+    `reuse` (kite tune's points): the model, the tagger and full prefill's answers kept from
+    earlier runs given the same object are read instead of made again, and this run's are kept;
+    the result's `reuse` says what was read and the time it had cost."""
     import torch
 
     from kite.bench import report
@@ -150,10 +165,23 @@ def run_bench(s: BenchSettings, progress: Progress | None = None,
         names.remove("kvpress")
         notes.append(kv_note)
 
-    pipe = open_pipeline(s.model, ucfg, ratio=s.ratio, kept_fraction=s.kept_fraction, device=s.device, tagger=False)
+    model_key = (s.model, str(cfg.resolve(cfg.adapter.path, cfg_path)), s.device)
+    kept = reuse.model(model_key) if reuse is not None else None
+    t_load = time.perf_counter()
+    pipe = open_pipeline(s.model, ucfg, ratio=s.ratio, kept_fraction=s.kept_fraction, device=s.device, tagger=False,
+                         lm=kept[0] if kept else None)
+    if reuse is not None and kept is None:
+        reuse.models[model_key] = (pipe.lm, (time.perf_counter() - t_load) * 1e3)
     lm, settings = pipe.lm, pipe.settings
+    fp = lm.fingerprints.combined
     ids_of = check_lengths(lm, cases, s.max_new_tokens, s.chat)
-    pipe.load_tagger(progress)
+    tagger_key = _tagger_key(fp, cfg, cfg_path)
+    if reuse is not None and tagger_key in reuse.taggers:
+        pipe.tagger = reuse.taggers[tagger_key]
+    else:
+        pipe.load_tagger(progress)
+        if reuse is not None:
+            reuse.taggers[tagger_key] = pipe.tagger
     tagger = pipe.tagger
     labels = sorted(set(tagger.labels)) if tagger is not None else None
     rules = load_rules(rules_path, None, lm.geometry.n_layers)
@@ -180,6 +208,13 @@ def run_bench(s: BenchSettings, progress: Progress | None = None,
         "cases": [], "cases_total": len(cases), "interrupted": False, "summary": {}, "thresholds": [],
         "thresholds_source": th_source, "passed": None, "targets": [],
     }
+    reused = None
+    if reuse is not None:
+        reused = result["reuse"] = {"model": kept is not None, "model_load_ms": round(kept[1], 1) if kept else 0.0,
+                                    "references": 0, "reference_ms": 0.0, "prefills": 0, "prefill_ms": 0.0}
+
+    def ref_key(c: BenchCase) -> tuple:
+        return BenchReuse.reference_key(fp, c, ids_of[c.id][1], s.max_new_tokens)
     gen = dict(max_new_tokens=s.max_new_tokens, temperature=0.0)
     docs: dict = {}
     t_run = time.perf_counter()
@@ -208,7 +243,18 @@ def run_bench(s: BenchSettings, progress: Progress | None = None,
             doc_ids, p_ids, ref_ids = ids_of[case.id]
             if case.document_key not in docs:
                 docs.clear()  # one document's caches at a time
-                doc = prefill_document(lm, case.document_key, doc_ids)
+                # Full prefill's answers to all its cases kept, and no other method reading the
+                # document's full cache: the document need not be prefilled again.
+                prefill_ms = reuse.prefills_ms.get((fp, case.document_key)) if reuse is not None else None
+                if (prefill_ms is not None and not any(m.needs_document for n, m in methods.items() if n != "full")
+                        and all(ref_key(c) in reuse.references for c in cases if c.document_key == case.document_key)):
+                    doc = DocumentContext(case.document_key, doc_ids, None, prefill_ms)
+                    reused["prefills"] += 1
+                    reused["prefill_ms"] = round(reused["prefill_ms"] + prefill_ms, 1)
+                else:
+                    doc = prefill_document(lm, case.document_key, doc_ids)
+                    if reuse is not None:
+                        reuse.prefills_ms.setdefault((fp, case.document_key), doc.prefill_ms)
                 state = ensure_state(pipe, case.document_key, doc_ids, Path(s.upcycle_dir), progress)
                 preps = {}
                 for name, m in methods.items():
@@ -228,10 +274,23 @@ def run_bench(s: BenchSettings, progress: Progress | None = None,
                              "regenerate_rate": round(state.regenerate_rate, 4)},
                    "methods": {}}
             full_logits = None
+            kept_ref = reuse.references.get(ref_key(case)) if reuse is not None else None
+            t_ref = time.perf_counter()
             # The reference without any document: did a load help at all?
-            ppl_none = perplexity(reference_logits(lm, None, p_ids, ref_ids), ref_ids)
+            ppl_none = (kept_ref.ppl_no_document if kept_ref is not None
+                        else perplexity(reference_logits(lm, None, p_ids, ref_ids), ref_ids))
+            none_ms = (time.perf_counter() - t_ref) * 1e3
             row["ppl_no_document"] = round(ppl_none, 4)
             for name in all_names:
+                if name == "full" and kept_ref is not None:
+                    row["methods"]["full"] = copy.deepcopy(kept_ref.row)
+                    full_logits = kept_ref.logits
+                    reused["references"] += 1
+                    reused["reference_ms"] = round(reused["reference_ms"] + kept_ref.cost_ms, 1)
+                    if progress:
+                        progress("methods", all_names.index(name) + 1, len(all_names))
+                    continue
+                t_method = time.perf_counter()
                 reset_peak(lm.device)
                 ans = methods[name].answer(lm, doc, preps[name], case.question, p_ids, gen)
                 logits = reference_logits(lm, ans.ppl_prefix, ans.ppl_prompt, ref_ids)
@@ -251,6 +310,10 @@ def run_bench(s: BenchSettings, progress: Progress | None = None,
                     "kl_mean": round(cmp["kl_mean"], 5), "top1": round(cmp["top1"], 4),
                     "memory_peak_gb": round(peak, 4), "memory_source": source, "note": preps[name].note,
                     **{k: v for k, v in ans.details.items()}}
+                if name == "full" and reuse is not None:
+                    reuse.references[ref_key(case)] = Reference(
+                        copy.deepcopy(row["methods"]["full"]), logits, ppl_none,
+                        (time.perf_counter() - t_method) * 1e3 + none_ms)
                 if progress:
                     progress("methods", all_names.index(name) + 1, len(all_names))
             full = row["methods"]["full"]
