@@ -49,6 +49,7 @@ GROUPS = (
     ("yoco", "kite.cli.yoco", "Rules, signals and load decisions."),
     ("data", "kite.cli.data", "Synthetic contracts and benchmark cases."),
     ("bench", "kite.cli.bench", "Benchmark the fused pipeline against full prefill and baselines."),
+    ("tune", "kite.cli.tune", "Sweep compression, clusters and rule thresholds through the bench; pick the best."),
     ("report", "kite.cli.report", "Reports across bench runs: regenerate rate against hit rate."),
 )
 # (name, module, function, help): single commands.
@@ -109,6 +110,10 @@ def bench_main() -> None:
 
 def shadow_main() -> None:
     _alias("shadow", "kite-shadow")
+
+
+def tune_main() -> None:
+    _alias("tune", "kite-tune")
 
 
 def capacity_main() -> None:
