@@ -64,7 +64,7 @@ def monitor(
     from kite.serve.monitor import Unanswered
 
     if isinstance(last, Unanswered):
-        raise KiteError(f"{last.error} ({_tries(last.failures)} since {_clock(last.since)})")
+        raise KiteError(f"{last.error}; {_tries(last.failures)} since {_clock(last.since)}")
 
 
 def show(events, interval: float, out):
@@ -120,7 +120,7 @@ def dashboard(r, interval: float):
     """A rich Table of one Reading: the last interval beside the figures since the server started."""
     from rich.table import Table
 
-    window = f"last {r.interval_s:g} s" if r.interval_s else "last interval"
+    window = f"last {r.interval_s:.1f} s" if r.interval_s else "last interval"
     t = Table(title=f"kite monitor · {r.server} · {_clock(r.at)} · every {interval:g} s"
               + (" · [yellow]server restarted[/]" if r.restarted else ""), box=None, title_justify="left")
     t.add_column("")
