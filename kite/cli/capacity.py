@@ -177,8 +177,9 @@ def _print(d: dict) -> None:
     f = d["fit"]
     out.print(f"fit: {f['history_runs']} run(s) in the history ({f['history_points']} measured points"
               + (f", models {', '.join(f['history_models'])}" if f["history_models"] else "") + ")"
-              + (f"; this project's reference measurements: {f['reference_points']} (docs/PERFORMANCE.md, "
-                 "the embedded SmolLM2-135M)" if f["reference_used"] else "; reference measurements not used")
+              + (f"; this project's measurements: {f['reference_points']} points (docs/PERFORMANCE.md, "
+                 "ARCHITECTURE.md: the embedded SmolLM2-135M; GPU bytes at Qwen2-7B geometry)"
+                 if f["reference_used"] else "; this project's measurements not used (--no-reference)")
               + "; 'analytic' = no measured run: bounds only", highlight=False)
     rec = d["recommendation"]
     hit = rec["yoco_min_hit_gain"]
