@@ -198,6 +198,11 @@ def test_a_gpu_not_in_the_table_needs_its_memory(qwen):
     assert timed["times"]["prefill_ms"]["predicted"] > 0 and timed["plan"]["gpus"] >= 1
 
 
+def test_a_context_past_the_models_limit_is_said(qwen):
+    plan = _plan(["--qps", "1", "--avg-tokens", "40000", "--gpu", "H200", "--ppl-tolerance", "0.5"], qwen)
+    assert any("exceed the model's context length (32,768)" in n for n in plan["notes"])
+
+
 @pytest.mark.parametrize("content, message", [
     ("{not json", "not JSON"),
     ("[1, 2]", "not a model config"),

@@ -190,6 +190,9 @@ def plan_capacity(req: CapacityRequest, shape: ModelShape, gpu: GpuSpec, *, mode
     else:
         plan.notes.append(f"{gpu.name}: no bandwidth or bf16 rate known (--gpu-hbm-tbps, --gpu-bf16-tflops): "
                           "memory only, no times or GPU counts")
+    limit = shape.geometry.context_length
+    if limit and req.context > limit:
+        plan.notes.append(f"{req.context:,} tokens per sequence exceed the model's context length ({limit:,})")
     plan.best = _best(plan)
     return plan
 

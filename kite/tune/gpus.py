@@ -80,8 +80,8 @@ def gpu_spec(name: str, mem_gb: float | None = None, hbm_tbps: float | None = No
         if mem_gb is None:
             raise BadInput(f"--gpu {name}: not in the GPU table ({', '.join(GPUS)}); give its memory with "
                            "--gpu-mem-gb (and --gpu-hbm-tbps, --gpu-bf16-tflops for times)")
-        return GpuSpec(name.strip(), float(mem_gb), hbm_tbps, bf16_tflops, None,
-                       "given on the command line")
+        return GpuSpec(name.strip(), float(mem_gb), hbm_tbps, bf16_tflops, 32,
+                       "given on the command line; host link taken as PCIe Gen4 x16 (32 GB/s each way)")
     changed = {k: v for k, v in (("mem_gb", mem_gb), ("hbm_tbps", hbm_tbps), ("bf16_tflops", bf16_tflops))
                if v is not None}
     if not changed:
