@@ -222,3 +222,44 @@ def test_a_bench_run_reusing_full_prefill_gives_the_same_figures(setup, tiny_mod
     # with a method that reads the document's cache, the document is prefilled again
     third = run_bench(BenchSettings(**{**s.__dict__, "baselines": ["full", "window"]}), reuse=reuse)
     assert third["reuse"]["prefills"] == 0 and third["reuse"]["references"] == 2
+
+
+def test_the_budget_method_matches_full_prefill_until_it_compresses(tiny_models):
+    """The bench's `budget` method (the memory-budgeted cache): with a budget past the document
+    its reference logits are full prefill's; with a small one the document's share of the cache
+    is smaller than its raw KV and the reference is still scored."""
+    import torch
+
+    from kite.bench.document import prefill_document
+    from kite.bench.methods import FullPrefill, KVBudget
+    from kite.model import load_model
+
+    lm = load_model(str(tiny_models["llama"]), device="cpu")
+    ids = lm.tokenizer(DOC_A, add_special_tokens=False)["input_ids"]
+    prompt, ref = ids[:6], ids[6:12]
+    doc = prefill_document(lm, "a", ids)
+    gen = dict(max_new_tokens=3, temperature=0.0)
+    full = FullPrefill()
+    f_ans = full.answer(lm, doc, full.prepare(lm, doc, 0), "q", prompt, gen)
+    f_logits = full.reference_logits(lm, doc, f_ans, ref)
+    wide = KVBudget(budget_tokens=300)
+    w_ans = wide.answer(lm, doc, wide.prepare(lm, doc, 0), "q", prompt, gen)
+    assert w_ans.text == f_ans.text and w_ans.details["compressed_tokens"] == 0
+    assert torch.allclose(wide.reference_logits(lm, doc, w_ans, ref), f_logits, atol=1e-4)
+    small = KVBudget(budget_tokens=36, block_tokens=16, codec="ratio=4")
+    s_ans = small.answer(lm, doc, small.prepare(lm, doc, 0), "q", prompt, gen)
+    assert s_ans.details["compressed_tokens"] > 0 and s_ans.kv_bytes < doc.raw_kv_bytes(lm)
+    assert small.reference_logits(lm, doc, s_ans, ref).shape == f_logits.shape
+
+
+def test_kv_budget_tokens_is_tuned_alone_on_the_budget_methods_figures(setup):
+    r = tune(setup, "--param", "kv_budget_tokens", "--values", "300,400", "--objective", "bytes",
+             "--constraint", "ppl_delta <= 0.001", "--json")
+    assert r.exit_code == 0, r.output
+    doc = parse_json(r.output)
+    assert [p["method"] for p in doc["points"]] == ["budget", "budget"]
+    # past these short documents nothing is compressed: full prefill's quality at every budget
+    assert all(abs(p["figures"]["ppl_delta"]) < 1e-3 and p["figures"].get("yoco_hit_rate") is None
+               for p in doc["points"])
+    r = tune(setup, "--param", "kv_budget_tokens", "--values", "100", "--objective", "bytes")
+    assert r.exit_code == 2 and "kv_budget_tokens 100 is outside its range ≥ 260" in r.output

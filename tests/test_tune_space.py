@@ -82,6 +82,8 @@ def test_parameters_given_twice_or_setting_the_same_thing_are_refused(params):
         ranges(params, ("ratio", "2", "4", "2"), ("precision", None, None, None, "int4"))
     with pytest.raises(BadInput, match="at least one --param"):
         parse_ranges([], params)
+    with pytest.raises(BadInput, match="tune it alone, not with --param ratio"):
+        ranges(params, ("kv_budget_tokens", "512", "1024", "512"), ("ratio", "2", "4", "2"))
 
 
 def test_optuna_may_sample_a_range_without_a_step(params):
@@ -143,9 +145,12 @@ def test_objectives_and_the_seeds_metric_form():
     assert obj.name == "qps" and [c.text for c in cons] == ["ppl_delta<0.5"]
     with pytest.raises(BadInput, match="--metric"):
         parse_metric("qps|ppl_delta<<0.5")
-    figures = figures_of({"summary": {"fused": {"avg_latency_ms": 250.0, "kv_bytes": 1000, "f1": 0.5}},
-                          "cases": [{"memory_peak_gb": 1.5}, {"memory_peak_gb": 2.0}]})
+    bench = {"summary": {"overall": {"fused": {"avg_latency_ms": 250.0, "kv_bytes": 1000, "f1": 0.5},
+                                     "budget": {"avg_latency_ms": 500.0, "kv_bytes": 3000}}},
+             "cases": [{"memory_peak_gb": 1.5}, {"memory_peak_gb": 2.0}]}
+    figures = figures_of(bench)
     assert figures["qps"] == 4.0 and figures["bytes"] == 1000 and figures["memory_peak_gb"] == 2.0
+    assert figures_of(bench, "budget")["qps"] == 2.0 and figures_of(bench, "budget")["bytes"] == 3000
 
 
 def _doc(points, objectives, constraints):

@@ -69,6 +69,13 @@ class Method(abc.ABC):
                gen: dict) -> MethodAnswer:
         """Answer `question` (tokens `prompt`) about the document with this method's cache."""
 
+    def reference_logits(self, lm, doc: DocumentContext, ans: MethodAnswer, reference: list[int]) -> torch.Tensor:
+        """Logits [len(reference), vocab] of the reference teacher-forced after what the answer
+        read (its `ppl_prefix` and `ppl_prompt`)."""
+        from kite.bench.scoring import reference_logits
+
+        return reference_logits(lm, ans.ppl_prefix, ans.ppl_prompt, reference)
+
 
 @dataclass
 class FullPrefill(Method):
@@ -234,6 +241,57 @@ class Fused(Method):
                        query_label=out.signals.query_label)
 
 
+@dataclass
+class KVBudget(Method):
+    """The memory-budgeted cache (docs/kv-budget.md, `--kv-budget-tokens`): document and prompt
+    prefilled through a BudgetCache that holds `budget_tokens` tokens raw and upcycles older ones
+    into codec blocks. Nothing is reused between requests: each pays its whole prefill, as full
+    prefill does; what it saves is memory. `kv_bytes` is the document's share of what the cache
+    holds at the end: all of it less the prompt's and the answer's tokens, the newest, still raw
+    at 16 bits (BudgetCache.stats counts raw tokens so)."""
+
+    name: ClassVar[str] = "budget"
+    equal_bytes: ClassVar[bool] = False  # its own budget, not the state's
+    needs_document: ClassVar[bool] = False  # it prefills the document's ids itself
+    budget_tokens: int = 1024
+    codec: str = "ratio=8"
+    block_tokens: int = 256
+
+    def check(self, context_length: int | None = None):
+        """The cache's settings, checked (BadInput for a budget that cannot work on this model)."""
+        from kite.upcycle import BudgetSettings, check_budget
+
+        return check_budget(BudgetSettings(budget_tokens=self.budget_tokens, codec=self.codec,
+                                           block_tokens=self.block_tokens), context_length)
+
+    def _cache(self, lm):
+        from kite.upcycle import BudgetCache
+
+        return BudgetCache(lm.model, self.check(lm.geometry.context_length))
+
+    def prepare(self, lm, doc, budget_bytes):
+        return Prepared(kv_bytes=0, note=f"{self.budget_tokens} tokens raw, older ones in {self.codec} blocks "
+                                        f"of {self.block_tokens}")
+
+    def answer(self, lm, doc, prep, question, prompt, gen):
+        cache = self._cache(lm)
+        g = generate(lm, doc.ids + prompt, cache=cache, prefill_chunk=self.block_tokens, **gen)
+        stats = cache.stats()
+        newest = (stats["tokens"] - doc.n_tokens) * fp16_token_bytes(lm)
+        return _answer(g, 0.0, int(stats["kv_bytes"] - newest), None, doc.ids + prompt, budget_tokens=self.budget_tokens,
+                       compressed_tokens=stats["compressed_tokens"], ratio_to_raw=stats["ratio_to_raw"])
+
+    @torch.inference_mode()
+    def reference_logits(self, lm, doc, ans, reference):
+        from kite.runtime.generate import forward_tokens
+
+        ids = ans.ppl_prompt + reference[:-1]
+        cache = self._cache(lm)
+        chunks = [forward_tokens(lm.model, ids[at:at + self.block_tokens], cache, at)
+                  for at in range(0, len(ids), self.block_tokens)]
+        return torch.cat(chunks)[len(ans.ppl_prompt) - 1:]
+
+
 def kvpress_status() -> tuple[bool, str]:
     """(usable, note): kvpress presses run only when kvpress is installed, declares support for
     the installed transformers, and imports."""
@@ -286,5 +344,5 @@ class KVPress(Method):
 
 
 BASELINES: dict[str, type[Method]] = {m.name: m for m in (FullPrefill, KeepLastWindow, KiviQuant, SnapKV,
-                                                         WholeState, KVPress)}
+                                                         WholeState, KVPress, KVBudget)}
 ALL_METHODS = tuple(BASELINES) + ("fused",)

@@ -45,6 +45,9 @@ class BenchSettings:
     # this run (results do not depend on earlier runs); a path: that store (e.g. the shared
     # $KITE_HOME/health.sqlite, to measure the pipeline as it has learned so far).
     health_store: str | None = None
+    # The memory-budgeted method (`budget`: kite generate/serve --kv-budget-tokens) at this many raw
+    # tokens; given, `budget` is run; None: 1024 when `budget` is among the baselines.
+    kv_budget_tokens: int | None = None
 
 
 def check_methods(names: list[str]) -> list[str]:
@@ -154,7 +157,9 @@ def run_bench(s: BenchSettings, progress: Progress | None = None,
 
     # Everything that can be wrong with the input is checked before the model loads.
     thresholds, th_source = load_thresholds(s.thresholds)
-    names = check_methods(s.baselines)
+    names = check_methods(s.baselines + (["budget"] if s.kv_budget_tokens is not None else []))
+    if s.kv_budget_tokens is not None:
+        BASELINES["budget"](budget_tokens=s.kv_budget_tokens).check()
     cases = load_cases(s.cases, s.families, s.per_family)[: s.max_cases]
     cfg, cfg_path = ucfg = load_upcycle_config(s.upcycle_config)
     compress_settings(cfg, ratio=s.ratio, kept_fraction=s.kept_fraction)   # a bad ratio fails before anything slow
@@ -187,6 +192,10 @@ def run_bench(s: BenchSettings, progress: Progress | None = None,
     rules = load_rules(rules_path, None, lm.geometry.n_layers)
     min_gain = float(s.min_hit_gain)
     methods: dict[str, Method] = {n: BASELINES[n]() for n in names}
+    if "budget" in methods:
+        if s.kv_budget_tokens is not None:
+            methods["budget"] = BASELINES["budget"](budget_tokens=s.kv_budget_tokens)
+        methods["budget"].check(lm.geometry.context_length)
     import tempfile
 
     health_tmp = None
@@ -293,7 +302,7 @@ def run_bench(s: BenchSettings, progress: Progress | None = None,
                 t_method = time.perf_counter()
                 reset_peak(lm.device)
                 ans = methods[name].answer(lm, doc, preps[name], case.question, p_ids, gen)
-                logits = reference_logits(lm, ans.ppl_prefix, ans.ppl_prompt, ref_ids)
+                logits = methods[name].reference_logits(lm, doc, ans, ref_ids)
                 if name == "full":
                     full_logits = logits
                 ppl = perplexity(logits, ref_ids)

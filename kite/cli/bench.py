@@ -39,8 +39,8 @@ def run(
                                                        "(default rules/yoco_rules.yaml).")] = None,
     upcycle_config: Annotated[Optional[Path], typer.Option("--upcycle-config", help="upcycle_config.yaml "
                                                             "(default configs/upcycle_config.yaml).")] = None,
-    baselines: Annotated[str, typer.Option(help="Comma list of full,window,kivi,snapkv,state,kvpress (full is "
-                                           "always run: it is the reference).")] = "full,window,kivi,snapkv,state,kvpress",
+    baselines: Annotated[str, typer.Option(help="Comma list of full,window,kivi,snapkv,state,kvpress,budget (full "
+                                           "is always run: it is the reference).")] = "full,window,kivi,snapkv,state,kvpress",
     thresholds: Annotated[Optional[Path], typer.Option(help="bench.yaml with `thresholds:` (default "
                                                        "configs/bench.yaml, else the seed's table).")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write PNG plots into this folder.")] = None,
@@ -56,6 +56,10 @@ def run(
                                                    "1 is often fastest).")] = None,
     health_store: Annotated[Optional[Path], typer.Option(help="Health store the fused pipeline learns in "
                                                          "(default: a fresh one for this run).")] = None,
+    kv_budget_tokens: Annotated[Optional[int], typer.Option("--kv-budget-tokens", help="Also run `budget`: the "
+                                                            "memory-budgeted cache holding N tokens raw "
+                                                            "(docs/kv-budget.md; default 1024 when --baselines "
+                                                            "names budget).")] = None,
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
@@ -93,7 +97,8 @@ def run(
                       per_family=per_family, max_cases=max_cases, max_new_tokens=max_new_tokens,
                       ratio=ratio, kept_fraction=cfg.features.upcycle_compression_ratio,
                       min_hit_gain=cfg.features.yoco_min_hit_gain, device=device,
-                      health_store=str(health_store) if health_store else None)
+                      health_store=str(health_store) if health_store else None,
+                      kv_budget_tokens=kv_budget_tokens)
     if threads is not None:
         import torch
 

@@ -22,7 +22,8 @@ def metrics() -> dict[str, str]:
 
     return {**METRICS,
             "qps": "requests per second one stream serves: 1000 / avg_latency_ms (load + prompt prefill + decode)",
-            "bytes": "mean state bytes per case (the .upc the fused pipeline reads from)"}
+            "bytes": "mean state bytes per case (the .upc the fused pipeline reads from; for kv_budget_tokens, "
+                     "the document's share of the budgeted cache)"}
 
 
 # Which way is better. The seed's objectives are qps, ttft_ms, f1, ppl_delta and bytes.
@@ -60,10 +61,11 @@ def parse_objective(name: str) -> Objective:
     return Objective(name, name in MAXIMIZE)
 
 
-def figures_of(bench_result: dict) -> dict:
-    """A point's figures: the fused pipeline's overall figures of its bench run, the run's peak
-    memory, `qps` and `bytes`."""
-    fused = dict((bench_result.get("summary") or {}).get("fused") or {})
+def figures_of(bench_result: dict, method: str = "fused") -> dict:
+    """A point's figures: `method`'s overall figures in its bench run (the fused pipeline's, or
+    `budget`'s when the point tunes the memory-budgeted cache), the run's peak memory, `qps` and
+    `bytes`."""
+    fused = dict(((bench_result.get("summary") or {}).get("overall") or {}).get(method) or {})
     rows = bench_result.get("cases") or []
     out = {k: fused.get(k) for k in metrics() if k in fused}
     if rows:

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kite.tune.rule_params import PREFIX, write_variant
+from kite.tune.space import BUDGET
 
 # Parameters that live in the upcycle config's `compression:` section.
 COMPRESSION_KEYS = ("precision", "cluster_num", "min_span_tokens", "max_span_tokens")
@@ -70,7 +71,9 @@ def bench_settings(base, params: dict, cfg, cfg_path: Path | None, rules_path: P
     ucfg = upcycle_variant(cfg, cfg_path, params, folder / "upcycle")
     rules = (write_variant(rules_path, params, folder / "rules")
              if any(k.startswith(PREFIX) for k in params) else rules_path)
+    budget = params.get(BUDGET)
     return replace(base, output=str(output), ratio=ratio if ratio is not None else base.ratio,
+                   kv_budget_tokens=int(budget) if budget is not None else base.kv_budget_tokens,
                    kept_fraction=None if sized else base.kept_fraction,
                    upcycle_config=str(ucfg) if ucfg else base.upcycle_config, rules=str(rules),
                    min_hit_gain=float(params.get("yoco_min_hit_gain", base.min_hit_gain)))

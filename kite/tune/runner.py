@@ -23,7 +23,7 @@ from pathlib import Path
 from kite.errors import BadInput
 from kite.tune.objective import Constraint, Objective, figures_of
 from kite.tune.results import FORMAT, file_sha256, finished_points, point_id, read_results, write_results
-from kite.tune.space import Range
+from kite.tune.space import BUDGET, Range
 
 Progress = Callable[[str, int, int], None]
 
@@ -241,7 +241,9 @@ def _measure(s, sweep, params, pid, base, cfg, cfg_path, rules_path, workdir, re
         if fresh is not None:
             fresh.cleanup()
     made = sweep.account(bench)
-    return {"id": pid, "params": params, "status": "measured", "figures": figures_of(bench),
+    subject = "budget" if BUDGET in params else "fused"
+    return {"id": pid, "params": params, "status": "measured", "figures": figures_of(bench, subject),
+            "method": subject,
             "wall_s": round(time.perf_counter() - t0, 2), "bench_output": bs.output,
             "upcycle_config": bs.upcycle_config, "rules": bs.rules, "ratio": bs.ratio,
             "cases": len(bench.get("cases", [])), **made}

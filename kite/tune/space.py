@@ -18,6 +18,9 @@ from typing import Any
 from kite.errors import BadInput
 
 STATE, REQUEST = "state", "request"
+# The memory-budgeted cache's parameter: measured by the bench's `budget` method, which reads no
+# state and no rules, so it is tuned alone.
+BUDGET = "kv_budget_tokens"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +75,7 @@ def builtin_params(cfg=None, kite_cfg=None) -> list[Param]:
     """The fixed parameters, with the values in force now (`cfg`: the upcycle config; `kite_cfg`:
     the KITE config; None: the defaults)."""
     from kite.config import DEFAULT_MIN_HIT_GAIN
-    from kite.upcycle import codec, load_upcycle_config
+    from kite.upcycle import codec, load_upcycle_config, min_budget
 
     if cfg is None:
         cfg = load_upcycle_config(None)[0]
@@ -97,6 +100,9 @@ def builtin_params(cfg=None, kite_cfg=None) -> list[Param]:
               low=8, current=c.max_span_tokens, source="compression.max_span_tokens"),
         Param("yoco_min_hit_gain", "float", REQUEST, "a load predicted to gain less is skipped",
               low=0.0, current=gain, source="features.yoco_min_hit_gain"),
+        Param(BUDGET, "int", REQUEST, "the memory-budgeted cache (--kv-budget-tokens): tokens held raw, older ones "
+              "upcycled in blocks; no state: its figures are the bench's `budget` method's, not the fused "
+              "pipeline's", low=min_budget(), current=None, source="kite generate / serve --kv-budget-tokens"),
     ]
 
 
@@ -237,6 +243,10 @@ def parse_ranges(specs: list[RangeSpec], params: list[Param], continuous_ok: boo
         if len(both) > 1:
             raise BadInput(f"--param {both[0]} and --param {both[1]} both set a state's size; tune one of "
                            f"{', '.join(group)}")
+    if BUDGET in seen and len(seen) > 1:
+        other = next(n for n in seen if n != BUDGET)
+        raise BadInput(f"--param {BUDGET} measures the memory-budgeted cache, which reads no state and no rules: "
+                       f"tune it alone, not with --param {other}")
     return out
 
 
