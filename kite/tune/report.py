@@ -197,11 +197,17 @@ def pareto_png(doc: dict, path: str | Path) -> str:
     if bad:
         ax.scatter([p["figures"][x] for p in bad], [p["figures"][y] for p in bad], s=50, marker="x", color="red",
                    label="breaks a constraint")
-    front = [p for p in ok if p["id"] in set(doc.get("pareto") or [])]
-    if len(objectives) > 1 and len(front) > 1:
+    if len(objectives) > 1:  # the front of the points that meet every constraint
+        front, what = [p for p in ok if p["id"] in set(doc.get("pareto") or [])], "Pareto front"
+    else:  # the trade-off between the objective and the constraint's metric, over every point
+        from kite.tune.objective import MAXIMIZE
+
+        plane = [Objective(y, y in MAXIMIZE), Objective(x, x in MAXIMIZE)]
+        front, what = pareto_front(pts, plane), f"Pareto front of {y} and {x}"
+    if len(front) > 1:
         front.sort(key=lambda p: p["figures"][x])
         ax.plot([p["figures"][x] for p in front], [p["figures"][y] for p in front], "--", color="gray",
-                label="Pareto front")
+                label=what)
     best = next((p for p in pts if p["id"] == (doc.get("best") or {}).get("id")), None)
     if best is not None:
         ax.scatter([best["figures"][x]], [best["figures"][y]], s=220, marker="*", color="gold",
