@@ -46,6 +46,22 @@ def atomic_writer(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     On an exception the temp file is removed and `path` is left as it was. The folder of `path`
     must exist (BadInput otherwise) unless it lies under KITE_HOME or KITE_CACHE.
     """
+    with _temp_beside(path) as (fh, _tmp):
+        yield fh
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """For a writer that opens a path itself (the `gguf` package's GGUFWriter): yields the path of
+    the temp file beside `path`, which the writer writes (opening it again writes the same file,
+    whose lock stays held); on clean exit the file is fsynced and renamed over `path`, as
+    :func:`atomic_writer` does. The writer must have closed the file when the block ends."""
+    with _temp_beside(path) as (_fh, tmp):
+        yield Path(tmp)
+
+
+@contextlib.contextmanager
+def _temp_beside(path: str | os.PathLike[str]) -> Iterator[tuple[BinaryIO, str]]:
     target = Path(path)
     check_output(target)
     remove_stale_temps(target)
@@ -55,7 +71,7 @@ def atomic_writer(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
             if fcntl is not None:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
             os.fchmod(fh.fileno(), _mode_for(target))
-            yield fh
+            yield fh, tmp
             fh.flush()
             os.fsync(fh.fileno())
             # renamed while still open and locked: no cleaner can take it for stale in between
