@@ -86,7 +86,7 @@ def converted_gguf_folder(gguf: Path, progress=None) -> Path:
 
     A GGUF that carries KITE's own keys (states embedded by `kite gguf embed`) is converted from a
     copy without them: they are not the model's, and transformers parses every metadata string
-    element by element (a 60 MB state made a conversion take 85 s instead of 22 s)."""
+    byte by byte, so states would make the conversion slower by their size (docs/PERFORMANCE.md)."""
     target = cache_dir() / "models" / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
     if (target / "kite-source.json").exists():
         return target

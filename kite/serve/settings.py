@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from kite.config import DEFAULT_MIN_HIT_GAIN
 from kite.errors import BadInput
+from kite.store.ids import check_state_id  # noqa: F401 - re-exported: kite.serve's name for it
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -81,15 +81,3 @@ def resolve_rules_path(spec: str | Path) -> Path:
         if base is not None and (base / p).exists():
             return (base / p).resolve()
     raise BadInput(f"rules file {spec}: not found (looked in the working folder, $KITE_HOME and the checkout)")
-
-
-_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-
-
-def check_state_id(state_id: str) -> str:
-    """A state id is a plain name: letters, digits, `.`, `_`, `-`, at most 128, not starting with
-    a dot (no `..`, no hidden temp files). Raises BadInput otherwise."""
-    if not isinstance(state_id, str) or not _ID.fullmatch(state_id) or state_id.startswith("."):
-        raise BadInput(f"state id {str(state_id)[:80]!r}: expected 1-128 of A-Z a-z 0-9 . _ - "
-                       "(not starting with '.')")
-    return state_id
