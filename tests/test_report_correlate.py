@@ -103,20 +103,40 @@ def test_runs_all_on_one_side_of_the_claimed_knee_cannot_test_it(tmp_path):
 
 
 def test_a_constant_hit_rate_gives_no_coefficient_and_says_why(tmp_path):
-    c = correlate(_points(XS[:6], [1.0] * 6, tmp_path))
-    assert c.pearson is None and "same hit rate (1)" in c.verdict
+    c = correlate(_points(XS[:6], [1.0] * 6, tmp_path))  # 0.2 to 0.89: both sides of 0.85
+    assert c.pearson is None and "the hit rate is 1 in every one of the 6 runs" in c.verdict
+    assert c.knee["verdict"].startswith("none in these runs: the hit rate is flat (1) on both sides of 0.85 "
+                                        "(5 runs at or below it, 1 above)")
+    one_side = correlate(_points(XS[:4], [1.0] * 4, tmp_path))
+    assert "every run lies at or below 0.85" in one_side.knee["verdict"]
+    same_x = correlate(_points([2.0] * 4, [0.5, 0.6, 0.7, 0.8], tmp_path))
+    assert same_x.pearson is None and "the same regenerate rate (2)" in same_x.verdict
+
+
+def test_the_quality_hit_rate_can_be_read_instead(tmp_path):
+    path = tmp_path / "bench.jsonl"
+    recs = [_record(i, float(x), 1.0) for i, x in enumerate(XS[:6])]
+    for r, helped in zip(recs, (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)):
+        r["figures"]["fused"]["load_helped_rate"] = helped
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    points, _ = collect([], path, hit_rate="load_helped_rate")
+    c = correlate(points, hit_rate="load_helped_rate")
+    assert [p.hit_rate for p in points] == [0.5, 0.6, 0.7, 0.8, 0.9, 1.0] and c.pearson.value > 0.99
+    assert c.hit_rate == "load_helped_rate"
+    with pytest.raises(Exception, match="one of yoco_hit_rate, load_helped_rate"):
+        collect([], path, hit_rate="f1")
 
 
 def test_runs_that_did_not_finish_or_loaded_nothing_are_left_out_with_the_reason(tmp_path):
     path = _history(tmp_path / "bench.jsonl", XS[:4], _knee_at(0.85)[:4])
     extra = [_record(20, 1.0, 0.5, status="interrupted"), _record(21, 1.0, 0.5)]
-    extra[1]["figures"]["fused"]["yoco_hit_rate"] = None
+    extra[1]["figures"]["fused"].update(yoco_hit_rate=None, loads=0)
     extra.append({**_record(22, 1.0, 0.5), "figures": {"full": {"f1": 0.5}}})
     with path.open("a") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in extra)
     points, skipped = collect([], path)
     assert len(points) == 4
-    assert [s.why for s in skipped] == ["the run did not finish (interrupted)", "no state was loaded, so no hit rate",
+    assert [s.why for s in skipped] == ["the run did not finish (interrupted)", "no yoco_hit_rate: no state was loaded",
                                         "no fused-pipeline figures"]
 
 
@@ -171,6 +191,8 @@ def test_the_command_refuses_bad_inputs_before_any_work(tmp_path):
     assert res.exit_code == 2 and "neither a bench result" in res.output
     res = runner.invoke(cli, ["report", "correlate", "--plot", str(tmp_path / "no" / "c.png")])
     assert res.exit_code == 2 and "--mkdir" in res.output
+    res = runner.invoke(cli, ["report", "correlate", "--hit-rate", "f1"])
+    assert res.exit_code == 2 and "one of yoco_hit_rate, load_helped_rate" in res.output
 
 
 # -- the statistics -------------------------------------------------------------------------------

@@ -15,6 +15,10 @@ from kite.bench.history import read_history, run_status
 from kite.errors import BadInput
 
 SEED_KNEE = 0.85  # the seed's claim: MB of .upc per 1,000 tokens
+# The y the report may read, fused-pipeline figures of a run (kite/bench/report.py): the seed's hit
+# rate (a load's measured gain > 0), and the same question asked of quality.
+HIT_RATES = {"yoco_hit_rate": "YOCO hit rate (loads whose measured gain was > 0)",
+             "load_helped_rate": "loads whose reference PPL beat no document"}
 MIN_CORRELATION_RUNS = 3   # a coefficient at all (two points always lie on a line)
 MIN_INTERVAL_RUNS = 4      # Fisher's z needs n - 3 > 0
 MIN_KNEE_RUNS = 6          # a hinge has 4 parameters (with its knee): 2 residual df at least
@@ -25,7 +29,7 @@ LEVEL = 0.95
 
 @dataclass(frozen=True, slots=True)
 class RunPoint:
-    """One bench run: its regenerate rate (x) and YOCO hit rate (y), with where it came from."""
+    """One bench run: its regenerate rate (x) and hit rate (y: HIT_RATES), with where it came from."""
 
     run_id: str
     source: str
@@ -60,6 +64,7 @@ class Correlation:
     points: list[RunPoint]
     skipped: list[Skipped]
     knee_at: float
+    hit_rate: str = "yoco_hit_rate"  # which of HIT_RATES
     pearson: Coefficient | None = None
     spearman: Coefficient | None = None
     line: dict | None = None
@@ -77,23 +82,24 @@ def _run_id(result: dict, source: str) -> str:
     return hashlib.sha256(body.encode()).hexdigest()[:12]
 
 
-def _point(rec: dict, fused: dict | None, run_id: str, source: str) -> RunPoint | Skipped:
+def _point(rec: dict, fused: dict | None, run_id: str, source: str, hit_rate: str) -> RunPoint | Skipped:
     status = run_status(rec)
     if status in ("interrupted", "error"):
         return Skipped(run_id, source, f"the run did not finish ({status})")
     if not fused:
         return Skipped(run_id, source, "no fused-pipeline figures")
-    x, y = fused.get("upcycle_regenerate_rate"), fused.get("yoco_hit_rate")
+    x, y = fused.get("upcycle_regenerate_rate"), fused.get(hit_rate)
     if x is None:
         return Skipped(run_id, source, "no regenerate rate")
     if y is None:
-        return Skipped(run_id, source, "no state was loaded, so no hit rate")
+        return Skipped(run_id, source, f"no {hit_rate}: no state was loaded" if not fused.get("loads")
+                       else f"no {hit_rate} recorded")
     cfg = rec.get("config") or {}
     return RunPoint(run_id, source, rec.get("started_at"), (rec.get("model") or {}).get("fingerprint", "?"),
                     status, float(x), float(y), fused.get("loads"), cfg.get("ratio"))
 
 
-def _from_file(path: Path) -> list[RunPoint | Skipped]:
+def _from_file(path: Path, hit_rate: str) -> list[RunPoint | Skipped]:
     """A result JSON (`kite bench run --output`) or a history JSONL (`$KITE_HOME/results/bench.jsonl`)."""
     if not path.is_file():
         raise BadInput(f"--results {path}: no such file")
@@ -104,24 +110,27 @@ def _from_file(path: Path) -> list[RunPoint | Skipped]:
         doc = None
     if isinstance(doc, dict) and "summary" in doc:
         fused = (doc.get("summary") or {}).get("overall", {}).get("fused")
-        return [_point(doc, fused, _run_id(doc, str(path.resolve())), str(path))]
+        return [_point(doc, fused, _run_id(doc, str(path.resolve())), str(path), hit_rate)]
     if doc is None or (isinstance(doc, dict) and "run_id" in doc):
-        return [_point(rec, (rec.get("figures") or {}).get("fused"), rec.get("run_id") or "?", str(path))
+        return [_point(rec, (rec.get("figures") or {}).get("fused"), rec.get("run_id") or "?", str(path), hit_rate)
                 for rec in read_history(path)]
     raise BadInput(f"--results {path}: neither a bench result (kite bench run --output) nor a results history "
                    "(bench.jsonl)")
 
 
-def collect(results: list[Path] = (), history: Path | None = None) -> tuple[list[RunPoint], list[Skipped]]:
+def collect(results: list[Path] = (), history: Path | None = None,
+            hit_rate: str = "yoco_hit_rate") -> tuple[list[RunPoint], list[Skipped]]:
     """The runs of `history` (a results history; None: none) and of each result or history file in
     `results`, each run once (by start time and model: a result file also in the history counts
-    once), those without both figures set aside with the reason."""
+    once), those without both figures set aside with the reason. `hit_rate`: one of HIT_RATES."""
+    if hit_rate not in HIT_RATES:
+        raise BadInput(f"hit rate {hit_rate!r}: one of {', '.join(HIT_RATES)}")
     found: list[RunPoint | Skipped] = []
     if history is not None:
-        found += [_point(rec, (rec.get("figures") or {}).get("fused"), rec.get("run_id") or "?", str(history))
-                  for rec in read_history(history)]
+        found += [_point(rec, (rec.get("figures") or {}).get("fused"), rec.get("run_id") or "?", str(history),
+                         hit_rate) for rec in read_history(history)]
     for path in results:
-        found += _from_file(Path(path))
+        found += _from_file(Path(path), hit_rate)
     points: list[RunPoint] = []
     skipped: list[Skipped] = []
     seen: set = set()
@@ -146,7 +155,7 @@ def _coefficient(r: float | None, n: int, se_scale: float) -> Coefficient | None
 
 
 def correlate(points: list[RunPoint], skipped: list[Skipped] = (), knee_at: float = SEED_KNEE,
-              boot: int = 999) -> Correlation:
+              boot: int = 999, hit_rate: str = "yoco_hit_rate") -> Correlation:
     """Pearson and Spearman coefficients of hit rate on regenerate rate, with 95 % intervals; a
     straight line; a hinge at `knee_at` tested against the line (nested F-test); and a knee
     anywhere (sup-F, bootstrapped), with its 95 % interval. Each part says when there are too few
@@ -154,7 +163,7 @@ def correlate(points: list[RunPoint], skipped: list[Skipped] = (), knee_at: floa
     import numpy as np
 
     n = len(points)
-    out = Correlation(n, list(points), list(skipped), knee_at)
+    out = Correlation(n, list(points), list(skipped), knee_at, hit_rate)
     x = np.array([p.regenerate_rate for p in points])
     y = np.array([p.hit_rate for p in points])
     if n < MIN_CORRELATION_RUNS:
@@ -162,12 +171,21 @@ def correlate(points: list[RunPoint], skipped: list[Skipped] = (), knee_at: floa
                        f"interval needs {MIN_INTERVAL_RUNS}, a knee test {MIN_KNEE_RUNS})")
         out.knee = {"tested": False, "verdict": f"not tested: too few runs ({n})"}
         return out
-    if np.ptp(x) == 0 or np.ptp(y) == 0:
-        same = "regenerate rate" if np.ptp(x) == 0 else "hit rate"
-        value = x[0] if np.ptp(x) == 0 else y[0]
-        out.verdict = (f"no correlation can be computed: every one of the {n} runs has the same {same} "
-                       f"({value:g}); runs that differ in it are needed")
-        out.knee = {"tested": False, "verdict": f"not tested: the {same} does not vary"}
+    if np.ptp(x) == 0:
+        out.verdict = (f"no correlation can be computed: every one of the {n} runs has the same regenerate rate "
+                       f"({x[0]:g}); runs at other compression settings are needed")
+        out.knee = {"tested": False, "verdict": "not tested: the regenerate rate does not vary"}
+        return out
+    if np.ptp(y) == 0:
+        below, above = int(np.sum(x <= knee_at)), int(np.sum(x > knee_at))
+        out.verdict = (f"no correlation can be computed: the hit rate is {y[0]:g} in every one of the {n} runs, "
+                       f"at regenerate rates from {x.min():.3g} to {x.max():.3g}; runs whose hit rate differs "
+                       "are needed")
+        out.knee = {"tested": False, "verdict": (
+            f"none in these runs: the hit rate is flat ({y[0]:g}) on both sides of {knee_at:g} ({_runs(below)} at or "
+            f"below it, {above} above)" if below and above else
+            f"not tested: the hit rate does not vary and every run lies {'above' if above else 'at or below'} "
+            f"{knee_at:g}")}
         return out
     out.pearson = _coefficient(stats.pearson(x, y), n, 1.0)
     out.spearman = _coefficient(stats.spearman(x, y), n, math.sqrt(1.06))
@@ -181,7 +199,7 @@ def correlate(points: list[RunPoint], skipped: list[Skipped] = (), knee_at: floa
 def _verdict(pearson: Coefficient, spearman: Coefficient | None, n: int) -> str:
     r = pearson.value
     if pearson.interval is None:
-        return (f"Pearson r = {r:+.2f} over {n} runs: too few runs for a confidence interval "
+        return (f"Pearson r = {r:+.2f} over {_runs(n)}: too few runs for a confidence interval "
                 f"(at least {MIN_INTERVAL_RUNS}), so no conclusion")
     lo, hi = pearson.interval
     rho = f", Spearman rho = {spearman.value:+.2f}" if spearman and spearman.value is not None else ""
@@ -208,11 +226,11 @@ def _knee(x, y, line: stats.Fit, knee_at: float, boot: int) -> dict:
                            "p": round(p, 4), "runs_below": below, "runs_above": above}
     else:
         out["at_claim"] = {"knee": knee_at, "runs_below": below, "runs_above": above,
-                           "why_not": f"{below} runs at or below {knee_at:g} and {above} above it "
+                           "why_not": f"{_runs(below)} at or below {knee_at:g} and {above} above it "
                                       f"(a hinge there needs {MIN_SIDE_RUNS} each side and 5 in all)"}
     distinct = len(np.unique(x))
     if n < MIN_KNEE_RUNS or distinct < MIN_DISTINCT_RATES:
-        out["verdict"] = (f"too few runs to test for a knee: {n} runs, {distinct} distinct regenerate rates "
+        out["verdict"] = (f"too few runs to test for a knee: {_runs(n)}, {distinct} distinct regenerate rates "
                           f"(at least {MIN_KNEE_RUNS} runs and {MIN_DISTINCT_RATES} distinct rates)")
         return out
     scan = stats.scan_knee(x, y, stats.knee_candidates(x), boot=boot)
@@ -262,8 +280,8 @@ def write_plot(c: Correlation, path: str | Path) -> str:
                     label=f"hinge at {c.knee['knee']:.3g} (p = {c.knee['p']:.3g})")
             ax.axvspan(*c.knee["interval"], color="C1", alpha=0.1, label="95 % interval of the knee")
     ax.axvline(c.knee_at, color="C3", linestyle=":", label=f"claimed knee ({c.knee_at:g})")
-    ax.set(xlabel="regenerate rate (MB of .upc per 1,000 context tokens)", ylabel="YOCO hit rate",
-           title=f"hit rate vs regenerate rate, {c.runs} runs")
+    ax.set(xlabel="regenerate rate (MB of .upc per 1,000 context tokens)", ylabel=HIT_RATES[c.hit_rate],
+           title=f"{c.hit_rate} vs regenerate rate, {c.runs} runs")
     caption = _wrap(c.verdict) + "\n" + _wrap("knee: " + c.knee.get("verdict", ""))
     fig.text(0.01, 0.01, caption, fontsize=7, va="bottom")
     ax.grid(alpha=0.3)
@@ -273,6 +291,10 @@ def write_plot(c: Correlation, path: str | Path) -> str:
         fig.savefig(fh, format="png", dpi=110)
     plt.close(fig)
     return str(path)
+
+
+def _runs(n: int) -> str:
+    return "1 run" if n == 1 else f"{n} runs"
 
 
 def _wrap(text: str, width: int = 120) -> str:

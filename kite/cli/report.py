@@ -31,6 +31,9 @@ def correlate_cmd(
     knee: Annotated[float, typer.Option(
         "--knee", min=0.0, help="Where to test for a knee, in MB of .upc per 1,000 tokens (the seed claims "
         "0.85).")] = 0.85,
+    hit_rate: Annotated[str, typer.Option(
+        "--hit-rate", help="Which hit rate: yoco_hit_rate (the seed's: loads whose measured gain was > 0) or "
+        "load_helped_rate (loads whose reference PPL beat no document).")] = "yoco_hit_rate",
     plot: Annotated[Optional[Path], typer.Option(
         "--plot", help="The PNG to write (default $KITE_HOME/results/correlate.png).")] = None,
     mkdir: bool = MkdirOpt,
@@ -46,8 +49,8 @@ def correlate_cmd(
 
     plot = plot or results_dir() / "correlate.png"
     check_output(plot, mkdir=mkdir, flag="--plot")
-    points, skipped = collect(list(results or []), history_path() if history else None)
-    c = correlate(points, skipped, knee_at=knee)
+    points, skipped = collect(list(results or []), history_path() if history else None, hit_rate)
+    c = correlate(points, skipped, knee_at=knee, hit_rate=hit_rate)
     written = write_plot(c, plot)
     if json_out:
         emit_json({**c.to_dict(), "plot": written})
@@ -60,8 +63,8 @@ def _print(c, plot: str) -> None:
 
     out = console()
     if c.points:
-        t = Table("run", "model", "status", "ratio", "regenerate MB/1k", "hit rate", "loads", "source",
-                  box=None, title=f"{c.runs} runs")
+        t = Table("run", "model", "status", "ratio", "regenerate MB/1k", c.hit_rate, "loads", "source",
+                  box=None, title="1 run" if c.runs == 1 else f"{c.runs} runs")
         for p in sorted(c.points, key=lambda p: p.regenerate_rate):
             t.add_row(p.run_id, p.model[9:21], p.status, "-" if p.ratio is None else f"{p.ratio:g}",
                       f"{p.regenerate_rate:.3f}", f"{p.hit_rate:.3f}", "-" if p.loads is None else str(p.loads),
@@ -74,7 +77,7 @@ def _print(c, plot: str) -> None:
     if claim and "p" in claim:
         out.print(f"[bold]knee at {claim['knee']:g}[/]: slope {claim['slope_below']:+.3g} below, "
                   f"{claim['slope_above']:+.3g} above; against a straight line F = {claim['f']:.3g}, "
-                  f"p = {claim['p']:.3g} ({claim['runs_below']} runs below, {claim['runs_above']} above)",
+                  f"p = {claim['p']:.3g} ({claim['runs_below']} runs at or below, {claim['runs_above']} above)",
                   highlight=False, soft_wrap=True)
     elif claim:
         out.print(f"[bold]knee at {claim['knee']:g}[/]: not tested: {claim['why_not']}", highlight=False,
