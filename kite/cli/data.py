@@ -37,23 +37,13 @@ def contracts(
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
-    from kite.atomic import check_output, write_text
     from kite.data.contracts import generate_contracts, to_jsonl
 
-    if n < 1:
-        raise BadInput(f"--n {n}: need at least one contract")
-    if out == "-" and json_out:
-        raise BadInput("--json with --out -: both would go to stdout; write the cases to a file")
-    if out != "-":
-        check_output(out, mkdir, "--out")
+    _check_out(n, "contract", out, json_out, mkdir, "cases")
     count_tokens = _token_counter(model) if model else None
     records = generate_contracts(n, tokens, seed, count_tokens=count_tokens)
     data = to_jsonl(records)
-    if out == "-":
-        sys.stdout.write(data)
-        sys.stdout.flush()
-    else:
-        write_text(out, data)
+    _write(out, data)
     families = Counter(q["family"] for r in records for q in r["questions"])
     labels = Counter(s["label"] for r in records for s in r["spans"])
     toks = [r["tokens"] for r in records]
@@ -96,22 +86,13 @@ def traffic(
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
-    from kite.atomic import check_output, write_text
     from kite.data.traffic import generate_traffic, to_jsonl
 
-    if n < 1:
-        raise BadInput(f"--n {n}: need at least one query")
-    if out == "-" and json_out:
-        raise BadInput("--json with --out -: both would go to stdout; write the traffic to a file")
-    if out != "-":
-        check_output(out, mkdir, "--out")
+    _check_out(n, "query", out, json_out, mkdir, "traffic")
     records = generate_traffic(n, seed)
     data = to_jsonl(records)
-    if out == "-":
-        sys.stdout.write(data)
-        sys.stdout.flush()
+    if _write(out, data):
         return
-    write_text(out, data)
     families = dict(sorted(Counter(r["family"] for r in records).items()))
     summary = {"out": out, "queries": n, "seed": seed, "families": families,
                "bytes": len(data.encode("utf-8")),
@@ -138,23 +119,14 @@ def pairs(
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
-    from kite.atomic import check_output, write_text
     from kite.data.contracts import to_jsonl
     from kite.data.pairs import contract_pairs
 
-    if n < 1:
-        raise BadInput(f"--n {n}: need at least one contract")
-    if out == "-" and json_out:
-        raise BadInput("--json with --out -: both would go to stdout; write the pairs to a file")
-    if out != "-":
-        check_output(out, mkdir, "--out")
+    _check_out(n, "contract", out, json_out, mkdir, "pairs")
     records = contract_pairs(n, tokens, seed)
     data = to_jsonl(records)
-    if out == "-":
-        sys.stdout.write(data)
-        sys.stdout.flush()
+    if _write(out, data):
         return
-    write_text(out, data)
     families = Counter(r["meta"]["family"] for r in records)
     summary = {"out": out, "contracts": n, "seed": seed, "pairs": len(records),
                "pairs_per_family": dict(sorted(families.items())), "bytes": len(data.encode("utf-8")),
@@ -164,6 +136,30 @@ def pairs(
         return
     console().print(f"wrote [bold]{len(records)}[/] pairs of {n} contracts to {out} "
                     f"({', '.join(f'{k} {v}' for k, v in summary['pairs_per_family'].items())})", highlight=False)
+
+
+def _check_out(n: int, unit: str, out: str, json_out: bool, mkdir: bool, what: str) -> None:
+    """The checks every generator runs before it generates: a count, and where the records go."""
+    from kite.atomic import check_output
+
+    if n < 1:
+        raise BadInput(f"--n {n}: need at least one {unit}")
+    if out == "-" and json_out:
+        raise BadInput(f"--json with --out -: both would go to stdout; write the {what} to a file")
+    if out != "-":
+        check_output(out, mkdir, "--out")
+
+
+def _write(out: str, data: str) -> bool:
+    """The records to `out` (atomically) or to stdout for '-'; True when they went to stdout."""
+    from kite.atomic import write_text
+
+    if out == "-":
+        sys.stdout.write(data)
+        sys.stdout.flush()
+        return True
+    write_text(out, data)
+    return False
 
 
 def _token_counter(spec: str):
