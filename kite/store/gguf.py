@@ -8,7 +8,8 @@ Each state is two string keys of the GGUF's metadata (docs/upc-format.md, "Embed
 Strings, not tensors or byte arrays: llama.cpp refuses a file with tensors its architecture does not
 name, and `gguf`'s reader (transformers' too) walks an array element by element (minutes for MBs),
 while a string is one slice. An embedded state is read back byte for byte (its sha256 is checked).
-Only states of the GGUF's own model are embedded (their fingerprints are checked against it).
+Only states of the GGUF's own model are embedded (their fingerprints are checked against it:
+kite/store/gguf_embed.py).
 """
 
 from __future__ import annotations
@@ -18,22 +19,20 @@ import binascii
 import hashlib
 import json
 import os
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kite.errors import BadInput, FingerprintMismatch, KiteError
+from kite.errors import BadInput, KiteError
 from kite.store.ids import check_state_id
 
 STATE_KEY = "kite.upc."        # + id: the state's bytes (zstd frame, base64)
 META_KEY = "kite.upc_meta."    # + id: its JSON metadata
 EMBED_FORMAT = "kite-upc-gguf"
 EMBED_VERSION = 1
+ZSTD_LEVEL = 3
 # llama.cpp refuses a GGUF string longer than this (GGUF_MAX_STRING_LENGTH, 1 GiB)
 MAX_STRING_BYTES = 1 << 30
-ZSTD_LEVEL = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,26 +57,6 @@ class EmbeddedState:
                 "stored_bytes": self.stored_bytes}
 
 
-@dataclass(slots=True)
-class EmbedReport:
-    """What `embed_states` wrote: the output, the model's fingerprint, the states added and those
-    the model file already held, sizes (bytes) and the time it took (ms)."""
-
-    output: Path
-    model: Path
-    model_fingerprint: str
-    added: list[EmbeddedState]
-    kept: list[str] = field(default_factory=list)
-    model_bytes: int = 0
-    output_bytes: int = 0
-    timings_ms: dict[str, float] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.update(output=str(self.output), model=str(self.model), added=[s.to_dict() for s in self.added])
-        return d
-
-
 # -- reading ------------------------------------------------------------------------------------
 
 def gguf_file(spec: str | os.PathLike[str], what: str | None = None) -> Path:
@@ -97,10 +76,11 @@ def embedded_states(path: str | os.PathLike[str], reader=None) -> list[EmbeddedS
     from kite.model.gguf import open_gguf
 
     reader = reader if reader is not None else open_gguf(path)
-    return list(_index(reader, Path(path)).values())
+    return list(index_of(reader, Path(path)).values())
 
 
-def _index(reader, path: Path) -> dict[str, EmbeddedState]:
+def index_of(reader, path: Path) -> dict[str, EmbeddedState]:
+    """The embedded states of the GGUF `reader` reads (`path`: for messages), by id, in file order."""
     from kite.model.gguf import string_values
 
     metas = string_values(reader, META_KEY)
@@ -140,7 +120,7 @@ def find_state(path: str | os.PathLike[str], state_id: str, reader=None, what: s
 
     path = Path(path)
     reader = reader if reader is not None else open_gguf(path)
-    index = _index(reader, path)
+    index = index_of(reader, path)
     if state_id not in index:
         raise BadInput(f"{what} {state_id}: {path.name} embeds no state {state_id!r} ({_listing(index)})")
     return index[state_id]
@@ -240,111 +220,16 @@ def state_path(spec: str | os.PathLike[str], model: str | None, what: str = "--u
     from kite.model.gguf import open_gguf
 
     reader = open_gguf(source.path)
-    index = _index(reader, source.path)
+    index = index_of(reader, source.path)
     if str(spec) not in index:
         raise BadInput(f"{what} {spec}: no such state file, and {source.path.name} embeds no state {str(spec)!r} "
                        f"({_listing(index)})")
     return cached_state(source.path, str(spec), reader)
 
 
-# -- writing ------------------------------------------------------------------------------------
-
-def embed_states(model: str | os.PathLike[str], states: Sequence[tuple[str, str | os.PathLike[str]]],
-                 dest: str | os.PathLike[str], *, progress: Callable[[str], None] | None = None) -> EmbedReport:
-    """Write `dest`: the GGUF `model` (its tensors and metadata, copied with the `gguf` package's
-    writer) with each `(id, .upc path)` of `states` added under `kite.upc.<id>`; states the model file
-    already embeds are kept. Every state is checked first, before anything is written: its id (a plain
-    name, new to the file), its file (header, size, every part's checksum) and its fingerprints against
-    the model's, the ones `kite model info --model MODEL` prints (FingerprintMismatch naming both).
-    The write is atomic; `dest` may be `model` itself."""
-    from kite.model.gguf import open_gguf
-
-    t0 = time.perf_counter()
-    model = gguf_file(model)
-    if not states:
-        raise BadInput("no state to embed: name one or more .upc files")
-    reader = open_gguf(model)
-    present = _index(reader, model)
-    ids = [check_state_id(sid) for sid, _ in states]
-    for sid in ids:
-        if ids.count(sid) > 1:
-            raise BadInput(f"state id {sid!r} is given twice; name each state once (ID=PATH sets its id)")
-        if sid in present:
-            raise BadInput(f"{model.name} already embeds a state {sid!r}; give this one another id (ID=PATH)")
-    opened = [(sid, Path(p), _read_upc(Path(p))) for sid, p in states]
-    t1 = time.perf_counter()
-    fps = _model_fingerprints(model, progress)
-    for _sid, path, (meta, _data) in opened:
-        check_made_by(meta, fps, path, model)
-    t2 = time.perf_counter()
-    added, extra = [], {}
-    for sid, path, (meta, data) in opened:
-        state, fields = _encode(sid, path, meta, data)
-        added.append(state)
-        extra.update(fields)
-    t3 = time.perf_counter()
-    if progress:
-        progress(f"writing {Path(dest).name}: {model.name} + {len(added)} state{'s' if len(added) != 1 else ''}")
-    model_bytes = model.stat().st_size
-    from kite.model.gguf import copy_gguf
-
-    written = copy_gguf(reader, dest, add=extra)
-    t4 = time.perf_counter()
-    ms = lambda a, b: round((b - a) * 1e3, 1)  # noqa: E731
-    return EmbedReport(Path(dest), model, fps.combined, added, kept=list(present), model_bytes=model_bytes,
-                       output_bytes=written, timings_ms={"check_states": ms(t0, t1), "fingerprint": ms(t1, t2),
-                                                         "encode": ms(t2, t3), "write": ms(t3, t4)})
-
-
-def _read_upc(path: Path) -> tuple[dict, bytes]:
-    """A state's header and bytes, the state checked whole (header, size, every part's checksum)."""
-    from kite.upcycle import StateFile
-
-    with StateFile(path) as sf:
-        bad = {k: v for k, v in sf.verify().items() if v != "ok"}
-        if bad:
-            key = next(iter(bad))
-            raise BadInput(f"{path}: {len(bad)} part{'s' if len(bad) != 1 else ''} fail their checksum "
-                           f"(first: {key}: {bad[key]}); `kite upcycle inspect {path} --verify` lists them")
-        data = os.pread(sf.fileno(), sf.file_size, 0)  # the file just checked, even if renamed over since
-        return dict(sf.meta), data
-
-
-def _model_fingerprints(model: Path, progress):
-    """The fingerprints of the GGUF's model: those of its converted folder, as `kite model info`."""
-    from kite.model.fingerprint import fingerprints
-    from kite.model.sources import converted_gguf_folder
-
-    return fingerprints(converted_gguf_folder(model, progress=progress))
-
-
-def check_made_by(meta: dict, fps, path: Path, model: Path) -> None:
-    """FingerprintMismatch (one line, both fingerprints) unless the state whose header is `meta` was
-    made by the model `fps` are the fingerprints of: the same weights and tokenizer (a state made for
-    a reader adapter keeps it: it loads with that adapter on). A state migrated with only the new
-    model's combined fingerprint known is compared by that."""
-    from kite.model.fingerprint import PREFIX, short
-
-    have = meta.get("fingerprints") or {}
-    combined = have.get("combined") or ""
-    if have.get("model") is None and have.get("migrated_from"):
-        if fps.combined.removeprefix(PREFIX).startswith(combined.removeprefix(PREFIX)) and combined:
-            return
-        part = "combined"
-    else:
-        part = next((p for p in ("model", "tokenizer") if have.get(p) != getattr(fps, p)), None)
-        if part is None:
-            return
-    detail = "" if part == "combined" else (f" ({part} fingerprint {short(have.get(part) or 'none')} ≠ "
-                                            f"{short(getattr(fps, part))})")
-    raise FingerprintMismatch(
-        f"{path}: made by model {short(combined or 'none')}, but {model.name} is model {short(fps.combined)}"
-        f"{detail}; embed states made with this model (kite upcycle compress --model {model}), or migrate "
-        f"them to it (kite upcycle migrate)")
-
-
-def _encode(sid: str, path: Path, meta: dict, data: bytes) -> tuple[EmbeddedState, dict[str, str]]:
-    """The state's two GGUF keys (bytes: zstd + base64; metadata: JSON) and its EmbeddedState."""
+def state_keys(sid: str, meta: dict, data: bytes, path: Path) -> tuple[EmbeddedState, dict[str, str]]:
+    """The two GGUF keys of the state `sid` (bytes `data`, header `meta`, read from `path`): its bytes as
+    one zstd frame in base64 and its metadata as JSON; and the EmbeddedState they make."""
     import zstandard
 
     text = base64.b64encode(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)).decode("ascii")
