@@ -156,6 +156,8 @@ def _commands(tmp_path: Path) -> list[tuple[list[str], Path]]:
         (["shadow", "--golden", str(doc), "--candidate", str(doc), "--cases", str(doc), "--upcycle",
           str(missing / "states")], missing),
         (["serve", "--state-dir", str(missing / "states")], missing),
+        (["gguf", "embed", str(doc), str(doc), "-o", str(missing / "m.gguf")], missing),
+        (["gguf", "extract", str(doc), "--state", "s", "-o", str(missing / "s.upc")], missing),
     ]
 
 

@@ -59,7 +59,8 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
     dtype: Annotated[str | None, typer.Option(help="fp32 | bf16 | fp16 (default fp32 on CPU, bf16 on CUDA).")] = None,
     adapter: Annotated[str | None, typer.Option(help="A peft adapter folder.")] = None,
-    upc: Annotated[Path | None, typer.Option("--upc", help="Answer from this .upc state instead of prefilling the document.")] = None,
+    upc: Annotated[Path | None, typer.Option("--upc", help="Answer from this .upc state instead of prefilling the document "
+                                             "(or, with --model X.gguf, the id of a state X.gguf embeds: kite gguf list).")] = None,
     clusters: Annotated[str | None, typer.Option(help="With --upc: load only these clusters (labels or ids, comma-separated).")] = None,
     layers: Annotated[str | None, typer.Option(help="With --upc: load into these layers only ('12-18', '0,2,4', 'all').")] = None,
     precision: Annotated[str | None, typer.Option(help="With --upc: hold the loaded KV at fp32|fp16|bf16|fp8|int8|int4.")] = None,
@@ -76,6 +77,7 @@ def generate(
       kite generate --chat --prompt "What is the capital of France?"
       echo "Once upon a time" | kite generate --max-new-tokens 40 --temperature 0.8 --seed 1
       kite generate --upc contract.upc --clusters breach --prompt "What is the penalty for breach?"
+      kite generate --model model+states.gguf --upc contract --prompt "Who may terminate?"
       kite generate --prompt-file long.txt --kv-budget-tokens 1024 --kv-budget-codec ratio=8 --json
     """
     from kite.cli._common import parse_clusters, parse_layers
@@ -92,7 +94,10 @@ def generate(
 
         if precision is not None and precision not in LOAD_PRECISIONS:
             raise BadInput(f"--precision {precision}: expected one of {', '.join(LOAD_PRECISIONS)}")
-        state = StateFile(upc)  # a missing file, wrong magic or a bad header fails here
+        from kite.store import state_path
+
+        # a missing file, wrong magic or a bad header fails here; an id names a state the .gguf embeds
+        state = StateFile(state_path(upc, model))
         wanted = parse_clusters(clusters)
         select_clusters(state, wanted)
         load_kw = {"clusters": wanted, "precision": precision,

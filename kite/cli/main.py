@@ -49,6 +49,7 @@ GROUPS = (
     ("yoco", "kite.cli.yoco", "Rules, signals and load decisions."),
     ("data", "kite.cli.data", "Synthetic contracts and benchmark cases."),
     ("bench", "kite.cli.bench", "Benchmark the fused pipeline against full prefill and baselines."),
+    ("gguf", "kite.cli.gguf", "Embed .upc states in a GGUF model file; list and extract them."),
     ("tune", "kite.cli.tune", "Sweep compression, clusters and rule thresholds through the bench; pick the best."),
     ("report", "kite.cli.report", "Reports across bench runs: regenerate rate against hit rate."),
 )
