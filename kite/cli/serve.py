@@ -76,19 +76,25 @@ def serve(
     from kite.upcycle import compress_settings, load_upcycle_config, open_pipeline
 
     ucfg = load_upcycle_config(upcycle_config)   # a bad upcycle config fails before the model loads
+    from kite.model.sources import resolve
+    from kite.serve.app import embedded_states
+
+    embedded = embedded_states(resolve(model))   # so do the states a .gguf embeds (kite gguf embed)
     kept = cfg.features.upcycle_compression_ratio
     compress_settings(ucfg[0], kept_fraction=kept)  # the settings uploads are compressed with
     out.print(f"loading model {model} …", highlight=False)
     pipe = open_pipeline(model, ucfg, kept_fraction=kept)
     settings.budget_settings(pipe.lm.geometry.context_length)  # a budget past the model's context fails now
-    app = create_app(pipe, settings, rules=ruleset)
+    app = create_app(pipe, settings, rules=ruleset, embedded=embedded)
     if settings.host not in LOOPBACK:
         out.print(f"[yellow]warning:[/] binding {settings.host}: the API is reachable from other machines",
                   highlight=False)
     admin = "on" if settings.admin_token else "off (no admin token configured)"
+    store = app.state.kite.store
+    embedded = f" + {len(store.embedded)} embedded in {store.embedded_in}" if store.embedded else ""
     out.print(f"[bold green]serving[/] {pipe.lm.source.spec} on http://{settings.host}:{settings.port}  "
               f"rules {settings.rules_path.name}  fusion {'on' if settings.fusion else 'off'}  admin {admin}  "
-              f"states {settings.state_dir}" + (f"  kv budget {settings.kv_budget_tokens} tokens "
+              f"states {settings.state_dir}{embedded}" + (f"  kv budget {settings.kv_budget_tokens} tokens "
                                                 f"({settings.kv_budget_codec})" if settings.kv_budget_tokens else ""),
               highlight=False, soft_wrap=True)
     run(app, settings.host, settings.port, log_level=log_level, sock=sock)

@@ -29,13 +29,14 @@ class ServerState:
 
 
 def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sampler=None,
-               start_sampler: bool = True) -> FastAPI:
+               start_sampler: bool = True, embedded: dict | None = None) -> FastAPI:
     """An ASGI app serving ``pipeline`` (a :class:`kite.upcycle.Pipeline`: the model, its tagger and
     the compression settings uploads are upcycled with). ``rules``: the compiled
     :class:`kite.yoco.rules.RuleSet` of ``settings.rules_path`` (compiled before the model loaded,
     so a bad file failed early); None compiles that file now. Either way the set is checked against
     the model's layers here (RuleSetError), before the server binds. The watermark sampler runs
-    from startup to shutdown."""
+    from startup to shutdown. ``embedded``: the states of the model's GGUF file as
+    :func:`embedded_states` gives them (read before the model loaded); None reads them now."""
     from kite.yoco.health import HealthStore
     from kite.yoco.novelty import NoveltyTracker
     from kite.yoco.rules import ActiveRules
@@ -44,7 +45,8 @@ def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sa
     n_layers = pipeline.lm.geometry.n_layers
     rules = (ActiveRules.from_file(settings.rules_path, n_layers=n_layers) if rules is None
              else ActiveRules(rules, n_layers=n_layers))
-    store = StateStore(settings.state_dir)
+    store = StateStore(settings.state_dir, **(embedded if embedded is not None else
+                                              embedded_states(pipeline.lm.source)))
     health = health if health is not None else HealthStore()
     if sampler is None and start_sampler:
         sampler = WatermarkSampler(default_backend(), interval_ms=settings.sampler_interval_ms,
@@ -79,3 +81,13 @@ def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sa
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=metrics)  # outermost: counts 413s too
     return app
+
+
+def embedded_states(source) -> dict:
+    """The states embedded in the model's GGUF file (`kite gguf embed`) as StateStore's arguments
+    (`kite.model.sources.ModelSource`): none for a model from a folder or the embedded default's file."""
+    if getattr(source, "kind", None) != "gguf":
+        return {}
+    from kite.store import cached_states
+
+    return {"embedded": cached_states(source.path), "embedded_in": source.path.name}

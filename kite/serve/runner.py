@@ -113,6 +113,10 @@ class ModelRunner:
             raise BadInput("the document is empty")
         explicit = state_id is not None
         sid = state_id or self.store.id_for(document, self.lm.fingerprints.combined)
+        if explicit:
+            self.store.check_writable(sid)  # an id the model file's own states hold
+        elif sid in self.store.embedded:
+            return Upcycled(self.store.summary(sid), created=False)
         path = self.store.path_for(sid)
         if path.is_file():
             if not explicit:

@@ -1,4 +1,5 @@
-"""The server's state store: one folder of `<id>.upc` files; ids never name a path outside it."""
+"""The server's state store: one folder of `<id>.upc` files; ids never name a path outside it. A
+model served from a GGUF file that embeds states (`kite gguf embed`) adds them, read-only."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import hashlib
 import os
 import threading
 from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 
 from kite.errors import BadInput, KiteError
@@ -18,6 +20,10 @@ class StateNotFound(KiteError):
 
 class StateExists(KiteError):
     """A state with that id exists and overwrite was not asked for (HTTP 409)."""
+
+
+class StateReadOnly(StateExists):
+    """The state is embedded in the model's GGUF file: it cannot be replaced or deleted (HTTP 409)."""
 
 
 @dataclass(slots=True)
@@ -39,12 +45,18 @@ class StateSummary:
 
 class StateStore:
     """`<state_dir>/<id>.upc`. Every id goes through `path_for`, which checks it and checks that
-    the resolved path stays directly inside the folder."""
+    the resolved path stays directly inside the folder.
 
-    def __init__(self, folder: str | os.PathLike[str]):
+    `embedded`: the states of the model's GGUF file (`embedded_in`, its name), by id, as the `.upc`
+    files `kite.store.cached_states` made of them. They are listed and answered first (a folder file
+    of the same id is not reached) and cannot be replaced or deleted."""
+
+    def __init__(self, folder: str | os.PathLike[str], embedded: Mapping[str, Path] | None = None,
+                 embedded_in: str = ""):
         self.folder = Path(folder).expanduser()
         self.folder.mkdir(parents=True, exist_ok=True)
         self.root = self.folder.resolve()
+        self.embedded, self.embedded_in = dict(embedded or {}), embedded_in
         self._summaries: dict[str, tuple[tuple, StateSummary]] = {}   # id -> (file version, summary)
         self._lock = threading.Lock()
 
@@ -56,13 +68,24 @@ class StateStore:
         return path
 
     def existing(self, state_id: str) -> Path:
+        if state_id in self.embedded:
+            if not self.embedded[state_id].is_file():
+                raise StateNotFound(f"state {state_id!r} (embedded in {self.embedded_in}): its extracted copy "
+                                    f"{self.embedded[state_id]} is gone; restart the server to extract it again")
+            return self.embedded[state_id]
         path = self.path_for(state_id)
         if not path.is_file():
             raise StateNotFound(f"no state {state_id!r} (list them with GET /v1/states)")
         return path
 
     def exists(self, state_id: str) -> bool:
-        return self.path_for(state_id).is_file()
+        return state_id in self.embedded or self.path_for(state_id).is_file()
+
+    def check_writable(self, state_id: str) -> None:
+        """StateReadOnly when `state_id` names a state embedded in the model's file."""
+        if state_id in self.embedded:
+            raise StateReadOnly(f"state {state_id!r} is embedded in {self.embedded_in or 'the model file'} and "
+                                f"cannot be replaced or deleted; use another id")
 
     @staticmethod
     def id_for(document: str, model_fingerprint: str) -> str:
@@ -83,14 +106,16 @@ class StateStore:
         if hit and hit[0] == key:
             return hit[1]
         summary = _read_summary(state_id, path, key[3])
+        if state_id in self.embedded:
+            summary.extra["embedded"] = self.embedded_in
         with self._lock:
             self._summaries[state_id] = (key, summary)
         return summary
 
     def list(self) -> list[StateSummary]:
         out = []
-        for path in sorted(self.root.glob("*.upc")):
-            sid = path.name.removesuffix(".upc")
+        folder = (p.name.removesuffix(".upc") for p in sorted(self.root.glob("*.upc")))
+        for sid in [*self.embedded, *(s for s in folder if s not in self.embedded)]:
             try:
                 out.append(self.summary(sid))
             except (BadInput, StateNotFound):
@@ -98,6 +123,7 @@ class StateStore:
         return out
 
     def delete(self, state_id: str) -> None:
+        self.check_writable(state_id)
         path = self.existing(state_id)
         path.unlink()
         with self._lock:
