@@ -70,7 +70,11 @@ def group_ranges(args: list[str]):
     return specs
 
 
-@app.command("auto", cls=_KeepsOrder)
+@app.command("auto", cls=_KeepsOrder, epilog=(
+    "Examples: kite tune auto --param ratio --values 4,8 --param cluster_num --min 4 --max 8 --step 4 --objective qps "
+    "--constraint \"ppl_delta < 0.5\" --cases cases.jsonl --output best_config.yaml;  kite tune auto --param "
+    "yoco_min_hit_gain --min 0.002 --max 0.006 --step 0.0005 --metric \"qps|ppl_delta<0.5\" --output best.yaml "
+    "--resume.  docs/tuning.md"))
 def auto(
     ctx: typer.Context,
     output: Annotated[Path, typer.Option("--output", "-o", help="Where the best point goes: a KITE config file "
@@ -93,7 +97,7 @@ def auto(
     cases: Annotated[Optional[str], typer.Option("--cases", help="Cases JSONL (default configs/bench_cases.jsonl).")] = None,
     search: Annotated[str, typer.Option("--search", help="grid (every combination) or optuna (TPE; NSGA-II for "
                                         "two objectives).")] = "grid",
-    trials: Annotated[Optional[int], typer.Option("--trials", help="Points Optuna runs.")] = None,
+    trials: Annotated[Optional[int], typer.Option("--trials", help="Points Optuna runs (--search optuna).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Optuna's sampler seed.")] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="Read the points the results file holds instead of "
                                          "running them again.")] = False,
