@@ -98,7 +98,7 @@ def _read_upc(path: Path) -> tuple[dict, bytes]:
 def _model_fingerprints(model: Path, progress):
     """The fingerprints of the GGUF's model: those of its converted folder, as `kite model info`."""
     from kite.model.fingerprint import fingerprints
-    from kite.model.sources import converted_gguf_folder
+    from kite.model.convert import converted_gguf_folder
 
     return fingerprints(converted_gguf_folder(model, progress=progress))
 
