@@ -103,8 +103,9 @@ def _errors(s: Scrape) -> float:
                if dict(labels).get("status", "").startswith("5"))
 
 
-def _regenerate_rate(mb: float, tokens: float) -> float | None:
-    return _ratio(mb / 1e6, tokens / 1e3)
+def _regenerate_rate(nbytes: float, tokens: float) -> float | None:
+    """MB of .upc per 1,000 context tokens."""
+    return _ratio(nbytes / 1e6, tokens / 1e3)
 
 
 def reading(cur: Scrape, prev: Scrape | None, server: str = "") -> Reading:
