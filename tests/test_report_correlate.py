@@ -19,10 +19,10 @@ runner = CliRunner()
 FP = "kite-fp1:3f4a7011d96367304787803542aa"
 
 
-def _record(i: int, x: float, y: float, **kw) -> dict:
+def _record(i: int, x: float, y: float, loads: int = 100_000, **kw) -> dict:
     return {"run_id": f"run{i:08d}", "started_at": f"2026-11-30T10:{i:02d}:00+00:00", "status": "passed",
             "model": {"spec": "m", "fingerprint": FP}, "config": {"ratio": round(23.0 / x, 2)},
-            "figures": {"fused": {"upcycle_regenerate_rate": x, "yoco_hit_rate": y, "loads": 10},
+            "figures": {"fused": {"upcycle_regenerate_rate": x, "yoco_hit_rate": y, "loads": loads},
                         "full": {"f1": 0.6}}, **kw}
 
 
@@ -56,6 +56,16 @@ def test_a_clear_knee_at_085_is_found_there(tmp_path):
     claim = c.knee["at_claim"]
     assert claim["p"] < 0.01 and claim["runs_below"] == 5 and claim["runs_above"] == 9
     assert c.pearson.value > 0 and c.pearson.interval[0] > 0 and "rises" in c.verdict
+    assert "caveat" not in c.knee  # 100,000 loads a run: counting noise far below the scatter
+
+
+def test_a_knee_finer_than_the_counting_noise_of_its_hit_rates_says_so(tmp_path):
+    path = tmp_path / "bench.jsonl"
+    path.write_text("".join(json.dumps(_record(i, float(x), float(y), loads=10)) + "\n"
+                            for i, (x, y) in enumerate(zip(XS, _knee_at(0.85)))))
+    c = correlate(collect([], path)[0])
+    assert c.knee["tested"] and c.knee["scatter"] < c.knee["counting_noise"]
+    assert "less than a hit rate counted over 10 loads is uncertain by" in c.knee["caveat"]
 
 
 def test_a_knee_elsewhere_is_reported_where_it_is_not_at_085(tmp_path):

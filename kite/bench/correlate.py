@@ -193,7 +193,30 @@ def correlate(points: list[RunPoint], skipped: list[Skipped] = (), knee_at: floa
     out.line = {"intercept": round(line.coef[0], 6), "slope": round(line.coef[1], 6), "rss": line.rss}
     out.verdict = _verdict(out.pearson, out.spearman, n)
     out.knee = _knee(x, y, line, knee_at, boot)
+    noise = _counting_noise(points)
+    if noise is not None and out.knee.get("tested"):
+        sigma = math.sqrt(stats.fit_hinge(x, y, out.knee["knee"]).rss / (n - 4))
+        out.knee.update(scatter=round(sigma, 4), counting_noise=round(noise, 4))
+        if sigma < noise:
+            loads = sorted({p.loads for p in points})
+            out.knee["caveat"] = (
+                f"the runs scatter around the hinge by {sigma:.2g}, less than a hit rate counted over "
+                f"{loads[0] if len(loads) == 1 else f'{loads[0]}-{loads[-1]}'} loads is uncertain by (about "
+                f"{noise:.2g}): the test and the interval take the runs as more precise than they are; more "
+                "loads per run, and more runs near the knee, would settle it")
     return out
+
+
+def _counting_noise(points: list[RunPoint]) -> float | None:
+    """The mean standard error of the runs' hit rates as fractions of their loads (binomial, the
+    rate kept half a load from 0 and 1); None when a run's loads are not recorded."""
+    if not points or any(not p.loads for p in points):
+        return None
+    ses = []
+    for p in points:
+        rate = min(max(p.hit_rate, 0.5 / p.loads), 1 - 0.5 / p.loads)
+        ses.append(math.sqrt(rate * (1 - rate) / p.loads))
+    return sum(ses) / len(ses)
 
 
 def _verdict(pearson: Coefficient, spearman: Coefficient | None, n: int) -> str:
@@ -271,7 +294,11 @@ def write_plot(c: Correlation, path: str | Path) -> str:
             for p in c.points:
                 ax.annotate(p.run_id[:6], (p.regenerate_rate, p.hit_rate), textcoords="offset points",
                             xytext=(4, 4), fontsize=7, alpha=0.7)
-        grid = np.linspace(min(x.min(), c.knee_at), max(x.max(), c.knee_at), 200)
+        lo, hi = min(x.min(), c.knee_at), max(x.max(), c.knee_at)
+        wide = lo > 0 and hi / lo > 10  # ratios 2-48 span 20x: a log axis keeps the low rates apart
+        grid = np.geomspace(lo, hi, 300) if wide else np.linspace(lo, hi, 300)
+        if wide:
+            ax.set_xscale("log")
         if c.line:
             ax.plot(grid, c.line["intercept"] + c.line["slope"] * grid, "--", color="grey", label="straight line")
         if c.knee.get("tested"):
@@ -282,7 +309,8 @@ def write_plot(c: Correlation, path: str | Path) -> str:
     ax.axvline(c.knee_at, color="C3", linestyle=":", label=f"claimed knee ({c.knee_at:g})")
     ax.set(xlabel="regenerate rate (MB of .upc per 1,000 context tokens)", ylabel=HIT_RATES[c.hit_rate],
            title=f"{c.hit_rate} vs regenerate rate, {c.runs} runs")
-    caption = _wrap(c.verdict) + "\n" + _wrap("knee: " + c.knee.get("verdict", ""))
+    caption = "\n".join(_wrap(t) for t in (c.verdict, "knee: " + c.knee.get("verdict", ""),
+                                            "caveat: " + c.knee["caveat"] if c.knee.get("caveat") else "") if t)
     fig.text(0.01, 0.01, caption, fontsize=7, va="bottom")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")

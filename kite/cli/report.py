@@ -77,10 +77,16 @@ def _print(c, plot: str) -> None:
     if claim and "p" in claim:
         out.print(f"[bold]knee at {claim['knee']:g}[/]: slope {claim['slope_below']:+.3g} below, "
                   f"{claim['slope_above']:+.3g} above; against a straight line F = {claim['f']:.3g}, "
-                  f"p = {claim['p']:.3g} ({claim['runs_below']} runs at or below, {claim['runs_above']} above)",
+                  f"p {_p(claim['p'])} ({claim['runs_below']} runs at or below, {claim['runs_above']} above)",
                   highlight=False, soft_wrap=True)
     elif claim:
         out.print(f"[bold]knee at {claim['knee']:g}[/]: not tested: {claim['why_not']}", highlight=False,
                   soft_wrap=True)
     out.print(f"[bold]knee anywhere[/]: {c.knee.get('verdict', '')}", highlight=False, soft_wrap=True)
+    if c.knee.get("caveat"):
+        out.print(f"[yellow]caveat[/]: {c.knee['caveat']}", highlight=False, soft_wrap=True)
     out.print(f"plot: {plot}", highlight=False, soft_wrap=True)
+
+
+def _p(p: float) -> str:
+    return "< 0.0001" if p < 1e-4 else f"= {p:.3g}"
