@@ -185,7 +185,8 @@ class KneeScan:
 def scan_knee(x, y, knees: np.ndarray, boot: int = 999, seed: int = 0) -> KneeScan:
     """Where a hinge fits best and whether it beats a straight line by more than a line's noise
     would: the sup-F test (Andrews 1993), the null distribution bootstrapped from the line's own
-    residuals, as the knee's position is searched (a plain F-test would be far too eager)."""
+    residuals, as the knee's position is searched (a plain F-test at the best knee calls knees in
+    straight lines too often)."""
     x, y = np.asarray(x, float), np.asarray(y, float)
     n = len(x)
     line = fit_line(x, y)
