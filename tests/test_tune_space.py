@@ -177,3 +177,32 @@ def test_judging_picks_the_best_feasible_point_and_says_why_and_who_broke_what()
     # nothing feasible: no best
     doc = judge(_doc([(2, {"qps": 3.0, "ppl_delta": 0.7})], [qps], cons), [qps], cons)
     assert doc["best"] is None and doc["feasible"] == 0
+
+
+def test_a_point_becomes_a_bench_run_with_copies_of_the_configs(tmp_path):
+    """precision / clusters go into a copy of the upcycle config (its relative paths made absolute),
+    a precision point drops the KITE config's fraction (it would win over the precision), the
+    fraction kept becomes --ratio, the minimum gain a setting."""
+    from kite.bench.runner import BenchSettings
+    from kite.tune.point import bench_settings
+    from kite.upcycle import compress_settings, load_upcycle_config
+
+    (tmp_path / "ex.jsonl").write_text('{"text": "The court of Paris decides.", "label": "jurisdiction"}\n')
+    src = tmp_path / "up.yaml"
+    src.write_text("compression: {cluster_num: 3}\nsemantic_tagging: {labels: [jurisdiction], examples_file: ex.jsonl}\n")
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    cfg, cfg_path = load_upcycle_config(src)
+    base = BenchSettings(cases="c.jsonl", output="", upcycle_config=str(src), kept_fraction=0.5, min_hit_gain=0.005)
+    s = bench_settings(base, {"precision": "int4", "cluster_num": 6, "yoco_min_hit_gain": 0.01}, cfg, cfg_path,
+                       rules, tmp_path / "work", tmp_path / "p.json")
+    assert s.kept_fraction is None and s.ratio is None and s.min_hit_gain == 0.01 and s.rules == str(rules)
+    vcfg, vpath = load_upcycle_config(s.upcycle_config)
+    assert vcfg.compression.precision == "int4" and vcfg.compression.cluster_num == 6
+    assert vcfg.semantic_tagging.examples_file == str(tmp_path / "ex.jsonl")
+    assert compress_settings(vcfg).codec.name == "int4"
+    s = bench_settings(base, {"upcycle_compression_ratio": 0.125, "rules.sure.label_entropy": 0.3}, cfg, cfg_path,
+                       rules, tmp_path / "work", tmp_path / "p.json")
+    assert s.ratio == 8.0 and s.kept_fraction is None and s.upcycle_config == str(src) and s.rules != str(rules)
+    s = bench_settings(base, {"yoco_min_hit_gain": 0.0}, cfg, cfg_path, rules, tmp_path / "work", tmp_path / "p.json")
+    assert s.kept_fraction == 0.5 and s.ratio is None and s.min_hit_gain == 0.0

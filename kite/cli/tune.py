@@ -218,7 +218,7 @@ def _print(doc: dict, written: list[str]) -> None:
     from rich.markup import escape
 
     from kite.tune import points_table, reuse_line
-    from kite.tune.report import params_text
+    from kite.tune.judge import params_text
 
     out = console()
     out.print(points_table(doc))

@@ -7,9 +7,11 @@ Docs: docs/tuning.md.
 """
 
 from kite.tune.best_config import write_best_config
-from kite.tune.objective import Constraint, Objective, metrics, parse_constraint, parse_metric, parse_objective
+from kite.tune.constraints import Constraint, parse_constraint, parse_metric
+from kite.tune.objective import Objective, metrics, parse_objective
 from kite.tune.params import tunable_params
-from kite.tune.report import judge, pareto_png, points_table, reuse_line
+from kite.tune.judge import judge
+from kite.tune.report import pareto_png, points_table, reuse_line
 from kite.tune.runner import TuneSettings, run_tune
 from kite.tune.space import Param, Range, RangeSpec, parse_ranges
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kite.tune.point import COMPRESSION_KEYS, point_ratio
-from kite.tune.report import params_text
+from kite.tune.judge import params_text
 from kite.tune.rule_params import PREFIX
 
 

@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kite.errors import BadInput
-from kite.tune.objective import Constraint, Objective, figures_of
+from kite.tune.constraints import Constraint
+from kite.tune.objective import Objective, figures_of
 from kite.tune.results import FORMAT, file_sha256, finished_points, point_id, read_results, write_results
 from kite.tune.space import BUDGET, Range
 
@@ -120,7 +121,7 @@ class Sweep:
         return {"states_made": made, "states_reused": reused, "reuse": r}
 
     def write(self) -> None:
-        from kite.tune.report import judge
+        from kite.tune.judge import judge
 
         self.doc["wall_s"] = round(time.perf_counter() - self.t0, 1)
         self.doc["finished_at"] = _now()
@@ -256,7 +257,7 @@ def _values(figures: dict, objectives: list[Objective]) -> list[float] | None:
 
 def _stage(sweep: Sweep, s: TuneSettings) -> str:
     """`points · best qps 3.21` (the best feasible point so far), for the progress bar."""
-    from kite.tune.report import best_point
+    from kite.tune.judge import best_point
 
     obj = s.objectives[0]
     best = best_point(list(sweep.points.values()), s.objectives, s.constraints)
