@@ -329,3 +329,14 @@ def test_completion_prompts_and_the_scored_answer(tmp_path):
         load_cases(bad)
     # every bundled question carries its completion-style prompt
     assert all(c.prompt for c in load_cases(REPO / "configs" / "bench_cases.jsonl"))
+
+
+def test_two_runs_started_in_the_same_second_into_one_output_keep_two_history_lines():
+    """Each run carries its own id (a tune sweep starts several a second on tiny models)."""
+    from kite.bench.history import record_of
+
+    a = {"run_id": "aaaaaaaaaaaa", "started_at": "2026-11-30T20:00:00+00:00", "model": {"spec": "m", "fingerprint": "f"}}
+    b = {**a, "run_id": "bbbbbbbbbbbb"}
+    assert record_of(a, "out.json")["run_id"] != record_of(b, "out.json")["run_id"]
+    old = {k: v for k, v in a.items() if k != "run_id"}      # a result from before runs carried ids
+    assert record_of(old, "out.json")["run_id"] == record_of(dict(old), "out.json")["run_id"]

@@ -56,10 +56,12 @@ def run_status(record: dict) -> str:
 def record_of(result: dict, output: str) -> dict:
     """The history line of a run: how it ended, which cases finished, config, model fingerprint,
     machine, figures (over the finished cases)."""
+    # results written before runs carried their own id: a hash of when, what and where (two runs
+    # started in the same second into the same output shared one)
     body = json.dumps([result.get("started_at"), result["model"]["fingerprint"], output], sort_keys=True)
     rows = result.get("cases", [])
     return {
-        "run_id": hashlib.sha256(body.encode()).hexdigest()[:12],
+        "run_id": result.get("run_id") or hashlib.sha256(body.encode()).hexdigest()[:12],
         "started_at": result.get("started_at"), "finished_at": result.get("finished_at"),
         "status": run_status(result), "interrupted": bool(result.get("interrupted")),
         "complete": result.get("complete"), "passed": result.get("passed"), "error": result.get("error"),

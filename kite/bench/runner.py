@@ -7,6 +7,7 @@ import copy
 import datetime as dt
 import json
 import math
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -206,7 +207,8 @@ def run_bench(s: BenchSettings, progress: Progress | None = None,
     all_names = [n for n in ALL_METHODS if n in methods]
 
     result = {
-        "kite_bench": 1, "complete": False, "error": None, "started_at": _now(), "finished_at": None,
+        "kite_bench": 1, "run_id": secrets.token_hex(6), "complete": False, "error": None, "started_at": _now(),
+        "finished_at": None,
         "config": {**asdict(s), "codec": settings.codec.name, "n_clusters": settings.n_clusters,
                    "rules_file": str(rules_path), "rules_version": rules.version,
                    "rules_sha256": rules.sha256, "upcycle_config_file": str(cfg_path) if cfg_path else None,
