@@ -1,4 +1,4 @@
-"""The model-release gate (scripts/release_gate.sh, docs/ci-cd.md).
+"""The model-release gate (scripts/release_gate.sh, docs/ci-cd.md) and its GitHub Actions workflow.
 
 The end-to-end runs (slow) release a copy of the embedded SmolLM2-135M whose final norm is scaled
 (its weights, hence its fingerprint, differ; every layer's K and V are as before) on one short
@@ -21,6 +21,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 GATE = ROOT / "scripts" / "release_gate.sh"
 REPORT = ROOT / "scripts" / "release_gate_report.py"
+WORKFLOW = ROOT / ".github" / "workflows" / "release-gate.yml"
 KITE = str(Path(sys.executable).parent / "kite")
 STEPS = ["build-runtime", "model-info", "migrate", "bench", "shadow", "tune"]
 
@@ -28,6 +29,27 @@ STEPS = ["build-runtime", "model-info", "migrate", "bench", "shadow", "tune"]
 def gate(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(GATE), "--kite", KITE, *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, cwd=cwd, timeout=600)
+
+
+# --- the workflow -------------------------------------------------------------------------------
+
+def test_workflow_parses_and_names_every_step():
+    wf = yaml.safe_load(WORKFLOW.read_text())
+    on = wf[True]  # YAML 1.1 reads the key `on` as a boolean; GitHub reads it as `on`
+    assert on["push"]["tags"] and "new_model" in on["workflow_dispatch"]["inputs"]
+    assert on["workflow_dispatch"]["inputs"]["new_model"]["required"] is True
+    (job,) = wf["jobs"].values()
+    assert job["timeout-minutes"] <= 90
+    steps = job["steps"]
+    assert all(isinstance(s.get("name"), str) and s["name"].strip() for s in steps)
+    assert all(("uses" in s) != ("run" in s) for s in steps)
+    runs = [s.get("run", "") for s in steps]
+    install, test, release = (next(i for i, r in enumerate(runs) if r.strip().startswith(cmd))
+                              for cmd in ("make install", "make test", "scripts/release_gate.sh"))
+    assert install < test < release
+    venv = next(s for s in steps if s.get("uses", "").startswith("actions/cache") and s["with"]["path"] == ".venv")
+    assert "hashFiles('constraints.txt')" in venv["with"]["key"]
+    assert "inputs.new_model" in job["env"]["KITE_GATE_NEW_MODEL"]
 
 
 # --- the script's own checks (nothing slow runs) ------------------------------------------------
