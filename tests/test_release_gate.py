@@ -235,7 +235,8 @@ def test_failing_bench_gate_stops_the_release(gate_inputs, tmp_path):
     impossible.write_text("thresholds:\n  f1: {min: 1.5}\n")
     args = _common(gate_inputs, tmp_path, states)
     args[args.index("--thresholds") + 1] = str(impossible)
-    r = gate("--new-model", "smollm2-135m", "--old-model", "smollm2-135m", *args, env=_env(tmp_path / "home"))
+    r = gate("--new-model", "smollm2-135m", "--old-model", "smollm2-135m", *args, "--max-cases", "1",
+             env=_env(tmp_path / "home"))
     assert r.returncode == 1, r.stderr[-3000:]
     assert r.stderr.rstrip().splitlines()[-1].startswith("release gate: bench failed (exit 1): f1 ")
     assert "release gate: FAILED at bench (exit 1)" in r.stdout
