@@ -51,8 +51,8 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture()
-def setup(tmp_path, tiny_models):
+def bench_inputs(tmp_path: Path, rules_text: str = RULES) -> tuple[Path, Path, Path]:
+    """(cases, upcycle config, rules) of two tiny cases, written into `tmp_path` (tests/test_tune.py too)."""
     cases = tmp_path / "cases.jsonl"
     cases.write_text("".join(json.dumps(c) + "\n" for c in [
         _case("a", DOC_A, "qa", "Which court settles a breach?", "the court of Shanghai"),
@@ -62,7 +62,13 @@ def setup(tmp_path, tiny_models):
     cfg.write_text("compression: {svd_ratio: 0.25, cluster_num: 2, min_span_tokens: 8, max_span_tokens: 24}\n"
                    "semantic_tagging: {labels: [], generated_examples_per_label: 0}\n")
     rules = tmp_path / "rules.yaml"
-    rules.write_text(RULES)
+    rules.write_text(rules_text)
+    return cases, cfg, rules
+
+
+@pytest.fixture()
+def setup(tmp_path, tiny_models):
+    cases, cfg, rules = bench_inputs(tmp_path)
     return {"cases": cases, "cfg": cfg, "rules": rules, "model": str(tiny_models["llama"]), "tmp": tmp_path}
 
 

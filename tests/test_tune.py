@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kite.cli.main import app
 from tests.conftest import parse_json
-from tests.test_bench import DOC_A, DOC_B, _case
+from tests.test_bench import DOC_A, bench_inputs
 
 runner = CliRunner()
 
@@ -34,16 +34,7 @@ def _one_thread(one_thread):
 
 @pytest.fixture()
 def setup(tmp_path, tiny_models):
-    cases = tmp_path / "cases.jsonl"
-    cases.write_text("".join(json.dumps(c) + "\n" for c in [
-        _case("a", DOC_A, "qa", "Which court settles a breach?", "the court of Shanghai"),
-        _case("b", DOC_B, "needle", "What is the capital of France?", "Paris"),
-    ]))
-    cfg = tmp_path / "upcycle.yaml"
-    cfg.write_text("compression: {svd_ratio: 0.25, cluster_num: 2, min_span_tokens: 8, max_span_tokens: 24}\n"
-                   "semantic_tagging: {labels: [], generated_examples_per_label: 0}\n")
-    rules = tmp_path / "rules.yaml"
-    rules.write_text(RULES)
+    cases, cfg, rules = bench_inputs(tmp_path, RULES)
     return tmp_path, ["--model", str(tiny_models["llama"]), "--cases", str(cases), "--upcycle-config", str(cfg),
                       "--yoco-rules", str(rules), "--upcycle", str(tmp_path / "states"), "--mkdir",
                       "--max-new-tokens", "3"]
