@@ -181,3 +181,44 @@ def test_a_fingerprint_that_names_no_state_is_reported(setup):
     assert result.exit_code == 2
     assert "names no state" in result.output and f"{old} (2 files)" in result.output
     assert {p.name: p.read_bytes() for p in states.iterdir()} == before
+
+
+def test_a_state_coded_on_a_regenerator_moves_it_to_the_new_model(setup, tmp_path, monkeypatch):
+    """The regenerator is copied for the new model (same bases), the state names the copy and loads
+    on the new model with it; new states of the new model are coded on it; a rollback of an
+    interrupted migration names the old one again."""
+    import torch
+
+    from kite.model import load_model
+    from kite.upcycle.capture import capture
+    from kite.upcycle.train import RegeneratorFit
+    from kite.upcycle.train.regenerator import install, resolve
+
+    a, b_dir, _, old, new = setup
+    fit = RegeneratorFit(n_layers=a.geometry.n_layers)
+    cap = capture(a, CORPUS)
+    fit.add(cap.keys_pre, cap.values, cap.ids)
+    reg = fit.finish({"model_fingerprint": a.fingerprints.base})
+    install(reg)
+    states = tmp_path / "regen-states"
+    states.mkdir()
+    ratio8 = CompressSettings(codec=codec.settings_for(8), n_clusters=2, min_span_tokens=8)
+    for name in ("r", "s"):
+        compress_document(a, CORPUS, states / f"{name}.{old}.upc", ratio8, regenerator=reg)
+    b = load_model(str(b_dir), device="cpu")
+    _interrupt_second_file(monkeypatch, states, old, new, b.fingerprints)
+    mig.rollback(states)
+    for path in states.glob("*.upc"):
+        assert StateFile(path).meta["regenerator"]["fingerprint"] == reg.fingerprint
+    report = mig.migrate(states, old, new, new_fps=b.fingerprints)
+    done = [f for f in report.files if f.action == "migrate"]
+    assert len(done) == 2
+    moved_fps = {StateFile(f.new_path).meta["regenerator"]["fingerprint"] for f in done}
+    assert len(moved_fps) == 1 and reg.fingerprint not in moved_fps       # one copy for both states
+    assert all(f"regenerator {short(reg.fingerprint)}" in f.reason for f in done)
+    moved = resolve(moved_fps.pop())
+    moved.check_model(b)                                        # now the new model's
+    assert all(torch.equal(moved.tensors[k], reg.tensors[k]) for k in reg.tensors)
+    prefix, _ = load_prefix(done[0].new_path, b)                # decodes with the moved copy
+    assert all(torch.isfinite(k).all() for k in prefix.keys)
+    compress_document(b, CORPUS[:400], states / "new-model.upc", ratio8, regenerator=moved)

@@ -7,6 +7,12 @@ in the folder is an error that lists the fingerprints the folder holds.
 Per file: write the new file beside it (header rewritten, blobs copied), rename it into place,
 remove the old name, and record each step in `DIR/.kite-migrate.journal` (JSON lines). A run
 interrupted anywhere resumes from the journal, or `rollback` puts every finished file back.
+
+A state coded on a regenerator moves it too: the regenerator (found by its fingerprint, as a load
+finds it) is copied for the new model (same bases, its model fingerprint and so its own fingerprint
+new, kept under ``$KITE_HOME/regenerators``) and the state's header names the copy, so new states
+of the new model are coded on the same bases. A regenerator that is not here stays named as it was
+(the state loads once it is given), and the file's plan says so.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 from kite.errors import BadInput, KiteError
 from kite.model.fingerprint import PREFIX, short
 from kite.upcycle.format.container import StateFile, rewrite_header
+from kite.upcycle.train.regenerator import Regenerator, install, resolve
 
 JOURNAL = ".kite-migrate.journal"
 
@@ -177,6 +184,10 @@ def migrate(folder: str | Path, old: str, new: str, *, new_fps=None, new_geometr
     if dry_run:
         return report
     new_hex = (new_fps.combined if new_fps is not None else new).removeprefix(PREFIX).lower()
+    # the new model's weights + tokenizer (what a regenerator belongs to); only its combined one
+    # when no --new-model was given
+    new_base = new_fps.base if new_fps is not None else PREFIX + new_hex
+    moved: dict[str, str | None] = {}
     if not journal:
         _append(folder, {"old": old, "new": new})
     for f in report.files:
@@ -186,8 +197,20 @@ def migrate(folder: str | Path, old: str, new: str, *, new_fps=None, new_geometr
         with StateFile(src) as sf:
             meta = sf.meta
         _append(folder, {"step": "begin", "old_path": str(src), "new_path": str(dest),
-                         "old_fingerprints": meta.get("fingerprints"), "old_geometry": meta["model"]["geometry"]})
-        rewrite_header(src, dest, _new_meta(meta, old, new_hex, new_fps, new_geometry))
+                         "old_fingerprints": meta.get("fingerprints"), "old_geometry": meta["model"]["geometry"],
+                         "old_regenerator": meta.get("regenerator")})
+        new_meta = _new_meta(meta, old, new_hex, new_fps, new_geometry)
+        if meta.get("regenerator"):
+            fp = meta["regenerator"]["fingerprint"]
+            if fp not in moved:
+                moved[fp] = _move_regenerator(fp, new_base)
+            if moved[fp] is not None:
+                new_meta["regenerator"] = {**meta["regenerator"], "fingerprint": moved[fp]}
+                f.reason = (f.reason + "; " if f.reason else "") + f"regenerator {short(fp)} → {short(moved[fp])}"
+            else:
+                f.reason = (f.reason + "; " if f.reason else "") + (f"regenerator {short(fp)} is not here: the "
+                                                                    "state still names it")
+        rewrite_header(src, dest, new_meta)
         if dest != src:
             src.unlink(missing_ok=True)
         if health is not None:
@@ -196,6 +219,22 @@ def migrate(folder: str | Path, old: str, new: str, *, new_fps=None, new_geometr
         _append(folder, {"step": "done", "old_path": str(src), "new_path": str(dest)})
     (folder / JOURNAL).unlink(missing_ok=True)
     return report
+
+
+def _move_regenerator(fingerprint: str, new_base: str) -> str | None:
+    """The fingerprint of `fingerprint`'s regenerator copied for the model `new_base` (kept under
+    $KITE_HOME/regenerators), or None when that regenerator is not here."""
+    try:
+        reg = resolve(fingerprint)
+    except KiteError:
+        return None
+    if reg.meta.get("model_fingerprint") == new_base:
+        return reg.fingerprint
+    meta = {**reg.meta, "model_fingerprint": new_base,
+            "migrations": [*reg.meta.get("migrations", []), {"from": reg.fingerprint}]}
+    moved = Regenerator(meta, reg.tensors)
+    install(moved)
+    return moved.fingerprint
 
 
 def pending_migration(folder: str | Path) -> dict | None:
@@ -227,6 +266,8 @@ def rollback(folder: str | Path) -> MigrationReport:
             continue  # the interruption came before this file was rewritten
         meta["fingerprints"] = rec["old_fingerprints"]
         meta["model"] = {**meta["model"], "geometry": rec["old_geometry"]}
+        if rec.get("old_regenerator"):
+            meta["regenerator"] = rec["old_regenerator"]
         meta["migrations"] = (meta.get("migrations") or [])[:-1]
         rewrite_header(src, dest, meta)
         if dest != src:
