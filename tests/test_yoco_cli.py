@@ -118,3 +118,20 @@ def test_min_hit_gain_below_zero_is_refused():
     assert r.exit_code == 2 and r.stdout == "" and "--min-hit-gain" in r.stderr
     r = run("decide", "--rules", rules, "--signals", "{}", "--min-hit-gain", "0", "--json")
     assert r.exit_code == 0 and json.loads(r.stdout)["min_hit_gain"] == 0
+
+
+def test_the_configs_rules_file_is_every_commands_default(tmp_path, kite_home, monkeypatch):
+    """yoco.rules_file (config file or KITE_YOCO__RULES_FILE) is the rule file `yoco decide` uses
+    without --rules, as `kite serve` does; --rules beats it."""
+    only = tmp_path / "only.yaml"
+    only.write_text("version: v7\nrules:\n  - name: the_only_rule\n    condition: true\n"
+                    "    action: {load_all_clusters: true}\n")
+    monkeypatch.setenv("KITE_YOCO__RULES_FILE", str(only))
+    r = run("decide", "--signals", "{}", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["plan"]["matched_rule"] == "the_only_rule"
+    r = run("decide", "--rules", str(RULES / "yoco_rules.yaml"), "--signals", "{}", "--json")
+    assert json.loads(r.stdout)["plan"]["matched_rule"] != "the_only_rule"
+    monkeypatch.setenv("KITE_YOCO__RULES_FILE", str(tmp_path / "missing.yaml"))
+    r = run("decide", "--signals", "{}", "--json")
+    assert r.exit_code == 2 and "missing.yaml: no such rule file" in r.output

@@ -3,6 +3,8 @@ suggestions."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import contextlib
 import json
 import sys
@@ -225,6 +227,14 @@ def user_config(overrides: Mapping[str, Any] | None = None):
     if _loaded_config is None or _loaded_config[0] != key:
         _loaded_config = (key, load_config(path))
     return _loaded_config[1]
+
+
+def rules_file(flag: str | Path | None) -> Path:
+    """The rule file a command decides with: --rules / --yoco-rules, else the config's
+    yoco.rules_file (found in the working folder, $KITE_HOME, or the checkout)."""
+    from kite.yoco.rules import resolve_rules_path
+
+    return resolve_rules_path(flag if flag is not None else user_config().yoco.rules_file)
 
 
 def model_spec(flag: str | None) -> str:

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kite.cli._common import (JsonOpt, MkdirOpt, console, emit_json, kept_on_interrupt, model_spec, new_app,
+from kite.cli._common import (JsonOpt, MkdirOpt, console, emit_json, kept_on_interrupt, model_spec, new_app, rules_file,
                               user_config)
 from kite.errors import BadInput
 
@@ -36,7 +36,7 @@ def run(
                                                     "(made when missing, reused when they match; default "
                                                     "$KITE_HOME/bench-states).")] = None,
     yoco_rules: Annotated[Optional[Path], typer.Option("--yoco-rules", help="YOCO rule file "
-                                                       "(default rules/yoco_rules.yaml).")] = None,
+                                                       "(default: config yoco.rules_file).")] = None,
     upcycle_config: Annotated[Optional[Path], typer.Option("--upcycle-config", help="upcycle_config.yaml "
                                                             "(default configs/upcycle_config.yaml).")] = None,
     baselines: Annotated[str, typer.Option(help="Comma list of full,window,kivi,snapkv,state,kvpress,budget (full "
@@ -89,7 +89,7 @@ def run(
         check_output(health_store, mkdir, "--health-store")
     cfg = user_config()
     s = BenchSettings(cases=cases, output=str(output), model=model_spec(model), upcycle_dir=str(upcycle),
-                      rules=str(yoco_rules) if yoco_rules else None,
+                      rules=str(rules_file(yoco_rules)),
                       upcycle_config=str(upcycle_config) if upcycle_config else None,
                       baselines=[b.strip() for b in baselines.split(",") if b.strip()],
                       thresholds=str(thresholds) if thresholds else None,

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperCommand
 
-from kite.cli._common import JsonOpt, MkdirOpt, console, emit_json, kept_on_interrupt, model_spec, new_app, user_config
+from kite.cli._common import (JsonOpt, MkdirOpt, console, emit_json, kept_on_interrupt, model_spec, new_app,
+                              rules_file, user_config)
 from kite.errors import BadInput
 
 app = new_app(
@@ -150,7 +151,7 @@ def auto(
 
     check_search(search, len(objectives), trials)
     cfg = user_config()
-    ranges = parse_ranges(specs, tunable_params(yoco_rules, upcycle_config, cfg), continuous_ok=search == "optuna")
+    ranges = parse_ranges(specs, tunable_params(rules_file(yoco_rules), upcycle_config, cfg), continuous_ok=search == "optuna")
     if cases is None:
         found = default_cases_path()
         if found is None:
@@ -170,7 +171,7 @@ def auto(
                      workdir=str(output.with_name(f"{output.stem}.tune")), ranges=ranges, objectives=objectives,
                      constraints=constraints, plot=str(plot), search=search, trials=trials, seed=seed, resume=resume,
                      reuse=not no_reuse, model=model_spec(model), upcycle_dir=str(upcycle),
-                     rules=str(yoco_rules) if yoco_rules else None,
+                     rules=str(rules_file(yoco_rules)),
                      upcycle_config=str(upcycle_config) if upcycle_config else None,
                      families=[f.strip() for f in families.split(",")] if families else None,
                      per_family=per_family, max_cases=max_cases, max_new_tokens=max_new_tokens, device=device,
@@ -253,7 +254,7 @@ def params(
     whether it acts on the state (new states per value) or the request (states reused)."""
     from kite.tune import metrics, tunable_params
 
-    found = tunable_params(yoco_rules, upcycle_config, user_config())
+    found = tunable_params(rules_file(yoco_rules), upcycle_config, user_config())
     if json_out:
         emit_json({"params": [p.to_dict() for p in found], "metrics": metrics()})
         return

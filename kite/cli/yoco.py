@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from kite.cli._common import (JsonOpt, MkdirOpt, console, emit_json, err_console, model_spec, new_app,
+from kite.cli._common import (JsonOpt, MkdirOpt, console, emit_json, err_console, model_spec, new_app, rules_file,
                               rule_errors_reported, user_config)
 from kite.errors import BadInput
 
@@ -23,8 +23,8 @@ app = new_app(
     "  kite yoco fields"
 )
 
-RulesOpt = typer.Option(None, "--rules", help="Rule file (default: $KITE_HOME/rules/yoco_rules.yaml, "
-                        "else the checkout's rules/yoco_rules.yaml).")
+RulesOpt = typer.Option(None, "--rules", help="Rule file (default: config yoco.rules_file, found in the working "
+                        "folder, $KITE_HOME or the checkout).")
 LabelsOpt = typer.Option(None, "--labels", help="The state's cluster labels, comma-separated; "
                          "`label=health` sets a health (0-1), else the health store's prior.")
 LayersOpt = typer.Option(None, "--layers", help="The model's layer count (checks `layers:`).")
@@ -228,7 +228,6 @@ def decide_cmd(
     """
     from kite.yoco.engine import StateInfo
     from kite.yoco.health import health_from_gain, DEFAULT_PRIOR_GAIN
-    from kite.yoco.rules import default_rules_path
     from kite.yoco.signals import Signals
 
     if (signals is None) == (state is None):
@@ -238,7 +237,7 @@ def decide_cmd(
             raise BadInput("--state needs --query (the text to decide for)")
         if labels is not None or layers is not None:
             raise BadInput("--labels and --layers come from the state with --state; leave them out")
-        return _decide_for_state(state, query, model_spec(model), rules or default_rules_path(),
+        return _decide_for_state(state, query, model_spec(model), rules_file(rules),
                                  _min_hit_gain(min_hit_gain), json_out)
     if query is not None:
         raise BadInput("--query needs --state (with --signals the query's signals are given)")
@@ -246,7 +245,7 @@ def decide_cmd(
     prior = health_from_gain(DEFAULT_PRIOR_GAIN)
     health = {k: (prior if v is None else v) for k, v in (_labels(labels) or {}).items()}
     info = StateInfo(health, layers)
-    _decide_for_signals(rules or default_rules_path(), sig, info, _min_hit_gain(min_hit_gain), json_out)
+    _decide_for_signals(rules_file(rules), sig, info, _min_hit_gain(min_hit_gain), json_out)
 
 
 def _model_and_tagger(model: str | None, progress=None):
@@ -332,7 +331,6 @@ def analyze_cmd(
     if plot is not None:
         check_output(plot, mkdir, "--plot")
     from kite.yoco.intent import query_signals
-    from kite.yoco.rules import default_rules_path
     from kite.yoco.signals import Signals
 
     model = model_spec(model)
@@ -364,7 +362,7 @@ def analyze_cmd(
         lm, tagger = _model_and_tagger(model, progress)
         names = [s.strip() for s in labels.split(",") if s.strip()] if labels is not None else (
             list(tagger.labels) if tagger is not None else None)
-        ruleset = _load(rules or default_rules_path(), names, lm.geometry.n_layers)
+        ruleset = _load(rules_file(rules), names, lm.geometry.n_layers)
         t0 = time.perf_counter()
         sigs = query_signals(lm, texts, tagger, batch_size=batch_size, precision="bf16" if fast else "fp32",
                              progress=lambda d, t: progress("entropy", d, t))

@@ -8,6 +8,7 @@ from pathlib import Path
 from kite.config import DEFAULT_MIN_HIT_GAIN
 from kite.errors import BadInput
 from kite.store.ids import check_state_id  # noqa: F401 - re-exported: kite.serve's name for it
+from kite.yoco.rules import resolve_rules_path
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -68,16 +69,3 @@ class ServeSettings:
                    sampler_interval_ms=cfg.hardware_watermark.gpu_mem.sampling_interval_ms,
                    spike_threshold_gb=cfg.hardware_watermark.gpu_mem.spike_threshold_gb, **kw)
 
-
-def resolve_rules_path(spec: str | Path) -> Path:
-    """A rule file named in the config or on the command line: as given when it exists (absolute
-    or relative to the working folder), else under $KITE_HOME, else under the checkout."""
-    from kite.paths import kite_home, repo_root
-
-    p = Path(spec).expanduser()
-    if p.is_absolute() or p.exists():
-        return p.resolve()
-    for base in (kite_home(), repo_root()):
-        if base is not None and (base / p).exists():
-            return (base / p).resolve()
-    raise BadInput(f"rules file {spec}: not found (looked in the working folder, $KITE_HOME and the checkout)")

@@ -83,3 +83,17 @@ def default_rules_path() -> Path:
         return home
     root = repo_root()
     return root / "rules" / "yoco_rules.yaml" if root else home
+
+
+def resolve_rules_path(spec: str | Path) -> Path:
+    """A rule file named in the config or on the command line: as given when it exists (absolute
+    or relative to the working folder), else under $KITE_HOME, else under the checkout."""
+    from kite.paths import kite_home, repo_root
+
+    p = Path(spec).expanduser()
+    if p.is_absolute() or p.exists():
+        return p.resolve()
+    for base in (kite_home(), repo_root()):
+        if base is not None and (base / p).exists():
+            return (base / p).resolve()
+    raise BadInput(f"rules file {spec}: not found (looked in the working folder, $KITE_HOME and the checkout)")
