@@ -204,3 +204,31 @@ def test_generate_precision_help_lists_the_load_precisions(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     res = runner.invoke(app, ["generate", "--help"])
     assert _listed(res.stdout, "--precision") == list(LOAD_PRECISIONS)
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(monkeypatch):
+    """`kite ... | head`: a BrokenPipeError under a command's output ends it with exit 1 and no
+    error line (click does the same for --help)."""
+    import kite.data.traffic
+
+    def closed(*a, **k):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(kite.data.traffic, "generate_traffic", closed)
+    result = CliRunner().invoke(app, ["data", "traffic", "--n", "5"])
+    assert result.exit_code == 1
+    assert result.output == ""
+
+
+def test_piping_into_head_leaves_no_traceback():
+    """The real pipe: the reader of `kite data traffic` is gone before the first write (as after
+    `| head -n 1` has its line): exit 1, nothing on stderr."""
+    import subprocess
+    import sys
+
+    kite = [sys.executable, "-m", "kite.cli.main", "data", "traffic", "--n", "50"]
+    producer = subprocess.Popen(kite, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    producer.stdout.close()                      # the reader goes away before kite writes
+    _, err = producer.communicate(timeout=120)
+    assert producer.returncode == 1
+    assert err == b""

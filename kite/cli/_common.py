@@ -97,6 +97,21 @@ def emit_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
+def _silence_stdout() -> None:
+    """Point stdout's descriptor at /dev/null, so the interpreter's flush at exit cannot raise the
+    broken pipe a second time. A stdout without a descriptor (a test runner's buffer) is left be."""
+    import io
+    import os
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 class SuggestingGroup(TyperGroup):
     """A command group (typer suggests "did you mean" for typos) whose errors are one red line."""
 
@@ -118,6 +133,11 @@ class SuggestingGroup(TyperGroup):
         except KeyboardInterrupt as exc:
             report_interrupt(exc, " ".join(filter(None, (ctx.command_path.strip(), ctx.invoked_subcommand))))
             raise typer.Exit(130)
+        except BrokenPipeError:
+            # the reader of our output went away (`kite ... | head`): stop quietly with exit 1, as
+            # click does for --help; point stdout at /dev/null so the exit's flush cannot fail again
+            _silence_stdout()
+            raise typer.Exit(1) from None
         except Exception as exc:  # noqa: BLE001 - this is the one place errors are reported
             raise typer.Exit(report_error(exc))
 
