@@ -45,7 +45,7 @@ app.command("version", help="Version, build, torch/transformers, device, native 
 GROUPS = (
     ("config", "kite.cli.config_cmd", "Show, read, change and check ~/.kite/config.yaml."),
     ("model", "kite.cli.model", "Inspect models: geometry, KV bytes per token, fingerprint."),
-    ("upcycle", "kite.cli.upcycle", "Turn a document's KV cache into a .upc state; inspect, evaluate, migrate."),
+    ("upcycle", "kite.cli.upcycle", "Turn a document's KV cache into a .upc state; inspect, evaluate, migrate, retune."),
     ("yoco", "kite.cli.yoco", "Rules, signals and load decisions."),
     ("data", "kite.cli.data", "Synthetic contracts and benchmark cases."),
     ("bench", "kite.cli.bench", "Benchmark the fused pipeline against full prefill and baselines."),

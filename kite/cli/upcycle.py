@@ -12,7 +12,7 @@ from kite.cli._common import (JsonOpt, MkdirOpt, console, emit_json, kept_on_int
                               user_config)
 from kite.errors import BadInput
 
-app = new_app("Turn a document's KV cache into a .upc state; inspect, evaluate, migrate.")
+app = new_app("Turn a document's KV cache into a .upc state; inspect, evaluate, migrate, retune.")
 
 RegeneratorOpt = typer.Option("--regenerator", help="A regenerator folder (`kite upcycle train` makes DIR/regenerator): "
                               "code the state on its calibrated bases where that pays (default: upcycle_config "
@@ -58,6 +58,9 @@ def compress(
     precision: Annotated[str | None, PrecisionOpt] = None,
     clusters: Annotated[int | None, typer.Option(min=1, help="Number of clusters (compression.cluster_num).")] = None,
     regenerator: Annotated[Path | None, RegeneratorOpt] = None,
+    label_ratio: Annotated[list[str] | None, typer.Option(
+        "--label-ratio", help="LABEL=R: the clusters of that clause label at ratio R (repeatable; over the "
+        "config's compression.label_ratios).")] = None,
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
@@ -67,8 +70,11 @@ def compress(
     """
     from kite.atomic import check_output
 
+    from kite.upcycle import parse_label_ratio_flags
+
     text, name = read_document(input)   # before the heavy imports: a bad --input fails at once
     check_output(output, mkdir, "--output")
+    label_ratios = parse_label_ratio_flags(label_ratio)
     model = model_spec(model)
     from kite.cli._progress import progress_bar
     from kite.upcycle import open_pipeline
@@ -76,7 +82,8 @@ def compress(
     kept = f"nothing written to {output} (a state is written whole, then renamed into place)"
     with kept_on_interrupt(kept), progress_bar() as progress:   # config and flags checked before the model loads
         pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress,
-                             kept_fraction=user_config().features.upcycle_compression_ratio, regenerator=regenerator)
+                             kept_fraction=user_config().features.upcycle_compression_ratio, regenerator=regenerator,
+                             label_ratios=label_ratios)
         result = pipe.compress(text, output, source_name=name, progress=progress)
     if json_out:
         emit_json(result.to_dict())
@@ -237,6 +244,82 @@ def migrate_cmd(
             out.print(f"no .upc states in {upcycle_dir}")
     if any(f.action == "refuse" for f in report.files):
         raise typer.Exit(1)
+
+
+@app.command("retune")
+def retune_cmd(
+    upcycle_dir: Annotated[Path, typer.Option(help="The folder of .upc states (label_ratios.yaml is kept there).")],
+    health_db: Annotated[Path | None, typer.Option(help="The health store YOCO records gains in (default: "
+                                                   "KITE_HOME/health.sqlite).")] = None,
+    config: Annotated[Path | None, typer.Option(help="upcycle_config.yaml: the ratio a label starts from "
+                                                "(default configs/upcycle_config.yaml).")] = None,
+    min_loads: Annotated[int, typer.Option(help="Loads of a label before its ratio moves.")] = 5,
+    hold_health: Annotated[float, typer.Option(help="Health at or above which loads hold quality: compress further.")] = 0.75,
+    poor_health: Annotated[float, typer.Option(help="Health at or below which the gain is poor: more bytes.")] = 0.5,
+    step: Annotated[float, typer.Option(help="The factor a label's ratio moves by.")] = 1.5,
+    min_ratio: Annotated[float, typer.Option(help="The lowest ratio a label is given.")] = 2.0,
+    max_ratio: Annotated[float, typer.Option(help="The highest ratio a label is given.")] = 32.0,
+    regenerator: Annotated[Path | None, typer.Option(help="The regenerator folder states coded on one were made "
+                                                     "with (default: the copy kept under KITE_HOME).")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Say what would change; write nothing.")] = False,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Per-label ratios from the health store; re-encode the states to them, without the documents.
+
+    Labels whose loads hold quality are compressed further, labels with poor measured gain get more
+    bytes (for new states: old ones cannot get back what they no longer hold, and are listed).
+
+    Example: kite upcycle retune --upcycle-dir ./states --health-db ~/.kite/health.sqlite
+    """
+    from kite.upcycle import compress_settings, load_upcycle_config
+    from kite.upcycle.codec import ratio_of
+    from kite.yoco.flywheel import RetunePolicy, retune
+    from kite.yoco.health import HealthStore
+
+    policy = RetunePolicy(min_loads=min_loads, hold_health=hold_health, poor_health=poor_health, step=step,
+                          min_ratio=min_ratio, max_ratio=max_ratio).check()
+    if health_db is not None and not health_db.is_file():
+        raise BadInput(f"--health-db {health_db}: no such file")
+    cfg, cfg_path = load_upcycle_config(config)
+    settings = compress_settings(cfg, kept_fraction=user_config().features.upcycle_compression_ratio,
+                                 config_path=cfg_path)
+    default = ratio_of(settings.codec)
+    if default is None:
+        raise BadInput(f"the config compresses with the {settings.codec.name} preset: per-label ratios need a "
+                       "compression ratio (compression.svd_ratio)")
+    regen = None
+    if regenerator is not None:
+        from kite.upcycle import Regenerator
+
+        regen = Regenerator.load(regenerator)
+    from kite.cli._progress import progress_bar
+
+    kept = "each state is replaced whole (written beside it, then renamed): none is left half re-encoded"
+    with kept_on_interrupt(kept), progress_bar() as progress, HealthStore(health_db) as health:
+        report = retune(upcycle_dir, health, policy=policy, default_ratio=default, regenerator=regen,
+                        dry_run=dry_run, progress=progress)
+    if json_out:
+        emit_json(report.to_dict())
+        return
+    out = console()
+    verb = "would " if dry_run else ""
+    for d in report.labels:
+        moved = f"{d.ratio_before:g}× → {d.ratio_after:g}×" if d.ratio_after != d.ratio_before else f"{d.ratio_before:g}×"
+        out.print(f"  {d.label:<22} {moved:<14} {d.loads:>5} loads  gain {d.mean_gain:+.4f}  [dim]{d.why}[/]",
+                  highlight=False)
+    for st in report.states:
+        if st.action == "retuned":
+            what = ", ".join(f"{lab} {r:g}×" for lab, r in sorted(st.retuned.items()))
+            size = f"{st.bytes_before:,} B → {st.bytes_after:,} B" if not dry_run else f"{st.bytes_before:,} B"
+            out.print(f"[green]{verb}retune[/] {st.path}: {what} ({size})", highlight=False)
+        elif st.action == "skipped":
+            out.print(f"[yellow]skip[/] {st.path}: {st.reason}", highlight=False)
+        if st.needs_document:
+            what = ", ".join(f"{lab} {r:g}×" for lab, r in sorted(st.needs_document.items()))
+            out.print(f"  [yellow]needs the document[/] for {what}: recompress {st.path} "
+                      f"(kite upcycle compress) to give those clusters more bytes", highlight=False)
+    if report.ratios_file:
+        out.print(f"wrote {report.ratios_file} (name it in compression.label_ratios for new states)", highlight=False)
 
 
 def _migrate_kept(folder: Path, resume: list[str], dry_run: bool) -> str:

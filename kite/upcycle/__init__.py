@@ -11,6 +11,8 @@ and ``format`` included, for benchmarks and tools that work on the codec or the 
     tagging    the clause tagger
     train      `kite upcycle train`: the regenerator (calibrated bases) and the LoRA reader adapter
     budget     the memory-budgeted KV cache (coded blocks that stay in attention)
+    label_ratios, recode  per-label ratios (config, flags) and clusters re-encoded at higher ones
+               from the stored form (`kite upcycle retune`, kite.yoco.flywheel, decides them)
     migration, quality (what a setting loses), inspect, rope, capture
 """
 
@@ -21,12 +23,15 @@ from kite.upcycle.capture import tokenize_document
 from kite.upcycle.codec import CodecSettings
 from kite.upcycle.codec import settings_for as codec_settings
 from kite.upcycle.compress import ClusterInfo, CompressResult, CompressSettings, compress_document
+from kite.upcycle.recode import cluster_ratios, recode_clusters, state_ratio
 from kite.upcycle.quality import PROBES, EvalResult, check_probe, compare_logits, evaluate
 from kite.upcycle.format import FORMAT_VERSION, StateFile, StateWriter, path_version
 from kite.upcycle.inspect import describe_state
 from kite.upcycle.load import (LOAD_PRECISIONS, SINK_TOKENS, HotTier, LoadReport, check_fingerprints, default_tier,
                                load_prefix, prepare_state, select_clusters)
 from kite.upcycle.migration import MigrationReport, migrate, pending_migration, plan_migration, rollback
+from kite.upcycle.label_ratios import FILE_NAME as LABEL_RATIOS_FILE
+from kite.upcycle.label_ratios import parse_label_ratio_flags, read_label_ratios
 from kite.upcycle.pipeline import Pipeline, compress_settings, open_pipeline
 from kite.upcycle.rope import apply_rope, remove_rope, rope_cos_sin
 from kite.upcycle.settings import UpcycleConfig, load_upcycle_config
@@ -44,5 +49,7 @@ __all__ = [
     "compress_settings", "default_tier", "describe_state", "describe_tagger", "evaluate", "evaluate_queries",
     "evaluate_tagging", "format", "load_prefix", "load_upcycle_config", "migrate", "open_pipeline", "path_version", "pending_migration", "plan_migration",
     "Pair", "Regenerator", "RegeneratorFit", "TrainRequest", "read_pairs", "split_pairs", "train_upcycle",
+    "LABEL_RATIOS_FILE", "cluster_ratios", "parse_label_ratio_flags", "read_label_ratios", "recode_clusters",
+    "state_ratio",
     "prepare_state", "remove_rope", "rollback", "rope_cos_sin", "select_clusters", "tokenize_document",
 ]

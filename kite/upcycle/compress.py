@@ -19,6 +19,8 @@ from kite import __version__
 from kite.errors import BadInput
 from kite.upcycle import codec
 from kite.upcycle.capture import Capture, capture
+from kite.upcycle.codec.part_widths import part_widths
+from kite.upcycle.codec.settings import at_ratio, ratio_of
 from kite.upcycle.cluster import kmeans
 from kite.upcycle.spans import cut_spans
 from kite.upcycle.format.container import LARGE_MIN_SAVING, MIN_SAVING, StateWriter
@@ -36,6 +38,8 @@ class CompressSettings:
     max_span_tokens: int = 128
     chunk_tokens: int = 1024
     seed: int = 0
+    # per clause label, its clusters' own ratio (kite.upcycle.label_ratios); others take the codec's
+    label_ratios: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -131,6 +135,9 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
     Settings the batched codec does not take always use the per-layer codec.
     """
     settings = settings or CompressSettings()
+    default_ratio = ratio_of(settings.codec)
+    if settings.label_ratios and default_ratio is None:
+        raise BadInput(f"per-label ratios need a compression ratio, not the {settings.codec.name} preset")
     if regenerator is not None:
         regenerator.check_model(lm)
         if regenerator.joint_heads != settings.codec.joint_heads:
@@ -180,22 +187,36 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
     # a state made on a GPU is served from one: big blobs stay raw unless zstd saves a lot (load speed)
     gpu = device is not None and torch.device(device).type == "cuda"
     writer = StateWriter(large_min_saving=LARGE_MIN_SAVING if gpu else MIN_SAVING)
-    if device is not None and codec.supports_batched(settings.codec) and regenerator is None:
+    part_ratios: list[float] = []
+    fit_codec = settings.codec
+    if device is not None and codec.supports_batched(settings.codec) and regenerator is None \
+            and not settings.label_ratios:
         enc = codec.encode_state(cap.keys_pre, cap.values, cluster_spans, settings.codec, device=device)
         enc.add_to(writer)
         if progress:
             progress("compress", n_layers, n_layers)
     else:
         token_sets = cluster_spans()
+        if settings.label_ratios:
+            # the layers are fitted at the lowest ratio in play (every label can reach its own);
+            # a cluster at another ratio gets its own widths on those columns
+            part_ratios = [settings.label_ratios.get(c.label, default_ratio) for c in clusters]
+            if min(part_ratios) < default_ratio:
+                fit_codec = at_ratio(settings.codec, min(part_ratios))
+        fit_ratio = ratio_of(fit_codec)
         t = time.perf_counter()
         for layer in range(n_layers):
             K, V = cap.keys_pre[layer], cap.values[layer]
             regen = None if regenerator is None else {side: regenerator.side(layer, side) for side in ("k", "v")}
-            lc = codec.fit_layer(K, V, settings.codec, regenerator=regen)
+            lc = codec.fit_layer(K, V, fit_codec, regenerator=regen)
             regenerated[0] += sum(lc.meta[side]["mode"] == "rpca" for side in ("k", "v"))
             writer.add(blob_key(None, layer), codec.to_bytes(lc))
             for c, idx in enumerate(token_sets):
-                part = codec.encode(lc, K[:, idx], V[:, idx], idx)
+                widths = None
+                if part_ratios and part_ratios[c] != fit_ratio:
+                    widths = {side: part_widths(lc, side, X[:, idx], part_ratios[c], from_ratio=fit_ratio,
+                                                positions=idx) for side, X in (("k", K), ("v", V))}
+                part = codec.encode(lc, K[:, idx], V[:, idx], idx, widths)
                 writer.add(blob_key(c, layer, "K"), codec.to_bytes(part.k))
                 writer.add(blob_key(c, layer, "V"), codec.to_bytes(part.v))
             if progress:
@@ -215,12 +236,17 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
         "source": {"name": source_name, "sha256": hashlib.sha256(text.encode()).hexdigest(),
                    "chars": len(text), "tokens": cap.n_tokens},
         "n_tokens": cap.n_tokens,
-        "codec": settings.codec.to_json(),
+        "codec": fit_codec.to_json(),
         "spans": spans,
         "clusters": [asdict(c) for c in clusters],
         "tagger": describe_tagger(tagger),
         "raw_kv_bytes_fp16": raw_kv,
     }
+    if part_ratios:
+        # each cluster's own ratio; loaders see the parts' widths (a GPU load decodes on the host)
+        for c, r in zip(meta["clusters"], part_ratios):
+            c["ratio"] = r
+        meta["label_ratios"] = {"default": default_ratio, "labels": dict(sorted(settings.label_ratios.items()))}
     if regenerator is not None:
         # sides: how many of the 2 x n_layers (layer, K|V) codecs took the regenerator's basis
         meta["regenerator"] = {"fingerprint": regenerator.fingerprint, "sides": regenerated[0]}

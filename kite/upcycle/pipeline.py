@@ -13,6 +13,8 @@ The seed's names (``upcycle_compression_ratio``, ``svd_ratio``) are the fraction
 kept (0-1); ``--ratio`` is how many times smaller (>= 1): ratio = 1 / fraction.
 
 Span bounds and the cluster count come from the config (``clusters`` overrides the count).
+Per-label ratios (:mod:`kite.upcycle.label_ratios`): the config's ``compression.label_ratios``,
+with ``--label-ratio`` flags over it.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from pathlib import Path
 import torch
 
 from kite.errors import BadInput
-from kite.upcycle.codec.settings import PRESETS, settings_for
+from kite.upcycle.codec.settings import PRESETS, ratio_of, settings_for
 from kite.upcycle.compress import CompressResult, CompressSettings, Progress, compress_document
+from kite.upcycle.label_ratios import check_ratios, read_label_ratios
 from kite.upcycle.load.staging import prepare_state
 from kite.upcycle.settings import UpcycleConfig, load_upcycle_config
 from kite.upcycle.tagging.build import build_tagger
@@ -33,13 +36,16 @@ from kite.upcycle.train.regenerator import Regenerator, install
 
 
 def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precision: str | None = None,
-                      clusters: int | None = None, kept_fraction: float | None = None) -> CompressSettings:
+                      clusters: int | None = None, kept_fraction: float | None = None,
+                      label_ratios: dict[str, float] | None = None, config_path: Path | None = None) -> CompressSettings:
     """The compression settings of an upcycle config and a command's flags (see the module doc).
 
     ``kept_fraction``: the user's default of ``ratio`` in the seed's spelling (the KITE config's
     ``features.upcycle_compression_ratio``, 0-1); None leaves the upcycle config's settings.
-    BadInput for both ``ratio`` and ``precision``, a ratio below 1, a fraction outside (0, 1], or a
-    precision that is not a preset.
+    ``label_ratios``: per-label ratios from the command line, over the config's
+    ``compression.label_ratios`` (a map, or a file relative to ``config_path``).
+    BadInput for both ``ratio`` and ``precision``, a ratio below 1, a fraction outside (0, 1], a
+    precision that is not a preset, or label ratios with a preset.
     """
     c = cfg.compression
     if precision and ratio is not None:
@@ -69,8 +75,17 @@ def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precisi
         raise BadInput(str(exc)) from None
     if clusters is not None and clusters < 1:
         raise BadInput(f"--clusters {clusters}: at least one cluster")
+    if isinstance(c.label_ratios, str):
+        ratios = read_label_ratios(cfg.resolve(c.label_ratios, config_path))
+    else:
+        ratios = check_ratios(dict(c.label_ratios), "compression.label_ratios")
+    ratios.update(label_ratios or {})
+    if ratios and ratio_of(spec) is None:
+        raise BadInput(f"per-label ratios ({', '.join(sorted(ratios))}) need a compression ratio (--ratio R), "
+                       f"not the {spec.name} preset")
     return CompressSettings(codec=spec, n_clusters=clusters or c.cluster_num,
-                            min_span_tokens=c.min_span_tokens, max_span_tokens=c.max_span_tokens)
+                            min_span_tokens=c.min_span_tokens, max_span_tokens=c.max_span_tokens,
+                            label_ratios=ratios)
 
 
 @dataclass
@@ -107,10 +122,12 @@ def open_pipeline(model: str | None = None,
                   upcycle_config: str | Path | UpcycleConfig | tuple[UpcycleConfig, Path | None] | None = None, *,
                   ratio: float | None = None, precision: str | None = None, clusters: int | None = None,
                   kept_fraction: float | None = None, device: str | None = None, lm=None, tagger: bool = True,
-                  regenerator: str | Path | None = None, progress=None) -> Pipeline:
+                  regenerator: str | Path | None = None, label_ratios: dict[str, float] | None = None,
+                  progress=None) -> Pipeline:
     """Config → settings (checked before anything slow) → model (``lm`` when given, else ``model``
     loaded with the config's adapter on ``device``) → the config's tagger (``tagger=False``: none).
-    ``ratio``, ``precision``, ``clusters`` and ``kept_fraction``: see :func:`compress_settings`.
+    ``ratio``, ``precision``, ``clusters``, ``kept_fraction`` and ``label_ratios``: see
+    :func:`compress_settings`.
 
     ``upcycle_config``: a path; None for ``configs/upcycle_config.yaml`` (else the defaults); a loaded
     config; or the (config, path) pair :func:`kite.upcycle.load_upcycle_config` returns (the path
@@ -124,7 +141,7 @@ def open_pipeline(model: str | None = None,
     else:
         cfg, cfg_path = load_upcycle_config(upcycle_config)
     settings = compress_settings(cfg, ratio=ratio, precision=precision, clusters=clusters,
-                                 kept_fraction=kept_fraction)
+                                 kept_fraction=kept_fraction, label_ratios=label_ratios, config_path=cfg_path)
     regen_dir = Path(regenerator) if regenerator is not None else cfg.resolve(cfg.regenerator, cfg_path)
     regen = Regenerator.load(regen_dir) if regen_dir is not None else None   # a bad folder fails before the model
     if lm is None:

@@ -27,6 +27,10 @@ class CompressionConfig(_Strict):
     precision: str | None = None
     min_span_tokens: int = Field(32, ge=4)
     max_span_tokens: int = Field(128, ge=8)
+    # Per clause label, its own compression ratio (> 1) for the clusters of that label: a map, or
+    # a YAML file of one relative to this config (`kite upcycle retune` keeps label_ratios.yaml
+    # beside the states). Labels not named take the state's ratio. Needs a PCA ratio, not a preset.
+    label_ratios: dict[str, float] | str = Field(default_factory=dict)
 
     @field_validator("precision")
     @classmethod

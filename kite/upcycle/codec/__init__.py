@@ -10,10 +10,11 @@ from kite.upcycle.codec.coders import (CODERS, PcaSide, QuantSide, RawSide, Rege
                                       register)
 from kite.upcycle.codec.layer import batched_pca, decode, encode, fit_layer, fit_layers
 from kite.upcycle.codec.quant import FLOAT_FORMATS, INT_FORMATS, QTensor, dequantize, quantize, tensors_nbytes
-from kite.upcycle.codec.settings import PRESETS, CodecSettings, settings_for
+from kite.upcycle.codec.part_widths import part_widths
+from kite.upcycle.codec.settings import PRESETS, CodecSettings, at_ratio, ratio_of, settings_for
 
 __all__ = ["CODERS", "FLOAT_FORMATS", "INT_FORMATS", "PRESETS", "Blob", "CodecSettings", "EncodedPart", "EncodedState",
-           "LayerCodec", "PcaSide", "QTensor", "QuantSide", "RawSide", "RegenSide", "SideCoder", "attach_regenerator", "allocate_bits",
+           "LayerCodec", "PcaSide", "at_ratio", "part_widths", "ratio_of", "QTensor", "QuantSide", "RawSide", "RegenSide", "SideCoder", "attach_regenerator", "allocate_bits",
            "allocate_bits_batched", "batched_pca", "decode", "dequantize", "encode", "encode_state", "first_bit_cost",
            "fit_layer", "fit_layers", "from_bytes", "layer_budget_bits", "nbytes", "quantize", "register",
            "settings_for", "supports_batched", "tensors_nbytes", "to_bytes"]

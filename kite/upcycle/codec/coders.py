@@ -46,8 +46,10 @@ class SideCoder:
         meta[side] = {"mode": self.mode}
         return None
 
-    def encode(self, lc: LayerCodec, side: str, X: torch.Tensor, positions: torch.Tensor | None) -> Blob:
-        """A part: tokens X [H, T_sub, d] at ``positions`` in the document (None: unknown)."""
+    def encode(self, lc: LayerCodec, side: str, X: torch.Tensor, positions: torch.Tensor | None,
+               widths: torch.Tensor | None = None) -> Blob:
+        """A part: tokens X [H, T_sub, d] at ``positions`` in the document (None: unknown).
+        ``widths``: the part's own bit width per stored column (PCA modes only; see :class:`PcaSide`)."""
         raise NotImplementedError
 
     def decode(self, lc: LayerCodec, side: str, blob: Blob) -> torch.Tensor:
@@ -81,11 +83,17 @@ def get_qtensor(tensors: dict, prefix: str, qmeta: dict, key: str) -> QTensor:
     return QTensor({n[len(p):]: t for n, t in tensors.items() if n.startswith(p)}, qmeta[key])
 
 
+def _no_widths(mode: str, widths) -> None:
+    if widths is not None:
+        raise ValueError(f"a {mode} side has no columns to give widths to (per-part widths need a PCA side)")
+
+
 @register
 class RawSide(SideCoder):
     mode = "raw"
 
-    def encode(self, lc, side, X, positions):
+    def encode(self, lc, side, X, positions, widths=None):
+        _no_widths(self.mode, widths)
         s = lc.settings
         fmt = s.k_fmt if side == "k" else s.v_fmt
         tensors: dict[str, torch.Tensor] = {}
@@ -102,7 +110,8 @@ class RawSide(SideCoder):
 class QuantSide(RawSide):
     mode = "quant"
 
-    def encode(self, lc, side, X, positions):
+    def encode(self, lc, side, X, positions, widths=None):
+        _no_widths(self.mode, widths)
         s = lc.settings
         bits = int(round(s.k_bits if side == "k" else s.v_bits))
         if side == "k":  # KIVI: keys per channel (groups along tokens)
@@ -174,25 +183,52 @@ class PcaSide(SideCoder):
             lc.decoded[key] = dequantize(get_qtensor(lc.tensors, key, lc.meta, key), torch.float32)
         return lc.decoded[key]
 
-    def encode(self, lc, side, X, positions):
+    def coefficients(self, lc: LayerCodec, side: str, X: torch.Tensor) -> torch.Tensor:
+        """Tokens X [H, T, d] on the layer's stored columns, block by block: [T, R] float32."""
+        Xb = blocks(X.float(), lc.settings.joint_heads)     # [B, T, D]
+        mean = lc.tensors[f"{side}.mean"].float()           # [B, D]
+        basis = self.basis(lc, side)                        # [D, sum r_b]
+        bits = lc.tensors[f"{side}.bits"].long()            # [B, D]
+        Xc = Xb - mean[:, None, :]
+        coefs = []
+        off = 0
+        for b in range(Xb.shape[0]):
+            r = int((bits[b] > 0).sum())
+            coefs.append(Xc[b] @ basis[:, off:off + r])      # [T, r]
+            off += r
+        return torch.cat(coefs, dim=1) if coefs else Xc.new_zeros(X.shape[1], 0)
+
+    @staticmethod
+    def layer_widths(lc: LayerCodec, side: str) -> torch.Tensor:
+        """The bit width of each stored column [R] as the layer codec allocated them."""
+        bits = lc.tensors[f"{side}.bits"].long()
+        return bits[bits > 0]
+
+    @classmethod
+    def part_widths(cls, lc: LayerCodec, side: str, blob: Blob) -> torch.Tensor:
+        """The widths a part was coded at [R]: its own (``meta["bits"]``) or its layer's."""
+        own = blob.meta.get("bits")
+        if own is None:
+            return cls.layer_widths(lc, side)
+        return torch.tensor(own, dtype=torch.long, device=lc.tensors[f"{side}.bits"].device)
+
+    def encode(self, lc, side, X, positions, widths=None):
+        """``widths`` [R] (0..max_bits per stored column, 0 = the column is not coded in this part):
+        the part's own allocation (a per-label ratio), recorded in its meta as ``bits``; None codes
+        it at its layer's widths."""
         s = lc.settings
         H, T, d = X.shape
         tensors: dict[str, torch.Tensor] = {}
         meta: dict = {"T": T}
-        Xb = blocks(X.float(), s.joint_heads)               # [B, T, D]
-        mean = lc.tensors[f"{side}.mean"].float()           # [B, D]
-        basis = self.basis(lc, side)                        # [D, sum r_b]
-        bits = lc.tensors[f"{side}.bits"].long()            # [B, D]
-        B = Xb.shape[0]
-        Xc = Xb - mean[:, None, :]
-        coefs = []
-        off = 0
-        for b in range(B):
-            r = int((bits[b] > 0).sum())
-            coefs.append(Xc[b] @ basis[:, off:off + r])      # [T, r]
-            off += r
-        C = torch.cat(coefs, dim=1) if coefs else Xc.new_zeros(T, 0)   # [T, R]
-        colbits = torch.cat([bits[b][bits[b] > 0] for b in range(B)]) if B else bits.new_zeros(0)
+        C = self.coefficients(lc, side, X)                  # [T, R]
+        colbits = self.layer_widths(lc, side)
+        if widths is not None:
+            widths = torch.as_tensor(widths, dtype=torch.long).reshape(-1)
+            if widths.numel() != colbits.numel() or bool(((widths < 0) | (widths > s.max_bits)).any()):
+                raise ValueError(f"part widths: {colbits.numel()} values in 0..{s.max_bits} expected, got "
+                                 f"{widths.tolist()}")
+            meta["bits"] = widths.tolist()
+            colbits = widths.to(colbits.device)
         forced = (torch.nonzero(positions < s.sink_tokens).flatten() if positions is not None and s.sink_tokens > 0
                   else torch.zeros(0, dtype=torch.long))
         if (s.outliers > 0 or forced.numel()) and T > 0 and C.shape[1] > 0:
@@ -211,7 +247,7 @@ class PcaSide(SideCoder):
                 C[idx] = C[keep].mean(dim=0)  # neutral value: does not widen any group's range
         # one codes / scale / min tensor for all bit classes (the layout: format.bitlayout)
         codes, scales, mins = [], [], []
-        for bw in sorted(set(colbits.tolist())):
+        for bw in sorted(set(colbits.tolist()) - {0}):
             sel = torch.nonzero(colbits == bw).flatten()
             q = quantize(C[:, sel], f"int{bw}", group_size=s.group_size, axis=-2, range_mode=s.range_mode)
             codes.append(q.tensors["codes"])
@@ -231,10 +267,10 @@ class PcaSide(SideCoder):
         basis = self.basis(lc, side)
         bits = lc.tensors[f"{side}.bits"].long()
         B, D = bits.shape
-        colbits = torch.cat([bits[b][bits[b] > 0] for b in range(B)])
-        C = torch.zeros(T, colbits.numel())
+        colbits = self.part_widths(lc, side, blob)
+        C = torch.zeros(T, colbits.numel())   # a column the part does not code stays 0: the mean
         co = go = 0
-        for bw in sorted(set(colbits.tolist())):
+        for bw in sorted(set(colbits.tolist()) - {0}):
             sel = torch.nonzero(colbits == bw).flatten()
             qmeta, nb, ng = class_layout(T, sel.numel(), bw, s.group_size)
             q = QTensor({"codes": blob.tensors["codes"][co:co + nb], "scale": blob.tensors["scale"][go:go + ng],

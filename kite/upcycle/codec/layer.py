@@ -80,11 +80,13 @@ def fit_layers(KV: list[tuple[torch.Tensor, torch.Tensor]], settings=None) -> li
 
 
 def encode(layer_codec: LayerCodec, K_pre_sub: torch.Tensor, V_sub: torch.Tensor,
-           positions=None) -> EncodedPart:
+           positions=None, widths: dict | None = None) -> EncodedPart:
     """Encode one part (a cluster's tokens of one layer): pre-RoPE keys and values [H, T_sub, d].
 
     ``positions`` (1-D, the tokens' positions in the document) lets the codec keep the attention
     sinks (positions < ``sink_tokens``) in fp16; without it no token is treated as a sink.
+    ``widths``: ``{"k": [R_k], "v": [R_v]}``, the part's own bit width per stored column of a PCA
+    side (:mod:`.part_widths` computes them for a per-label ratio); a side not named uses its layer's.
     """
     if positions is not None:
         positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
@@ -95,8 +97,9 @@ def encode(layer_codec: LayerCodec, K_pre_sub: torch.Tensor, V_sub: torch.Tensor
         if X.dim() != 3 or X.shape[0] != H or X.shape[2] != d:
             raise ValueError(f"{name} must be [{H}, T, {d}], got {tuple(X.shape)}")
     meta = layer_codec.meta
-    return EncodedPart(k=coder(meta["k"]["mode"]).encode(layer_codec, "k", K_pre_sub, positions),
-                       v=coder(meta["v"]["mode"]).encode(layer_codec, "v", V_sub, positions))
+    widths = widths or {}
+    return EncodedPart(k=coder(meta["k"]["mode"]).encode(layer_codec, "k", K_pre_sub, positions, widths.get("k")),
+                       v=coder(meta["v"]["mode"]).encode(layer_codec, "v", V_sub, positions, widths.get("v")))
 
 
 def decode(layer_codec: LayerCodec, part: EncodedPart) -> tuple[torch.Tensor, torch.Tensor]:

@@ -82,6 +82,23 @@ def _ratio_bits(ratio: float) -> tuple[float, float]:
     return total * share, total * (1 - share)
 
 
+def at_ratio(s: CodecSettings, ratio: float) -> CodecSettings:
+    """``s`` with the bit budgets (and basis format) of PCA ratio ``ratio`` > 1, its other fields kept."""
+    kb, vb = _ratio_bits(ratio)
+    # a finer basis pays at low ratios, where the coefficients are precise (measured)
+    basis = "fp16" if ratio <= 2.5 else ("int8" if ratio <= 5 else "int6")
+    return replace(s, name=f"ratio={ratio:g}", k_bits=kb, v_bits=vb, basis_fmt=basis)
+
+
+def ratio_of(s: CodecSettings | dict) -> float | None:
+    """The PCA ratio R settings were made for (``ratio=R``), None for a preset or custom settings."""
+    name = s.get("name", "") if isinstance(s, dict) else s.name
+    try:
+        return float(name[6:]) if name.startswith("ratio=") else None
+    except ValueError:
+        return None
+
+
 def settings_for(spec: str | float | int | CodecSettings | None = None, **overrides) -> CodecSettings:
     """Settings from a name: a preset (``exact``, ``fp16``, ``int4`` ...), ``ratio=R`` or a number R.
 
@@ -98,10 +115,7 @@ def settings_for(spec: str | float | int | CodecSettings | None = None, **overri
         if ratio <= 1.0:
             s = PRESETS["fp16"]
         else:
-            kb, vb = _ratio_bits(ratio)
-            # a finer basis pays at low ratios, where the coefficients are precise (measured)
-            basis = "fp16" if ratio <= 2.5 else ("int8" if ratio <= 5 else "int6")
-            s = _pca(kb, vb, name=f"ratio={ratio:g}", **{**RATIO_DEFAULTS, "basis_fmt": basis})
+            s = at_ratio(_pca(4.0, 4.0, name="", **RATIO_DEFAULTS), ratio)
     else:
         text = str(spec).strip().lower()
         if text in PRESETS:

@@ -5,7 +5,7 @@ from the file (``preadv`` straight into the buffer, in a thread pool, checksums 
 followed by the small aligned tables the rebuild reads (:mod:`.tables`). Checksums are verified once
 per file version and remembered (:mod:`.caches`, and across processes through
 :mod:`kite.upcycle.format.versions`); the tables are reused the same way. ``verify=False`` records
-nothing. Supported: states whose keys and values are PCA-coded (:func:`supports_state`).
+nothing. Supported: states whose keys and values are PCA-coded, at their layers' widths (:func:`supports_state`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from kite.upcycle.load.tables import (ALIGN, LayerPlan, SidePlan, load_tables, r
 
 
 def supports_state(state: StateFile) -> bool:
-    """Whether the GPU path decodes this state (PCA keys and values)."""
+    """Whether the GPU path decodes this state: PCA keys and values, every part at its layer's widths
+    (a state with per-label ratios decodes on the host; its parts have widths of their own)."""
     c = state.meta.get("codec") or {}
-    return c.get("k_mode") == "pca" and c.get("v_mode") == "pca"
+    return c.get("k_mode") == "pca" and c.get("v_mode") == "pca" and "label_ratios" not in state.meta
 
 
 def _preadv_all(fd: int, bufs: list[tuple[str, memoryview]], pos: int, path) -> None:
