@@ -33,7 +33,7 @@ from kite.atomic import write_text
 from kite.errors import BadInput
 from kite.upcycle import LABEL_RATIOS_FILE, StateFile, cluster_ratios, read_label_ratios, recode_clusters, state_ratio
 from kite.yoco.fused import state_id_of
-from kite.yoco.health import health_from_gain
+from kite.yoco.health import DEFAULT_GAIN_SCALE, health_from_gain
 
 
 @dataclass(frozen=True)
@@ -97,11 +97,13 @@ class RetuneReport:
 
 
 def decide(records_by_state: dict[str, list], current: dict[str, float], default_ratio: float,
-           policy: RetunePolicy, seen: dict[str, int] | None = None) -> list[LabelDecision]:
+           policy: RetunePolicy, seen: dict[str, int] | None = None,
+           gain_scale: float = DEFAULT_GAIN_SCALE) -> list[LabelDecision]:
     """Each label's new ratio from its health records (``records_by_state``: state id → its
     :class:`kite.yoco.health.HealthRecord` list). ``current``: the labels' ratios now (a label not
     in it stands at ``default_ratio``). ``seen``: each label's loads when its ratio last moved; a
-    ratio moves again only on ``min_loads`` loads since (the same evidence never moves it twice)."""
+    ratio moves again only on ``min_loads`` loads since (the same evidence never moves it twice).
+    ``gain_scale``: the health store's (gain → health)."""
     sums: dict[str, list] = {}   # label -> [states, loads, gain x loads]
     for recs in records_by_state.values():
         for r in recs:
@@ -113,7 +115,7 @@ def decide(records_by_state: dict[str, list], current: dict[str, float], default
     for label in sorted(set(sums) | set(current)):
         n_states, loads, gsum = sums.get(label, [0, 0, 0.0])
         gain = gsum / loads if loads else 0.0
-        health = health_from_gain(gain) if loads else float("nan")
+        health = health_from_gain(gain, gain_scale) if loads else float("nan")
         before = current.get(label, default_ratio)
         fresh = loads - (seen or {}).get(label, 0)
         fresh = loads if fresh < 0 else fresh   # the store was reset since: all its loads are new
@@ -180,7 +182,7 @@ def retune(upcycle_dir: str | Path, health, *, policy: RetunePolicy | None = Non
     current = read_label_ratios(ratios_file) if ratios_file.exists() else {}
     seen = _read_seen(ratios_file)
     decisions = decide({state_id_of(p): health.records(state_id_of(p)) for p in paths}, current, default_ratio,
-                       policy, seen)
+                       policy, seen, getattr(health, "gain_scale", DEFAULT_GAIN_SCALE))
     new = {d.label: d.ratio_after for d in decisions if d.ratio_after != d.ratio_before or d.label in current}
     seen.update({d.label: d.loads for d in decisions if d.ratio_after != d.ratio_before})
     if not dry_run:
