@@ -5,6 +5,11 @@ the same number of past tokens. A loaded state can give each layer a different p
 or layers left out), so this function makes its own mask when the one it is handed does not fit:
 every cached token precedes the new ones (positions are kept), so the right mask is causal
 aligned to the bottom-right corner.
+
+Batched decoding (kite.runtime.batch_decode) goes further: every row of the batch holds its own
+state, so the visible slots differ per row and per layer. Its forward passes a
+`kite.runtime.batch_cache.BatchStep` under the keyword BATCH_KWARG, which transformers hands on to
+this function untouched; the step's per-(row, layer) mask replaces whatever mask came with the call.
 """
 
 from __future__ import annotations
@@ -13,11 +18,15 @@ import torch
 import torch.nn.functional as F
 
 NAME = "kite"
+BATCH_KWARG = "kite_batch"   # the model forward's keyword for a BatchStep
 _registered = False
 
 
 def kite_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query [B, Hq, q, d], key/value [B, Hkv, k, d] → ([B, q, Hq, d], None)."""
+    batch = kwargs.get(BATCH_KWARG)
+    if batch is not None:
+        return batch_attention(query, key, value, batch.mask(module.layer_idx, key.shape[-2]), scaling)
     q_len, k_len = query.shape[-2], key.shape[-2]
     mask = attention_mask
     if mask is not None:
@@ -44,6 +53,23 @@ def kite_attention(module, query, key, value, attention_mask, scaling=None, drop
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal,
                                          dropout_p=dropout, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def batch_attention(query, key, value, mask, scaling=None):
+    """Attention of a batch step: query [B, Hq, q, d], key/value [B, Hkv, k, d] (views of the batch
+    cache), mask [B, 1, q, k] bool → ([B, q, Hq, d], None).
+
+    The query heads that share a KV head are folded into the query length ([B, Hkv, rep·q, d]), so
+    the keys and values are read where they lie instead of being copied once per query head.
+    """
+    b, hq, q, d = query.shape
+    hkv = key.shape[1]
+    rep = hq // hkv
+    if rep > 1:
+        query = query.reshape(b, hkv, rep * q, d)   # head h = g·rep + r → group g, row r·q + j
+        mask = mask.repeat(1, 1, rep, 1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, hq, q, d).transpose(1, 2).contiguous(), None
 
 
 def register() -> str:

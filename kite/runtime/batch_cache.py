@@ -1,0 +1,283 @@
+"""The KV cache of a batch of sequences that each carry their own loaded state.
+
+One preallocated buffer per layer, [rows, H_kv, capacity, d], on the model's device and dtype.
+A row belongs to one sequence: in each layer it holds that sequence's prefix for the layer
+(a `KVPrefix` may give every layer a different number of tokens, even none) followed by its live
+tokens, contiguous from slot 0; `lengths[layer, row]` says how many slots are filled. Rows and
+capacity grow on demand up to `max_rows` and a KV byte budget, which a scheduler reads
+(`bytes_in_use`, `bytes_reserved`, `bytes_for`) to decide what to admit.
+
+The HF model takes this object as its cache: inside a forward opened with `open_step`, each
+attention layer calls `update(k, v, layer_idx)`, which writes each row's new keys and values into
+that row's own next slots of the layer and hands back the rows' buffers. Which slot each new token
+may see differs per row and per layer; the `BatchStep` that `open_step` returns holds those masks,
+and the forward passes it to KITE's attention (kite.runtime.attention.BATCH_KWARG).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kite.errors import KiteError
+from kite.runtime.cache import KVPrefix
+
+_ALIGN = 64   # capacity grows in whole blocks of slots (fewer regrowths, steadier shapes)
+
+
+def round_capacity(slots: int) -> int:
+    """`slots` rounded up to whole blocks of capacity."""
+    return -(-slots // _ALIGN) * _ALIGN
+
+
+class BatchFull(KiteError):
+    """No room for another sequence now: every row is taken, or its KV would pass the byte budget.
+    A scheduler keeps the request waiting and tries again after a sequence leaves."""
+
+
+@dataclass
+class BatchStep:
+    """One forward over some rows of a `BatchKVCache`: where each row's new tokens go and what
+    each of them may see.
+
+    rows: the cache rows, in batch order. new_tokens[b]: how many real tokens row b feeds (the
+    batch is right-padded to the longest; padded positions are neither written nor seen).
+    """
+
+    rows: list[int]
+    new_tokens: list[int]
+    lengths: torch.Tensor        # [layers, B] filled slots before the step (CPU, int64)
+    kv_lengths: list[int]        # per layer: the slots the attention reads (longest row after the step)
+    masks: torch.Tensor          # [layers, B, 1, q, max kv_length] bool, True = visible
+    row_index: torch.Tensor      # [B] `rows` on the device
+    write_rows: torch.Tensor     # [N] cache row of each real new token (N = sum(new_tokens))
+    write_slots: torch.Tensor    # [layers, N] its slot in each layer
+    real: torch.Tensor | None    # [B, q] bool: which (row, j) are real tokens; None when all are
+    row_range: tuple[int, int] | None   # (first, end) when `rows` is a consecutive run: views, no copies
+
+    @property
+    def query_length(self) -> int:
+        return int(self.masks.shape[-2])
+
+    def mask(self, layer: int, kv_length: int) -> torch.Tensor:
+        """[B, 1, q, kv_length] bool: slot k of row b is visible to its new token j iff
+        k < lengths[layer, b] + j + 1 (a padded j sees what the row's last real token sees)."""
+        return self.masks[layer, ..., :kv_length]
+
+    def placeholder_mask(self) -> torch.Tensor:
+        """A 4-D attention_mask for the model's forward: transformers hands a 4-D mask on as it is
+        instead of building its own causal one (which assumes every row and layer has the same
+        length); KITE's attention ignores it and takes `mask(layer)` instead."""
+        return torch.zeros((len(self.rows), 1, self.query_length, 0), dtype=torch.bool,
+                           device=self.masks.device)
+
+
+class BatchKVCache:
+    """Per-layer KV buffers for up to `max_rows` sequences (see the module docstring).
+
+    max_bytes: budget for the buffers (K and V of every layer); growth past it raises BatchFull.
+    Not thread-safe: one scheduler thread takes rows, frees them and runs the steps. Whatever
+    changes the buffers or lengths runs in inference mode: the forwards do, and a tensor made
+    there may only be changed there.
+    """
+
+    is_compileable = False   # transformers asks: per-row lengths change shapes every step
+
+    def __init__(self, model, max_rows: int, *, max_bytes: int | None = None, capacity: int = _ALIGN):
+        if max_rows < 1:
+            raise ValueError("max_rows must be at least 1")
+        config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+        param = next(model.parameters())
+        self.n_layers = config.num_hidden_layers
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.device, self.dtype = param.device, param.dtype
+        self.max_rows, self.max_bytes = max_rows, max_bytes
+        self.slot_bytes = 2 * self.n_layers * self.kv_heads * self.head_dim * param.element_size()
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lengths = torch.zeros((self.n_layers, 0), dtype=torch.long)
+        self.taken: list[bool] = []
+        self._step: BatchStep | None = None
+        self._reserve(1, capacity)
+
+    # -- sizes ---------------------------------------------------------------------------------
+    @property
+    def rows_allocated(self) -> int:
+        return len(self.taken)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys[0].shape[2])
+
+    def bytes_reserved(self) -> int:
+        """Bytes the buffers occupy now (K and V, every layer)."""
+        return self.bytes_for(self.rows_allocated, self.capacity)
+
+    def bytes_in_use(self) -> int:
+        """Bytes of the filled slots (prefixes and live tokens of every taken row)."""
+        return int(self.lengths.sum()) * self.slot_bytes // self.n_layers
+
+    def bytes_for(self, rows: int, capacity: int) -> int:
+        """Bytes buffers of `rows` × `capacity` slots would occupy."""
+        return rows * capacity * self.slot_bytes
+
+    def free_rows(self) -> int:
+        return self.max_rows - sum(self.taken)
+
+    def next_row(self) -> int | None:
+        """The row `take` would give now (the lowest free one), or None when all are taken."""
+        for row, taken in enumerate(self.taken):
+            if not taken:
+                return row
+        return self.rows_allocated if self.rows_allocated < self.max_rows else None
+
+    def row_lengths(self, row: int) -> list[int]:
+        return self.lengths[:, row].tolist()
+
+    # -- rows ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def take(self, prefix: KVPrefix | None = None) -> int:
+        """A free row for a new sequence, seeded with `prefix` (layer l holds its P_l tokens in
+        slots 0…P_l-1); raises BatchFull when there is none or its prefix passes the budget."""
+        if self._step is not None:
+            raise RuntimeError("rows change between steps, not during one")
+        row = self.next_row()
+        if row is None:
+            raise BatchFull(f"all {self.max_rows} rows of the batch are taken")
+        counts = [0] * self.n_layers
+        if prefix is not None:
+            if prefix.n_layers != self.n_layers:
+                raise ValueError(f"prefix has {prefix.n_layers} layers, the model {self.n_layers}")
+            counts = prefix.tokens_per_layer()
+        self._reserve(row + 1, max(counts))
+        if prefix is not None:
+            for layer, (k, v) in enumerate(zip(prefix.keys, prefix.values)):
+                n = counts[layer]
+                if n:
+                    self.keys[layer][row, :, :n] = k.to(self.device, self.dtype)
+                    self.values[layer][row, :, :n] = v.to(self.device, self.dtype)
+        self.lengths[:, row] = torch.tensor(counts, dtype=torch.long)
+        self.taken[row] = True
+        return row
+
+    @torch.inference_mode()
+    def free(self, row: int) -> None:
+        """The sequence in `row` left: the row is free for the next one (its slots are not cleared:
+        lengths say what is filled, and a new sequence overwrites them)."""
+        if self._step is not None:
+            raise RuntimeError("rows change between steps, not during one")
+        if not self.taken[row]:
+            raise ValueError(f"row {row} is not taken")
+        self.taken[row] = False
+        self.lengths[:, row] = 0
+
+    @torch.inference_mode()
+    def _reserve(self, rows: int, capacity: int) -> None:
+        """Make the buffers at least `rows` × `capacity` (growing by doubling, within the budget)."""
+        have_rows = self.rows_allocated
+        have_cap = self.capacity if self.keys else 0
+        if rows <= have_rows and capacity <= have_cap:
+            return
+        need_rows, need_cap = max(rows, have_rows), max(have_cap, round_capacity(capacity))
+        new_rows = need_rows if rows <= have_rows else min(self.max_rows, max(rows, 2 * have_rows))
+        new_cap = need_cap if capacity <= have_cap else round_capacity(max(capacity, 2 * have_cap))
+        if self.max_bytes is not None and self.bytes_for(new_rows, new_cap) > self.max_bytes:
+            # give up the doubling before refusing: grow to what is needed, or as far as the budget allows
+            if self.bytes_for(need_rows, need_cap) > self.max_bytes:
+                raise BatchFull(f"KV for {need_rows} rows × {need_cap} tokens "
+                                f"({self.bytes_for(need_rows, need_cap) / 2**20:.1f} MiB) passes the budget of "
+                                f"{self.max_bytes / 2**20:.1f} MiB")
+            fit_cap = self.max_bytes // (need_rows * self.slot_bytes) // _ALIGN * _ALIGN
+            new_rows, new_cap = need_rows, max(need_cap, min(new_cap, fit_cap))
+        shape = (new_rows, self.kv_heads, new_cap, self.head_dim)
+        for store in (self.keys, self.values):
+            for layer in range(self.n_layers):
+                # zeros, not empty: a masked slot still enters q·k, and garbage NaN would leak through
+                grown = torch.zeros(shape, device=self.device, dtype=self.dtype)
+                if store and len(store) > layer:
+                    grown[:have_rows, :, :have_cap] = store[layer]
+                    store[layer] = grown
+                else:
+                    store.append(grown)
+        self.lengths = torch.cat([self.lengths, torch.zeros((self.n_layers, new_rows - have_rows),
+                                                            dtype=torch.long)], dim=1)
+        self.taken += [False] * (new_rows - have_rows)
+
+    # -- one forward ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def open_step(self, rows: list[int], new_tokens: list[int]) -> BatchStep:
+        """Prepare a forward in which row rows[b] feeds new_tokens[b] ≥ 1 tokens; grows the
+        capacity first when a row would overflow. Close it with `close_step` after the forward."""
+        if self._step is not None:
+            raise RuntimeError("a step is already open")
+        if not rows or len(rows) != len(new_tokens) or min(new_tokens) < 1:
+            raise ValueError("every row of a step feeds at least one token")
+        if not all(self.taken[r] for r in rows):
+            raise ValueError("a step may only feed taken rows")
+        idx = torch.tensor(rows, dtype=torch.long)
+        n = torch.tensor(new_tokens, dtype=torch.long)
+        before = self.lengths[:, idx]                                   # [L, B]
+        after = before + n
+        self._reserve(self.rows_allocated, int(after.max()))
+        q = int(n.max())
+        j = torch.arange(q)
+        # a padded position j ≥ n_b sees what the row's last real token sees: no empty softmax row
+        seen = torch.minimum(j[None, :], n[:, None] - 1)                 # [B, q]
+        limit = before[:, :, None] + seen[None] + 1                      # [L, B, q]
+        width = int(after.max())
+        masks = torch.arange(width)[None, None, None, :] < limit[..., None]
+        real = j[None, :] < n[:, None]                                   # [B, q]
+        slots = (before[:, :, None] + j[None, None, :])[:, real]         # [L, N]
+        first, end = rows[0], rows[-1] + 1
+        step = BatchStep(
+            rows=list(rows), new_tokens=list(new_tokens), lengths=before,
+            kv_lengths=after.max(dim=1).values.tolist(),
+            masks=masks.unsqueeze(2).to(self.device),
+            row_index=idx.to(self.device),
+            write_rows=idx[:, None].expand(-1, q)[real].to(self.device),
+            write_slots=slots.to(self.device),
+            real=None if bool(real.all()) else real.to(self.device),
+            row_range=(first, end) if rows == list(range(first, end)) else None)
+        self._step = step
+        return step
+
+    @torch.inference_mode()
+    def close_step(self, commit: bool = True) -> None:
+        """End the open step; `commit` (after a forward that ran) counts its tokens as filled."""
+        step, self._step = self._step, None
+        if step is not None and commit:
+            idx = torch.tensor(step.rows, dtype=torch.long)
+            self.lengths[:, idx] += torch.tensor(step.new_tokens, dtype=torch.long)
+
+    # -- what transformers calls ---------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write the step's new keys/values [B, H_kv, q, d] into each row's next slots of layer
+        `layer_idx`; returns the rows' keys and values [B, H_kv, kv_length, d] for the attention."""
+        step = self._step
+        if step is None:
+            raise RuntimeError("BatchKVCache is fed through kite.runtime.batch_decode.forward_rows")
+        kv = step.kv_lengths[layer_idx]
+        out = []
+        for buffer, new in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
+            new = new.transpose(1, 2)                                    # [B, q, H, d]
+            new = new.reshape(-1, *new.shape[2:]) if step.real is None else new[step.real]
+            buffer.transpose(1, 2)[step.write_rows, step.write_slots[layer_idx]] = new.to(buffer.dtype)
+            if step.row_range is not None:
+                out.append(buffer[step.row_range[0]:step.row_range[1], :, :kv])
+            else:
+                out.append(buffer[step.row_index, :, :kv])
+        return out[0], out[1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The longest filled length of layer `layer_idx` among the taken rows."""
+        return int(self.lengths[layer_idx].max()) if self.rows_allocated else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        step = self._step
+        kv = step.kv_lengths[layer_idx] if step is not None else self.get_seq_length(layer_idx) + query_length
+        return kv, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length(layer_idx)

@@ -1,0 +1,249 @@
+"""Batched decoding: many sequences, each after its own loaded state, advanced one token per step.
+
+`BatchDecoder` is the engine a server's scheduler drives at step boundaries: `add` a request
+(it takes a row of the `BatchKVCache`, seeded with the request's `KVPrefix`), `step` to advance
+every active sequence by one token, `cancel` to drop one. A finished or cancelled sequence leaves
+at once and frees its row for the next request; `step` returns its `GenerationResult`, with the same
+fields, text and tokens as `generate()` gives for the same request alone (greedy, or sampled with
+the same seed: each sequence samples through its own `SequenceDecode`).
+
+A step runs up to four forwards: the prompts of the requests added since the last step, together,
+right-padded to the longest (their prefill gives each its first token), then one token for every
+sequence that was already decoding. Prefill and decode are kept apart because a decode row padded
+to a prompt's length would cost as much as a prefill. Each of the two runs once with the model's
+reader adapter off and once with it on, for the sequences whose state was made for it (the adapter
+is a switch on the whole model, so one forward cannot mix them); a group with no sequence is
+skipped.
+
+Time to first token and total time count from `add`: the wait for the next step is part of what
+a client sees.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from kite.runtime.attention import BATCH_KWARG
+from kite.runtime.batch import right_padded
+from kite.runtime.batch_cache import BatchFull, BatchKVCache, round_capacity
+from kite.runtime.cache import KVPrefix
+from kite.runtime.decoding import (GenerationResult, SequenceDecode, check_request, nll_bits,
+                                   prompt_nll_nats)
+from kite.runtime.generate import cache_kwarg
+
+__all__ = ["BatchDecoder", "BatchFull", "BatchKVCache", "forward_rows"]
+
+
+@torch.inference_mode()
+def forward_rows(model, cache: BatchKVCache, rows: list[int], tokens: list[list[int]],
+                 positions: list[int]) -> list[torch.Tensor]:
+    """One forward over `rows` of `cache`: row rows[b] feeds tokens[b] (≥ 1) at positions
+    positions[b]…; returns each row's logits [len(tokens[b]), vocab] (fp32).
+
+    The rows' new tokens are right-padded to the longest; padded positions are not written to
+    the cache and their logits are dropped. Each new token sees its own row's filled slots of each
+    layer and the row's new tokens up to itself, nothing else.
+    """
+    device = next(model.parameters()).device
+    counts = [len(t) for t in tokens]
+    ids, _ = right_padded(tokens, pad=0)
+    pos = torch.as_tensor(positions, dtype=torch.long)[:, None] + torch.arange(ids.shape[1])[None, :]
+    step = cache.open_step(rows, counts)
+    try:
+        out = model(input_ids=ids.to(device), position_ids=pos.to(device),
+                    attention_mask=step.placeholder_mask(), use_cache=True,
+                    **{cache_kwarg(model): cache, BATCH_KWARG: step})
+    except BaseException:
+        cache.close_step(commit=False)
+        raise
+    cache.close_step()
+    logits = out.logits
+    return [logits[b, :n].float() for b, n in enumerate(counts)]
+
+
+@dataclass
+class _Sequence:
+    """One request in the batch: where it sits and how far it has come."""
+
+    handle: int
+    prompt_ids: list[int]
+    prefix: KVPrefix | None
+    decode: SequenceDecode
+    row: int
+    position: int                # where the next token fed goes
+    reader: bool                 # its state was made for the reader adapter
+    next_token: int | None = None   # sampled, not yet fed
+    prompt_nll_bits: float | None = None
+    reader_on: bool = False
+    prefilled: bool = False
+    worst_length: int = 0        # slots its row may need by its last token
+
+
+class BatchDecoder:
+    """Decode up to `max_rows` sequences together on `lm` (a kite.model.LoadedModel).
+
+    max_kv_bytes: budget for the batch's KV buffers; `add` refuses (BatchFull) a request whose
+    worst case (prefix + prompt + max_new_tokens in its longest layer) would not fit beside the
+    others'. Not thread-safe: call add, cancel and step from one thread.
+    """
+
+    def __init__(self, lm, max_rows: int = 8, *, max_kv_bytes: int | None = None):
+        self.lm = lm
+        self.cache = BatchKVCache(lm.model, max_rows, max_bytes=max_kv_bytes)
+        self._window = _sliding_window(lm.model)
+        self._active: dict[int, _Sequence] = {}
+        self._done: dict[int, GenerationResult] = {}
+        self._next_handle = 0
+
+    # -- admission -----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._active)
+
+    @property
+    def max_rows(self) -> int:
+        return self.cache.max_rows
+
+    def fits(self, prompt_tokens: int, prefix: KVPrefix | None = None, max_new_tokens: int = 128) -> bool:
+        """Whether `add` would take such a request now (a free row, and the KV budget)."""
+        row = self.cache.next_row()
+        if row is None:
+            return False
+        if self.cache.max_bytes is None:
+            return True
+        # the buffers never shrink: the rows already allocated stay, and every active sequence
+        # may still grow to its own worst case
+        worst = max([_worst_length(prompt_tokens, prefix, max_new_tokens)]
+                    + [s.worst_length for s in self._active.values()])
+        rows = max(row + 1, self.cache.rows_allocated)
+        capacity = max(self.cache.capacity, round_capacity(worst))
+        return self.cache.bytes_for(rows, capacity) <= self.cache.max_bytes
+
+    def add(self, prompt_ids: list[int], *, prefix: KVPrefix | None = None, max_new_tokens: int = 128,
+            temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+            stop_ids: set[int] | None = None, on_text: Callable[[str], None] | None = None) -> int:
+        """Admit a request (the same arguments as generate()); returns its handle. Its prompt is
+        prefilled by the next `step`. Raises BadInput for a bad request, BatchFull when there is no
+        room now (see `fits`)."""
+        t0 = time.perf_counter()
+        start = prefix.next_position if prefix is not None else 0
+        check_request(self.lm, prompt_ids, start, max_new_tokens)
+        if self._window is not None and start + len(prompt_ids) + max_new_tokens > self._window:
+            from kite.errors import BadInput
+
+            raise BadInput(f"batched decoding does not apply the model's sliding window of {self._window} "
+                           f"tokens: keep state + prompt + --max-new-tokens within it")
+        if not self.fits(len(prompt_ids), prefix, max_new_tokens):
+            raise BatchFull(f"no room in the batch for {len(prompt_ids)} prompt tokens + {max_new_tokens} new "
+                            f"({len(self._active)} of {self.max_rows} rows active)")
+        row = self.cache.take(prefix)
+        handle, self._next_handle = self._next_handle, self._next_handle + 1
+        decode = SequenceDecode(self.lm.tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_p=top_p, seed=seed,
+                                stop_ids=stop_ids if stop_ids is not None else self.lm.eos_ids(),
+                                on_text=on_text, t0=t0)
+        self._active[handle] = _Sequence(
+            handle=handle, prompt_ids=list(prompt_ids), prefix=prefix, decode=decode, row=row, position=start,
+            reader=bool(prefix is not None and prefix.reader),
+            worst_length=_worst_length(len(prompt_ids), prefix, max_new_tokens))
+        return handle
+
+    def cancel(self, handle: int) -> bool:
+        """Drop an active sequence now (its row is freed); the next `step` reports it with
+        stop_reason "cancelled" and the text it had. False when `handle` is not active."""
+        seq = self._active.get(handle)
+        if seq is None:
+            return False
+        seq.decode.cancel()
+        self._finish(seq)
+        return True
+
+    # -- steps ---------------------------------------------------------------------------------
+    def step(self) -> dict[int, GenerationResult]:
+        """Advance every active sequence by one token (prefilling those added since the last step);
+        returns the sequences that ended since the last step (finished or cancelled), by handle."""
+        waiting = [s for s in self._active.values() if not s.prefilled]
+        running = [s for s in self._active.values() if s.prefilled]
+        for group in _by_reader(waiting):
+            self._prefill(group)
+        for group in _by_reader(running):
+            self._decode(group)
+        done, self._done = self._done, {}
+        return done
+
+    def drain(self) -> dict[int, GenerationResult]:
+        """Step until no sequence is active; every result, by handle."""
+        results = self.step()
+        while self._active:
+            results.update(self.step())
+        return results
+
+    def _prefill(self, group: list[_Sequence]) -> None:
+        with self._reading(group[0].reader) as on:
+            logits = forward_rows(self.lm.model, self.cache, [s.row for s in group],
+                                  [s.prompt_ids for s in group], [s.position for s in group])
+        for seq, rows in zip(group, logits):
+            ids = seq.prompt_ids
+            seq.prompt_nll_bits = nll_bits(prompt_nll_nats(rows, ids[1:]), len(ids))
+            seq.reader_on, seq.prefilled = bool(on), True
+            seq.position += len(ids)
+        self._advance(group, logits)
+
+    def _decode(self, group: list[_Sequence]) -> None:
+        with self._reading(group[0].reader):
+            logits = forward_rows(self.lm.model, self.cache, [s.row for s in group],
+                                  [[s.next_token] for s in group], [s.position for s in group])
+        for seq in group:
+            seq.position += 1
+        self._advance(group, logits)
+
+    def _advance(self, group: list[_Sequence], logits: list[torch.Tensor]) -> None:
+        """Sample each sequence's next token from its last logits; the ended ones leave."""
+        last = torch.stack([rows[-1] for rows in logits]).cpu()   # one copy to the host, not one per row
+        for seq, row_logits in zip(group, last):
+            if seq.handle not in self._active:   # cancelled meanwhile (from an on_text callback)
+                continue
+            seq.next_token = seq.decode.take(row_logits)
+            if seq.next_token is None:
+                self._finish(seq)
+
+    def _finish(self, seq: _Sequence) -> None:
+        del self._active[seq.handle]
+        self.cache.free(seq.row)
+        self._done[seq.handle] = seq.decode.result(prompt_tokens=len(seq.prompt_ids), prefix=seq.prefix,
+                                                   prompt_nll_bits=seq.prompt_nll_bits,
+                                                   reader_adapter=seq.reader_on)
+
+    def _reading(self, on: bool):
+        return self.lm.reading(on) if hasattr(self.lm, "reading") else nullcontext(False)
+
+
+def _by_reader(seqs: list[_Sequence]) -> list[list[_Sequence]]:
+    """The sequences split by reader-adapter setting (one forward each), rows in order."""
+    groups = [sorted((s for s in seqs if s.reader == on), key=lambda s: s.row) for on in (False, True)]
+    return [g for g in groups if g]
+
+
+def _worst_length(prompt_tokens: int, prefix: KVPrefix | None, max_new_tokens: int) -> int:
+    """Slots a row may fill: its longest prefix layer, the prompt and every new token but the last
+    (which is sampled, never fed)."""
+    longest = max(prefix.tokens_per_layer(), default=0) if prefix is not None else 0
+    return longest + prompt_tokens + max(max_new_tokens - 1, 0)
+
+
+def _sliding_window(model) -> int | None:
+    """The model's attention window when some layer slides (batched attention does not apply it)."""
+    config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)

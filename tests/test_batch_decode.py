@@ -1,0 +1,257 @@
+"""Batched decoding: every sequence of a batch gets exactly what generate() gives it alone, whatever
+its state, whenever it joins or leaves, and whatever the others in the batch do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kite.errors import BadInput
+from kite.runtime.batch_decode import BatchDecoder, BatchFull, BatchKVCache, forward_rows
+from kite.runtime.cache import KVPrefix, cache_layers, new_cache
+from kite.runtime.decoding import SequenceDecode
+from kite.runtime.generate import forward_tokens, generate
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def lm(request, tiny_models):
+    from kite.model import load_model
+
+    return load_model(str(tiny_models[request.param]), device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def token_ids(monkeypatch):
+    """Every GenerationResult made during a test carries its new token ids as `.ids` (the result
+    itself has only the text)."""
+    result = SequenceDecode.result
+
+    def with_ids(self, **kwargs):
+        out = result(self, **kwargs)
+        out.ids = list(self.new)
+        return out
+
+    monkeypatch.setattr(SequenceDecode, "result", with_ids)
+
+
+def _ids(lm, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, lm.geometry.vocab_size, (n,), generator=g).tolist()
+
+
+def _document_prefix(lm, doc, keep_per_layer, gap=0, reader=False) -> KVPrefix:
+    """The KV of `doc` with layer l keeping the tokens keep_per_layer[l] (a slice); the live tokens
+    start `gap` positions after the document."""
+    cache = new_cache(lm.model)
+    forward_tokens(lm.model, doc, cache, 0)
+    layers = cache_layers(cache)
+    return KVPrefix([k[0][:, keep] for (k, _), keep in zip(layers, keep_per_layer)],
+                    [v[0][:, keep] for (_, v), keep in zip(layers, keep_per_layer)],
+                    len(doc) + gap, reader=reader)
+
+
+@pytest.fixture(scope="module")
+def prefixes(lm):
+    """Two states whose layers hold different numbers of tokens, one layer none; both leave a gap
+    of absent tokens before the live ones (next_position > any layer's length)."""
+    n = lm.geometry.n_layers
+    every_other = [slice(None)] + [slice(None, None, 2)] * (n - 2) + [slice(0, 0)]
+    tail = [slice(0, 0)] + [slice(-10, None)] * (n - 1)
+    a = _document_prefix(lm, _ids(lm, 30, 100), every_other, gap=3)
+    b = _document_prefix(lm, _ids(lm, 24, 101), tail, gap=5, reader=True)
+    assert 0 in a.tokens_per_layer() and 0 in b.tokens_per_layer()
+    assert len(set(a.tokens_per_layer())) > 1 and max(a.tokens_per_layer()) < a.next_position
+    return a, b
+
+
+def test_one_forward_of_mixed_rows_equals_each_row_alone(lm, prefixes, one_thread):
+    """forward_rows: a row prefilling 7 tokens after a state, a row decoding 1, a row prefilling 3
+    with another state, in one padded forward over rows that are not consecutive: each row's
+    logits equal its own forward alone."""
+    a, b = prefixes
+    cache = BatchKVCache(lm.model, max_rows=4)
+    rows = [cache.take(a), cache.take(None), cache.take(None), cache.take(b)]
+    cache.free(rows.pop(2))
+    first = _ids(lm, 5, 1)
+    forward_rows(lm.model, cache, [rows[1]], [first], [0])     # row 1 has something to decode after
+    tokens = [_ids(lm, 7, 2), _ids(lm, 1, 3), _ids(lm, 3, 4)]
+    positions = [a.next_position, len(first), b.next_position]
+    got = forward_rows(lm.model, cache, rows, tokens, positions)
+
+    alone_1 = new_cache(lm.model)
+    forward_tokens(lm.model, first, alone_1, 0)
+    want = [forward_tokens(lm.model, tokens[0], new_cache(lm.model, a), a.next_position),
+            forward_tokens(lm.model, tokens[1], alone_1, len(first)),
+            forward_tokens(lm.model, tokens[2], new_cache(lm.model, b), b.next_position)]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and (g - w).abs().max() <= 1e-4
+    # the padded positions wrote nothing: each row holds its prefix and its real tokens only
+    assert cache.row_lengths(rows[0]) == [p + 7 for p in a.tokens_per_layer()]
+    assert cache.row_lengths(rows[1]) == [6] * lm.geometry.n_layers
+    assert cache.bytes_in_use() == sum(sum(cache.row_lengths(r)) for r in rows) * cache.slot_bytes // cache.n_layers
+
+
+def test_batch_equals_one_at_a_time(lm, prefixes, one_thread):
+    """Six requests through three rows: joining at different steps, with and without states, one
+    ended by an end token, one cancelled mid-way (its row reused), different lengths: every
+    finished one has generate()'s token ids, text, stop reason and prompt NLL."""
+    a, b = prefixes
+    requests = [  # prompt, prefix, max_new_tokens
+        (_ids(lm, 5, 10), None, 10),
+        (_ids(lm, 9, 11), a, 6),
+        (_ids(lm, 1, 12), b, 12),      # a one-token prompt: no prompt NLL
+        (_ids(lm, 12, 13), None, 16),  # ended by an end token (below)
+        (_ids(lm, 3, 14), a, 8),
+        (_ids(lm, 7, 15), b, 20),      # cancelled after its third token
+    ]
+    alone = [generate(lm, p, prefix=x, max_new_tokens=n, stop_ids=set()) for p, x, n in requests]
+    eos = alone[3].ids[4]
+    assert eos not in alone[3].ids[:4]
+    stops = [set()] * 3 + [{eos}] + [set()] * 2
+    alone[3] = generate(lm, requests[3][0], max_new_tokens=16, stop_ids={eos})
+    assert alone[3].stop_reason == "eos" and alone[3].new_tokens == 4
+
+    engine = BatchDecoder(lm, max_rows=3)
+    pieces: dict[int, list[str]] = {}
+
+    def add(i):
+        prompt, prefix, n = requests[i]
+        pieces[i] = []
+        return engine.add(prompt, prefix=prefix, max_new_tokens=n, stop_ids=stops[i], on_text=pieces[i].append)
+
+    handles = {0: add(0), 1: add(1)}
+    results = engine.step()
+    handles[5] = add(5)                       # joins while 0 and 1 decode
+    results.update(engine.step())
+    results.update(engine.step())
+    results.update(engine.step())
+    assert engine.cancel(handles[5]) and not engine.cancel(handles[5])
+    assert engine.cache.free_rows() == 1      # the cancelled sequence's row is free at once
+    handles[2] = add(2)                       # and taken again
+    waiting = [3, 4]
+    while len(engine) or waiting:
+        while waiting and engine.fits(len(requests[waiting[0]][0]), requests[waiting[0]][1]):
+            i = waiting.pop(0)
+            handles[i] = add(i)
+        results.update(engine.step())
+    assert sorted(results) == sorted(handles.values())
+
+    for i, want in enumerate(alone):
+        got = results[handles[i]]
+        if i == 5:
+            assert got.stop_reason == "cancelled" and got.ids == want.ids[:3] and got.new_tokens == 3
+            continue
+        assert got.ids == want.ids, f"request {i}"
+        assert (got.text, got.new_tokens, got.stop_reason) == (want.text, want.new_tokens, want.stop_reason)
+        assert (got.prompt_tokens, got.prefix_tokens) == (want.prompt_tokens, want.prefix_tokens)
+        assert (got.prompt_nll_bits is None) == (want.prompt_nll_bits is None)
+        if want.prompt_nll_bits is not None:
+            assert got.prompt_nll_bits == pytest.approx(want.prompt_nll_bits, abs=1e-4)
+        assert "".join(pieces[i]) == got.text
+        assert 0 < got.ttft_ms <= got.total_ms
+    assert engine.cache.free_rows() == 3 and engine.cache.bytes_in_use() == 0
+    assert engine.cache.rows_allocated == 3
+
+
+def test_seeded_sampling_equals_generate(lm, prefixes, one_thread):
+    a, _ = prefixes
+    requests = [(_ids(lm, 6, 20), None, 7), (_ids(lm, 4, 21), a, 11), (_ids(lm, 8, 22), None, 3)]
+    alone = [generate(lm, p, prefix=x, max_new_tokens=12, temperature=0.9, top_p=0.9, seed=s, stop_ids=set())
+             for p, x, s in requests]
+    engine = BatchDecoder(lm, max_rows=4)
+    handles = [engine.add(p, prefix=x, max_new_tokens=12, temperature=0.9, top_p=0.9, seed=s, stop_ids=set())
+               for p, x, s in requests]
+    results = engine.drain()
+    assert [results[h].ids for h in handles] == [r.ids for r in alone]
+    greedy = generate(lm, requests[0][0], max_new_tokens=12, stop_ids=set())
+    assert alone[0].ids != greedy.ids   # the sampling was not just argmax
+
+
+def test_bad_requests_are_refused(lm, prefixes, one_thread):
+    engine = BatchDecoder(lm, max_rows=1)
+    with pytest.raises(BadInput, match="empty"):
+        engine.add([])
+    with pytest.raises(BadInput, match="context"):
+        engine.add(_ids(lm, 10, 30), max_new_tokens=lm.geometry.context_length)
+    with pytest.raises(BadInput, match="context"):
+        engine.add(_ids(lm, 10, 30), prefix=prefixes[0], max_new_tokens=lm.geometry.context_length - 20)
+    assert len(engine) == 0 and engine.cache.free_rows() == 1
+    engine.add(_ids(lm, 3, 31), max_new_tokens=2)
+    assert not engine.fits(3)
+    with pytest.raises(BatchFull, match="rows"):
+        engine.add(_ids(lm, 3, 32))
+
+
+def test_the_kv_budget_bounds_what_is_admitted(lm, prefixes, one_thread):
+    """A byte budget: the buffers never pass it; a request whose worst case would is refused until
+    room frees up."""
+    probe = BatchKVCache(lm.model, max_rows=2)
+    budget = probe.bytes_for(2, 128)
+    engine = BatchDecoder(lm, max_rows=2, max_kv_bytes=budget)
+    first = engine.add(_ids(lm, 40, 40), max_new_tokens=60)        # worst case 99 slots
+    assert not engine.fits(40, max_new_tokens=100)                  # would need 139 > 128
+    with pytest.raises(BatchFull, match="room"):
+        engine.add(_ids(lm, 40, 41), max_new_tokens=100)
+    second = engine.add(_ids(lm, 20, 42), prefix=prefixes[0], max_new_tokens=20)
+    results = engine.drain()
+    assert sorted(results) == [first, second]
+    assert engine.cache.bytes_reserved() <= budget
+    assert engine.fits(40, max_new_tokens=100) is False and engine.fits(40, max_new_tokens=80)
+
+
+def test_reader_adapter_sequences_run_apart_from_the_others(tiny_models, tmp_path, one_thread):
+    """The reader adapter switches the whole model: a batch holding sequences after a state made
+    for it and sequences without one gives each what generate() gives it (adapter on or off)."""
+    from dataclasses import replace
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from kite.model import load_model
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
+    get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                                    init_lora_weights=False)).save_pretrained(tmp_path / "reader")
+    lm = load_model(str(tiny_models["llama"]), adapter=tmp_path / "reader", device="cpu")
+    n = lm.geometry.n_layers
+    plain = _document_prefix(lm, _ids(lm, 20, 50), [slice(None)] * (n - 1) + [slice(0, 0)], gap=2)
+    reader = replace(plain, reader=True)
+    requests = [(_ids(lm, 4, 51), reader), (_ids(lm, 6, 52), None), (_ids(lm, 3, 53), plain),
+                (_ids(lm, 5, 54), reader)]
+    alone = [generate(lm, p, prefix=x, max_new_tokens=8, stop_ids=set()) for p, x in requests]
+    assert [r.reader_adapter for r in alone] == [True, False, False, True]
+    engine = BatchDecoder(lm, max_rows=4)
+    handles = [engine.add(p, prefix=x, max_new_tokens=8, stop_ids=set()) for p, x in requests]
+    results = engine.drain()
+    for h, want in zip(handles, alone):
+        got = results[h]
+        assert (got.ids, got.reader_adapter) == (want.ids, want.reader_adapter)
+    # the adapter mattered: after the same KV without it, the first answer differs
+    off = generate(lm, requests[0][0], prefix=plain, max_new_tokens=8, stop_ids=set())
+    assert off.ids != alone[0].ids
+
+
+@pytest.mark.slow
+def test_embedded_batch_equals_one_at_a_time(embedded, one_thread):
+    """The embedded model: three chat questions and a question after a document state (its later
+    layers holding half the document), 16 new tokens, batched == alone."""
+    from kite.runtime.generate import encode_prompt
+
+    tok = embedded.tokenizer
+    doc = tok(open("/usr/share/common-licenses/Apache-2.0", encoding="utf-8").read()[:1200],
+              add_special_tokens=False)["input_ids"]
+    n = embedded.geometry.n_layers
+    state = _document_prefix(embedded, doc, [slice(None)] * (n // 2) + [slice(None, None, 2)] * (n - n // 2))
+    prompts = [encode_prompt(tok, q, chat=True) for q in
+               ("What is the capital of France?", "Name three colours.", "Write a haiku about rain.")]
+    requests = [(p, None) for p in prompts] + [
+        (tok("\nIn short, the license grants", add_special_tokens=False)["input_ids"], state)]
+    alone = [generate(embedded, p, prefix=x, max_new_tokens=16) for p, x in requests]
+    engine = BatchDecoder(embedded, max_rows=4)
+    handles = [engine.add(p, prefix=x, max_new_tokens=16) for p, x in requests]
+    results = engine.drain()
+    for h, want in zip(handles, alone):
+        got = results[h]
+        assert (got.ids, got.text, got.stop_reason) == (want.ids, want.text, want.stop_reason)
+    assert "Paris" in results[handles[0]].text
