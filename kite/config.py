@@ -84,6 +84,8 @@ class ServerConfig(BaseModel):
     admin_token: str | None = Field(None, min_length=1, json_schema_extra=_SECRET)
     max_body_mb: int = Field(32, ge=1)
     state_dir: Path | None = Field(None, strict=False)  # None: $KITE_HOME/states
+    max_batch: int = Field(8, ge=1, le=1024)            # sequences decoding together (continuous batching)
+    batch_kv_gb: float | None = Field(None, gt=0)       # the batch's KV buffers; None: unbounded
 
     @field_validator("state_dir")
     @classmethod

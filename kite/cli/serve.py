@@ -35,6 +35,10 @@ def serve(
         "compressed in blocks and keep taking part in attention (docs/kv-budget.md).")] = None,
     kv_budget_codec: Annotated[str | None, KvBudgetCodecOpt] = None,
     kv_budget_block: Annotated[int | None, KvBudgetBlockOpt] = None,
+    max_batch: Annotated[int | None, typer.Option(min=1, help="Sequences decoding together; requests beyond "
+                                                  "wait in line (default: config server.max_batch, 8).")] = None,
+    batch_kv_gb: Annotated[float | None, typer.Option(help="GB the batch's KV buffers may take (default: config "
+                                                      "server.batch_kv_gb, unbounded).")] = None,
     log_level: Annotated[str, typer.Option(help="Log level (uvicorn's and KITE's): info logs a line per request, "
                                            "rule reloads and switches; warning only refusals and errors.")] = "info",
     mkdir: bool = MkdirOpt,
@@ -46,7 +50,8 @@ def serve(
     """
     cfg = user_config(overrides={"server.host": host, "server.port": port, "server.admin_token": admin_token,
                                  "server.state_dir": str(state_dir) if state_dir else None,
-                                 "features.upcycle_yoco_fusion": fusion, "model.default": model})
+                                 "features.upcycle_yoco_fusion": fusion, "model.default": model,
+                                 "server.max_batch": max_batch, "server.batch_kv_gb": batch_kv_gb})
     model = model_spec(model)
     try:
         from kite.serve import ServeSettings, bind_socket, create_app, run

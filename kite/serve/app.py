@@ -25,7 +25,7 @@ class ServerState:
     metrics: ServerMetrics
     health: object | None
     sampler: object | None
-    model_limiter: object | None = None  # anyio.CapacityLimiter(1), made in the loop (workers.py)
+    model_limiter: object | None = None  # anyio.CapacityLimiter, made in the loop (workers.py)
 
 
 def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sampler=None,
@@ -51,8 +51,9 @@ def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sa
     if sampler is None and start_sampler:
         sampler = WatermarkSampler(default_backend(), interval_ms=settings.sampler_interval_ms,
                                    spike_threshold_gb=settings.spike_threshold_gb)
-    runner = ModelRunner(pipeline, settings, rules, store, health=health, novelty=NoveltyTracker(), sampler=sampler)
     metrics = ServerMetrics()
+    runner = ModelRunner(pipeline, settings, rules, store, health=health, novelty=NoveltyTracker(), sampler=sampler,
+                         on_step=metrics.observe_step)
     metrics.bind_rules(rules)
     if sampler is not None:
         metrics.bind_sampler(sampler)
@@ -64,6 +65,7 @@ def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sa
         try:
             yield
         finally:
+            runner.close()
             if sampler is not None and start_sampler:
                 sampler.stop()
 

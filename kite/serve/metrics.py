@@ -60,6 +60,14 @@ class ServerMetrics:
                           for f in WATERMARK_FIELDS}
         self.watermark_samples = Gauge("kite_watermark_samples", "Samples the watermark sampler has taken.",
                                        registry=r)
+        self.batch_queue = Gauge("kite_batch_queue_length",
+                                 "Requests waiting to join the continuous batch (after the last step).", registry=r)
+        self.batch_size = Gauge("kite_batch_size", "Sequences decoding together in the last step.", registry=r)
+        self.batch_steps = Counter("kite_batch_steps_total", "Steps of the continuous batch.", registry=r)
+        self.batch_cancelled = Counter("kite_batch_cancelled_total",
+                                       "Sequences dropped from the batch because their clients left.", registry=r)
+        self.batch_rows = Histogram("kite_batch_rows", "Sequences in each step of the continuous batch.",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self._lock = threading.Lock()
         self._loads = self._hits = 0
         self._up_bytes = self._up_tokens = self._raw_bytes = 0
@@ -72,6 +80,16 @@ class ServerMetrics:
 
     def bind_rules(self, active) -> None:
         self.rules_loaded_at.set_function(lambda: float(active.current.loaded_at))
+
+    def observe_step(self, queue_length: int, batch_size: int, cancelled: int = 0) -> None:
+        """After a step of the batch (kite.serve.batcher): who waits, who decodes."""
+        self.batch_queue.set(queue_length)
+        self.batch_size.set(batch_size)
+        self.batch_steps.inc()
+        if cancelled:
+            self.batch_cancelled.inc(cancelled)
+        if batch_size:
+            self.batch_rows.observe(batch_size)
 
     def observe_answer(self, answer) -> None:
         g = answer.generation

@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from kite.errors import BadInput, KiteError
 from kite.serve.errors import error_response
+from kite.serve.batcher import Leaving
 from kite.serve.runner import GenOptions
 from kite.serve.schemas import ChatRequest, CompletionRequest
 from kite.serve.workers import on_model
@@ -117,6 +118,8 @@ async def _stream(srv, head, chat, prompt_ids, query, state_id, opts, upcycled):
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     opts.on_text = lambda piece: loop.call_soon_threadsafe(queue.put_nowait, piece)
+    leaving = Leaving(srv.runner.batcher)   # a client that goes away is cancelled at the next step
+    opts.on_request = leaving.attach
     obj = "chat.completion.chunk" if chat else "text_completion"
     task = asyncio.ensure_future(on_model(srv, srv.runner.answer, prompt_ids, query, state_id, opts))
     task.add_done_callback(lambda _: loop.call_soon(queue.put_nowait, None))
@@ -125,16 +128,21 @@ async def _stream(srv, head, chat, prompt_ids, query, state_id, opts, upcycled):
         return "data: " + json.dumps({**head, "object": obj, "choices": [choice], **extra}) + "\n\n"
 
     first = True
-    while True:
-        piece = await queue.get()
-        if piece is None:
-            break
-        if chat:
-            delta = {"role": "assistant", "content": piece} if first else {"content": piece}
-            yield event({"index": 0, "delta": delta, "finish_reason": None})
-        else:
-            yield event({"index": 0, "text": piece, "logprobs": None, "finish_reason": None})
-        first = False
+    try:
+        while True:
+            piece = await queue.get()
+            if piece is None:
+                break
+            if chat:
+                delta = {"role": "assistant", "content": piece} if first else {"content": piece}
+                yield event({"index": 0, "delta": delta, "finish_reason": None})
+            else:
+                yield event({"index": 0, "text": piece, "logprobs": None, "finish_reason": None})
+            first = False
+    finally:
+        if not task.done():   # the client left mid-stream
+            leaving.leave()
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())   # nobody reads it now
     try:
         answer = task.result()
     except Exception as exc:  # noqa: BLE001 - the status line has gone; report in the stream

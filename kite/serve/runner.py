@@ -1,7 +1,10 @@
 """The one model a server runs, and everything that touches it: upcycling uploads and answering.
 
-Every call takes the model lock, so one generation (or one upcycle) runs at a time; routes call
-these from a worker thread, which keeps the event loop free for admin, health and metrics.
+Generations decode together in the continuous batch (:mod:`kite.serve.batcher`); everything else
+that runs the model (an upload's upcycle, YOCO's decision and load before a generation, the
+measured gain's extra forward after it, a budgeted long-context completion) takes the model lock,
+which the batch's steps hold too, so they interleave at step boundaries. Routes call these from
+worker threads, which keeps the event loop free for admin, health and metrics.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class GenOptions:
     seed: int | None = None
     on_text: Callable[[str], None] | None = None
     queued_at: float | None = None  # time.perf_counter() when the request arrived
+    on_request: Callable[[object], None] | None = None   # gets its kite.serve.batcher.BatchRequest (to cancel)
 
 
 @dataclass(slots=True)
@@ -77,12 +81,20 @@ class ModelRunner:
     tracker and sampler."""
 
     def __init__(self, pipeline, settings: ServeSettings, rules, store: StateStore, *,
-                 health=None, novelty=None, sampler=None):
+                 health=None, novelty=None, sampler=None, on_step=None):
+        from kite.serve.batcher import Batcher
+
         self.pipeline, self.lm, self.tagger = pipeline, pipeline.lm, pipeline.tagger
         self.settings, self.rules, self.store = settings, rules, store
         self.health, self.novelty, self.sampler = health, novelty, sampler
         self.kv_budget = settings.budget_settings(self.lm.geometry.context_length)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self.batcher = Batcher(self.lm, self._lock, max_batch=settings.max_batch,
+                               max_kv_bytes=settings.batch_kv_bytes, on_step=on_step)
+
+    def close(self) -> None:
+        """Stop the batch's scheduler (requests still in it fail with a shutdown error)."""
+        self.batcher.close()
 
     @property
     def model_name(self) -> str:
@@ -148,33 +160,48 @@ class ModelRunner:
         return tok(text, add_special_tokens=False)["input_ids"]
 
     def answer(self, prompt_ids: list[int], query: str, state_id: str | None, opts: GenOptions) -> Answer:
-        """Generate after `prompt_ids`; with a state, through YOCO's fused loop (which decides,
-        loads, generates and records the measured gain in the health store)."""
-        from kite.runtime.generate import generate
-        from kite.yoco.fused import answer as fused_answer
+        """Generate after `prompt_ids` in the batch; with a state, through YOCO's fused loop (decide
+        and load first, record the measured gain in the health store after). With the KV budget on,
+        a completion without a state runs alone, its budgeted cache chunk by chunk (docs/kv-budget.md)."""
+        from kite.yoco.fused import finish, prepare
 
         path = self.store.existing(state_id) if state_id is not None else None
-        gen_kwargs = dict(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
-                          top_p=opts.top_p, seed=opts.seed, on_text=opts.on_text)
+        if path is None and self.kv_budget is not None:
+            return self._budgeted(prompt_ids, opts)
+        prepared, ruleset, lock_wait = None, None, 0.0
+        if path is not None:
+            ruleset = self.rules.current  # one read: the set that decides this request
+            lock_wait = self._locked(opts.queued_at)
+            try:
+                prepared = prepare(self.lm, self.tagger, ruleset, path, query, health=self.health,
+                                   novelty=self.novelty, sampler=self.sampler, min_hit_gain=self.settings.min_hit_gain,
+                                   fusion_enabled=self.settings.fusion, state_id=state_id)
+            finally:
+                self._lock.release()
+            opts.queued_at = time.perf_counter()
+        gen, req = self.batcher.generate(prompt_ids, prepared.prefix if prepared else None, opts)
+        wait = lock_wait + req.wait_ms
+        if prepared is None:
+            return Answer(gen, wait_ms=wait)
+        with self._lock:
+            fused = finish(self.lm, prepared, prompt_ids, gen, health=self.health)
+        skipped = None if self.kv_budget is None else {
+            "applied": False, "reason": "a state was named: its KV is loaded as the state's own compressed prefix"}
+        return Answer(gen, fused, state_id, {"version": ruleset.version, "sha256": ruleset.sha256}, wait_ms=wait,
+                      kv_budget=skipped)
+
+    def _budgeted(self, prompt_ids: list[int], opts: GenOptions) -> Answer:
+        """A completion without a state under the KV budget: alone, holding the model (the batch
+        waits), its prompt in chunks through a BudgetCache."""
+        from kite.runtime.generate import generate
+        from kite.upcycle import BudgetCache
+
         wait = self._locked(opts.queued_at)
         try:
-            if path is None:
-                if self.kv_budget is None:
-                    return Answer(generate(self.lm, prompt_ids, **gen_kwargs), wait_ms=wait)
-                from kite.upcycle import BudgetCache
-
-                cache = BudgetCache(self.lm.model, self.kv_budget)
-                result = generate(self.lm, prompt_ids, cache=cache, prefill_chunk=self.kv_budget.block_tokens,
-                                  **gen_kwargs)
-                return Answer(result, wait_ms=wait, kv_budget={"applied": True, **cache.stats()})
-            ruleset = self.rules.current  # one read: the set that decides this request
-            fused = fused_answer(self.lm, self.tagger, ruleset, path, query, prompt_ids,
-                                 health=self.health, novelty=self.novelty, sampler=self.sampler,
-                                 min_hit_gain=self.settings.min_hit_gain, fusion_enabled=self.settings.fusion,
-                                 state_id=state_id, **gen_kwargs)
-            skipped = None if self.kv_budget is None else {
-                "applied": False, "reason": "a state was named: its KV is loaded as the state's own compressed prefix"}
-            return Answer(fused.generation, fused, state_id,
-                          {"version": ruleset.version, "sha256": ruleset.sha256}, wait_ms=wait, kv_budget=skipped)
+            cache = BudgetCache(self.lm.model, self.kv_budget)
+            result = generate(self.lm, prompt_ids, cache=cache, prefill_chunk=self.kv_budget.block_tokens,
+                              max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_p=opts.top_p,
+                              seed=opts.seed, on_text=opts.on_text)
+            return Answer(result, wait_ms=wait, kv_budget={"applied": True, "batched": False, **cache.stats()})
         finally:
             self._lock.release()

@@ -33,8 +33,16 @@ class ServeSettings:
     kv_budget_tokens: int | None = None
     kv_budget_codec: str = "ratio=8"
     kv_budget_block: int = 256
+    # continuous batching (kite.serve.batcher): sequences decoding together, and their KV buffers'
+    # budget in GB (None: unbounded)
+    max_batch: int = 8
+    batch_kv_gb: float | None = None
 
     def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise BadInput(f"--max-batch {self.max_batch}: at least 1")
+        if self.batch_kv_gb is not None and self.batch_kv_gb <= 0:
+            raise BadInput(f"--batch-kv-gb {self.batch_kv_gb:g}: must be > 0")
         if self.max_body_mb <= 0:
             raise BadInput(f"server.max_body_mb {self.max_body_mb}: must be > 0")
         if not 1 <= self.port <= 65535 and self.port != 0:
@@ -53,6 +61,10 @@ class ServeSettings:
                                            block_tokens=self.kv_budget_block), context_length)
 
     @property
+    def batch_kv_bytes(self) -> int | None:
+        return None if self.batch_kv_gb is None else int(self.batch_kv_gb * 1024 ** 3)
+
+    @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)
 
@@ -67,5 +79,6 @@ class ServeSettings:
                    host=s.host, port=s.port, admin_token=s.admin_token, max_body_mb=s.max_body_mb,
                    fusion=cfg.features.upcycle_yoco_fusion, min_hit_gain=cfg.features.yoco_min_hit_gain,
                    sampler_interval_ms=cfg.hardware_watermark.gpu_mem.sampling_interval_ms,
-                   spike_threshold_gb=cfg.hardware_watermark.gpu_mem.spike_threshold_gb, **kw)
+                   spike_threshold_gb=cfg.hardware_watermark.gpu_mem.spike_threshold_gb,
+                   max_batch=s.max_batch, batch_kv_gb=s.batch_kv_gb, **kw)
 

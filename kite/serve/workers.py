@@ -1,12 +1,15 @@
-"""Where blocking work runs. Model work (generate, upcycle) goes to one worker thread at a time,
-through its own limiter: requests queued for the model wait on the event loop, not in threads,
-so the shared thread pool stays free for admin reloads and listings however long the queue."""
+"""Where blocking work runs. Model work (generate, upcycle) runs in worker threads through its own
+limiter: the continuous batch (kite.serve.batcher) takes its requests from there, so as many may
+wait in threads as the batch could ever hold plus a queue; beyond that they wait on the event loop,
+and the shared thread pool stays free for admin reloads and listings however long the queue."""
 
 from __future__ import annotations
 
 from functools import partial
 
 import anyio
+
+QUEUED_PER_ROW = 4   # threads per batch row: requests queued for the batch wait in them
 
 
 async def in_worker(fn, *args, **kwargs):
@@ -15,7 +18,7 @@ async def in_worker(fn, *args, **kwargs):
 
 
 async def on_model(srv, fn, *args, **kwargs):
-    """Model work, one call at a time per server (`srv`: the app's ServerState)."""
+    """Model work (`srv`: the app's ServerState); the model lock and the batch order it."""
     if srv.model_limiter is None:  # made on first use: a limiter belongs to the running loop
-        srv.model_limiter = anyio.CapacityLimiter(1)
+        srv.model_limiter = anyio.CapacityLimiter(max(2, QUEUED_PER_ROW * srv.settings.max_batch))
     return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs), limiter=srv.model_limiter)

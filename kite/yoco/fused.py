@@ -129,14 +129,22 @@ def plan_for(lm, tagger, rules, state: StateFile, query: str, *, health=None, no
     return signals, plan, q, info
 
 
-def answer(lm, tagger, rules, state_path: str | Path, query: str, prompt_ids: list[int], *,
-           health=None, novelty=None, sampler=None, min_hit_gain: float = DEFAULT_MIN_HIT_GAIN,
-           fusion_enabled: bool = True, state_id: str | None = None, **gen_kwargs) -> FusedAnswer:
-    """Answer `prompt_ids` (the query, formatted) with whatever the rules load from the state.
+@dataclass
+class Prepared:
+    """A request's decision and load, before its generation (:func:`prepare`)."""
 
-    With fusion disabled (`features.upcycle_yoco_fusion: false`) nothing is loaded and plain
-    generation runs; the decision is still reported.
-    """
+    signals: Signals
+    plan: LoadPlan
+    info: StateInfo
+    prefix: object | None              # kite.runtime.cache.KVPrefix to generate after, or None
+    load: LoadReport | None
+    timings_ms: dict[str, float]
+
+
+def prepare(lm, tagger, rules, state_path: str | Path, query: str, *, health=None, novelty=None, sampler=None,
+            min_hit_gain: float = DEFAULT_MIN_HIT_GAIN, fusion_enabled: bool = True,
+            state_id: str | None = None) -> Prepared:
+    """Signals, the rules' decision and the load (nothing loaded with fusion disabled)."""
     t0 = time.perf_counter()
     with StateFile(state_path) as state:
         watermark = sampler.latest().watermark if sampler is not None else None
@@ -151,21 +159,40 @@ def answer(lm, tagger, rules, state_path: str | Path, query: str, prompt_ids: li
         if plan.loads and fusion_enabled:
             prefix, report = load_prefix(state, lm, **load_args(plan, q.query_label))
         t_load = time.perf_counter()
-    gen = generate(lm, prompt_ids, prefix=prefix, **gen_kwargs)
+    return Prepared(signals, plan, info, prefix, report, {
+        "signals_and_decision": round((t_decide - t0) * 1e3, 3), **parts, "load": round((t_load - t_decide) * 1e3, 3)})
+
+
+def finish(lm, prepared: Prepared, prompt_ids: list[int], gen: GenerationResult, *, health=None) -> FusedAnswer:
+    """The measured gain of a load (the prefill's own NLL with the state against one short forward
+    without it), recorded in the health store per loaded label."""
     gain = None
     extra: dict[str, float] = {}
-    if report is not None:
+    if prepared.load is not None:
         t_gain = time.perf_counter()
-        # with the state: the prefill's own logits (generate); without: one short forward
         gain = measured_gain(prompt_nll(lm, prompt_ids), gen.prompt_nll_bits)
         extra["gain"] = round((time.perf_counter() - t_gain) * 1e3, 3)
         if health is not None and gain is not None:
-            for label in sorted(set(report.labels)):
-                health.record(info.state_id, label, gain)
-    return FusedAnswer(signals, plan, report, gen, gain, timings_ms={
-        "signals_and_decision": round((t_decide - t0) * 1e3, 3), **parts,
-        "load": round((t_load - t_decide) * 1e3, 3), "generate": gen.total_ms, **extra})
+            for label in sorted(set(prepared.load.labels)):
+                health.record(prepared.info.state_id, label, gain)
+    return FusedAnswer(prepared.signals, prepared.plan, prepared.load, gen, gain,
+                       timings_ms={**prepared.timings_ms, "generate": gen.total_ms, **extra})
 
 
-__all__ = ["FusedAnswer", "answer", "plan_for", "state_info", "build_signals", "load_args", "measured_gain",
+def answer(lm, tagger, rules, state_path: str | Path, query: str, prompt_ids: list[int], *,
+           health=None, novelty=None, sampler=None, min_hit_gain: float = DEFAULT_MIN_HIT_GAIN,
+           fusion_enabled: bool = True, state_id: str | None = None, **gen_kwargs) -> FusedAnswer:
+    """Answer `prompt_ids` (the query, formatted) with whatever the rules load from the state:
+    :func:`prepare`, generate, :func:`finish`.
+
+    With fusion disabled (`features.upcycle_yoco_fusion: false`) nothing is loaded and plain
+    generation runs; the decision is still reported.
+    """
+    prepared = prepare(lm, tagger, rules, state_path, query, health=health, novelty=novelty, sampler=sampler,
+                       min_hit_gain=min_hit_gain, fusion_enabled=fusion_enabled, state_id=state_id)
+    gen = generate(lm, prompt_ids, prefix=prepared.prefix, **gen_kwargs)
+    return finish(lm, prepared, prompt_ids, gen, health=health)
+
+
+__all__ = ["FusedAnswer", "Prepared", "answer", "finish", "prepare", "plan_for", "state_info", "build_signals", "load_args", "measured_gain",
            "state_id_of", "prompt_nll"]

@@ -1,0 +1,162 @@
+"""`kite serve` under concurrent clients: continuous batching against one-at-a-time serving.
+
+Starts `kite serve` twice on the embedded model (this CPU), `--max-batch N` and `--max-batch 1`,
+uploads one generated contract as a state, then lets ``--clients`` clients each send
+``--requests`` streamed greedy completions (alternately about the contract's state and plain
+prompts of ~100 tokens), all at once. Per server: aggregate completion tokens/s (all tokens over
+the wall time of the whole burst), each request's time to first token as its client saw it (p50,
+p95), and every answer's text, which must be the same on both servers.
+
+    .venv/bin/python benchmarks/serve_concurrency.py --out docs/serve_concurrency_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kite.data.contracts import generate_contracts  # noqa: E402
+
+PROMPTS = [
+    "The following is a short report about the shipping industry and the way ports handle containers. ",
+    "Write a detailed description of a small mountain village, its people, their work and their food. ",
+    "Explain how a bank decides whether to lend money to a small company and what it looks at. ",
+    "Describe the history of the printing press and how it changed the way people shared knowledge. ",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(max_batch: int, state_dir: Path, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "KITE_LOG_LEVEL": "warning"}
+    cmd = [str(ROOT / ".venv/bin/kite"), "serve", "--port", str(port), "--max-batch", str(max_batch),
+           "--state-dir", str(state_dir), "--fusion", "--log-level", "warning", "--mkdir"]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kite serve exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("kite serve did not start")
+
+
+def stream(url: str, body: dict) -> dict:
+    t0 = time.perf_counter()
+    ttft = None
+    text, usage = [], None
+    with httpx.Client(timeout=600) as c, c.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                raise RuntimeError(ev["error"])
+            piece = ev["choices"][0]["text"]
+            if piece and ttft is None:
+                ttft = time.perf_counter() - t0
+            text.append(piece)
+            usage = ev.get("usage", usage)
+    return {"text": "".join(text), "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
+            "tokens": usage["completion_tokens"], "total_s": time.perf_counter() - t0}
+
+
+def burst(url: str, bodies: list[dict], clients: int) -> dict:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        # each client sends its requests one after another
+        per_client = [bodies[i::clients] for i in range(clients)]
+        futures = [pool.submit(lambda bs: [stream(url, b) for b in bs], bs) for bs in per_client]
+        results = [f.result() for f in futures]
+    wall = time.perf_counter() - t0
+    flat = [None] * len(bodies)
+    for i, rs in enumerate(results):
+        for j, r in enumerate(rs):
+            flat[i + j * clients] = r
+    tokens = sum(r["tokens"] for r in flat)
+    ttfts = sorted(r["ttft_s"] for r in flat)
+    return {"wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
+            "ttft_p50_ms": round(statistics.median(ttfts) * 1e3, 1),
+            "ttft_p95_ms": round(ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))] * 1e3, 1),
+            "texts": [r["text"] for r in flat]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=2, help="per client")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    contract = generate_contracts(1, tokens=900, seed=7)[0]
+    bodies = []
+    for i in range(args.clients * args.requests):
+        if i % 2:
+            q = contract["questions"][1 + i % 8]
+            bodies.append({"prompt": f" Question: {q['question']}\nAnswer: {q['prompt']}", "max_tokens": args.max_tokens,
+                           "kite": {"state": "contract"}})
+        else:
+            bodies.append({"prompt": PROMPTS[i % len(PROMPTS)] * 2, "max_tokens": args.max_tokens})
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for max_batch in (args.clients, 1):
+            proc, url = start_server(max_batch, Path(tmp) / f"states{max_batch}", args.threads,
+                                     Path(tmp) / f"serve{max_batch}.log")
+            try:
+                r = httpx.post(url + "/v1/states", json={"document": contract["text"], "id": "contract"}, timeout=600)
+                r.raise_for_status()
+                stream(url, bodies[0])   # warm-up
+                runs[max_batch] = burst(url, bodies, args.clients)
+                runs[max_batch]["state_tokens"] = r.json()["tokens"]
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+    batched, single = runs[args.clients], runs[1]
+    same = batched["texts"] == single["texts"]
+    result = {
+        "command": "benchmarks/serve_concurrency.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads},
+        "model": "smollm2-135m (embedded)", "clients": args.clients, "requests": len(bodies),
+        "max_tokens": args.max_tokens,
+        "batched": {k: v for k, v in batched.items() if k != "texts"},
+        "one_at_a_time": {k: v for k, v in single.items() if k != "texts"},
+        "throughput_ratio": round(batched["tokens_per_s"] / single["tokens_per_s"], 2),
+        "identical_answers": same,
+        "differing": [i for i, (a, b) in enumerate(zip(batched["texts"], single["texts"])) if a != b]}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
