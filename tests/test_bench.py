@@ -117,6 +117,34 @@ def test_run_all_methods_fields_equal_bytes_history(setup):
     assert len(parse_json(runner.invoke(app, ["bench", "history", "--json"]).output)["runs"]) == 2
 
 
+def test_concurrency_serves_the_cases_batched_and_one_at_a_time(setup):
+    r = _run(setup, "--json", "--baselines", "state", "--concurrency", "2")
+    assert r.exit_code == 0, r.output
+    c = parse_json(r.output)["concurrency"]
+    assert c["clients"] == 2 and c["requests"] == 2 and c["identical_answers"] and c["differing"] == []
+    for side, rows in (("batched", 2), ("one_at_a_time", 1)):
+        fig = c[side]
+        assert fig["rows"] == rows and fig["new_tokens"] > 0 and fig["tokens_per_s"] > 0
+        assert 0 < fig["ttft_p50_ms"] <= fig["ttft_p95_ms"]
+    assert c["throughput_ratio"] > 0
+    shown = _run(setup, "--baselines", "state", "--concurrency", "2")
+    assert shown.exit_code == 0 and "2 clients, 2 requests from states" in shown.output
+    bad = _run(setup, "--concurrency", "0")
+    assert bad.exit_code == 2
+
+
+def test_concurrency_waits_for_rows_in_arrival_order(tiny_models):
+    from kite.bench.concurrency import closed_loop
+    from kite.model import load_model
+
+    lm = load_model(tiny_models["llama"], device="cpu")
+    reqs = [(lm.tokenizer(p)["input_ids"], None) for p in ("The parties", "Paris is", "Any breach", "Once upon")]
+    one = closed_loop(lm, reqs, clients=4, rows=1, max_new_tokens=5)
+    four = closed_loop(lm, reqs, clients=4, rows=4, max_new_tokens=5)
+    assert one["texts"] == four["texts"] and one["new_tokens"] == four["new_tokens"]
+    assert (one["peak_rows"], four["peak_rows"]) == (1, 4)   # all four decoded together, or one by one
+
+
 def test_threshold_fail_exits_1(setup):
     r = _run(setup, "--baselines", "window", "--max-cases", "1",
              thresholds="thresholds:\n  f1: {min: 2}\n  memory_peak_gb: {max: 1000}\n")

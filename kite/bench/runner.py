@@ -49,6 +49,9 @@ class BenchSettings:
     # The memory-budgeted method (`budget`: kite generate/serve --kv-budget-tokens) at this many raw
     # tokens; given, `budget` is run; None: 1024 when `budget` is among the baselines.
     kv_budget_tokens: int | None = None
+    # `--concurrency N`: also serve the cases' answers from their states to N clients at once, batched
+    # and one at a time (kite.bench.concurrency); None: not measured.
+    concurrency: int | None = None
 
 
 def check_methods(names: list[str]) -> list[str]:
@@ -131,6 +134,28 @@ def _tagger_key(fingerprint: str, cfg, cfg_path) -> str:
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _concurrency(s: BenchSettings, pipe, cases: list[BenchCase], ids_of: dict, progress) -> dict:
+    """Every case's question after its document's whole state, to ``s.concurrency`` clients."""
+    from kite.bench.concurrency import measure
+    from kite.bench.states import ensure_state
+    from kite.upcycle import load_prefix
+
+    prefixes: dict = {}
+    requests = []
+    for c in cases:
+        doc_ids, p_ids, _ = ids_of[c.id]
+        if c.document_key not in prefixes:
+            ref = ensure_state(pipe, c.document_key, doc_ids, Path(s.upcycle_dir), progress)
+            prefixes[c.document_key] = load_prefix(ref.path, pipe.lm)[0]
+        requests.append((p_ids, prefixes[c.document_key]))
+    if progress:
+        progress("concurrency", 0, 1)
+    out = measure(pipe.lm, requests, s.concurrency, s.max_new_tokens)
+    if progress:
+        progress("concurrency", 1, 1)
+    return out
 
 
 def run_bench(s: BenchSettings, progress: Progress | None = None,
@@ -337,6 +362,8 @@ def run_bench(s: BenchSettings, progress: Progress | None = None,
             write_result(s.output, {**result, "summary": report.summarize(result["cases"], all_names)})
             if progress:
                 progress("cases", i + 1, len(cases))
+        if s.concurrency:
+            result["concurrency"] = _concurrency(s, pipe, cases, ids_of, progress)
     except KeyboardInterrupt:
         finish("interrupted (Ctrl-C)", interrupted=True)
         raise

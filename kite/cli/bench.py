@@ -60,6 +60,9 @@ def run(
                                                             "memory-budgeted cache holding N tokens raw "
                                                             "(docs/kv-budget.md; default 1024 when --baselines "
                                                             "names budget).")] = None,
+    concurrency: Annotated[Optional[int], typer.Option(min=1, help="Also answer the cases from their states to N "
+                                                        "clients at once, batched and one at a time: aggregate "
+                                                        "tokens/s and time to first token.")] = None,
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
@@ -98,7 +101,7 @@ def run(
                       ratio=ratio, kept_fraction=cfg.features.upcycle_compression_ratio,
                       min_hit_gain=cfg.features.yoco_min_hit_gain, device=device,
                       health_store=str(health_store) if health_store else None,
-                      kv_budget_tokens=kv_budget_tokens)
+                      kv_budget_tokens=kv_budget_tokens, concurrency=concurrency)
     if threads is not None:
         import torch
 
@@ -150,6 +153,14 @@ def _print(result: dict, output: Path, plots: list[str]) -> None:
               f"{result['cases'][-1]['memory_peak_gb']:.2f} GB ({result['cases'][-1]['memory_source']})",
               highlight=False)
     out.print(targets_table(result))
+    c = result.get("concurrency")
+    if c:
+        b, one = c["batched"], c["one_at_a_time"]
+        out.print(f"{c['clients']} clients, {c['requests']} requests from states: batched {b['tokens_per_s']} tokens/s "
+                  f"(TTFT p50 {b['ttft_p50_ms']} ms, p95 {b['ttft_p95_ms']} ms) vs one at a time "
+                  f"{one['tokens_per_s']} tokens/s (p50 {one['ttft_p50_ms']} ms): {c['throughput_ratio']}×; answers "
+                  + ("identical" if c["identical_answers"] else f"[red]differ[/] in {c['differing']}"),
+                  highlight=False)
     out.print(threshold_table(result))
     if result.get("error"):
         out.print(f"[red]partial run[/]: {result['error']}", highlight=False)
