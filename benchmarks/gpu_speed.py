@@ -310,6 +310,9 @@ def main() -> None:
     ap.add_argument("--kv-budget-gb", type=float, default=40.0)
     ap.add_argument("--chunk", type=int, default=8, help="sequences rebuilt per layer at once (concurrency)")
     ap.add_argument("--profile", action="store_true", help="add a torch.profiler summary of one default compress")
+    ap.add_argument("--batch", type=int, default=32, help="requests decoded together (0: skip that section)")
+    ap.add_argument("--batch-new", type=int, default=32, help="new tokens per request in the batched decode")
+    ap.add_argument("--batch-alone", type=int, default=4, help="of those, how many to time one at a time")
     args = ap.parse_args()
     global DEV, PIN
     if args.cpu_smoke:
@@ -791,6 +794,14 @@ def main() -> None:
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         report.data["concurrency_error"] = traceback.format_exc()[-800:]
+    # ---- batched decoding: many 16K sequences decoding together (kite.runtime.batch_decode) ----------
+    if args.batch:
+        try:
+            load_hot()
+            batched_decode(report, args, model, cfg, K, V, KV, L, T, n_params)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            report.data["batch_error"] = traceback.format_exc()[-800:]
     sf.close()
     path.unlink()
 
@@ -801,6 +812,91 @@ def main() -> None:
     print(json.dumps({k: v for k, v in report.data.items() if k not in ("table",) and not isinstance(v, dict)
                       or k in ("checks", "build")}, default=str))
     print(text)
+
+
+class _Ids:
+    """A tokenizer for random weights: the text of ids is their numbers (what SequenceDecode needs)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def batched_decode(report, args, model, cfg, K, V, KV_state, L, T, n_params) -> None:
+    """``args.batch`` requests of a 16-token query and ``args.batch_new`` new tokens, each after a
+    T-token prefix, through ``BatchDecoder`` (the engine `kite serve` batches with): the prefixes
+    as loaded from the state (``KV_state``, rebuilt from the .upc) and as raw bf16 KV (``K``, ``V``:
+    the prefill's own), decoded together and one at a time. Aggregate decode tokens/s counts the
+    steps after the first (which prefills every query and gives each its first token)."""
+    from types import SimpleNamespace
+
+    from kite.model import geometry_from_config
+    from kite.runtime.attention import register
+    from kite.runtime.batch_cache import round_capacity
+    from kite.runtime.batch_decode import BatchDecoder
+    from kite.runtime.cache import KVPrefix
+
+    before = cfg._attn_implementation
+    cfg._attn_implementation = register()     # the batch's masks reach KITE's attention
+    lm = SimpleNamespace(model=model, tokenizer=_Ids(), geometry=geometry_from_config(cfg), eos_ids=lambda: set())
+    B, new = args.batch, args.batch_new
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    queries = [torch.randint(cfg.vocab_size, (QUERY,), generator=gen).tolist() for _ in range(B)]
+    prefixes = {"state": KVPrefix([KV_state[0, layer] for layer in range(L)], [KV_state[1, layer] for layer in range(L)], T),
+                "raw bf16": KVPrefix([K[layer] for layer in range(L)], [V[layer] for layer in range(L)], T)}
+    slots = round_capacity(T + QUERY + new)
+    res = {"requests": B, "new_tokens": new, "prefix_tokens": T}
+    weights_bytes = n_params * 2
+
+    def run(prefix, rows, n):
+        torch.cuda.empty_cache()
+        dec = BatchDecoder(lm, rows, max_kv_bytes=None)
+        dec.cache.max_bytes = dec.cache.bytes_for(rows, slots)   # grow straight to what is needed
+        texts = {}
+        first_ms, step_ms = [], []
+        for start in range(0, n, rows):
+            for q in queries[start:start + rows]:
+                dec.add(q, prefix=prefix, max_new_tokens=new)
+            sync()
+            t0 = time.perf_counter()
+            out = dec.step()
+            sync()
+            first_ms.append((time.perf_counter() - t0) * 1e3)
+            while len(dec):
+                t0 = time.perf_counter()
+                out.update(dec.step())
+                sync()
+                step_ms.append((time.perf_counter() - t0) * 1e3)
+            texts.update({start + h % rows: r.text for h, r in out.items()})
+        decode_tokens = n * (new - 1)
+        kv_bytes = rows * 2 * L * cfg.num_key_value_heads * (T + QUERY + new // 2) * (cfg.hidden_size // cfg.num_attention_heads) * 2
+        return {"rows": rows, "requests": n, "first_step_ms": round(statistics.median(first_ms), 2),
+                "decode_step_ms": round(statistics.median(step_ms), 3),
+                "decode_tokens_per_s": round(decode_tokens / (sum(step_ms) / 1e3), 1),
+                "step_floor_ms": round((weights_bytes + kv_bytes) / HBM_BPS * 1e3, 3),
+                "kv_buffer_gb": round(dec.cache.bytes_reserved() / 1e9, 2)}, texts
+
+    try:
+        for name, prefix in list(prefixes.items()) * 2:   # twice, the second kept: no order or warm-up effect
+            together, t_b = run(prefix, B, B)
+            alone, t_a = run(prefix, 1, min(B, args.batch_alone))
+            res[name] = {"batched": together, "one_at_a_time": alone,
+                         "ratio": round(together["decode_tokens_per_s"] / alone["decode_tokens_per_s"], 2),
+                         "same_tokens_as_alone": all(t_b[i] == t_a[i] for i in t_a),
+                         # bf16: a batched matmul rounds differently from batch 1; on random weights the
+                         # near-ties flip. Where each alone-run first differs from its batched twin:
+                         "first_differing_token": [next((j for j, (a, b) in enumerate(zip(t_b[i].split(), t_a[i].split()))
+                                                         if a != b), None) for i in sorted(t_a)]}
+            report.row(f"batched decode step, {B} x {T}-token prefixes ({name})", together["decode_step_ms"],
+                       together["step_floor_ms"], vs_prefill=False,
+                       note=f"{together['decode_tokens_per_s']:.0f} tok/s = {res[name]['ratio']}x one at a time "
+                            f"({alone['decode_tokens_per_s']:.0f} tok/s, step {alone['decode_step_ms']} ms); "
+                            f"same tokens: {res[name]['same_tokens_as_alone']}")
+        res["state_vs_raw_batched"] = round(res["state"]["batched"]["decode_tokens_per_s"]
+                                            / res["raw bf16"]["batched"]["decode_tokens_per_s"], 3)
+    finally:
+        cfg._attn_implementation = before
+    report.data["batched_decode"] = res
+    print("batched decode:", json.dumps(res), flush=True)
 
 
 def concurrency(report, args, L, H, d, T, cfg, hot, staging, dest, cq, sq, raw_bytes) -> None:

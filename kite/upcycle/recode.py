@@ -13,8 +13,6 @@ import datetime as dt
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from kite.errors import BadInput
 from kite.upcycle import codec
 from kite.upcycle.codec.coders import PcaSide
@@ -22,6 +20,7 @@ from kite.upcycle.codec.part_widths import part_widths
 from kite.upcycle.codec.settings import ratio_of
 from kite.upcycle.format.container import StateFile, StateWriter
 from kite.upcycle.format.names import blob_key
+from kite.upcycle.load.selection import cluster_positions
 from kite.upcycle.train.regenerator import resolve
 
 
@@ -35,11 +34,6 @@ def cluster_ratios(meta: dict) -> list[float | None]:
     """The ratio each cluster of a state was coded at, in cluster order."""
     default = state_ratio(meta)
     return [float(c["ratio"]) if c.get("ratio") is not None else default for c in meta["clusters"]]
-
-
-def cluster_positions(cluster: dict) -> torch.Tensor:
-    """The document positions of a cluster's tokens, ascending (its parts' token order)."""
-    return torch.tensor([t for a, b in cluster["token_ranges"] for t in range(a, b)], dtype=torch.long)
 
 
 def recode_clusters(path: str | Path, targets: dict[int, float], *, regenerator=None,
@@ -63,7 +57,7 @@ def recode_clusters(path: str | Path, targets: dict[int, float], *, regenerator=
         fp = (meta.get("regenerator") or {}).get("fingerprint")
         regen = resolve(fp, regenerator) if fp is not None else None
         n_layers = int(meta["model"]["geometry"]["n_layers"])
-        positions = {i: cluster_positions(meta["clusters"][i]) for i in targets}
+        positions = {i: cluster_positions(state, meta["clusters"][i]["id"]) for i in targets}
         recoded: dict[str, bytes] = {}
         for layer in range(n_layers):
             lc = codec.from_bytes(state.read(blob_key(None, layer)), codec.LayerCodec)
