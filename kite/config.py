@@ -86,6 +86,7 @@ class ServerConfig(BaseModel):
     state_dir: Path | None = Field(None, strict=False)  # None: $KITE_HOME/states
     max_batch: int = Field(8, ge=1, le=1024)            # sequences decoding together (continuous batching)
     batch_kv_gb: float | None = Field(None, gt=0)       # the batch's KV buffers; None: unbounded
+    prefix_cache_gb: float = Field(2.0, ge=0)           # loaded states kept for the next request (0: none)
 
     @field_validator("state_dir")
     @classmethod

@@ -127,6 +127,8 @@ def test_fifty_concurrent_mixed_requests_each_match_their_sequential_twin(batche
     assert _metric(metrics, "kite_batch_steps_total") - steps_before < tokens
     assert _metric(metrics, 'kite_batch_rows_bucket{le="1.0"}') < _metric(metrics, "kite_batch_rows_count")
     assert "kite_batch_queue_length" in metrics and "kite_batch_size" in metrics
+    # the two states were loaded once each (the twins did it) and read from the prefix cache since
+    assert runner.prefixes.misses == 2 and runner.prefixes.hits >= 20
     # and the server goes on answering
     status, out = _post(c, reqs[0])
     assert status == 200 and _text(out) == twins[json.dumps(reqs[0], sort_keys=True)][0]
@@ -170,3 +172,32 @@ def test_serve_settings_refuse_a_bad_batch(tmp_path):
         _settings(tmp_path, max_batch=0)
     with pytest.raises(BadInput, match="--batch-kv-gb"):
         _settings(tmp_path, batch_kv_gb=0)
+
+
+def test_the_prefix_cache_keys_on_the_file_version_and_keeps_within_its_bytes(tiny_contract_state, tmp_path):
+    import shutil
+
+    from kite.serve.prefixes import PrefixCache
+    from kite.upcycle import StateFile
+
+    lm, _, path = tiny_contract_state
+    copy = tmp_path / "c.upc"
+    shutil.copy(path, copy)
+    cache = PrefixCache(max_bytes=1 << 30)
+    with StateFile(copy) as st:
+        a, rep_a = cache.load(st, lm)
+        b, rep_b = cache.load(st, lm)
+        c, _ = cache.load(st, lm, clusters=[st.meta["clusters"][0]["label"]])
+    assert b is a and rep_b.bytes_read == 0 and "cached" in rep_b.timings_ms and rep_a.bytes_read > 0
+    assert c is not a and (cache.hits, cache.misses) == (1, 2)
+    shutil.copy(path, tmp_path / "new.upc")
+    (tmp_path / "new.upc").replace(copy)          # the same name, another file: loaded again
+    with StateFile(copy) as st:
+        d, _ = cache.load(st, lm)
+    assert d is not a and cache.misses == 3
+    small = PrefixCache(max_bytes=a.nbytes())      # room for one: the older one goes
+    with StateFile(copy) as st:
+        small.load(st, lm)
+        small.load(st, lm, clusters=[st.meta["clusters"][0]["label"]])
+        small.load(st, lm)
+    assert small.misses == 3 and small.nbytes <= a.nbytes()

@@ -70,10 +70,10 @@ def compress(
     """
     from kite.atomic import check_output
 
-    from kite.upcycle import parse_label_ratio_flags
-
     text, name = read_document(input)   # before the heavy imports: a bad --input fails at once
     check_output(output, mkdir, "--output")
+    from kite.upcycle import parse_label_ratio_flags
+
     label_ratios = parse_label_ratio_flags(label_ratio)
     model = model_spec(model)
     from kite.cli._progress import progress_bar

@@ -83,12 +83,14 @@ class ModelRunner:
     def __init__(self, pipeline, settings: ServeSettings, rules, store: StateStore, *,
                  health=None, novelty=None, sampler=None, on_step=None):
         from kite.serve.batcher import Batcher
+        from kite.serve.prefixes import PrefixCache
 
         self.pipeline, self.lm, self.tagger = pipeline, pipeline.lm, pipeline.tagger
         self.settings, self.rules, self.store = settings, rules, store
         self.health, self.novelty, self.sampler = health, novelty, sampler
         self.kv_budget = settings.budget_settings(self.lm.geometry.context_length)
         self._lock = threading.RLock()
+        self.prefixes = PrefixCache(settings.prefix_cache_bytes)   # loaded states, for the next question
         self.batcher = Batcher(self.lm, self._lock, max_batch=settings.max_batch,
                                max_kv_bytes=settings.batch_kv_bytes, on_step=on_step)
 
@@ -175,7 +177,7 @@ class ModelRunner:
             try:
                 prepared = prepare(self.lm, self.tagger, ruleset, path, query, health=self.health,
                                    novelty=self.novelty, sampler=self.sampler, min_hit_gain=self.settings.min_hit_gain,
-                                   fusion_enabled=self.settings.fusion, state_id=state_id)
+                                   fusion_enabled=self.settings.fusion, state_id=state_id, loader=self.prefixes.load)
             finally:
                 self._lock.release()
             opts.queued_at = time.perf_counter()

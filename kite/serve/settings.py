@@ -37,12 +37,16 @@ class ServeSettings:
     # budget in GB (None: unbounded)
     max_batch: int = 8
     batch_kv_gb: float | None = None
+    # loaded states kept for the next request that loads the same (kite.serve.prefixes)
+    prefix_cache_gb: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise BadInput(f"--max-batch {self.max_batch}: at least 1")
         if self.batch_kv_gb is not None and self.batch_kv_gb <= 0:
             raise BadInput(f"--batch-kv-gb {self.batch_kv_gb:g}: must be > 0")
+        if self.prefix_cache_gb < 0:
+            raise BadInput(f"server.prefix_cache_gb {self.prefix_cache_gb:g}: must be ≥ 0 (0: keep none)")
         if self.max_body_mb <= 0:
             raise BadInput(f"server.max_body_mb {self.max_body_mb}: must be > 0")
         if not 1 <= self.port <= 65535 and self.port != 0:
@@ -59,6 +63,10 @@ class ServeSettings:
 
         return check_budget(BudgetSettings(budget_tokens=self.kv_budget_tokens, codec=self.kv_budget_codec,
                                            block_tokens=self.kv_budget_block), context_length)
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return int(self.prefix_cache_gb * 1024 ** 3)
 
     @property
     def batch_kv_bytes(self) -> int | None:
@@ -80,5 +88,5 @@ class ServeSettings:
                    fusion=cfg.features.upcycle_yoco_fusion, min_hit_gain=cfg.features.yoco_min_hit_gain,
                    sampler_interval_ms=cfg.hardware_watermark.gpu_mem.sampling_interval_ms,
                    spike_threshold_gb=cfg.hardware_watermark.gpu_mem.spike_threshold_gb,
-                   max_batch=s.max_batch, batch_kv_gb=s.batch_kv_gb, **kw)
+                   max_batch=s.max_batch, batch_kv_gb=s.batch_kv_gb, prefix_cache_gb=s.prefix_cache_gb, **kw)
 

@@ -143,8 +143,9 @@ class Prepared:
 
 def prepare(lm, tagger, rules, state_path: str | Path, query: str, *, health=None, novelty=None, sampler=None,
             min_hit_gain: float = DEFAULT_MIN_HIT_GAIN, fusion_enabled: bool = True,
-            state_id: str | None = None) -> Prepared:
-    """Signals, the rules' decision and the load (nothing loaded with fusion disabled)."""
+            state_id: str | None = None, loader=None) -> Prepared:
+    """Signals, the rules' decision and the load (nothing loaded with fusion disabled).
+    ``loader``: what loads (``load_prefix``'s signature; a server's prefix cache), default load_prefix."""
     t0 = time.perf_counter()
     with StateFile(state_path) as state:
         watermark = sampler.latest().watermark if sampler is not None else None
@@ -157,7 +158,7 @@ def prepare(lm, tagger, rules, state_path: str | Path, query: str, *, health=Non
             sampler.enable_micro_sampling()
         prefix = report = None
         if plan.loads and fusion_enabled:
-            prefix, report = load_prefix(state, lm, **load_args(plan, q.query_label))
+            prefix, report = (loader or load_prefix)(state, lm, **load_args(plan, q.query_label))
         t_load = time.perf_counter()
     return Prepared(signals, plan, info, prefix, report, {
         "signals_and_decision": round((t_decide - t0) * 1e3, 3), **parts, "load": round((t_load - t_decide) * 1e3, 3)})
