@@ -16,8 +16,6 @@ import argparse
 import json
 import os
 import platform
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,7 +28,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kite.bench.concurrency import percentiles_ms  # noqa: E402
 from kite.data.contracts import generate_contracts  # noqa: E402
+from kite.serve.server import free_port  # noqa: E402
 
 PROMPTS = [
     "The following is a short report about the shipping industry and the way ports handle containers. ",
@@ -38,12 +38,6 @@ PROMPTS = [
     "Explain how a bank decides whether to lend money to a small company and what it looks at. ",
     "Describe the history of the printing press and how it changed the way people shared knowledge. ",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(max_batch: int, state_dir: Path, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
@@ -101,10 +95,9 @@ def burst(url: str, bodies: list[dict], clients: int) -> dict:
         for j, r in enumerate(rs):
             flat[i + j * clients] = r
     tokens = sum(r["tokens"] for r in flat)
-    ttfts = sorted(r["ttft_s"] for r in flat)
+    ttft = percentiles_ms([r["ttft_s"] * 1e3 for r in flat])
     return {"wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
-            "ttft_p50_ms": round(statistics.median(ttfts) * 1e3, 1),
-            "ttft_p95_ms": round(ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))] * 1e3, 1),
+            "ttft_p50_ms": ttft["p50_ms"], "ttft_p95_ms": ttft["p95_ms"],
             "texts": [r["text"] for r in flat]}
 
 

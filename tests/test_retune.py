@@ -181,6 +181,30 @@ def test_retune_moves_ratios_and_reencodes_without_the_document(lm, tmp_path):
         assert third.states[0].retuned == {"cluster-0": 9.0}
 
 
+def test_a_label_without_loads_keeps_its_ratio_and_reports_no_health():
+    import json
+    from dataclasses import asdict
+
+    from kite.yoco.flywheel import RetunePolicy, decide
+
+    d, = decide({}, {"payment": 6.0}, 4.0, RetunePolicy())
+    assert (d.label, d.loads, d.health, d.ratio_before, d.ratio_after) == ("payment", 0, None, 6.0, 6.0)
+    json.dumps(asdict(d), allow_nan=False)   # --json stays valid JSON
+
+
+def test_retune_skips_a_state_made_with_a_preset(lm, tmp_path):
+    folder = _state_dir(lm, tmp_path)
+    exact = CompressSettings(codec=codec.settings_for("exact"), n_clusters=3, min_span_tokens=8, max_span_tokens=24)
+    compress_document(lm, CORPUS, folder / "exact.upc", exact)
+    data = (folder / "exact.upc").read_bytes()
+    with HealthStore(tmp_path / "h.sqlite") as store:
+        _record(store, "cluster-0", 0.03, 6, state="exact")
+        report = retune(folder, store, default_ratio=4.0)
+    skipped = {s.path: s for s in report.states}[str(folder / "exact.upc")]
+    assert skipped.action == "skipped" and "exact preset" in skipped.reason
+    assert (folder / "exact.upc").read_bytes() == data
+
+
 def test_retune_dry_run_writes_nothing(lm, tmp_path):
     folder = _state_dir(lm, tmp_path)
     data = (folder / "contract.upc").read_bytes()

@@ -18,6 +18,12 @@ from collections import deque
 from kite.runtime.batch_decode import BatchDecoder
 
 
+def percentiles_ms(values_ms: list[float]) -> dict[str, float]:
+    """p50 and p95 (nearest rank) of times in ms, rounded to 0.1 ms."""
+    v = sorted(values_ms)
+    return {"p50_ms": round(statistics.median(v), 1), "p95_ms": round(v[min(len(v) - 1, int(0.95 * len(v)))], 1)}
+
+
 def closed_loop(lm, requests: list[tuple[list[int], object]], clients: int, rows: int,
                 max_new_tokens: int) -> dict:
     """Serve ``requests`` ((prompt ids, KVPrefix or None), in order) to ``clients`` clients with a
@@ -53,11 +59,10 @@ def closed_loop(lm, requests: list[tuple[list[int], object]], clients: int, rows
                 waiting.append(j)
     wall = time.perf_counter() - t0
     tokens = sum(r.new_tokens for r in results.values())
-    ttft = sorted((admitted[i] - sent[i]) * 1e3 + results[i].ttft_ms for i in results)
+    ttft = percentiles_ms([(admitted[i] - sent[i]) * 1e3 + results[i].ttft_ms for i in results])
     return {"rows": rows, "peak_rows": peak, "wall_s": round(wall, 3), "new_tokens": tokens,
             "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
-            "ttft_p50_ms": round(statistics.median(ttft), 1),
-            "ttft_p95_ms": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 1),
+            "ttft_p50_ms": ttft["p50_ms"], "ttft_p95_ms": ttft["p95_ms"],
             "texts": [results[i].text for i in range(len(requests))]}
 
 

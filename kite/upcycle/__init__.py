@@ -23,7 +23,7 @@ from kite.upcycle.capture import tokenize_document
 from kite.upcycle.codec import CodecSettings
 from kite.upcycle.codec import settings_for as codec_settings
 from kite.upcycle.compress import ClusterInfo, CompressResult, CompressSettings, compress_document
-from kite.upcycle.recode import cluster_ratios, recode_clusters, state_ratio
+from kite.upcycle.recode import cluster_ratios, not_recodable, recode_clusters, state_ratio
 from kite.upcycle.quality import PROBES, EvalResult, check_probe, compare_logits, evaluate
 from kite.upcycle.format import FORMAT_VERSION, StateFile, StateWriter, path_version
 from kite.upcycle.inspect import describe_state
@@ -49,7 +49,7 @@ __all__ = [
     "compress_settings", "default_tier", "describe_state", "describe_tagger", "evaluate", "evaluate_queries",
     "evaluate_tagging", "format", "load_prefix", "load_upcycle_config", "migrate", "open_pipeline", "path_version", "pending_migration", "plan_migration",
     "Pair", "Regenerator", "RegeneratorFit", "TrainRequest", "read_pairs", "split_pairs", "train_upcycle",
-    "LABEL_RATIOS_FILE", "cluster_ratios", "parse_label_ratio_flags", "read_label_ratios", "recode_clusters",
+    "LABEL_RATIOS_FILE", "cluster_ratios", "not_recodable", "parse_label_ratio_flags", "read_label_ratios", "recode_clusters",
     "state_ratio",
     "prepare_state", "remove_rope", "rollback", "rope_cos_sin", "select_clusters", "tokenize_document",
 ]

@@ -36,6 +36,14 @@ def cluster_ratios(meta: dict) -> list[float | None]:
     return [float(c["ratio"]) if c.get("ratio") is not None else default for c in meta["clusters"]]
 
 
+def not_recodable(meta: dict) -> str | None:
+    """Why a state's clusters cannot be coded again at other ratios (None: they can)."""
+    c = meta.get("codec") or {}
+    if c.get("k_mode") != "pca" or c.get("v_mode") != "pca" or None in cluster_ratios(meta):
+        return f"coded with the {c.get('name', '?')} preset: per-cluster ratios need a PCA ratio"
+    return None
+
+
 def recode_clusters(path: str | Path, targets: dict[int, float], *, regenerator=None,
                     progress: Callable[[int, int], None] | None = None) -> int:
     """Code clusters ``targets`` (cluster index → a ratio above its current one) of the PCA-coded
@@ -45,9 +53,9 @@ def recode_clusters(path: str | Path, targets: dict[int, float], *, regenerator=
     with StateFile(path) as state:
         meta = dict(state.meta)
         now = cluster_ratios(meta)
-        c = meta.get("codec") or {}
-        if c.get("k_mode") != "pca" or c.get("v_mode") != "pca" or None in now:
-            raise BadInput(f"{path}: coded with the {c.get('name', '?')} preset; per-cluster ratios need a PCA ratio")
+        why = not_recodable(meta)
+        if why is not None:
+            raise BadInput(f"{path}: {why}")
         for i, want in targets.items():
             if not 0 <= i < len(now):
                 raise BadInput(f"{path}: no cluster {i} (it has {len(now)})")

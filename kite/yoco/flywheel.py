@@ -31,7 +31,8 @@ import yaml
 
 from kite.atomic import write_text
 from kite.errors import BadInput
-from kite.upcycle import LABEL_RATIOS_FILE, StateFile, cluster_ratios, read_label_ratios, recode_clusters, state_ratio
+from kite.upcycle import (LABEL_RATIOS_FILE, StateFile, cluster_ratios, not_recodable, read_label_ratios,
+                          recode_clusters)
 from kite.yoco.fused import state_id_of
 from kite.yoco.health import DEFAULT_GAIN_SCALE, health_from_gain
 
@@ -64,7 +65,7 @@ class LabelDecision:
     states: int
     loads: int
     mean_gain: float        # load-weighted over the states
-    health: float
+    health: float | None    # None: never loaded (a label only the ratios file names)
     ratio_before: float
     ratio_after: float
     why: str
@@ -115,7 +116,7 @@ def decide(records_by_state: dict[str, list], current: dict[str, float], default
     for label in sorted(set(sums) | set(current)):
         n_states, loads, gsum = sums.get(label, [0, 0, 0.0])
         gain = gsum / loads if loads else 0.0
-        health = health_from_gain(gain, gain_scale) if loads else float("nan")
+        health = health_from_gain(gain, gain_scale) if loads else None   # never loaded: no health
         before = current.get(label, default_ratio)
         fresh = loads - (seen or {}).get(label, 0)
         fresh = loads if fresh < 0 else fresh   # the store was reset since: all its loads are new
@@ -130,7 +131,8 @@ def decide(records_by_state: dict[str, list], current: dict[str, float], default
             why = f"poor measured gain (health {health:.2f} ≤ {policy.poor_health:g}): give it more bytes"
         else:
             after, why = before, f"health {health:.2f} between {policy.poor_health:g} and {policy.hold_health:g}"
-        out.append(LabelDecision(label, n_states, loads, round(gain, 6), round(health, 4),
+        out.append(LabelDecision(label, n_states, loads, round(gain, 6),
+                                 None if health is None else round(health, 4),
                                  round(before, 4), round(after, 4), why))
     return out
 
@@ -143,10 +145,9 @@ def retune_state(path: str | Path, ratios: dict[str, float], *, regenerator=None
     with StateFile(path) as state:
         meta = state.meta
         size = path.stat().st_size
-        c = meta.get("codec") or {}
-        if c.get("k_mode") != "pca" or c.get("v_mode") != "pca" or state_ratio(meta) is None:
-            return StateRetune(str(path), "skipped", size, size,
-                               reason=f"coded with the {c.get('name', '?')} preset: per-label ratios need a PCA ratio")
+        why = not_recodable(meta)
+        if why is not None:
+            return StateRetune(str(path), "skipped", size, size, reason=why)
         todo: dict[int, float] = {}
         needs: dict[str, float] = {}
         for i, (cl, r) in enumerate(zip(meta["clusters"], cluster_ratios(meta))):

@@ -22,6 +22,7 @@ tests run over every preset that uses them.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
@@ -34,8 +35,9 @@ from kite.upcycle.codec.settings import CodecSettings
 from kite.upcycle.format.bitlayout import class_layout
 
 
-class SideCoder:
-    """One storage mode of a side. Subclasses set ``mode`` and implement the three methods."""
+class SideCoder(ABC):
+    """One storage mode of a side. Subclasses set ``mode`` and implement encode and decode (fit
+    has a default: a mode with no shared layer part)."""
 
     mode: ClassVar[str]
 
@@ -46,15 +48,15 @@ class SideCoder:
         meta[side] = {"mode": self.mode}
         return None
 
+    @abstractmethod
     def encode(self, lc: LayerCodec, side: str, X: torch.Tensor, positions: torch.Tensor | None,
                widths: torch.Tensor | None = None) -> Blob:
         """A part: tokens X [H, T_sub, d] at ``positions`` in the document (None: unknown).
         ``widths``: the part's own bit width per stored column (PCA modes only; see :class:`PcaSide`)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def decode(self, lc: LayerCodec, side: str, blob: Blob) -> torch.Tensor:
         """The part back as float32 [H, T_sub, d]."""
-        raise NotImplementedError
 
 
 CODERS: dict[str, SideCoder] = {}
