@@ -1,0 +1,187 @@
+"""The GPU decode kernel of attention from the coded form (Triton): one query token per sequence, many
+sequences per launch, each with its own resident layer (``kite.kernels.coded_attention.CodedLayer``:
+pointers gathered into one table), its own length and its own basis.
+
+One program per (KV head, sequence, split of the sequence's tiles). Per tile of TILE rows it loads the
+key codes chunk by chunk (COLS columns), dequantizes them with the tile's group scales, multiplies by
+the head's basis on tensor cores (bf16, fp32 accumulation) into the two RoPE halves, adds the mean,
+rotates them at each row's position (cos / sin tables by absolute position), scores all query heads
+of the KV head against the tile at once, and accumulates softmax(scores) · value codes in coefficient
+space; at the end the coefficient sums are projected by the value basis. The splits' (output, lse)
+are merged with the raw side cache and the live tokens by ``kite.kernels.coded_attention.merge``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kite.kernels.coded_attention import TILE, CodedLayer
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _coded_decode_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, o_ptr, lse_ptr, qk_scale,
+                         H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                         HALF: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr,
+                         COLS: tl.constexpr, RVP: tl.constexpr, SPLITS: tl.constexpr):
+    h = tl.program_id(0)
+    ns = tl.program_id(1)
+    n = ns // SPLITS
+    split = ns % SPLITS
+    pt = ptrs + n * 12
+    kc_p = tl.load(pt + 0).to(tl.pointer_type(tl.uint8))
+    ks_p = tl.load(pt + 1).to(tl.pointer_type(tl.float32))
+    km_p = tl.load(pt + 2).to(tl.pointer_type(tl.float32))
+    vc_p = tl.load(pt + 3).to(tl.pointer_type(tl.uint8))
+    vs_p = tl.load(pt + 4).to(tl.pointer_type(tl.float32))
+    vm_p = tl.load(pt + 5).to(tl.pointer_type(tl.float32))
+    tg_p = tl.load(pt + 6).to(tl.pointer_type(tl.int32))
+    pos_p = tl.load(pt + 7).to(tl.pointer_type(tl.int32))
+    kb_p = tl.load(pt + 8).to(tl.pointer_type(tl.bfloat16))
+    vb_p = tl.load(pt + 9).to(tl.pointer_type(tl.bfloat16))
+    kmu_p = tl.load(pt + 10).to(tl.pointer_type(tl.float32))
+    vmu_p = tl.load(pt + 11).to(tl.pointer_type(tl.float32))
+    it = ints + n * 6
+    n_tiles = tl.load(it + 0)
+    Ck = tl.load(it + 1)        # code columns of a row (keys): Hb * Rk
+    Cv = tl.load(it + 2)
+    Rk = tl.load(it + 3)        # columns per basis block
+    Rv = tl.load(it + 4)
+    joint = tl.load(it + 5)
+    colk = tl.where(joint != 0, 0, h * Rk)
+    colv = tl.where(joint != 0, 0, h * Rv)
+
+    per = tl.cdiv(n_tiles, SPLITS)
+    t_lo = split * per
+    t_hi = tl.minimum(t_lo + per, n_tiles)
+
+    g = tl.arange(0, GP)
+    gm = g < G
+    j = tl.arange(0, HP)
+    jm = j < HALF
+    qrow = q_ptr + (n * H * G + h * G + g)[:, None] * D
+    q1 = (tl.load(qrow + j[None, :], mask=gm[:, None] & jm[None, :], other=0.0).to(tl.float32) * qk_scale).to(tl.bfloat16)
+    q2 = (tl.load(qrow + HALF + j[None, :], mask=gm[:, None] & jm[None, :], other=0.0).to(tl.float32)
+          * qk_scale).to(tl.bfloat16)
+    mu1 = tl.load(kmu_p + h * D + j, mask=jm, other=0.0)
+    mu2 = tl.load(kmu_p + h * D + HALF + j, mask=jm, other=0.0)
+
+    r = tl.arange(0, BT)
+    c = tl.arange(0, COLS)
+    cv = tl.arange(0, RVP)
+    cvm = cv < Rv
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, RVP], tl.float32)
+    for tile in range(t_lo, t_hi):
+        rows = tile * BT + r
+        p = tl.load(pos_p + rows)
+        valid = p >= 0
+        grp = tl.load(tg_p + tile)
+        k1 = tl.zeros([BT, HP], tl.float32)
+        k2 = tl.zeros([BT, HP], tl.float32)
+        for r0 in range(0, Rk, COLS):
+            cols = colk + r0 + c
+            code = tl.load(kc_p + rows.to(tl.int64)[:, None] * Ck + cols[None, :]).to(tl.float32)
+            sc = tl.load(ks_p + grp * Ck + cols)
+            mn = tl.load(km_p + grp * Ck + cols)
+            coef = (mn[None, :] + sc[None, :] * code).to(tl.bfloat16)
+            brow = kb_p + (h * Rk + r0 + c)[:, None] * D
+            b1 = tl.load(brow + j[None, :], mask=jm[None, :], other=0.0)
+            b2 = tl.load(brow + HALF + j[None, :], mask=jm[None, :], other=0.0)
+            k1 = tl.dot(coef, b1, k1)
+            k2 = tl.dot(coef, b2, k2)
+        k1 += mu1[None, :]
+        k2 += mu2[None, :]
+        pc = tl.maximum(p, 0)
+        cs = tl.load(cos_ptr + pc[:, None] * D + j[None, :], mask=jm[None, :], other=0.0)
+        sn = tl.load(sin_ptr + pc[:, None] * D + j[None, :], mask=jm[None, :], other=0.0)
+        r1 = (k1 * cs - k2 * sn).to(tl.bfloat16)
+        r2 = (k2 * cs + k1 * sn).to(tl.bfloat16)
+        s = tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))          # [GP, BT], log2 units
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        pexp = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(pexp, 1)
+        vcode = tl.load(vc_p + rows.to(tl.int64)[:, None] * Cv + (colv + cv)[None, :], mask=cvm[None, :],
+                        other=0).to(tl.float32)
+        vsc = tl.load(vs_p + grp * Cv + colv + cv, mask=cvm, other=0.0)
+        vmn = tl.load(vm_p + grp * Cv + colv + cv, mask=cvm, other=0.0)
+        vcoef = (vmn[None, :] + vsc[None, :] * vcode).to(tl.bfloat16)
+        acc = acc * alpha[:, None] + tl.dot(pexp.to(tl.bfloat16), vcoef)
+        m_i = m_new
+    # project the coefficient sums by the value basis, add the mean (the weights sum to 1)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    coef = (acc / l_safe[:, None]).to(tl.bfloat16)
+    dd = tl.arange(0, DP)
+    dm = dd < D
+    vb = tl.load(vb_p + (h * Rv + cv)[:, None] * D + dd[None, :], mask=cvm[:, None] & dm[None, :], other=0.0)
+    out = tl.dot(coef, vb)
+    vmu = tl.load(vmu_p + h * D + dd, mask=dm, other=0.0)
+    out = tl.where((l_i > 0)[:, None], out + vmu[None, :], 0.0)
+    head = h * G + g
+    o_row = o_ptr + ((n * SPLITS + split) * H * G + head)[:, None] * D
+    tl.store(o_row + dd[None, :], out, mask=gm[:, None] & dm[None, :])
+    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    tl.store(lse_ptr + (n * SPLITS + split) * H * G + head, lse, mask=gm)
+
+
+class CodedBatch:
+    """The pointer and size tables of a list of resident layers (one per sequence), built once and
+    reused while the batch's sequences stay the same (the layers must stay alive meanwhile)."""
+
+    def __init__(self, layers: list[CodedLayer]):
+        dev = layers[0].k_codes.device
+        self.layers = layers
+        rows, sizes = [], []
+        for c in layers:
+            if c.k_basis.dtype != torch.bfloat16:
+                raise ValueError("the GPU kernel reads bf16 bases")
+            rows.append([c.k_codes.data_ptr(), c.k_scale.data_ptr(), c.k_min.data_ptr(), c.v_codes.data_ptr(),
+                         c.v_scale.data_ptr(), c.v_min.data_ptr(), c.tile_group.data_ptr(), c.pos.data_ptr(),
+                         c.k_basis.data_ptr(), c.v_basis.data_ptr(), c.k_mean.data_ptr(), c.v_mean.data_ptr()])
+            sizes.append([c.rows // TILE, c.k_codes.shape[1], c.v_codes.shape[1], c.k_basis.shape[1],
+                          c.v_basis.shape[1], int(c.joint)])
+        self.ptrs = torch.tensor(rows, dtype=torch.int64, device=dev)
+        self.ints = torch.tensor(sizes, dtype=torch.int32, device=dev)
+        self.max_rv = max(c.v_basis.shape[1] for c in layers)
+        self.max_tiles = max(c.rows // TILE for c in layers)
+        # the raw side caches (sinks, outliers) padded into one tensor, attended in the same softmax
+        S = max(c.raw_k.shape[1] for c in layers)
+        H, d = layers[0].k_mean.shape
+        self.raw_k = torch.zeros(len(layers), H, S, d, dtype=torch.bfloat16, device=dev)
+        self.raw_v = torch.zeros_like(self.raw_k)
+        self.raw_mask = torch.zeros(len(layers), 1, 1, S, dtype=torch.bool, device=dev)
+        for i, c in enumerate(layers):
+            n = c.raw_k.shape[1]
+            self.raw_k[i, :, :n] = c.raw_k
+            self.raw_v[i, :, :n] = c.raw_v
+            self.raw_mask[i, ..., :n] = True
+
+
+def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: torch.Tensor, scale: float,
+                 splits: int | None = None, cols: int = 32, num_warps: int = 4,
+                 num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, Hq, d] (one token per sequence) over each sequence's coded rows: (out [N, S, Hq, d], lse
+    [N, S, Hq]) float32 per split S of the rows (merge them with ``coded_attention.merge`` over dim 1).
+    ``cos`` / ``sin`` [P, d] float32 by absolute position."""
+    N, Hq, d = q.shape
+    H = batch.layers[0].k_mean.shape[0]
+    G = Hq // H
+    if splits is None:   # enough programs to fill the GPU, at least 8 tiles each
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        splits = max(1, min(-(-2 * sms // (N * H)), batch.max_tiles // 8))
+    o = torch.empty(N, splits, Hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(N, splits, Hq, dtype=torch.float32, device=q.device)
+    half = d // 2
+    _coded_decode_kernel[(H, N * splits)](
+        q.contiguous(), batch.ptrs, batch.ints, cos, sin, o, lse, scale * LOG2E,
+        H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=d, HALF=half, HP=max(16, triton.next_power_of_2(half)),
+        DP=max(16, triton.next_power_of_2(d)), BT=TILE, COLS=cols, RVP=max(16, triton.next_power_of_2(batch.max_rv)),
+        SPLITS=splits, num_warps=num_warps, num_stages=num_stages)
+    return o, lse

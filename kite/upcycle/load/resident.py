@@ -1,0 +1,219 @@
+"""A staged state transcoded once, at load, into the resident coded form the coded attention reads
+(:class:`kite.kernels.coded_attention.CodedLayer`), instead of rebuilding its layers.
+
+What changes against the staged (bit-packed) form: each coefficient code is unpacked to one byte
+(the codec's codes are at most 8 bits, so nothing is lost: coefficient = min + scale · code with the
+codec's own per-group fp16 scale and minimum, kept as float32 tables), rows are laid out part by part
+in tiles of ``TILE`` that never straddle a quantization group, a per-head basis is padded to one width,
+and rows the codec keeps exactly (sinks, outliers) move to a small raw side cache (keys post-RoPE).
+The price is bytes: 8 bits per coefficient where the packed form averages the codec's allocated
+widths; :attr:`CodedState.nbytes` counts every byte the form holds on its device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kite.kernels.coded_attention import TILE, CodedLayer
+from kite.kernels.load import pca_coefs
+from kite.upcycle.load.hot_tier import HotState
+from kite.upcycle.load.tables import LayerPlan, SidePlan
+
+COL_ALIGN = 32     # code columns per basis block are padded to this (the kernel's chunk of columns)
+
+
+@dataclass
+class CodedState:
+    """A state resident in coded form: one CodedLayer per layer (None where the layer is not loaded)."""
+
+    layers: list[CodedLayer | None]
+    positions: torch.Tensor        # int64 [T_out]: the kept tokens' positions, ascending (as HotState's)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers if layer is not None)
+
+    def tokens_per_layer(self) -> list[int]:
+        """Tokens each layer attends (coded rows and raw side-cache rows)."""
+        return [0 if c is None else int((c.pos >= 0).sum()) + int(c.raw_k.shape[1]) for c in self.layers]
+
+
+def supports(hot: HotState) -> bool:
+    """Whether the resident form covers this staged state (bases joint over the heads or one per head,
+    groups whole tiles)."""
+    try:
+        for plan in hot.layers:
+            if plan is not None:
+                for sp in plan.sides.values():
+                    _check(sp, hot.H, hot.d)
+        return True
+    except ValueError:
+        return False
+
+
+def _check(sp: SidePlan, H: int, d: int) -> None:
+    if not (sp.B == 1 and sp.D == H * d) and not (sp.B == H and sp.D == d):
+        raise ValueError(f"basis blocks {sp.B} x {sp.D} are neither joint nor per head")
+    for row0, T, gs, *_ in sp.parts_tab_host:
+        if T > gs and gs % TILE:
+            raise ValueError(f"quantization groups of {gs} tokens are not whole tiles of {TILE}")
+
+
+def _pad(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def build_resident(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor) -> CodedState:
+    """Transcode every staged layer of ``hot`` into the resident coded form on ``device``.
+
+    ``dtype``: the bases' precision (bf16 on a GPU; float32 for the exact reference on the CPU).
+    ``cos`` / ``sin`` [P, d] float32: RoPE by absolute position (P > the last position), for the
+    raw side cache's keys. Raises ValueError for a layout the form does not cover (see :func:`supports`).
+    """
+    dev = torch.device(device)
+    dest = hot.dest.to(dev)
+    positions = hot.positions.to(dev)
+    row_pos = torch.where(dest >= 0, positions[dest.clamp_min(0)], torch.full_like(dest, -1))
+    layers: list[CodedLayer | None] = []
+    for layer in range(len(hot.layers)):
+        plan = hot.wait(layer)
+        layers.append(None if plan is None else _layer(hot, plan, dev, dtype, row_pos, cos.to(dev), sin.to(dev)))
+    return CodedState(layers=layers, positions=hot.positions)
+
+
+def _layout(sp: SidePlan) -> tuple[list[int], int, list[tuple[int, int]]]:
+    """Per part its first resident row; the resident row count; per tile (part, group in part)."""
+    starts, tiles, at = [], [], 0
+    for p, (row0, T, gs, *_) in enumerate(sp.parts_tab_host):
+        starts.append(at)
+        n = _pad(T, TILE)
+        tiles += [(p, (i * TILE) // gs) for i in range(n // TILE)]
+        at += n
+    return starts, at, tiles
+
+
+def _side(region: torch.Tensor, sp: SidePlan, H: int, d: int, dtype: torch.dtype):
+    """One side: (codes uint8 [Tp, Hb*Rb], scale, min float32 [G, Hb*Rb], tile groups, basis [H, Rb, d],
+    mean [H, d], part starts)."""
+    _check(sp, H, d)
+    dev = region.device
+    R = sp.R
+    bits = region[sp.col_bits:sp.col_bits + R].long()
+    P = len(sp.parts_tab_host)
+    bitoff = region[sp.col_bitoff:sp.col_bitoff + 8 * P * R].view(torch.int64).view(P, R)
+    goff = region[sp.col_goff:sp.col_goff + 8 * P * R].view(torch.int64).view(P, R)
+    starts, Tp, tiles = _layout(sp)
+    group_rows: dict[tuple[int, int], int] = {}
+    for key in tiles:
+        group_rows.setdefault(key, len(group_rows))
+    codes = torch.zeros(Tp, R, dtype=torch.uint8, device=dev)
+    scale = torch.zeros(len(group_rows), R, dtype=torch.float32, device=dev)
+    mn = torch.zeros_like(scale)
+    c8 = region.long()
+    for p, (row0, T, gs, co, so, mo) in enumerate(sp.parts_tab_host):
+        if T == 0 or R == 0:
+            continue
+        t = torch.arange(T, device=dev)
+        bitpos = co * 8 + bitoff[p][:, None] + t[None, :] * bits[:, None]            # [R, T] (the codec's layout)
+        byte, sh = bitpos >> 3, bitpos & 7
+        v = c8[byte] | (c8[(byte + 1).clamp_max(c8.numel() - 1)] << 8)
+        codes[starts[p]:starts[p] + T] = ((v >> sh) & ((1 << bits[:, None]) - 1)).T.to(torch.uint8)
+        n_groups = -(-T // gs)
+        n = int(goff[p].max()) + n_groups
+        sc = region[so:so + 2 * n].clone().view(torch.float16).float()
+        mi = region[mo:mo + 2 * n].clone().view(torch.float16).float()
+        for k in range(n_groups):
+            if (p, k) in group_rows:
+                scale[group_rows[(p, k)]] = sc[goff[p] + k]
+                mn[group_rows[(p, k)]] = mi[goff[p] + k]
+    tile_group = torch.tensor([group_rows[key] for key in tiles], dtype=torch.int32, device=dev)
+    # the basis [R, D] as the rebuild dequantizes it
+    if sp.basis_kind == "int":
+        btab, bbits, bbitoff, bgoff, btab_host = sp.basis
+        Bt = torch.empty(R, sp.D, dtype=torch.float32, device=dev)
+        pca_coefs(region, region[btab:btab + 48].view(torch.int64).view(1, 6), sp.D,
+                  region[bbits:bbits + R], region[bbitoff:bbitoff + 8 * R].view(torch.int64).view(1, R),
+                  region[bgoff:bgoff + 8 * R].view(torch.int64).view(1, R), Bt, tab_host=btab_host)
+    else:
+        off, dt, Dn, Rn = sp.basis
+        tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dt]
+        Bt = region[off:off + Dn * Rn * tdt.itemsize].view(tdt).view(Dn, Rn).t().float()
+    mean = region[sp.mean:sp.mean + 4 * H * d].view(torch.float32).view(H, d).clone()
+    if sp.B == 1:       # joint: every head reads all R columns, its own d dims of the basis
+        Rb = _pad(max(R, 1), COL_ALIGN)
+        pad = Rb - R
+        codes = torch.nn.functional.pad(codes, (0, pad))
+        scale, mn = torch.nn.functional.pad(scale, (0, pad)), torch.nn.functional.pad(mn, (0, pad))
+        basis = torch.nn.functional.pad(Bt, (0, 0, 0, pad)).view(Rb, H, d).permute(1, 0, 2)
+    else:               # a basis per head: columns blk_off[h]..blk_off[h+1], padded to one width
+        widths = [sp.blk_off[h + 1] - sp.blk_off[h] for h in range(H)]
+        Rb = _pad(max(max(widths), 1), COL_ALIGN)
+        cols = torch.full((H, Rb), -1, dtype=torch.long)
+        for h in range(H):
+            cols[h, :widths[h]] = torch.arange(sp.blk_off[h], sp.blk_off[h + 1])
+        cols = cols.flatten().to(dev)
+        keep = cols >= 0
+        src = cols.clamp_min(0)
+
+        def gather(x):
+            return torch.where(keep, x[:, src], torch.zeros((), dtype=x.dtype, device=dev))
+        codes, scale, mn = gather(codes), gather(scale), gather(mn)
+        basis = torch.where(keep[:, None], Bt[src], torch.zeros((), device=dev)).view(H, Rb, d)
+    return codes.contiguous(), scale, mn, tile_group, basis.to(dtype).contiguous(), mean, starts
+
+
+def _decode_rows(codes, scale, mn, tile_group, basis, mean, joint: bool, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of the resident form decoded back to vectors [H, n, d] float32 (pre-RoPE for keys)."""
+    H, Rb, d = basis.shape
+    g = tile_group.long()[rows // TILE]
+    c = mn[g] + scale[g] * codes[rows].float()                                        # [n, Hb*Rb]
+    out = []
+    for h in range(H):
+        ch = c if joint else c[:, h * Rb:(h + 1) * Rb]
+        out.append(ch @ basis[h].float() + mean[h])
+    return torch.stack(out)
+
+
+def _layer(hot: HotState, plan: LayerPlan, dev, dtype, row_pos, cos, sin) -> CodedLayer:
+    region = hot.buffer[plan.off:plan.off + plan.size].to(dev)
+    H, d = hot.H, hot.d
+    sides = {s: _side(region, plan.sides[s], H, d, dtype) for s in ("k", "v")}
+    if sides["k"][6] != sides["v"][6]:
+        raise ValueError("keys and values are laid out in different parts")
+    starts = sides["k"][6]
+    if not torch.equal(sides["k"][3], sides["v"][3]):
+        raise ValueError("keys and values are quantized in different groups")
+    sp = plan.sides["k"]
+    Tp = sides["k"][0].shape[0]
+    pos = torch.full((Tp,), -1, dtype=torch.int64, device=dev)
+    res_row = torch.full((hot.rows,), -1, dtype=torch.int64)          # token row -> resident row
+    for p, (row0, T, *_) in enumerate(sp.parts_tab_host):
+        pos[starts[p]:starts[p] + T] = row_pos[row0:row0 + T]
+        res_row[row0:row0 + T] = torch.arange(starts[p], starts[p] + T)
+    # rows the codec keeps exactly: out of the coded rows, into the raw side cache (K and V of each)
+    exact: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}}
+    for s in ("k", "v"):
+        for t, off, n, k in plan.sides[s].ovr_host:
+            exact[s][int(t)] = region[off:off + 2 * H * n * d].clone().view(torch.float16).view(H, n, d)[:, k].float()
+    toks = sorted(t for t in set(exact["k"]) | set(exact["v"]) if int(row_pos[t]) >= 0)
+    raw = {}
+    for s in ("k", "v"):
+        codes, scale, mn, tg, basis, mean, _ = sides[s]
+        rows = [exact[s][t] if t in exact[s] else
+                _decode_rows(codes, scale, mn, tg, basis, mean, plan.sides[s].B == 1,
+                             res_row[t:t + 1].to(dev))[:, 0] for t in toks]
+        raw[s] = torch.stack(rows, 1) if rows else torch.zeros(H, 0, d, device=dev)
+    tp = row_pos[toks].long() if toks else torch.zeros(0, dtype=torch.long, device=dev)
+    half = d // 2
+    c, s_ = cos[tp].float(), sin[tp].float()
+    raw_k = raw["k"] * c + torch.cat((-raw["k"][..., half:], raw["k"][..., :half]), -1) * s_
+    for t in set(exact["k"]) | set(exact["v"]):
+        pos[int(res_row[t])] = -1
+    raw_dtype = dtype if dtype != torch.float32 else torch.float32
+    return CodedLayer(pos=pos.to(torch.int32), tile_group=sides["k"][3], k_codes=sides["k"][0], k_scale=sides["k"][1],
+                      k_min=sides["k"][2], v_codes=sides["v"][0], v_scale=sides["v"][1], v_min=sides["v"][2],
+                      k_basis=sides["k"][4], v_basis=sides["v"][4], k_mean=sides["k"][5], v_mean=sides["v"][5],
+                      raw_k=raw_k.to(raw_dtype).contiguous(), raw_v=raw["v"].to(raw_dtype).contiguous(),
+                      joint=plan.sides["k"].B == 1)
