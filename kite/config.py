@@ -87,6 +87,12 @@ class ServerConfig(BaseModel):
     max_batch: int = Field(8, ge=1, le=1024)            # sequences decoding together (continuous batching)
     batch_kv_gb: float | None = Field(None, gt=0)       # the batch's KV buffers; None: unbounded
     prefix_cache_gb: float = Field(2.0, ge=0)           # loaded states kept for the next request (0: none)
+    # `kite serve --replicas` (docs/scale-out.md): replicas on Ray Serve; min/max both set = autoscaled
+    replicas: int = Field(1, ge=1, le=256)
+    min_replicas: int | None = Field(None, ge=1, le=256)
+    max_replicas: int | None = Field(None, ge=1, le=256)
+    route_max_imbalance: int = Field(4, ge=0)           # queued requests a state's holder may exceed the least loaded by
+    ray_address: str | None = Field(None, min_length=1)  # None: a local Ray head on 127.0.0.1
 
     @field_validator("state_dir")
     @classmethod

@@ -39,6 +39,12 @@ def serve(
                                                   "wait in line (default: config server.max_batch, 8).")] = None,
     batch_kv_gb: Annotated[float | None, typer.Option(help="GB the batch's KV buffers may take (default: config "
                                                       "server.batch_kv_gb, unbounded).")] = None,
+    replicas: Annotated[int | None, typer.Option(min=1, help="Replicas of this server on Ray Serve behind one "
+                                                 "endpoint, with a state-aware router (default: config "
+                                                 "server.replicas, 1 = no Ray). docs/scale-out.md")] = None,
+    ray_address: Annotated[str | None, typer.Option(help="With --replicas: an existing Ray cluster (default: "
+                                                    "config server.ray_address, else a local head on "
+                                                    "127.0.0.1).")] = None,
     log_level: Annotated[str, typer.Option(help="Log level (uvicorn's and KITE's): info logs a line per request, "
                                            "rule reloads and switches; warning only refusals and errors.")] = "info",
     mkdir: bool = MkdirOpt,
@@ -51,7 +57,8 @@ def serve(
     cfg = user_config(overrides={"server.host": host, "server.port": port, "server.admin_token": admin_token,
                                  "server.state_dir": str(state_dir) if state_dir else None,
                                  "features.upcycle_yoco_fusion": fusion, "model.default": model,
-                                 "server.max_batch": max_batch, "server.batch_kv_gb": batch_kv_gb})
+                                 "server.max_batch": max_batch, "server.batch_kv_gb": batch_kv_gb,
+                                 "server.replicas": replicas, "server.ray_address": ray_address})
     model = model_spec(model)
     try:
         from kite.serve import ServeSettings, bind_socket, create_app, run
@@ -67,6 +74,9 @@ def serve(
     from kite.atomic import check_output_folder
 
     check_output_folder(settings.state_dir, mkdir, "--state-dir" if state_dir is not None else "server.state_dir")
+    from kite.serve.settings import scale_settings
+
+    scale = scale_settings(cfg)   # bad replica bounds fail before anything slow
     sock = bind_socket(settings.host, settings.port)  # a busy port fails before anything slow
     settings.port = sock.getsockname()[1]  # port 0: the one the system chose
     from kite.model import geometry_from_config, load_config_only
@@ -87,6 +97,11 @@ def serve(
     embedded = embedded_states(resolve(model))   # so do the states a .gguf embeds (kite gguf embed)
     kept = cfg.features.upcycle_compression_ratio
     compress_settings(ucfg[0], kept_fraction=kept)  # the settings uploads are compressed with
+    if scale.distributed:
+        sock.close()   # Ray Serve's proxy binds it
+        from kite.cli.serve_replicas import serve_replicas
+
+        return serve_replicas(out, model, settings, scale, ucfg, kept, cfg.server.ray_address)
     out.print(f"loading model {model} …", highlight=False)
     pipe = open_pipeline(model, ucfg, kept_fraction=kept)
     settings.budget_settings(pipe.lm.geometry.context_length)  # a budget past the model's context fails now

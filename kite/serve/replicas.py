@@ -19,65 +19,20 @@ import asyncio
 import json
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from kite.errors import BadInput, KiteError
+from kite.errors import KiteError
+from kite.serve.scale import ReplicaSpec, ScaleSettings
 
 APP = "kite"
 REPLICA = "kite-replica"
 DIRECTORY = "kite-replica-directory"
 HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "host"}
 RETRIES = 5
-
-
-@dataclass(slots=True)
-class ReplicaSpec:
-    """What every replica loads: the model, the upcycle config (a path, a dict of an
-    UpcycleConfig, or None for the default file), and the server settings (its port is ignored:
-    each replica binds a free loopback port)."""
-
-    model: str
-    settings: object   # kite.serve.ServeSettings
-    upcycle_config: str | dict | None = None
-    kept_fraction: float | None = None
-    tagger: bool = True
-    torch_threads: int = 1
-
-
-@dataclass(slots=True)
-class ScaleSettings:
-    """How many replicas: fixed (`replicas`) or autoscaled between `min_replicas` and
-    `max_replicas` (Ray Serve's autoscaler, aiming at `target_ongoing` requests per replica)."""
-
-    replicas: int = 1
-    min_replicas: int | None = None
-    max_replicas: int | None = None
-    target_ongoing: int = 2
-    max_imbalance: int = 4
-    stats_period_s: float = 0.5
-    max_ongoing: int = 32
-    extra: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise BadInput(f"--replicas {self.replicas}: at least 1")
-        lo, hi = self.min_replicas, self.max_replicas
-        if (lo is None) != (hi is None):
-            raise BadInput("server.min_replicas and server.max_replicas: give both (autoscaling) or neither")
-        if lo is not None and not 0 < lo <= self.replicas <= hi:
-            raise BadInput(f"replicas: need 1 ≤ min_replicas ({lo}) ≤ replicas ({self.replicas}) ≤ "
-                           f"max_replicas ({hi})")
-
-    def deployment_options(self) -> dict:
-        if self.min_replicas is None:
-            return {"num_replicas": self.replicas}
-        return {"autoscaling_config": {"min_replicas": self.min_replicas, "initial_replicas": self.replicas,
-                                       "max_replicas": self.max_replicas,
-                                       "target_ongoing_requests": self.target_ongoing}}
 
 
 class ReplicaDirectory:
@@ -139,7 +94,8 @@ class KiteReplica:
                                              content=body)
             resp = await self._client.send(req, stream=True)
             try:
-                yield resp.status_code, [(k, v) for k, v in resp.headers.items() if k.lower() not in HOP]
+                yield resp.status_code, [*((k, v) for k, v in resp.headers.items() if k.lower() not in HOP),
+                                         ("x-kite-replica", self.replica_id)]
                 async for chunk in resp.aiter_raw():
                     yield chunk
             finally:

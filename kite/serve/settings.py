@@ -90,3 +90,11 @@ class ServeSettings:
                    spike_threshold_gb=cfg.hardware_watermark.gpu_mem.spike_threshold_gb,
                    max_batch=s.max_batch, batch_kv_gb=s.batch_kv_gb, prefix_cache_gb=s.prefix_cache_gb, **kw)
 
+
+
+def scale_settings(cfg):
+    """`kite serve --replicas`' settings from the config (kite.serve.replicas.ScaleSettings; needs
+    no Ray to build). Raises BadInput for bounds that do not hold."""
+    from kite.serve.scale import ScaleSettings
+
+    return ScaleSettings.from_config(cfg)

@@ -1,0 +1,217 @@
+"""`kite serve --replicas` for real: a local Ray cluster on 127.0.0.1, two replicas of a tiny
+random model sharing one state folder behind the ingress, the state-aware router, a replica killed
+under load, and every process restarted."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.ray
+
+from kite.serve import BackgroundServer, ServeSettings, create_app  # noqa: E402
+from kite.serve.scale import ReplicaSpec, ScaleSettings  # noqa: E402
+from kite.serve.server import free_port  # noqa: E402
+from tests.tiny_models import CORPUS  # noqa: E402
+
+RULES = """version: v1
+rules:
+  - name: default
+    condition: true
+    action:
+      load_all_clusters: true
+"""
+UPCYCLE = {"compression": {"precision": "exact", "cluster_num": 3, "min_span_tokens": 8, "max_span_tokens": 24}}
+SENTENCES = [s.strip() + "." for s in CORPUS.split(".") if s.strip()][:5]
+DOCS = [" ".join(SENTENCES[i:] + SENTENCES[:i]) * 2 for i in range(4)]   # 4 documents, 4 states
+PROMPTS = [" The parties", " Paris is", " Any breach", " Once upon", " What is"]
+
+
+def _settings(root) -> ServeSettings:
+    (root / "rules.yaml").write_text(RULES)
+    # min_hit_gain -1: every plan loads (answers do not depend on the health the tiny model earns)
+    return ServeSettings(state_dir=root / "states", rules_path=root / "rules.yaml", fusion=True,
+                         min_hit_gain=-1.0, default_max_tokens=4)
+
+
+class Cluster:
+    """Start/stop the replicas (kite.serve.replicas) with KITE_HOME set for them."""
+
+    def __init__(self, model, root, monkeypatch):
+        self.spec = ReplicaSpec(str(model), _settings(root), UPCYCLE, tagger=False)
+        self.root, self.port = root, free_port()
+        monkeypatch.setenv("KITE_HOME", str(root / "home"))
+        self.cluster = None
+
+    def start(self):
+        from kite.serve import replicas
+
+        self.cluster = replicas.start(self.spec, ScaleSettings(replicas=2, stats_period_s=0.5), port=self.port,
+                                      num_cpus=2, timeout_s=240)
+        self.client = httpx.Client(base_url=self.cluster.url, timeout=120)
+        self._wait_for(2)
+        return self
+
+    def _wait_for(self, n: int, timeout: float = 120.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            alive = [r for r in self.client.get("/v1/replicas").json()["data"] if r["alive"]]
+            if len(alive) >= n:
+                return alive
+            time.sleep(0.5)
+        raise AssertionError(f"{n} replicas not alive after {timeout} s")
+
+    def replicas(self) -> list[dict]:
+        return [r for r in self.client.get("/v1/replicas").json()["data"] if r["alive"]]
+
+    def stop(self):
+        from kite.serve import replicas
+
+        if self.cluster is not None:
+            self.client.close()
+            replicas.stop(self.cluster)
+            self.cluster = None
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        c = Cluster(tiny_models["llama"], tmp_path_factory.mktemp("replicas"), mp).start()
+        try:
+            yield c
+        finally:
+            c.stop()
+
+
+def _complete(client, state: str, prompt: str, max_tokens: int = 4):
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "kite": {"state": state}})
+    return r
+
+
+def _metric(text: str, name: str, replica: str | None = None) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (replica is None or f'replica="{replica}"' in line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_state_made_through_one_replica_is_answered_by_the_other_without_recompression(cluster):
+    a, b = cluster.replicas()[:2]
+    with httpx.Client(base_url=a["url"], timeout=120) as ca, httpx.Client(base_url=b["url"], timeout=120) as cb:
+        made = ca.post("/v1/states", json={"document": DOCS[0]})
+        assert made.status_code == 201 and made.json()["created"] is True
+        sid = made.json()["id"]
+        answer = _complete(cb, sid, PROMPTS[0])
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["kite"]["loaded"] is True
+        again = cb.post("/v1/states", json={"document": DOCS[0]})   # the same document through B
+        assert again.status_code == 200 and again.json()["created"] is False
+        assert _metric(cb.get("/metrics").text, "kite_upcycle_states_total") == 0   # B upcycled nothing
+    # and through the ingress: the document's content id routes it, nothing is upcycled again
+    via = cluster.client.post("/v1/completions", json={"prompt": PROMPTS[1], "kite": {"document": DOCS[0]}})
+    assert via.status_code == 200 and via.json()["kite"]["upcycled"]["created"] is False
+
+
+def test_requests_about_a_state_go_to_the_replica_holding_it_and_cold_states_spread(cluster):
+    c = cluster.client
+    sids = [c.post("/v1/states", json={"document": d}).json()["id"] for d in DOCS]
+    first = _complete(c, sids[1], PROMPTS[0])
+    holder = first.headers["x-kite-replica"]
+    time.sleep(1.2)   # the replicas report their hot states (stats period 0.5 s)
+    answered = {_complete(c, sids[1], p).headers["x-kite-replica"] for p in PROMPTS}
+    assert answered == {holder}
+    cold = [f"cold-{i}" for i in range(12)]
+    for i, sid in enumerate(cold):   # never made: 404, but routed to their rendezvous homes first
+        assert _complete(c, sid, PROMPTS[0]).status_code == 404
+    homes = {_complete(c, sid, PROMPTS[0]).headers["x-kite-replica"] for sid in cold}
+    assert len(homes) == 2
+
+
+def test_metrics_are_per_replica_and_aggregated_at_the_endpoint(cluster):
+    text = cluster.client.get("/metrics").text
+    ids = {r["id"] for r in cluster.replicas()}
+    assert re.search(r"^kite_replicas 2(\.0)?$", text, re.M)
+    for rid in ids:   # every replica's own series, labelled with it
+        assert f'replica="{rid}"' in text
+        own = httpx.get(f"{next(r['url'] for r in cluster.replicas() if r['id'] == rid)}/metrics").text
+        assert _metric(own, "kite_requests_total") <= _metric(text, "kite_requests_total", rid) + 5
+    assert _metric(text, "kite_router_requests_total") > 0
+
+
+def _reference_answers(tiny_models, root, keys):
+    """Greedy answers of one plain server (no Ray) over the same state folder."""
+    import torch
+
+    from kite.model import load_model
+    from kite.upcycle import Pipeline, UpcycleConfig, compress_settings
+
+    torch.set_num_threads(1)
+    lm = load_model(str(tiny_models["llama"]), device="cpu")
+    cfg = UpcycleConfig.model_validate(UPCYCLE)
+    pipe = Pipeline(lm=lm, tagger=None, settings=compress_settings(cfg), config=cfg, config_path=None)
+    out = {}
+    with BackgroundServer(create_app(pipe, _settings(root), start_sampler=False)) as url:
+        with httpx.Client(base_url=url, timeout=120) as c:
+            for sid, prompt in keys:
+                r = _complete(c, sid, prompt)
+                assert r.status_code == 200, r.text
+                out[(sid, prompt)] = r.json()["choices"][0]["text"]
+    return out
+
+
+def test_killing_a_replica_under_200_requests_loses_none_and_answers_right(cluster, tiny_models):
+    import ray
+
+    c = cluster.client
+    sids = [c.post("/v1/states", json={"document": d}).json()["id"] for d in DOCS]
+    keys = [(s, p) for s in sids for p in PROMPTS]
+    want = _reference_answers(tiny_models, cluster.root, keys)
+    jobs = [keys[i % len(keys)] for i in range(200)]
+    done = []
+    lock = threading.Lock()
+
+    def one(key):
+        with httpx.Client(base_url=cluster.cluster.url, timeout=180) as client:
+            r = _complete(client, *key)
+        with lock:
+            done.append(1)
+        return key, r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+
+    victim = next(n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
+                  if "kite-replica#" in n["name"])
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, k) for k in jobs]
+        while len(done) < 40:
+            time.sleep(0.05)
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        results = [f.result() for f in futures]
+    lost = [r for r in results if r[1] != 200]
+    wrong = [r for r in results if r[1] == 200 and r[2] != want[r[0]]]
+    assert lost == [] and wrong == [], (lost[:3], wrong[:3])
+    assert len(results) == 200
+    retried = _metric(c.get("/metrics").text, "kite_router_retries_total")
+    print(f"calls retried after the kill: {retried:g}")
+    assert retried >= 1   # the kill did hit requests in flight: they were retried, not lost
+    cluster._wait_for(2, timeout=120)   # Ray Serve brings the replica back
+
+
+def test_restarting_every_process_finds_every_state_again(cluster):
+    c = cluster.client
+    sids = sorted(c.post("/v1/states", json={"document": d}).json()["id"] for d in DOCS)
+    cluster.stop()   # the ingress, the replicas, Serve, Ray
+    cluster.start()
+    c = cluster.client
+    listed = {s["id"] for s in c.get("/v1/states").json()["data"]}
+    assert set(sids) <= listed
+    for d in DOCS:
+        r = c.post("/v1/states", json={"document": d})
+        assert r.status_code == 200 and r.json()["created"] is False   # found, not upcycled again
+    assert _metric(c.get("/metrics").text, "kite_upcycle_states_total") == 0
+    assert _complete(c, sids[0], PROMPTS[0]).json()["kite"]["loaded"] is True
