@@ -77,7 +77,7 @@ class Batcher:
     unbounded). ``on_step(queue_length, rows, cancelled)`` is called after every step (metrics: the
     queue left, the sequences the step ran, those it dropped because their clients left)."""
 
-    def __init__(self, lm, lock: threading.RLock, *, max_batch: int = 8, max_kv_bytes: int | None = None,
+    def __init__(self, lm, lock, *, max_batch: int = 8, max_kv_bytes: int | None = None,
                  on_step=None):
         if max_batch < 1:
             raise BadInput(f"--max-batch {max_batch}: at least 1")

@@ -9,7 +9,6 @@ worker threads, which keeps the event loop free for admin, health and metrics.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -83,13 +82,14 @@ class ModelRunner:
     def __init__(self, pipeline, settings: ServeSettings, rules, store: StateStore, *,
                  health=None, novelty=None, sampler=None, on_step=None):
         from kite.serve.batcher import Batcher
+        from kite.serve.model_lock import ModelLock
         from kite.serve.prefixes import PrefixCache
 
         self.pipeline, self.lm, self.tagger = pipeline, pipeline.lm, pipeline.tagger
         self.settings, self.rules, self.store = settings, rules, store
         self.health, self.novelty, self.sampler = health, novelty, sampler
         self.kv_budget = settings.budget_settings(self.lm.geometry.context_length)
-        self._lock = threading.RLock()
+        self._lock = ModelLock()   # first come, first served: a step never jumps the waiters
         self.prefixes = PrefixCache(settings.prefix_cache_bytes)   # loaded states, for the next question
         self.batcher = Batcher(self.lm, self._lock, max_batch=settings.max_batch,
                                max_kv_bytes=settings.batch_kv_bytes, on_step=on_step)
