@@ -310,6 +310,8 @@ def main() -> None:
     ap.add_argument("--kv-budget-gb", type=float, default=40.0)
     ap.add_argument("--chunk", type=int, default=8, help="sequences rebuilt per layer at once (concurrency)")
     ap.add_argument("--profile", action="store_true", help="add a torch.profiler summary of one default compress")
+    ap.add_argument("--coded", type=int, default=1, help="the coded-attention section (0: skip it)")
+    ap.add_argument("--skip-concurrency", action="store_true", help="skip the rebuild-per-step concurrency rows")
     ap.add_argument("--batch", type=int, default=32, help="requests decoded together (0: skip that section)")
     ap.add_argument("--batch-new", type=int, default=32, help="new tokens per request in the batched decode")
     ap.add_argument("--batch-alone", type=int, default=4, help="of those, how many to time one at a time")
@@ -790,10 +792,19 @@ def main() -> None:
 
     # ---- concurrency at a fixed GPU memory budget -------------------------------------------------
     try:
-        concurrency(report, args, L, H, d, T, cfg, hot, staging, dest_dev, cq, sq, raw_bytes)
+        if not args.skip_concurrency:
+            concurrency(report, args, L, H, d, T, cfg, hot, staging, dest_dev, cq, sq, raw_bytes)
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         report.data["concurrency_error"] = traceback.format_exc()[-800:]
+    # ---- attention read from the coded form: whole decode steps at the KV budget --------------------
+    if args.coded:
+        try:
+            load_hot()
+            coded_concurrency(report, args, model, cfg, hot, KV, L, H, d, T, raw_bytes, n_params)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            report.data["coded_error"] = traceback.format_exc()[-1500:]
     # ---- batched decoding: many 16K sequences decoding together (kite.runtime.batch_decode) ----------
     if args.batch:
         try:
@@ -957,6 +968,186 @@ def concurrency(report, args, L, H, d, T, cfg, hot, staging, dest, cq, sq, raw_b
     report.row(f"concurrency at {args.kv_budget_gb:g} GB: compressed states, {n_comp} sequences "
                f"({n_comp / max(1, n_raw):.2f}x), rebuilt per layer", res["compressed_step_attention_ms"],
                res["compressed_floor_ms"], vs_prefill=False, note="target >= 3x the sequences")
+
+
+def _stacked(layer, n: int) -> list:
+    """n copies of a resident layer, each in its own memory (views of [n, ...] tensors): a step reads
+    n distinct states, not one state n times out of the L2."""
+    import dataclasses
+
+    fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer) if torch.is_tensor(getattr(layer, f.name))}
+    big = {k: v[None].expand(n, *v.shape).clone() for k, v in fields.items()}
+    return [dataclasses.replace(layer, **{k: big[k][i] for k in big}) for i in range(n)]
+
+
+def coded_concurrency(report, args, model, cfg, hot, KV_state, L, H, d, T, raw_bytes, n_params) -> None:
+    """Whole decode steps at a KV budget: raw bf16 KV at its largest batch vs states resident in coded
+    form (kite.upcycle.load.resident) read by the coded-attention kernel at theirs; every step is the
+    model's real forward (weights, projections, MLP, lm_head) with one new token per sequence."""
+    import math
+
+    from transformers import AttentionInterface
+
+    from kite.kernels.coded_attention import coded_decode_partial, merge, raw_partial
+    from kite.kernels.coded_attention_triton import CodedBatch, coded_decode
+    from kite.upcycle.load.resident import build_resident
+
+    torch.cuda.empty_cache()
+    budget = args.kv_budget_gb * 1e9
+    Hq = cfg.num_attention_heads
+    scale = 1 / math.sqrt(d)
+    with torch.inference_mode():
+        ct, st = model.model.rotary_emb(torch.zeros(1, device=DEV), torch.arange(T + 64, device=DEV)[None])
+    cos_tab, sin_tab = ct[0].float().contiguous(), st[0].float().contiguous()
+    sync()
+    t0 = time.perf_counter()
+    res = build_resident(hot, device=DEV, dtype=torch.bfloat16, cos=cos_tab, sin=sin_tab)
+    sync()
+    build_ms = (time.perf_counter() - t0) * 1e3
+    per_seq = res.nbytes
+    stream = sum(c.stream_bytes for c in res.layers)
+    n_raw = int(budget // raw_bytes)
+    n_cod = int(budget // per_seq)
+    out = {"budget_gb": args.kv_budget_gb, "raw_bytes_per_seq": raw_bytes, "packed_state_bytes_per_seq": hot.nbytes,
+           "resident_bytes_per_seq": per_seq, "resident_stream_bytes_per_seq": stream, "n_raw": n_raw,
+           "n_coded": n_cod, "transcode_ms": round(build_ms, 1),
+           "resident_vs_packed": round(per_seq / hot.nbytes, 3), "raw_vs_resident": round(raw_bytes / per_seq, 3),
+           "Rk": res.layers[0].k_basis.shape[1], "Rv": res.layers[0].v_basis.shape[1], "joint": res.layers[0].joint}
+    print("coded form:", json.dumps(out), flush=True)
+    # correctness at this geometry: the kernel vs attention over the rebuilt (bf16) layer
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    errs = {}
+    for li in (0, L // 2, L - 1):
+        qc = torch.randn(4, Hq, d, device=DEV, generator=gen, dtype=torch.bfloat16) * 2
+        got, _ = coded_decode_partial(qc, [res.layers[li]] * 4, cos_tab, sin_tab, scale)
+        kk = KV_state[0, li].repeat_interleave(Hq // H, 0)[None].float()
+        vv = KV_state[1, li].repeat_interleave(Hq // H, 0)[None].float()
+        want = torch.stack([torch.nn.functional.scaled_dot_product_attention(qc[i][None, :, None].float(), kk, vv,
+                                                                             scale=scale)[0, :, 0] for i in range(4)])
+        errs[li] = {"max_abs_diff": float((got - want).abs().max()), "max_abs_out": float(want.abs().max())}
+    out["kernel_vs_rebuilt"] = errs
+    print("coded kernel vs rebuilt:", json.dumps(errs), flush=True)
+    # kernel variants on the attention part alone (every layer, n_cod sequences)
+    layers = [_stacked(res.layers[li], n_cod) for li in range(L)]
+    batches = [CodedBatch(ls) for ls in layers]
+    qn = torch.randn(n_cod, Hq, d, device=DEV, dtype=torch.bfloat16, generator=gen)
+    floor_att = n_cod * stream / HBM_BPS * 1e3
+    variants = {}
+    for nw, ns, nc in ((4, 3, 32), (8, 3, 32), (8, 4, 32), (8, 3, 64), (4, 3, 64)):
+        def att(nw=nw, ns=ns, nc=nc):
+            for b in batches:
+                coded_decode(qn, b, cos_tab, sin_tab, scale, num_warps=nw, num_stages=ns, cols=nc)
+        try:
+            variants[f"warps{nw}_stages{ns}_cols{nc}"] = cuda_ms(att, reps=5)
+        except Exception as e:  # noqa: BLE001
+            variants[f"warps{nw}_stages{ns}_cols{nc}"] = repr(e)[:200]
+    print("coded kernel variants (ms, all layers):", variants, flush=True)
+    best = min((v, k) for k, v in variants.items() if isinstance(v, float))[1]
+    nw, ns, nc = int(best.split("_")[0][5:]), int(best.split("_")[1][6:]), int(best.split("_")[2][4:])
+    out["kernel_variants_ms"] = variants
+    out["kernel_best"] = best
+    # where the kernel's time goes: leave out the key rebuild, or the value accumulation
+    for name, kw in (("no key rebuild (scores of the means)", dict(do_k=False)),
+                     ("no value accumulation", dict(do_v=False)), ("neither", dict(do_k=False, do_v=False))):
+        out[f"kernel_ms_{name}"] = cuda_ms(lambda kw=kw: [coded_decode(qn, b, cos_tab, sin_tab, scale, num_warps=nw,
+                                                                       num_stages=ns, cols=nc, **kw) for b in batches], reps=3)
+    print("coded kernel split:", {k: v for k, v in out.items() if k.startswith("kernel_ms_")}, flush=True)
+
+    def att_full():
+        for b in batches:
+            o, lse = coded_decode(qn, b, cos_tab, sin_tab, scale, num_warps=nw, num_stages=ns, cols=nc)
+            parts = [(o[:, s_], lse[:, s_]) for s_ in range(o.shape[1])]
+            ro, rl = raw_partial(qn[:, :, None], b.raw_k, b.raw_v, scale, b.raw_mask)
+            merge(parts + [(ro[:, :, 0], rl[:, :, 0])])
+    out["coded_attention_ms"] = cuda_ms(att_full, reps=5)
+    out["coded_kernel_only_ms"] = variants[best]
+    out["coded_attention_floor_ms"] = floor_att
+    report.row(f"coded attention, {n_cod} x {T}-token states resident in coded form, all {L} layers (kernel + merge)",
+               out["coded_attention_ms"], floor_att, vs_prefill=False,
+               note=f"floor = coded stream bytes / HBM; kernel alone {variants[best]:.2f} ms ({best})")
+
+    # whole decode steps: the model's forward with one token per sequence
+    state = {}
+
+    def coded_attn(module, query, key, value, attention_mask, scaling=None, **kw):
+        li = module.layer_idx
+        q1 = query[:, :, 0]
+        o, lse = coded_decode(q1, batches[li], cos_tab, sin_tab, scaling, num_warps=nw, num_stages=ns, cols=nc)
+        b = batches[li]
+        parts = [(o[:, s_], lse[:, s_]) for s_ in range(o.shape[1])]
+        ro, rl = raw_partial(query, b.raw_k, b.raw_v, scaling, b.raw_mask)
+        so, sl = raw_partial(query, key, value, scaling)            # the new token itself
+        parts += [(ro[:, :, 0], rl[:, :, 0]), (so[:, :, 0], sl[:, :, 0])]
+        return merge(parts)[0][:, None].to(query.dtype), None
+
+    def raw_attn(module, query, key, value, attention_mask, scaling=None, **kw):
+        kv = state["kv"][module.layer_idx]
+        kv[0][:, :, T:T + 1] = key
+        kv[1][:, :, T:T + 1] = value
+        o = torch.nn.functional.scaled_dot_product_attention(query, kv[0], kv[1], scale=scaling, enable_gqa=True)
+        return o.transpose(1, 2), None
+
+    AttentionInterface.register("bench_coded", coded_attn)
+    AttentionInterface.register("bench_raw", raw_attn)
+    before = cfg._attn_implementation
+
+    def step_ms(name, n):
+        cfg._attn_implementation = name
+        for layer in model.model.layers:
+            layer.self_attn.config._attn_implementation = name
+        ids = torch.randint(cfg.vocab_size, (n, 1), device=DEV, generator=gen)
+        pos = torch.full((n, 1), T, device=DEV)
+
+        def fwd():
+            with torch.inference_mode():
+                return model(ids, position_ids=pos, use_cache=False, logits_to_keep=1).logits
+        eager = cuda_ms(fwd, reps=5)
+        graphed = None
+        try:
+            with torch.inference_mode():
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    fwd()
+                    fwd()
+                torch.cuda.current_stream().wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    fwd()
+                graphed = cuda_ms(g.replay, reps=10)
+            del g
+        except Exception as e:  # noqa: BLE001
+            print(f"graph {name}: {e!r}"[:300], flush=True)
+        return eager, graphed
+
+    try:
+        torch.cuda.empty_cache()
+        ce, cg = step_ms("bench_coded", n_cod)
+        layers = batches = None
+        torch.cuda.empty_cache()
+        state["kv"] = [torch.randn(2, n_raw, H, T + 1, d, device=DEV, dtype=torch.bfloat16, generator=gen)
+                       for _ in range(L)]
+        re_, rg = step_ms("bench_raw", n_raw)
+        state.clear()
+    finally:
+        cfg._attn_implementation = before
+        for layer in model.model.layers:
+            layer.self_attn.config._attn_implementation = before
+    c_ms, r_ms = min(x for x in (ce, cg) if x), min(x for x in (re_, rg) if x)
+    weights_floor = n_params * 2 / HBM_BPS * 1e3
+    out.update({"coded_step_ms": {"eager": ce, "graph": cg}, "raw_step_ms": {"eager": re_, "graph": rg},
+                "coded_tokens_per_s": n_cod / c_ms * 1e3, "raw_tokens_per_s": n_raw / r_ms * 1e3,
+                "coded_vs_raw_tokens_per_s": round((n_cod / c_ms) / (n_raw / r_ms), 3),
+                "coded_step_floor_ms": weights_floor + floor_att,
+                "raw_step_floor_ms": weights_floor + n_raw * raw_bytes / HBM_BPS * 1e3})
+    report.row(f"decode step at {args.kv_budget_gb:g} GB of KV: raw bf16, {n_raw} x {T}-token sequences (whole forward)",
+               r_ms, out["raw_step_floor_ms"], vs_prefill=False, note=f"{out['raw_tokens_per_s']:.0f} tok/s")
+    report.row(f"decode step at {args.kv_budget_gb:g} GB: {n_cod} states resident in coded form "
+               f"({per_seq / 1e6:.0f} MB each, {raw_bytes / per_seq:.2f}x fewer bytes than raw), coded-attention kernel",
+               c_ms, out["coded_step_floor_ms"], vs_prefill=False,
+               note=f"{out['coded_tokens_per_s']:.0f} tok/s = {out['coded_vs_raw_tokens_per_s']}x raw; target >= 2x")
+    report.data["coded_concurrency"] = out
+    print("coded concurrency:", json.dumps(out, default=str), flush=True)
 
 
 if __name__ == "__main__":

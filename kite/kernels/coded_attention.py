@@ -13,8 +13,9 @@ For a query q of KV head h at any position after the state's tokens:
 
 * scores s_t = q · RoPE_{p_t}(c_t B_h + μ_h), RoPE applied to the rebuilt key tile at each token's
   position (cos / sin tables indexed by absolute position);
-* values in coefficient space: Σ_t p_t v_t = (Σ_t p_t c_t) B_v,h + μ_v,h (Σ_t p_t = 1 over the
-  coded tokens), so only the key side is rebuilt per tile.
+* values in coefficient space: Σ_t p_t v_t = (Σ_t p_t c_t) B_v,h + Σ_t p_t μ_v,h,g(t), so only the
+  key side is rebuilt per tile (μ per quantization group: the codec's mean plus its columns coded at
+  0 bits, which hold the group's minimum only and are not stored).
 
 Every function returns (output normalized over its tokens, log-sum-exp of its scores) so that parts
 attended apart (coded tokens, the raw side cache, a batch row's live tokens) merge exactly
@@ -52,8 +53,8 @@ class CodedLayer:
     v_min: torch.Tensor
     k_basis: torch.Tensor      # [H, Rk, d] (head h's slice of the joint basis, or its own)
     v_basis: torch.Tensor      # [H, Rv, d]
-    k_mean: torch.Tensor       # float32 [H, d]
-    v_mean: torch.Tensor       # float32 [H, d]
+    k_mean: torch.Tensor       # float32 [G, H, d]: the mean plus the group's uncoded (0-bit) columns
+    v_mean: torch.Tensor       # float32 [G, H, d]
     raw_k: torch.Tensor        # [H, S, d] rows kept exactly, keys post-RoPE
     raw_v: torch.Tensor        # [H, S, d]
     joint: bool
@@ -104,18 +105,19 @@ def coded_partial_torch(q: torch.Tensor, layer: CodedLayer, cos: torch.Tensor, s
     layout). Every coded row is visible to every query row (the query follows the state).
     """
     Hq, n, d = q.shape
-    H = layer.k_mean.shape[0]
+    H = layer.k_mean.shape[1]
     rep = Hq // H
     valid = layer.pos >= 0
     p = layer.pos.long().clamp_min(0)
     c, s = cos[p].float(), sin[p].float()
     Ck, Cv = _coefs(layer, "k"), _coefs(layer, "v")
+    g = layer.tile_group.long().repeat_interleave(TILE)                                 # group of each row
     out = torch.zeros(Hq, n, d, dtype=torch.float32, device=q.device)
     lse = torch.full((Hq, n), float("-inf"), dtype=torch.float32, device=q.device)
     if not bool(valid.any()):
         return out, lse
     for h in range(H):
-        k = Ck[:, _cols(layer, h, "k")] @ layer.k_basis[h].float() + layer.k_mean[h]     # [Tp, d] pre-RoPE
+        k = Ck[:, _cols(layer, h, "k")] @ layer.k_basis[h].float() + layer.k_mean[g, h]  # [Tp, d] pre-RoPE
         k = _rope(k, c, s)
         qh = q[h * rep:(h + 1) * rep].float()                                            # [rep, n, d]
         sc = (qh @ k.T) * scale                                                           # [rep, n, Tp]
@@ -123,7 +125,7 @@ def coded_partial_torch(q: torch.Tensor, layer: CodedLayer, cos: torch.Tensor, s
         lse[h * rep:(h + 1) * rep] = torch.logsumexp(sc, dim=-1)
         prob = torch.softmax(sc, dim=-1)
         coef = prob @ Cv[:, _cols(layer, h, "v")]                                         # [rep, n, Rv]
-        out[h * rep:(h + 1) * rep] = coef @ layer.v_basis[h].float() + layer.v_mean[h]
+        out[h * rep:(h + 1) * rep] = coef @ layer.v_basis[h].float() + prob @ layer.v_mean[g, h]
     return out, lse
 
 

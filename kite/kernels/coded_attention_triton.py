@@ -26,7 +26,8 @@ LOG2E = 1.4426950408889634
 def _coded_decode_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, o_ptr, lse_ptr, qk_scale,
                          H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                          HALF: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr,
-                         COLS: tl.constexpr, RVP: tl.constexpr, SPLITS: tl.constexpr):
+                         COLS: tl.constexpr, RVP: tl.constexpr, SPLITS: tl.constexpr,
+                         DO_K: tl.constexpr = True, DO_V: tl.constexpr = True):
     h = tl.program_id(0)
     ns = tl.program_id(1)
     n = ns // SPLITS
@@ -63,11 +64,10 @@ def _coded_decode_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, o_ptr, lse_ptr, qk
     j = tl.arange(0, HP)
     jm = j < HALF
     qrow = q_ptr + (n * H * G + h * G + g)[:, None] * D
-    q1 = (tl.load(qrow + j[None, :], mask=gm[:, None] & jm[None, :], other=0.0).to(tl.float32) * qk_scale).to(tl.bfloat16)
-    q2 = (tl.load(qrow + HALF + j[None, :], mask=gm[:, None] & jm[None, :], other=0.0).to(tl.float32)
-          * qk_scale).to(tl.bfloat16)
-    mu1 = tl.load(kmu_p + h * D + j, mask=jm, other=0.0)
-    mu2 = tl.load(kmu_p + h * D + HALF + j, mask=jm, other=0.0)
+    q1 = tl.load(qrow + j[None, :], mask=gm[:, None] & jm[None, :], other=0.0).to(tl.bfloat16)
+    q2 = tl.load(qrow + HALF + j[None, :], mask=gm[:, None] & jm[None, :], other=0.0).to(tl.bfloat16)
+    dd = tl.arange(0, DP)
+    dm = dd < D
 
     r = tl.arange(0, BT)
     c = tl.arange(0, COLS)
@@ -76,6 +76,7 @@ def _coded_decode_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, o_ptr, lse_ptr, qk
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, RVP], tl.float32)
+    acc_mu = tl.zeros([GP, DP], tl.float32)     # Σ p_t μ_v,g(t): the value means per group
     for tile in range(t_lo, t_hi):
         rows = tile * BT + r
         p = tl.load(pos_p + rows)
@@ -83,47 +84,51 @@ def _coded_decode_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, o_ptr, lse_ptr, qk
         grp = tl.load(tg_p + tile)
         k1 = tl.zeros([BT, HP], tl.float32)
         k2 = tl.zeros([BT, HP], tl.float32)
-        for r0 in range(0, Rk, COLS):
+        for r0 in range(0, Rk if DO_K else 0, COLS):
+            cm = (r0 + c) < Rk
             cols = colk + r0 + c
-            code = tl.load(kc_p + rows.to(tl.int64)[:, None] * Ck + cols[None, :]).to(tl.float32)
-            sc = tl.load(ks_p + grp * Ck + cols)
-            mn = tl.load(km_p + grp * Ck + cols)
+            code = tl.load(kc_p + rows.to(tl.int64)[:, None] * Ck + cols[None, :], mask=cm[None, :],
+                           other=0).to(tl.float32)
+            sc = tl.load(ks_p + grp * Ck + cols, mask=cm, other=0.0)
+            mn = tl.load(km_p + grp * Ck + cols, mask=cm, other=0.0)
             coef = (mn[None, :] + sc[None, :] * code).to(tl.bfloat16)
             brow = kb_p + (h * Rk + r0 + c)[:, None] * D
-            b1 = tl.load(brow + j[None, :], mask=jm[None, :], other=0.0)
-            b2 = tl.load(brow + HALF + j[None, :], mask=jm[None, :], other=0.0)
+            b1 = tl.load(brow + j[None, :], mask=cm[:, None] & jm[None, :], other=0.0)
+            b2 = tl.load(brow + HALF + j[None, :], mask=cm[:, None] & jm[None, :], other=0.0)
             k1 = tl.dot(coef, b1, k1)
             k2 = tl.dot(coef, b2, k2)
-        k1 += mu1[None, :]
-        k2 += mu2[None, :]
+        mrow = kmu_p + (grp * H + h) * D
+        k1 += tl.load(mrow + j, mask=jm, other=0.0)[None, :]
+        k2 += tl.load(mrow + HALF + j, mask=jm, other=0.0)[None, :]
         pc = tl.maximum(p, 0)
         cs = tl.load(cos_ptr + pc[:, None] * D + j[None, :], mask=jm[None, :], other=0.0)
         sn = tl.load(sin_ptr + pc[:, None] * D + j[None, :], mask=jm[None, :], other=0.0)
         r1 = (k1 * cs - k2 * sn).to(tl.bfloat16)
         r2 = (k2 * cs + k1 * sn).to(tl.bfloat16)
-        s = tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))          # [GP, BT], log2 units
+        s = (tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))) * qk_scale    # [GP, BT], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         pexp = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(pexp, 1)
-        vcode = tl.load(vc_p + rows.to(tl.int64)[:, None] * Cv + (colv + cv)[None, :], mask=cvm[None, :],
-                        other=0).to(tl.float32)
-        vsc = tl.load(vs_p + grp * Cv + colv + cv, mask=cvm, other=0.0)
-        vmn = tl.load(vm_p + grp * Cv + colv + cv, mask=cvm, other=0.0)
-        vcoef = (vmn[None, :] + vsc[None, :] * vcode).to(tl.bfloat16)
-        acc = acc * alpha[:, None] + tl.dot(pexp.to(tl.bfloat16), vcoef)
+        psum = tl.sum(pexp, 1)
+        l_i = l_i * alpha + psum
+        vmu = tl.load(vmu_p + (grp * H + h) * D + dd, mask=dm, other=0.0)
+        acc_mu = acc_mu * alpha[:, None] + psum[:, None] * vmu[None, :]
+        if DO_V:
+            vcode = tl.load(vc_p + rows.to(tl.int64)[:, None] * Cv + (colv + cv)[None, :], mask=cvm[None, :],
+                            other=0).to(tl.float32)
+            vsc = tl.load(vs_p + grp * Cv + colv + cv, mask=cvm, other=0.0)
+            vmn = tl.load(vm_p + grp * Cv + colv + cv, mask=cvm, other=0.0)
+            vcoef = (vmn[None, :] + vsc[None, :] * vcode).to(tl.bfloat16)
+            acc = acc * alpha[:, None] + tl.dot(pexp.to(tl.bfloat16), vcoef)
         m_i = m_new
-    # project the coefficient sums by the value basis, add the mean (the weights sum to 1)
+    # project the coefficient sums by the value basis, add the weighted group means
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    coef = (acc / l_safe[:, None]).to(tl.bfloat16)
-    dd = tl.arange(0, DP)
-    dm = dd < D
+    coef = acc / l_safe[:, None]
     vb = tl.load(vb_p + (h * Rv + cv)[:, None] * D + dd[None, :], mask=cvm[:, None] & dm[None, :], other=0.0)
-    out = tl.dot(coef, vb)
-    vmu = tl.load(vmu_p + h * D + dd, mask=dm, other=0.0)
-    out = tl.where((l_i > 0)[:, None], out + vmu[None, :], 0.0)
+    out = tl.dot(coef, vb.to(tl.float32), input_precision="ieee") + acc_mu / l_safe[:, None]   # once: fp32
+    out = tl.where((l_i > 0)[:, None], out, 0.0)
     head = h * G + g
     o_row = o_ptr + ((n * SPLITS + split) * H * G + head)[:, None] * D
     tl.store(o_row + dd[None, :], out, mask=gm[:, None] & dm[None, :])
@@ -153,7 +158,7 @@ class CodedBatch:
         self.max_tiles = max(c.rows // TILE for c in layers)
         # the raw side caches (sinks, outliers) padded into one tensor, attended in the same softmax
         S = max(c.raw_k.shape[1] for c in layers)
-        H, d = layers[0].k_mean.shape
+        H, d = layers[0].k_mean.shape[1:]
         self.raw_k = torch.zeros(len(layers), H, S, d, dtype=torch.bfloat16, device=dev)
         self.raw_v = torch.zeros_like(self.raw_k)
         self.raw_mask = torch.zeros(len(layers), 1, 1, S, dtype=torch.bool, device=dev)
@@ -165,13 +170,14 @@ class CodedBatch:
 
 
 def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: torch.Tensor, scale: float,
-                 splits: int | None = None, cols: int = 32, num_warps: int = 4,
-                 num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+                 splits: int | None = None, cols: int = 32, num_warps: int = 8, num_stages: int = 3,
+                 do_k: bool = True, do_v: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, Hq, d] (one token per sequence) over each sequence's coded rows: (out [N, S, Hq, d], lse
     [N, S, Hq]) float32 per split S of the rows (merge them with ``coded_attention.merge`` over dim 1).
-    ``cos`` / ``sin`` [P, d] float32 by absolute position."""
+    ``cos`` / ``sin`` [P, d] float32 by absolute position. ``do_k`` / ``do_v`` False leave out the key
+    rebuild / the value accumulation (wrong results: for timing where the time goes)."""
     N, Hq, d = q.shape
-    H = batch.layers[0].k_mean.shape[0]
+    H = batch.layers[0].k_mean.shape[1]
     G = Hq // H
     if splits is None:   # enough programs to fill the GPU, at least 8 tiles each
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -183,5 +189,5 @@ def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: tor
         q.contiguous(), batch.ptrs, batch.ints, cos, sin, o, lse, scale * LOG2E,
         H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=d, HALF=half, HP=max(16, triton.next_power_of_2(half)),
         DP=max(16, triton.next_power_of_2(d)), BT=TILE, COLS=cols, RVP=max(16, triton.next_power_of_2(batch.max_rv)),
-        SPLITS=splits, num_warps=num_warps, num_stages=num_stages)
+        SPLITS=splits, DO_K=do_k, DO_V=do_v, num_warps=num_warps, num_stages=num_stages)
     return o, lse

@@ -96,7 +96,7 @@ def _layout(sp: SidePlan) -> tuple[list[int], int, list[tuple[int, int]]]:
 
 def _side(region: torch.Tensor, sp: SidePlan, H: int, d: int, dtype: torch.dtype):
     """One side: (codes uint8 [Tp, Hb*Rb], scale, min float32 [G, Hb*Rb], tile groups, basis [H, Rb, d],
-    mean [H, d], part starts)."""
+    mean per group [G, H, d], part starts)."""
     _check(sp, H, d)
     dev = region.device
     R = sp.R
@@ -140,20 +140,33 @@ def _side(region: torch.Tensor, sp: SidePlan, H: int, d: int, dtype: torch.dtype
         off, dt, Dn, Rn = sp.basis
         tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dt]
         Bt = region[off:off + Dn * Rn * tdt.itemsize].view(tdt).view(Dn, Rn).t().float()
-    mean = region[sp.mean:sp.mean + 4 * H * d].view(torch.float32).view(H, d).clone()
-    if sp.B == 1:       # joint: every head reads all R columns, its own d dims of the basis
-        Rb = _pad(max(R, 1), COL_ALIGN)
-        pad = Rb - R
-        codes = torch.nn.functional.pad(codes, (0, pad))
-        scale, mn = torch.nn.functional.pad(scale, (0, pad)), torch.nn.functional.pad(mn, (0, pad))
-        basis = torch.nn.functional.pad(Bt, (0, 0, 0, pad)).view(Rb, H, d).permute(1, 0, 2)
-    else:               # a basis per head: columns blk_off[h]..blk_off[h+1], padded to one width
-        widths = [sp.blk_off[h + 1] - sp.blk_off[h] for h in range(H)]
-        Rb = _pad(max(max(widths), 1), COL_ALIGN)
-        cols = torch.full((H, Rb), -1, dtype=torch.long)
+    mean = region[sp.mean:sp.mean + 4 * H * d].view(torch.float32).view(H, d)
+    # columns coded at 0 bits hold their group minimum only: folded into a mean per group, not stored
+    zero = bits == 0
+    blk = torch.zeros(R, dtype=torch.long, device=dev)
+    for b in range(sp.B):
+        blk[sp.blk_off[b]:sp.blk_off[b + 1]] = b
+    Y0 = torch.zeros(scale.shape[0], sp.B, sp.D, device=dev)
+    if bool(zero.any()):
+        for b in range(sp.B):
+            cz = zero & (blk == b)
+            Y0[:, b] = mn[:, cz] @ Bt[cz]
+    gmean = (Y0.reshape(-1, H, d) + mean[None]).contiguous()                         # [G, H, d]
+    live = ~zero
+    if sp.B == 1:       # joint: every head reads all live columns, its own d dims of the basis
+        Rl = int(live.sum())
+        Rb = _pad(max(Rl, 1), COL_ALIGN)
+        pad = Rb - Rl
+        codes = torch.nn.functional.pad(codes[:, live], (0, pad))
+        scale, mn = torch.nn.functional.pad(scale[:, live], (0, pad)), torch.nn.functional.pad(mn[:, live], (0, pad))
+        basis = torch.nn.functional.pad(Bt[live], (0, 0, 0, pad)).view(Rb, H, d).permute(1, 0, 2)
+    else:               # a basis per head: its live columns of blk_off[h]..blk_off[h+1], padded to one width
+        per = [torch.nonzero(live & (blk == h)).flatten() for h in range(H)]
+        Rb = _pad(max(max(len(c) for c in per), 1), COL_ALIGN)
+        cols = torch.full((H, Rb), -1, dtype=torch.long, device=dev)
         for h in range(H):
-            cols[h, :widths[h]] = torch.arange(sp.blk_off[h], sp.blk_off[h + 1])
-        cols = cols.flatten().to(dev)
+            cols[h, :len(per[h])] = per[h]
+        cols = cols.flatten()
         keep = cols >= 0
         src = cols.clamp_min(0)
 
@@ -161,6 +174,7 @@ def _side(region: torch.Tensor, sp: SidePlan, H: int, d: int, dtype: torch.dtype
             return torch.where(keep, x[:, src], torch.zeros((), dtype=x.dtype, device=dev))
         codes, scale, mn = gather(codes), gather(scale), gather(mn)
         basis = torch.where(keep[:, None], Bt[src], torch.zeros((), device=dev)).view(H, Rb, d)
+    mean = gmean
     return codes.contiguous(), scale, mn, tile_group, basis.to(dtype).contiguous(), mean, starts
 
 
@@ -172,7 +186,7 @@ def _decode_rows(codes, scale, mn, tile_group, basis, mean, joint: bool, rows: t
     out = []
     for h in range(H):
         ch = c if joint else c[:, h * Rb:(h + 1) * Rb]
-        out.append(ch @ basis[h].float() + mean[h])
+        out.append(ch @ basis[h].float() + mean[g, h])
     return torch.stack(out)
 
 
