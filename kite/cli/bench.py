@@ -63,6 +63,12 @@ def run(
     concurrency: Annotated[Optional[int], typer.Option(min=1, help="Also answer the cases from their states to N "
                                                         "clients at once, batched and one at a time: aggregate "
                                                         "tokens/s and time to first token.")] = None,
+    ray: Annotated[bool, typer.Option("--ray", help="Spread the cases over a Ray cluster's workers (one task per "
+                                      "group of documents; a local head on 127.0.0.1 unless --ray-address). "
+                                      "docs/scale-out.md")] = False,
+    ray_address: Annotated[Optional[str], typer.Option(help="With --ray: an existing Ray cluster.")] = None,
+    ray_workers: Annotated[Optional[int], typer.Option(min=1, help="With --ray: tasks at once (default: the "
+                                                       "cluster's CPUs).")] = None,
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
@@ -113,7 +119,14 @@ def run(
         append_run(record_of(result, str(output)))
 
     with kept_on_interrupt(lambda: _kept(ended, output)), progress_bar() as progress:
-        result = run_bench(s, progress, record=record)
+        if ray or ray_address:
+            from kite.bench.on_ray import run_bench_ray
+
+            result = run_bench_ray(s, workers=ray_workers, address=ray_address, threads=threads or 1,
+                                   progress=progress)
+            record(result)
+        else:
+            result = run_bench(s, progress, record=record)
     plots = []
     if plot is not None:
         from kite.bench.plots import write_plots

@@ -119,6 +119,9 @@ def auto(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per answer.")] = 32,
     device: Annotated[Optional[str], typer.Option(help="cpu | cuda (default: cuda when present).")] = None,
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads.")] = None,
+    ray: Annotated[bool, typer.Option("--ray", help="Measure the grid's points at once on a Ray cluster's workers "
+                                      "(a local head on 127.0.0.1 unless --ray-address). docs/scale-out.md")] = False,
+    ray_address: Annotated[Optional[str], typer.Option(help="With --ray: an existing Ray cluster.")] = None,
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
@@ -176,7 +179,8 @@ def auto(
                      families=[f.strip() for f in families.split(",")] if families else None,
                      per_family=per_family, max_cases=max_cases, max_new_tokens=max_new_tokens, device=device,
                      kept_fraction=cfg.features.upcycle_compression_ratio,
-                     min_hit_gain=cfg.features.yoco_min_hit_gain)
+                     min_hit_gain=cfg.features.yoco_min_hit_gain, ray=ray or ray_address is not None,
+                     ray_address=ray_address)
     if threads is not None:
         import torch
 

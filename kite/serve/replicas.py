@@ -294,16 +294,10 @@ def start(spec: ReplicaSpec, scale: ScaleSettings, *, host: str = "127.0.0.1", p
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
+    from kite.ray_session import connect
     from kite.serve.ray_router import StateAwareRouter
 
-    started = False
-    if not ray.is_initialized():
-        if address:
-            ray.init(address=address, log_to_driver=False)
-        else:
-            ray.init(num_cpus=num_cpus or min(os.cpu_count() or 1, 4), include_dashboard=False,
-                     _node_ip_address="127.0.0.1", log_to_driver=False)
-            started = True
+    started = connect(address, num_cpus)
     serve.start(http_options={"host": host, "port": port})
     remote_dir = ray.remote(num_cpus=0)(ReplicaDirectory)
     try:
@@ -315,20 +309,19 @@ def start(spec: ReplicaSpec, scale: ScaleSettings, *, host: str = "127.0.0.1", p
                                  request_routing_stats_period_s=scale.stats_period_s,
                                  request_routing_stats_timeout_s=max(5.0, scale.stats_period_s * 4))
     replica = serve.deployment(KiteReplica).options(
-        name=REPLICA, ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": kite_env()}}, max_ongoing_requests=scale.max_ongoing,
+        # num_cpus 0: on a small machine the replicas share its cores (torch_threads each)
+        name=REPLICA, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=scale.max_ongoing,
         request_router_config=router, health_check_period_s=2.0, health_check_timeout_s=30.0,
         **scale.deployment_options())
     t0 = time.monotonic()
-    serve.run(KiteIngress.bind(replica.bind(spec)), name=APP, route_prefix="/", blocking=False)
+    try:
+        serve.run(KiteIngress.bind(replica.bind(spec)), name=APP, route_prefix="/", blocking=False)
+    except RuntimeError as exc:   # a replica failed to start: Ray's message names the deployment
+        raise KiteError(f"kite serve --replicas: {str(exc).splitlines()[0]} (the replicas' logs: "
+                        "/tmp/ray/session_latest/logs/serve/)") from None
     url = f"http://{host}:{port}"
     _wait_ready(time.monotonic() - t0, timeout_s)
     return Cluster(url, address, started)
-
-
-def kite_env() -> dict[str, str]:
-    """The KITE_* environment (KITE_HOME, KITE_CACHE, the admin token ...) replicas run with: the
-    same as the process that starts them."""
-    return {k: v for k, v in os.environ.items() if k.startswith("KITE_")}
 
 
 def _wait_ready(spent: float, timeout_s: float) -> None:

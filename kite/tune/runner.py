@@ -56,6 +56,8 @@ class TuneSettings:
     kept_fraction: float | None = None  # the KITE config's features.upcycle_compression_ratio
     min_hit_gain: float | None = None  # the KITE config's features.yoco_min_hit_gain
     record_history: bool = True  # each point is a bench run: recorded in `kite bench history`
+    ray: bool = False  # measure a grid's points at once on Ray's workers (kite.tune.on_ray)
+    ray_address: str | None = None  # an existing Ray cluster (None: a local head on 127.0.0.1)
 
 
 def _now() -> str:
@@ -185,6 +187,10 @@ def run_tune(s: TuneSettings, progress: Progress | None = None) -> dict:
                          min_hit_gain=DEFAULT_MIN_HIT_GAIN if s.min_hit_gain is None else s.min_hit_gain,
                          device=s.device)
     total = search.total
+    measure_with = run_bench
+    if s.ray:
+        measure_with = _measured_on_ray(s, search, finished, base, cfg, cfg_path, rules_path, workdir, record,
+                                        progress)
     if progress:
         progress(_stage(sweep, s), 0, total)
     try:
@@ -198,7 +204,7 @@ def run_tune(s: TuneSettings, progress: Progress | None = None) -> dict:
                 sweep.add(rec)
             else:
                 rec = _measure(s, sweep, params, pid, base, cfg, cfg_path, rules_path, workdir, reuse, record,
-                               progress, run_bench)
+                               progress, measure_with)
                 sweep.add(rec)
             search.tell(params, _values(rec["figures"], s.objectives),
                         [c.violation(rec["figures"]) for c in s.constraints])
@@ -220,6 +226,33 @@ def run_tune(s: TuneSettings, progress: Progress | None = None) -> dict:
     sweep.doc["complete"] = True
     sweep.write()
     return sweep.doc
+
+
+def _measured_on_ray(s, search, finished, base, cfg, cfg_path, rules_path, workdir, record, progress):
+    """Measure every point of the grid not finished yet on Ray; a run_bench stand-in that hands
+    each point's result to `_measure` (and records it as run_bench would)."""
+    from kite.tune.on_ray import measure_grid_ray
+    from kite.tune.point import bench_settings
+
+    if s.search != "grid":
+        raise BadInput("--ray measures a grid's points at once; --search optuna proposes each point from "
+                       "the ones before it")
+    (workdir / "points").mkdir(parents=True, exist_ok=True)
+    todo = [(point_id(p), p) for p in search if point_id(p) not in finished]
+
+    def settings_of(pid, params):
+        return bench_settings(base, params, cfg, cfg_path, rules_path, workdir, workdir / "points" / f"{pid}.json")
+
+    results = measure_grid_ray(todo, settings_of, address=s.ray_address, progress=progress)
+    by_output = {str(settings_of(pid, p).output): results[pid] for pid, p in todo}
+
+    def measured(bs, progress=None, record=None, reuse=None):
+        result = by_output[str(bs.output)]
+        if record is not None:
+            record(result)
+        return result
+
+    return measured
 
 
 def _measure(s, sweep, params, pid, base, cfg, cfg_path, rules_path, workdir, reuse, record, progress,
