@@ -50,8 +50,8 @@ class ScaleSettings:
     def from_config(cls, cfg, **kw) -> "ScaleSettings":
         """From a `KiteConfig`'s server.replicas, min_replicas, max_replicas, route_max_imbalance."""
         s = cfg.server
-        return cls(replicas=s.replicas, min_replicas=s.min_replicas, max_replicas=s.max_replicas,
-                   max_imbalance=s.route_max_imbalance, max_ongoing=max(2, 4 * s.max_batch), **kw)
+        return cls(**{"replicas": s.replicas, "min_replicas": s.min_replicas, "max_replicas": s.max_replicas,
+                      "max_imbalance": s.route_max_imbalance, "max_ongoing": max(2, 4 * s.max_batch), **kw})
 
     @property
     def distributed(self) -> bool:
