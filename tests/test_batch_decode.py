@@ -255,3 +255,51 @@ def test_embedded_batch_equals_one_at_a_time(embedded, one_thread):
         got = results[h]
         assert (got.ids, got.text, got.stop_reason) == (want.ids, want.text, want.stop_reason)
     assert "Paris" in results[handles[0]].text
+
+
+@pytest.mark.parametrize("codec", ["exact", "ratio=8"])
+def test_a_budgeted_sequence_in_a_batch_equals_its_budgeted_cache_alone(lm, prefixes, one_thread, codec):
+    """A long prompt under a KV memory budget joins a batch beside a request with a state: its
+    prompt goes in block-sized chunks, its older tokens are coded into blocks between forwards, its
+    row never holds more than the budget plus one chunk, and it gets generate()'s tokens and budget
+    report with a BudgetCache alone (the lossless codec: to 1e-4 logits, so the same greedy tokens)."""
+    from kite.upcycle import BudgetCache, BudgetRow, BudgetSettings
+
+    settings = BudgetSettings(budget_tokens=48, codec=codec, block_tokens=16)
+    long_prompt = _ids(lm, 150, 21)
+    cache = BudgetCache(lm.model, settings)
+    alone = generate(lm, long_prompt, cache=cache, prefill_chunk=16, max_new_tokens=40, stop_ids=set())
+    other_prompt, other_prefix = _ids(lm, 6, 22), prefixes[0]
+    other_alone = generate(lm, other_prompt, prefix=other_prefix, max_new_tokens=30, stop_ids=set())
+
+    engine = BatchDecoder(lm, max_rows=2)
+    h_other = engine.add(other_prompt, prefix=other_prefix, max_new_tokens=30, stop_ids=set())
+    memory = BudgetRow(lm.model, settings)
+    h = engine.add(long_prompt, max_new_tokens=40, stop_ids=set(), memory=memory)
+    row, most = None, 0
+    results = {}
+    while len(engine):
+        results.update(engine.step())
+        for seq in engine._active.values():
+            if seq.memory is memory:
+                row = seq.row
+                most = max(most, int(engine.cache.lengths[:, row].max()))
+    got = results[h]
+    assert got.ids == alone.ids and got.stop_reason == alone.stop_reason
+    assert got.prompt_nll_bits == pytest.approx(alone.prompt_nll_bits, abs=1e-4)
+    assert results[h_other].ids == other_alone.ids
+    assert most <= settings.budget_tokens   # after every forward (the chunk in flight comes on top)
+    want, have = cache.stats(), memory.stats()
+    for key in ("tokens", "raw_tokens", "compressed_tokens", "blocks_per_layer", "compressed_bytes",
+                "codec_bytes", "raw_bytes", "raw_kv_bytes", "kv_bytes"):
+        assert have[key] == want[key], key
+    assert have["compressed_tokens"] > 0
+
+
+def test_a_row_with_a_memory_cannot_start_from_a_state(lm, prefixes, one_thread):
+    from kite.upcycle import BudgetRow, BudgetSettings
+
+    engine = BatchDecoder(lm, max_rows=2)
+    with pytest.raises(ValueError, match="not both"):
+        engine.add(_ids(lm, 5, 1), prefix=prefixes[0],
+                   memory=BudgetRow(lm.model, BudgetSettings(budget_tokens=48, block_tokens=16)))

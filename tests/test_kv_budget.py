@@ -76,7 +76,7 @@ def test_lossless_codec_matches_the_full_cache_and_keeps_positions(lm):
     assert layer.get_seq_length() == 300 and layer.raw_tokens <= 100
     assert layer.compressed_tokens == 300 - layer.raw_tokens and layer.compressed_tokens % 32 == 0
     k_full, v_full = cache_layers(full_cache)[0]
-    dk, dv = layer._decoded(torch.float32)
+    dk, dv = (t[None] for t in layer.coded.decoded(torch.float32, "cpu"))
     span = slice(4, 4 + layer.compressed_tokens)  # after the 4 raw sinks
     assert (dk - k_full[..., span, :]).abs().max() <= 1e-4
     assert torch.equal(dv, v_full[..., span, :])
@@ -209,7 +209,11 @@ def test_serve_settings_check_the_budget(tmp_path):
     assert ServeSettings(state_dir=tmp_path, rules_path=tmp_path / "r.yaml").budget_settings() is None
 
 
-def test_server_completion_with_a_budget(lm, tmp_path):
+def test_server_completions_with_a_budget_decode_together(lm, tmp_path):
+    """Three budgeted completions at once: they share the batch, each its older tokens coded, and
+    each gets what generate() gives it with a BudgetCache alone (text and budget report)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from fastapi.testclient import TestClient
 
     from kite.serve import ServeSettings, create_app
@@ -219,12 +223,27 @@ def test_server_completion_with_a_budget(lm, tmp_path):
     rules.write_text("rules:\n  - name: default\n    condition: true\n    action:\n      load_all_clusters: true\n")
     settings = ServeSettings(state_dir=tmp_path / "states", rules_path=rules, kv_budget_tokens=100,
                              kv_budget_block=32)
+    prompts = [f"Clause {i}: the parties agree that the supplier shall deliver the goods. " * (8 + 2 * i)
+               for i in range(3)]
+    alone = []
+    for p in prompts:
+        cache = BudgetCache(lm.model, settings.budget_settings())
+        ids = lm.tokenizer(p)["input_ids"]
+        alone.append((generate(lm, ids, cache=cache, prefill_chunk=32, max_new_tokens=6), cache.stats()))
     with TestClient(create_app(open_pipeline(lm=lm, tagger=False), settings)) as client:
-        prompt = "The parties agree that the supplier shall deliver the goods. " * 18
-        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3})
+        def ask(p):
+            return client.post("/v1/completions", json={"prompt": p, "max_tokens": 6})
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(ask, prompts))
+    for r, (want, want_stats) in zip(replies, alone):
         assert r.status_code == 200, r.text
-        kb = r.json()["kite"]["kv_budget"]
-        assert kb["applied"] is True and kb["compressed_tokens"] > 0 and kb["kv_bytes"] < kb["raw_kv_bytes"]
+        body = r.json()
+        kb = body["kite"]["kv_budget"]
+        assert kb["applied"] is True and kb["batched"] is True
+        assert kb["compressed_tokens"] > 0 and kb["kv_bytes"] < kb["raw_kv_bytes"]
+        assert (kb["tokens"], kb["compressed_tokens"], kb["kv_bytes"]) == (
+            want_stats["tokens"], want_stats["compressed_tokens"], want_stats["kv_bytes"])
+        assert body["choices"][0]["text"] == want.text
 
 
 @pytest.mark.slow

@@ -26,7 +26,8 @@ def kite_attention(module, query, key, value, attention_mask, scaling=None, drop
     """query [B, Hq, q, d], key/value [B, Hkv, k, d] → ([B, q, Hq, d], None)."""
     batch = kwargs.get(BATCH_KWARG)
     if batch is not None:
-        return batch_attention(query, key, value, batch.mask(module.layer_idx, key.shape[-2]), scaling)
+        held = batch.held(module.layer_idx, key.dtype, key.device) if batch.memories else None
+        return batch_attention(query, key, value, batch.mask(module.layer_idx, key.shape[-2]), scaling, held)
     q_len, k_len = query.shape[-2], key.shape[-2]
     mask = attention_mask
     if mask is not None:
@@ -55,13 +56,27 @@ def kite_attention(module, query, key, value, attention_mask, scaling=None, drop
     return out.transpose(1, 2).contiguous(), None
 
 
-def batch_attention(query, key, value, mask, scaling=None):
+def batch_attention(query, key, value, mask, scaling=None, held=None):
     """Attention of a batch step: query [B, Hq, q, d], key/value [B, Hkv, k, d] (views of the batch
-    cache), mask [B, 1, q, k] bool → ([B, q, Hq, d], None).
+    cache), mask [B, 1, q, k] bool → ([B, q, Hq, d], None). ``held``: batch index -> ([Hkv, n, d],
+    [Hkv, n, d]), tokens that row keeps apart (kite.runtime.row_memory), seen by all its new tokens.
 
     The query heads that share a KV head are folded into the query length ([B, Hkv, rep·q, d]), so
     the keys and values are read where they lie instead of being copied once per query head.
     """
+    out = _folded_attention(query, key, value, mask, scaling)
+    for b, (hk, hv) in (held or {}).items():
+        # the row's own attention over [held, its slots]: one softmax over both
+        n = hk.shape[-2]
+        seen = torch.ones((1, 1, mask.shape[-2], n), dtype=torch.bool, device=mask.device)
+        row = _folded_attention(query[b:b + 1], torch.cat([hk[None], key[b:b + 1]], dim=-2),
+                                   torch.cat([hv[None], value[b:b + 1]], dim=-2),
+                                   torch.cat([seen, mask[b:b + 1]], dim=-1), scaling)
+        out[b] = row[0]
+    return out, None
+
+
+def _folded_attention(query, key, value, mask, scaling=None) -> torch.Tensor:
     b, hq, q, d = query.shape
     hkv = key.shape[1]
     rep = hq // hkv
@@ -69,7 +84,7 @@ def batch_attention(query, key, value, mask, scaling=None):
         query = query.reshape(b, hkv, rep * q, d)   # head h = g·rep + r → group g, row r·q + j
         mask = mask.repeat(1, 1, rep, 1)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(b, hq, q, d).transpose(1, 2).contiguous(), None
+    return out.reshape(b, hq, q, d).transpose(1, 2).contiguous()
 
 
 def register() -> str:

@@ -16,12 +16,13 @@ and the forward passes it to KITE's attention (kite.runtime.attention.BATCH_KWAR
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kite.errors import KiteError
 from kite.runtime.cache import KVPrefix
+from kite.runtime.row_memory import RowMemory
 
 _ALIGN = 64   # capacity grows in whole blocks of slots (fewer regrowths, steadier shapes)
 
@@ -55,6 +56,17 @@ class BatchStep:
     write_slots: torch.Tensor    # [layers, N] its slot in each layer
     real: torch.Tensor | None    # [B, q] bool: which (row, j) are real tokens; None when all are
     row_range: tuple[int, int] | None   # (first, end) when `rows` is a consecutive run: views, no copies
+    memories: dict[int, RowMemory] = field(default_factory=dict)   # batch index -> its older tokens
+
+    def held(self, layer: int, dtype: torch.dtype, device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The older tokens of the rows that keep some apart (kite.runtime.row_memory), by batch
+        index: ([H, n, d], [H, n, d]) post-RoPE, visible to every new token of that row."""
+        out = {}
+        for b, memory in self.memories.items():
+            kv = memory.held(layer, dtype, device)
+            if kv is not None:
+                out[b] = kv
+        return out
 
     @property
     def query_length(self) -> int:
@@ -174,6 +186,20 @@ class BatchKVCache:
         self.lengths[:, row] = 0
 
     @torch.inference_mode()
+    def drop_slots(self, row: int, layer: int, start: int, n: int) -> None:
+        """Remove slots start…start+n-1 of `row` in `layer` (their tokens went to the row's memory):
+        the later slots move down, positions unchanged (RoPE is already in the keys)."""
+        if self._step is not None:
+            raise RuntimeError("rows change between steps, not during one")
+        end = int(self.lengths[layer, row])
+        if n <= 0 or start < 0 or start + n > end:
+            raise ValueError(f"slots {start}..{start + n - 1} of a row holding {end}")
+        for store in (self.keys, self.values):
+            buf = store[layer]
+            buf[row, :, start:end - n] = buf[row, :, start + n:end].clone()
+        self.lengths[layer, row] = end - n
+
+    @torch.inference_mode()
     def _reserve(self, rows: int, capacity: int) -> None:
         """Make the buffers at least `rows` × `capacity` (growing by doubling, within the budget)."""
         have_rows = self.rows_allocated
@@ -207,9 +233,11 @@ class BatchKVCache:
 
     # -- one forward ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def open_step(self, rows: list[int], new_tokens: list[int]) -> BatchStep:
+    def open_step(self, rows: list[int], new_tokens: list[int],
+                  memories: dict[int, RowMemory] | None = None) -> BatchStep:
         """Prepare a forward in which row rows[b] feeds new_tokens[b] ≥ 1 tokens; grows the
-        capacity first when a row would overflow. Close it with `close_step` after the forward."""
+        capacity first when a row would overflow. `memories`: batch index -> what that row keeps
+        apart (attended with its slots). Close it with `close_step` after the forward."""
         if self._step is not None:
             raise RuntimeError("a step is already open")
         if not rows or len(rows) != len(new_tokens) or min(new_tokens) < 1:
@@ -239,7 +267,8 @@ class BatchKVCache:
             write_rows=idx[:, None].expand(-1, q)[real].to(self.device),
             write_slots=slots.to(self.device),
             real=None if bool(real.all()) else real.to(self.device),
-            row_range=(first, end) if rows == list(range(first, end)) else None)
+            row_range=(first, end) if rows == list(range(first, end)) else None,
+            memories=dict(memories or {}))
         self._step = step
         return step
 

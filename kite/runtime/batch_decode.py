@@ -35,25 +35,27 @@ from kite.runtime.cache import KVPrefix
 from kite.runtime.decoding import (GenerationResult, SequenceDecode, check_request, nll_bits,
                                    prompt_nll_nats)
 from kite.runtime.generate import cache_kwarg
+from kite.runtime.row_memory import RowMemory
 
 __all__ = ["BatchDecoder", "BatchFull", "BatchKVCache", "forward_rows"]
 
 
 @torch.inference_mode()
 def forward_rows(model, cache: BatchKVCache, rows: list[int], tokens: list[list[int]],
-                 positions: list[int]) -> list[torch.Tensor]:
+                 positions: list[int], memories: dict[int, RowMemory] | None = None) -> list[torch.Tensor]:
     """One forward over `rows` of `cache`: row rows[b] feeds tokens[b] (≥ 1) at positions
     positions[b]…; returns each row's logits [len(tokens[b]), vocab] (fp32).
 
     The rows' new tokens are right-padded to the longest; padded positions are not written to
     the cache and their logits are dropped. Each new token sees its own row's filled slots of each
-    layer and the row's new tokens up to itself, nothing else.
+    layer, what its row's memory holds (`memories`, by batch index) and the row's new tokens up to
+    itself, nothing else.
     """
     device = next(model.parameters()).device
     counts = [len(t) for t in tokens]
     ids, _ = right_padded(tokens, pad=0)
     pos = torch.as_tensor(positions, dtype=torch.long)[:, None] + torch.arange(ids.shape[1])[None, :]
-    step = cache.open_step(rows, counts)
+    step = cache.open_step(rows, counts, memories)
     try:
         out = model(input_ids=ids.to(device), position_ids=pos.to(device),
                     attention_mask=step.placeholder_mask(), use_cache=True,
@@ -82,6 +84,14 @@ class _Sequence:
     reader_on: bool = False
     prefilled: bool = False
     worst_length: int = 0        # slots its row may need by its last token
+    memory: RowMemory | None = None   # where its older tokens go (a budgeted sequence)
+    fed: int = 0                 # prompt tokens fed so far
+    prompt_nll_nats: float = 0.0  # summed over the prompt's chunks
+
+    def next_chunk(self) -> list[int]:
+        """The prompt tokens the next step feeds (all of them, or one chunk for a budgeted row)."""
+        n = self.memory.prefill_chunk if self.memory is not None else len(self.prompt_ids)
+        return self.prompt_ids[self.fed:self.fed + n]
 
 
 class BatchDecoder:
@@ -108,7 +118,8 @@ class BatchDecoder:
     def max_rows(self) -> int:
         return self.cache.max_rows
 
-    def fits(self, prompt_tokens: int, prefix: KVPrefix | None = None, max_new_tokens: int = 128) -> bool:
+    def fits(self, prompt_tokens: int, prefix: KVPrefix | None = None, max_new_tokens: int = 128,
+             memory: RowMemory | None = None) -> bool:
         """Whether `add` would take such a request now (a free row, and the KV budget)."""
         row = self.cache.next_row()
         if row is None:
@@ -117,7 +128,7 @@ class BatchDecoder:
             return True
         # the buffers never shrink: the rows already allocated stay, and every active sequence
         # may still grow to its own worst case
-        worst = max([_worst_length(prompt_tokens, prefix, max_new_tokens)]
+        worst = max([_worst_length(prompt_tokens, prefix, max_new_tokens, memory)]
                     + [s.worst_length for s in self._active.values()])
         rows = max(row + 1, self.cache.rows_allocated)
         capacity = max(self.cache.capacity, round_capacity(worst))
@@ -125,10 +136,12 @@ class BatchDecoder:
 
     def add(self, prompt_ids: list[int], *, prefix: KVPrefix | None = None, max_new_tokens: int = 128,
             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-            stop_ids: set[int] | None = None, on_text: Callable[[str], None] | None = None) -> int:
+            stop_ids: set[int] | None = None, on_text: Callable[[str], None] | None = None,
+            memory: RowMemory | None = None) -> int:
         """Admit a request (the same arguments as generate()); returns its handle. Its prompt is
-        prefilled by the next `step`. Raises BadInput for a bad request, BatchFull when there is no
-        room now (see `fits`)."""
+        prefilled by the next `step` (with a `memory`, one chunk a step: the memory takes the row's
+        older tokens between forwards, so the row never holds more than ``memory.max_slots``).
+        Raises BadInput for a bad request, BatchFull when there is no room now (see `fits`)."""
         t0 = time.perf_counter()
         start = prefix.next_position if prefix is not None else 0
         check_request(self.lm, prompt_ids, start, max_new_tokens)
@@ -137,7 +150,9 @@ class BatchDecoder:
 
             raise BadInput(f"batched decoding does not apply the model's sliding window of {self._window} "
                            f"tokens: keep state + prompt + --max-new-tokens within it")
-        if not self.fits(len(prompt_ids), prefix, max_new_tokens):
+        if memory is not None and prefix is not None:
+            raise ValueError("a row keeps its older tokens in a memory or starts from a state, not both")
+        if not self.fits(len(prompt_ids), prefix, max_new_tokens, memory):
             raise BatchFull(f"no room in the batch for {len(prompt_ids)} prompt tokens + {max_new_tokens} new "
                             f"({len(self._active)} of {self.max_rows} rows active)")
         row = self.cache.take(prefix)
@@ -149,7 +164,7 @@ class BatchDecoder:
         self._active[handle] = _Sequence(
             handle=handle, prompt_ids=list(prompt_ids), prefix=prefix, decode=decode, row=row, position=start,
             reader=bool(prefix is not None and prefix.reader),
-            worst_length=_worst_length(len(prompt_ids), prefix, max_new_tokens))
+            worst_length=_worst_length(len(prompt_ids), prefix, max_new_tokens, memory), memory=memory)
         return handle
 
     def cancel(self, handle: int) -> bool:
@@ -183,26 +198,58 @@ class BatchDecoder:
         return results
 
     def _prefill(self, group: list[_Sequence]) -> None:
+        """Feed each waiting sequence its prompt (or its next chunk); those whose prompt is then
+        whole get their first token."""
+        chunks = [s.next_chunk() for s in group]
         with self._reading(group[0].reader) as on:
-            logits = forward_rows(self.lm.model, self.cache, [s.row for s in group],
-                                  [s.prompt_ids for s in group], [s.position for s in group])
-        for seq, rows in zip(group, logits):
+            logits = self._forward(group, chunks)
+        whole, whole_logits = [], []
+        for seq, chunk, rows in zip(group, chunks, logits):
             ids = seq.prompt_ids
-            seq.prompt_nll_bits = nll_bits(prompt_nll_nats(rows, ids[1:]), len(ids))
-            seq.reader_on, seq.prefilled = bool(on), True
-            seq.position += len(ids)
-        self._advance(group, logits)
+            seq.prompt_nll_nats += prompt_nll_nats(rows, ids[seq.fed + 1:seq.fed + len(chunk) + 1])
+            seq.fed += len(chunk)
+            seq.position += len(chunk)
+            if seq.fed == len(ids):
+                seq.prompt_nll_bits = nll_bits(seq.prompt_nll_nats, len(ids))
+                seq.reader_on, seq.prefilled = bool(on), True
+                whole.append(seq)
+                whole_logits.append(rows)
+        self._advance(whole, whole_logits)
 
     def _decode(self, group: list[_Sequence]) -> None:
         with self._reading(group[0].reader):
-            logits = forward_rows(self.lm.model, self.cache, [s.row for s in group],
-                                  [[s.next_token] for s in group], [s.position for s in group])
+            logits = self._forward(group, [[s.next_token] for s in group])
         for seq in group:
             seq.position += 1
         self._advance(group, logits)
 
+    def _forward(self, group: list[_Sequence], tokens: list[list[int]]) -> list[torch.Tensor]:
+        """One forward of `group` feeding `tokens`; then the rows with a memory offer it their
+        older tokens."""
+        memories = {b: s.memory for b, s in enumerate(group) if s.memory is not None}
+        logits = forward_rows(self.lm.model, self.cache, [s.row for s in group], tokens,
+                              [s.position for s in group], memories)
+        for b in memories:
+            self._offer(group[b], len(tokens[b]))
+        return logits
+
+    def _offer(self, seq: _Sequence, fed: int) -> None:
+        """Hand each layer's slots past the sinks to the sequence's memory; what it takes leaves."""
+        memory, cache, row = seq.memory, self.cache, seq.row
+        for layer in range(cache.n_layers):
+            end = int(cache.lengths[layer, row])
+            ns = min(memory.sink_tokens, end)
+            taken = memory.offer(layer, cache.keys[layer][row, :, ns:end], cache.values[layer][row, :, ns:end])
+            if taken:
+                cache.drop_slots(row, layer, ns, taken)
+        lengths = cache.row_lengths(row)
+        memory.observe(seen=seq.position + fed, raw_tokens=lengths,
+                       held_raw_bytes=sum(lengths) * cache.slot_bytes // cache.n_layers)
+
     def _advance(self, group: list[_Sequence], logits: list[torch.Tensor]) -> None:
         """Sample each sequence's next token from its last logits; the ended ones leave."""
+        if not group:
+            return
         last = torch.stack([rows[-1] for rows in logits]).cpu()   # one copy to the host, not one per row
         for seq, row_logits in zip(group, last):
             if seq.handle not in self._active:   # cancelled meanwhile (from an on_text callback)
@@ -228,11 +275,13 @@ def _by_reader(seqs: list[_Sequence]) -> list[list[_Sequence]]:
     return [g for g in groups if g]
 
 
-def _worst_length(prompt_tokens: int, prefix: KVPrefix | None, max_new_tokens: int) -> int:
+def _worst_length(prompt_tokens: int, prefix: KVPrefix | None, max_new_tokens: int,
+                  memory: RowMemory | None = None) -> int:
     """Slots a row may fill: its longest prefix layer, the prompt and every new token but the last
-    (which is sampled, never fed)."""
+    (which is sampled, never fed); with a memory, no more than the memory lets it hold."""
     longest = max(prefix.tokens_per_layer(), default=0) if prefix is not None else 0
-    return longest + prompt_tokens + max(max_new_tokens - 1, 0)
+    worst = longest + prompt_tokens + max(max_new_tokens - 1, 0)
+    return min(worst, memory.max_slots) if memory is not None else worst
 
 
 def _sliding_window(model) -> int | None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from kite.errors import BadInput
 from kite.runtime.batch_decode import BatchDecoder
 from kite.runtime.cache import KVPrefix
+from kite.runtime.row_memory import RowMemory
 
 
 @dataclass(eq=False)
@@ -35,6 +36,7 @@ class BatchRequest:
     prompt_ids: list[int]
     prefix: KVPrefix | None
     opts: object                      # kite.serve.runner.GenOptions
+    memory: RowMemory | None = None   # a budgeted request's older tokens (kite.upcycle.BudgetRow)
     future: Future = field(default_factory=Future)
     queued_at: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
@@ -93,9 +95,11 @@ class Batcher:
         self._thread.start()
 
     # -- requests ----------------------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], prefix: KVPrefix | None, opts) -> BatchRequest:
-        """Queue a request; it joins the batch at the next step boundary it fits."""
-        req = BatchRequest(list(prompt_ids), prefix, opts)
+    def submit(self, prompt_ids: list[int], prefix: KVPrefix | None, opts,
+               memory: RowMemory | None = None) -> BatchRequest:
+        """Queue a request; it joins the batch at the next step boundary it fits. ``memory``: where
+        its older tokens go (a memory-budgeted completion: its prompt is fed a chunk a step)."""
+        req = BatchRequest(list(prompt_ids), prefix, opts, memory)
         if opts.queued_at is not None:
             req.queued_at = opts.queued_at
         with self._wake:
@@ -105,11 +109,12 @@ class Batcher:
             self._wake.notify()
         return req
 
-    def generate(self, prompt_ids: list[int], prefix: KVPrefix | None, opts) -> tuple[object, BatchRequest]:
+    def generate(self, prompt_ids: list[int], prefix: KVPrefix | None, opts,
+                 memory: RowMemory | None = None) -> tuple[object, BatchRequest]:
         """Submit and wait: (GenerationResult, the request). ``opts.on_request(req)``, when set, gets
         the request first (to :meth:`cancel` it). Cancelled in the batch: stop_reason "cancelled";
         still queued: concurrent.futures.CancelledError."""
-        req = self.submit(prompt_ids, prefix, opts)
+        req = self.submit(prompt_ids, prefix, opts, memory)
         if getattr(opts, "on_request", None) is not None:
             opts.on_request(req)
         return req.future.result(), req
@@ -177,7 +182,7 @@ class Batcher:
                     return
                 req = self._queue[0]
                 o = req.opts
-                if not self.decoder.fits(len(req.prompt_ids), req.prefix, o.max_new_tokens):
+                if not self.decoder.fits(len(req.prompt_ids), req.prefix, o.max_new_tokens, req.memory):
                     if self._running:
                         return          # waits for a row or KV to free up
                     self._queue.popleft()
@@ -190,7 +195,7 @@ class Batcher:
             try:
                 req.handle = self.decoder.add(req.prompt_ids, prefix=req.prefix, max_new_tokens=o.max_new_tokens,
                                               temperature=o.temperature, top_p=o.top_p, seed=o.seed,
-                                              on_text=o.on_text)
+                                              on_text=o.on_text, memory=req.memory)
             except Exception as exc:  # noqa: BLE001 - a bad request fails alone
                 req.future.set_exception(exc)
                 continue

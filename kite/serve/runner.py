@@ -2,8 +2,8 @@
 
 Generations decode together in the continuous batch (:mod:`kite.serve.batcher`); everything else
 that runs the model (an upload's upcycle, YOCO's decision and load before a generation, the
-measured gain's extra forward after it, a budgeted long-context completion) takes the model lock,
-which the batch's steps hold too, so they interleave at step boundaries. Routes call these from
+measured gain's extra forward after it) takes the model lock, which the batch's steps hold too, so
+they interleave at step boundaries (the lock is first come, first served: kite.serve.model_lock). Routes call these from
 worker threads, which keeps the event loop free for admin, health and metrics.
 """
 
@@ -164,7 +164,7 @@ class ModelRunner:
     def answer(self, prompt_ids: list[int], query: str, state_id: str | None, opts: GenOptions) -> Answer:
         """Generate after `prompt_ids` in the batch; with a state, through YOCO's fused loop (decide
         and load first, record the measured gain in the health store after). With the KV budget on,
-        a completion without a state runs alone, its budgeted cache chunk by chunk (docs/kv-budget.md)."""
+        a completion without a state joins the batch with its older tokens coded (docs/kv-budget.md)."""
         from kite.yoco.fused import finish, prepare
 
         path = self.store.existing(state_id) if state_id is not None else None
@@ -193,17 +193,10 @@ class ModelRunner:
                       kv_budget=skipped)
 
     def _budgeted(self, prompt_ids: list[int], opts: GenOptions) -> Answer:
-        """A completion without a state under the KV budget: alone, holding the model (the batch
-        waits), its prompt in chunks through a BudgetCache."""
-        from kite.runtime.generate import generate
-        from kite.upcycle import BudgetCache
+        """A completion without a state under the KV budget: in the batch like any other, its row
+        holding the sinks and the raw window, its older tokens coded in blocks (docs/kv-budget.md)."""
+        from kite.upcycle import BudgetRow
 
-        wait = self._locked(opts.queued_at)
-        try:
-            cache = BudgetCache(self.lm.model, self.kv_budget)
-            result = generate(self.lm, prompt_ids, cache=cache, prefill_chunk=self.kv_budget.block_tokens,
-                              max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_p=opts.top_p,
-                              seed=opts.seed, on_text=opts.on_text)
-            return Answer(result, wait_ms=wait, kv_budget={"applied": True, "batched": False, **cache.stats()})
-        finally:
-            self._lock.release()
+        memory = BudgetRow(self.lm.model, self.kv_budget)
+        gen, req = self.batcher.generate(prompt_ids, None, opts, memory)
+        return Answer(gen, wait_ms=req.wait_ms, kv_budget={"applied": True, "batched": True, **memory.stats()})

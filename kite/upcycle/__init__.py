@@ -17,7 +17,7 @@ and ``format`` included, for benchmarks and tools that work on the codec or the 
 """
 
 from kite.upcycle import codec, format
-from kite.upcycle.budget import (DEFAULT_BLOCK_TOKENS, DEFAULT_CODEC, BudgetCache, BudgetSettings, WindowCache,
+from kite.upcycle.budget import (DEFAULT_BLOCK_TOKENS, DEFAULT_CODEC, BudgetCache, BudgetRow, BudgetSettings, WindowCache,
                                  budget_cache, check_budget, kv_bytes_per_token, min_budget)
 from kite.upcycle.capture import tokenize_document
 from kite.upcycle.codec import CodecSettings
@@ -41,7 +41,7 @@ from kite.upcycle.tagging import (ClauseTagger, QueryHead, TagResult, build_tagg
                                   describe_tagger, evaluate_queries, evaluate_tagging)
 
 __all__ = [
-    "DEFAULT_BLOCK_TOKENS", "DEFAULT_CODEC", "FORMAT_VERSION", "LOAD_PRECISIONS", "SINK_TOKENS", "BudgetCache",
+    "DEFAULT_BLOCK_TOKENS", "DEFAULT_CODEC", "FORMAT_VERSION", "LOAD_PRECISIONS", "SINK_TOKENS", "BudgetCache", "BudgetRow",
     "BudgetSettings", "PROBES", "ClauseTagger", "ClusterInfo", "CodecSettings", "CompressResult", "CompressSettings",
     "EvalResult", "HotTier", "LoadReport", "MigrationReport", "Pipeline", "QueryHead", "StateFile", "StateWriter",
     "TagResult", "UpcycleConfig", "WindowCache", "apply_rope", "budget_cache", "build_tagger", "kv_bytes_per_token", "min_budget", "calibration_set",

@@ -42,11 +42,12 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kite.errors import BadInput, KiteError
+from kite.runtime.row_memory import RowMemory
 from kite.upcycle import codec as C
 from kite.upcycle.load.selection import SINK_TOKENS
 from kite.upcycle.rope import apply_rope, remove_rope, rope_cos_sin, rotary_module
 
-__all__ = ["BudgetSettings", "BudgetCache", "WindowCache", "budget_cache", "check_budget",
+__all__ = ["BudgetSettings", "BudgetCache", "BudgetRow", "WindowCache", "budget_cache", "check_budget",
            "DEFAULT_CODEC", "DEFAULT_BLOCK_TOKENS", "SINK_TOKENS", "min_budget", "kv_bytes_per_token"]
 
 DEFAULT_BLOCK_TOKENS = 256
@@ -126,10 +127,134 @@ class _Counters:
     decodes: int = 0
 
 
+class CodedBlocks:
+    """One layer's tokens upcycled out of a budgeted cache: the codec's shared part, fitted on the
+    raw tokens present at the first compression, and the blocks coded with it (oldest first)."""
+
+    def __init__(self, coder: "BlockCoder"):
+        self.coder = coder
+        self.blocks: list[_Block] = []
+        self.layer_codec: C.LayerCodec | None = None
+        self.codec_nbytes = 0
+
+    @property
+    def compressed_tokens(self) -> int:
+        return sum(b.n for b in self.blocks)
+
+    def offer(self, keys: torch.Tensor, values: torch.Tensor, n_sink: int) -> int:
+        """``keys``/``values`` [H, W, d] post-RoPE: the layer's raw tokens after its ``n_sink`` sinks,
+        oldest first (their positions follow the sinks and the blocks already coded). While the raw
+        tokens, sinks included, pass the budget, code the oldest whole block; returns how many tokens
+        were taken (a multiple of ``block_tokens``: the caller frees them)."""
+        s = self.coder.settings
+        W, taken = int(keys.shape[-2]), 0
+        while n_sink + W - taken > s.budget_tokens and W - taken >= s.block_tokens:
+            if self.layer_codec is None:
+                self._fit(keys, values, n_sink)
+            start = n_sink + self.compressed_tokens   # position of the oldest raw non-sink token
+            n = s.block_tokens
+            t0 = time.perf_counter()
+            k_post = keys[:, taken:taken + n, :].float()
+            positions = torch.arange(start, start + n)
+            cos, sin = self.coder.cos_sin(positions, k_post.device)
+            part = C.encode(self.layer_codec, remove_rope(k_post, cos, sin).cpu(),
+                            values[:, taken:taken + n, :].float().cpu(), positions=positions)
+            self.blocks.append(_Block(start, n, part, C.nbytes(part)))
+            taken += n
+            self._drop_basis_cache()
+            self.coder.counters.encode_ms += (time.perf_counter() - t0) * 1e3
+        return taken
+
+    def _fit(self, keys: torch.Tensor, values: torch.Tensor, n_sink: int) -> None:
+        """Fit the layer's shared codec part on the raw non-sink tokens present now."""
+        t0 = time.perf_counter()
+        start = n_sink + self.compressed_tokens
+        k_post = keys.float()
+        positions = torch.arange(start, start + k_post.shape[-2])
+        cos, sin = self.coder.cos_sin(positions, k_post.device)
+        c = self.coder
+        self.layer_codec = C.fit_layer(remove_rope(k_post, cos, sin).cpu(), values.float().cpu(), c.codec,
+                                       budget_tokens=max(c.amortize_tokens, k_post.shape[-2]))
+        self.codec_nbytes = C.nbytes(self.layer_codec)
+        c.counters.fit_ms += (time.perf_counter() - t0) * 1e3
+
+    def _drop_basis_cache(self) -> None:
+        # the codec memoizes its dequantized (fp32) basis; keep only the stored form between calls
+        if self.layer_codec is not None and not self.coder.settings.keep_decoded:
+            self.layer_codec.decoded.clear()
+
+    def decoded(self, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every block, decoded and re-rotated at its tokens' positions: ([H, T_c, d]) x 2."""
+        t0 = time.perf_counter()
+        ks, vs = [], []
+        for b in self.blocks:
+            if b.decoded is not None:
+                ks.append(b.decoded[0])
+                vs.append(b.decoded[1])
+                continue
+            k_pre, v = C.decode(self.layer_codec, b.part)
+            cos, sin = self.coder.cos_sin(torch.arange(b.start, b.start + b.n), device)
+            k = apply_rope(k_pre.to(device), cos, sin).to(dtype)
+            v = v.to(device, dtype)
+            if self.coder.settings.keep_decoded:
+                b.decoded = (k, v)
+            ks.append(k)
+            vs.append(v)
+        self._drop_basis_cache()
+        c = self.coder.counters
+        c.decode_ms += (time.perf_counter() - t0) * 1e3
+        c.decodes += 1
+        return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+
+
+class BlockCoder:
+    """What every layer's :class:`CodedBlocks` of one budgeted sequence share: the settings, the
+    codec, the model's RoPE, the timers and the byte accounting."""
+
+    def __init__(self, model, settings: BudgetSettings):
+        self.settings = check_budget(settings)
+        self.codec = settings.codec_settings()
+        config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+        self.n_layers = config.num_hidden_layers
+        self._rot = rotary_module(model)
+        self.bytes_per_token = kv_bytes_per_token(config, 2)
+        self.amortize_tokens = settings.amortize_tokens or getattr(config, "max_position_embeddings", 0) or 0
+        self.counters = _Counters()
+
+    def cos_sin(self, positions: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope_cos_sin(self._rot, positions)
+        return cos.to(device), sin.to(device)
+
+    def stats(self, layers: list[CodedBlocks], *, seen: int, raw_tokens: list[int], held_raw_bytes: int) -> dict:
+        """The budget's report (docs/kv-budget.md): ``seen`` tokens in all, ``raw_tokens`` per layer
+        (sinks + window), ``held_raw_bytes`` what those take at the model's dtype."""
+        compressed = sum(b.nbytes for lay in layers for b in lay.blocks)
+        codec_bytes = sum(lay.codec_nbytes for lay in layers)
+        per_layer_token = self.bytes_per_token // max(len(layers), 1)
+        raw16 = sum(raw_tokens) * per_layer_token
+        decoded = sum(t.numel() * t.element_size() for lay in layers for b in lay.blocks if b.decoded
+                      for t in b.decoded)
+        full = seen * self.bytes_per_token
+        kv = compressed + codec_bytes + raw16
+        s, c = self.settings, self.counters
+        return {
+            "budget_tokens": s.budget_tokens, "block_tokens": s.block_tokens, "sink_tokens": s.sink_tokens,
+            "codec": self.codec.name, "keep_decoded": s.keep_decoded,
+            "tokens": seen, "raw_tokens": raw_tokens[0] if raw_tokens else 0,
+            "compressed_tokens": layers[0].compressed_tokens if layers else 0,
+            "blocks_per_layer": len(layers[0].blocks) if layers else 0,
+            "kv_bytes": kv, "compressed_bytes": compressed, "codec_bytes": codec_bytes, "raw_bytes": raw16,
+            "raw_kv_bytes": full, "ratio_to_raw": round(kv / full, 4) if full else None,
+            "held_raw_bytes": held_raw_bytes, "decoded_cache_bytes": decoded,
+            "timings_ms": {"fit": round(c.fit_ms, 1), "encode": round(c.encode_ms, 1),
+                           "decode": round(c.decode_ms, 1)},
+        }
+
+
 class BudgetLayer(DynamicLayer):
     """One layer of a :class:`BudgetCache`: raw sinks + raw window in ``keys``/``values``, older
-    tokens as compressed blocks. ``keys``/``values`` hold the raw tokens only; ``get_seq_length``
-    is every token seen (the compressed ones still take part in attention)."""
+    tokens as compressed blocks (``coded``). ``keys``/``values`` hold the raw tokens only;
+    ``get_seq_length`` is every token seen (the compressed ones still take part in attention)."""
 
     is_croppable = False
 
@@ -137,9 +262,7 @@ class BudgetLayer(DynamicLayer):
         super().__init__()
         self.owner = owner
         self.seen = 0
-        self.blocks: list[_Block] = []
-        self.layer_codec: C.LayerCodec | None = None
-        self.codec_nbytes = 0
+        self.coded = CodedBlocks(owner.coder)
 
     # -- bookkeeping --------------------------------------------------------------------------
     @property
@@ -147,8 +270,16 @@ class BudgetLayer(DynamicLayer):
         return min(self.owner.settings.sink_tokens, self.seen)
 
     @property
+    def blocks(self) -> list[_Block]:
+        return self.coded.blocks
+
+    @property
+    def layer_codec(self) -> C.LayerCodec | None:
+        return self.coded.layer_codec
+
+    @property
     def compressed_tokens(self) -> int:
-        return sum(b.n for b in self.blocks)
+        return self.coded.compressed_tokens
 
     @property
     def raw_tokens(self) -> int:
@@ -160,9 +291,7 @@ class BudgetLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self.seen = 0
-        self.blocks = []
-        self.layer_codec = None
-        self.codec_nbytes = 0
+        self.coded = CodedBlocks(self.owner.coder)
 
     # What a budgeted cache refuses by design: its old tokens are coded in blocks (nothing to
     # crop back to) and it holds one sequence (no beams, no batch reordering).
@@ -182,79 +311,21 @@ class BudgetLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         ns = self.n_sink
         if self.blocks:
-            dk, dv = self._decoded(key_states.dtype)
-            keys = torch.cat([self.keys[..., :ns, :], dk, self.keys[..., ns:, :], key_states], dim=-2)
-            values = torch.cat([self.values[..., :ns, :], dv, self.values[..., ns:, :], value_states], dim=-2)
+            dk, dv = self.coded.decoded(key_states.dtype, self.keys.device)
+            keys = torch.cat([self.keys[..., :ns, :], dk[None], self.keys[..., ns:, :], key_states], dim=-2)
+            values = torch.cat([self.values[..., :ns, :], dv[None], self.values[..., ns:, :], value_states], dim=-2)
         else:
             keys = torch.cat([self.keys, key_states], dim=-2)
             values = torch.cat([self.values, value_states], dim=-2)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.seen += key_states.shape[-2]
-        self._enforce_budget()
-        return keys, values
-
-    def _enforce_budget(self) -> None:
-        s = self.owner.settings
         ns = self.n_sink
-        while self.raw_tokens > s.budget_tokens and self.raw_tokens - ns >= s.block_tokens:
-            if self.layer_codec is None:
-                self._fit(ns)
-            start = ns + self.compressed_tokens  # position of the oldest raw non-sink token
-            n = s.block_tokens
-            t0 = time.perf_counter()
-            k_post = self.keys[0, :, ns:ns + n, :].float()
-            v = self.values[0, :, ns:ns + n, :].float()
-            positions = torch.arange(start, start + n)
-            cos, sin = self.owner.cos_sin(positions, k_post.device)
-            part = C.encode(self.layer_codec, remove_rope(k_post, cos, sin).cpu(), v.cpu(), positions=positions)
-            self.blocks.append(_Block(start, n, part, C.nbytes(part)))
-            self.keys = torch.cat([self.keys[..., :ns, :], self.keys[..., ns + n:, :]], dim=-2)
-            self.values = torch.cat([self.values[..., :ns, :], self.values[..., ns + n:, :]], dim=-2)
-            self._drop_basis_cache()
-            self.owner.counters.encode_ms += (time.perf_counter() - t0) * 1e3
-
-    def _fit(self, ns: int) -> None:
-        """Fit the layer's shared codec part on the raw non-sink tokens present now."""
-        t0 = time.perf_counter()
-        start = ns + self.compressed_tokens
-        k_post = self.keys[0, :, ns:, :].float()
-        positions = torch.arange(start, start + k_post.shape[-2])
-        cos, sin = self.owner.cos_sin(positions, k_post.device)
-        self.layer_codec = C.fit_layer(remove_rope(k_post, cos, sin).cpu(),
-                                       self.values[0, :, ns:, :].float().cpu(), self.owner.codec,
-                                       budget_tokens=max(self.owner.amortize_tokens, k_post.shape[-2]))
-        self.codec_nbytes = C.nbytes(self.layer_codec)
-        self.owner.counters.fit_ms += (time.perf_counter() - t0) * 1e3
-
-    def _drop_basis_cache(self) -> None:
-        # the codec memoizes its dequantized (fp32) basis; keep only the stored form between calls
-        if self.layer_codec is not None and not self.owner.settings.keep_decoded:
-            self.layer_codec.decoded.clear()
-
-    def _decoded(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every compressed block of this layer, decoded and re-rotated: ([1, H, T_c, d]) x 2."""
-        t0 = time.perf_counter()
-        device = self.keys.device
-        ks, vs = [], []
-        for b in self.blocks:
-            if b.decoded is not None:
-                ks.append(b.decoded[0])
-                vs.append(b.decoded[1])
-                continue
-            k_pre, v = C.decode(self.layer_codec, b.part)
-            cos, sin = self.owner.cos_sin(torch.arange(b.start, b.start + b.n), device)
-            k = apply_rope(k_pre.to(device), cos, sin).to(dtype)[None]
-            v = v.to(device, dtype)[None]
-            if self.owner.settings.keep_decoded:
-                b.decoded = (k, v)
-            ks.append(k)
-            vs.append(v)
-        self._drop_basis_cache()
-        c = self.owner.counters
-        c.decode_ms += (time.perf_counter() - t0) * 1e3
-        c.decodes += 1
-        return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+        taken = self.coded.offer(self.keys[0, :, ns:, :], self.values[0, :, ns:, :], ns)
+        if taken:
+            self.keys = torch.cat([self.keys[..., :ns, :], self.keys[..., ns + taken:, :]], dim=-2)
+            self.values = torch.cat([self.values[..., :ns, :], self.values[..., ns + taken:, :]], dim=-2)
+        return keys, values
 
 
 class BudgetCache(Cache):
@@ -262,47 +333,52 @@ class BudgetCache(Cache):
     into codec blocks that keep taking part in attention (see the module doc)."""
 
     def __init__(self, model, settings: BudgetSettings):
-        self.settings = check_budget(settings)
-        self.codec = settings.codec_settings()
-        config = model.config
-        self._rot = rotary_module(model)
-        self._bytes_per_token = kv_bytes_per_token(config, 2)
-        self.amortize_tokens = settings.amortize_tokens or getattr(config, "max_position_embeddings", 0) or 0
-        self.counters = _Counters()
-        super().__init__(layers=[BudgetLayer(self) for _ in range(config.num_hidden_layers)])
+        self.coder = BlockCoder(model, settings)
+        self.settings, self.codec = self.coder.settings, self.coder.codec
+        super().__init__(layers=[BudgetLayer(self) for _ in range(self.coder.n_layers)])
+
+    @property
+    def counters(self) -> _Counters:
+        return self.coder.counters
 
     def cos_sin(self, positions: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = rope_cos_sin(self._rot, positions)
-        return cos.to(device), sin.to(device)
+        return self.coder.cos_sin(positions, device)
 
     # -- accounting ---------------------------------------------------------------------------
     def stats(self) -> dict:
         layers: list[BudgetLayer] = self.layers
-        seen = layers[0].seen if layers else 0
-        compressed = sum(b.nbytes for lay in layers for b in lay.blocks)
-        codec_bytes = sum(lay.codec_nbytes for lay in layers)
-        raw_tokens = layers[0].raw_tokens if layers else 0
-        per_layer_token = self._bytes_per_token // max(len(layers), 1)
-        raw16 = sum(lay.raw_tokens for lay in layers) * per_layer_token
         held = sum(lay.keys.numel() * lay.keys.element_size() * 2 for lay in layers if lay.is_initialized)
-        decoded = sum(t.numel() * t.element_size() for lay in layers for b in lay.blocks if b.decoded
-                      for t in b.decoded)
-        full = seen * self._bytes_per_token
-        kv = compressed + codec_bytes + raw16
-        s = self.settings
-        c = self.counters
-        return {
-            "budget_tokens": s.budget_tokens, "block_tokens": s.block_tokens, "sink_tokens": s.sink_tokens,
-            "codec": self.codec.name, "keep_decoded": s.keep_decoded,
-            "tokens": seen, "raw_tokens": raw_tokens,
-            "compressed_tokens": layers[0].compressed_tokens if layers else 0,
-            "blocks_per_layer": len(layers[0].blocks) if layers else 0,
-            "kv_bytes": kv, "compressed_bytes": compressed, "codec_bytes": codec_bytes, "raw_bytes": raw16,
-            "raw_kv_bytes": full, "ratio_to_raw": round(kv / full, 4) if full else None,
-            "held_raw_bytes": held, "decoded_cache_bytes": decoded,
-            "timings_ms": {"fit": round(c.fit_ms, 1), "encode": round(c.encode_ms, 1),
-                           "decode": round(c.decode_ms, 1)},
-        }
+        return self.coder.stats([lay.coded for lay in layers], seen=layers[0].seen if layers else 0,
+                                raw_tokens=[lay.raw_tokens for lay in layers], held_raw_bytes=held)
+
+
+class BudgetRow(RowMemory):
+    """The memory budget for one sequence of a batch (kite.runtime.batch_decode): the batch row
+    holds the sinks and the raw window, this holds the coded blocks, coded and decoded exactly as a
+    :class:`BudgetCache`'s layers do. ``stats()`` reports as :meth:`BudgetCache.stats` does."""
+
+    def __init__(self, model, settings: BudgetSettings):
+        self.coder = BlockCoder(model, settings)
+        self.settings = self.coder.settings
+        self.layers = [CodedBlocks(self.coder) for _ in range(self.coder.n_layers)]
+        self.sink_tokens = self.settings.sink_tokens
+        self.prefill_chunk = self.settings.block_tokens
+        self.max_slots = self.settings.budget_tokens + self.settings.block_tokens
+        self._row = {"seen": 0, "raw_tokens": [0] * self.coder.n_layers, "held_raw_bytes": 0}
+
+    def offer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> int:
+        # offered tokens come after the sinks, so all `sink_tokens` of them are there
+        return self.layers[layer].offer(keys, values, self.sink_tokens)
+
+    def held(self, layer: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        coded = self.layers[layer]
+        return coded.decoded(dtype, device) if coded.blocks else None
+
+    def observe(self, *, seen: int, raw_tokens: list[int], held_raw_bytes: int) -> None:
+        self._row = {"seen": seen, "raw_tokens": list(raw_tokens), "held_raw_bytes": held_raw_bytes}
+
+    def stats(self) -> dict:
+        return self.coder.stats(self.layers, **self._row)
 
 
 def budget_cache(lm_or_model, budget_tokens: int, codec: str = DEFAULT_CODEC,
