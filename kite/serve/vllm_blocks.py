@@ -1,0 +1,113 @@
+"""Where a KITE state lands in vLLM's paged KV cache (docs/vllm-connector.md), without vLLM.
+
+vLLM keeps a request's KV in fixed-size blocks: token position ``p`` lives in block
+``block_ids[p // block_size]`` at slot ``p % block_size`` (flat slot ``block_id * block_size +
+p % block_size``). A state covers its document's tokens cluster by cluster (``token_ranges`` in
+its header, docs/upc-format.md); vLLM's cache holds a contiguous prefix of the prompt, so a state
+supplies the longest prefix of the prompt its loaded clusters cover, in whole blocks (the partial
+last block is computed by vLLM), and never the prompt's last token (vLLM computes it for the
+first logits). Each block of a state is named by :func:`block_key`, the same in every process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kite.errors import BadInput
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRun:
+    """Document tokens [start, end) written to block ``block_id`` (the request's
+    ``block_index``-th block) from slot ``offset`` on."""
+
+    block_index: int
+    block_id: int
+    offset: int
+    start: int
+    end: int
+
+    @property
+    def slots(self) -> range:
+        return range(self.offset, self.offset + self.end - self.start)
+
+
+def _check_block_size(block_size: int) -> None:
+    if not isinstance(block_size, int) or block_size < 1:
+        raise BadInput(f"block size {block_size!r}: a whole number ≥ 1")
+
+
+def covered_prefix(token_ranges: Iterable[Sequence[int]], n_tokens: int) -> int:
+    """The length m of the longest prefix [0, m) of the document that the ranges cover (the
+    loaded clusters' ``token_ranges``), at most ``n_tokens``."""
+    m = 0
+    for start, end in sorted((int(a), int(b)) for a, b in token_ranges):
+        if start > m:
+            break
+        m = max(m, end)
+    return min(m, n_tokens)
+
+
+def loadable_tokens(covered: int, prompt_len: int, block_size: int, num_computed: int = 0) -> int:
+    """How many tokens the connector offers vLLM beyond the ``num_computed`` vLLM already holds
+    (``get_num_new_matched_tokens``): the covered prefix, short of the prompt's last token, in
+    whole blocks; 0 when that is not past ``num_computed``."""
+    _check_block_size(block_size)
+    usable = min(covered, prompt_len - 1)
+    aligned = usable - usable % block_size
+    return max(0, aligned - num_computed)
+
+
+def blocks_for(n_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``n_tokens`` tokens."""
+    _check_block_size(block_size)
+    return -(-n_tokens // block_size)
+
+
+def slot_runs(start: int, end: int, block_ids: Sequence[int], block_size: int) -> list[SlotRun]:
+    """Positions [start, end) of the request as runs within its blocks (``block_ids``: its block
+    table, block i holding positions [i·block_size, (i+1)·block_size))."""
+    _check_block_size(block_size)
+    if not 0 <= start <= end:
+        raise BadInput(f"token range [{start}, {end}): need 0 ≤ start ≤ end")
+    if end > len(block_ids) * block_size:
+        raise BadInput(f"token range [{start}, {end}) passes the block table's {len(block_ids)} blocks "
+                       f"of {block_size}")
+    runs, p = [], start
+    while p < end:
+        i, off = divmod(p, block_size)
+        stop = min(end, (i + 1) * block_size)
+        runs.append(SlotRun(i, int(block_ids[i]), off, p, stop))
+        p = stop
+    return runs
+
+
+def slot_mapping(start: int, end: int, block_ids: Sequence[int], block_size: int) -> list[int]:
+    """vLLM's flat slot of each position in [start, end): ``block_id * block_size + offset``."""
+    return [r.block_id * block_size + s for r in slot_runs(start, end, block_ids, block_size) for s in r.slots]
+
+
+def cluster_runs(clusters: Iterable[dict], block_ids: Sequence[int], block_size: int, start: int,
+                 end: int) -> dict[int, list[SlotRun]]:
+    """For each cluster (a header's ``clusters[]`` entry: ``id``, ``token_ranges``), the runs its
+    tokens inside [start, end) take: where the worker writes that cluster's decoded K and V."""
+    out: dict[int, list[SlotRun]] = {}
+    for c in clusters:
+        runs = []
+        for a, b in c["token_ranges"]:
+            a, b = max(int(a), start), min(int(b), end)
+            if a < b:
+                runs += slot_runs(a, b, block_ids, block_size)
+        out[int(c["id"])] = runs
+    return out
+
+
+def block_key(address: str, block_index: int, block_size: int) -> str:
+    """The name of block ``block_index`` (of ``block_size`` tokens) of the state at content
+    ``address``: sha256 over the three, the same in every process and on every machine (no
+    path, host or hash seed in it)."""
+    _check_block_size(block_size)
+    return hashlib.sha256(f"kite-block1\0{address}\0{block_size}\0{block_index}".encode()).hexdigest()
+

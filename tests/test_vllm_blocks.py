@@ -1,0 +1,94 @@
+"""What the vLLM connector design (docs/vllm-connector.md) can be tested for without vLLM or a GPU:
+how a state's tokens map to a request's paged blocks, how many it offers, and block names."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kite.errors import BadInput
+from kite.serve.vllm_blocks import (SlotRun, block_key, blocks_for, cluster_runs, covered_prefix, loadable_tokens,
+                                    slot_mapping, slot_runs)
+
+
+def test_the_covered_prefix_is_where_the_first_hole_starts():
+    assert covered_prefix([[10, 20], [0, 10], [30, 40]], 40) == 20
+    assert covered_prefix([[0, 15], [5, 25]], 40) == 25      # overlaps count once
+    assert covered_prefix([[4, 20]], 40) == 0                # token 0 missing: nothing to offer
+    assert covered_prefix([[0, 50]], 40) == 40
+    assert covered_prefix([], 40) == 0
+
+
+def test_the_offer_is_whole_blocks_short_of_the_last_prompt_token_past_what_vllm_holds():
+    assert loadable_tokens(100, 150, 16) == 96
+    assert loadable_tokens(100, 150, 16, num_computed=32) == 64
+    assert loadable_tokens(100, 150, 16, num_computed=96) == 0
+    assert loadable_tokens(96, 96, 16) == 80                  # the whole prompt: its last token is computed
+    assert loadable_tokens(97, 97, 16) == 96
+    assert loadable_tokens(15, 200, 16) == 0                  # less than one block
+    with pytest.raises(BadInput, match="block size"):
+        loadable_tokens(10, 20, 0)
+
+
+def test_slot_runs_split_a_range_at_block_boundaries():
+    assert slot_runs(5, 40, [7, 3, 9], 16) == [SlotRun(0, 7, 5, 5, 16), SlotRun(1, 3, 0, 16, 32),
+                                               SlotRun(2, 9, 0, 32, 40)]
+    assert slot_runs(16, 16, [7, 3], 16) == []
+    with pytest.raises(BadInput, match="passes the block table"):
+        slot_runs(0, 49, [7, 3, 9], 16)
+    with pytest.raises(BadInput, match="need 0"):
+        slot_runs(10, 5, [7], 16)
+    assert blocks_for(33, 16) == 3 and blocks_for(32, 16) == 2
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_slot_mapping_is_vllms_block_id_times_size_plus_offset(block_size):
+    block_ids = [11, 2, 40, 7, 5, 19, 3, 8, 21, 30]
+    n = len(block_ids) * block_size
+    for start, end in [(0, n), (3 % n, n - 1), (block_size, 2 * block_size)]:
+        want = [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        assert slot_mapping(start, end, block_ids, block_size) == want
+
+
+def test_a_real_states_clusters_fill_each_offered_slot_exactly_once(tiny_contract_state):
+    from kite.upcycle import StateFile
+
+    _, _, path = tiny_contract_state
+    with StateFile(path) as state:
+        meta = state.meta
+    n, clusters = meta["n_tokens"], meta["clusters"]
+    assert len(clusters) == 3
+    block_size = 16
+    block_ids = list(range(100, 100 + blocks_for(n + 8, block_size)))[::-1]   # any order vLLM gives
+    covered = covered_prefix([r for c in clusters for r in c["token_ranges"]], n)
+    assert covered == n   # every cluster loaded: the whole document
+    offered = loadable_tokens(covered, n + 8, block_size)   # document + an 8-token query
+    assert offered == n - n % block_size
+    runs = cluster_runs(clusters, block_ids, block_size, 0, offered)
+    written = {}
+    for cid, rs in runs.items():
+        for r in rs:
+            for pos, slot in zip(range(r.start, r.end), r.slots):
+                assert pos not in written   # no position twice
+                written[pos] = (r.block_id, slot, cid)
+    assert sorted(written) == list(range(offered))
+    for pos, (block_id, slot, cid) in written.items():
+        assert block_id == block_ids[pos // block_size] and slot == pos % block_size
+        assert any(a <= pos < b for a, b in next(c for c in clusters if c["id"] == cid)["token_ranges"])
+    # one cluster left out: the offer stops at its first token
+    first = min(clusters, key=lambda c: c["token_ranges"][0][0])
+    later = [c for c in clusters if c is not first]
+    assert covered_prefix([r for c in later for r in c["token_ranges"]], n) == 0
+
+
+def test_block_keys_are_the_same_in_every_process_and_differ_by_block_and_size():
+    address = "ab" * 32
+    keys = {block_key(address, i, 16) for i in range(50)}
+    assert len(keys) == 50
+    assert block_key(address, 0, 16) != block_key(address, 0, 32) != block_key("cd" * 32, 0, 32)
+    code = f"from kite.serve.vllm_blocks import block_key; print(block_key({address!r}, 7, 16))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout.strip()
+    assert other == block_key(address, 7, 16)
