@@ -453,6 +453,8 @@ def main() -> None:
         report.data[f"compress_info_{label}"] = enc.info
         if s is settings:
             enc_main, sets_main = enc, sets
+        elif args.coded:
+            enc_ph, sets_ph = enc, sets
     if args.profile and DEV == "cuda":
         report.data["compress_profile"] = profile_compress(lambda: compress(settings))
         report.data["compress_host_syncs"] = find_syncs(lambda: compress(settings))
@@ -802,6 +804,9 @@ def main() -> None:
         try:
             load_hot()
             coded_concurrency(report, args, model, cfg, hot, KV, L, H, d, T, raw_bytes, n_params)
+            hot_ph = stage_other(enc_ph, sets_ph, per_head, L, H, d, T, raw16)
+            enc_ph = None
+            coded_attention_only(report, args, model, cfg, hot_ph, L, H, d, T, "per-head bases")
         except Exception:  # noqa: BLE001
             traceback.print_exc()
             report.data["coded_error"] = traceback.format_exc()[-1500:]
@@ -968,6 +973,55 @@ def concurrency(report, args, L, H, d, T, cfg, hot, staging, dest, cq, sq, raw_b
     report.row(f"concurrency at {args.kv_budget_gb:g} GB: compressed states, {n_comp} sequences "
                f"({n_comp / max(1, n_raw):.2f}x), rebuilt per layer", res["compressed_step_attention_ms"],
                res["compressed_floor_ms"], vs_prefill=False, note="target >= 3x the sequences")
+
+
+def stage_other(enc, sets, settings, L, H, d, T, raw16):
+    """Another encoding of the same document written as a .upc and staged (not kept in a tier)."""
+    from kite.upcycle import load
+    from kite.upcycle.format import LARGE_MIN_SAVING, StateFile, StateWriter
+
+    path = Path(tempfile.gettempdir()) / "kite_gpu_speed_other.upc"
+    meta = {"format": "kite-upc", "kite_version": "bench", "fingerprints": {}, "n_tokens": T,
+            "model": {"geometry": {"n_layers": L, "n_kv_heads": H, "head_dim": d}}, "codec": settings.to_json(),
+            "clusters": [{"id": c, "label": f"cluster-{c}", "confidence": 0.0,
+                          "token_ranges": [[int(t), int(t) + 1] for t in idx.tolist()], "n_tokens": int(idx.numel())}
+                         for c, idx in enumerate(sets)], "raw_kv_bytes_fp16": raw16}
+    w = StateWriter(large_min_saving=LARGE_MIN_SAVING)
+    enc.add_to(w)
+    w.write(path, meta)
+    with StateFile(path) as sf:
+        hot = load.stage_state(sf, [(c, None) for c in range(len(sets))], list(sets), list(range(L)), n_layers=L,
+                               H=H, d=d, verify=False, threads=8, wait=True)
+    path.unlink()
+    return hot
+
+
+def coded_attention_only(report, args, model, cfg, hot, L, H, d, T, label) -> None:
+    """The attention part of one decode step for states of another encoding resident in coded form,
+    at their largest batch in the budget (the kernel's default configuration)."""
+    import math
+
+    from kite.kernels.coded_attention import coded_decode_partial
+    from kite.kernels.coded_attention_triton import CodedBatch
+    from kite.upcycle.load.resident import build_resident
+
+    torch.cuda.empty_cache()
+    with torch.inference_mode():
+        ct, st = model.model.rotary_emb(torch.zeros(1, device=DEV), torch.arange(T + 64, device=DEV)[None])
+    cos_tab, sin_tab = ct[0].float().contiguous(), st[0].float().contiguous()
+    res = build_resident(hot, device=DEV, dtype=torch.bfloat16, cos=cos_tab, sin=sin_tab)
+    n = int(args.kv_budget_gb * 1e9 // res.nbytes)
+    stream = sum(c.stream_bytes for c in res.layers)
+    batches = [CodedBatch(_stacked(res.layers[li], n)) for li in range(L)]
+    q = torch.randn(n, cfg.num_attention_heads, d, device=DEV, dtype=torch.bfloat16)
+    ms = cuda_ms(lambda: [coded_decode_partial(q, b, cos_tab, sin_tab, 1 / math.sqrt(d)) for b in batches], reps=3)
+    out = {"packed_state_bytes_per_seq": hot.nbytes, "resident_bytes_per_seq": res.nbytes, "n": n,
+           "Rk_per_head": res.layers[0].k_basis.shape[1], "Rv_per_head": res.layers[0].v_basis.shape[1],
+           "attention_ms": ms, "floor_ms": n * stream / HBM_BPS * 1e3}
+    report.data[f"coded_attention_{label}"] = out
+    print(f"coded attention, {label}:", json.dumps(out), flush=True)
+    report.row(f"coded attention, {label}: {n} x {T}-token states ({res.nbytes / 1e6:.0f} MB each), all {L} layers",
+               ms, out["floor_ms"], vs_prefill=False, note="kernel + merge, default configuration")
 
 
 def _stacked(layer, n: int) -> list:

@@ -125,9 +125,9 @@ def _coded_decode_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, o_ptr, lse_ptr, qk
         m_i = m_new
     # project the coefficient sums by the value basis, add the weighted group means
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    coef = acc / l_safe[:, None]
+    coef = (acc / l_safe[:, None]).to(tl.bfloat16)
     vb = tl.load(vb_p + (h * Rv + cv)[:, None] * D + dd[None, :], mask=cvm[:, None] & dm[None, :], other=0.0)
-    out = tl.dot(coef, vb.to(tl.float32), input_precision="ieee") + acc_mu / l_safe[:, None]   # once: fp32
+    out = tl.dot(coef, vb) + acc_mu / l_safe[:, None]
     out = tl.where((l_i > 0)[:, None], out, 0.0)
     head = h * G + g
     o_row = o_ptr + ((n * SPLITS + split) * H * G + head)[:, None] * D
