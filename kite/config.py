@@ -92,7 +92,7 @@ class ServerConfig(BaseModel):
     min_replicas: int | None = Field(None, ge=1, le=256)
     max_replicas: int | None = Field(None, ge=1, le=256)
     route_max_imbalance: int = Field(4, ge=0)           # queued requests a state's holder may exceed the least loaded by
-    ray_address: str | None = Field(None, min_length=1)  # None: a local Ray head on 127.0.0.1
+    ray_address: str | None = Field(None, min_length=1)  # None: a local Ray head
 
     @field_validator("state_dir")
     @classmethod

@@ -1,5 +1,9 @@
-"""Joining Ray: an existing cluster at an address, or a local head bound to 127.0.0.1 with a bounded
-number of CPUs (`kite serve --replicas`, `kite bench run --ray`, `kite tune auto --ray`)."""
+"""Joining Ray: an existing cluster at an address, or a local head with a bounded number of CPUs
+(`kite serve --replicas`, `kite bench run --ray`, `kite tune auto --ray`).
+
+KITE's own HTTP endpoints bind 127.0.0.1; Ray's internal services (GCS, raylet, workers) listen
+on the machine's interfaces whatever is asked (Ray resolves 127.0.0.1 to the node's reachable
+address), protected by Ray's token authentication (on by default since Ray 2.5x). No dashboard."""
 
 from __future__ import annotations
 
@@ -29,6 +33,6 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> bool:
         except ConnectionError as exc:
             raise KiteError(f"Ray at {address}: {str(exc).splitlines()[0]}") from None
         return False
-    ray.init(num_cpus=num_cpus or min(os.cpu_count() or 1, 4), include_dashboard=False,
-             _node_ip_address="127.0.0.1", log_to_driver=False, runtime_env=env)
+    ray.init(num_cpus=num_cpus or min(os.cpu_count() or 1, 4), include_dashboard=False, log_to_driver=False,
+             runtime_env=env)
     return True

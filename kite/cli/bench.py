@@ -64,7 +64,7 @@ def run(
                                                         "clients at once, batched and one at a time: aggregate "
                                                         "tokens/s and time to first token.")] = None,
     ray: Annotated[bool, typer.Option("--ray", help="Spread the cases over a Ray cluster's workers (one task per "
-                                      "group of documents; a local head on 127.0.0.1 unless --ray-address). "
+                                      "group of documents; a local Ray head unless --ray-address). "
                                       "docs/scale-out.md")] = False,
     ray_address: Annotated[Optional[str], typer.Option(help="With --ray: an existing Ray cluster.")] = None,
     ray_workers: Annotated[Optional[int], typer.Option(min=1, help="With --ray: tasks at once (default: the "

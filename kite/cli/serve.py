@@ -43,8 +43,8 @@ def serve(
                                                  "endpoint, with a state-aware router (default: config "
                                                  "server.replicas, 1 = no Ray). docs/scale-out.md")] = None,
     ray_address: Annotated[str | None, typer.Option(help="With --replicas: an existing Ray cluster (default: "
-                                                    "config server.ray_address, else a local head on "
-                                                    "127.0.0.1).")] = None,
+                                                    "config server.ray_address, else a local Ray head; "
+                                                    "the endpoint stays on --host).")] = None,
     log_level: Annotated[str, typer.Option(help="Log level (uvicorn's and KITE's): info logs a line per request, "
                                            "rule reloads and switches; warning only refusals and errors.")] = "info",
     mkdir: bool = MkdirOpt,

@@ -24,7 +24,7 @@ def serve_replicas(out, model: str, settings, scale, ucfg, kept_fraction, ray_ad
                        kept_fraction=kept_fraction)
     bounds = (f"autoscaled {scale.min_replicas}-{scale.max_replicas}" if scale.min_replicas is not None
               else f"{scale.replicas}")
-    out.print(f"starting {bounds} replicas of {model} on Ray ({ray_address or 'local head on 127.0.0.1'}) …",
+    out.print(f"starting {bounds} replicas of {model} on Ray ({ray_address or 'a local head'}) …",
               highlight=False)
     cluster = replicas.start(spec, scale, host=settings.host, port=settings.port, address=ray_address)
     try:

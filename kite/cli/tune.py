@@ -120,7 +120,7 @@ def auto(
     device: Annotated[Optional[str], typer.Option(help="cpu | cuda (default: cuda when present).")] = None,
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads.")] = None,
     ray: Annotated[bool, typer.Option("--ray", help="Measure the grid's points at once on a Ray cluster's workers "
-                                      "(a local head on 127.0.0.1 unless --ray-address). docs/scale-out.md")] = False,
+                                      "(a local Ray head unless --ray-address). docs/scale-out.md")] = False,
     ray_address: Annotated[Optional[str], typer.Option(help="With --ray: an existing Ray cluster.")] = None,
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
