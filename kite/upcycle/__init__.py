@@ -5,6 +5,7 @@ and ``format`` included, for benchmarks and tools that work on the codec or the 
 
     pipeline   open_pipeline, compress_settings: config + flags -> model, tagger, settings
     compress   compress_document: text -> .upc (capture, spans, clusters, tags, codec, write)
+    address    content addresses of states (sha256 of model, token ids, settings, format version)
     load       load_prefix: .upc -> KV prefix (fingerprints checked, parts chosen, CPU or GPU rebuild)
     format     the container (StateFile, StateWriter), blob names, codec blob bytes, bit layout
     codec      settings and presets, side coders, per-layer codec, batched encoder, quantizer
@@ -17,6 +18,7 @@ and ``format`` included, for benchmarks and tools that work on the codec or the 
 """
 
 from kite.upcycle import codec, format
+from kite.upcycle.address import Address, AddressMismatch, address_for, check_address, is_address, tokens_digest
 from kite.upcycle.budget import (DEFAULT_BLOCK_TOKENS, DEFAULT_CODEC, BudgetCache, BudgetRow, BudgetSettings, WindowCache,
                                  budget_cache, check_budget, kv_bytes_per_token, min_budget)
 from kite.upcycle.capture import tokenize_document
@@ -51,5 +53,6 @@ __all__ = [
     "Pair", "Regenerator", "RegeneratorFit", "TrainRequest", "read_pairs", "split_pairs", "train_upcycle",
     "LABEL_RATIOS_FILE", "cluster_ratios", "not_recodable", "parse_label_ratio_flags", "read_label_ratios", "recode_clusters",
     "state_ratio",
+    "Address", "AddressMismatch", "address_for", "check_address", "is_address", "tokens_digest",
     "prepare_state", "remove_rope", "rollback", "rope_cos_sin", "select_clusters", "tokenize_document",
 ]

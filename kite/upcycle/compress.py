@@ -18,6 +18,7 @@ import torch
 from kite import __version__
 from kite.errors import BadInput
 from kite.upcycle import codec
+from kite.upcycle.address import address_for
 from kite.upcycle.capture import Capture, capture
 from kite.upcycle.codec.part_widths import part_widths
 from kite.upcycle.codec.settings import at_ratio, ratio_of
@@ -62,6 +63,7 @@ class CompressResult:
     raw_kv_bytes: int  # the document's KV at fp16, what a cache would hold
     timings_ms: dict[str, float]
     spans: dict[str, int] = field(default_factory=dict)   # count, min_tokens, max_tokens
+    address: str | None = None   # the content address recorded in the header (None: unaddressed)
 
     @property
     def compression_ratio(self) -> float:
@@ -122,8 +124,13 @@ def _ranges(token_idx: list[int]) -> list[list[int]]:
 def compress_document(lm, text: str, output: str | Path, settings: CompressSettings | None = None, *,
                       tagger=None, source_name: str = "-", progress: Progress | None = None,
                       ids: list[int] | None = None, device: str | torch.device | None = None,
-                      regenerator=None) -> CompressResult:
+                      regenerator=None, address: bool = False) -> CompressResult:
     """Turn `text` into a `.upc` state at `output` (written atomically).
+
+    `address`: record the state's content address (:mod:`kite.upcycle.address`: the token ids'
+    digest, the settings and the id) in its header, so that a store can file and verify it by
+    content. The pipeline's states carry it (:meth:`kite.upcycle.Pipeline.compress`); off, the
+    header is as before addresses (unaddressed).
 
     `regenerator`: a :class:`kite.upcycle.train.Regenerator` of this model: PCA sides are coded on
     its calibrated bases where that is expected to pay (the state then records its fingerprint and
@@ -250,8 +257,12 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
     if regenerator is not None:
         # sides: how many of the 2 x n_layers (layer, K|V) codecs took the regenerator's basis
         meta["regenerator"] = {"fingerprint": regenerator.fingerprint, "sides": regenerated[0]}
+    if address:
+        meta["address"] = address_for(fps.combined, cap.ids, settings, meta["tagger"],
+                                      None if regenerator is None else regenerator.fingerprint).to_header()
     t = time.perf_counter()
     size = writer.write(output, meta)
     timings["write"] = (time.perf_counter() - t) * 1e3
     return CompressResult(path=str(output), n_tokens=cap.n_tokens, clusters=clusters, state_bytes=size,
-                          raw_kv_bytes=raw_kv, timings_ms={k: round(v, 1) for k, v in timings.items()}, spans=spans)
+                          raw_kv_bytes=raw_kv, timings_ms={k: round(v, 1) for k, v in timings.items()}, spans=spans,
+                          address=meta["address"]["id"] if address else None)

@@ -158,6 +158,9 @@ def _new_meta(meta: dict, old: str, new_hex: str, new_fps, new_geometry) -> dict
     if new_geometry is not None:
         meta["model"] = {**meta["model"], "geometry": new_geometry.to_dict()}
     meta.setdefault("migrations", []).append({"from": previous.get("combined"), "to": fps["combined"]})
+    # the content address named the old model: the moved state is no longer what it says (the new
+    # model would compute other K and V), so it becomes unaddressed (a rollback restores it)
+    meta.pop("address", None)
     return meta
 
 
@@ -198,7 +201,7 @@ def migrate(folder: str | Path, old: str, new: str, *, new_fps=None, new_geometr
             meta = sf.meta
         _append(folder, {"step": "begin", "old_path": str(src), "new_path": str(dest),
                          "old_fingerprints": meta.get("fingerprints"), "old_geometry": meta["model"]["geometry"],
-                         "old_regenerator": meta.get("regenerator")})
+                         "old_regenerator": meta.get("regenerator"), "old_address": meta.get("address")})
         new_meta = _new_meta(meta, old, new_hex, new_fps, new_geometry)
         if meta.get("regenerator"):
             fp = meta["regenerator"]["fingerprint"]
@@ -268,6 +271,8 @@ def rollback(folder: str | Path) -> MigrationReport:
         meta["model"] = {**meta["model"], "geometry": rec["old_geometry"]}
         if rec.get("old_regenerator"):
             meta["regenerator"] = rec["old_regenerator"]
+        if rec.get("old_address"):
+            meta["address"] = rec["old_address"]
         meta["migrations"] = (meta.get("migrations") or [])[:-1]
         rewrite_header(src, dest, meta)
         if dest != src:

@@ -26,12 +26,14 @@ from pathlib import Path
 import torch
 
 from kite.errors import BadInput
+from kite.upcycle.address import Address, address_for
+from kite.upcycle.capture import tokenize_document
 from kite.upcycle.codec.settings import PRESETS, ratio_of, settings_for
 from kite.upcycle.compress import CompressResult, CompressSettings, Progress, compress_document
 from kite.upcycle.label_ratios import check_ratios, read_label_ratios
 from kite.upcycle.load.staging import prepare_state
 from kite.upcycle.settings import UpcycleConfig, load_upcycle_config
-from kite.upcycle.tagging.build import build_tagger
+from kite.upcycle.tagging.build import build_tagger, describe_tagger
 from kite.upcycle.train.regenerator import Regenerator, install
 
 
@@ -102,16 +104,27 @@ class Pipeline:
 
     def compress(self, text: str, output: str | Path, *, source_name: str = "-", progress: Progress | None = None,
                  ids: list[int] | None = None, settings: CompressSettings | None = None) -> CompressResult:
-        """Write a state of ``text`` (or of the token ids ``ids``) to ``output`` and, with the model on
-        a GPU, prepare it for loading there (:func:`kite.upcycle.load.prepare_state`)."""
+        """Write a state of ``text`` (or of the token ids ``ids``) to ``output``, its content address
+        in its header (:meth:`address_of`), and, with the model on a GPU, prepare it for loading there
+        (:func:`kite.upcycle.load.prepare_state`)."""
         result = compress_document(self.lm, text, output, settings or self.settings, tagger=self.tagger,
                                    source_name=source_name, progress=progress, ids=ids,
-                                   regenerator=self.regenerator)
+                                   regenerator=self.regenerator, address=True)
         if torch.device(self.lm.device).type == "cuda":
             t = time.perf_counter()
             if prepare_state(output):
                 result.timings_ms["prepare_load"] = round((time.perf_counter() - t) * 1e3, 1)
         return result
+
+    def address_of(self, text: str | None = None, ids: list[int] | None = None,
+                   settings: CompressSettings | None = None) -> Address:
+        """The content address :meth:`compress` would give the state of ``text`` (or of ``ids``), computed
+        without compressing (a tokenization): what a store is asked for before the work is done."""
+        if ids is None:
+            ids, _ = tokenize_document(self.lm.tokenizer, text)
+        regen = None if self.regenerator is None else self.regenerator.fingerprint
+        return address_for(self.lm.fingerprints.combined, ids, settings or self.settings,
+                           describe_tagger(self.tagger), regen)
 
     def load_tagger(self, progress=None) -> None:
         """Build (or read from the cache) the tagger the config asks for."""

@@ -241,6 +241,7 @@ class StateFile:
         if _digest(header) != hsum.hex():
             raise BadInput(f"{self.path}: corrupt .upc state (header checksum mismatch)")
         self.header_sum = hsum.hex()
+        self.format_version = version
         try:
             meta = json.loads(header)
         except ValueError:
@@ -288,6 +289,40 @@ class StateFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_state_bytes(data: bytes, where: str = "state") -> tuple[dict, int]:
+    """The header of a whole state held in memory (a store's object), after the checks a reader
+    makes of a file plus every blob's checksum: magic, version, header checksum and fields, the size
+    against the blob index, each stored blob against its checksum. BadInput (one line naming
+    `where`) on the first thing wrong. Returns the header (its blob index kept) and the format version."""
+    view = memoryview(data)
+    if len(view) < 8 or bytes(view[:8]) != MAGIC:
+        raise BadInput(f"{where}: not a .upc state (wrong magic bytes)")
+    if len(view) < _PREAMBLE.size:
+        raise BadInput(f"{where}: truncated .upc state (the header is cut off)")
+    _, version, _flags, hlen, hsum = _PREAMBLE.unpack_from(view)
+    if version > FORMAT_VERSION:
+        raise BadInput(f"{where}: .upc format version {version} is newer than this KITE reads ({FORMAT_VERSION})")
+    start = _PREAMBLE.size + hlen
+    if hlen > MAX_HEADER or len(view) < start:
+        raise BadInput(f"{where}: truncated .upc state (the header is cut off)")
+    header = bytes(view[_PREAMBLE.size:start])
+    if _digest(header) != hsum.hex():
+        raise BadInput(f"{where}: corrupt .upc state (header checksum mismatch)")
+    try:
+        meta = json.loads(header)
+    except ValueError:
+        raise BadInput(f"{where}: corrupt .upc state (header is not JSON)") from None
+    expected = start + check_header(meta, where)
+    if len(view) != expected:
+        what = "truncated" if len(view) < expected else "corrupt"
+        raise BadInput(f"{where}: {what} .upc state ({len(view):,} bytes; its header's blob index says {expected:,})")
+    for row in meta["blobs"]:
+        e = BlobEntry.from_json(row)
+        if _digest(view[start + e.offset:start + e.offset + e.length]) != e.checksum:
+            raise BadInput(f"{where}: corrupt .upc state (checksum mismatch in part {e.key})")
+    return meta, version
 
 
 def rewrite_header(src: str | os.PathLike[str], dest: str | os.PathLike[str], meta: dict[str, Any]) -> int:

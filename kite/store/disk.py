@@ -1,0 +1,191 @@
+"""Local disk: a folder of ``<address>.upc`` files, bounded, least recently used first out.
+
+The folder is the index: opening the tier reads every file's header (not its blobs) and keeps
+the ids whose recorded address checks out and matches the file's name, so the index survives a
+restart and sees files another process wrote. Recency starts from each file's mtime (the time it
+was written here) and follows reads within the process; reads do not touch the files (a changed
+mtime would give the state a new file version and cost every loader a re-hash).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from pathlib import Path
+
+from kite.atomic import write_bytes
+from kite.errors import BadInput, KiteError
+from kite.store.tier import ObjectStat, Tier, TierError, TierURL, register_tier
+from kite.upcycle import StateFile, check_address, is_address
+
+
+@register_tier
+class DiskTier(Tier):
+    """``file:///path?max=50GB``. ``rejected``: files of the folder left out of the index, and why
+    (a header that does not read, an address that does not check out or is not the file's name)."""
+
+    scheme = "file"
+
+    def __init__(self, folder: str | os.PathLike[str], name: str = "file", write: str = "through",
+                 max_bytes: int | None = None):
+        super().__init__(name, write, max_bytes)
+        self.folder = Path(folder).expanduser()
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BadInput(f"store tier {name}: cannot use folder {self.folder}: {exc.strerror}") from None
+        self._index: dict[str, list] = {}   # id -> [bytes, last use (s), mtime_ns]
+        self.rejected: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self.refresh()
+
+    @classmethod
+    def from_url(cls, name: str, url: TierURL, write: str, max_bytes: int | None) -> "DiskTier":
+        location = url.netloc + url.path
+        if not location:
+            raise BadInput(f"store URL {url.text!r}: file:// needs a folder (file:///abs/path or file://~/path)")
+        return cls(location, name, write, max_bytes)
+
+    def _path(self, state_id: str) -> Path:
+        if not is_address(state_id):
+            raise BadInput(f"{state_id[:80]!r} is not a state address (64 hex digits)")
+        return self.folder / f"{state_id}.upc"
+
+    def refresh(self) -> None:
+        """Bring the index in step with the folder: headers of new files read, gone files dropped."""
+        try:
+            names = {p.name[:-4]: p for p in self.folder.iterdir() if p.name.endswith(".upc")}
+        except OSError as exc:
+            raise TierError(self.name, "list", exc.strerror or str(exc)) from None
+        with self._lock:
+            for gone in set(self._index) - set(names):
+                del self._index[gone]
+        for stem, path in names.items():
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            with self._lock:
+                known = self._index.get(stem)
+                if known is not None and known[2] == st.st_mtime_ns and known[0] == st.st_size:
+                    continue
+                if self.rejected.get(stem, (None,))[0] == st.st_mtime_ns:
+                    continue
+            why = self._check_header(stem, path)
+            with self._lock:
+                if why is None:
+                    self._index[stem] = [st.st_size, st.st_mtime_ns / 1e9, st.st_mtime_ns]
+                    self.rejected.pop(stem, None)
+                else:
+                    self._index.pop(stem, None)
+                    self.rejected[stem] = (st.st_mtime_ns, why)
+
+    @staticmethod
+    def _check_header(stem: str, path: Path) -> str | None:
+        if not is_address(stem):
+            return "the name is not a state address"
+        try:
+            with StateFile(path) as sf:
+                addr = check_address(sf.meta, sf.format_version, str(path))
+        except (KiteError, OSError, ValueError) as exc:
+            return str(exc).splitlines()[0]
+        if addr is None:
+            return "an unaddressed state"
+        if addr != stem:
+            return f"holds state {addr[:16]}..., not {stem[:16]}..."
+        return None
+
+    def get(self, state_id: str) -> bytes | None:
+        path = self._path(state_id)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            with self._lock:
+                self._index.pop(state_id, None)
+            return None
+        except OSError as exc:
+            raise TierError(self.name, "get", f"{path}: {exc.strerror or exc}") from None
+        with self._lock:
+            entry = self._index.get(state_id)
+            if entry is None:
+                st = path.stat()
+                entry = self._index[state_id] = [len(data), 0.0, st.st_mtime_ns]
+            entry[1] = _now()
+        return data
+
+    def put(self, state_id: str, data: bytes) -> bool:
+        path = self._path(state_id)
+        if self.max_bytes is not None:
+            if len(data) > self.max_bytes:
+                return False
+            self._make_room(len(data), state_id)
+        try:
+            write_bytes(path, bytes(data))
+            st = path.stat()
+        except OSError as exc:
+            why = "the disk is full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+            raise TierError(self.name, "put", f"{path}: {why}") from None
+        with self._lock:
+            self._index[state_id] = [st.st_size, _now(), st.st_mtime_ns]
+            self.rejected.pop(state_id, None)
+        return True
+
+    def _make_room(self, need: int, keep: str) -> None:
+        with self._lock:
+            entries = sorted(((e[1], i, e[0]) for i, e in self._index.items() if i != keep))
+            total = sum(e[0] for i, e in self._index.items() if i != keep)
+        for _, victim, size in entries:
+            if total + need <= self.max_bytes:
+                break
+            if self.delete(victim):
+                total -= size
+                self.evictions += 1
+
+    def delete(self, state_id: str) -> bool:
+        path = self._path(state_id)
+        with self._lock:
+            self._index.pop(state_id, None)
+        try:
+            path.unlink()
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise TierError(self.name, "delete", f"{path}: {exc.strerror or exc}") from None
+
+    def ids(self) -> list[str]:
+        self.refresh()
+        with self._lock:
+            return sorted(self._index)
+
+    def stat(self, state_id: str) -> ObjectStat | None:
+        with self._lock:
+            entry = self._index.get(state_id)
+        if entry is None:
+            if not self._path(state_id).is_file():
+                return None
+            self.refresh()
+            with self._lock:
+                entry = self._index.get(state_id)
+            if entry is None:
+                return None
+        return ObjectStat(state_id, entry[0], entry[1])
+
+    def path_of(self, state_id: str) -> Path | None:
+        """The file holding the state, when this tier holds it (for loaders that read by path)."""
+        path = self._path(state_id)
+        return path if path.is_file() else None
+
+    def usage(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._index), sum(e[0] for e in self._index.values())
+
+    def describe(self) -> str:
+        return f"file://{self.folder}" + (f"?max={self.max_bytes}" if self.max_bytes else "")
+
+
+def _now() -> float:
+    import time
+
+    return time.time()
