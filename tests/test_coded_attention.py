@@ -131,3 +131,62 @@ def test_triton_decode_kernel_matches_the_rebuilt_path(lm, tmp_path, spec, qdtyp
     # bf16 keys in both; the kernel also rounds q, the probabilities and the coefficients to bf16 for
     # its tensor-core products (measured on the H200: <= 2.4e-2 per head, <= 2.2e-2 joint, q of any dtype)
     assert worst <= 3e-2
+
+
+def _prefixes(lm, tmp_path, spec, device, coded_dtype):
+    """The same state as a rebuilt KVPrefix and as a CodedPrefix (resident coded form)."""
+    from kite.runtime.cache import KVPrefix
+
+    out = tmp_path / "s.upc"
+    compress_document(lm, DOC, out, CompressSettings(codec=SPECS[spec], n_clusters=3, min_span_tokens=8,
+                                                     max_span_tokens=24), device="cpu")
+    with StateFile(out) as sf:
+        n_tokens = int(sf.meta["n_tokens"])
+    hot = staged(lm, out)
+    cos, sin = rope_cos_sin(lm.model, hot.positions, device=device)
+    keys, values = load.load_staged(hot, device=device, dtype=torch.float32, cos=cos, sin=sin)
+    cos_tab, sin_tab = rope_cos_sin(lm.model, torch.arange(n_tokens + 1), device=device)
+    coded = build_resident(hot, device=device, dtype=coded_dtype, cos=cos_tab, sin=sin_tab, next_position=n_tokens)
+    return KVPrefix(keys, values, n_tokens), coded
+
+
+@pytest.mark.parametrize("spec", ["ratio=4", "ratio=8-sinks-outliers"])
+def test_a_batch_row_after_a_coded_state_decodes_as_after_the_rebuilt_state(lm, tmp_path, spec):
+    """BatchDecoder: a row whose state stays in coded form gives the tokens and prompt NLL of the row
+    after the same state rebuilt, beside a row without a state (CPU: the torch reference, fp32)."""
+    from kite.runtime.batch_decode import BatchDecoder
+
+    rebuilt, coded = _prefixes(lm, tmp_path, spec, "cpu", torch.float32)
+    prompt = lm.tokenizer("What does the contract say about payment?")["input_ids"]
+    dec = BatchDecoder(lm, max_rows=3)
+    h_rebuilt = dec.add(prompt, prefix=rebuilt, max_new_tokens=8, stop_ids=set())
+    h_plain = dec.add(prompt[:5], max_new_tokens=8, stop_ids=set())
+    h_coded = dec.add(prompt, prefix=coded, max_new_tokens=8, stop_ids=set())
+    assert dec.cache.row_lengths(dec._active[h_coded].row) == [0] * lm.geometry.n_layers   # nothing rebuilt
+    res = dec.drain()
+    assert res[h_coded].text == res[h_rebuilt].text and res[h_plain].text
+    assert abs(res[h_coded].prompt_nll_bits - res[h_rebuilt].prompt_nll_bits) <= 1e-4
+    assert res[h_coded].prefix_tokens == res[h_rebuilt].prefix_tokens
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batch_decode_step_reads_coded_rows_with_the_gpu_kernel(tiny_models, tmp_path):
+    """On a GPU the decode step of coded rows goes through the Triton kernel: its logits against the
+    same rows after the rebuilt state (bf16 bases in the kernel)."""
+    from kite.model import load_model
+    from kite.runtime.batch_decode import BatchKVCache, forward_rows
+
+    lm_gpu = load_model(str(tiny_models["qwen2"]), device="cuda", dtype="fp32")
+    rebuilt, coded = _prefixes(lm_gpu, tmp_path, "ratio=4", "cuda", torch.bfloat16)
+    prompt = lm_gpu.tokenizer("What does the contract say about payment?")["input_ids"]
+    cache = BatchKVCache(lm_gpu.model, 4)
+    rows = [cache.take(rebuilt), cache.take(coded), cache.take(coded)]
+    pos = [rebuilt.next_position] * 3
+    forward_rows(lm_gpu.model, cache, rows, [prompt] * 3, pos)
+    logits = forward_rows(lm_gpu.model, cache, rows, [[7]] * 3, [p + len(prompt) for p in pos])
+    assert cache.coded_batches                          # the kernel's tables were built for the decode step
+    top = float(logits[0].abs().max())
+    for got in logits[1:]:
+        err = float((got - logits[0]).abs().max()) / top
+        print(f"coded rows vs rebuilt row, decode logits: max abs diff / max |logit| = {err:.2e}")
+        assert err <= 3e-2

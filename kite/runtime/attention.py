@@ -27,7 +27,11 @@ def kite_attention(module, query, key, value, attention_mask, scaling=None, drop
     batch = kwargs.get(BATCH_KWARG)
     if batch is not None:
         held = batch.held(module.layer_idx, key.dtype, key.device) if batch.memories else None
-        return batch_attention(query, key, value, batch.mask(module.layer_idx, key.shape[-2]), scaling, held)
+        mask = batch.mask(module.layer_idx, key.shape[-2])
+        out, _ = batch_attention(query, key, value, mask, scaling, held)
+        if batch.coded:
+            coded_rows(out, query, key, value, mask, scaling, batch, module.layer_idx)
+        return out, None
     q_len, k_len = query.shape[-2], key.shape[-2]
     mask = attention_mask
     if mask is not None:
@@ -74,6 +78,38 @@ def batch_attention(query, key, value, mask, scaling=None, held=None):
                                    torch.cat([seen, mask[b:b + 1]], dim=-1), scaling)
         out[b] = row[0]
     return out, None
+
+
+def coded_rows(out, query, key, value, mask, scaling, batch, layer: int) -> None:
+    """Rows whose state is resident in coded form (``batch.coded``: batch index -> CodedPrefix): their
+    output ``out[b]`` [q, Hq, d] becomes one softmax over the state's coded tokens and the row's own
+    slots (``mask``). One decode token per row on a GPU: the batched Triton kernel; otherwise the
+    torch reference, row by row (kite.kernels.coded_attention)."""
+    from kite.kernels.coded_attention import coded_decode_partial, coded_partial, merge, raw_partial
+
+    rows = [b for b in sorted(batch.coded) if batch.coded[b].layers[layer] is not None]
+    if not rows:
+        return
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    idx = torch.tensor(rows, device=query.device)
+    q = query[idx]                                                           # [n, Hq, q, d]
+    raw = raw_partial(q, key[idx], value[idx], scaling, mask[idx])           # the rows' own slots
+    layers = [batch.coded[b].layers[layer] for b in rows]
+    tables = max((batch.coded[b] for b in rows), key=lambda p: p.cos.shape[0])
+    if q.shape[2] == 1 and q.is_cuda:
+        key_ = (layer, tuple(id(batch.coded[b]) for b in rows))
+        if key_ not in batch.coded_batches:
+            from kite.kernels.coded_attention_triton import CodedBatch
+
+            batch.coded_batches[key_] = CodedBatch(layers)
+        o, lse = coded_decode_partial(q[:, :, 0], batch.coded_batches[key_], tables.cos, tables.sin, scaling)
+        o, lse = o[:, :, None], lse[:, :, None]
+    else:
+        parts = [coded_partial(q[i], c, batch.coded[b].cos, batch.coded[b].sin, scaling)
+                 for i, (b, c) in enumerate(zip(rows, layers))]
+        o, lse = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    merged, _ = merge([(o, lse), raw])                                       # [n, Hq, q, d]
+    out[idx] = merged.transpose(1, 2).to(out.dtype)
 
 
 def _folded_attention(query, key, value, mask, scaling=None) -> torch.Tensor:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kite.errors import KiteError
-from kite.runtime.cache import KVPrefix
+from kite.runtime.cache import CodedPrefix, KVPrefix
 from kite.runtime.row_memory import RowMemory
 
 _ALIGN = 64   # capacity grows in whole blocks of slots (fewer regrowths, steadier shapes)
@@ -57,6 +57,8 @@ class BatchStep:
     real: torch.Tensor | None    # [B, q] bool: which (row, j) are real tokens; None when all are
     row_range: tuple[int, int] | None   # (first, end) when `rows` is a consecutive run: views, no copies
     memories: dict[int, RowMemory] = field(default_factory=dict)   # batch index -> its older tokens
+    coded: dict[int, CodedPrefix] = field(default_factory=dict)    # batch index -> its state in coded form
+    coded_batches: dict = field(default_factory=dict)   # the kernel's tables per (layer, rows), kept by the cache
 
     def held(self, layer: int, dtype: torch.dtype, device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """The older tokens of the rows that keep some apart (kite.runtime.row_memory), by batch
@@ -111,6 +113,8 @@ class BatchKVCache:
         self.values: list[torch.Tensor] = []
         self.lengths = torch.zeros((self.n_layers, 0), dtype=torch.long)
         self.taken: list[bool] = []
+        self.coded: dict[int, CodedPrefix] = {}     # row -> its state resident in coded form
+        self.coded_batches: dict = {}               # the coded kernel's tables, until rows change
         self._step: BatchStep | None = None
         self._reserve(1, capacity)
 
@@ -150,15 +154,21 @@ class BatchKVCache:
 
     # -- rows ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def take(self, prefix: KVPrefix | None = None) -> int:
+    def take(self, prefix: KVPrefix | CodedPrefix | None = None) -> int:
         """A free row for a new sequence, seeded with `prefix` (layer l holds its P_l tokens in
-        slots 0…P_l-1); raises BatchFull when there is none or its prefix passes the budget."""
+        slots 0…P_l-1; a CodedPrefix stays in its coded form beside the row, which then holds only
+        live tokens); raises BatchFull when there is none or its prefix passes the budget."""
         if self._step is not None:
             raise RuntimeError("rows change between steps, not during one")
         row = self.next_row()
         if row is None:
             raise BatchFull(f"all {self.max_rows} rows of the batch are taken")
         counts = [0] * self.n_layers
+        coded = prefix if isinstance(prefix, CodedPrefix) else None
+        if coded is not None:
+            prefix = None
+            if coded.n_layers != self.n_layers:
+                raise ValueError(f"prefix has {coded.n_layers} layers, the model {self.n_layers}")
         if prefix is not None:
             if prefix.n_layers != self.n_layers:
                 raise ValueError(f"prefix has {prefix.n_layers} layers, the model {self.n_layers}")
@@ -172,6 +182,9 @@ class BatchKVCache:
                     self.values[layer][row, :, :n] = v.to(self.device, self.dtype)
         self.lengths[:, row] = torch.tensor(counts, dtype=torch.long)
         self.taken[row] = True
+        if coded is not None:
+            self.coded[row] = coded
+        self.coded_batches.clear()
         return row
 
     @torch.inference_mode()
@@ -184,6 +197,8 @@ class BatchKVCache:
             raise ValueError(f"row {row} is not taken")
         self.taken[row] = False
         self.lengths[:, row] = 0
+        if self.coded.pop(row, None) is not None:
+            self.coded_batches.clear()
 
     @torch.inference_mode()
     def drop_slots(self, row: int, layer: int, start: int, n: int) -> None:
@@ -268,7 +283,9 @@ class BatchKVCache:
             write_slots=slots.to(self.device),
             real=None if bool(real.all()) else real.to(self.device),
             row_range=(first, end) if rows == list(range(first, end)) else None,
-            memories=dict(memories or {}))
+            memories=dict(memories or {}),
+            coded={b: self.coded[r] for b, r in enumerate(rows) if r in self.coded},
+            coded_batches=self.coded_batches)
         self._step = step
         return step
 

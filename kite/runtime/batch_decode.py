@@ -33,7 +33,7 @@ import torch
 from kite.runtime.attention import BATCH_KWARG
 from kite.runtime.batch import right_padded
 from kite.runtime.batch_cache import BatchFull, BatchKVCache, round_capacity
-from kite.runtime.cache import KVPrefix
+from kite.runtime.cache import CodedPrefix, KVPrefix
 from kite.runtime.decoding import (GenerationResult, SequenceDecode, check_request, nll_bits,
                                    prompt_nll_nats)
 from kite.runtime.generate import cache_kwarg
@@ -277,11 +277,12 @@ def _by_reader(seqs: list[_Sequence]) -> list[list[_Sequence]]:
     return [g for g in groups if g]
 
 
-def _worst_length(prompt_tokens: int, prefix: KVPrefix | None, max_new_tokens: int,
+def _worst_length(prompt_tokens: int, prefix: KVPrefix | CodedPrefix | None, max_new_tokens: int,
                   memory: RowMemory | None = None) -> int:
     """Slots a row may fill: its longest prefix layer, the prompt and every new token but the last
     (which is sampled, never fed); with a memory, no more than the memory lets it hold."""
-    longest = max(prefix.tokens_per_layer(), default=0) if prefix is not None else 0
+    # a state in coded form stays beside the row: its slots hold the live tokens only
+    longest = max(prefix.tokens_per_layer(), default=0) if isinstance(prefix, KVPrefix) else 0
     worst = longest + prompt_tokens + max(max_new_tokens - 1, 0)
     return min(worst, memory.max_slots) if memory is not None else worst
 

@@ -33,6 +33,37 @@ class KVPrefix:
                    for k, v in zip(self.keys, self.values))
 
 
+@dataclass
+class CodedPrefix:
+    """A state resident in coded form (kite.kernels.coded_attention.CodedLayer per layer, None where a
+    layer holds nothing), placed in front of the live tokens: attended from its codes, never rebuilt.
+
+    ``cos`` / ``sin`` [P, d] float32: RoPE by absolute position, P > every coded token's position.
+    Built by ``kite.upcycle.load.resident.build_resident``; a batch row takes it in place of a KVPrefix
+    (kite.runtime.batch_cache), its raw slots then hold only its live tokens.
+    """
+
+    layers: list                 # list[CodedLayer | None]
+    positions: torch.Tensor      # int64 [T]: the kept tokens' positions, ascending
+    next_position: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    reader: bool = False
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def tokens_per_layer(self) -> list[int]:
+        """Tokens each layer attends (coded rows and raw side-cache rows)."""
+        return [0 if c is None else int((c.pos >= 0).sum()) + int(c.raw_k.shape[1]) for c in self.layers]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the coded form occupies on its device (every tensor of every layer)."""
+        return sum(c.nbytes for c in self.layers if c is not None)
+
+
 def new_cache(model, prefix: KVPrefix | None = None):
     """A DynamicCache for `model`, seeded with `prefix` when given."""
     from transformers import DynamicCache

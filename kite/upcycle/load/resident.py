@@ -7,37 +7,20 @@ codec's own per-group fp16 scale and minimum, kept as float32 tables), rows are 
 in tiles of ``TILE`` that never straddle a quantization group, a per-head basis is padded to one width,
 and rows the codec keeps exactly (sinks, outliers) move to a small raw side cache (keys post-RoPE).
 The price is bytes: 8 bits per coefficient where the packed form averages the codec's allocated
-widths; :attr:`CodedState.nbytes` counts every byte the form holds on its device.
+widths; :attr:`kite.runtime.cache.CodedPrefix.nbytes` counts every byte the form holds on its device.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from kite.kernels.coded_attention import TILE, CodedLayer
 from kite.kernels.load import pca_coefs
+from kite.runtime.cache import CodedPrefix
 from kite.upcycle.load.hot_tier import HotState
 from kite.upcycle.load.tables import LayerPlan, SidePlan
 
 COL_ALIGN = 32     # code columns per basis block are padded to this (the kernel's chunk of columns)
-
-
-@dataclass
-class CodedState:
-    """A state resident in coded form: one CodedLayer per layer (None where the layer is not loaded)."""
-
-    layers: list[CodedLayer | None]
-    positions: torch.Tensor        # int64 [T_out]: the kept tokens' positions, ascending (as HotState's)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers if layer is not None)
-
-    def tokens_per_layer(self) -> list[int]:
-        """Tokens each layer attends (coded rows and raw side-cache rows)."""
-        return [0 if c is None else int((c.pos >= 0).sum()) + int(c.raw_k.shape[1]) for c in self.layers]
 
 
 def supports(hot: HotState) -> bool:
@@ -65,12 +48,15 @@ def _pad(n: int, a: int) -> int:
     return -(-n // a) * a
 
 
-def build_resident(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor) -> CodedState:
+def build_resident(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor,
+                   next_position: int | None = None, reader: bool = False) -> CodedPrefix:
     """Transcode every staged layer of ``hot`` into the resident coded form on ``device``.
 
     ``dtype``: the bases' precision (bf16 on a GPU; float32 for the exact reference on the CPU).
     ``cos`` / ``sin`` [P, d] float32: RoPE by absolute position (P > the last position), for the
-    raw side cache's keys. Raises ValueError for a layout the form does not cover (see :func:`supports`).
+    raw side cache's keys and for the coded attention (kept on the prefix). ``next_position``: where the
+    first live token goes (the document's length; default: after the last kept token).
+    Raises ValueError for a layout the form does not cover (see :func:`supports`).
     """
     dev = torch.device(device)
     dest = hot.dest.to(dev)
@@ -80,7 +66,10 @@ def build_resident(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tens
     for layer in range(len(hot.layers)):
         plan = hot.wait(layer)
         layers.append(None if plan is None else _layer(hot, plan, dev, dtype, row_pos, cos.to(dev), sin.to(dev)))
-    return CodedState(layers=layers, positions=hot.positions)
+    if next_position is None:
+        next_position = int(hot.positions.max()) + 1 if hot.positions.numel() else 0
+    return CodedPrefix(layers=layers, positions=hot.positions, next_position=next_position, cos=cos.to(dev),
+                       sin=sin.to(dev), reader=reader)
 
 
 def _layout(sp: SidePlan) -> tuple[list[int], int, list[tuple[int, int]]]:
