@@ -10,11 +10,11 @@ folder (a state made through one is found by all; nothing is upcycled twice). **
 call whose replica died before answering (generation is greedy or seeded, so a retry gives the same
 answer). It answers two routes itself: `GET /metrics` (every replica's metrics, each sample labelled
 `replica="<id>"`, plus the router's own `kite_router_*`) and `GET /v1/replicas` (each replica's id,
-loopback URL, hot states and queue).
+loopback URL and whether it answers).
 """
 
-
-
+# No `from __future__ import annotations` here: Ray Serve's ingress reads the routes' annotations
+# (fastapi.Request) as objects.
 import asyncio
 import json
 import os
@@ -166,10 +166,10 @@ class KiteIngress:
         from prometheus_client import generate_latest
 
         urls = await here._directory_urls()
-        parts = [generate_latest(self.registry).decode()]
-        parts.append(f"# HELP kite_replicas Replicas registered.\n# TYPE kite_replicas gauge\n"
-                     f"kite_replicas {len(urls)}\n")
-        parts += await asyncio.gather(*(here._labelled_metrics(rid, url) for rid, url in sorted(urls.items())))
+        scraped = await asyncio.gather(*(here._labelled_metrics(rid, url) for rid, url in sorted(urls.items())))
+        parts = [generate_latest(self.registry).decode(),
+                 f"# HELP kite_replicas Replicas whose metrics this scrape read.\n# TYPE kite_replicas gauge\n"
+                 f"kite_replicas {sum(1 for t in scraped if t)}\n", *scraped]
         return Response("".join(parts), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @ingress_app.get("/v1/replicas")
