@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import difflib
 import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -100,6 +101,35 @@ class ServerConfig(BaseModel):
         return v.expanduser() if v is not None else None
 
 
+_TIER_URL = re.compile(r"^[a-z][a-z0-9+.-]*://\S*$")
+
+
+class StoreConfig(BaseModel):
+    """The tiered state store (docs/store.md): `--store` takes the place of `url` for one command."""
+
+    model_config = _STRICT
+    # tier URLs, fastest first, comma-separated (mem://?max=2GB,file:///path,redis://...,s3://...); None: no store
+    url: str | None = Field(None, min_length=1)
+    write: str = "through"   # a tier URL's default write= (through or back)
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str | None) -> str | None:
+        # the form only (kite.store checks schemes and parameters when it opens the store)
+        if v is not None:
+            bad = next((p for p in v.split(",") if not _TIER_URL.match(p.strip())), None)
+            if bad is not None:
+                raise ValueError(f"{bad.strip()!r} is not a tier URL (mem://, file://, redis://, s3://)")
+        return v
+
+    @field_validator("write")
+    @classmethod
+    def _check_write(cls, v: str) -> str:
+        if v not in ("through", "back"):
+            raise ValueError("expected through or back")
+        return v
+
+
 class YocoConfig(BaseModel):
     model_config = _STRICT
     rules_file: str = Field("rules/yoco_rules.yaml", min_length=1)
@@ -119,6 +149,7 @@ class KiteConfig(BaseModel):
     server: ServerConfig = Field(default_factory=ServerConfig)
     yoco: YocoConfig = Field(default_factory=YocoConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
 
     # dotted key → (layer, origin) for every key a layer above the defaults set
     _sources: dict[str, tuple[str, str]] = PrivateAttr(default_factory=dict)
@@ -390,6 +421,8 @@ def _problem(err: dict[str, Any]) -> tuple[str, str]:
         return key, f"{key}: {err['msg']}"
     if err["type"] in _RANGE_ERRORS:
         return key, f"{key} = {shown} is out of range; allowed: {allowed(key)}"
+    if err["type"] == "value_error":   # a field's own validator: its message says what is allowed
+        return key, f"{key} = {shown}: {str(err['msg']).removeprefix('Value error, ')}"
     quote = ""
     if _base_type(key)[0] in (str, Path) and isinstance(err["input"], (int, float, bool)):
         quote = f" (quote it: '{shown}')"
