@@ -1,0 +1,168 @@
+"""`kite store`: the tiered, content-addressed state store (docs/store.md): ls, get, put, gc, stats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kite.cli._common import JsonOpt, MkdirOpt, console, emit_json, new_app, user_config
+from kite.errors import BadInput, KiteError
+
+app = new_app("The tiered state store: list, fetch, add, evict and count content-addressed states.")
+
+StoreOpt = typer.Option("--store", help="Tier URLs, fastest first, comma-separated: "
+                        "mem://?max=2GB,file:///path?max=50GB,redis://127.0.0.1:6379/0,s3://bucket/prefix"
+                        "?endpoint_url=http://127.0.0.1:9000 (default: the config's store.url).")
+
+
+def store_url(flag: str | None, required: bool = True) -> str | None:
+    """The store a command uses: --store, else the config's store.url; BadInput when neither is set
+    and the command needs one."""
+    url = flag if flag is not None else user_config().store.url
+    if url is None and required:
+        raise BadInput("no store: pass --store URL or set store.url (kite config set store.url URL)")
+    return url
+
+
+def open_cli_store(flag: str | None, required: bool = True):
+    """The TieredStore of --store / store.url (None when neither is set and not `required`)."""
+    url = store_url(flag, required)
+    if url is None:
+        return None
+    from kite.store import open_store
+
+    return open_store(url, default_write=user_config().store.write)
+
+
+def resolve_id(store, ref: str) -> str:
+    """A full address, or a unique prefix of one (8 hex digits or more) among the stored ids."""
+    from kite.store import is_address
+
+    ref = ref.strip().lower()
+    if is_address(ref):
+        return ref
+    if len(ref) < 8 or any(c not in "0123456789abcdef" for c in ref):
+        raise BadInput(f"{ref[:80]!r}: expected a state address (64 hex digits) or its first 8 or more")
+    matches = [i for i in store.ids() if i.startswith(ref)]
+    if len(matches) > 1:
+        raise BadInput(f"{ref}: names {len(matches)} states ({', '.join(m[:16] for m in matches[:3])} ...); give more digits")
+    if not matches:
+        raise KiteError(f"{ref}: no state with that address in the store")
+    return matches[0]
+
+
+@app.command("ls")
+def ls(store: Annotated[str | None, StoreOpt] = None, json_out: bool = JsonOpt) -> None:
+    """Every state any tier holds, with the tiers holding it.
+
+    Example: kite store ls --store mem://,file:///var/kite/store
+    """
+    st = open_cli_store(store)
+    rows = []
+    for sid, tiers in st.ids().items():
+        rows.append({"id": sid, "tiers": tiers})
+    if json_out:
+        emit_json({"states": rows, "errors": st.counters.snapshot()["errors"]})
+        return
+    out = console()
+    for r in rows:
+        out.print(f"{r['id']}  {','.join(r['tiers'])}", highlight=False)
+    out.print(f"[dim]{len(rows)} state(s)[/]")
+    for e in st.counters.snapshot()["errors"]:
+        out.print(f"[yellow]warning:[/] tier {e['tier']} could not {e['op']} ({e['count']}×)", highlight=False)
+
+
+@app.command("get")
+def get(
+    state_id: Annotated[str, typer.Argument(help="The state's address (or its first 8+ hex digits).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the .upc state.")],
+    store: Annotated[str | None, StoreOpt] = None,
+    mkdir: bool = MkdirOpt,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Fetch a state (verified: checksums and address) into a file; exit 1 when no tier has a good copy.
+
+    Example: kite store get 36f597c14edb48d5 -o contract.upc
+    """
+    from kite.atomic import check_output
+
+    check_output(output, mkdir, "--output")
+    st = open_cli_store(store)
+    sid = resolve_id(st, state_id)
+    info = st.get_file(sid, output)
+    st.close()
+    if info is None:
+        raise KiteError(f"state {sid}: no tier holds a good copy (see kite store stats for errors)")
+    if json_out:
+        emit_json({**info.to_dict(), "output": str(output)})
+        return
+    console().print(f"[bold green]wrote[/] {output}: state {sid} ({info.bytes:,} B, {info.n_tokens:,} tokens)",
+                    highlight=False)
+
+
+@app.command("put")
+def put(
+    files: Annotated[list[Path], typer.Argument(help="The .upc states to store.", show_default=False)],
+    store: Annotated[str | None, StoreOpt] = None,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Verify each state (its checksums and content address) and store it in every tier under its
+    address. Exit 1 when a tier failed to take one (each failure is named).
+
+    Example: kite store put contract.upc --store file:///var/kite/store,redis://127.0.0.1:6379/0
+    """
+    from kite.store import read_state_file
+
+    loaded = [read_state_file(f) for f in files]   # every file checked before anything is stored
+    st = open_cli_store(store)
+    reports = [st.put(data) for data, _ in loaded]
+    late = st.flush()   # write-back tiers finish before the command answers
+    st.close()
+    failed = [r for r in reports if r.failed] + late
+    if json_out:
+        emit_json({"stored": [{**r.to_dict(), "file": str(f)} for r, f in zip(reports, files)],
+                   "write_back_failures": late})
+    else:
+        out = console()
+        for r, f in zip(reports, files):
+            tiers = "  ".join(f"{t} {s}" for t, s in r.tiers.items())
+            out.print(f"{r.id}  {f}  {r.bytes:,} B  {tiers}", highlight=False)
+        for f in late:
+            out.print(f"[red]write-back to {f['tier']} failed[/] for {f['id'][:16]}: {f['why']}", highlight=False)
+    if failed:
+        raise KiteError(f"{len(failed)} put(s) failed in a tier (named above)")
+
+
+@app.command("gc")
+def gc(store: Annotated[str | None, StoreOpt] = None, json_out: bool = JsonOpt) -> None:
+    """Evict least recently used states from every bounded tier (max=SIZE) until it is within its bound."""
+    st = open_cli_store(store)
+    dropped = st.gc()
+    if json_out:
+        emit_json({"evicted": dropped})
+        return
+    out = console()
+    for tier, ids in dropped.items():
+        out.print(f"{tier}: evicted {len(ids)}" + (f" ({', '.join(i[:12] for i in ids[:5])})" if ids else ""),
+                  highlight=False)
+
+
+@app.command("stats")
+def stats(store: Annotated[str | None, StoreOpt] = None, json_out: bool = JsonOpt) -> None:
+    """Per tier: objects and bytes held, its bound and write policy, and this process's counts.
+
+    A server counts hits, misses and errors over its life: see its /metrics (kite_store_*).
+    """
+    st = open_cli_store(store)
+    report = st.stats()
+    if json_out:
+        emit_json(report)
+        return
+    out = console()
+    for t in report["tiers"]:
+        held = (f"{t['objects']} states, {t['bytes']:,} B" if t["objects"] is not None
+                else f"[red]unreachable[/]: {t['error']}")
+        bound = f" of {t['max_bytes']:,} B" if t["max_bytes"] else ""
+        out.print(f"{t['name']:<6} {t['url']}  write-{t['write']}  {held}{bound}", highlight=False)
