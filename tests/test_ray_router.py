@@ -140,3 +140,15 @@ def test_router_keeps_90_percent_of_one_big_replicas_hit_rate_and_no_replica_tak
     assert _rate(routed) >= 0.9 * one, (_rate(routed), one)
     assert share <= 0.65, share
     assert _rate(routed) > _rate(round_robin)   # state-aware routing is what keeps the hit rate
+
+
+def test_kite_serve_refuses_bad_replica_bounds_before_loading_anything(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from kite.cli.main import app
+
+    monkeypatch.setenv("KITE_SERVER__MIN_REPLICAS", "1")
+    r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--state-dir", str(tmp_path), "--mkdir"],
+                           prog_name="kite")
+    assert r.exit_code == 2, r.output
+    assert "min_replicas and server.max_replicas" in r.output

@@ -181,15 +181,18 @@ def test_killing_a_replica_under_200_requests_loses_none_and_answers_right(clust
         with httpx.Client(base_url=cluster.cluster.url, timeout=180) as client:
             r = _complete(client, *key)
         with lock:
-            done.append(1)
+            done.append(r.headers.get("x-kite-replica"))
         return key, r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
 
-    victim = next(n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
-                  if "kite-replica#" in n["name"])
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(one, k) for k in jobs]
         while len(done) < 40:
             time.sleep(0.05)
+        with lock:
+            recent = done[-8:]
+        busy = max(set(recent), key=recent.count)   # the replica answering most just now: it has work in flight
+        victim = next(n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
+                      if n["name"].endswith(f"kite-replica#{busy}"))
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         results = [f.result() for f in futures]
     lost = [r for r in results if r[1] != 200]
@@ -215,3 +218,45 @@ def test_restarting_every_process_finds_every_state_again(cluster):
         assert r.status_code == 200 and r.json()["created"] is False   # found, not upcycled again
     assert _metric(c.get("/metrics").text, "kite_upcycle_states_total") == 0
     assert _complete(c, sids[0], PROMPTS[0]).json()["kite"]["loaded"] is True
+
+
+def test_kite_serve_replicas_from_the_command_line_serves_and_stops_on_ctrl_c(tiny_models, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    settings = _settings(tmp_path)
+    cfg = tmp_path / "upcycle.yaml"
+    cfg.write_text("compression: {precision: exact, cluster_num: 3, min_span_tokens: 8, max_span_tokens: 24}\n"
+                   "semantic_tagging: {labels: [], generated_examples_per_label: 0}\n")
+    port = free_port()
+    env = {**os.environ, "KITE_HOME": str(tmp_path / "home"), "KITE_FEATURES__UPCYCLE_YOCO_FUSION": "true"}
+    proc = subprocess.Popen([sys.executable, "-m", "kite.cli.main", "serve", "--replicas", "2", "--model",
+                             str(tiny_models["llama"]), "--rules", str(settings.rules_path), "--upcycle-config", str(cfg),
+                             "--state-dir", str(tmp_path / "states"), "--mkdir", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                alive = [r for r in httpx.get(f"{url}/v1/replicas", timeout=5).json()["data"] if r["alive"]]
+                if len(alive) == 2:
+                    break
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            assert time.monotonic() < deadline, "kite serve --replicas 2 did not come up"
+            time.sleep(1)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 3,
+                                                      "kite": {"document": DOCS[0]}}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["kite"]["upcycled"]["created"] is True and r.json()["kite"]["loaded"] is True
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "serving" in out and "stopping replicas" in out
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/v1/replicas", timeout=3)
