@@ -10,6 +10,7 @@ import typer
 
 from kite.cli._common import (JsonOpt, MkdirOpt, console, emit_json, kept_on_interrupt, model_spec, new_app,
                               user_config)
+from kite.cli.store import StoreOpt
 from kite.errors import BadInput
 
 app = new_app("Turn a document's KV cache into a .upc state; inspect, evaluate, migrate, retune.")
@@ -62,16 +63,23 @@ def compress(
         "--label-ratio", help="LABEL=R: the clusters of that clause label at ratio R (repeatable; over the "
         "config's compression.label_ratios).")] = None,
     mkdir: bool = MkdirOpt,
+    store: Annotated[str | None, StoreOpt] = None,
     json_out: bool = JsonOpt,
 ) -> None:
     """Prefill a document, cluster and tag its spans, compress its KV cache into a .upc state.
 
+    With a store (--store or the config's store.url), a document whose state (same model, tokens and
+    settings: its content address) a tier holds is fetched instead of compressed again, and a new
+    state is put into every tier.
+
     Example: kite upcycle compress --input contract.txt --output contract.upc --ratio 4
     """
     from kite.atomic import check_output
+    from kite.cli.store import open_cli_store
 
     text, name = read_document(input)   # before the heavy imports: a bad --input fails at once
     check_output(output, mkdir, "--output")
+    tiers = open_cli_store(store, required=False)   # a bad URL fails before the model loads
     from kite.upcycle import parse_label_ratio_flags
 
     label_ratios = parse_label_ratio_flags(label_ratio)
@@ -84,9 +92,24 @@ def compress(
         pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress,
                              kept_fraction=user_config().features.upcycle_compression_ratio, regenerator=regenerator,
                              label_ratios=label_ratios)
-        result = pipe.compress(text, output, source_name=name, progress=progress)
+        if tiers is None:
+            result = pipe.compress(text, output, source_name=name, progress=progress)
+        else:
+            from kite.store import compress_to_store
+
+            stored = compress_to_store(pipe, tiers, text, output, source_name=name, progress=progress)
+            tiers.close()
+            result = stored.result
+    if tiers is not None and not stored.recompressed:
+        if json_out:
+            emit_json({"path": str(output), "address": stored.address, "store": stored.to_dict()})
+            return
+        console().print(f"[bold green]wrote[/] {output} from the store (tier {stored.found_in}): state "
+                        f"{stored.address} is already there, not recompressed", highlight=False)
+        return
     if json_out:
-        emit_json(result.to_dict())
+        emit_json({**result.to_dict(), **({"store": stored.to_dict()} if tiers is not None else {})})
+        _fail_on_put(stored if tiers is not None else None)
         return
     out = console()
     out.print(f"[bold green]wrote[/] {output}: {result.n_tokens:,} tokens → {result.state_bytes:,} B "
@@ -96,6 +119,19 @@ def compress(
         out.print(f"  cluster {c.id:>2}  {c.label:<22} conf {c.confidence:.2f}  {c.n_tokens:>6} tokens  "
                   f"[dim]{c.preview[:60]}[/]", highlight=False)
     out.print("  " + "  ".join(f"{k} {v:.0f} ms" for k, v in result.timings_ms.items()), highlight=False)
+    if tiers is not None:
+        out.print(f"  stored as {stored.address}: " + "  ".join(f"{t} {s}" for t, s in stored.put.tiers.items()),
+                  highlight=False)
+        _fail_on_put(stored)
+
+
+def _fail_on_put(stored) -> None:
+    """Exit 1 when a store tier failed to take the new state (never silent; the state file is written)."""
+    if stored is not None and stored.put is not None and stored.put.failed:
+        from kite.errors import KiteError
+
+        raise KiteError(f"the state was written to its file but store tier(s) {', '.join(stored.put.failed)} "
+                        f"failed to take it: " + "; ".join(stored.put.failed.values()))
 
 
 @app.command("inspect")

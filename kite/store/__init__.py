@@ -7,6 +7,7 @@ file (`kite gguf embed`), a read-only store shipped with its model. The public f
     tiered      TieredStore: read top-down, promote hits, write through/back, verify everything
     tier        the Tier interface, its registry by URL scheme, TierError, sizes
     memory, disk, redis_tier, s3   the tiers
+    compress    compress_to_store: a state the store holds is fetched, not compressed again
     verify      what is checked of every object (container, checksums, content address)
     counters    hits, misses, puts, errors by tier and operation (for /metrics)
     gguf        the keys states take in a GGUF; list, read and extract them, offer them to loaders
@@ -19,6 +20,7 @@ from kite.store.gguf import (EMBED_FORMAT, EMBED_VERSION, META_KEY, STATE_KEY, E
                              state_path)
 from kite.store.gguf_embed import EmbedReport, check_made_by, embed_states
 from kite.store.ids import check_state_id
+from kite.store.compress import StoredCompress, compress_to_store
 from kite.store.counters import StoreCounters
 from kite.store.disk import DiskTier
 from kite.store.memory import MemoryTier
@@ -34,7 +36,7 @@ __all__ = [
     "EMBED_FORMAT", "EMBED_VERSION", "META_KEY", "STATE_KEY", "EmbedReport", "EmbeddedState", "cached_state",
     "cached_states", "check_made_by", "check_state_id", "embed_states", "embedded_states", "extract_state",
     "find_state", "gguf_file", "read_state", "state_path",
-    "CorruptState", "DiskTier", "MemoryTier", "ObjectStat", "PutReport", "RedisTier", "S3Tier", "StateInfo",
+    "StoredCompress", "compress_to_store", "CorruptState", "DiskTier", "MemoryTier", "ObjectStat", "PutReport", "RedisTier", "S3Tier", "StateInfo",
     "StoreCounters", "StoreError", "Tier", "TierError", "TieredStore", "Unaddressed", "is_address", "open_store",
     "parse_size", "read_state_file", "register_tier", "split_url", "tier_schemes", "verify_state",
 ]

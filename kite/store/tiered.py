@@ -104,11 +104,16 @@ class TieredStore:
 
     def get_file(self, state_id: str, dest: str | Path) -> StateInfo | None:
         """Write the verified state to `dest` (atomically); its info, or None on a miss."""
+        found = self.fetch_file(state_id, dest)
+        return None if found is None else found[0]
+
+    def fetch_file(self, state_id: str, dest: str | Path) -> tuple[StateInfo, str] | None:
+        """:meth:`get_file`, also naming the tier that answered; None on a miss."""
         found = self._find(state_id)
         if found is None:
             return None
         write_bytes(dest, found[0])
-        return found[1]
+        return found[1], found[2].name
 
     def where(self, state_id: str) -> list[str]:
         """The tiers holding an object of that id (by their index; not read or verified)."""
