@@ -92,3 +92,29 @@ def test_block_keys_are_the_same_in_every_process_and_differ_by_block_and_size()
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout.strip()
     assert other == block_key(address, 7, 16)
+
+
+def test_a_prompt_matches_a_state_only_when_it_begins_with_the_states_own_tokens(tiny_models, tmp_path):
+    """The connector's id check, on a state carrying its content address (kite.upcycle.address)."""
+    from kite.model import load_model
+    from kite.upcycle import StateFile, check_address, codec
+    from kite.upcycle.compress import CompressSettings, compress_document
+    from kite.serve.vllm_blocks import prompt_matches
+    from tests.tiny_models import CORPUS
+
+    lm = load_model(str(tiny_models["llama"]), device="cpu")
+    doc = CORPUS.replace(". ", ".\n\n", 3)
+    result = compress_document(lm, doc, tmp_path / "s.upc",
+                               CompressSettings(codec=codec.settings_for("exact"), n_clusters=2, min_span_tokens=8,
+                                                max_span_tokens=24), address=True)
+    with StateFile(tmp_path / "s.upc") as state:
+        meta, version = state.meta, state.format_version
+    assert check_address(meta, version) == result.address   # the id the router passes, from the bytes
+    addr = {**meta["address"], "n_tokens": meta["n_tokens"]}
+    ids = lm.tokenizer(doc)["input_ids"]
+    query = lm.tokenizer(" Which court?", add_special_tokens=False)["input_ids"]
+    assert len(ids) == meta["n_tokens"]
+    assert prompt_matches(ids + query, addr) == len(ids)
+    assert prompt_matches(ids[:-1], addr) == 0                      # shorter than the document
+    assert prompt_matches([ids[0] + 1] + ids[1:] + query, addr) == 0   # another first token
+    assert prompt_matches(query + ids, addr) == 0                   # the document, but not first

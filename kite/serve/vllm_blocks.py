@@ -6,7 +6,9 @@ p % block_size``). A state covers its document's tokens cluster by cluster (``to
 its header, docs/upc-format.md); vLLM's cache holds a contiguous prefix of the prompt, so a state
 supplies the longest prefix of the prompt its loaded clusters cover, in whole blocks (the partial
 last block is computed by vLLM), and never the prompt's last token (vLLM computes it for the
-first logits). Each block of a state is named by :func:`block_key`, the same in every process.
+first logits). The ids: the prompt is the state's document when the content address's token
+digest of its first ``n_tokens`` ids is the address's (:func:`prompt_matches`); each block of a
+state is named by :func:`block_key`, the same in every process.
 """
 
 from __future__ import annotations
@@ -111,3 +113,16 @@ def block_key(address: str, block_index: int, block_size: int) -> str:
     _check_block_size(block_size)
     return hashlib.sha256(f"kite-block1\0{address}\0{block_size}\0{block_index}".encode()).hexdigest()
 
+
+
+def prompt_matches(prompt_ids: Sequence[int], address: dict) -> int:
+    """How many of the prompt's first tokens are the state's document: the state's token count when
+    the content address's token digest (:func:`kite.upcycle.tokens_digest`) of the prompt's first
+    ``n_tokens`` ids is the address's ``tokens_sha256``, else 0. ``address``: the header's
+    ``address`` section (:mod:`kite.upcycle.address`) plus ``n_tokens``."""
+    from kite.upcycle import tokens_digest
+
+    n = int(address["n_tokens"])
+    if n < 1 or len(prompt_ids) < n:
+        return 0
+    return n if tokens_digest(prompt_ids[:n]) == address["tokens_sha256"] else 0
