@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -46,6 +47,26 @@ def state_prompt_ids(lm, text: str, *, chat: bool, system: str | None, with_stat
                          add_special_tokens=not with_state)
 
 
+def _from_store(upc: Path, flag: str | None, folder: tempfile.TemporaryDirectory) -> Path:
+    """--upc as a path, or, when it is no file and a store is set, the state of that address (or
+    unique prefix) fetched and verified from the store into `folder` (exit 1 when no tier holds it)."""
+    if upc.exists():
+        return upc
+    from kite.cli.store import open_cli_store, resolve_id
+    from kite.errors import KiteError
+
+    tiers = open_cli_store(flag, required=False)
+    ref = str(upc)
+    if tiers is None or len(ref) < 8 or any(c not in "0123456789abcdef" for c in ref.lower()):
+        return upc
+    sid = resolve_id(tiers, ref)
+    dest = Path(folder.name) / f"{sid}.upc"
+    if tiers.get_file(sid, dest) is None:
+        raise KiteError(f"--upc {ref}: no tier of the store holds a good copy of state {sid}")
+    tiers.close()
+    return dest
+
+
 def generate(
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt text.")] = None,
     prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from a file ('-' = stdin).")] = None,
@@ -69,6 +90,8 @@ def generate(
         "and keep taking part in attention (see docs/kv-budget.md).")] = None,
     kv_budget_codec: Annotated[str | None, KvBudgetCodecOpt] = None,
     kv_budget_block: Annotated[int | None, KvBudgetBlockOpt] = None,
+    store: Annotated[str | None, typer.Option("--store", help="With --upc ADDRESS: fetch the state from this store "
+                                              "(tier URLs, see kite store; default: the config's store.url).")] = None,
     json_out: bool = JsonOpt,
 ) -> None:
     """Generate text; streams to the terminal. --json gives text, token counts, ttft_ms, tokens/s.
@@ -78,6 +101,7 @@ def generate(
       echo "Once upon a time" | kite generate --max-new-tokens 40 --temperature 0.8 --seed 1
       kite generate --upc contract.upc --clusters breach --prompt "What is the penalty for breach?"
       kite generate --model model+states.gguf --upc contract --prompt "Who may terminate?"
+      kite generate --store file:///var/kite/store --upc 36f597c14edb48d5 --prompt "Who may terminate?"
       kite generate --prompt-file long.txt --kv-budget-tokens 1024 --kv-budget-codec ratio=8 --json
     """
     from kite.cli._common import parse_clusters, parse_layers
@@ -89,6 +113,7 @@ def generate(
     model = model_spec(model)
     budget = _budget_settings(kv_budget_tokens, kv_budget_codec, kv_budget_block, upc)
     state = load_kw = None
+    fetched = tempfile.TemporaryDirectory(prefix="kite-store-")   # a state fetched from --store lies here
     if upc is not None:
         from kite.upcycle import LOAD_PRECISIONS, StateFile, select_clusters
 
@@ -96,6 +121,7 @@ def generate(
             raise BadInput(f"--precision {precision}: expected one of {', '.join(LOAD_PRECISIONS)}")
         from kite.store import state_path
 
+        upc = _from_store(upc, store, fetched)
         # a missing file, wrong magic or a bad header fails here; an id names a state the .gguf embeds
         state = StateFile(state_path(upc, model))
         wanted = parse_clusters(clusters)
