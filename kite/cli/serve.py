@@ -45,6 +45,9 @@ def serve(
     ray_address: Annotated[str | None, typer.Option(help="With --replicas: an existing Ray cluster (default: "
                                                     "config server.ray_address, else a local Ray head; "
                                                     "the endpoint stays on --host).")] = None,
+    store: Annotated[str | None, typer.Option("--store", help="A shared, tiered state store (tier URLs, see "
+                                              "kite store; default: config store.url): states by content "
+                                              "address, fetched on a miss in --state-dir; new states put there.")] = None,
     log_level: Annotated[str, typer.Option(help="Log level (uvicorn's and KITE's): info logs a line per request, "
                                            "rule reloads and switches; warning only refusals and errors.")] = "info",
     mkdir: bool = MkdirOpt,
@@ -58,7 +61,8 @@ def serve(
                                  "server.state_dir": str(state_dir) if state_dir else None,
                                  "features.upcycle_yoco_fusion": fusion, "model.default": model,
                                  "server.max_batch": max_batch, "server.batch_kv_gb": batch_kv_gb,
-                                 "server.replicas": replicas, "server.ray_address": ray_address})
+                                 "server.replicas": replicas, "server.ray_address": ray_address,
+                                 "store.url": store})
     model = model_spec(model)
     try:
         from kite.serve import ServeSettings, bind_socket, create_app, run
@@ -77,6 +81,10 @@ def serve(
     from kite.serve.settings import scale_settings
 
     scale = scale_settings(cfg)   # bad replica bounds fail before anything slow
+    if settings.store_url:
+        from kite.store import open_store
+
+        open_store(settings.store_url, settings.store_write).close()   # a bad store URL fails before anything slow
     sock = bind_socket(settings.host, settings.port)  # a busy port fails before anything slow
     settings.port = sock.getsockname()[1]  # port 0: the one the system chose
     from kite.model import geometry_from_config, load_config_only
@@ -114,7 +122,9 @@ def serve(
     embedded = f" + {len(store.embedded)} embedded in {store.embedded_in}" if store.embedded else ""
     out.print(f"[bold green]serving[/] {pipe.lm.source.spec} on http://{settings.host}:{settings.port}  "
               f"rules {settings.rules_path.name}  fusion {'on' if settings.fusion else 'off'}  admin {admin}  "
-              f"states {settings.state_dir}{embedded}" + (f"  kv budget {settings.kv_budget_tokens} tokens "
+              f"states {settings.state_dir}{embedded}"
+              + (f"  store {', '.join(t.name for t in store.shared.tiers)}" if store.shared is not None else "")
+              + (f"  kv budget {settings.kv_budget_tokens} tokens "
                                                 f"({settings.kv_budget_codec})" if settings.kv_budget_tokens else ""),
               highlight=False, soft_wrap=True)
     run(app, settings.host, settings.port, log_level=log_level, sock=sock)

@@ -45,8 +45,13 @@ def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sa
     n_layers = pipeline.lm.geometry.n_layers
     rules = (ActiveRules.from_file(settings.rules_path, n_layers=n_layers) if rules is None
              else ActiveRules(rules, n_layers=n_layers))
+    shared = None
+    if settings.store_url:
+        from kite.store import open_store
+
+        shared = open_store(settings.store_url, default_write=settings.store_write)
     store = StateStore(settings.state_dir, **(embedded if embedded is not None else
-                                              embedded_states(pipeline.lm.source)))
+                                              embedded_states(pipeline.lm.source)), shared=shared)
     health = health if health is not None else HealthStore()
     if sampler is None and start_sampler:
         sampler = WatermarkSampler(default_backend(), interval_ms=settings.sampler_interval_ms,
@@ -55,6 +60,8 @@ def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sa
     runner = ModelRunner(pipeline, settings, rules, store, health=health, novelty=NoveltyTracker(), sampler=sampler,
                          on_step=metrics.observe_step)
     metrics.bind_rules(rules)
+    if shared is not None:
+        metrics.bind_store(shared)
     if sampler is not None:
         metrics.bind_sampler(sampler)
 
@@ -68,6 +75,8 @@ def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sa
             runner.close()
             if sampler is not None and start_sampler:
                 sampler.stop()
+            if shared is not None:
+                shared.close()   # queued write-backs finish first
 
     from kite.serve import routes_admin, routes_openai, routes_ops, routes_states
     from kite.serve.errors import install_handlers

@@ -78,6 +78,12 @@ class ServerMetrics:
             gauge.set_function(lambda n=name: float(getattr(sampler.latest().watermark, n) or 0.0))
         self.watermark_samples.set_function(lambda: float(sampler.samples))
 
+    def bind_store(self, store) -> None:
+        """The tiered store's counts (kite.store.TieredStore) read at scrape time:
+        kite_store_hits_total{tier}, kite_store_misses_total, kite_store_puts_total{tier},
+        kite_store_errors_total{tier,op}, kite_store_evictions_total{tier}."""
+        self.registry.register(_StoreCollector(store))
+
     def bind_rules(self, active) -> None:
         self.rules_loaded_at.set_function(lambda: float(active.current.loaded_at))
 
@@ -138,3 +144,36 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _StoreCollector:
+    """Reads the store's counters when /metrics is scraped (nothing to update on the request path)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        snap = self.store.counters.snapshot()
+        hits = CounterMetricFamily("kite_store_hits", "Reads of the state store answered by a tier (verified).",
+                                   labels=["tier"])
+        puts = CounterMetricFamily("kite_store_puts", "States written into a tier (puts and promotions).",
+                                   labels=["tier"])
+        evictions = CounterMetricFamily("kite_store_evictions", "States a tier dropped to keep its bound.",
+                                        labels=["tier"])
+        errors = CounterMetricFamily("kite_store_errors", "Store failures by tier and operation (get, put, promote, "
+                                     "verify = a corrupt copy refused, delete, list, stat, evict).",
+                                     labels=["tier", "op"])
+        for tier in self.store.tiers:
+            hits.add_metric([tier.name], snap["hits"].get(tier.name, 0))
+            puts.add_metric([tier.name], snap["puts"].get(tier.name, 0))
+            evictions.add_metric([tier.name], tier.evictions)
+        for e in snap["errors"]:
+            errors.add_metric([e["tier"], e["op"]], e["count"])
+        misses = CounterMetricFamily("kite_store_misses", "Reads no tier answered with a good copy.",
+                                     value=snap["misses"])
+        return [hits, misses, puts, errors, evictions]

@@ -126,12 +126,19 @@ class ModelRunner:
         if not document.strip():
             raise BadInput("the document is empty")
         explicit = state_id is not None
-        sid = state_id or self.store.id_for(document, self.lm.fingerprints.combined)
+        if explicit:
+            sid = state_id
+        elif self.store.shared is not None:   # with a shared store, the state's content address
+            sid = self.pipeline.address_of(document).id
+        else:
+            sid = self.store.id_for(document, self.lm.fingerprints.combined)
         if explicit:
             self.store.check_writable(sid)  # an id the model file's own states hold
         elif sid in self.store.embedded:
             return Upcycled(self.store.summary(sid), created=False)
         path = self.store.path_for(sid)
+        if not explicit and not path.is_file() and self.store.fetch(sid):
+            return Upcycled(self.store.summary(sid), created=False)   # another server made it
         if path.is_file():
             if not explicit:
                 return Upcycled(self.store.summary(sid), created=False)
@@ -144,6 +151,7 @@ class ModelRunner:
             result = self.pipeline.compress(document, path, source_name=name)
         finally:
             self._lock.release()
+        self.store.publish(path)
         if explicit and overwrite and self.health is not None:
             self.health.reset(sid)  # a new document under an old id: its old record means nothing
         return Upcycled(self.store.summary(sid), created=True, timings_ms=result.timings_ms,

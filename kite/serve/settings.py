@@ -39,6 +39,9 @@ class ServeSettings:
     batch_kv_gb: float | None = None
     # loaded states kept for the next request that loads the same (kite.serve.prefixes)
     prefix_cache_gb: float = 2.0
+    # the shared, tiered state store (kite.store; docs/store.md): tier URLs, None = the folder only
+    store_url: str | None = None
+    store_write: str = "through"
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -88,7 +91,8 @@ class ServeSettings:
                    fusion=cfg.features.upcycle_yoco_fusion, min_hit_gain=cfg.features.yoco_min_hit_gain,
                    sampler_interval_ms=cfg.hardware_watermark.gpu_mem.sampling_interval_ms,
                    spike_threshold_gb=cfg.hardware_watermark.gpu_mem.spike_threshold_gb,
-                   max_batch=s.max_batch, batch_kv_gb=s.batch_kv_gb, prefix_cache_gb=s.prefix_cache_gb, **kw)
+                   max_batch=s.max_batch, batch_kv_gb=s.batch_kv_gb, prefix_cache_gb=s.prefix_cache_gb,
+                   store_url=cfg.store.url, store_write=cfg.store.write, **kw)
 
 
 

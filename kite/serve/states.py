@@ -4,6 +4,7 @@ model served from a GGUF file that embeds states (`kite gguf embed`) adds them, 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 from dataclasses import asdict, dataclass, field
@@ -12,6 +13,8 @@ from pathlib import Path
 
 from kite.errors import BadInput, KiteError
 from kite.serve.settings import check_state_id
+
+_log = logging.getLogger("kite.serve")
 
 
 class StateNotFound(KiteError):
@@ -52,7 +55,8 @@ class StateStore:
     of the same id is not reached) and cannot be replaced or deleted."""
 
     def __init__(self, folder: str | os.PathLike[str], embedded: Mapping[str, Path] | None = None,
-                 embedded_in: str = ""):
+                 embedded_in: str = "", shared=None):
+        self.shared = shared   # a kite.store.TieredStore: states by content address, fetched into the folder
         self.folder = Path(folder).expanduser()
         self.folder.mkdir(parents=True, exist_ok=True)
         self.root = self.folder.resolve()
@@ -74,12 +78,39 @@ class StateStore:
                                     f"{self.embedded[state_id]} is gone; restart the server to extract it again")
             return self.embedded[state_id]
         path = self.path_for(state_id)
-        if not path.is_file():
+        if not path.is_file() and not self.fetch(state_id):
             raise StateNotFound(f"no state {state_id!r} (list them with GET /v1/states)")
         return path
 
     def exists(self, state_id: str) -> bool:
-        return state_id in self.embedded or self.path_for(state_id).is_file()
+        return state_id in self.embedded or self.path_for(state_id).is_file() or self.fetch(state_id)
+
+    def fetch(self, state_id: str) -> bool:
+        """With a shared store: when `state_id` is a content address the store holds, fetch the state
+        (verified: checksums and address) into the folder. False when there is no such state (a
+        miss, or every copy failed verification: counted in the store's metrics)."""
+        from kite.store import is_address
+
+        if self.shared is None or not is_address(state_id):
+            return False
+        return self.shared.get_file(state_id, self.path_for(state_id)) is not None
+
+    def publish(self, path: Path) -> str | None:
+        """With a shared store: put the state at `path` into every tier under its content address.
+        A tier that fails is counted in the store's metrics and logged, not raised: the state is in
+        the folder and answers requests. Returns the address (None without a store or address)."""
+        if self.shared is None:
+            return None
+        from kite.store import StoreError, Unaddressed
+
+        try:
+            report = self.shared.put_file(path)
+        except (StoreError, Unaddressed) as exc:
+            _log.warning("state %s not stored: %s", path.name, exc)
+            return None
+        for tier, why in report.failed.items():
+            _log.warning("state %s: store tier %s %s", report.id[:16], tier, why)
+        return report.id
 
     def check_writable(self, state_id: str) -> None:
         """StateReadOnly when `state_id` names a state embedded in the model's file."""
