@@ -1,0 +1,134 @@
+"""The store's shared tiers against real servers: Debian's redis-server (appendonly) and moto's S3
+server, both started on free 127.0.0.1 ports by tests/services.py and stopped after. Faults are
+real: Redis stopped, a bucket that is gone, an object cut short in Redis; and a restart of Redis
+and of the process finds every state again without recompressing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import CORPUS
+
+pytestmark = pytest.mark.services
+DOCS = [CORPUS, CORPUS.replace(". ", ".\n\n", 4)]
+
+
+@pytest.fixture(scope="module")
+def states(tiny_models, tmp_path_factory):
+    """Two addressed states of the tiny Llama: [(address, bytes)]."""
+    from kite.model import load_model
+    from kite.upcycle import open_pipeline
+
+    pipe = open_pipeline(lm=load_model(str(tiny_models["llama"]), device="cpu"), tagger=False, ratio=4, clusters=2)
+    folder = tmp_path_factory.mktemp("states")
+    out = []
+    for i, doc in enumerate(DOCS):
+        r = pipe.compress(doc, folder / f"{i}.upc")
+        out.append((r.address, (folder / f"{i}.upc").read_bytes()))
+    return out
+
+
+def _open(url):
+    from kite.store import open_store
+
+    return open_store(url)
+
+
+def test_redis_tier_holds_small_states_and_indexes_big_ones(redis_service, states):
+    (a, small), (b, big) = sorted(states, key=lambda s: len(s[1]))
+    limit = (len(small) + len(big)) // 2
+    store = _open(f"{redis_service.url}?max_value={limit}&prefix=t")
+    report_small, report_big = store.put(small), store.put(big)
+    assert report_small.tiers == {"redis": "stored"}
+    assert report_big.tiers["redis"].startswith("declined")
+    tier = store.tiers[0]
+    assert tier.ids() == [a]
+    assert tier.stat(b).held is False and tier.stat(b).bytes == len(big)   # indexed, not held
+    assert store.get(a) == small and store.get(b) is None
+    # the index rebuilt from the stored states' own headers
+    tier.client.delete("t:index")
+    assert tier.rebuild_index() == 1 and tier.ids() == [a]
+
+
+def test_s3_tier_round_trip(s3_service, aws_env, states):
+    bucket = s3_service.bucket()
+    store = _open(f"s3://{bucket}/states?endpoint_url={s3_service.endpoint}")
+    for _, data in states:
+        assert store.put(data).tiers == {"s3": "stored"}
+    assert sorted(store.tiers[0].ids()) == sorted(a for a, _ in states)
+    a, data = states[0]
+    assert store.get(a) == data
+    assert store.stats()["tiers"][0]["objects"] == 2
+    assert store.delete(a) == {"s3": True} and store.get(a) is None
+
+
+def test_redis_down_falls_back_to_s3_and_is_counted(redis_service, s3_service, aws_env, states):
+    bucket = s3_service.bucket()
+    url = f"{redis_service.url}?timeout=0.5,s3://{bucket}/p?endpoint_url={s3_service.endpoint}"
+    a, data = states[0]
+    assert _open(url).put(data).tiers == {"redis": "stored", "s3": "stored"}
+    redis_service.stop()
+    store = _open(url)
+    assert store.get(a) == data                                   # answered by S3
+    snap = store.counters.snapshot()
+    assert snap["hits"] == {"s3": 1}
+    assert {(e["tier"], e["op"]) for e in snap["errors"]} >= {("redis", "get"), ("redis", "promote")}
+    report = store.put(states[1][1])                              # a put while Redis is down says so
+    assert report.tiers["redis"].startswith("failed") and report.tiers["s3"] == "stored"
+    assert store.stats()["tiers"][0]["error"]                     # stats names the unreachable tier
+
+
+def test_s3_errors_fall_back_to_disk_and_a_put_that_fails_is_reported(s3_service, aws_env, states, tmp_path):
+    a, data = states[0]
+    url = f"file://{tmp_path}/disk,s3://no-such-bucket/p?endpoint_url={s3_service.endpoint}"
+    store = _open(url)
+    report = store.put(data)
+    assert report.tiers["file"] == "stored" and report.tiers["s3"].startswith("failed: NoSuchBucket")
+    assert store.counters.errors[("s3", "put")] == 1
+    # a read the disk cannot answer reaches S3, which errors: a miss, counted, never an exception
+    lonely = _open(f"s3://no-such-bucket/p?endpoint_url={s3_service.endpoint}")
+    assert lonely.get("a" * 64) is None
+    assert lonely.counters.misses == 1
+
+
+def test_a_truncated_object_in_redis_is_refused_and_refetched_from_s3(redis_service, s3_service, aws_env, states):
+    bucket = s3_service.bucket()
+    store = _open(f"{redis_service.url},s3://{bucket}?endpoint_url={s3_service.endpoint}")
+    a, data = states[0]
+    store.put(data)
+    redis = store.tiers[0]
+    redis.client.set(f"kite:state:{a}", data[: len(data) - 7])   # torn
+    assert store.get(a) == data
+    assert store.counters.errors[("redis", "verify")] == 1
+    assert redis.client.get(f"kite:state:{a}") == data           # repaired by the promotion
+
+
+def _compress(model: Path, doc: Path, out: Path, store: str) -> dict:
+    """`kite upcycle compress --store` in a fresh process; its --json."""
+    cmd = [sys.executable, "-m", "kite.cli.main", "upcycle", "compress", "--model", str(model), "-i", str(doc),
+           "-o", str(out), "--ratio", "4", "--clusters", "2", "--store", store, "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout[done.stdout.index("{"):])
+
+
+def test_restart_of_redis_and_of_the_process_finds_every_state_without_recompressing(
+        redis_service, tiny_models, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(CORPUS)
+    disk, redis = f"file://{tmp_path}/disk", redis_service.url
+    first = _compress(tiny_models["llama"], doc, tmp_path / "1.upc", f"mem://,{disk},{redis}")
+    assert first["store"]["recompressed"] is True
+    assert first["store"]["put"]["tiers"] == {"mem": "stored", "file": "stored", "redis": "stored"}
+    redis_service.stop()                 # a clean stop: appendonly keeps the data
+    redis_service.start()                # same port, same folder
+    from_redis = _compress(tiny_models["llama"], doc, tmp_path / "2.upc", f"mem://,{redis}")
+    from_disk = _compress(tiny_models["llama"], doc, tmp_path / "3.upc", f"mem://,{disk}")
+    for got, tier in ((from_redis, "redis"), (from_disk, "file")):
+        assert got["store"] == {"address": first["address"], "recompressed": False, "found_in": tier, "put": None}
+    assert (tmp_path / "2.upc").read_bytes() == (tmp_path / "1.upc").read_bytes() == (tmp_path / "3.upc").read_bytes()
