@@ -179,9 +179,9 @@ def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: tor
     N, Hq, d = q.shape
     H = batch.layers[0].k_mean.shape[1]
     G = Hq // H
-    if splits is None:   # enough programs to fill the GPU, at least 8 tiles each
+    if splits is None:   # ~8 waves of programs (a short last wave idles less of the GPU), >= 8 tiles each
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        splits = max(1, min(-(-2 * sms // (N * H)), batch.max_tiles // 8))
+        splits = max(1, min(-(-8 * sms // (N * H)), batch.max_tiles // 8))
     o = torch.empty(N, splits, Hq, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(N, splits, Hq, dtype=torch.float32, device=q.device)
     half = d // 2

@@ -51,6 +51,12 @@ def kite_attention(module, query, key, value, attention_mask, scaling=None, drop
             rows = torch.arange(q_len, device=query.device).unsqueeze(1)
             cols = torch.arange(k_len, device=query.device).unsqueeze(0)
             mask = cols <= rows + offset
+    if (mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1 and not dropout
+            and key.shape[1] != query.shape[1]):
+        # a query after cached tokens (a loaded state): the query heads of a KV head folded into the
+        # query length, so the fused kernels read each KV head once instead of copies per query head
+        mask = mask.expand(query.shape[0], 1, q_len, k_len)
+        return _folded_attention(query, key, value, mask, scaling), None
     if key.shape[1] != query.shape[1]:
         rep = query.shape[1] // key.shape[1]
         key = key.repeat_interleave(rep, dim=1)

@@ -220,3 +220,47 @@ def _layer(hot: HotState, plan: LayerPlan, dev, dtype, row_pos, cos, sin) -> Cod
                       k_basis=sides["k"][4], v_basis=sides["v"][4], k_mean=sides["k"][5], v_mean=sides["v"][5],
                       raw_k=raw_k.to(raw_dtype).contiguous(), raw_v=raw["v"].to(raw_dtype).contiguous(),
                       joint=plan.sides["k"].B == 1)
+
+
+def load_coded_prefix(state, lm, *, clusters: list[str] | None = None, verify: bool = True,
+                      sink_tokens: int | None = None, tier=None) -> CodedPrefix:
+    """The chosen clusters of ``state`` (every layer) resident in coded form on the model's device: the
+    coded-attention counterpart of ``load_prefix`` (fingerprints and geometry checked the same way).
+    Bases in bf16 on a GPU (the kernel's), float32 on the CPU (the torch reference's). Raises BadInput
+    for a state the form does not cover (not PCA-coded, per-label widths, a regenerator's bases)."""
+    from kite.errors import BadInput
+    from kite.upcycle.format.container import StateFile
+    from kite.upcycle.load.hot_tier import default_tier
+    from kite.upcycle.load.prefix import check_fingerprints, check_geometry
+    from kite.upcycle.load.selection import SINK_TOKENS, select
+    from kite.upcycle.load.staging import stage_state, supports_state
+    from kite.upcycle.rope import rope_cos_sin
+
+    if not isinstance(state, StateFile):
+        state = StateFile(state)
+    check_fingerprints(state, lm)
+    check_geometry(state, lm)
+    if not supports_state(state) or (state.meta.get("regenerator") or {}).get("fingerprint"):
+        raise BadInput(f"{state.path}: the coded attention reads PCA-coded states at their layers' widths "
+                       "without a regenerator; load this one with load_prefix")
+    sink_tokens = SINK_TOKENS if sink_tokens is None else sink_tokens
+    geo = lm.geometry
+    sel = select(state, clusters, sink_tokens)
+    layers = list(range(geo.n_layers))
+    tier = tier or default_tier()
+    key = (state.version, tuple(sel.chosen), sink_tokens, tuple(layers))
+    hot = tier.get(key)
+    if hot is None:
+        hot = stage_state(state, sel.parts, sel.part_positions, layers, n_layers=geo.n_layers, H=geo.n_kv_heads,
+                          d=geo.head_dim, verify=verify, tier=tier, key=key, wait=True)
+        tier.put(hot)
+    if not supports(hot):
+        raise BadInput(f"{state.path}: its quantization groups do not fall on whole tiles of {TILE} tokens; "
+                       "load it with load_prefix")
+    n_tokens = int(state.meta["n_tokens"])
+    dev = torch.device(lm.device)
+    cos, sin = rope_cos_sin(lm.model, torch.arange(n_tokens), device=dev)
+    made_for = (state.meta.get("fingerprints") or {}).get("adapter")
+    return build_resident(hot, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+                          cos=cos, sin=sin, next_position=n_tokens,
+                          reader=made_for is not None and made_for == lm.fingerprints.adapter)
