@@ -1,0 +1,79 @@
+"""`kite store ls|get|put|gc|stats` on a mem:// + file:// store (no services), and their errors."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from kite.cli.main import app
+from tests.conftest import parse_json
+from tests.tiny_models import CORPUS
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def two_states(tiny_models, tmp_path_factory):
+    from kite.model import load_model
+    from kite.upcycle import open_pipeline
+
+    pipe = open_pipeline(lm=load_model(str(tiny_models["llama"]), device="cpu"), tagger=False, ratio=4, clusters=2)
+    folder = tmp_path_factory.mktemp("cli-states")
+    out = []
+    for i, doc in enumerate((CORPUS, CORPUS.replace(". ", ".\n\n", 2))):
+        r = pipe.compress(doc, folder / f"{i}.upc")
+        out.append((r.address, folder / f"{i}.upc"))
+    return out
+
+
+def kite(*args):
+    return runner.invoke(app, list(args))
+
+
+def test_put_ls_get_gc_stats(two_states, tmp_path):
+    store = f"file://{tmp_path}/disk"
+    put = kite("store", "put", *(str(p) for _, p in two_states), "--store", store, "--json")
+    assert put.exit_code == 0, put.output
+    stored = parse_json(put.output)["stored"]
+    assert [s["id"] for s in stored] == [a for a, _ in two_states]
+    assert all(s["tiers"] == {"file": "stored"} for s in stored)
+    listed = parse_json(kite("store", "ls", "--store", store, "--json").output)
+    assert listed["states"] == [{"id": a, "tiers": ["file"]} for a, _ in sorted(two_states)]
+    address, path = two_states[0]
+    got = kite("store", "get", address[:10], "-o", str(tmp_path / "out.upc"), "--store", store)
+    assert got.exit_code == 0, got.output
+    assert (tmp_path / "out.upc").read_bytes() == path.read_bytes()
+    stats = parse_json(kite("store", "stats", "--store", f"{store}?max=1", "--json").output)
+    assert stats["tiers"][0]["objects"] == 2 and stats["tiers"][0]["max_bytes"] == 1
+    gc = parse_json(kite("store", "gc", "--store", f"{store}?max=1", "--json").output)
+    assert sorted(gc["evicted"]["file"]) == sorted(a for a, _ in two_states)
+    assert parse_json(kite("store", "ls", "--store", store, "--json").output)["states"] == []
+
+
+def test_the_config_names_the_store(two_states, tmp_path, monkeypatch):
+    monkeypatch.setenv("KITE_STORE__URL", f"file://{tmp_path}/cfg")
+    assert kite("store", "put", str(two_states[0][1])).exit_code == 0
+    assert two_states[0][0] in kite("store", "ls").output
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (("store", "ls"), 2, "no store: pass --store URL"),
+    (("store", "ls", "--store", "gopher://x"), 2, "scheme 'gopher'"),
+    (("store", "get", "abc", "-o", "x.upc", "--store", "mem://"), 2, "expected a state address"),
+    (("store", "get", "0123456789abcdef", "-o", "x.upc", "--store", "mem://"), 1, "no state with that address"),
+])
+def test_errors_are_one_line_with_their_exit_code(args, code, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = kite(*args)
+    assert result.exit_code == code, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_put_refuses_a_damaged_or_unaddressed_file_before_storing_anything(two_states, tmp_path):
+    bad = tmp_path / "bad.upc"
+    data = two_states[1][1].read_bytes()
+    bad.write_bytes(data[:-10])
+    store = f"file://{tmp_path}/disk"
+    result = kite("store", "put", str(two_states[0][1]), str(bad), "--store", store)
+    assert result.exit_code == 2 and "truncated" in result.output
+    assert list((tmp_path / "disk").glob("*.upc")) == []
