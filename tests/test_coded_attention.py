@@ -190,3 +190,19 @@ def test_batch_decode_step_reads_coded_rows_with_the_gpu_kernel(tiny_models, tmp
         err = float((got - logits[0]).abs().max()) / top
         print(f"coded rows vs rebuilt row, decode logits: max abs diff / max |logit| = {err:.2e}")
         assert err <= 3e-2
+
+
+def test_load_coded_prefix_takes_what_load_prefix_takes_and_refuses_the_rest(lm, tmp_path):
+    from kite.errors import BadInput
+    from kite.upcycle.load import load_coded_prefix, load_prefix
+
+    pca, exact = tmp_path / "pca.upc", tmp_path / "exact.upc"
+    for path, s in ((pca, SPECS["ratio=4"]), (exact, codec.settings_for("exact"))):
+        compress_document(lm, DOC, path, CompressSettings(codec=s, n_clusters=3, min_span_tokens=8,
+                                                          max_span_tokens=24), device="cpu")
+    rebuilt, _ = load_prefix(pca, lm)
+    coded = load_coded_prefix(pca, lm)
+    assert coded.tokens_per_layer() == rebuilt.tokens_per_layer()
+    assert coded.next_position == rebuilt.next_position and coded.nbytes > 0
+    with pytest.raises(BadInput, match="load it with load_prefix|load this one with load_prefix"):
+        load_coded_prefix(exact, lm)
