@@ -194,6 +194,8 @@ class KiteIngress:
         from kite.serve import replicas as here
 
         body = await request.body()
+        if request.method == "POST" and path.startswith("admin/"):
+            return await here._broadcast(request, path, body)
         parsed = None
         if body and request.method == "POST":
             try:
@@ -229,6 +231,37 @@ class KiteIngress:
 
 
 
+async def _broadcast(request: Request, path: str, body: bytes):
+    """An admin change (a rule reload or switch) goes to every replica, each directly at its loopback
+    URL: the answer is the first replica's (the shape `kite serve` gives) with `replicas`, each
+    replica's status, added; when replicas disagree, the worst status and its body."""
+    import httpx
+
+    urls = await _directory_urls()
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP]
+    answers: dict[str, tuple[int, object]] = {}
+    async with httpx.AsyncClient(timeout=60) as client:
+        async def one(rid: str, url: str) -> None:
+            try:
+                r = await client.post(f"{url}/{path}", headers=headers, content=body)
+                try:
+                    answers[rid] = (r.status_code, r.json())
+                except ValueError:
+                    answers[rid] = (r.status_code, {"error": {"message": r.text[:200], "code": r.status_code}})
+            except httpx.ConnectError:   # its server is gone: the replica died (Ray Serve replaces it)
+                await _forget(rid)
+            except httpx.HTTPError as exc:
+                answers[rid] = (503, {"error": {"message": f"replica {rid} unreachable: {type(exc).__name__}",
+                                                "code": 503}})
+
+        await asyncio.gather(*(one(rid, url) for rid, url in sorted(urls.items())))
+    if not answers:
+        return JSONResponse({"error": {"message": "no replica registered", "code": 503}}, status_code=503)
+    status, first = max(answers.values(), key=lambda a: a[0])
+    out = {**first, "replicas": {rid: a[0] for rid, a in sorted(answers.items())}} if isinstance(first, dict) else first
+    return JSONResponse(out, status_code=status)
+
+
 def _names_document(body) -> bool:
     if not isinstance(body, dict):
         return False
@@ -247,6 +280,12 @@ async def _directory_urls() -> dict[str, str]:
     return await ray.get_actor(DIRECTORY, namespace="serve").all.remote()
 
 
+async def _forget(replica_id: str) -> None:
+    import ray
+
+    await ray.get_actor(DIRECTORY, namespace="serve").unregister.remote(replica_id)
+
+
 async def _labelled_metrics(replica_id: str, url: str) -> str:
     """One replica's /metrics with `replica="<id>"` added to every sample ('' when it is gone)."""
     import httpx
@@ -254,6 +293,9 @@ async def _labelled_metrics(replica_id: str, url: str) -> str:
     try:
         async with httpx.AsyncClient(timeout=5) as client:
             text = (await client.get(f"{url}/metrics")).text
+    except httpx.ConnectError:   # its server is gone: the replica died
+        await _forget(replica_id)
+        return ""
     except httpx.HTTPError:
         return ""
     return relabel(text, "replica", replica_id)
