@@ -18,7 +18,10 @@ a warm-up):
 * time to first token from the state (load + cache + the query's forward), eager and with the
   forward captured in a CUDA graph over a static cache that the load writes into;
 * concurrency at a fixed KV budget: 16K-token sequences as raw bf16 KV vs as compressed states
-  resident on the GPU, and the attention part of one batched decode step for each.
+  resident on the GPU, and the attention part of one batched decode step for each;
+* attention from the coded form (``--coded``): states transcoded into the resident coded form and
+  read by the coded-attention kernel, whole decode steps at the KV budget against raw bf16 at its
+  largest batch, the kernel against its byte floor, and the first forward through KITE's attention.
 
 Each figure is printed with its ratio to the prefill and to its hardware floor: bytes over HBM
 bandwidth (4.8 TB/s) or PCIe (55 GB/s) for host tiers, FLOPs over the bf16 matrix rate (790
