@@ -30,7 +30,7 @@ from kite.store.tier import ObjectStat, Tier, TierError, parse_size, register_ti
 from kite.store.tiered import PutReport, StoreError, TieredStore
 from kite.store.url import open_store, split_url
 from kite.store.verify import CorruptState, StateInfo, Unaddressed, read_state_file, verify_state
-from kite.upcycle.address import is_address
+from kite.upcycle import is_address
 
 __all__ = [
     "EMBED_FORMAT", "EMBED_VERSION", "META_KEY", "STATE_KEY", "EmbedReport", "EmbeddedState", "cached_state",
