@@ -77,3 +77,19 @@ def test_put_refuses_a_damaged_or_unaddressed_file_before_storing_anything(two_s
     result = kite("store", "put", str(two_states[0][1]), str(bad), "--store", store)
     assert result.exit_code == 2 and "truncated" in result.output
     assert list((tmp_path / "disk").glob("*.upc")) == []
+
+
+def test_generate_answers_from_a_state_fetched_by_address(two_states, tiny_models, tmp_path):
+    address, path = two_states[0]
+    store = f"file://{tmp_path}/disk"
+    assert kite("store", "put", str(path), "--store", store).exit_code == 0
+    common = ["generate", "--model", str(tiny_models["llama"]), "--prompt", " The supplier", "--max-new-tokens", "3",
+              "--json"]
+    by_address = kite(*common, "--store", store, "--upc", address[:12])
+    by_file = kite(*common, "--upc", str(path))
+    assert by_address.exit_code == 0, by_address.output
+    got, want = parse_json(by_address.output), parse_json(by_file.output)
+    assert got["prefix_tokens"] == want["prefix_tokens"] > 0
+    assert got["text"] == want["text"]
+    missing = kite(*common, "--store", store, "--upc", "f" * 64)
+    assert missing.exit_code == 1 and "no tier of the store holds a good copy" in missing.output
