@@ -259,7 +259,7 @@ def test_restarting_every_process_finds_every_state_again(cluster):
     assert _complete(c, sids[0], PROMPTS[0]).json()["kite"]["loaded"] is True
 
 
-def test_kite_serve_replicas_from_the_command_line_serves_and_stops_on_ctrl_c(tiny_models, tmp_path):
+def test_kite_serve_replicas_autoscaled_from_the_command_line_serves_and_stops_on_ctrl_c(tiny_models, tmp_path):
     import os
     import signal
     import subprocess
@@ -270,7 +270,9 @@ def test_kite_serve_replicas_from_the_command_line_serves_and_stops_on_ctrl_c(ti
     cfg.write_text("compression: {precision: exact, cluster_num: 3, min_span_tokens: 8, max_span_tokens: 24}\n"
                    "semantic_tagging: {labels: [], generated_examples_per_label: 0}\n")
     port = free_port()
-    env = {**os.environ, "KITE_HOME": str(tmp_path / "home"), "KITE_FEATURES__UPCYCLE_YOCO_FUSION": "true"}
+    # autoscaled between 2 and 3 replicas (Ray Serve's autoscaler with the config's bounds), starting at 2
+    env = {**os.environ, "KITE_HOME": str(tmp_path / "home"), "KITE_FEATURES__UPCYCLE_YOCO_FUSION": "true",
+           "KITE_SERVER__MIN_REPLICAS": "2", "KITE_SERVER__MAX_REPLICAS": "3"}
     proc = subprocess.Popen([sys.executable, "-m", "kite.cli.main", "serve", "--replicas", "2", "--model",
                              str(tiny_models["llama"]), "--rules", str(settings.rules_path), "--upcycle-config", str(cfg),
                              "--state-dir", str(tmp_path / "states"), "--mkdir", "--port", str(port)],
@@ -296,6 +298,6 @@ def test_kite_serve_replicas_from_the_command_line_serves_and_stops_on_ctrl_c(ti
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
-    assert "serving" in out and "stopping replicas" in out
+    assert "serving" in out and "replicas autoscaled 2-3" in out and "stopping replicas" in out
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/v1/replicas", timeout=3)
