@@ -55,6 +55,15 @@ def test_redis_tier_holds_small_states_and_indexes_big_ones(redis_service, state
     assert tier.rebuild_index() == 1 and tier.ids() == [a]
 
 
+def test_redis_tier_keeps_its_bound_least_recently_used_out(redis_service, states):
+    (a, first), (b, second) = states
+    store = _open(f"{redis_service.url}?max={max(len(first), len(second)) + 10}")
+    store.put(first)
+    store.put(second)                                   # past the bound: the older one goes
+    assert store.tiers[0].ids() == [b] and store.stats()["tiers"][0]["evictions"] == 1
+    assert store.get(a) is None and store.get(b) == second
+
+
 def test_s3_tier_round_trip(s3_service, aws_env, states):
     bucket = s3_service.bucket()
     store = _open(f"s3://{bucket}/states?endpoint_url={s3_service.endpoint}")

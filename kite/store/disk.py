@@ -36,7 +36,8 @@ class DiskTier(Tier):
         except OSError as exc:
             raise BadInput(f"store tier {name}: cannot use folder {self.folder}: {exc.strerror}") from None
         self._index: dict[str, list] = {}   # id -> [bytes, last use (s), mtime_ns]
-        self.rejected: dict[str, str] = {}
+        self.rejected: dict[str, str] = {}          # file stem -> why it is not in the index
+        self._rejected_at: dict[str, int] = {}      # file stem -> the mtime_ns it was judged at
         self._lock = threading.Lock()
         self.refresh()
 
@@ -70,16 +71,17 @@ class DiskTier(Tier):
                 known = self._index.get(stem)
                 if known is not None and known[2] == st.st_mtime_ns and known[0] == st.st_size:
                     continue
-                if self.rejected.get(stem, (None,))[0] == st.st_mtime_ns:
+                if self._rejected_at.get(stem) == st.st_mtime_ns:
                     continue
             why = self._check_header(stem, path)
             with self._lock:
                 if why is None:
                     self._index[stem] = [st.st_size, st.st_mtime_ns / 1e9, st.st_mtime_ns]
                     self.rejected.pop(stem, None)
+                    self._rejected_at.pop(stem, None)
                 else:
                     self._index.pop(stem, None)
-                    self.rejected[stem] = (st.st_mtime_ns, why)
+                    self.rejected[stem], self._rejected_at[stem] = why, st.st_mtime_ns
 
     @staticmethod
     def _check_header(stem: str, path: Path) -> str | None:
@@ -129,6 +131,7 @@ class DiskTier(Tier):
         with self._lock:
             self._index[state_id] = [st.st_size, _now(), st.st_mtime_ns]
             self.rejected.pop(state_id, None)
+            self._rejected_at.pop(state_id, None)
         return True
 
     def _make_room(self, need: int, keep: str) -> None:
