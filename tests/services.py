@@ -88,7 +88,10 @@ class RedisService:
 
 class S3Service:
     def __init__(self):
-        exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
+        # this interpreter's own (the venv's), before any other on PATH (a pyenv shim may lack moto)
+        exe = str(Path(sys.executable).parent / "moto_server")
+        if not os.path.exists(exe):
+            exe = shutil.which("moto_server") or exe
         if not os.path.exists(exe):
             pytest.fail("moto_server is not installed (pip install 'moto[server]'; make install does)")
         self.exe, self.port, self.proc = exe, free_port(), None
