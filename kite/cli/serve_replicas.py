@@ -26,6 +26,11 @@ def serve_replicas(out, model: str, settings, scale, ucfg, kept_fraction, ray_ad
               else f"{scale.replicas}")
     out.print(f"starting {bounds} replicas of {model} on Ray ({ray_address or 'a local head'}) …",
               highlight=False)
+    from kite.serve.settings import LOOPBACK
+
+    if settings.host not in LOOPBACK:
+        out.print(f"[yellow]warning:[/] binding {settings.host}: the API is reachable from other machines",
+                  highlight=False)
     cluster = replicas.start(spec, scale, host=settings.host, port=settings.port, address=ray_address)
     try:
         out.print(f"[bold green]serving[/] {model} on {cluster.url}  replicas {bounds}  states "
