@@ -92,3 +92,18 @@ def test_a_corrupt_copy_in_the_store_is_refused_and_counted(lm, tmp_path):
         for c, s in ((ca, a), (cb, b)):
             c.close()
             s.stop()
+
+
+@pytest.mark.parametrize("url,message", [("ftp://host/x", "scheme 'ftp'"), ("mem://?max=huge", "expected a size")])
+def test_kite_serve_refuses_a_bad_store_url_before_loading_the_model(tiny_models, url, message, monkeypatch):
+    from typer.testing import CliRunner
+
+    import kite.model
+    from kite.cli.main import app as cli
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(kite.model, "load_model", no_load)
+    res = CliRunner().invoke(cli, ["serve", "--model", str(tiny_models["llama"]), "--store", url])
+    assert res.exit_code == 2 and message in res.output, res.output
