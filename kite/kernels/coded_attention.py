@@ -181,13 +181,13 @@ def coded_attention(q: torch.Tensor, layer: CodedLayer, cos: torch.Tensor, sin: 
 
 
 def coded_decode_partial(q: torch.Tensor, layers, cos: torch.Tensor, sin: torch.Tensor,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                         scale: float, **kernel) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token per sequence, q [N, Hq, d], over each sequence's resident layer (coded rows and
     raw side cache, one softmax): (out [N, Hq, d], lse [N, Hq]) float32.
 
     ``layers``: a list of CodedLayer, or on a GPU a ``coded_attention_triton.CodedBatch`` of them
     (its tables built once per batch). On a GPU with Triton the batched kernel runs; elsewhere the
-    torch reference, sequence by sequence.
+    torch reference, sequence by sequence. ``kernel``: the GPU kernel's options (its configuration).
     """
     if q.is_cuda:
         try:
@@ -196,7 +196,7 @@ def coded_decode_partial(q: torch.Tensor, layers, cos: torch.Tensor, sin: torch.
             tri = None
         if tri is not None:
             batch = layers if isinstance(layers, tri.CodedBatch) else tri.CodedBatch(list(layers))
-            o, lse = tri.coded_decode(q, batch, cos, sin, scale)
+            o, lse = tri.coded_decode(q, batch, cos, sin, scale, **kernel)
             parts = [(o[:, s], lse[:, s]) for s in range(o.shape[1])]
             if batch.raw_k.shape[2]:
                 ro, rl = raw_partial(q[:, :, None], batch.raw_k, batch.raw_v, scale, batch.raw_mask)
