@@ -69,6 +69,14 @@ def test_address_depends_on_settings_and_tokens_and_model(pipe):
     assert address_for("kite-fp1:aa", ids, pipe.settings, None, "kite-fp1:cc").id != base
     other = replace(pipe.settings, codec=codec_settings(8.0))
     assert address_for("kite-fp1:aa", ids, other, None, None).id != base
+    # the tagger by how it tags, not by what its training measured (machine-dependent last bits)
+    tagger = {"method": "ridge", "embedding_layers": [2], "labels": ["a", "b"], "validation_accuracy": 0.9,
+              "temperature": 0.21}
+    tagged = address_for("kite-fp1:aa", ids, pipe.settings, tagger, None).id
+    assert tagged != base
+    assert address_for("kite-fp1:aa", ids, pipe.settings, {**tagger, "validation_accuracy": 0.91,
+                                                          "temperature": 0.2100001}, None).id == tagged
+    assert address_for("kite-fp1:aa", ids, pipe.settings, {**tagger, "labels": ["a", "c"]}, None).id != tagged
 
 
 def test_address_is_the_same_in_other_processes_whatever_the_hash_seed(pipe):

@@ -7,7 +7,7 @@ A state's address is sha256 over a canonical JSON encoding (sorted keys, no spac
     model           the combined model fingerprint (weights, tokenizer, adapter)
     tokens_sha256   sha256 of the document's token ids as little-endian uint32
     settings        what the compression was asked to do: codec settings, clusters, span bounds,
-                    prefill chunk, seed, per-label ratios, the tagger's description
+                    prefill chunk, seed, per-label ratios, the tagger (method, layers, labels)
     regenerator     the regenerator's fingerprint, or null
 
 Nothing in it depends on a path, a hostname, the time or PYTHONHASHSEED, so every process and
@@ -71,9 +71,16 @@ class Address:
         return {"scheme": SCHEME, **asdict(self), "id": self.id}
 
 
+# What of a tagger's description an address covers: how it tags, not what its training measured
+# (validation accuracy and the fitted temperature move in their last bits with the machine and
+# its thread count; an address hashes what was asked for, never a result).
+TAGGER_KEYS = ("method", "embedding_layers", "labels")
+
+
 def settings_fields(settings, tagger_description: dict | None) -> dict:
     """The compression settings an address covers (a :class:`CompressSettings` and the tagger's
-    description), as plain JSON values."""
+    description, :data:`TAGGER_KEYS` of it), as plain JSON values."""
+    tagger = None if tagger_description is None else {k: tagger_description.get(k) for k in TAGGER_KEYS}
     return {
         "codec": settings.codec.to_json(),
         "n_clusters": settings.n_clusters,
@@ -82,7 +89,7 @@ def settings_fields(settings, tagger_description: dict | None) -> dict:
         "chunk_tokens": settings.chunk_tokens,
         "seed": settings.seed,
         "label_ratios": dict(sorted(settings.label_ratios.items())),
-        "tagger": tagger_description,
+        "tagger": tagger,
     }
 
 
