@@ -1,6 +1,6 @@
-"""`kite serve --replicas` for real: a local Ray cluster on 127.0.0.1, two replicas of a tiny
+"""`kite serve --replicas` for real: a local Ray cluster (endpoints on 127.0.0.1), two replicas of a tiny
 random model sharing one state folder behind the ingress, the state-aware router, a replica killed
-under load, and every process restarted."""
+under load, the command line. Every process restarted, with a Redis + S3 store: tests/test_ray_store.py."""
 
 from __future__ import annotations
 
@@ -242,21 +242,6 @@ def test_killing_a_replica_under_200_requests_loses_none_and_answers_right(clust
     print(f"calls the ingress retried after the kill: {retried:g} (Ray Serve re-routes some itself)")
     alive = cluster._wait_for(2, timeout=120)   # Ray Serve brings a replica back in its place
     assert busy not in {r["id"] for r in alive}
-
-
-def test_restarting_every_process_finds_every_state_again(cluster):
-    c = cluster.client
-    sids = sorted(c.post("/v1/states", json={"document": d}).json()["id"] for d in DOCS)
-    cluster.stop()   # the ingress, the replicas, Serve, Ray
-    cluster.start()
-    c = cluster.client
-    listed = {s["id"] for s in c.get("/v1/states").json()["data"]}
-    assert set(sids) <= listed
-    for d in DOCS:
-        r = c.post("/v1/states", json={"document": d})
-        assert r.status_code == 200 and r.json()["created"] is False   # found, not upcycled again
-    assert _metric(c.get("/metrics").text, "kite_upcycle_states_total") == 0
-    assert _complete(c, sids[0], PROMPTS[0]).json()["kite"]["loaded"] is True
 
 
 def test_kite_serve_replicas_autoscaled_from_the_command_line_serves_and_stops_on_ctrl_c(tiny_models, tmp_path):

@@ -34,7 +34,8 @@ def serve_replicas(out, model: str, settings, scale, ucfg, kept_fraction, ray_ad
     cluster = replicas.start(spec, scale, host=settings.host, port=settings.port, address=ray_address)
     try:
         out.print(f"[bold green]serving[/] {model} on {cluster.url}  replicas {bounds}  states "
-                  f"{spec.settings.state_dir}  router: state-aware (max imbalance {scale.max_imbalance})  "
+                  f"{spec.settings.state_dir}" + (f" + store {settings.store_url}" if settings.store_url else "") +
+                  f"  router: state-aware (max imbalance {scale.max_imbalance})  "
                   f"metrics {cluster.url}/metrics (every replica, label replica=)", highlight=False, soft_wrap=True)
         while True:
             time.sleep(3600)

@@ -38,13 +38,16 @@ class KiteReplica:
         ucfg = (UpcycleConfig.model_validate(spec.upcycle_config) if isinstance(spec.upcycle_config, dict)
                 else load_upcycle_config(spec.upcycle_config))
         pipe = open_pipeline(spec.model, ucfg, kept_fraction=spec.kept_fraction, tagger=spec.tagger)
-        self.app = create_app(pipe, replace(spec.settings, host="127.0.0.1", port=0))
+        self.replica_id = _replica_id()
+        settings = replace(spec.settings, host="127.0.0.1", port=0)
+        if spec.own_folders:
+            settings.state_dir = settings.state_dir / "replicas" / self.replica_id
+        self.app = create_app(pipe, settings)
         self.srv = self.app.state.kite
         self.server = BackgroundServer(self.app)
         self.url = self.server.start(timeout=120)
         self.ongoing = 0
         self._client = None
-        self.replica_id = _replica_id()
         directory().register.remote(self.replica_id, self.url)
 
     async def forward(self, key: str | None, method: str, path: str, query: str, headers: list, body: bytes):

@@ -20,6 +20,13 @@ class ReplicaSpec:
     kept_fraction: float | None = None
     tagger: bool = True
     torch_threads: int = 1
+    # each replica keeps its own folder under state_dir/replicas/<replica id> (as replicas on
+    # different machines would); states reach the others through the shared store (settings.store_url)
+    own_folders: bool = False
+
+    def __post_init__(self) -> None:
+        if self.own_folders and not getattr(self.settings, "store_url", None):
+            raise BadInput("replicas with folders of their own need a shared store (--store URL / store.url)")
 
 
 @dataclass(slots=True)
