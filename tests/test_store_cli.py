@@ -93,3 +93,20 @@ def test_generate_answers_from_a_state_fetched_by_address(two_states, tiny_model
     assert got["text"] == want["text"]
     missing = kite(*common, "--store", store, "--upc", "f" * 64)
     assert missing.exit_code == 1 and "no tier of the store holds a good copy" in missing.output
+
+
+def test_inspect_shows_the_checked_address(two_states, tmp_path):
+    from kite.upcycle import StateFile
+    from kite.upcycle.format import rewrite_header
+
+    address, path = two_states[0]
+    assert parse_json(kite("upcycle", "inspect", str(path), "--json").output)["address"] == address
+    with StateFile(path) as sf:
+        meta = dict(sf.meta)
+    meta["address"] = {**meta["address"], "id": "0" * 64}
+    rewrite_header(path, tmp_path / "forged.upc", meta)
+    forged = kite("upcycle", "inspect", str(tmp_path / "forged.upc"))
+    assert forged.exit_code == 2 and "not the hash of its fields" in forged.output
+    del meta["address"]
+    rewrite_header(path, tmp_path / "plain.upc", meta)
+    assert parse_json(kite("upcycle", "inspect", str(tmp_path / "plain.upc"), "--json").output)["address"] is None

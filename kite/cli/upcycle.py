@@ -160,6 +160,9 @@ def inspect(
     out.print(f"  model {fp.get('model')}\n  tokenizer {fp.get('tokenizer')}\n  adapter {fp.get('adapter')}",
               highlight=False)
     out.print(f"  geometry {report['geometry']}", highlight=False)
+    out.print(f"  address {report['address']}" if report["address"] else
+              "  address none (unaddressed: made before content addresses, or migrated; docs/store.md)",
+              highlight=False)
     out.print(f"  codec {report['codec']['name']}  created {report['created_at']}", highlight=False)
     for c in report["clusters"]:
         conf = f"{c['confidence']:.2f}" if c["confidence"] is not None else "  - "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kite.upcycle.address import check_address
 from kite.upcycle.format.container import FORMAT_VERSION, StateFile
 
 
@@ -45,6 +46,8 @@ def describe_state(path: str | Path, verify: bool = False) -> dict:
             "bytes": {"header": sf.file_size - data_bytes, "layer_codecs": layer_codecs,
                       "clusters": sum(per_cluster.values())},
             "tagger": meta.get("tagger"),
+            # the content address, recomputed from the header and checked (None: unaddressed)
+            "address": check_address(meta, sf.format_version, str(path)),
         }
         if verify:
             status = sf.verify()
