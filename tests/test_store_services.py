@@ -141,3 +141,32 @@ def test_restart_of_redis_and_of_the_process_finds_every_state_without_recompres
     for got, tier in ((from_redis, "redis"), (from_disk, "file")):
         assert got["store"] == {"address": first["address"], "recompressed": False, "found_in": tier, "put": None}
     assert (tmp_path / "2.upc").read_bytes() == (tmp_path / "1.upc").read_bytes() == (tmp_path / "3.upc").read_bytes()
+
+
+def test_a_server_after_a_redis_restart_finds_the_state_another_server_made(redis_service, tiny_models, tmp_path):
+    from kite.model import load_model
+    from tests.test_store_serve import _metric, _server
+    from tests.test_serve import DOC
+
+    lm = load_model(str(tiny_models["llama"]), device="cpu")
+    a, _, ca = _server(lm, tmp_path / "a", f"mem://,{redis_service.url}")
+    try:
+        made = ca.post("/v1/states", json={"document": DOC})
+        assert made.status_code == 201, made.text
+    finally:
+        ca.close()
+        a.stop()
+    redis_service.stop()
+    redis_service.start()
+    b, _, cb = _server(lm, tmp_path / "b", f"mem://,{redis_service.url}")
+    try:
+        again = cb.post("/v1/states", json={"document": DOC})
+        assert again.status_code == 200 and again.json()["id"] == made.json()["id"]
+        r = cb.post("/v1/completions", json={"prompt": " Who?", "max_tokens": 1, "kite": {"state": made.json()["id"]}})
+        assert r.status_code == 200, r.text
+        metrics = cb.get("/metrics").text
+        assert _metric(metrics, "kite_upcycle_states_total") == 0          # 0 recompressions
+        assert _metric(metrics, "kite_store_hits_total", tier="redis") == 1
+    finally:
+        cb.close()
+        b.stop()
