@@ -1157,20 +1157,22 @@ def coded_concurrency(report, args, model, cfg, hot, KV_state, L, H, d, T, raw_b
     qn = torch.randn(n_cod, Hq, d, device=DEV, dtype=torch.bfloat16, generator=gen)
     floor_att = n_cod * stream / HBM_BPS * 1e3
     variants = {}
-    for nw, ns, nc in ((4, 3, 32), (8, 3, 32), (8, 4, 32), (8, 3, 64), (4, 3, 64)):
-        def att(nw=nw, ns=ns, nc=nc):
+    for nw, ns, nc, nb in ((8, 3, 64, 1), (8, 2, 64, 2), (8, 2, 32, 4), (8, 1, 32, 4), (4, 2, 32, 4)):
+        def att(nw=nw, ns=ns, nc=nc, nb=nb):
             for b in batches:
-                coded_decode(qn, b, cos_tab, sin_tab, scale, num_warps=nw, num_stages=ns, cols=nc)
+                coded_decode(qn, b, cos_tab, sin_tab, scale, num_warps=nw, num_stages=ns, cols=nc, block=nb)
+        name = f"warps{nw}_stages{ns}_cols{nc}_block{nb}"
         try:
-            variants[f"warps{nw}_stages{ns}_cols{nc}"] = cuda_ms(att, reps=5)
+            variants[name] = cuda_ms(att, reps=3)
         except Exception as e:  # noqa: BLE001
-            variants[f"warps{nw}_stages{ns}_cols{nc}"] = repr(e)[:200]
+            variants[name] = repr(e)[:200]
     print("coded kernel variants (ms, all layers):", variants, flush=True)
     best = min((v, k) for k, v in variants.items() if isinstance(v, float))[1]
-    nw, ns, nc = int(best.split("_")[0][5:]), int(best.split("_")[1][6:]), int(best.split("_")[2][4:])
+    nw, ns, nc, nb = (int(best.split("_")[0][5:]), int(best.split("_")[1][6:]), int(best.split("_")[2][4:]),
+                      int(best.split("_")[3][5:]))
     out["kernel_variants_ms"] = variants
     out["kernel_best"] = best
-    # where the kernel's time goes: leave out the key rebuild, or the value accumulation
+    # where the one-tile kernel's time goes: leave out the key rebuild, or the value accumulation
     for name, kw in (("no key rebuild (scores of the means)", dict(do_k=False)),
                      ("no value accumulation", dict(do_v=False)), ("neither", dict(do_k=False, do_v=False))):
         out[f"kernel_ms_{name}"] = cuda_ms(lambda kw=kw: [coded_decode(qn, b, cos_tab, sin_tab, scale, num_warps=nw,
@@ -1179,7 +1181,7 @@ def coded_concurrency(report, args, model, cfg, hot, KV_state, L, H, d, T, raw_b
 
     def att_full():
         for b in batches:
-            o, lse = coded_decode(qn, b, cos_tab, sin_tab, scale, num_warps=nw, num_stages=ns, cols=nc)
+            o, lse = coded_decode(qn, b, cos_tab, sin_tab, scale, num_warps=nw, num_stages=ns, cols=nc, block=nb)
             parts = [(o[:, s_], lse[:, s_]) for s_ in range(o.shape[1])]
             ro, rl = raw_partial(qn[:, :, None], b.raw_k, b.raw_v, scale, b.raw_mask)
             merge(parts + [(ro[:, :, 0], rl[:, :, 0])])
@@ -1196,7 +1198,8 @@ def coded_concurrency(report, args, model, cfg, hot, KV_state, L, H, d, T, raw_b
     def coded_attn(module, query, key, value, attention_mask, scaling=None, **kw):
         li = module.layer_idx
         q1 = query[:, :, 0]
-        o, lse = coded_decode(q1, batches[li], cos_tab, sin_tab, scaling, num_warps=nw, num_stages=ns, cols=nc)
+        o, lse = coded_decode(q1, batches[li], cos_tab, sin_tab, scaling, num_warps=nw, num_stages=ns, cols=nc,
+                              block=nb)
         b = batches[li]
         parts = [(o[:, s_], lse[:, s_]) for s_ in range(o.shape[1])]
         ro, rl = raw_partial(query, b.raw_k, b.raw_v, scaling, b.raw_mask)

@@ -97,7 +97,8 @@ def test_coded_attention_equals_attention_over_the_rebuilt_layer(lm, tmp_path, s
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("spec", list(SPECS))
 @pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_triton_decode_kernel_matches_the_rebuilt_path(lm, tmp_path, spec, qdtype):
+@pytest.mark.parametrize("block", [1, 2, 4])
+def test_triton_decode_kernel_matches_the_rebuilt_path(lm, tmp_path, spec, qdtype, block):
     """The batched GPU kernel (bf16 bases and tensor cores, fp32 softmax) over several sequences of
     different lengths against attention over the rebuilt path's bf16 keys / values."""
     from kite.kernels.coded_attention import coded_decode_partial
@@ -121,13 +122,14 @@ def test_triton_decode_kernel_matches_the_rebuilt_path(lm, tmp_path, spec, qdtyp
     worst = 0.0
     for layer in range(geo.n_layers):
         q = (torch.randn(len(seqs), geo.n_heads, geo.head_dim, generator=g, device="cuda") * 3).to(qdtype)
-        got, lse = coded_decode_partial(q, [res.layers[layer] for _, _, res in seqs], cos_tab, sin_tab, scale)
+        got, lse = coded_decode_partial(q, [res.layers[layer] for _, _, res in seqs], cos_tab, sin_tab, scale,
+                                        block=block)
         for i, (keys, values, _) in enumerate(seqs):
             want = rebuilt_attention(q[i][:, None].float(), keys[layer], values[layer], scale)[:, 0]
             err = float((got[i] - want).abs().max() / want.abs().max())
             worst = max(worst, err)
             assert torch.isfinite(lse[i]).all()
-    print(f"coded kernel vs rebuilt path, {spec}, q {qdtype}: max abs diff / max |out| = {worst:.2e}")
+    print(f"coded kernel (block {block}) vs rebuilt path, {spec}, q {qdtype}: max abs diff / max |out| = {worst:.2e}")
     # bf16 keys in both; the kernel also rounds q, the probabilities and the coefficients to bf16 for
     # its tensor-core products (measured on the H200: <= 2.4e-2 per head, <= 2.2e-2 joint, q of any dtype)
     assert worst <= 3e-2

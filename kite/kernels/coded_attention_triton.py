@@ -136,6 +136,130 @@ def _coded_decode_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, o_ptr, lse_ptr, qk
     tl.store(lse_ptr + (n * SPLITS + split) * H * G + head, lse, mask=gm)
 
 
+@triton.jit
+def _coded_decode_wide_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, o_ptr, lse_ptr, qk_scale,
+                              H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                              HALF: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, TL: tl.constexpr,
+                              SUB: tl.constexpr, BT: tl.constexpr, COLS: tl.constexpr, RVP: tl.constexpr,
+                              SPLITS: tl.constexpr):
+    """As _coded_decode_kernel over blocks of SUB tiles (BT = SUB * TL rows) per step: the head's basis
+    is read once per block. The tiles of a block may lie in different quantization groups: key scales
+    are gathered per row; the value codes enter the product as integers and each tile's scale and
+    minimum are applied to its share of the probabilities after it."""
+    h = tl.program_id(0)
+    ns = tl.program_id(1)
+    n = ns // SPLITS
+    split = ns % SPLITS
+    pt = ptrs + n * 12
+    kc_p = tl.load(pt + 0).to(tl.pointer_type(tl.uint8))
+    ks_p = tl.load(pt + 1).to(tl.pointer_type(tl.float32))
+    km_p = tl.load(pt + 2).to(tl.pointer_type(tl.float32))
+    vc_p = tl.load(pt + 3).to(tl.pointer_type(tl.uint8))
+    vs_p = tl.load(pt + 4).to(tl.pointer_type(tl.float32))
+    vm_p = tl.load(pt + 5).to(tl.pointer_type(tl.float32))
+    tg_p = tl.load(pt + 6).to(tl.pointer_type(tl.int32))
+    pos_p = tl.load(pt + 7).to(tl.pointer_type(tl.int32))
+    kb_p = tl.load(pt + 8).to(tl.pointer_type(tl.bfloat16))
+    vb_p = tl.load(pt + 9).to(tl.pointer_type(tl.bfloat16))
+    kmu_p = tl.load(pt + 10).to(tl.pointer_type(tl.float32))
+    vmu_p = tl.load(pt + 11).to(tl.pointer_type(tl.float32))
+    it = ints + n * 6
+    n_tiles = tl.load(it + 0)
+    Ck = tl.load(it + 1)
+    Cv = tl.load(it + 2)
+    Rk = tl.load(it + 3)
+    Rv = tl.load(it + 4)
+    joint = tl.load(it + 5)
+    colk = tl.where(joint != 0, 0, h * Rk)
+    colv = tl.where(joint != 0, 0, h * Rv)
+    n_blocks = tl.cdiv(n_tiles, SUB)
+    per = tl.cdiv(n_blocks, SPLITS)
+    b_lo = split * per
+    b_hi = tl.minimum(b_lo + per, n_blocks)
+
+    g = tl.arange(0, GP)
+    gm = g < G
+    j = tl.arange(0, HP)
+    jm = j < HALF
+    qrow = q_ptr + (n * H * G + h * G + g)[:, None] * D
+    q1 = tl.load(qrow + j[None, :], mask=gm[:, None] & jm[None, :], other=0.0).to(tl.bfloat16)
+    q2 = tl.load(qrow + HALF + j[None, :], mask=gm[:, None] & jm[None, :], other=0.0).to(tl.bfloat16)
+    dd = tl.arange(0, DP)
+    dm = dd < D
+    r = tl.arange(0, BT)
+    sub_of_row = r // TL
+    c = tl.arange(0, COLS)
+    cv = tl.arange(0, RVP)
+    cvm = cv < Rv
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, RVP], tl.float32)
+    acc_mu = tl.zeros([GP, DP], tl.float32)
+    n_rows = n_tiles * TL
+    for blk in range(b_lo, b_hi):
+        rows = blk * BT + r
+        rm = rows < n_rows
+        p = tl.load(pos_p + rows, mask=rm, other=-1)
+        valid = p >= 0
+        grow = tl.load(tg_p + rows // TL, mask=rm, other=0)                      # group of each row
+        k1 = tl.zeros([BT, HP], tl.float32)
+        k2 = tl.zeros([BT, HP], tl.float32)
+        for r0 in range(0, Rk, COLS):
+            cm = (r0 + c) < Rk
+            cols = colk + r0 + c
+            lm = rm[:, None] & cm[None, :]
+            code = tl.load(kc_p + rows.to(tl.int64)[:, None] * Ck + cols[None, :], mask=lm, other=0).to(tl.float32)
+            sc = tl.load(ks_p + grow[:, None] * Ck + cols[None, :], mask=lm, other=0.0)
+            mn = tl.load(km_p + grow[:, None] * Ck + cols[None, :], mask=lm, other=0.0)
+            coef = (mn + sc * code).to(tl.bfloat16)
+            brow = kb_p + (h * Rk + r0 + c)[:, None] * D
+            b1 = tl.load(brow + j[None, :], mask=cm[:, None] & jm[None, :], other=0.0)
+            b2 = tl.load(brow + HALF + j[None, :], mask=cm[:, None] & jm[None, :], other=0.0)
+            k1 = tl.dot(coef, b1, k1)
+            k2 = tl.dot(coef, b2, k2)
+        mrow = kmu_p + (grow[:, None] * H + h) * D
+        k1 += tl.load(mrow + j[None, :], mask=rm[:, None] & jm[None, :], other=0.0)
+        k2 += tl.load(mrow + HALF + j[None, :], mask=rm[:, None] & jm[None, :], other=0.0)
+        pc = tl.maximum(p, 0)
+        cs = tl.load(cos_ptr + pc[:, None] * D + j[None, :], mask=jm[None, :], other=0.0)
+        sn = tl.load(sin_ptr + pc[:, None] * D + j[None, :], mask=jm[None, :], other=0.0)
+        r1 = (k1 * cs - k2 * sn).to(tl.bfloat16)
+        r2 = (k2 * cs + k1 * sn).to(tl.bfloat16)
+        s = (tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        pexp = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(pexp, 1)
+        acc = acc * alpha[:, None]
+        acc_mu = acc_mu * alpha[:, None]
+        # value codes are integers < 256: exact in bf16
+        vcode = tl.load(vc_p + rows.to(tl.int64)[:, None] * Cv + (colv + cv)[None, :], mask=rm[:, None] & cvm[None, :],
+                        other=0).to(tl.bfloat16)
+        for t in tl.static_range(SUB):
+            tile = blk * SUB + t
+            gt = tl.load(tg_p + tile, mask=tile < n_tiles, other=0)
+            pt_ = tl.where((sub_of_row == t)[None, :], pexp, 0.0)                 # the tile's probabilities
+            pst = tl.sum(pt_, 1)
+            vsc = tl.load(vs_p + gt * Cv + colv + cv, mask=cvm, other=0.0)
+            vmn = tl.load(vm_p + gt * Cv + colv + cv, mask=cvm, other=0.0)
+            acc += tl.dot(pt_.to(tl.bfloat16), vcode) * vsc[None, :] + pst[:, None] * vmn[None, :]
+            vmu = tl.load(vmu_p + (gt * H + h) * D + dd, mask=dm, other=0.0)
+            acc_mu += pst[:, None] * vmu[None, :]
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    coef = (acc / l_safe[:, None]).to(tl.bfloat16)
+    vb = tl.load(vb_p + (h * Rv + cv)[:, None] * D + dd[None, :], mask=cvm[:, None] & dm[None, :], other=0.0)
+    out = tl.dot(coef, vb) + acc_mu / l_safe[:, None]
+    out = tl.where((l_i > 0)[:, None], out, 0.0)
+    head = h * G + g
+    o_row = o_ptr + ((n * SPLITS + split) * H * G + head)[:, None] * D
+    tl.store(o_row + dd[None, :], out, mask=gm[:, None] & dm[None, :])
+    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    tl.store(lse_ptr + (n * SPLITS + split) * H * G + head, lse, mask=gm)
+
+
 class CodedBatch:
     """The pointer and size tables of a list of resident layers (one per sequence), built once and
     reused while the batch's sequences stay the same (the layers must stay alive meanwhile)."""
@@ -170,21 +294,34 @@ class CodedBatch:
 
 
 def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: torch.Tensor, scale: float,
-                 splits: int | None = None, cols: int = 32, num_warps: int = 8, num_stages: int = 3,
-                 do_k: bool = True, do_v: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 splits: int | None = None, cols: int = 32, num_warps: int = 8, num_stages: int = 2,
+                 do_k: bool = True, do_v: bool = True, block: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, Hq, d] (one token per sequence) over each sequence's coded rows: (out [N, S, Hq, d], lse
     [N, S, Hq]) float32 per split S of the rows (merge them with ``coded_attention.merge`` over dim 1).
     ``cos`` / ``sin`` [P, d] float32 by absolute position. ``do_k`` / ``do_v`` False leave out the key
-    rebuild / the value accumulation (wrong results: for timing where the time goes)."""
+    rebuild / the value accumulation (wrong results: for timing where the time goes; one tile per step).
+    ``block`` > 1 (a power of 2): the wide kernel, ``block`` tiles per step (the basis read once for
+    them); the defaults are the fastest configuration measured on the H200
+    (benchmarks/coded_kernel_speed.py)."""
+    if not (do_k and do_v):
+        block = 1             # the timing switches live in the one-tile kernel
     N, Hq, d = q.shape
     H = batch.layers[0].k_mean.shape[1]
     G = Hq // H
     if splits is None:   # ~8 waves of programs (a short last wave idles less of the GPU), >= 8 tiles each
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        splits = max(1, min(-(-8 * sms // (N * H)), batch.max_tiles // 8))
+        splits = max(1, min(-(-8 * sms // (N * H)), batch.max_tiles // (8 * block)))
     o = torch.empty(N, splits, Hq, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(N, splits, Hq, dtype=torch.float32, device=q.device)
     half = d // 2
+    if block > 1:
+        _coded_decode_wide_kernel[(H, N * splits)](
+            q.contiguous(), batch.ptrs, batch.ints, cos, sin, o, lse, scale * LOG2E,
+            H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=d, HALF=half,
+            HP=max(16, triton.next_power_of_2(half)), DP=max(16, triton.next_power_of_2(d)), TL=TILE, SUB=block,
+            BT=block * TILE, COLS=cols, RVP=max(16, triton.next_power_of_2(batch.max_rv)), SPLITS=splits,
+            num_warps=num_warps, num_stages=num_stages)
+        return o, lse
     _coded_decode_kernel[(H, N * splits)](
         q.contiguous(), batch.ptrs, batch.ints, cos, sin, o, lse, scale * LOG2E,
         H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=d, HALF=half, HP=max(16, triton.next_power_of_2(half)),
