@@ -80,8 +80,8 @@ def batch_attention(query, key, value, mask, scaling=None, held=None):
         n = hk.shape[-2]
         seen = torch.ones((1, 1, mask.shape[-2], n), dtype=torch.bool, device=mask.device)
         row = _folded_attention(query[b:b + 1], torch.cat([hk[None], key[b:b + 1]], dim=-2),
-                                   torch.cat([hv[None], value[b:b + 1]], dim=-2),
-                                   torch.cat([seen, mask[b:b + 1]], dim=-1), scaling)
+                                torch.cat([hv[None], value[b:b + 1]], dim=-2),
+                                torch.cat([seen, mask[b:b + 1]], dim=-1), scaling)
         out[b] = row[0]
     return out, None
 
