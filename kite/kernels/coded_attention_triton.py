@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kite.kernels.coded_attention import TILE, CodedLayer
+from kite.kernels.coded_layer import TILE, CodedLayer
 
 LOG2E = 1.4426950408889634
 
