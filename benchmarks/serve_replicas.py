@@ -9,7 +9,8 @@ replicas also means more memory in all. Measured per setup: requests/s over the 
 hit rate (the fraction of requests whose load came from the prefix cache: `kite.load.timings_ms`
 has `cached`), the share of requests the busiest replica took (header x-kite-replica), and the mean
 latency of sequential requests (one client) for the overhead: Ray's 1 replica minus the plain
-server, same requests. Every answer is checked against the plain server's.
+server, same requests; and the routing alone (GET /v1/models through the endpoint against the
+replica's own URL, no model work). Every answer is checked against the plain server's.
 
     .venv/bin/python benchmarks/serve_replicas.py --out docs/serve_replicas_cpu.json
 """
@@ -116,6 +117,22 @@ def sequential_ms(url: str, jobs: list[tuple[str, str]], max_tokens: int) -> flo
     return round(sum(times) / len(times), 1)
 
 
+def routing_ms(url: str, n: int = 30) -> dict:
+    """The endpoint's own cost, no model work: GET /v1/models through the endpoint (Ray's proxy, the
+    ingress, the router, the replica's forward) against the same route at the replica's own URL."""
+    direct = httpx.get(url + "/v1/replicas", timeout=30).json()["data"][0]["url"]
+    out = {}
+    for name, base in (("endpoint", url), ("replica_direct", direct)):
+        with httpx.Client(base_url=base, timeout=30) as c:
+            c.get("/v1/models")
+            t0 = time.perf_counter()
+            for _ in range(n):
+                c.get("/v1/models").raise_for_status()
+            out[name] = round((time.perf_counter() - t0) / n * 1e3, 2)
+    out["overhead"] = round(out["endpoint"] - out["replica_direct"], 2)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -159,17 +176,21 @@ def main() -> None:
         try:
             time.sleep(2)
             seq_ms = sequential_ms(cluster.url, seq, args.max_tokens) if n == 1 else None
+            hop = routing_ms(cluster.url) if n == 1 else None
             b = burst(cluster.url, jobs, args.clients, args.max_tokens)
             b["answers_match_plain"] = b["texts"] == want
             if seq_ms is not None:
                 b["sequential_mean_ms"] = seq_ms
+                b["routing_only_ms"] = hop
             result["setups"][f"ray_{n}"] = b
             print(json.dumps({f"ray_{n}": {k: v for k, v in b.items() if k != "texts"}}), flush=True)
         finally:
             stop(cluster)
     plain, one = result["setups"]["plain"], result["setups"].get("ray_1")
     if one:
+        # end to end on this machine: the hops plus Ray's own processes competing for the 2 cores
         result["ray_overhead_ms_per_request"] = round(one["sequential_mean_ms"] - plain["sequential_mean_ms"], 1)
+        result["ray_routing_only_ms_per_request"] = one["routing_only_ms"]["overhead"]
     for s in result["setups"].values():
         s.pop("texts", None)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
