@@ -36,6 +36,9 @@ ingress_app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, redirect_
 @serve.deployment(name="kite-ingress", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
 @serve.ingress(ingress_app)
 class KiteIngress:
+    """The endpoint. Ray Serve ships this class to its replica by value, without this module's
+    globals: the methods reach the module's helpers through `from kite.serve import ingress as here`."""
+
     def __init__(self, handle):
         from prometheus_client import CollectorRegistry, Counter
 
@@ -54,9 +57,9 @@ class KiteIngress:
 
     @ingress_app.get("/metrics")
     async def metrics(self):
-        from kite.serve import ingress as here
-
         from prometheus_client import generate_latest
+
+        from kite.serve import ingress as here
 
         urls = await here.directory_urls()
         scraped = await asyncio.gather(*(here._labelled_metrics(rid, url) for rid, url in sorted(urls.items())))
@@ -67,9 +70,9 @@ class KiteIngress:
 
     @ingress_app.get("/v1/replicas")
     async def replicas(self):
-        from kite.serve import ingress as here
-
         import httpx
+
+        from kite.serve import ingress as here
 
         urls = await here.directory_urls()
         out = []
@@ -85,6 +88,7 @@ class KiteIngress:
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT"])
     async def proxy(self, request: Request, path: str):
         from kite.serve import ingress as here
+        from kite.serve.router import route_key
 
         body = await request.body()
         if request.method == "POST" and path.startswith("admin/"):
@@ -95,8 +99,6 @@ class KiteIngress:
                 parsed = json.loads(body)
             except ValueError:
                 parsed = None   # the replica answers a malformed body with its own 4xx
-        from kite.serve.router import route_key
-
         key = route_key(parsed, await self._fingerprint() if here._names_document(parsed) else None)
         if request.method == "DELETE" and path.startswith("v1/states/"):
             key = path.removeprefix("v1/states/")
@@ -121,7 +123,6 @@ class KiteIngress:
         self.routed.labels("failed").inc()
         return JSONResponse({"error": {"message": f"no replica answered after {here.RETRIES} tries: "
                                        f"{type(last).__name__}", "code": 503}}, status_code=503)
-
 
 
 async def _broadcast(request: Request, path: str, body: bytes):
