@@ -152,3 +152,29 @@ def test_kite_serve_refuses_bad_replica_bounds_before_loading_anything(monkeypat
                            prog_name="kite")
     assert r.exit_code == 2, r.output
     assert "min_replicas and server.max_replicas" in r.output
+
+
+def test_a_server_reports_hot_the_states_its_prefix_cache_or_memory_tier_holds(tiny_models, tmp_path):
+    """What a replica tells the router (kite.serve.router.hot_states), on a real server without Ray."""
+    import httpx
+    import torch
+
+    from kite.model import load_model
+    from kite.serve import BackgroundServer, create_app
+    from kite.serve.router import hot_states
+    from tests.test_serve import DOC, _pipeline, _settings
+
+    torch.set_num_threads(1)
+    lm = load_model(str(tiny_models["llama"]), device="cpu")
+    plain = create_app(_pipeline(lm), _settings(tmp_path / "plain", fusion=True), start_sampler=False)
+    stored = create_app(_pipeline(lm), _settings(tmp_path / "stored", fusion=True, store_url="mem://?max=16MB"),
+                        start_sampler=False)
+    for app in (plain, stored):
+        srv = app.state.kite
+        with BackgroundServer(app) as url, httpx.Client(base_url=url, timeout=60) as c:
+            sid = c.post("/v1/states", json={"document": DOC}).json()["id"]
+            # with a store the state is in its memory tier at once; without, nothing is hot yet
+            assert hot_states(srv) == ({sid} if srv.store.shared is not None else set())
+            r = c.post("/v1/completions", json={"prompt": " Who", "max_tokens": 1, "kite": {"state": sid}})
+            assert r.status_code == 200 and r.json()["kite"]["loaded"] is True
+            assert hot_states(srv) == {sid}   # its loaded KV is in the prefix cache now

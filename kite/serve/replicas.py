@@ -73,11 +73,11 @@ class KiteReplica:
             self.ongoing -= 1
 
     def record_routing_stats(self) -> dict:
-        """What the router reads: the state ids held hot (the prefix cache) and the queue."""
-        from kite.serve.router import hot_ids
+        """What the router reads: the state ids held hot (the prefix cache, the store's memory tier)
+        and the queue."""
+        from kite.serve.router import hot_states
 
-        hot = hot_ids(self.srv.runner.prefixes.held_paths(), self.srv.store.root)
-        return {"hot": sorted(hot), "queued": self.ongoing, "url": self.url}
+        return {"hot": sorted(hot_states(self.srv)), "queued": self.ongoing, "url": self.url}
 
     def info(self) -> dict:
         return {"replica": self.replica_id, "url": self.url, "fingerprint": self.srv.runner.lm.fingerprints.combined,

@@ -81,3 +81,18 @@ def hot_ids(paths: Iterable[str], folder_root) -> frozenset[str]:
         if p.suffix == ".upc" and p.parent == folder_root:
             out.add(p.stem)
     return frozenset(out)
+
+
+def hot_states(srv) -> frozenset[str]:
+    """The state ids a server (its `kite.serve.app.ServerState`) holds hot, what a replica reports
+    to the router: those whose loaded KV its prefix cache keeps, and those in its shared store's
+    memory tier (bytes in host memory, no fetch needed)."""
+    from kite.store import MemoryTier
+
+    hot = set(hot_ids(srv.runner.prefixes.held_paths(), srv.store.root))
+    shared = getattr(srv.store, "shared", None)
+    for tier in getattr(shared, "tiers", ()):
+        if isinstance(tier, MemoryTier):
+            hot.update(tier.ids())
+    return frozenset(hot)
+
