@@ -101,6 +101,21 @@ def burst(url: str, bodies: list[dict], clients: int) -> dict:
             "texts": [r["text"] for r in flat]}
 
 
+def burst_bodies(clients: int, requests: int, max_tokens: int) -> tuple[list[dict], dict]:
+    """The burst's request bodies (alternately about the contract's state and a plain prompt) and the
+    contract."""
+    contract = generate_contracts(1, tokens=900, seed=7)[0]
+    bodies = []
+    for i in range(clients * requests):
+        if i % 2:
+            q = contract["questions"][1 + i % 8]
+            bodies.append({"prompt": f" Question: {q['question']}\nAnswer: {q['prompt']}", "max_tokens": max_tokens,
+                           "kite": {"state": "contract"}})
+        else:
+            bodies.append({"prompt": PROMPTS[i % len(PROMPTS)] * 2, "max_tokens": max_tokens})
+    return bodies, contract
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, default=8)
@@ -109,15 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    contract = generate_contracts(1, tokens=900, seed=7)[0]
-    bodies = []
-    for i in range(args.clients * args.requests):
-        if i % 2:
-            q = contract["questions"][1 + i % 8]
-            bodies.append({"prompt": f" Question: {q['question']}\nAnswer: {q['prompt']}", "max_tokens": args.max_tokens,
-                           "kite": {"state": "contract"}})
-        else:
-            bodies.append({"prompt": PROMPTS[i % len(PROMPTS)] * 2, "max_tokens": args.max_tokens})
+    bodies, contract = burst_bodies(args.clients, args.requests, args.max_tokens)
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for max_batch in (args.clients, 1):

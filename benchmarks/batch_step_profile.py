@@ -1,0 +1,70 @@
+"""What one batched decode step costs on this CPU, and where it goes (embedded model, fp32).
+
+Times `BatchDecoder.step` for 8 plain rows, for 8 rows of which 4 follow an 808-token document's KV
+(the serve_concurrency burst's mix), and for one row; then torch's profiler over 10 mixed steps
+(the ops that take the time: the weights' matrix products, attention, the rest).
+
+    .venv/bin/python benchmarks/batch_step_profile.py
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kite.data.contracts import generate_contracts  # noqa: E402
+from kite.model import load_model  # noqa: E402
+from kite.runtime.batch_decode import BatchDecoder  # noqa: E402
+from kite.runtime.cache import KVPrefix, cache_layers, new_cache  # noqa: E402
+from kite.runtime.generate import forward_tokens  # noqa: E402
+
+
+def main() -> int:
+    torch.set_num_threads(2)
+    lm = load_model(None)
+    ids = lm.tokenizer(generate_contracts(1, tokens=900, seed=7)[0]["text"])["input_ids"][:808]
+    cache = new_cache(lm.model)
+    with torch.inference_mode():
+        forward_tokens(lm.model, ids, cache, 0)
+    prefix = KVPrefix(keys=[k[0].clone() for k, _ in cache_layers(cache)],
+                      values=[v[0].clone() for _, v in cache_layers(cache)], next_position=len(ids))
+    plain = lm.tokenizer("Write a detailed description of a small mountain village, its people, their work "
+                         "and their food. " * 2)["input_ids"]
+    question = lm.tokenizer(" Question: who pays?\nAnswer:", add_special_tokens=False)["input_ids"]
+
+    def decoder(with_state: bool, rows: int) -> BatchDecoder:
+        dec = BatchDecoder(lm, rows)
+        for i in range(rows):
+            state = with_state and i % 2
+            dec.add(question if state else plain, prefix=prefix if state else None, max_new_tokens=200,
+                    stop_ids=set())
+        dec.step()   # the prompts
+        dec.step()
+        return dec
+
+    def ms_per_step(dec: BatchDecoder, steps: int = 20) -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            dec.step()
+        return (time.perf_counter() - t0) / steps * 1e3
+
+    print(f"8 plain rows: {ms_per_step(decoder(False, 8)):.1f} ms a step")
+    print(f"8 rows, 4 after the {len(ids)}-token document: {ms_per_step(decoder(True, 8)):.1f} ms a step")
+    print(f"1 row: {ms_per_step(decoder(False, 1)):.1f} ms a step")
+    from torch.profiler import ProfilerActivity, profile
+
+    dec = decoder(True, 8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(10):
+            dec.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

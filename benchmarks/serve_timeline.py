@@ -1,0 +1,80 @@
+"""Where a burst's time goes in `kite serve`: the serve_concurrency burst, one line per request.
+
+Starts `kite serve --max-batch N` on the embedded model (as benchmarks/serve_concurrency.py does),
+uploads the contract, and lets 8 clients each stream two completions; prints per request its client,
+send time, first token and end (seconds from the burst's start), tokens, whether it named a state,
+and the server's own `kite` timings (wait for the model, YOCO's signals, load, generate, gain, ms).
+
+    .venv/bin/python benchmarks/serve_timeline.py --max-batch 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import serve_concurrency as sc  # noqa: E402
+
+
+def stream(url: str, body: dict) -> dict:
+    t0, ttft, usage, kite = time.perf_counter(), None, None, None
+    with httpx.Client(timeout=600) as c, c.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev["choices"][0]["text"] and ttft is None:
+                ttft = time.perf_counter() - t0
+            usage, kite = ev.get("usage", usage), ev.get("kite", kite)
+    timings = {"wait": kite.get("wait_ms"), **(kite.get("timings_ms") or {}), "ttft_gen": kite["generation"]["ttft_ms"]}
+    return {"ttft_s": ttft, "tokens": usage["completion_tokens"], "server_ms": timings}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    bodies, contract = sc.burst_bodies(args.clients, 2, args.max_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = sc.start_server(args.max_batch, Path(tmp) / "states", 2, Path(tmp) / "serve.log")
+        try:
+            httpx.post(url + "/v1/states", json={"document": contract["text"], "id": "contract"},
+                       timeout=600).raise_for_status()
+            stream(url, bodies[0])   # warm-up
+            t0 = time.perf_counter()
+
+            def client(i):
+                rows = []
+                for body in bodies[i::args.clients]:
+                    sent = time.perf_counter() - t0
+                    r = stream(url, body)
+                    rows.append({"client": i, "sent_s": round(sent, 2), "first_token_s": round(sent + r["ttft_s"], 2),
+                                 "end_s": round(time.perf_counter() - t0, 2), "tokens": r["tokens"],
+                                 "state": "kite" in body, "server_ms": r["server_ms"]})
+                return rows
+
+            with ThreadPoolExecutor(args.clients) as pool:
+                for rows in pool.map(client, range(args.clients)):
+                    for row in rows:
+                        print(json.dumps(row))
+            print(json.dumps({"wall_s": round(time.perf_counter() - t0, 2)}))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
