@@ -179,8 +179,8 @@ def test_a_rule_reload_through_the_endpoint_reaches_every_replica(cluster):
     assert refused.status_code in (401, 403) and set(refused.json()["replicas"].values()) == {refused.status_code}
 
 
-def _reference_answers(tiny_models, root, keys):
-    """Greedy answers of one plain server (no Ray) over the same state folder."""
+def _reference_answers(tiny_models, root, keys, store_url=None):
+    """Greedy answers of one plain server (no Ray) over the same state folder (and store)."""
     import torch
 
     from kite.model import load_model
@@ -191,7 +191,10 @@ def _reference_answers(tiny_models, root, keys):
     cfg = UpcycleConfig.model_validate(UPCYCLE)
     pipe = Pipeline(lm=lm, tagger=None, settings=compress_settings(cfg), config=cfg, config_path=None)
     out = {}
-    with BackgroundServer(create_app(pipe, _settings(root), start_sampler=False)) as url:
+    settings = _settings(root)
+    if store_url:
+        settings.store_url = store_url
+    with BackgroundServer(create_app(pipe, settings, start_sampler=False)) as url:
         with httpx.Client(base_url=url, timeout=120) as c:
             for sid, prompt in keys:
                 r = _complete(c, sid, prompt)
@@ -201,12 +204,18 @@ def _reference_answers(tiny_models, root, keys):
 
 
 def test_killing_a_replica_under_200_requests_loses_none_and_answers_right(cluster, tiny_models):
+    kill_a_replica_under_load(cluster, tiny_models)
+
+
+def kill_a_replica_under_load(cluster, tiny_models, store_url=None):
+    """200 requests from 8 clients; the replica answering most is killed after 40: none lost, every
+    answer the plain server's, and Ray Serve brings a replica back."""
     import ray
 
     c = cluster.client
     sids = [c.post("/v1/states", json={"document": d}).json()["id"] for d in DOCS]
     keys = [(s, p) for s in sids for p in PROMPTS]
-    want = _reference_answers(tiny_models, cluster.root, keys)
+    want = _reference_answers(tiny_models, cluster.root, keys, store_url)
     jobs = [keys[i % len(keys)] for i in range(200)]
     done, finished = [], []
     lock = threading.Lock()

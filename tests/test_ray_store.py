@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("ray.serve")
 pytestmark = [pytest.mark.ray, pytest.mark.services]
 
-from tests.test_ray_serve import DOCS, PROMPTS, Cluster, _complete, _metric  # noqa: E402
+from tests.test_ray_serve import DOCS, PROMPTS, Cluster, _complete, _metric, kill_a_replica_under_load  # noqa: E402
 
 
 def _replica_clients(cluster):
@@ -62,5 +62,22 @@ def test_replicas_share_states_through_redis_and_s3_and_find_them_after_everythi
         text = cluster.client.get("/metrics").text
         assert _metric(text, "kite_upcycle_states_total") == 0   # 0 recompressions after the restart
         assert _metric(text, "kite_store_hits_total") >= 2
+    finally:
+        cluster.stop()
+
+
+def test_killing_a_replica_over_the_redis_and_s3_store_loses_none_and_answers_right(
+        tiny_models, tmp_path, redis_service, s3_service, monkeypatch):
+    """The kill under 200 requests (tests/test_ray_serve.py) with the replicas on folders of their own
+    over a Redis + S3 store: the replica that comes back finds the states in the store."""
+    from dataclasses import replace
+
+    bucket = s3_service.bucket()
+    store = f"mem://?max=32MB,{redis_service.url},s3://{bucket}/states?endpoint_url={s3_service.endpoint}"
+    cluster = Cluster(tiny_models["llama"], tmp_path, monkeypatch)
+    cluster.spec = replace(cluster.spec, settings=replace(cluster.spec.settings, store_url=store), own_folders=True)
+    cluster.start()
+    try:
+        kill_a_replica_under_load(cluster, tiny_models, store_url=store)
     finally:
         cluster.stop()
