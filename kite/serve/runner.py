@@ -1,14 +1,16 @@
 """The one model a server runs, and everything that touches it: upcycling uploads and answering.
 
 Generations decode together in the continuous batch (:mod:`kite.serve.batcher`); everything else
-that runs the model (an upload's upcycle, YOCO's decision and load before a generation, the
-measured gain's extra forward after it) takes the model lock, which the batch's steps hold too, so
-they interleave at step boundaries (the lock is first come, first served: kite.serve.model_lock). Routes call these from
+that runs the model (an upload's upcycle, YOCO's decision before a generation, the measured gain's
+extra forward after it) takes the model lock, which the batch's steps hold too, so they interleave
+at step boundaries (the lock is first come, first served: kite.serve.model_lock). A state's load
+runs no forward: it lets the lock go, and the batch steps while it reads and decodes. Routes call these from
 worker threads, which keeps the event loop free for admin, health and metrics.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -91,6 +93,7 @@ class ModelRunner:
         self.kv_budget = settings.budget_settings(self.lm.geometry.context_length)
         self._lock = ModelLock()   # first come, first served: a step never jumps the waiters
         self.prefixes = PrefixCache(settings.prefix_cache_bytes)   # loaded states, for the next question
+        self._loading = threading.Lock()   # one state load at a time, beside the batch's steps
         self.batcher = Batcher(self.lm, self._lock, max_batch=settings.max_batch,
                                max_kv_bytes=settings.batch_kv_bytes, on_step=on_step)
 
@@ -182,12 +185,24 @@ class ModelRunner:
         if path is not None:
             ruleset = self.rules.current  # one read: the set that decides this request
             lock_wait = self._locked(opts.queued_at)
+            holding = [True]
+
+            def load_beside_the_batch(state, lm, **kwargs):
+                # reading and decoding a state runs no forward: the model lock goes before it, so the
+                # batch steps meanwhile; loads take turns (the load and prefix caches are not shared
+                # between threads)
+                self._lock.release()
+                holding[0] = False
+                with self._loading:
+                    return self.prefixes.load(state, lm, **kwargs)
+
             try:
                 prepared = prepare(self.lm, self.tagger, ruleset, path, query, health=self.health,
                                    novelty=self.novelty, sampler=self.sampler, min_hit_gain=self.settings.min_hit_gain,
-                                   fusion_enabled=self.settings.fusion, state_id=state_id, loader=self.prefixes.load)
+                                   fusion_enabled=self.settings.fusion, state_id=state_id, loader=load_beside_the_batch)
             finally:
-                self._lock.release()
+                if holding[0]:
+                    self._lock.release()
             opts.queued_at = time.perf_counter()
         gen, req = self.batcher.generate(prompt_ids, prepared.prefix if prepared else None, opts)
         wait = lock_wait + req.wait_ms
