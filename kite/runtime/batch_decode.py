@@ -9,13 +9,15 @@ the same seed: each sequence samples through its own `SequenceDecode`).
 
 A step runs up to four forwards: the prompts of the requests added since the last step, together,
 right-padded to the longest (their prefill gives each its first token), then one token for every
-sequence that was already decoding. A sequence under a memory budget (a `RowMemory`, e.g.
-kite.upcycle.BudgetRow) feeds its prompt one chunk a step and, after every forward, hands its
-row's older slots to its memory, which keeps them coded and gives them back to each attention. Prefill and decode are kept apart because a decode row padded
+sequence that was already decoding. Prefill and decode are kept apart because a decode row padded
 to a prompt's length would cost as much as a prefill. Each of the two runs once with the model's
 reader adapter off and once with it on, for the sequences whose state was made for it (the adapter
 is a switch on the whole model, so one forward cannot mix them); a group with no sequence is
 skipped.
+
+A sequence under a memory budget (a `RowMemory`, e.g. kite.upcycle.BudgetRow) feeds its prompt
+one chunk a step and, after every forward, hands its row's older slots to its memory, which keeps
+them coded and gives them back to each attention.
 
 Time to first token and total time count from `add`: the wait for the next step is part of what
 a client sees.
