@@ -1,0 +1,93 @@
+"""Where the first forward of a query over a loaded state goes on a GPU (issue 17's "say what bounds
+it"): Qwen2-7B geometry at random weights (bf16), a 16,384-token state in a static cache, a 16-token
+query through KITE's attention; torch's profiler over 5 eager forwards, CUDA kernels grouped by kind
+(weights' matrix products, attention, the rest), against the floor (weights + KV read once).
+
+    python3 benchmarks/first_forward_profile.py --out out/first_forward_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_speed import HBM_BPS, QUERY, make_model  # noqa: E402
+
+
+def kind(name: str) -> str:
+    n = name.lower()
+    if "gemm" in n or "gemv" in n or "cutlass" in n or "sm90_xmma" in n or "nvjet" in n:
+        return "matmul"
+    if "flash" in n or "attention" in n or "fmha" in n or "efficient" in n:
+        return "attention"
+    return "other"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import StaticCache
+
+    from kite.runtime.attention import register
+
+    T = args.tokens
+    cfg, model = make_model(T, small=False)
+    cfg._attn_implementation = register()
+    L, H, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    sc = StaticCache(config=cfg, max_cache_len=T + QUERY)
+    with torch.inference_mode():
+        for layer in range(L):
+            k = torch.randn(1, H, T, d, dtype=torch.bfloat16, device="cuda")
+            sc.layers[layer].update(k, torch.randn_like(k), cache_kwargs={"cache_position": torch.arange(T, device="cuda")})
+    ids = torch.randint(0, cfg.vocab_size, (1, QUERY), device="cuda")
+    pos = torch.arange(T, T + QUERY, device="cuda")[None]
+
+    def forward():
+        for layer in sc.layers:
+            cl = getattr(layer, "cumulative_length", None)
+            if torch.is_tensor(cl):
+                cl.fill_(T)
+        return model(ids, past_key_values=sc, position_ids=pos, cache_position=pos[0], logits_to_keep=1).logits
+
+    with torch.inference_mode():
+        for _ in range(3):
+            forward()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                forward()
+            torch.cuda.synchronize()
+    by_kind: dict[str, float] = {}
+    top = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)
+        if t <= 0 or ev.key.startswith("aten::") or ev.key.startswith("cuda"):
+            continue
+        ms = t / 1e3 / 5
+        by_kind[kind(ev.key)] = by_kind.get(kind(ev.key), 0.0) + ms
+        top.append((ms, ev.count // 5, ev.key[:110]))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = 2 * L * H * T * d * 2
+    result = {"tokens": T, "query": QUERY, "device_ms_per_forward": {k: round(v, 3) for k, v in by_kind.items()},
+              "device_ms_total": round(sum(by_kind.values()), 3),
+              "floor_ms": {"weights": round(weights / HBM_BPS * 1e3, 3), "kv": round(kv / HBM_BPS * 1e3, 3)},
+              "top_kernels": [{"ms": round(m, 3), "calls": c, "name": n} for m, c, n in sorted(top, reverse=True)[:15]]}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
