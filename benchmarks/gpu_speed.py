@@ -85,6 +85,20 @@ def on_stream(st):
     return torch.cuda.stream(st) if DEV == "cuda" else contextlib.nullcontext()
 
 
+def capture(fn):
+    """fn() run twice on a side stream (warm-up), then captured as a CUDA graph: (graph, its output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
 def cuda_ms(fn, reps: int = 5, warmup: int = 1) -> float:
     """Median wall time of fn() in ms, timed with CUDA events around each call."""
     if DEV != "cuda":
@@ -759,17 +773,8 @@ def main() -> None:
         with torch.inference_mode():
             eager_q = cuda_ms(fq, reps=5)
             eager_1 = cuda_ms(f1, reps=5)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for fn in (fq, f1, fq, f1):
-                    fn()
-            torch.cuda.current_stream().wait_stream(side)
             for name, fn in (("q", fq), ("1", f1)):
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    o = fn()
-                graphs[name] = (g, o)
+                graphs[name] = capture(fn)
             ref = fq().float()
             graphs["q"][0].replay()
             report.data["graph_vs_eager_logits_maxdiff"] = float((graphs["q"][1].float() - ref).abs().max())
@@ -1015,15 +1020,7 @@ def ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, pre
 
         with torch.inference_mode():
             eager = cuda_ms(fq, reps=5)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fq()
-                fq()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out = fq()
+            g, out = capture(fq)
             ref = fq().float()
             g.replay()
             report.data["kite_attention_graph_vs_eager_logits_maxdiff"] = float((out.float() - ref).abs().max())
@@ -1232,15 +1229,7 @@ def coded_concurrency(report, args, model, cfg, hot, KV_state, L, H, d, T, raw_b
         graphed = None
         try:
             with torch.inference_mode():
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    fwd()
-                    fwd()
-                torch.cuda.current_stream().wait_stream(side)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    fwd()
+                g, _ = capture(fwd)
                 graphed = cuda_ms(g.replay, reps=10)
             del g
         except Exception as e:  # noqa: BLE001

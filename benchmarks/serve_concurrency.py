@@ -46,14 +46,19 @@ def start_server(max_batch: int, state_dir: Path, threads: int, log: Path) -> tu
     cmd = [str(ROOT / ".venv/bin/kite"), "serve", "--port", str(port), "--max-batch", str(max_batch),
            "--state-dir", str(state_dir), "--fusion", "--log-level", "warning", "--mkdir"]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    return proc, wait_until_serving(proc, f"http://127.0.0.1:{port}", log, 300)
+
+
+def wait_until_serving(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) -> str:
+    """`url` once the `kite serve` process answers /healthz; RuntimeError (with its log's tail)
+    when it exits or does not answer within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"kite serve exited: {log.read_text()[-2000:]}")
         try:
             if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                return proc, url
+                return url
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
@@ -62,9 +67,11 @@ def start_server(max_batch: int, state_dir: Path, threads: int, log: Path) -> tu
 
 
 def stream(url: str, body: dict) -> dict:
+    """One streamed completion: its text, time to first token, tokens, total time, and the `kite`
+    object of its last event (the server's own timings)."""
     t0 = time.perf_counter()
     ttft = None
-    text, usage = [], None
+    text, usage, kite = [], None, None
     with httpx.Client(timeout=600) as c, c.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -77,9 +84,9 @@ def stream(url: str, body: dict) -> dict:
             if piece and ttft is None:
                 ttft = time.perf_counter() - t0
             text.append(piece)
-            usage = ev.get("usage", usage)
+            usage, kite = ev.get("usage", usage), ev.get("kite", kite)
     return {"text": "".join(text), "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
-            "tokens": usage["completion_tokens"], "total_s": time.perf_counter() - t0}
+            "tokens": usage["completion_tokens"], "total_s": time.perf_counter() - t0, "kite": kite}
 
 
 def burst(url: str, bodies: list[dict], clients: int) -> dict:

@@ -37,6 +37,9 @@ sys.path.insert(0, str(ROOT))
 from kite.data.contracts import generate_contracts  # noqa: E402
 from kite.serve.server import free_port  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from serve_concurrency import wait_until_serving  # noqa: E402
+
 UPCYCLE = "compression: {cluster_num: 4}\nsemantic_tagging: {labels: [], generated_examples_per_label: 0}\n"
 QUESTIONS = [" The governing law of this agreement is", " The payment is due within", " Either party may terminate",
              " The supplier shall deliver"]
@@ -52,19 +55,7 @@ def start_plain(args, state_dir: Path, cfg: Path, log: Path) -> tuple[subprocess
     cmd = [str(ROOT / ".venv/bin/kite"), "serve", "--port", str(port), "--state-dir", str(state_dir),
            "--upcycle-config", str(cfg), "--log-level", "warning", "--mkdir"]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env_for(args), cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kite serve exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("kite serve did not start")
+    return proc, wait_until_serving(proc, f"http://127.0.0.1:{port}", log, 600)
 
 
 def start_ray(args, n: int, state_dir: Path, cfg: Path):

@@ -303,24 +303,3 @@ def test_a_row_with_a_memory_cannot_start_from_a_state(lm, prefixes, one_thread)
     with pytest.raises(ValueError, match="not both"):
         engine.add(_ids(lm, 5, 1), prefix=prefixes[0],
                    memory=BudgetRow(lm.model, BudgetSettings(budget_tokens=48, block_tokens=16)))
-
-
-def test_rows_of_very_different_lengths_decode_as_alone(lm, one_thread):
-    """One long row and three short ones: decode steps attend row by row over each row's own slots
-    (not padded to the longest); every row still gets generate()'s tokens."""
-    import kite.runtime.attention as attention
-
-    requests = [(_ids(lm, 120, 31), 12), (_ids(lm, 3, 32), 12), (_ids(lm, 4, 33), 10), (_ids(lm, 2, 34), 8)]
-    alone = [generate(lm, p, max_new_tokens=n, stop_ids=set()) for p, n in requests]
-    ragged = []
-    real = attention._ragged
-    attention._ragged = lambda filled: ragged.append(real(filled)) or ragged[-1]
-    try:
-        engine = BatchDecoder(lm, max_rows=4)
-        handles = [engine.add(p, max_new_tokens=n, stop_ids=set()) for p, n in requests]
-        results = engine.drain()
-    finally:
-        attention._ragged = real
-    assert any(ragged)
-    for h, want in zip(handles, alone):
-        assert results[h].ids == want.ids

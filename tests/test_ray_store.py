@@ -15,6 +15,18 @@ pytestmark = [pytest.mark.ray, pytest.mark.services]
 from tests.test_ray_serve import DOCS, PROMPTS, Cluster, _complete, _metric, kill_a_replica_under_load  # noqa: E402
 
 
+def _store_cluster(tiny_models, tmp_path, redis_service, s3_service, monkeypatch):
+    """Two replicas started, each on a folder of its own, over a memory + Redis + S3 store; and the
+    store's URL."""
+    from dataclasses import replace
+
+    bucket = s3_service.bucket()
+    store = f"mem://?max=32MB,{redis_service.url},s3://{bucket}/states?endpoint_url={s3_service.endpoint}"
+    cluster = Cluster(tiny_models["llama"], tmp_path, monkeypatch)
+    cluster.spec = replace(cluster.spec, settings=replace(cluster.spec.settings, store_url=store), own_folders=True)
+    return cluster.start(), store
+
+
 def _replica_clients(cluster):
     reps = cluster.replicas()
     assert len(reps) == 2
@@ -23,13 +35,7 @@ def _replica_clients(cluster):
 
 def test_replicas_share_states_through_redis_and_s3_and_find_them_after_everything_restarts(
         tiny_models, tmp_path, redis_service, s3_service, monkeypatch):
-    from dataclasses import replace
-
-    bucket = s3_service.bucket()
-    store = f"mem://?max=32MB,{redis_service.url},s3://{bucket}/states?endpoint_url={s3_service.endpoint}"
-    cluster = Cluster(tiny_models["llama"], tmp_path, monkeypatch)
-    cluster.spec = replace(cluster.spec, settings=replace(cluster.spec.settings, store_url=store), own_folders=True)
-    cluster.start()
+    cluster, store = _store_cluster(tiny_models, tmp_path, redis_service, s3_service, monkeypatch)
     try:
         ca, cb = _replica_clients(cluster)
         made = ca.post("/v1/states", json={"document": DOCS[0]})
@@ -70,13 +76,7 @@ def test_killing_a_replica_over_the_redis_and_s3_store_loses_none_and_answers_ri
         tiny_models, tmp_path, redis_service, s3_service, monkeypatch):
     """The kill under 200 requests (tests/test_ray_serve.py) with the replicas on folders of their own
     over a Redis + S3 store: the replica that comes back finds the states in the store."""
-    from dataclasses import replace
-
-    bucket = s3_service.bucket()
-    store = f"mem://?max=32MB,{redis_service.url},s3://{bucket}/states?endpoint_url={s3_service.endpoint}"
-    cluster = Cluster(tiny_models["llama"], tmp_path, monkeypatch)
-    cluster.spec = replace(cluster.spec, settings=replace(cluster.spec.settings, store_url=store), own_folders=True)
-    cluster.start()
+    cluster, store = _store_cluster(tiny_models, tmp_path, redis_service, s3_service, monkeypatch)
     try:
         kill_a_replica_under_load(cluster, tiny_models, store_url=store)
     finally:

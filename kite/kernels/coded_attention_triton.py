@@ -23,15 +23,9 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _coded_decode_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, o_ptr, lse_ptr, qk_scale,
-                         H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                         HALF: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr,
-                         COLS: tl.constexpr, RVP: tl.constexpr, SPLITS: tl.constexpr,
-                         DO_K: tl.constexpr = True, DO_V: tl.constexpr = True):
-    h = tl.program_id(0)
-    ns = tl.program_id(1)
-    n = ns // SPLITS
-    split = ns % SPLITS
+def _sequence(ptrs, ints, n, h):
+    """Sequence n's tables (CodedBatch: 12 pointers and 6 ints a sequence) and, for KV head h, the
+    first code column of its basis block (0 with a joint-head basis)."""
     pt = ptrs + n * 12
     kc_p = tl.load(pt + 0).to(tl.pointer_type(tl.uint8))
     ks_p = tl.load(pt + 1).to(tl.pointer_type(tl.float32))
@@ -54,6 +48,22 @@ def _coded_decode_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, o_ptr, lse_ptr, qk
     joint = tl.load(it + 5)
     colk = tl.where(joint != 0, 0, h * Rk)
     colv = tl.where(joint != 0, 0, h * Rv)
+    return (kc_p, ks_p, km_p, vc_p, vs_p, vm_p, tg_p, pos_p, kb_p, vb_p, kmu_p, vmu_p,
+            n_tiles, Ck, Cv, Rk, Rv, colk, colv)
+
+
+@triton.jit
+def _coded_decode_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, o_ptr, lse_ptr, qk_scale,
+                         H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                         HALF: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr,
+                         COLS: tl.constexpr, RVP: tl.constexpr, SPLITS: tl.constexpr,
+                         DO_K: tl.constexpr = True, DO_V: tl.constexpr = True):
+    h = tl.program_id(0)
+    ns = tl.program_id(1)
+    n = ns // SPLITS
+    split = ns % SPLITS
+    (kc_p, ks_p, km_p, vc_p, vs_p, vm_p, tg_p, pos_p, kb_p, vb_p, kmu_p, vmu_p,
+     n_tiles, Ck, Cv, Rk, Rv, colk, colv) = _sequence(ptrs, ints, n, h)
 
     per = tl.cdiv(n_tiles, SPLITS)
     t_lo = split * per
@@ -150,28 +160,8 @@ def _coded_decode_wide_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, o_ptr, lse_pt
     ns = tl.program_id(1)
     n = ns // SPLITS
     split = ns % SPLITS
-    pt = ptrs + n * 12
-    kc_p = tl.load(pt + 0).to(tl.pointer_type(tl.uint8))
-    ks_p = tl.load(pt + 1).to(tl.pointer_type(tl.float32))
-    km_p = tl.load(pt + 2).to(tl.pointer_type(tl.float32))
-    vc_p = tl.load(pt + 3).to(tl.pointer_type(tl.uint8))
-    vs_p = tl.load(pt + 4).to(tl.pointer_type(tl.float32))
-    vm_p = tl.load(pt + 5).to(tl.pointer_type(tl.float32))
-    tg_p = tl.load(pt + 6).to(tl.pointer_type(tl.int32))
-    pos_p = tl.load(pt + 7).to(tl.pointer_type(tl.int32))
-    kb_p = tl.load(pt + 8).to(tl.pointer_type(tl.bfloat16))
-    vb_p = tl.load(pt + 9).to(tl.pointer_type(tl.bfloat16))
-    kmu_p = tl.load(pt + 10).to(tl.pointer_type(tl.float32))
-    vmu_p = tl.load(pt + 11).to(tl.pointer_type(tl.float32))
-    it = ints + n * 6
-    n_tiles = tl.load(it + 0)
-    Ck = tl.load(it + 1)
-    Cv = tl.load(it + 2)
-    Rk = tl.load(it + 3)
-    Rv = tl.load(it + 4)
-    joint = tl.load(it + 5)
-    colk = tl.where(joint != 0, 0, h * Rk)
-    colv = tl.where(joint != 0, 0, h * Rv)
+    (kc_p, ks_p, km_p, vc_p, vs_p, vm_p, tg_p, pos_p, kb_p, vb_p, kmu_p, vmu_p,
+     n_tiles, Ck, Cv, Rk, Rv, colk, colv) = _sequence(ptrs, ints, n, h)
     n_blocks = tl.cdiv(n_tiles, SUB)
     per = tl.cdiv(n_blocks, SPLITS)
     b_lo = split * per

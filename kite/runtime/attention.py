@@ -28,12 +28,7 @@ def kite_attention(module, query, key, value, attention_mask, scaling=None, drop
     if batch is not None:
         held = batch.held(module.layer_idx, key.dtype, key.device) if batch.memories else None
         mask = batch.mask(module.layer_idx, key.shape[-2])
-        filled = batch.filled_after[module.layer_idx] if batch.filled_after else None
-        if query.shape[-2] == 1 and not held and filled and _ragged(filled):
-            out = torch.cat([_folded_attention(query[b:b + 1], key[b:b + 1, :, :n], value[b:b + 1, :, :n],
-                                               None, scaling) for b, n in enumerate(filled)])
-        else:
-            out, _ = batch_attention(query, key, value, mask, scaling, held)
+        out, _ = batch_attention(query, key, value, mask, scaling, held)
         if batch.coded:
             coded_rows(out, query, key, value, mask, scaling, batch, module.layer_idx)
         return out, None
@@ -123,19 +118,13 @@ def coded_rows(out, query, key, value, mask, scaling, batch, layer: int) -> None
     out[idx] = merged.transpose(1, 2).to(out.dtype)
 
 
-def _ragged(filled: list[int]) -> bool:
-    """Rows of very different lengths: one attention per row, each over its own slots, reads a
-    quarter or more fewer keys and values than one over every row padded to the longest."""
-    return len(filled) > 1 and 4 * sum(filled) < 3 * len(filled) * max(filled)
-
-
 def _folded_attention(query, key, value, mask, scaling=None) -> torch.Tensor:
     b, hq, q, d = query.shape
     hkv = key.shape[1]
     rep = hq // hkv
     if rep > 1:
         query = query.reshape(b, hkv, rep * q, d)   # head h = g·rep + r → group g, row r·q + j
-        mask = mask.repeat(1, 1, rep, 1) if mask is not None else None
+        mask = mask.repeat(1, 1, rep, 1)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(b, hq, q, d).transpose(1, 2).contiguous()
 

@@ -57,7 +57,6 @@ class BatchStep:
     real: torch.Tensor | None    # [B, q] bool: which (row, j) are real tokens; None when all are
     row_range: tuple[int, int] | None   # (first, end) when `rows` is a consecutive run: views, no copies
     memories: dict[int, RowMemory] = field(default_factory=dict)   # batch index -> its older tokens
-    filled_after: list[list[int]] = field(default_factory=list)   # [layer][b]: slots row b fills after the step
     coded: dict[int, CodedPrefix] = field(default_factory=dict)    # batch index -> its state in coded form
     coded_batches: dict = field(default_factory=dict)   # the kernel's tables per (layer, rows), kept by the cache
 
@@ -284,7 +283,7 @@ class BatchKVCache:
             write_slots=slots.to(self.device),
             real=None if bool(real.all()) else real.to(self.device),
             row_range=(first, end) if rows == list(range(first, end)) else None,
-            memories=dict(memories or {}), filled_after=after.tolist(),
+            memories=dict(memories or {}),
             coded={b: self.coded[r] for b, r in enumerate(rows) if r in self.coded},
             coded_batches=self.coded_batches)
         self._step = step
