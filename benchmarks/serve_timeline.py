@@ -3,7 +3,9 @@
 Starts `kite serve --max-batch N` on the embedded model (as benchmarks/serve_concurrency.py does),
 uploads the contract, and lets 8 clients each stream two completions; prints per request its client,
 send time, first token and end (seconds from the burst's start), tokens, whether it named a state,
-and the server's own `kite` timings (wait for the model, YOCO's signals, load, generate, gain, ms).
+and the server's own `kite` timings (wait for the model, YOCO's signals, load, generate, gain, ms);
+then the batch's steps from the server's /metrics (`kite_batch_step_seconds`): per row count, how many
+steps and their mean wall time, and the time all steps took against the burst's wall.
 
     .venv/bin/python benchmarks/serve_timeline.py --max-batch 8
 """
@@ -28,6 +30,26 @@ import serve_concurrency as sc  # noqa: E402
 def server_ms(kite: dict) -> dict:
     """The server's own timings of a completion (ms) from its `kite` object."""
     return {"wait": kite.get("wait_ms"), **(kite.get("timings_ms") or {}), "ttft_gen": kite["generation"]["ttft_ms"]}
+
+
+def step_times(metrics: str) -> dict:
+    """Per row count, the batch's steps since the server started (warm-up included): count, total and
+    mean wall time, from the Prometheus text of `kite_batch_step_seconds`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict] = {}
+    for family in text_string_to_metric_families(metrics):
+        if family.name != "kite_batch_step_seconds":
+            continue
+        for sample in family.samples:
+            rows = out.setdefault(sample.labels["rows"], {})
+            if sample.name.endswith("_count"):
+                rows["count"] = int(sample.value)
+            elif sample.name.endswith("_sum"):
+                rows["total_s"] = round(sample.value, 3)
+    for rows in out.values():
+        rows["mean_ms"] = round(rows["total_s"] / rows["count"] * 1e3, 1) if rows.get("count") else None
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
 def main(argv=None) -> int:
@@ -59,7 +81,10 @@ def main(argv=None) -> int:
                 for rows in pool.map(client, range(args.clients)):
                     for row in rows:
                         print(json.dumps(row))
-            print(json.dumps({"wall_s": round(time.perf_counter() - t0, 2)}))
+            wall = time.perf_counter() - t0
+            steps = step_times(httpx.get(url + "/metrics", timeout=30).text)
+            print(json.dumps({"wall_s": round(wall, 2), "steps": steps,
+                              "steps_s": round(sum(s["total_s"] for s in steps.values()), 2)}))
         finally:
             proc.terminate()
             proc.wait(timeout=30)

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_serve import DOC, _settings, _start
 
@@ -127,6 +128,11 @@ def test_fifty_concurrent_mixed_requests_each_match_their_sequential_twin(batche
     assert _metric(metrics, "kite_batch_steps_total") - steps_before < tokens
     assert _metric(metrics, 'kite_batch_rows_bucket{le="1.0"}') < _metric(metrics, "kite_batch_rows_count")
     assert "kite_batch_queue_length" in metrics and "kite_batch_size" in metrics
+    # every step that ran rows is timed, under its row count
+    timed = [x for f in text_string_to_metric_families(metrics) if f.name == "kite_batch_step_seconds"
+             for x in f.samples if x.name.endswith("_count")]
+    assert sum(x.value for x in timed) == _metric(metrics, "kite_batch_rows_count")
+    assert timed and all(int(x.labels["rows"]) >= 1 for x in timed)
     # the two states were loaded once each (the twins did it) and read from the prefix cache since
     assert runner.prefixes.misses == 2 and runner.prefixes.hits >= 20
     # and the server goes on answering

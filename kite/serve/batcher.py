@@ -76,8 +76,9 @@ class Leaving:
 class Batcher:
     """The scheduler thread over one model (``lm``), sharing ``lock`` with everything else that runs
     it. ``max_batch``: sequences decoding at once; ``max_kv_bytes``: the batch's KV buffers (None:
-    unbounded). ``on_step(queue_length, rows, cancelled)`` is called after every step (metrics: the
-    queue left, the sequences the step ran, those it dropped because their clients left)."""
+    unbounded). ``on_step(queue_length, rows, cancelled, seconds)`` is called after every step (metrics:
+    the queue left, the sequences the step ran, those it dropped because their clients left, the step's
+    wall time)."""
 
     def __init__(self, lm, lock, *, max_batch: int = 8, max_kv_bytes: int | None = None,
                  on_step=None):
@@ -159,7 +160,9 @@ class Batcher:
                     self._admit()
                     self._cancel_left()
                     ran = len(self.decoder)
+                    t0 = time.perf_counter()
                     ended = self.decoder.step() if self._running else {}
+                    took = time.perf_counter() - t0
                 self.steps += 1
             except BaseException as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
                 self._fail_running(exc)
@@ -172,7 +175,7 @@ class Batcher:
                     req.future.set_result(result)
             self.cancelled += cancelled
             if self.on_step is not None:
-                self.on_step(self.queue_length, ran, cancelled)
+                self.on_step(self.queue_length, ran, cancelled, took)
 
     def _admit(self) -> None:
         """Move the queue's head into the batch while it fits (arrival order)."""
