@@ -1,7 +1,8 @@
 """Where the first forward of a query over a loaded state goes on a GPU (issue 17's "say what bounds
 it"): Qwen2-7B geometry at random weights (bf16), a 16,384-token state in a static cache, a 16-token
 query through KITE's attention; torch's profiler over 5 eager forwards, CUDA kernels grouped by kind
-(weights' matrix products, attention, the rest), against the floor (weights + KV read once).
+(weights' matrix products, attention, the rest), against the floor (weights + KV read once). Once per
+attention path: the fused sdpa kernel and the split-KV kernel (``kite.runtime.attention.SPLIT_KV``).
 
     python3 benchmarks/first_forward_profile.py --out out/first_forward_profile.json
 """
@@ -25,7 +26,8 @@ def kind(name: str) -> str:
     n = name.lower()
     if "gemm" in n or "gemv" in n or "cutlass" in n or "sm90_xmma" in n or "nvjet" in n:
         return "matmul"
-    if "flash" in n or "attention" in n or "fmha" in n or "efficient" in n:
+    if "flash" in n or "attention" in n or "fmha" in n or "efficient" in n or "_partial_kernel" in n \
+            or "_merge_kernel" in n:
         return "attention"
     return "other"
 
@@ -38,6 +40,7 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
     from transformers import StaticCache
 
+    from kite.runtime import attention
     from kite.runtime.attention import register
 
     T = args.tokens
@@ -59,29 +62,35 @@ def main() -> int:
                 cl.fill_(T)
         return model(ids, past_key_values=sc, position_ids=pos, cache_position=pos[0], logits_to_keep=1).logits
 
-    with torch.inference_mode():
-        for _ in range(3):
-            forward()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                forward()
-            torch.cuda.synchronize()
-    by_kind: dict[str, float] = {}
-    top = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)
-        if t <= 0 or ev.key.startswith("aten::") or ev.key.startswith("cuda"):
-            continue
-        ms = t / 1e3 / 5
-        by_kind[kind(ev.key)] = by_kind.get(kind(ev.key), 0.0) + ms
-        top.append((ms, ev.count // 5, ev.key[:110]))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     kv = 2 * L * H * T * d * 2
-    result = {"tokens": T, "query": QUERY, "device_ms_per_forward": {k: round(v, 3) for k, v in by_kind.items()},
-              "device_ms_total": round(sum(by_kind.values()), 3),
-              "floor_ms": {"weights": round(weights / HBM_BPS * 1e3, 3), "kv": round(kv / HBM_BPS * 1e3, 3)},
-              "top_kernels": [{"ms": round(m, 3), "calls": c, "name": n} for m, c, n in sorted(top, reverse=True)[:15]]}
+    result = {"tokens": T, "query": QUERY,
+              "floor_ms": {"weights": round(weights / HBM_BPS * 1e3, 3), "kv": round(kv / HBM_BPS * 1e3, 3)}}
+    for split in (False, True):
+        attention.SPLIT_KV = split
+        with torch.inference_mode():
+            for _ in range(3):
+                forward()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    forward()
+                torch.cuda.synchronize()
+        by_kind: dict[str, float] = {}
+        top = []
+        launches = 0
+        for ev in prof.key_averages():
+            t = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)
+            if t <= 0 or ev.key.startswith("aten::") or ev.key.startswith("cuda"):
+                continue
+            ms = t / 1e3 / 5
+            launches += ev.count // 5
+            by_kind[kind(ev.key)] = by_kind.get(kind(ev.key), 0.0) + ms
+            top.append((ms, ev.count // 5, ev.key[:110]))
+        result["split_kv" if split else "fused_sdpa"] = {
+            "device_ms_per_forward": {k: round(v, 3) for k, v in by_kind.items()},
+            "device_ms_total": round(sum(by_kind.values()), 3), "kernels_per_forward": launches,
+            "top_kernels": [{"ms": round(m, 3), "calls": c, "name": n} for m, c, n in sorted(top, reverse=True)[:25]]}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

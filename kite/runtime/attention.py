@@ -19,7 +19,12 @@ import torch.nn.functional as F
 
 NAME = "kite"
 BATCH_KWARG = "kite_batch"   # the model forward's keyword for a BatchStep
+# A short query after a long cached prefix (a first forward over a loaded state, a decode step) runs
+# the split-KV kernel on a GPU; False keeps the fused sdpa path everywhere (benchmarks compare both).
+SPLIT_KV = True
+SPLIT_MIN_KEYS = 1024
 _registered = False
+_triton: bool | None = None
 
 
 def kite_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -42,6 +47,11 @@ def kite_attention(module, query, key, value, attention_mask, scaling=None, drop
             # new tokens come last, every cached one before them); its first k_len would give a
             # layer with a shorter prefix a mask with no causal part
             mask = mask[..., -k_len:]
+    if _splits_keys(query, key, mask, dropout):
+        # a short query after a long cached prefix on a GPU: the keys split across thread blocks
+        from kite.kernels.split_attention_triton import split_kv_attention
+
+        return split_kv_attention(query, key, value, mask, scaling), None
     is_causal = False
     if mask is None and q_len > 1:
         if q_len == k_len:
@@ -116,6 +126,29 @@ def coded_rows(out, query, key, value, mask, scaling, batch, layer: int) -> None
         o, lse = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
     merged, _ = merge([(o, lse), raw])                                       # [n, Hq, q, d]
     out[idx] = merged.transpose(1, 2).to(out.dtype)
+
+
+def _splits_keys(query, key, mask, dropout) -> bool:
+    """Whether a query goes to the split-KV kernel (kite.kernels.split_attention_triton): on a GPU, in
+    fp16 / bf16, a query whose folded rows (query heads of a KV head x tokens) fit one tile after at least
+    SPLIT_MIN_KEYS keys, with no mask (the bottom-right causal rule) or a boolean one shared by the heads."""
+    global _triton
+    q_len, d = query.shape[-2], query.shape[-1]
+    rows = q_len * (query.shape[1] // key.shape[1])
+    if not (SPLIT_KV and query.is_cuda and not dropout and query.dtype in (torch.float16, torch.bfloat16)
+            and key.dtype == query.dtype and d in (16, 32, 64, 128) and rows <= 128
+            and key.shape[-2] >= max(SPLIT_MIN_KEYS, 8 * q_len) and query.shape[1] % key.shape[1] == 0):
+        return False
+    if mask is not None and not (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
+                                 and mask.shape[0] in (1, query.shape[0])):
+        return False
+    if _triton is None:
+        try:
+            import triton  # noqa: F401
+            _triton = True
+        except ImportError:
+            _triton = False
+    return _triton
 
 
 def _folded_attention(query, key, value, mask, scaling=None) -> torch.Tensor:

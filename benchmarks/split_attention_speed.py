@@ -1,0 +1,108 @@
+"""Attention of a 16-token query over a 16K-token cached prefix, alone, on a GPU: KITE's attention with
+the fused sdpa kernel (query heads folded, bottom-right causal mask) against the split-KV kernel
+(kite.kernels.split_attention_triton) at several configurations; Qwen2-7B geometry (28 query / 4 KV
+heads, head_dim 128, bf16), every layer's KV in its own buffer (0.9 GB in all, far past the L2), the
+28 layers' calls captured in one CUDA graph, against the floor (the KV read once at 4.8 TB/s).
+
+    python3 benchmarks/split_attention_speed.py --out out/split_attention_speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HBM_BPS = 4.8e12
+CONFIGS = [dict(), dict(splits=32), dict(splits=64), dict(splits=128), dict(block_n=32), dict(block_n=128),
+           dict(num_warps=8), dict(num_stages=3), dict(block_n=128, num_warps=8), dict(splits=128, block_n=32)]
+
+
+def graph_ms(fn, reps: int = 20) -> float:
+    """Median time of one replay of a CUDA graph of fn(), by CUDA events."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--query", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    from kite.kernels.split_attention_triton import split_kv_attention
+    from kite.runtime import attention
+
+    L, Hq, Hkv, d, q = args.layers, 28, 4, 128, args.query
+    K = args.tokens + q
+    dt = torch.bfloat16
+    qs = [torch.randn(1, Hq, q, d, dtype=dt, device="cuda") for _ in range(L)]
+    ks = [torch.randn(1, Hkv, K, d, dtype=dt, device="cuda") for _ in range(L)]
+    vs = [torch.randn(1, Hkv, K, d, dtype=dt, device="cuda") for _ in range(L)]
+    mask = (torch.arange(K, device="cuda")[None] <= torch.arange(q, device="cuda")[:, None] + K - q)[None, None]
+    floor = 2 * L * Hkv * K * d * 2 / HBM_BPS * 1e3
+    scale = d ** -0.5
+
+    class _Layer:
+        layer_idx = 0
+
+    def fused():
+        attention.SPLIT_KV = False
+        return [attention.kite_attention(_Layer, qs[i], ks[i], vs[i], mask, scale)[0] for i in range(L)]
+
+    rows = []
+    with torch.inference_mode():
+        ref = fused()
+        ms = graph_ms(fused)
+        rows.append({"path": "fused sdpa (KITE attention, folded, bool mask)", "ms": ms, "x_floor": ms / floor})
+        for cfg in [dict(mask=False)] + CONFIGS:
+            cfg = dict(cfg)
+            use_mask = cfg.pop("mask", True)
+
+            def split(cfg=cfg, use_mask=use_mask):
+                return [split_kv_attention(qs[i], ks[i], vs[i], mask if use_mask else None, scale, **cfg)
+                        for i in range(L)]
+
+            out = split()
+            err = max(float((o.float() - r.float()).abs().max()) for o, r in zip(out, ref))
+            ms = graph_ms(split)
+            rows.append({"path": f"split-KV {cfg or 'default'}{' causal rule' if not use_mask else ' bool mask'}",
+                         "ms": ms, "x_floor": ms / floor, "max_abs_diff_vs_fused": err})
+    attention.SPLIT_KV = True
+    result = {"tokens": args.tokens, "query": q, "layers": L, "floor_ms": floor,
+              "device": torch.cuda.get_device_name(0), "rows": rows}
+    for r in rows:
+        print(f"{r['path']:70s} {r['ms']:8.3f} ms  {r['x_floor']:6.1f}x floor  "
+              f"{r.get('max_abs_diff_vs_fused', 0):.2e}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

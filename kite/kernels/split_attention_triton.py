@@ -1,0 +1,191 @@
+"""Split-KV attention for a short query after a long cached prefix (flash-decoding), in Triton.
+
+A first forward over a loaded state has few query rows (16 tokens x the query heads of one KV head,
+folded: 112 rows at Qwen2-7B's 7:1 grouping) and many keys (16K). A flash kernel that gives each
+thread block a tile of query rows then runs only a handful of blocks, each walking every key. Here
+the keys are split into chunks across blocks instead: block (split, row tile, sequence x KV head)
+attends its rows to its chunk of keys and writes a partial output (normalized over its chunk) and the
+log-sum-exp of its scores; a second kernel merges the chunks' partials exactly, by their log-sum-exp,
+and writes the output in the layout the model wants ([B, q, Hq, d]).
+
+The query heads of a KV head share each key / value tile (grouped-query attention: no copies of K/V
+per query head). A key is visible to a query row where the boolean mask says so ([B|1, 1, q, k],
+any strides); without a mask, the bottom-right causal rule: key j is visible to query token t when
+j <= k - q + t (every cached token precedes the query, which is causal within itself).
+
+Both kernels are plain launches with shapes fixed by the inputs, so a forward that calls them can be
+captured in a CUDA graph. Triton's interpreter (TRITON_INTERPRET=1) runs them on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+_SMS: dict[int, int] = {}
+
+
+@triton.jit
+def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr, qk_scale, KL, CHUNK,
+                    sqb, sqh, sqt, skb, skh, skn, svb, svh, svn, smb, smt, smn,
+                    SPLITS, HKV: tl.constexpr, REP: tl.constexpr, QL: tl.constexpr, D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
+    split = tl.program_id(0)
+    mt = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = bh // HKV
+    g = bh % HKV
+    M: tl.constexpr = REP * QL
+    rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)     # folded row r*QL + t: query head g*REP + r, token t
+    row_ok = rows < M
+    r = rows // QL
+    t = rows % QL
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b.to(tl.int64) * sqb + (g * REP + r)[:, None] * sqh + t[:, None] * sqt + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    kb = k_ptr + b.to(tl.int64) * skb + g.to(tl.int64) * skh
+    vb = v_ptr + b.to(tl.int64) * svb + g.to(tl.int64) * svh
+    lo = split * CHUNK
+    hi = tl.minimum(lo + CHUNK, KL)
+    last = KL - QL                                  # causal rule: key j visible to token t iff j <= last + t
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + n
+        col_ok = cols < hi
+        k = tl.load(kb + cols.to(tl.int64)[None, :] * skn + d[:, None], mask=col_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee") * qk_scale     # [BLOCK_M, BLOCK_N], log2 units
+        else:
+            s = tl.dot(q, k) * qk_scale
+        vis = col_ok[None, :] & row_ok[:, None]
+        if HAS_MASK:
+            mv = tl.load(mask_ptr + b.to(tl.int64) * smb + t[:, None] * smt + cols.to(tl.int64)[None, :] * smn,
+                         mask=vis, other=0)
+            vis = vis & (mv != 0)
+        else:
+            vis = vis & (cols[None, :] <= last + t[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vb + cols.to(tl.int64)[:, None] * svn + d[None, :], mask=col_ok[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))   # log2 units
+    part = (bh * SPLITS + split).to(tl.int64) * M
+    tl.store(o_ptr + (part + rows)[:, None] * D + d[None, :], out, mask=row_ok[:, None])
+    tl.store(lse_ptr + part + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(o_ptr, lse_ptr, out_ptr, sob, sot, soh, SPLITS,
+                  HKV: tl.constexpr, REP: tl.constexpr, QL: tl.constexpr, D: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    mt = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    g = bh % HKV
+    M: tl.constexpr = REP * QL
+    rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    d = tl.arange(0, D)
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(SPLITS):
+        top = tl.maximum(top, tl.load(lse_ptr + (bh * SPLITS + s).to(tl.int64) * M + rows, mask=row_ok,
+                                      other=float("-inf")))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for s in range(SPLITS):
+        part = (bh * SPLITS + s).to(tl.int64) * M
+        w = tl.exp2(tl.load(lse_ptr + part + rows, mask=row_ok, other=float("-inf")) - top)
+        total += w
+        acc += w[:, None] * tl.load(o_ptr + (part + rows)[:, None] * D + d[None, :], mask=row_ok[:, None],
+                                    other=0.0)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    r = rows // QL
+    t = rows % QL
+    tl.store(out_ptr + b.to(tl.int64) * sob + t[:, None] * sot + (g * REP + r)[:, None] * soh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _sms(device: torch.device) -> int:
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
+
+
+def plan(batch: int, hkv: int, rows: int, keys: int, sms: int, block_n: int = 64,
+         waves: float = 2.0) -> tuple[int, int, int]:
+    """(BLOCK_M, splits, keys per split): enough blocks for ``waves`` blocks per SM, each split at
+    least two key tiles long and a whole number of tiles."""
+    block_m = max(16, min(128, triton.next_power_of_2(rows)))
+    tiles_m = triton.cdiv(rows, block_m)
+    want = max(1, int(waves * sms) // (batch * hkv * tiles_m))
+    splits = max(1, min(want, keys // (2 * block_n)))
+    chunk = triton.cdiv(triton.cdiv(keys, splits), block_n) * block_n
+    return block_m, triton.cdiv(keys, chunk), chunk
+
+
+def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       mask: torch.Tensor | None = None, scale: float | None = None, *,
+                       splits: int | None = None, block_n: int = 64, num_warps: int = 4,
+                       num_stages: int = 2) -> torch.Tensor:
+    """Attention of query [B, Hq, q, d] over key / value [B, Hkv, k, d] (Hq a multiple of Hkv, d a power
+    of two >= 16): out [B, q, Hq, d] in the query's dtype.
+
+    ``mask``: bool [B|1, 1, q, k], True = visible; None = bottom-right causal. A query row that sees no
+    key gets zeros. ``splits``: how many chunks the keys are cut into (default: enough blocks to fill
+    the GPU twice over; on the CPU, 4).
+    """
+    B, Hq, QL, D = query.shape
+    Hkv, KL = key.shape[1], key.shape[2]
+    rep = Hq // Hkv
+    M = rep * QL
+    scale = D ** -0.5 if scale is None else scale
+    sms = _sms(query.device) if query.is_cuda else 4
+    block_m, n_split, chunk = plan(B, Hkv, M, KL, sms, block_n)
+    if splits is not None:
+        chunk = triton.cdiv(triton.cdiv(KL, max(1, splits)), block_n) * block_n
+        n_split = triton.cdiv(KL, chunk)
+    tiles_m = triton.cdiv(M, block_m)
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    o_part = torch.empty(B * Hkv * n_split * M * D, dtype=torch.float32, device=query.device)
+    lse_part = torch.empty(B * Hkv * n_split * M, dtype=torch.float32, device=query.device)
+    if mask is not None:
+        mk = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        sm = (mk.stride(0) if mk.shape[0] > 1 else 0, mk.stride(2), mk.stride(3))
+    else:
+        mk, sm = lse_part, (0, 0, 0)     # not read
+    ieee = query.dtype == torch.float32
+    _partial_kernel[(n_split, tiles_m, B * Hkv)](
+        query, key, value, mk, o_part, lse_part, scale * LOG2E, KL, chunk,
+        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), *sm, n_split,
+        HKV=Hkv, REP=rep, QL=QL, D=D, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_MASK=mask is not None, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
+    out = torch.empty(B, QL, Hq, D, dtype=query.dtype, device=query.device)
+    merge_m = min(block_m, 32)
+    _merge_kernel[(triton.cdiv(M, merge_m), B * Hkv)](
+        o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(2), n_split,
+        HKV=Hkv, REP=rep, QL=QL, D=D, BLOCK_M=merge_m, num_warps=4)
+    return out

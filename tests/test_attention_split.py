@@ -1,0 +1,189 @@
+"""The split-KV attention kernel (kite.kernels.split_attention_triton) computes the attention KITE's
+existing path computes (query heads of a KV head folded, sdpa with a boolean mask): on the CPU through
+Triton's interpreter (where Triton is installed), on a GPU at bf16 / fp16, alone, inside a CUDA
+graph, and as the attention of a whole model's forward over a cached prefix."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kite.runtime import attention
+from kite.runtime.attention import _folded_attention, kite_attention
+
+KERNEL = Path(attention.__file__).resolve().parents[1] / "kernels" / "split_attention_triton.py"
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def reference(q, k, v, mask, scale):
+    """The existing path in fp32: [B, q, Hq, d]. ``mask`` None = bottom-right causal."""
+    B, _, QL, _ = q.shape
+    KL = k.shape[2]
+    if mask is None:
+        mask = (torch.arange(KL, device=q.device)[None] <= torch.arange(QL, device=q.device)[:, None] + KL - QL)
+        mask = mask[None, None]
+    return _folded_attention(q.float(), k.float(), v.float(), mask.expand(B, 1, QL, KL), scale)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """The kernel module loaded afresh under Triton's interpreter (TRITON_INTERPRET=1: kernels run on
+    the CPU in numpy). Two interpreter gaps of triton 3.6 with numpy >= 2.3 are bridged for the test:
+    loop bounds held as one-element arrays, and bf16 (held as uint16) multiplied as integers by
+    tl.dot."""
+    import importlib.util as iu
+    import sys
+
+    if iu.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the compiled kernel (the tests below); the interpreter would replace Triton's own")
+    if "triton" in sys.modules and not sys.modules["triton"].knobs.runtime.interpret:
+        pytest.skip("Triton was imported before without its interpreter (its library kernels are compiled ones)")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_INTERPRET", "1")     # before Triton's first import: its own helpers are kernels too
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    patch_tensor, dot = interp._patch_lang_tensor, interp.InterpreterBuilder.create_dot
+
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    def as_f32(h):
+        if h.data.dtype == np.uint16:       # bf16 bits
+            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+
+    mp.setattr(interp, "_patch_lang_tensor", patched_tensor)
+    mp.setattr(interp.InterpreterBuilder, "create_dot", lambda self, a, b, d, *rest: dot(self, as_f32(a), as_f32(b), d, *rest))
+    spec = importlib.util.spec_from_file_location("split_attention_interpreted", KERNEL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    yield mod
+    mp.undo()
+
+
+CASES = {   # B, Hq, Hkv, q, k, d, mask, splits
+    "causal, 3 tokens after 197": (1, 4, 2, 3, 200, 16, False, None),
+    "bool mask per row, ragged tile": (2, 6, 2, 5, 333, 32, True, None),
+    "one decode token, no grouping": (1, 2, 2, 1, 100, 16, False, None),
+    "one split": (1, 4, 1, 4, 130, 16, False, 1),
+    "more splits than tiles": (1, 4, 2, 2, 70, 16, True, 50),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_split_kernel_equals_the_folded_sdpa_path_on_the_cpu(interpreted, case, dtype):
+    B, Hq, Hkv, QL, KL, D, use_mask, splits = CASES[case]
+    g = torch.Generator().manual_seed(list(CASES).index(case))
+    q, k, v = (torch.randn(B, h, n, D, generator=g).to(dtype) for h, n in ((Hq, QL), (Hkv, KL), (Hkv, KL)))
+    mask = torch.rand(B, 1, QL, KL, generator=g) > 0.3 if use_mask else None
+    out = interpreted.split_kv_attention(q, k, v, mask, 0.3, splits=splits, block_n=16)
+    ref = reference(q, k, v, mask, 0.3)
+    assert out.shape == (B, QL, Hq, D) and out.dtype == dtype
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}[dtype]
+    assert (out.float() - ref).abs().max().item() < tol
+
+
+def test_a_row_that_sees_no_key_gets_zeros_and_the_others_are_unharmed(interpreted):
+    q, k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 1, 90, 16), torch.randn(1, 1, 90, 16)
+    mask = torch.rand(1, 1, 3, 90) > 0.5
+    mask[0, 0, 1] = False
+    out = interpreted.split_kv_attention(q, k, v, mask, 0.25, splits=4, block_n=16)
+    assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1]))
+    ref = reference(q, k, v, mask, 0.25)
+    keep = [0, 2]
+    assert (out[:, keep] - ref[:, keep]).abs().max().item() < 1e-5
+
+
+def test_the_cpu_keeps_the_existing_path():
+    q, k, v = torch.randn(1, 4, 16, 16), torch.randn(1, 2, 2048, 16), torch.randn(1, 2, 2048, 16)
+    assert not attention._splits_keys(q.bfloat16(), k.bfloat16(), None, 0.0)
+
+    class Layer:
+        layer_idx = 0
+
+    out, _ = kite_attention(Layer, q, k, v, None, 0.25)
+    assert (out - reference(q, k, v, None, 0.25)).abs().max().item() < 1e-5
+
+
+# ---- on a GPU (the H200 runs these) ------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 28, 4, 16, 16400, 128), (2, 8, 2, 5, 3000, 64), (1, 28, 4, 1, 16385, 128)],
+                         ids=["qwen2-7b 16 tokens after 16K", "two rows, 5 tokens after 3K", "decode token at 16K"])
+@pytest.mark.parametrize("use_mask", [False, True], ids=["causal rule", "bool mask"])
+def test_gpu_kernel_split_kv_matches_the_fused_path(shape, dtype, use_mask):
+    B, Hq, Hkv, QL, KL, D = shape
+    q = torch.randn(B, Hq, QL, D, device="cuda", dtype=dtype)
+    k, v = (torch.randn(B, Hkv, KL, D, device="cuda", dtype=dtype) for _ in range(2))
+    mask = None
+    if use_mask:   # padding: a few early keys hidden per row, and the causal tail
+        mask = (torch.arange(KL, device="cuda")[None] <= torch.arange(QL, device="cuda")[:, None] + KL - QL)
+        mask = (mask[None, None] & (torch.rand(B, 1, 1, KL, device="cuda") > 0.05)).contiguous()
+    from kite.kernels.split_attention_triton import split_kv_attention
+
+    out = split_kv_attention(q, k, v, mask, D ** -0.5)
+    ref = reference(q, k, v, mask, D ** -0.5)
+    err = (out.float() - ref).abs().max().item()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 3e-3), err
+    assert attention._splits_keys(q, k, mask, 0.0)
+
+
+@cuda
+def test_gpu_kernel_split_kv_replays_in_a_cuda_graph():
+    from kite.kernels.split_attention_triton import split_kv_attention
+
+    q = torch.randn(1, 28, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 4, 8192, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    eager = split_kv_attention(q, k, v)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        split_kv_attention(q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = split_kv_attention(q, k, v)
+    out.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(out, eager)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    assert (out.float() - reference(q, k, v, None, 128 ** -0.5)).abs().max().item() < 2e-2
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_kernel_a_models_forward_over_a_cached_prefix_is_unchanged(dtype):
+    """A random Qwen2 (head_dim 64, 4:1 grouping) prefills 3,000 tokens; a 16-token query's logits
+    through KITE's attention are the same with the split-KV kernel and with the fused path."""
+    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    cfg._attn_implementation = attention.register()
+    model = Qwen2ForCausalLM(cfg).to("cuda", dtype).eval()
+    doc, query = torch.randint(512, (1, 3000), device="cuda"), torch.randint(512, (1, 16), device="cuda")
+    logits = {}
+    try:
+        for split in (False, True):
+            attention.SPLIT_KV = split
+            with torch.inference_mode():
+                cache = DynamicCache(config=cfg)
+                model(doc, past_key_values=cache)
+                logits[split] = model(query, past_key_values=cache).logits.float()
+    finally:
+        attention.SPLIT_KV = True
+    diff = (logits[True] - logits[False]).abs().max().item()
+    assert diff <= 0.02 * logits[False].abs().max().item(), diff
