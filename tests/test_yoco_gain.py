@@ -109,3 +109,42 @@ def test_without_a_health_store_the_state_stands_at_the_prior(setup):
             new = state_info(st, fresh)
     assert bare.health_score() == pytest.approx(new.health_score())
     assert bare.health_score() >= 0.55
+
+
+def test_the_signals_pass_gives_each_querys_nll_as_prompt_nll_does(setup):
+    """Queries of different lengths in one right-padded pass: each one's NLL is the teacher-forced
+    NLL of its own tokens (padding never leaks in); a one-token query has none."""
+    from kite.yoco.fused import prompt_nll
+    from kite.yoco.intent import query_signals
+
+    lm, tagger, _ = setup
+    queries = ["Which court settles a breach of this agreement?", "Who pays?", "court"]
+    sigs = query_signals(lm, queries, tagger)
+    for q, sig in zip(queries, sigs):
+        ids = lm.tokenizer(q, add_special_tokens=False)["input_ids"]
+        assert sig.ids == tuple(ids)
+        want = prompt_nll(lm, ids)
+        assert (sig.nll_bits is None) == (want is None), q
+        if want is not None:
+            assert sig.nll_bits == pytest.approx(want, rel=1e-4)
+
+
+def test_a_prompt_that_is_the_query_costs_no_second_forward_for_its_gain(setup, tmp_path, monkeypatch):
+    """The server's completions send the prompt as the query: the gain's side without the state comes
+    from the signals' pass (the same figure as prompt_nll's forward), no extra forward runs."""
+    import kite.yoco.fused as fused
+    from kite.upcycle.load import load_prefix
+    from kite.yoco.rules import parse_rules
+
+    lm, tagger, state = setup
+    query = "Which court settles any breach of the agreement?"
+    ids = lm.tokenizer(query, add_special_tokens=False)["input_ids"]
+    prefix, _ = load_prefix(state, lm)
+    want = fused.measured_gain(fused.prompt_nll(lm, ids), fused.prompt_nll(lm, ids, prefix))
+
+    def no_forward(*a, **k):
+        raise AssertionError("a second forward ran for the gain")
+
+    monkeypatch.setattr(fused, "prompt_nll", no_forward)
+    out = fused.answer(lm, tagger, parse_rules(RULES), state, query, ids, max_new_tokens=2, min_hit_gain=-1.0)
+    assert out.load is not None and out.gain == pytest.approx(want, abs=1e-5)

@@ -3,8 +3,9 @@
 Used by `kite yoco decide --state`, the server and the benchmark, so all three decide and load
 the same way. Measured gain of a load: how much the state made the query's own words more
 predictable, (N_without − N_with) / N_without, where N is the mean negative log-likelihood (bits)
-of the prompt's tokens after its first, teacher-forced — one short forward of the prompt without
-the state; the side with it comes from the generation's own prefill (`prompt_nll_bits`). Positive = the state told the model something about
+of the prompt's tokens after its first, teacher-forced — without the state from the signals' own
+pass over the query when the prompt is the query, else one short forward of the prompt; the side
+with it comes from the generation's own prefill (`prompt_nll_bits`). Positive = the state told the model something about
 the query (its document speaks of what the query asks).
 
 Why the prompt's NLL and not its entropy (docs/rules-dsl.md "The measured gain", made by
@@ -139,6 +140,7 @@ class Prepared:
     prefix: object | None              # kite.runtime.cache.KVPrefix to generate after, or None
     load: LoadReport | None
     timings_ms: dict[str, float]
+    query: QuerySignals | None = None  # the signals' pass over the query (its token ids and their NLL)
 
 
 def prepare(lm, tagger, rules, state_path: str | Path, query: str, *, health=None, novelty=None, sampler=None,
@@ -161,17 +163,28 @@ def prepare(lm, tagger, rules, state_path: str | Path, query: str, *, health=Non
             prefix, report = (loader or load_prefix)(state, lm, **load_args(plan, q.query_label))
         t_load = time.perf_counter()
     return Prepared(signals, plan, info, prefix, report, {
-        "signals_and_decision": round((t_decide - t0) * 1e3, 3), **parts, "load": round((t_load - t_decide) * 1e3, 3)})
+        "signals_and_decision": round((t_decide - t0) * 1e3, 3), **parts, "load": round((t_load - t_decide) * 1e3, 3)},
+        query=q)
+
+
+def without_state_nll(lm, prepared: Prepared, prompt_ids: list[int]) -> float | None:
+    """The gain's side without the state: the prompt's NLL from the signals' own pass over the query
+    when the prompt is those very tokens (a completion whose prompt is the query), else one short
+    forward (:func:`prompt_nll`)."""
+    q = prepared.query
+    if q is not None and q.ids == tuple(prompt_ids):
+        return q.nll_bits
+    return prompt_nll(lm, prompt_ids)
 
 
 def finish(lm, prepared: Prepared, prompt_ids: list[int], gen: GenerationResult, *, health=None) -> FusedAnswer:
-    """The measured gain of a load (the prefill's own NLL with the state against one short forward
-    without it), recorded in the health store per loaded label."""
+    """The measured gain of a load (the prefill's own NLL with the state against the prompt's NLL
+    without it, :func:`without_state_nll`), recorded in the health store per loaded label."""
     gain = None
     extra: dict[str, float] = {}
     if prepared.load is not None:
         t_gain = time.perf_counter()
-        gain = measured_gain(prompt_nll(lm, prompt_ids), gen.prompt_nll_bits)
+        gain = measured_gain(without_state_nll(lm, prepared, prompt_ids), gen.prompt_nll_bits)
         extra["gain"] = round((time.perf_counter() - t_gain) * 1e3, 3)
         if health is not None and gain is not None:
             for label in sorted(set(prepared.load.labels)):
@@ -196,4 +209,4 @@ def answer(lm, tagger, rules, state_path: str | Path, query: str, prompt_ids: li
 
 
 __all__ = ["FusedAnswer", "Prepared", "answer", "finish", "prepare", "plan_for", "state_info", "build_signals", "load_args", "measured_gain",
-           "state_id_of", "prompt_nll"]
+           "state_id_of", "prompt_nll", "without_state_nll"]

@@ -34,6 +34,11 @@ class QuerySignals:
     label_entropy: float  # bits: entropy of the tagger's label distribution
     label_probs: dict[str, float] = field(default_factory=dict)
     tokens: int = 0
+    # The same pass's teacher-forced NLL (bits, mean over the tokens after the first) of these token
+    # ids: what the measured gain's side without a state needs (kite.yoco.fused.prompt_nll), so a
+    # prompt that is the query costs no second forward. None: fewer than 2 tokens.
+    ids: tuple[int, ...] = ()
+    nll_bits: float | None = None
 
 
 def _entropy_bits(probs: torch.Tensor) -> torch.Tensor:
@@ -48,13 +53,34 @@ def entropy_bits_of_logits(logits: torch.Tensor) -> torch.Tensor:
     return (lse.squeeze(-1) - (p * z).sum(-1)) / _LN2
 
 
-def head_entropy_bits(head: torch.nn.Module, hidden: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+def nll_bits_of_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood (bits) of `targets` [N] under softmax(logits [N, V]); NaN where a
+    target is negative (no next token)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    got = -logp.gather(1, targets.clamp_min(0).to(logp.device)[:, None]).squeeze(1) / _LN2
+    return torch.where(targets.to(got.device) >= 0, got, torch.full_like(got, math.nan))
+
+
+def head_entropy_bits(head: torch.nn.Module, hidden: torch.Tensor, chunk: int = 64,
+                      targets: torch.Tensor | None = None):
     """Entropy (bits) of the next-token distribution for each row of `hidden` [N, D], running
-    `head` (the LM head) `chunk` rows at a time so the logits stay small enough for the cache."""
+    `head` (the LM head) `chunk` rows at a time so the logits stay small enough for the cache.
+    With `targets` [N] (each row's next token id, −1 for none): (entropies, NLL bits of the targets)."""
     out = torch.empty(hidden.shape[0], dtype=torch.float32)
+    nll = torch.empty(hidden.shape[0], dtype=torch.float32) if targets is not None else None
     for s in range(0, hidden.shape[0], chunk):
-        out[s:s + chunk] = entropy_bits_of_logits(head(hidden[s:s + chunk])).cpu()
-    return out
+        logits = head(hidden[s:s + chunk])
+        out[s:s + chunk] = entropy_bits_of_logits(logits).cpu()
+        if nll is not None:
+            nll[s:s + chunk] = nll_bits_of_logits(logits, targets[s:s + chunk]).cpu()
+    return out if nll is None else (out, nll)
+
+
+def _next_tokens(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each real position's next token id in its row, −1 at a row's last token (right-padded rows)."""
+    nxt = torch.full_like(ids, -1)
+    nxt[:, :-1] = torch.where(mask[:, 1:].bool(), ids[:, 1:], torch.full_like(ids[:, 1:], -1))
+    return nxt
 
 
 def _plain_head(model) -> tuple[torch.nn.Module, torch.nn.Module] | None:
@@ -121,22 +147,28 @@ def _distinct_signals(lm, queries: list[str], tagger, batch_size: int, max_token
         for idx in _batches([len(e) for e in enc], batch_size, batch_tokens):
             ids, mask = right_padded([enc[i] for i in idx], pad)
             m = mask.bool()
+            targets = _next_tokens(ids, mask)[m]
             if plain is not None:
                 decoder, head = plain
                 res = decoder(input_ids=ids.to(device), attention_mask=mask.to(device),
                               output_hidden_states=bool(layers), use_cache=False)
-                ent_flat = head_entropy_bits(head, res.last_hidden_state[m.to(device)])
+                ent_flat, nll_flat = head_entropy_bits(head, res.last_hidden_state[m.to(device)], targets=targets)
                 hidden_states = res.hidden_states
             else:
                 res = lm.model(input_ids=ids.to(device), attention_mask=mask.to(device),
                                output_hidden_states=bool(layers), use_cache=False)
-                ent_flat = entropy_bits_of_logits(res.logits[m.to(device)]).cpu()
+                logits = res.logits[m.to(device)]
+                ent_flat = entropy_bits_of_logits(logits).cpu()
+                nll_flat = nll_bits_of_logits(logits, targets).cpu()
                 hidden_states = res.hidden_states
             # Mean over each row's own tokens: the flat entropies are in row-major order.
             counts = m.sum(1)
-            sums = torch.zeros(len(idx)).index_add_(0, torch.repeat_interleave(torch.arange(len(idx)), counts),
-                                                    ent_flat)
+            row_of = torch.repeat_interleave(torch.arange(len(idx)), counts)
+            sums = torch.zeros(len(idx)).index_add_(0, row_of, ent_flat)
             means = (sums / counts.clamp_min(1)).tolist()
+            known = ~torch.isnan(nll_flat)
+            nll_sums = torch.zeros(len(idx)).index_add_(0, row_of[known], nll_flat[known])
+            nll_counts = torch.zeros(len(idx)).index_add_(0, row_of[known], torch.ones(int(known.sum())))
             tags = None
             if layers:
                 mf = mask[..., None].float()
@@ -146,7 +178,9 @@ def _distinct_signals(lm, queries: list[str], tagger, batch_size: int, max_token
                 probs = tags[row].probs if tags else {}
                 results[i] = QuerySignals(
                     intent_entropy=float(means[row]), query_label=tags[row].label if tags else "",
-                    label_entropy=_label_entropy(probs), label_probs=probs, tokens=int(counts[row]))
+                    label_entropy=_label_entropy(probs), label_probs=probs, tokens=int(counts[row]),
+                    ids=tuple(enc[i]),
+                    nll_bits=float(nll_sums[row] / nll_counts[row]) if nll_counts[row] else None)
             done += len(idx)
             if progress is not None:
                 progress(done, len(enc))
