@@ -32,6 +32,41 @@ def kind(name: str) -> str:
     return "other"
 
 
+def logits_check(cfg, model, forward) -> dict:
+    """The forward's last logits with the fused sdpa path and the split-KV kernel, each against the same
+    forward with attention computed in fp32 (the same bf16 model otherwise): how far each path's bf16
+    attention moves the logits of 28 random layers."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from kite.runtime import attention
+
+    def fp32_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        out, _ = attention.kite_attention(module, query.float(), key.float(), value.float(), attention_mask, scaling)
+        return out.to(query.dtype), None
+
+    AttentionInterface.register("kite_fp32", fp32_attention)
+    AttentionMaskInterface.register("kite_fp32", sdpa_mask)
+    before = cfg._attn_implementation
+    out = {}
+    with torch.inference_mode():
+        try:
+            cfg._attn_implementation = "kite_fp32"
+            ref = forward().float()
+        finally:
+            cfg._attn_implementation = before
+        for split in (False, True):
+            attention.SPLIT_KV = split
+            got = forward().float()
+            out["split_kv" if split else "fused_sdpa"] = {
+                "max_abs_diff_vs_fp32_attention": round(float((got - ref).abs().max()), 4),
+                "rel_l2_vs_fp32_attention": round(float((got - ref).norm() / ref.norm()), 5),
+                "argmax_equal": bool(torch.equal(got.argmax(-1), ref.argmax(-1)))}
+    attention.SPLIT_KV = True
+    out["max_abs_logit"] = round(float(ref.abs().max()), 4)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=16384)
@@ -91,6 +126,7 @@ def main() -> int:
             "device_ms_per_forward": {k: round(v, 3) for k, v in by_kind.items()},
             "device_ms_total": round(sum(by_kind.values()), 3), "kernels_per_forward": launches,
             "top_kernels": [{"ms": round(m, 3), "calls": c, "name": n} for m, c, n in sorted(top, reverse=True)[:25]]}
+    result["logits"] = logits_check(cfg, model, forward)
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HBM_BPS = 4.8e12
-CONFIGS = [dict(), dict(splits=32), dict(splits=64), dict(splits=128), dict(block_n=32), dict(block_n=128),
-           dict(num_warps=8), dict(num_stages=3), dict(block_n=128, num_warps=8), dict(splits=128, block_n=32)]
+CONFIGS = [dict(), dict(waves=2), dict(splits=16), dict(splits=24), dict(splits=48), dict(splits=64),
+           dict(block_n=32), dict(block_n=128), dict(block_n=128, num_warps=8), dict(num_warps=8),
+           dict(num_stages=3), dict(num_stages=4), dict(splits=16, block_n=128, num_warps=8),
+           dict(block_n=128, num_warps=8, num_stages=3)]
 
 
 def graph_ms(fn, reps: int = 20) -> float:
@@ -87,17 +89,21 @@ def main() -> int:
                 return [split_kv_attention(qs[i], ks[i], vs[i], mask if use_mask else None, scale, **cfg)
                         for i in range(L)]
 
-            out = split()
-            err = max(float((o.float() - r.float()).abs().max()) for o, r in zip(out, ref))
-            ms = graph_ms(split)
+            try:
+                out = split()
+                err = max(float((o.float() - r.float()).abs().max()) for o, r in zip(out, ref))
+                ms = graph_ms(split)
+            except Exception as e:  # noqa: BLE001 - a configuration past the chip's limits: say so, go on
+                rows.append({"path": f"split-KV {cfg}", "error": str(e)[:200]})
+                print(rows[-1], flush=True)
+                continue
             rows.append({"path": f"split-KV {cfg or 'default'}{' causal rule' if not use_mask else ' bool mask'}",
                          "ms": ms, "x_floor": ms / floor, "max_abs_diff_vs_fused": err})
+            print(f"{rows[-1]['path']:70s} {ms:8.3f} ms  {ms / floor:6.1f}x floor  {err:.2e}", flush=True)
     attention.SPLIT_KV = True
     result = {"tokens": args.tokens, "query": q, "layers": L, "floor_ms": floor,
               "device": torch.cuda.get_device_name(0), "rows": rows}
-    for r in rows:
-        print(f"{r['path']:70s} {r['ms']:8.3f} ms  {r['x_floor']:6.1f}x floor  "
-              f"{r.get('max_abs_diff_vs_fused', 0):.2e}")
+    print(f"{rows[0]['path']:70s} {rows[0]['ms']:8.3f} ms  {rows[0]['x_floor']:6.1f}x floor; floor {floor:.3f} ms")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

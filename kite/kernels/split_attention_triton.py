@@ -5,8 +5,9 @@ folded: 112 rows at Qwen2-7B's 7:1 grouping) and many keys (16K). A flash kernel
 thread block a tile of query rows then runs only a handful of blocks, each walking every key. Here
 the keys are split into chunks across blocks instead: block (split, row tile, sequence x KV head)
 attends its rows to its chunk of keys and writes a partial output (normalized over its chunk) and the
-log-sum-exp of its scores; a second kernel merges the chunks' partials exactly, by their log-sum-exp,
-and writes the output in the layout the model wants ([B, q, Hq, d]).
+log-sum-exp of its scores; a second kernel merges the chunks' partials exactly, by their log-sum-exp
+(one program per query row, every chunk's partial loaded at once), and writes the output in the
+layout the model wants ([B, q, Hq, d]).
 
 The query heads of a KV head share each key / value tile (grouped-query attention: no copies of K/V
 per query head). A key is visible to a query row where the boolean mask says so ([B|1, 1, q, k],
@@ -93,33 +94,27 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr, qk_scale, KL,
 @triton.jit
 def _merge_kernel(o_ptr, lse_ptr, out_ptr, sob, sot, soh, SPLITS,
                   HKV: tl.constexpr, REP: tl.constexpr, QL: tl.constexpr, D: tl.constexpr,
-                  BLOCK_M: tl.constexpr):
-    mt = tl.program_id(0)
+                  SP: tl.constexpr):
+    # one program per folded row: every split's partial loaded at once ([SP, D]), no serial chain of loads
+    row = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
     g = bh % HKV
     M: tl.constexpr = REP * QL
-    rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
+    s = tl.arange(0, SP)
+    s_ok = s < SPLITS
     d = tl.arange(0, D)
-    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(SPLITS):
-        top = tl.maximum(top, tl.load(lse_ptr + (bh * SPLITS + s).to(tl.int64) * M + rows, mask=row_ok,
-                                      other=float("-inf")))
+    part = (bh * SPLITS + s).to(tl.int64) * M + row
+    lse = tl.load(lse_ptr + part, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for s in range(SPLITS):
-        part = (bh * SPLITS + s).to(tl.int64) * M
-        w = tl.exp2(tl.load(lse_ptr + part + rows, mask=row_ok, other=float("-inf")) - top)
-        total += w
-        acc += w[:, None] * tl.load(o_ptr + (part + rows)[:, None] * D + d[None, :], mask=row_ok[:, None],
-                                    other=0.0)
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    r = rows // QL
-    t = rows % QL
-    tl.store(out_ptr + b.to(tl.int64) * sob + t[:, None] * sot + (g * REP + r)[:, None] * soh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    w = tl.exp2(lse - top)
+    total = tl.sum(w, 0)
+    o = tl.load(o_ptr + part[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    r = row // QL
+    t = row % QL
+    tl.store(out_ptr + b.to(tl.int64) * sob + t * sot + (g * REP + r) * soh + d, out.to(out_ptr.dtype.element_ty))
 
 
 def _sms(device: torch.device) -> int:
@@ -130,27 +125,27 @@ def _sms(device: torch.device) -> int:
 
 
 def plan(batch: int, hkv: int, rows: int, keys: int, sms: int, block_n: int = 64,
-         waves: float = 2.0) -> tuple[int, int, int]:
+         waves: float = 1.0) -> tuple[int, int, int]:
     """(BLOCK_M, splits, keys per split): enough blocks for ``waves`` blocks per SM, each split at
     least two key tiles long and a whole number of tiles."""
     block_m = max(16, min(128, triton.next_power_of_2(rows)))
     tiles_m = triton.cdiv(rows, block_m)
     want = max(1, int(waves * sms) // (batch * hkv * tiles_m))
-    splits = max(1, min(want, keys // (2 * block_n)))
+    splits = max(1, min(want, 128, keys // (2 * block_n)))
     chunk = triton.cdiv(triton.cdiv(keys, splits), block_n) * block_n
     return block_m, triton.cdiv(keys, chunk), chunk
 
 
 def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        mask: torch.Tensor | None = None, scale: float | None = None, *,
-                       splits: int | None = None, block_n: int = 64, num_warps: int = 4,
-                       num_stages: int = 2) -> torch.Tensor:
+                       splits: int | None = None, block_n: int = 64, num_warps: int = 8,
+                       num_stages: int = 2, waves: float = 1.0) -> torch.Tensor:
     """Attention of query [B, Hq, q, d] over key / value [B, Hkv, k, d] (Hq a multiple of Hkv, d a power
     of two >= 16): out [B, q, Hq, d] in the query's dtype.
 
     ``mask``: bool [B|1, 1, q, k], True = visible; None = bottom-right causal. A query row that sees no
-    key gets zeros. ``splits``: how many chunks the keys are cut into (default: enough blocks to fill
-    the GPU twice over; on the CPU, 4).
+    key gets zeros. ``splits``: how many chunks the keys are cut into (default: ``waves`` blocks per
+    SM, at most 128 chunks; on the CPU, as for 4 SMs).
     """
     B, Hq, QL, D = query.shape
     Hkv, KL = key.shape[1], key.shape[2]
@@ -158,7 +153,7 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     M = rep * QL
     scale = D ** -0.5 if scale is None else scale
     sms = _sms(query.device) if query.is_cuda else 4
-    block_m, n_split, chunk = plan(B, Hkv, M, KL, sms, block_n)
+    block_m, n_split, chunk = plan(B, Hkv, M, KL, sms, block_n, waves)
     if splits is not None:
         chunk = triton.cdiv(triton.cdiv(KL, max(1, splits)), block_n) * block_n
         n_split = triton.cdiv(KL, chunk)
@@ -184,8 +179,7 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         HKV=Hkv, REP=rep, QL=QL, D=D, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty(B, QL, Hq, D, dtype=query.dtype, device=query.device)
-    merge_m = min(block_m, 32)
-    _merge_kernel[(triton.cdiv(M, merge_m), B * Hkv)](
+    _merge_kernel[(M, B * Hkv)](
         o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(2), n_split,
-        HKV=Hkv, REP=rep, QL=QL, D=D, BLOCK_M=merge_m, num_warps=4)
+        HKV=Hkv, REP=rep, QL=QL, D=D, SP=max(2, triton.next_power_of_2(n_split)), num_warps=4)
     return out
