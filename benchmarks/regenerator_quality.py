@@ -16,6 +16,10 @@ contracts of seeds the calibration never drew.
 
     .venv/bin/python benchmarks/regenerator_quality.py --out out/regen_quality.json
     .venv/bin/python benchmarks/regenerator_quality.py --regenerator RUN/regenerator --adapter RUN/adapter
+
+The regenerator fitted here is weighted (attention-aware distortion, :mod:`kite.upcycle.train.weights`)
+unless ``--unweighted``; ``--only DOC:RATIO ...`` and ``--methods`` pick rows and columns,
+``--calibration-pairs`` fits on a training run's documents instead.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from kite.model import load_model  # noqa: E402
 from kite.upcycle import (CompressSettings, Regenerator, RegeneratorFit, codec_settings, evaluate,  # noqa: E402
                           tokenize_document)
 from kite.upcycle.capture import capture  # noqa: E402
+from kite.upcycle.train.weights import model_value_weights  # noqa: E402
 
 LICENSES = Path("/usr/share/common-licenses")
 CALIBRATION_LICENSES = ("GFDL-1.3", "MPL-2.0", "Artistic", "CC0-1.0", "LGPL-2.1", "MPL-1.1")
@@ -49,19 +54,30 @@ def held_out_docs(contracts: int) -> dict[str, str]:
     return docs
 
 
-def fit_regenerator(lm, n_contracts: int) -> Regenerator:
+def fit_regenerator(lm, n_contracts: int, weighted: bool = True) -> Regenerator:
     texts = [(LICENSES / n).read_text() for n in CALIBRATION_LICENSES]
     texts += [r["text"] for r in generate_contracts(n_contracts, tokens=2000, seed=1000)]
     fit = RegeneratorFit(n_layers=lm.geometry.n_layers)
     for i, t in enumerate(texts):
         ids, _ = tokenize_document(lm.tokenizer, t)
-        cap = capture(lm, "", ids=ids[:2048])
-        fit.add(cap.keys_pre, cap.values, cap.ids)
+        cap = capture(lm, "", ids=ids[:2048], queries=weighted)
+        fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq if weighted else None)
         print(f"calibration {i + 1}/{len(texts)}", file=sys.stderr, flush=True)
     return fit.finish({"model_fingerprint": lm.fingerprints.base, "geometry": lm.geometry.to_dict(),
                        "calibration": {"source": "benchmarks/regenerator_quality.py",
                                        "licenses": list(CALIBRATION_LICENSES), "contracts_seed": 1000,
-                                       "contracts": n_contracts}})
+                                       "contracts": n_contracts}},
+                      value_weights=model_value_weights(lm) if weighted else None)
+
+
+def fit_on_pairs(lm, path: Path, eval_fraction: float, seed: int, weighted: bool) -> Regenerator:
+    """A regenerator calibrated as `kite upcycle train` does, on the training split of a pairs file
+    (the same documents as that run's, with ``--eval-fraction`` and ``--seed`` as it had them)."""
+    from kite.upcycle.train.data import read_pairs, split_pairs
+    from kite.upcycle.train.run import fit_regenerator as train_fit
+
+    train, _ = split_pairs(read_pairs(path), eval_fraction, seed)
+    return train_fit(lm, train, codec_settings(8), weighted=weighted)
 
 
 def main(argv=None) -> int:
@@ -73,31 +89,60 @@ def main(argv=None) -> int:
     ap.add_argument("--held-out-contracts", type=int, default=2)
     ap.add_argument("--clusters", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--unweighted", action="store_true",
+                    help="fit the regenerator without attention-aware weights (as before session 8)")
+    ap.add_argument("--calibration-pairs", type=Path,
+                    help="fit on the training split of this pairs file, as `kite upcycle train` does")
+    ap.add_argument("--eval-fraction", type=float, default=0.1, help="with --calibration-pairs: the run's")
+    ap.add_argument("--seed", type=int, default=0, help="with --calibration-pairs: the run's")
+    ap.add_argument("--only", nargs="*", metavar="DOC:RATIO",
+                    help="measure only these rows (e.g. GPL-3:4 Apache-2.0:16)")
+    ap.add_argument("--methods", nargs="*", default=["doc", "regen", "regen+adapter"],
+                    choices=["doc", "regen", "regen+adapter"])
+    ap.add_argument("--save-regenerator", type=Path, help="keep the fitted regenerator in this folder")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     lm = load_model(None)
-    reg = Regenerator.load(args.regenerator) if args.regenerator else fit_regenerator(lm, args.calibration_contracts)
+    if args.regenerator:
+        reg = Regenerator.load(args.regenerator)
+    elif args.calibration_pairs:
+        reg = fit_on_pairs(lm, args.calibration_pairs, args.eval_fraction, args.seed, not args.unweighted)
+    else:
+        reg = fit_regenerator(lm, args.calibration_contracts, weighted=not args.unweighted)
+    if args.save_regenerator:
+        reg.save(args.save_regenerator)
+    print(f"regenerator {reg.fingerprint[:21]} weighted={reg.weighted} ({time.perf_counter() - t0:.0f} s)",
+          file=sys.stderr, flush=True)
     reader = load_model(None, adapter=args.adapter) if args.adapter else None
+    only = {(o.rsplit(":", 1)[0], float(o.rsplit(":", 1)[1])) for o in args.only} if args.only else None
     rows = []
     for name, text in held_out_docs(args.held_out_contracts).items():
         n = len(tokenize_document(lm.tokenizer, text)[0])
         ctx = min(2048, n - 512)
         for ratio in args.ratios:
+            if only is not None and (name, float(ratio)) not in only:
+                continue
             s = CompressSettings(codec=codec_settings(ratio), n_clusters=args.clusters)
             row = {"document": name, "context_tokens": ctx, "ratio": ratio}
             for label, model, regen in (("doc", lm, None), ("regen", lm, reg),
                                         *((("regen+adapter", reader, reg),) if reader else ())):
+                if label not in args.methods:
+                    continue
+                t1 = time.perf_counter()
                 r = evaluate(model, text, context_tokens=ctx, continuation_tokens=512, settings=s, regenerator=regen)
                 row[label] = {"ppl_full": r.ppl_full, "ppl_state": r.ppl_state, "ppl_delta": r.ppl_delta,
                               "kl": r.kl_mean, "top1": r.top1_agreement, "compression_ratio": r.compression_ratio,
-                              "state_bytes": r.state_bytes, "reader_adapter": r.reader_adapter}
+                              "state_bytes": r.state_bytes, "reader_adapter": r.reader_adapter,
+                              "seconds": round(time.perf_counter() - t1, 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     result = {"machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
               "model": lm.fingerprints.combined, "regenerator": {"fingerprint": reg.fingerprint,
+                                                                  "weighted": reg.weighted,
                                                                   "calibration": reg.meta.get("calibration")},
+              "argv": list(argv if argv is not None else sys.argv[1:]),
               "adapter": str(args.adapter) if args.adapter else None, "rows": rows,
               "seconds": round(time.perf_counter() - t0, 1)}
     if args.out:
@@ -112,7 +157,8 @@ def table(result: dict) -> str:
     head = "| document | ratio | " + " | ".join(f"{k} ratio · ΔPPL · KL" for k in kinds) + " |"
     lines = [head, "|---" * (2 + len(kinds)) + "|"]
     for r in result["rows"]:
-        cells = [f"{r[k]['compression_ratio']:.2f}× · {r[k]['ppl_delta']:+.3f} · {r[k]['kl']:.4f}" for k in kinds]
+        cells = [f"{r[k]['compression_ratio']:.2f}× · {r[k]['ppl_delta']:+.3f} · {r[k]['kl']:.4f}" if k in r else ""
+                 for k in kinds]
         lines.append(f"| {r['document']} ({r['context_tokens']}) | {r['ratio']:g}× | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,9 @@ class Capture:
     values: list[torch.Tensor]
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer → [T, hidden]
     prefill_ms: float = 0.0
+    # with queries=True: per layer, the sum over the document's tokens of each query output's square
+    # [H_q * d] float64 (pre-RoPE: q_proj's output), what a key error costs (kite.upcycle.train.weights)
+    query_sq: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
@@ -49,11 +53,12 @@ def token_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]
 @torch.inference_mode()
 def capture(lm, text: str, *, chunk_tokens: int = 1024, hidden_layers: Sequence[int] = (),
             progress: Callable[[int, int], None] | None = None,
-            ids: list[int] | None = None) -> Capture:
+            ids: list[int] | None = None, queries: bool = False) -> Capture:
     """Prefill `text` in chunks of `chunk_tokens`, keeping K (pre-RoPE), V and some hidden states.
 
     hidden_layers: indices into HF's hidden_states (0 = embeddings, i = after layer i).
     progress(done_tokens, total_tokens) is called after each chunk.
+    queries: also sum each layer's squared query outputs over the tokens (``Capture.query_sq``).
     """
     from kite.errors import BadInput
 
@@ -70,7 +75,48 @@ def capture(lm, text: str, *, chunk_tokens: int = 1024, hidden_layers: Sequence[
     device = lm.device
     cache = new_cache(model)
     hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in hidden_layers}
+    query_sq: dict[int, torch.Tensor] = {}
+    hooks = _query_hooks(model, query_sq) if queries else []
     t0 = time.perf_counter()
+    try:
+        _prefill(model, ids, chunk_tokens, device, cache, hidden, hidden_layers, progress)
+    finally:
+        for h in hooks:
+            h.remove()
+    prefill_ms = (time.perf_counter() - t0) * 1e3
+    if queries and sorted(query_sq) != list(range(lm.geometry.n_layers)):
+        raise ValueError(f"found the query projections of layers {sorted(query_sq)}, not of all "
+                         f"{lm.geometry.n_layers}")
+    cos, sin = rope_cos_sin(model, torch.arange(len(ids)), device=device)
+    keys_pre, values = [], []
+    for k, v in cache_layers(cache):
+        keys_pre.append(remove_rope(k[0].float(), cos, sin))
+        values.append(v[0].float())
+    return Capture(text=text, ids=ids, offsets=offsets, keys_pre=keys_pre, values=values,
+                   hidden={l: torch.cat(h) for l, h in hidden.items()}, prefill_ms=prefill_ms,
+                   query_sq=[query_sq[i].cpu() for i in sorted(query_sq)])
+
+
+_Q_PROJ = re.compile(r"layers\.(\d+)\.self_attn\.q_proj$")
+
+
+def _query_hooks(model, sums: dict[int, torch.Tensor]) -> list:
+    """Forward hooks on every layer's ``self_attn.q_proj`` adding its output's squares to ``sums``."""
+    handles = []
+    for name, module in model.named_modules():
+        m = _Q_PROJ.search(name)
+        if m is None:
+            continue
+
+        def hook(_mod, _inp, out, layer=int(m.group(1))):
+            sq = out.detach().double().pow(2).reshape(-1, out.shape[-1]).sum(dim=0)
+            sums[layer] = sums[layer] + sq if layer in sums else sq
+
+        handles.append(module.register_forward_hook(hook))
+    return handles
+
+
+def _prefill(model, ids, chunk_tokens, device, cache, hidden, hidden_layers, progress) -> None:
     for start in range(0, len(ids), chunk_tokens):
         chunk = torch.tensor([ids[start:start + chunk_tokens]], device=device)
         pos = torch.arange(start, start + chunk.shape[1], device=device).unsqueeze(0)
@@ -81,11 +127,3 @@ def capture(lm, text: str, *, chunk_tokens: int = 1024, hidden_layers: Sequence[
             hidden[layer].append(out.hidden_states[layer][0].float())
         if progress:
             progress(min(start + chunk_tokens, len(ids)), len(ids))
-    prefill_ms = (time.perf_counter() - t0) * 1e3
-    cos, sin = rope_cos_sin(model, torch.arange(len(ids)), device=device)
-    keys_pre, values = [], []
-    for k, v in cache_layers(cache):
-        keys_pre.append(remove_rope(k[0].float(), cos, sin))
-        values.append(v[0].float())
-    return Capture(text=text, ids=ids, offsets=offsets, keys_pre=keys_pre, values=values,
-                   hidden={l: torch.cat(h) for l, h in hidden.items()}, prefill_ms=prefill_ms)

@@ -214,8 +214,7 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
         t = time.perf_counter()
         for layer in range(n_layers):
             K, V = cap.keys_pre[layer], cap.values[layer]
-            regen = None if regenerator is None else {side: regenerator.side(layer, side) for side in ("k", "v")}
-            lc = codec.fit_layer(K, V, fit_codec, regenerator=regen)
+            lc = codec.fit_layer(K, V, fit_codec, **({} if regenerator is None else regenerator.layer(layer)))
             regenerated[0] += sum(lc.meta[side]["mode"] == "rpca" for side in ("k", "v"))
             writer.add(blob_key(None, layer), codec.to_bytes(lc))
             for c, idx in enumerate(token_sets):

@@ -8,7 +8,7 @@ from kite.upcycle.codec.bits import allocate_bits, allocate_bits_batched, first_
 from kite.upcycle.codec.blob import Blob, EncodedPart, LayerCodec, from_bytes, nbytes, to_bytes
 from kite.upcycle.codec.coders import (CODERS, PcaSide, QuantSide, RawSide, RegenSide, SideCoder, attach_regenerator,
                                       register)
-from kite.upcycle.codec.layer import batched_pca, decode, encode, fit_layer, fit_layers
+from kite.upcycle.codec.layer import batched_pca, decode, encode, fit_layer, fit_layers, weighted_error
 from kite.upcycle.codec.quant import FLOAT_FORMATS, INT_FORMATS, QTensor, dequantize, quantize, tensors_nbytes
 from kite.upcycle.codec.part_widths import part_widths
 from kite.upcycle.codec.settings import PRESETS, CodecSettings, at_ratio, ratio_of, settings_for
@@ -17,4 +17,4 @@ __all__ = ["CODERS", "FLOAT_FORMATS", "INT_FORMATS", "PRESETS", "Blob", "CodecSe
            "LayerCodec", "PcaSide", "at_ratio", "part_widths", "ratio_of", "QTensor", "QuantSide", "RawSide", "RegenSide", "SideCoder", "attach_regenerator", "allocate_bits",
            "allocate_bits_batched", "batched_pca", "decode", "dequantize", "encode", "encode_state", "first_bit_cost",
            "fit_layer", "fit_layers", "from_bytes", "layer_budget_bits", "nbytes", "quantize", "register",
-           "settings_for", "supports_batched", "tensors_nbytes", "to_bytes"]
+           "settings_for", "supports_batched", "tensors_nbytes", "to_bytes", "weighted_error"]

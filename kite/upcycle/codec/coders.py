@@ -42,9 +42,12 @@ class SideCoder(ABC):
     mode: ClassVar[str]
 
     def fit(self, side: str, X: torch.Tensor, s: CodecSettings, tensors: dict, meta: dict, *,
-            pca=None, budget_tokens: int | None = None) -> float | None:
+            pca=None, budget_tokens: int | None = None, weights: torch.Tensor | None = None) -> float | None:
         """Add the side's shared layer part to ``tensors`` / ``meta`` (X: [H, T, d] of the document).
-        Returns the squared error the fit expects to leave where the mode can tell (else None)."""
+        Returns the squared error the fit expects to leave where the mode can tell (else None).
+        ``weights`` [B, D] (the blocks' dims, > 0): the distortion to minimise is the weighted
+        squared error (attention-aware: :mod:`kite.upcycle.train.weights`); modes with no basis
+        ignore it."""
         meta[side] = {"mode": self.mode}
         return None
 
@@ -149,13 +152,25 @@ def _store_float(t: torch.Tensor, fmt: str) -> torch.Tensor:
 class PcaSide(SideCoder):
     mode = "pca"
 
-    def fit(self, side, X, s, tensors, meta, *, pca=None, budget_tokens=None):
+    def fit(self, side, X, s, tensors, meta, *, pca=None, budget_tokens=None, weights=None):
+        """``weights``: a weighted PCA (the PCA of ``x * sqrt(w)``; stored basis ``U / sqrt(w)``, so
+        decoding is unchanged and encoding uses the dual, :meth:`coefficients`); the weights are
+        stored with the side (``{side}.w``, fp16, paid from the budget)."""
         H, T, d = X.shape
         T = budget_tokens or T  # the tokens the shared part's bytes are spread over
         Xb = blocks(X.float(), s.joint_heads)
-        mean, evals, U = pca if pca is not None else batched_pca(Xb, center=s.center)
+        root = None
+        if weights is not None:
+            w = put_weights(tensors, side, weights, Xb.shape[0], Xb.shape[2])
+            root = w.sqrt()
+            mean_w, evals, U = batched_pca(Xb * root[:, None, :], center=s.center)
+            mean, U = mean_w / root, U / root[:, :, None]
+        else:
+            mean, evals, U = pca if pca is not None else batched_pca(Xb, center=s.center)
         B, D = evals.shape
         budget = layer_budget_bits(s.k_bits if side == "k" else s.v_bits, H, T, d, B, D, s)
+        if weights is not None:
+            budget -= B * D * 16
         bits = allocate_bits(evals, budget, T, D, s)
         r = int((bits > 0).sum(dim=1).max().item()) if bits.numel() else 0
         # components with bits are a prefix per block (greedy on desc eigvals mostly is); store the
@@ -192,6 +207,9 @@ class PcaSide(SideCoder):
         basis = self.basis(lc, side)                        # [D, sum r_b]
         bits = lc.tensors[f"{side}.bits"].long()            # [B, D]
         Xc = Xb - mean[:, None, :]
+        w = lc.tensors.get(f"{side}.w")
+        if w is not None:   # a weighted basis U / sqrt(w): its dual is U * sqrt(w) = w * basis
+            Xc = Xc * w.float().to(Xc.device)[:, None, :]
         coefs = []
         off = 0
         for b in range(Xb.shape[0]):
@@ -301,7 +319,9 @@ class RegenSide(PcaSide):
 
     mode = "rpca"
 
-    def fit(self, side, X, s, tensors, meta, *, pca=None, budget_tokens=None):
+    def fit(self, side, X, s, tensors, meta, *, pca=None, budget_tokens=None, weights=None):
+        """``weights``: the regenerator's own (its basis is then weighted, ``U / sqrt(w)``); stored
+        with the side as :class:`PcaSide` does, so a part can be encoded from the state alone."""
         if pca is None:
             raise ValueError("rpca needs the regenerator's (mean, variances, basis) for this layer and side")
         H, T, d = X.shape
@@ -310,14 +330,29 @@ class RegenSide(PcaSide):
         U = pca[2].to(Xb.device, torch.float32)                      # [B, D, D]
         B, D = U.shape[0], U.shape[1]
         mean = Xb.mean(dim=1) if s.center else Xb.new_zeros(B, D)
-        variances = torch.matmul(Xb - mean[:, None, :], U).pow(2).mean(dim=1)     # [B, D]
-        bits = allocate_bits(variances, layer_budget_bits(s.k_bits if side == "k" else s.v_bits, H, T, d, B, D, s),
-                             T, D, s, basis_stored=False)
+        Xc = Xb - mean[:, None, :]
+        budget = layer_budget_bits(s.k_bits if side == "k" else s.v_bits, H, T, d, B, D, s)
+        if weights is not None:
+            Xc = Xc * put_weights(tensors, side, weights, B, D).to(Xc.device)[:, None, :]
+            budget -= B * D * 16
+        variances = torch.matmul(Xc, U).pow(2).mean(dim=1)          # [B, D]
+        bits = allocate_bits(variances, budget, T, D, s, basis_stored=False)
         tensors[f"{side}.mean"] = _store_float(mean, "fp32" if s.basis_fmt == "fp32" else "fp16")
         tensors[f"{side}.bits"] = bits.to(torch.uint8).contiguous()
         meta[side] = {"mode": self.mode, "blocks": B, "dim": D,
                       "rank_max": int((bits > 0).sum(dim=1).max().item()) if bits.numel() else 0}
         return expected_error(variances, bits, s)
+
+
+def put_weights(tensors: dict, side: str, weights: torch.Tensor, B: int, D: int) -> torch.Tensor:
+    """Store a side's distortion weights [B, D] (fp16, ``{side}.w``) and return them as stored
+    (float32), so the fit and every later encode use the same numbers."""
+    w = torch.as_tensor(weights).float().reshape(-1)
+    if w.numel() != B * D or not bool(torch.isfinite(w).all()) or bool((w <= 0).any()):
+        raise ValueError(f"distortion weights must be {B}x{D} positive finite numbers, got {tuple(weights.shape)}")
+    w16 = w.reshape(B, D).to(torch.float16).clamp_min(torch.finfo(torch.float16).tiny).contiguous()
+    tensors[f"{side}.w"] = w16
+    return w16.float()
 
 
 def regen_columns(basis: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -327,10 +362,10 @@ def regen_columns(basis: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return torch.cat(cols, dim=1).float().contiguous() if cols else basis.new_zeros(basis.shape[1], 0)
 
 
-def attach_regenerator(lc: LayerCodec, bases: dict[str, torch.Tensor]) -> LayerCodec:
+def attach_regenerator(lc: LayerCodec, bases: dict[str, torch.Tensor], sides=("k", "v")) -> LayerCodec:
     """Give the ``rpca`` sides of a layer codec their regenerator columns (``bases``: side -> the
     regenerator's basis [B, D, D] of this layer). Sides of other modes are left alone."""
-    for side in ("k", "v"):
+    for side in sides:
         if lc.meta[side]["mode"] == RegenSide.mode:
             cols = regen_columns(bases[side], lc.tensors[f"{side}.bits"].long().cpu())
             lc.decoded[f"{side}.basis"] = cols.to(lc.tensors[f"{side}.mean"].device)
@@ -338,4 +373,4 @@ def attach_regenerator(lc: LayerCodec, bases: dict[str, torch.Tensor]) -> LayerC
 
 
 __all__ = ["CODERS", "INT_FORMATS", "PcaSide", "QuantSide", "RawSide", "RegenSide", "SideCoder", "attach_regenerator",
-           "coder", "regen_columns", "register"]
+           "coder", "put_weights", "regen_columns", "register"]

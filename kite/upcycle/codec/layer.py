@@ -20,7 +20,7 @@ from kite.upcycle.codec.settings import CodecSettings, settings_for
 
 def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | str | float | None = None,
               pca: dict | None = None, budget_tokens: int | None = None,
-              regenerator: dict | None = None) -> LayerCodec:
+              regenerator: dict | None = None, weights: dict | None = None) -> LayerCodec:
     """Fit the shared per-layer part on the whole document's pre-RoPE keys and values [H, T, d].
 
     ``pca`` may carry precomputed ``{"k": (mean, evals, U), "v": (...)}`` from :func:`fit_layers`'
@@ -31,6 +31,12 @@ def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | st
     (:class:`kite.upcycle.train.Regenerator`): each ``pca`` side is then coded on the regenerator's
     basis (``rpca``, no basis stored) unless the document's own basis is expected to leave less
     error for the same bytes.
+    ``weights``: ``{"k": [B, D], "v": [B, D]}``, the distortion weight of each dim of the blocks
+    (attention-aware: what a key error costs the scores, a value error the attention output; a
+    weighted regenerator's, :meth:`kite.upcycle.train.Regenerator.weights`). PCA sides then
+    minimise the weighted squared error (weighted PCA) and, with a regenerator, each side keeps the
+    candidate (the document's weighted basis, its plain basis, the regenerator's) whose *measured*
+    weighted error on the document is lowest at the same byte budget.
     """
     s = settings_for(settings)
     if K_pre.dim() != 3 or K_pre.shape != V.shape:
@@ -39,11 +45,16 @@ def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | st
     H, T, d = K_pre.shape
     tensors: dict[str, torch.Tensor] = {}
     meta: dict = {"settings": s.to_json(), "H": H, "d": d, "T_fit": T}
+    weights = weights or {}
     for side, X, mode in (("k", K_pre, s.k_mode), ("v", V, s.v_mode)):
-        if regenerator is not None and mode == "pca":
+        w = weights.get(side) if mode == "pca" else None
+        if regenerator is not None and mode == "pca" and w is not None:
+            _fit_measured(side, X, s, tensors, meta, (pca or {}).get(side), regenerator[side], budget_tokens, w)
+        elif regenerator is not None and mode == "pca":
             _fit_best(side, X, s, tensors, meta, (pca or {}).get(side), regenerator[side], budget_tokens)
         else:
-            coder(mode).fit(side, X, s, tensors, meta, pca=(pca or {}).get(side), budget_tokens=budget_tokens)
+            coder(mode).fit(side, X, s, tensors, meta, pca=(pca or {}).get(side), budget_tokens=budget_tokens,
+                            weights=w)
     lc = LayerCodec(tensors=tensors, meta=meta)
     if regenerator is not None:
         attach_regenerator(lc, {side: regenerator[side][2] for side in ("k", "v")})
@@ -61,6 +72,35 @@ def _fit_best(side, X, s, tensors, meta, pca, regen, budget_tokens) -> None:
     _, _, t, m = min(tried, key=lambda x: (x[0], x[1] != "rpca"))
     tensors.update(t)
     meta.update(m)
+
+
+def weighted_error(lc: LayerCodec, side: str, X: torch.Tensor, weights: torch.Tensor) -> float:
+    """The weighted squared error (summed) of coding the tokens X [H, T, d] as one part of ``lc``'s
+    ``side`` and decoding them; ``weights`` [B, D] over the blocks' dims. The document's first
+    ``sink_tokens`` are its sinks (kept in fp16), as in a state."""
+    c = coder(lc.meta[side]["mode"])
+    Xh = c.decode(lc, side, c.encode(lc, side, X, torch.arange(X.shape[1])))
+    joint = lc.settings.joint_heads
+    err = (blocks(X.float(), joint) - blocks(Xh, joint)).pow(2)      # [B, T, D]
+    return float((err.sum(dim=1).double() * weights.double().to(err.device)).sum())
+
+
+def _fit_measured(side, X, s, tensors, meta, pca, regen, budget_tokens, weights) -> None:
+    """Fit one side each way -- the document's weighted basis, its plain basis, the regenerator's
+    (weighted with the same weights) -- code the whole document with each and keep the one whose
+    measured weighted error is lowest (ties go to the regenerator: no basis stored)."""
+    H, T, d = X.shape
+    tried = []
+    for mode, given, w in (("rpca", regen, weights), ("pca", None, weights), ("pca", pca, None)):
+        t, m = {}, {"settings": s.to_json(), "H": H, "d": d}
+        coder(mode).fit(side, X, s, t, m, pca=given, budget_tokens=budget_tokens, weights=w)
+        trial = LayerCodec(tensors=t, meta=m)
+        if mode == "rpca":
+            attach_regenerator(trial, {side: regen[2]}, sides=(side,))
+        tried.append((weighted_error(trial, side, X, weights), len(tried), t, m))
+    _, _, t, m = min(tried, key=lambda x: (x[0], x[1]))
+    tensors.update(t)
+    meta.update({key: value for key, value in m.items() if key not in ("settings", "H", "d")})
 
 
 def fit_layers(KV: list[tuple[torch.Tensor, torch.Tensor]], settings=None) -> list[LayerCodec]:
@@ -109,4 +149,4 @@ def decode(layer_codec: LayerCodec, part: EncodedPart) -> tuple[torch.Tensor, to
             coder(meta["v"]["mode"]).decode(layer_codec, "v", part.v))
 
 
-__all__ = ["batched_pca", "decode", "encode", "fit_layer", "fit_layers"]
+__all__ = ["batched_pca", "decode", "encode", "fit_layer", "fit_layers", "weighted_error"]

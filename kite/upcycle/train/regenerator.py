@@ -8,8 +8,17 @@ the coefficients; the basis comes from here (:class:`kite.upcycle.codec.RegenSid
 document's own basis pays for its bytes, the state keeps it instead (the codec decides per layer
 and side by the expected error at the byte budget).
 
-On disk, in a folder: ``regenerator.safetensors`` (float32 tensors ``L{l}.{k|v}.{mean|basis|evals}``)
-and ``regenerator.json`` (what it was made for and from). Its fingerprint (``kite-fp1:`` + sha256 of
+A **weighted** regenerator (format version 2: the calibration also summed the queries, and the
+model's ``o_proj`` weights were given) minimises what attention feels rather than the plain squared
+error (:mod:`kite.upcycle.train.weights`): per layer and side it holds the distortion weights ``w``
+[B, D] (``L{l}.{k|v}.weight``), its basis is the weighted PCA's (the PCA of ``x * sqrt(w)``, stored
+as ``U / sqrt(w)`` so decoding is unchanged) and its variances are the weighted ones. States coded
+against it keep, per side, whichever of the regenerator's basis and the document's own leaves the
+lower *measured* weighted error (:func:`kite.upcycle.codec.fit_layer` with ``weights``). Version 1
+regenerators (plain PCA, no weights) load and code as before.
+
+On disk, in a folder: ``regenerator.safetensors`` (float32 tensors ``L{l}.{k|v}.{mean|basis|evals}``,
+and ``.weight`` when weighted) and ``regenerator.json`` (what it was made for and from). Its fingerprint (``kite-fp1:`` + sha256 of
 the tensors' file and the canonical JSON) is what a state records; a state is never decoded with
 another regenerator (invariant 3). Fitting streams: each document's Gram is added to a float64 sum,
 so the calibration set never has to fit in memory.
@@ -28,7 +37,7 @@ from kite.errors import BadInput, FingerprintMismatch
 from kite.model.fingerprint import PREFIX, short
 
 FORMAT = "kite-regenerator"
-VERSION = 1
+VERSION = 2          # the newest this reads; version 1 = unweighted (written when no weights are given)
 TENSORS = "regenerator.safetensors"
 META = "regenerator.json"
 
@@ -53,11 +62,25 @@ class RegeneratorFit:
     tokens: int = 0
     documents: int = 0
     digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)
+    query_sq: list | None = None                  # per layer [H_q * d] float64, while every document has them
+    shape: tuple[int, int] | None = None          # (H, d) of the KV added
 
-    def add(self, keys_pre: list[torch.Tensor], values: list[torch.Tensor], ids: list[int] | None = None) -> None:
-        """Add one document's KV ([H, T, d] per layer, keys before RoPE)."""
+    def add(self, keys_pre: list[torch.Tensor], values: list[torch.Tensor], ids: list[int] | None = None,
+            query_sq: list[torch.Tensor] | None = None) -> None:
+        """Add one document's KV ([H, T, d] per layer, keys before RoPE) and, for a weighted
+        regenerator, its summed squared queries per layer (:attr:`kite.upcycle.capture.Capture.query_sq`;
+        every document must bring them, or the fit is unweighted)."""
         if len(keys_pre) != self.n_layers or len(values) != self.n_layers:
             raise ValueError(f"expected {self.n_layers} layers, got {len(keys_pre)}")
+        if query_sq is not None and len(query_sq) != self.n_layers:
+            raise ValueError(f"expected queries of {self.n_layers} layers, got {len(query_sq)}")
+        self.shape = (int(keys_pre[0].shape[0]), int(keys_pre[0].shape[2]))
+        if query_sq is None or (self.documents and self.query_sq is None):
+            self.query_sq = None
+        elif self.query_sq is None:
+            self.query_sq = [q.double().cpu().clone() for q in query_sq]
+        else:
+            self.query_sq = [a + q.double().cpu() for a, q in zip(self.query_sq, query_sq)]
         for layer in range(self.n_layers):
             for side, X in (("k", keys_pre[layer]), ("v", values[layer])):
                 Xb = _blocks(X.double(), self.joint_heads)                    # [B, T, D]
@@ -73,23 +96,45 @@ class RegeneratorFit:
         if ids is not None:
             self.digest.update(json.dumps(ids).encode())
 
-    def finish(self, meta: dict) -> "Regenerator":
-        """The regenerator of everything added (``meta``: what it is made for; see :class:`Regenerator`)."""
+    def finish(self, meta: dict, value_weights: list[torch.Tensor] | None = None) -> "Regenerator":
+        """The regenerator of everything added (``meta``: what it is made for; see :class:`Regenerator`).
+
+        ``value_weights``: per layer [H, d] (:func:`kite.upcycle.train.weights.model_value_weights`).
+        With them, and queries added with every document, the regenerator is weighted (version 2)."""
+        from kite.upcycle.train import weights as W
+
         if not self.tokens:
             raise BadInput("no calibration tokens: the regenerator needs at least one document")
+        weighted = value_weights is not None and self.query_sq is not None
+        if value_weights is not None and len(value_weights) != self.n_layers:
+            raise ValueError(f"expected value weights of {self.n_layers} layers, got {len(value_weights)}")
         tensors: dict[str, torch.Tensor] = {}
         n = float(self.tokens)
         for (layer, side), s in sorted(self.sums.items()):
             mean = s / n if self.center else torch.zeros_like(s)
             cov = self.grams[(layer, side)] / n - mean[:, :, None] * mean[:, None, :]
+            root = None
+            if weighted:
+                H, d = self.shape
+                w = (W.key_weights(self.query_sq[layer], H, d) if side == "k" else value_weights[layer])
+                w = W.as_blocks(w, self.joint_heads)
+                w = w.to(torch.float16).float()      # as a state stores them (kite.upcycle.codec.put_weights)
+                tensors[f"L{layer}.{side}.weight"] = w.contiguous()
+                root = w.double().sqrt()
+                cov = cov * root[:, :, None] * root[:, None, :]
             evals, U = torch.linalg.eigh((cov + cov.transpose(1, 2)) / 2)
             order = torch.argsort(evals, dim=1, descending=True)
             evals = evals.gather(1, order).clamp_min(0)
             U = U.gather(2, order[:, None, :].expand_as(U))
+            if root is not None:
+                U = U / root[:, :, None]             # the weighted basis: decode c @ U^T / sqrt(w) + mean
             tensors[f"L{layer}.{side}.mean"] = mean.float().cpu().contiguous()
             tensors[f"L{layer}.{side}.basis"] = U.float().cpu().contiguous()
             tensors[f"L{layer}.{side}.evals"] = evals.float().cpu().contiguous()
-        full = {"format": FORMAT, "version": VERSION, **meta, "n_layers": self.n_layers,
+        extra = {"weights": {"k": "query energy per RoPE pair, summed over the KV head's query heads",
+                             "v": "o_proj column energy, summed over the KV head's query heads",
+                             "floor": W.FLOOR}} if weighted else {}
+        full = {"format": FORMAT, "version": 2 if weighted else 1, **meta, **extra, "n_layers": self.n_layers,
                 "joint_heads": self.joint_heads, "center": self.center,
                 "calibration": {**meta.get("calibration", {}), "documents": self.documents, "tokens": self.tokens,
                                 "ids_sha256": self.digest.hexdigest()}}
@@ -123,6 +168,23 @@ class Regenerator:
         except KeyError:
             raise BadInput(f"regenerator {short(self.fingerprint)} has no layer {layer} "
                            f"(it has {self.meta.get('n_layers')})") from None
+
+    @property
+    def weighted(self) -> bool:
+        return "L0.k.weight" in self.tensors
+
+    def weights(self, layer: int) -> dict[str, torch.Tensor] | None:
+        """A weighted regenerator's distortion weights of ``layer``: ``{"k": [B, D], "v": [B, D]}``
+        (what :func:`kite.upcycle.codec.fit_layer` takes); None for an unweighted one."""
+        if not self.weighted:
+            return None
+        self.side(layer, "k")      # BadInput naming the layer when it has none
+        return {side: self.tensors[f"L{layer}.{side}.weight"] for side in ("k", "v")}
+
+    def layer(self, layer: int) -> dict:
+        """What :func:`kite.upcycle.codec.fit_layer` takes for ``layer``: ``regenerator=`` (each
+        side's mean, variances, basis) and ``weights=`` (None when unweighted)."""
+        return {"regenerator": {side: self.side(layer, side) for side in ("k", "v")}, "weights": self.weights(layer)}
 
     def check_model(self, lm) -> None:
         """Refuse a model other than the one this regenerator was fitted on (invariant 3): its weights

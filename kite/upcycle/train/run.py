@@ -34,6 +34,7 @@ from kite.upcycle.train.adapter import (AdapterSettings, PrefixCache, attach_lor
 from kite.upcycle.train.data import Pair, split_pairs
 from kite.upcycle.train.regenerator import Regenerator, RegeneratorFit, install
 from kite.upcycle.train.report import held_out_report, loss_plot
+from kite.upcycle.train.weights import model_value_weights
 
 RUN = "run.json"
 
@@ -98,17 +99,20 @@ def prepare_output(req: TrainRequest, key: dict) -> None:
     write_text(run, json.dumps(key, indent=1, sort_keys=True))
 
 
-def fit_regenerator(lm, train_pairs: list[Pair], cfg_codec, progress=None) -> Regenerator:
-    """Calibrate on the training documents (each once), in the blocks the codec uses."""
+def fit_regenerator(lm, train_pairs: list[Pair], cfg_codec, progress=None, weighted: bool = True) -> Regenerator:
+    """Calibrate on the training documents (each once), in the blocks the codec uses; ``weighted``:
+    with attention-aware distortion weights (the documents' queries and the model's ``o_proj``;
+    :mod:`kite.upcycle.train.weights`)."""
     docs = {p.document_key: p for p in train_pairs}
     fit = RegeneratorFit(n_layers=lm.geometry.n_layers, joint_heads=cfg_codec.joint_heads, center=cfg_codec.center)
     for i, p in enumerate(docs.values()):
-        cap = capture(lm, p.context)
-        fit.add(cap.keys_pre, cap.values, cap.ids)
+        cap = capture(lm, p.context, queries=weighted)
+        fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq if weighted else None)
         if progress:
             progress("regenerator (calibrate)", i + 1, len(docs))
     return fit.finish({"model_fingerprint": lm.fingerprints.base, "geometry": lm.geometry.to_dict(),
-                       "calibration": {"source": "kite upcycle train"}})
+                       "calibration": {"source": "kite upcycle train"}},
+                      value_weights=model_value_weights(lm) if weighted else None)
 
 
 def train_upcycle(lm, pairs: list[Pair], cfg: UpcycleConfig, req: TrainRequest, progress=None) -> dict:
