@@ -99,6 +99,8 @@ def main(argv=None) -> int:
                     help="measure only these rows (e.g. GPL-3:4 Apache-2.0:16)")
     ap.add_argument("--methods", nargs="*", default=["doc", "regen", "regen+adapter"],
                     choices=["doc", "regen", "regen+adapter"])
+    ap.add_argument("--choice", choices=["measured", "expected", "probe"],
+                    help="how each side picks the regenerator's basis or the document's (default: the codec's)")
     ap.add_argument("--save-regenerator", type=Path, help="keep the fitted regenerator in this folder")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -113,6 +115,7 @@ def main(argv=None) -> int:
         reg = fit_regenerator(lm, args.calibration_contracts, weighted=not args.unweighted)
     if args.save_regenerator:
         reg.save(args.save_regenerator)
+    reg.choice = args.choice
     print(f"regenerator {reg.fingerprint[:21]} weighted={reg.weighted} ({time.perf_counter() - t0:.0f} s)",
           file=sys.stderr, flush=True)
     reader = load_model(None, adapter=args.adapter) if args.adapter else None
@@ -140,7 +143,7 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
     result = {"machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
               "model": lm.fingerprints.combined, "regenerator": {"fingerprint": reg.fingerprint,
-                                                                  "weighted": reg.weighted,
+                                                                  "weighted": reg.weighted, "choice": reg.choice,
                                                                   "calibration": reg.meta.get("calibration")},
               "argv": list(argv if argv is not None else sys.argv[1:]),
               "adapter": str(args.adapter) if args.adapter else None, "rows": rows,

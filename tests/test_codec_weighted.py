@@ -164,3 +164,29 @@ def test_weights_must_be_positive_and_shaped_like_the_blocks():
         C.fit_layer(x, x, _settings(), weights={"k": torch.zeros(1, H * d)})
     with pytest.raises(ValueError, match="1x32"):
         C.fit_layer(x, x, _settings(), weights={"k": torch.ones(1, 7)})
+
+
+def test_an_unweighted_regenerator_can_pick_by_measured_plain_error():
+    fit = RegeneratorFit(n_layers=1)
+    for seed in (10, 11, 12):
+        x = _data(seed, spectrum=torch.logspace(-2, 1, H * d))
+        fit.add([x], [x])
+    reg = fit.finish({"model_fingerprint": "kite-fp1:test"})
+    reg.choice = "measured"
+    s = _settings()
+    for T in (256, 2048):
+        x = _data(2, T=T)
+        lc = C.fit_layer(x, x, s, **reg.layer(0))
+        assert "k.w" not in lc.tensors
+        ones = torch.ones(1, H * d)
+        errs = {}
+        for mode, given in (("rpca", reg.side(0, "k")), ("pca", None)):
+            t, m = {}, {"settings": s.to_json(), "H": H, "d": d}
+            coder(mode).fit("k", x, s, t, m, pca=given)
+            trial = C.LayerCodec(t, m)
+            if mode == "rpca":
+                C.attach_regenerator(trial, {"k": given[2]}, sides=("k",))
+            errs[mode] = C.weighted_error(trial, "k", x, ones)
+        assert lc.meta["k"]["mode"] == min(errs, key=errs.get)
+    with pytest.raises(ValueError, match="choice"):
+        C.fit_layer(x, x, s, choice="best")

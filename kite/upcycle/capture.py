@@ -28,6 +28,8 @@ class Capture:
     # with queries=True: per layer, the sum over the document's tokens of each query output's square
     # [H_q * d] float64 (pre-RoPE: q_proj's output), what a key error costs (kite.upcycle.train.weights)
     query_sq: list[torch.Tensor] = field(default_factory=list)
+    # with query_rows=N: per layer, the last N tokens' query outputs [N, H_q * d] fp32 (pre-RoPE)
+    query_tail: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
@@ -53,12 +55,13 @@ def token_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]
 @torch.inference_mode()
 def capture(lm, text: str, *, chunk_tokens: int = 1024, hidden_layers: Sequence[int] = (),
             progress: Callable[[int, int], None] | None = None,
-            ids: list[int] | None = None, queries: bool = False) -> Capture:
+            ids: list[int] | None = None, queries: bool = False, query_rows: int = 0) -> Capture:
     """Prefill `text` in chunks of `chunk_tokens`, keeping K (pre-RoPE), V and some hidden states.
 
     hidden_layers: indices into HF's hidden_states (0 = embeddings, i = after layer i).
     progress(done_tokens, total_tokens) is called after each chunk.
     queries: also sum each layer's squared query outputs over the tokens (``Capture.query_sq``).
+    query_rows: also keep the last ``query_rows`` tokens' query outputs per layer (``Capture.query_tail``).
     """
     from kite.errors import BadInput
 
@@ -76,7 +79,8 @@ def capture(lm, text: str, *, chunk_tokens: int = 1024, hidden_layers: Sequence[
     cache = new_cache(model)
     hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in hidden_layers}
     query_sq: dict[int, torch.Tensor] = {}
-    hooks = _query_hooks(model, query_sq) if queries else []
+    tail: dict[int, list[torch.Tensor]] = {}
+    hooks = _query_hooks(model, query_sq if queries else None, tail, query_rows) if queries or query_rows else []
     t0 = time.perf_counter()
     try:
         _prefill(model, ids, chunk_tokens, device, cache, hidden, hidden_layers, progress)
@@ -84,9 +88,10 @@ def capture(lm, text: str, *, chunk_tokens: int = 1024, hidden_layers: Sequence[
         for h in hooks:
             h.remove()
     prefill_ms = (time.perf_counter() - t0) * 1e3
-    if queries and sorted(query_sq) != list(range(lm.geometry.n_layers)):
-        raise ValueError(f"found the query projections of layers {sorted(query_sq)}, not of all "
-                         f"{lm.geometry.n_layers}")
+    for found in ([query_sq] if queries else []) + ([tail] if query_rows else []):
+        if sorted(found) != list(range(lm.geometry.n_layers)):
+            raise ValueError(f"found the query projections of layers {sorted(found)}, not of all "
+                             f"{lm.geometry.n_layers}")
     cos, sin = rope_cos_sin(model, torch.arange(len(ids)), device=device)
     keys_pre, values = [], []
     for k, v in cache_layers(cache):
@@ -94,14 +99,17 @@ def capture(lm, text: str, *, chunk_tokens: int = 1024, hidden_layers: Sequence[
         values.append(v[0].float())
     return Capture(text=text, ids=ids, offsets=offsets, keys_pre=keys_pre, values=values,
                    hidden={l: torch.cat(h) for l, h in hidden.items()}, prefill_ms=prefill_ms,
-                   query_sq=[query_sq[i].cpu() for i in sorted(query_sq)])
+                   query_sq=[query_sq[i].cpu() for i in sorted(query_sq)],
+                   query_tail=[torch.cat(tail[i])[-query_rows:] for i in sorted(tail)] if query_rows else [])
 
 
 _Q_PROJ = re.compile(r"layers\.(\d+)\.self_attn\.q_proj$")
 
 
-def _query_hooks(model, sums: dict[int, torch.Tensor]) -> list:
-    """Forward hooks on every layer's ``self_attn.q_proj`` adding its output's squares to ``sums``."""
+def _query_hooks(model, sums: dict[int, torch.Tensor] | None, tail: dict[int, list[torch.Tensor]],
+                 rows: int) -> list:
+    """Forward hooks on every layer's ``self_attn.q_proj``: add its output's squares to ``sums``
+    (unless None) and keep its last ``rows`` tokens' outputs in ``tail``."""
     handles = []
     for name, module in model.named_modules():
         m = _Q_PROJ.search(name)
@@ -109,8 +117,15 @@ def _query_hooks(model, sums: dict[int, torch.Tensor]) -> list:
             continue
 
         def hook(_mod, _inp, out, layer=int(m.group(1))):
-            sq = out.detach().double().pow(2).reshape(-1, out.shape[-1]).sum(dim=0)
-            sums[layer] = sums[layer] + sq if layer in sums else sq
+            q = out.detach().reshape(-1, out.shape[-1])
+            if sums is not None:
+                sq = q.double().pow(2).sum(dim=0)
+                sums[layer] = sums[layer] + sq if layer in sums else sq
+            if rows:
+                kept = tail.setdefault(layer, [])
+                kept.append(q[-rows:].float().cpu())
+                while len(kept) > 1 and sum(t.shape[0] for t in kept[1:]) >= rows:
+                    kept.pop(0)
 
         handles.append(module.register_forward_hook(hook))
     return handles

@@ -24,6 +24,8 @@ from kite.upcycle.codec.part_widths import part_widths
 from kite.upcycle.codec.settings import at_ratio, ratio_of
 from kite.upcycle.cluster import kmeans
 from kite.upcycle.spans import cut_spans
+from kite.upcycle.train.probe import ROWS as PROBE_ROWS
+from kite.upcycle.train.probe import AttentionProbe
 from kite.upcycle.format.container import LARGE_MIN_SAVING, MIN_SAVING, StateWriter
 from kite.upcycle.format.names import blob_key
 from kite.upcycle.tagging.build import describe_tagger
@@ -153,8 +155,11 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
                            f"{settings.codec.name} codes {'joint heads' if settings.codec.joint_heads else 'per head'}")
     timings: dict[str, float] = {}
     layers_needed = list(tagger.embedding_layers) if _uses_embeddings(tagger) else [lm.geometry.n_layers // 2]
+    probe_rows = PROBE_ROWS if regenerator is not None and regenerator.choice == "probe" else 0
     cap = capture(lm, text, chunk_tokens=settings.chunk_tokens, hidden_layers=layers_needed,
-                  progress=(lambda d, t: progress("prefill", d, t)) if progress else None, ids=ids)
+                  progress=(lambda d, t: progress("prefill", d, t)) if progress else None, ids=ids,
+                  query_rows=probe_rows)
+    probe = AttentionProbe(lm, cap.query_tail, cap.n_tokens) if probe_rows else None
     timings["prefill"] = cap.prefill_ms
 
     text = cap.text
@@ -214,7 +219,8 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
         t = time.perf_counter()
         for layer in range(n_layers):
             K, V = cap.keys_pre[layer], cap.values[layer]
-            lc = codec.fit_layer(K, V, fit_codec, **({} if regenerator is None else regenerator.layer(layer)))
+            lc = codec.fit_layer(K, V, fit_codec, **({} if regenerator is None else regenerator.layer(
+                layer, probe.metric(layer, K, V) if probe else None)))
             regenerated[0] += sum(lc.meta[side]["mode"] == "rpca" for side in ("k", "v"))
             writer.add(blob_key(None, layer), codec.to_bytes(lc))
             for c, idx in enumerate(token_sets):

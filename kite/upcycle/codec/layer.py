@@ -20,7 +20,8 @@ from kite.upcycle.codec.settings import CodecSettings, settings_for
 
 def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | str | float | None = None,
               pca: dict | None = None, budget_tokens: int | None = None,
-              regenerator: dict | None = None, weights: dict | None = None) -> LayerCodec:
+              regenerator: dict | None = None, weights: dict | None = None,
+              choice: str | None = None, metric=None) -> LayerCodec:
     """Fit the shared per-layer part on the whole document's pre-RoPE keys and values [H, T, d].
 
     ``pca`` may carry precomputed ``{"k": (mean, evals, U), "v": (...)}`` from :func:`fit_layers`'
@@ -37,6 +38,13 @@ def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | st
     minimise the weighted squared error (weighted PCA) and, with a regenerator, each side keeps the
     candidate (the document's weighted basis, its plain basis, the regenerator's) whose *measured*
     weighted error on the document is lowest at the same byte budget.
+    ``choice`` (with a regenerator): ``"measured"`` (the default with weights; without them the
+    metric is the plain squared error and the candidates are the regenerator's basis and the
+    document's) or ``"expected"`` (the default without weights: the error the bit allocation
+    expects, as before weights existed).
+    ``metric(side, X, X_hat) -> float`` (with a regenerator; implies ``choice="measured"``): what a
+    candidate's decoded side costs, in place of the (weighted) squared error -- e.g. the attention
+    probe's (:class:`kite.upcycle.train.probe.AttentionProbe`).
     """
     s = settings_for(settings)
     if K_pre.dim() != 3 or K_pre.shape != V.shape:
@@ -46,10 +54,14 @@ def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | st
     tensors: dict[str, torch.Tensor] = {}
     meta: dict = {"settings": s.to_json(), "H": H, "d": d, "T_fit": T}
     weights = weights or {}
+    choice = choice or ("measured" if weights or metric is not None else "expected")
+    if choice not in ("measured", "expected"):
+        raise ValueError(f"choice must be 'measured' or 'expected', got {choice!r}")
     for side, X, mode in (("k", K_pre, s.k_mode), ("v", V, s.v_mode)):
         w = weights.get(side) if mode == "pca" else None
-        if regenerator is not None and mode == "pca" and w is not None:
-            _fit_measured(side, X, s, tensors, meta, (pca or {}).get(side), regenerator[side], budget_tokens, w)
+        if regenerator is not None and mode == "pca" and (w is not None or choice == "measured"):
+            _fit_measured(side, X, s, tensors, meta, (pca or {}).get(side), regenerator[side], budget_tokens, w,
+                          metric)
         elif regenerator is not None and mode == "pca":
             _fit_best(side, X, s, tensors, meta, (pca or {}).get(side), regenerator[side], budget_tokens)
         else:
@@ -85,19 +97,29 @@ def weighted_error(lc: LayerCodec, side: str, X: torch.Tensor, weights: torch.Te
     return float((err.sum(dim=1).double() * weights.double().to(err.device)).sum())
 
 
-def _fit_measured(side, X, s, tensors, meta, pca, regen, budget_tokens, weights) -> None:
+def _fit_measured(side, X, s, tensors, meta, pca, regen, budget_tokens, weights, metric=None) -> None:
     """Fit one side each way -- the document's weighted basis, its plain basis, the regenerator's
     (weighted with the same weights) -- code the whole document with each and keep the one whose
-    measured weighted error is lowest (ties go to the regenerator: no basis stored)."""
+    measured weighted error is lowest (ties go to the regenerator: no basis stored). ``weights``
+    None: the plain squared error, of the regenerator's basis and the document's."""
     H, T, d = X.shape
     tried = []
-    for mode, given, w in (("rpca", regen, weights), ("pca", None, weights), ("pca", pca, None)):
+    cands = (("rpca", regen, weights), ("pca", None, weights), ("pca", pca, None)) if weights is not None else \
+        (("rpca", regen, None), ("pca", pca, None))
+    if weights is None:
+        weights = torch.ones(blocks(X[:, :1], s.joint_heads).shape[0], blocks(X[:, :1], s.joint_heads).shape[2])
+    for mode, given, w in cands:
         t, m = {}, {"settings": s.to_json(), "H": H, "d": d}
         coder(mode).fit(side, X, s, t, m, pca=given, budget_tokens=budget_tokens, weights=w)
         trial = LayerCodec(tensors=t, meta=m)
         if mode == "rpca":
             attach_regenerator(trial, {side: regen[2]}, sides=(side,))
-        tried.append((weighted_error(trial, side, X, weights), len(tried), t, m))
+        if metric is None:
+            err = weighted_error(trial, side, X, weights)
+        else:
+            c = coder(mode)
+            err = metric(side, X, c.decode(trial, side, c.encode(trial, side, X, torch.arange(T))))
+        tried.append((err, len(tried), t, m))
     _, _, t, m = min(tried, key=lambda x: (x[0], x[1]))
     tensors.update(t)
     meta.update({key: value for key, value in m.items() if key not in ("settings", "H", "d")})

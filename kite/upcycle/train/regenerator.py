@@ -149,6 +149,10 @@ class Regenerator:
     meta: dict
     tensors: dict[str, torch.Tensor]
     _fingerprint: str | None = field(default=None, repr=False)
+    # how states coded against it pick each side's basis: kite.upcycle.codec.fit_layer's ``choice``
+    # ("expected", "measured"; None: its default) or "probe" (measured by the attention probe,
+    # kite.upcycle.train.probe, which the compressor builds). A setting of the coder, not saved.
+    choice: str | None = field(default=None, compare=False)
 
     @property
     def fingerprint(self) -> str:
@@ -181,10 +185,15 @@ class Regenerator:
         self.side(layer, "k")      # BadInput naming the layer when it has none
         return {side: self.tensors[f"L{layer}.{side}.weight"] for side in ("k", "v")}
 
-    def layer(self, layer: int) -> dict:
+    def layer(self, layer: int, metric=None) -> dict:
         """What :func:`kite.upcycle.codec.fit_layer` takes for ``layer``: ``regenerator=`` (each
-        side's mean, variances, basis) and ``weights=`` (None when unweighted)."""
-        return {"regenerator": {side: self.side(layer, side) for side in ("k", "v")}, "weights": self.weights(layer)}
+        side's mean, variances, basis), ``weights=`` (None when unweighted), ``choice=`` and
+        ``metric=`` (the attention probe's for this layer when :attr:`choice` is ``"probe"``)."""
+        if self.choice == "probe" and metric is None:
+            raise ValueError("choice 'probe' needs the attention probe's metric for the layer")
+        return {"regenerator": {side: self.side(layer, side) for side in ("k", "v")}, "weights": self.weights(layer),
+                "choice": "measured" if self.choice == "probe" else self.choice,
+                "metric": metric if self.choice == "probe" else None}
 
     def check_model(self, lm) -> None:
         """Refuse a model other than the one this regenerator was fitted on (invariant 3): its weights
