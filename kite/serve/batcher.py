@@ -8,11 +8,15 @@ one token, streamed text goes out through each request's ``on_text``. A sequence
 its row at once. Strict arrival order: a head that does not fit yet waits for rooms to free up, and
 one that can never fit (alone it would pass the KV budget) is refused.
 
-The model is shared with the request threads (YOCO's decision, the state's load, the measured
-gain's extra forward run there): every touch of it, the steps included, holds the server's model
-lock, so they interleave at step boundaries. This is the scheduling vLLM and SGLang call
-continuous (iteration-level) batching, without their paged KV: each row is one contiguous block
-per layer (docs/serving.md).
+The scheduler's thread is the model's only thread. Everything else that runs the model (an
+upload's upcycle, YOCO's decision and the state's load before a generation, the measured gain after
+it) is handed to it with :meth:`Batcher.call` and runs between two steps, in arrival order. One
+thread keeps one OpenMP team: a second thread that runs torch work starts a second team, and
+libgomp, seeing more of its threads than cores, stops letting idle workers spin, so every parallel
+region of every step waits for a worker to wake (measured on the 2-core dev box: steps ~40 % slower
+once request threads had run forwards; docs/PERFORMANCE.md "Continuous batching"). This is the
+scheduling vLLM and SGLang call continuous (iteration-level) batching, without their paged KV: each
+row is one contiguous block per layer (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kite.errors import BadInput
 from kite.runtime.batch_decode import BatchDecoder
@@ -50,6 +55,25 @@ class BatchRequest:
         return (end - self.queued_at) * 1e3
 
 
+@dataclass(eq=False)
+class ModelTask:
+    """Work for the model's thread (:meth:`Batcher.call`): ``fn()``'s result or error in ``future``."""
+
+    fn: Callable[[], object]
+    future: Future = field(default_factory=Future)
+    queued_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        self.started_at = time.perf_counter()
+        try:
+            self.future.set_result(self.fn())
+        except BaseException as exc:  # noqa: BLE001 - the caller gets it
+            self.future.set_exception(exc)
+
+
 class Leaving:
     """A client that may leave before its request joins the batch: :meth:`leave` cancels it
     whenever that happens (pass :meth:`attach` as ``GenOptions.on_request``)."""
@@ -74,19 +98,19 @@ class Leaving:
 
 
 class Batcher:
-    """The scheduler thread over one model (``lm``), sharing ``lock`` with everything else that runs
-    it. ``max_batch``: sequences decoding at once; ``max_kv_bytes``: the batch's KV buffers (None:
+    """The scheduler thread over one model (``lm``), and the only thread that runs it (:meth:`call`).
+    ``max_batch``: sequences decoding at once; ``max_kv_bytes``: the batch's KV buffers (None:
     unbounded). ``on_step(queue_length, rows, cancelled, seconds)`` is called after every step (metrics:
     the queue left, the sequences the step ran, those it dropped because their clients left, the step's
     wall time)."""
 
-    def __init__(self, lm, lock, *, max_batch: int = 8, max_kv_bytes: int | None = None,
-                 on_step=None):
+    def __init__(self, lm, *, max_batch: int = 8, max_kv_bytes: int | None = None, on_step=None):
         if max_batch < 1:
             raise BadInput(f"--max-batch {max_batch}: at least 1")
-        self.lm, self.lock, self.on_step = lm, lock, on_step
+        self.lm, self.on_step = lm, on_step
         self.decoder = BatchDecoder(lm, max_batch, max_kv_bytes=max_kv_bytes)
         self._queue: deque[BatchRequest] = deque()
+        self._tasks: deque[ModelTask] = deque()
         self._running: dict[int, BatchRequest] = {}
         self._wake = threading.Condition()
         self._closed = False
@@ -94,6 +118,25 @@ class Batcher:
         self.steps = 0
         self.cancelled = 0     # sequences dropped because their clients left (queued or decoding)
         self._thread.start()
+
+    # -- other model work ----------------------------------------------------------------------------
+    def call(self, fn: Callable[[], object], since: float | None = None) -> tuple[object, float]:
+        """Run ``fn()`` on the model's thread at the next step boundary, after the work handed over
+        before it; (its result, ms it waited to start, counted from ``since`` when given). Its error is
+        raised here. Called from the model's thread itself (``fn`` inside another task), it runs at once."""
+        if threading.current_thread() is self._thread:
+            t0 = time.perf_counter()
+            return fn(), ((t0 - since) * 1e3 if since is not None else 0.0)
+        task = ModelTask(fn)
+        if since is not None:
+            task.queued_at = since
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the server is shutting down")
+            self._tasks.append(task)
+            self._wake.notify()
+        result = task.future.result()
+        return result, (task.started_at - task.queued_at) * 1e3
 
     # -- requests ----------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], prefix: KVPrefix | None, opts,
@@ -143,7 +186,7 @@ class Batcher:
             self._closed = True
             self._wake.notify()
         self._thread.join(timeout=30)
-        for req in list(self._queue) + list(self._running.values()):
+        for req in list(self._queue) + list(self._running.values()) + list(self._tasks):
             if not req.future.done():
                 req.future.set_exception(RuntimeError("the server is shutting down"))
 
@@ -151,18 +194,24 @@ class Batcher:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._closed and not self._queue and not self._running:
+                while not self._closed and not self._queue and not self._running and not self._tasks:
                     self._wake.wait()
                 if self._closed:
                     return
+                tasks = list(self._tasks)   # what was handed over before this step boundary
+                self._tasks.clear()
+            for task in tasks:
+                task.run()
+            with self._wake:
+                if not self._queue and not self._running:
+                    continue
             try:
-                with self.lock:
-                    self._admit()
-                    self._cancel_left()
-                    ran = len(self.decoder)
-                    t0 = time.perf_counter()
-                    ended = self.decoder.step() if self._running else {}
-                    took = time.perf_counter() - t0
+                self._admit()
+                self._cancel_left()
+                ran = len(self.decoder)
+                t0 = time.perf_counter()
+                ended = self.decoder.step() if self._running else {}
+                took = time.perf_counter() - t0
                 self.steps += 1
             except BaseException as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
                 self._fail_running(exc)
@@ -212,10 +261,9 @@ class Batcher:
 
     def _fail_running(self, exc: BaseException) -> None:
         """A step failed: every request in the batch gets the error, their rows are freed."""
-        with self.lock:
-            for handle, req in list(self._running.items()):
-                self.decoder.cancel(handle)
-                if not req.future.done():
-                    req.future.set_exception(exc)
-            self.decoder.step()   # no sequence left: collects the cancelled ones' results
-            self._running.clear()
+        for handle, req in list(self._running.items()):
+            self.decoder.cancel(handle)
+            if not req.future.done():
+                req.future.set_exception(exc)
+        self.decoder.step()   # no sequence left: collects the cancelled ones' results
+        self._running.clear()

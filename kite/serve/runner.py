@@ -1,16 +1,14 @@
 """The one model a server runs, and everything that touches it: upcycling uploads and answering.
 
-Generations decode together in the continuous batch (:mod:`kite.serve.batcher`); everything else
-that runs the model (an upload's upcycle, YOCO's decision before a generation, the measured gain's
-extra forward after it) takes the model lock, which the batch's steps hold too, so they interleave
-at step boundaries (the lock is first come, first served: kite.serve.model_lock). A state's load
-runs no forward: it lets the lock go, and the batch steps while it reads and decodes. Routes call these from
+Generations decode together in the continuous batch (:mod:`kite.serve.batcher`), whose thread is
+the model's only thread: everything else that runs the model (an upload's upcycle, YOCO's decision
+and the state's load before a generation, the measured gain after it) is handed to that thread
+(``Batcher.call``) and runs between two steps, first come, first served. Routes call these from
 worker threads, which keeps the event loop free for admin, health and metrics.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -84,18 +82,15 @@ class ModelRunner:
     def __init__(self, pipeline, settings: ServeSettings, rules, store: StateStore, *,
                  health=None, novelty=None, sampler=None, on_step=None):
         from kite.serve.batcher import Batcher
-        from kite.serve.model_lock import ModelLock
         from kite.serve.prefixes import PrefixCache
 
         self.pipeline, self.lm, self.tagger = pipeline, pipeline.lm, pipeline.tagger
         self.settings, self.rules, self.store = settings, rules, store
         self.health, self.novelty, self.sampler = health, novelty, sampler
         self.kv_budget = settings.budget_settings(self.lm.geometry.context_length)
-        self._lock = ModelLock()   # first come, first served: a step never jumps the waiters
         self.prefixes = PrefixCache(settings.prefix_cache_bytes)   # loaded states, for the next question
-        self._loading = threading.Lock()   # one state load at a time, beside the batch's steps
-        self.batcher = Batcher(self.lm, self._lock, max_batch=settings.max_batch,
-                               max_kv_bytes=settings.batch_kv_bytes, on_step=on_step)
+        self.batcher = Batcher(self.lm, max_batch=settings.max_batch, max_kv_bytes=settings.batch_kv_bytes,
+                               on_step=on_step)
 
     def close(self) -> None:
         """Stop the batch's scheduler (requests still in it fail with a shutdown error)."""
@@ -114,12 +109,6 @@ class ModelRunner:
         spec = self.model_name
         short = Path(spec).stem if spec.endswith(".gguf") else Path(spec).name
         return tuple(dict.fromkeys(n for n in (spec, short) if n))
-
-    def _locked(self, since: float | None = None) -> float:
-        """Take the model lock; ms waited since `since` (default: now)."""
-        t0 = since if since is not None else time.perf_counter()
-        self._lock.acquire()
-        return (time.perf_counter() - t0) * 1e3
 
     # -- states -----------------------------------------------------------------------------
     def upcycle(self, document: str, state_id: str | None = None, name: str = "-",
@@ -147,13 +136,14 @@ class ModelRunner:
                 return Upcycled(self.store.summary(sid), created=False)
             if not overwrite:
                 raise StateExists(f"state {sid!r} exists (send \"overwrite\": true to replace it)")
-        self._locked()
-        try:
+        def compress():
             if not explicit and path.is_file():  # the same document, upcycled while we waited
-                return Upcycled(self.store.summary(sid), created=False)
-            result = self.pipeline.compress(document, path, source_name=name)
-        finally:
-            self._lock.release()
+                return None
+            return self.pipeline.compress(document, path, source_name=name)
+
+        result, _ = self.batcher.call(compress)
+        if result is None:
+            return Upcycled(self.store.summary(sid), created=False)
         self.store.publish(path)
         if explicit and overwrite and self.health is not None:
             self.health.reset(sid)  # a new document under an old id: its old record means nothing
@@ -181,35 +171,19 @@ class ModelRunner:
         path = self.store.existing(state_id) if state_id is not None else None
         if path is None and self.kv_budget is not None:
             return self._budgeted(prompt_ids, opts)
-        prepared, ruleset, lock_wait = None, None, 0.0
+        prepared, ruleset, wait = None, None, 0.0
         if path is not None:
             ruleset = self.rules.current  # one read: the set that decides this request
-            lock_wait = self._locked(opts.queued_at)
-            holding = [True]
-
-            def load_beside_the_batch(state, lm, **kwargs):
-                # reading and decoding a state runs no forward: the model lock goes before it, so the
-                # batch steps meanwhile; loads take turns (the load and prefix caches are not shared
-                # between threads)
-                self._lock.release()
-                holding[0] = False
-                with self._loading:
-                    return self.prefixes.load(state, lm, **kwargs)
-
-            try:
-                prepared = prepare(self.lm, self.tagger, ruleset, path, query, health=self.health,
-                                   novelty=self.novelty, sampler=self.sampler, min_hit_gain=self.settings.min_hit_gain,
-                                   fusion_enabled=self.settings.fusion, state_id=state_id, loader=load_beside_the_batch)
-            finally:
-                if holding[0]:
-                    self._lock.release()
+            prepared, wait = self.batcher.call(lambda: prepare(
+                self.lm, self.tagger, ruleset, path, query, health=self.health, novelty=self.novelty,
+                sampler=self.sampler, min_hit_gain=self.settings.min_hit_gain, fusion_enabled=self.settings.fusion,
+                state_id=state_id, loader=self.prefixes.load), since=opts.queued_at)
             opts.queued_at = time.perf_counter()
         gen, req = self.batcher.generate(prompt_ids, prepared.prefix if prepared else None, opts)
-        wait = lock_wait + req.wait_ms
+        wait += req.wait_ms
         if prepared is None:
             return Answer(gen, wait_ms=wait)
-        with self._lock:
-            fused = finish(self.lm, prepared, prompt_ids, gen, health=self.health)
+        fused, _ = self.batcher.call(lambda: finish(self.lm, prepared, prompt_ids, gen, health=self.health))
         skipped = None if self.kv_budget is None else {
             "applied": False, "reason": "a state was named: its KV is loaded as the state's own compressed prefix"}
         return Answer(gen, fused, state_id, {"version": ruleset.version, "sha256": ruleset.sha256}, wait_ms=wait,
@@ -220,6 +194,6 @@ class ModelRunner:
         holding the sinks and the raw window, its older tokens coded in blocks (docs/kv-budget.md)."""
         from kite.upcycle import BudgetRow
 
-        memory = BudgetRow(self.lm.model, self.kv_budget)
+        memory, _ = self.batcher.call(lambda: BudgetRow(self.lm.model, self.kv_budget))  # tensors: the model's thread
         gen, req = self.batcher.generate(prompt_ids, None, opts, memory)
         return Answer(gen, wait_ms=req.wait_ms, kv_budget={"applied": True, "batched": True, **memory.stats()})

@@ -1,0 +1,100 @@
+"""Model work handed to the batch's thread (kite.serve.batcher.Batcher.call): it runs there, between
+two steps, in arrival order, and the batch goes on decoding around it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kite.serve.batcher import Batcher
+from kite.serve.runner import GenOptions
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_models):
+    import torch
+
+    from kite.model import load_model
+
+    torch.set_num_threads(1)
+    return load_model(str(tiny_models["llama"]), device="cpu")
+
+
+@pytest.fixture
+def batcher(lm):
+    b = Batcher(lm, max_batch=4)
+    yield b
+    b.close()
+
+
+def test_work_runs_on_the_batch_thread_and_returns_its_result_or_error(batcher):
+    where, waited = batcher.call(lambda: threading.current_thread())
+    assert where is batcher._thread and waited >= 0
+
+    def boom():
+        raise ValueError("bad input inside the task")
+
+    with pytest.raises(ValueError, match="bad input inside the task"):
+        batcher.call(boom)
+    # a task that hands over more work runs it at once (no deadlock), and the batcher goes on
+    assert batcher.call(lambda: batcher.call(lambda: 7)[0])[0] == 7
+    assert batcher.call(lambda: "still here")[0] == "still here"
+
+
+def test_work_handed_over_during_a_generation_runs_at_the_next_step_boundary(batcher, lm):
+    import torch
+
+    ids = lm.tokenizer("Once upon a time", add_special_tokens=True)["input_ids"]
+    alone, _ = batcher.generate(ids, None, GenOptions(max_new_tokens=40))
+    steps_seen: list[tuple[int, int]] = []
+    started = threading.Event()
+
+    def on_text(_piece):
+        started.set()
+
+    done: dict = {}
+
+    def generation():
+        done["gen"], _ = batcher.generate(ids, None, GenOptions(max_new_tokens=40, on_text=on_text))
+
+    t = threading.Thread(target=generation)
+    t.start()
+    assert started.wait(30)
+    for _ in range(5):   # each waits for the step in progress at most, then the batch steps again
+        asked = batcher.steps
+        ran_at, _ = batcher.call(lambda: (batcher.steps, torch.ones(4).sum().item()))
+        steps_seen.append((asked, ran_at[0]))
+        time.sleep(0.002)
+    t.join(60)
+    assert all(ran - asked <= 1 for asked, ran in steps_seen), steps_seen
+    # the generation was not disturbed: the same tokens as alone
+    got = done["gen"]
+    assert (got.text, got.new_tokens, got.stop_reason) == (alone.text, alone.new_tokens, alone.stop_reason)
+    assert got.new_tokens > 10
+
+
+def test_tasks_run_in_the_order_they_were_handed_over(batcher):
+    order: list[int] = []
+    gate = threading.Event()
+    first = threading.Thread(target=lambda: batcher.call(lambda: (gate.wait(10), order.append(0))))
+    first.start()
+    time.sleep(0.05)   # the first task holds the thread: the next ones queue behind it
+    threads = []
+    for i in range(1, 5):
+        th = threading.Thread(target=lambda i=i: batcher.call(lambda: order.append(i)))
+        th.start()
+        threads.append(th)
+        time.sleep(0.02)
+    gate.set()
+    for th in [first, *threads]:
+        th.join(10)
+    assert order == [0, 1, 2, 3, 4]
+
+
+def test_a_closed_batcher_refuses_work(lm):
+    b = Batcher(lm, max_batch=1)
+    b.close()
+    with pytest.raises(RuntimeError, match="shutting down"):
+        b.call(lambda: 1)
