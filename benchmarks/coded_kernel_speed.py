@@ -1,7 +1,10 @@
 """The coded-attention decode kernel alone on synthetic resident states at Qwen2-7B geometry (4 KV
 heads, 28 query heads, head_dim 128, 16,384 rows): one tile per step vs blocks of 2 and 4 tiles, with
 per-head bases (128 code columns per head) and joint-head ones (512), at the batch a 40 GB budget
-holds; the block variants checked against the one-tile kernel on the same inputs.
+holds; the block variants checked against the one-tile kernel on the same inputs. For per-head bases
+also the head kernel (``head=True``: the basis held on chip, all columns in one product, scales as one
+row where a block lies in one quantization group), with fp32 or fp16 RoPE tables, and on states whose
+groups are 3 tiles long (every 4-tile block straddles two groups: its slow path).
 
     python3 benchmarks/coded_kernel_speed.py [--json out.json]
 
@@ -24,17 +27,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 HBM_BPS = 4.8e12
 
 
-def synthetic(N: int, T: int, H: int, d: int, R: int, joint: bool, gen) -> list:
-    """N resident layers of T rows (random codes < 16, groups of 512 rows), views of shared tensors."""
+def synthetic(N: int, T: int, H: int, d: int, R: int, joint: bool, gen, group_rows: int = 512) -> list:
+    """N resident layers of T rows (random codes < 16, groups of ``group_rows`` rows), views of shared
+    tensors."""
     from kite.kernels.coded_attention import TILE, CodedLayer
 
     C = R if joint else H * R
-    G = T // 512
+    G = -(-T // group_rows)
     dev = "cuda"
     codes_k = torch.randint(0, 16, (N, T, C), dtype=torch.uint8, device=dev, generator=gen)
     codes_v = torch.randint(0, 16, (N, T, C), dtype=torch.uint8, device=dev, generator=gen)
     pos = torch.arange(T, dtype=torch.int32, device=dev)
-    tg = (torch.arange(T // TILE, device=dev) * TILE // 512).to(torch.int32)
+    tg = (torch.arange(T // TILE, device=dev) * TILE // group_rows).to(torch.int32)
 
     def tab(lo, hi):
         return torch.rand(G, C, device=dev, generator=gen) * (hi - lo) + lo
@@ -64,25 +68,37 @@ def main() -> None:
     inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
     ang = torch.arange(P, device="cuda")[:, None].float() * inv[None]
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    half_cos, half_sin = cos[:, :d // 2].half().contiguous(), sin[:, :d // 2].half().contiguous()
+    old = ((1, 3, 64, 8, False, False), (2, 2, 64, 8, False, False), (2, 2, 32, 8, False, False),
+           (4, 1, 32, 8, False, False), (4, 2, 32, 8, False, False))
+    head = ((4, 2, 0, 8, True, False), (4, 2, 0, 8, True, True), (4, 1, 0, 8, True, True), (4, 3, 0, 8, True, True),
+            (4, 2, 0, 4, True, True), (2, 2, 0, 4, True, True), (2, 2, 0, 8, True, True), (8, 1, 0, 8, True, True))
     rows = {}
-    for label, R, joint, N in (("per-head bases", 128, False, 81), ("joint-head bases", 512, True, 78)):
-        layers = synthetic(N, T, H, d, R, joint, gen)
+    for label, R, joint, N, group_rows, configs in (
+            ("per-head bases", 128, False, 81, 512, old + head),
+            ("per-head bases, groups of 3 tiles", 128, False, 81, 96, ((4, 2, 32, 8, False, False),) + head[:2]),
+            ("joint-head bases", 512, True, 78, 512, old)):
+        layers = synthetic(N, T, H, d, R, joint, gen, group_rows)
         batch = CodedBatch(layers)
         stream = sum(t.numel() * t.element_size() for t in (layers[0].k_codes, layers[0].v_codes, layers[0].pos))
         q = torch.randn(N, Hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         ref = None
-        for block, stages, cols in ((1, 3, 64), (2, 2, 64), (2, 2, 32), (4, 1, 32), (4, 2, 32)):
-            name = f"{label}, block {block}, stages {stages}, cols {cols}"
+        for block, stages, cols, warps, use_head, half in configs:
+            name = (f"{label}, {'head kernel' if use_head else 'wide kernel'}, block {block}, stages {stages}"
+                    + (f", cols {cols}" if cols else "") + f", warps {warps}" + (", fp16 RoPE tables" if half else ""))
+            c_, s_ = (half_cos, half_sin) if half else (cos, sin)
             try:
-                def run(block=block, stages=stages, cols=cols, q=q, batch=batch):
-                    return coded_decode(q, batch, cos, sin, 1 / math.sqrt(d), block=block, num_stages=stages, cols=cols)
+                def run(block=block, stages=stages, cols=cols or 32, warps=warps, use_head=use_head, c_=c_, s_=s_,
+                        q=q, batch=batch):
+                    return coded_decode(q, batch, c_, s_, 1 / math.sqrt(d), block=block, num_stages=stages, cols=cols,
+                                        num_warps=warps, head=use_head)
                 o, lse = run()
                 out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
                 if ref is None:
                     ref = out
                 ms = do_bench(lambda: [run() for _ in range(args.layers)], warmup=50, rep=300, return_mode="median")
                 rows[name] = {"ms": ms, "floor_ms": args.layers * N * stream / HBM_BPS * 1e3, "sequences": N,
-                              "vs_block1_max_abs_diff": float((out - ref).abs().max()),
+                              "vs_first_max_abs_diff": float((out - ref).abs().max()),
                               "max_abs_out": float(ref.abs().max())}
             except Exception as e:  # noqa: BLE001 - a configuration that does not fit is reported
                 rows[name] = {"error": repr(e)[:300]}
@@ -92,7 +108,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     for k, v in rows.items():
-        print(f"{k:<45} " + (f"{v['ms']:9.2f} ms  floor {v['floor_ms']:.2f}  vs block 1: {v['vs_block1_max_abs_diff']:.2e}"
+        print(f"{k:<95} " + (f"{v['ms']:9.2f} ms  floor {v['floor_ms']:.2f}  vs first: {v['vs_first_max_abs_diff']:.2e}"
                              f" / {v['max_abs_out']:.2f}" if "ms" in v else v["error"][:120]))
 
 

@@ -97,11 +97,14 @@ def test_coded_attention_equals_attention_over_the_rebuilt_layer(lm, tmp_path, s
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("spec", list(SPECS))
 @pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("block", [1, 2, 4])
+@pytest.mark.parametrize("block", [1, 2, 4, "default"])
 def test_triton_decode_kernel_matches_the_rebuilt_path(lm, tmp_path, spec, qdtype, block):
     """The batched GPU kernel (bf16 bases and tensor cores, fp32 softmax) over several sequences of
-    different lengths against attention over the rebuilt path's bf16 keys / values."""
+    different lengths against attention over the rebuilt path's bf16 keys / values: the one-tile and
+    wide kernels (1, 2, 4 tiles a step) and the default (the head kernel where the bases fit it)."""
     from kite.kernels.coded_attention import coded_decode_partial
+
+    kernel = {} if block == "default" else {"block": block, "head": False}
 
     out = tmp_path / "s.upc"
     compress_document(lm, DOC, out, CompressSettings(codec=SPECS[spec], n_clusters=3, min_span_tokens=8,
@@ -123,7 +126,7 @@ def test_triton_decode_kernel_matches_the_rebuilt_path(lm, tmp_path, spec, qdtyp
     for layer in range(geo.n_layers):
         q = (torch.randn(len(seqs), geo.n_heads, geo.head_dim, generator=g, device="cuda") * 3).to(qdtype)
         got, lse = coded_decode_partial(q, [res.layers[layer] for _, _, res in seqs], cos_tab, sin_tab, scale,
-                                        block=block)
+                                        **kernel)
         for i, (keys, values, _) in enumerate(seqs):
             want = rebuilt_attention(q[i][:, None].float(), keys[layer], values[layer], scale)[:, 0]
             err = float((got[i] - want).abs().max() / want.abs().max())
