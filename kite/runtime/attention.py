@@ -6,6 +6,10 @@ or layers left out), so this function makes its own mask when the one it is hand
 every cached token precedes the new ones (positions are kept), so the right mask is causal
 aligned to the bottom-right corner.
 
+On a GPU a short query after a long cached prefix (a first forward over a loaded state, a decode
+step) goes to the split-KV kernel (kite.kernels.split_attention_triton): the keys split across thread
+blocks and merged by log-sum-exp, where one fused kernel would leave most of the GPU idle.
+
 Batched decoding (kite.runtime.batch_decode) goes further: every row of the batch holds its own
 state, so the visible slots differ per row and per layer. Its forward passes a
 `kite.runtime.batch_cache.BatchStep` under the keyword BATCH_KWARG, which transformers hands on to
