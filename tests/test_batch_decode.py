@@ -71,7 +71,7 @@ def test_one_forward_of_mixed_rows_equals_each_row_alone(lm, prefixes, one_threa
     a, b = prefixes
     cache = BatchKVCache(lm.model, max_rows=4)
     rows = [cache.take(a), cache.take(None), cache.take(None), cache.take(b)]
-    cache.free(rows.pop(2))
+    rows.pop(2)   # taken, but not in these forwards: the rows fed are not one slice of the buffers
     first = _ids(lm, 5, 1)
     forward_rows(lm.model, cache, [rows[1]], [first], [0])     # row 1 has something to decode after
     tokens = [_ids(lm, 7, 2), _ids(lm, 1, 3), _ids(lm, 3, 4)]
@@ -89,6 +89,25 @@ def test_one_forward_of_mixed_rows_equals_each_row_alone(lm, prefixes, one_threa
     assert cache.row_lengths(rows[0]) == [p + 7 for p in a.tokens_per_layer()]
     assert cache.row_lengths(rows[1]) == [6] * lm.geometry.n_layers
     assert cache.bytes_in_use() == sum(sum(cache.row_lengths(r)) for r in rows) * cache.slot_bytes // cache.n_layers
+
+
+def test_a_freed_row_takes_the_highest_rows_sequence_so_taken_rows_stay_packed(lm, prefixes, one_thread):
+    a, b = prefixes
+    cache = BatchKVCache(lm.model, max_rows=4)
+    rows = [cache.take(None), cache.take(a), cache.take(None), cache.take(b)]
+    forward_rows(lm.model, cache, rows, [_ids(lm, 4, 5), _ids(lm, 2, 6), _ids(lm, 3, 7), _ids(lm, 5, 8)],
+                 [0, a.next_position, 0, b.next_position])
+    want_len = cache.row_lengths(3)
+    want = [(cache.keys[layer][3, :, :n].clone(), cache.values[layer][3, :, :n].clone())
+            for layer, n in enumerate(want_len)]
+    assert cache.free(1) == 3                      # row 3's sequence now sits in row 1
+    assert cache.taken == [True, True, True, False] and cache.row_lengths(3) == [0] * cache.n_layers
+    assert cache.row_lengths(1) == want_len
+    for layer, (k, v) in enumerate(want):
+        n = want_len[layer]
+        assert torch.equal(cache.keys[layer][1, :, :n], k) and torch.equal(cache.values[layer][1, :, :n], v)
+    assert cache.free(2) is None                   # the highest taken row: nothing to move
+    assert cache.taken == [True, True, False, False]
 
 
 def test_batch_equals_one_at_a_time(lm, prefixes, one_thread):

@@ -188,17 +188,39 @@ class BatchKVCache:
         return row
 
     @torch.inference_mode()
-    def free(self, row: int) -> None:
+    def free(self, row: int) -> int | None:
         """The sequence in `row` left: the row is free for the next one (its slots are not cleared:
-        lengths say what is filled, and a new sequence overwrites them)."""
+        lengths say what is filled, and a new sequence overwrites them).
+
+        The taken rows stay packed at the bottom: the highest taken row above `row` moves down into
+        it (its filled slots copied once), and its old index is returned (None when nothing moved), for
+        the caller to follow its sequence there. Packed rows make a step's rows one slice of the
+        buffers; rows with gaps would be gathered, a copy of every row's keys and values in every layer
+        of every step (~34 ms a step for 8 rows of ~870 slots of the embedded model on 2 cores, against
+        ~4 ms for the one move)."""
         if self._step is not None:
             raise RuntimeError("rows change between steps, not during one")
         if not self.taken[row]:
             raise ValueError(f"row {row} is not taken")
         self.taken[row] = False
         self.lengths[:, row] = 0
-        if self.coded.pop(row, None) is not None:
+        moved = None
+        last = max((r for r, taken in enumerate(self.taken) if taken), default=-1)
+        if last > row:
+            n = int(self.lengths[:, last].max())
+            for store in (self.keys, self.values):
+                for buf in store:
+                    buf[row, :, :n] = buf[last, :, :n]
+            self.lengths[:, row] = self.lengths[:, last]
+            self.lengths[:, last] = 0
+            self.taken[row], self.taken[last] = True, False
+            moved = last
+        coded = self.coded.pop(row, None) is not None
+        if moved is not None and moved in self.coded:
+            self.coded[row] = self.coded.pop(moved)
+        if coded or moved is not None:
             self.coded_batches.clear()
+        return moved
 
     @torch.inference_mode()
     def drop_slots(self, row: int, layer: int, start: int, n: int) -> None:

@@ -264,7 +264,9 @@ class BatchDecoder:
 
     def _finish(self, seq: _Sequence) -> None:
         del self._active[seq.handle]
-        self.cache.free(seq.row)
+        moved = self.cache.free(seq.row)
+        if moved is not None:   # the highest row's sequence now sits in the freed one
+            next(s for s in self._active.values() if s.row == moved).row = seq.row
         self._done[seq.handle] = seq.decode.result(prompt_tokens=len(seq.prompt_ids), prefix=seq.prefix,
                                                    prompt_nll_bits=seq.prompt_nll_bits,
                                                    reader_adapter=seq.reader_on)
