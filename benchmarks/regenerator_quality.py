@@ -47,8 +47,8 @@ CALIBRATION_LICENSES = ("GFDL-1.3", "MPL-2.0", "Artistic", "CC0-1.0", "LGPL-2.1"
 HELD_OUT = ("GPL-3", "Apache-2.0")
 
 
-def held_out_docs(contracts: int) -> dict[str, str]:
-    docs = {name: (LICENSES / name).read_text() for name in HELD_OUT}
+def held_out_docs(contracts: int, licenses=HELD_OUT) -> dict[str, str]:
+    docs = {name: (LICENSES / name).read_text() for name in licenses}
     for rec in generate_contracts(contracts, tokens=2700, seed=23):
         docs[rec["id"]] = rec["text"]
     return docs
@@ -87,6 +87,8 @@ def main(argv=None) -> int:
     ap.add_argument("--adapter", type=Path, help="a reader adapter folder: also measure regen+adapter")
     ap.add_argument("--calibration-contracts", type=int, default=6)
     ap.add_argument("--held-out-contracts", type=int, default=2)
+    ap.add_argument("--licenses", nargs="*", default=list(HELD_OUT),
+                    help="held-out licenses (none may be a calibration license)")
     ap.add_argument("--clusters", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--unweighted", action="store_true",
@@ -121,7 +123,9 @@ def main(argv=None) -> int:
     reader = load_model(None, adapter=args.adapter) if args.adapter else None
     only = {(o.rsplit(":", 1)[0], float(o.rsplit(":", 1)[1])) for o in args.only} if args.only else None
     rows = []
-    for name, text in held_out_docs(args.held_out_contracts).items():
+    if set(args.licenses) & set(CALIBRATION_LICENSES):
+        ap.error(f"calibration licenses are not held out: {sorted(set(args.licenses) & set(CALIBRATION_LICENSES))}")
+    for name, text in held_out_docs(args.held_out_contracts, args.licenses).items():
         n = len(tokenize_document(lm.tokenizer, text)[0])
         ctx = min(2048, n - 512)
         for ratio in args.ratios:

@@ -82,7 +82,8 @@ def test_kite_upcycle_trains_a_weighted_regenerator_and_its_probe_chosen_states_
 
     words = CORPUS.split()
     pairs = [Pair(context=" ".join(words[i * 9:i * 9 + 150]), prompt="Q", response=" A", line=i + 1) for i in range(3)]
-    reg = fit_regenerator(lm, pairs, codec_settings(8))
+    assert not fit_regenerator(lm, pairs[:1], codec_settings(8)).weighted      # the default
+    reg = fit_regenerator(lm, pairs, codec_settings(8), weighted=True)
     assert reg.weighted and reg.meta["version"] == 2
     geo = lm.geometry
     for layer in range(geo.n_layers):

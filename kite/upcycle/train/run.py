@@ -99,10 +99,11 @@ def prepare_output(req: TrainRequest, key: dict) -> None:
     write_text(run, json.dumps(key, indent=1, sort_keys=True))
 
 
-def fit_regenerator(lm, train_pairs: list[Pair], cfg_codec, progress=None, weighted: bool = True) -> Regenerator:
+def fit_regenerator(lm, train_pairs: list[Pair], cfg_codec, progress=None, weighted: bool = False) -> Regenerator:
     """Calibrate on the training documents (each once), in the blocks the codec uses; ``weighted``:
     with attention-aware distortion weights (the documents' queries and the model's ``o_proj``;
-    :mod:`kite.upcycle.train.weights`)."""
+    :mod:`kite.upcycle.train.weights`). Off by default: on SmolLM2's held-out rows the weighted
+    regenerator lost more often than it won (docs/PERFORMANCE.md "Training", session 8)."""
     docs = {p.document_key: p for p in train_pairs}
     fit = RegeneratorFit(n_layers=lm.geometry.n_layers, joint_heads=cfg_codec.joint_heads, center=cfg_codec.center)
     for i, p in enumerate(docs.values()):
