@@ -5,17 +5,13 @@ graph, and as the attention of a whole model's forward over a cached prefix."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-import numpy as np
 import pytest
 import torch
 
 from kite.runtime import attention
 from kite.runtime.attention import _folded_attention, kite_attention
+from tests.triton_interpreter import run_interpreted
 
-KERNEL = Path(attention.__file__).resolve().parents[1] / "kernels" / "split_attention_triton.py"
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -29,46 +25,6 @@ def reference(q, k, v, mask, scale):
     return _folded_attention(q.float(), k.float(), v.float(), mask.expand(B, 1, QL, KL), scale)
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    """The kernel module loaded afresh under Triton's interpreter (TRITON_INTERPRET=1: kernels run on
-    the CPU in numpy). Two interpreter gaps of triton 3.6 with numpy >= 2.3 are bridged for the test:
-    loop bounds held as one-element arrays, and bf16 (held as uint16) multiplied as integers by
-    tl.dot."""
-    import importlib.util as iu
-    import sys
-
-    if iu.find_spec("triton") is None:
-        pytest.skip("Triton is not installed")
-    if torch.cuda.is_available():
-        pytest.skip("a GPU runs the compiled kernel (the tests below); the interpreter would replace Triton's own")
-    if "triton" in sys.modules and not sys.modules["triton"].knobs.runtime.interpret:
-        pytest.skip("Triton was imported before without its interpreter (its library kernels are compiled ones)")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRITON_INTERPRET", "1")     # before Triton's first import: its own helpers are kernels too
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
-    patch_tensor, dot = interp._patch_lang_tensor, interp.InterpreterBuilder.create_dot
-
-    def patched_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    def as_f32(h):
-        if h.data.dtype == np.uint16:       # bf16 bits
-            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return h
-
-    mp.setattr(interp, "_patch_lang_tensor", patched_tensor)
-    mp.setattr(interp.InterpreterBuilder, "create_dot", lambda self, a, b, d, *rest: dot(self, as_f32(a), as_f32(b), d, *rest))
-    spec = importlib.util.spec_from_file_location("split_attention_interpreted", KERNEL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    yield mod
-    mp.undo()
-
-
 CASES = {   # B, Hq, Hkv, q, k, d, mask, splits
     "causal, 3 tokens after 197": (1, 4, 2, 3, 200, 16, False, None),
     "bool mask per row, ragged tile": (2, 6, 2, 5, 333, 32, True, None),
@@ -78,29 +34,34 @@ CASES = {   # B, Hq, Hkv, q, k, d, mask, splits
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case", list(CASES))
-def test_split_kernel_equals_the_folded_sdpa_path_on_the_cpu(interpreted, case, dtype):
-    B, Hq, Hkv, QL, KL, D, use_mask, splits = CASES[case]
-    g = torch.Generator().manual_seed(list(CASES).index(case))
-    q, k, v = (torch.randn(B, h, n, D, generator=g).to(dtype) for h, n in ((Hq, QL), (Hkv, KL), (Hkv, KL)))
-    mask = torch.rand(B, 1, QL, KL, generator=g) > 0.3 if use_mask else None
-    out = interpreted.split_kv_attention(q, k, v, mask, 0.3, splits=splits, block_n=16)
-    ref = reference(q, k, v, mask, 0.3)
-    assert out.shape == (B, QL, Hq, D) and out.dtype == dtype
-    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}[dtype]
-    assert (out.float() - ref).abs().max().item() < tol
+def check_split_kernel_in_the_interpreter() -> None:
+    """(Run by run_interpreted.) Every case at fp32 / bf16 / fp16 against the folded sdpa path, and a
+    row that sees no key."""
+    from kite.kernels.split_attention_triton import split_kv_attention
 
-
-def test_a_row_that_sees_no_key_gets_zeros_and_the_others_are_unharmed(interpreted):
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+    for i, (case, (B, Hq, Hkv, QL, KL, D, use_mask, splits)) in enumerate(CASES.items()):
+        for dtype in tol:
+            g = torch.Generator().manual_seed(i)
+            q, k, v = (torch.randn(B, h, n, D, generator=g).to(dtype) for h, n in ((Hq, QL), (Hkv, KL), (Hkv, KL)))
+            mask = torch.rand(B, 1, QL, KL, generator=g) > 0.3 if use_mask else None
+            out = split_kv_attention(q, k, v, mask, 0.3, splits=splits, block_n=16)
+            err = (out.float() - reference(q, k, v, mask, 0.3)).abs().max().item()
+            assert out.shape == (B, QL, Hq, D) and out.dtype == dtype, case
+            assert err < tol[dtype], (case, dtype, err)
+            print(f"{case}, {dtype}: max abs diff {err:.1e}")
     q, k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 1, 90, 16), torch.randn(1, 1, 90, 16)
     mask = torch.rand(1, 1, 3, 90) > 0.5
     mask[0, 0, 1] = False
-    out = interpreted.split_kv_attention(q, k, v, mask, 0.25, splits=4, block_n=16)
-    assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1]))
-    ref = reference(q, k, v, mask, 0.25)
-    keep = [0, 2]
-    assert (out[:, keep] - ref[:, keep]).abs().max().item() < 1e-5
+    out = split_kv_attention(q, k, v, mask, 0.25, splits=4, block_n=16)
+    assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1]))      # a row that sees no key: zeros
+    assert (out[:, [0, 2]] - reference(q, k, v, mask, 0.25)[:, [0, 2]]).abs().max().item() < 1e-5
+
+
+def test_split_kernel_equals_the_folded_sdpa_path_on_the_cpu():
+    """In Triton's interpreter: causal rule and bool masks, ragged row and key tiles, one decode token,
+    one chunk and more chunks than tiles, at fp32 / bf16 / fp16; a row that sees no key gets zeros."""
+    run_interpreted("tests.test_attention_split:check_split_kernel_in_the_interpreter")
 
 
 def test_the_cpu_keeps_the_existing_path():

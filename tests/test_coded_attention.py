@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kite.kernels.coded_attention import coded_attention
+from kite.kernels.coded_layer import TILE, CodedLayer
 from kite.upcycle import codec, load
 from kite.upcycle.compress import CompressSettings, compress_document
 from kite.upcycle.format import StateFile
@@ -211,3 +212,56 @@ def test_load_coded_prefix_takes_what_load_prefix_takes_and_refuses_the_rest(lm,
     assert coded.next_position == rebuilt.next_position and coded.nbytes > 0
     with pytest.raises(BadInput, match="load it with load_prefix|load this one with load_prefix"):
         load_coded_prefix(exact, lm)
+
+
+def _synthetic_layer(T: int, H: int, d: int, R: int, group_rows: int, gen) -> CodedLayer:
+    """A resident layer with per-head bases of R columns, random codes < 16, quantization groups of
+    ``group_rows`` rows, one padding row."""
+
+    C, G = H * R, -(-T // group_rows)
+    pos = torch.arange(T, dtype=torch.int32)
+    pos[5] = -1
+
+    def tab(lo, hi):
+        return torch.rand(G, C, generator=gen) * (hi - lo) + lo
+
+    return CodedLayer(
+        pos=pos, tile_group=(torch.arange(T // TILE) * TILE // group_rows).to(torch.int32),
+        k_codes=torch.randint(0, 16, (T, C), dtype=torch.uint8, generator=gen), k_scale=tab(0.02, 0.06),
+        k_min=tab(-0.5, -0.3), v_codes=torch.randint(0, 16, (T, C), dtype=torch.uint8, generator=gen),
+        v_scale=tab(0.02, 0.06), v_min=tab(-0.5, -0.3),
+        k_basis=(torch.randn(H, R, d, generator=gen) / math.sqrt(R)).bfloat16(),
+        v_basis=(torch.randn(H, R, d, generator=gen) / math.sqrt(R)).bfloat16(),
+        k_mean=torch.randn(G, H, d, generator=gen), v_mean=torch.randn(G, H, d, generator=gen),
+        raw_k=torch.zeros(H, 0, d, dtype=torch.bfloat16), raw_v=torch.zeros(H, 0, d, dtype=torch.bfloat16), joint=False)
+
+
+def check_head_kernel_in_the_interpreter() -> None:
+    """(Run by run_interpreted.) The head kernel, 2 and 4 tiles a step, blocks inside and straddling
+    quantization groups, two sequences of their own lengths, against coded_partial_torch."""
+    from kite.kernels import coded_attention_triton as tri
+    from kite.kernels.coded_attention import coded_partial_torch, merge
+
+    H, Hq, d, R = 2, 4, 32, 16
+    inv = 1.0 / (1e4 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.arange(520)[:, None].float() * inv[None]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    for group_rows in (256, 64):
+        for block in (2, 4):
+            gen = torch.Generator().manual_seed(block)
+            layers = [_synthetic_layer(T, H, d, R, group_rows, gen) for T in (512, 384)]
+            q = torch.randn(2, Hq, d, generator=gen).bfloat16()
+            o, lse = tri.coded_decode(q, tri.CodedBatch(layers), cos, sin, 1 / math.sqrt(d), splits=2, block=block)
+            out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
+            for i, layer in enumerate(layers):
+                want, _ = coded_partial_torch(q[i][:, None].float(), layer, cos, sin, 1 / math.sqrt(d))
+                err = float((out[i] - want[:, 0]).abs().max() / want.abs().max())
+                assert err <= 1e-2, (group_rows, block, i, err)
+                print(f"groups of {group_rows} rows, {block} tiles a step, sequence {i}: {err:.1e} of max |out|")
+
+
+def test_head_kernel_equals_the_torch_reference_on_the_cpu():
+    """The head kernel in Triton's interpreter (tests/triton_interpreter.py)."""
+    from tests.triton_interpreter import run_interpreted
+
+    run_interpreted("tests.test_coded_attention:check_head_kernel_in_the_interpreter")
