@@ -10,8 +10,7 @@ one that can never fit (alone it would pass the KV budget) is refused.
 
 The scheduler's thread is the model's only thread. Everything else that runs the model (an
 upload's upcycle, YOCO's decision and the state's load before a generation, the measured gain after
-it) is handed to it with :meth:`Batcher.call` and runs between two steps, in arrival order, one piece of
-work per step boundary. One
+it) is handed to it with :meth:`Batcher.call` and runs between two steps, in arrival order. One
 thread keeps one OpenMP team: a second thread that runs torch work starts a second team, and
 libgomp, seeing more of its threads than cores, stops letting idle workers spin, so every parallel
 region of every step waits for a worker to wake (measured on the 2-core dev box: steps ~40 % slower
@@ -199,10 +198,9 @@ class Batcher:
                     self._wake.wait()
                 if self._closed:
                     return
-                # one piece of work per step boundary: the batch steps between them, and requests
-                # that arrived with them start decoding rather than wait for every decision first
-                task = self._tasks.popleft() if self._tasks else None
-            if task is not None:
+                tasks = list(self._tasks)   # what was handed over before this step boundary
+                self._tasks.clear()
+            for task in tasks:
                 task.run()
             with self._wake:
                 if not self._queue and not self._running:
