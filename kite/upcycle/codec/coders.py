@@ -15,6 +15,11 @@ class per mode, each behind the same interface (fit the shared layer part, encod
   optionally a few outlier tokens kept in fp16 with their indices. Keeping the sink exact is what
   makes low widths work: its value is near zero and takes most of the attention, so any error on
   it is multiplied.
+  *Weighted* (``fit(..., weights=w)``, attention-aware distortion): the PCA of ``x * sqrt(w)``,
+  stored as ``U / sqrt(w)`` so decoding is unchanged; the basis is then not orthonormal, so parts
+  are encoded with its dual (coefficients of ``(x - mean) * w`` on the basis), and ``w`` is stored
+  with the side (``{side}.w``, fp16). A side without ``{side}.w`` (every older state) projects as before.
+* :class:`RegenSide` (``"rpca"``): ``pca`` on a regenerator's basis, not stored in the state.
 
 A new mode is a subclass registered with :func:`register`; :data:`CODERS` lists them, and the codec
 tests run over every preset that uses them.
