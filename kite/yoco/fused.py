@@ -69,18 +69,13 @@ def prompt_nll(lm, prompt_ids: list[int], prefix=None) -> float | None:
     first token is left out on both sides: without a state nothing predicts it."""
     if len(prompt_ids) < 2:
         return None
-    import math
-
-    import torch
-
     from kite.runtime.cache import new_cache
+    from kite.runtime.decoding import nll_bits, prompt_nll_nats
     from kite.runtime.generate import forward_tokens
 
     start = prefix.next_position if prefix is not None else 0
     logits = forward_tokens(lm.model, prompt_ids[:-1], new_cache(lm.model, prefix), start)
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    nll = -logp.gather(1, torch.tensor(prompt_ids[1:], device=logp.device)[:, None])
-    return float(nll.mean()) / math.log(2)
+    return nll_bits(prompt_nll_nats(logits, prompt_ids[1:]), len(prompt_ids))
 
 
 def measured_gain(without: float | None, with_state: float | None) -> float | None:
