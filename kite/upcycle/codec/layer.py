@@ -90,11 +90,16 @@ def weighted_error(lc: LayerCodec, side: str, X: torch.Tensor, weights: torch.Te
     """The weighted squared error (summed) of coding the tokens X [H, T, d] as one part of ``lc``'s
     ``side`` and decoding them; ``weights`` [B, D] over the blocks' dims. The document's first
     ``sink_tokens`` are its sinks (kept in fp16), as in a state."""
-    c = coder(lc.meta[side]["mode"])
-    Xh = c.decode(lc, side, c.encode(lc, side, X, torch.arange(X.shape[1])))
+    Xh = _coded(lc, side, X)
     joint = lc.settings.joint_heads
     err = (blocks(X.float(), joint) - blocks(Xh, joint)).pow(2)      # [B, T, D]
     return float((err.sum(dim=1).double() * weights.double().to(err.device)).sum())
+
+
+def _coded(lc: LayerCodec, side: str, X: torch.Tensor) -> torch.Tensor:
+    """X [H, T, d] coded as one part of ``lc``'s ``side`` (the first ``sink_tokens`` as sinks) and decoded."""
+    c = coder(lc.meta[side]["mode"])
+    return c.decode(lc, side, c.encode(lc, side, X, torch.arange(X.shape[1])))
 
 
 def _fit_measured(side, X, s, tensors, meta, pca, regen, budget_tokens, weights, metric=None) -> None:
@@ -107,18 +112,15 @@ def _fit_measured(side, X, s, tensors, meta, pca, regen, budget_tokens, weights,
     cands = (("rpca", regen, weights), ("pca", None, weights), ("pca", pca, None)) if weights is not None else \
         (("rpca", regen, None), ("pca", pca, None))
     if weights is None:
-        weights = torch.ones(blocks(X[:, :1], s.joint_heads).shape[0], blocks(X[:, :1], s.joint_heads).shape[2])
+        B, _, D = blocks(X[:, :1], s.joint_heads).shape
+        weights = torch.ones(B, D)
     for mode, given, w in cands:
         t, m = {}, {"settings": s.to_json(), "H": H, "d": d}
         coder(mode).fit(side, X, s, t, m, pca=given, budget_tokens=budget_tokens, weights=w)
         trial = LayerCodec(tensors=t, meta=m)
         if mode == "rpca":
             attach_regenerator(trial, {side: regen[2]}, sides=(side,))
-        if metric is None:
-            err = weighted_error(trial, side, X, weights)
-        else:
-            c = coder(mode)
-            err = metric(side, X, c.decode(trial, side, c.encode(trial, side, X, torch.arange(T))))
+        err = weighted_error(trial, side, X, weights) if metric is None else metric(side, X, _coded(trial, side, X))
         tried.append((err, len(tried), t, m))
     _, _, t, m = min(tried, key=lambda x: (x[0], x[1]))
     tensors.update(t)
