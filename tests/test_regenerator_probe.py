@@ -74,6 +74,22 @@ def test_the_probe_reproduces_the_models_attention_output_and_prices_a_change(lm
         assert cost("k", K, K + 0.1 * noise) > 0
 
 
+def test_a_spread_probe_reads_rows_from_the_whole_document_at_their_positions(lm):
+    from kite.upcycle.rope import apply_rope
+
+    cap = capture(lm, CORPUS, query_rows=10_000)                     # every token's queries
+    assert cap.query_tail[0].shape[0] == cap.n_tokens
+    probe = AttentionProbe(lm, cap.query_tail, cap.n_tokens, spread=9)
+    assert probe.rows == 9
+    rows = torch.linspace(0, cap.n_tokens - 1, 9).round().long()
+    model_out = _o_proj_inputs(lm, cap.ids)
+    for layer in range(lm.geometry.n_layers):
+        K, V = cap.keys_pre[layer], cap.values[layer]
+        want = model_out[layer][1][rows]
+        mine = probe._out(layer, apply_rope(K, probe.cos, probe.sin), V)
+        assert torch.allclose(mine, want, atol=1e-4 * float(want.abs().max()) + 1e-5), layer
+
+
 def test_kite_upcycle_trains_a_weighted_regenerator_and_its_probe_chosen_states_load(lm, tmp_path):
     from kite.upcycle import CompressSettings, codec_settings, compress_document, load_prefix
     from kite.upcycle.format import StateFile

@@ -26,19 +26,25 @@ ROWS = 256
 class AttentionProbe:
     """Built once per document from a capture with ``query_rows`` (:func:`kite.upcycle.capture.capture`)."""
 
-    def __init__(self, lm, query_tail: list[torch.Tensor], n_tokens: int):
+    def __init__(self, lm, query_tail: list[torch.Tensor], n_tokens: int, spread: int | None = None):
+        """``query_tail``: per layer the last tokens' query outputs; ``spread``: use only that many
+        of those rows, evenly spaced (default: all of them)."""
         geo = lm.geometry
         self.H, self.d, self.T = geo.n_kv_heads, geo.head_dim, n_tokens
         self.n_q = lm.model.config.num_attention_heads
         if self.n_q % self.H:
             raise ValueError(f"{self.n_q} query heads do not group over {self.H} KV heads")
-        self.rows = int(query_tail[0].shape[0]) if query_tail else 0
-        if len(query_tail) != geo.n_layers or self.rows == 0:
+        tail = int(query_tail[0].shape[0]) if query_tail else 0
+        if len(query_tail) != geo.n_layers or tail == 0:
             raise ValueError(f"the probe needs query rows of all {geo.n_layers} layers, got {len(query_tail)}")
         self.cos, self.sin = (t.float().cpu() for t in rope_cos_sin(lm.model, torch.arange(n_tokens)))
-        first = n_tokens - self.rows
-        q = [t.float().cpu().reshape(self.rows, self.n_q, self.d).permute(1, 0, 2) for t in query_tail]
-        self.queries = [apply_rope(x, self.cos[first:], self.sin[first:]) for x in q]       # [n_q, S, d]
+        idx = torch.arange(tail)
+        if spread is not None and 0 < spread < tail:
+            idx = torch.linspace(0, tail - 1, spread).round().long().unique()
+        self.rows = int(idx.numel())
+        positions = n_tokens - tail + idx
+        q = [t.float().cpu()[idx].reshape(self.rows, self.n_q, self.d).permute(1, 0, 2) for t in query_tail]
+        self.queries = [apply_rope(x, self.cos[positions], self.sin[positions]) for x in q]   # [n_q, S, d]
         self.o_proj: dict[int, torch.Tensor] = {}
         for name, module in lm.model.named_modules():
             m = _O_PROJ.search(name)
@@ -46,7 +52,7 @@ class AttentionProbe:
                 self.o_proj[int(m.group(1))] = getattr(module, "base_layer", module).weight.detach().float().cpu()
         if sorted(self.o_proj) != list(range(geo.n_layers)):
             raise ValueError(f"found the output projections of layers {sorted(self.o_proj)}, not of all {geo.n_layers}")
-        mask = torch.arange(n_tokens)[None, :] > torch.arange(first, n_tokens)[:, None]      # [S, T] future keys
+        mask = torch.arange(n_tokens)[None, :] > positions[:, None]                           # [S, T] future keys
         self.mask = torch.zeros(mask.shape).masked_fill(mask, float("-inf"))
 
     def _out(self, layer: int, K_post: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
