@@ -17,8 +17,8 @@ contracts of seeds the calibration never drew.
     .venv/bin/python benchmarks/regenerator_quality.py --out out/regen_quality.json
     .venv/bin/python benchmarks/regenerator_quality.py --regenerator RUN/regenerator --adapter RUN/adapter
 
-The regenerator fitted here is weighted (attention-aware distortion, :mod:`kite.upcycle.train.weights`)
-unless ``--unweighted``; ``--only DOC:RATIO ...`` and ``--methods`` pick rows and columns,
+The regenerator fitted here is unweighted, as `kite upcycle train` fits it, unless ``--weighted``
+(attention-aware distortion, :mod:`kite.upcycle.train.weights`); ``--only DOC:RATIO ...`` and ``--methods`` pick rows and columns,
 ``--calibration-pairs`` fits on a training run's documents instead.
 """
 
@@ -54,7 +54,7 @@ def held_out_docs(contracts: int, licenses=HELD_OUT) -> dict[str, str]:
     return docs
 
 
-def fit_regenerator(lm, n_contracts: int, weighted: bool = True) -> Regenerator:
+def fit_regenerator(lm, n_contracts: int, weighted: bool = False) -> Regenerator:
     texts = [(LICENSES / n).read_text() for n in CALIBRATION_LICENSES]
     texts += [r["text"] for r in generate_contracts(n_contracts, tokens=2000, seed=1000)]
     fit = RegeneratorFit(n_layers=lm.geometry.n_layers)
@@ -91,8 +91,9 @@ def main(argv=None) -> int:
                     help="held-out licenses (none may be a calibration license)")
     ap.add_argument("--clusters", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--unweighted", action="store_true",
-                    help="fit the regenerator without attention-aware weights (as before session 8)")
+    ap.add_argument("--weighted", action="store_true",
+                    help="fit a weighted regenerator (attention-aware distortion); default: unweighted, as "
+                         "`kite upcycle train` fits it")
     ap.add_argument("--calibration-pairs", type=Path,
                     help="fit on the training split of this pairs file, as `kite upcycle train` does")
     ap.add_argument("--eval-fraction", type=float, default=0.1, help="with --calibration-pairs: the run's")
@@ -112,9 +113,9 @@ def main(argv=None) -> int:
     if args.regenerator:
         reg = Regenerator.load(args.regenerator)
     elif args.calibration_pairs:
-        reg = fit_on_pairs(lm, args.calibration_pairs, args.eval_fraction, args.seed, not args.unweighted)
+        reg = fit_on_pairs(lm, args.calibration_pairs, args.eval_fraction, args.seed, args.weighted)
     else:
-        reg = fit_regenerator(lm, args.calibration_contracts, weighted=not args.unweighted)
+        reg = fit_regenerator(lm, args.calibration_contracts, weighted=args.weighted)
     if args.save_regenerator:
         reg.save(args.save_regenerator)
     reg.choice = args.choice
