@@ -18,6 +18,8 @@ this function untouched; the step's per-(row, layer) mask replaces whatever mask
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -152,6 +154,9 @@ def _splits_keys(query, key, mask, dropout) -> bool:
             _triton = True
         except ImportError:
             _triton = False
+            logging.getLogger("kite.runtime").warning(
+                "Triton is not installed: attention after a long cache runs the fused sdpa kernel, not the "
+                "split-KV one (pip install triton for the faster first forward)")
     return _triton
 
 
