@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-HBM_BPS = 4.8e12
+from gpu_speed import HBM_BPS, capture, cuda_ms  # noqa: E402
+
 CONFIGS = [dict(), dict(waves=2), dict(splits=16), dict(splits=24), dict(splits=48), dict(splits=64),
            dict(block_n=32), dict(block_n=128), dict(block_n=128, num_warps=8), dict(num_warps=8),
            dict(num_stages=3), dict(num_stages=4), dict(splits=16, block_n=128, num_warps=8),
@@ -28,26 +29,8 @@ CONFIGS = [dict(), dict(waves=2), dict(splits=16), dict(splits=24), dict(splits=
 
 def graph_ms(fn, reps: int = 20) -> float:
     """Median time of one replay of a CUDA graph of fn(), by CUDA events."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
+    g, _ = capture(fn)
+    return cuda_ms(g.replay, reps=reps)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

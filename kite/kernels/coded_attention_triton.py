@@ -55,29 +55,49 @@ def _sequence(ptrs, ints, n, h):
 
 
 @triton.jit
+def _program(SPLITS: tl.constexpr):
+    """The program's KV head h, sequence n and split (grid: (H, N * SPLITS))."""
+    ns = tl.program_id(1)
+    return tl.program_id(0), ns // SPLITS, ns % SPLITS
+
+
+@triton.jit
+def _share(n_items, split, SPLITS: tl.constexpr):
+    """Split `split`'s share [lo, hi) of a sequence's n_items (tiles or blocks) cut into SPLITS."""
+    per = tl.cdiv(n_items, SPLITS)
+    lo = split * per
+    return lo, tl.minimum(lo + per, n_items)
+
+
+@triton.jit
+def _query_halves(q_ptr, n, h, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                  HALF: tl.constexpr, HP: tl.constexpr):
+    """The G query heads of KV head h of sequence n, as their two RoPE halves [GP, HP] in bf16."""
+    g = tl.arange(0, GP)
+    j = tl.arange(0, HP)
+    m = (g < G)[:, None] & (j < HALF)[None, :]
+    qrow = q_ptr + (n * H * G + h * G + g)[:, None] * D
+    q1 = tl.load(qrow + j[None, :], mask=m, other=0.0).to(tl.float32).to(tl.bfloat16)
+    q2 = tl.load(qrow + HALF + j[None, :], mask=m, other=0.0).to(tl.float32).to(tl.bfloat16)
+    return q1, q2
+
+
+@triton.jit
 def _coded_decode_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, o_ptr, lse_ptr, qk_scale,
                          H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                          HALF: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr,
                          COLS: tl.constexpr, RVP: tl.constexpr, SPLITS: tl.constexpr,
                          DO_K: tl.constexpr = True, DO_V: tl.constexpr = True):
-    h = tl.program_id(0)
-    ns = tl.program_id(1)
-    n = ns // SPLITS
-    split = ns % SPLITS
+    h, n, split = _program(SPLITS)
     (kc_p, ks_p, km_p, vc_p, vs_p, vm_p, tg_p, pos_p, kb_p, vb_p, kmu_p, vmu_p,
      n_tiles, Ck, Cv, Rk, Rv, colk, colv) = _sequence(ptrs, ints, n, h)
-
-    per = tl.cdiv(n_tiles, SPLITS)
-    t_lo = split * per
-    t_hi = tl.minimum(t_lo + per, n_tiles)
+    t_lo, t_hi = _share(n_tiles, split, SPLITS)
 
     g = tl.arange(0, GP)
     gm = g < G
     j = tl.arange(0, HP)
     jm = j < HALF
-    qrow = q_ptr + (n * H * G + h * G + g)[:, None] * D
-    q1 = tl.load(qrow + j[None, :], mask=gm[:, None] & jm[None, :], other=0.0).to(tl.bfloat16)
-    q2 = tl.load(qrow + HALF + j[None, :], mask=gm[:, None] & jm[None, :], other=0.0).to(tl.bfloat16)
+    q1, q2 = _query_halves(q_ptr, n, h, H, G, GP, D, HALF, HP)
     dd = tl.arange(0, DP)
     dm = dd < D
 
@@ -158,24 +178,17 @@ def _coded_decode_wide_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, o_ptr, lse_pt
     is read once per block. The tiles of a block may lie in different quantization groups: key scales
     are gathered per row; the value codes enter the product as integers and each tile's scale and
     minimum are applied to its share of the probabilities after it."""
-    h = tl.program_id(0)
-    ns = tl.program_id(1)
-    n = ns // SPLITS
-    split = ns % SPLITS
+    h, n, split = _program(SPLITS)
     (kc_p, ks_p, km_p, vc_p, vs_p, vm_p, tg_p, pos_p, kb_p, vb_p, kmu_p, vmu_p,
      n_tiles, Ck, Cv, Rk, Rv, colk, colv) = _sequence(ptrs, ints, n, h)
     n_blocks = tl.cdiv(n_tiles, SUB)
-    per = tl.cdiv(n_blocks, SPLITS)
-    b_lo = split * per
-    b_hi = tl.minimum(b_lo + per, n_blocks)
+    b_lo, b_hi = _share(n_blocks, split, SPLITS)
 
     g = tl.arange(0, GP)
     gm = g < G
     j = tl.arange(0, HP)
     jm = j < HALF
-    qrow = q_ptr + (n * H * G + h * G + g)[:, None] * D
-    q1 = tl.load(qrow + j[None, :], mask=gm[:, None] & jm[None, :], other=0.0).to(tl.bfloat16)
-    q2 = tl.load(qrow + HALF + j[None, :], mask=gm[:, None] & jm[None, :], other=0.0).to(tl.bfloat16)
+    q1, q2 = _query_halves(q_ptr, n, h, H, G, GP, D, HALF, HP)
     dd = tl.arange(0, DP)
     dm = dd < D
     r = tl.arange(0, BT)
@@ -263,24 +276,17 @@ def _coded_decode_head_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride, o
     a block's codes enter one tensor-core product (all columns at once); a block whose tiles share one
     quantization group (most of them) takes its scales and means as one row each, broadcast, and its
     value codes in one product; a block that straddles groups gathers them per row / per tile."""
-    h = tl.program_id(0)
-    ns = tl.program_id(1)
-    n = ns // SPLITS
-    split = ns % SPLITS
+    h, n, split = _program(SPLITS)
     (kc_p, ks_p, km_p, vc_p, vs_p, vm_p, tg_p, pos_p, kb_p, vb_p, kmu_p, vmu_p,
      n_tiles, Ck, Cv, Rk, Rv, colk, colv) = _sequence(ptrs, ints, n, h)
     n_blocks = tl.cdiv(n_tiles, SUB)
-    per = tl.cdiv(n_blocks, SPLITS)
-    b_lo = split * per
-    b_hi = tl.minimum(b_lo + per, n_blocks)
+    b_lo, b_hi = _share(n_blocks, split, SPLITS)
 
     g = tl.arange(0, GP)
     gm = g < G
     j = tl.arange(0, HP)
     jm = j < HALF
-    qrow = q_ptr + (n * H * G + h * G + g)[:, None] * D
-    q1 = tl.load(qrow + j[None, :], mask=gm[:, None] & jm[None, :], other=0.0).to(tl.float32).to(tl.bfloat16)
-    q2 = tl.load(qrow + HALF + j[None, :], mask=gm[:, None] & jm[None, :], other=0.0).to(tl.float32).to(tl.bfloat16)
+    q1, q2 = _query_halves(q_ptr, n, h, H, G, GP, D, HALF, HP)
     dd = tl.arange(0, DP)
     dm = dd < D
     r = tl.arange(0, BT)
