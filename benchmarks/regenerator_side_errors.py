@@ -13,7 +13,6 @@ alone at the ratio (the other side exact), the document as one part.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from kite.upcycle import codec as C  # noqa: E402
 from kite.upcycle import codec_settings, tokenize_document  # noqa: E402
 from kite.upcycle.capture import capture  # noqa: E402
 from kite.upcycle.codec.coders import coder  # noqa: E402
-from kite.upcycle.rope import apply_rope, rope_cos_sin  # noqa: E402
+from kite.upcycle.train.probe import ROWS, AttentionProbe  # noqa: E402
 from kite.upcycle.train.regenerator import Regenerator  # noqa: E402
 
 
@@ -38,44 +37,16 @@ def main() -> None:
     text = Path("/usr/share/common-licenses", doc).read_text()
     ids, _ = tokenize_document(lm.tokenizer, text)
     ctx = min(2048, len(ids) - 512)
-    qs: dict[int, list] = {}
-    hooks = []
-    for name, m in lm.model.named_modules():
-        mt = re.search(r"layers\.(\d+)\.self_attn\.q_proj$", name)
-        if mt:
-            hooks.append(m.register_forward_hook(
-                lambda mod, i, o, layer=int(mt.group(1)): qs.setdefault(layer, []).append(o.detach()[0].float())))
-    cap = capture(lm, "", ids=ids[:ctx])
-    for h in hooks:
-        h.remove()
+    cap = capture(lm, "", ids=ids[:ctx], query_rows=ROWS)   # the probe's queries: the last ROWS tokens
+    probe = AttentionProbe(lm, cap.query_tail, ctx)
     geo = lm.geometry
-    Hq = lm.model.config.num_attention_heads
     d, H = geo.head_dim, geo.n_kv_heads
-    rep = Hq // H
     T = ctx
-    cos, sin = rope_cos_sin(lm.model, torch.arange(T))
-    S = 256  # query rows: the last S tokens
     s = codec_settings(ratio)
-    o_proj = [m for n, m in lm.model.named_modules() if re.search(r"layers\.\d+\.self_attn\.o_proj$", n)]
-
-    def attn_out(q, K, V):  # q [Hq, S, d] post-RoPE, K post-RoPE [H, T, d], V [H, T, d]
-        sc = q @ K.repeat_interleave(rep, 0).transpose(1, 2) / d ** 0.5
-        pos = torch.arange(T - S, T)[:, None]
-        sc = sc.masked_fill(torch.arange(T)[None, :] > pos, float("-inf"))
-        return torch.softmax(sc, -1) @ V.repeat_interleave(rep, 0)
 
     for layer in range(geo.n_layers):
         K, V = cap.keys_pre[layer], cap.values[layer]
-        q = torch.cat(qs[layer]).reshape(T, Hq, d).permute(1, 0, 2)[:, T - S:]
-        q = apply_rope(q, cos[T - S:], sin[T - S:])
-        Kpost = apply_rope(K, cos, sin)
-        Wo = o_proj[layer].weight.float()
-        ref = attn_out(q, Kpost, V)
-
-        def oerr(Kh, Vh):
-            o = attn_out(q, apply_rope(Kh, cos, sin), Vh)
-            return float(((o - ref).permute(1, 0, 2).reshape(S, -1) @ Wo.T).pow(2).sum())
-
+        attn_cost = probe.metric(layer, K, V)
         row = {"layer": layer}
         cands = [("doc", None, "pca", None)]
         for rn, reg in regs.items():
@@ -98,7 +69,7 @@ def main() -> None:
                     if reg2.weights(layer) is not None:
                         wb = reg2.weights(layer)[side]
                         e["w"] = float(((X - Xh).permute(1, 0, 2).reshape(T, -1).pow(2).sum(0) * wb[0]).sum())
-                e["attn"] = oerr(Xh, V) if side == "k" else oerr(K, Xh)
+                e["attn"] = attn_cost(side, X, Xh)
                 row[f"{side}:{name}"] = e
         print(json.dumps(row), flush=True)
 
