@@ -196,8 +196,8 @@ class BatchKVCache:
         it (its filled slots copied once), and its old index is returned (None when nothing moved), for
         the caller to follow its sequence there. Packed rows make a step's rows one slice of the
         buffers; rows with gaps would be gathered, a copy of every row's keys and values in every layer
-        of every step (~34 ms a step for 8 rows of ~870 slots of the embedded model on 2 cores, against
-        ~4 ms for the one move)."""
+        of every step (21-34 ms a step for 8 rows of ~870 slots of the embedded model on 2 cores:
+        benchmarks/batch_step_threads.py), where a move copies one row once."""
         if self._step is not None:
             raise RuntimeError("rows change between steps, not during one")
         if not self.taken[row]:
