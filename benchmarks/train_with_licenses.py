@@ -5,7 +5,8 @@ did not help on GPL-3 (a license: outside its training distribution). This run a
 pairs from six licenses that are not held out (the calibration licenses of
 benchmarks/regenerator_quality.py): each license's first ``--context-tokens`` tokens are the
 context, and each pair's prompt is the text up to a point after it and its response the next
-``--response-tokens`` tokens. The regenerator is calibrated on the same training documents. Then
+``--response-tokens`` tokens. The regenerator is calibrated on the same training documents, or given
+(``--regenerator DIR``: the adapter then trains on states of the regenerator it is measured with). Then
 benchmarks/regenerator_quality.py measures GPL-3, Apache-2.0 and a contract of an unseen seed with
 the run's regenerator and adapter.
 
@@ -59,6 +60,9 @@ def main(argv=None) -> int:
     ap.add_argument("--response-tokens", type=int, default=48)
     ap.add_argument("--ratios", type=float, nargs="*", default=[8, 16])
     ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--regenerator", type=Path,
+                    help="code the training states with this regenerator (the one the adapter will read) instead "
+                    "of fitting one on the training documents")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
@@ -78,6 +82,8 @@ def main(argv=None) -> int:
            "--eval-fraction", "0.17", "--epochs", str(args.epochs), "--json"]
     for r in args.ratios:
         cmd += ["--ratio", f"{r:g}"]
+    if args.regenerator:
+        cmd += ["--regenerator", str(args.regenerator)]
     train = subprocess.run(cmd, capture_output=True, text=True)
     (args.run.parent / f"{args.run.name}_train.json").write_text(train.stdout)
     if train.returncode != 0:

@@ -261,6 +261,40 @@ def test_a_folder_holding_a_run_is_refused_unless_resumed_or_overwritten(tiny_mo
     assert _train(tiny_models, tmp_path, out, "--regenerator-only", "--seed", "5", "--overwrite").exit_code == 0
 
 
+def test_train_reads_a_given_regenerator_instead_of_fitting_one(tiny_models, tiny_regenerator, tmp_path):
+    """--regenerator DIR: the training states are coded on it (the pairing the adapter will read),
+    none is fitted, and a regenerator of another model is refused with its fingerprint named."""
+    from typer.testing import CliRunner
+
+    from kite.cli.main import app
+    from kite.model.fingerprint import short
+    from kite.upcycle import StateFile
+    from tests.conftest import parse_json
+
+    given = tiny_regenerator.save(tmp_path / "given")
+    out = tmp_path / "run"
+    res = _train(tiny_models, tmp_path, out, "--epochs", "1", "--regenerator", str(given))
+    assert res.exit_code == 0, res.output
+    rep = parse_json(res.output)
+    assert rep["regenerator"]["fingerprint"] == tiny_regenerator.fingerprint
+    assert Regenerator.load(out / "regenerator").fingerprint == tiny_regenerator.fingerprint
+    states = sorted((out / "states").glob("*.upc"))
+    assert len(states) == 5
+    for path in states:
+        with StateFile(path) as sf:
+            assert sf.meta["regenerator"]["fingerprint"] == tiny_regenerator.fingerprint
+    assert rep["training"]["steps"] == 16 and rep["held_out"]["8"]["ppl_state_adapter"] > 0
+    # the same folder without it is another run
+    moved = _train(tiny_models, tmp_path, out, "--regenerator-only")
+    assert moved.exit_code == 2 and "holds another run" in moved.output
+    res = CliRunner().invoke(app, ["upcycle", "train", "--model", str(tiny_models["qwen2"]), "--data-path",
+                                   str(tmp_path / "pairs.jsonl"), "--output-dir", str(tmp_path / "q"),
+                                   "--regenerator", str(given)])
+    assert res.exit_code == 2 and short(tiny_regenerator.fingerprint) in res.output, res.output
+    both = _train(tiny_models, tmp_path, tmp_path / "b", "--regenerator", str(given), "--regenerator-only")
+    assert both.exit_code == 2 and "--regenerator-only --regenerator" in both.output
+
+
 def test_custom_target_modules_that_do_not_exist_are_named_with_those_that_do(tiny_models, tmp_path):
     cfg = tmp_path / "u.yaml"
     cfg.write_text("adapter: {target_modules: [self_attn.nope]}\n")

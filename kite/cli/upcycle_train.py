@@ -36,6 +36,9 @@ def train(
     resume: Annotated[bool, typer.Option(help="Continue the run in --output-dir from its newest checkpoint.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Start over in an --output-dir that holds a run.")] = False,
     regenerator_only: Annotated[bool, typer.Option(help="Fit the regenerator only (no adapter).")] = False,
+    regenerator: Annotated[Optional[Path], typer.Option(
+        help="A regenerator folder of this model to code the training states with, instead of fitting one: the "
+        "adapter learns to read the states it will be used with.")] = None,
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
@@ -50,6 +53,8 @@ def train(
 
     if resume and overwrite:
         raise BadInput("--resume --overwrite: use one of them")
+    if regenerator_only and regenerator is not None:
+        raise BadInput("--regenerator-only --regenerator: a given regenerator leaves only the adapter to train")
     model = model_spec(model_path)
     check_output_folder(output_dir, mkdir, "--output-dir")
     ucfg = load_upcycle_config(config)
@@ -57,7 +62,7 @@ def train(
     req = TrainRequest(data_path=str(data_path), output_dir=output_dir, mode=mode, seed=seed,
                        ratios=[float(r) for r in (ratio or [8.0])], eval_fraction=eval_fraction, epochs=epochs,
                        checkpoint_every=checkpoint_every,
-                       resume=resume, overwrite=overwrite, adapter=not regenerator_only)
+                       resume=resume, overwrite=overwrite, adapter=not regenerator_only, regenerator=regenerator)
     req.check(pairs)     # flags and the split, before the model loads
     from kite.model import load_model
 

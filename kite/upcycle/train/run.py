@@ -24,6 +24,7 @@ import torch
 
 from kite.atomic import write_text
 from kite.errors import BadInput
+from kite.model.fingerprint import short
 from kite.upcycle.capture import capture
 from kite.upcycle.codec.settings import settings_for
 from kite.upcycle.compress import CompressSettings, compress_document
@@ -54,6 +55,7 @@ class TrainRequest:
     resume: bool = False
     overwrite: bool = False
     adapter: bool = True                    # train the reader adapter (else the regenerator only)
+    regenerator: Path | None = None         # a regenerator folder to code the states with (else one is fitted)
 
     def check(self, pairs: list[Pair]) -> tuple[list[Pair], list[Pair]]:
         """BadInput for a bad mode or ratio, or pairs too few to split; returns (train, held out)."""
@@ -72,7 +74,8 @@ class TrainRequest:
         data = hashlib.sha256(json.dumps([(p.context, p.prompt, p.response) for p in pairs]).encode()).hexdigest()
         return {"model": model_fp, "data_sha256": data, "mode": self.mode, "seed": self.seed,
                 "ratios": [float(r) for r in self.ratios], "eval_fraction": self.eval_fraction, "epochs": self.epochs,
-                "adapter": self.adapter, "config": cfg.model_dump(mode="json")}
+                "adapter": self.adapter, "config": cfg.model_dump(mode="json"),
+                "regenerator": None if self.regenerator is None else Regenerator.load(self.regenerator).fingerprint}
 
 
 def prepare_output(req: TrainRequest, key: dict) -> None:
@@ -116,6 +119,21 @@ def fit_regenerator(lm, train_pairs: list[Pair], cfg_codec, progress=None, weigh
                       value_weights=model_value_weights(lm) if weighted else None)
 
 
+def given_regenerator(lm, req: TrainRequest) -> Regenerator:
+    """``--regenerator DIR``: the adapter then learns to read states of that regenerator (the pairing it
+    will be used with) and none is fitted. FingerprintMismatch naming it when it was made for another
+    model; BadInput when its bases do not fit a training ratio's codec."""
+    reg = Regenerator.load(req.regenerator)
+    reg.check_model(lm)
+    for ratio in req.ratios:
+        codec = settings_for(ratio)
+        if reg.joint_heads != codec.joint_heads:
+            raise BadInput(f"--regenerator {req.regenerator}: {short(reg.fingerprint)} has "
+                           f"{'joint-head' if reg.joint_heads else 'per-head'} bases; the codec of ratio {ratio:g} "
+                           f"codes {'joint heads' if codec.joint_heads else 'per head'}")
+    return reg
+
+
 def train_upcycle(lm, pairs: list[Pair], cfg: UpcycleConfig, req: TrainRequest, progress=None) -> dict:
     """Run every stage (see the module doc); returns the report (also written to train_report.json)."""
     t_start = time.perf_counter()
@@ -124,10 +142,14 @@ def train_upcycle(lm, pairs: list[Pair], cfg: UpcycleConfig, req: TrainRequest, 
     prepare_output(req, req.key(pairs, lm.fingerprints.combined, cfg))
     timings: dict[str, float] = {}
 
-    # 1. the regenerator (the codec of the first training ratio decides joint heads / centering)
+    # 1. the regenerator: the one given (checked against the model), or fitted on the training documents
+    #    (the codec of the first training ratio decides joint heads / centering)
     t = time.perf_counter()
     codec0 = settings_for(req.ratios[0])
-    if (out / "regenerator" / "regenerator.json").exists():
+    if req.regenerator is not None:
+        reg = given_regenerator(lm, req)
+        reg.save(out / "regenerator")
+    elif (out / "regenerator" / "regenerator.json").exists():
         reg = Regenerator.load(out / "regenerator")
     else:
         reg = fit_regenerator(lm, train, codec0, progress)
