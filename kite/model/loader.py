@@ -12,6 +12,7 @@ from typing import Any
 
 from kite.errors import BadInput
 from kite.model.fingerprint import Fingerprints, fingerprints
+from kite.model.fused import fuse_forward
 from kite.model.geometry import Geometry, geometry_from_config
 from kite.model.sources import ModelSource, hf_folder, resolve
 
@@ -119,6 +120,9 @@ def load_model(spec: str | None = None, *, adapter: str | Path | None = None, dt
         # a reader adapter (kite upcycle train): on only while the model reads a state made for it
         model.base_model.disable_adapter_layers()
     model.to(device).eval()
+    # on a GPU: fewer, fused kernels in the forward (one-kernel RMSNorm and RoPE, q/k/v and gate/up as
+    # one product each); the CPU keeps transformers' forward
+    fuse_forward(model)
     geometry = geometry_from_config(model.config)
     return LoadedModel(model=model, tokenizer=tokenizer, source=source, folder=folder,
                        geometry=geometry, adapter_dir=adapter_dir,

@@ -1,0 +1,231 @@
+"""Fewer, fused kernels in a Llama-family model's forward on a GPU (inference only).
+
+A first forward of a short query over a loaded state reads the weights once; what it spends beyond
+that is mostly small kernels: transformers' RMSNorm is ~6 launches a call, RoPE ~10 a layer, the
+MLP's activation and product 2, the residual adds 2. ``fuse_forward(model)`` installs, on each decoder
+layer of a Llama / Qwen2 / Mistral model (plain or under peft), forwards that call:
+
+- one RMSNorm kernel per norm, the attention's residual add fused into the second norm
+  (kite.kernels.fused_norm_triton);
+- the q / k / v projections as one matrix product and the MLP's gate / up as one, where they are
+  plain ``nn.Linear``: their weights are concatenated once and each projection's ``weight`` (and
+  ``bias``) becomes a view into the concatenation, so the model holds one copy, ``state_dict`` and
+  ``load_state_dict`` keep working, and the originals are freed;
+- RoPE of q and k (and v's copy into the same layout) in one kernel (kite.kernels.rope_triton);
+- ``silu(gate) * up`` in one kernel (kite.kernels.silu_mul_triton).
+
+The attention itself is still the model's configured implementation (KITE's, with its split-KV
+kernel on a GPU). Each fused forward runs transformers' own when it cannot stand in: with autograd on
+(training), with ``ENABLED`` False (the benchmarks' A/B switch), when a projection carries hooks
+(captures that read q_proj's output) or is wrapped by an adapter, or when the weights were moved
+since (``model.to`` breaks the views). Install after the model is on its device and dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ENABLED = True    # False: every installed forward runs transformers' own (side-by-side benchmarks)
+FAMILIES = ("llama", "qwen2", "mistral")
+_log = logging.getLogger("kite.model")
+
+
+@dataclass
+class Fused:
+    """What ``fuse_forward`` installed: layers fused, and how many of their attention / MLP blocks
+    got one concatenated projection (the others keep their separate products)."""
+
+    layers: int = 0
+    qkv_concatenated: int = 0
+    gate_up_concatenated: int = 0
+
+
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fuse_forward(model, *, on_cpu: bool = False) -> Fused | None:
+    """Install the fused forwards on ``model`` (idempotent). None where they do not apply: not a
+    Llama-family model with a SiLU MLP, not fp16 / bf16 on a GPU (``on_cpu``: also CPU models, which
+    then need Triton's interpreter; for tests), or Triton missing."""
+    config = getattr(model, "config", None)
+    param = next(model.parameters(), None)
+    if config is None or param is None or getattr(config, "model_type", None) not in FAMILIES:
+        return None
+    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+        return None
+    if not on_cpu and (param.device.type != "cuda" or param.dtype not in (torch.float16, torch.bfloat16)):
+        return None
+    if not available():
+        _log.warning("Triton is not installed: the model's forward keeps transformers' unfused kernels")
+        return None
+    done = Fused()
+    for module in model.modules():
+        if not _is_decoder_layer(module):
+            continue
+        if getattr(module, "_kite_fused", False):
+            done.layers += 1
+            continue
+        attn, mlp = module.self_attn, module.mlp
+        attn._kite_qkv = _concatenate(attn, ("q_proj", "k_proj", "v_proj"))
+        mlp._kite_gate_up = _concatenate(mlp, ("gate_proj", "up_proj"))
+        attn._kite_sliding = getattr(attn, "sliding_window", None) if config.model_type == "qwen2" else \
+            getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
+        attn._kite_fallback = getattr(sys.modules[type(attn).__module__], "eager_attention_forward", None)
+        attn.forward = types.MethodType(_attention_forward, attn)
+        mlp.forward = types.MethodType(_mlp_forward, mlp)
+        module.forward = types.MethodType(_layer_forward, module)
+        module._kite_fused = True
+        done.layers += 1
+        done.qkv_concatenated += attn._kite_qkv is not None
+        done.gate_up_concatenated += mlp._kite_gate_up is not None
+    for module in model.modules():   # the final norm (and any other norm not inside a layer)
+        if _is_rms_norm(module) and not getattr(module, "_kite_fused", False):
+            module.forward = types.MethodType(_norm_forward, module)
+            module._kite_fused = True
+    return done if done.layers else None
+
+
+def _is_decoder_layer(m) -> bool:
+    attn, mlp = getattr(m, "self_attn", None), getattr(m, "mlp", None)
+    return (attn is not None and mlp is not None and all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            and all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj"))
+            and _is_rms_norm(getattr(m, "input_layernorm", None))
+            and _is_rms_norm(getattr(m, "post_attention_layernorm", None)))
+
+
+def _is_rms_norm(m) -> bool:
+    return (isinstance(m, nn.Module) and type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon")
+            and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 1)
+
+
+def _concatenate(parent, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]] | None:
+    """One weight (and bias) for the plain ``nn.Linear`` projections ``names`` of ``parent``; each
+    projection's parameters become views into it. None where they are not all plain, alike Linears."""
+    mods = [getattr(parent, n) for n in names]
+    if any(type(m) is not nn.Linear for m in mods):
+        return None
+    w0 = mods[0].weight
+    if any(m.weight.dtype != w0.dtype or m.weight.device != w0.device or m.weight.shape[1] != w0.shape[1]
+           or (m.bias is None) != (mods[0].bias is None) for m in mods):
+        return None
+    with torch.no_grad():
+        weight = torch.cat([m.weight for m in mods])
+        bias = torch.cat([m.bias for m in mods]) if mods[0].bias is not None else None
+        sizes, start = [m.weight.shape[0] for m in mods], 0
+        for m, n in zip(mods, sizes):
+            m.weight = nn.Parameter(weight[start:start + n], requires_grad=m.weight.requires_grad)
+            if bias is not None:
+                m.bias = nn.Parameter(bias[start:start + n], requires_grad=m.bias.requires_grad)
+            start += n
+    return weight, bias, sizes
+
+
+def _still_views(parent, names: tuple[str, ...], fused) -> bool:
+    """The projections still read the concatenation (not moved or replaced since) and carry no hooks."""
+    weight, _, sizes = fused
+    start = 0
+    for n, size in zip(names, sizes):
+        m = getattr(parent, n)
+        if (type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks
+                or m.weight.data_ptr() != weight.data_ptr() + start * weight.stride(0) * weight.element_size()):
+            return False
+        start += size
+    return True
+
+
+def _active(x: torch.Tensor) -> bool:
+    return ENABLED and not torch.is_grad_enabled() and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _norm(module, x, residual=None):
+    from kite.kernels.fused_norm_triton import rms_norm
+
+    if module._forward_hooks or module._forward_pre_hooks or module.weight.dtype != x.dtype:
+        if residual is None:
+            return module(x)
+        x = residual + x
+        return x, module(x)
+    return rms_norm(x, module.weight, module.variance_epsilon, residual)
+
+
+def _norm_forward(self, hidden_states):
+    if not _active(hidden_states) or self.weight.dtype != hidden_states.dtype:
+        return type(self).forward(self, hidden_states)
+    from kite.kernels.fused_norm_triton import rms_norm
+
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                   position_embeddings=None, **kwargs):
+    if "past_key_values" in kwargs:
+        cache = kwargs.pop("past_key_values")
+    if not _active(hidden_states):
+        return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                  cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    h = _norm(self.input_layernorm, hidden_states)
+    h, _ = self.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                          use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    x, h = _norm(self.post_attention_layernorm, h, residual=hidden_states)
+    return x + self.mlp(h)
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+_GATE_UP = ("gate_proj", "up_proj")
+
+
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+    if "past_key_values" in kwargs:
+        cache = kwargs.pop("past_key_values")
+    if not _active(hidden_states) or position_embeddings is None or self.training:
+        return type(self).forward(self, hidden_states, position_embeddings=position_embeddings,
+                                  attention_mask=attention_mask, cache=cache, **kwargs)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from kite.kernels.rope_triton import rope_qkv
+
+    B, T, _ = hidden_states.shape
+    d = self.head_dim
+    fused = self._kite_qkv
+    if fused is not None and _still_views(self, _QKV, fused):
+        weight, bias, (nq, nk, _) = fused
+        qkv = F.linear(hidden_states, weight, bias)
+        q, k, v = (qkv[..., a:b].view(B, T, -1, d) for a, b in ((0, nq), (nq, nq + nk), (nq + nk, qkv.shape[-1])))
+    else:
+        q, k, v = (getattr(self, p)(hidden_states).view(B, T, -1, d) for p in _QKV)
+    cos, sin = position_embeddings
+    q, k, v = rope_qkv(q, k, v, cos, sin)
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._kite_fallback)
+    extra = {"sliding_window": self._kite_sliding} if self.config.model_type in ("qwen2", "mistral") else {}
+    out, weights = interface(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **extra, **kwargs)
+    out = out.reshape(B, T, -1).contiguous()
+    return self.o_proj(out), weights
+
+
+def _mlp_forward(self, x):
+    if not _active(x):
+        return type(self).forward(self, x)
+    from kite.kernels.silu_mul_triton import silu_mul
+
+    fused = self._kite_gate_up
+    if fused is not None and _still_views(self, _GATE_UP, fused):
+        weight, bias, (n, _) = fused
+        gu = F.linear(x, weight, bias)
+        gate, up = gu[..., :n], gu[..., n:]
+    else:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+    return self.down_proj(silu_mul(gate, up))

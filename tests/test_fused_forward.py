@@ -1,0 +1,231 @@
+"""The fused forward (kite.model.fused: one RMSNorm kernel, residual add + norm, RoPE of q / k in one
+kernel, silu(gate) * up in one, q / k / v and gate / up as one product each) computes what
+transformers' Llama-family modules compute: on the CPU through Triton's interpreter (where Triton is
+installed), on a GPU at bf16 / fp16, eager and inside a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kite.model import fused
+from kite.runtime.attention import register
+from tests.tiny_models import tiny_config
+from tests.triton_interpreter import run_interpreted
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def last_place(x: torch.Tensor, dtype) -> float:
+    """The last place of the largest |x| in ``dtype`` (bf16: 8 significant bits, fp16: 11)."""
+    top = x.float().abs().max().clamp_min(2.0 ** -100)
+    return float(torch.exp2(torch.floor(torch.log2(top)))) * (2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10)
+
+
+def kernels_vs_modules(device: str, dtypes, places: float, exact: float) -> None:
+    """Each kernel against the transformers code it stands in for, on fresh random inputs: at fp16 /
+    bf16 within ``places`` last places of the largest output, and at least a fraction ``exact`` of the
+    elements bit-equal."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
+
+    from kite.kernels.fused_norm_triton import rms_norm
+    from kite.kernels.rope_triton import rope_qkv
+    from kite.kernels.silu_mul_triton import silu_mul
+
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dtype):
+        return (torch.randn(*shape, generator=g) * 2).to(device, dtype)
+
+    for dtype in dtypes:
+        def close(got, ref, what, dtype=dtype):
+            assert got.shape == ref.shape and got.dtype == ref.dtype, what
+            if dtype == torch.float32:
+                err = (got - ref).abs().max().item()
+                assert err < 1e-5 * max(1.0, ref.abs().max().item()), (what, err)
+            else:
+                err = (got.float() - ref.float()).abs().max().item()
+                assert err <= places * last_place(ref, dtype), (what, err)
+                assert (got == ref).float().mean().item() >= exact, (what, (got == ref).float().mean().item())
+            print(f"{what} {dtype}: max abs diff {(got.float() - ref.float()).abs().max().item():.2e}")
+
+        with torch.no_grad():
+            norm = Qwen2RMSNorm(300, eps=1e-6).to(device, dtype)
+            norm.weight.copy_(rand(300, dtype=dtype))
+            x, res = rand(3, 5, 300, dtype=dtype), rand(3, 5, 300, dtype=dtype)
+            close(rms_norm(x, norm.weight, 1e-6), norm(x), "rms_norm")
+            total, out = rms_norm(x, norm.weight, 1e-6, residual=res)
+            close(total, res + x, "residual add")
+            close(out, norm(res + x), "residual add + rms_norm")
+            gate_up = rand(2, 7, 2 * 1500, dtype=dtype)             # column blocks of one product
+            gate, up = gate_up[..., :1500], gate_up[..., 1500:]
+            close(silu_mul(gate, up), torch.nn.functional.silu(gate) * up, "silu(gate) * up")
+            for B, T, hq, hkv, d, cos_rows in ((2, 3, 4, 2, 16, 1), (1, 5, 6, 2, 32, 1), (2, 4, 2, 2, 64, 2)):
+                qkv = rand(B, T, (hq + 2 * hkv) * d, dtype=dtype)
+                q = qkv[..., :hq * d].view(B, T, hq, d)
+                k = qkv[..., hq * d:(hq + hkv) * d].view(B, T, hkv, d)
+                v = qkv[..., (hq + hkv) * d:].view(B, T, hkv, d)
+                cos, sin = rand(cos_rows, T, d, dtype=dtype), rand(cos_rows, T, d, dtype=dtype)
+                qo, ko, vo = rope_qkv(q, k, v, cos, sin)
+                qr, kr = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+                close(qo, qr, "rope q")
+                close(ko, kr, "rope k")
+                assert torch.equal(vo, v.transpose(1, 2)) and qo.stride() == qr.stride()
+
+
+def fused_vs_unfused_models() -> None:
+    """Tiny Llama / Qwen2 / Mistral (fp32): a prefix then a query through a DynamicCache, logits with
+    the fused forwards equal transformers' own; parameters unchanged and held once; hooks on q_proj
+    still fire."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    for arch in ("llama", "qwen2", "mistral"):
+        torch.manual_seed(0)
+        cfg = tiny_config(arch, layers=2)
+        cfg._attn_implementation = register()
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        done = fused.fuse_forward(model, on_cpu=True)
+        assert done == fused.Fused(layers=2, qkv_concatenated=2, gate_up_concatenated=2), done
+        assert fused.fuse_forward(model, on_cpu=True) == fused.Fused(layers=2)   # idempotent
+        after = model.state_dict()
+        assert after.keys() == before.keys() and all(torch.equal(before[k], after[k]) for k in before)
+        attn = model.model.layers[0].self_attn
+        weight, bias, _ = attn._kite_qkv
+        assert attn.k_proj.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+        held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+        assert sum(held.values()) == sum(p.numel() * p.element_size() for p in model.parameters())   # one copy
+        doc, query = torch.randint(cfg.vocab_size, (2, 40)), torch.randint(cfg.vocab_size, (2, 5))
+        logits, seen = {}, []
+        for on in (False, True):
+            fused.ENABLED = on
+            try:
+                with torch.inference_mode():
+                    cache = DynamicCache(config=cfg)
+                    a = model(doc, past_key_values=cache).logits
+                    logits[on] = torch.cat([a, model(query, past_key_values=cache).logits], 1)
+                    hook = attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+                    hooked = model(doc).logits    # a capture's hook on q_proj: the separate products run
+                    hook.remove()
+            finally:
+                fused.ENABLED = True
+            assert (hooked - a).abs().max().item() < 1e-5
+        err = (logits[True] - logits[False]).abs().max().item()
+        assert err < 1e-5, (arch, err)
+        assert len(seen) == 2
+        print(f"{arch}: logits max abs diff {err:.1e}")
+
+
+def check_in_the_interpreter() -> None:
+    """(Run by run_interpreted.) The interpreter casts fp32 to bf16 by truncation, not rounding to
+    nearest as the GPU and torch do: bf16 results may sit a few last places off there."""
+    kernels_vs_modules("cpu", (torch.float32, torch.bfloat16), places=4, exact=0.0)
+    fused_vs_unfused_models()
+
+
+def test_fused_kernels_and_forward_equal_transformers_on_the_cpu():
+    """In Triton's interpreter: RMSNorm (alone and after the residual add), RoPE of q / k from one
+    projection's column blocks (v copied alike), silu(gate) * up, against transformers' code at fp32
+    (1e-5) and bf16 (a few last places); whole tiny Llama / Qwen2 / Mistral forwards over a cached
+    prefix at fp32 equal the unfused ones to 1e-5, with parameters unchanged and held once."""
+    run_interpreted("tests.test_fused_forward:check_in_the_interpreter")
+
+
+def test_cpu_models_keep_transformers_forward():
+    torch.manual_seed(0)
+    cfg = tiny_config("qwen2", layers=1)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    assert fused.fuse_forward(model) is None
+    assert "forward" not in vars(model.model.layers[0])
+
+
+# ---- on a GPU (the H200 runs these) ------------------------------------------------------------------
+
+
+@cuda
+def test_gpu_kernels_equal_transformers_modules():
+    kernels_vs_modules("cuda", (torch.float32, torch.bfloat16, torch.float16), places=1, exact=0.95)
+
+
+def _qwen2(dtype, layers=2):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    cfg._attn_implementation = register()
+    return cfg, Qwen2ForCausalLM(cfg).to("cuda", dtype).eval()
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_fused_forward_matches_the_unfused_one(dtype):
+    """A random Qwen2 prefills 3,000 tokens; a 16-token query's logits through the fused forwards
+    (split-KV attention on) equal the unfused ones to bf16 / fp16 rounding; the same inside a CUDA
+    graph over a static cache; with autograd on, transformers' forward runs (gradients flow)."""
+    from transformers import DynamicCache, StaticCache
+
+    cfg, model = _qwen2(dtype)
+    assert fused.fuse_forward(model) == fused.Fused(layers=2, qkv_concatenated=2, gate_up_concatenated=2)
+    doc, query = torch.randint(512, (1, 3000), device="cuda"), torch.randint(512, (1, 16), device="cuda")
+    logits = {}
+    try:
+        for on in (False, True):
+            fused.ENABLED = on
+            with torch.inference_mode():
+                cache = DynamicCache(config=cfg)
+                model(doc, past_key_values=cache)
+                logits[on] = model(query, past_key_values=cache).logits.float()
+    finally:
+        fused.ENABLED = True
+    top = logits[False].abs().max().item()
+    diff = (logits[True] - logits[False]).abs().max().item()
+    assert diff <= 0.02 * top, (diff, top)
+
+    sc = StaticCache(config=cfg, max_cache_len=3016)
+    pos = torch.arange(3000, 3016, device="cuda")[None]
+    with torch.inference_mode():
+        model(doc, past_key_values=sc)
+
+        def forward():
+            for layer in sc.layers:
+                if torch.is_tensor(getattr(layer, "cumulative_length", None)):
+                    layer.cumulative_length.fill_(3000)
+            return model(query, past_key_values=sc, position_ids=pos, cache_position=pos[0]).logits
+
+        eager = forward().float()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = forward()
+        out.fill_(float("nan"))
+        graph.replay()
+    assert torch.equal(out.float(), eager)
+    assert (eager - logits[True]).abs().max().item() <= 0.02 * top
+
+    model.zero_grad()
+    model(query).logits.float().sum().backward()       # training: transformers' forward, gradients flow
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+@cuda
+def test_gpu_load_model_fuses_the_forward(tiny_models):
+    from kite.model import load_model
+
+    loaded = load_model(str(tiny_models["qwen2"]), device="cuda", dtype="bf16")
+    assert all(getattr(layer, "_kite_fused", False) for layer in loaded.model.model.layers)
+    ids = torch.randint(100, (1, 12), device="cuda")
+    with torch.inference_mode():
+        on = loaded.model(ids).logits.float()
+        fused.ENABLED = False
+        try:
+            off = loaded.model(ids).logits.float()
+        finally:
+            fused.ENABLED = True
+    assert (on - off).abs().max().item() <= 0.02 * off.abs().max().item()
