@@ -3,6 +3,7 @@ against the rebuilt path: the staged load's rebuilt keys / values and ordinary a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -214,9 +215,10 @@ def test_load_coded_prefix_takes_what_load_prefix_takes_and_refuses_the_rest(lm,
         load_coded_prefix(exact, lm)
 
 
-def _synthetic_layer(T: int, H: int, d: int, R: int, group_rows: int, gen) -> CodedLayer:
+def _synthetic_layer(T: int, H: int, d: int, R: int, group_rows: int, gen, nib: tuple[int, int] = (0, 0)) -> CodedLayer:
     """A resident layer with per-head bases of R columns, random codes < 16, quantization groups of
-    ``group_rows`` rows, one padding row."""
+    ``group_rows`` rows, one padding row; ``nib``: the nibble bytes a head of keys / values (their
+    first 2 Nb columns packed two to a byte, the rest bytes of codes up to 255)."""
 
     C, G = H * R, -(-T // group_rows)
     pos = torch.arange(T, dtype=torch.int32)
@@ -225,7 +227,7 @@ def _synthetic_layer(T: int, H: int, d: int, R: int, group_rows: int, gen) -> Co
     def tab(lo, hi):
         return torch.rand(G, C, generator=gen) * (hi - lo) + lo
 
-    return CodedLayer(
+    layer = CodedLayer(
         pos=pos, tile_group=(torch.arange(T // TILE) * TILE // group_rows).to(torch.int32),
         k_codes=torch.randint(0, 16, (T, C), dtype=torch.uint8, generator=gen), k_scale=tab(0.02, 0.06),
         k_min=tab(-0.5, -0.3), v_codes=torch.randint(0, 16, (T, C), dtype=torch.uint8, generator=gen),
@@ -234,6 +236,19 @@ def _synthetic_layer(T: int, H: int, d: int, R: int, group_rows: int, gen) -> Co
         v_basis=(torch.randn(H, R, d, generator=gen) / math.sqrt(R)).bfloat16(),
         k_mean=torch.randn(G, H, d, generator=gen), v_mean=torch.randn(G, H, d, generator=gen),
         raw_k=torch.zeros(H, 0, d, dtype=torch.bfloat16), raw_v=torch.zeros(H, 0, d, dtype=torch.bfloat16), joint=False)
+    if nib == (0, 0):
+        return layer
+    from kite.upcycle.load.resident import _pack
+
+    packed = {}
+    for side, nb in zip("kv", nib):
+        full = getattr(layer, f"{side}_codes").view(T, H, R).clone()
+        full[:, :, 2 * nb:] = torch.randint(0, 256, (T, H, R - 2 * nb), dtype=torch.uint8, generator=gen)
+        packed[f"{side}_nib"], packed[f"{side}_codes"] = _pack(full.view(T, C), H, nb)
+        scale = getattr(layer, f"{side}_scale").view(G, H, R).clone()
+        scale[:, :, 2 * nb:] /= 16          # byte codes up to 255: coefficients of the same size as the nibbles'
+        packed[f"{side}_scale"] = scale.view(G, C)
+    return dataclasses.replace(layer, **packed)
 
 
 def check_kernels_in_the_interpreter() -> None:
@@ -263,6 +278,40 @@ def check_kernels_in_the_interpreter() -> None:
                 assert err <= 1e-2, (group_rows, head, block, i, err)
                 print(f"groups of {group_rows} rows, {'head' if head else 'wide' if block > 1 else 'one-tile'} "
                       f"kernel, {block} tiles a step, sequence {i}: {err:.1e} of max |out|")
+
+
+def check_stream_kernel_in_the_interpreter() -> None:
+    """(Run by run_interpreted.) The stream kernel against coded_partial_torch: one byte a code and
+    nibble-packed sides (keys / values with and without byte columns), blocks of 1, 2 and 4 tiles
+    (halved where groups of 64 rows would straddle them), three sequences of their own lengths."""
+    from kite.kernels import coded_attention_triton as tri
+    from kite.kernels.coded_attention import coded_partial_torch, merge
+
+    H, Hq, d, R = 2, 6, 32, 32
+    inv = 1.0 / (1e4 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.arange(520)[:, None].float() * inv[None]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    for nib in ((0, 0), (16, 8), (8, 16)):
+        for group_rows, block in ((256, 2), (256, 4), (64, 4), (128, 1)):
+            gen = torch.Generator().manual_seed(block + nib[0])
+            layers = [_synthetic_layer(T, H, d, R, group_rows, gen, nib) for T in (512, 384, 96)]
+            q = torch.randn(3, Hq, d, generator=gen).bfloat16()
+            batch = tri.CodedBatch(layers)
+            o, lse = tri.coded_decode(q, batch, cos, sin, 1 / math.sqrt(d), splits=2, block=block)
+            out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
+            for i, layer in enumerate(layers):
+                want, _ = coded_partial_torch(q[i][:, None].float(), layer, cos, sin, 1 / math.sqrt(d))
+                err = float((out[i] - want[:, 0]).abs().max() / want.abs().max())
+                assert err <= 1e-2, (nib, group_rows, block, i, err)
+                print(f"stream kernel, nibble bytes {nib}, groups of {group_rows} rows, {block} tiles a step "
+                      f"(aligned: {batch.aligned(block)}), sequence {i}: {err:.1e} of max |out|")
+
+
+def test_stream_kernel_equals_the_torch_reference_on_the_cpu():
+    """The stream decode kernel in Triton's interpreter, one byte a code and nibble-packed."""
+    from tests.triton_interpreter import run_interpreted
+
+    print(run_interpreted("tests.test_coded_attention:check_stream_kernel_in_the_interpreter"))
 
 
 def test_decode_kernels_equal_the_torch_reference_on_the_cpu():

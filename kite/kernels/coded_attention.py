@@ -44,10 +44,9 @@ def _cols(layer: CodedLayer, h: int, side: str) -> slice:
 
 def _coefs(layer: CodedLayer, side: str) -> torch.Tensor:
     """The dequantized coefficients [Tp, Hb * R] float32 (min + scale · code, per tile's group)."""
-    codes, scale, mn = ((layer.k_codes, layer.k_scale, layer.k_min) if side == "k"
-                        else (layer.v_codes, layer.v_scale, layer.v_min))
+    scale, mn = (layer.k_scale, layer.k_min) if side == "k" else (layer.v_scale, layer.v_min)
     g = layer.tile_group.long().repeat_interleave(TILE)
-    return mn[g] + scale[g] * codes.float()
+    return mn[g] + scale[g] * layer.codes(side).float()
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -26,9 +26,9 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _sequence(ptrs, ints, n, h):
-    """Sequence n's tables (CodedBatch: 12 pointers and 6 ints a sequence) and, for KV head h, the
+    """Sequence n's tables (CodedBatch: 14 pointers and 8 ints a sequence) and, for KV head h, the
     first code column of its basis block (0 with a joint-head basis)."""
-    pt = ptrs + n * 12
+    pt = ptrs + n * 14
     kc_p = tl.load(pt + 0).to(tl.pointer_type(tl.uint8))
     ks_p = tl.load(pt + 1).to(tl.pointer_type(tl.float32))
     km_p = tl.load(pt + 2).to(tl.pointer_type(tl.float32))
@@ -41,9 +41,9 @@ def _sequence(ptrs, ints, n, h):
     vb_p = tl.load(pt + 9).to(tl.pointer_type(tl.bfloat16))
     kmu_p = tl.load(pt + 10).to(tl.pointer_type(tl.float32))
     vmu_p = tl.load(pt + 11).to(tl.pointer_type(tl.float32))
-    it = ints + n * 6
+    it = ints + n * 8
     n_tiles = tl.load(it + 0)
-    Ck = tl.load(it + 1)        # code columns of a row (keys): Hb * Rk
+    Ck = tl.load(it + 1)        # code columns of a row (keys): Hb * Rk (nibble-packed: the byte columns)
     Cv = tl.load(it + 2)
     Rk = tl.load(it + 3)        # columns per basis block
     Rv = tl.load(it + 4)
@@ -378,6 +378,164 @@ def _coded_decode_head_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride, o
     tl.store(lse_ptr + (n * SPLITS + split) * H * G + head, lse, mask=gm)
 
 
+@triton.jit
+def _dequant(code, sc_row, mn_row, cols, cm):
+    """Codes [BT, C] (integers) to bf16 coefficients with one group's scale / minimum rows."""
+    sc = tl.load(sc_row + cols, mask=cm, other=0.0)
+    mn = tl.load(mn_row + cols, mask=cm, other=0.0)
+    return (code.to(tl.float32) * sc[None, :] + mn[None, :]).to(tl.bfloat16)
+
+
+@triton.jit
+def _basis_halves(kb_p, rows, rm, j, jm, D: tl.constexpr, HALF: tl.constexpr):
+    """Rows of a basis [R, d] as its two RoPE halves [len(rows), HP] bf16."""
+    brow = kb_p + rows[:, None] * D
+    return (tl.load(brow + j[None, :], mask=rm[:, None] & jm[None, :], other=0.0),
+            tl.load(brow + HALF + j[None, :], mask=rm[:, None] & jm[None, :], other=0.0))
+
+
+@triton.jit
+def _value_part(accT, codesT, pe, psum, alpha, sc_row, mn_row, cols, cm):
+    """accT [C, GP] (a value part's coefficient sums, transposed) rescaled by alpha and plus this
+    block's: (codes^T @ p) * scale + min * sum(p), one quantization group's scale / minimum."""
+    sc = tl.load(sc_row + cols, mask=cm, other=0.0)
+    mn = tl.load(mn_row + cols, mask=cm, other=0.0)
+    return (accT * alpha[None, :] + tl.dot(codesT.to(tl.float32).to(tl.bfloat16), pe) * sc[:, None]
+            + mn[:, None] * psum[None, :])
+
+
+@triton.jit
+def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride, o_ptr, lse_ptr, qk_scale,
+                                H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                                HALF: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, TL: tl.constexpr,
+                                SUB: tl.constexpr, BT: tl.constexpr, NBKP: tl.constexpr, WKP: tl.constexpr,
+                                NBVP: tl.constexpr, WVP: tl.constexpr, SPLITS: tl.constexpr):
+    """Per-head bases, every block of SUB tiles inside one quantization group (the caller checks),
+    so the loop has no branch and its loads pipeline (num_stages). Tokens are the rows of every
+    product: keys rebuilt [BT, d/2] x 2 from the codes, scores transposed [BT, GP] (the tile's rows
+    against the KV head's query heads), value sums transposed [columns, GP]. Reads nibble-packed sides
+    (CodedLayer.k_nib / v_nib: NBKP / NBVP > 0, padded nibble bytes a head) and byte columns (WKP /
+    WVP > 0, padded); a side with no nibbles has Nb = 0 and all its columns as bytes."""
+    h, n, split = _program(SPLITS)
+    (kc_p, ks_p, km_p, vc_p, vs_p, vm_p, tg_p, pos_p, kb_p, vb_p, kmu_p, vmu_p,
+     n_tiles, Ck, Cv, Rk, Rv, colk, colv) = _sequence(ptrs, ints, n, h)
+    kn_p = tl.load(ptrs + n * 14 + 12).to(tl.pointer_type(tl.uint8))
+    vn_p = tl.load(ptrs + n * 14 + 13).to(tl.pointer_type(tl.uint8))
+    nbk = tl.load(ints + n * 8 + 6)            # nibble bytes a row and head (0: none)
+    nbv = tl.load(ints + n * 8 + 7)
+    wk = Rk - 2 * nbk                          # byte columns a head
+    wv = Rv - 2 * nbv
+    n_blocks = tl.cdiv(n_tiles, SUB)
+    b_lo, b_hi = _share(n_blocks, split, SPLITS)
+
+    g = tl.arange(0, GP)
+    gm = g < G
+    j = tl.arange(0, HP)
+    jm = j < HALF
+    q1, q2 = _query_halves(q_ptr, n, h, H, G, GP, D, HALF, HP)
+    q1t = tl.trans(q1)
+    q2t = tl.trans(q2)
+    dd = tl.arange(0, DP)
+    dm = dd < D
+    r = tl.arange(0, BT)
+    n_rows = n_tiles * TL
+    # the head's key basis, held: rows of the low nibbles, high nibbles, byte columns
+    if NBKP > 0:
+        ak = tl.arange(0, NBKP)
+        akm = ak < nbk
+        bl1, bl2 = _basis_halves(kb_p, h * Rk + ak, akm, j, jm, D, HALF)
+        bh1, bh2 = _basis_halves(kb_p, h * Rk + nbk + ak, akm, j, jm, D, HALF)
+    if WKP > 0:
+        ck = tl.arange(0, WKP)
+        ckm = ck < wk
+        bw1, bw2 = _basis_halves(kb_p, h * Rk + 2 * nbk + ck, ckm, j, jm, D, HALF)
+    if NBVP > 0:
+        av = tl.arange(0, NBVP)
+        avm = av < nbv
+        acc_lo = tl.zeros([NBVP, GP], tl.float32)
+        acc_hi = tl.zeros([NBVP, GP], tl.float32)
+    if WVP > 0:
+        cv = tl.arange(0, WVP)
+        cvm = cv < wv
+        acc_w = tl.zeros([WVP, GP], tl.float32)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    amuT = tl.zeros([DP, GP], tl.float32)
+    sk = H * Rk                                # scale / minimum row length
+    sv = H * Rv
+    for blk in range(b_lo, b_hi):
+        row0 = blk * BT
+        rows = row0 + r
+        rm = rows < n_rows
+        p = tl.load(pos_p + rows, mask=rm, other=-1)
+        grp = tl.load(tg_p + blk * SUB)
+        mrow = kmu_p + (grp * H + h) * D
+        k1 = tl.zeros([BT, HP], tl.float32) + tl.load(mrow + j, mask=jm, other=0.0)[None, :]
+        k2 = tl.zeros([BT, HP], tl.float32) + tl.load(mrow + HALF + j, mask=jm, other=0.0)[None, :]
+        if NBKP > 0:
+            nib = tl.load(kn_p + row0.to(tl.int64) * H * nbk + r[:, None] * (H * nbk) + (h * nbk + ak)[None, :],
+                          mask=rm[:, None] & akm[None, :], other=0)
+            lo = _dequant(nib & 15, ks_p + grp * sk, km_p + grp * sk, colk + ak, akm)
+            k1 = tl.dot(lo, bl1, k1)
+            k2 = tl.dot(lo, bl2, k2)
+            hi = _dequant(nib >> 4, ks_p + grp * sk, km_p + grp * sk, colk + nbk + ak, akm)
+            k1 = tl.dot(hi, bh1, k1)
+            k2 = tl.dot(hi, bh2, k2)
+        if WKP > 0:
+            code = tl.load(kc_p + row0.to(tl.int64) * Ck + r[:, None] * Ck + (h * wk + ck)[None, :],
+                           mask=rm[:, None] & ckm[None, :], other=0)
+            cw = _dequant(code, ks_p + grp * sk, km_p + grp * sk, colk + 2 * nbk + ck, ckm)
+            k1 = tl.dot(cw, bw1, k1)
+            k2 = tl.dot(cw, bw2, k2)
+        pc = tl.maximum(p, 0)
+        cs = tl.load(cos_ptr + pc[:, None] * tab_stride + j[None, :], mask=jm[None, :], other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + pc[:, None] * tab_stride + j[None, :], mask=jm[None, :], other=0.0).to(tl.float32)
+        r1 = (k1 * cs - k2 * sn).to(tl.bfloat16)
+        r2 = (k2 * cs + k1 * sn).to(tl.bfloat16)
+        sT = (tl.dot(r1, q1t) + tl.dot(r2, q2t)) * qk_scale                      # [BT, GP], log2 units
+        sT = tl.where((p >= 0)[:, None], sT, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sT, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        pe = tl.exp2(sT - m_safe[None, :])
+        psum = tl.sum(pe, 0)
+        l_i = l_i * alpha + psum
+        pb = pe.to(tl.bfloat16)
+        if NBVP > 0:
+            nibT = tl.load(vn_p + row0.to(tl.int64) * H * nbv + r[None, :] * (H * nbv) + (h * nbv + av)[:, None],
+                           mask=avm[:, None] & rm[None, :], other=0)
+            acc_lo = _value_part(acc_lo, nibT & 15, pb, psum, alpha, vs_p + grp * sv, vm_p + grp * sv, colv + av, avm)
+            acc_hi = _value_part(acc_hi, nibT >> 4, pb, psum, alpha, vs_p + grp * sv, vm_p + grp * sv,
+                                 colv + nbv + av, avm)
+        if WVP > 0:
+            codeT = tl.load(vc_p + row0.to(tl.int64) * Cv + r[None, :] * Cv + (h * wv + cv)[:, None],
+                            mask=cvm[:, None] & rm[None, :], other=0)
+            acc_w = _value_part(acc_w, codeT, pb, psum, alpha, vs_p + grp * sv, vm_p + grp * sv,
+                                colv + 2 * nbv + cv, cvm)
+        vmu = tl.load(vmu_p + (grp * H + h) * D + dd, mask=dm, other=0.0)
+        amuT = amuT * alpha[None, :] + vmu[:, None] * psum[None, :]
+        m_i = m_new
+    # project the coefficient sums by the value basis (transposed: [d, GP]), add the weighted means
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    outT = amuT / l_safe[None, :]
+    if NBVP > 0:
+        vlo = tl.load(vb_p + (h * Rv + av)[None, :] * D + dd[:, None], mask=avm[None, :] & dm[:, None], other=0.0)
+        outT += tl.dot(vlo, (acc_lo / l_safe[None, :]).to(tl.bfloat16))
+        vhi = tl.load(vb_p + (h * Rv + nbv + av)[None, :] * D + dd[:, None], mask=avm[None, :] & dm[:, None],
+                      other=0.0)
+        outT += tl.dot(vhi, (acc_hi / l_safe[None, :]).to(tl.bfloat16))
+    if WVP > 0:
+        vw = tl.load(vb_p + (h * Rv + 2 * nbv + cv)[None, :] * D + dd[:, None], mask=cvm[None, :] & dm[:, None],
+                     other=0.0)
+        outT += tl.dot(vw, (acc_w / l_safe[None, :]).to(tl.bfloat16))
+    outT = tl.where((l_i > 0)[None, :], outT, 0.0)
+    head = h * G + g
+    o_col = o_ptr + ((n * SPLITS + split) * H * G + head)[None, :] * D
+    tl.store(o_col + dd[:, None], outT, mask=gm[None, :] & dm[:, None])
+    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    tl.store(lse_ptr + (n * SPLITS + split) * H * G + head, lse, mask=gm)
+
+
 class CodedBatch:
     """The pointer and size tables of a list of resident layers (one per sequence), built once and
     reused while the batch's sequences stay the same (the layers must stay alive meanwhile)."""
@@ -389,15 +547,25 @@ class CodedBatch:
         for c in layers:
             if c.k_basis.dtype != torch.bfloat16:
                 raise ValueError("the GPU kernel reads bf16 bases")
+            kn = c.k_nib if c.k_nib is not None else c.k_codes
+            vn = c.v_nib if c.v_nib is not None else c.v_codes
             rows.append([c.k_codes.data_ptr(), c.k_scale.data_ptr(), c.k_min.data_ptr(), c.v_codes.data_ptr(),
                          c.v_scale.data_ptr(), c.v_min.data_ptr(), c.tile_group.data_ptr(), c.pos.data_ptr(),
-                         c.k_basis.data_ptr(), c.v_basis.data_ptr(), c.k_mean.data_ptr(), c.v_mean.data_ptr()])
+                         c.k_basis.data_ptr(), c.v_basis.data_ptr(), c.k_mean.data_ptr(), c.v_mean.data_ptr(),
+                         kn.data_ptr(), vn.data_ptr()])
             sizes.append([c.rows // TILE, c.k_codes.shape[1], c.v_codes.shape[1], c.k_basis.shape[1],
-                          c.v_basis.shape[1], int(c.joint)])
+                          c.v_basis.shape[1], int(c.joint), c.nib_bytes("k"), c.nib_bytes("v")])
         self.ptrs = torch.tensor(rows, dtype=torch.int64, device=dev)
         self.ints = torch.tensor(sizes, dtype=torch.int32, device=dev)
         self.max_rk = max(c.k_basis.shape[1] for c in layers)
         self.max_rv = max(c.v_basis.shape[1] for c in layers)
+        # nibble-packed sides: the most nibble bytes / byte columns a head (the stream kernel's widths)
+        self.nibbles = any(c.k_nib is not None or c.v_nib is not None for c in layers)
+        self.max_nbk = max(c.nib_bytes("k") for c in layers)
+        self.max_nbv = max(c.nib_bytes("v") for c in layers)
+        self.max_wk = max(c.k_basis.shape[1] - 2 * c.nib_bytes("k") for c in layers)
+        self.max_wv = max(c.v_basis.shape[1] - 2 * c.nib_bytes("v") for c in layers)
+        self._aligned: dict[int, bool] = {}
         self.max_tiles = max(c.rows // TILE for c in layers)
         # the raw side caches (sinks, outliers) padded into one tensor, attended in the same softmax
         S = max(c.raw_k.shape[1] for c in layers)
@@ -424,38 +592,76 @@ class CodedBatch:
             self._half[key] = (cos, sin, cos[:, :h].half().contiguous(), sin[:, :h].half().contiguous())
         return self._half[key][2:]
 
+    def aligned(self, block: int) -> bool:
+        """Whether every block of ``block`` tiles of every layer lies inside one quantization group
+        (what the stream kernel needs); checked once per block size."""
+        if block not in self._aligned:
+            ok = True
+            for c in self.layers:
+                tg = c.tile_group
+                pad = (-tg.numel()) % block
+                if pad:
+                    tg = torch.cat((tg, tg[-1:].expand(pad)))
+                tg = tg.view(-1, block)
+                ok = ok and bool((tg == tg[:, :1]).all())
+            self._aligned[block] = ok
+        return self._aligned[block]
+
 
 def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: torch.Tensor, scale: float,
-                 splits: int | None = None, cols: int = 32, num_warps: int | None = None, num_stages: int = 2,
-                 do_k: bool = True, do_v: bool = True, block: int | None = None,
-                 head: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 splits: int | None = None, cols: int = 32, num_warps: int | None = None,
+                 num_stages: int | None = None, do_k: bool = True, do_v: bool = True, block: int | None = None,
+                 head: bool | None = None, stream: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, Hq, d] (one token per sequence) over each sequence's coded rows: (out [N, S, Hq, d], lse
     [N, S, Hq]) float32 per split S of the rows (merge them with ``coded_attention.merge`` over dim 1).
     ``cos`` / ``sin`` [P, d] float32 by absolute position. ``do_k`` / ``do_v`` False leave out the key
     rebuild / the value accumulation (wrong results: for timing where the time goes; one tile per step).
 
-    ``head`` (default: where every basis has <= 128 columns a head, as per-head bases have): the head
-    kernel, ``block`` tiles a step (default 2), the basis kept on chip, RoPE from fp16 half tables
-    (made once per table and batch). Otherwise ``block`` > 1 (a power of 2; default 4): the wide
-    kernel, ``block`` tiles per step (the basis read once for them); ``block`` 1: one tile a step. The
-    defaults are the fastest configurations measured on the H200 (benchmarks/coded_kernel_speed.py)."""
+    Kernels. ``stream`` (the default where every basis has <= 128 columns a head, i.e. per-head
+    bases, unless ``head`` is given; the only one that reads nibble-packed sides): ``block`` tiles a
+    step (default 2, halved until every block lies inside one quantization group), no branch in its
+    loop, its loads pipelined ``num_stages`` deep. ``head`` True: the session-8 head kernel (the
+    basis kept on chip, blocks straddling groups gathered per row). Otherwise ``block`` > 1 (a power
+    of 2; default 4): the wide kernel (any basis width), ``block`` tiles a step; ``block`` 1: one tile
+    a step. Both per-head kernels take RoPE from fp16 half tables (made once per table and batch).
+    The defaults are the fastest configurations measured on the H200 (benchmarks/coded_kernel_speed.py)."""
+    per_head = batch.max_rk <= 128 and batch.max_rv <= 128 and not any(c.joint for c in batch.layers)
     if not (do_k and do_v):
-        block, head = 1, False      # the timing switches live in the one-tile kernel
-    if head is None:
-        head = block != 1 and batch.max_rk <= 128 and batch.max_rv <= 128
-    if head and not (batch.max_rk <= 128 and batch.max_rv <= 128):
-        raise ValueError("the head kernel takes bases of at most 128 columns a head")
-    block = block or (2 if head else 4)
-    num_warps = num_warps or (4 if head else 8)
+        block, head, stream = 1, False, False      # the timing switches live in the one-tile kernel
+    if stream is None:
+        stream = per_head and head is None
+    if batch.nibbles and not stream:
+        raise ValueError("nibble-packed codes are read by the stream kernel only")
+    if (stream or head) and not per_head:
+        raise ValueError("the stream and head kernels take per-head bases of at most 128 columns")
     N, Hq, d = q.shape
     H = batch.layers[0].k_mean.shape[1]
     G = Hq // H
+    half = d // 2
+    if stream:
+        block = block or 2
+        while block > 1 and not batch.aligned(block):
+            block //= 2
+    block = block or (2 if head else 4)
+    num_warps = num_warps or (4 if head or stream else 8)
+    num_stages = num_stages or 2
     if splits is None:   # ~8 waves of programs (a short last wave idles less of the GPU), >= 8 tiles each
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         splits = max(1, min(-(-8 * sms // (N * H)), batch.max_tiles // (8 * block)))
     o = torch.empty(N, splits, Hq, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(N, splits, Hq, dtype=torch.float32, device=q.device)
-    half = d // 2
+
+    def pad(n: int) -> int:
+        return 0 if n <= 0 else max(16, triton.next_power_of_2(n))
+    if stream:
+        cos, sin = batch.half_tables(cos, sin)
+        _coded_decode_stream_kernel[(H, N * splits)](
+            q.contiguous(), batch.ptrs, batch.ints, cos, sin, cos.stride(0), o, lse, scale * LOG2E,
+            H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=d, HALF=half,
+            HP=max(16, triton.next_power_of_2(half)), DP=max(16, triton.next_power_of_2(d)), TL=TILE, SUB=block,
+            BT=block * TILE, NBKP=pad(batch.max_nbk), WKP=pad(batch.max_wk), NBVP=pad(batch.max_nbv),
+            WVP=pad(batch.max_wv), SPLITS=splits, num_warps=num_warps, num_stages=num_stages)
+        return o, lse
     if head and block > 1:
         cos, sin = batch.half_tables(cos, sin)
         _coded_decode_head_kernel[(H, N * splits)](

@@ -1,13 +1,14 @@
 """A staged state transcoded once, at load, into the resident coded form the coded attention reads
 (:class:`kite.kernels.coded_attention.CodedLayer`), instead of rebuilding its layers.
 
-What changes against the staged (bit-packed) form: each coefficient code is unpacked to one byte
-(the codec's codes are at most 8 bits, so nothing is lost: coefficient = min + scale · code with the
+What changes against the staged (bit-packed) form: each coefficient code is unpacked to one byte, or
+with per-head bases to half a byte where its column is coded at <= 4 bits (the codec's codes are at
+most 8 bits, so nothing is lost: coefficient = min + scale · code with the
 codec's own per-group fp16 scale and minimum, kept as float32 tables), rows are laid out part by part
 in tiles of ``TILE`` that never straddle a quantization group, a per-head basis is padded to one width,
 and rows the codec keeps exactly (sinks, outliers) move to a small raw side cache (keys post-RoPE).
-The price is bytes: 8 bits per coefficient where the packed form averages the codec's allocated
-widths; :attr:`kite.runtime.cache.CodedPrefix.nbytes` counts every byte the form holds on its device.
+The price is bytes: 8 (or 4) bits per coefficient where the packed form averages the codec's
+allocated widths; :attr:`kite.runtime.cache.CodedPrefix.nbytes` counts every byte the form holds on its device.
 """
 
 from __future__ import annotations
@@ -49,13 +50,15 @@ def _pad(n: int, a: int) -> int:
 
 
 def build_resident(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor,
-                   next_position: int | None = None, reader: bool = False) -> CodedPrefix:
+                   next_position: int | None = None, reader: bool = False, nibbles: bool = True) -> CodedPrefix:
     """Transcode every staged layer of ``hot`` into the resident coded form on ``device``.
 
     ``dtype``: the bases' precision (bf16 on a GPU; float32 for the exact reference on the CPU).
     ``cos`` / ``sin`` [P, d] float32: RoPE by absolute position (P > the last position), for the
     raw side cache's keys and for the coded attention (kept on the prefix). ``next_position``: where the
-    first live token goes (the document's length; default: after the last kept token).
+    first live token goes (the document's length; default: after the last kept token). ``nibbles``:
+    per-head sides keep their columns of <= 4 bits two to a byte (CodedLayer.k_nib / v_nib; read by
+    the stream kernel and the torch reference); False: one byte a code (every kernel reads it).
     Raises ValueError for a layout the form does not cover (see :func:`supports`).
     """
     dev = torch.device(device)
@@ -65,7 +68,8 @@ def build_resident(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tens
     layers: list[CodedLayer | None] = []
     for layer in range(len(hot.layers)):
         plan = hot.wait(layer)
-        layers.append(None if plan is None else _layer(hot, plan, dev, dtype, row_pos, cos.to(dev), sin.to(dev)))
+        layers.append(None if plan is None else _layer(hot, plan, dev, dtype, row_pos, cos.to(dev), sin.to(dev),
+                                                       nibbles))
     if next_position is None:
         next_position = int(hot.positions.max()) + 1 if hot.positions.numel() else 0
     return CodedPrefix(layers=layers, positions=hot.positions, next_position=next_position, cos=cos.to(dev),
@@ -83,9 +87,10 @@ def _layout(sp: SidePlan) -> tuple[list[int], int, list[tuple[int, int]]]:
     return starts, at, tiles
 
 
-def _side(region: torch.Tensor, sp: SidePlan, H: int, d: int, dtype: torch.dtype):
+def _side(region: torch.Tensor, sp: SidePlan, H: int, d: int, dtype: torch.dtype, nibbles: bool = False):
     """One side: (codes uint8 [Tp, Hb*Rb], scale, min float32 [G, Hb*Rb], tile groups, basis [H, Rb, d],
-    mean per group [G, H, d], part starts)."""
+    mean per group [G, H, d], part starts, Nb). ``nibbles`` (per-head bases): each head's columns
+    ordered for nibble packing (:func:`_nibble_order`), Nb the nibble bytes a head (0 otherwise)."""
     _check(sp, H, d)
     dev = region.device
     R = sp.R
@@ -149,9 +154,15 @@ def _side(region: torch.Tensor, sp: SidePlan, H: int, d: int, dtype: torch.dtype
         codes = torch.nn.functional.pad(codes[:, live], (0, pad))
         scale, mn = torch.nn.functional.pad(scale[:, live], (0, pad)), torch.nn.functional.pad(mn[:, live], (0, pad))
         basis = torch.nn.functional.pad(Bt[live], (0, 0, 0, pad)).view(Rb, H, d).permute(1, 0, 2)
+        nb = 0
     else:               # a basis per head: its live columns of blk_off[h]..blk_off[h+1], padded to one width
         per = [torch.nonzero(live & (blk == h)).flatten() for h in range(H)]
-        Rb = _pad(max(max(len(c) for c in per), 1), COL_ALIGN)
+        if nibbles:
+            per, nb = _nibble_order(per, bits)
+            Rb = max(max(len(c) for c in per), 1)
+        else:
+            nb = 0
+            Rb = _pad(max(max(len(c) for c in per), 1), COL_ALIGN)
         cols = torch.full((H, Rb), -1, dtype=torch.long, device=dev)
         for h in range(H):
             cols[h, :len(per[h])] = per[h]
@@ -164,7 +175,31 @@ def _side(region: torch.Tensor, sp: SidePlan, H: int, d: int, dtype: torch.dtype
         codes, scale, mn = gather(codes), gather(scale), gather(mn)
         basis = torch.where(keep[:, None], Bt[src], torch.zeros((), device=dev)).view(H, Rb, d)
     mean = gmean
-    return codes.contiguous(), scale, mn, tile_group, basis.to(dtype).contiguous(), mean, starts
+    return codes.contiguous(), scale, mn, tile_group, basis.to(dtype).contiguous(), mean, starts, nb
+
+
+def _nibble_order(per: list[torch.Tensor], bits: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+    """Each head's live columns reordered [Nb low nibbles | Nb high nibbles | the rest], Nb the same
+    for every head (the kernel's layout): as many columns of <= 4 bits in nibbles as every head has
+    (Nb = min over heads of half its narrow columns); the rest (wider columns, a head's extra narrow
+    ones) one byte each, -1 padding a head to the longest."""
+    narrow = [c[bits[c] <= 4] for c in per]
+    nb = min(len(c) for c in narrow) // 2
+    out = []
+    for c, n in zip(per, narrow):
+        rest = c[~torch.isin(c, n[:2 * nb])]
+        out.append(torch.cat((n[:2 * nb], rest)))
+    return out, nb
+
+
+def _pack(codes: torch.Tensor, H: int, nb: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Codes [Tp, H*R] in the nibble order to (nibble bytes [Tp, H*nb] or None, byte columns [Tp, H*(R-2nb)])."""
+    if nb == 0:
+        return None, codes
+    Tp = codes.shape[0]
+    c = codes.view(Tp, H, -1)
+    nib = (c[:, :, :nb] | (c[:, :, nb:2 * nb] << 4)).reshape(Tp, H * nb).contiguous()
+    return nib, c[:, :, 2 * nb:].reshape(Tp, -1).contiguous()
 
 
 def _decode_rows(codes, scale, mn, tile_group, basis, mean, joint: bool, rows: torch.Tensor) -> torch.Tensor:
@@ -179,10 +214,10 @@ def _decode_rows(codes, scale, mn, tile_group, basis, mean, joint: bool, rows: t
     return torch.stack(out)
 
 
-def _layer(hot: HotState, plan: LayerPlan, dev, dtype, row_pos, cos, sin) -> CodedLayer:
+def _layer(hot: HotState, plan: LayerPlan, dev, dtype, row_pos, cos, sin, nibbles: bool = False) -> CodedLayer:
     region = hot.buffer[plan.off:plan.off + plan.size].to(dev)
     H, d = hot.H, hot.d
-    sides = {s: _side(region, plan.sides[s], H, d, dtype) for s in ("k", "v")}
+    sides = {s: _side(region, plan.sides[s], H, d, dtype, nibbles) for s in ("k", "v")}
     if sides["k"][6] != sides["v"][6]:
         raise ValueError("keys and values are laid out in different parts")
     starts = sides["k"][6]
@@ -203,7 +238,7 @@ def _layer(hot: HotState, plan: LayerPlan, dev, dtype, row_pos, cos, sin) -> Cod
     toks = sorted(t for t in set(exact["k"]) | set(exact["v"]) if int(row_pos[t]) >= 0)
     raw = {}
     for s in ("k", "v"):
-        codes, scale, mn, tg, basis, mean, _ = sides[s]
+        codes, scale, mn, tg, basis, mean, _, _ = sides[s]
         rows = [exact[s][t] if t in exact[s] else
                 _decode_rows(codes, scale, mn, tg, basis, mean, plan.sides[s].B == 1,
                              res_row[t:t + 1].to(dev))[:, 0] for t in toks]
@@ -215,11 +250,13 @@ def _layer(hot: HotState, plan: LayerPlan, dev, dtype, row_pos, cos, sin) -> Cod
     for t in set(exact["k"]) | set(exact["v"]):
         pos[int(res_row[t])] = -1
     raw_dtype = dtype if dtype != torch.float32 else torch.float32
-    return CodedLayer(pos=pos.to(torch.int32), tile_group=sides["k"][3], k_codes=sides["k"][0], k_scale=sides["k"][1],
-                      k_min=sides["k"][2], v_codes=sides["v"][0], v_scale=sides["v"][1], v_min=sides["v"][2],
+    k_nib, k_codes = _pack(sides["k"][0], H, sides["k"][7])
+    v_nib, v_codes = _pack(sides["v"][0], H, sides["v"][7])
+    return CodedLayer(pos=pos.to(torch.int32), tile_group=sides["k"][3], k_codes=k_codes, k_scale=sides["k"][1],
+                      k_min=sides["k"][2], v_codes=v_codes, v_scale=sides["v"][1], v_min=sides["v"][2],
                       k_basis=sides["k"][4], v_basis=sides["v"][4], k_mean=sides["k"][5], v_mean=sides["v"][5],
                       raw_k=raw_k.to(raw_dtype).contiguous(), raw_v=raw["v"].to(raw_dtype).contiguous(),
-                      joint=plan.sides["k"].B == 1)
+                      joint=plan.sides["k"].B == 1, k_nib=k_nib, v_nib=v_nib)
 
 
 def load_coded_prefix(state, lm, *, clusters: list[str] | None = None, verify: bool = True,
