@@ -2,7 +2,9 @@
 it"): Qwen2-7B geometry at random weights (bf16), a 16,384-token state in a static cache, a 16-token
 query through KITE's attention; torch's profiler over 5 eager forwards, CUDA kernels grouped by kind
 (weights' matrix products, attention, the rest), against the floor (weights + KV read once). Once per
-attention path: the fused sdpa kernel and the split-KV kernel (``kite.runtime.attention.SPLIT_KV``).
+attention path: the fused sdpa kernel and the split-KV kernel (``kite.runtime.attention.SPLIT_KV``),
+and the split-KV kernel with the fused layers (``kite.model.fused``: one-kernel RMSNorm and RoPE,
+silu * mul, q/k/v and gate/up as one product each), as ``load_model`` installs them on a GPU.
 
     python3 benchmarks/first_forward_profile.py --out out/first_forward_profile.json
 """
@@ -22,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_speed import HBM_BPS, QUERY, make_model  # noqa: E402
 
 
+VARIANTS = {"fused_sdpa": (False, False), "split_kv": (True, False), "split_kv_fused_layers": (True, True)}
+
+
 def kind(name: str) -> str:
     n = name.lower()
     if "gemm" in n or "gemv" in n or "cutlass" in n or "sm90_xmma" in n or "nvjet" in n:
@@ -33,12 +38,13 @@ def kind(name: str) -> str:
 
 
 def logits_check(cfg, model, forward) -> dict:
-    """The forward's last logits with the fused sdpa path and the split-KV kernel, each against the same
-    forward with attention computed in fp32 (the same bf16 model otherwise): how far each path's bf16
-    attention moves the logits of 28 random layers."""
+    """The forward's last logits with the fused sdpa path, the split-KV kernel and the split-KV kernel
+    with the fused layers, each against the same forward with attention computed in fp32 (the same
+    bf16 model otherwise, unfused): how far each path moves the logits of 28 random layers."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    from kite.model import fused
     from kite.runtime import attention
 
     def fp32_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
@@ -52,17 +58,18 @@ def logits_check(cfg, model, forward) -> dict:
     with torch.inference_mode():
         try:
             cfg._attn_implementation = "kite_fp32"
+            fused.ENABLED = False
             ref = forward().float()
         finally:
             cfg._attn_implementation = before
-        for split in (False, True):
-            attention.SPLIT_KV = split
+        for name, (split, fuse) in VARIANTS.items():
+            attention.SPLIT_KV, fused.ENABLED = split, fuse
             got = forward().float()
-            out["split_kv" if split else "fused_sdpa"] = {
+            out[name] = {
                 "max_abs_diff_vs_fp32_attention": round(float((got - ref).abs().max()), 4),
                 "rel_l2_vs_fp32_attention": round(float((got - ref).norm() / ref.norm()), 5),
                 "argmax_equal": bool(torch.equal(got.argmax(-1), ref.argmax(-1)))}
-    attention.SPLIT_KV = True
+    attention.SPLIT_KV = fused.ENABLED = True
     out["max_abs_logit"] = round(float(ref.abs().max()), 4)
     return out
 
@@ -75,12 +82,15 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
     from transformers import StaticCache
 
+    from kite.model import fused
     from kite.runtime import attention
     from kite.runtime.attention import register
 
     T = args.tokens
     cfg, model = make_model(T, small=False)
     cfg._attn_implementation = register()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    installed = fused.fuse_forward(model)     # weights concatenated once; fused.ENABLED switches
     L, H, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     sc = StaticCache(config=cfg, max_cache_len=T + QUERY)
     with torch.inference_mode():
@@ -97,12 +107,11 @@ def main() -> int:
                 cl.fill_(T)
         return model(ids, past_key_values=sc, position_ids=pos, cache_position=pos[0], logits_to_keep=1).logits
 
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     kv = 2 * L * H * T * d * 2
-    result = {"tokens": T, "query": QUERY,
+    result = {"tokens": T, "query": QUERY, "fuse_forward": str(installed),
               "floor_ms": {"weights": round(weights / HBM_BPS * 1e3, 3), "kv": round(kv / HBM_BPS * 1e3, 3)}}
-    for split in (False, True):
-        attention.SPLIT_KV = split
+    for name, (split, fuse) in VARIANTS.items():
+        attention.SPLIT_KV, fused.ENABLED = split, fuse
         with torch.inference_mode():
             for _ in range(3):
                 forward()
@@ -122,7 +131,7 @@ def main() -> int:
             launches += ev.count // 5
             by_kind[kind(ev.key)] = by_kind.get(kind(ev.key), 0.0) + ms
             top.append((ms, ev.count // 5, ev.key[:110]))
-        result["split_kv" if split else "fused_sdpa"] = {
+        result[name] = {
             "device_ms_per_forward": {k: round(v, 3) for k, v in by_kind.items()},
             "device_ms_total": round(sum(by_kind.values()), 3), "kernels_per_forward": launches,
             "top_kernels": [{"ms": round(m, 3), "calls": c, "name": n} for m, c, n in sorted(top, reverse=True)[:25]]}

@@ -1002,11 +1002,14 @@ def ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, pre
     """The query's first forward over the loaded state through KITE's attention (the query heads of a
     KV head folded into the query length, the bottom-right causal mask, no KV copies per query head),
     in a static cache of exactly state + query, CUDA-graphed; and TTFT from the hot tier with it (the
-    load writes into that cache). Twice, side by side: the fused sdpa kernel, and the split-KV kernel
+    load writes into that cache). Side by side: the fused sdpa kernel; the split-KV kernel
     (kite.kernels.split_attention_triton: the keys split across thread blocks, partials merged by
-    log-sum-exp), which KITE's attention uses on a GPU for a short query after a long prefix."""
+    log-sum-exp), which KITE's attention uses on a GPU for a short query after a long prefix; and
+    that plus the fused layers (kite.model.fused, as load_model installs them on a GPU: one-kernel
+    RMSNorm and RoPE, q/k/v and gate/up as one product each), also with the separate products."""
     from transformers import StaticCache
 
+    from kite.model import fused
     from kite.runtime import attention
     from kite.runtime.attention import register
 
@@ -1014,6 +1017,13 @@ def ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, pre
     before, split_before = cfg._attn_implementation, attention.SPLIT_KV
     try:
         cfg._attn_implementation = name
+        sync()
+        mem0, t0 = torch.cuda.memory_allocated(), time.perf_counter()
+        done = fused.fuse_forward(model)      # the weights concatenated once (views: one copy)
+        sync()
+        report.data["fuse_forward"] = {"installed": str(done), "ms": (time.perf_counter() - t0) * 1e3,
+                                       "allocated_bytes_change": torch.cuda.memory_allocated() - mem0}
+        print("fuse_forward:", report.data["fuse_forward"], flush=True)
         sc = StaticCache(config=cfg, max_cache_len=T + QUERY)
         with torch.inference_mode():
             for layer in range(L):
@@ -1030,16 +1040,17 @@ def ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, pre
             return model(s_ids, past_key_values=sc, position_ids=s_pos, cache_position=s_cp, logits_to_keep=1).logits
 
         logits = {}
-        for split in (False, True):
-            attention.SPLIT_KV = split
-            tag = "split-KV kernel" if split else "fused sdpa"
+        for tag, split, fuse, concat in (("fused sdpa", False, False, True), ("split-KV kernel", True, False, True),
+                                         ("split-KV kernel + fused layers, separate products", True, True, False),
+                                         ("split-KV kernel + fused layers", True, True, True)):
+            attention.SPLIT_KV, fused.ENABLED, fused.CONCATENATED = split, fuse, concat
             with torch.inference_mode():
                 eager = cuda_ms(fq, reps=5)
                 g, out = capture(fq)
                 ref = fq().float()
                 g.replay()
                 report.data[f"kite_attention_graph_vs_eager_logits_maxdiff ({tag})"] = float((out.float() - ref).abs().max())
-                logits[split] = ref
+                logits[tag] = ref
                 graphed = cuda_ms(g.replay, reps=10)
 
                 def ttft():
@@ -1056,12 +1067,17 @@ def ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, pre
                 "forward_eager_ms": eager, "forward_graph_ms": graphed, "ttft_ms": ms, "vs_prefill": prefill_ms / ms,
                 "floor_ms": fwd_floor, "forward_vs_floor": graphed / fwd_floor}
             g = out = None
-        diff = (logits[True] - logits[False]).abs().max()
-        report.data["kite_attention_split_vs_fused_logits"] = {
-            "max_abs_diff": float(diff), "max_abs_logit": float(logits[False].abs().max())}
-        print("split-KV vs fused sdpa logits:", report.data["kite_attention_split_vs_fused_logits"], flush=True)
+        base = logits["fused sdpa"]
+        for tag, pair in (("kite_attention_split_vs_fused_logits", "split-KV kernel"),
+                          ("kite_fused_layers_vs_split_logits", "split-KV kernel + fused layers")):
+            other = logits["split-KV kernel"] if pair.endswith("layers") else base
+            report.data[tag] = {"max_abs_diff": float((logits[pair] - other).abs().max()),
+                                "max_abs_logit": float(other.abs().max())}
+            print(tag, report.data[tag], flush=True)
     finally:
+        # the sections after this one time transformers' forward, as before the fused layers existed
         cfg._attn_implementation, attention.SPLIT_KV = before, split_before
+        fused.ENABLED, fused.CONCATENATED = False, True
 
 
 def stage_other(enc, sets, settings, L, H, d, T, raw16):
@@ -1179,7 +1195,10 @@ def coded_concurrency(report, args, model, cfg, hot, KV_state, L, H, d, T, raw_b
     qn = torch.randn(n_cod, Hq, d, device=DEV, dtype=torch.bfloat16, generator=gen)
     floor_att = n_cod * stream / HBM_BPS * 1e3
     variants = {}
-    for nw, ns, nc, nb in ((8, 3, 64, 1), (8, 2, 64, 2), (8, 2, 32, 4), (8, 1, 32, 4), (4, 2, 32, 4), (4, 2, 32, 2)):
+    configs = ((8, 3, 64, 1), (8, 2, 64, 2), (8, 2, 32, 4), (8, 1, 32, 4), (4, 2, 32, 4), (4, 2, 32, 2))
+    if bases == "per-head":     # the stream kernel's configurations (its default first)
+        configs = ((4, 3, 32, 2), (4, 2, 32, 2), (8, 3, 32, 2), (4, 3, 32, 4), (8, 3, 32, 4), (8, 2, 32, 4))
+    for nw, ns, nc, nb in configs:
         def att(nw=nw, ns=ns, nc=nc, nb=nb):
             for b in batches:
                 coded_decode(qn, b, cos_tab, sin_tab, scale, num_warps=nw, num_stages=ns, cols=nc, block=nb)
@@ -1195,8 +1214,10 @@ def coded_concurrency(report, args, model, cfg, hot, KV_state, L, H, d, T, raw_b
     out["kernel_variants_ms"] = variants
     out["kernel_best"] = best
     # where the one-tile kernel's time goes: leave out the key rebuild, or the value accumulation
-    for name, kw in (("no key rebuild (scores of the means)", dict(do_k=False)),
-                     ("no value accumulation", dict(do_v=False)), ("neither", dict(do_k=False, do_v=False))):
+    # (the one-tile kernel reads one byte a code: not run on nibble-packed states)
+    for name, kw in () if batches[0].nibbles else (
+            ("no key rebuild (scores of the means)", dict(do_k=False)), ("no value accumulation", dict(do_v=False)),
+            ("neither", dict(do_k=False, do_v=False))):
         out[f"kernel_ms_{name}"] = cuda_ms(lambda kw=kw: [coded_decode(qn, b, cos_tab, sin_tab, scale, num_warps=nw,
                                                                        num_stages=ns, cols=nc, **kw) for b in batches], reps=3)
     print("coded kernel split:", {k: v for k, v in out.items() if k.startswith("kernel_ms_")}, flush=True)

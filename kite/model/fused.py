@@ -23,6 +23,7 @@ since (``model.to`` breaks the views). Install after the model is on its device 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import types
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ENABLED = True    # False: every installed forward runs transformers' own (side-by-side benchmarks)
+CONCATENATED = True   # False: the fused forwards run the separate q/k/v and gate/up products (benchmarks)
 FAMILIES = ("llama", "qwen2", "mistral")
 _log = logging.getLogger("kite.model")
 
@@ -83,6 +85,10 @@ def fuse_forward(model, *, on_cpu: bool = False) -> Fused | None:
         attn._kite_sliding = getattr(attn, "sliding_window", None) if config.model_type == "qwen2" else \
             getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
         attn._kite_fallback = getattr(sys.modules[type(attn).__module__], "eager_attention_forward", None)
+        # transformers 5.2x names the attention's cache ``cache`` (and passes its keywords to update);
+        # earlier 5.x ``past_key_values``
+        attn._kite_cache_arg = "cache" if "cache" in inspect.signature(type(attn).forward).parameters \
+            else "past_key_values"
         attn.forward = types.MethodType(_attention_forward, attn)
         mlp.forward = types.MethodType(_mlp_forward, mlp)
         module.forward = types.MethodType(_layer_forward, module)
@@ -168,16 +174,13 @@ def _norm_forward(self, hidden_states):
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
-                   position_embeddings=None, **kwargs):
-    if "past_key_values" in kwargs:
-        cache = kwargs.pop("past_key_values")
-    if not _active(hidden_states):
-        return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                  cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+def _layer_forward(self, hidden_states, *args, **kwargs):
+    # transformers passes everything but the hidden states by keyword, and the same keywords on to the
+    # attention (the cache as ``cache`` or, before 5.2x, ``past_key_values``): handed on untouched
+    if args or not _active(hidden_states):
+        return type(self).forward(self, hidden_states, *args, **kwargs)
     h = _norm(self.input_layernorm, hidden_states)
-    h, _ = self.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                          use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    h, _ = self.self_attn(hidden_states=h, **kwargs)
     x, h = _norm(self.post_attention_layernorm, h, residual=hidden_states)
     return x + self.mlp(h)
 
@@ -186,12 +189,13 @@ _QKV = ("q_proj", "k_proj", "v_proj")
 _GATE_UP = ("gate_proj", "up_proj")
 
 
-def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
-    if "past_key_values" in kwargs:
-        cache = kwargs.pop("past_key_values")
-    if not _active(hidden_states) or position_embeddings is None or self.training:
-        return type(self).forward(self, hidden_states, position_embeddings=position_embeddings,
-                                  attention_mask=attention_mask, cache=cache, **kwargs)
+def _attention_forward(self, hidden_states, *args, **kwargs):
+    if args or not _active(hidden_states) or kwargs.get("position_embeddings") is None or self.training:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    cos, sin = kwargs.pop("position_embeddings")
+    attention_mask = kwargs.pop("attention_mask", None)
+    cache, legacy = kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
+    cache = cache if cache is not None else legacy
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from kite.kernels.rope_triton import rope_qkv
@@ -199,16 +203,16 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     B, T, _ = hidden_states.shape
     d = self.head_dim
     fused = self._kite_qkv
-    if fused is not None and _still_views(self, _QKV, fused):
+    if fused is not None and CONCATENATED and _still_views(self, _QKV, fused):
         weight, bias, (nq, nk, _) = fused
         qkv = F.linear(hidden_states, weight, bias)
         q, k, v = (qkv[..., a:b].view(B, T, -1, d) for a, b in ((0, nq), (nq, nq + nk), (nq + nk, qkv.shape[-1])))
     else:
         q, k, v = (getattr(self, p)(hidden_states).view(B, T, -1, d) for p in _QKV)
-    cos, sin = position_embeddings
     q, k, v = rope_qkv(q, k, v, cos, sin)
-    if cache is not None:
-        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+    if cache is not None:   # as the installed transformers' attention calls it
+        k, v = (cache.update(k, v, self.layer_idx, kwargs=kwargs) if self._kite_cache_arg == "cache"
+                else cache.update(k, v, self.layer_idx))
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._kite_fallback)
     extra = {"sliding_window": self._kite_sliding} if self.config.model_type in ("qwen2", "mistral") else {}
     out, weights = interface(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **extra, **kwargs)
@@ -222,7 +226,7 @@ def _mlp_forward(self, x):
     from kite.kernels.silu_mul_triton import silu_mul
 
     fused = self._kite_gate_up
-    if fused is not None and _still_views(self, _GATE_UP, fused):
+    if fused is not None and CONCATENATED and _still_views(self, _GATE_UP, fused):
         weight, bias, (n, _) = fused
         gu = F.linear(x, weight, bias)
         gate, up = gu[..., :n], gu[..., n:]
