@@ -1,12 +1,14 @@
 """The coded-attention decode kernel alone on synthetic resident states at Qwen2-7B geometry (4 KV
-heads, 28 query heads, head_dim 128, 16,384 rows): one tile per step vs blocks of 2 and 4 tiles, with
-per-head bases (128 code columns per head) and joint-head ones (512), at the batch a 40 GB budget
-holds; the block variants checked against the one-tile kernel on the same inputs. For per-head bases
-also the head kernel (``head=True``: the basis held on chip, all columns in one product, scales as one
-row where a block lies in one quantization group), with fp32 or fp16 RoPE tables, and on states whose
-groups are 3 tiles long (every 4-tile block straddles two groups: its slow path).
+heads, 28 query heads, head_dim 128, 16,384 rows), at the batch a 40 GB budget holds. Sections
+(``--sections``): per-head bases (128 code columns a head, one byte a code; 81 sequences): the
+session-8 head kernel against the stream kernel's configurations (blocks of 2 / 4 tiles, 4 / 8 warps,
+2 / 3 pipeline stages, fewer / more splits); nibble-packed per-head codes at the widths measured on
+random-weight states (benchmarks/coded_ranks.py: keys 64 nibble bytes a head, values 29 + 70 byte
+columns; 125 sequences fit); groups of 3 tiles (the stream kernel's blocks halved to 1 tile);
+joint-head bases (512 columns, the wide kernels; not run by default). Each section's first
+configuration is checked against the torch reference (fp32) on two sequences, the others against it.
 
-    python3 benchmarks/coded_kernel_speed.py [--json out.json]
+    python3 benchmarks/coded_kernel_speed.py [--json out.json] [--sections ...]
 
 One layer's codes for every sequence are allocated (well past the L2) and attended ``--layers`` times
 (default 1: the figures are per layer; a decode step has 28); CUDA-event medians (triton.testing.do_bench).
@@ -27,10 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 HBM_BPS = 4.8e12
 
 
-def synthetic(N: int, T: int, H: int, d: int, R: int, joint: bool, gen, group_rows: int = 512) -> list:
+def synthetic(N: int, T: int, H: int, d: int, R: int, joint: bool, gen, group_rows: int = 512,
+              nib: tuple[int, int] = (0, 0)) -> list:
     """N resident layers of T rows (random codes < 16, groups of ``group_rows`` rows), views of shared
-    tensors."""
+    tensors. ``nib``: nibble bytes a head of keys / values (CodedLayer.k_nib / v_nib: the first 2 Nb
+    columns of a head two to a byte, the rest one byte each)."""
     from kite.kernels.coded_attention import TILE, CodedLayer
+    from kite.upcycle.load.resident import _pack
 
     C = R if joint else H * R
     G = -(-T // group_rows)
@@ -47,19 +52,30 @@ def synthetic(N: int, T: int, H: int, d: int, R: int, joint: bool, gen, group_ro
     vb = (torch.randn(H, R, d, device=dev, generator=gen) / math.sqrt(R)).bfloat16()
     km, vm = torch.randn(G, H, d, device=dev, generator=gen), torch.randn(G, H, d, device=dev, generator=gen)
     empty = torch.zeros(H, 0, d, dtype=torch.bfloat16, device=dev)
-    return [CodedLayer(pos=pos, tile_group=tg, k_codes=codes_k[i], k_scale=k_scale, k_min=k_min, v_codes=codes_v[i],
-                       v_scale=v_scale, v_min=v_min, k_basis=kb, v_basis=vb, k_mean=km, v_mean=vm, raw_k=empty,
-                       raw_v=empty, joint=joint) for i in range(N)]
+    packed = {"k": [(None, codes_k[i]) for i in range(N)], "v": [(None, codes_v[i]) for i in range(N)]}
+    for side, nb, codes in (("k", nib[0], codes_k), ("v", nib[1], codes_v)):
+        if nb:
+            nibs, wide = _pack(codes.view(N * T, C), H, nb)
+            nibs, wide = nibs.view(N, T, -1), wide.view(N, T, -1)
+            del codes
+            packed[side] = [(nibs[i], wide[i]) for i in range(N)]
+    del codes_k, codes_v
+    return [CodedLayer(pos=pos, tile_group=tg, k_codes=packed["k"][i][1], k_scale=k_scale, k_min=k_min,
+                       v_codes=packed["v"][i][1], v_scale=v_scale, v_min=v_min, k_basis=kb, v_basis=vb, k_mean=km,
+                       v_mean=vm, raw_k=empty, raw_v=empty, joint=joint, k_nib=packed["k"][i][0],
+                       v_nib=packed["v"][i][0]) for i in range(N)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--layers", type=int, default=1, help="launches timed together (one per layer)")
+    ap.add_argument("--sections", nargs="+", default=["per-head", "per-head-nibbles", "per-head-3-tile-groups"],
+                    choices=["per-head", "per-head-nibbles", "per-head-3-tile-groups", "joint"])
     args = ap.parse_args()
     from triton.testing import do_bench
 
-    from kite.kernels.coded_attention import merge
+    from kite.kernels.coded_attention import coded_partial_torch, merge
     from kite.kernels.coded_attention_triton import CodedBatch, coded_decode
 
     H, Hq, d, T = 4, 28, 128, 16384
@@ -69,35 +85,53 @@ def main() -> None:
     ang = torch.arange(P, device="cuda")[:, None].float() * inv[None]
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
     half_cos, half_sin = cos[:, :d // 2].half().contiguous(), sin[:, :d // 2].half().contiguous()
-    old = ((1, 3, 64, 8, False, False), (2, 2, 64, 8, False, False), (2, 2, 32, 8, False, False),
-           (4, 1, 32, 8, False, False), (4, 2, 32, 8, False, False))
-    head = ((4, 2, 0, 8, True, False), (4, 2, 0, 8, True, True), (4, 1, 0, 8, True, True), (4, 3, 0, 8, True, True),
-            (4, 2, 0, 4, True, True), (2, 2, 0, 4, True, True), (2, 2, 0, 8, True, True), (8, 1, 0, 8, True, True))
+    # (block, stages, cols, warps, kernel, splits factor); kernel: "wide" | "head" | "stream"
+    old = ((1, 3, 64, 8, "wide", 1), (2, 2, 64, 8, "wide", 1), (4, 2, 32, 8, "wide", 1))
+    head = ((2, 2, 0, 4, "head", 1),)
+    stream = tuple((b, st, 0, w, "stream", 1) for b in (2, 4) for w in (4, 8) for st in (2, 3)) + (
+        (2, 3, 0, 4, "stream", 0.5), (2, 3, 0, 4, "stream", 2), (4, 3, 0, 8, "stream", 0.5), (1, 3, 0, 4, "stream", 1))
+    sections = {
+        "per-head": ("per-head bases", 128, False, 81, 512, (0, 0), head + stream),
+        "per-head-nibbles": ("per-head bases, nibble-packed (keys 64 / values 29 nibble bytes a head)", 128, False,
+                             125, 512, (64, 29), stream),
+        "per-head-3-tile-groups": ("per-head bases, groups of 3 tiles", 128, False, 81, 96, (0, 0),
+                                   head + ((2, 3, 0, 4, "stream", 1),)),
+        "joint": ("joint-head bases", 512, True, 78, 512, (0, 0), old)}
     rows = {}
-    for label, R, joint, N, group_rows, configs in (
-            ("per-head bases", 128, False, 81, 512, old + head),
-            ("per-head bases, groups of 3 tiles", 128, False, 81, 96, ((4, 2, 32, 8, False, False),) + head[:2]),
-            ("joint-head bases", 512, True, 78, 512, old)):
-        layers = synthetic(N, T, H, d, R, joint, gen, group_rows)
+    for key in args.sections:
+        label, R, joint, N, group_rows, nib, configs = sections[key]
+        layers = synthetic(N, T, H, d, R, joint, gen, group_rows, nib)
         batch = CodedBatch(layers)
-        stream = sum(t.numel() * t.element_size() for t in (layers[0].k_codes, layers[0].v_codes, layers[0].pos))
+        stream_bytes = layers[0].stream_bytes
         q = torch.randn(N, Hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
         ref = None
-        for block, stages, cols, warps, use_head, half in configs:
-            name = (f"{label}, {'head kernel' if use_head else 'wide kernel'}, block {block}, stages {stages}"
-                    + (f", cols {cols}" if cols else "") + f", warps {warps}" + (", fp16 RoPE tables" if half else ""))
-            c_, s_ = (half_cos, half_sin) if half else (cos, sin)
+        for block, stages, cols, warps, kernel, split_f in configs:
+            name = (f"{label}, {kernel} kernel, block {block}, stages {stages}" + (f", cols {cols}" if cols else "")
+                    + f", warps {warps}" + (f", splits x{split_f}" if split_f != 1 else ""))
+            splits = max(1, min(-(-8 * sms // (N * H)), (T // 32) // (8 * block)))
+            splits = max(1, int(splits * split_f))
+            c_, s_ = (half_cos, half_sin) if kernel in ("head", "stream") else (cos, sin)
             try:
-                def run(block=block, stages=stages, cols=cols or 32, warps=warps, use_head=use_head, c_=c_, s_=s_,
-                        q=q, batch=batch):
+                def run(block=block, stages=stages, cols=cols or 32, warps=warps, kernel=kernel, c_=c_, s_=s_,
+                        q=q, batch=batch, splits=splits):
                     return coded_decode(q, batch, c_, s_, 1 / math.sqrt(d), block=block, num_stages=stages, cols=cols,
-                                        num_warps=warps, head=use_head)
+                                        num_warps=warps, head={"head": True, "wide": False}.get(kernel),
+                                        stream=kernel == "stream", splits=splits)
                 o, lse = run()
                 out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
                 if ref is None:
                     ref = out
+                    # the section's first configuration against the torch reference (fp32), two sequences
+                    errs = []
+                    for i in (0, N - 1):
+                        want, _ = coded_partial_torch(q[i][:, None].float(), layers[i], cos, sin, 1 / math.sqrt(d))
+                        errs.append(float((out[i] - want[:, 0]).abs().max() / want.abs().max()))
+                    rows[f"{label}: first configuration vs torch reference (max abs diff / max |out|)"] = max(errs)
+                    print("vs torch reference", max(errs), flush=True)
                 ms = do_bench(lambda: [run() for _ in range(args.layers)], warmup=50, rep=300, return_mode="median")
-                rows[name] = {"ms": ms, "floor_ms": args.layers * N * stream / HBM_BPS * 1e3, "sequences": N,
+                rows[name] = {"ms": ms, "floor_ms": args.layers * N * stream_bytes / HBM_BPS * 1e3, "sequences": N,
+                              "stream_bytes_per_layer_and_sequence": stream_bytes, "splits": splits,
                               "vs_first_max_abs_diff": float((out - ref).abs().max()),
                               "max_abs_out": float(ref.abs().max())}
             except Exception as e:  # noqa: BLE001 - a configuration that does not fit is reported
@@ -108,7 +142,10 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     for k, v in rows.items():
-        print(f"{k:<95} " + (f"{v['ms']:9.2f} ms  floor {v['floor_ms']:.2f}  vs first: {v['vs_first_max_abs_diff']:.2e}"
+        if not isinstance(v, dict):
+            print(f"{k:<120} {v:.2e}")
+            continue
+        print(f"{k:<120} " + (f"{v['ms']:9.3f} ms  floor {v['floor_ms']:.2f}  vs first: {v['vs_first_max_abs_diff']:.2e}"
                              f" / {v['max_abs_out']:.2f}" if "ms" in v else v["error"][:120]))
 
 

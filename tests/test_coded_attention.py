@@ -75,6 +75,14 @@ def test_coded_attention_equals_attention_over_the_rebuilt_layer(lm, tmp_path, s
     cos_tab, sin_tab = rope_cos_sin(lm.model, torch.arange(P))
     res = build_resident(hot, device="cpu", dtype=torch.float32, cos=cos_tab, sin=sin_tab)
     assert res.tokens_per_layer() == [int(k.shape[1]) for k in keys]
+    if spec == "per-head":      # per-head sides keep their <= 4-bit columns as nibbles, and count fewer bytes
+        assert all(c.k_nib is not None and c.v_nib is not None for c in res.layers)
+        flat = build_resident(hot, device="cpu", dtype=torch.float32, cos=cos_tab, sin=sin_tab, nibbles=False)
+        assert sum(c.stream_bytes for c in res.layers) < sum(c.stream_bytes for c in flat.layers)
+        for a, b in zip(res.layers, flat.layers):   # the same coefficients, columns in another order
+            for side in "kv":
+                ca, cb = (x.codes(side).float().sum() for x in (a, b))
+                assert float(ca) == float(cb)
     scale = 1 / math.sqrt(geo.head_dim)
     g = torch.Generator().manual_seed(0)
     for layer in range(geo.n_layers):
@@ -99,14 +107,19 @@ def test_coded_attention_equals_attention_over_the_rebuilt_layer(lm, tmp_path, s
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("spec", list(SPECS))
 @pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("block", [1, 2, 4, "default"])
+@pytest.mark.parametrize("block", [1, 2, 4, "head", "stream-bytes", "default"])
 def test_triton_decode_kernel_matches_the_rebuilt_path(lm, tmp_path, spec, qdtype, block):
     """The batched GPU kernel (bf16 bases and tensor cores, fp32 softmax) over several sequences of
     different lengths against attention over the rebuilt path's bf16 keys / values: the one-tile and
-    wide kernels (1, 2, 4 tiles a step) and the default (the head kernel where the bases fit it)."""
+    wide kernels (1, 2, 4 tiles a step), the session-8 head kernel and the stream kernel over one byte
+    a code, and the default (the stream kernel over nibble-packed codes where the bases are per head)."""
     from kite.kernels.coded_attention import coded_decode_partial
 
-    kernel = {} if block == "default" else {"block": block, "head": False}
+    kernel = {"default": {}, "head": {"head": True}, "stream-bytes": {"stream": True}}.get(
+        block, {"block": block, "head": False})
+    nibbles = block == "default"
+    if block in ("head", "stream-bytes") and spec != "per-head":
+        pytest.skip("the head and stream kernels take per-head bases")
 
     out = tmp_path / "s.upc"
     compress_document(lm, DOC, out, CompressSettings(codec=SPECS[spec], n_clusters=3, min_span_tokens=8,
@@ -122,7 +135,8 @@ def test_triton_decode_kernel_matches_the_rebuilt_path(lm, tmp_path, spec, qdtyp
         hot = staged(lm, out, clusters)
         cos, sin = rope_cos_sin(lm.model, hot.positions, device="cuda")
         keys, values = load.load_staged(hot, device="cuda", dtype=torch.bfloat16, cos=cos, sin=sin)
-        seqs.append((keys, values, build_resident(hot, device="cuda", dtype=torch.bfloat16, cos=cos_tab, sin=sin_tab)))
+        seqs.append((keys, values, build_resident(hot, device="cuda", dtype=torch.bfloat16, cos=cos_tab, sin=sin_tab,
+                                                  nibbles=nibbles)))
     g = torch.Generator(device="cuda").manual_seed(0)
     worst = 0.0
     for layer in range(geo.n_layers):
@@ -297,14 +311,16 @@ def check_stream_kernel_in_the_interpreter() -> None:
             layers = [_synthetic_layer(T, H, d, R, group_rows, gen, nib) for T in (512, 384, 96)]
             q = torch.randn(3, Hq, d, generator=gen).bfloat16()
             batch = tri.CodedBatch(layers)
-            o, lse = tri.coded_decode(q, batch, cos, sin, 1 / math.sqrt(d), splits=2, block=block)
-            out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
-            for i, layer in enumerate(layers):
-                want, _ = coded_partial_torch(q[i][:, None].float(), layer, cos, sin, 1 / math.sqrt(d))
-                err = float((out[i] - want[:, 0]).abs().max() / want.abs().max())
-                assert err <= 1e-2, (nib, group_rows, block, i, err)
-                print(f"stream kernel, nibble bytes {nib}, groups of {group_rows} rows, {block} tiles a step "
-                      f"(aligned: {batch.aligned(block)}), sequence {i}: {err:.1e} of max |out|")
+            for f16 in (True, False) if block == 2 else (True,):
+                o, lse = tri.coded_decode(q, batch, cos, sin, 1 / math.sqrt(d), splits=2, block=block, f16=f16)
+                out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
+                for i, layer in enumerate(layers):
+                    want, _ = coded_partial_torch(q[i][:, None].float(), layer, cos, sin, 1 / math.sqrt(d))
+                    err = float((out[i] - want[:, 0]).abs().max() / want.abs().max())
+                    assert err <= 1e-2, (nib, group_rows, block, f16, i, err)
+                    print(f"stream kernel ({'fp16' if f16 else 'bf16'} operands), nibble bytes {nib}, groups of "
+                          f"{group_rows} rows, {block} tiles a step (aligned: {batch.aligned(block)}), sequence {i}: "
+                          f"{err:.1e} of max |out|")
 
 
 def test_stream_kernel_equals_the_torch_reference_on_the_cpu():

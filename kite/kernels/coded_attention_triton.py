@@ -379,29 +379,51 @@ def _coded_decode_head_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride, o
 
 
 @triton.jit
-def _dequant(code, sc_row, mn_row, cols, cm):
-    """Codes [BT, C] (integers) to bf16 coefficients with one group's scale / minimum rows."""
-    sc = tl.load(sc_row + cols, mask=cm, other=0.0)
-    mn = tl.load(mn_row + cols, mask=cm, other=0.0)
-    return (code.to(tl.float32) * sc[None, :] + mn[None, :]).to(tl.bfloat16)
+def _as_f16(code):
+    """Integer codes < 1024 as exact fp16 values without a conversion instruction: the bits of
+    1024 + code (exponent 2^10, the code in the mantissa), minus 1024."""
+    return (code.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
 
 
 @triton.jit
-def _basis_halves(kb_p, rows, rm, j, jm, D: tl.constexpr, HALF: tl.constexpr):
-    """Rows of a basis [R, d] as its two RoPE halves [len(rows), HP] bf16."""
+def _dequant(code, sc_row, mn_row, cols, cm, F16: tl.constexpr):
+    """Codes [BT, C] (integers) to coefficients with one group's scale / minimum rows: fp16 (F16;
+    the codec's scales and minima are fp16 values) or bf16."""
+    sc = tl.load(sc_row + cols, mask=cm, other=0.0)
+    mn = tl.load(mn_row + cols, mask=cm, other=0.0)
+    if F16:
+        return _as_f16(code) * sc.to(tl.float16)[None, :] + mn.to(tl.float16)[None, :]
+    else:
+        return (code.to(tl.float32) * sc[None, :] + mn[None, :]).to(tl.bfloat16)
+
+
+@triton.jit
+def _basis_halves(kb_p, rows, rm, j, jm, D: tl.constexpr, HALF: tl.constexpr, F16: tl.constexpr):
+    """Rows of a basis [R, d] as its two RoPE halves [len(rows), HP] (bf16, or fp16 with F16)."""
     brow = kb_p + rows[:, None] * D
-    return (tl.load(brow + j[None, :], mask=rm[:, None] & jm[None, :], other=0.0),
-            tl.load(brow + HALF + j[None, :], mask=rm[:, None] & jm[None, :], other=0.0))
+    b1 = tl.load(brow + j[None, :], mask=rm[:, None] & jm[None, :], other=0.0)
+    b2 = tl.load(brow + HALF + j[None, :], mask=rm[:, None] & jm[None, :], other=0.0)
+    if F16:
+        return b1.to(tl.float32).to(tl.float16), b2.to(tl.float32).to(tl.float16)
+    else:
+        return b1, b2
 
 
 @triton.jit
-def _value_part(accT, codesT, pe, psum, alpha, sc_row, mn_row, cols, cm):
+def _value_part(accT, codesT, pe, psum, alpha, sc_row, mn_row, cols, cm, F16: tl.constexpr):
     """accT [C, GP] (a value part's coefficient sums, transposed) rescaled by alpha and plus this
-    block's: (codes^T @ p) * scale + min * sum(p), one quantization group's scale / minimum."""
+    block's: (codes^T @ p) * scale + min * sum(p), one quantization group's scale / minimum. F16:
+    the codes enter the product as fp16 1024 + code (no conversion instruction; the 1024 Σp taken
+    off after, in fp32), p as fp16."""
     sc = tl.load(sc_row + cols, mask=cm, other=0.0)
     mn = tl.load(mn_row + cols, mask=cm, other=0.0)
-    return (accT * alpha[None, :] + tl.dot(codesT.to(tl.float32).to(tl.bfloat16), pe) * sc[:, None]
-            + mn[:, None] * psum[None, :])
+    if F16:
+        biased = (codesT.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+        return (accT * alpha[None, :] + tl.dot(biased, pe) * sc[:, None]
+                + (mn - 1024.0 * sc)[:, None] * psum[None, :])
+    else:
+        return (accT * alpha[None, :] + tl.dot(codesT.to(tl.float32).to(tl.bfloat16), pe) * sc[:, None]
+                + mn[:, None] * psum[None, :])
 
 
 @triton.jit
@@ -409,13 +431,16 @@ def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride,
                                 H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                                 HALF: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, TL: tl.constexpr,
                                 SUB: tl.constexpr, BT: tl.constexpr, NBKP: tl.constexpr, WKP: tl.constexpr,
-                                NBVP: tl.constexpr, WVP: tl.constexpr, SPLITS: tl.constexpr):
+                                NBVP: tl.constexpr, WVP: tl.constexpr, SPLITS: tl.constexpr,
+                                F16: tl.constexpr = True):
     """Per-head bases, every block of SUB tiles inside one quantization group (the caller checks),
     so the loop has no branch and its loads pipeline (num_stages). Tokens are the rows of every
     product: keys rebuilt [BT, d/2] x 2 from the codes, scores transposed [BT, GP] (the tile's rows
     against the KV head's query heads), value sums transposed [columns, GP]. Reads nibble-packed sides
     (CodedLayer.k_nib / v_nib: NBKP / NBVP > 0, padded nibble bytes a head) and byte columns (WKP /
-    WVP > 0, padded); a side with no nibbles has Nb = 0 and all its columns as bytes."""
+    WVP > 0, padded); a side with no nibbles has Nb = 0 and all its columns as bytes. F16: the products'
+    operands in fp16 (codes made exact fp16 by their bits, no conversion instruction; coefficients,
+    basis, RoPE, q and p in fp16, accumulation fp32); else bf16 operands converted through fp32."""
     h, n, split = _program(SPLITS)
     (kc_p, ks_p, km_p, vc_p, vs_p, vm_p, tg_p, pos_p, kb_p, vb_p, kmu_p, vmu_p,
      n_tiles, Ck, Cv, Rk, Rv, colk, colv) = _sequence(ptrs, ints, n, h)
@@ -433,6 +458,9 @@ def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride,
     j = tl.arange(0, HP)
     jm = j < HALF
     q1, q2 = _query_halves(q_ptr, n, h, H, G, GP, D, HALF, HP)
+    if F16:
+        q1 = q1.to(tl.float32).to(tl.float16)
+        q2 = q2.to(tl.float32).to(tl.float16)
     q1t = tl.trans(q1)
     q2t = tl.trans(q2)
     dd = tl.arange(0, DP)
@@ -443,12 +471,12 @@ def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride,
     if NBKP > 0:
         ak = tl.arange(0, NBKP)
         akm = ak < nbk
-        bl1, bl2 = _basis_halves(kb_p, h * Rk + ak, akm, j, jm, D, HALF)
-        bh1, bh2 = _basis_halves(kb_p, h * Rk + nbk + ak, akm, j, jm, D, HALF)
+        bl1, bl2 = _basis_halves(kb_p, h * Rk + ak, akm, j, jm, D, HALF, F16)
+        bh1, bh2 = _basis_halves(kb_p, h * Rk + nbk + ak, akm, j, jm, D, HALF, F16)
     if WKP > 0:
         ck = tl.arange(0, WKP)
         ckm = ck < wk
-        bw1, bw2 = _basis_halves(kb_p, h * Rk + 2 * nbk + ck, ckm, j, jm, D, HALF)
+        bw1, bw2 = _basis_halves(kb_p, h * Rk + 2 * nbk + ck, ckm, j, jm, D, HALF, F16)
     if NBVP > 0:
         av = tl.arange(0, NBVP)
         avm = av < nbv
@@ -475,23 +503,31 @@ def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride,
         if NBKP > 0:
             nib = tl.load(kn_p + row0.to(tl.int64) * H * nbk + r[:, None] * (H * nbk) + (h * nbk + ak)[None, :],
                           mask=rm[:, None] & akm[None, :], other=0)
-            lo = _dequant(nib & 15, ks_p + grp * sk, km_p + grp * sk, colk + ak, akm)
+            lo = _dequant(nib & 15, ks_p + grp * sk, km_p + grp * sk, colk + ak, akm, F16)
             k1 = tl.dot(lo, bl1, k1)
             k2 = tl.dot(lo, bl2, k2)
-            hi = _dequant(nib >> 4, ks_p + grp * sk, km_p + grp * sk, colk + nbk + ak, akm)
+            hi = _dequant(nib >> 4, ks_p + grp * sk, km_p + grp * sk, colk + nbk + ak, akm, F16)
             k1 = tl.dot(hi, bh1, k1)
             k2 = tl.dot(hi, bh2, k2)
         if WKP > 0:
             code = tl.load(kc_p + row0.to(tl.int64) * Ck + r[:, None] * Ck + (h * wk + ck)[None, :],
                            mask=rm[:, None] & ckm[None, :], other=0)
-            cw = _dequant(code, ks_p + grp * sk, km_p + grp * sk, colk + 2 * nbk + ck, ckm)
+            cw = _dequant(code, ks_p + grp * sk, km_p + grp * sk, colk + 2 * nbk + ck, ckm, F16)
             k1 = tl.dot(cw, bw1, k1)
             k2 = tl.dot(cw, bw2, k2)
         pc = tl.maximum(p, 0)
-        cs = tl.load(cos_ptr + pc[:, None] * tab_stride + j[None, :], mask=jm[None, :], other=0.0).to(tl.float32)
-        sn = tl.load(sin_ptr + pc[:, None] * tab_stride + j[None, :], mask=jm[None, :], other=0.0).to(tl.float32)
-        r1 = (k1 * cs - k2 * sn).to(tl.bfloat16)
-        r2 = (k2 * cs + k1 * sn).to(tl.bfloat16)
+        cs = tl.load(cos_ptr + pc[:, None] * tab_stride + j[None, :], mask=jm[None, :], other=0.0)
+        sn = tl.load(sin_ptr + pc[:, None] * tab_stride + j[None, :], mask=jm[None, :], other=0.0)
+        if F16:     # RoPE in fp16 on the fp16 tables
+            k1h = k1.to(tl.float16)
+            k2h = k2.to(tl.float16)
+            r1 = k1h * cs - k2h * sn
+            r2 = k2h * cs + k1h * sn
+        else:
+            cs = cs.to(tl.float32)
+            sn = sn.to(tl.float32)
+            r1 = (k1 * cs - k2 * sn).to(tl.bfloat16)
+            r2 = (k2 * cs + k1 * sn).to(tl.bfloat16)
         sT = (tl.dot(r1, q1t) + tl.dot(r2, q2t)) * qk_scale                      # [BT, GP], log2 units
         sT = tl.where((p >= 0)[:, None], sT, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sT, 0))
@@ -500,18 +536,19 @@ def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride,
         pe = tl.exp2(sT - m_safe[None, :])
         psum = tl.sum(pe, 0)
         l_i = l_i * alpha + psum
-        pb = pe.to(tl.bfloat16)
+        pb = pe.to(tl.float16) if F16 else pe.to(tl.bfloat16)
         if NBVP > 0:
             nibT = tl.load(vn_p + row0.to(tl.int64) * H * nbv + r[None, :] * (H * nbv) + (h * nbv + av)[:, None],
                            mask=avm[:, None] & rm[None, :], other=0)
-            acc_lo = _value_part(acc_lo, nibT & 15, pb, psum, alpha, vs_p + grp * sv, vm_p + grp * sv, colv + av, avm)
+            acc_lo = _value_part(acc_lo, nibT & 15, pb, psum, alpha, vs_p + grp * sv, vm_p + grp * sv, colv + av, avm,
+                                 F16)
             acc_hi = _value_part(acc_hi, nibT >> 4, pb, psum, alpha, vs_p + grp * sv, vm_p + grp * sv,
-                                 colv + nbv + av, avm)
+                                 colv + nbv + av, avm, F16)
         if WVP > 0:
             codeT = tl.load(vc_p + row0.to(tl.int64) * Cv + r[None, :] * Cv + (h * wv + cv)[:, None],
                             mask=cvm[:, None] & rm[None, :], other=0)
             acc_w = _value_part(acc_w, codeT, pb, psum, alpha, vs_p + grp * sv, vm_p + grp * sv,
-                                colv + 2 * nbv + cv, cvm)
+                                colv + 2 * nbv + cv, cvm, F16)
         vmu = tl.load(vmu_p + (grp * H + h) * D + dd, mask=dm, other=0.0)
         amuT = amuT * alpha[None, :] + vmu[:, None] * psum[None, :]
         m_i = m_new
@@ -611,7 +648,8 @@ class CodedBatch:
 def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: torch.Tensor, scale: float,
                  splits: int | None = None, cols: int = 32, num_warps: int | None = None,
                  num_stages: int | None = None, do_k: bool = True, do_v: bool = True, block: int | None = None,
-                 head: bool | None = None, stream: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 head: bool | None = None, stream: bool | None = None,
+                 f16: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, Hq, d] (one token per sequence) over each sequence's coded rows: (out [N, S, Hq, d], lse
     [N, S, Hq]) float32 per split S of the rows (merge them with ``coded_attention.merge`` over dim 1).
     ``cos`` / ``sin`` [P, d] float32 by absolute position. ``do_k`` / ``do_v`` False leave out the key
@@ -624,6 +662,8 @@ def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: tor
     basis kept on chip, blocks straddling groups gathered per row). Otherwise ``block`` > 1 (a power
     of 2; default 4): the wide kernel (any basis width), ``block`` tiles a step; ``block`` 1: one tile
     a step. Both per-head kernels take RoPE from fp16 half tables (made once per table and batch).
+    ``f16`` (stream kernel): its products' operands in fp16, codes made exact fp16 by their bits
+    (False: bf16 operands through fp32 conversions, the earlier form).
     The defaults are the fastest configurations measured on the H200 (benchmarks/coded_kernel_speed.py)."""
     per_head = batch.max_rk <= 128 and batch.max_rv <= 128 and not any(c.joint for c in batch.layers)
     if not (do_k and do_v):
@@ -660,7 +700,7 @@ def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: tor
             H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=d, HALF=half,
             HP=max(16, triton.next_power_of_2(half)), DP=max(16, triton.next_power_of_2(d)), TL=TILE, SUB=block,
             BT=block * TILE, NBKP=pad(batch.max_nbk), WKP=pad(batch.max_wk), NBVP=pad(batch.max_nbv),
-            WVP=pad(batch.max_wv), SPLITS=splits, num_warps=num_warps, num_stages=num_stages)
+            WVP=pad(batch.max_wv), SPLITS=splits, F16=f16, num_warps=num_warps, num_stages=num_stages)
         return o, lse
     if head and block > 1:
         cos, sin = batch.half_tables(cos, sin)
