@@ -118,18 +118,48 @@ def fused_vs_unfused_models() -> None:
         print(f"{arch}: logits max abs diff {err:.1e}")
 
 
+def fused_forward_under_a_lora_adapter() -> None:
+    """A peft LoRA on q_proj / v_proj / up_proj (a reader adapter): the fused forward keeps the wrapped
+    projections' separate products, so the adapter still applies, switched on and off (fp32)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = tiny_config("qwen2", layers=2)
+    cfg._attn_implementation = register()
+    model = get_peft_model(AutoModelForCausalLM.from_config(cfg).eval(), LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)).eval()
+    assert fused.fuse_forward(model, on_cpu=True) == fused.Fused(layers=2)   # nothing concatenated
+    ids = torch.randint(cfg.vocab_size, (1, 30))
+    for adapter_on in (True, False):
+        (model.base_model.enable_adapter_layers if adapter_on else model.base_model.disable_adapter_layers)()
+        logits = {}
+        for on in (False, True):
+            fused.ENABLED = on
+            try:
+                with torch.inference_mode():
+                    logits[on] = model(input_ids=ids).logits
+            finally:
+                fused.ENABLED = True
+        err = (logits[True] - logits[False]).abs().max().item()
+        assert err < 1e-5, (adapter_on, err)
+        print(f"LoRA {'on' if adapter_on else 'off'}: logits max abs diff {err:.1e}")
+
+
 def check_in_the_interpreter() -> None:
     """(Run by run_interpreted.) The interpreter casts fp32 to bf16 by truncation, not rounding to
     nearest as the GPU and torch do: bf16 results may sit a few last places off there."""
     kernels_vs_modules("cpu", (torch.float32, torch.bfloat16), places=4, exact=0.0, rope_exact=0.0)
     fused_vs_unfused_models()
+    fused_forward_under_a_lora_adapter()
 
 
 def test_fused_kernels_and_forward_equal_transformers_on_the_cpu():
     """In Triton's interpreter: RMSNorm (alone and after the residual add), RoPE of q / k from one
     projection's column blocks (v copied alike), silu(gate) * up, against transformers' code at fp32
     (1e-5) and bf16 (a few last places); whole tiny Llama / Qwen2 / Mistral forwards over a cached
-    prefix at fp32 equal the unfused ones to 1e-5, with parameters unchanged and held once."""
+    prefix at fp32 equal the unfused ones to 1e-5, with parameters unchanged and held once; under a
+    LoRA adapter (on and off) too."""
     run_interpreted("tests.test_fused_forward:check_in_the_interpreter")
 
 
