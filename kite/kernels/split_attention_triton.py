@@ -125,10 +125,11 @@ def _sms(device: torch.device) -> int:
 
 
 def plan(batch: int, hkv: int, rows: int, keys: int, sms: int, block_n: int = 64,
-         waves: float = 1.0) -> tuple[int, int, int]:
+         waves: float = 1.0, block_m: int | None = None) -> tuple[int, int, int]:
     """(BLOCK_M, splits, keys per split): enough blocks for ``waves`` blocks per SM, each split at
-    least two key tiles long and a whole number of tiles."""
-    block_m = max(16, min(128, triton.next_power_of_2(rows)))
+    least two key tiles long and a whole number of tiles. ``block_m``: rows per tile (default: all the
+    folded rows in one tile, up to 128)."""
+    block_m = block_m or max(16, min(128, triton.next_power_of_2(rows)))
     tiles_m = triton.cdiv(rows, block_m)
     want = max(1, int(waves * sms) // (batch * hkv * tiles_m))
     splits = max(1, min(want, 128, keys // (2 * block_n)))
@@ -139,7 +140,7 @@ def plan(batch: int, hkv: int, rows: int, keys: int, sms: int, block_n: int = 64
 def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        mask: torch.Tensor | None = None, scale: float | None = None, *,
                        splits: int | None = None, block_n: int = 64, num_warps: int = 8,
-                       num_stages: int = 2, waves: float = 1.0) -> torch.Tensor:
+                       num_stages: int = 2, waves: float = 1.0, block_m: int | None = None) -> torch.Tensor:
     """Attention of query [B, Hq, q, d] over key / value [B, Hkv, k, d] (Hq a multiple of Hkv, d a power
     of two >= 16): out [B, q, Hq, d] in the query's dtype.
 
@@ -153,7 +154,7 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     M = rep * QL
     scale = D ** -0.5 if scale is None else scale
     sms = _sms(query.device) if query.is_cuda else 4
-    block_m, n_split, chunk = plan(B, Hkv, M, KL, sms, block_n, waves)
+    block_m, n_split, chunk = plan(B, Hkv, M, KL, sms, block_n, waves, block_m)
     if splits is not None:
         chunk = triton.cdiv(triton.cdiv(KL, max(1, splits)), block_n) * block_n
         n_split = triton.cdiv(KL, chunk)
