@@ -15,10 +15,11 @@ layer of a Llama / Qwen2 / Mistral model (plain or under peft), forwards that ca
 - ``silu(gate) * up`` in one kernel (kite.kernels.silu_mul_triton).
 
 The attention itself is still the model's configured implementation (KITE's, with its split-KV
-kernel on a GPU). Each fused forward runs transformers' own when it cannot stand in: with autograd on
-(training), with ``ENABLED`` False (the benchmarks' A/B switch), when a projection carries hooks
-(captures that read q_proj's output) or is wrapped by an adapter, or when the weights were moved
-since (``model.to`` breaks the views). Install after the model is on its device and dtype.
+kernel on a GPU). Each fused forward runs transformers' own with autograd on (training) and with
+``ENABLED`` False (the benchmarks' A/B switch). Where a projection carries hooks (captures that read
+q_proj's output), is wrapped by an adapter (peft LoRA), or no longer views the concatenation
+(``model.to`` since), the projections run as their own modules, the rest stays fused; a norm with
+hooks runs as its module. Install after the model is on its device and dtype.
 """
 
 from __future__ import annotations
