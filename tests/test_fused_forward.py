@@ -146,12 +146,44 @@ def fused_forward_under_a_lora_adapter() -> None:
         print(f"LoRA {'on' if adapter_on else 'off'}: logits max abs diff {err:.1e}")
 
 
+def fused_forward_in_batched_rows() -> None:
+    """kite.runtime.batch_decode.forward_rows (the server's batched step: a BatchKVCache, a per-row
+    mask, per-row positions): rows prefilling 7 / 3 / 5 tokens, then two of them decoding one, give the
+    same logits with the fused forward as without (tiny Llama, fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from kite.runtime.batch_decode import BatchKVCache, forward_rows
+
+    torch.manual_seed(0)
+    cfg = tiny_config("llama", layers=2)
+    cfg._attn_implementation = register()
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    fused.fuse_forward(model, on_cpu=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, cfg.vocab_size, (n,), generator=g).tolist() for n in (7, 3, 5)]
+    logits = {}
+    for on in (False, True):
+        fused.ENABLED = on
+        try:
+            cache = BatchKVCache(model, max_rows=3)
+            rows = [cache.take(None) for _ in prompts]
+            got = forward_rows(model, cache, rows, prompts, [0, 0, 0])
+            got += forward_rows(model, cache, rows[:2], [[11], [12]], [7, 3])
+        finally:
+            fused.ENABLED = True
+        logits[on] = got
+    err = max((a - b).abs().max().item() for a, b in zip(logits[True], logits[False]))
+    assert err < 1e-5, err
+    print(f"batched rows: logits max abs diff {err:.1e}")
+
+
 def check_in_the_interpreter() -> None:
     """(Run by run_interpreted.) The interpreter casts fp32 to bf16 by truncation, not rounding to
     nearest as the GPU and torch do: bf16 results may sit a few last places off there."""
     kernels_vs_modules("cpu", (torch.float32, torch.bfloat16), places=4, exact=0.0, rope_exact=0.0)
     fused_vs_unfused_models()
     fused_forward_under_a_lora_adapter()
+    fused_forward_in_batched_rows()
 
 
 def test_fused_kernels_and_forward_equal_transformers_on_the_cpu():
@@ -159,7 +191,7 @@ def test_fused_kernels_and_forward_equal_transformers_on_the_cpu():
     projection's column blocks (v copied alike), silu(gate) * up, against transformers' code at fp32
     (1e-5) and bf16 (a few last places); whole tiny Llama / Qwen2 / Mistral forwards over a cached
     prefix at fp32 equal the unfused ones to 1e-5, with parameters unchanged and held once; under a
-    LoRA adapter (on and off) too."""
+    LoRA adapter (on and off) and in the server's batched rows too."""
     run_interpreted("tests.test_fused_forward:check_in_the_interpreter")
 
 
