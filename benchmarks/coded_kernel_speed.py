@@ -66,12 +66,33 @@ def synthetic(N: int, T: int, H: int, d: int, R: int, joint: bool, gen, group_ro
                        v_nib=packed["v"][i][0]) for i in range(N)]
 
 
+def compiled_stats() -> list:
+    """The compiler's report per compiled variant of the per-head kernels: registers a thread,
+    spills, shared memory, warps, stages and the block / width constants (Triton's kernel caches)."""
+    from kite.kernels import coded_attention_triton as tri
+
+    out = []
+    for k in (tri._coded_decode_stream_kernel, tri._coded_decode_head_kernel):
+        try:
+            for caches in k.device_caches.values():
+                for ck in caches[0].values():
+                    consts = str(getattr(getattr(ck, "src", None), "constants", ""))[-300:]
+                    out.append({"kernel": k.fn.__name__, "n_regs": ck.n_regs, "n_spills": ck.n_spills,
+                                "shared": ck.metadata.shared, "num_warps": ck.metadata.num_warps,
+                                "num_stages": ck.metadata.num_stages, "constants": consts})
+        except Exception as e:  # noqa: BLE001 - Triton's cache layout differs between versions
+            out.append({"kernel": getattr(getattr(k, "fn", None), "__name__", "?"), "error": repr(e)[:200]})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--layers", type=int, default=1, help="launches timed together (one per layer)")
     ap.add_argument("--sections", nargs="+", default=["per-head", "per-head-nibbles", "per-head-3-tile-groups"],
                     choices=["per-head", "per-head-nibbles", "per-head-3-tile-groups", "joint"])
+    ap.add_argument("--profile-one", action="store_true",
+                    help="run the stream kernel's default three times on the per-head section and stop (for ncu)")
     args = ap.parse_args()
     from triton.testing import do_bench
 
@@ -85,19 +106,28 @@ def main() -> None:
     ang = torch.arange(P, device="cuda")[:, None].float() * inv[None]
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
     half_cos, half_sin = cos[:, :d // 2].half().contiguous(), sin[:, :d // 2].half().contiguous()
-    # (block, stages, cols, warps, kernel, splits factor); kernel: "wide" | "head" | "stream"
-    old = ((1, 3, 64, 8, "wide", 1), (2, 2, 64, 8, "wide", 1), (4, 2, 32, 8, "wide", 1))
-    head = ((2, 2, 0, 4, "head", 1),)
-    stream = tuple((b, st, 0, w, "stream", 1) for b in (2, 4) for w in (4, 8) for st in (2, 3)) + (
-        (2, 3, 0, 4, "stream", 0.5), (2, 3, 0, 4, "stream", 2), (4, 3, 0, 8, "stream", 0.5), (1, 3, 0, 4, "stream", 1))
+    # (block, stages, cols, warps, kernel, splits factor, fp16 operands); kernel: "wide" | "head" | "stream"
+    old = ((1, 3, 64, 8, "wide", 1, False), (2, 2, 64, 8, "wide", 1, False), (4, 2, 32, 8, "wide", 1, False))
+    head = ((2, 2, 0, 4, "head", 1, False),)
+    stream = ((2, 2, 0, 4, "stream", 1, False), (2, 2, 0, 4, "stream", 1, True), (2, 3, 0, 4, "stream", 1, True),
+              (4, 2, 0, 4, "stream", 1, True), (4, 3, 0, 4, "stream", 1, True), (2, 2, 0, 4, "stream", 2, True),
+              (2, 2, 0, 8, "stream", 1, True), (4, 2, 0, 8, "stream", 1, True))
     sections = {
         "per-head": ("per-head bases", 128, False, 81, 512, (0, 0), head + stream),
         "per-head-nibbles": ("per-head bases, nibble-packed (keys 64 / values 29 nibble bytes a head)", 128, False,
                              125, 512, (64, 29), stream),
         "per-head-3-tile-groups": ("per-head bases, groups of 3 tiles", 128, False, 81, 96, (0, 0),
-                                   head + ((2, 3, 0, 4, "stream", 1),)),
+                                   head + ((2, 2, 0, 4, "stream", 1, True),)),
         "joint": ("joint-head bases", 512, True, 78, 512, (0, 0), old)}
     rows = {}
+    if args.profile_one:
+        layers = synthetic(81, T, H, d, 128, False, gen, 512, (0, 0))
+        batch = CodedBatch(layers)
+        q = torch.randn(81, Hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for _ in range(3):
+            coded_decode(q, batch, half_cos, half_sin, 1 / math.sqrt(d))
+        torch.cuda.synchronize()
+        return
     for key in args.sections:
         label, R, joint, N, group_rows, nib, configs = sections[key]
         layers = synthetic(N, T, H, d, R, joint, gen, group_rows, nib)
@@ -106,18 +136,19 @@ def main() -> None:
         q = torch.randn(N, Hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         ref = None
-        for block, stages, cols, warps, kernel, split_f in configs:
+        for block, stages, cols, warps, kernel, split_f, f16 in configs:
             name = (f"{label}, {kernel} kernel, block {block}, stages {stages}" + (f", cols {cols}" if cols else "")
-                    + f", warps {warps}" + (f", splits x{split_f}" if split_f != 1 else ""))
+                    + f", warps {warps}" + (f", splits x{split_f}" if split_f != 1 else "")
+                    + (", fp16 operands" if f16 else ""))
             splits = max(1, min(-(-8 * sms // (N * H)), (T // 32) // (8 * block)))
             splits = max(1, int(splits * split_f))
             c_, s_ = (half_cos, half_sin) if kernel in ("head", "stream") else (cos, sin)
             try:
                 def run(block=block, stages=stages, cols=cols or 32, warps=warps, kernel=kernel, c_=c_, s_=s_,
-                        q=q, batch=batch, splits=splits):
+                        q=q, batch=batch, splits=splits, f16=f16):
                     return coded_decode(q, batch, c_, s_, 1 / math.sqrt(d), block=block, num_stages=stages, cols=cols,
                                         num_warps=warps, head={"head": True, "wide": False}.get(kernel),
-                                        stream=kernel == "stream", splits=splits)
+                                        stream=kernel == "stream", splits=splits, f16=f16)
                 o, lse = run()
                 out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
                 if ref is None:
@@ -139,6 +170,8 @@ def main() -> None:
             print(name, rows[name], flush=True)
         del layers, batch
         torch.cuda.empty_cache()
+    rows["compiled"] = compiled_stats()
+    print("compiled variants:", json.dumps(rows["compiled"]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     for k, v in rows.items():

@@ -321,6 +321,21 @@ def check_stream_kernel_in_the_interpreter() -> None:
                     print(f"stream kernel ({'fp16' if f16 else 'bf16'} operands), nibble bytes {nib}, groups of "
                           f"{group_rows} rows, {block} tiles a step (aligned: {batch.aligned(block)}), sequence {i}: "
                           f"{err:.1e} of max |out|")
+    # values whose coefficients make the whole output (no means): the fp16 operands' value sums are
+    # no less exact than the bf16 ones (the biased fp16 codes' 1024 Σp is taken off with the same p)
+    gen = torch.Generator().manual_seed(0)
+    layers = [_synthetic_layer(T, H, d, R, 256, gen, (8, 8)) for T in (512, 384)]
+    layers = [dataclasses.replace(c, v_mean=torch.zeros_like(c.v_mean), v_min=torch.zeros_like(c.v_min))
+              for c in layers]
+    q = (torch.randn(2, Hq, d, generator=gen) * 3).bfloat16()
+    errs = {}
+    for f16 in (True, False):
+        o, lse = tri.coded_decode(q, tri.CodedBatch(layers), cos, sin, 1 / math.sqrt(d), splits=2, block=2, f16=f16)
+        out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
+        errs[f16] = max(float((out[i] - coded_partial_torch(q[i][:, None].float(), c, cos, sin, 1 / math.sqrt(d))[0][:, 0])
+                              .abs().max() / out[i].abs().max()) for i, c in enumerate(layers))
+    print(f"value coefficients alone: fp16 operands {errs[True]:.1e}, bf16 {errs[False]:.1e} of max |out|")
+    assert errs[True] <= errs[False] + 1e-3, errs
 
 
 def test_stream_kernel_equals_the_torch_reference_on_the_cpu():

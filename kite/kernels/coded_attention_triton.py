@@ -410,17 +410,18 @@ def _basis_halves(kb_p, rows, rm, j, jm, D: tl.constexpr, HALF: tl.constexpr, F1
 
 
 @triton.jit
-def _value_part(accT, codesT, pe, psum, alpha, sc_row, mn_row, cols, cm, F16: tl.constexpr):
+def _value_part(accT, codesT, pe, psum, psum_h, alpha, sc_row, mn_row, cols, cm, F16: tl.constexpr):
     """accT [C, GP] (a value part's coefficient sums, transposed) rescaled by alpha and plus this
     block's: (codes^T @ p) * scale + min * sum(p), one quantization group's scale / minimum. F16:
-    the codes enter the product as fp16 1024 + code (no conversion instruction; the 1024 Σp taken
-    off after, in fp32), p as fp16."""
+    the codes enter the product as fp16 1024 + code (no conversion instruction), p as fp16; the
+    1024 Σp is taken off after, in fp32, with Σp of the same fp16 p (``psum_h``; the fp32 ``psum``
+    would leave 1024 x p's fp16 rounding in every term)."""
     sc = tl.load(sc_row + cols, mask=cm, other=0.0)
     mn = tl.load(mn_row + cols, mask=cm, other=0.0)
     if F16:
         biased = (codesT.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
-        return (accT * alpha[None, :] + tl.dot(biased, pe) * sc[:, None]
-                + (mn - 1024.0 * sc)[:, None] * psum[None, :])
+        return (accT * alpha[None, :] + (tl.dot(biased, pe) - 1024.0 * psum_h[None, :]) * sc[:, None]
+                + mn[:, None] * psum[None, :])
     else:
         return (accT * alpha[None, :] + tl.dot(codesT.to(tl.float32).to(tl.bfloat16), pe) * sc[:, None]
                 + mn[:, None] * psum[None, :])
@@ -536,18 +537,23 @@ def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride,
         pe = tl.exp2(sT - m_safe[None, :])
         psum = tl.sum(pe, 0)
         l_i = l_i * alpha + psum
-        pb = pe.to(tl.float16) if F16 else pe.to(tl.bfloat16)
+        if F16:
+            pb = pe.to(tl.float16)
+            psum_h = tl.sum(pb.to(tl.float32), 0)
+        else:
+            pb = pe.to(tl.bfloat16)
+            psum_h = psum
         if NBVP > 0:
             nibT = tl.load(vn_p + row0.to(tl.int64) * H * nbv + r[None, :] * (H * nbv) + (h * nbv + av)[:, None],
                            mask=avm[:, None] & rm[None, :], other=0)
-            acc_lo = _value_part(acc_lo, nibT & 15, pb, psum, alpha, vs_p + grp * sv, vm_p + grp * sv, colv + av, avm,
+            acc_lo = _value_part(acc_lo, nibT & 15, pb, psum, psum_h, alpha, vs_p + grp * sv, vm_p + grp * sv, colv + av, avm,
                                  F16)
-            acc_hi = _value_part(acc_hi, nibT >> 4, pb, psum, alpha, vs_p + grp * sv, vm_p + grp * sv,
+            acc_hi = _value_part(acc_hi, nibT >> 4, pb, psum, psum_h, alpha, vs_p + grp * sv, vm_p + grp * sv,
                                  colv + nbv + av, avm, F16)
         if WVP > 0:
             codeT = tl.load(vc_p + row0.to(tl.int64) * Cv + r[None, :] * Cv + (h * wv + cv)[:, None],
                             mask=cvm[:, None] & rm[None, :], other=0)
-            acc_w = _value_part(acc_w, codeT, pb, psum, alpha, vs_p + grp * sv, vm_p + grp * sv,
+            acc_w = _value_part(acc_w, codeT, pb, psum, psum_h, alpha, vs_p + grp * sv, vm_p + grp * sv,
                                 colv + 2 * nbv + cv, cvm, F16)
         vmu = tl.load(vmu_p + (grp * H + h) * D + dd, mask=dm, other=0.0)
         amuT = amuT * alpha[None, :] + vmu[:, None] * psum[None, :]
