@@ -73,7 +73,7 @@ def test_coded_attention_equals_attention_over_the_rebuilt_layer(lm, tmp_path, s
     keys, values = load.load_staged(hot, device="cpu", dtype=torch.float32, cos=cos, sin=sin)
     P = int(hot.positions.max()) + 8
     cos_tab, sin_tab = rope_cos_sin(lm.model, torch.arange(P))
-    res = build_resident(hot, device="cpu", dtype=torch.float32, cos=cos_tab, sin=sin_tab)
+    res = build_resident(hot, device="cpu", dtype=torch.float32, cos=cos_tab, sin=sin_tab, nibbles=True)
     assert res.tokens_per_layer() == [int(k.shape[1]) for k in keys]
     if spec == "per-head":      # per-head sides keep their <= 4-bit columns as nibbles, and count fewer bytes
         assert all(c.k_nib is not None and c.v_nib is not None for c in res.layers)
@@ -111,8 +111,9 @@ def test_coded_attention_equals_attention_over_the_rebuilt_layer(lm, tmp_path, s
 def test_triton_decode_kernel_matches_the_rebuilt_path(lm, tmp_path, spec, qdtype, block):
     """The batched GPU kernel (bf16 bases and tensor cores, fp32 softmax) over several sequences of
     different lengths against attention over the rebuilt path's bf16 keys / values: the one-tile and
-    wide kernels (1, 2, 4 tiles a step), the session-8 head kernel and the stream kernel over one byte
-    a code, and the default (the stream kernel over nibble-packed codes where the bases are per head)."""
+    wide kernels (1, 2, 4 tiles a step), the session-8 head kernel, the stream kernel over one byte
+    a code, and the default configuration over nibble-packed codes (the stream kernel where the bases
+    are per head)."""
     from kite.kernels.coded_attention import coded_decode_partial
 
     kernel = {"default": {}, "head": {"head": True}, "stream-bytes": {"stream": True}}.get(

@@ -50,7 +50,7 @@ def _pad(n: int, a: int) -> int:
 
 
 def build_resident(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor,
-                   next_position: int | None = None, reader: bool = False, nibbles: bool = True) -> CodedPrefix:
+                   next_position: int | None = None, reader: bool = False, nibbles: bool = False) -> CodedPrefix:
     """Transcode every staged layer of ``hot`` into the resident coded form on ``device``.
 
     ``dtype``: the bases' precision (bf16 on a GPU; float32 for the exact reference on the CPU).
@@ -58,7 +58,9 @@ def build_resident(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tens
     raw side cache's keys and for the coded attention (kept on the prefix). ``next_position``: where the
     first live token goes (the document's length; default: after the last kept token). ``nibbles``:
     per-head sides keep their columns of <= 4 bits two to a byte (CodedLayer.k_nib / v_nib; read by
-    the stream kernel and the torch reference); False: one byte a code (every kernel reads it).
+    the stream kernel and the torch reference); off by default: on the H200 the stream kernel reads
+    the nibble form slower per sequence than the one-byte form gains in sequences per GB
+    (docs/PERFORMANCE.md, session 9).
     Raises ValueError for a layout the form does not cover (see :func:`supports`).
     """
     dev = torch.device(device)
