@@ -331,6 +331,9 @@ def main() -> None:
     ap.add_argument("--coded-steps", nargs="*", default=["joint"], choices=["joint", "per-head"],
                     help="whose whole decode steps the coded section times: states with the codec's default "
                          "joint-head bases, with per-head bases (the coded head kernel), or both")
+    ap.add_argument("--coded-forms", nargs="+", default=["bytes", "nibbles"], choices=["bytes", "nibbles"],
+                    help="per-head states resident one byte a code and / or nibble-packed (<= 4-bit columns "
+                         "two to a byte): a whole-step row each")
     ap.add_argument("--skip-concurrency", action="store_true", help="skip the rebuild-per-step concurrency rows")
     ap.add_argument("--batch", type=int, default=32, help="requests decoded together (0: skip that section)")
     ap.add_argument("--batch-new", type=int, default=32, help="new tokens per request in the batched decode")
@@ -827,8 +830,11 @@ def main() -> None:
             enc_ph = None
             if "per-head" in args.coded_steps:
                 # KV holds the joint-head state's rebuild, not this one's: no kernel-vs-rebuilt check here
-                # (tests/test_coded_attention.py checks the head kernel against its rebuilt path on the GPU)
-                coded_concurrency(report, args, model, cfg, hot_ph, None, L, H, d, T, raw_bytes, n_params, "per-head")
+                # (tests/test_coded_attention.py checks the kernels against their rebuilt path on the GPU)
+                for form in args.coded_forms:
+                    coded_concurrency(report, args, model, cfg, hot_ph, None, L, H, d, T, raw_bytes, n_params,
+                                      "per-head" + (", nibble-packed" if form == "nibbles" else ""),
+                                      nibbles=form == "nibbles")
             coded_attention_only(report, args, model, cfg, hot_ph, L, H, d, T, "per-head bases")
         except Exception:  # noqa: BLE001
             traceback.print_exc()
@@ -1140,12 +1146,13 @@ def _stacked(layer, n: int) -> list:
 
 
 def coded_concurrency(report, args, model, cfg, hot, KV_state, L, H, d, T, raw_bytes, n_params,
-                      bases: str = "joint-head") -> None:
+                      bases: str = "joint-head", nibbles: bool = False) -> None:
     """Whole decode steps at a KV budget: raw bf16 KV at its largest batch vs states resident in coded
     form (kite.upcycle.load.resident) read by the coded-attention kernel at theirs; every step is the
     model's real forward (weights, projections, MLP, lm_head) with one new token per sequence.
     ``bases``: what the state ``hot`` was coded with (joint-head or per-head), for the rows' labels.
-    ``KV_state``: ``hot``'s rebuilt KV [2, L, H, T, d], to check the kernel against (None: no check)."""
+    ``KV_state``: ``hot``'s rebuilt KV [2, L, H, T, d], to check the kernel against (None: no check).
+    ``nibbles``: per-head sides resident with their <= 4-bit columns two to a byte (build_resident)."""
     import math
 
     from transformers import AttentionInterface
@@ -1163,7 +1170,7 @@ def coded_concurrency(report, args, model, cfg, hot, KV_state, L, H, d, T, raw_b
     cos_tab, sin_tab = ct[0].float().contiguous(), st[0].float().contiguous()
     sync()
     t0 = time.perf_counter()
-    res = build_resident(hot, device=DEV, dtype=torch.bfloat16, cos=cos_tab, sin=sin_tab)
+    res = build_resident(hot, device=DEV, dtype=torch.bfloat16, cos=cos_tab, sin=sin_tab, nibbles=nibbles)
     sync()
     build_ms = (time.perf_counter() - t0) * 1e3
     per_seq = res.nbytes
@@ -1196,8 +1203,8 @@ def coded_concurrency(report, args, model, cfg, hot, KV_state, L, H, d, T, raw_b
     floor_att = n_cod * stream / HBM_BPS * 1e3
     variants = {}
     configs = ((8, 3, 64, 1), (8, 2, 64, 2), (8, 2, 32, 4), (8, 1, 32, 4), (4, 2, 32, 4), (4, 2, 32, 2))
-    if bases == "per-head":     # the stream kernel's configurations (its default first)
-        configs = ((4, 3, 32, 2), (4, 2, 32, 2), (8, 3, 32, 2), (4, 3, 32, 4), (8, 3, 32, 4), (8, 2, 32, 4))
+    if bases.startswith("per-head"):     # the stream kernel's configurations (its default first)
+        configs = ((4, 2, 32, 2), (4, 3, 32, 2), (4, 2, 32, 4), (4, 3, 32, 4), (8, 2, 32, 2), (8, 2, 32, 4))
     for nw, ns, nc, nb in configs:
         def att(nw=nw, ns=ns, nc=nc, nb=nb):
             for b in batches:
