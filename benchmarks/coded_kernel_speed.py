@@ -35,7 +35,7 @@ def synthetic(N: int, T: int, H: int, d: int, R: int, joint: bool, gen, group_ro
     tensors. ``nib``: nibble bytes a head of keys / values (CodedLayer.k_nib / v_nib: the first 2 Nb
     columns of a head two to a byte, the rest one byte each)."""
     from kite.kernels.coded_attention import TILE, CodedLayer
-    from kite.upcycle.load.resident import _pack
+    from kite.upcycle.load.resident import pack_nibbles
 
     C = R if joint else H * R
     G = -(-T // group_rows)
@@ -55,7 +55,7 @@ def synthetic(N: int, T: int, H: int, d: int, R: int, joint: bool, gen, group_ro
     packed = {"k": [(None, codes_k[i]) for i in range(N)], "v": [(None, codes_v[i]) for i in range(N)]}
     for side, nb, codes in (("k", nib[0], codes_k), ("v", nib[1], codes_v)):
         if nb:
-            nibs, wide = _pack(codes.view(N * T, C), H, nb)
+            nibs, wide = pack_nibbles(codes.view(N * T, C), H, nb)
             nibs, wide = nibs.view(N, T, -1), wide.view(N, T, -1)
             del codes
             packed[side] = [(nibs[i], wide[i]) for i in range(N)]

@@ -253,13 +253,13 @@ def _synthetic_layer(T: int, H: int, d: int, R: int, group_rows: int, gen, nib: 
         raw_k=torch.zeros(H, 0, d, dtype=torch.bfloat16), raw_v=torch.zeros(H, 0, d, dtype=torch.bfloat16), joint=False)
     if nib == (0, 0):
         return layer
-    from kite.upcycle.load.resident import _pack
+    from kite.upcycle.load.resident import pack_nibbles
 
     packed = {}
     for side, nb in zip("kv", nib):
         full = getattr(layer, f"{side}_codes").view(T, H, R).clone()
         full[:, :, 2 * nb:] = torch.randint(0, 256, (T, H, R - 2 * nb), dtype=torch.uint8, generator=gen)
-        packed[f"{side}_nib"], packed[f"{side}_codes"] = _pack(full.view(T, C), H, nb)
+        packed[f"{side}_nib"], packed[f"{side}_codes"] = pack_nibbles(full.view(T, C), H, nb)
         scale = getattr(layer, f"{side}_scale").view(G, H, R).clone()
         scale[:, :, 2 * nb:] /= 16          # byte codes up to 255: coefficients of the same size as the nibbles'
         packed[f"{side}_scale"] = scale.view(G, C)

@@ -194,7 +194,7 @@ def _nibble_order(per: list[torch.Tensor], bits: torch.Tensor) -> tuple[list[tor
     return out, nb
 
 
-def _pack(codes: torch.Tensor, H: int, nb: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+def pack_nibbles(codes: torch.Tensor, H: int, nb: int) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Codes [Tp, H*R] in the nibble order to (nibble bytes [Tp, H*nb] or None, byte columns [Tp, H*(R-2nb)])."""
     if nb == 0:
         return None, codes
@@ -252,8 +252,8 @@ def _layer(hot: HotState, plan: LayerPlan, dev, dtype, row_pos, cos, sin, nibble
     for t in set(exact["k"]) | set(exact["v"]):
         pos[int(res_row[t])] = -1
     raw_dtype = dtype if dtype != torch.float32 else torch.float32
-    k_nib, k_codes = _pack(sides["k"][0], H, sides["k"][7])
-    v_nib, v_codes = _pack(sides["v"][0], H, sides["v"][7])
+    k_nib, k_codes = pack_nibbles(sides["k"][0], H, sides["k"][7])
+    v_nib, v_codes = pack_nibbles(sides["v"][0], H, sides["v"][7])
     return CodedLayer(pos=pos.to(torch.int32), tile_group=sides["k"][3], k_codes=k_codes, k_scale=sides["k"][1],
                       k_min=sides["k"][2], v_codes=v_codes, v_scale=sides["v"][1], v_min=sides["v"][2],
                       k_basis=sides["k"][4], v_basis=sides["v"][4], k_mean=sides["k"][5], v_mean=sides["v"][5],
