@@ -9,8 +9,10 @@ rotates them at each row's position (cos / sin tables by absolute position), sco
 of the KV head against the tile at once, and accumulates softmax(scores) · value codes in coefficient
 space; at the end the coefficient sums are projected by the value basis. The splits' (output, lse)
 are merged with the raw side cache and the live tokens by ``kite.kernels.coded_attention.merge``.
-Three variants: one tile a step, the wide kernel (several tiles a step, any basis width) and the head
-kernel (bases of <= 128 columns a head, kept on chip; the default where they fit).
+Four variants: one tile a step, the wide kernel (several tiles a step, any basis width), the head
+kernel (bases of <= 128 columns a head, kept on chip; blocks may straddle quantization groups) and the
+stream kernel (the same bases, blocks inside one group, fp16 operands, nibble-packed codes too; the
+default where the bases fit).
 """
 
 from __future__ import annotations
