@@ -334,6 +334,9 @@ def main() -> None:
     ap.add_argument("--coded-forms", nargs="+", default=["bytes", "nibbles"], choices=["bytes", "nibbles"],
                     help="per-head states resident one byte a code and / or nibble-packed (<= 4-bit columns "
                          "two to a byte): a whole-step row each")
+    ap.add_argument("--fused-steps", action="store_true",
+                    help="time the whole decode steps (--coded-steps) with the fused layers load_model installs on "
+                         "a GPU (default: transformers' forward, as the earlier rows)")
     ap.add_argument("--skip-concurrency", action="store_true", help="skip the rebuild-per-step concurrency rows")
     ap.add_argument("--batch", type=int, default=32, help="requests decoded together (0: skip that section)")
     ap.add_argument("--batch-new", type=int, default=32, help="new tokens per request in the batched decode")
@@ -1290,6 +1293,11 @@ def coded_concurrency(report, args, model, cfg, hot, KV_state, L, H, d, T, raw_b
             print(f"graph {name}: {e!r}"[:300], flush=True)
         return eager, graphed
 
+    from kite.model import fused
+
+    if args.fused_steps:     # the layers as load_model installs them on a GPU (kite serve's forward)
+        fused.fuse_forward(model)
+    fused.ENABLED = args.fused_steps
     try:
         torch.cuda.empty_cache()
         ce, cg = step_ms("bench_coded", n_cod)
@@ -1300,20 +1308,24 @@ def coded_concurrency(report, args, model, cfg, hot, KV_state, L, H, d, T, raw_b
         re_, rg = step_ms("bench_raw", n_raw)
         state.clear()
     finally:
+        fused.ENABLED = False
         cfg._attn_implementation = before
         for layer in model.model.layers:
             layer.self_attn.config._attn_implementation = before
+    layers_note = ", fused layers" if args.fused_steps else ""
     c_ms, r_ms = min(x for x in (ce, cg) if x), min(x for x in (re_, rg) if x)
     weights_floor = n_params * 2 / HBM_BPS * 1e3
     out.update({"coded_step_ms": {"eager": ce, "graph": cg}, "raw_step_ms": {"eager": re_, "graph": rg},
                 "coded_tokens_per_s": n_cod / c_ms * 1e3, "raw_tokens_per_s": n_raw / r_ms * 1e3,
                 "coded_vs_raw_tokens_per_s": round((n_cod / c_ms) / (n_raw / r_ms), 3),
-                "coded_step_floor_ms": weights_floor + floor_att,
+                "coded_step_floor_ms": weights_floor + floor_att, "fused_layers": args.fused_steps,
                 "raw_step_floor_ms": weights_floor + n_raw * raw_bytes / HBM_BPS * 1e3})
-    report.row(f"decode step at {args.kv_budget_gb:g} GB of KV: raw bf16, {n_raw} x {T}-token sequences (whole forward)",
+    report.row(f"decode step at {args.kv_budget_gb:g} GB of KV: raw bf16, {n_raw} x {T}-token sequences (whole forward"
+               f"{layers_note})",
                r_ms, out["raw_step_floor_ms"], vs_prefill=False, note=f"{out['raw_tokens_per_s']:.0f} tok/s")
     report.row(f"decode step at {args.kv_budget_gb:g} GB: {n_cod} states resident in coded form, {bases} bases "
-               f"({per_seq / 1e6:.0f} MB each, {raw_bytes / per_seq:.2f}x fewer bytes than raw), coded-attention kernel",
+               f"({per_seq / 1e6:.0f} MB each, {raw_bytes / per_seq:.2f}x fewer bytes than raw), coded-attention kernel"
+               f"{layers_note}",
                c_ms, out["coded_step_floor_ms"], vs_prefill=False,
                note=f"{out['coded_tokens_per_s']:.0f} tok/s = {out['coded_vs_raw_tokens_per_s']}x raw; target >= 2x")
     report.data["coded_concurrency" if bases == "joint-head" else f"coded_concurrency_{bases}"] = out

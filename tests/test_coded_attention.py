@@ -192,25 +192,39 @@ def test_a_batch_row_after_a_coded_state_decodes_as_after_the_rebuilt_state(lm, 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_batch_decode_step_reads_coded_rows_with_the_gpu_kernel(tiny_models, tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_batch_decode_step_reads_coded_rows_with_the_gpu_kernel(tiny_models, tmp_path, dtype):
     """On a GPU the decode step of coded rows goes through the Triton kernel: its logits against the
-    same rows after the rebuilt state (bf16 bases in the kernel)."""
-    from kite.model import load_model
+    same rows after the rebuilt state (bf16 bases in the kernel). At bf16 the model runs the fused
+    layers load_model installs on a GPU (kite serve's forward): the same step with them off agrees."""
+    from kite.model import fused, load_model
     from kite.runtime.batch_decode import BatchKVCache, forward_rows
 
-    lm_gpu = load_model(str(tiny_models["qwen2"]), device="cuda", dtype="fp32")
+    lm_gpu = load_model(str(tiny_models["qwen2"]), device="cuda", dtype=dtype)
+    assert getattr(lm_gpu.model.model.layers[0], "_kite_fused", False) == (dtype == "bf16")
     rebuilt, coded = _prefixes(lm_gpu, tmp_path, "ratio=4", "cuda", torch.bfloat16)
     prompt = lm_gpu.tokenizer("What does the contract say about payment?")["input_ids"]
-    cache = BatchKVCache(lm_gpu.model, 4)
-    rows = [cache.take(rebuilt), cache.take(coded), cache.take(coded)]
-    pos = [rebuilt.next_position] * 3
-    forward_rows(lm_gpu.model, cache, rows, [prompt] * 3, pos)
-    logits = forward_rows(lm_gpu.model, cache, rows, [[7]] * 3, [p + len(prompt) for p in pos])
-    assert cache.coded_batches                          # the kernel's tables were built for the decode step
+    steps = {}
+    for on in (True, False) if dtype == "bf16" else (True,):
+        fused.ENABLED = on
+        try:
+            cache = BatchKVCache(lm_gpu.model, 4)
+            rows = [cache.take(rebuilt), cache.take(coded), cache.take(coded)]
+            pos = [rebuilt.next_position] * 3
+            forward_rows(lm_gpu.model, cache, rows, [prompt] * 3, pos)
+            steps[on] = forward_rows(lm_gpu.model, cache, rows, [[7]] * 3, [p + len(prompt) for p in pos])
+            assert cache.coded_batches                  # the kernel's tables were built for the decode step
+        finally:
+            fused.ENABLED = True
+    logits = steps[True]
     top = float(logits[0].abs().max())
     for got in logits[1:]:
         err = float((got - logits[0]).abs().max()) / top
-        print(f"coded rows vs rebuilt row, decode logits: max abs diff / max |logit| = {err:.2e}")
+        print(f"{dtype}: coded rows vs rebuilt row, decode logits: max abs diff / max |logit| = {err:.2e}")
+        assert err <= 3e-2
+    if False in steps:
+        err = max(float((a - b).abs().max()) for a, b in zip(steps[True], steps[False])) / top
+        print(f"bf16: fused layers vs transformers' forward, same rows: max abs diff / max |logit| = {err:.2e}")
         assert err <= 3e-2
 
 
