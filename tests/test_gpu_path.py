@@ -214,7 +214,11 @@ def test_cuda_split_load_matches_the_torch_fallback(lm, tmp_path, spec, partial,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_rebuild_graphs_are_captured_on_the_second_load(lm, tmp_path):
     """Into the same buffers: the first load runs eagerly and marks them, the second captures each
-    layer's rebuild, the third replays it; all three write what an eager load writes."""
+    layer's rebuild, the third replays it; all three write what an eager load writes. Without the
+    native CUDA library (no `make build-runtime`) the torch fallback cannot be captured: every load
+    runs eagerly, with the same result."""
+    from kite.kernels import native
+
     out = tmp_path / "s.upc"
     compress_document(lm, DOC, out, CompressSettings(codec=codec.settings_for(4), n_clusters=3, min_span_tokens=8,
                                                      max_span_tokens=24))
@@ -234,7 +238,10 @@ def test_cuda_rebuild_graphs_are_captured_on_the_second_load(lm, tmp_path):
         seen.append(sorted({type(g).__name__ for g in graphs}))
         for (k, v), kr, vr in zip(bufs, k_ref, v_ref):
             assert torch.equal(k, kr) and torch.equal(v, vr)
-    assert seen == [["NoneType"], ["CUDAGraph"], ["CUDAGraph"]]
+    if native.cuda() is not None:
+        assert seen == [["NoneType"], ["CUDAGraph"], ["CUDAGraph"]]
+    else:
+        assert seen == [[], [], []]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kite.kernels import native
 from kite.kernels.load import pca_coefs, pca_finish
 from kite.upcycle.load.hot_tier import HotState
 from kite.upcycle.load.tables import LayerPlan
@@ -38,11 +39,14 @@ def load_staged(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor 
     a static cache's. ``compute_dtype``: coefficient / basis precision of the matmul (default bf16
     on a GPU, float32 elsewhere). ``staging``: a device buffer of >= hot.nbytes to copy into.
     ``use_graphs``: on a GPU, capture each layer's rebuild on the second load into the same buffers
-    (kept on ``hot``) and replay it on every later one; a first load runs eagerly.
+    (kept on ``hot``) and replay it on every later one; a first load runs eagerly. Only with the
+    native CUDA library (``make build-runtime``): the torch fallback reads sizes back from the
+    device, which a capture forbids, so without it every load runs eagerly.
     Returns lists over layers (None where the layer was not staged).
     """
     dev = torch.device(device)
     cuda = dev.type == "cuda"
+    use_graphs = use_graphs and cuda and native.cuda() is not None
     cdt = compute_dtype or (torch.bfloat16 if cuda else torch.float32)
     L = n_layers or len(hot.layers)
     H, d, T = hot.H, hot.d, hot.rows
