@@ -320,22 +320,29 @@ def check_stream_kernel_in_the_interpreter() -> None:
     inv = 1.0 / (1e4 ** (torch.arange(0, d, 2).float() / d))
     ang = torch.arange(520)[:, None].float() * inv[None]
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    aligns = set()
     for nib in ((0, 0), (16, 8), (8, 16)):
         for group_rows, block in ((256, 2), (256, 4), (64, 4), (128, 1)):
             gen = torch.Generator().manual_seed(block + nib[0])
             layers = [_synthetic_layer(T, H, d, R, group_rows, gen, nib) for T in (512, 384, 96)]
             q = torch.randn(3, Hq, d, generator=gen).bfloat16()
             batch = tri.CodedBatch(layers)
-            for f16 in (True, False) if block == 2 else (True,):
-                o, lse = tri.coded_decode(q, batch, cos, sin, 1 / math.sqrt(d), splits=2, block=block, f16=f16)
+            aligns.add(batch.alignment)
+            for f16, align in ((True, None), (False, None), (True, 1)) if block == 2 else ((True, None),):
+                o, lse = tri.coded_decode(q, batch, cos, sin, 1 / math.sqrt(d), splits=2, block=block, f16=f16,
+                                          align=align)
                 out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
                 for i, layer in enumerate(layers):
                     want, _ = coded_partial_torch(q[i][:, None].float(), layer, cos, sin, 1 / math.sqrt(d))
                     err = float((out[i] - want[:, 0]).abs().max() / want.abs().max())
-                    assert err <= 1e-2, (nib, group_rows, block, f16, i, err)
-                    print(f"stream kernel ({'fp16' if f16 else 'bf16'} operands), nibble bytes {nib}, groups of "
+                    assert err <= 1e-2, (nib, group_rows, block, f16, align, i, err)
+                    print(f"stream kernel ({'fp16' if f16 else 'bf16'} operands, tables aligned to "
+                          f"{batch.alignment if align is None else align} bytes), nibble bytes {nib}, groups of "
                           f"{group_rows} rows, {block} tiles a step (aligned: {batch.aligned(block)}), sequence {i}: "
                           f"{err:.1e} of max |out|")
+    # the stream kernel's ALIGN forms ran: 16 bytes (one byte a code; R = 32 columns) and 8 (the
+    # nibble-packed sides have 8 nibble bytes a head on one side)
+    assert {16, 8} <= aligns, aligns
     # values whose coefficients make the whole output (no means): the fp16 operands' value sums are
     # no less exact than the bf16 ones (the biased fp16 codes' 1024 Σp is taken off with the same p)
     gen = torch.Generator().manual_seed(0)

@@ -430,12 +430,39 @@ def _value_part(accT, codesT, pe, psum, psum_h, alpha, sc_row, mn_row, cols, cm,
 
 
 @triton.jit
+def _ptr_a(ptrs, i, ty, A: tl.constexpr):
+    """Entry i of a sequence's pointer row as a pointer to ``ty``, told to be A-byte aligned (the
+    hint goes on the pointer: on the loaded integer the compiler drops it)."""
+    return tl.multiple_of(tl.load(ptrs + i).to(tl.pointer_type(ty)), A)
+
+
+@triton.jit
+def _int_a(ints, i, A: tl.constexpr):
+    """Entry i of a sequence's int row, told to be a multiple of A."""
+    return tl.multiple_of(tl.load(ints + i), A)
+
+
+@triton.jit
+def _aligned(ptrs, ints, n, A: tl.constexpr):
+    """Sequence n's tables as _sequence reads them (per-head bases), with the alignment the stream
+    kernel is promised (ALIGN = A): addresses multiples of A bytes, column counts multiples of A."""
+    pt = ptrs + n * 14
+    it = ints + n * 8
+    return (_ptr_a(pt, 0, tl.uint8, A), _ptr_a(pt, 1, tl.float32, A), _ptr_a(pt, 2, tl.float32, A),
+            _ptr_a(pt, 3, tl.uint8, A), _ptr_a(pt, 4, tl.float32, A), _ptr_a(pt, 5, tl.float32, A),
+            _ptr_a(pt, 7, tl.int32, A), _ptr_a(pt, 8, tl.bfloat16, A), _ptr_a(pt, 9, tl.bfloat16, A),
+            _ptr_a(pt, 10, tl.float32, A), _ptr_a(pt, 11, tl.float32, A), _ptr_a(pt, 12, tl.uint8, A),
+            _ptr_a(pt, 13, tl.uint8, A),
+            _int_a(it, 1, A), _int_a(it, 2, A), _int_a(it, 3, A), _int_a(it, 4, A), _int_a(it, 6, A), _int_a(it, 7, A))
+
+
+@triton.jit
 def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride, o_ptr, lse_ptr, qk_scale,
                                 H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                                 HALF: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, TL: tl.constexpr,
                                 SUB: tl.constexpr, BT: tl.constexpr, NBKP: tl.constexpr, WKP: tl.constexpr,
                                 NBVP: tl.constexpr, WVP: tl.constexpr, SPLITS: tl.constexpr,
-                                F16: tl.constexpr = True):
+                                F16: tl.constexpr = True, ALIGN: tl.constexpr = 1):
     """Per-head bases, every block of SUB tiles inside one quantization group (the caller checks),
     so the loop has no branch and its loads pipeline (num_stages). Tokens are the rows of every
     product: keys rebuilt [BT, d/2] x 2 from the codes, scores transposed [BT, GP] (the tile's rows
@@ -443,7 +470,13 @@ def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride,
     (CodedLayer.k_nib / v_nib: NBKP / NBVP > 0, padded nibble bytes a head) and byte columns (WKP /
     WVP > 0, padded); a side with no nibbles has Nb = 0 and all its columns as bytes. F16: the products'
     operands in fp16 (codes made exact fp16 by their bits, no conversion instruction; coefficients,
-    basis, RoPE, q and p in fp16, accumulation fp32); else bf16 operands converted through fp32."""
+    basis, RoPE, q and p in fp16, accumulation fp32); else bf16 operands converted through fp32.
+    ALIGN > 1 (``CodedBatch.alignment``, which the caller passes): every table's address a multiple
+    of ALIGN bytes and every column count (code columns a row and a head, nibble bytes, basis columns)
+    a multiple of ALIGN, told to the compiler, so the code / RoPE / position tiles load as vectors of
+    up to 16 bytes and pipeline as asynchronous copies; ALIGN 1 is the session-9 form, where the
+    compiler knows no alignment of the tables behind the pointer table and loads every code as its
+    own byte, synchronously."""
     h, n, split = _program(SPLITS)
     (kc_p, ks_p, km_p, vc_p, vs_p, vm_p, tg_p, pos_p, kb_p, vb_p, kmu_p, vmu_p,
      n_tiles, Ck, Cv, Rk, Rv, colk, colv) = _sequence(ptrs, ints, n, h)
@@ -451,6 +484,11 @@ def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride,
     vn_p = tl.load(ptrs + n * 14 + 13).to(tl.pointer_type(tl.uint8))
     nbk = tl.load(ints + n * 8 + 6)            # nibble bytes a row and head (0: none)
     nbv = tl.load(ints + n * 8 + 7)
+    if ALIGN > 1:
+        (kc_p, ks_p, km_p, vc_p, vs_p, vm_p, pos_p, kb_p, vb_p, kmu_p, vmu_p, kn_p, vn_p,
+         Ck, Cv, Rk, Rv, nbk, nbv) = _aligned(ptrs, ints, n, ALIGN)
+        colk = h * Rk
+        colv = h * Rv
     wk = Rk - 2 * nbk                          # byte columns a head
     wv = Rv - 2 * nbv
     n_blocks = tl.cdiv(n_tiles, SUB)
@@ -611,6 +649,12 @@ class CodedBatch:
         self.max_wk = max(c.k_basis.shape[1] - 2 * c.nib_bytes("k") for c in layers)
         self.max_wv = max(c.v_basis.shape[1] - 2 * c.nib_bytes("v") for c in layers)
         self._aligned: dict[int, bool] = {}
+        # the largest of 16 / 8 / 4 / 2 / 1 bytes dividing every table address and column count the
+        # stream kernel reads (its ALIGN: the compiler then loads the tiles as vectors)
+        addrs = [int(a) for row in rows for a in row]
+        counts = [int(v) for row in sizes for v in (row[1], row[2], row[3], row[4], row[6], row[7])]
+        self.alignment = next(a for a in (16, 8, 4, 2, 1)
+                              if all(x % a == 0 for x in addrs) and all(x % a == 0 for x in counts))
         self.max_tiles = max(c.rows // TILE for c in layers)
         # the raw side caches (sinks, outliers) padded into one tensor, attended in the same softmax
         S = max(c.raw_k.shape[1] for c in layers)
@@ -657,7 +701,8 @@ def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: tor
                  splits: int | None = None, cols: int = 32, num_warps: int | None = None,
                  num_stages: int | None = None, do_k: bool = True, do_v: bool = True, block: int | None = None,
                  head: bool | None = None, stream: bool | None = None,
-                 f16: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 f16: bool = True, align: int | None = None,
+                 maxnreg: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, Hq, d] (one token per sequence) over each sequence's coded rows: (out [N, S, Hq, d], lse
     [N, S, Hq]) float32 per split S of the rows (merge them with ``coded_attention.merge`` over dim 1).
     ``cos`` / ``sin`` [P, d] float32 by absolute position. ``do_k`` / ``do_v`` False leave out the key
@@ -671,7 +716,10 @@ def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: tor
     of 2; default 4): the wide kernel (any basis width), ``block`` tiles a step; ``block`` 1: one tile
     a step. Both per-head kernels take RoPE from fp16 half tables (made once per table and batch).
     ``f16`` (stream kernel): its products' operands in fp16, codes made exact fp16 by their bits
-    (False: bf16 operands through fp32 conversions, the earlier form).
+    (False: bf16 operands through fp32 conversions, the earlier form). ``align`` (stream kernel):
+    the alignment promised to the compiler (default ``batch.alignment``; 1: none, the session-9
+    form, every code its own byte load); more than ``batch.alignment`` is refused. ``maxnreg``: a
+    cap on the stream kernel's registers a thread (None: the compiler's choice).
     The defaults are the fastest configurations measured on the H200 (benchmarks/coded_kernel_speed.py)."""
     per_head = batch.max_rk <= 128 and batch.max_rv <= 128 and not any(c.joint for c in batch.layers)
     if not (do_k and do_v):
@@ -702,13 +750,18 @@ def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: tor
     def pad(n: int) -> int:
         return 0 if n <= 0 else max(16, triton.next_power_of_2(n))
     if stream:
+        align = batch.alignment if align is None else align
+        if align > batch.alignment:
+            raise ValueError(f"the batch's tables are aligned to {batch.alignment} bytes, not {align}")
         cos, sin = batch.half_tables(cos, sin)
+        extra = {} if maxnreg is None else {"maxnreg": maxnreg}
         _coded_decode_stream_kernel[(H, N * splits)](
             q.contiguous(), batch.ptrs, batch.ints, cos, sin, cos.stride(0), o, lse, scale * LOG2E,
             H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=d, HALF=half,
             HP=max(16, triton.next_power_of_2(half)), DP=max(16, triton.next_power_of_2(d)), TL=TILE, SUB=block,
             BT=block * TILE, NBKP=pad(batch.max_nbk), WKP=pad(batch.max_wk), NBVP=pad(batch.max_nbv),
-            WVP=pad(batch.max_wv), SPLITS=splits, F16=f16, num_warps=num_warps, num_stages=num_stages)
+            WVP=pad(batch.max_wv), SPLITS=splits, F16=f16, ALIGN=align, num_warps=num_warps, num_stages=num_stages,
+            **extra)
         return o, lse
     if head and block > 1:
         cos, sin = batch.half_tables(cos, sin)
