@@ -7,6 +7,9 @@ random-weight states (benchmarks/coded_ranks.py: keys 64 nibble bytes a head, va
 columns; 125 sequences fit); groups of 3 tiles (the stream kernel's blocks halved to 1 tile);
 joint-head bases (512 columns, the wide kernels; not run by default). Each section's first
 configuration is checked against the torch reference (fp32) on two sequences, the others against it.
+Section ``per-head-align`` (session 9b): the stream kernel with its tables' alignment told to the
+compiler (``align``: vector loads, asynchronous copies) first, against the session-9 form (align 1),
+with blocks of 1 / 2 / 4 tiles, 2 / 3 stages, a register cap (``maxnreg``) and the head kernel.
 
     python3 benchmarks/coded_kernel_speed.py [--json out.json] [--sections ...]
 
@@ -30,7 +33,7 @@ HBM_BPS = 4.8e12
 
 
 def synthetic(N: int, T: int, H: int, d: int, R: int, joint: bool, gen, group_rows: int = 512,
-              nib: tuple[int, int] = (0, 0)) -> list:
+              nib: tuple[int, int] = (0, 0), dev: str = "cuda") -> list:
     """N resident layers of T rows (random codes < 16, groups of ``group_rows`` rows), views of shared
     tensors. ``nib``: nibble bytes a head of keys / values (CodedLayer.k_nib / v_nib: the first 2 Nb
     columns of a head two to a byte, the rest one byte each)."""
@@ -39,7 +42,6 @@ def synthetic(N: int, T: int, H: int, d: int, R: int, joint: bool, gen, group_ro
 
     C = R if joint else H * R
     G = -(-T // group_rows)
-    dev = "cuda"
     codes_k = torch.randint(0, 16, (N, T, C), dtype=torch.uint8, device=dev, generator=gen)
     codes_v = torch.randint(0, 16, (N, T, C), dtype=torch.uint8, device=dev, generator=gen)
     pos = torch.arange(T, dtype=torch.int32, device=dev)
@@ -90,30 +92,49 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--layers", type=int, default=1, help="launches timed together (one per layer)")
     ap.add_argument("--sections", nargs="+", default=["per-head", "per-head-nibbles", "per-head-3-tile-groups"],
-                    choices=["per-head", "per-head-nibbles", "per-head-3-tile-groups", "joint"])
+                    choices=["per-head", "per-head-align", "per-head-nibbles", "per-head-3-tile-groups", "joint"])
+    ap.add_argument("--smoke", action="store_true",
+                    help="a check of this script on the CPU under TRITON_INTERPRET=1: 2 sequences of 1,024 rows, "
+                         "wall-clock timing, nothing to report")
     ap.add_argument("--profile-one", action="store_true",
                     help="run the stream kernel's default three times on the per-head section and stop (for ncu)")
     args = ap.parse_args()
     from triton.testing import do_bench
 
+    dev = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        def do_bench(fn, **_):
+            import time
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+
     from kite.kernels.coded_attention import coded_partial_torch, merge
     from kite.kernels.coded_attention_triton import CodedBatch, coded_decode
 
-    H, Hq, d, T = 4, 28, 128, 16384
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    H, Hq, d, T = 4, 28, 128, 1024 if args.smoke else 16384
+    gen = torch.Generator(device=dev).manual_seed(0)
     P = T + 64
-    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
-    ang = torch.arange(P, device="cuda")[:, None].float() * inv[None]
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev).float() / d))
+    ang = torch.arange(P, device=dev)[:, None].float() * inv[None]
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
     half_cos, half_sin = cos[:, :d // 2].half().contiguous(), sin[:, :d // 2].half().contiguous()
-    # (block, stages, cols, warps, kernel, splits factor, fp16 operands); kernel: "wide" | "head" | "stream"
+    # (block, stages, cols, warps, kernel, splits factor, fp16 operands[, align, maxnreg]); kernel: "wide" |
+    # "head" | "stream"; align None: the batch's (CodedBatch.alignment), 1: none (the session-9 form)
     old = ((1, 3, 64, 8, "wide", 1, False), (2, 2, 64, 8, "wide", 1, False), (4, 2, 32, 8, "wide", 1, False))
     head = ((2, 2, 0, 4, "head", 1, False),)
     stream = ((2, 2, 0, 4, "stream", 1, False), (2, 2, 0, 4, "stream", 1, True), (2, 3, 0, 4, "stream", 1, True),
               (4, 2, 0, 4, "stream", 1, True), (4, 3, 0, 4, "stream", 1, True), (2, 2, 0, 4, "stream", 2, True),
               (2, 2, 0, 8, "stream", 1, True), (4, 2, 0, 8, "stream", 1, True))
+    s1 = (2, 2, 0, 4, "stream", 1, True, 1, None)          # the session-9 default, no alignment told
+    align = ((2, 2, 0, 4, "stream", 1, True, None, None), s1, (2, 3, 0, 4, "stream", 1, True, None, None),
+             (1, 2, 0, 4, "stream", 1, True, None, None), (1, 3, 0, 4, "stream", 1, True, None, None),
+             (4, 2, 0, 8, "stream", 1, True, None, None), (2, 2, 0, 4, "stream", 1, True, None, 168),
+             (2, 2, 0, 4, "stream", 2, True, None, None), (2, 2, 0, 8, "stream", 1, True, None, None)) + head
+    stream = tuple(c + (1, None) for c in stream)         # the per-head section as measured in session 9
     sections = {
         "per-head": ("per-head bases", 128, False, 81, 512, (0, 0), head + stream),
+        "per-head-align": ("per-head bases", 128, False, 81, 512, (0, 0), align),
         "per-head-nibbles": ("per-head bases, nibble-packed (keys 64 / values 29 nibble bytes a head)", 128, False,
                              125, 512, (64, 29), stream),
         "per-head-3-tile-groups": ("per-head bases, groups of 3 tiles", 128, False, 81, 96, (0, 0),
@@ -121,34 +142,39 @@ def main() -> None:
         "joint": ("joint-head bases", 512, True, 78, 512, (0, 0), old)}
     rows = {}
     if args.profile_one:
-        layers = synthetic(81, T, H, d, 128, False, gen, 512, (0, 0))
+        layers = synthetic(81, T, H, d, 128, False, gen, 512, (0, 0), dev)
         batch = CodedBatch(layers)
-        q = torch.randn(81, Hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q = torch.randn(81, Hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
         for _ in range(3):
             coded_decode(q, batch, half_cos, half_sin, 1 / math.sqrt(d))
         torch.cuda.synchronize()
         return
     for key in args.sections:
         label, R, joint, N, group_rows, nib, configs = sections[key]
-        layers = synthetic(N, T, H, d, R, joint, gen, group_rows, nib)
+        N = 2 if args.smoke else N
+        layers = synthetic(N, T, H, d, R, joint, gen, group_rows, nib, dev)
         batch = CodedBatch(layers)
         stream_bytes = layers[0].stream_bytes
-        q = torch.randn(N, Hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        q = torch.randn(N, Hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        sms = 8 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
         ref = None
-        for block, stages, cols, warps, kernel, split_f, f16 in configs:
+        for block, stages, cols, warps, kernel, split_f, f16, *more in configs:
+            al, maxnreg = (more + [None, None])[:2]
             name = (f"{label}, {kernel} kernel, block {block}, stages {stages}" + (f", cols {cols}" if cols else "")
                     + f", warps {warps}" + (f", splits x{split_f}" if split_f != 1 else "")
-                    + (", fp16 operands" if f16 else ""))
+                    + (", fp16 operands" if f16 else "")
+                    + ("" if kernel != "stream" else f", align {batch.alignment if al is None else al}")
+                    + (f", maxnreg {maxnreg}" if maxnreg else ""))
             splits = max(1, min(-(-8 * sms // (N * H)), (T // 32) // (8 * block)))
             splits = max(1, int(splits * split_f))
             c_, s_ = (half_cos, half_sin) if kernel in ("head", "stream") else (cos, sin)
             try:
                 def run(block=block, stages=stages, cols=cols or 32, warps=warps, kernel=kernel, c_=c_, s_=s_,
-                        q=q, batch=batch, splits=splits, f16=f16):
+                        q=q, batch=batch, splits=splits, f16=f16, al=al, maxnreg=maxnreg):
+                    extra = {"align": al, "maxnreg": maxnreg} if kernel == "stream" else {}
                     return coded_decode(q, batch, c_, s_, 1 / math.sqrt(d), block=block, num_stages=stages, cols=cols,
                                         num_warps=warps, head={"head": True, "wide": False}.get(kernel),
-                                        stream=kernel == "stream", splits=splits, f16=f16)
+                                        stream=kernel == "stream", splits=splits, f16=f16, **extra)
                 o, lse = run()
                 out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
                 if ref is None:
@@ -175,6 +201,8 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     for k, v in rows.items():
+        if isinstance(v, list):     # the compiled variants, printed above
+            continue
         if not isinstance(v, dict):
             print(f"{k:<120} {v:.2e}")
             continue
