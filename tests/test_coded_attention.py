@@ -107,19 +107,21 @@ def test_coded_attention_equals_attention_over_the_rebuilt_layer(lm, tmp_path, s
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("spec", list(SPECS))
 @pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("block", [1, 2, 4, "head", "stream-bytes", "default"])
+@pytest.mark.parametrize("block", [1, 2, 4, "head", "stream-bytes", "stream-align-1", "default"])
 def test_triton_decode_kernel_matches_the_rebuilt_path(lm, tmp_path, spec, qdtype, block):
     """The batched GPU kernel (bf16 bases and tensor cores, fp32 softmax) over several sequences of
     different lengths against attention over the rebuilt path's bf16 keys / values: the one-tile and
     wide kernels (1, 2, 4 tiles a step), the session-8 head kernel, the stream kernel over one byte
-    a code, and the default configuration over nibble-packed codes (the stream kernel where the bases
+    a code (its tables' alignment told to the compiler: 16 bytes here; and without, the session-9
+    form), and the default configuration over nibble-packed codes (the stream kernel where the bases
     are per head)."""
     from kite.kernels.coded_attention import coded_decode_partial
+    from kite.kernels.coded_attention_triton import CodedBatch
 
-    kernel = {"default": {}, "head": {"head": True}, "stream-bytes": {"stream": True}}.get(
-        block, {"block": block, "head": False})
+    kernel = {"default": {}, "head": {"head": True}, "stream-bytes": {"stream": True},
+              "stream-align-1": {"stream": True, "align": 1}}.get(block, {"block": block, "head": False})
     nibbles = block == "default"
-    if block in ("head", "stream-bytes") and spec != "per-head":
+    if block in ("head", "stream-bytes", "stream-align-1") and spec != "per-head":
         pytest.skip("the head and stream kernels take per-head bases")
 
     out = tmp_path / "s.upc"
@@ -140,6 +142,8 @@ def test_triton_decode_kernel_matches_the_rebuilt_path(lm, tmp_path, spec, qdtyp
                                                   nibbles=nibbles)))
     g = torch.Generator(device="cuda").manual_seed(0)
     worst = 0.0
+    if block == "stream-bytes":     # the aligned form is what runs (one byte a code, 32 columns a head)
+        assert CodedBatch([res.layers[0] for _, _, res in seqs]).alignment == 16
     for layer in range(geo.n_layers):
         q = (torch.randn(len(seqs), geo.n_heads, geo.head_dim, generator=g, device="cuda") * 3).to(qdtype)
         got, lse = coded_decode_partial(q, [res.layers[layer] for _, _, res in seqs], cos_tab, sin_tab, scale,
@@ -372,3 +376,19 @@ def test_decode_kernels_equal_the_torch_reference_on_the_cpu():
     from tests.triton_interpreter import run_interpreted
 
     run_interpreted("tests.test_coded_attention:check_kernels_in_the_interpreter")
+
+
+def test_coded_batch_alignment_is_what_every_table_and_column_count_allow():
+    """The stream kernel promises the compiler CodedBatch.alignment (vector loads): the largest of 16 /
+    8 / 4 / 2 / 1 bytes dividing every table address and column count, so a layer whose codes sit
+    at an odd address, or whose heads have 24 columns, lowers it for the whole batch."""
+    pytest.importorskip("triton")
+    from kite.kernels.coded_attention_triton import CodedBatch
+
+    gen = torch.Generator().manual_seed(0)
+    layer = _synthetic_layer(128, 2, 32, 32, 64, gen)
+    assert CodedBatch([layer]).alignment == 16
+    assert CodedBatch([layer, _synthetic_layer(128, 2, 32, 24, 64, gen)]).alignment == 8
+    odd = torch.empty(layer.k_codes.numel() + 1, dtype=torch.uint8)[1:].view(layer.k_codes.shape)
+    odd.copy_(layer.k_codes)
+    assert CodedBatch([layer, dataclasses.replace(layer, k_codes=odd)]).alignment == 1
