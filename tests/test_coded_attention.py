@@ -383,7 +383,7 @@ def test_coded_batch_alignment_is_what_every_table_and_column_count_allow():
     8 / 4 / 2 / 1 bytes dividing every table address and column count, so a layer whose codes sit
     at an odd address, or whose heads have 24 columns, lowers it for the whole batch."""
     pytest.importorskip("triton")
-    from kite.kernels.coded_attention_triton import CodedBatch
+    from kite.kernels.coded_attention_triton import CodedBatch, coded_decode
 
     gen = torch.Generator().manual_seed(0)
     layer = _synthetic_layer(128, 2, 32, 32, 64, gen)
@@ -391,4 +391,9 @@ def test_coded_batch_alignment_is_what_every_table_and_column_count_allow():
     assert CodedBatch([layer, _synthetic_layer(128, 2, 32, 24, 64, gen)]).alignment == 8
     odd = torch.empty(layer.k_codes.numel() + 1, dtype=torch.uint8)[1:].view(layer.k_codes.shape)
     odd.copy_(layer.k_codes)
-    assert CodedBatch([layer, dataclasses.replace(layer, k_codes=odd)]).alignment == 1
+    mixed = CodedBatch([layer, dataclasses.replace(layer, k_codes=odd)])
+    assert mixed.alignment == 1
+    # a promise the tables do not keep is refused before any launch
+    cos = sin = torch.zeros(128, 32)
+    with pytest.raises(ValueError, match="aligned to 1 bytes, not 16"):
+        coded_decode(torch.zeros(2, 4, 32).bfloat16(), mixed, cos, sin, 1.0, splits=1, align=16)

@@ -12,7 +12,8 @@ are merged with the raw side cache and the live tokens by ``kite.kernels.coded_a
 Four variants: one tile a step, the wide kernel (several tiles a step, any basis width), the head
 kernel (bases of <= 128 columns a head, kept on chip; blocks may straddle quantization groups) and the
 stream kernel (the same bases, blocks inside one group, fp16 operands, nibble-packed codes too; the
-default where the bases fit).
+default where the bases fit). The stream kernel is told its tables' alignment (``CodedBatch.alignment``):
+without it the compiler, which cannot see through the pointer table, loads every code as its own byte.
 """
 
 from __future__ import annotations
