@@ -205,6 +205,17 @@ def test_cpu_models_keep_transformers_forward():
     assert "forward" not in vars(model.model.layers[0])
 
 
+def test_a_head_dim_the_rope_kernel_cannot_block_keeps_transformers_forward():
+    """head_dim 48 (halves of 24, not a power of 2): not fused, even where it would be (on_cpu)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config("llama", layers=1)
+    cfg.hidden_size, cfg.head_dim = 96, 48
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    assert fused.fuse_forward(model, on_cpu=True) is None
+    assert "forward" not in vars(model.model.layers[0])
+
+
 # ---- on a GPU (the H200 runs these) ------------------------------------------------------------------
 
 

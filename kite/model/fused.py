@@ -60,8 +60,9 @@ def available() -> bool:
 
 def fuse_forward(model, *, on_cpu: bool = False) -> Fused | None:
     """Install the fused forwards on ``model`` (idempotent). None where they do not apply: not a
-    Llama-family model with a SiLU MLP, not fp16 / bf16 on a GPU (``on_cpu``: also CPU models, which
-    then need Triton's interpreter; for tests), or Triton missing."""
+    Llama-family model with a SiLU MLP, a head_dim whose half is not a power of 2 (the RoPE kernel's
+    block), not fp16 / bf16 on a GPU (``on_cpu``: also CPU models, which then need Triton's
+    interpreter; for tests), or Triton missing."""
     config = getattr(model, "config", None)
     param = next(model.parameters(), None)
     if config is None or param is None or getattr(config, "model_type", None) not in FAMILIES:
@@ -70,6 +71,9 @@ def fuse_forward(model, *, on_cpu: bool = False) -> Fused | None:
         return None
     if not on_cpu and (param.device.type != "cuda" or param.dtype not in (torch.float16, torch.bfloat16)):
         return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim % 2 or (head_dim // 2) & (head_dim // 2 - 1):
+        return None      # the RoPE kernel takes a head's halves as one power-of-2 block
     if not available():
         _log.warning("Triton is not installed: the model's forward keeps transformers' unfused kernels")
         return None
