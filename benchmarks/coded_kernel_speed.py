@@ -75,7 +75,7 @@ def compiled_stats() -> list:
     from kite.kernels import coded_attention_triton as tri
 
     out = []
-    for k in (tri._coded_decode_stream_kernel, tri._coded_decode_head_kernel):
+    for k in tri.PER_HEAD_KERNELS.values():
         try:
             for caches in k.device_caches.values():
                 for ck in caches[0].values():

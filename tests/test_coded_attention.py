@@ -409,7 +409,7 @@ def _stream_kernel_ptx_sm90(align: int) -> str:
 
     from kite.kernels import coded_attention_triton as tri
 
-    fn = tri._coded_decode_stream_kernel
+    fn = tri.PER_HEAD_KERNELS["stream"]
     types = {"q_ptr": "*bf16", "ptrs": "*i64", "ints": "*i32", "cos_ptr": "*fp16", "sin_ptr": "*fp16",
              "tab_stride": "i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     consts = dict(H=4, G=7, GP=16, D=128, HALF=64, HP=64, DP=128, TL=32, SUB=2, BT=64, NBKP=0, WKP=128, NBVP=0,

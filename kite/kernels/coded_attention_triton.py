@@ -324,6 +324,11 @@ def _coded_decode_head_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride, o
     tl.store(lse_ptr + (n * SPLITS + split) * H * G + head, lse, mask=gm)
 
 
+# the per-head kernels by name, for tools that read their compiled variants (registers, spills:
+# benchmarks/coded_kernel_speed.py) or compile them ahead (the sm_90a PTX test)
+PER_HEAD_KERNELS = {"stream": _coded_decode_stream_kernel, "head": _coded_decode_head_kernel}
+
+
 class CodedBatch:
     """The pointer and size tables of a list of resident layers (one per sequence), built once and
     reused while the batch's sequences stay the same (the layers must stay alive meanwhile)."""
