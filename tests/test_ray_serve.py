@@ -270,7 +270,10 @@ def test_kite_serve_replicas_autoscaled_from_the_command_line_serves_and_stops_o
     proc = subprocess.Popen([sys.executable, "-m", "kite.cli.main", "serve", "--replicas", "2", "--model",
                              str(tiny_models["llama"]), "--rules", str(settings.rules_path), "--upcycle-config", str(cfg),
                              "--state-dir", str(tmp_path / "states"), "--mkdir", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            # Ctrl-C reaches a foreground server; a test run from a background job
+                            # (`make test &`) would hand its ignored SIGINT on to the child
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
@@ -290,7 +293,13 @@ def test_kite_serve_replicas_autoscaled_from_the_command_line_serves_and_stops_o
         assert r.json()["kite"]["upcycled"]["created"] is True and r.json()["kite"]["loaded"] is True
     finally:
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
+        try:
+            out, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()     # no Ray head left behind for the next tests to join
+            out, _ = proc.communicate()
+            subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
+            pytest.fail(f"kite serve --replicas did not stop within 120 s of Ctrl-C:\n{out[-2000:]}")
     assert proc.returncode == 0, out
     assert "serving" in out and "replicas autoscaled 2-3" in out and "stopping replicas" in out
     with pytest.raises(httpx.HTTPError):
