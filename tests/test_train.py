@@ -322,6 +322,12 @@ def test_train_bad_input_fails_before_the_model_loads(tiny_models, tmp_path, mon
     res = run(app, ["upcycle", "train", "--model", str(tiny_models["llama"]), "--data-path", str(one),
                     "--output-dir", str(tmp_path / "o")])
     assert res.exit_code == 2 and "at least 2 documents" in res.output
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(f'{{"context": "doc {d}", "prompt": "q", "response": "a"}}\n' for d in range(4)))
+    res = run(app, ["upcycle", "train", "--model", str(tiny_models["llama"]), "--data-path", str(good),
+                    "--output-dir", str(tmp_path / "o"), "--eval-fraction", "0.25", "--regenerator",
+                    str(tmp_path / "nowhere")])
+    assert res.exit_code == 2 and "not a regenerator" in res.output, res.output
 
 
 def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(tiny_models, tmp_path):

@@ -67,6 +67,8 @@ class TrainRequest:
             raise BadInput(f"--epochs {self.epochs}: at least 1")
         if self.checkpoint_every < 1:
             raise BadInput(f"--checkpoint-every {self.checkpoint_every}: at least 1")
+        if self.regenerator is not None:
+            Regenerator.load(self.regenerator)      # BadInput for a missing or damaged folder
         return split_pairs(pairs, self.eval_fraction, self.seed)
 
     def key(self, pairs: list[Pair], model_fp: str, cfg: UpcycleConfig) -> dict:
