@@ -1,15 +1,15 @@
 """The coded-attention decode kernel alone on synthetic resident states at Qwen2-7B geometry (4 KV
 heads, 28 query heads, head_dim 128, 16,384 rows), at the batch a 40 GB budget holds. Sections
 (``--sections``): per-head bases (128 code columns a head, one byte a code; 81 sequences): the
-session-8 head kernel against the stream kernel's configurations (blocks of 2 / 4 tiles, 4 / 8 warps,
-2 / 3 pipeline stages, fewer / more splits); nibble-packed per-head codes at the widths measured on
-random-weight states (benchmarks/coded_ranks.py: keys 64 nibble bytes a head, values 29 + 70 byte
+stream kernel's configurations (blocks of 2 / 4 tiles, 4 / 8 warps, 2 / 3 pipeline stages, fewer /
+more splits; the session-8 head kernel it was measured against is gone since session 9);
+nibble-packed per-head codes at the widths measured on random-weight states (benchmarks/coded_ranks.py: keys 64 nibble bytes a head, values 29 + 70 byte
 columns; 125 sequences fit); groups of 3 tiles (the stream kernel's blocks halved to 1 tile);
 joint-head bases (512 columns, the wide kernels; not run by default). Each section's first
 configuration is checked against the torch reference (fp32) on two sequences, the others against it.
 Section ``per-head-align`` (session 9b): the session-9 stream kernel (align 1) first, then the stream
 kernel with its tables' alignment told to the compiler (``align``: vector loads, asynchronous copies)
-with blocks of 1 / 2 / 4 tiles, 2 / 3 stages, a register cap (``maxnreg``), and the head kernel. The
+with blocks of 1 / 2 / 4 tiles, 2 / 3 stages and a register cap (``maxnreg``). The
 JSON is rewritten after each configuration (a run cut short keeps what it measured).
 
     python3 benchmarks/coded_kernel_speed.py [--json out.json] [--sections ...]
@@ -95,11 +95,17 @@ def main() -> None:
     ap.add_argument("--sections", nargs="+", default=["per-head", "per-head-nibbles", "per-head-3-tile-groups"],
                     choices=["per-head", "per-head-align", "per-head-nibbles", "per-head-3-tile-groups", "joint"])
     ap.add_argument("--smoke", action="store_true",
-                    help="a check of this script on the CPU under TRITON_INTERPRET=1: 2 sequences of 1,024 rows, "
-                         "wall-clock timing, nothing to report")
+                    help="a check of this script on the CPU in Triton's interpreter (turned on here, with the "
+                         "tests' interpreter fixes): 2 sequences of 1,024 rows, wall-clock timing, nothing to report")
     ap.add_argument("--profile-one", action="store_true",
                     help="run the stream kernel's default three times on the per-head section and stop (for ncu)")
     args = ap.parse_args()
+    if args.smoke:    # before Triton's first import; the interpreter gaps tests/triton_interpreter.py bridges
+        import os
+
+        os.environ["TRITON_INTERPRET"] = "1"
+        from tests.triton_interpreter import bridge_interpreter_gaps
+        bridge_interpreter_gaps()
     from triton.testing import do_bench
 
     dev = "cpu" if args.smoke else "cuda"
@@ -121,9 +127,8 @@ def main() -> None:
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
     half_cos, half_sin = cos[:, :d // 2].half().contiguous(), sin[:, :d // 2].half().contiguous()
     # (block, stages, cols, warps, kernel, splits factor, fp16 operands[, align, maxnreg]); kernel: "wide" |
-    # "head" | "stream"; align None: the batch's (CodedBatch.alignment), 1: none (the session-9 form)
+    # "stream"; align None: the batch's (CodedBatch.alignment), 1: none (the session-9 form)
     old = ((1, 3, 64, 8, "wide", 1, False), (2, 2, 64, 8, "wide", 1, False), (4, 2, 32, 8, "wide", 1, False))
-    head = ((2, 2, 0, 4, "head", 1, False),)
     stream = ((2, 2, 0, 4, "stream", 1, False), (2, 2, 0, 4, "stream", 1, True), (2, 3, 0, 4, "stream", 1, True),
               (4, 2, 0, 4, "stream", 1, True), (4, 3, 0, 4, "stream", 1, True), (2, 2, 0, 4, "stream", 2, True),
               (2, 2, 0, 8, "stream", 1, True), (4, 2, 0, 8, "stream", 1, True))
@@ -131,15 +136,15 @@ def main() -> None:
     align = (s1, (2, 2, 0, 4, "stream", 1, True, None, None), (2, 3, 0, 4, "stream", 1, True, None, None),
              (1, 2, 0, 4, "stream", 1, True, None, None), (1, 3, 0, 4, "stream", 1, True, None, None),
              (4, 2, 0, 8, "stream", 1, True, None, None), (2, 2, 0, 4, "stream", 1, True, None, 168),
-             (2, 2, 0, 4, "stream", 2, True, None, None), (2, 2, 0, 8, "stream", 1, True, None, None)) + head
+             (2, 2, 0, 4, "stream", 2, True, None, None), (2, 2, 0, 8, "stream", 1, True, None, None))
     stream = tuple(c + (1, None) for c in stream)         # the per-head section as measured in session 9
     sections = {
-        "per-head": ("per-head bases", 128, False, 81, 512, (0, 0), head + stream),
+        "per-head": ("per-head bases", 128, False, 81, 512, (0, 0), stream),
         "per-head-align": ("per-head bases", 128, False, 81, 512, (0, 0), align),
         "per-head-nibbles": ("per-head bases, nibble-packed (keys 64 / values 29 nibble bytes a head)", 128, False,
                              125, 512, (64, 29), stream),
         "per-head-3-tile-groups": ("per-head bases, groups of 3 tiles", 128, False, 81, 96, (0, 0),
-                                   head + ((2, 2, 0, 4, "stream", 1, True),)),
+                                   ((2, 2, 0, 4, "stream", 1, True), (1, 2, 0, 4, "stream", 1, True))),
         "joint": ("joint-head bases", 512, True, 78, 512, (0, 0), old)}
     rows = {}
     if args.profile_one:
@@ -168,14 +173,14 @@ def main() -> None:
                     + (f", maxnreg {maxnreg}" if maxnreg else ""))
             splits = max(1, min(-(-8 * sms // (N * H)), (T // 32) // (8 * block)))
             splits = max(1, int(splits * split_f))
-            c_, s_ = (half_cos, half_sin) if kernel in ("head", "stream") else (cos, sin)
+            c_, s_ = (half_cos, half_sin) if kernel == "stream" else (cos, sin)
             try:
                 def run(block=block, stages=stages, cols=cols or 32, warps=warps, kernel=kernel, c_=c_, s_=s_,
                         q=q, batch=batch, splits=splits, f16=f16, al=al, maxnreg=maxnreg):
                     extra = {"align": al, "maxnreg": maxnreg} if kernel == "stream" else {}
                     return coded_decode(q, batch, c_, s_, 1 / math.sqrt(d), block=block, num_stages=stages, cols=cols,
-                                        num_warps=warps, head={"head": True, "wide": False}.get(kernel),
-                                        stream=kernel == "stream", splits=splits, f16=f16, **extra)
+                                        num_warps=warps, stream=kernel == "stream", splits=splits, f16=f16,
+                                        **extra)
                 o, lse = run()
                 out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
                 if ref is None:

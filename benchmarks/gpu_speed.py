@@ -330,7 +330,7 @@ def main() -> None:
     ap.add_argument("--coded", type=int, default=1, help="the coded-attention section (0: skip it)")
     ap.add_argument("--coded-steps", nargs="*", default=["joint"], choices=["joint", "per-head"],
                     help="whose whole decode steps the coded section times: states with the codec's default "
-                         "joint-head bases, with per-head bases (the coded head kernel), or both")
+                         "joint-head bases, with per-head bases (the stream kernel), or both")
     ap.add_argument("--coded-forms", nargs="+", default=["bytes", "nibbles"], choices=["bytes", "nibbles"],
                     help="per-head states resident one byte a code and / or nibble-packed (<= 4-bit columns "
                          "two to a byte): a whole-step row each")

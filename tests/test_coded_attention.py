@@ -107,22 +107,22 @@ def test_coded_attention_equals_attention_over_the_rebuilt_layer(lm, tmp_path, s
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("spec", list(SPECS))
 @pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("block", [1, 2, 4, "head", "stream-bytes", "stream-align-1", "default"])
+@pytest.mark.parametrize("block", [1, 2, 4, "stream-bytes", "stream-align-1", "default"])
 def test_triton_decode_kernel_matches_the_rebuilt_path(lm, tmp_path, spec, qdtype, block):
     """The batched GPU kernel (bf16 bases and tensor cores, fp32 softmax) over several sequences of
     different lengths against attention over the rebuilt path's bf16 keys / values: the one-tile and
-    wide kernels (1, 2, 4 tiles a step), the session-8 head kernel, the stream kernel over one byte
+    wide kernels (1, 2, 4 tiles a step), the stream kernel over one byte
     a code (its tables' alignment told to the compiler: 16 bytes here; and without, the session-9
     form), and the default configuration over nibble-packed codes (the stream kernel where the bases
     are per head)."""
     from kite.kernels.coded_attention import coded_decode_partial
     from kite.kernels.coded_attention_triton import CodedBatch
 
-    kernel = {"default": {}, "head": {"head": True}, "stream-bytes": {"stream": True},
-              "stream-align-1": {"stream": True, "align": 1}}.get(block, {"block": block, "head": False})
+    kernel = {"default": {}, "stream-bytes": {"stream": True},
+              "stream-align-1": {"stream": True, "align": 1}}.get(block, {"block": block, "stream": False})
     nibbles = block == "default"
-    if block in ("head", "stream-bytes", "stream-align-1") and spec != "per-head":
-        pytest.skip("the head and stream kernels take per-head bases")
+    if block in ("stream-bytes", "stream-align-1") and spec != "per-head":
+        pytest.skip("the stream kernel takes per-head bases")
 
     out = tmp_path / "s.upc"
     compress_document(lm, DOC, out, CompressSettings(codec=SPECS[spec], n_clusters=3, min_span_tokens=8,
@@ -285,11 +285,11 @@ def _synthetic_layer(T: int, H: int, d: int, R: int, group_rows: int, gen, nib: 
 
 
 def check_kernels_in_the_interpreter() -> None:
-    """(Run by run_interpreted.) The head kernel (2 and 4 tiles a step) and the one-tile kernel, blocks
-    inside and straddling quantization groups, two sequences of their own lengths, against
-    coded_partial_torch. Not the wide kernel: Triton 3.6's interpreter gets its integer value-code
-    product wrong (30-70 % of max |out| here), while on the H200 it matches the rebuilt path
-    (test_triton_decode_kernel_matches_the_rebuilt_path, blocks 2 and 4)."""
+    """(Run by run_interpreted.) The one-tile kernel, groups of 256 and 64 rows, two sequences of
+    their own lengths, against coded_partial_torch (the stream kernel: the next check). Not the wide
+    kernel: Triton 3.6's interpreter gets its integer value-code product wrong (30-70 % of max |out|
+    here), while on the H200 it matches the rebuilt path (test_triton_decode_kernel_matches_the_rebuilt_path,
+    blocks 2 and 4)."""
     from kite.kernels import coded_attention_triton as tri
     from kite.kernels.coded_attention import coded_partial_torch, merge
 
@@ -298,19 +298,17 @@ def check_kernels_in_the_interpreter() -> None:
     ang = torch.arange(520)[:, None].float() * inv[None]
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
     for group_rows in (256, 64):
-        for head, block in ((True, 2), (True, 4), (False, 1)):
-            gen = torch.Generator().manual_seed(block)
-            layers = [_synthetic_layer(T, H, d, R, group_rows, gen) for T in (512, 384)]
-            q = torch.randn(2, Hq, d, generator=gen).bfloat16()
-            o, lse = tri.coded_decode(q, tri.CodedBatch(layers), cos, sin, 1 / math.sqrt(d), splits=2, block=block,
-                                      head=head)
-            out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
-            for i, layer in enumerate(layers):
-                want, _ = coded_partial_torch(q[i][:, None].float(), layer, cos, sin, 1 / math.sqrt(d))
-                err = float((out[i] - want[:, 0]).abs().max() / want.abs().max())
-                assert err <= 1e-2, (group_rows, head, block, i, err)
-                print(f"groups of {group_rows} rows, {'head' if head else 'wide' if block > 1 else 'one-tile'} "
-                      f"kernel, {block} tiles a step, sequence {i}: {err:.1e} of max |out|")
+        gen = torch.Generator().manual_seed(group_rows)
+        layers = [_synthetic_layer(T, H, d, R, group_rows, gen) for T in (512, 384)]
+        q = torch.randn(2, Hq, d, generator=gen).bfloat16()
+        o, lse = tri.coded_decode(q, tri.CodedBatch(layers), cos, sin, 1 / math.sqrt(d), splits=2, block=1,
+                                  stream=False)
+        out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
+        for i, layer in enumerate(layers):
+            want, _ = coded_partial_torch(q[i][:, None].float(), layer, cos, sin, 1 / math.sqrt(d))
+            err = float((out[i] - want[:, 0]).abs().max() / want.abs().max())
+            assert err <= 1e-2, (group_rows, i, err)
+            print(f"groups of {group_rows} rows, one-tile kernel, sequence {i}: {err:.1e} of max |out|")
 
 
 def check_stream_kernel_in_the_interpreter() -> None:
@@ -372,7 +370,7 @@ def test_stream_kernel_equals_the_torch_reference_on_the_cpu():
 
 
 def test_decode_kernels_equal_the_torch_reference_on_the_cpu():
-    """The head and one-tile decode kernels in Triton's interpreter (tests/triton_interpreter.py)."""
+    """The one-tile decode kernel in Triton's interpreter (tests/triton_interpreter.py)."""
     from tests.triton_interpreter import run_interpreted
 
     run_interpreted("tests.test_coded_attention:check_kernels_in_the_interpreter")

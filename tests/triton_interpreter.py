@@ -35,7 +35,7 @@ def run_interpreted(target: str, timeout: float = 300) -> str:
     return r.stdout
 
 
-def _bridge() -> None:
+def bridge_interpreter_gaps() -> None:
     """Two interpreter gaps of triton 3.6 with numpy >= 2.3: loop bounds held as one-element arrays,
     and bf16 (held as uint16 bits) multiplied as integers by tl.dot."""
     import numpy as np
@@ -59,6 +59,6 @@ def _bridge() -> None:
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    _bridge()
+    bridge_interpreter_gaps()
     module, fn = sys.argv[1].split(":")
     getattr(importlib.import_module(module), fn)()

@@ -9,12 +9,15 @@ rotates them at each row's position (cos / sin tables by absolute position), sco
 of the KV head against the tile at once, and accumulates softmax(scores) · value codes in coefficient
 space; at the end the coefficient sums are projected by the value basis. The splits' (output, lse)
 are merged with the raw side cache and the live tokens by ``kite.kernels.coded_attention.merge``.
-Four variants: one tile a step, the wide kernel (several tiles a step, any basis width), the head
-kernel (bases of <= 128 columns a head, kept on chip; blocks may straddle quantization groups) and the
-stream kernel (the same bases, blocks inside one group, fp16 operands, nibble-packed codes too; the
-default where the bases fit; :mod:`kite.kernels.coded_stream_triton`). What they share is in
-:mod:`kite.kernels.coded_triton_common`; :func:`coded_decode` picks one. The stream kernel is told its tables' alignment (``CodedBatch.alignment``):
-without it the compiler, which cannot see through the pointer table, loads every code as its own byte.
+Three variants: one tile a step, the wide kernel (several tiles a step, any basis width) and the
+stream kernel (bases of <= 128 columns a head, blocks inside one quantization group, fp16 operands,
+nibble-packed codes too; the default where the bases fit; :mod:`kite.kernels.coded_stream_triton`).
+What they share is in :mod:`kite.kernels.coded_triton_common`; :func:`coded_decode` picks one. The
+session-8 head kernel (the basis held on chip, blocks straddling groups) was removed in session 9:
+the stream kernel covers every per-head batch (a block shrinks to one tile, which never straddles a
+group) at 0.47x its time on the H200 (docs/PERFORMANCE.md, session 9b). The stream kernel is told its
+tables' alignment (``CodedBatch.alignment``): without it the compiler, which cannot see through the
+pointer table, loads every code as its own byte.
 """
 
 from __future__ import annotations
@@ -211,122 +214,9 @@ def _coded_decode_wide_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, o_ptr, lse_pt
     tl.store(lse_ptr + (n * SPLITS + split) * H * G + head, lse, mask=gm)
 
 
-@triton.jit
-def _coded_decode_head_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride, o_ptr, lse_ptr, qk_scale,
-                              H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                              HALF: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, TL: tl.constexpr,
-                              SUB: tl.constexpr, BT: tl.constexpr, RKP: tl.constexpr, RVP: tl.constexpr,
-                              SPLITS: tl.constexpr):
-    """As _coded_decode_wide_kernel, for bases of at most RKP (keys) / RVP (values) columns per head
-    (per-head bases): the head's key basis is loaded once per program and kept on chip across blocks;
-    a block's codes enter one tensor-core product (all columns at once); a block whose tiles share one
-    quantization group (most of them) takes its scales and means as one row each, broadcast, and its
-    value codes in one product; a block that straddles groups gathers them per row / per tile."""
-    h, n, split = _program(SPLITS)
-    (kc_p, ks_p, km_p, vc_p, vs_p, vm_p, tg_p, pos_p, kb_p, vb_p, kmu_p, vmu_p,
-     n_tiles, Ck, Cv, Rk, Rv, colk, colv) = _sequence(ptrs, ints, n, h)
-    n_blocks = tl.cdiv(n_tiles, SUB)
-    b_lo, b_hi = _share(n_blocks, split, SPLITS)
-
-    g = tl.arange(0, GP)
-    gm = g < G
-    j = tl.arange(0, HP)
-    jm = j < HALF
-    q1, q2 = _query_halves(q_ptr, n, h, H, G, GP, D, HALF, HP)
-    dd = tl.arange(0, DP)
-    dm = dd < D
-    r = tl.arange(0, BT)
-    sub_of_row = r // TL
-    ck = tl.arange(0, RKP)
-    ckm = ck < Rk
-    cv = tl.arange(0, RVP)
-    cvm = cv < Rv
-    # the head's key basis, as the two RoPE halves, held for every block
-    brow = kb_p + (h * Rk + ck)[:, None] * D
-    b1 = tl.load(brow + j[None, :], mask=ckm[:, None] & jm[None, :], other=0.0)
-    b2 = tl.load(brow + HALF + j[None, :], mask=ckm[:, None] & jm[None, :], other=0.0)
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, RVP], tl.float32)
-    acc_mu = tl.zeros([GP, DP], tl.float32)
-    n_rows = n_tiles * TL
-    for blk in range(b_lo, b_hi):
-        rows = blk * BT + r
-        rm = rows < n_rows
-        p = tl.load(pos_p + rows, mask=rm, other=-1)
-        valid = p >= 0
-        g_lo = tl.load(tg_p + blk * SUB)
-        g_hi = tl.load(tg_p + tl.minimum(blk * SUB + SUB, n_tiles) - 1)
-        one_group = g_lo == g_hi
-        lm = rm[:, None] & ckm[None, :]
-        code = tl.load(kc_p + rows.to(tl.int64)[:, None] * Ck + (colk + ck)[None, :], mask=lm, other=0).to(tl.float32)
-        # (the two branches share no local names but k1 / k2: Triton wants one type per name)
-        if one_group:
-            sc_g = tl.load(ks_p + g_lo * Ck + colk + ck, mask=ckm, other=0.0)
-            mn_g = tl.load(km_p + g_lo * Ck + colk + ck, mask=ckm, other=0.0)
-            coef_g = (mn_g[None, :] + sc_g[None, :] * code).to(tl.bfloat16)
-            mrow_g = kmu_p + (g_lo * H + h) * D
-            k1 = tl.dot(coef_g, b1) + tl.load(mrow_g + j, mask=jm, other=0.0)[None, :]
-            k2 = tl.dot(coef_g, b2) + tl.load(mrow_g + HALF + j, mask=jm, other=0.0)[None, :]
-        else:
-            grow = tl.load(tg_p + rows // TL, mask=rm, other=0)
-            sc_r = tl.load(ks_p + grow[:, None] * Ck + (colk + ck)[None, :], mask=lm, other=0.0)
-            mn_r = tl.load(km_p + grow[:, None] * Ck + (colk + ck)[None, :], mask=lm, other=0.0)
-            coef_r = (mn_r + sc_r * code).to(tl.bfloat16)
-            mrow_r = kmu_p + (grow[:, None] * H + h) * D
-            k1 = tl.dot(coef_r, b1) + tl.load(mrow_r + j[None, :], mask=rm[:, None] & jm[None, :], other=0.0)
-            k2 = tl.dot(coef_r, b2) + tl.load(mrow_r + HALF + j[None, :], mask=rm[:, None] & jm[None, :], other=0.0)
-        pc = tl.maximum(p, 0)
-        cs = tl.load(cos_ptr + pc[:, None] * tab_stride + j[None, :], mask=jm[None, :], other=0.0).to(tl.float32)
-        sn = tl.load(sin_ptr + pc[:, None] * tab_stride + j[None, :], mask=jm[None, :], other=0.0).to(tl.float32)
-        r1 = (k1 * cs - k2 * sn).to(tl.bfloat16)
-        r2 = (k2 * cs + k1 * sn).to(tl.bfloat16)
-        s = (tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        pexp = tl.exp2(s - m_safe[:, None])
-        psum = tl.sum(pexp, 1)
-        l_i = l_i * alpha + psum
-        acc = acc * alpha[:, None]
-        acc_mu = acc_mu * alpha[:, None]
-        # value codes are integers < 256: exact in bf16
-        vcode = tl.load(vc_p + rows.to(tl.int64)[:, None] * Cv + (colv + cv)[None, :], mask=rm[:, None] & cvm[None, :],
-                        other=0).to(tl.float32).to(tl.bfloat16)
-        if one_group:
-            vsc_g = tl.load(vs_p + g_lo * Cv + colv + cv, mask=cvm, other=0.0)
-            vmn_g = tl.load(vm_p + g_lo * Cv + colv + cv, mask=cvm, other=0.0)
-            vmu_g = tl.load(vmu_p + (g_lo * H + h) * D + dd, mask=dm, other=0.0)
-            acc += tl.dot(pexp.to(tl.bfloat16), vcode) * vsc_g[None, :] + psum[:, None] * vmn_g[None, :]
-            acc_mu += psum[:, None] * vmu_g[None, :]
-        else:
-            for t in tl.static_range(SUB):
-                tile = blk * SUB + t
-                gt = tl.load(tg_p + tile, mask=tile < n_tiles, other=0)
-                pt_ = tl.where((sub_of_row == t)[None, :], pexp, 0.0)
-                pst = tl.sum(pt_, 1)
-                vsc_t = tl.load(vs_p + gt * Cv + colv + cv, mask=cvm, other=0.0)
-                vmn_t = tl.load(vm_p + gt * Cv + colv + cv, mask=cvm, other=0.0)
-                acc += tl.dot(pt_.to(tl.bfloat16), vcode) * vsc_t[None, :] + pst[:, None] * vmn_t[None, :]
-                vmu_t = tl.load(vmu_p + (gt * H + h) * D + dd, mask=dm, other=0.0)
-                acc_mu += pst[:, None] * vmu_t[None, :]
-        m_i = m_new
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    coef_v = (acc / l_safe[:, None]).to(tl.bfloat16)
-    vb = tl.load(vb_p + (h * Rv + cv)[:, None] * D + dd[None, :], mask=cvm[:, None] & dm[None, :], other=0.0)
-    out = tl.dot(coef_v, vb) + acc_mu / l_safe[:, None]
-    out = tl.where((l_i > 0)[:, None], out, 0.0)
-    head = h * G + g
-    o_row = o_ptr + ((n * SPLITS + split) * H * G + head)[:, None] * D
-    tl.store(o_row + dd[None, :], out, mask=gm[:, None] & dm[None, :])
-    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
-    tl.store(lse_ptr + (n * SPLITS + split) * H * G + head, lse, mask=gm)
-
-
 # the per-head kernels by name, for tools that read their compiled variants (registers, spills:
 # benchmarks/coded_kernel_speed.py) or compile them ahead (the sm_90a PTX test)
-PER_HEAD_KERNELS = {"stream": _coded_decode_stream_kernel, "head": _coded_decode_head_kernel}
+PER_HEAD_KERNELS = {"stream": _coded_decode_stream_kernel}
 
 
 class CodedBatch:
@@ -381,7 +271,7 @@ class CodedBatch:
 
     def half_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables [P, d] (rotate-half layout: both halves equal) as their first halves in fp16
-        [P, d/2] (half the bytes the head kernel reads per row), made once per pair of tables; tables
+        [P, d/2] (half the bytes the stream kernel reads per row), made once per pair of tables; tables
         already in that form pass through."""
         if cos.dtype == torch.float16 and cos.shape[-1] * 2 == self.raw_k.shape[-1]:
             return cos, sin
@@ -410,7 +300,7 @@ class CodedBatch:
 def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: torch.Tensor, scale: float,
                  splits: int | None = None, cols: int = 32, num_warps: int | None = None,
                  num_stages: int | None = None, do_k: bool = True, do_v: bool = True, block: int | None = None,
-                 head: bool | None = None, stream: bool | None = None,
+                 stream: bool | None = None,
                  f16: bool = True, align: int | None = None,
                  maxnreg: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, Hq, d] (one token per sequence) over each sequence's coded rows: (out [N, S, Hq, d], lse
@@ -419,12 +309,11 @@ def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: tor
     rebuild / the value accumulation (wrong results: for timing where the time goes; one tile per step).
 
     Kernels. ``stream`` (the default where every basis has <= 128 columns a head, i.e. per-head
-    bases, unless ``head`` is given; the only one that reads nibble-packed sides): ``block`` tiles a
-    step (default 2, halved until every block lies inside one quantization group), no branch in its
-    loop, its loads pipelined ``num_stages`` deep. ``head`` True: the session-8 head kernel (the
-    basis kept on chip, blocks straddling groups gathered per row). Otherwise ``block`` > 1 (a power
-    of 2; default 4): the wide kernel (any basis width), ``block`` tiles a step; ``block`` 1: one tile
-    a step. Both per-head kernels take RoPE from fp16 half tables (made once per table and batch).
+    bases; the only one that reads nibble-packed sides): ``block`` tiles a step (default 2, halved
+    until every block lies inside one quantization group), no branch in its loop, its loads pipelined
+    ``num_stages`` deep, RoPE from fp16 half tables (made once per table and batch). Otherwise
+    (``stream`` False, or joint-head bases) ``block`` > 1 (a power of 2; default 4): the wide kernel
+    (any basis width), ``block`` tiles a step; ``block`` 1: one tile a step.
     ``f16`` (stream kernel): its products' operands in fp16, codes made exact fp16 by their bits
     (False: bf16 operands through fp32 conversions, the earlier form). ``align`` (stream kernel):
     the alignment promised to the compiler (default ``batch.alignment``; 1: none, the session-9
@@ -433,13 +322,13 @@ def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: tor
     The defaults are the fastest configurations measured on the H200 (benchmarks/coded_kernel_speed.py)."""
     per_head = batch.max_rk <= 128 and batch.max_rv <= 128 and not any(c.joint for c in batch.layers)
     if not (do_k and do_v):
-        block, head, stream = 1, False, False      # the timing switches live in the one-tile kernel
+        block, stream = 1, False      # the timing switches live in the one-tile kernel
     if stream is None:
-        stream = per_head and head is None
+        stream = per_head
     if batch.nibbles and not stream:
         raise ValueError("nibble-packed codes are read by the stream kernel only")
-    if (stream or head) and not per_head:
-        raise ValueError("the stream and head kernels take per-head bases of at most 128 columns")
+    if stream and not per_head:
+        raise ValueError("the stream kernel takes per-head bases of at most 128 columns")
     N, Hq, d = q.shape
     H = batch.layers[0].k_mean.shape[1]
     G = Hq // H
@@ -448,8 +337,8 @@ def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: tor
         block = block or 2
         while block > 1 and not batch.aligned(block):
             block //= 2
-    block = block or (2 if head else 4)
-    num_warps = num_warps or (4 if head or stream else 8)
+    block = block or 4
+    num_warps = num_warps or (4 if stream else 8)
     num_stages = num_stages or 2
     if splits is None:   # ~8 waves of programs (a short last wave idles less of the GPU), >= 8 tiles each
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -472,16 +361,6 @@ def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: tor
             BT=block * TILE, NBKP=pad(batch.max_nbk), WKP=pad(batch.max_wk), NBVP=pad(batch.max_nbv),
             WVP=pad(batch.max_wv), SPLITS=splits, F16=f16, ALIGN=align, num_warps=num_warps, num_stages=num_stages,
             **extra)
-        return o, lse
-    if head and block > 1:
-        cos, sin = batch.half_tables(cos, sin)
-        _coded_decode_head_kernel[(H, N * splits)](
-            q.contiguous(), batch.ptrs, batch.ints, cos, sin, cos.stride(0), o, lse, scale * LOG2E,
-            H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=d, HALF=half,
-            HP=max(16, triton.next_power_of_2(half)), DP=max(16, triton.next_power_of_2(d)), TL=TILE, SUB=block,
-            BT=block * TILE, RKP=max(16, triton.next_power_of_2(batch.max_rk)),
-            RVP=max(16, triton.next_power_of_2(batch.max_rv)), SPLITS=splits, num_warps=num_warps,
-            num_stages=num_stages)
         return o, lse
     if block > 1:
         _coded_decode_wide_kernel[(H, N * splits)](
