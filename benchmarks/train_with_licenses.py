@@ -25,28 +25,35 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from kite.data.contracts import generate_contracts  # noqa: E402
 from kite.data.pairs import contract_pairs  # noqa: E402
 from regenerator_quality import CALIBRATION_LICENSES, LICENSES  # noqa: E402
 
 
-def license_pairs(tokenizer, names, context_tokens: int, pairs: int, prompt_tokens: int,
-                  response_tokens: int) -> list[dict]:
-    """Continuation pairs of each license (the context is the same for all pairs of one license)."""
+def continuation_pairs(tokenizer, texts: dict[str, str], context_tokens: int, pairs: int, prompt_tokens: int,
+                       response_tokens: int, windows: int = 1) -> list[dict]:
+    """Continuation pairs of each text: its first ``windows`` windows of ``context_tokens`` tokens (one
+    after another) are contexts; pair i of a context has as prompt the text from the context's end up
+    to (i + 1) x ``prompt_tokens`` + i x ``response_tokens`` tokens after it, and as response the next
+    ``response_tokens`` tokens."""
     out = []
-    for name in names:
-        ids = tokenizer((LICENSES / name).read_text(), add_special_tokens=False)["input_ids"]
-        ctx = min(context_tokens, len(ids) - prompt_tokens - response_tokens)
-        if ctx < 256:
-            continue
-        context = tokenizer.decode(ids[:ctx])
-        step = prompt_tokens + response_tokens
-        for i in range(pairs):
-            p_end = ctx + prompt_tokens + i * step
-            r_end = p_end + response_tokens
-            if r_end > len(ids):
+    step = prompt_tokens + response_tokens
+    for name, text in texts.items():
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for w in range(windows):
+            start = w * context_tokens
+            ctx = min(context_tokens, len(ids) - start - step)
+            if ctx < 256:
                 break
-            out.append({"id": f"{name}/{i}", "context": context, "prompt": tokenizer.decode(ids[ctx:p_end]),
-                        "response": tokenizer.decode(ids[p_end:r_end]), "meta": {"family": "continuation"}})
+            context = tokenizer.decode(ids[start:start + ctx])
+            for i in range(pairs):
+                p_end = start + ctx + prompt_tokens + i * step
+                r_end = p_end + response_tokens
+                if r_end > len(ids):
+                    break
+                out.append({"id": f"{name}/{w}/{i}", "context": context,
+                            "prompt": tokenizer.decode(ids[start + ctx:p_end]),
+                            "response": tokenizer.decode(ids[p_end:r_end]), "meta": {"family": "continuation"}})
     return out
 
 
@@ -56,6 +63,11 @@ def main(argv=None) -> int:
     ap.add_argument("--contracts", type=int, default=6)
     ap.add_argument("--context-tokens", type=int, default=1500)
     ap.add_argument("--pairs-per-license", type=int, default=6)
+    ap.add_argument("--windows-per-license", type=int, default=1,
+                    help="contexts a license gives: its first N windows of --context-tokens tokens")
+    ap.add_argument("--continuation-contracts", type=int, default=0,
+                    help="also continuation pairs (as the licenses') of N generated contracts of seed 2000 "
+                    "(the held-out contracts are seed 23, the regenerator's calibration seed 1000)")
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--response-tokens", type=int, default=48)
     ap.add_argument("--ratios", type=float, nargs="*", default=[8, 16])
@@ -71,8 +83,13 @@ def main(argv=None) -> int:
     lm = load_model(None)
     count = lambda text: len(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
     pairs = contract_pairs(args.contracts, 2000, 0, count)
-    pairs += license_pairs(lm.tokenizer, CALIBRATION_LICENSES, args.context_tokens, args.pairs_per_license,
-                           args.prompt_tokens, args.response_tokens)
+    texts = {name: (LICENSES / name).read_text() for name in CALIBRATION_LICENSES}
+    pairs += continuation_pairs(lm.tokenizer, texts, args.context_tokens, args.pairs_per_license,
+                                args.prompt_tokens, args.response_tokens, args.windows_per_license)
+    if args.continuation_contracts:
+        texts = {r["id"]: r["text"] for r in generate_contracts(args.continuation_contracts, 2700, 2000, count)}
+        pairs += continuation_pairs(lm.tokenizer, texts, args.context_tokens, args.pairs_per_license,
+                                    args.prompt_tokens, args.response_tokens)
     args.run.mkdir(parents=True, exist_ok=True)
     data = args.run.parent / f"{args.run.name}_pairs.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
