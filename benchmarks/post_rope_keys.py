@@ -1,0 +1,217 @@
+"""What coding keys post-RoPE costs in quality at equal bytes (issue 17's decode design question).
+
+Per-head coded states store keys *pre*-RoPE, so a decode kernel must rebuild every key (codes x
+basis) and rotate it before scoring. Keys coded *post*-RoPE (the bases fitted on the keys as the
+cache holds them) could be scored in coefficient space, s_t = c_t . (B_k q) + mu_k . q, with no
+per-token rebuild. This measures the quality side of that trade on the embedded model (SmolLM2-135M,
+CPU): for each held-out document (benchmarks/regenerator_quality.py's: GPL-3, Apache-2.0, generated
+contracts of seed 23; context min(2048, n - 512) tokens, the next 512 teacher-forced), the PPL of
+the continuation after
+
+* ``full``: the full context (prefilled);
+* ``pre``:  the per-head codec (``settings_for(R, joint_heads=False)``), keys coded pre-RoPE,
+  decoded, RoPE re-applied at their positions (today's states);
+* ``post``: the same codec with the keys coded post-RoPE, decoded and used as they are.
+
+Bases are the document's own (no regenerator); the document is coded as contiguous parts of
+``--part-tokens`` tokens (the part size the codec's budget assumes; 0: one part) of one layer codec
+per layer, values identically on both paths. Reported per document and ratio: bytes of each
+state (codec + parts, all stored bytes), PPL delta and KL against ``full``, top-1 agreement, the
+keys' relative error in the post-RoPE space attention reads; per layer, the fraction of the
+keys' (centred) variance in the top components pre- vs post-RoPE and the share of the keys'
+energy in their per-head mean.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/post_rope_keys.py --json docs/post_rope_keys_session10.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.regenerator_quality import held_out_docs  # noqa: E402
+from kite.runtime.cache import KVPrefix, new_cache  # noqa: E402
+from kite.runtime.generate import forward_tokens  # noqa: E402
+from kite.upcycle import apply_rope, codec, compare_logits, rope_cos_sin, tokenize_document  # noqa: E402
+from kite.upcycle.capture import capture  # noqa: E402
+
+WHERE = ("pre", "post")
+
+
+def coded_keys(keys_pre: list[torch.Tensor], values: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+               settings: codec.CodecSettings, where: str, part_tokens: int = 0
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """Code a document's keys and values [H, T, d] per layer with the codec's own fit / encode /
+    decode and return the keys as attention reads them (post-RoPE), the values, and every stored
+    byte (layer codecs + parts).
+
+    ``where="pre"``: keys coded before RoPE, rotated after decoding (a state's path);
+    ``where="post"``: keys coded as the cache holds them (``apply_rope(keys_pre)``), used as decoded.
+    ``part_tokens``: code the tokens as contiguous parts of this many (0: one part)."""
+    if where not in WHERE:
+        raise ValueError(f"where must be one of {WHERE}, got {where!r}")
+    stored = keys_pre if where == "pre" else [apply_rope(k, cos, sin) for k in keys_pre]
+    layer_codecs = codec.fit_layers(list(zip(stored, values)), settings)
+    T = values[0].shape[1]
+    step = part_tokens or T
+    keys, vals, nbytes = [], [], 0
+    for lc, K, V in zip(layer_codecs, stored, values):
+        nbytes += codec.nbytes(lc)
+        ks, vs = [], []
+        for a in range(0, T, step):
+            part = codec.encode(lc, K[:, a:a + step], V[:, a:a + step], positions=torch.arange(a, min(a + step, T)))
+            nbytes += codec.nbytes(part)
+            k, v = codec.decode(lc, part)
+            ks.append(k)
+            vs.append(v)
+        k, v = torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+        keys.append(apply_rope(k, cos, sin) if where == "pre" else k)
+        vals.append(v)
+    return keys, vals, nbytes
+
+
+def variance_fractions(keys: torch.Tensor, tops: list[int]) -> dict:
+    """For keys [H, T, d]: the fraction of the centred variance in the top-k principal components
+    (per head, mean over heads) for each k in ``tops``, and the share of the keys' energy (sum of
+    squares) in their per-head mean."""
+    mean, evals, _ = codec.batched_pca(keys.float(), center=True)      # [H, d], [H, d] descending
+    total = evals.sum(-1).clamp_min(1e-30)
+    out = {f"top{k}": round(float((evals[:, :k].sum(-1) / total).mean()), 4) for k in tops}
+    energy = keys.double().pow(2).sum(dim=(1, 2))                        # [H]
+    out["mean_energy_share"] = round(float((mean.double().pow(2).sum(-1) * keys.shape[1] / energy).mean()), 4)
+    return out
+
+
+def relative_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float]:
+    """Per layer: ||a - b|| / ||b||."""
+    return [round(float((x - y).norm() / y.norm().clamp_min(1e-30)), 4) for x, y in zip(a, b)]
+
+
+@torch.inference_mode()
+def measure_document(lm, name: str, text: str, ratios: list[float], tops: list[int], part_tokens: int,
+                     continuation: int = 512) -> dict:
+    ids, _ = tokenize_document(lm.tokenizer, text)
+    n_ctx = min(2048, len(ids) - continuation)
+    ctx, cont = ids[:n_ctx], ids[n_ctx:n_ctx + continuation]
+    targets = torch.tensor(cont[1:])
+    t0 = time.perf_counter()
+    full_cache = new_cache(lm.model)
+    forward_tokens(lm.model, ctx, full_cache, 0)
+    full = forward_tokens(lm.model, cont, full_cache, n_ctx)[:-1]
+    cap = capture(lm, "", ids=ctx)
+    cos, sin = rope_cos_sin(lm.model, torch.arange(n_ctx))
+    keys_post = [apply_rope(k, cos, sin) for k in cap.keys_pre]
+
+    def score(keys, values) -> dict:
+        prefix = KVPrefix(keys=keys, values=values, next_position=n_ctx)
+        got = forward_tokens(lm.model, cont, new_cache(lm.model, prefix), n_ctx)[:-1]
+        return compare_logits(full, got, targets)
+
+    # the harness itself: the uncoded prefix must give the full-context PPL
+    exact = score(keys_post, cap.values)
+    raw_bytes = 2 * sum(k.numel() for k in cap.keys_pre) * 2              # fp16 K and V
+    row = {"document": name, "context_tokens": n_ctx, "continuation_tokens": len(cont),
+           "ppl_full": round(exact["ppl_full"], 4), "ppl_uncoded_prefix": round(exact["ppl_other"], 4),
+           "raw_fp16_bytes": raw_bytes,
+           "variance": {where: [variance_fractions(k, tops) for k in ks]
+                        for where, ks in (("pre", cap.keys_pre), ("post", keys_post))},
+           "ratios": {}}
+    for ratio in ratios:
+        s = codec.settings_for(ratio, joint_heads=False)
+        cell = {}
+        for where in WHERE:
+            t1 = time.perf_counter()
+            keys, values, nbytes = coded_keys(cap.keys_pre, cap.values, cos, sin, s, where, part_tokens)
+            m = score(keys, values)
+            err = relative_error(keys, keys_post)
+            cell[where] = {"state_bytes": nbytes, "compression_ratio": round(raw_bytes / nbytes, 3),
+                           "ppl": round(m["ppl_other"], 4), "ppl_delta": round(m["ppl_other"] - m["ppl_full"], 4),
+                           "kl": round(m["kl_mean"], 5), "top1": round(m["top1"], 4),
+                           "key_rel_error_mean": round(sum(err) / len(err), 4), "key_rel_error": err,
+                           "value_rel_error_mean": round(sum(relative_error(values, cap.values)) / len(values), 4),
+                           "seconds": round(time.perf_counter() - t1, 1)}
+        cell["bytes_post_over_pre"] = round(cell["post"]["state_bytes"] / cell["pre"]["state_bytes"], 4)
+        row["ratios"][f"{ratio:g}"] = cell
+        print(f"{name} {ratio:g}x: " + " ".join(f"{w} ΔPPL {cell[w]['ppl_delta']:+.3f} KL {cell[w]['kl']:.4f} "
+                                                 f"{cell[w]['state_bytes']} B" for w in WHERE),
+              file=sys.stderr, flush=True)
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def summarize(rows: list[dict], ratios: list[float], tops: list[int]) -> dict:
+    """Means over documents per ratio and side, and per layer over documents for the variances."""
+    out: dict = {"by_ratio": {}, "variance_by_layer": {}}
+    for ratio in ratios:
+        key = f"{ratio:g}"
+        out["by_ratio"][key] = {w: {m: round(sum(r["ratios"][key][w][m] for r in rows) / len(rows), 5)
+                                    for m in ("ppl_delta", "kl", "top1", "compression_ratio", "key_rel_error_mean")}
+                                for w in WHERE}
+    n_layers = len(rows[0]["variance"]["pre"])
+    for w in WHERE:
+        out["variance_by_layer"][w] = [
+            {m: round(sum(r["variance"][w][layer][m] for r in rows) / len(rows), 4)
+             for m in [f"top{k}" for k in tops] + ["mean_energy_share"]} for layer in range(n_layers)]
+    return out
+
+
+def table(result: dict) -> str:
+    lines = ["| document | ratio | pre: bytes · ratio · ΔPPL · KL | post: bytes · ratio · ΔPPL · KL | post/pre bytes |",
+             "|---|---|---|---|---|"]
+    for r in result["rows"]:
+        for ratio, c in r["ratios"].items():
+            cells = [f"{c[w]['state_bytes']:,} · {c[w]['compression_ratio']:.2f}× · {c[w]['ppl_delta']:+.3f} · "
+                     f"{c[w]['kl']:.4f}" for w in WHERE]
+            lines.append(f"| {r['document']} ({r['context_tokens']}) | {ratio}× | " + " | ".join(cells)
+                         + f" | {c['bytes_post_over_pre']:.4f} |")
+    for ratio, m in result["summary"]["by_ratio"].items():
+        lines.append(f"| mean | {ratio}× | ΔPPL {m['pre']['ppl_delta']:+.3f} · KL {m['pre']['kl']:.4f} | "
+                     f"ΔPPL {m['post']['ppl_delta']:+.3f} · KL {m['post']['kl']:.4f} | |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ratios", type=float, nargs="*", default=[4, 8])
+    ap.add_argument("--licenses", nargs="*", default=["GPL-3", "Apache-2.0"])
+    ap.add_argument("--contracts", type=int, default=2, help="generated contracts of seed 23")
+    ap.add_argument("--tops", type=int, nargs="*", default=[8, 16, 32],
+                    help="variance fractions in the top-k components (k < head_dim)")
+    ap.add_argument("--part-tokens", type=int, default=None,
+                    help="tokens per coded part (default: the codec settings' part_tokens; 0: one part)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path, help="write the result here (atomically)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from kite.model import load_model
+
+    t0 = time.perf_counter()
+    lm = load_model(None)
+    part_tokens = codec.settings_for(4, joint_heads=False).part_tokens if args.part_tokens is None else args.part_tokens
+    rows = [measure_document(lm, name, text, args.ratios, args.tops, part_tokens)
+            for name, text in held_out_docs(args.contracts, args.licenses).items()]
+    result = {"machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
+              "model": lm.fingerprints.combined, "head_dim": lm.geometry.head_dim, "kv_heads": lm.geometry.n_kv_heads,
+              "codec": "settings_for(R, joint_heads=False): per-head bases, the document's own (no regenerator)",
+              "part_tokens": part_tokens, "argv": list(argv if argv is not None else sys.argv[1:]),
+              "rows": rows, "summary": summarize(rows, args.ratios, args.tops),
+              "seconds": round(time.perf_counter() - t0, 1)}
+    if args.json:
+        from kite.atomic import write_text
+
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        write_text(args.json, json.dumps(result, indent=1))
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
