@@ -11,17 +11,21 @@ the continuation after
 * ``full``: the full context (prefilled);
 * ``pre``:  the per-head codec (``settings_for(R, joint_heads=False)``), keys coded pre-RoPE,
   decoded, RoPE re-applied at their positions (today's states);
-* ``post``: the same codec with the keys coded post-RoPE, decoded and used as they are.
+* ``post``: the same codec with the keys coded post-RoPE, decoded and used as they are;
+* ``post_rmean``: ``post`` with the per-head pre-RoPE mean taken out first and added back rotated
+  (a kernel scores it from the cos/sin tables, d per token, still no rebuild).
 
 Bases are the document's own (no regenerator); the document is coded as contiguous parts of
 ``--part-tokens`` tokens (the part size the codec's budget assumes; 0: one part) of one layer codec
 per layer, values identically on both paths. Reported per document and ratio: bytes of each
 state (codec + parts, all stored bytes), PPL delta and KL against ``full``, top-1 agreement, the
-keys' relative error in the post-RoPE space attention reads; per layer, the fraction of the
+keys' relative error in the post-RoPE space attention reads; ``--post-key-scales``: the post-RoPE variants
+also at more key bits (values unchanged), the bytes they need to match pre-RoPE. Per layer, the fraction of the
 keys' (centred) variance in the top components pre- vs post-RoPE and the share of the keys'
 energy in their per-head mean.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/post_rope_keys.py --json docs/post_rope_keys_session10.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/post_rope_keys.py --post-key-scales 1.25 1.5 2 \
+        --json docs/post_rope_keys_session10.json
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from kite.upcycle import apply_rope, codec, compare_logits, rope_cos_sin, tokeni
 from kite.upcycle.capture import capture  # noqa: E402
 
 WHERE = ("pre", "post")
+MODES = (*WHERE, "post_rmean")
 
 
 def coded_keys(keys_pre: list[torch.Tensor], values: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
@@ -54,16 +59,24 @@ def coded_keys(keys_pre: list[torch.Tensor], values: list[torch.Tensor], cos: to
     byte (layer codecs + parts).
 
     ``where="pre"``: keys coded before RoPE, rotated after decoding (a state's path);
-    ``where="post"``: keys coded as the cache holds them (``apply_rope(keys_pre)``), used as decoded.
+    ``where="post"``: keys coded as the cache holds them (``apply_rope(keys_pre)``), used as decoded;
+    ``where="post_rmean"``: the per-head pre-RoPE mean mu (stored fp16, paid from the keys' bit
+    budget) taken out first, the rest coded post-RoPE, ``apply_rope(mu)`` added back: a score
+    kernel then reads ``q . R_t mu`` from the cos/sin tables (d per token) and the rest from
+    coefficients, still with no rebuild.
     ``part_tokens``: code the tokens as contiguous parts of this many (0: one part)."""
-    if where not in WHERE:
-        raise ValueError(f"where must be one of {WHERE}, got {where!r}")
-    stored = keys_pre if where == "pre" else [apply_rope(k, cos, sin) for k in keys_pre]
-    layer_codecs = codec.fit_layers(list(zip(stored, values)), settings)
+    if where not in MODES:
+        raise ValueError(f"where must be one of {MODES}, got {where!r}")
+    means = [k.mean(dim=1, keepdim=True).half().float() if where == "post_rmean" else None for k in keys_pre]
+    stored = keys_pre if where == "pre" else [apply_rope(k if mu is None else k - mu, cos, sin)
+                                               for k, mu in zip(keys_pre, means)]
     T = values[0].shape[1]
+    if where == "post_rmean" and settings.k_mode == "pca":   # the fp16 means are paid from the keys' budget
+        settings = codec.settings_for(settings, k_bits=settings.k_bits - 16 / T)
+    layer_codecs = codec.fit_layers(list(zip(stored, values)), settings)
     step = part_tokens or T
     keys, vals, nbytes = [], [], 0
-    for lc, K, V in zip(layer_codecs, stored, values):
+    for lc, K, V, mu in zip(layer_codecs, stored, values, means):
         nbytes += codec.nbytes(lc)
         ks, vs = [], []
         for a in range(0, T, step):
@@ -73,7 +86,12 @@ def coded_keys(keys_pre: list[torch.Tensor], values: list[torch.Tensor], cos: to
             ks.append(k)
             vs.append(v)
         k, v = torch.cat(ks, dim=1), torch.cat(vs, dim=1)
-        keys.append(apply_rope(k, cos, sin) if where == "pre" else k)
+        if where == "pre":
+            k = apply_rope(k, cos, sin)
+        elif mu is not None:
+            k = k + apply_rope(mu.expand_as(k), cos, sin)
+            nbytes += mu.numel() * 2
+        keys.append(k)
         vals.append(v)
     return keys, vals, nbytes
 
@@ -97,7 +115,7 @@ def relative_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float]:
 
 @torch.inference_mode()
 def measure_document(lm, name: str, text: str, ratios: list[float], tops: list[int], part_tokens: int,
-                     continuation: int = 512) -> dict:
+                     key_scales: list[float] = (), continuation: int = 512) -> dict:
     ids, _ = tokenize_document(lm.tokenizer, text)
     n_ctx = min(2048, len(ids) - continuation)
     ctx, cont = ids[:n_ctx], ids[n_ctx:n_ctx + continuation]
@@ -127,12 +145,14 @@ def measure_document(lm, name: str, text: str, ratios: list[float], tops: list[i
     for ratio in ratios:
         s = codec.settings_for(ratio, joint_heads=False)
         cell = {}
-        for where in WHERE:
+        variants = [(w, w, s) for w in MODES] + [(f"{w}_k{f:g}", w, codec.settings_for(s, k_bits=s.k_bits * f))
+                                                 for w in MODES[1:] for f in key_scales]
+        for label, where, settings in variants:
             t1 = time.perf_counter()
-            keys, values, nbytes = coded_keys(cap.keys_pre, cap.values, cos, sin, s, where, part_tokens)
+            keys, values, nbytes = coded_keys(cap.keys_pre, cap.values, cos, sin, settings, where, part_tokens)
             m = score(keys, values)
             err = relative_error(keys, keys_post)
-            cell[where] = {"state_bytes": nbytes, "compression_ratio": round(raw_bytes / nbytes, 3),
+            cell[label] = {"state_bytes": nbytes, "compression_ratio": round(raw_bytes / nbytes, 3),
                            "ppl": round(m["ppl_other"], 4), "ppl_delta": round(m["ppl_other"] - m["ppl_full"], 4),
                            "kl": round(m["kl_mean"], 5), "top1": round(m["top1"], 4),
                            "key_rel_error_mean": round(sum(err) / len(err), 4), "key_rel_error": err,
@@ -141,20 +161,21 @@ def measure_document(lm, name: str, text: str, ratios: list[float], tops: list[i
         cell["bytes_post_over_pre"] = round(cell["post"]["state_bytes"] / cell["pre"]["state_bytes"], 4)
         row["ratios"][f"{ratio:g}"] = cell
         print(f"{name} {ratio:g}x: " + " ".join(f"{w} ΔPPL {cell[w]['ppl_delta']:+.3f} KL {cell[w]['kl']:.4f} "
-                                                 f"{cell[w]['state_bytes']} B" for w in WHERE),
+                                                 f"{cell[w]['state_bytes']} B" for w, _, _ in variants),
               file=sys.stderr, flush=True)
     row["seconds"] = round(time.perf_counter() - t0, 1)
     return row
 
 
 def summarize(rows: list[dict], ratios: list[float], tops: list[int]) -> dict:
-    """Means over documents per ratio and side, and per layer over documents for the variances."""
+    """Means over documents per ratio and variant, and per layer over documents for the variances."""
     out: dict = {"by_ratio": {}, "variance_by_layer": {}}
     for ratio in ratios:
         key = f"{ratio:g}"
+        variants = [w for w, c in rows[0]["ratios"][key].items() if isinstance(c, dict)]
         out["by_ratio"][key] = {w: {m: round(sum(r["ratios"][key][w][m] for r in rows) / len(rows), 5)
                                     for m in ("ppl_delta", "kl", "top1", "compression_ratio", "key_rel_error_mean")}
-                                for w in WHERE}
+                                for w in variants}
     n_layers = len(rows[0]["variance"]["pre"])
     for w in WHERE:
         out["variance_by_layer"][w] = [
@@ -175,6 +196,12 @@ def table(result: dict) -> str:
     for ratio, m in result["summary"]["by_ratio"].items():
         lines.append(f"| mean | {ratio}× | ΔPPL {m['pre']['ppl_delta']:+.3f} · KL {m['pre']['kl']:.4f} | "
                      f"ΔPPL {m['post']['ppl_delta']:+.3f} · KL {m['post']['kl']:.4f} | |")
+    extra = [(ratio, w, c) for ratio, m in result["summary"]["by_ratio"].items() for w, c in m.items()
+             if w not in WHERE]
+    if extra:
+        lines += ["", "| variant (mean over documents) | ratio | state ratio · ΔPPL · KL |", "|---|---|---|"]
+        lines += [f"| {w} | {ratio}× | {c['compression_ratio']:.2f}× · {c['ppl_delta']:+.3f} · {c['kl']:.4f} |"
+                  for ratio, w, c in extra]
     return "\n".join(lines)
 
 
@@ -187,6 +214,9 @@ def main(argv=None) -> int:
                     help="variance fractions in the top-k components (k < head_dim)")
     ap.add_argument("--part-tokens", type=int, default=None,
                     help="tokens per coded part (default: the codec settings' part_tokens; 0: one part)")
+    ap.add_argument("--post-key-scales", type=float, nargs="*", default=[],
+                    help="also code post-RoPE keys at these multiples of the ratio's key bits (values unchanged): "
+                         "the bytes post-RoPE keys need for pre-RoPE's quality")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, help="write the result here (atomically)")
     args = ap.parse_args(argv)
@@ -196,7 +226,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     lm = load_model(None)
     part_tokens = codec.settings_for(4, joint_heads=False).part_tokens if args.part_tokens is None else args.part_tokens
-    rows = [measure_document(lm, name, text, args.ratios, args.tops, part_tokens)
+    rows = [measure_document(lm, name, text, args.ratios, args.tops, part_tokens, args.post_key_scales)
             for name, text in held_out_docs(args.contracts, args.licenses).items()]
     result = {"machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
               "model": lm.fingerprints.combined, "head_dim": lm.geometry.head_dim, "kv_heads": lm.geometry.n_kv_heads,

@@ -34,7 +34,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("where", ["pre", "post"])
+@pytest.mark.parametrize("where", ["pre", "post", "post_rmean"])
 def test_exact_codec_gives_back_the_cache_keys(tiny_cache, where, one_thread):
     cap, cached, cos, sin = tiny_cache
     keys, values, _ = coded_keys(cap.keys_pre, cap.values, cos, sin, codec.settings_for("exact"), where, 64)
@@ -43,7 +43,7 @@ def test_exact_codec_gives_back_the_cache_keys(tiny_cache, where, one_thread):
         assert torch.equal(v, v0)
 
 
-@pytest.mark.parametrize("where", ["pre", "post"])
+@pytest.mark.parametrize("where", ["pre", "post", "post_rmean"])
 def test_high_bit_pca_round_trips_to_the_cache_keys(tiny_cache, where, one_thread):
     """Every component at 8 bits, min-max ranges, fp32 basis: the per-head PCA path (the one the
     benchmark measures) leaves the keys attention reads within 1 % of the cache's."""
@@ -58,8 +58,9 @@ def test_high_bit_pca_round_trips_to_the_cache_keys(tiny_cache, where, one_threa
 def test_pre_and_post_states_cost_the_same_bytes(tiny_cache, one_thread):
     cap, _, cos, sin = tiny_cache
     s = codec.settings_for(4, joint_heads=False)
-    got = {w: coded_keys(cap.keys_pre, cap.values, cos, sin, s, w, 64)[2] for w in ("pre", "post")}
+    got = {w: coded_keys(cap.keys_pre, cap.values, cos, sin, s, w, 64)[2] for w in ("pre", "post", "post_rmean")}
     assert abs(got["post"] / got["pre"] - 1) < 0.01
+    assert abs(got["post_rmean"] / got["pre"] - 1) < 0.01
 
 
 def test_variance_fractions_grow_to_one():
