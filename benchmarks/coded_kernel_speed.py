@@ -9,10 +9,16 @@ joint-head bases (512 columns, the wide kernels; not run by default). Each secti
 configuration is checked against the torch reference (fp32) on two sequences, the others against it.
 Section ``per-head-align`` (session 9b): the session-9 stream kernel (align 1) first, then the stream
 kernel with its tables' alignment told to the compiler (``align``: vector loads, asynchronous copies)
-with blocks of 1 / 2 / 4 tiles, 2 / 3 stages and a register cap (``maxnreg``). The
-JSON is rewritten after each configuration (a run cut short keeps what it measured).
+with blocks of 1 / 2 / 4 tiles, 2 / 3 stages and a register cap (``maxnreg``). Sections ``coef-bytes``
+and ``coef-nibbles`` (session 10): the stream kernel with keys in coefficient space (``keys="coef"``:
+post-RoPE key codes, no key rebuilt) against its default rebuild form on the same codes, one byte a
+code (81 sequences) and nibble-packed (125), with blocks, stages, warps and splits; each form's first
+configuration is checked against the torch reference of its own form, and the whole decode step is
+projected from ``--step-json`` (gpu_speed.py's fused-layer steps): step - 28 x (rebuild - coef), the
+kernel times scaled to the step's number of sequences. The JSON is rewritten after each
+configuration (a run cut short keeps what it measured).
 
-    python3 benchmarks/coded_kernel_speed.py [--json out.json] [--sections ...]
+    python3 benchmarks/coded_kernel_speed.py [--json out.json] [--sections ...] [--step-json steps.json]
 
 One layer's codes for every sequence are allocated (well past the L2) and attended ``--layers`` times
 (default 1: the figures are per layer; a decode step has 28); CUDA-event medians (triton.testing.do_bench).
@@ -88,12 +94,34 @@ def compiled_stats() -> list:
     return out
 
 
+def project(step: dict, rebuild: tuple[float, str], coef: tuple[float, str], N: int, launches: int,
+            layers: int = 28) -> dict:
+    """The whole decode step with the coef kernel in place of the rebuild one: gpu_speed.py's
+    measured step (CUDA graph, fused layers) minus ``layers`` x (rebuild - coef) per layer, the
+    kernel times (per ``launches`` launches of N sequences) scaled to the step's sequences."""
+    n_step = step["n_coded"]
+    per_layer = {k: ms / launches * n_step / N for k, (ms, _) in (("rebuild", rebuild), ("coef", coef))}
+    measured = step["coded_step_ms"]["graph"]
+    projected = measured - layers * per_layer["rebuild"] + layers * per_layer["coef"]
+    tps = n_step / projected * 1e3
+    return {"step_sequences": n_step, "kernel_sequences": N, "step_ms_measured": measured,
+            "rebuild_ms_per_layer": per_layer["rebuild"], "coef_ms_per_layer": per_layer["coef"],
+            "rebuild_config": rebuild[1], "coef_config": coef[1], "step_ms_projected": projected,
+            "tokens_per_s_projected": tps, "raw_tokens_per_s": step["raw_tokens_per_s"],
+            "projected_vs_raw_tokens_per_s": tps / step["raw_tokens_per_s"],
+            "measured_vs_raw_tokens_per_s": step["coded_vs_raw_tokens_per_s"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--layers", type=int, default=1, help="launches timed together (one per layer)")
     ap.add_argument("--sections", nargs="+", default=["per-head", "per-head-nibbles", "per-head-3-tile-groups"],
-                    choices=["per-head", "per-head-align", "per-head-nibbles", "per-head-3-tile-groups", "joint"])
+                    choices=["per-head", "per-head-align", "per-head-nibbles", "per-head-3-tile-groups", "joint",
+                             "coef-bytes", "coef-nibbles"])
+    ap.add_argument("--step-json", type=Path, default=None,
+                    help="gpu_speed.py output with the whole decode steps (--fused-steps): the coef sections "
+                         "project the step with the coef kernel from it")
     ap.add_argument("--smoke", action="store_true",
                     help="a check of this script on the CPU in Triton's interpreter (turned on here, with the "
                          "tests' interpreter fixes): 2 sequences of 1,024 rows, wall-clock timing, nothing to report")
@@ -138,6 +166,17 @@ def main() -> None:
              (4, 2, 0, 8, "stream", 1, True, None, None), (2, 2, 0, 4, "stream", 1, True, None, 168),
              (2, 2, 0, 4, "stream", 2, True, None, None), (2, 2, 0, 8, "stream", 1, True, None, None))
     stream = tuple(c + (1, None) for c in stream)         # the per-head section as measured in session 9
+    # keys in coefficient space (the 10th field: keys) against the rebuild form's default
+    rb, cf = (2, 2, 0, 4, "stream", 1, True, None, None, "rebuild"), (2, 2, 0, 4, "stream", 1, True, None, None, "coef")
+    coef_bytes = (rb, cf, (2, 3, 0, 4, "stream", 1, True, None, None, "coef"),
+                  (4, 2, 0, 4, "stream", 1, True, None, None, "coef"), (1, 2, 0, 4, "stream", 1, True, None, None, "coef"),
+                  (4, 3, 0, 4, "stream", 1, True, None, None, "coef"), (2, 2, 0, 8, "stream", 1, True, None, None, "coef"),
+                  (4, 2, 0, 8, "stream", 1, True, None, None, "coef"), (2, 2, 0, 4, "stream", 2, True, None, None, "coef"),
+                  (2, 2, 0, 4, "stream", 0.5, True, None, None, "coef"))
+    coef_nibbles = (rb, (2, 3, 0, 4, "stream", 1, True, None, None, "rebuild"), cf,
+                    (2, 3, 0, 4, "stream", 1, True, None, None, "coef"), (4, 2, 0, 4, "stream", 1, True, None, None, "coef"),
+                    (4, 3, 0, 4, "stream", 1, True, None, None, "coef"), (2, 2, 0, 8, "stream", 1, True, None, None, "coef"),
+                    (2, 2, 0, 4, "stream", 2, True, None, None, "coef"))
     sections = {
         "per-head": ("per-head bases", 128, False, 81, 512, (0, 0), stream),
         "per-head-align": ("per-head bases", 128, False, 81, 512, (0, 0), align),
@@ -145,7 +184,13 @@ def main() -> None:
                              125, 512, (64, 29), stream),
         "per-head-3-tile-groups": ("per-head bases, groups of 3 tiles", 128, False, 81, 96, (0, 0),
                                    ((2, 2, 0, 4, "stream", 1, True), (1, 2, 0, 4, "stream", 1, True))),
-        "joint": ("joint-head bases", 512, True, 78, 512, (0, 0), old)}
+        "joint": ("joint-head bases", 512, True, 78, 512, (0, 0), old),
+        "coef-bytes": ("coef keys, per-head bases", 128, False, 81, 512, (0, 0), coef_bytes),
+        "coef-nibbles": ("coef keys, per-head bases, nibble-packed (keys 64 / values 29 nibble bytes a head)", 128,
+                         False, 125, 512, (64, 29), coef_nibbles)}
+    # the whole decode steps these sections project (gpu_speed.py's rows; None: no projection)
+    steps = {"coef-bytes": "coded_concurrency_per-head", "coef-nibbles": "coded_concurrency_per-head, nibble-packed"}
+    step_rows = json.loads(args.step_json.read_text()) if args.step_json else {}
     rows = {}
     if args.profile_one:
         layers = synthetic(81, T, H, d, 128, False, gen, 512, (0, 0), dev)
@@ -163,10 +208,12 @@ def main() -> None:
         stream_bytes = layers[0].stream_bytes
         q = torch.randn(N, Hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
         sms = 8 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
-        ref = None
+        refs = {}
+        best = {}
         for block, stages, cols, warps, kernel, split_f, f16, *more in configs:
-            al, maxnreg = (more + [None, None])[:2]
-            name = (f"{label}, {kernel} kernel, block {block}, stages {stages}" + (f", cols {cols}" if cols else "")
+            al, maxnreg, keys = (more + [None, None, "rebuild"])[:3]
+            name = (f"{label}, {kernel} kernel" + (f", {keys} keys" if key.startswith("coef") else "")
+                    + f", block {block}, stages {stages}" + (f", cols {cols}" if cols else "")
                     + f", warps {warps}" + (f", splits x{split_f}" if split_f != 1 else "")
                     + (", fp16 operands" if f16 else "")
                     + ("" if kernel != "stream" else f", align {batch.alignment if al is None else al}")
@@ -176,23 +223,29 @@ def main() -> None:
             c_, s_ = (half_cos, half_sin) if kernel == "stream" else (cos, sin)
             try:
                 def run(block=block, stages=stages, cols=cols or 32, warps=warps, kernel=kernel, c_=c_, s_=s_,
-                        q=q, batch=batch, splits=splits, f16=f16, al=al, maxnreg=maxnreg):
-                    extra = {"align": al, "maxnreg": maxnreg} if kernel == "stream" else {}
+                        q=q, batch=batch, splits=splits, f16=f16, al=al, maxnreg=maxnreg, keys=keys):
+                    extra = {"align": al, "maxnreg": maxnreg, "keys": keys} if kernel == "stream" else {}
                     return coded_decode(q, batch, c_, s_, 1 / math.sqrt(d), block=block, num_stages=stages, cols=cols,
                                         num_warps=warps, stream=kernel == "stream", splits=splits, f16=f16,
                                         **extra)
                 o, lse = run()
                 out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
-                if ref is None:
-                    ref = out
-                    # the section's first configuration against the torch reference (fp32), two sequences
+                if keys not in refs:
+                    refs[keys] = out
+                    # the section's first configuration (of each keys form) against the torch reference
+                    # (fp32) of that form, two sequences
                     errs = []
                     for i in (0, N - 1):
-                        want, _ = coded_partial_torch(q[i][:, None].float(), layers[i], cos, sin, 1 / math.sqrt(d))
+                        want, _ = coded_partial_torch(q[i][:, None].float(), layers[i], cos, sin, 1 / math.sqrt(d),
+                                                      keys=keys)
                         errs.append(float((out[i] - want[:, 0]).abs().max() / want.abs().max()))
-                    rows[f"{label}: first configuration vs torch reference (max abs diff / max |out|)"] = max(errs)
+                    form = f", {keys} keys" if key.startswith("coef") else ""
+                    rows[f"{label}{form}: first configuration vs torch reference (max abs diff / max |out|)"] = max(errs)
                     print("vs torch reference", max(errs), flush=True)
+                ref = refs[keys]
                 ms = do_bench(lambda: [run() for _ in range(args.layers)], warmup=50, rep=300, return_mode="median")
+                if keys not in best or ms < best[keys][0]:
+                    best[keys] = (ms, name)
                 rows[name] = {"ms": ms, "floor_ms": args.layers * N * stream_bytes / HBM_BPS * 1e3, "sequences": N,
                               "stream_bytes_per_layer_and_sequence": stream_bytes, "splits": splits,
                               "vs_first_max_abs_diff": float((out - ref).abs().max()),
@@ -200,6 +253,12 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a configuration that does not fit is reported
                 rows[name] = {"error": repr(e)[:300]}
             print(name, rows[name], flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(rows, indent=1))
+        step = step_rows.get(steps.get(key, ""))
+        if step and not args.smoke and {"rebuild", "coef"} <= set(best):
+            rows[f"{label}: projected decode step"] = project(step, best["rebuild"], best["coef"], N, args.layers)
+            print(json.dumps(rows[f"{label}: projected decode step"], indent=1), flush=True)
             if args.json:
                 args.json.write_text(json.dumps(rows, indent=1))
         del layers, batch
@@ -214,8 +273,13 @@ def main() -> None:
         if not isinstance(v, dict):
             print(f"{k:<120} {v:.2e}")
             continue
-        print(f"{k:<120} " + (f"{v['ms']:9.3f} ms  floor {v['floor_ms']:.2f}  vs first: {v['vs_first_max_abs_diff']:.2e}"
-                             f" / {v['max_abs_out']:.2f}" if "ms" in v else v["error"][:120]))
+        if "step_ms_projected" in v:
+            print(f"{k:<120} {v['step_ms_projected']:9.3f} ms (measured {v['step_ms_measured']:.2f}), "
+                  f"{v['tokens_per_s_projected']:.0f} tok/s = {v['projected_vs_raw_tokens_per_s']:.3f}x raw")
+            continue
+        print(f"{k:<120} " + (f"{v['ms']:9.3f} ms  floor {v['floor_ms']:.2f} ({v['ms'] / v['floor_ms']:.1f}x)  "
+                             f"vs first: {v['vs_first_max_abs_diff']:.2e} / {v['max_abs_out']:.2f}"
+                             if "ms" in v else v["error"][:120]))
 
 
 if __name__ == "__main__":

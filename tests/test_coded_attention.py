@@ -362,6 +362,112 @@ def check_stream_kernel_in_the_interpreter() -> None:
     assert errs[True] <= errs[False] + 1e-3, errs
 
 
+def _rope_tables(d: int, P: int = 520, dev: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (1e4 ** (torch.arange(0, d, 2, device=dev).float() / d))
+    ang = torch.arange(P, device=dev)[:, None].float() * inv[None]
+    return torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+
+
+def check_coef_keys_in_the_interpreter() -> None:
+    """(Run by run_interpreted.) The stream kernel with keys in coefficient space (keys="coef": codes
+    of post-RoPE keys scored as codes @ (scale * B q^T) + min · B q^T + μ · q) against
+    coded_partial_torch(keys="coef"): one byte a code and nibble-packed sides, blocks of 1 / 2 / 4
+    tiles, fp16 and bf16 operands, three sequences of their own lengths."""
+    from kite.kernels import coded_attention_triton as tri
+    from kite.kernels.coded_attention import coded_partial_torch, merge
+
+    H, Hq, d, R = 2, 6, 32, 32
+    cos, sin = _rope_tables(d)
+    for nib in ((0, 0), (16, 8), (8, 16)):
+        for group_rows, block in ((256, 2), (64, 4), (128, 1)):
+            gen = torch.Generator().manual_seed(block + nib[0])
+            layers = [_synthetic_layer(T, H, d, R, group_rows, gen, nib) for T in (512, 384, 96)]
+            q = (torch.randn(3, Hq, d, generator=gen) * 3).bfloat16()
+            batch = tri.CodedBatch(layers)
+            for f16 in (True, False) if block == 2 else (True,):
+                o, lse = tri.coded_decode(q, batch, cos, sin, 1 / math.sqrt(d), splits=2, block=block, f16=f16,
+                                          keys="coef")
+                out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
+                for i, layer in enumerate(layers):
+                    want, _ = coded_partial_torch(q[i][:, None].float(), layer, cos, sin, 1 / math.sqrt(d), keys="coef")
+                    other, _ = coded_partial_torch(q[i][:, None].float(), layer, cos, sin, 1 / math.sqrt(d))
+                    err = float((out[i] - want[:, 0]).abs().max() / want.abs().max())
+                    # the switch matters: the same codes read as pre-RoPE keys attend otherwise
+                    apart = float((other - want).abs().max() / want.abs().max())
+                    assert err <= 1e-2 and apart > 10 * err, (nib, group_rows, block, f16, i, err, apart)
+                    print(f"coef keys, stream kernel ({'fp16' if f16 else 'bf16'} operands), nibble bytes {nib}, "
+                          f"groups of {group_rows} rows, {block} tiles a step, sequence {i}: {err:.1e} of max |out| "
+                          f"(rebuild form {apart:.1e} away)")
+
+
+def test_coef_keys_reference_reads_the_codes_as_post_rope_keys():
+    """coded_partial_torch(keys="coef"): attention over coefficients x basis + mean with no rotation
+    (the keys were coded after RoPE); with RoPE at angle 0 both forms are the same function; an
+    unknown form is refused."""
+    from kite.kernels.coded_attention import coded_decode_partial, coded_partial_torch
+
+    gen = torch.Generator().manual_seed(3)
+    H, Hq, d, R = 2, 6, 32, 32
+    layer = _synthetic_layer(256, H, d, R, 64, gen, (8, 8))
+    cos, sin = _rope_tables(d)
+    q = torch.randn(Hq, 2, d, generator=gen) * 3
+    got, lse = coded_partial_torch(q, layer, cos, sin, 0.2, keys="coef")
+    rows = layer.pos >= 0
+    grp = layer.tile_group.long().repeat_interleave(TILE)
+    coef = layer.k_min[grp] + layer.k_scale[grp] * layer.codes("k").float()
+    keys = torch.stack([coef[:, h * R:(h + 1) * R] @ layer.k_basis[h].float() + layer.k_mean[grp, h]
+                        for h in range(H)])
+    vcoef = layer.v_min[grp] + layer.v_scale[grp] * layer.codes("v").float()
+    vals = torch.stack([vcoef[:, h * R:(h + 1) * R] @ layer.v_basis[h].float() + layer.v_mean[grp, h]
+                        for h in range(H)])
+    want = rebuilt_attention(q, keys[:, rows], vals[:, rows], 0.2)
+    assert (got - want).abs().max() <= 1e-4 * float(want.abs().max())
+    flat_cos, flat_sin = torch.ones_like(cos), torch.zeros_like(sin)
+    same, _ = coded_partial_torch(q, layer, flat_cos, flat_sin, 0.2)
+    assert (same - got).abs().max() <= 1e-5 * float(want.abs().max())
+    rotated, _ = coded_partial_torch(q, layer, cos, sin, 0.2)
+    assert (rotated - got).abs().max() > 1e-2 * float(want.abs().max())
+    with pytest.raises(ValueError, match="keys must be one of rebuild, coef"):
+        coded_decode_partial(q[:, :1].transpose(0, 1), [layer], cos, sin, 0.2, keys="post")
+
+
+def test_coef_keys_stream_kernel_equals_the_torch_reference_on_the_cpu():
+    """The stream kernel with keys in coefficient space in Triton's interpreter."""
+    from tests.triton_interpreter import run_interpreted
+
+    print(run_interpreted("tests.test_coded_attention:check_coef_keys_in_the_interpreter"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("nib", [(0, 0), (16, 8), (64, 29)])
+@pytest.mark.parametrize("f16", [True, False])
+def test_coef_keys_stream_kernel_matches_the_torch_reference_on_the_gpu(nib, f16):
+    """The compiled stream kernel with keys in coefficient space at the benchmark's head geometry (7
+    query heads a KV head, head_dim 128, 128 columns a head; one byte a code, and nibble-packed as
+    measured on random-weight states: keys 64 / values 29 nibble bytes a head) against the fp32
+    reference, three sequences of their own lengths; the rebuild form on the same codes beside it."""
+    from kite.kernels.coded_attention import coded_decode_partial, coded_partial_torch
+
+    H, Hq, d, R = 2, 14, 128, 128
+    cos, sin = _rope_tables(d, 4200, "cuda")
+    gen = torch.Generator().manual_seed(sum(nib) + f16)
+    layers = [_synthetic_layer(T, H, d, R, 512, gen, nib) for T in (4096, 1024, 96)]
+    layers = [dataclasses.replace(c, **{f.name: getattr(c, f.name).cuda() for f in dataclasses.fields(c)
+                                        if isinstance(getattr(c, f.name), torch.Tensor)}) for c in layers]
+    worst = {}
+    for keys in ("coef", "rebuild"):
+        q = (torch.randn(len(layers), Hq, d, device="cuda") * 3).bfloat16()
+        got, lse = coded_decode_partial(q, layers, cos, sin, 1 / math.sqrt(d), keys=keys, f16=f16)
+        worst[keys] = 0.0
+        for i, layer in enumerate(layers):
+            want, _ = coded_partial_torch(q[i][:, None].float(), layer, cos, sin, 1 / math.sqrt(d), keys=keys)
+            assert torch.isfinite(got[i]).all() and torch.isfinite(lse[i]).all()
+            worst[keys] = max(worst[keys], float((got[i] - want[:, 0]).abs().max() / want.abs().max()))
+    print(f"stream kernel vs fp32 reference, nibble bytes {nib}, {'fp16' if f16 else 'bf16'} operands: "
+          f"coef keys {worst['coef']:.2e}, rebuild {worst['rebuild']:.2e} of max |out|")
+    assert worst["coef"] <= 1e-2, worst
+
+
 def test_stream_kernel_equals_the_torch_reference_on_the_cpu():
     """The stream decode kernel in Triton's interpreter, one byte a code and nibble-packed."""
     from tests.triton_interpreter import run_interpreted

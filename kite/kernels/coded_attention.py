@@ -17,6 +17,10 @@ For a query q of KV head h at any position after the state's tokens:
   key side is rebuilt per tile (μ per quantization group: the codec's mean plus its columns coded at
   0 bits, which hold the group's minimum only and are not stored).
 
+Keys coded after RoPE (``keys="coef"``; the default ``"rebuild"`` reads them as pre-RoPE): no
+rotation, so a score is taken in coefficient space, s_t = c_t (B_h q) + μ_h,g(t) · q, with no key
+rebuilt (the kernel's form; the reference rebuilds and skips the rotation, the same function).
+
 Every function returns (output normalized over its tokens, log-sum-exp of its scores) so that parts
 attended apart (coded tokens, the raw side cache, a batch row's live tokens) merge exactly
 (:func:`merge`). :func:`coded_partial_torch` is the reference and the CPU fallback;
@@ -32,8 +36,8 @@ import torch
 
 from kite.kernels.coded_layer import TILE, CodedLayer
 
-__all__ = ["TILE", "CodedLayer", "coded_attention", "coded_decode_partial", "coded_partial", "coded_partial_torch",
-           "merge", "raw_partial"]
+__all__ = ["KEYS", "TILE", "CodedLayer", "check_keys", "coded_attention", "coded_decode_partial", "coded_partial",
+           "coded_partial_torch", "merge", "raw_partial"]
 
 
 def _cols(layer: CodedLayer, h: int, side: str) -> slice:
@@ -54,14 +58,27 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+KEYS = ("rebuild", "coef")
+
+
+def check_keys(keys: str) -> str:
+    """``keys`` if it names a form of the coded keys (KEYS), else ValueError."""
+    if keys not in KEYS:
+        raise ValueError(f"keys must be one of {', '.join(KEYS)}, not {keys!r}")
+    return keys
+
+
 def coded_partial_torch(q: torch.Tensor, layer: CodedLayer, cos: torch.Tensor, sin: torch.Tensor,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        scale: float, keys: str = "rebuild") -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [Hq, n, d] over the layer's coded rows (raw side cache not included):
     (out [Hq, n, d] float32, lse [Hq, n] float32; -inf where no row is attended).
 
     ``cos`` / ``sin`` [P, d] float32: RoPE at every absolute position P > max position (rotate-half
     layout). Every coded row is visible to every query row (the query follows the state).
+    ``keys``: "rebuild" (codes of pre-RoPE keys, rotated at their positions) or "coef" (codes of
+    post-RoPE keys: not rotated; ``cos`` / ``sin`` unused).
     """
+    check_keys(keys)
     Hq, n, d = q.shape
     H = layer.k_mean.shape[1]
     rep = Hq // H
@@ -76,7 +93,8 @@ def coded_partial_torch(q: torch.Tensor, layer: CodedLayer, cos: torch.Tensor, s
         return out, lse
     for h in range(H):
         k = Ck[:, _cols(layer, h, "k")] @ layer.k_basis[h].float() + layer.k_mean[g, h]  # [Tp, d] pre-RoPE
-        k = _rope(k, c, s)
+        if keys == "rebuild":
+            k = _rope(k, c, s)
         qh = q[h * rep:(h + 1) * rep].float()                                            # [rep, n, d]
         sc = (qh @ k.T) * scale                                                           # [rep, n, Tp]
         sc = sc.masked_fill(~valid, float("-inf"))
@@ -116,11 +134,11 @@ def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor,
 
 
 def coded_partial(q: torch.Tensor, layer: CodedLayer, cos: torch.Tensor, sin: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, keys: str = "rebuild") -> tuple[torch.Tensor, torch.Tensor]:
     """The coded rows and the raw side cache of one state, one softmax: (out, lse) as
     :func:`coded_partial_torch` (the torch reference; the batched GPU kernel is
     ``kite.kernels.coded_attention_triton.coded_decode``)."""
-    coded = coded_partial_torch(q, layer, cos, sin, scale)
+    coded = coded_partial_torch(q, layer, cos, sin, scale, keys)
     if layer.raw_k.shape[1] == 0:
         return coded
     return merge([coded, raw_partial(q, layer.raw_k, layer.raw_v, scale)])
@@ -139,14 +157,16 @@ def coded_attention(q: torch.Tensor, layer: CodedLayer, cos: torch.Tensor, sin: 
 
 
 def coded_decode_partial(q: torch.Tensor, layers, cos: torch.Tensor, sin: torch.Tensor,
-                         scale: float, **kernel) -> tuple[torch.Tensor, torch.Tensor]:
+                         scale: float, keys: str = "rebuild", **kernel) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token per sequence, q [N, Hq, d], over each sequence's resident layer (coded rows and
     raw side cache, one softmax): (out [N, Hq, d], lse [N, Hq]) float32.
 
     ``layers``: a list of CodedLayer, or on a GPU a ``coded_attention_triton.CodedBatch`` of them
     (its tables built once per batch). On a GPU with Triton the batched kernel runs; elsewhere the
-    torch reference, sequence by sequence. ``kernel``: the GPU kernel's options (its configuration).
+    torch reference, sequence by sequence. ``keys``: the keys' form (:func:`coded_partial_torch`;
+    "coef" runs the stream kernel). ``kernel``: the GPU kernel's options (its configuration).
     """
+    check_keys(keys)
     if q.is_cuda:
         try:
             from kite.kernels import coded_attention_triton as tri
@@ -154,12 +174,12 @@ def coded_decode_partial(q: torch.Tensor, layers, cos: torch.Tensor, sin: torch.
             tri = None
         if tri is not None:
             batch = layers if isinstance(layers, tri.CodedBatch) else tri.CodedBatch(list(layers))
-            o, lse = tri.coded_decode(q, batch, cos, sin, scale, **kernel)
+            o, lse = tri.coded_decode(q, batch, cos, sin, scale, keys=keys, **kernel)
             parts = [(o[:, s], lse[:, s]) for s in range(o.shape[1])]
             if batch.raw_k.shape[2]:
                 ro, rl = raw_partial(q[:, :, None], batch.raw_k, batch.raw_v, scale, batch.raw_mask)
                 parts.append((ro[:, :, 0], rl[:, :, 0]))
             return merge(parts)
         layers = layers.layers if hasattr(layers, "layers") else layers
-    outs = [coded_partial(q[i][:, None], layer, cos, sin, scale) for i, layer in enumerate(layers)]
+    outs = [coded_partial(q[i][:, None], layer, cos, sin, scale, keys) for i, layer in enumerate(layers)]
     return torch.stack([o[:, 0] for o, _ in outs]), torch.stack([lse[:, 0] for _, lse in outs])

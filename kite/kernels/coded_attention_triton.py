@@ -302,7 +302,7 @@ def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: tor
                  num_stages: int | None = None, do_k: bool = True, do_v: bool = True, block: int | None = None,
                  stream: bool | None = None,
                  f16: bool = True, align: int | None = None,
-                 maxnreg: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 maxnreg: int | None = None, keys: str = "rebuild") -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, Hq, d] (one token per sequence) over each sequence's coded rows: (out [N, S, Hq, d], lse
     [N, S, Hq]) float32 per split S of the rows (merge them with ``coded_attention.merge`` over dim 1).
     ``cos`` / ``sin`` [P, d] float32 by absolute position. ``do_k`` / ``do_v`` False leave out the key
@@ -319,8 +319,15 @@ def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: tor
     the alignment promised to the compiler (default ``batch.alignment``; 1: none, the session-9
     form, every code its own byte load); more than ``batch.alignment`` is refused. ``maxnreg``: a
     cap on the stream kernel's registers a thread (None: the compiler's choice).
+    ``keys``: "rebuild" (pre-RoPE key codes: keys rebuilt and rotated per tile) or "coef" (post-RoPE
+    key codes scored in coefficient space, ``coded_attention.coded_partial_torch``'s switch; the
+    stream kernel only, ``cos`` / ``sin`` unread).
     The defaults are the fastest configurations measured on the H200 (benchmarks/coded_kernel_speed.py)."""
     per_head = batch.max_rk <= 128 and batch.max_rv <= 128 and not any(c.joint for c in batch.layers)
+    if keys not in ("rebuild", "coef"):
+        raise ValueError(f"keys must be rebuild or coef, not {keys!r}")
+    if keys == "coef" and (stream is False or not per_head or not (do_k and do_v)):
+        raise ValueError("keys in coefficient space are read by the stream kernel only (per-head bases)")
     if not (do_k and do_v):
         block, stream = 1, False      # the timing switches live in the one-tile kernel
     if stream is None:
@@ -359,8 +366,8 @@ def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: tor
             H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=d, HALF=half,
             HP=max(16, triton.next_power_of_2(half)), DP=max(16, triton.next_power_of_2(d)), TL=TILE, SUB=block,
             BT=block * TILE, NBKP=pad(batch.max_nbk), WKP=pad(batch.max_wk), NBVP=pad(batch.max_nbv),
-            WVP=pad(batch.max_wv), SPLITS=splits, F16=f16, ALIGN=align, num_warps=num_warps, num_stages=num_stages,
-            **extra)
+            WVP=pad(batch.max_wv), SPLITS=splits, F16=f16, ALIGN=align, COEF=keys == "coef", num_warps=num_warps,
+            num_stages=num_stages, **extra)
         return o, lse
     if block > 1:
         _coded_decode_wide_kernel[(H, N * splits)](

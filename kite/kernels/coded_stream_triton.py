@@ -2,7 +2,8 @@
 per-head bases of <= 128 columns, dispatched by :func:`kite.kernels.coded_attention_triton.coded_decode`):
 blocks of tiles inside one quantization group, no branch in its loop, tokens as the rows of every
 tensor-core product, fp16 operands with codes made exact fp16 by their bits, nibble-packed sides too,
-and its tables' alignment told to the compiler so the code and RoPE tiles load as vectors."""
+and its tables' alignment told to the compiler so the code and RoPE tiles load as vectors. COEF: keys
+coded after RoPE, scored in coefficient space (no key rebuilt, no rotation, no key basis held)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,21 @@ def _basis_halves(kb_p, rows, rm, j, jm, D: tl.constexpr, HALF: tl.constexpr, F1
         return b1.to(tl.float32).to(tl.float16), b2.to(tl.float32).to(tl.float16)
     else:
         return b1, b2
+
+
+@triton.jit
+def _coef_scores(sT, code, qB, sc_row, mn_row, cols, cm, F16: tl.constexpr):
+    """sT [BT, GP] plus the scores of one part of the key columns taken in coefficient space (COEF):
+    Σ_c (min_c + scale_c code_c) qB[c, :] = codes @ (scale * qB) + min · qB, with qB = B_part q^T
+    [C, GP] (fp32, computed once per program) and one quantization group's scale / minimum rows.
+    F16: codes exact fp16 by their bits, scale * qB rounded to fp16; else bf16."""
+    sc = tl.load(sc_row + cols, mask=cm, other=0.0)
+    mn = tl.load(mn_row + cols, mask=cm, other=0.0)
+    sT = sT + tl.sum(qB * mn[:, None], 0)[None, :]
+    if F16:
+        return tl.dot(_as_f16(code), (qB * sc[:, None]).to(tl.float16), sT)
+    else:
+        return tl.dot(code.to(tl.float32).to(tl.bfloat16), (qB * sc[:, None]).to(tl.bfloat16), sT)
 
 
 @triton.jit
@@ -94,7 +110,7 @@ def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride,
                                 HALF: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, TL: tl.constexpr,
                                 SUB: tl.constexpr, BT: tl.constexpr, NBKP: tl.constexpr, WKP: tl.constexpr,
                                 NBVP: tl.constexpr, WVP: tl.constexpr, SPLITS: tl.constexpr,
-                                F16: tl.constexpr = True, ALIGN: tl.constexpr = 1):
+                                F16: tl.constexpr = True, ALIGN: tl.constexpr = 1, COEF: tl.constexpr = False):
     """Per-head bases, every block of SUB tiles inside one quantization group (the caller checks),
     so the loop has no branch and its loads pipeline (num_stages). Tokens are the rows of every
     product: keys rebuilt [BT, d/2] x 2 from the codes, scores transposed [BT, GP] (the tile's rows
@@ -108,7 +124,10 @@ def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride,
     a multiple of ALIGN, told to the compiler, so the code / RoPE / position tiles load as vectors of
     up to 16 bytes and pipeline as asynchronous copies; ALIGN 1 is the session-9 form, where the
     compiler knows no alignment of the tables behind the pointer table and loads every code as its
-    own byte, synchronously."""
+    own byte, synchronously.
+    COEF: the keys were coded after RoPE (``keys="coef"``), so a score is taken in coefficient space,
+    sT = codes @ (scale * B q^T) + min · B q^T + μ · q (B q^T [columns, GP] computed once, from the
+    key basis, which is then not held): no key rebuilt, no rotation, no RoPE table read."""
     h, n, split = _program(SPLITS)
     (kc_p, ks_p, km_p, vc_p, vs_p, vm_p, tg_p, pos_p, kb_p, vb_p, kmu_p, vmu_p,
      n_tiles, Ck, Cv, Rk, Rv, colk, colv) = _sequence(ptrs, ints, n, h)
@@ -140,16 +159,25 @@ def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride,
     dm = dd < D
     r = tl.arange(0, BT)
     n_rows = n_tiles * TL
-    # the head's key basis, held: rows of the low nibbles, high nibbles, byte columns
+    # the head's key basis, held: rows of the low nibbles, high nibbles, byte columns (COEF: only
+    # B q^T of each part is held, in log2 units)
     if NBKP > 0:
         ak = tl.arange(0, NBKP)
         akm = ak < nbk
         bl1, bl2 = _basis_halves(kb_p, h * Rk + ak, akm, j, jm, D, HALF, F16)
         bh1, bh2 = _basis_halves(kb_p, h * Rk + nbk + ak, akm, j, jm, D, HALF, F16)
+        if COEF:
+            qbl = (tl.dot(bl1, q1t) + tl.dot(bl2, q2t)) * qk_scale
+            qbh = (tl.dot(bh1, q1t) + tl.dot(bh2, q2t)) * qk_scale
     if WKP > 0:
         ck = tl.arange(0, WKP)
         ckm = ck < wk
         bw1, bw2 = _basis_halves(kb_p, h * Rk + 2 * nbk + ck, ckm, j, jm, D, HALF, F16)
+        if COEF:
+            qbw = (tl.dot(bw1, q1t) + tl.dot(bw2, q2t)) * qk_scale
+    if COEF:    # the query heads in fp32, for μ · q
+        qf1 = q1.to(tl.float32) * qk_scale
+        qf2 = q2.to(tl.float32) * qk_scale
     if NBVP > 0:
         av = tl.arange(0, NBVP)
         avm = av < nbv
@@ -171,37 +199,52 @@ def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride,
         p = tl.load(pos_p + rows, mask=rm, other=-1)
         grp = tl.load(tg_p + blk * SUB)
         mrow = kmu_p + (grp * H + h) * D
-        k1 = tl.zeros([BT, HP], tl.float32) + tl.load(mrow + j, mask=jm, other=0.0)[None, :]
-        k2 = tl.zeros([BT, HP], tl.float32) + tl.load(mrow + HALF + j, mask=jm, other=0.0)[None, :]
+        mu1 = tl.load(mrow + j, mask=jm, other=0.0)
+        mu2 = tl.load(mrow + HALF + j, mask=jm, other=0.0)
+        ks_row = ks_p + grp * sk
+        km_row = km_p + grp * sk
+        if COEF:    # scores from the coefficients, starting from the mean's μ · q
+            sT = tl.zeros([BT, GP], tl.float32) + (tl.sum(qf1 * mu1[None, :], 1) + tl.sum(qf2 * mu2[None, :], 1))[None, :]
+        else:
+            k1 = tl.zeros([BT, HP], tl.float32) + mu1[None, :]
+            k2 = tl.zeros([BT, HP], tl.float32) + mu2[None, :]
         if NBKP > 0:
             nib = tl.load(kn_p + row0.to(tl.int64) * H * nbk + r[:, None] * (H * nbk) + (h * nbk + ak)[None, :],
                           mask=rm[:, None] & akm[None, :], other=0)
-            lo = _dequant(nib & 15, ks_p + grp * sk, km_p + grp * sk, colk + ak, akm, F16)
-            k1 = tl.dot(lo, bl1, k1)
-            k2 = tl.dot(lo, bl2, k2)
-            hi = _dequant(nib >> 4, ks_p + grp * sk, km_p + grp * sk, colk + nbk + ak, akm, F16)
-            k1 = tl.dot(hi, bh1, k1)
-            k2 = tl.dot(hi, bh2, k2)
+            if COEF:
+                sT = _coef_scores(sT, nib & 15, qbl, ks_row, km_row, colk + ak, akm, F16)
+                sT = _coef_scores(sT, nib >> 4, qbh, ks_row, km_row, colk + nbk + ak, akm, F16)
+            else:
+                lo = _dequant(nib & 15, ks_row, km_row, colk + ak, akm, F16)
+                k1 = tl.dot(lo, bl1, k1)
+                k2 = tl.dot(lo, bl2, k2)
+                hi = _dequant(nib >> 4, ks_row, km_row, colk + nbk + ak, akm, F16)
+                k1 = tl.dot(hi, bh1, k1)
+                k2 = tl.dot(hi, bh2, k2)
         if WKP > 0:
             code = tl.load(kc_p + row0.to(tl.int64) * Ck + r[:, None] * Ck + (h * wk + ck)[None, :],
                            mask=rm[:, None] & ckm[None, :], other=0)
-            cw = _dequant(code, ks_p + grp * sk, km_p + grp * sk, colk + 2 * nbk + ck, ckm, F16)
-            k1 = tl.dot(cw, bw1, k1)
-            k2 = tl.dot(cw, bw2, k2)
-        pc = tl.maximum(p, 0)
-        cs = tl.load(cos_ptr + pc[:, None] * tab_stride + j[None, :], mask=jm[None, :], other=0.0)
-        sn = tl.load(sin_ptr + pc[:, None] * tab_stride + j[None, :], mask=jm[None, :], other=0.0)
-        if F16:     # RoPE in fp16 on the fp16 tables
-            k1h = k1.to(tl.float16)
-            k2h = k2.to(tl.float16)
-            r1 = k1h * cs - k2h * sn
-            r2 = k2h * cs + k1h * sn
-        else:
-            cs = cs.to(tl.float32)
-            sn = sn.to(tl.float32)
-            r1 = (k1 * cs - k2 * sn).to(tl.bfloat16)
-            r2 = (k2 * cs + k1 * sn).to(tl.bfloat16)
-        sT = (tl.dot(r1, q1t) + tl.dot(r2, q2t)) * qk_scale                      # [BT, GP], log2 units
+            if COEF:
+                sT = _coef_scores(sT, code, qbw, ks_row, km_row, colk + 2 * nbk + ck, ckm, F16)
+            else:
+                cw = _dequant(code, ks_row, km_row, colk + 2 * nbk + ck, ckm, F16)
+                k1 = tl.dot(cw, bw1, k1)
+                k2 = tl.dot(cw, bw2, k2)
+        if not COEF:
+            pc = tl.maximum(p, 0)
+            cs = tl.load(cos_ptr + pc[:, None] * tab_stride + j[None, :], mask=jm[None, :], other=0.0)
+            sn = tl.load(sin_ptr + pc[:, None] * tab_stride + j[None, :], mask=jm[None, :], other=0.0)
+            if F16:     # RoPE in fp16 on the fp16 tables
+                k1h = k1.to(tl.float16)
+                k2h = k2.to(tl.float16)
+                r1 = k1h * cs - k2h * sn
+                r2 = k2h * cs + k1h * sn
+            else:
+                cs = cs.to(tl.float32)
+                sn = sn.to(tl.float32)
+                r1 = (k1 * cs - k2 * sn).to(tl.bfloat16)
+                r2 = (k2 * cs + k1 * sn).to(tl.bfloat16)
+            sT = (tl.dot(r1, q1t) + tl.dot(r2, q2t)) * qk_scale                  # [BT, GP], log2 units
         sT = tl.where((p >= 0)[:, None], sT, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sT, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
