@@ -370,7 +370,7 @@ def _rope_tables(d: int, P: int = 520, dev: str = "cpu") -> tuple[torch.Tensor, 
 
 def check_coef_keys_in_the_interpreter() -> None:
     """(Run by run_interpreted.) The stream kernel with keys in coefficient space (keys="coef": codes
-    of post-RoPE keys scored as codes @ (scale * B q^T) + min · B q^T + μ · q) against
+    of post-RoPE keys scored as coefficients @ B q^T + μ · q) against
     coded_partial_torch(keys="coef"): one byte a code and nibble-packed sides, blocks of 1 / 2 / 4
     tiles, fp16 and bf16 operands, three sequences of their own lengths."""
     from kite.kernels import coded_attention_triton as tri

@@ -47,16 +47,9 @@ def _basis_halves(kb_p, rows, rm, j, jm, D: tl.constexpr, HALF: tl.constexpr, F1
 @triton.jit
 def _coef_scores(sT, code, qB, sc_row, mn_row, cols, cm, F16: tl.constexpr):
     """sT [BT, GP] plus the scores of one part of the key columns taken in coefficient space (COEF):
-    Σ_c (min_c + scale_c code_c) qB[c, :] = codes @ (scale * qB) + min · qB, with qB = B_part q^T
-    [C, GP] (fp32, computed once per program) and one quantization group's scale / minimum rows.
-    F16: codes exact fp16 by their bits, scale * qB rounded to fp16; else bf16."""
-    sc = tl.load(sc_row + cols, mask=cm, other=0.0)
-    mn = tl.load(mn_row + cols, mask=cm, other=0.0)
-    sT = sT + tl.sum(qB * mn[:, None], 0)[None, :]
-    if F16:
-        return tl.dot(_as_f16(code), (qB * sc[:, None]).to(tl.float16), sT)
-    else:
-        return tl.dot(code.to(tl.float32).to(tl.bfloat16), (qB * sc[:, None]).to(tl.bfloat16), sT)
+    coefficients [BT, C] (dequantized as the rebuild form does) @ qB, qB = B_part q^T [C, GP] made
+    once per program in the operands' type (the loop-invariant operand, as the rebuild form's basis)."""
+    return sT + tl.dot(_dequant(code, sc_row, mn_row, cols, cm, F16), qB)
 
 
 @triton.jit
@@ -126,8 +119,8 @@ def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride,
     compiler knows no alignment of the tables behind the pointer table and loads every code as its
     own byte, synchronously.
     COEF: the keys were coded after RoPE (``keys="coef"``), so a score is taken in coefficient space,
-    sT = codes @ (scale * B q^T) + min · B q^T + μ · q (B q^T [columns, GP] computed once, from the
-    key basis, which is then not held): no key rebuilt, no rotation, no RoPE table read."""
+    sT = coefficients @ B q^T + μ · q (B q^T [columns, GP] computed once, from the key basis, which
+    is then not held): no key rebuilt, no rotation, no RoPE table read."""
     h, n, split = _program(SPLITS)
     (kc_p, ks_p, km_p, vc_p, vs_p, vm_p, tg_p, pos_p, kb_p, vb_p, kmu_p, vmu_p,
      n_tiles, Ck, Cv, Rk, Rv, colk, colv) = _sequence(ptrs, ints, n, h)
@@ -160,21 +153,21 @@ def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride,
     r = tl.arange(0, BT)
     n_rows = n_tiles * TL
     # the head's key basis, held: rows of the low nibbles, high nibbles, byte columns (COEF: only
-    # B q^T of each part is held, in log2 units)
+    # B q^T of each part is held, in log2 units, fp16 / bf16 as the products' operands)
     if NBKP > 0:
         ak = tl.arange(0, NBKP)
         akm = ak < nbk
         bl1, bl2 = _basis_halves(kb_p, h * Rk + ak, akm, j, jm, D, HALF, F16)
         bh1, bh2 = _basis_halves(kb_p, h * Rk + nbk + ak, akm, j, jm, D, HALF, F16)
         if COEF:
-            qbl = (tl.dot(bl1, q1t) + tl.dot(bl2, q2t)) * qk_scale
-            qbh = (tl.dot(bh1, q1t) + tl.dot(bh2, q2t)) * qk_scale
+            qbl = ((tl.dot(bl1, q1t) + tl.dot(bl2, q2t)) * qk_scale).to(q1t.dtype)
+            qbh = ((tl.dot(bh1, q1t) + tl.dot(bh2, q2t)) * qk_scale).to(q1t.dtype)
     if WKP > 0:
         ck = tl.arange(0, WKP)
         ckm = ck < wk
         bw1, bw2 = _basis_halves(kb_p, h * Rk + 2 * nbk + ck, ckm, j, jm, D, HALF, F16)
         if COEF:
-            qbw = (tl.dot(bw1, q1t) + tl.dot(bw2, q2t)) * qk_scale
+            qbw = ((tl.dot(bw1, q1t) + tl.dot(bw2, q2t)) * qk_scale).to(q1t.dtype)
     if COEF:    # the query heads in fp32, for μ · q
         qf1 = q1.to(tl.float32) * qk_scale
         qf2 = q2.to(tl.float32) * qk_scale
