@@ -18,7 +18,8 @@ the continuation after
 Bases are the document's own (no regenerator); the document is coded as contiguous parts of
 ``--part-tokens`` tokens (the part size the codec's budget assumes; 0: one part) of one layer codec
 per layer, values identically on both paths. Reported per document and ratio: bytes of each
-state (codec + parts, all stored bytes), PPL delta and KL against ``full``, top-1 agreement, the
+state (codec + parts, all stored bytes), PPL delta and KL against ``full`` (mean, and the per-token
+median and maximum: a few tokens copied from the context can dominate the mean), top-1 agreement, the
 keys' relative error in the post-RoPE space attention reads; ``--post-key-scales``: the post-RoPE variants
 also at more key bits (values unchanged), the bytes they need to match pre-RoPE. Per layer, the fraction of the
 keys' (centred) variance in the top components pre- vs post-RoPE and the share of the keys'
@@ -131,7 +132,11 @@ def measure_document(lm, name: str, text: str, ratios: list[float], tops: list[i
     def score(keys, values) -> dict:
         prefix = KVPrefix(keys=keys, values=values, next_position=n_ctx)
         got = forward_tokens(lm.model, cont, new_cache(lm.model, prefix), n_ctx)[:-1]
-        return compare_logits(full, got, targets)
+        # the mean KL is compare_logits'; a few tokens that copy from the context can dominate it, so
+        # the per-token median and maximum go beside it
+        lp_full, lp_got = torch.log_softmax(full, -1), torch.log_softmax(got, -1)
+        kl = (lp_full.exp() * (lp_full - lp_got)).sum(-1)
+        return {**compare_logits(full, got, targets), "kl_median": float(kl.median()), "kl_max": float(kl.max())}
 
     # the harness itself: the uncoded prefix must give the full-context PPL
     exact = score(keys_post, cap.values)
@@ -154,7 +159,8 @@ def measure_document(lm, name: str, text: str, ratios: list[float], tops: list[i
             err = relative_error(keys, keys_post)
             cell[label] = {"state_bytes": nbytes, "compression_ratio": round(raw_bytes / nbytes, 3),
                            "ppl": round(m["ppl_other"], 4), "ppl_delta": round(m["ppl_other"] - m["ppl_full"], 4),
-                           "kl": round(m["kl_mean"], 5), "top1": round(m["top1"], 4),
+                           "kl": round(m["kl_mean"], 5), "kl_median": round(m["kl_median"], 5),
+                           "kl_max": round(m["kl_max"], 3), "top1": round(m["top1"], 4),
                            "key_rel_error_mean": round(sum(err) / len(err), 4), "key_rel_error": err,
                            "value_rel_error_mean": round(sum(relative_error(values, cap.values)) / len(values), 4),
                            "seconds": round(time.perf_counter() - t1, 1)}
@@ -174,7 +180,8 @@ def summarize(rows: list[dict], ratios: list[float], tops: list[int]) -> dict:
         key = f"{ratio:g}"
         variants = [w for w, c in rows[0]["ratios"][key].items() if isinstance(c, dict)]
         out["by_ratio"][key] = {w: {m: round(sum(r["ratios"][key][w][m] for r in rows) / len(rows), 5)
-                                    for m in ("ppl_delta", "kl", "top1", "compression_ratio", "key_rel_error_mean")}
+                                    for m in ("ppl_delta", "kl", "kl_median", "top1", "compression_ratio",
+                                              "key_rel_error_mean")}
                                 for w in variants}
     n_layers = len(rows[0]["variance"]["pre"])
     for w in WHERE:
@@ -185,22 +192,25 @@ def summarize(rows: list[dict], ratios: list[float], tops: list[int]) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = ["| document | ratio | pre: bytes · ratio · ΔPPL · KL | post: bytes · ratio · ΔPPL · KL | post/pre bytes |",
+    lines = ["| document | ratio | pre: bytes · ratio · ΔPPL · KL (median) | post: bytes · ratio · ΔPPL · KL (median) "
+             "| post/pre bytes |",
              "|---|---|---|---|---|"]
     for r in result["rows"]:
         for ratio, c in r["ratios"].items():
             cells = [f"{c[w]['state_bytes']:,} · {c[w]['compression_ratio']:.2f}× · {c[w]['ppl_delta']:+.3f} · "
-                     f"{c[w]['kl']:.4f}" for w in WHERE]
+                     f"{c[w]['kl']:.4f} ({c[w]['kl_median']:.4f})" for w in WHERE]
             lines.append(f"| {r['document']} ({r['context_tokens']}) | {ratio}× | " + " | ".join(cells)
                          + f" | {c['bytes_post_over_pre']:.4f} |")
     for ratio, m in result["summary"]["by_ratio"].items():
-        lines.append(f"| mean | {ratio}× | ΔPPL {m['pre']['ppl_delta']:+.3f} · KL {m['pre']['kl']:.4f} | "
-                     f"ΔPPL {m['post']['ppl_delta']:+.3f} · KL {m['post']['kl']:.4f} | |")
+        lines.append(f"| mean | {ratio}× | ΔPPL {m['pre']['ppl_delta']:+.3f} · KL {m['pre']['kl']:.4f} "
+                     f"({m['pre']['kl_median']:.4f}) | ΔPPL {m['post']['ppl_delta']:+.3f} · KL {m['post']['kl']:.4f} "
+                     f"({m['post']['kl_median']:.4f}) | |")
     extra = [(ratio, w, c) for ratio, m in result["summary"]["by_ratio"].items() for w, c in m.items()
              if w not in WHERE]
     if extra:
-        lines += ["", "| variant (mean over documents) | ratio | state ratio · ΔPPL · KL |", "|---|---|---|"]
-        lines += [f"| {w} | {ratio}× | {c['compression_ratio']:.2f}× · {c['ppl_delta']:+.3f} · {c['kl']:.4f} |"
+        lines += ["", "| variant (mean over documents) | ratio | state ratio · ΔPPL · KL (median) |", "|---|---|---|"]
+        lines += [f"| {w} | {ratio}× | {c['compression_ratio']:.2f}× · {c['ppl_delta']:+.3f} · {c['kl']:.4f} "
+                  f"({c['kl_median']:.4f}) |"
                   for ratio, w, c in extra]
     return "\n".join(lines)
 
