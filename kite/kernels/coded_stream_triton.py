@@ -45,11 +45,19 @@ def _basis_halves(kb_p, rows, rm, j, jm, D: tl.constexpr, HALF: tl.constexpr, F1
 
 
 @triton.jit
-def _coef_scores(sT, code, qB, sc_row, mn_row, cols, cm, F16: tl.constexpr):
-    """sT [BT, GP] plus the scores of one part of the key columns taken in coefficient space (COEF):
-    coefficients [BT, C] (dequantized as the rebuild form does) @ qB, qB = B_part q^T [C, GP] made
-    once per program in the operands' type (the loop-invariant operand, as the rebuild form's basis)."""
-    return sT + tl.dot(_dequant(code, sc_row, mn_row, cols, cm, F16), qB)
+def _coef_scores(s, codeT, qBT, sc_row, mn_row, cols, cm, F16: tl.constexpr):
+    """s [GP, BT] plus the scores of one part of the key columns taken in coefficient space (COEF):
+    qBT [GP, C] (q B_part^T, made once per program in the operands' type) @ the coefficients^T [C,
+    BT], dequantized as the value side does. Query heads are the rows here: a product of GP < 64
+    rows is not a Hopper wgmma (the tokens-as-rows form, a wgmma, gave wrong scores on the H200
+    with Triton 3.6, and illegal addresses, while the interpreter matched)."""
+    sc = tl.load(sc_row + cols, mask=cm, other=0.0)
+    mn = tl.load(mn_row + cols, mask=cm, other=0.0)
+    if F16:
+        coefT = _as_f16(codeT) * sc.to(tl.float16)[:, None] + mn.to(tl.float16)[:, None]
+    else:
+        coefT = (codeT.to(tl.float32) * sc[:, None] + mn[:, None]).to(tl.bfloat16)
+    return tl.dot(qBT, coefT, s)
 
 
 @triton.jit
@@ -153,21 +161,21 @@ def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride,
     r = tl.arange(0, BT)
     n_rows = n_tiles * TL
     # the head's key basis, held: rows of the low nibbles, high nibbles, byte columns (COEF: only
-    # B q^T of each part is held, in log2 units, fp16 / bf16 as the products' operands)
+    # q B^T [GP, columns] of each part is held, in log2 units, fp16 / bf16 as the products' operands)
     if NBKP > 0:
         ak = tl.arange(0, NBKP)
         akm = ak < nbk
         bl1, bl2 = _basis_halves(kb_p, h * Rk + ak, akm, j, jm, D, HALF, F16)
         bh1, bh2 = _basis_halves(kb_p, h * Rk + nbk + ak, akm, j, jm, D, HALF, F16)
         if COEF:
-            qbl = ((tl.dot(bl1, q1t) + tl.dot(bl2, q2t)) * qk_scale).to(q1t.dtype)
-            qbh = ((tl.dot(bh1, q1t) + tl.dot(bh2, q2t)) * qk_scale).to(q1t.dtype)
+            qbl = ((tl.dot(q1, tl.trans(bl1)) + tl.dot(q2, tl.trans(bl2))) * qk_scale).to(q1.dtype)
+            qbh = ((tl.dot(q1, tl.trans(bh1)) + tl.dot(q2, tl.trans(bh2))) * qk_scale).to(q1.dtype)
     if WKP > 0:
         ck = tl.arange(0, WKP)
         ckm = ck < wk
         bw1, bw2 = _basis_halves(kb_p, h * Rk + 2 * nbk + ck, ckm, j, jm, D, HALF, F16)
         if COEF:
-            qbw = ((tl.dot(bw1, q1t) + tl.dot(bw2, q2t)) * qk_scale).to(q1t.dtype)
+            qbw = ((tl.dot(q1, tl.trans(bw1)) + tl.dot(q2, tl.trans(bw2))) * qk_scale).to(q1.dtype)
     if COEF:    # the query heads in fp32, for μ · q
         qf1 = q1.to(tl.float32) * qk_scale
         qf2 = q2.to(tl.float32) * qk_scale
@@ -196,34 +204,38 @@ def _coded_decode_stream_kernel(q_ptr, ptrs, ints, cos_ptr, sin_ptr, tab_stride,
         mu2 = tl.load(mrow + HALF + j, mask=jm, other=0.0)
         ks_row = ks_p + grp * sk
         km_row = km_p + grp * sk
-        if COEF:    # scores from the coefficients, starting from the mean's μ · q
-            sT = tl.zeros([BT, GP], tl.float32) + (tl.sum(qf1 * mu1[None, :], 1) + tl.sum(qf2 * mu2[None, :], 1))[None, :]
+        if COEF:    # scores [GP, BT] from the coefficients, starting from the mean's μ · q
+            s = tl.zeros([GP, BT], tl.float32) + (tl.sum(qf1 * mu1[None, :], 1) + tl.sum(qf2 * mu2[None, :], 1))[:, None]
         else:
             k1 = tl.zeros([BT, HP], tl.float32) + mu1[None, :]
             k2 = tl.zeros([BT, HP], tl.float32) + mu2[None, :]
-        if NBKP > 0:
+        if NBKP > 0 and COEF:   # codes transposed [columns, BT], as the value side reads them
+            nibT = tl.load(kn_p + row0.to(tl.int64) * H * nbk + r[None, :] * (H * nbk) + (h * nbk + ak)[:, None],
+                           mask=akm[:, None] & rm[None, :], other=0)
+            s = _coef_scores(s, nibT & 15, qbl, ks_row, km_row, colk + ak, akm, F16)
+            s = _coef_scores(s, nibT >> 4, qbh, ks_row, km_row, colk + nbk + ak, akm, F16)
+        if NBKP > 0 and not COEF:
             nib = tl.load(kn_p + row0.to(tl.int64) * H * nbk + r[:, None] * (H * nbk) + (h * nbk + ak)[None, :],
                           mask=rm[:, None] & akm[None, :], other=0)
-            if COEF:
-                sT = _coef_scores(sT, nib & 15, qbl, ks_row, km_row, colk + ak, akm, F16)
-                sT = _coef_scores(sT, nib >> 4, qbh, ks_row, km_row, colk + nbk + ak, akm, F16)
-            else:
-                lo = _dequant(nib & 15, ks_row, km_row, colk + ak, akm, F16)
-                k1 = tl.dot(lo, bl1, k1)
-                k2 = tl.dot(lo, bl2, k2)
-                hi = _dequant(nib >> 4, ks_row, km_row, colk + nbk + ak, akm, F16)
-                k1 = tl.dot(hi, bh1, k1)
-                k2 = tl.dot(hi, bh2, k2)
-        if WKP > 0:
+            lo = _dequant(nib & 15, ks_row, km_row, colk + ak, akm, F16)
+            k1 = tl.dot(lo, bl1, k1)
+            k2 = tl.dot(lo, bl2, k2)
+            hi = _dequant(nib >> 4, ks_row, km_row, colk + nbk + ak, akm, F16)
+            k1 = tl.dot(hi, bh1, k1)
+            k2 = tl.dot(hi, bh2, k2)
+        if WKP > 0 and COEF:
+            codeT = tl.load(kc_p + row0.to(tl.int64) * Ck + r[None, :] * Ck + (h * wk + ck)[:, None],
+                            mask=ckm[:, None] & rm[None, :], other=0)
+            s = _coef_scores(s, codeT, qbw, ks_row, km_row, colk + 2 * nbk + ck, ckm, F16)
+        if WKP > 0 and not COEF:
             code = tl.load(kc_p + row0.to(tl.int64) * Ck + r[:, None] * Ck + (h * wk + ck)[None, :],
                            mask=rm[:, None] & ckm[None, :], other=0)
-            if COEF:
-                sT = _coef_scores(sT, code, qbw, ks_row, km_row, colk + 2 * nbk + ck, ckm, F16)
-            else:
-                cw = _dequant(code, ks_row, km_row, colk + 2 * nbk + ck, ckm, F16)
-                k1 = tl.dot(cw, bw1, k1)
-                k2 = tl.dot(cw, bw2, k2)
-        if not COEF:
+            cw = _dequant(code, ks_row, km_row, colk + 2 * nbk + ck, ckm, F16)
+            k1 = tl.dot(cw, bw1, k1)
+            k2 = tl.dot(cw, bw2, k2)
+        if COEF:
+            sT = tl.trans(s)                                                        # [BT, GP], log2 units
+        else:
             pc = tl.maximum(p, 0)
             cs = tl.load(cos_ptr + pc[:, None] * tab_stride + j[None, :], mask=jm[None, :], other=0.0)
             sn = tl.load(sin_ptr + pc[:, None] * tab_stride + j[None, :], mask=jm[None, :], other=0.0)
