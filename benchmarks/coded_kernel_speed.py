@@ -118,7 +118,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=1, help="launches timed together (one per layer)")
     ap.add_argument("--sections", nargs="+", default=["per-head", "per-head-nibbles", "per-head-3-tile-groups"],
                     choices=["per-head", "per-head-align", "per-head-nibbles", "per-head-3-tile-groups", "joint",
-                             "coef-bytes", "coef-nibbles"])
+                             "coef-bytes", "coef-nibbles", "coef-tune", "nibbles-aligned"])
     ap.add_argument("--step-json", type=Path, default=None,
                     help="gpu_speed.py output with the whole decode steps (--fused-steps): the coef sections "
                          "project the step with the coef kernel from it")
@@ -177,6 +177,15 @@ def main() -> None:
                     (2, 3, 0, 4, "stream", 1, True, None, None, "coef"), (4, 2, 0, 4, "stream", 1, True, None, None, "coef"),
                     (4, 3, 0, 4, "stream", 1, True, None, None, "coef"), (2, 2, 0, 8, "stream", 1, True, None, None, "coef"),
                     (2, 2, 0, 4, "stream", 2, True, None, None, "coef"))
+    # session 10's tuning of the coef kernel around its best (blocks of 4 tiles), and nibble-packed
+    # sides whose nibble bytes a head are a multiple of 16 (keys 64, values 32; 64 byte columns): the
+    # tables' alignment 16 instead of 1 at about the same bytes (163 -> 160 a head and row)
+    coef_tune = (rb, (4, 2, 0, 4, "stream", 1, True, None, None, "coef"), (8, 2, 0, 4, "stream", 1, True, None, None, "coef"),
+                 (8, 3, 0, 4, "stream", 1, True, None, None, "coef"), (8, 2, 0, 8, "stream", 1, True, None, None, "coef"),
+                 (4, 2, 0, 4, "stream", 2, True, None, None, "coef"), (4, 2, 0, 4, "stream", 0.5, True, None, None, "coef"),
+                 (4, 2, 0, 4, "stream", 1, True, None, 168, "coef"))
+    nib_aligned = (rb, (2, 3, 0, 4, "stream", 1, True, None, None, "rebuild"), cf,
+                   (4, 2, 0, 4, "stream", 1, True, None, None, "coef"))
     sections = {
         "per-head": ("per-head bases", 128, False, 81, 512, (0, 0), stream),
         "per-head-align": ("per-head bases", 128, False, 81, 512, (0, 0), align),
@@ -187,9 +196,13 @@ def main() -> None:
         "joint": ("joint-head bases", 512, True, 78, 512, (0, 0), old),
         "coef-bytes": ("coef keys, per-head bases", 128, False, 81, 512, (0, 0), coef_bytes),
         "coef-nibbles": ("coef keys, per-head bases, nibble-packed (keys 64 / values 29 nibble bytes a head)", 128,
-                         False, 125, 512, (64, 29), coef_nibbles)}
+                         False, 125, 512, (64, 29), coef_nibbles),
+        "coef-tune": ("coef keys tuned, per-head bases", 128, False, 81, 512, (0, 0), coef_tune),
+        "nibbles-aligned": ("coef keys, per-head bases, nibble-packed aligned (keys 64 / values 32 nibble bytes a head)",
+                            128, False, 125, 512, (64, 32), nib_aligned)}
     # the whole decode steps these sections project (gpu_speed.py's rows; None: no projection)
-    steps = {"coef-bytes": "coded_concurrency_per-head", "coef-nibbles": "coded_concurrency_per-head, nibble-packed"}
+    steps = {"coef-bytes": "coded_concurrency_per-head", "coef-nibbles": "coded_concurrency_per-head, nibble-packed",
+             "coef-tune": "coded_concurrency_per-head"}
     step_rows = json.loads(args.step_json.read_text()) if args.step_json else {}
     rows = {}
     if args.profile_one:
@@ -210,9 +223,10 @@ def main() -> None:
         sms = 8 if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
         refs = {}
         best = {}
+        keyed = any(len(c) >= 10 for c in configs)      # configurations that name their keys' form
         for block, stages, cols, warps, kernel, split_f, f16, *more in configs:
             al, maxnreg, keys = (more + [None, None, "rebuild"])[:3]
-            name = (f"{label}, {kernel} kernel" + (f", {keys} keys" if key.startswith("coef") else "")
+            name = (f"{label}, {kernel} kernel" + (f", {keys} keys" if keyed else "")
                     + f", block {block}, stages {stages}" + (f", cols {cols}" if cols else "")
                     + f", warps {warps}" + (f", splits x{split_f}" if split_f != 1 else "")
                     + (", fp16 operands" if f16 else "")
@@ -239,7 +253,7 @@ def main() -> None:
                         want, _ = coded_partial_torch(q[i][:, None].float(), layers[i], cos, sin, 1 / math.sqrt(d),
                                                       keys=keys)
                         errs.append(float((out[i] - want[:, 0]).abs().max() / want.abs().max()))
-                    form = f", {keys} keys" if key.startswith("coef") else ""
+                    form = f", {keys} keys" if keyed else ""
                     rows[f"{label}{form}: first configuration vs torch reference (max abs diff / max |out|)"] = max(errs)
                     print("vs torch reference", max(errs), flush=True)
                 ref = refs[keys]
