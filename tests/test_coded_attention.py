@@ -503,7 +503,7 @@ def test_coded_batch_alignment_is_what_every_table_and_column_count_allow():
         coded_decode(torch.zeros(2, 4, 32).bfloat16(), mixed, cos, sin, 1.0, splits=1, align=16)
 
 
-def _stream_kernel_ptx_sm90(align: int) -> str:
+def _stream_kernel_ptx_sm90(align: int, coef: bool = False) -> str:
     """The stream kernel's default configuration at the benchmark's geometry (4 KV heads x 7 query
     heads, head_dim 128, 128 code columns a head, one byte a code) compiled for sm_90a on this
     machine (Triton's own compiler and ptxas; no GPU needed): its PTX."""
@@ -517,7 +517,7 @@ def _stream_kernel_ptx_sm90(align: int) -> str:
     types = {"q_ptr": "*bf16", "ptrs": "*i64", "ints": "*i32", "cos_ptr": "*fp16", "sin_ptr": "*fp16",
              "tab_stride": "i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     consts = dict(H=4, G=7, GP=16, D=128, HALF=64, HP=64, DP=128, TL=32, SUB=2, BT=64, NBKP=0, WKP=128, NBVP=0,
-                  WVP=128, SPLITS=4, F16=True, ALIGN=align)
+                  WVP=128, SPLITS=4, F16=True, ALIGN=align, COEF=coef)
     sig = {name: types.get(name, "constexpr") for name in fn.arg_names}
     # what the launcher specializes: tensors 16-byte aligned, the table stride (64) a multiple of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
@@ -540,3 +540,21 @@ def test_the_aligned_stream_kernel_loads_its_codes_as_vectors_on_the_h200():
     assert ptx[16].count("ld.global.b8 ") == 0
     copies8 = {a: sum(1 for line in p.splitlines() if "cp.async" in line and ", 0x8," in line) for a, p in ptx.items()}
     assert copies8[1] == 0 and copies8[16] >= 32, copies8   # [64, 128] bytes x keys and values, 2 stages
+
+
+def test_the_coef_stream_kernel_scores_with_mma_sync_on_the_h200():
+    """Keys in coefficient space take their scores as q B^T @ coefficients^T, query heads as the 16
+    rows: an mma.sync product, not a Hopper wgmma (with tokens as the rows, a wgmma, the scores were
+    wrong and varied run to run on the H200 under Triton 3.6, while the interpreter matched). Also
+    no key rebuild: fewer wgmma than the rebuild form (its [64, 128] x [128, 64] key products). Checked
+    on the PTX for sm_90a, compiled here."""
+    pytest.importorskip("triton")
+    try:
+        ptx = {coef: _stream_kernel_ptx_sm90(16, coef) for coef in (False, True)}
+    except (ImportError, RuntimeError) as e:   # a Triton without its NVIDIA backend / ptxas
+        pytest.skip(f"cannot compile for sm_90a here: {e}"[:200])
+    wgmma = {c: p.count("wgmma.mma_async") for c, p in ptx.items()}
+    mma = {c: p.count("mma.sync") for c, p in ptx.items()}
+    assert mma[False] == 0 and mma[True] >= 32, mma       # [16, 128] x [128, 64]: 4 x 8 k-steps of m16n8k16
+    assert wgmma[True] < wgmma[False], wgmma
+    assert ptx[True].count("ld.global.b8 ") == 0          # its code tiles still load as vectors

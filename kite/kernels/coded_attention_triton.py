@@ -17,7 +17,9 @@ session-8 head kernel (the basis held on chip, blocks straddling groups) was rem
 the stream kernel covers every per-head batch (a block shrinks to one tile, which never straddles a
 group) at 0.47x its time on the H200 (docs/PERFORMANCE.md, session 9b). The stream kernel is told its
 tables' alignment (``CodedBatch.alignment``): without it the compiler, which cannot see through the
-pointer table, loads every code as its own byte.
+pointer table, loads every code as its own byte. ``keys="coef"`` (session 10; not the decode path's
+default: today's states code their keys before RoPE) runs the stream kernel with keys coded after
+RoPE, scored in coefficient space (no key rebuilt, no rotation).
 """
 
 from __future__ import annotations
