@@ -21,12 +21,14 @@ per layer, values identically on both paths. Reported per document and ratio: by
 state (codec + parts, all stored bytes), PPL delta and KL against ``full`` (mean, and the per-token
 median and maximum: a few tokens copied from the context can dominate the mean), top-1 agreement, the
 keys' relative error in the post-RoPE space attention reads; ``--post-key-scales``: the post-RoPE variants
-also at more key bits (values unchanged), the bytes they need to match pre-RoPE. Per layer, the fraction of the
+also at more key bits (values unchanged), the bytes they need to match pre-RoPE;
+``--post-key-shares``: at the ratio's bytes with more of them on the keys (the codec's key share
+was tuned for pre-RoPE keys). Per layer, the fraction of the
 keys' (centred) variance in the top components pre- vs post-RoPE and the share of the keys'
 energy in their per-head mean.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/post_rope_keys.py --post-key-scales 1.25 1.5 2 \
-        --json docs/post_rope_keys_session10.json
+        --post-key-shares 0.45 0.55 --json docs/post_rope_keys_session10.json
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def relative_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float]:
 
 @torch.inference_mode()
 def measure_document(lm, name: str, text: str, ratios: list[float], tops: list[int], part_tokens: int,
-                     key_scales: list[float] = (), continuation: int = 512) -> dict:
+                     key_scales: list[float] = (), key_shares: list[float] = (), continuation: int = 512) -> dict:
     ids, _ = tokenize_document(lm.tokenizer, text)
     n_ctx = min(2048, len(ids) - continuation)
     ctx, cont = ids[:n_ctx], ids[n_ctx:n_ctx + continuation]
@@ -150,8 +152,11 @@ def measure_document(lm, name: str, text: str, ratios: list[float], tops: list[i
     for ratio in ratios:
         s = codec.settings_for(ratio, joint_heads=False)
         cell = {}
-        variants = [(w, w, s) for w in MODES] + [(f"{w}_k{f:g}", w, codec.settings_for(s, k_bits=s.k_bits * f))
-                                                 for w in MODES[1:] for f in key_scales]
+        total = s.k_bits + s.v_bits
+        variants = [(w, w, s) for w in MODES]
+        variants += [(f"{w}_k{f:g}", w, codec.settings_for(s, k_bits=s.k_bits * f)) for w in MODES[1:] for f in key_scales]
+        variants += [(f"{w}_share{sh:g}", w, codec.settings_for(s, k_bits=total * sh, v_bits=total * (1 - sh)))
+                     for w in MODES[1:] for sh in key_shares]
         for label, where, settings in variants:
             t1 = time.perf_counter()
             keys, values, nbytes = coded_keys(cap.keys_pre, cap.values, cos, sin, settings, where, part_tokens)
@@ -227,6 +232,9 @@ def main(argv=None) -> int:
     ap.add_argument("--post-key-scales", type=float, nargs="*", default=[],
                     help="also code post-RoPE keys at these multiples of the ratio's key bits (values unchanged): "
                          "the bytes post-RoPE keys need for pre-RoPE's quality")
+    ap.add_argument("--post-key-shares", type=float, nargs="*", default=[],
+                    help="also code the post-RoPE variants with these shares of the ratio's bits on the keys "
+                         "(the rest on the values): equal bytes, rebalanced")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, help="write the result here (atomically)")
     args = ap.parse_args(argv)
@@ -236,7 +244,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     lm = load_model(None)
     part_tokens = codec.settings_for(4, joint_heads=False).part_tokens if args.part_tokens is None else args.part_tokens
-    rows = [measure_document(lm, name, text, args.ratios, args.tops, part_tokens, args.post_key_scales)
+    rows = [measure_document(lm, name, text, args.ratios, args.tops, part_tokens, args.post_key_scales,
+                             args.post_key_shares)
             for name, text in held_out_docs(args.contracts, args.licenses).items()]
     result = {"machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
               "model": lm.fingerprints.combined, "head_dim": lm.geometry.head_dim, "kv_heads": lm.geometry.n_kv_heads,
