@@ -40,7 +40,13 @@ def empty_home(tmp_path, monkeypatch):
 
 
 def _session5() -> dict:
+    """The run the resident-sequence count is checked against (the session-9 runs skipped it)."""
     return json.loads((DOCS / "gpu_speed_h200_session5.json").read_text())
+
+
+def _session9_repeat() -> dict:
+    """The twin of the run the H200 time corrections come from: another machine start, same code."""
+    return json.loads((DOCS / "gpu_speed_h200_ff_session9_repeat.json").read_text())
 
 
 def _plan(cli_args: list[str], qwen: Path, code: int = 0) -> dict:
@@ -74,24 +80,29 @@ def test_planner_reproduces_the_h200_sequences_at_a_40_gb_budget(qwen):
                   "--kv-budget-gb", "40", "--ppl-tolerance", "0.5", "--no-reference"], qwen, code=1)
     nominal = {r["name"]: r for r in bare["rows"]}["ratio=4 resident"]["sequences"]
     assert nominal == 169 and abs(nominal / measured["n_compressed"] - 1) <= 0.10
+    # the resident rows are timed as rebuilt joint-head states; the coded per-head read is said, not modelled
+    assert any("joint-head" in n and "rebuilds" in n and "does not model" in n for n in plan["notes"])
 
 
 def test_planner_predicts_the_h200_prefill_of_16k_tokens_within_10_percent(qwen):
-    measured = _session5()["prefill 16384+16 tokens (TTFT without a state)"]["ms"]
+    measured = _session9_repeat()["prefill 16384+16 tokens (TTFT without a state)"]["ms"]
     plan = _plan(["--qps", "1", "--avg-tokens", "16400", "--gpu", "H200", "--ppl-tolerance", "0.5"], qwen)
     predicted = plan["times"]["prefill_ms"]["predicted"]
     assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
-    # the correction comes from another run (session 4), not from the one it is checked against
-    assert "session4" in plan["calibration"]["source"] and plan["calibration"]["own"]
+    # the correction comes from another run (session 9's first), not from the one it is checked against
+    source = plan["calibration"]["source"]
+    assert "gpu_speed_h200_ff_session9.json" in source and "repeat" not in source and plan["calibration"]["own"]
     assert plan["times"]["prefill_ms"]["floor"] < 0.6 * measured   # the bare roofline is far off
 
 
 def test_the_h200_decode_step_and_ttft_from_a_state_match_their_measurements(qwen):
-    s5 = _session5()
+    run = _session9_repeat()
     plan = _plan(["--qps", "1", "--avg-tokens", "16384", "--output-tokens", "1", "--gpu", "H200",
                   "--ppl-tolerance", "0.5", "--reuse", "1"], qwen)
-    step = s5["  one-token decode step at 16K, static cache, CUDA graph"]["ms"]
-    ttft = s5["TTFT from the hot tier, CUDA graph (load into the static cache + graph replay)"]["ms"]
+    step = run["  one-token decode step at 16K, static cache, CUDA graph"]["ms"]
+    # KITE's path: the hot-tier load, then the query's forward through the split-KV kernel and fused layers
+    ttft = run["TTFT from the hot tier, CUDA graph, KITE attention (split-KV kernel + fused layers) "
+               "(load into the cache + replay)"]["ms"]
     assert abs(plan["times"]["decode_step_batch1_ms"]["predicted"] / step - 1) <= 0.10
     assert abs(plan["times"]["ttft_from_state_ms"]["predicted"] / ttft - 1) <= 0.10
 
@@ -266,7 +277,7 @@ def test_the_table_lists_every_setting_and_the_recommendation(qwen):
     assert result.exit_code == 0, result.output
     for text in ("57,344", "raw bf16", "ratio=4", "ratio=8", "int4", "resident", "loaded", "recommended",
                  "--ratio 4", "features.upcycle_compression_ratio: 0.25", "features.yoco_min_hit_gain: 0.005",
-                 "session4", "plan:"):
+                 "ff_session9", "plan:"):
         assert text in result.output, text
 
 

@@ -8,9 +8,10 @@ measurements; the setting's PPL Δ and memory saving are intervals fitted on mea
 
 Three ways to hold a request's context, each a row of the plan:
 - ``raw``: bf16 KV on the GPU; every request prefills its document.
-- a setting, resident: states held compressed on the GPU (more sequences fit), every decode step
-  rebuilds each sequence's layers (launch-bound in KITE today: the plan counts that cost);
-  every request still prefills its document, then compresses it.
+- a setting, resident: states held compressed on the GPU (more sequences fit), timed as the
+  default joint-head states run: every decode step rebuilds each sequence's layers (launch-bound:
+  the plan counts that cost; per-head states read in coded form by the coded-attention kernel are
+  not modelled); every request still prefills its document, then compresses it.
 - a setting, loaded (with ``reuse`` > 0): the fraction ``reuse`` of requests find their document's
   state in pinned host memory and load it into raw KV instead of prefilling; the rest prefill
   and compress. Memory per sequence is raw.
@@ -29,6 +30,9 @@ from kite.tune.roofline import ModelShape, Roofline, corrections
 
 REBUILD_CHUNK = 8      # sequences rebuilt per layer at once: a transient of raw KV (gpu_speed.py --chunk)
 TP_DEGREES = (1, 2, 4, 8)
+# The coded-attention figure the resident note cites (whole decode steps at a 40 GB KV budget).
+CODED_STEP = ("H200, docs/gpu_speed_h200_fused_steps_session10.json: a decode step over 81 per-head coded "
+              "16K-token states 49.57 ms, over 42 raw 13.59 ms")
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,9 +241,11 @@ def _times(plan: CapacityPlan, fits: dict[str, SettingFit]) -> None:
                           "corrections (efficiencies and fixed costs)")
     plan.notes.append("GPUs: the load at 100 % busy with no queueing, ideal tensor-parallel scaling: a lower bound")
     if any(r.mode == "resident" for r in plan.rows):
-        plan.notes.append("resident states: every decode step rebuilds each sequence's layers, launch-bound today "
-                          f"({fix.rebuild_ms:.3f} ms per sequence and layer, measured on {m.gpu}); the extra "
-                          "sequences are memory, not throughput, until attention reads the coded states")
+        plan.notes.append("resident states: timed as the default joint-head states, which every decode step "
+                          f"rebuilds layer by layer ({fix.rebuild_ms:.3f} ms per sequence and layer, measured on "
+                          f"{m.gpu}: {m.steps_source}); per-head states are read in coded form by the "
+                          f"coded-attention kernel instead, which this plan does not model ({CODED_STEP}); "
+                          "either way the extra sequences are memory, not throughput, today")
     mid = req.avg_tokens + req.output_tokens / 2   # a sequence's mean context while it decodes
     for row in plan.rows:
         if row.sequences < 1:

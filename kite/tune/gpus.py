@@ -95,38 +95,48 @@ def gpu_spec(name: str, mem_gb: float | None = None, hbm_tbps: float | None = No
 @dataclass(frozen=True, slots=True)
 class Measured:
     """What `benchmarks/gpu_speed.py` measured on this project's H200 (Qwen2-7B geometry: 28 layers,
-    28 query / 4 KV heads, head_dim 128, bf16, sdpa; a 16,384-token document + a 16-token query;
-    medians, ms). The planner turns them into corrections of its roofline (kite.tune.roofline)."""
+    28 query / 4 KV heads, head_dim 128, bf16; a 16,384-token document + a 16-token query; medians,
+    ms). The planner turns them into corrections of its roofline (kite.tune.roofline). `source`
+    names the run(s) every field comes from."""
 
     source: str
     gpu: str
     tokens: int                  # document tokens of every figure
     query_tokens: int
-    prefill_ms: float            # document + query, TTFT without a state
-    decode_step_ms: float        # one token at 16K, static cache, CUDA graph
-    query_forward_ms: float      # the 16 query tokens at 16K over the static cache, CUDA graph
+    prefill_ms: float            # document + query, TTFT without a state (sdpa)
+    decode_step_ms: float        # one token at 16K, static cache, CUDA graph (HF transformers, sdpa)
+    query_forward_ms: float      # the 16 query tokens over the 16K state, CUDA graph (KITE's attention)
     hot_tier_load_ms: float      # the state from pinned host memory into the GPU, rebuilt
-    hot_tier_bytes: int          # the state's bytes as staged on the GPU (ratio 4)
+    hot_tier_bytes: int          # the bytes that load copies: the state as staged (ratio 4)
     hot_tier_ratio_of: float     # the nominal ratio of that state
     attention_step_ms: float     # attention of one decode step over `attention_seqs` raw sequences
     attention_seqs: int
     resident_step_ms: float      # the same over `resident_seqs` compressed states, rebuilt per layer
     resident_seqs: int
     compress_ms: float           # compress one document (codec default, ratio 4), wall
+    steps_source: str            # the run of attention_step_ms and resident_step_ms
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-# Session 4, run 13: the run docs/PERFORMANCE.md's H200 table shows. Session 5's run
-# (docs/gpu_speed_h200_session5.json) is what the planner is checked against.
+# Session 9 (docs/gpu_speed_h200_ff_session9.json): KITE's GPU path of today (the query's first
+# forward through the split-KV kernel and fused layers). Its twin run on another machine start
+# (docs/gpu_speed_h200_ff_session9_repeat.json) is what the planner is checked against. Those runs
+# skipped the concurrency rows, so the batched attention step and the resident (rebuilt) step stay
+# session 4's (docs/gpu_speed_h200_session4.json, run 13; session 5: 9.555 and 1,493.263 ms).
+# hot_tier_bytes: the staged state the hot-tier load copies (gpu_speed.py's `hot.nbytes`; the
+# session-9 row's floor 4.4718 ms = 245,948,416 B / 55 GB/s), not the .upc file (237,642,762 B).
 H200_MEASURED = Measured(
-    source="docs/gpu_speed_h200_session4.json (benchmarks/gpu_speed.py, H200, session 4 run 13)",
+    source="docs/gpu_speed_h200_ff_session9.json (benchmarks/gpu_speed.py, H200, session 9: prefill, "
+           "decode step, first forward with KITE attention (split-KV kernel + fused layers), hot-tier load, "
+           "compress); batched attention and resident rebuild steps from docs/gpu_speed_h200_session4.json "
+           "(session 4 run 13: the session-9 runs skipped the concurrency rows)",
     gpu="H200", tokens=16384, query_tokens=16,
-    prefill_ms=506.748, decode_step_ms=15.744, query_forward_ms=24.361,
-    hot_tier_load_ms=7.653, hot_tier_bytes=245_948_416, hot_tier_ratio_of=4.0,
+    prefill_ms=490.268, decode_step_ms=15.191, query_forward_ms=5.519,
+    hot_tier_load_ms=7.724, hot_tier_bytes=245_948_416, hot_tier_ratio_of=4.0,
     attention_step_ms=9.398, attention_seqs=42, resident_step_ms=1642.454, resident_seqs=161,
-    compress_ms=44.513,
+    compress_ms=44.326, steps_source="docs/gpu_speed_h200_session4.json, session 4 run 13",
 )
 MEASURED: dict[str, Measured] = {"H200": H200_MEASURED}
 

@@ -7,11 +7,15 @@ the KV once over HBM; a state's load crosses the host link once. Measured figure
 these floors by a factor the planner takes from the H200 runs (kite.tune.gpus.Measured):
 
 - prefill: the floor over a measured efficiency (floor / measured prefill);
-- decode step and query forward: a fixed cost per step (kernel launches: HF transformers, CUDA
-  graph) plus the bytes over HBM at the bandwidth a batched attention step reached;
+- decode step and query forward: a fixed cost per step (what the measured step spends beyond its
+  bytes: launches and kernels; the decode step is HF transformers' static cache, the query's
+  forward KITE's attention, split-KV kernel and fused layers, both CUDA-graphed) plus the bytes
+  over HBM at the bandwidth a batched attention step reached;
 - a state's load: its bytes over the host link at the efficiency the hot-tier load reached;
-- compressed states resident on the GPU: every decode step rebuilds each sequence's layers, a
-  fixed cost per sequence and layer (launch-bound today; kite.upcycle's rebuild per layer).
+- compressed states resident on the GPU, as the default joint-head states are held: every decode
+  step rebuilds each sequence's layers, a fixed cost per sequence and layer (launch-bound;
+  kite.upcycle's rebuild per layer). Per-head states read in coded form by the coded-attention
+  kernel are not modelled.
 """
 
 from __future__ import annotations
