@@ -88,6 +88,7 @@ class ServerConfig(BaseModel):
     max_batch: int = Field(8, ge=1, le=1024)            # sequences decoding together (continuous batching)
     batch_kv_gb: float | None = Field(None, gt=0)       # the batch's KV buffers; None: unbounded
     prefix_cache_gb: float = Field(2.0, ge=0)           # loaded states kept for the next request (0: none)
+    resident: str = "raw"   # the form loaded states are held in for the batch: raw (rebuilt KV) or coded
     # `kite serve --replicas` (docs/scale-out.md): replicas on Ray Serve; min/max both set = autoscaled
     replicas: int = Field(1, ge=1, le=256)
     min_replicas: int | None = Field(None, ge=1, le=256)
@@ -99,6 +100,13 @@ class ServerConfig(BaseModel):
     @classmethod
     def _expand(cls, v: Path | None) -> Path | None:
         return v.expanduser() if v is not None else None
+
+    @field_validator("resident")
+    @classmethod
+    def _check_resident(cls, v: str) -> str:
+        if v not in ("raw", "coded"):
+            raise ValueError("expected raw or coded")
+        return v
 
 
 _TIER_URL = re.compile(r"^[a-z][a-z0-9+.-]*://\S*$")

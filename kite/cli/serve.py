@@ -39,6 +39,9 @@ def serve(
                                                   "wait in line (default: config server.max_batch, 8).")] = None,
     batch_kv_gb: Annotated[float | None, typer.Option(help="GB the batch's KV buffers may take (default: config "
                                                       "server.batch_kv_gb, unbounded).")] = None,
+    resident: Annotated[str | None, typer.Option(help="Form loaded states are held in for the batch: raw "
+                                                 "(rebuilt KV) or coded (read from their codes: more states per "
+                                                 "GB, slower steps; default: config server.resident, raw).")] = None,
     replicas: Annotated[int | None, typer.Option(min=1, help="Replicas of this server on Ray Serve behind one "
                                                  "endpoint, with a state-aware router (default: config "
                                                  "server.replicas, 1 = no Ray). docs/scale-out.md")] = None,
@@ -61,6 +64,7 @@ def serve(
                                  "server.state_dir": str(state_dir) if state_dir else None,
                                  "features.upcycle_yoco_fusion": fusion, "model.default": model,
                                  "server.max_batch": max_batch, "server.batch_kv_gb": batch_kv_gb,
+                                 "server.resident": resident,
                                  "server.replicas": replicas, "server.ray_address": ray_address,
                                  "store.url": store})
     model = model_spec(model)

@@ -3,8 +3,13 @@
 A state is loaded for a request with the clusters, layers and precision YOCO chose. The next
 request about the same state that gets the same choice reads the same KV: it is kept here
 (least recently used out first, within ``max_bytes``), keyed by the file's version (so a state
-replaced on disk is loaded again) and the load's arguments. A hit costs no read and no decode;
-its report says so (``timings_ms["cached"]``).
+replaced on disk is loaded again), the load's arguments and the form it is held in. A hit costs no
+read and no decode; its report says so (``timings_ms["cached"]``).
+
+``resident="coded"`` (``server.resident``): a load the coded form covers (every layer, the state's
+own precision, a PCA-coded state without a regenerator) is kept in that form
+(:func:`kite.upcycle.load_resident`), and the batch's attention reads it from its codes; any other
+load is rebuilt as raw KV (``load_prefix``) and its report's warnings say why.
 """
 
 from __future__ import annotations
@@ -13,21 +18,38 @@ import time
 from collections import OrderedDict
 from dataclasses import replace
 
+from kite.errors import BadInput
+
+RESIDENT_FORMS = ("raw", "coded")
+REFUSED_KEPT = 4096   # loads remembered as not holdable coded (not tried again while remembered)
+
+
+def prefix_bytes(prefix) -> int:
+    """Bytes a loaded prefix holds: KVPrefix.nbytes() (a method) or CodedPrefix.nbytes (a property)."""
+    n = prefix.nbytes
+    return int(n() if callable(n) else n)
+
 
 class PrefixCache:
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, resident: str = "raw"):
+        if resident not in RESIDENT_FORMS:
+            raise BadInput(f"server.resident {resident!r}: expected one of {', '.join(RESIDENT_FORMS)}")
         self.max_bytes = max_bytes
+        self.resident = resident
         self._entries: OrderedDict = OrderedDict()
+        self._refused: OrderedDict = OrderedDict()   # (version, args) -> why the coded form does not hold it
         self._bytes = 0
         self.hits = self.misses = 0
 
     def load(self, state, lm, **kwargs):
-        """`kite.upcycle.load_prefix(state, lm, **kwargs)`, or what an earlier call with the same
-        file version and arguments returned (not to be modified: rows copy it)."""
-        from kite.upcycle import load_prefix
-
+        """`kite.upcycle.load_prefix(state, lm, **kwargs)` (with ``resident="coded"``, in coded form
+        where it can be: `kite.upcycle.load_resident`), or what an earlier call with the same file
+        version and arguments returned (not to be modified: rows copy it)."""
         t0 = time.perf_counter()
-        key = (state.version, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items())))
+        args = (state.version, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items())))
+        why = self._refused.get(args) if self.resident == "coded" else None
+        form = "coded" if self.resident == "coded" and why is None else "raw"
+        key = (args[0], form, args[1])
         hit = self._entries.get(key)
         if hit is not None:
             self._entries.move_to_end(key)
@@ -37,14 +59,31 @@ class PrefixCache:
             return prefix, replace(report, bytes_read=0, load_ms=ms, timings_ms={"cached": ms},
                                    warnings=list(report.warnings))
         self.misses += 1
-        prefix, report = load_prefix(state, lm, **kwargs)
-        size = prefix.nbytes()
+        prefix, report = self._load(state, lm, args, form, why, kwargs)
+        size = prefix_bytes(prefix)
+        key = (args[0], report.resident, args[1])
         if size <= self.max_bytes:
             self._entries[key] = (prefix, report)
             self._bytes += size
             while self._bytes > self.max_bytes:
                 _, (old, _) = self._entries.popitem(last=False)
-                self._bytes -= old.nbytes()
+                self._bytes -= prefix_bytes(old)
+        return prefix, report
+
+    def _load(self, state, lm, args, form: str, why: str | None, kwargs):
+        from kite.upcycle import load_prefix, load_resident
+
+        if form == "coded":
+            try:
+                return load_resident(state, lm, **kwargs)
+            except BadInput as exc:
+                why = str(exc).replace(str(state.path), state.path.name)   # the server's folders stay its own
+                self._refused[args] = why
+                while len(self._refused) > REFUSED_KEPT:
+                    self._refused.popitem(last=False)
+        prefix, report = load_prefix(state, lm, **kwargs)
+        if why is not None:
+            report.warnings.append(f"server.resident is coded, but this load is held raw: {why}")
         return prefix, report
 
     @property

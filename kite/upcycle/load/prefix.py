@@ -42,6 +42,8 @@ class LoadReport:
     timings_ms: dict[str, float] = field(default_factory=dict)
     sink_tokens: int = 0  # of `tokens`, how many came along as attention sinks
     warnings: list[str] = field(default_factory=list)  # the load is far from what the state was made for
+    resident: str = "raw"  # the form the prefix is held in: "raw" (rebuilt KV) or "coded" (read by coded attention)
+    resident_bytes: int | None = None  # bytes the loaded prefix holds on its device
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -212,10 +214,19 @@ def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None
     made_for = (state.meta.get("fingerprints") or {}).get("adapter")
     prefix = KVPrefix(keys, values, next_position=int(state.meta["n_tokens"]),
                       reader=made_for is not None and made_for == lm.fingerprints.adapter)
-    report = LoadReport(clusters=sel.chosen, labels=sel.labels, layers=sorted(layer_set), precision=precision,
-                        tokens=int(sum(int(p.numel()) if keep is None else int(keep.sum())
-                                       for (_, keep), p in zip(sel.parts, sel.part_positions))),
-                        sink_tokens=sel.sink_tokens, bytes_read=nbytes,
-                        load_ms=round((time.perf_counter() - t0) * 1e3, 3), timings_ms=timings,
-                        warnings=load_warnings(state.meta, n_layers, sorted(layer_set), precision))
-    return prefix, report
+    return prefix, load_report(state, n_layers, sel, sorted(layer_set), precision, bytes_read=nbytes, t0=t0,
+                               timings=timings, resident_bytes=prefix.nbytes())
+
+
+def load_report(state: StateFile, n_layers: int, sel: Selection, layers: list[int], precision: str | None, *,
+                bytes_read: int, t0: float, timings: dict, resident: str = "raw",
+                resident_bytes: int | None = None) -> LoadReport:
+    """The report of a load of ``sel`` into ``layers`` begun at ``t0`` (time.perf_counter()), in
+    either form (``resident``)."""
+    return LoadReport(clusters=sel.chosen, labels=sel.labels, layers=layers, precision=precision,
+                      tokens=int(sum(int(p.numel()) if keep is None else int(keep.sum())
+                                     for (_, keep), p in zip(sel.parts, sel.part_positions))),
+                      sink_tokens=sel.sink_tokens, bytes_read=bytes_read,
+                      load_ms=round((time.perf_counter() - t0) * 1e3, 3), timings_ms=timings,
+                      warnings=load_warnings(state.meta, n_layers, layers, precision), resident=resident,
+                      resident_bytes=resident_bytes)

@@ -13,6 +13,8 @@ allocated widths; :attr:`kite.runtime.cache.CodedPrefix.nbytes` counts every byt
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kite.kernels.coded_attention import TILE, CodedLayer
@@ -20,6 +22,9 @@ from kite.kernels.load import pca_coefs
 from kite.runtime.cache import CodedPrefix
 from kite.upcycle.load.hot_tier import HotState
 from kite.upcycle.load.tables import LayerPlan, SidePlan
+
+if TYPE_CHECKING:
+    from kite.upcycle.load.prefix import LoadReport
 
 COL_ALIGN = 32     # code columns per basis block are padded to this (the kernel's chunk of columns)
 
@@ -267,32 +272,51 @@ def load_coded_prefix(state, lm, *, clusters: list[str] | None = None, verify: b
     coded-attention counterpart of ``load_prefix`` (fingerprints and geometry checked the same way).
     Bases in bf16 on a GPU (the kernel's), float32 on the CPU (the torch reference's). Raises BadInput
     for a state the form does not cover (not PCA-coded, per-label widths, a regenerator's bases)."""
+    return load_resident(state, lm, clusters=clusters, verify=verify, sink_tokens=sink_tokens, tier=tier)[0]
+
+
+def load_resident(state, lm, *, clusters: list[str] | None = None, layers: list[int] | None = None,
+                  precision: str | None = None, verify: bool = True, sink_tokens: int | None = None,
+                  tier=None) -> tuple[CodedPrefix, LoadReport]:
+    """``load_coded_prefix`` with ``load_prefix``'s arguments and its report (``resident`` "coded",
+    ``resident_bytes`` the coded form's bytes on its device). The coded form holds every layer at the
+    state's own precision: ``layers`` other than all of them, or any ``precision``, is BadInput saying
+    so, as is a state the form does not cover; the caller then loads with ``load_prefix``."""
+    import time
+
     from kite.errors import BadInput
     from kite.upcycle.format.container import StateFile
     from kite.upcycle.load.hot_tier import default_tier
-    from kite.upcycle.load.prefix import check_fingerprints, check_geometry
+    from kite.upcycle.load.prefix import check_fingerprints, check_geometry, load_report
     from kite.upcycle.load.selection import SINK_TOKENS, select
     from kite.upcycle.load.staging import stage_state, supports_state
     from kite.upcycle.rope import rope_cos_sin
 
+    t0 = time.perf_counter()
     if not isinstance(state, StateFile):
         state = StateFile(state)
+    geo = lm.geometry
+    all_layers = list(range(geo.n_layers))
+    if layers is not None and sorted(set(layers)) != all_layers:
+        raise BadInput(f"the coded form holds every layer; this load asks for {len(set(layers))} of {geo.n_layers}")
+    if precision is not None:
+        raise BadInput(f"the coded form holds the state at its own precision; this load asks for {precision}")
     check_fingerprints(state, lm)
     check_geometry(state, lm)
     if not supports_state(state) or (state.meta.get("regenerator") or {}).get("fingerprint"):
         raise BadInput(f"{state.path}: the coded attention reads PCA-coded states at their layers' widths "
                        "without a regenerator; load this one with load_prefix")
     sink_tokens = SINK_TOKENS if sink_tokens is None else sink_tokens
-    geo = lm.geometry
     sel = select(state, clusters, sink_tokens)
-    layers = list(range(geo.n_layers))
     tier = tier or default_tier()
-    key = (state.version, tuple(sel.chosen), sink_tokens, tuple(layers))
+    key = (state.version, tuple(sel.chosen), sink_tokens, tuple(all_layers))
     hot = tier.get(key)
-    if hot is None:
-        hot = stage_state(state, sel.parts, sel.part_positions, layers, n_layers=geo.n_layers, H=geo.n_kv_heads,
+    hit = hot is not None
+    if not hit:
+        hot = stage_state(state, sel.parts, sel.part_positions, all_layers, n_layers=geo.n_layers, H=geo.n_kv_heads,
                           d=geo.head_dim, verify=verify, tier=tier, key=key, wait=True)
         tier.put(hot)
+    t_staged = time.perf_counter()
     if not supports(hot):
         raise BadInput(f"{state.path}: its quantization groups do not fall on whole tiles of {TILE} tokens; "
                        "load it with load_prefix")
@@ -300,6 +324,12 @@ def load_coded_prefix(state, lm, *, clusters: list[str] | None = None, verify: b
     dev = torch.device(lm.device)
     cos, sin = rope_cos_sin(lm.model, torch.arange(n_tokens), device=dev)
     made_for = (state.meta.get("fingerprints") or {}).get("adapter")
-    return build_resident(hot, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
-                          cos=cos, sin=sin, next_position=n_tokens,
-                          reader=made_for is not None and made_for == lm.fingerprints.adapter)
+    prefix = build_resident(hot, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+                            cos=cos, sin=sin, next_position=n_tokens,
+                            reader=made_for is not None and made_for == lm.fingerprints.adapter)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    timings = {"stage": round((t_staged - t0) * 1e3, 3), "hot_tier_hit": float(hit),
+               "transcode": round((time.perf_counter() - t_staged) * 1e3, 3)}
+    return prefix, load_report(state, geo.n_layers, sel, all_layers, None, bytes_read=0 if hit else hot.bytes_read,
+                               t0=t0, timings=timings, resident="coded", resident_bytes=prefix.nbytes)
