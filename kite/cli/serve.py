@@ -128,6 +128,7 @@ def serve(
               f"rules {settings.rules_path.name}  fusion {'on' if settings.fusion else 'off'}  admin {admin}  "
               f"states {settings.state_dir}{embedded}"
               + (f"  store {', '.join(t.name for t in store.shared.tiers)}" if store.shared is not None else "")
+              + ("  states resident coded" if settings.resident == "coded" else "")
               + (f"  kv budget {settings.kv_budget_tokens} tokens "
                                                 f"({settings.kv_budget_codec})" if settings.kv_budget_tokens else ""),
               highlight=False, soft_wrap=True)
