@@ -209,3 +209,19 @@ def test_a_coded_server_holds_a_state_it_cannot_code_raw_and_says_why(servers):
     assert any(w.startswith("server.resident is coded, but this load is held raw") and "PCA-coded" in w
                for w in out["kite"]["warnings"]), out["kite"]["warnings"]
     assert out["choices"][0]["text"]
+
+
+def test_coded_and_raw_rows_decode_together_as_each_alone(servers):
+    """Concurrent requests on the coded server, some over the coded state and some over a state held
+    raw (in the batch together as they arrive together), answer as each did alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = servers["coded"][1]
+    exact = client.post("/v1/states", json={"document": DOC}).json()["id"]
+    asks = ["pca", exact, "pca", exact, "pca"]
+    alone = {sid: _complete(client, state=sid, max_tokens=5)["choices"][0]["text"] for sid in set(asks)}
+    with ThreadPoolExecutor(len(asks)) as pool:
+        outs = list(pool.map(lambda sid: _complete(client, state=sid, max_tokens=5), asks))
+    for sid, out in zip(asks, outs):
+        assert out["kite"]["load"]["resident"] == ("coded" if sid == "pca" else "raw")
+        assert out["choices"][0]["text"] == alone[sid]
