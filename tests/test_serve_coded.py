@@ -225,3 +225,4 @@ def test_coded_and_raw_rows_decode_together_as_each_alone(servers):
     for sid, out in zip(asks, outs):
         assert out["kite"]["load"]["resident"] == ("coded" if sid == "pca" else "raw")
         assert out["choices"][0]["text"] == alone[sid]
+
