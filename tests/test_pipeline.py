@@ -92,6 +92,35 @@ def test_compress_and_eval_take_span_bounds_from_the_config(tiny_models, tmp_pat
     assert len(parse_json(made.output)["clusters"]) == 2
 
 
+def test_per_head_bases_come_from_the_config_for_ratios_only():
+    assert compress_settings(_cfg()).codec.joint_heads
+    per_head = compress_settings(_cfg(joint_heads=False), ratio=8).codec
+    assert not per_head.joint_heads and per_head.name == "ratio=8"
+    assert compress_settings(_cfg(joint_heads=False), precision="int8").codec.name == "int8"
+
+
+def test_a_state_compressed_with_per_head_bases_is_held_coded(tiny_models, tmp_path):
+    """compression.joint_heads: false through `kite upcycle compress` gives a state the coded form
+    (kite serve --resident coded) holds with a basis per KV head."""
+    from kite.model import load_model
+    from kite.upcycle import StateFile, load_resident
+
+    cfg = tmp_path / "upcycle.yaml"
+    cfg.write_text("compression:\n  joint_heads: false\n  cluster_num: 2\n  min_span_tokens: 6\n"
+                   "  max_span_tokens: 14\nsemantic_tagging:\n  generated_examples_per_label: 0\n")
+    doc = tmp_path / "doc.txt"
+    doc.write_text(CORPUS.replace(". ", ".\n\n"))
+    model = str(tiny_models["llama"])
+    made = runner.invoke(app, ["upcycle", "compress", "--model", model, "--input", str(doc), "--output",
+                               str(tmp_path / "d.upc"), "--config", str(cfg), "--json"])
+    assert made.exit_code == 0, made.output
+    lm = load_model(model, device="cpu")
+    with StateFile(tmp_path / "d.upc") as state:
+        prefix, report = load_resident(state, lm)
+    assert report.resident == "coded" and not any(c is None for c in prefix.layers)
+    assert not any(c.joint for c in prefix.layers)   # a basis per KV head: the stream kernel's form
+
+
 @pytest.mark.parametrize("command", ["compress", "eval"])
 def test_ratio_with_precision_is_refused_before_the_model_loads(command, tmp_path, monkeypatch):
     import kite.model

@@ -20,7 +20,7 @@ with ``--label-ratio`` flags over it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -82,6 +82,8 @@ def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precisi
     else:
         ratios = check_ratios(dict(c.label_ratios), "compression.label_ratios")
     ratios.update(label_ratios or {})
+    if ratio_of(spec) is not None and spec.joint_heads != c.joint_heads:
+        spec = replace(spec, joint_heads=c.joint_heads)
     if ratios and ratio_of(spec) is None:
         raise BadInput(f"per-label ratios ({', '.join(sorted(ratios))}) need a compression ratio (--ratio R), "
                        f"not the {spec.name} preset")
