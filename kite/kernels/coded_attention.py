@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from kite.kernels.coded_layer import TILE, CodedLayer
+from kite.kernels.coded_layer import KEYS, TILE, CodedLayer, check_keys
 
 __all__ = ["KEYS", "TILE", "CodedLayer", "check_keys", "coded_attention", "coded_decode_partial", "coded_partial",
            "coded_partial_torch", "merge", "raw_partial"]
@@ -56,16 +56,6 @@ def _coefs(layer: CodedLayer, side: str) -> torch.Tensor:
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-KEYS = ("rebuild", "coef")
-
-
-def check_keys(keys: str) -> str:
-    """``keys`` if it names a form of the coded keys (KEYS), else ValueError."""
-    if keys not in KEYS:
-        raise ValueError(f"keys must be one of {', '.join(KEYS)}, not {keys!r}")
-    return keys
 
 
 def coded_partial_torch(q: torch.Tensor, layer: CodedLayer, cos: torch.Tensor, sin: torch.Tensor,

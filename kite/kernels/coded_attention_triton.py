@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kite.kernels.coded_layer import TILE, CodedLayer
+from kite.kernels.coded_layer import TILE, CodedLayer, check_keys
 from kite.kernels.coded_stream_triton import _coded_decode_stream_kernel
 from kite.kernels.coded_triton_common import LOG2E, _program, _query_halves, _sequence, _share
 
@@ -326,8 +326,7 @@ def coded_decode(q: torch.Tensor, batch: CodedBatch, cos: torch.Tensor, sin: tor
     stream kernel only, ``cos`` / ``sin`` unread; ``block`` defaults to 4 over one byte a code).
     The defaults are the fastest configurations measured on the H200 (benchmarks/coded_kernel_speed.py)."""
     per_head = batch.max_rk <= 128 and batch.max_rv <= 128 and not any(c.joint for c in batch.layers)
-    if keys not in ("rebuild", "coef"):
-        raise ValueError(f"keys must be rebuild or coef, not {keys!r}")
+    check_keys(keys)
     if keys == "coef" and (stream is False or not per_head or not (do_k and do_v)):
         raise ValueError("keys in coefficient space are read by the stream kernel only (per-head bases)")
     if not (do_k and do_v):

@@ -11,6 +11,18 @@ import torch
 TILE = 32          # rows per tile of the resident form (a tile never straddles a quantization group)
 
 
+# The forms of a resident state's key codes: "rebuild" (pre-RoPE keys, rebuilt and rotated per
+# tile) or "coef" (post-RoPE keys, scored in coefficient space; kite.kernels.coded_attention).
+KEYS = ("rebuild", "coef")
+
+
+def check_keys(keys: str) -> str:
+    """``keys`` if it names a form of the coded keys (KEYS), else ValueError."""
+    if keys not in KEYS:
+        raise ValueError(f"keys must be one of {', '.join(KEYS)}, not {keys!r}")
+    return keys
+
+
 @dataclass
 class CodedLayer:
     """One layer of one resident state (see the module docstring). Shapes: Tp rows (a multiple of
