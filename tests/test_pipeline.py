@@ -73,16 +73,23 @@ def test_bad_flags_fail_before_the_model_loads(monkeypatch):
         open_pipeline("anything", ratio=0.5)
 
 
-def test_compress_and_eval_take_span_bounds_from_the_config(tiny_models, tmp_path):
+def _compress_with(compression: str, model: str, tmp_path):
+    """`kite upcycle compress --json` of the tiny corpus into tmp_path/d.upc under an upcycle config
+    whose compression section is ``compression`` (YAML lines): (its result, the config, the input)."""
     cfg = tmp_path / "upcycle.yaml"
-    cfg.write_text("compression:\n  svd_ratio: 0.25\n  cluster_num: 2\n  min_span_tokens: 6\n  max_span_tokens: 14\n"
-                   "semantic_tagging:\n  generated_examples_per_label: 0\n")
+    cfg.write_text(f"compression:\n{compression}semantic_tagging:\n  generated_examples_per_label: 0\n")
     doc = tmp_path / "doc.txt"
     doc.write_text(CORPUS.replace(". ", ".\n\n"))
-    model = str(tiny_models["llama"])
     made = runner.invoke(app, ["upcycle", "compress", "--model", model, "--input", str(doc), "--output",
                                str(tmp_path / "d.upc"), "--config", str(cfg), "--json"])
     assert made.exit_code == 0, made.output
+    return made, cfg, doc
+
+
+def test_compress_and_eval_take_span_bounds_from_the_config(tiny_models, tmp_path):
+    model = str(tiny_models["llama"])
+    made, cfg, doc = _compress_with("  svd_ratio: 0.25\n  cluster_num: 2\n  min_span_tokens: 6\n  max_span_tokens: 14\n",
+                                    model, tmp_path)
     evald = runner.invoke(app, ["upcycle", "eval", "--model", model, "--input", str(doc), "--config", str(cfg),
                                 "--context-tokens", "200", "--continuation-tokens", "40", "--json"])
     assert evald.exit_code == 0, evald.output
@@ -105,15 +112,9 @@ def test_a_state_compressed_with_per_head_bases_is_held_coded(tiny_models, tmp_p
     from kite.model import load_model
     from kite.upcycle import StateFile, load_resident
 
-    cfg = tmp_path / "upcycle.yaml"
-    cfg.write_text("compression:\n  joint_heads: false\n  cluster_num: 2\n  min_span_tokens: 6\n"
-                   "  max_span_tokens: 14\nsemantic_tagging:\n  generated_examples_per_label: 0\n")
-    doc = tmp_path / "doc.txt"
-    doc.write_text(CORPUS.replace(". ", ".\n\n"))
     model = str(tiny_models["llama"])
-    made = runner.invoke(app, ["upcycle", "compress", "--model", model, "--input", str(doc), "--output",
-                               str(tmp_path / "d.upc"), "--config", str(cfg), "--json"])
-    assert made.exit_code == 0, made.output
+    _compress_with("  joint_heads: false\n  cluster_num: 2\n  min_span_tokens: 6\n  max_span_tokens: 14\n",
+                   model, tmp_path)
     lm = load_model(model, device="cpu")
     with StateFile(tmp_path / "d.upc") as state:
         prefix, report = load_resident(state, lm)
