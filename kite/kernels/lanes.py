@@ -1,0 +1,261 @@
+"""Nibble lanes: a resident coded form that decode attention reads near its byte floor (issue 17).
+
+Per layer and KV head, a state's keys (post-RoPE, as the cache holds them) and values are each
+projected on a basis of their own (the PCA of that head's tokens, components by falling variance)
+and coded in 4-bit *lanes*: a component gets 0, 1 or 2 lanes (0, 4 or 8 bits, chosen greedily by
+expected error from the components' variances), R lanes in all, R a power of 2 (R = d: 4 bits an
+element, 4x fewer code bytes than bf16; R = d / 2: 8x). A row's R lanes are R / 2 bytes: byte c
+holds lane c in its low nibble and lane R / 2 + c in its high one.
+
+Rows are quantized in groups of ``group`` rows: per group and lane a weight (the coefficient a unit
+of that nibble is worth: the component's quantization step, times 16 for the high nibble of an
+8-bit component) and per group a constant in the d space (the mean, plus every component's group
+minimum, plus the components coded at 0 bits as their group mean). So a row is
+
+    x_t = Σ_c n_tc · w_g(t),c · b_c + κ_g(t)          (b_c: the basis row of lane c's component)
+
+and attention needs no rebuilt row: a query's score is Σ_c n_tc (w_gc (b_c · q)) + κ_g · q, a
+product of the nibbles with the query projected once per head and scaled once per group; values
+accumulate as Σ_t p_t n_t in lane space, scaled per group, projected on the basis once at the end.
+That is the work of :func:`kite.kernels.lanes_triton.lanes_decode`; :func:`lanes_partial_torch` is
+its reference and CPU path, :func:`decode` the rows themselves.
+
+The first ``sinks`` tokens (attention sinks) stay exact in a small raw side (post-RoPE keys).
+A :class:`Lanes` holds one layer of N states stacked (N = 1 for one state); :func:`stack` stacks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+__all__ = ["Lanes", "allocate_lanes", "decode", "encode", "lanes_partial", "lanes_partial_torch", "stack"]
+
+LANE_BITS = 4
+MAX_LANES = 2          # lanes a component may take (8 bits)
+
+
+@dataclass
+class Lanes:
+    """One layer of N states in nibble lanes. Shapes: H KV heads of d dims, Tp rows (a multiple of
+    ``group``; rows >= ``length[n]`` are padding), G = Tp / group groups, Rk / Rv lanes."""
+
+    k_codes: torch.Tensor     # uint8 [N, H, Tp, Rk / 2]
+    k_weight: torch.Tensor    # float32 [N, H, G, Rk]: a nibble's coefficient, per group and lane
+    k_const: torch.Tensor     # float32 [N, H, G, d]
+    k_basis: torch.Tensor     # float32 [N, H, Rk, d]: lane c's component
+    v_codes: torch.Tensor
+    v_weight: torch.Tensor
+    v_const: torch.Tensor
+    v_basis: torch.Tensor
+    length: torch.Tensor      # int32 [N]: coded rows of each state
+    raw_k: torch.Tensor       # [N, H, S, d]: the sinks, keys post-RoPE
+    raw_v: torch.Tensor
+    group: int
+
+    @property
+    def states(self) -> int:
+        return int(self.k_codes.shape[0])
+
+    @property
+    def rows(self) -> int:
+        return int(self.k_codes.shape[2])
+
+    def nbytes(self, basis_bytes: int = 2, table_bytes: int = 4) -> int:
+        """Bytes of this form as a store would hold it: codes, per-group tables (``table_bytes`` an
+        entry), bases (``basis_bytes`` an entry, one row per component with a lane) and sinks (bf16)."""
+        total = 0
+        for side in "kv":
+            codes, weight, const, basis = (getattr(self, f"{side}_{f}") for f in ("codes", "weight", "const", "basis"))
+            total += codes.numel() + (weight.numel() + const.numel()) * table_bytes
+            total += basis.numel() * basis_bytes
+        return total + (self.raw_k.numel() + self.raw_v.numel()) * 2
+
+    def to(self, device=None, basis_dtype=None) -> "Lanes":
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if torch.is_tensor(getattr(self, f.name))}
+        if basis_dtype is not None:
+            moved["k_basis"], moved["v_basis"] = moved["k_basis"].to(basis_dtype), moved["v_basis"].to(basis_dtype)
+        return replace(self, **moved)
+
+
+def allocate_lanes(variances: torch.Tensor, lanes: int) -> torch.Tensor:
+    """Lanes per component (int64 [..., d], each 0..MAX_LANES, ``lanes`` in all per row) from the
+    components' variances [..., d]: greedily where a lane takes the most expected squared error
+    (a component at b bits keeps ~ variance · 2^(-2b) of it)."""
+    d = variances.shape[-1]
+    if not 0 < lanes <= MAX_LANES * d:
+        raise ValueError(f"lanes must be in 1..{MAX_LANES * d} for {d} components, not {lanes}")
+    var = variances.clamp_min(0).double()
+    step = 2.0 ** (-2 * LANE_BITS)
+    # the gain of a component's first lane, then of its second: var (1 - step), var step (1 - step)
+    gains = torch.cat((var * (1 - step), var * step * (1 - step)), dim=-1)          # [..., 2d]
+    top = gains.topk(lanes, dim=-1).indices
+    taken = torch.zeros_like(gains, dtype=torch.int64).scatter_(-1, top, 1)
+    return taken[..., :d] + taken[..., d:]     # a second lane's gain is below its first's: never one without
+
+
+def _side(x: torch.Tensor, lanes: int, group: int) -> dict:
+    """One side [H, T, d] (float) of one state in lanes: codes, weights, constants, basis (see Lanes)."""
+    H, T, d = x.shape
+    x = x.float()
+    G = max(1, math.ceil(T / group))
+    Tp = G * group
+    mean = x.mean(dim=1, keepdim=True)                                              # [H, 1, d]
+    xc = x - mean
+    cov = xc.transpose(1, 2) @ xc / max(T, 1)
+    evals, evecs = torch.linalg.eigh(cov.double())
+    basis = evecs.flip(-1).transpose(1, 2).float()                                  # [H, d, d]: rows = components
+    var = evals.flip(-1).float()
+    n_lanes = allocate_lanes(var, lanes)                                            # [H, d]
+    coef = xc @ basis.transpose(1, 2)                                               # [H, T, d]
+    pad = torch.zeros(H, Tp - T, d)
+    valid = torch.cat((torch.ones(H, T, 1), torch.zeros(H, Tp - T, 1)), dim=1).bool()
+    cg = torch.cat((coef, pad), dim=1).view(H, G, group, d)
+    vg = valid.view(H, G, group, 1)
+    big = torch.finfo(torch.float32).max
+    lo = torch.where(vg, cg, big).amin(dim=2)                                       # [H, G, d]
+    hi = torch.where(vg, cg, -big).amax(dim=2)
+    cnt = vg.sum(dim=2).clamp_min(1)
+    gmean = torch.where(vg, cg, 0.0).sum(dim=2) / cnt
+    empty = vg.sum(dim=2) == 0
+    lo, hi = torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi)
+    levels = (2.0 ** (LANE_BITS * n_lanes) - 1).float()[:, None, :]                 # [H, 1, d]
+    step = torch.where(n_lanes[:, None, :] > 0, (hi - lo) / levels.clamp_min(1), 0.0)
+    q = torch.where(step[:, :, None] > 0, ((cg - lo[:, :, None]) / step[:, :, None].clamp_min(1e-30)).round(),
+                    torch.zeros(()))
+    q = torch.minimum(q.clamp_min(0), levels[:, :, None]).to(torch.int64)         # [H, G, group, d]
+    # the constant row of each group: mean + Σ_kept lo_j b_j + Σ_dropped gmean_j b_j
+    base = torch.where(n_lanes[:, None, :] > 0, lo, gmean)                           # [H, G, d] in components
+    const = base @ basis + mean                                                     # [H, G, d]
+    # lanes: per head the (component, nibble) of each lane, low nibbles of every coded component first
+    codes = torch.zeros(H, Tp, lanes, dtype=torch.uint8)
+    weight = torch.zeros(H, G, lanes)
+    lbasis = torch.zeros(H, lanes, d)
+    qf = q.view(H, Tp, d)
+    for h in range(H):
+        first = torch.nonzero(n_lanes[h] >= 1).flatten()
+        second = torch.nonzero(n_lanes[h] >= 2).flatten()
+        comp = torch.cat((first, second))
+        shift = torch.cat((torch.zeros_like(first), torch.full_like(second, LANE_BITS)))
+        codes[h] = ((qf[h][:, comp] >> shift) & 15).to(torch.uint8)
+        weight[h] = step[h][:, comp] * (2.0 ** shift).float()
+        lbasis[h] = basis[h][comp]
+    half = lanes // 2
+    packed = codes[..., :half] | (codes[..., half:] << 4)
+    return {"codes": packed.contiguous(), "weight": weight, "const": const.float(), "basis": lbasis}
+
+
+def encode(keys: torch.Tensor, values: torch.Tensor, k_lanes: int, v_lanes: int | None = None,
+           group: int = 512, sinks: int = 1) -> Lanes:
+    """One layer of one state in lanes (N = 1): ``keys`` (post-RoPE) and ``values`` [H, T, d];
+    ``k_lanes`` / ``v_lanes`` lanes a row (even powers of 2 <= 2d; d: 4 bits an element), groups of
+    ``group`` rows, the first ``sinks`` tokens kept exact."""
+    v_lanes = k_lanes if v_lanes is None else v_lanes
+    H, T, d = keys.shape
+    for name, r in (("k_lanes", k_lanes), ("v_lanes", v_lanes)):
+        if r < 2 or r & (r - 1) or r > MAX_LANES * d:
+            raise ValueError(f"{name} must be a power of 2 in 2..{MAX_LANES * d}, not {r}")
+    if group < 1:
+        raise ValueError(f"group must be >= 1, not {group}")
+    s = min(max(sinks, 0), T)
+    k, v = _side(keys[:, s:], k_lanes, group), _side(values[:, s:], v_lanes, group)
+    return Lanes(k_codes=k["codes"][None], k_weight=k["weight"][None], k_const=k["const"][None],
+                 k_basis=k["basis"][None], v_codes=v["codes"][None], v_weight=v["weight"][None],
+                 v_const=v["const"][None], v_basis=v["basis"][None],
+                 length=torch.tensor([T - s], dtype=torch.int32), raw_k=keys[None, :, :s].clone(),
+                 raw_v=values[None, :, :s].clone(), group=group)
+
+
+def _unpack(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., R / 2] -> the R nibbles [..., R] (float32)."""
+    return torch.cat((codes & 15, codes >> 4), dim=-1).float()
+
+
+def _coefs(lanes: Lanes, side: str) -> torch.Tensor:
+    """Each row's lane coefficients (nibble x its group's weight): float32 [N, H, Tp, R]."""
+    codes, weight = getattr(lanes, f"{side}_codes"), getattr(lanes, f"{side}_weight")
+    return _unpack(codes) * weight.float().repeat_interleave(lanes.group, dim=2)
+
+
+def decode(lanes: Lanes, side: str) -> torch.Tensor:
+    """The coded rows of a side, sinks first: float32 [N, H, S + Tp, d] (padding rows after each
+    state's ``length`` hold its last group's constant)."""
+    if side not in ("k", "v"):
+        raise ValueError(f"side must be 'k' or 'v', not {side!r}")
+    basis, const = getattr(lanes, f"{side}_basis").float(), getattr(lanes, f"{side}_const").float()
+    rows = _coefs(lanes, side) @ basis + const.repeat_interleave(lanes.group, dim=2)
+    raw = (lanes.raw_k if side == "k" else lanes.raw_v).float()
+    return torch.cat((raw, rows), dim=2)
+
+
+def lanes_partial_torch(q: torch.Tensor, lanes: Lanes, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query token per state, q [N, Hq, d], over each state's coded rows (sinks
+    not included): (out [N, Hq, d], lse [N, Hq]) float32, as kite.kernels.coded_attention's parts."""
+    N, Hq, d = q.shape
+    H = lanes.k_codes.shape[1]
+    G = Hq // H
+    qh = q.float().view(N, H, G, d)
+    k = decode(lanes, "k")[:, :, lanes.raw_k.shape[2]:]
+    v = decode(lanes, "v")[:, :, lanes.raw_v.shape[2]:]
+    sc = (qh @ k.transpose(-1, -2)) * scale                                          # [N, H, G, Tp]
+    live = torch.arange(lanes.rows, device=q.device)[None, :] < lanes.length.to(q.device)[:, None].long()
+    sc = sc.masked_fill(~live[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(sc, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    out = torch.exp(sc - safe[..., None]) @ v
+    return out.view(N, Hq, d), lse.view(N, Hq)
+
+
+def lanes_partial(q: torch.Tensor, lanes: Lanes, scale: float, **kernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """The coded rows and the sinks of each state, one softmax: (out [N, Hq, d], lse [N, Hq]) float32.
+    On a GPU with Triton the lanes kernel (``kernel``: its configuration), else the reference."""
+    from kite.kernels.coded_attention import merge, raw_partial
+
+    coded = None
+    if q.is_cuda:
+        try:
+            from kite.kernels.lanes_triton import lanes_decode
+        except ImportError:
+            lanes_decode = None
+        if lanes_decode is not None:
+            coded = lanes_decode(q, lanes, scale, **kernel)
+    if coded is None:
+        coded = lanes_partial_torch(q, lanes, scale)
+    if lanes.raw_k.shape[2] == 0:
+        return coded
+    ro, rl = raw_partial(q[:, :, None], lanes.raw_k, lanes.raw_v, scale)
+    return merge([coded, (ro[:, :, 0], rl[:, :, 0])])
+
+
+def stack(layers: list[Lanes]) -> Lanes:
+    """States' layers stacked into one (N = the sum of theirs): rows padded to the longest, sinks to
+    the most (a padded sink row is a zero key and value: callers stack states with equal sinks)."""
+    if not layers:
+        raise ValueError("nothing to stack")
+    group = layers[0].group
+    if any(x.group != group for x in layers):
+        raise ValueError("states of different group sizes cannot be stacked")
+    if any(x.raw_k.shape[2] != layers[0].raw_k.shape[2] for x in layers):
+        raise ValueError("states with different numbers of sinks cannot be stacked")
+    Tp = max(x.rows for x in layers)
+
+    def pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+        if t.shape[dim] == size:
+            return t
+        shape = list(t.shape)
+        shape[dim] = size - t.shape[dim]
+        return torch.cat((t, t.new_zeros(shape)), dim=dim)
+
+    out = {}
+    for f in fields(Lanes):
+        if f.name == "group":
+            continue
+        parts = [getattr(x, f.name) for x in layers]
+        if f.name.endswith("_codes"):
+            parts = [pad(t, 2, Tp) for t in parts]
+        elif f.name.endswith(("_weight", "_const")):
+            parts = [pad(t, 2, Tp // group) for t in parts]
+        out[f.name] = torch.cat(parts, dim=0)
+    return Lanes(group=group, **out)
