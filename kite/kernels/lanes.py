@@ -110,10 +110,11 @@ def _side(x: torch.Tensor, lanes: int, group: int) -> dict:
     var = evals.flip(-1).float()
     n_lanes = allocate_lanes(var, lanes)                                            # [H, d]
     coef = xc @ basis.transpose(1, 2)                                               # [H, T, d]
-    pad = torch.zeros(H, Tp - T, d)
-    valid = torch.cat((torch.ones(H, T, 1), torch.zeros(H, Tp - T, 1)), dim=1).bool()
+    dev = x.device
+    pad = torch.zeros(H, Tp - T, d, device=dev)
+    valid = (torch.arange(Tp, device=dev) < T)[None, :, None].expand(H, Tp, 1)
     cg = torch.cat((coef, pad), dim=1).view(H, G, group, d)
-    vg = valid.view(H, G, group, 1)
+    vg = valid.reshape(H, G, group, 1)
     big = torch.finfo(torch.float32).max
     lo = torch.where(vg, cg, big).amin(dim=2)                                       # [H, G, d]
     hi = torch.where(vg, cg, -big).amax(dim=2)
@@ -124,15 +125,15 @@ def _side(x: torch.Tensor, lanes: int, group: int) -> dict:
     levels = (2.0 ** (LANE_BITS * n_lanes) - 1).float()[:, None, :]                 # [H, 1, d]
     step = torch.where(n_lanes[:, None, :] > 0, (hi - lo) / levels.clamp_min(1), 0.0)
     q = torch.where(step[:, :, None] > 0, ((cg - lo[:, :, None]) / step[:, :, None].clamp_min(1e-30)).round(),
-                    torch.zeros(()))
+                    torch.zeros((), device=dev))
     q = torch.minimum(q.clamp_min(0), levels[:, :, None]).to(torch.int64)         # [H, G, group, d]
     # the constant row of each group: mean + Σ_kept lo_j b_j + Σ_dropped gmean_j b_j
     base = torch.where(n_lanes[:, None, :] > 0, lo, gmean)                           # [H, G, d] in components
     const = base @ basis + mean                                                     # [H, G, d]
     # lanes: per head the (component, nibble) of each lane, low nibbles of every coded component first
-    codes = torch.zeros(H, Tp, lanes, dtype=torch.uint8)
-    weight = torch.zeros(H, G, lanes)
-    lbasis = torch.zeros(H, lanes, d)
+    codes = torch.zeros(H, Tp, lanes, dtype=torch.uint8, device=dev)
+    weight = torch.zeros(H, G, lanes, device=dev)
+    lbasis = torch.zeros(H, lanes, d, device=dev)
     qf = q.view(H, Tp, d)
     for h in range(H):
         first = torch.nonzero(n_lanes[h] >= 1).flatten()
@@ -164,7 +165,7 @@ def encode(keys: torch.Tensor, values: torch.Tensor, k_lanes: int, v_lanes: int 
     return Lanes(k_codes=k["codes"][None], k_weight=k["weight"][None], k_const=k["const"][None],
                  k_basis=k["basis"][None], v_codes=v["codes"][None], v_weight=v["weight"][None],
                  v_const=v["const"][None], v_basis=v["basis"][None],
-                 length=torch.tensor([T - s], dtype=torch.int32), raw_k=keys[None, :, :s].clone(),
+                 length=torch.tensor([T - s], dtype=torch.int32, device=keys.device), raw_k=keys[None, :, :s].clone(),
                  raw_v=values[None, :, :s].clone(), group=group)
 
 
