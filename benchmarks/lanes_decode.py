@@ -1,0 +1,223 @@
+"""Whole decode steps from states resident in nibble lanes vs raw bf16 KV, at one KV budget, in one run
+(issue 17's decode target: tokens/s >= 2x raw at raw's largest batch).
+
+    python benchmarks/lanes_decode.py [--tokens 16384] [--kv-budget-gb 40] [--lanes 128 64] [--out out/lanes_decode.json]
+    python benchmarks/lanes_decode.py --cpu-smoke        # tiny model on the CPU: the script runs
+
+Random-weight Qwen2-7B geometry (benchmarks/gpu_speed.py's make_model: 28 layers, 28 query / 4 KV
+heads, head_dim 128, bf16) with the fused layers ``load_model`` installs on a GPU. Per lane count R
+(``--lanes``; R = 128 lanes a row is 4 bits an element, 64 is 2): one 16K-token state of random KV
+is coded per layer (kite.kernels.lanes.encode), copied into as many states as the budget holds
+(each its own memory), and checked against the torch reference at three layers; then the kernel
+alone over all layers (its configurations, against its byte floor: what it reads / 4.8 TB/s) and
+the whole decode step (one new token a state, the model's forward, CUDA-graphed) against raw bf16
+KV at its largest batch in the same run. Random KV has a flat spectrum, so every component gets
+the same lanes: the speed is the form's, the quality is measured on the embedded model
+(benchmarks/lanes_quality.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import benchmarks.gpu_speed as gs  # noqa: E402
+from kite.kernels import lanes as L  # noqa: E402
+
+
+def stacked(one: L.Lanes, n: int) -> L.Lanes:
+    """n copies of a one-state layer, each in its own memory."""
+    import dataclasses
+
+    big = {f.name: getattr(one, f.name).expand(n, *getattr(one, f.name).shape[1:]).clone()
+           for f in dataclasses.fields(one) if torch.is_tensor(getattr(one, f.name))}
+    return dataclasses.replace(one, **big)
+
+
+def kernel_bytes(one: L.Lanes) -> int:
+    """Bytes the kernel and its projections read per state and layer: codes, per-group tables, bases."""
+    return sum(getattr(one, f"{s}_{f}").numel() * getattr(one, f"{s}_{f}").element_size()
+               for s in "kv" for f in ("codes", "weight", "const", "basis"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--kv-budget-gb", type=float, default=40.0)
+    ap.add_argument("--lanes", type=int, nargs="+", default=[128, 64], help="lanes a row (keys and values)")
+    ap.add_argument("--group", type=int, default=512)
+    ap.add_argument("--configs", default="64,4,2;64,4,3;32,4,2;128,4,2;128,8,2;64,8,3",
+                    help="kernel configurations: block,warps,stages;...")
+    ap.add_argument("--splits", type=int, nargs="*", default=[0], help="0: the kernel's default")
+    ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "out" / "lanes_decode.json")
+    args = ap.parse_args(argv)
+    if args.cpu_smoke:
+        gs.DEV = "cpu"
+        args.tokens, args.kv_budget_gb, args.lanes, args.group = 600, 0.002, [32], 128
+    warnings.filterwarnings("ignore")
+    dev = gs.DEV
+    T = args.tokens
+    cfg, model = gs.make_model(T, args.cpu_smoke)
+    Lyr, H, Hq = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads
+    d = cfg.hidden_size // Hq
+    scale = 1 / math.sqrt(d)
+    n_params = sum(p.numel() for p in model.model.layers.parameters()) + cfg.vocab_size * cfg.hidden_size
+    weights_floor = n_params * 2 / gs.HBM_BPS * 1e3
+    raw_bytes = 2 * Lyr * H * T * d * 2
+    budget = args.kv_budget_gb * 1e9
+    n_raw = max(1, int(budget // raw_bytes))
+    report = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu", "torch": torch.__version__,
+              "tokens": T, "budget_gb": args.kv_budget_gb, "raw_bytes_per_seq": raw_bytes, "n_raw": n_raw,
+              "weights_floor_ms": weights_floor, "forms": {}}
+    from kite.kernels.coded_attention import merge, raw_partial
+    from kite.kernels.lanes_triton import LanesPlan, lanes_decode
+    from kite.model import fused
+    from transformers import AttentionInterface
+
+    if dev == "cuda":
+        fused.fuse_forward(model)
+        fused.ENABLED = True
+    gen = torch.Generator(device=dev).manual_seed(3)
+    state: dict = {}
+
+    def lanes_attn(module, query, key, value, attention_mask, scaling=None, **kw):
+        li = module.layer_idx
+        plan = state["plans"][li]
+        o, lse = lanes_decode(query[:, :, 0], plan, scaling, **state["kernel"]) if dev == "cuda" else \
+            L.lanes_partial_torch(query[:, :, 0], plan.lanes, scaling)
+        lay = plan.lanes
+        ro, rl = raw_partial(query, lay.raw_k, lay.raw_v, scaling)                   # the sinks
+        so, sl = raw_partial(query, key, value, scaling)                             # the new token itself
+        out = merge([(o, lse), (ro[:, :, 0], rl[:, :, 0]), (so[:, :, 0], sl[:, :, 0])])[0]
+        return out[:, None].to(query.dtype), None
+
+    def raw_attn(module, query, key, value, attention_mask, scaling=None, **kw):
+        kv = state["kv"][module.layer_idx]
+        kv[0][:, :, T:T + 1] = key
+        kv[1][:, :, T:T + 1] = value
+        o = torch.nn.functional.scaled_dot_product_attention(query, kv[0], kv[1], scale=scaling, enable_gqa=True)
+        return o.transpose(1, 2), None
+
+    AttentionInterface.register("bench_lanes", lanes_attn)
+    AttentionInterface.register("bench_raw", raw_attn)
+
+    def step_ms(name, n):
+        cfg._attn_implementation = name
+        for layer in model.model.layers:
+            layer.self_attn.config._attn_implementation = name
+        ids = torch.randint(cfg.vocab_size, (n, 1), device=dev, generator=gen)
+        pos = torch.full((n, 1), T, device=dev)
+
+        def fwd():
+            with torch.inference_mode():
+                return model(ids, position_ids=pos, use_cache=False, logits_to_keep=1).logits
+        eager = gs.cuda_ms(fwd, reps=5)
+        graphed = None
+        if dev == "cuda" and not args.no_graph:
+            try:
+                with torch.inference_mode():
+                    g, _ = gs.capture(fwd)
+                    graphed = gs.cuda_ms(g.replay, reps=10)
+                del g
+            except Exception as e:  # noqa: BLE001
+                print(f"graph {name}: {e!r}"[:300], flush=True)
+        return {"eager": eager, "graph": graphed, "best": min(x for x in (eager, graphed) if x)}
+
+    with torch.inference_mode():
+        ct, st = model.model.rotary_emb(torch.zeros(1, device=dev), torch.arange(T, device=dev)[None])
+    cos, sin = ct[0].float(), st[0].float()
+    for R in args.lanes:
+        torch.cuda.empty_cache() if dev == "cuda" else None
+        t0 = time.perf_counter()
+        ones = []
+        for _ in range(Lyr):    # one state: random KV per layer, keys rotated as the cache holds them
+            k = torch.randn(H, T, d, device=dev, generator=gen)
+            k = k * cos + torch.cat((-k[..., d // 2:], k[..., :d // 2]), -1) * sin
+            v = torch.randn(H, T, d, device=dev, generator=gen)
+            ones.append(L.encode(k, v, R, R, group=args.group, sinks=1).to(basis_dtype=torch.bfloat16))
+        gs.sync()
+        per_seq = sum(o.nbytes() for o in ones)
+        stream = sum(kernel_bytes(o) for o in ones)
+        n_cod = max(1, int(budget // per_seq))
+        form = {"lanes": R, "group": args.group, "encode_s": round(time.perf_counter() - t0, 2),
+                "state_bytes": per_seq, "raw_over_state": round(raw_bytes / per_seq, 3), "n_states": n_cod,
+                "states_over_raw_batch": round(n_cod / n_raw, 3), "kernel_bytes_per_seq": stream}
+        print(f"lanes {R}:", json.dumps(form), flush=True)
+        # correctness: kernel vs the torch reference, 4 states of this form, three layers
+        errs = {}
+        for li in (0, Lyr // 2, Lyr - 1):
+            four = L.stack([ones[li]] * 4)
+            qc = torch.randn(4, Hq, d, device=dev, generator=gen, dtype=torch.bfloat16) * 2
+            want, wl = L.lanes_partial_torch(qc, four, scale)
+            got, gl = lanes_decode(qc, four, scale) if dev == "cuda" else (want, wl)
+            errs[li] = {"max_abs_diff": float((got - want).abs().max()), "max_abs_out": float(want.abs().max()),
+                        "lse_max_abs_diff": float((gl - wl).abs().max())}
+        form["kernel_vs_reference"] = errs
+        print("kernel vs reference:", json.dumps(errs), flush=True)
+        state["plans"] = [LanesPlan(stacked(o, n_cod)) for o in ones]
+        qn = torch.randn(n_cod, Hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        floor = n_cod * stream / gs.HBM_BPS * 1e3
+        variants = {}
+        if dev == "cuda":
+            for conf in args.configs.split(";"):
+                block, warps, stages = (int(x) for x in conf.split(","))
+                for sp in args.splits:
+                    kw = dict(block=block, num_warps=warps, num_stages=stages, splits=sp or None)
+                    try:
+                        variants[f"block{block}_warps{warps}_stages{stages}_splits{sp}"] = gs.cuda_ms(
+                            lambda kw=kw: [lanes_decode(qn, p, scale, **kw) for p in state["plans"]], reps=3)
+                    except Exception as e:  # noqa: BLE001
+                        variants[f"block{block}_warps{warps}_stages{stages}_splits{sp}"] = repr(e)[:200]
+            print("kernel variants (ms, all layers):", variants, flush=True)
+            best = min((v, k) for k, v in variants.items() if isinstance(v, float))[1]
+            b, w, s_, sp = (int(x[len(p):]) for x, p in zip(best.split("_"), ("block", "warps", "stages", "splits")))
+            state["kernel"] = dict(block=b, num_warps=w, num_stages=s_, splits=sp or None)
+            form.update({"kernel_variants_ms": variants, "kernel_best": best,
+                         "kernel_ms_all_layers": variants[best], "kernel_floor_ms": floor,
+                         "kernel_over_floor": round(variants[best] / floor, 2)})
+        else:
+            state["kernel"] = {}
+        step = step_ms("bench_lanes", n_cod)
+        form.update({"step_ms": step, "step_floor_ms": weights_floor + floor,
+                     "tokens_per_s": n_cod / step["best"] * 1e3})
+        report["forms"][str(R)] = form
+        state.pop("plans")
+        print(f"lanes {R} step:", json.dumps(step), flush=True)
+    torch.cuda.empty_cache() if dev == "cuda" else None
+    state["kv"] = [torch.randn(2, n_raw, H, T + 1, d, device=dev, dtype=torch.bfloat16, generator=gen)
+                   for _ in range(Lyr)]
+    raw = step_ms("bench_raw", n_raw)
+    state.clear()
+    fused.ENABLED = False
+    report["raw_step_ms"] = raw
+    report["raw_tokens_per_s"] = n_raw / raw["best"] * 1e3
+    report["raw_step_floor_ms"] = weights_floor + n_raw * raw_bytes / gs.HBM_BPS * 1e3
+    for R, form in report["forms"].items():
+        form["vs_raw_tokens_per_s"] = round(form["tokens_per_s"] / report["raw_tokens_per_s"], 3)
+    print(f"raw bf16, {n_raw} sequences: {raw['best']:.2f} ms/step, {report['raw_tokens_per_s']:.0f} tok/s "
+          f"(floor {report['raw_step_floor_ms']:.2f} ms)")
+    for R, form in report["forms"].items():
+        kern = f", kernel {form['kernel_ms_all_layers']:.2f} ms = {form['kernel_over_floor']}x its floor" \
+            if "kernel_ms_all_layers" in form else ""
+        print(f"lanes {R}: {form['n_states']} states ({form['raw_over_state']}x fewer bytes), "
+              f"{form['step_ms']['best']:.2f} ms/step, {form['tokens_per_s']:.0f} tok/s = {form['vs_raw_tokens_per_s']}x raw"
+              f" (floor {form['step_floor_ms']:.2f} ms){kern}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

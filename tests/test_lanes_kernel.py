@@ -1,0 +1,97 @@
+"""The lanes decode kernel (kite.kernels.lanes_triton) against the torch reference of the form
+(kite.kernels.lanes.lanes_partial_torch): in Triton's interpreter on the CPU, compiled on a GPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kite.kernels import lanes as L
+
+
+def _states(device: str, H: int = 2, d: int = 64, lengths=(700, 300), k_lanes: int = 64, v_lanes: int = 32,
+            group: int = 128) -> L.Lanes:
+    """States of structured random KV (a falling spectrum, an offset), of different lengths, stacked."""
+    gen = torch.Generator().manual_seed(0)
+    A = torch.randn(H, d, d, generator=gen) * (0.9 ** torch.arange(d))[None, :, None]
+    out = []
+    for T in lengths:
+        k = torch.randn(H, T, d, generator=gen) @ A + 1.0
+        v = torch.randn(H, T, d, generator=gen) @ A
+        out.append(L.encode(k.to(device), v.to(device), k_lanes, v_lanes, group=group, sinks=1))
+    return L.stack(out)
+
+
+def _check(device: str, dtype: torch.dtype, splits, block: int, tol: float, **shape) -> str:
+    from kite.kernels.lanes_triton import lanes_decode
+
+    x = _states(device, **shape)
+    H, d = x.k_codes.shape[1], x.k_const.shape[-1]
+    q = (torch.randn(x.states, 3 * H, d, generator=torch.Generator().manual_seed(1)) * 2).to(device, dtype)
+    scale = 1 / math.sqrt(d)
+    want, wl = L.lanes_partial_torch(q, x, scale)
+    got, gl = lanes_decode(q, x, scale, splits=splits, block=block)
+    err = float((got - want).abs().max())
+    top = float(want.abs().max())
+    assert err <= tol * top, f"{dtype} splits={splits} block={block}: max |diff| {err:.3g} of max |out| {top:.3g}"
+    assert float((gl - wl).abs().max()) <= 50 * tol
+    return f"{dtype} splits={splits} block={block}: max |diff| {err:.3g} / max |out| {top:.3g}"
+
+
+def check_lanes_kernel_in_the_interpreter() -> None:
+    """(Run by run_interpreted.) Two states of different lengths, one program and three per head,
+    tiles of 32 and 64 rows; the kernel's fp16 operands (query scaled per group, probabilities)
+    leave it within 0.5 % of the largest output."""
+    from tests.triton_interpreter import bridge_interpreter_gaps
+
+    bridge_interpreter_gaps()
+    for splits, block in ((1, 32), (3, 64)):
+        print(_check("cpu", torch.float32, splits, block, 5e-3))
+
+
+def test_lanes_kernel_in_the_interpreter():
+    from tests.triton_interpreter import run_interpreted
+
+    print(run_interpreted("tests.test_lanes_kernel:check_lanes_kernel_in_the_interpreter"))
+
+
+def test_lanes_decode_refuses_a_query_that_does_not_fit():
+    pytest.importorskip("triton")
+    from kite.kernels.lanes_triton import lanes_decode
+
+    x = _states("cpu")
+    with pytest.raises(ValueError, match="does not fit"):
+        lanes_decode(torch.randn(3, 6, 64), x, 0.125)
+    with pytest.raises(ValueError, match="must divide the group size"):
+        lanes_decode(torch.randn(2, 6, 64), x, 0.125, block=48)
+
+
+def test_lanes_partial_merges_the_sinks_on_the_cpu():
+    """lanes_partial = one softmax over the sinks and the coded rows: attention over the decoded rows."""
+    from kite.kernels.coded_attention import raw_partial
+
+    x = _states("cpu", lengths=(500, 500))
+    q = torch.randn(2, 6, 64)
+    out, lse = L.lanes_partial(q, x, 0.125)
+    k, v = L.decode(x, "k"), L.decode(x, "v")
+    n = x.raw_k.shape[2] + int(x.length[0])        # sinks + coded rows (500 tokens each), padding after
+    assert n == 500
+    want, wl = raw_partial(q[:, :, None], k[:, :, :n], v[:, :, :n], 0.125)
+    assert torch.allclose(out, want[:, :, 0], atol=1e-4)
+    assert torch.allclose(lse, wl[:, :, 0], atol=1e-4)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("splits,block", [(None, 64), (1, 32), (4, 128)])
+def test_lanes_kernel_matches_the_reference_on_the_gpu(dtype, splits, block):
+    """Compiled, at every query precision, head_dim 128 (lanes 128 and 64) and 64."""
+    pytest.importorskip("triton")
+    print(_check("cuda", dtype, splits, block, 5e-3, d=128, k_lanes=128, v_lanes=64, group=256,
+                 lengths=(2000, 700, 256)))
+    print(_check("cuda", dtype, splits, min(block, 128), 5e-3))
