@@ -95,12 +95,15 @@ def main(argv=None) -> int:
     def lanes_attn(module, query, key, value, attention_mask, scaling=None, **kw):
         li = module.layer_idx
         plan = state["plans"][li]
-        o, lse = lanes_decode(query[:, :, 0], plan, scaling, **state["kernel"]) if dev == "cuda" else \
-            L.lanes_partial_torch(query[:, :, 0], plan.lanes, scaling)
         lay = plan.lanes
-        ro, rl = raw_partial(query, lay.raw_k, lay.raw_v, scaling)                   # the sinks
-        so, sl = raw_partial(query, key, value, scaling)                             # the new token itself
-        out = merge([(o, lse), (ro[:, :, 0], rl[:, :, 0]), (so[:, :, 0], sl[:, :, 0])])[0]
+        extra_k = torch.cat((lay.raw_k, key.to(lay.raw_k.dtype)), dim=2)       # the sinks, the new token itself
+        extra_v = torch.cat((lay.raw_v, value.to(lay.raw_v.dtype)), dim=2)
+        if dev == "cuda":
+            out = lanes_decode(query[:, :, 0], plan, scaling, extra_k, extra_v, **state["kernel"])[0]
+        else:
+            o, lse = L.lanes_partial_torch(query[:, :, 0], lay, scaling)
+            ro, rl = raw_partial(query, extra_k, extra_v, scaling)
+            out = merge([(o, lse), (ro[:, :, 0], rl[:, :, 0])])[0]
         return out[:, None].to(query.dtype), None
 
     def raw_attn(module, query, key, value, attention_mask, scaling=None, **kw):

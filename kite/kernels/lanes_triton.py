@@ -1,13 +1,14 @@
 """The decode kernel of attention read from nibble lanes (Triton; the form is kite.kernels.lanes).
 
-One query token per state. The query heads of a KV head are projected on its key lanes' basis once
-(q B^T, outside the kernel: [N, H, Gq, R] is small) and its score constants κ_g · q once per group;
-the kernel streams the nibbles: per group it scales the projected query by that group's lane
-weights, per tile of rows it unpacks the nibbles to exact fp16 and takes the scores as two
-tensor-core products (the low nibbles, the high nibbles), then the values' lane sums Σ p n the same
-way, scaled by the group's value weights, and the value constants as Σ p κ_v. Programs split a
-state's groups (flash-decoding): each writes its part in lane space (max, sum, lane sums, constant
-sums) and :func:`lanes_decode` merges the parts and projects them on the value basis once.
+One query token per state; a program takes one KV head of one state and a share of its groups
+(flash-decoding splits). It projects the head's query rows on the key lanes' basis once (fp32),
+then per group scales that projection by the group's lane weights (fp16) and takes the score
+constants κ_g · q; per tile of rows it unpacks the nibbles to exact fp16 and takes the scores as
+two tensor-core products (low nibbles, high nibbles), then the values' lane sums Σ p n the same
+way, scaled by the group's value weights; a group's value constant enters once, with its
+probability mass. At the end it projects its lane sums on the value lanes' basis (fp32) and writes
+(max, sum, Σ p v) in d space; :func:`lanes_decode` merges the programs' parts with any rows kept
+raw (sinks, the tokens decoded so far) in one softmax.
 
 Query heads are the rows of every product (GP >= 16 of them, padding included): the form of the
 stream kernel's coefficient scores that the H200 runs right under Triton 3.6.
@@ -35,8 +36,8 @@ def _nibbles_f16(codes):
 
 
 @triton.jit
-def _lanes_kernel(qk_ptr, cq_ptr, kc_ptr, kw_ptr, vc_ptr, vw_ptr, vk_ptr, len_ptr,
-                  m_out, l_out, acc_out, accc_out,
+def _lanes_kernel(q_ptr, kb_ptr, kk_ptr, kw_ptr, kc_ptr, vb_ptr, vk_ptr, vw_ptr, vc_ptr, len_ptr,
+                  m_out, l_out, o_out, qscale,
                   H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, GROUP: tl.constexpr,
                   RK: tl.constexpr, RV: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                   SPLITS: tl.constexpr):
@@ -55,10 +56,15 @@ def _lanes_kernel(qk_ptr, cq_ptr, kc_ptr, kw_ptr, vc_ptr, vw_ptr, vk_ptr, len_pt
     cv = tl.arange(0, RV // 2)
     dd = tl.arange(0, D)
     t = tl.arange(0, BT)
-    # the projected query, pre-scaled by the softmax scale and log2(e): two halves of its lanes
-    qrow = qk_ptr + (pair * G + g)[:, None] * RK
-    q_lo = tl.load(qrow + ck[None, :], mask=gm[:, None], other=0.0)
-    q_hi = tl.load(qrow + RK // 2 + ck[None, :], mask=gm[:, None], other=0.0)
+    # the query heads of this KV head [GP, D] (fp32, times the softmax scale and log2(e)), projected
+    # on the key lanes' basis once: [GP, RK] as two halves (low-nibble lanes, high-nibble lanes)
+    q = tl.load(q_ptr + (pair * G + g)[:, None] * D + dd[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+    q = q * qscale
+    kb = kb_ptr + pair.to(tl.int64) * (RK * D)
+    b_lo = tl.load(kb + ck[:, None] * D + dd[None, :]).to(tl.float32)
+    b_hi = tl.load(kb + (RK // 2 + ck)[:, None] * D + dd[None, :]).to(tl.float32)
+    q_lo = tl.dot(q, tl.trans(b_lo), input_precision="ieee")
+    q_hi = tl.dot(q, tl.trans(b_hi), input_precision="ieee")
 
     m = tl.full([GP], -1.0e30, tl.float32)
     lsum = tl.zeros([GP], tl.float32)
@@ -68,19 +74,18 @@ def _lanes_kernel(qk_ptr, cq_ptr, kc_ptr, kw_ptr, vc_ptr, vw_ptr, vk_ptr, len_pt
     kcodes = kc_ptr + pair.to(tl.int64) * (NG * GROUP * (RK // 2))
     vcodes = vc_ptr + pair.to(tl.int64) * (NG * GROUP * (RV // 2))
     for gi in range(g_lo, g_hi):
-        wrow = kw_ptr + (pair * NG + gi) * RK
-        qs_lo = (q_lo * tl.load(wrow + ck)[None, :]).to(tl.float16)
-        qs_hi = (q_hi * tl.load(wrow + RK // 2 + ck)[None, :]).to(tl.float16)
-        cq = tl.load(cq_ptr + (pair * NG + gi) * G + g, mask=gm, other=0.0)
-        vrow = vw_ptr + (pair * NG + gi) * RV
-        wv_lo = tl.load(vrow + cv)
-        wv_hi = tl.load(vrow + RV // 2 + cv)
+        grp = pair * NG + gi
+        qs_lo = (q_lo * tl.load(kw_ptr + grp * RK + ck)[None, :]).to(tl.float16)
+        qs_hi = (q_hi * tl.load(kw_ptr + grp * RK + RK // 2 + ck)[None, :]).to(tl.float16)
+        cq = tl.sum(q * tl.load(kk_ptr + grp * D + dd)[None, :], 1)
+        wv_lo = tl.load(vw_ptr + grp * RV + cv)
+        wv_hi = tl.load(vw_ptr + grp * RV + RV // 2 + cv)
+        m0 = m
         gsum = tl.zeros([GP], tl.float32)
         for t0 in range(0, GROUP, BT):
             rows = gi * GROUP + t0 + t
             live = rows < length
-            kb = tl.load(kcodes + rows[:, None] * (RK // 2) + ck[None, :])
-            k_lo, k_hi = _nibbles_f16(kb)
+            k_lo, k_hi = _nibbles_f16(tl.load(kcodes + rows[:, None] * (RK // 2) + ck[None, :]))
             s = tl.dot(qs_lo, tl.trans(k_lo))
             s = tl.dot(qs_hi, tl.trans(k_hi), s)
             s = tl.where(live[None, :], s + cq[:, None], float("-inf"))
@@ -90,28 +95,30 @@ def _lanes_kernel(qk_ptr, cq_ptr, kc_ptr, kw_ptr, vc_ptr, vw_ptr, vk_ptr, len_pt
             ps = tl.sum(p, 1)
             lsum = lsum * alpha + ps
             gsum = gsum * alpha + ps
-            vb = tl.load(vcodes + rows[:, None] * (RV // 2) + cv[None, :])
-            v_lo, v_hi = _nibbles_f16(vb)
+            v_lo, v_hi = _nibbles_f16(tl.load(vcodes + rows[:, None] * (RV // 2) + cv[None, :]))
             ph = p.to(tl.float16)
             acc_lo = acc_lo * alpha[:, None] + tl.dot(ph, v_lo) * wv_lo[None, :]
             acc_hi = acc_hi * alpha[:, None] + tl.dot(ph, v_hi) * wv_hi[None, :]
-            acc_c = acc_c * alpha[:, None]
             m = m_new
-        vk = tl.load(vk_ptr + (pair * NG + gi) * D + dd)
-        acc_c += gsum[:, None] * vk[None, :]
+        # the group's value constant, weighted by its probability mass (rescaled to the new maximum)
+        acc_c = acc_c * tl.exp2(m0 - m)[:, None] + gsum[:, None] * tl.load(vk_ptr + grp * D + dd)[None, :]
 
+    # lane sums projected on the value lanes' basis, plus the constants: [GP, D]
+    vb = vb_ptr + pair.to(tl.int64) * (RV * D)
+    bv_lo = tl.load(vb + cv[:, None] * D + dd[None, :]).to(tl.float32)
+    bv_hi = tl.load(vb + (RV // 2 + cv)[:, None] * D + dd[None, :]).to(tl.float32)
+    o = acc_c + tl.dot(acc_lo, bv_lo, input_precision="ieee")
+    o = tl.dot(acc_hi, bv_hi, o, input_precision="ieee")
     out = pair * SPLITS + split
     tl.store(m_out + out * GP + g, m)
     tl.store(l_out + out * GP + g, lsum)
-    arow = acc_out + (out * GP + g)[:, None] * RV
-    tl.store(arow + cv[None, :], acc_lo)
-    tl.store(arow + RV // 2 + cv[None, :], acc_hi)
-    tl.store(accc_out + (out * GP + g)[:, None] * D + dd[None, :], acc_c)
+    tl.store(o_out + (out * GP + g)[:, None] * D + dd[None, :], o)
 
 
 class LanesPlan:
-    """What :func:`lanes_decode` reads of a Lanes batch, made contiguous on its device once (a
-    serving loop or a benchmark keeps one per layer and batch)."""
+    """What :func:`lanes_decode` reads of a Lanes batch, contiguous on its device, made once (a
+    serving loop or a benchmark keeps one per layer and batch). The bases stay in their stored
+    type (the kernel widens them); weights and constants are float32."""
 
     def __init__(self, lanes: Lanes):
         self.lanes = lanes
@@ -119,19 +126,21 @@ class LanesPlan:
         self.k_codes, self.v_codes = c(lanes.k_codes), c(lanes.v_codes)
         self.k_weight, self.v_weight = c(lanes.k_weight, torch.float32), c(lanes.v_weight, torch.float32)
         self.k_const, self.v_const = c(lanes.k_const, torch.float32), c(lanes.v_const, torch.float32)
-        self.k_basis, self.v_basis = c(lanes.k_basis, torch.float32), c(lanes.v_basis, torch.float32)
+        self.k_basis, self.v_basis = c(lanes.k_basis), c(lanes.v_basis)
         self.length = c(lanes.length.to(lanes.k_codes.device), torch.int32)
         N, H, Tp, _ = lanes.k_codes.shape
         self.N, self.H, self.Tp, self.NG = N, H, Tp, Tp // lanes.group
         self.RK, self.RV, self.D = lanes.k_weight.shape[-1], lanes.v_weight.shape[-1], lanes.k_const.shape[-1]
 
 
-def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, splits: int | None = None,
-                 block: int = 64, num_warps: int = 4, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_k: torch.Tensor | None = None,
+                 extra_v: torch.Tensor | None = None, splits: int | None = None, block: int = 64,
+                 num_warps: int = 4, num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [N, Hq, d] (one token per state) over the coded rows of each state in
-    ``lanes`` (sinks not included; kite.kernels.lanes.lanes_partial adds them): (out [N, Hq, d],
-    lse [N, Hq]) float32. ``splits``: programs a KV head's groups are cut into (default: enough
-    programs for the GPU); ``block``: rows a tile (divides the group size)."""
+    ``lanes`` and, in the same softmax, ``extra_k`` / ``extra_v`` [N, H, E, d] (rows kept raw: the
+    sinks, the decoded tokens; keys post-RoPE): (out [N, Hq, d], lse [N, Hq]) float32.
+    ``splits``: programs a KV head's groups are cut into (default: enough programs for the GPU);
+    ``block``: rows a tile (divides the group size)."""
     plan = lanes if isinstance(lanes, LanesPlan) else LanesPlan(lanes)
     N, H, NG, RK, RV, D = plan.N, plan.H, plan.NG, plan.RK, plan.RV, plan.D
     group = plan.lanes.group
@@ -145,26 +154,26 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, splits
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
         splits = max(1, min(NG, math.ceil(4 * sms / (N * H))))
-    qh = q.float().view(N, H, G, D) * (scale * LOG2E)
-    qk = (qh @ plan.k_basis.transpose(-1, -2)).contiguous()                         # [N, H, G, RK]
-    cq = (qh @ plan.k_const.transpose(-1, -2)).transpose(-1, -2).contiguous()       # [N, H, NG, G]
-    P = N * H * splits
-    m = torch.empty(P, GP, device=q.device, dtype=torch.float32)
+    m = torch.empty(N, H, splits, GP, device=q.device, dtype=torch.float32)
     lsum = torch.empty_like(m)
-    acc = torch.empty(P, GP, RV, device=q.device, dtype=torch.float32)
-    accc = torch.empty(P, GP, D, device=q.device, dtype=torch.float32)
-    _lanes_kernel[(N * H, splits)](qk, cq, plan.k_codes, plan.k_weight, plan.v_codes, plan.v_weight, plan.v_const,
-                                   plan.length, m, lsum, acc, accc, H=H, G=G, GP=GP, NG=NG, GROUP=group, RK=RK,
-                                   RV=RV, D=D, BT=block, SPLITS=splits, num_warps=num_warps, num_stages=num_stages)
-    # merge the splits (base-2 log-sum-exp), then one projection on the value basis
-    m = m.view(N, H, splits, GP)[..., :G]
-    lsum = lsum.view(N, H, splits, GP)[..., :G]
-    top = m.max(dim=2, keepdim=True).values
+    o = torch.empty(N, H, splits, GP, D, device=q.device, dtype=torch.float32)
+    _lanes_kernel[(N * H, splits)](q.contiguous(), plan.k_basis, plan.k_const, plan.k_weight, plan.k_codes,
+                                   plan.v_basis, plan.v_const, plan.v_weight, plan.v_codes, plan.length, m, lsum, o,
+                                   scale * LOG2E, H=H, G=G, GP=GP, NG=NG, GROUP=group, RK=RK, RV=RV, D=D, BT=block,
+                                   SPLITS=splits, num_warps=num_warps, num_stages=num_stages)
+    m, lsum, o = m[..., :G], lsum[..., :G], o[..., :G, :]                      # [N, H, S, G(, D)]
+    if extra_k is not None and extra_k.shape[2]:
+        s = (q.float().view(N, H, G, D) * (scale * LOG2E)) @ extra_k.float().transpose(-1, -2)   # [N, H, G, E]
+        me = s.amax(dim=-1)
+        pe = torch.exp2(s - me[..., None])
+        m = torch.cat((m, me[:, :, None]), dim=2)
+        lsum = torch.cat((lsum, pe.sum(-1)[:, :, None]), dim=2)
+        o = torch.cat((o, (pe @ extra_v.float())[:, :, None]), dim=2)
+    # one softmax over the parts (base 2)
+    top = m.amax(dim=2, keepdim=True)
     w = torch.exp2(m - top)                                                         # [N, H, S, G]
     total = (w * lsum).sum(dim=2)                                                   # [N, H, G]
-    lane = (w[..., None] * acc.view(N, H, splits, GP, RV)[:, :, :, :G]).sum(dim=2)  # [N, H, G, RV]
-    const = (w[..., None] * accc.view(N, H, splits, GP, D)[:, :, :, :G]).sum(dim=2)
-    out = (lane @ plan.v_basis + const) / total.clamp_min(1e-30)[..., None]
+    out = (w[..., None] * o).sum(dim=2) / total.clamp_min(1e-30)[..., None]
     lse = (top[:, :, 0] + torch.log2(total)) / LOG2E
     lse = torch.where(total > 0, lse, torch.full_like(lse, float("-inf")))
     return out.reshape(N, Hq, D), lse.reshape(N, Hq)
