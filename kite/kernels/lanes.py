@@ -31,10 +31,13 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from kite.kernels.quant import GAUSS_STEP, MSE_GRID
+
 __all__ = ["Lanes", "allocate_lanes", "decode", "encode", "lanes_partial", "lanes_partial_torch", "stack"]
 
 LANE_BITS = 4
 MAX_LANES = 2          # lanes a component may take (8 bits)
+CLIPS = ("minmax", "mse")
 
 
 @dataclass
@@ -96,13 +99,52 @@ def allocate_lanes(variances: torch.Tensor, lanes: int) -> torch.Tensor:
     return taken[..., :d] + taken[..., d:]     # a second lane's gain is below its first's: never one without
 
 
-def _side(x: torch.Tensor, lanes: int, group: int) -> dict:
+def _grid(cg: torch.Tensor, vg: torch.Tensor, n_lanes: torch.Tensor, clip: str
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's and coded component's quantization grid (minimum, step) [H, G, d] from its
+    coefficients cg [H, G, group, d] (valid rows: vg [H, G, group, 1]) at its bits (n_lanes [H, d]).
+
+    ``clip="minmax"``: the group's range; ``"mse"``: the grid of least squared error among the
+    min/max one and Gaussian-optimal steps around the group's mean (as kite.kernels.quant does for
+    the codec's coefficients), clipping the rare far tails for a finer step on the rest."""
+    big = torch.finfo(torch.float32).max
+    lo = torch.where(vg, cg, big).amin(dim=2)                                       # [H, G, d]
+    hi = torch.where(vg, cg, -big).amax(dim=2)
+    empty = vg.sum(dim=2) == 0
+    lo, hi = torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi)
+    levels = (2.0 ** (LANE_BITS * n_lanes) - 1).float()[:, None, :]                 # [H, 1, d]
+    coded = n_lanes[:, None, :] > 0
+    step = torch.where(coded, (hi - lo) / levels.clamp_min(1), 0.0)
+    if clip == "minmax":
+        return lo, step
+    cnt = vg.sum(dim=2).clamp_min(1)
+    mu = torch.where(vg, cg, 0.0).sum(dim=2) / cnt
+    sd = (torch.where(vg, cg - mu[:, :, None], 0.0).pow(2).sum(dim=2) / cnt).sqrt()
+    gauss = torch.tensor([GAUSS_STEP.get(int(b) * LANE_BITS, 0.0) for b in n_lanes.flatten()],
+                         device=cg.device).view(n_lanes.shape)[:, None, :]          # [H, 1, d]
+
+    def sq_err(mn: torch.Tensor, st: torch.Tensor) -> torch.Tensor:
+        q = ((cg - mn[:, :, None]) / st[:, :, None].clamp_min(1e-30)).round()
+        q = torch.minimum(q.clamp_min(0), levels[:, :, None])
+        return torch.where(vg, mn[:, :, None] + q * st[:, :, None] - cg, 0.0).pow(2).sum(dim=2)
+
+    best = sq_err(lo, step)
+    for f in MSE_GRID:
+        st = torch.where(coded, sd * gauss * f, 0.0)
+        mn = mu - st * levels / 2
+        err = sq_err(mn, st)
+        better = (err < best) & (st > 0)
+        best, lo, step = torch.where(better, err, best), torch.where(better, mn, lo), torch.where(better, st, step)
+    return lo, step
+
+
+def _side(x: torch.Tensor, lanes: int, group: int, clip: str) -> dict:
     """One side [H, T, d] (float) of one state in lanes: codes, weights, constants, basis (see Lanes)."""
     H, T, d = x.shape
     x = x.float()
     G = max(1, math.ceil(T / group))
     Tp = G * group
-    mean = x.mean(dim=1, keepdim=True)                                              # [H, 1, d]
+    mean = x.mean(dim=1, keepdim=True) if T else x.new_zeros(H, 1, d)               # [H, 1, d]
     xc = x - mean
     cov = xc.transpose(1, 2) @ xc / max(T, 1)
     evals, evecs = torch.linalg.eigh(cov.double())
@@ -115,17 +157,13 @@ def _side(x: torch.Tensor, lanes: int, group: int) -> dict:
     valid = (torch.arange(Tp, device=dev) < T)[None, :, None].expand(H, Tp, 1)
     cg = torch.cat((coef, pad), dim=1).view(H, G, group, d)
     vg = valid.reshape(H, G, group, 1)
-    big = torch.finfo(torch.float32).max
-    lo = torch.where(vg, cg, big).amin(dim=2)                                       # [H, G, d]
-    hi = torch.where(vg, cg, -big).amax(dim=2)
     cnt = vg.sum(dim=2).clamp_min(1)
     gmean = torch.where(vg, cg, 0.0).sum(dim=2) / cnt
-    empty = vg.sum(dim=2) == 0
-    lo, hi = torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi)
+    lo, step = _grid(cg, vg, n_lanes, clip)
     levels = (2.0 ** (LANE_BITS * n_lanes) - 1).float()[:, None, :]                 # [H, 1, d]
-    step = torch.where(n_lanes[:, None, :] > 0, (hi - lo) / levels.clamp_min(1), 0.0)
-    q = torch.where(step[:, :, None] > 0, ((cg - lo[:, :, None]) / step[:, :, None].clamp_min(1e-30)).round(),
-                    torch.zeros((), device=dev))
+    q = torch.where((step[:, :, None] > 0) & vg,
+                    ((cg - lo[:, :, None]) / step[:, :, None].clamp_min(1e-30)).round(),
+                    torch.zeros((), device=dev))                                    # padding rows: code 0
     q = torch.minimum(q.clamp_min(0), levels[:, :, None]).to(torch.int64)         # [H, G, group, d]
     # the constant row of each group: mean + Σ_kept lo_j b_j + Σ_dropped gmean_j b_j
     base = torch.where(n_lanes[:, None, :] > 0, lo, gmean)                           # [H, G, d] in components
@@ -149,10 +187,11 @@ def _side(x: torch.Tensor, lanes: int, group: int) -> dict:
 
 
 def encode(keys: torch.Tensor, values: torch.Tensor, k_lanes: int, v_lanes: int | None = None,
-           group: int = 512, sinks: int = 1) -> Lanes:
+           group: int = 512, sinks: int = 1, clip: str = "minmax") -> Lanes:
     """One layer of one state in lanes (N = 1): ``keys`` (post-RoPE) and ``values`` [H, T, d];
     ``k_lanes`` / ``v_lanes`` lanes a row (even powers of 2 <= 2d; d: 4 bits an element), groups of
-    ``group`` rows, the first ``sinks`` tokens kept exact."""
+    ``group`` rows, the first ``sinks`` tokens kept exact; ``clip``: each group's quantization range
+    (``"minmax"``, or ``"mse"``: clipped to the least squared error, see :func:`_grid`)."""
     v_lanes = k_lanes if v_lanes is None else v_lanes
     H, T, d = keys.shape
     for name, r in (("k_lanes", k_lanes), ("v_lanes", v_lanes)):
@@ -160,8 +199,10 @@ def encode(keys: torch.Tensor, values: torch.Tensor, k_lanes: int, v_lanes: int 
             raise ValueError(f"{name} must be a power of 2 in 2..{MAX_LANES * d}, not {r}")
     if group < 1:
         raise ValueError(f"group must be >= 1, not {group}")
+    if clip not in CLIPS:
+        raise ValueError(f"clip must be one of {CLIPS}, not {clip!r}")
     s = min(max(sinks, 0), T)
-    k, v = _side(keys[:, s:], k_lanes, group), _side(values[:, s:], v_lanes, group)
+    k, v = _side(keys[:, s:], k_lanes, group, clip), _side(values[:, s:], v_lanes, group, clip)
     return Lanes(k_codes=k["codes"][None], k_weight=k["weight"][None], k_const=k["const"][None],
                  k_basis=k["basis"][None], v_codes=v["codes"][None], v_weight=v["weight"][None],
                  v_const=v["const"][None], v_basis=v["basis"][None],
