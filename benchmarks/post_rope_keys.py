@@ -38,6 +38,7 @@ import json
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -116,33 +117,67 @@ def relative_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float]:
     return [round(float((x - y).norm() / y.norm().clamp_min(1e-30)), 4) for x, y in zip(a, b)]
 
 
+@dataclass
+class Document:
+    """One held-out document prepared for scoring: its context prefilled and captured (keys pre- and
+    post-RoPE, values), the continuation's logits after the full context."""
+
+    lm: object
+    name: str
+    n_ctx: int
+    cont: list[int]
+    targets: torch.Tensor
+    full: torch.Tensor          # the continuation's logits after the full context
+    cap: object                 # kite.upcycle.capture's Captured: keys_pre, values per layer [H, T, d]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    keys_post: list[torch.Tensor]
+
+    @property
+    def raw_bytes(self) -> int:
+        """The context's K and V in fp16."""
+        return 2 * sum(k.numel() for k in self.cap.keys_pre) * 2
+
+    @torch.inference_mode()
+    def score(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> dict:
+        """The continuation teacher-forced after a prefix of these (post-RoPE) keys and values, against
+        the full context: compare_logits' metrics plus the per-token KL's median and maximum."""
+        prefix = KVPrefix(keys=keys, values=values, next_position=self.n_ctx)
+        got = forward_tokens(self.lm.model, self.cont, new_cache(self.lm.model, prefix), self.n_ctx)[:-1]
+        # the mean KL is compare_logits'; a few tokens that copy from the context can dominate it, so
+        # the per-token median and maximum go beside it
+        lp_full, lp_got = torch.log_softmax(self.full, -1), torch.log_softmax(got, -1)
+        kl = (lp_full.exp() * (lp_full - lp_got)).sum(-1)
+        return {**compare_logits(self.full, got, self.targets), "kl_median": float(kl.median()),
+                "kl_max": float(kl.max())}
+
+
 @torch.inference_mode()
-def measure_document(lm, name: str, text: str, ratios: list[float], tops: list[int], part_tokens: int,
-                     key_scales: list[float] = (), key_shares: list[float] = (), continuation: int = 512) -> dict:
+def prepare_document(lm, name: str, text: str, continuation: int = 512, context: int = 2048) -> Document:
+    """Context min(``context``, n - continuation) tokens, the next ``continuation`` teacher-forced."""
     ids, _ = tokenize_document(lm.tokenizer, text)
-    n_ctx = min(2048, len(ids) - continuation)
+    n_ctx = min(context, len(ids) - continuation)
     ctx, cont = ids[:n_ctx], ids[n_ctx:n_ctx + continuation]
-    targets = torch.tensor(cont[1:])
-    t0 = time.perf_counter()
     full_cache = new_cache(lm.model)
     forward_tokens(lm.model, ctx, full_cache, 0)
     full = forward_tokens(lm.model, cont, full_cache, n_ctx)[:-1]
     cap = capture(lm, "", ids=ctx)
     cos, sin = rope_cos_sin(lm.model, torch.arange(n_ctx))
-    keys_post = [apply_rope(k, cos, sin) for k in cap.keys_pre]
+    return Document(lm=lm, name=name, n_ctx=n_ctx, cont=cont, targets=torch.tensor(cont[1:]), full=full, cap=cap,
+                    cos=cos, sin=sin, keys_post=[apply_rope(k, cos, sin) for k in cap.keys_pre])
 
-    def score(keys, values) -> dict:
-        prefix = KVPrefix(keys=keys, values=values, next_position=n_ctx)
-        got = forward_tokens(lm.model, cont, new_cache(lm.model, prefix), n_ctx)[:-1]
-        # the mean KL is compare_logits'; a few tokens that copy from the context can dominate it, so
-        # the per-token median and maximum go beside it
-        lp_full, lp_got = torch.log_softmax(full, -1), torch.log_softmax(got, -1)
-        kl = (lp_full.exp() * (lp_full - lp_got)).sum(-1)
-        return {**compare_logits(full, got, targets), "kl_median": float(kl.median()), "kl_max": float(kl.max())}
+
+@torch.inference_mode()
+def measure_document(lm, name: str, text: str, ratios: list[float], tops: list[int], part_tokens: int,
+                     key_scales: list[float] = (), key_shares: list[float] = (), continuation: int = 512) -> dict:
+    t0 = time.perf_counter()
+    doc = prepare_document(lm, name, text, continuation)
+    n_ctx, cont, cap, cos, sin, keys_post, score = (doc.n_ctx, doc.cont, doc.cap, doc.cos, doc.sin, doc.keys_post,
+                                                    doc.score)
 
     # the harness itself: the uncoded prefix must give the full-context PPL
     exact = score(keys_post, cap.values)
-    raw_bytes = 2 * sum(k.numel() for k in cap.keys_pre) * 2              # fp16 K and V
+    raw_bytes = doc.raw_bytes
     row = {"document": name, "context_tokens": n_ctx, "continuation_tokens": len(cont),
            "ppl_full": round(exact["ppl_full"], 4), "ppl_uncoded_prefix": round(exact["ppl_other"], 4),
            "raw_fp16_bytes": raw_bytes,
