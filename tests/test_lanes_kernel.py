@@ -24,7 +24,7 @@ def _states(device: str, H: int = 2, d: int = 64, lengths=(700, 300), k_lanes: i
     return L.stack(out)
 
 
-def _check(device: str, dtype: torch.dtype, splits, block: int, tol: float, **shape) -> str:
+def _check(device: str, dtype: torch.dtype, splits, block: int, tol: float, ptx=None, **shape) -> str:
     from kite.kernels.lanes_triton import lanes_decode
 
     x = _states(device, **shape)
@@ -32,14 +32,14 @@ def _check(device: str, dtype: torch.dtype, splits, block: int, tol: float, **sh
     q = (torch.randn(x.states, 3 * H, d, generator=torch.Generator().manual_seed(1)) * 2).to(device, dtype)
     scale = 1 / math.sqrt(d)
     want, wl = L.lanes_partial_torch(q, x, scale)
-    got, gl = lanes_decode(q, x, scale, splits=splits, block=block)
+    got, gl = lanes_decode(q, x, scale, splits=splits, block=block, ptx=ptx)
     err = float((got - want).abs().max())
     top = float(want.abs().max())
     assert err <= tol * top, f"{dtype} splits={splits} block={block}: max |diff| {err:.3g} of max |out| {top:.3g}"
     assert float((gl - wl).abs().max()) <= 50 * tol
     # with the sinks as rows kept raw, in the same softmax: as lanes_partial's CPU path merges them
     want2, _ = L.lanes_partial(q.cpu(), x.to("cpu"), scale)
-    got2, _ = lanes_decode(q, x, scale, x.raw_k, x.raw_v, splits=splits, block=block)
+    got2, _ = lanes_decode(q, x, scale, x.raw_k, x.raw_v, splits=splits, block=block, ptx=ptx)
     err2 = float((got2.cpu() - want2).abs().max())
     assert err2 <= tol * float(want2.abs().max()), f"with the sinks: max |diff| {err2:.3g}"
     return f"{dtype} splits={splits} block={block}: max |diff| {err:.3g} / max |out| {top:.3g}; with sinks {err2:.3g}"
@@ -100,3 +100,10 @@ def test_lanes_kernel_matches_the_reference_on_the_gpu(dtype, splits, block):
     print(_check("cuda", dtype, splits, block, 5e-3, d=128, k_lanes=128, v_lanes=64, group=256,
                  lengths=(2000, 700, 256)))
     print(_check("cuda", dtype, splits, min(block, 128), 5e-3))
+
+
+@cuda
+def test_lanes_kernel_unpacks_the_same_without_inline_ptx_on_the_gpu():
+    """The element-by-element unpacking (the interpreter's) compiled on the GPU gives the same."""
+    pytest.importorskip("triton")
+    print(_check("cuda", torch.bfloat16, None, 64, 5e-3, ptx=False, d=128, k_lanes=128, v_lanes=64, group=256))

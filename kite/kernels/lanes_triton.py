@@ -17,6 +17,7 @@ stream kernel's coefficient scores that the H200 runs right under Triton 3.6.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -27,12 +28,40 @@ from kite.kernels.lanes import Lanes
 LOG2E = 1.4426950408889634
 
 
+# Four code bytes (one register) -> their low and high nibbles as exact fp16, two a register: bytes
+# spread to 16-bit halves (prmt), a nibble masked into the mantissa of 1024 (lop3: (x & m) | c), 1024
+# taken off (sub.f16x2). Two outputs of two registers each, one input register (pack=4).
+_NIBBLES_PTX = """
+{
+.reg .b32 t0, t1, bias;
+mov.b32 bias, 0x64006400;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xea;
+shr.b32 t0, t0, 4;
+shr.b32 t1, t1, 4;
+lop3.b32 $2, t0, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 $3, t1, 0x000F000F, 0x64006400, 0xea;
+sub.f16x2 $0, $0, bias;
+sub.f16x2 $1, $1, bias;
+sub.f16x2 $2, $2, bias;
+sub.f16x2 $3, $3, bias;
+}
+"""
+
+
 @triton.jit
-def _nibbles_f16(codes):
-    """uint8 codes -> (low nibbles, high nibbles) as exact fp16: the bits of 1024 + n, minus 1024."""
-    lo = ((codes & 15).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-    hi = ((codes >> 4).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-    return lo, hi
+def _nibbles_f16(codes, PTX: tl.constexpr):
+    """uint8 codes -> (low nibbles, high nibbles) as exact fp16. PTX: four bytes at a time in inline
+    PTX (_NIBBLES_PTX; on a GPU); else element by element (the bits of 1024 + n, minus 1024)."""
+    if PTX:
+        return tl.inline_asm_elementwise(_NIBBLES_PTX, "=r,=r,=r,=r,r", [codes], dtype=(tl.float16, tl.float16),
+                                         is_pure=True, pack=4)
+    else:
+        lo = ((codes & 15).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        hi = ((codes >> 4).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        return lo, hi
 
 
 @triton.jit
@@ -40,7 +69,7 @@ def _lanes_kernel(q_ptr, kb_ptr, kk_ptr, kw_ptr, kc_ptr, vb_ptr, vk_ptr, vw_ptr,
                   m_out, l_out, o_out, qscale,
                   H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, GROUP: tl.constexpr,
                   RK: tl.constexpr, RV: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
-                  SPLITS: tl.constexpr):
+                  SPLITS: tl.constexpr, PTX: tl.constexpr):
     pair = tl.program_id(0)
     split = tl.program_id(1)
     n = pair // H
@@ -85,7 +114,7 @@ def _lanes_kernel(q_ptr, kb_ptr, kk_ptr, kw_ptr, kc_ptr, vb_ptr, vk_ptr, vw_ptr,
         for t0 in range(0, GROUP, BT):
             rows = gi * GROUP + t0 + t
             live = rows < length
-            k_lo, k_hi = _nibbles_f16(tl.load(kcodes + rows[:, None] * (RK // 2) + ck[None, :]))
+            k_lo, k_hi = _nibbles_f16(tl.load(kcodes + rows[:, None] * (RK // 2) + ck[None, :]), PTX)
             s = tl.dot(qs_lo, tl.trans(k_lo))
             s = tl.dot(qs_hi, tl.trans(k_hi), s)
             s = tl.where(live[None, :], s + cq[:, None], float("-inf"))
@@ -95,7 +124,7 @@ def _lanes_kernel(q_ptr, kb_ptr, kk_ptr, kw_ptr, kc_ptr, vb_ptr, vk_ptr, vw_ptr,
             ps = tl.sum(p, 1)
             lsum = lsum * alpha + ps
             gsum = gsum * alpha + ps
-            v_lo, v_hi = _nibbles_f16(tl.load(vcodes + rows[:, None] * (RV // 2) + cv[None, :]))
+            v_lo, v_hi = _nibbles_f16(tl.load(vcodes + rows[:, None] * (RV // 2) + cv[None, :]), PTX)
             ph = p.to(tl.float16)
             acc_lo = acc_lo * alpha[:, None] + tl.dot(ph, v_lo) * wv_lo[None, :]
             acc_hi = acc_hi * alpha[:, None] + tl.dot(ph, v_hi) * wv_hi[None, :]
@@ -113,6 +142,10 @@ def _lanes_kernel(q_ptr, kb_ptr, kk_ptr, kw_ptr, kc_ptr, vb_ptr, vk_ptr, vw_ptr,
     tl.store(m_out + out * GP + g, m)
     tl.store(l_out + out * GP + g, lsum)
     tl.store(o_out + (out * GP + g)[:, None] * D + dd[None, :], o)
+
+
+def _ptx(q: torch.Tensor) -> bool:
+    return q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 class LanesPlan:
@@ -135,12 +168,13 @@ class LanesPlan:
 
 def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_k: torch.Tensor | None = None,
                  extra_v: torch.Tensor | None = None, splits: int | None = None, block: int = 64,
-                 num_warps: int = 4, num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_warps: int = 4, num_stages: int = 3, ptx: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [N, Hq, d] (one token per state) over the coded rows of each state in
     ``lanes`` and, in the same softmax, ``extra_k`` / ``extra_v`` [N, H, E, d] (rows kept raw: the
     sinks, the decoded tokens; keys post-RoPE): (out [N, Hq, d], lse [N, Hq]) float32.
     ``splits``: programs a KV head's groups are cut into (default: enough programs for the GPU);
-    ``block``: rows a tile (divides the group size)."""
+    ``block``: rows a tile (divides the group size); ``ptx``: unpack the nibbles in inline PTX
+    (default: on a GPU, not under Triton's interpreter)."""
     plan = lanes if isinstance(lanes, LanesPlan) else LanesPlan(lanes)
     N, H, NG, RK, RV, D = plan.N, plan.H, plan.NG, plan.RK, plan.RV, plan.D
     group = plan.lanes.group
@@ -160,7 +194,8 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
     _lanes_kernel[(N * H, splits)](q.contiguous(), plan.k_basis, plan.k_const, plan.k_weight, plan.k_codes,
                                    plan.v_basis, plan.v_const, plan.v_weight, plan.v_codes, plan.length, m, lsum, o,
                                    scale * LOG2E, H=H, G=G, GP=GP, NG=NG, GROUP=group, RK=RK, RV=RV, D=D, BT=block,
-                                   SPLITS=splits, num_warps=num_warps, num_stages=num_stages)
+                                   SPLITS=splits, PTX=_ptx(q) if ptx is None else ptx, num_warps=num_warps,
+                                   num_stages=num_stages)
     m, lsum, o = m[..., :G], lsum[..., :G], o[..., :G, :]                      # [N, H, S, G(, D)]
     if extra_k is not None and extra_k.shape[2]:
         s = (q.float().view(N, H, G, D) * (scale * LOG2E)) @ extra_k.float().transpose(-1, -2)   # [N, H, G, E]
