@@ -88,6 +88,39 @@ def test_lanes_partial_merges_the_sinks_on_the_cpu():
     assert torch.allclose(lse, wl[:, :, 0], atol=1e-4)
 
 
+def _kernel_sass_sm90(ptx: bool) -> dict:
+    """The lanes kernel at the benchmark's geometry (4 KV heads x 7 query heads, head_dim 128, 128
+    lanes) compiled for sm_90a on this machine (Triton's compiler and ptxas; no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kite.kernels.lanes_triton import _lanes_kernel
+
+    fn = _lanes_kernel
+    types = {"q_ptr": "*bf16", "kb_ptr": "*bf16", "vb_ptr": "*bf16", "kc_ptr": "*u8", "vc_ptr": "*u8",
+             "len_ptr": "*i32", "qscale": "fp32"}
+    consts = dict(H=4, G=7, GP=16, NG=32, GROUP=512, RK=128, RV=128, D=128, BT=128, SPLITS=1, PTX=ptx)
+    sig = {name: types.get(name, "*fp32" if name.endswith(("_ptr", "_out")) else "constexpr")
+           for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if sig[name].startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm
+
+
+def test_the_lanes_kernel_compiles_for_the_h200_with_its_inline_ptx():
+    """The inline PTX that unpacks four code bytes at a time assembles for sm_90a (ptxas, here), and
+    the unpacking is its prmt / lop3 / sub.f16x2, not an element-wise conversion."""
+    pytest.importorskip("triton")
+    try:
+        asm = _kernel_sass_sm90(True)
+    except (ImportError, RuntimeError) as e:   # a Triton without its NVIDIA backend / ptxas
+        pytest.skip(f"cannot compile for sm_90a here: {e}"[:200])
+    ptx = asm["ptx"]
+    assert "prmt.b32" in ptx and "lop3.b32" in ptx and "sub.f16x2" in ptx
+    assert "mma" in ptx     # the scores and value sums on the tensor cores
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

@@ -31,7 +31,7 @@ LOG2E = 1.4426950408889634
 # Four code bytes (one register) -> their low and high nibbles as exact fp16, two a register: bytes
 # spread to 16-bit halves (prmt), a nibble masked into the mantissa of 1024 (lop3: (x & m) | c), 1024
 # taken off (sub.f16x2). Two outputs of two registers each, one input register (pack=4).
-_NIBBLES_PTX = """
+_NIBBLES_PTX = tl.constexpr("""
 {
 .reg .b32 t0, t1, bias;
 mov.b32 bias, 0x64006400;
@@ -48,7 +48,7 @@ sub.f16x2 $1, $1, bias;
 sub.f16x2 $2, $2, bias;
 sub.f16x2 $3, $3, bias;
 }
-"""
+""")
 
 
 @triton.jit
