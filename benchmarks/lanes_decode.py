@@ -56,8 +56,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-budget-gb", type=float, default=40.0)
     ap.add_argument("--lanes", type=int, nargs="+", default=[128, 64], help="lanes a row (keys and values)")
     ap.add_argument("--group", type=int, default=512)
-    ap.add_argument("--configs", default="128,4,3;128,4,2;64,4,3;64,2,3;128,8,3;128,4,3,0",
-                    help="kernel configurations: block,warps,stages[,ptx (1: unpack in inline PTX, the default)];...")
+    ap.add_argument("--configs", default="64,4,3;64,4,2;128,4,3;64,4,3,1,128;128,8,3;32,4,3;64,4,3,0",
+                    help="kernel configurations: block,warps,stages[,ptx (1: unpack in inline PTX, the default)"
+                         "[,maxnreg (0: none)]];...")
     ap.add_argument("--splits", type=int, nargs="*", default=[0], help="0: the kernel's default")
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true")
@@ -175,10 +176,11 @@ def main(argv=None) -> int:
         variants = {}
         if dev == "cuda":
             for conf in args.configs.split(";"):
-                block, warps, stages, ptx = ([int(x) for x in conf.split(",")] + [1])[:4]
+                block, warps, stages, ptx, mx = ([int(x) for x in conf.split(",")] + [1, 0])[:5]
                 for sp in args.splits:
-                    kw = dict(block=block, num_warps=warps, num_stages=stages, splits=sp or None, ptx=bool(ptx))
-                    name = f"block{block}_warps{warps}_stages{stages}_splits{sp}_ptx{ptx}"
+                    kw = dict(block=block, num_warps=warps, num_stages=stages, splits=sp or None, ptx=bool(ptx),
+                              maxnreg=mx or None)
+                    name = f"block{block}_warps{warps}_stages{stages}_splits{sp}_ptx{ptx}_maxnreg{mx}"
                     try:
                         variants[name] = gs.cuda_ms(
                             lambda kw=kw: [lanes_decode(qn, p, scale, **kw) for p in state["plans"]], reps=3)
@@ -186,9 +188,10 @@ def main(argv=None) -> int:
                         variants[name] = repr(e)[:200]
             print("kernel variants (ms, all layers):", variants, flush=True)
             best = min((v, k) for k, v in variants.items() if isinstance(v, float))[1]
-            b, w, s_, sp, px = (int(x[len(p):]) for x, p in zip(best.split("_"),
-                                                                ("block", "warps", "stages", "splits", "ptx")))
-            state["kernel"] = dict(block=b, num_warps=w, num_stages=s_, splits=sp or None, ptx=bool(px))
+            b, w, s_, sp, px, mx = (int(x[len(p):]) for x, p in zip(
+                best.split("_"), ("block", "warps", "stages", "splits", "ptx", "maxnreg")))
+            state["kernel"] = dict(block=b, num_warps=w, num_stages=s_, splits=sp or None, ptx=bool(px),
+                                   maxnreg=mx or None)
             form.update({"kernel_variants_ms": variants, "kernel_best": best,
                          "kernel_ms_all_layers": variants[best], "kernel_floor_ms": floor,
                          "kernel_over_floor": round(variants[best] / floor, 2)})

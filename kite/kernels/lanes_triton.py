@@ -2,8 +2,8 @@
 
 One query token per state; a program takes one KV head of one state and a share of its groups
 (flash-decoding splits). It projects the head's query rows on the key lanes' basis once (fp32),
-then per group scales that projection by the group's lane weights (fp16) and takes the score
-constants κ_g · q; per tile of rows it unpacks the nibbles to exact fp16 and takes the scores as
+then per group scales that projection by the group's lane weights (fp16) and adds the score
+constants κ_g · q (taken before the launch, one small product); per tile of rows it unpacks the nibbles to exact fp16 and takes the scores as
 two tensor-core products (low nibbles, high nibbles), then the values' lane sums Σ p n the same
 way, scaled by the group's value weights; a group's value constant enters once, with its
 probability mass. At the end it projects its lane sums on the value lanes' basis (fp32) and writes
@@ -28,45 +28,83 @@ from kite.kernels.lanes import Lanes
 LOG2E = 1.4426950408889634
 
 
-# Four code bytes (one register) -> their low and high nibbles as exact fp16, two a register: bytes
-# spread to 16-bit halves (prmt), a nibble masked into the mantissa of 1024 (lop3: (x & m) | c), 1024
-# taken off (sub.f16x2). Two outputs of two registers each, one input register (pack=4).
-_NIBBLES_PTX = tl.constexpr("""
+# Four code bytes (one register) -> their low (or high) nibbles as exact fp16, two a register: bytes
+# spread to 16-bit halves (prmt), the nibble masked into the mantissa of 1024 (lop3: (x & m) | c),
+# 1024 taken off (sub.f16x2). One output of two registers, one input register (pack=4); low and
+# high apart, so that one unpacked tile at a time is live.
+_LOW_PTX = tl.constexpr("""
 {
 .reg .b32 t0, t1, bias;
 mov.b32 bias, 0x64006400;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
+prmt.b32 t0, $2, 0, 0x4140;
+prmt.b32 t1, $2, 0, 0x4342;
 lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xea;
 lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xea;
-shr.b32 t0, t0, 4;
-shr.b32 t1, t1, 4;
-lop3.b32 $2, t0, 0x000F000F, 0x64006400, 0xea;
-lop3.b32 $3, t1, 0x000F000F, 0x64006400, 0xea;
 sub.f16x2 $0, $0, bias;
 sub.f16x2 $1, $1, bias;
-sub.f16x2 $2, $2, bias;
-sub.f16x2 $3, $3, bias;
+}
+""")
+_HIGH_PTX = tl.constexpr("""
+{
+.reg .b32 t0, t1, bias;
+mov.b32 bias, 0x64006400;
+prmt.b32 t0, $2, 0, 0x4140;
+prmt.b32 t1, $2, 0, 0x4342;
+shr.b32 t0, t0, 4;
+shr.b32 t1, t1, 4;
+lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xea;
+sub.f16x2 $0, $0, bias;
+sub.f16x2 $1, $1, bias;
 }
 """)
 
 
 @triton.jit
-def _nibbles_f16(codes, PTX: tl.constexpr):
-    """uint8 codes -> (low nibbles, high nibbles) as exact fp16. PTX: four bytes at a time in inline
-    PTX (_NIBBLES_PTX; on a GPU); else element by element (the bits of 1024 + n, minus 1024)."""
+def _low_f16(codes, PTX: tl.constexpr):
+    """uint8 codes -> their low nibbles as exact fp16. PTX: four bytes at a time in inline PTX (on a
+    GPU); else element by element (the bits of 1024 + n, minus 1024: Triton's interpreter)."""
     if PTX:
-        return tl.inline_asm_elementwise(_NIBBLES_PTX, "=r,=r,=r,=r,r", [codes], dtype=(tl.float16, tl.float16),
-                                         is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(_LOW_PTX, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
     else:
-        lo = ((codes & 15).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-        hi = ((codes >> 4).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-        return lo, hi
+        return ((codes & 15).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
 
 
 @triton.jit
-def _lanes_kernel(q_ptr, kb_ptr, kk_ptr, kw_ptr, kc_ptr, vb_ptr, vk_ptr, vw_ptr, vc_ptr, len_ptr,
-                  m_out, l_out, o_out, qscale,
+def _high_f16(codes, PTX: tl.constexpr):
+    """uint8 codes -> their high nibbles as exact fp16 (as _low_f16)."""
+    if PTX:
+        return tl.inline_asm_elementwise(_HIGH_PTX, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        return ((codes >> 4).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def _project_kernel(x_ptr, b_ptr, out_ptr, xscale, ROWS: tl.constexpr, RP: tl.constexpr, R: tl.constexpr,
+                    D: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """Per program (one KV head of one state): rows x [ROWS (padded to RP), *] (fp32 after a cast,
+    times ``xscale``) times a basis [R, D] of the stored type, in fp32 (tf32x3): TRANSPOSE, x [., D]
+    @ basis^T -> [RP, R] (the query on the key lanes); else x [., R] @ basis -> [RP, D] (value lane
+    sums back to d). Its own kernel, so its operands do not weigh on the stream kernel's registers."""
+    pair = tl.program_id(0)
+    r = tl.arange(0, RP)
+    rm = r < ROWS
+    j = tl.arange(0, R)
+    dd = tl.arange(0, D)
+    basis = tl.load(b_ptr + pair.to(tl.int64) * (R * D) + j[:, None] * D + dd[None, :]).to(tl.float32)
+    if TRANSPOSE:
+        x = tl.load(x_ptr + (pair * ROWS + r)[:, None] * D + dd[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+        y = tl.dot(x * xscale, tl.trans(basis), input_precision="tf32x3")
+        tl.store(out_ptr + (pair * RP + r)[:, None] * R + j[None, :], y)
+    else:
+        x = tl.load(x_ptr + (pair * RP + r)[:, None] * R + j[None, :]).to(tl.float32)
+        y = tl.dot(x * xscale, basis, input_precision="tf32x3")
+        tl.store(out_ptr + (pair * RP + r)[:, None] * D + dd[None, :], y)
+
+
+@triton.jit
+def _lanes_kernel(qk_ptr, cq_ptr, kw_ptr, kc_ptr, vk_ptr, vw_ptr, vc_ptr, len_ptr,
+                  m_out, l_out, acc_out, accc_out,
                   H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, GROUP: tl.constexpr,
                   RK: tl.constexpr, RV: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                   SPLITS: tl.constexpr, PTX: tl.constexpr):
@@ -85,16 +123,11 @@ def _lanes_kernel(q_ptr, kb_ptr, kk_ptr, kw_ptr, kc_ptr, vb_ptr, vk_ptr, vw_ptr,
     cv = tl.arange(0, RV // 2)
     dd = tl.arange(0, D)
     t = tl.arange(0, BT)
-    # the query heads of this KV head [GP, D] (fp32, times the softmax scale and log2(e)), projected
-    # on the key lanes' basis once: [GP, RK] as two halves (low-nibble lanes, high-nibble lanes)
-    q = tl.load(q_ptr + (pair * G + g)[:, None] * D + dd[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
-    q = q * qscale
-    kb = kb_ptr + pair.to(tl.int64) * (RK * D)
-    b_lo = tl.load(kb + ck[:, None] * D + dd[None, :]).to(tl.float32)
-    b_hi = tl.load(kb + (RK // 2 + ck)[:, None] * D + dd[None, :]).to(tl.float32)
-    q_lo = tl.dot(q, tl.trans(b_lo), input_precision="ieee")
-    q_hi = tl.dot(q, tl.trans(b_hi), input_precision="ieee")
-
+    # the query heads of this KV head on its key lanes (_project_kernel; times the softmax scale and
+    # log2(e)): [GP, RK] as two halves (low-nibble lanes, high-nibble lanes)
+    qrow = qk_ptr + (pair * GP + g)[:, None] * RK
+    q_lo = tl.load(qrow + ck[None, :])
+    q_hi = tl.load(qrow + RK // 2 + ck[None, :])
     m = tl.full([GP], -1.0e30, tl.float32)
     lsum = tl.zeros([GP], tl.float32)
     acc_lo = tl.zeros([GP, RV // 2], tl.float32)
@@ -106,7 +139,7 @@ def _lanes_kernel(q_ptr, kb_ptr, kk_ptr, kw_ptr, kc_ptr, vb_ptr, vk_ptr, vw_ptr,
         grp = pair * NG + gi
         qs_lo = (q_lo * tl.load(kw_ptr + grp * RK + ck)[None, :]).to(tl.float16)
         qs_hi = (q_hi * tl.load(kw_ptr + grp * RK + RK // 2 + ck)[None, :]).to(tl.float16)
-        cq = tl.sum(q * tl.load(kk_ptr + grp * D + dd)[None, :], 1)
+        cq = tl.load(cq_ptr + grp * G + g, mask=gm, other=0.0)
         wv_lo = tl.load(vw_ptr + grp * RV + cv)
         wv_hi = tl.load(vw_ptr + grp * RV + RV // 2 + cv)
         m0 = m
@@ -114,9 +147,9 @@ def _lanes_kernel(q_ptr, kb_ptr, kk_ptr, kw_ptr, kc_ptr, vb_ptr, vk_ptr, vw_ptr,
         for t0 in range(0, GROUP, BT):
             rows = gi * GROUP + t0 + t
             live = rows < length
-            k_lo, k_hi = _nibbles_f16(tl.load(kcodes + rows[:, None] * (RK // 2) + ck[None, :]), PTX)
-            s = tl.dot(qs_lo, tl.trans(k_lo))
-            s = tl.dot(qs_hi, tl.trans(k_hi), s)
+            kt = tl.load(kcodes + rows[:, None] * (RK // 2) + ck[None, :])
+            s = tl.dot(qs_lo, tl.trans(_low_f16(kt, PTX)))
+            s = tl.dot(qs_hi, tl.trans(_high_f16(kt, PTX)), s)
             s = tl.where(live[None, :], s + cq[:, None], float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp2(m - m_new)
@@ -124,24 +157,21 @@ def _lanes_kernel(q_ptr, kb_ptr, kk_ptr, kw_ptr, kc_ptr, vb_ptr, vk_ptr, vw_ptr,
             ps = tl.sum(p, 1)
             lsum = lsum * alpha + ps
             gsum = gsum * alpha + ps
-            v_lo, v_hi = _nibbles_f16(tl.load(vcodes + rows[:, None] * (RV // 2) + cv[None, :]), PTX)
+            vt = tl.load(vcodes + rows[:, None] * (RV // 2) + cv[None, :])
             ph = p.to(tl.float16)
-            acc_lo = acc_lo * alpha[:, None] + tl.dot(ph, v_lo) * wv_lo[None, :]
-            acc_hi = acc_hi * alpha[:, None] + tl.dot(ph, v_hi) * wv_hi[None, :]
+            acc_lo = acc_lo * alpha[:, None] + tl.dot(ph, _low_f16(vt, PTX)) * wv_lo[None, :]
+            acc_hi = acc_hi * alpha[:, None] + tl.dot(ph, _high_f16(vt, PTX)) * wv_hi[None, :]
             m = m_new
         # the group's value constant, weighted by its probability mass (rescaled to the new maximum)
         acc_c = acc_c * tl.exp2(m0 - m)[:, None] + gsum[:, None] * tl.load(vk_ptr + grp * D + dd)[None, :]
 
-    # lane sums projected on the value lanes' basis, plus the constants: [GP, D]
-    vb = vb_ptr + pair.to(tl.int64) * (RV * D)
-    bv_lo = tl.load(vb + cv[:, None] * D + dd[None, :]).to(tl.float32)
-    bv_hi = tl.load(vb + (RV // 2 + cv)[:, None] * D + dd[None, :]).to(tl.float32)
-    o = acc_c + tl.dot(acc_lo, bv_lo, input_precision="ieee")
-    o = tl.dot(acc_hi, bv_hi, o, input_precision="ieee")
     out = pair * SPLITS + split
     tl.store(m_out + out * GP + g, m)
     tl.store(l_out + out * GP + g, lsum)
-    tl.store(o_out + (out * GP + g)[:, None] * D + dd[None, :], o)
+    arow = acc_out + (out * GP + g)[:, None] * RV
+    tl.store(arow + cv[None, :], acc_lo)
+    tl.store(arow + RV // 2 + cv[None, :], acc_hi)
+    tl.store(accc_out + (out * GP + g)[:, None] * D + dd[None, :], acc_c)
 
 
 def _ptx(q: torch.Tensor) -> bool:
@@ -168,13 +198,15 @@ class LanesPlan:
 
 def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_k: torch.Tensor | None = None,
                  extra_v: torch.Tensor | None = None, splits: int | None = None, block: int = 64,
-                 num_warps: int = 4, num_stages: int = 3, ptx: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_warps: int = 4, num_stages: int = 3, ptx: bool | None = None,
+                 maxnreg: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [N, Hq, d] (one token per state) over the coded rows of each state in
     ``lanes`` and, in the same softmax, ``extra_k`` / ``extra_v`` [N, H, E, d] (rows kept raw: the
     sinks, the decoded tokens; keys post-RoPE): (out [N, Hq, d], lse [N, Hq]) float32.
     ``splits``: programs a KV head's groups are cut into (default: enough programs for the GPU);
     ``block``: rows a tile (divides the group size); ``ptx``: unpack the nibbles in inline PTX
-    (default: on a GPU, not under Triton's interpreter)."""
+    (default: on a GPU, not under Triton's interpreter); ``maxnreg``: a cap on the stream kernel's
+    registers a thread (more programs an SM, some spilled)."""
     plan = lanes if isinstance(lanes, LanesPlan) else LanesPlan(lanes)
     N, H, NG, RK, RV, D = plan.N, plan.H, plan.NG, plan.RK, plan.RV, plan.D
     group = plan.lanes.group
@@ -188,27 +220,41 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
         splits = max(1, min(NG, math.ceil(4 * sms / (N * H))))
-    m = torch.empty(N, H, splits, GP, device=q.device, dtype=torch.float32)
+    dev = q.device
+    qs = q.float().view(N, H, G, D) * (scale * LOG2E)
+    # the query on the key lanes [N, H, GP, RK]; the score constants κ_g · q [N, H, NG, G]
+    qk = torch.empty(N, H, GP, RK, device=dev, dtype=torch.float32)
+    _project_kernel[(N * H,)](q.contiguous(), plan.k_basis, qk, scale * LOG2E, ROWS=G, RP=GP, R=RK, D=D,
+                              TRANSPOSE=True)
+    cq = (plan.k_const @ qs.transpose(-1, -2)).contiguous()
+    m = torch.empty(N, H, splits, GP, device=dev, dtype=torch.float32)
     lsum = torch.empty_like(m)
-    o = torch.empty(N, H, splits, GP, D, device=q.device, dtype=torch.float32)
-    _lanes_kernel[(N * H, splits)](q.contiguous(), plan.k_basis, plan.k_const, plan.k_weight, plan.k_codes,
-                                   plan.v_basis, plan.v_const, plan.v_weight, plan.v_codes, plan.length, m, lsum, o,
-                                   scale * LOG2E, H=H, G=G, GP=GP, NG=NG, GROUP=group, RK=RK, RV=RV, D=D, BT=block,
-                                   SPLITS=splits, PTX=_ptx(q) if ptx is None else ptx, num_warps=num_warps,
-                                   num_stages=num_stages)
-    m, lsum, o = m[..., :G], lsum[..., :G], o[..., :G, :]                      # [N, H, S, G(, D)]
-    if extra_k is not None and extra_k.shape[2]:
-        s = (q.float().view(N, H, G, D) * (scale * LOG2E)) @ extra_k.float().transpose(-1, -2)   # [N, H, G, E]
-        me = s.amax(dim=-1)
-        pe = torch.exp2(s - me[..., None])
-        m = torch.cat((m, me[:, :, None]), dim=2)
-        lsum = torch.cat((lsum, pe.sum(-1)[:, :, None]), dim=2)
-        o = torch.cat((o, (pe @ extra_v.float())[:, :, None]), dim=2)
-    # one softmax over the parts (base 2)
-    top = m.amax(dim=2, keepdim=True)
-    w = torch.exp2(m - top)                                                         # [N, H, S, G]
+    acc = torch.empty(N, H, splits, GP, RV, device=dev, dtype=torch.float32)
+    accc = torch.empty(N, H, splits, GP, D, device=dev, dtype=torch.float32)
+    _lanes_kernel[(N * H, splits)](qk, cq, plan.k_weight, plan.k_codes, plan.v_const, plan.v_weight, plan.v_codes,
+                                   plan.length, m, lsum, acc, accc, H=H, G=G, GP=GP, NG=NG, GROUP=group, RK=RK,
+                                   RV=RV, D=D, BT=block, SPLITS=splits, PTX=_ptx(q) if ptx is None else ptx,
+                                   num_warps=num_warps, num_stages=num_stages,
+                                   **({"maxnreg": maxnreg} if maxnreg else {}))
+    # the splits' parts and the raw rows in one softmax (base 2); lane sums back to d once, merged
+    m, lsum, acc, accc = m[..., :G], lsum[..., :G], acc[:, :, :, :G], accc[:, :, :, :G]
+    top = m.amax(dim=2)                                                             # [N, H, G]
+    extra = extra_k is not None and extra_k.shape[2] > 0
+    if extra:
+        s = qs @ extra_k.float().transpose(-1, -2)                                # [N, H, G, E]
+        top = torch.maximum(top, s.amax(dim=-1))
+        pe = torch.exp2(s - top[..., None])
+    w = torch.exp2(m - top[:, :, None])                                             # [N, H, S, G]
     total = (w * lsum).sum(dim=2)                                                   # [N, H, G]
-    out = (w[..., None] * o).sum(dim=2) / total.clamp_min(1e-30)[..., None]
-    lse = (top[:, :, 0] + torch.log2(total)) / LOG2E
+    lane = torch.zeros(N, H, GP, RV, device=dev, dtype=torch.float32)
+    lane[:, :, :G] = (w[..., None] * acc).sum(dim=2)
+    o = torch.empty(N, H, GP, D, device=dev, dtype=torch.float32)
+    _project_kernel[(N * H,)](lane, plan.v_basis, o, 1.0, ROWS=GP, RP=GP, R=RV, D=D, TRANSPOSE=False)
+    o = o[:, :, :G] + (w[..., None] * accc).sum(dim=2)
+    if extra:
+        total = total + pe.sum(dim=-1)
+        o = o + pe @ extra_v.float()
+    out = o / total.clamp_min(1e-30)[..., None]
+    lse = (top + torch.log2(total)) / LOG2E
     lse = torch.where(total > 0, lse, torch.full_like(lse, float("-inf")))
     return out.reshape(N, Hq, D), lse.reshape(N, Hq)
