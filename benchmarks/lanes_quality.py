@@ -1,0 +1,218 @@
+"""What the nibble-lanes resident form (kite/kernels/lanes.py) costs in quality at a ratio (issue 17).
+
+On the embedded model (SmolLM2-135M, CPU), per held-out document (benchmarks/regenerator_quality.py's:
+GPL-3, Apache-2.0, generated contracts of seed 23; context min(2048, n - 512) tokens, the next 512
+teacher-forced, with benchmarks/post_rope_keys.py's harness), the continuation's PPL delta and KL
+against the full context after a prefix coded as
+
+* ``pre``:   the per-head codec at ratio R (``settings_for(R, joint_heads=False)``), keys pre-RoPE,
+  rotated after decoding (today's per-head states; its own stored bytes, parts of 256 tokens);
+* ``joint``: the default joint-head codec at ratio R (``settings_for(R)``), keys pre-RoPE;
+* ``pre@lanes`` / ``joint@lanes``: the same codecs at the ratio of the first equal-split lanes
+  variant (group ``--groups[0]``, ``--clips[0]``): the codecs at the lanes' bytes;
+* ``lanes``: every layer in lanes (``lanes.encode`` of the post-RoPE keys and the values, 1 sink),
+  decoded with ``lanes.decode`` and used as post-RoPE keys; R lanes a row = 4 d / R (R = 4: d lanes,
+  4 bits an element), bytes from ``Lanes.nbytes()``. Variants: group sizes, quantization ranges
+  (``min/max`` or MSE-clipped), k/v splits of the lanes other than equal (half the lanes on one
+  side), and more first tokens kept exact (``_s<sinks>``).
+
+Bases are the document's own (no regenerator). Each variant's bytes are stated with its ratio
+against the raw fp16 KV, so rows compare at (roughly) equal bytes.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/lanes_quality.py --contracts 5 --threads 2 \\
+        --json docs/lanes_quality_session11.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.post_rope_keys import Document, coded_keys, prepare_document, relative_error  # noqa: E402
+from benchmarks.regenerator_quality import held_out_docs  # noqa: E402
+from kite.kernels import lanes  # noqa: E402
+from kite.upcycle import codec  # noqa: E402
+
+
+def lanes_prefix(doc: Document, k_lanes: int, v_lanes: int, group: int, clip: str, sinks: int = 1
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """Every layer of the document in lanes, decoded: (keys post-RoPE, values, byte counts). Bytes:
+    ``state_bytes`` is ``Lanes.nbytes()`` summed over layers; ``state_bytes_unique_basis`` counts a
+    basis row once per component (a component of 2 lanes has its row twice in ``k_basis`` /
+    ``v_basis``); ``state_bytes_fp16_tables``: the weights and constants in fp16."""
+    keys, values, nbytes, fp16_tables, dup_rows = [], [], 0, 0, 0
+    for k, v in zip(doc.keys_post, doc.cap.values):
+        x = lanes.encode(k, v, k_lanes, v_lanes, group=group, sinks=sinks, clip=clip)
+        nbytes += x.nbytes()
+        fp16_tables += x.nbytes(table_bytes=2)
+        for side in "kv":
+            basis = getattr(x, f"{side}_basis")[0]                     # [H, R, d]: lane c's component
+            dup_rows += sum(int(b.shape[0]) - int(torch.unique(b, dim=0).shape[0]) for b in basis)
+        n = x.raw_k.shape[2] + int(x.length[0])
+        keys.append(lanes.decode(x, "k")[0, :, :n].to(k.dtype))
+        values.append(lanes.decode(x, "v")[0, :, :n].to(v.dtype))
+    d = doc.keys_post[0].shape[-1]
+    return keys, values, {"state_bytes": nbytes, "state_bytes_unique_basis": nbytes - dup_rows * d * 2,
+                          "state_bytes_fp16_tables": fp16_tables}
+
+
+def lanes_variants(d: int, ratio: float, groups: list[int], clips: list[str], split_groups: list[int],
+                   sinks: list[int] = ()) -> list[tuple[str, int, int, int, str, int]]:
+    """(label, k_lanes, v_lanes, group, clip, sinks): equal lanes 4 d / R at every group and clip
+    (1 sink); the splits (half the lanes on one side) at ``split_groups`` and the first clip; more
+    exact sinks at the first group and clip."""
+    n, c0 = int(round(4 * d / ratio)), clips[0]
+    out = [(f"lanes_g{g}_{c}", n, n, g, c, 1) for g in groups for c in clips]
+    for g in split_groups:
+        out += [(f"lanes_k{n // 2}v{n}_g{g}_{c0}", n // 2, n, g, c0, 1), (f"lanes_k{n}v{n // 2}_g{g}_{c0}", n, n // 2, g, c0, 1)]
+    out += [(f"lanes_g{groups[0]}_{c0}_s{s}", n, n, groups[0], c0, s) for s in sinks]
+    return out
+
+
+def _cell(doc: Document, m: dict, keys, values, nbytes: int, seconds: float, **extra) -> dict:
+    kerr, verr = relative_error(keys, doc.keys_post), relative_error(values, doc.cap.values)
+    return {"state_bytes": nbytes, "compression_ratio": round(doc.raw_bytes / nbytes, 3), **extra,
+            "ppl": round(m["ppl_other"], 4), "ppl_delta": round(m["ppl_other"] - m["ppl_full"], 4),
+            "kl": round(m["kl_mean"], 5), "kl_median": round(m["kl_median"], 5), "kl_max": round(m["kl_max"], 3),
+            "top1": round(m["top1"], 4), "key_rel_error_mean": round(sum(kerr) / len(kerr), 4),
+            "value_rel_error_mean": round(sum(verr) / len(verr), 4), "seconds": round(seconds, 1)}
+
+
+@torch.inference_mode()
+def measure_document(lm, name: str, text: str, ratios: list[float], groups: list[int], clips: list[str],
+                     split_groups: list[int], sinks: list[int] = (), context: int = 2048, continuation: int = 512,
+                     codecs: bool = True, equal_bytes: bool = True) -> dict:
+    t0 = time.perf_counter()
+    doc = prepare_document(lm, name, text, continuation, context)
+    exact = doc.score(doc.keys_post, doc.cap.values)          # the harness: the uncoded prefix gives full PPL
+    d = doc.keys_post[0].shape[-1]
+    row = {"document": name, "context_tokens": doc.n_ctx, "continuation_tokens": len(doc.cont),
+           "ppl_full": round(exact["ppl_full"], 4), "ppl_uncoded_prefix": round(exact["ppl_other"], 4),
+           "raw_fp16_bytes": doc.raw_bytes, "ratios": {}}
+    for ratio in ratios:
+        cell = {}
+
+        def codecs_at(r: float, suffix: str = "") -> None:
+            for label, s in (("pre", codec.settings_for(r, joint_heads=False)), ("joint", codec.settings_for(r))):
+                t1 = time.perf_counter()
+                keys, values, nbytes = coded_keys(doc.cap.keys_pre, doc.cap.values, doc.cos, doc.sin, s, "pre",
+                                                  s.part_tokens)
+                cell[label + suffix] = _cell(doc, doc.score(keys, values), keys, values, nbytes,
+                                             time.perf_counter() - t1, codec_ratio=round(r, 3))
+
+        if codecs:
+            codecs_at(ratio)
+        for label, kl_, vl_, g, c, sk in lanes_variants(d, ratio, groups, clips, split_groups, sinks):
+            t1 = time.perf_counter()
+            keys, values, b = lanes_prefix(doc, kl_, vl_, g, c, sk)
+            cell[label] = _cell(doc, doc.score(keys, values), keys, values, b["state_bytes"],
+                                time.perf_counter() - t1, k_lanes=kl_, v_lanes=vl_, group=g, clip=c, sinks=sk,
+                                **{k: v for k, v in b.items() if k != "state_bytes"})
+        if codecs and equal_bytes:          # the codecs at the bytes of the first equal-split lanes variant
+            codecs_at(cell[f"lanes_g{groups[0]}_{clips[0]}"]["compression_ratio"], "@lanes")
+        row["ratios"][f"{ratio:g}"] = cell
+        print(f"{name} {ratio:g}x: " + "; ".join(f"{w} {c['compression_ratio']:.2f}x ΔPPL {c['ppl_delta']:+.3f} "
+                                                  f"KL {c['kl']:.4f}" for w, c in cell.items()),
+              file=sys.stderr, flush=True)
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Means over documents per ratio and variant; per ratio the lanes variant of least mean KL."""
+    out = {}
+    for ratio in rows[0]["ratios"]:
+        means = {w: {m: round(sum(r["ratios"][ratio][w][m] for r in rows) / len(rows), 5)
+                     for m in ("ppl_delta", "kl", "kl_median", "top1", "compression_ratio", "key_rel_error_mean",
+                               "value_rel_error_mean")}
+                 for w in rows[0]["ratios"][ratio]}
+        equal = [w for w in means if w.startswith("lanes_g")]
+        out[ratio] = {"means": means, "best_lanes_equal_split": min(equal, key=lambda w: means[w]["kl"]) if equal
+                      else None}
+    return out
+
+
+def _short(c: dict) -> str:
+    return f"{c['compression_ratio']:.2f}× · {c['ppl_delta']:+.3f} · {c['kl']:.4f}"
+
+
+def table(result: dict) -> str:
+    """Per document and ratio the codecs and the lanes variant of least mean KL (× raw fp16 · ΔPPL ·
+    KL), then every variant's means over documents."""
+    cols = ["pre", "joint", "pre@lanes", "joint@lanes"]
+    lines = ["| document | ratio | " + " | ".join(cols) + " | lanes (best) |", "|---" * (len(cols) + 3) + "|"]
+    for r in result["rows"]:
+        for ratio, cell in r["ratios"].items():
+            best = result["summary"][ratio]["best_lanes_equal_split"]
+            parts = [_short(cell[w]) if w in cell else "" for w in cols + [best]]
+            lines.append(f"| {r['document']} ({r['context_tokens']}) | {ratio}× | " + " | ".join(parts) + " |")
+    lines += ["", "| mean over documents | ratio | variant | × raw fp16 | ΔPPL | KL (median) | key / value rel. error |",
+              "|---|---|---|---|---|---|---|"]
+    for ratio, s in result["summary"].items():
+        for w, m in s["means"].items():
+            best = " (best lanes)" if w == s["best_lanes_equal_split"] else ""
+            lines.append(f"| | {ratio}× | {w}{best} | {m['compression_ratio']:.2f} | {m['ppl_delta']:+.3f} | "
+                         f"{m['kl']:.4f} ({m['kl_median']:.4f}) | {m['key_rel_error_mean']:.4f} / "
+                         f"{m['value_rel_error_mean']:.4f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ratios", type=float, nargs="*", default=[4, 8])
+    ap.add_argument("--licenses", nargs="*", default=["GPL-3", "Apache-2.0"])
+    ap.add_argument("--contracts", type=int, default=3, help="generated contracts of seed 23")
+    ap.add_argument("--groups", type=int, nargs="*", default=[128, 64, 256, 512],
+                    help="lanes: rows per group (the first: the codecs' equal bytes, the sinks variants)")
+    ap.add_argument("--clips", nargs="*", default=list(lanes.CLIPS), choices=lanes.CLIPS,
+                    help="lanes: quantization ranges")
+    ap.add_argument("--split-groups", type=int, nargs="*", default=[256],
+                    help="lanes: groups at which to try half the lanes on keys or on values")
+    ap.add_argument("--sinks", type=int, nargs="*", default=[4, 16, 64],
+                    help="lanes: also keep this many first tokens exact (at the first group and clip)")
+    ap.add_argument("--no-equal-bytes", action="store_true",
+                    help="skip the codecs at the bytes of the first lanes variant")
+    ap.add_argument("--context", type=int, default=2048, help="most context tokens a document gives")
+    ap.add_argument("--continuation", type=int, default=512)
+    ap.add_argument("--smoke", action="store_true",
+                    help="one contract, 256 + 64 tokens, ratio 4, group 128, both clips, no codec rows")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path, help="write the result here (atomically)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.ratios, args.licenses, args.contracts, args.groups, args.split_groups, args.sinks = [4], [], 1, [128], [], []
+        args.context, args.continuation = 256, 64
+    torch.set_num_threads(args.threads)
+    from kite.model import load_model
+
+    t0 = time.perf_counter()
+    lm = load_model(None)
+    rows = [measure_document(lm, name, text, args.ratios, args.groups, args.clips, args.split_groups, args.sinks,
+                             args.context, args.continuation, codecs=not args.smoke, equal_bytes=not args.no_equal_bytes)
+            for name, text in held_out_docs(args.contracts, args.licenses).items()]
+    result = {"machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
+              "model": lm.fingerprints.combined, "head_dim": lm.geometry.head_dim, "kv_heads": lm.geometry.n_kv_heads,
+              "codecs": "pre: settings_for(R, joint_heads=False); joint: settings_for(R); bases the document's own",
+              "lanes": "lanes.encode(keys post-RoPE, values, k_lanes, v_lanes, group, sinks=1, clip); "
+                       "bytes = Lanes.nbytes() (bf16 bases, fp32 tables, bf16 sinks)",
+              "argv": list(argv if argv is not None else sys.argv[1:]), "rows": rows, "summary": summarize(rows),
+              "seconds": round(time.perf_counter() - t0, 1)}
+    if args.json:
+        from kite.atomic import write_text
+
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        write_text(args.json, json.dumps(result, indent=1))
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
