@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-budget-gb", type=float, default=40.0)
     ap.add_argument("--lanes", type=int, nargs="+", default=[128, 64], help="lanes a row (keys and values)")
     ap.add_argument("--group", type=int, default=512)
-    ap.add_argument("--configs", default="64,4,3;64,4,2;128,4,3;64,4,3,1,128;128,8,3;32,4,3;64,4,3,0",
+    ap.add_argument("--configs", default="128,4,3;128,4,4;128,4,3,1,168;64,4,3;64,2,3;32,2,3;32,1,3;64,1,3;128,4,3,0",
                     help="kernel configurations: block,warps,stages[,ptx (1: unpack in inline PTX, the default)"
                          "[,maxnreg (0: none)]];...")
     ap.add_argument("--splits", type=int, nargs="*", default=[0], help="0: the kernel's default")
@@ -176,7 +176,8 @@ def main(argv=None) -> int:
         variants = {}
         if dev == "cuda":
             for conf in args.configs.split(";"):
-                block, warps, stages, ptx, mx = ([int(x) for x in conf.split(",")] + [1, 0])[:5]
+                vals = [int(x) for x in conf.split(",")]
+                block, warps, stages, ptx, mx = vals + [1, 0][len(vals) - 3:]
                 for sp in args.splits:
                     kw = dict(block=block, num_warps=warps, num_stages=stages, splits=sp or None, ptx=bool(ptx),
                               maxnreg=mx or None)

@@ -1,14 +1,17 @@
 """The decode kernel of attention read from nibble lanes (Triton; the form is kite.kernels.lanes).
 
-One query token per state; a program takes one KV head of one state and a share of its groups
-(flash-decoding splits). It projects the head's query rows on the key lanes' basis once (fp32),
-then per group scales that projection by the group's lane weights (fp16) and adds the score
-constants κ_g · q (taken before the launch, one small product); per tile of rows it unpacks the nibbles to exact fp16 and takes the scores as
-two tensor-core products (low nibbles, high nibbles), then the values' lane sums Σ p n the same
-way, scaled by the group's value weights; a group's value constant enters once, with its
-probability mass. At the end it projects its lane sums on the value lanes' basis (fp32) and writes
-(max, sum, Σ p v) in d space; :func:`lanes_decode` merges the programs' parts with any rows kept
-raw (sinks, the tokens decoded so far) in one softmax.
+One query token per state; a program of the stream kernel (:func:`_lanes_kernel`) takes one KV
+head of one state and a share of its groups (flash-decoding splits). Per group it scales the query,
+projected on the key lanes' basis, by the group's lane weights (fp16) and adds the score constants
+κ_g · q; per tile of rows it unpacks the nibbles to exact fp16 (inline PTX, four bytes at a time)
+and takes the scores as two tensor-core products (low nibbles, high nibbles), then the values'
+lane sums Σ p n the same way, scaled by the group's value weights; it writes each group's
+probability mass (the weight of its value constant). Its outputs (max, sum, lane sums, the groups'
+masses) are small: :func:`lanes_decode` merges the programs' parts with any rows kept raw (sinks,
+the tokens decoded so far) in one softmax, adds the groups' value constants by their masses, and
+projects the merged lane sums on the value lanes' basis once. The projections (the query onto the
+key lanes, the lane sums back to d) are a small kernel of their own (:func:`_project_kernel`, fp32
+via tf32x3), so that their operands do not weigh on the stream kernel's registers.
 
 Query heads are the rows of every product (GP >= 16 of them, padding included): the form of the
 stream kernel's coefficient scores that the H200 runs right under Triton 3.6.
@@ -103,8 +106,8 @@ def _project_kernel(x_ptr, b_ptr, out_ptr, xscale, ROWS: tl.constexpr, RP: tl.co
 
 
 @triton.jit
-def _lanes_kernel(qk_ptr, cq_ptr, kw_ptr, kc_ptr, vk_ptr, vw_ptr, vc_ptr, len_ptr,
-                  m_out, l_out, acc_out, accc_out,
+def _lanes_kernel(qk_ptr, cq_ptr, kw_ptr, kc_ptr, vw_ptr, vc_ptr, len_ptr,
+                  m_out, l_out, acc_out, gm_out, gs_out,
                   H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, GROUP: tl.constexpr,
                   RK: tl.constexpr, RV: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                   SPLITS: tl.constexpr, PTX: tl.constexpr):
@@ -121,7 +124,6 @@ def _lanes_kernel(qk_ptr, cq_ptr, kw_ptr, kc_ptr, vk_ptr, vw_ptr, vc_ptr, len_pt
     gm = g < G
     ck = tl.arange(0, RK // 2)
     cv = tl.arange(0, RV // 2)
-    dd = tl.arange(0, D)
     t = tl.arange(0, BT)
     # the query heads of this KV head on its key lanes (_project_kernel; times the softmax scale and
     # log2(e)): [GP, RK] as two halves (low-nibble lanes, high-nibble lanes)
@@ -132,7 +134,6 @@ def _lanes_kernel(qk_ptr, cq_ptr, kw_ptr, kc_ptr, vk_ptr, vw_ptr, vc_ptr, len_pt
     lsum = tl.zeros([GP], tl.float32)
     acc_lo = tl.zeros([GP, RV // 2], tl.float32)
     acc_hi = tl.zeros([GP, RV // 2], tl.float32)
-    acc_c = tl.zeros([GP, D], tl.float32)
     kcodes = kc_ptr + pair.to(tl.int64) * (NG * GROUP * (RK // 2))
     vcodes = vc_ptr + pair.to(tl.int64) * (NG * GROUP * (RV // 2))
     for gi in range(g_lo, g_hi):
@@ -142,7 +143,6 @@ def _lanes_kernel(qk_ptr, cq_ptr, kw_ptr, kc_ptr, vk_ptr, vw_ptr, vc_ptr, len_pt
         cq = tl.load(cq_ptr + grp * G + g, mask=gm, other=0.0)
         wv_lo = tl.load(vw_ptr + grp * RV + cv)
         wv_hi = tl.load(vw_ptr + grp * RV + RV // 2 + cv)
-        m0 = m
         gsum = tl.zeros([GP], tl.float32)
         for t0 in range(0, GROUP, BT):
             rows = gi * GROUP + t0 + t
@@ -163,7 +163,10 @@ def _lanes_kernel(qk_ptr, cq_ptr, kw_ptr, kc_ptr, vk_ptr, vw_ptr, vc_ptr, len_pt
             acc_hi = acc_hi * alpha[:, None] + tl.dot(ph, _high_f16(vt, PTX)) * wv_hi[None, :]
             m = m_new
         # the group's value constant, weighted by its probability mass (rescaled to the new maximum)
-        acc_c = acc_c * tl.exp2(m0 - m)[:, None] + gsum[:, None] * tl.load(vk_ptr + grp * D + dd)[None, :]
+        # the group's probability mass (relative to the running maximum at its end): its value
+        # constant's weight, applied after the kernel
+        tl.store(gm_out + grp * GP + g, m)
+        tl.store(gs_out + grp * GP + g, gsum)
 
     out = pair * SPLITS + split
     tl.store(m_out + out * GP + g, m)
@@ -171,7 +174,6 @@ def _lanes_kernel(qk_ptr, cq_ptr, kw_ptr, kc_ptr, vk_ptr, vw_ptr, vc_ptr, len_pt
     arow = acc_out + (out * GP + g)[:, None] * RV
     tl.store(arow + cv[None, :], acc_lo)
     tl.store(arow + RV // 2 + cv[None, :], acc_hi)
-    tl.store(accc_out + (out * GP + g)[:, None] * D + dd[None, :], acc_c)
 
 
 def _ptx(q: torch.Tensor) -> bool:
@@ -230,14 +232,15 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
     m = torch.empty(N, H, splits, GP, device=dev, dtype=torch.float32)
     lsum = torch.empty_like(m)
     acc = torch.empty(N, H, splits, GP, RV, device=dev, dtype=torch.float32)
-    accc = torch.empty(N, H, splits, GP, D, device=dev, dtype=torch.float32)
-    _lanes_kernel[(N * H, splits)](qk, cq, plan.k_weight, plan.k_codes, plan.v_const, plan.v_weight, plan.v_codes,
-                                   plan.length, m, lsum, acc, accc, H=H, G=G, GP=GP, NG=NG, GROUP=group, RK=RK,
+    gm = torch.full((N, H, NG, GP), -1.0e30, device=dev, dtype=torch.float32)   # groups not attended: no mass
+    gs = torch.zeros_like(gm)
+    _lanes_kernel[(N * H, splits)](qk, cq, plan.k_weight, plan.k_codes, plan.v_weight, plan.v_codes,
+                                   plan.length, m, lsum, acc, gm, gs, H=H, G=G, GP=GP, NG=NG, GROUP=group, RK=RK,
                                    RV=RV, D=D, BT=block, SPLITS=splits, PTX=_ptx(q) if ptx is None else ptx,
                                    num_warps=num_warps, num_stages=num_stages,
                                    **({"maxnreg": maxnreg} if maxnreg else {}))
     # the splits' parts and the raw rows in one softmax (base 2); lane sums back to d once, merged
-    m, lsum, acc, accc = m[..., :G], lsum[..., :G], acc[:, :, :, :G], accc[:, :, :, :G]
+    m, lsum, acc, gm, gs = m[..., :G], lsum[..., :G], acc[:, :, :, :G], gm[..., :G], gs[..., :G]
     top = m.amax(dim=2)                                                             # [N, H, G]
     extra = extra_k is not None and extra_k.shape[2] > 0
     if extra:
@@ -250,7 +253,8 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
     lane[:, :, :G] = (w[..., None] * acc).sum(dim=2)
     o = torch.empty(N, H, GP, D, device=dev, dtype=torch.float32)
     _project_kernel[(N * H,)](lane, plan.v_basis, o, 1.0, ROWS=GP, RP=GP, R=RV, D=D, TRANSPOSE=False)
-    o = o[:, :, :G] + (w[..., None] * accc).sum(dim=2)
+    wg = gs * torch.exp2(gm - top[:, :, None])                                     # [N, H, NG, G]
+    o = o[:, :, :G] + wg.transpose(-1, -2) @ plan.v_const                          # + Σ_g mass_g κ_v,g
     if extra:
         total = total + pe.sum(dim=-1)
         o = o + pe @ extra_v.float()
