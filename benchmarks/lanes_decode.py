@@ -6,7 +6,7 @@
 
 Random-weight Qwen2-7B geometry (benchmarks/gpu_speed.py's make_model: 28 layers, 28 query / 4 KV
 heads, head_dim 128, bf16) with the fused layers ``load_model`` installs on a GPU. Per lane count R
-(``--lanes``; R = 128 lanes a row is 4 bits an element, 64 is 2): one 16K-token state of random KV
+(``--lanes``; R = 128 lanes a row is 4 bits an element, 64 is 2; K:V for keys and values apart): one 16K-token state of random KV
 is coded per layer (kite.kernels.lanes.encode), copied into as many states as the budget holds
 (each its own memory), and checked against the torch reference at three layers; then the kernel
 alone over all layers (its configurations, against its byte floor: what it reads / 4.8 TB/s) and
@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--kv-budget-gb", type=float, default=40.0)
-    ap.add_argument("--lanes", type=int, nargs="+", default=[128, 64], help="lanes a row (keys and values)")
+    ap.add_argument("--lanes", nargs="+", default=["128", "64"],
+                    help="lanes a row: R for keys and values, or K:V (keys K, values V)")
     ap.add_argument("--group", type=int, default=512)
     ap.add_argument("--configs", default="128,4,3;128,4,4;128,4,3,1,168;64,4,3;64,2,3;32,2,3;32,1,3;64,1,3;128,4,3,0",
                     help="kernel configurations: block,warps,stages[,ptx (1: unpack in inline PTX, the default)"
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cpu_smoke:
         gs.DEV = "cpu"
-        args.tokens, args.kv_budget_gb, args.lanes, args.group = 600, 0.002, [32], 128
+        args.tokens, args.kv_budget_gb, args.lanes, args.group = 600, 0.002, ["32", "16:32"], 128
     warnings.filterwarnings("ignore")
     dev = gs.DEV
     T = args.tokens
@@ -143,6 +144,7 @@ def main(argv=None) -> int:
         ct, st = model.model.rotary_emb(torch.zeros(1, device=dev), torch.arange(T, device=dev)[None])
     cos, sin = ct[0].float(), st[0].float()
     for R in args.lanes:
+        rk, rv = (int(x) for x in (R.split(":") if ":" in R else (R, R)))
         torch.cuda.empty_cache() if dev == "cuda" else None
         t0 = time.perf_counter()
         ones = []
@@ -150,12 +152,12 @@ def main(argv=None) -> int:
             k = torch.randn(H, T, d, device=dev, generator=gen)
             k = k * cos + torch.cat((-k[..., d // 2:], k[..., :d // 2]), -1) * sin
             v = torch.randn(H, T, d, device=dev, generator=gen)
-            ones.append(L.encode(k, v, R, R, group=args.group, sinks=1).to(basis_dtype=torch.bfloat16))
+            ones.append(L.encode(k, v, rk, rv, group=args.group, sinks=1).to(basis_dtype=torch.bfloat16))
         gs.sync()
         per_seq = sum(o.nbytes() for o in ones)
         stream = sum(kernel_bytes(o) for o in ones)
         n_cod = max(1, int(budget // per_seq))
-        form = {"lanes": R, "group": args.group, "encode_s": round(time.perf_counter() - t0, 2),
+        form = {"lanes": R, "k_lanes": rk, "v_lanes": rv, "group": args.group, "encode_s": round(time.perf_counter() - t0, 2),
                 "state_bytes": per_seq, "raw_over_state": round(raw_bytes / per_seq, 3), "n_states": n_cod,
                 "states_over_raw_batch": round(n_cod / n_raw, 3), "kernel_bytes_per_seq": stream}
         print(f"lanes {R}:", json.dumps(form), flush=True)

@@ -126,10 +126,9 @@ def _lanes_kernel(qk_ptr, cq_ptr, kw_ptr, kc_ptr, vw_ptr, vc_ptr, len_ptr,
     cv = tl.arange(0, RV // 2)
     t = tl.arange(0, BT)
     # the query heads of this KV head on its key lanes (_project_kernel; times the softmax scale and
-    # log2(e)): [GP, RK] as two halves (low-nibble lanes, high-nibble lanes)
+    # log2(e)): [GP, RK] as two halves (low-nibble lanes, high-nibble lanes), read again per group
+    # (from the cache) rather than held in registers through the loop
     qrow = qk_ptr + (pair * GP + g)[:, None] * RK
-    q_lo = tl.load(qrow + ck[None, :])
-    q_hi = tl.load(qrow + RK // 2 + ck[None, :])
     m = tl.full([GP], -1.0e30, tl.float32)
     lsum = tl.zeros([GP], tl.float32)
     acc_lo = tl.zeros([GP, RV // 2], tl.float32)
@@ -138,8 +137,8 @@ def _lanes_kernel(qk_ptr, cq_ptr, kw_ptr, kc_ptr, vw_ptr, vc_ptr, len_ptr,
     vcodes = vc_ptr + pair.to(tl.int64) * (NG * GROUP * (RV // 2))
     for gi in range(g_lo, g_hi):
         grp = pair * NG + gi
-        qs_lo = (q_lo * tl.load(kw_ptr + grp * RK + ck)[None, :]).to(tl.float16)
-        qs_hi = (q_hi * tl.load(kw_ptr + grp * RK + RK // 2 + ck)[None, :]).to(tl.float16)
+        qs_lo = (tl.load(qrow + ck[None, :]) * tl.load(kw_ptr + grp * RK + ck)[None, :]).to(tl.float16)
+        qs_hi = (tl.load(qrow + RK // 2 + ck[None, :]) * tl.load(kw_ptr + grp * RK + RK // 2 + ck)[None, :]).to(tl.float16)
         cq = tl.load(cq_ptr + grp * G + g, mask=gm, other=0.0)
         wv_lo = tl.load(vw_ptr + grp * RV + cv)
         wv_hi = tl.load(vw_ptr + grp * RV + RV // 2 + cv)
