@@ -7,11 +7,12 @@ projected on the key lanes' basis, by the group's lane weights (fp16) and adds t
 and takes the scores as two tensor-core products (low nibbles, high nibbles), then the values'
 lane sums Σ p n the same way, scaled by the group's value weights; it writes each group's
 probability mass (the weight of its value constant). Its outputs (max, sum, lane sums, the groups'
-masses) are small: :func:`lanes_decode` merges the programs' parts with any rows kept raw (sinks,
-the tokens decoded so far) in one softmax, adds the groups' value constants by their masses, and
-projects the merged lane sums on the value lanes' basis once. The projections (the query onto the
-key lanes, the lane sums back to d) are a small kernel of their own (:func:`_project_kernel`, fp32
-via tf32x3), so that their operands do not weigh on the stream kernel's registers.
+masses) are small. Two small kernels, one program a KV head of a state, hold what the loop does
+not need, so that it does not weigh on the stream kernel's registers: :func:`_query_kernel` before
+it (the query on the key lanes, fp32 via tf32x3; the score constants) and :func:`_finish_kernel`
+after it (the programs' parts and any rows kept raw, such as sinks and the tokens decoded so far,
+in one softmax; the groups' value constants by their masses; the merged lane sums projected back
+to d once).
 
 Query heads are the rows of every product (GP >= 16 of them, padding included): the form of the
 stream kernel's coefficient scores that the H200 runs right under Triton 3.6.
@@ -29,6 +30,7 @@ import triton.language as tl
 from kite.kernels.lanes import Lanes
 
 LOG2E = 1.4426950408889634
+LN2_INV = tl.constexpr(LOG2E)      # the same, for the kernels
 
 
 # Four code bytes (one register) -> their low (or high) nibbles as exact fp16, two a register: bytes
@@ -83,26 +85,70 @@ def _high_f16(codes, PTX: tl.constexpr):
 
 
 @triton.jit
-def _project_kernel(x_ptr, b_ptr, out_ptr, xscale, ROWS: tl.constexpr, RP: tl.constexpr, R: tl.constexpr,
-                    D: tl.constexpr, TRANSPOSE: tl.constexpr):
-    """Per program (one KV head of one state): rows x [ROWS (padded to RP), *] (fp32 after a cast,
-    times ``xscale``) times a basis [R, D] of the stored type, in fp32 (tf32x3): TRANSPOSE, x [., D]
-    @ basis^T -> [RP, R] (the query on the key lanes); else x [., R] @ basis -> [RP, D] (value lane
-    sums back to d). Its own kernel, so its operands do not weigh on the stream kernel's registers."""
+def _query_kernel(q_ptr, kb_ptr, kk_ptr, qk_out, cq_out, qscale, G: tl.constexpr, GP: tl.constexpr,
+                  NG: tl.constexpr, RK: tl.constexpr, D: tl.constexpr):
+    """Before the stream kernel, per KV head of a state: its query rows (times ``qscale``) on the key
+    lanes' basis, [GP, RK] in fp32 (tf32x3), and the score constants κ_g · q of every group [NG, GP]."""
     pair = tl.program_id(0)
-    r = tl.arange(0, RP)
-    rm = r < ROWS
-    j = tl.arange(0, R)
+    g = tl.arange(0, GP)
+    j = tl.arange(0, RK)
     dd = tl.arange(0, D)
-    basis = tl.load(b_ptr + pair.to(tl.int64) * (R * D) + j[:, None] * D + dd[None, :]).to(tl.float32)
-    if TRANSPOSE:
-        x = tl.load(x_ptr + (pair * ROWS + r)[:, None] * D + dd[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
-        y = tl.dot(x * xscale, tl.trans(basis), input_precision="tf32x3")
-        tl.store(out_ptr + (pair * RP + r)[:, None] * R + j[None, :], y)
-    else:
-        x = tl.load(x_ptr + (pair * RP + r)[:, None] * R + j[None, :]).to(tl.float32)
-        y = tl.dot(x * xscale, basis, input_precision="tf32x3")
-        tl.store(out_ptr + (pair * RP + r)[:, None] * D + dd[None, :], y)
+    q = tl.load(q_ptr + (pair * G + g)[:, None] * D + dd[None, :], mask=(g < G)[:, None], other=0.0)
+    q = q.to(tl.float32) * qscale
+    basis = tl.load(kb_ptr + pair.to(tl.int64) * (RK * D) + j[:, None] * D + dd[None, :]).to(tl.float32)
+    qk = tl.dot(q, tl.trans(basis), input_precision="tf32x3")
+    tl.store(qk_out + (pair * GP + g)[:, None] * RK + j[None, :], qk)
+    for gi in range(NG):
+        kappa = tl.load(kk_ptr + (pair * NG + gi) * D + dd)
+        tl.store(cq_out + (pair * NG + gi) * GP + g, tl.sum(q * kappa[None, :], 1))
+
+
+@triton.jit
+def _finish_kernel(q_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gs_ptr, vb_ptr, vk_ptr, len_ptr, ek_ptr, ev_ptr,
+                   out_ptr, lse_ptr, qscale, E, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                   NG: tl.constexpr, GROUP: tl.constexpr, RV: tl.constexpr, D: tl.constexpr,
+                   SPLITS: tl.constexpr):
+    """After the stream kernel, per KV head of a state: its splits' parts and the ``E`` rows kept raw
+    (``ek`` / ``ev`` [E, D]: sinks, decoded tokens) in one softmax (base 2), the groups' value
+    constants by their masses, the merged lane sums projected back to d (fp32, tf32x3): the
+    normalized output [G, D] and the log-sum-exp (natural) [G]."""
+    pair = tl.program_id(0)
+    n = pair // H
+    g = tl.arange(0, GP)
+    gm_ = g < G
+    j = tl.arange(0, RV)
+    dd = tl.arange(0, D)
+    q = tl.load(q_ptr + (pair * G + g)[:, None] * D + dd[None, :], mask=gm_[:, None], other=0.0)
+    q = q.to(tl.float32) * qscale
+    top = tl.full([GP], -1.0e30, tl.float32)
+    for s in range(SPLITS):
+        top = tl.maximum(top, tl.load(m_ptr + (pair * SPLITS + s) * GP + g))
+    for e in range(E):
+        k = tl.load(ek_ptr + (pair * E + e) * D + dd).to(tl.float32)
+        top = tl.maximum(top, tl.sum(q * k[None, :], 1))
+    total = tl.zeros([GP], tl.float32)
+    lane = tl.zeros([GP, RV], tl.float32)
+    for s in range(SPLITS):
+        part = pair * SPLITS + s
+        w = tl.exp2(tl.load(m_ptr + part * GP + g) - top)
+        total += w * tl.load(l_ptr + part * GP + g)
+        lane += w[:, None] * tl.load(acc_ptr + (part * GP + g)[:, None] * RV + j[None, :])
+    basis = tl.load(vb_ptr + pair.to(tl.int64) * (RV * D) + j[:, None] * D + dd[None, :]).to(tl.float32)
+    o = tl.dot(lane, basis, input_precision="tf32x3")
+    live = tl.minimum(tl.cdiv(tl.load(len_ptr + n), GROUP), NG)
+    for gi in range(live):
+        grp = pair * NG + gi
+        mass = tl.load(gs_ptr + grp * GP + g) * tl.exp2(tl.load(gm_ptr + grp * GP + g) - top)
+        o += mass[:, None] * tl.load(vk_ptr + grp * D + dd)[None, :]
+    for e in range(E):
+        k = tl.load(ek_ptr + (pair * E + e) * D + dd).to(tl.float32)
+        p = tl.exp2(tl.sum(q * k[None, :], 1) - top)
+        total += p
+        o += p[:, None] * tl.load(ev_ptr + (pair * E + e) * D + dd).to(tl.float32)[None, :]
+    out = o / tl.maximum(total, 1e-30)[:, None]
+    lse = tl.where(total > 0, (top + tl.log2(tl.maximum(total, 1e-30))) / LN2_INV, float("-inf"))
+    tl.store(out_ptr + (pair * G + g)[:, None] * D + dd[None, :], out, mask=gm_[:, None])
+    tl.store(lse_ptr + pair * G + g, lse, mask=gm_)
 
 
 @triton.jit
@@ -121,11 +167,10 @@ def _lanes_kernel(qk_ptr, cq_ptr, kw_ptr, kc_ptr, vw_ptr, vc_ptr, len_ptr,
     g_hi = tl.minimum(g_lo + per, live_groups)
 
     g = tl.arange(0, GP)
-    gm = g < G
     ck = tl.arange(0, RK // 2)
     cv = tl.arange(0, RV // 2)
     t = tl.arange(0, BT)
-    # the query heads of this KV head on its key lanes (_project_kernel; times the softmax scale and
+    # the query heads of this KV head on its key lanes (_query_kernel; times the softmax scale and
     # log2(e)): [GP, RK] as two halves (low-nibble lanes, high-nibble lanes), read again per group
     # (from the cache) rather than held in registers through the loop
     qrow = qk_ptr + (pair * GP + g)[:, None] * RK
@@ -139,7 +184,7 @@ def _lanes_kernel(qk_ptr, cq_ptr, kw_ptr, kc_ptr, vw_ptr, vc_ptr, len_ptr,
         grp = pair * NG + gi
         qs_lo = (tl.load(qrow + ck[None, :]) * tl.load(kw_ptr + grp * RK + ck)[None, :]).to(tl.float16)
         qs_hi = (tl.load(qrow + RK // 2 + ck[None, :]) * tl.load(kw_ptr + grp * RK + RK // 2 + ck)[None, :]).to(tl.float16)
-        cq = tl.load(cq_ptr + grp * G + g, mask=gm, other=0.0)
+        cq = tl.load(cq_ptr + grp * GP + g)
         wv_lo = tl.load(vw_ptr + grp * RV + cv)
         wv_hi = tl.load(vw_ptr + grp * RV + RV // 2 + cv)
         gsum = tl.zeros([GP], tl.float32)
@@ -222,42 +267,24 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
         splits = max(1, min(NG, math.ceil(4 * sms / (N * H))))
     dev = q.device
-    qs = q.float().view(N, H, G, D) * (scale * LOG2E)
-    # the query on the key lanes [N, H, GP, RK]; the score constants κ_g · q [N, H, NG, G]
-    qk = torch.empty(N, H, GP, RK, device=dev, dtype=torch.float32)
-    _project_kernel[(N * H,)](q.contiguous(), plan.k_basis, qk, scale * LOG2E, ROWS=G, RP=GP, R=RK, D=D,
-                              TRANSPOSE=True)
-    cq = (plan.k_const @ qs.transpose(-1, -2)).contiguous()
-    m = torch.empty(N, H, splits, GP, device=dev, dtype=torch.float32)
-    lsum = torch.empty_like(m)
-    acc = torch.empty(N, H, splits, GP, RV, device=dev, dtype=torch.float32)
-    gm = torch.full((N, H, NG, GP), -1.0e30, device=dev, dtype=torch.float32)   # groups not attended: no mass
-    gs = torch.zeros_like(gm)
+    f32 = dict(device=dev, dtype=torch.float32)
+    qc = q.contiguous()
+    qscale = scale * LOG2E
+    qk, cq = torch.empty(N, H, GP, RK, **f32), torch.empty(N, H, NG, GP, **f32)
+    _query_kernel[(N * H,)](qc, plan.k_basis, plan.k_const, qk, cq, qscale, G=G, GP=GP, NG=NG, RK=RK, D=D)
+    m, lsum = torch.empty(N, H, splits, GP, **f32), torch.empty(N, H, splits, GP, **f32)
+    acc = torch.empty(N, H, splits, GP, RV, **f32)
+    gm, gs = torch.empty(N, H, NG, GP, **f32), torch.empty(N, H, NG, GP, **f32)
     _lanes_kernel[(N * H, splits)](qk, cq, plan.k_weight, plan.k_codes, plan.v_weight, plan.v_codes,
                                    plan.length, m, lsum, acc, gm, gs, H=H, G=G, GP=GP, NG=NG, GROUP=group, RK=RK,
                                    RV=RV, D=D, BT=block, SPLITS=splits, PTX=_ptx(q) if ptx is None else ptx,
                                    num_warps=num_warps, num_stages=num_stages,
                                    **({"maxnreg": maxnreg} if maxnreg else {}))
-    # the splits' parts and the raw rows in one softmax (base 2); lane sums back to d once, merged
-    m, lsum, acc, gm, gs = m[..., :G], lsum[..., :G], acc[:, :, :, :G], gm[..., :G], gs[..., :G]
-    top = m.amax(dim=2)                                                             # [N, H, G]
-    extra = extra_k is not None and extra_k.shape[2] > 0
-    if extra:
-        s = qs @ extra_k.float().transpose(-1, -2)                                # [N, H, G, E]
-        top = torch.maximum(top, s.amax(dim=-1))
-        pe = torch.exp2(s - top[..., None])
-    w = torch.exp2(m - top[:, :, None])                                             # [N, H, S, G]
-    total = (w * lsum).sum(dim=2)                                                   # [N, H, G]
-    lane = torch.zeros(N, H, GP, RV, device=dev, dtype=torch.float32)
-    lane[:, :, :G] = (w[..., None] * acc).sum(dim=2)
-    o = torch.empty(N, H, GP, D, device=dev, dtype=torch.float32)
-    _project_kernel[(N * H,)](lane, plan.v_basis, o, 1.0, ROWS=GP, RP=GP, R=RV, D=D, TRANSPOSE=False)
-    wg = gs * torch.exp2(gm - top[:, :, None])                                     # [N, H, NG, G]
-    o = o[:, :, :G] + wg.transpose(-1, -2) @ plan.v_const                          # + Σ_g mass_g κ_v,g
-    if extra:
-        total = total + pe.sum(dim=-1)
-        o = o + pe @ extra_v.float()
-    out = o / total.clamp_min(1e-30)[..., None]
-    lse = (top + torch.log2(total)) / LOG2E
-    lse = torch.where(total > 0, lse, torch.full_like(lse, float("-inf")))
-    return out.reshape(N, Hq, D), lse.reshape(N, Hq)
+    if extra_k is None or extra_k.shape[2] == 0:
+        extra_k = extra_v = torch.zeros(N, H, 0, D, device=dev, dtype=q.dtype)
+    E = extra_k.shape[2]
+    out, lse = torch.empty(N, Hq, D, **f32), torch.empty(N, Hq, **f32)
+    _finish_kernel[(N * H,)](qc, m, lsum, acc, gm, gs, plan.v_basis, plan.v_const, plan.length,
+                             extra_k.contiguous(), extra_v.contiguous(), out, lse, qscale, E, H=H, G=G, GP=GP,
+                             NG=NG, GROUP=group, RV=RV, D=D, SPLITS=splits)
+    return out, lse
