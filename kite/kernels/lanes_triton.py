@@ -244,15 +244,16 @@ class LanesPlan:
 
 def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_k: torch.Tensor | None = None,
                  extra_v: torch.Tensor | None = None, splits: int | None = None, block: int = 64,
-                 num_warps: int = 4, num_stages: int = 3, ptx: bool | None = None,
+                 num_warps: int = 1, num_stages: int = 3, ptx: bool | None = None,
                  maxnreg: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [N, Hq, d] (one token per state) over the coded rows of each state in
     ``lanes`` and, in the same softmax, ``extra_k`` / ``extra_v`` [N, H, E, d] (rows kept raw: the
     sinks, the decoded tokens; keys post-RoPE): (out [N, Hq, d], lse [N, Hq]) float32.
-    ``splits``: programs a KV head's groups are cut into (default: enough programs for the GPU);
+    ``splits``: programs a KV head's groups are cut into (default: about 40 programs an SM);
     ``block``: rows a tile (divides the group size); ``ptx``: unpack the nibbles in inline PTX
     (default: on a GPU, not under Triton's interpreter); ``maxnreg``: a cap on the stream kernel's
-    registers a thread (more programs an SM, some spilled)."""
+    registers a thread (more programs an SM, some spilled). The defaults (one-warp programs of
+    64-row tiles, 3 stages) were the fastest on the H200 (docs/lanes_decode_h200_run5.json)."""
     plan = lanes if isinstance(lanes, LanesPlan) else LanesPlan(lanes)
     N, H, NG, RK, RV, D = plan.N, plan.H, plan.NG, plan.RK, plan.RV, plan.D
     group = plan.lanes.group
@@ -265,7 +266,7 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
     GP = max(16, triton.next_power_of_2(G))
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
-        splits = max(1, min(NG, math.ceil(4 * sms / (N * H))))
+        splits = max(1, min(NG, math.ceil(40 * sms / (N * H))))
     dev = q.device
     f32 = dict(device=dev, dtype=torch.float32)
     qc = q.contiguous()
