@@ -88,7 +88,8 @@ class ServerConfig(BaseModel):
     max_batch: int = Field(8, ge=1, le=1024)            # sequences decoding together (continuous batching)
     batch_kv_gb: float | None = Field(None, gt=0)       # the batch's KV buffers; None: unbounded
     prefix_cache_gb: float = Field(2.0, ge=0)           # loaded states kept for the next request (0: none)
-    resident: str = "raw"   # the form loaded states are held in for the batch: raw (rebuilt KV) or coded
+    resident: str = "raw"   # the form loaded states are held in for the batch: raw (rebuilt KV), coded or lanes
+    lane_bits: str = "4"    # resident lanes: bits an element, "B" or "K:V" (keys, values)
     # `kite serve --replicas` (docs/scale-out.md): replicas on Ray Serve; min/max both set = autoscaled
     replicas: int = Field(1, ge=1, le=256)
     min_replicas: int | None = Field(None, ge=1, le=256)
@@ -104,9 +105,34 @@ class ServerConfig(BaseModel):
     @field_validator("resident")
     @classmethod
     def _check_resident(cls, v: str) -> str:
-        if v not in ("raw", "coded"):
-            raise ValueError("expected raw or coded")
+        if v not in ("raw", "coded", "lanes"):
+            raise ValueError("expected raw, coded or lanes")
         return v
+
+    @field_validator("lane_bits", mode="before")
+    @classmethod
+    def _check_lane_bits(cls, v) -> str:
+        try:
+            parse_lane_bits(v)
+        except BadInput as exc:   # its text, as the config's error
+            raise ValueError(str(exc).removeprefix("server.lane_bits ")) from None
+        return str(v)
+
+
+LANE_BITS = (1, 2, 4, 8)     # bits an element a side of resident lanes may take (kite.kernels.lanes)
+
+
+def parse_lane_bits(spec) -> tuple[int, int]:
+    """``server.lane_bits``: "B" (keys and values) or "K:V" (keys K bits, values V), each in LANE_BITS."""
+    text = str(spec).strip()
+    parts = text.split(":") if ":" in text else [text, text]
+    try:
+        bits = tuple(int(p) for p in parts)
+    except ValueError:
+        bits = ()
+    if len(bits) != 2 or any(b not in LANE_BITS for b in bits):
+        raise BadInput(f"server.lane_bits {spec!r}: expected B or K:V with bits in {', '.join(map(str, LANE_BITS))}")
+    return bits
 
 
 _TIER_URL = re.compile(r"^[a-z][a-z0-9+.-]*://\S*$")

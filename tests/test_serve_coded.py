@@ -135,7 +135,7 @@ def test_raw_is_the_default_and_a_bad_form_is_one_line_bad_input(tmp_path):
     assert ServeSettings(state_dir=tmp_path, rules_path=tmp_path / "r.yaml").resident == "raw"
     for make in (lambda: PrefixCache(1, "sideways"),
                  lambda: ServeSettings(state_dir=tmp_path, rules_path=tmp_path / "r.yaml", resident="sideways")):
-        with pytest.raises(BadInput, match=r"^server.resident 'sideways': expected one of raw, coded$"):
+        with pytest.raises(BadInput, match=r"^server.resident 'sideways': expected one of raw, coded, lanes$"):
             make()
 
 
@@ -155,7 +155,7 @@ def test_kite_serve_refuses_a_bad_resident_flag_in_one_line():
     r = CliRunner().invoke(cli, ["serve", "--resident", "sideways"])
     assert r.exit_code == 2, r.output
     lines = [line for line in r.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and "server.resident" in lines[0] and "expected raw or coded" in lines[0], r.output
+    assert len(lines) == 1 and "server.resident" in lines[0] and "expected raw, coded or lanes" in lines[0], r.output
 
 
 # -- a real server ------------------------------------------------------------------------------------

@@ -40,8 +40,13 @@ def serve(
     batch_kv_gb: Annotated[float | None, typer.Option(help="GB the batch's KV buffers may take (default: config "
                                                       "server.batch_kv_gb, unbounded).")] = None,
     resident: Annotated[str | None, typer.Option(help="Form loaded states are held in for the batch: raw "
-                                                 "(rebuilt KV) or coded (read from their codes: more states per "
-                                                 "GB, slower steps; default: config server.resident, raw).")] = None,
+                                                 "(rebuilt KV), coded (read from the codec's codes: more states "
+                                                 "per GB, slower steps) or lanes (coded again into nibble lanes "
+                                                 "read near their byte floor; default: config server.resident, "
+                                                 "raw). docs/serving.md")] = None,
+    lane_bits: Annotated[str | None, typer.Option(help="With --resident lanes: bits an element, B or K:V (keys, "
+                                                  "values), each 1, 2, 4 or 8 (default: config "
+                                                  "server.lane_bits, 4).")] = None,
     replicas: Annotated[int | None, typer.Option(min=1, help="Replicas of this server on Ray Serve behind one "
                                                  "endpoint, with a state-aware router (default: config "
                                                  "server.replicas, 1 = no Ray). docs/scale-out.md")] = None,
@@ -64,7 +69,7 @@ def serve(
                                  "server.state_dir": str(state_dir) if state_dir else None,
                                  "features.upcycle_yoco_fusion": fusion, "model.default": model,
                                  "server.max_batch": max_batch, "server.batch_kv_gb": batch_kv_gb,
-                                 "server.resident": resident,
+                                 "server.resident": resident, "server.lane_bits": lane_bits,
                                  "server.replicas": replicas, "server.ray_address": ray_address,
                                  "store.url": store})
     model = model_spec(model)
@@ -129,6 +134,7 @@ def serve(
               f"states {settings.state_dir}{embedded}"
               + (f"  store {', '.join(t.name for t in store.shared.tiers)}" if store.shared is not None else "")
               + ("  states resident coded" if settings.resident == "coded" else "")
+              + (f"  states resident in lanes ({settings.lane_bits} bits)" if settings.resident == "lanes" else "")
               + (f"  kv budget {settings.kv_budget_tokens} tokens "
                                                 f"({settings.kv_budget_codec})" if settings.kv_budget_tokens else ""),
               highlight=False, soft_wrap=True)

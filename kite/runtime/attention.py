@@ -110,6 +110,10 @@ def coded_rows(out, query, key, value, mask, scaling, batch, layer: int) -> None
     from kite.kernels.coded_attention import coded_decode_partial, coded_partial, merge, raw_partial
 
     rows = [b for b in sorted(batch.coded) if batch.coded[b].layers[layer] is not None]
+    lanes = [b for b in rows if batch.coded[b].lanes]
+    if lanes:
+        lanes_rows(out, query, key, value, mask, scaling, batch, layer, lanes)
+        rows = [b for b in rows if not batch.coded[b].lanes]
     if not rows:
         return
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -130,6 +134,38 @@ def coded_rows(out, query, key, value, mask, scaling, batch, layer: int) -> None
         parts = [coded_partial(q[i], c, batch.coded[b].cos, batch.coded[b].sin, scaling)
                  for i, (b, c) in enumerate(zip(rows, layers))]
         o, lse = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    merged, _ = merge([(o, lse), raw])                                       # [n, Hq, q, d]
+    out[idx] = merged.transpose(1, 2).to(out.dtype)
+
+
+def lanes_rows(out, query, key, value, mask, scaling, batch, layer: int, rows: list[int]) -> None:
+    """Rows whose state is held in nibble lanes (kite.kernels.lanes): one softmax over the state's
+    coded rows, its sinks and the row's own slots (``mask``). The rows' lanes are stacked once per
+    layer and set of rows (kept in ``batch.coded_batches`` until rows change). One decode token per
+    row on a GPU: the lanes kernel (kite.kernels.lanes_triton); otherwise the torch reference."""
+    from kite.kernels import lanes as L
+    from kite.kernels.coded_attention import merge, raw_partial
+
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    idx = torch.tensor(rows, device=query.device)
+    q = query[idx]                                                           # [n, Hq, q, d]
+    raw = raw_partial(q, key[idx], value[idx], scaling, mask[idx])           # the rows' own slots
+    key_ = (layer, "lanes", tuple(id(batch.coded[b]) for b in rows))
+    if key_ not in batch.coded_batches:
+        stacked = L.stack([batch.coded[b].layers[layer] for b in rows])
+        if q.is_cuda:
+            from kite.kernels.lanes_triton import LanesPlan
+
+            stacked = LanesPlan(stacked)
+        batch.coded_batches[key_] = stacked
+    held = batch.coded_batches[key_]
+    if q.shape[2] == 1 and q.is_cuda:
+        from kite.kernels.lanes_triton import lanes_decode
+
+        o, lse = lanes_decode(q[:, :, 0], held, scaling, held.lanes.raw_k, held.lanes.raw_v)
+        o, lse = o[:, :, None], lse[:, :, None]
+    else:
+        o, lse = L.lanes_partial(q, held.lanes if q.is_cuda else held, scaling)
     merged, _ = merge([(o, lse), raw])                                       # [n, Hq, q, d]
     out[idx] = merged.transpose(1, 2).to(out.dtype)
 

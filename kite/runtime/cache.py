@@ -35,19 +35,23 @@ class KVPrefix:
 
 @dataclass
 class CodedPrefix:
-    """A state resident in coded form (kite.kernels.coded_attention.CodedLayer per layer, None where a
-    layer holds nothing), placed in front of the live tokens: attended from its codes, never rebuilt.
+    """A state resident in coded form, placed in front of the live tokens: attended from its codes,
+    never rebuilt. Per layer (None where a layer holds nothing) either a
+    kite.kernels.coded_attention.CodedLayer (the codec's own codes, built by
+    ``kite.upcycle.load.resident.build_resident``) or a kite.kernels.lanes.Lanes of one state
+    (nibble lanes, built by ``kite.upcycle.load.lanes.load_lanes``).
 
-    ``cos`` / ``sin`` [P, d] float32: RoPE by absolute position, P > every coded token's position.
-    Built by ``kite.upcycle.load.resident.build_resident``; a batch row takes it in place of a KVPrefix
-    (kite.runtime.batch_cache), its raw slots then hold only its live tokens.
+    ``cos`` / ``sin`` [P, d] float32: RoPE by absolute position, P > every coded token's position
+    (CodedLayer: its keys are pre-RoPE; None for lanes, whose keys are post-RoPE).
+    A batch row takes it in place of a KVPrefix (kite.runtime.batch_cache), its raw slots then hold
+    only its live tokens.
     """
 
-    layers: list                 # list[CodedLayer | None]
-    positions: torch.Tensor      # int64 [T]: the kept tokens' positions, ascending
+    layers: list                 # list[CodedLayer | Lanes | None]
+    positions: torch.Tensor      # int64 [T]: the kept tokens' positions, ascending (empty: not kept)
     next_position: int
-    cos: torch.Tensor
-    sin: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
     reader: bool = False
 
     @property
@@ -56,12 +60,23 @@ class CodedPrefix:
 
     def tokens_per_layer(self) -> list[int]:
         """Tokens each layer attends (coded rows and raw side-cache rows)."""
-        return [0 if c is None else int((c.pos >= 0).sum()) + int(c.raw_k.shape[1]) for c in self.layers]
+        def tokens(c) -> int:
+            if c is None:
+                return 0
+            if hasattr(c, "length"):                  # Lanes of one state: coded rows, then its sinks
+                return int(c.length[0]) + int(c.raw_k.shape[2])
+            return int((c.pos >= 0).sum()) + int(c.raw_k.shape[1])
+        return [tokens(c) for c in self.layers]
+
+    @property
+    def lanes(self) -> bool:
+        """Whether the layers are nibble lanes (kite.kernels.lanes) rather than the codec's codes."""
+        return any(c is not None and hasattr(c, "length") for c in self.layers)
 
     @property
     def nbytes(self) -> int:
         """Bytes the coded form occupies on its device (every tensor of every layer)."""
-        return sum(c.nbytes for c in self.layers if c is not None)
+        return sum((c.nbytes() if callable(c.nbytes) else c.nbytes) for c in self.layers if c is not None)
 
 
 def new_cache(model, prefix: KVPrefix | None = None):

@@ -10,6 +10,10 @@ read and no decode; its report says so (``timings_ms["cached"]``).
 own precision, a PCA-coded state without a regenerator) is kept in that form
 (:func:`kite.upcycle.load_resident`), and the batch's attention reads it from its codes; any other
 load is rebuilt as raw KV (``load_prefix``) and its report's warnings say why.
+
+``resident="lanes"``: every load is rebuilt (``load_prefix``) and coded again into nibble lanes of
+``lane_bits`` bits an element (:func:`kite.upcycle.load.lanes.load_lanes`), which the batch's
+attention reads from their codes.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import replace
 
 from kite.errors import BadInput
 
-RESIDENT_FORMS = ("raw", "coded")
+RESIDENT_FORMS = ("raw", "coded", "lanes")
 REFUSED_KEPT = 4096   # loads remembered as not holdable coded (not tried again while remembered)
 
 
@@ -31,11 +35,14 @@ def prefix_bytes(prefix) -> int:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int, resident: str = "raw"):
+    def __init__(self, max_bytes: int, resident: str = "raw", lane_bits: str = "4"):
+        from kite.config import parse_lane_bits
+
         if resident not in RESIDENT_FORMS:
             raise BadInput(f"server.resident {resident!r}: expected one of {', '.join(RESIDENT_FORMS)}")
         self.max_bytes = max_bytes
         self.resident = resident
+        self.lane_bits = parse_lane_bits(lane_bits)
         self._entries: OrderedDict = OrderedDict()
         self._refused: OrderedDict = OrderedDict()   # (version, args) -> why the coded form does not hold it
         self._bytes = 0
@@ -47,8 +54,8 @@ class PrefixCache:
         version and arguments returned (not to be modified: rows copy it)."""
         t0 = time.perf_counter()
         args = (state.version, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items())))
-        why = self._refused.get(args) if self.resident == "coded" else None
-        form = "coded" if self.resident == "coded" and why is None else "raw"
+        why = self._refused.get(args) if self.resident != "raw" else None
+        form = self.resident if why is None else "raw"
         key = (args[0], form, args[1])
         hit = self._entries.get(key)
         if hit is not None:
@@ -72,9 +79,12 @@ class PrefixCache:
 
     def _load(self, state, lm, args, form: str, why: str | None, kwargs):
         from kite.upcycle import load_prefix, load_resident
+        from kite.upcycle.load.lanes import load_lanes
 
-        if form == "coded":
+        if form != "raw":
             try:
+                if form == "lanes":
+                    return load_lanes(state, lm, lane_bits=self.lane_bits, **kwargs)
                 return load_resident(state, lm, **kwargs)
             except BadInput as exc:
                 why = str(exc).replace(str(state.path), state.path.name)   # the server's folders stay its own
@@ -83,7 +93,7 @@ class PrefixCache:
                     self._refused.popitem(last=False)
         prefix, report = load_prefix(state, lm, **kwargs)
         if why is not None:
-            report.warnings.append(f"server.resident is coded, but this load is held raw: {why}")
+            report.warnings.append(f"server.resident is {self.resident}, but this load is held raw: {why}")
         return prefix, report
 
     @property

@@ -88,7 +88,7 @@ class ModelRunner:
         self.settings, self.rules, self.store = settings, rules, store
         self.health, self.novelty, self.sampler = health, novelty, sampler
         self.kv_budget = settings.budget_settings(self.lm.geometry.context_length)
-        self.prefixes = PrefixCache(settings.prefix_cache_bytes, settings.resident)   # loaded states, for the next question
+        self.prefixes = PrefixCache(settings.prefix_cache_bytes, settings.resident, settings.lane_bits)   # loaded states, for the next question
         self.batcher = Batcher(self.lm, max_batch=settings.max_batch, max_kv_bytes=settings.batch_kv_bytes,
                                on_step=on_step)
 

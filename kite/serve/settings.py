@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kite.config import DEFAULT_MIN_HIT_GAIN
+from kite.config import DEFAULT_MIN_HIT_GAIN, parse_lane_bits
 from kite.errors import BadInput
 from kite.serve.prefixes import RESIDENT_FORMS
 from kite.store.ids import check_state_id  # noqa: F401 - re-exported: kite.serve's name for it
@@ -40,9 +40,10 @@ class ServeSettings:
     batch_kv_gb: float | None = None
     # loaded states kept for the next request that loads the same (kite.serve.prefixes)
     prefix_cache_gb: float = 2.0
-    # the form loaded states are held in for the batch: "raw" (rebuilt KV) or "coded" (read from their
-    # codes by the coded attention; more states per GB, slower steps: docs/serving.md)
+    # the form loaded states are held in for the batch: "raw" (rebuilt KV), "coded" (read from the
+    # codec's codes) or "lanes" (coded again into nibble lanes, ``lane_bits`` an element; docs/serving.md)
     resident: str = "raw"
+    lane_bits: str = "4"
     # the shared, tiered state store (kite.store; docs/store.md): tier URLs, None = the folder only
     store_url: str | None = None
     store_write: str = "through"
@@ -56,6 +57,7 @@ class ServeSettings:
             raise BadInput(f"server.prefix_cache_gb {self.prefix_cache_gb:g}: must be ≥ 0 (0: keep none)")
         if self.resident not in RESIDENT_FORMS:
             raise BadInput(f"server.resident {self.resident!r}: expected one of {', '.join(RESIDENT_FORMS)}")
+        parse_lane_bits(self.lane_bits)
         if self.max_body_mb <= 0:
             raise BadInput(f"server.max_body_mb {self.max_body_mb}: must be > 0")
         if not 1 <= self.port <= 65535 and self.port != 0:
@@ -98,7 +100,7 @@ class ServeSettings:
                    sampler_interval_ms=cfg.hardware_watermark.gpu_mem.sampling_interval_ms,
                    spike_threshold_gb=cfg.hardware_watermark.gpu_mem.spike_threshold_gb,
                    max_batch=s.max_batch, batch_kv_gb=s.batch_kv_gb, prefix_cache_gb=s.prefix_cache_gb,
-                   resident=s.resident,
+                   resident=s.resident, lane_bits=s.lane_bits,
                    store_url=cfg.store.url, store_write=cfg.store.write, **kw)
 
 

@@ -1,0 +1,54 @@
+"""A loaded state held in nibble lanes (kite.kernels.lanes) for the batch's attention to read
+(``kite serve --resident lanes``): the load's KV (``load_prefix``: any clusters, layers and
+precision) coded per layer into lanes on the model's device, keys as the cache holds them
+(post-RoPE). The lanes are a second quantization on top of the state's own codec: their cost in
+quality is measured by ``benchmarks/lanes_quality.py``; what they buy is decode attention read from
+4-bit (or 2-bit) codes near its byte floor (``benchmarks/lanes_decode.py``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from kite.config import LANE_BITS, parse_lane_bits  # noqa: F401 - the config's, re-exported
+from kite.errors import BadInput
+
+def lanes_for(bits: int, head_dim: int) -> int:
+    """Lanes a row for ``bits`` an element of ``head_dim`` (a power of 2, 2..2 x head_dim)."""
+    lanes = bits * head_dim // 4
+    if lanes < 2 or lanes & (lanes - 1) or lanes > 2 * head_dim:
+        raise BadInput(f"{bits} bits an element of {head_dim} dims is {lanes} lanes a row: not a power of 2 "
+                       f"in 2..{2 * head_dim}")
+    return lanes
+
+
+def load_lanes(state, lm, *, lane_bits: tuple[int, int] = (4, 4), group: int = 512, sinks: int = 1, **kwargs):
+    """``load_prefix(state, lm, **kwargs)`` held in lanes: (CodedPrefix of kite.kernels.lanes.Lanes
+    per layer, None where a layer holds nothing; its LoadReport with ``resident`` "lanes" and
+    ``resident_bytes`` the lanes' bytes). ``lane_bits``: bits an element for keys and values."""
+    from kite.kernels import lanes as L
+    from kite.runtime.cache import CodedPrefix
+    from kite.upcycle.load.prefix import load_prefix
+
+    d = lm.geometry.head_dim
+    k_lanes, v_lanes = lanes_for(lane_bits[0], d), lanes_for(lane_bits[1], d)
+    prefix, report = load_prefix(state, lm, **kwargs)
+    t0 = time.perf_counter()
+    dev = torch.device(lm.device)
+    basis = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    layers = []
+    for k, v in zip(prefix.keys, prefix.values):
+        if k.shape[-2] == 0:
+            layers.append(None)
+            continue
+        coded = L.encode(k.to(dev, torch.float32), v.to(dev, torch.float32), k_lanes, v_lanes, group=group,
+                         sinks=sinks)
+        layers.append(coded.to(basis_dtype=basis))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    held = CodedPrefix(layers=layers, positions=torch.empty(0, dtype=torch.long), next_position=prefix.next_position,
+                       cos=None, sin=None, reader=prefix.reader)
+    timings = dict(report.timings_ms, lanes=round((time.perf_counter() - t0) * 1e3, 3))
+    return held, replace(report, timings_ms=timings, resident="lanes", resident_bytes=held.nbytes)
