@@ -233,40 +233,45 @@ def decode(lanes: Lanes, side: str) -> torch.Tensor:
 
 
 def lanes_partial_torch(q: torch.Tensor, lanes: Lanes, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one query token per state, q [N, Hq, d], over each state's coded rows (sinks
-    not included): (out [N, Hq, d], lse [N, Hq]) float32, as kite.kernels.coded_attention's parts."""
-    N, Hq, d = q.shape
+    """Attention of q [N, Hq, d] (one token per state) or [N, Hq, n, d] (n tokens after the state,
+    each seeing all of it) over each state's coded rows (sinks not included): (out of q's shape,
+    lse [N, Hq(, n)]) float32, as kite.kernels.coded_attention's parts."""
+    tokens = q.dim() == 4
+    q4 = q if tokens else q[:, :, None]
+    N, Hq, n, d = q4.shape
     H = lanes.k_codes.shape[1]
     G = Hq // H
-    qh = q.float().view(N, H, G, d)
+    qh = q4.float().reshape(N, H, G * n, d)
     k = decode(lanes, "k")[:, :, lanes.raw_k.shape[2]:]
     v = decode(lanes, "v")[:, :, lanes.raw_v.shape[2]:]
-    sc = (qh @ k.transpose(-1, -2)) * scale                                          # [N, H, G, Tp]
+    sc = (qh @ k.transpose(-1, -2)) * scale                                          # [N, H, G n, Tp]
     live = torch.arange(lanes.rows, device=q.device)[None, :] < lanes.length.to(q.device)[:, None].long()
     sc = sc.masked_fill(~live[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(sc, dim=-1)
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    out = torch.exp(sc - safe[..., None]) @ v
-    return out.view(N, Hq, d), lse.view(N, Hq)
+    out = (torch.exp(sc - safe[..., None]) @ v).reshape(N, Hq, n, d)
+    lse = lse.reshape(N, Hq, n)
+    return (out, lse) if tokens else (out[:, :, 0], lse[:, :, 0])
 
 
 def lanes_partial(q: torch.Tensor, lanes: Lanes, scale: float, **kernel) -> tuple[torch.Tensor, torch.Tensor]:
-    """The coded rows and the sinks of each state, one softmax: (out [N, Hq, d], lse [N, Hq]) float32.
-    On a GPU with Triton the lanes kernel (``kernel``: its configuration), else the reference."""
-    from kite.kernels.coded_attention import merge, raw_partial
-
-    coded = None
-    if q.is_cuda:
+    """The coded rows and the sinks of each state, one softmax, for q [N, Hq, d] or [N, Hq, n, d]
+    (lanes_partial_torch's shapes). One token per state on a GPU with Triton: the lanes kernel
+    (``kernel``: its configuration); otherwise the reference."""
+    if q.is_cuda and q.dim() == 3:
         try:
             from kite.kernels.lanes_triton import lanes_decode
         except ImportError:
             lanes_decode = None
         if lanes_decode is not None:
-            coded = lanes_decode(q, lanes, scale, **kernel)
-    if coded is None:
-        coded = lanes_partial_torch(q, lanes, scale)
+            return lanes_decode(q, lanes, scale, lanes.raw_k, lanes.raw_v, **kernel)
+    coded = lanes_partial_torch(q, lanes, scale)
     if lanes.raw_k.shape[2] == 0:
         return coded
+    from kite.kernels.coded_attention import merge, raw_partial
+
+    if q.dim() == 4:
+        return merge([coded, raw_partial(q, lanes.raw_k, lanes.raw_v, scale)])
     ro, rl = raw_partial(q[:, :, None], lanes.raw_k, lanes.raw_v, scale)
     return merge([coded, (ro[:, :, 0], rl[:, :, 0])])
 
