@@ -96,8 +96,7 @@ def main(argv=None) -> int:
 
     def lanes_attn(module, query, key, value, attention_mask, scaling=None, **kw):
         li = module.layer_idx
-        plan = state["plans"][li]
-        lay = plan.lanes
+        lay, plan = state["plans"][li]
         extra_k = torch.cat((lay.raw_k, key.to(lay.raw_k.dtype)), dim=2)       # the sinks, the new token itself
         extra_v = torch.cat((lay.raw_v, value.to(lay.raw_v.dtype)), dim=2)
         if dev == "cuda":
@@ -172,7 +171,7 @@ def main(argv=None) -> int:
                         "lse_max_abs_diff": float((gl - wl).abs().max())}
         form["kernel_vs_reference"] = errs
         print("kernel vs reference:", json.dumps(errs), flush=True)
-        state["plans"] = [LanesPlan(stacked(o, n_cod)) for o in ones]
+        state["plans"] = [(x, LanesPlan(x)) for x in (stacked(o, n_cod) for o in ones)]
         qn = torch.randn(n_cod, Hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
         floor = n_cod * stream / gs.HBM_BPS * 1e3
         variants = {}
@@ -186,7 +185,7 @@ def main(argv=None) -> int:
                     name = f"block{block}_warps{warps}_stages{stages}_splits{sp}_ptx{ptx}_maxnreg{mx}"
                     try:
                         variants[name] = gs.cuda_ms(
-                            lambda kw=kw: [lanes_decode(qn, p, scale, **kw) for p in state["plans"]], reps=3)
+                            lambda kw=kw: [lanes_decode(qn, p, scale, **kw) for _, p in state["plans"]], reps=3)
                     except Exception as e:  # noqa: BLE001
                         variants[name] = repr(e)[:200]
             print("kernel variants (ms, all layers):", variants, flush=True)

@@ -84,36 +84,54 @@ def _high_f16(codes, PTX: tl.constexpr):
         return ((codes >> 4).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
 
 
+# A state's tables behind the pointer table (LanesPlan.ptrs, one row of TABLES a state): the states
+# of a batch stay where they are (each its own tensors), none copied to form the batch.
+TABLES = ("k_codes", "k_weight", "k_const", "k_basis", "v_codes", "v_weight", "v_const", "v_basis")
+
+
 @triton.jit
-def _query_kernel(q_ptr, kb_ptr, kk_ptr, qk_out, cq_out, qscale, G: tl.constexpr, GP: tl.constexpr,
-                  NG: tl.constexpr, RK: tl.constexpr, D: tl.constexpr):
+def _table(ptrs, n, i: tl.constexpr, ty: tl.constexpr):
+    """State n's table i (TABLES) as a pointer to ``ty``, 16-byte aligned (LanesPlan checks it)."""
+    return tl.multiple_of(tl.load(ptrs + n * 8 + i).to(tl.pointer_type(ty)), 16)
+
+
+@triton.jit
+def _query_kernel(q_ptr, ptrs, ng_ptr, qk_out, cq_out, qscale, H: tl.constexpr, G: tl.constexpr,
+                  GP: tl.constexpr, NGMAX: tl.constexpr, RK: tl.constexpr, D: tl.constexpr, BASIS: tl.constexpr):
     """Before the stream kernel, per KV head of a state: its query rows (times ``qscale``) on the key
     lanes' basis, [GP, RK] in fp32 (tf32x3), and the score constants κ_g · q of every group [NG, GP]."""
     pair = tl.program_id(0)
+    n = pair // H
+    h = pair % H
+    ng = tl.load(ng_ptr + n)
     g = tl.arange(0, GP)
     j = tl.arange(0, RK)
     dd = tl.arange(0, D)
     q = tl.load(q_ptr + (pair * G + g)[:, None] * D + dd[None, :], mask=(g < G)[:, None], other=0.0)
     q = q.to(tl.float32) * qscale
-    basis = tl.load(kb_ptr + pair.to(tl.int64) * (RK * D) + j[:, None] * D + dd[None, :]).to(tl.float32)
+    kb = _table(ptrs, n, 3, BASIS) + h * (RK * D)
+    basis = tl.load(kb + j[:, None] * D + dd[None, :]).to(tl.float32)
     qk = tl.dot(q, tl.trans(basis), input_precision="tf32x3")
     tl.store(qk_out + (pair * GP + g)[:, None] * RK + j[None, :], qk)
-    for gi in range(NG):
-        kappa = tl.load(kk_ptr + (pair * NG + gi) * D + dd)
-        tl.store(cq_out + (pair * NG + gi) * GP + g, tl.sum(q * kappa[None, :], 1))
+    kk = _table(ptrs, n, 2, tl.float32) + h * ng * D
+    for gi in range(ng):
+        kappa = tl.load(kk + gi * D + dd)
+        tl.store(cq_out + (pair * NGMAX + gi) * GP + g, tl.sum(q * kappa[None, :], 1))
 
 
 @triton.jit
-def _finish_kernel(q_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gs_ptr, vb_ptr, vk_ptr, len_ptr, ek_ptr, ev_ptr,
+def _finish_kernel(q_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gs_ptr, ptrs, ng_ptr, len_ptr, ek_ptr, ev_ptr,
                    out_ptr, lse_ptr, qscale, E, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                   NG: tl.constexpr, GROUP: tl.constexpr, RV: tl.constexpr, D: tl.constexpr,
-                   SPLITS: tl.constexpr):
+                   NGMAX: tl.constexpr, GROUP: tl.constexpr, RV: tl.constexpr, D: tl.constexpr,
+                   SPLITS: tl.constexpr, BASIS: tl.constexpr):
     """After the stream kernel, per KV head of a state: its splits' parts and the ``E`` rows kept raw
     (``ek`` / ``ev`` [E, D]: sinks, decoded tokens) in one softmax (base 2), the groups' value
     constants by their masses, the merged lane sums projected back to d (fp32, tf32x3): the
     normalized output [G, D] and the log-sum-exp (natural) [G]."""
     pair = tl.program_id(0)
     n = pair // H
+    h = pair % H
+    ng = tl.load(ng_ptr + n)
     g = tl.arange(0, GP)
     gm_ = g < G
     j = tl.arange(0, RV)
@@ -133,13 +151,15 @@ def _finish_kernel(q_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gs_ptr, vb_ptr, vk_ptr,
         w = tl.exp2(tl.load(m_ptr + part * GP + g) - top)
         total += w * tl.load(l_ptr + part * GP + g)
         lane += w[:, None] * tl.load(acc_ptr + (part * GP + g)[:, None] * RV + j[None, :])
-    basis = tl.load(vb_ptr + pair.to(tl.int64) * (RV * D) + j[:, None] * D + dd[None, :]).to(tl.float32)
+    vb = _table(ptrs, n, 7, BASIS) + h * (RV * D)
+    basis = tl.load(vb + j[:, None] * D + dd[None, :]).to(tl.float32)
     o = tl.dot(lane, basis, input_precision="tf32x3")
-    live = tl.minimum(tl.cdiv(tl.load(len_ptr + n), GROUP), NG)
+    vk = _table(ptrs, n, 6, tl.float32) + h * ng * D
+    live = tl.minimum(tl.cdiv(tl.load(len_ptr + n), GROUP), ng)
     for gi in range(live):
-        grp = pair * NG + gi
+        grp = pair * NGMAX + gi
         mass = tl.load(gs_ptr + grp * GP + g) * tl.exp2(tl.load(gm_ptr + grp * GP + g) - top)
-        o += mass[:, None] * tl.load(vk_ptr + grp * D + dd)[None, :]
+        o += mass[:, None] * tl.load(vk + gi * D + dd)[None, :]
     for e in range(E):
         k = tl.load(ek_ptr + (pair * E + e) * D + dd).to(tl.float32)
         p = tl.exp2(tl.sum(q * k[None, :], 1) - top)
@@ -152,17 +172,18 @@ def _finish_kernel(q_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gs_ptr, vb_ptr, vk_ptr,
 
 
 @triton.jit
-def _lanes_kernel(qk_ptr, cq_ptr, kw_ptr, kc_ptr, vw_ptr, vc_ptr, len_ptr,
-                  m_out, l_out, acc_out, gm_out, gs_out,
-                  H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, GROUP: tl.constexpr,
-                  RK: tl.constexpr, RV: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
-                  SPLITS: tl.constexpr, PTX: tl.constexpr):
+def _lanes_kernel(qk_ptr, cq_ptr, ptrs, ng_ptr, len_ptr, m_out, l_out, acc_out, gm_out, gs_out,
+                  H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, NGMAX: tl.constexpr, GROUP: tl.constexpr,
+                  RK: tl.constexpr, RV: tl.constexpr, BT: tl.constexpr, SPLITS: tl.constexpr,
+                  PTX: tl.constexpr):
     pair = tl.program_id(0)
     split = tl.program_id(1)
     n = pair // H
+    h = pair % H
+    ng = tl.load(ng_ptr + n)
     length = tl.load(len_ptr + n)
-    live_groups = tl.minimum(tl.cdiv(length, GROUP), NG)
-    per = tl.cdiv(NG, SPLITS)
+    live_groups = tl.minimum(tl.cdiv(length, GROUP), ng)
+    per = tl.cdiv(ng, SPLITS)
     g_lo = split * per
     g_hi = tl.minimum(g_lo + per, live_groups)
 
@@ -178,15 +199,17 @@ def _lanes_kernel(qk_ptr, cq_ptr, kw_ptr, kc_ptr, vw_ptr, vc_ptr, len_ptr,
     lsum = tl.zeros([GP], tl.float32)
     acc_lo = tl.zeros([GP, RV // 2], tl.float32)
     acc_hi = tl.zeros([GP, RV // 2], tl.float32)
-    kcodes = kc_ptr + pair.to(tl.int64) * (NG * GROUP * (RK // 2))
-    vcodes = vc_ptr + pair.to(tl.int64) * (NG * GROUP * (RV // 2))
+    rows_h = h.to(tl.int64) * ng * GROUP                       # this head's first row in the state's tables
+    kcodes = _table(ptrs, n, 0, tl.uint8) + rows_h * (RK // 2)
+    vcodes = _table(ptrs, n, 4, tl.uint8) + rows_h * (RV // 2)
+    kw = _table(ptrs, n, 1, tl.float32) + h * ng * RK
+    vw = _table(ptrs, n, 5, tl.float32) + h * ng * RV
     for gi in range(g_lo, g_hi):
-        grp = pair * NG + gi
-        qs_lo = (tl.load(qrow + ck[None, :]) * tl.load(kw_ptr + grp * RK + ck)[None, :]).to(tl.float16)
-        qs_hi = (tl.load(qrow + RK // 2 + ck[None, :]) * tl.load(kw_ptr + grp * RK + RK // 2 + ck)[None, :]).to(tl.float16)
-        cq = tl.load(cq_ptr + grp * GP + g)
-        wv_lo = tl.load(vw_ptr + grp * RV + cv)
-        wv_hi = tl.load(vw_ptr + grp * RV + RV // 2 + cv)
+        qs_lo = (tl.load(qrow + ck[None, :]) * tl.load(kw + gi * RK + ck)[None, :]).to(tl.float16)
+        qs_hi = (tl.load(qrow + RK // 2 + ck[None, :]) * tl.load(kw + gi * RK + RK // 2 + ck)[None, :]).to(tl.float16)
+        cq = tl.load(cq_ptr + (pair * NGMAX + gi) * GP + g)
+        wv_lo = tl.load(vw + gi * RV + cv)
+        wv_hi = tl.load(vw + gi * RV + RV // 2 + cv)
         gsum = tl.zeros([GP], tl.float32)
         for t0 in range(0, GROUP, BT):
             rows = gi * GROUP + t0 + t
@@ -206,11 +229,10 @@ def _lanes_kernel(qk_ptr, cq_ptr, kw_ptr, kc_ptr, vw_ptr, vc_ptr, len_ptr,
             acc_lo = acc_lo * alpha[:, None] + tl.dot(ph, _low_f16(vt, PTX)) * wv_lo[None, :]
             acc_hi = acc_hi * alpha[:, None] + tl.dot(ph, _high_f16(vt, PTX)) * wv_hi[None, :]
             m = m_new
-        # the group's value constant, weighted by its probability mass (rescaled to the new maximum)
         # the group's probability mass (relative to the running maximum at its end): its value
         # constant's weight, applied after the kernel
-        tl.store(gm_out + grp * GP + g, m)
-        tl.store(gs_out + grp * GP + g, gsum)
+        tl.store(gm_out + (pair * NGMAX + gi) * GP + g, m)
+        tl.store(gs_out + (pair * NGMAX + gi) * GP + g, gsum)
 
     out = pair * SPLITS + split
     tl.store(m_out + out * GP + g, m)
@@ -224,22 +246,60 @@ def _ptx(q: torch.Tensor) -> bool:
     return q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
-class LanesPlan:
-    """What :func:`lanes_decode` reads of a Lanes batch, contiguous on its device, made once (a
-    serving loop or a benchmark keeps one per layer and batch). The bases stay in their stored
-    type (the kernel widens them); weights and constants are float32."""
+_BASIS_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
-    def __init__(self, lanes: Lanes):
-        self.lanes = lanes
-        c = lambda t, dt=None: (t if dt is None else t.to(dt)).contiguous()  # noqa: E731
-        self.k_codes, self.v_codes = c(lanes.k_codes), c(lanes.v_codes)
-        self.k_weight, self.v_weight = c(lanes.k_weight, torch.float32), c(lanes.v_weight, torch.float32)
-        self.k_const, self.v_const = c(lanes.k_const, torch.float32), c(lanes.v_const, torch.float32)
-        self.k_basis, self.v_basis = c(lanes.k_basis), c(lanes.v_basis)
-        self.length = c(lanes.length.to(lanes.k_codes.device), torch.int32)
-        N, H, Tp, _ = lanes.k_codes.shape
-        self.N, self.H, self.Tp, self.NG = N, H, Tp, Tp // lanes.group
-        self.RK, self.RV, self.D = lanes.k_weight.shape[-1], lanes.v_weight.shape[-1], lanes.k_const.shape[-1]
+
+class LanesPlan:
+    """What :func:`lanes_decode` reads of a batch of states in lanes, made once (a serving loop or a
+    benchmark keeps one per layer and batch): a pointer table to each state's tables (TABLES), so
+    the states stay where they are; their groups, lengths and sinks. ``lanes``: one Lanes of N
+    stacked states, or a list of one-state Lanes (a batch's rows, each its own tensors; same heads,
+    lanes, group size, number of sinks and basis type). Weights and constants are float32 (copied
+    once where they are not), the bases stay in their stored type (the kernel widens them)."""
+
+    def __init__(self, lanes: Lanes | list[Lanes]):
+        states = [lanes] if isinstance(lanes, Lanes) else list(lanes)
+        if not states:
+            raise ValueError("no states to plan")
+        first = states[0]
+        self.group = first.group
+        self.H, self.RK, self.RV = first.k_codes.shape[1], first.k_weight.shape[-1], first.v_weight.shape[-1]
+        self.D = first.k_const.shape[-1]
+        basis = first.k_basis.dtype
+        if basis not in _BASIS_TYPES:
+            raise ValueError(f"bases of {basis} are not read by the kernel (bf16, fp16 or fp32)")
+        self.basis_type = _BASIS_TYPES[basis]
+        rows, ngs, lengths, keep = [], [], [], []
+        for x in states:
+            if (x.group, x.k_codes.shape[1], x.k_weight.shape[-1], x.v_weight.shape[-1], x.k_basis.dtype,
+                    x.v_basis.dtype, x.raw_k.shape[2]) != (self.group, self.H, self.RK, self.RV, basis, basis,
+                                                          first.raw_k.shape[2]):
+                raise ValueError("states of one plan must share heads, lanes, group size, sinks and basis type")
+            tabs = [_aligned(getattr(x, name), torch.float32 if name.endswith(("weight", "const")) else None)
+                    for name in TABLES]
+            keep.append(tabs)
+            for i in range(x.states):           # state i of a stacked Lanes: views of its rows
+                rows.append([t.data_ptr() + i * t[0].numel() * t.element_size() for t in tabs])
+                ngs.append(x.k_weight.shape[2])
+                lengths.append(x.length[i])
+        dev = first.k_codes.device
+        self._keep = keep
+        self.ptrs = torch.tensor(rows, dtype=torch.int64, device=dev)
+        self.ngs = torch.tensor(ngs, dtype=torch.int32, device=dev)
+        self.length = torch.stack([torch.as_tensor(n) for n in lengths]).to(dev, torch.int32)
+        self.N, self.NGMAX = len(rows), max(ngs)
+        self.raw_k = torch.cat([x.raw_k for x in states]) if len(states) > 1 else first.raw_k
+        self.raw_v = torch.cat([x.raw_v for x in states]) if len(states) > 1 else first.raw_v
+
+
+def _aligned(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` contiguous (in ``dtype``), each of its states' rows 16-byte aligned (a copy if not)."""
+    t = t.contiguous() if dtype is None else t.to(dtype).contiguous()
+    if t.data_ptr() % 16:
+        t = t.clone()
+    if (t[0].numel() * t.element_size()) % 16:
+        raise ValueError(f"a state's table of {tuple(t.shape)} {t.dtype} is not 16-byte aligned")
+    return t
 
 
 def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_k: torch.Tensor | None = None,
@@ -255,8 +315,8 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
     registers a thread (more programs an SM, some spilled). The defaults (one-warp programs of
     64-row tiles, 3 stages) were the fastest on the H200 (docs/lanes_decode_h200_run5.json)."""
     plan = lanes if isinstance(lanes, LanesPlan) else LanesPlan(lanes)
-    N, H, NG, RK, RV, D = plan.N, plan.H, plan.NG, plan.RK, plan.RV, plan.D
-    group = plan.lanes.group
+    N, H, NG, RK, RV, D = plan.N, plan.H, plan.NGMAX, plan.RK, plan.RV, plan.D
+    group = plan.group
     Nq, Hq, d = q.shape
     if Nq != N or d != D or Hq % H:
         raise ValueError(f"q {tuple(q.shape)} does not fit {N} states of {H} KV heads of {D} dims")
@@ -272,20 +332,20 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
     qc = q.contiguous()
     qscale = scale * LOG2E
     qk, cq = torch.empty(N, H, GP, RK, **f32), torch.empty(N, H, NG, GP, **f32)
-    _query_kernel[(N * H,)](qc, plan.k_basis, plan.k_const, qk, cq, qscale, G=G, GP=GP, NG=NG, RK=RK, D=D)
+    _query_kernel[(N * H,)](qc, plan.ptrs, plan.ngs, qk, cq, qscale, H=H, G=G, GP=GP, NGMAX=NG, RK=RK, D=D,
+                            BASIS=plan.basis_type)
     m, lsum = torch.empty(N, H, splits, GP, **f32), torch.empty(N, H, splits, GP, **f32)
     acc = torch.empty(N, H, splits, GP, RV, **f32)
     gm, gs = torch.empty(N, H, NG, GP, **f32), torch.empty(N, H, NG, GP, **f32)
-    _lanes_kernel[(N * H, splits)](qk, cq, plan.k_weight, plan.k_codes, plan.v_weight, plan.v_codes,
-                                   plan.length, m, lsum, acc, gm, gs, H=H, G=G, GP=GP, NG=NG, GROUP=group, RK=RK,
-                                   RV=RV, D=D, BT=block, SPLITS=splits, PTX=_ptx(q) if ptx is None else ptx,
-                                   num_warps=num_warps, num_stages=num_stages,
+    _lanes_kernel[(N * H, splits)](qk, cq, plan.ptrs, plan.ngs, plan.length, m, lsum, acc, gm, gs, H=H, G=G,
+                                   GP=GP, NGMAX=NG, GROUP=group, RK=RK, RV=RV, BT=block, SPLITS=splits,
+                                   PTX=_ptx(q) if ptx is None else ptx, num_warps=num_warps, num_stages=num_stages,
                                    **({"maxnreg": maxnreg} if maxnreg else {}))
     if extra_k is None or extra_k.shape[2] == 0:
         extra_k = extra_v = torch.zeros(N, H, 0, D, device=dev, dtype=q.dtype)
     E = extra_k.shape[2]
     out, lse = torch.empty(N, Hq, D, **f32), torch.empty(N, Hq, **f32)
-    _finish_kernel[(N * H,)](qc, m, lsum, acc, gm, gs, plan.v_basis, plan.v_const, plan.length,
-                             extra_k.contiguous(), extra_v.contiguous(), out, lse, qscale, E, H=H, G=G, GP=GP,
-                             NG=NG, GROUP=group, RV=RV, D=D, SPLITS=splits)
+    _finish_kernel[(N * H,)](qc, m, lsum, acc, gm, gs, plan.ptrs, plan.ngs, plan.length, extra_k.contiguous(),
+                             extra_v.contiguous(), out, lse, qscale, E, H=H, G=G, GP=GP, NGMAX=NG, GROUP=group,
+                             RV=RV, D=D, SPLITS=splits, BASIS=plan.basis_type)
     return out, lse

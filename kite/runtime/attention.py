@@ -140,9 +140,10 @@ def coded_rows(out, query, key, value, mask, scaling, batch, layer: int) -> None
 
 def lanes_rows(out, query, key, value, mask, scaling, batch, layer: int, rows: list[int]) -> None:
     """Rows whose state is held in nibble lanes (kite.kernels.lanes): one softmax over the state's
-    coded rows, its sinks and the row's own slots (``mask``). The rows' lanes are stacked once per
-    layer and set of rows (kept in ``batch.coded_batches`` until rows change). One decode token per
-    row on a GPU: the lanes kernel (kite.kernels.lanes_triton); otherwise the torch reference."""
+    coded rows, its sinks and the row's own slots (``mask``). One decode token per row on a GPU: the
+    lanes kernel (kite.kernels.lanes_triton) over a pointer table to the rows' states, made once
+    per layer and set of rows (kept in ``batch.coded_batches`` until rows change); otherwise the
+    torch reference (on the CPU over the rows' lanes stacked, so kept; on a GPU row by row)."""
     from kite.kernels import lanes as L
     from kite.kernels.coded_attention import merge, raw_partial
 
@@ -150,22 +151,23 @@ def lanes_rows(out, query, key, value, mask, scaling, batch, layer: int, rows: l
     idx = torch.tensor(rows, device=query.device)
     q = query[idx]                                                           # [n, Hq, q, d]
     raw = raw_partial(q, key[idx], value[idx], scaling, mask[idx])           # the rows' own slots
+    layers = [batch.coded[b].layers[layer] for b in rows]
     key_ = (layer, "lanes", tuple(id(batch.coded[b]) for b in rows))
-    if key_ not in batch.coded_batches:
-        stacked = L.stack([batch.coded[b].layers[layer] for b in rows])
-        if q.is_cuda:
-            from kite.kernels.lanes_triton import LanesPlan
-
-            stacked = LanesPlan(stacked)
-        batch.coded_batches[key_] = stacked
-    held = batch.coded_batches[key_]
     if q.shape[2] == 1 and q.is_cuda:
-        from kite.kernels.lanes_triton import lanes_decode
+        from kite.kernels.lanes_triton import LanesPlan, lanes_decode
 
-        o, lse = lanes_decode(q[:, :, 0], held, scaling, held.lanes.raw_k, held.lanes.raw_v)
+        if key_ not in batch.coded_batches:
+            batch.coded_batches[key_] = LanesPlan(layers)
+        plan = batch.coded_batches[key_]
+        o, lse = lanes_decode(q[:, :, 0], plan, scaling, plan.raw_k, plan.raw_v)
         o, lse = o[:, :, None], lse[:, :, None]
+    elif q.is_cuda:
+        parts = [L.lanes_partial(q[i:i + 1], x, scaling) for i, x in enumerate(layers)]
+        o, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     else:
-        o, lse = L.lanes_partial(q, held.lanes if q.is_cuda else held, scaling)
+        if key_ not in batch.coded_batches:
+            batch.coded_batches[key_] = L.stack(layers)
+        o, lse = L.lanes_partial(q, batch.coded_batches[key_], scaling)
     merged, _ = merge([(o, lse), raw])                                       # [n, Hq, q, d]
     out[idx] = merged.transpose(1, 2).to(out.dtype)
 
