@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kite.kernels import lanes as L
+from kite.runtime.cache import CodedPrefix, KVPrefix
 
 
 def _states(device: str, H: int = 2, d: int = 64, lengths=(700, 300), k_lanes: int = 64, v_lanes: int = 32,
@@ -79,6 +80,8 @@ def test_lanes_decode_refuses_a_query_that_does_not_fit():
         lanes_decode(torch.randn(3, 6, 64), x, 0.125)
     with pytest.raises(ValueError, match="must divide the group size"):
         lanes_decode(torch.randn(2, 6, 64), x, 0.125, block=48)
+    with pytest.raises(ValueError, match="reads 32 lanes a row or more"):
+        lanes_decode(torch.randn(2, 6, 64), _states("cpu", k_lanes=16), 0.125)
 
 
 def test_lanes_partial_merges_the_sinks_on_the_cpu():
@@ -148,3 +151,53 @@ def test_lanes_kernel_unpacks_the_same_without_inline_ptx_on_the_gpu():
     """The element-by-element unpacking (the interpreter's) compiled on the GPU gives the same."""
     pytest.importorskip("triton")
     print(_check("cuda", torch.bfloat16, None, 64, 5e-3, ptx=False, d=128, k_lanes=128, v_lanes=64, group=256))
+
+
+def decoded(held: CodedPrefix) -> KVPrefix:
+    """The rows a prefix in lanes decodes to (sinks first, then its coded rows), as a KVPrefix."""
+    from kite.kernels import lanes as L
+
+    keys, values = [], []
+    for layer in held.layers:
+        n = layer.raw_k.shape[2] + int(layer.length[0])
+        keys.append(L.decode(layer, "k")[0, :, :n])
+        values.append(L.decode(layer, "v")[0, :, :n])
+    return KVPrefix(keys, values, held.next_position)
+
+
+# -- the GPU ------------------------------------------------------------------------------------------
+
+@cuda
+@pytest.mark.parametrize("dtype,bits", [("fp32", 8), ("bf16", 8), ("bf16", 4)])
+def test_the_decode_step_reads_rows_in_lanes_with_the_kernel_on_the_gpu(tiny_models, tmp_path, dtype, bits):
+    """On a GPU the decode step of rows in lanes goes through the lanes kernel (the tiny model's head_dim
+    16 at 8 bits: 32 lanes; at 4 bits, 16 lanes, the reference on the GPU): its logits against the rows
+    after the rows the lanes decode to (bf16 bases)."""
+    from kite.model import load_model
+    from kite.runtime.batch_decode import BatchKVCache, forward_rows
+    from kite.upcycle import StateFile, codec
+    from kite.upcycle.compress import CompressSettings, compress_document
+    from kite.upcycle.load.lanes import load_lanes
+    from tests.tiny_models import CORPUS
+
+    state = tmp_path / "s.upc"
+    compress_document(load_model(str(tiny_models["qwen2"]), device="cpu"), CORPUS, state,
+                      CompressSettings(codec=codec.settings_for(4), n_clusters=3, min_span_tokens=8,
+                                       max_span_tokens=24), device="cpu")
+    lm_gpu = load_model(str(tiny_models["qwen2"]), device="cuda", dtype=dtype)
+    with StateFile(state) as sf:
+        held, _ = load_lanes(sf, lm_gpu, lane_bits=(bits, bits))
+    rows_kv = decoded(held)
+    prompt = lm_gpu.tokenizer("What does the contract say about payment?")["input_ids"]
+    cache = BatchKVCache(lm_gpu.model, 4)
+    rows = [cache.take(rows_kv), cache.take(held), cache.take(held)]
+    pos = [held.next_position] * 3
+    forward_rows(lm_gpu.model, cache, rows, [prompt] * 3, pos)
+    logits = forward_rows(lm_gpu.model, cache, rows, [[7]] * 3, [p + len(prompt) for p in pos])
+    # the kernel's plan is kept for the step where the kernel reads the lanes
+    assert any(k[1] == "lanes" for k in cache.coded_batches) == (bits == 8)
+    top = float(logits[0].abs().max())
+    for got in logits[1:]:
+        err = float((got - logits[0]).abs().max()) / top
+        print(f"{dtype}: rows in lanes vs their decoded rows, decode logits: max abs diff / max |logit| = {err:.2e}")
+        assert err <= 3e-2

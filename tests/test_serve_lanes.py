@@ -14,9 +14,10 @@ from typer.testing import CliRunner
 
 from kite.cli.main import app as cli
 from kite.errors import BadInput
-from kite.runtime.cache import CodedPrefix, KVPrefix
+from kite.runtime.cache import CodedPrefix
 from kite.upcycle import StateFile, codec
 from kite.upcycle.compress import CompressSettings, compress_document
+from tests.test_lanes_kernel import decoded
 from tests.test_serve import DOC, _settings, _start
 
 PROMPT = " What does the contract say about payment?"
@@ -36,18 +37,6 @@ def state(lm, tmp_path_factory):
     compress_document(lm, DOC, path, CompressSettings(codec=codec.settings_for(4), n_clusters=3, min_span_tokens=8,
                                                       max_span_tokens=24), device="cpu")
     return path
-
-
-def decoded(held: CodedPrefix) -> KVPrefix:
-    """The rows a prefix in lanes decodes to (sinks first, then its coded rows), as a KVPrefix."""
-    from kite.kernels import lanes as L
-
-    keys, values = [], []
-    for layer in held.layers:
-        n = layer.raw_k.shape[2] + int(layer.length[0])
-        keys.append(L.decode(layer, "k")[0, :, :n])
-        values.append(L.decode(layer, "v")[0, :, :n])
-    return KVPrefix(keys, values, held.next_position)
 
 
 @pytest.mark.parametrize("bits", [(4, 4), (2, 4)])
@@ -183,32 +172,3 @@ def test_concurrent_rows_in_lanes_decode_as_each_alone(servers):
     with ThreadPoolExecutor(4) as pool:
         outs = list(pool.map(lambda _: _complete(client), range(4)))
     assert all(o["kite"]["load"]["resident"] == "lanes" and o["choices"][0]["text"] == alone for o in outs)
-
-
-# -- the GPU ------------------------------------------------------------------------------------------
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_the_decode_step_reads_rows_in_lanes_with_the_kernel_on_the_gpu(tiny_models, state, dtype):
-    """On a GPU the decode step of rows in lanes goes through the lanes kernel: its logits against the
-    rows after the rows the lanes decode to (bf16 bases)."""
-    from kite.model import load_model
-    from kite.runtime.batch_decode import BatchKVCache, forward_rows
-    from kite.upcycle.load.lanes import load_lanes
-
-    lm_gpu = load_model(str(tiny_models["qwen2"]), device="cuda", dtype=dtype)
-    with StateFile(state) as sf:
-        held, _ = load_lanes(sf, lm_gpu, lane_bits=(4, 4))
-    rows_kv = decoded(held)
-    prompt = lm_gpu.tokenizer("What does the contract say about payment?")["input_ids"]
-    cache = BatchKVCache(lm_gpu.model, 4)
-    rows = [cache.take(rows_kv), cache.take(held), cache.take(held)]
-    pos = [held.next_position] * 3
-    forward_rows(lm_gpu.model, cache, rows, [prompt] * 3, pos)
-    logits = forward_rows(lm_gpu.model, cache, rows, [[7]] * 3, [p + len(prompt) for p in pos])
-    assert any(k[1] == "lanes" for k in cache.coded_batches)        # the stacked lanes, kept for the step
-    top = float(logits[0].abs().max())
-    for got in logits[1:]:
-        err = float((got - logits[0]).abs().max()) / top
-        print(f"{dtype}: rows in lanes vs their decoded rows, decode logits: max abs diff / max |logit| = {err:.2e}")
-        assert err <= 3e-2

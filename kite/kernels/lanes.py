@@ -256,14 +256,14 @@ def lanes_partial_torch(q: torch.Tensor, lanes: Lanes, scale: float) -> tuple[to
 
 def lanes_partial(q: torch.Tensor, lanes: Lanes, scale: float, **kernel) -> tuple[torch.Tensor, torch.Tensor]:
     """The coded rows and the sinks of each state, one softmax, for q [N, Hq, d] or [N, Hq, n, d]
-    (lanes_partial_torch's shapes). One token per state on a GPU with Triton: the lanes kernel
-    (``kernel``: its configuration); otherwise the reference."""
+    (lanes_partial_torch's shapes). One token per state on a GPU with Triton, lanes the kernel
+    reads (>= 32 a row): the lanes kernel (``kernel``: its configuration); otherwise the reference."""
     if q.is_cuda and q.dim() == 3:
         try:
-            from kite.kernels.lanes_triton import lanes_decode
+            from kite.kernels.lanes_triton import kernel_reads, lanes_decode
         except ImportError:
             lanes_decode = None
-        if lanes_decode is not None:
+        if lanes_decode is not None and kernel_reads(lanes):
             return lanes_decode(q, lanes, scale, lanes.raw_k, lanes.raw_v, **kernel)
     coded = lanes_partial_torch(q, lanes, scale)
     if lanes.raw_k.shape[2] == 0:

@@ -246,6 +246,16 @@ def _ptx(q: torch.Tensor) -> bool:
     return q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
+MIN_LANES = 32     # lanes a row the kernel reads (each half a tensor-core product's K of >= 16)
+
+
+def kernel_reads(lanes: Lanes | list[Lanes]) -> bool:
+    """Whether the kernel reads these lanes (>= MIN_LANES a row on both sides); the reference does
+    every form."""
+    x = lanes if isinstance(lanes, Lanes) else lanes[0]
+    return min(x.k_weight.shape[-1], x.v_weight.shape[-1]) >= MIN_LANES
+
+
 _BASIS_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -322,6 +332,9 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
         raise ValueError(f"q {tuple(q.shape)} does not fit {N} states of {H} KV heads of {D} dims")
     if group % block:
         raise ValueError(f"block {block} must divide the group size {group}")
+    if min(RK, RV) < MIN_LANES:
+        raise ValueError(f"the lanes kernel reads {MIN_LANES} lanes a row or more, not {RK} / {RV} "
+                         "(kite.kernels.lanes.lanes_partial_torch reads any)")
     G = Hq // H
     GP = max(16, triton.next_power_of_2(G))
     if splits is None:

@@ -140,8 +140,8 @@ def coded_rows(out, query, key, value, mask, scaling, batch, layer: int) -> None
 
 def lanes_rows(out, query, key, value, mask, scaling, batch, layer: int, rows: list[int]) -> None:
     """Rows whose state is held in nibble lanes (kite.kernels.lanes): one softmax over the state's
-    coded rows, its sinks and the row's own slots (``mask``). One decode token per row on a GPU: the
-    lanes kernel (kite.kernels.lanes_triton) over a pointer table to the rows' states, made once
+    coded rows, its sinks and the row's own slots (``mask``). One decode token per row on a GPU
+    (lanes of >= 32 a row, as head_dim >= 64 at 4 bits): the lanes kernel (kite.kernels.lanes_triton) over a pointer table to the rows' states, made once
     per layer and set of rows (kept in ``batch.coded_batches`` until rows change); otherwise the
     torch reference (on the CPU over the rows' lanes stacked, so kept; on a GPU row by row)."""
     from kite.kernels import lanes as L
@@ -153,7 +153,7 @@ def lanes_rows(out, query, key, value, mask, scaling, batch, layer: int, rows: l
     raw = raw_partial(q, key[idx], value[idx], scaling, mask[idx])           # the rows' own slots
     layers = [batch.coded[b].layers[layer] for b in rows]
     key_ = (layer, "lanes", tuple(id(batch.coded[b]) for b in rows))
-    if q.shape[2] == 1 and q.is_cuda:
+    if q.shape[2] == 1 and q.is_cuda and _kernel_reads(layers):
         from kite.kernels.lanes_triton import LanesPlan, lanes_decode
 
         if key_ not in batch.coded_batches:
@@ -170,6 +170,14 @@ def lanes_rows(out, query, key, value, mask, scaling, batch, layer: int, rows: l
         o, lse = L.lanes_partial(q, batch.coded_batches[key_], scaling)
     merged, _ = merge([(o, lse), raw])                                       # [n, Hq, q, d]
     out[idx] = merged.transpose(1, 2).to(out.dtype)
+
+
+def _kernel_reads(layers) -> bool:
+    try:
+        from kite.kernels.lanes_triton import kernel_reads
+    except ImportError:     # no Triton: the reference
+        return False
+    return kernel_reads(layers)
 
 
 def _splits_keys(query, key, mask, dropout) -> bool:
