@@ -14,7 +14,9 @@ against the full context after a prefix coded as
   decoded with ``lanes.decode`` and used as post-RoPE keys; R lanes a row = 4 d / R (R = 4: d lanes,
   4 bits an element), bytes from ``Lanes.nbytes()``. Variants: group sizes, quantization ranges
   (``min/max`` or MSE-clipped), k/v splits of the lanes other than equal (half the lanes on one
-  side), and more first tokens kept exact (``_s<sinks>``).
+  side), more first tokens kept exact (``_s<n>``) or token 0 and the n - 1 tokens a first coding codes
+  worst (``_w<n>``); ``--one-side``: the first variant's keys
+  with exact values (``_keys_only``) and its values with exact keys (``_values_only``).
 
 Bases are the document's own (no regenerator). Each variant's bytes are stated with its ratio
 against the raw fp16 KV, so rows compare at (roughly) equal bytes.
@@ -42,14 +44,20 @@ from kite.kernels import lanes  # noqa: E402
 from kite.upcycle import codec  # noqa: E402
 
 
-def lanes_prefix(doc: Document, k_lanes: int, v_lanes: int, group: int, clip: str, sinks: int = 1
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+def lanes_prefix(doc: Document, k_lanes: int, v_lanes: int, group: int, clip: str, sinks: int = 1,
+                 worst: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
     """Every layer of the document in lanes, decoded: (keys post-RoPE, values, byte counts). Bytes:
     ``state_bytes`` is ``Lanes.nbytes()`` summed over layers; ``state_bytes_unique_basis`` counts a
     basis row once per component (a component of 2 lanes has its row twice in ``k_basis`` /
-    ``v_basis``); ``state_bytes_fp16_tables``: the weights and constants in fp16."""
+    ``v_basis``); ``state_bytes_fp16_tables``: the weights and constants in fp16. ``worst``: the
+    ``sinks`` raw rows are token 0 and the tokens coded worst (:func:`worst_first`), not the first
+    ones (the rows come back in the document's order)."""
     keys, values, nbytes, fp16_tables, dup_rows = [], [], 0, 0, 0
     for k, v in zip(doc.keys_post, doc.cap.values):
+        idx = None
+        if worst:
+            idx = worst_first(k, v, k_lanes, v_lanes, group, clip, sinks)[:, :, None].expand_as(k)
+            k, v = k.gather(1, idx), v.gather(1, idx)
         x = lanes.encode(k, v, k_lanes, v_lanes, group=group, sinks=sinks, clip=clip)
         nbytes += x.nbytes()
         fp16_tables += x.nbytes(table_bytes=2)
@@ -57,23 +65,46 @@ def lanes_prefix(doc: Document, k_lanes: int, v_lanes: int, group: int, clip: st
             basis = getattr(x, f"{side}_basis")[0]                     # [H, R, d]: lane c's component
             dup_rows += sum(int(b.shape[0]) - int(torch.unique(b, dim=0).shape[0]) for b in basis)
         n = x.raw_k.shape[2] + int(x.length[0])
-        keys.append(lanes.decode(x, "k")[0, :, :n].to(k.dtype))
-        values.append(lanes.decode(x, "v")[0, :, :n].to(v.dtype))
+        kd, vd = lanes.decode(x, "k")[0, :, :n].to(k.dtype), lanes.decode(x, "v")[0, :, :n].to(v.dtype)
+        if idx is not None:                                                      # back to the document's order
+            kd, vd = torch.empty_like(kd).scatter_(1, idx, kd), torch.empty_like(vd).scatter_(1, idx, vd)
+        keys.append(kd)
+        values.append(vd)
     d = doc.keys_post[0].shape[-1]
     return keys, values, {"state_bytes": nbytes, "state_bytes_unique_basis": nbytes - dup_rows * d * 2,
                           "state_bytes_fp16_tables": fp16_tables}
 
 
+def worst_first(k: torch.Tensor, v: torch.Tensor, k_lanes: int, v_lanes: int, group: int, clip: str, keep: int
+                ) -> torch.Tensor:
+    """Per head an order of the T tokens [H, T] whose first ``keep`` (the form's raw rows, kept exact)
+    are token 0 and the ``keep - 1`` tokens a first coding codes worst (relative squared error of key
+    plus value); the rest in the document's order. Attention reads post-RoPE rows in any order."""
+    x = lanes.encode(k, v, k_lanes, v_lanes, group=group, sinks=1, clip=clip)
+    H, T, _ = k.shape
+    err = sum((lanes.decode(x, side)[0, :, :T] - t.float()).pow(2).sum(-1) / t.float().pow(2).sum(-1).mean(-1, keepdim=True)
+              for side, t in (("k", k), ("v", v)))                             # [H, T]
+    err[:, 0] = float("inf")
+    top = err.topk(min(keep, T), dim=1).indices.sort(dim=1).values               # [H, keep]
+    rest = torch.ones_like(err, dtype=torch.bool).scatter_(1, top, False)
+    return torch.cat((top, torch.arange(T).expand(H, T)[rest].view(H, T - top.shape[1])), dim=1)
+
+
 def lanes_variants(d: int, ratio: float, groups: list[int], clips: list[str], split_groups: list[int],
-                   sinks: list[int] = ()) -> list[tuple[str, int, int, int, str, int]]:
-    """(label, k_lanes, v_lanes, group, clip, sinks): equal lanes 4 d / R at every group and clip
-    (1 sink); the splits (half the lanes on one side) at ``split_groups`` and the first clip; more
-    exact sinks at the first group and clip."""
+                   sinks: list[int] = (), sinks_groups: list[int] | None = None, worst: list[int] = ()
+                   ) -> list[tuple[str, int, int, int, str, int, bool]]:
+    """(label, k_lanes, v_lanes, group, clip, raw rows, worst-first): equal lanes 4 d / R at every
+    group and clip (1 sink); the splits (half the lanes on one side) at ``split_groups`` and the first
+    clip; at the first clip and ``sinks_groups`` (None: the first group) more exact rows: the first
+    tokens (``sinks``, ``_s``) or token 0 and the tokens coded worst (``worst``, ``_w``)."""
     n, c0 = int(round(4 * d / ratio)), clips[0]
-    out = [(f"lanes_g{g}_{c}", n, n, g, c, 1) for g in groups for c in clips]
+    out = [(f"lanes_g{g}_{c}", n, n, g, c, 1, False) for g in groups for c in clips]
     for g in split_groups:
-        out += [(f"lanes_k{n // 2}v{n}_g{g}_{c0}", n // 2, n, g, c0, 1), (f"lanes_k{n}v{n // 2}_g{g}_{c0}", n, n // 2, g, c0, 1)]
-    out += [(f"lanes_g{groups[0]}_{c0}_s{s}", n, n, groups[0], c0, s) for s in sinks]
+        out += [(f"lanes_k{n // 2}v{n}_g{g}_{c0}", n // 2, n, g, c0, 1, False),
+                (f"lanes_k{n}v{n // 2}_g{g}_{c0}", n, n // 2, g, c0, 1, False)]
+    for g in groups[:1] if sinks_groups is None else sinks_groups:
+        out += [(f"lanes_g{g}_{c0}_s{s}", n, n, g, c0, s, False) for s in sinks]
+        out += [(f"lanes_g{g}_{c0}_w{s}", n, n, g, c0, s, True) for s in worst]
     return out
 
 
@@ -89,7 +120,8 @@ def _cell(doc: Document, m: dict, keys, values, nbytes: int, seconds: float, **e
 @torch.inference_mode()
 def measure_document(lm, name: str, text: str, ratios: list[float], groups: list[int], clips: list[str],
                      split_groups: list[int], sinks: list[int] = (), context: int = 2048, continuation: int = 512,
-                     codecs: bool = True, equal_bytes: bool = True) -> dict:
+                     codecs: bool = True, equal_bytes: bool = True, one_side: bool = False,
+                     sinks_groups: list[int] | None = None, worst: list[int] = ()) -> dict:
     t0 = time.perf_counter()
     doc = prepare_document(lm, name, text, continuation, context)
     exact = doc.score(doc.keys_post, doc.cap.values)          # the harness: the uncoded prefix gives full PPL
@@ -110,12 +142,22 @@ def measure_document(lm, name: str, text: str, ratios: list[float], groups: list
 
         if codecs:
             codecs_at(ratio)
-        for label, kl_, vl_, g, c, sk in lanes_variants(d, ratio, groups, clips, split_groups, sinks):
+        for label, kl_, vl_, g, c, sk, w in lanes_variants(d, ratio, groups, clips, split_groups, sinks, sinks_groups,
+                                                           worst):
             t1 = time.perf_counter()
-            keys, values, b = lanes_prefix(doc, kl_, vl_, g, c, sk)
+            keys, values, b = lanes_prefix(doc, kl_, vl_, g, c, sk, w)
             cell[label] = _cell(doc, doc.score(keys, values), keys, values, b["state_bytes"],
                                 time.perf_counter() - t1, k_lanes=kl_, v_lanes=vl_, group=g, clip=c, sinks=sk,
+                                worst_first=w,
                                 **{k: v for k, v in b.items() if k != "state_bytes"})
+        if one_side:                        # which side's coding costs the quality: the other exact
+            for label, kl_, vl_, g, c, sk, _ in lanes_variants(d, ratio, groups[:1], clips[:1], []):
+                t1 = time.perf_counter()
+                keys, values, b = lanes_prefix(doc, kl_, vl_, g, c, sk)
+                for side, kv in (("keys", (keys, doc.cap.values)), ("values", (doc.keys_post, values))):
+                    cell[f"{label}_{side}_only"] = _cell(doc, doc.score(*kv), *kv, b["state_bytes"],
+                                                         time.perf_counter() - t1, k_lanes=kl_, v_lanes=vl_,
+                                                         group=g, clip=c, sinks=sk)
         if codecs and equal_bytes:          # the codecs at the bytes of the first equal-split lanes variant
             codecs_at(cell[f"lanes_g{groups[0]}_{clips[0]}"]["compression_ratio"], "@lanes")
         row["ratios"][f"{ratio:g}"] = cell
@@ -134,7 +176,7 @@ def summarize(rows: list[dict]) -> dict:
                      for m in ("ppl_delta", "kl", "kl_median", "top1", "compression_ratio", "key_rel_error_mean",
                                "value_rel_error_mean")}
                  for w in rows[0]["ratios"][ratio]}
-        equal = [w for w in means if w.startswith("lanes_g")]
+        equal = [w for w in means if w.startswith("lanes_g") and not w.endswith("_only")]
         out[ratio] = {"means": means, "best_lanes_equal_split": min(equal, key=lambda w: means[w]["kl"]) if equal
                       else None}
     return out
@@ -178,6 +220,13 @@ def main(argv=None) -> int:
                     help="lanes: groups at which to try half the lanes on keys or on values")
     ap.add_argument("--sinks", type=int, nargs="*", default=[4, 16, 64],
                     help="lanes: also keep this many first tokens exact (at the first group and clip)")
+    ap.add_argument("--worst", type=int, nargs="*", default=[],
+                    help="lanes: also keep this many rows exact: token 0 and the tokens a first coding codes worst")
+    ap.add_argument("--sinks-groups", type=int, nargs="*", default=None,
+                    help="groups at which to try --sinks (default: the first of --groups)")
+    ap.add_argument("--no-codecs", action="store_true", help="lanes variants only")
+    ap.add_argument("--one-side", action="store_true",
+                    help="also the first lanes variant on one side only, the other exact (bytes: both sides')")
     ap.add_argument("--no-equal-bytes", action="store_true",
                     help="skip the codecs at the bytes of the first lanes variant")
     ap.add_argument("--context", type=int, default=2048, help="most context tokens a document gives")
@@ -188,7 +237,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the result here (atomically)")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.ratios, args.licenses, args.contracts, args.groups, args.split_groups, args.sinks = [4], [], 1, [128], [], []
+        args.ratios, args.licenses, args.contracts, args.groups, args.split_groups = [4], [], 1, [128], []
+        args.sinks, args.worst = [], []
         args.context, args.continuation = 256, 64
     torch.set_num_threads(args.threads)
     from kite.model import load_model
@@ -196,7 +246,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     lm = load_model(None)
     rows = [measure_document(lm, name, text, args.ratios, args.groups, args.clips, args.split_groups, args.sinks,
-                             args.context, args.continuation, codecs=not args.smoke, equal_bytes=not args.no_equal_bytes)
+                             args.context, args.continuation, codecs=not (args.smoke or args.no_codecs), equal_bytes=not args.no_equal_bytes,
+                             one_side=args.one_side, sinks_groups=args.sinks_groups, worst=args.worst)
             for name, text in held_out_docs(args.contracts, args.licenses).items()]
     result = {"machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
               "model": lm.fingerprints.combined, "head_dim": lm.geometry.head_dim, "kv_heads": lm.geometry.n_kv_heads,
