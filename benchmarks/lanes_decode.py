@@ -6,9 +6,9 @@
 
 Random-weight Qwen2-7B geometry (benchmarks/gpu_speed.py's make_model: 28 layers, 28 query / 4 KV
 heads, head_dim 128, bf16) with the fused layers ``load_model`` installs on a GPU. Per lane count R
-(``--lanes``; R = 128 lanes a row is 4 bits an element, 64 is 2; K:V for keys and values apart): one 16K-token state of random KV
-is coded per layer (kite.kernels.lanes.encode), copied into as many states as the budget holds
-(each its own memory), and checked against the torch reference at three layers; then the kernel
+(``--lanes``; R = 128 lanes a row is 4 bits an element, 64 is 2; K:V for keys and values apart):
+one 16K-token state of random KV is coded per layer (kite.kernels.lanes.encode), copied into as
+many states as the budget holds (each its own memory; one pointer table a layer), and checked against the torch reference at three layers; then the kernel
 alone over all layers (its configurations, against its byte floor: what it reads / 4.8 TB/s) and
 the whole decode step (one new token a state, the model's forward, CUDA-graphed) against raw bf16
 KV at its largest batch in the same run. Random KV has a flat spectrum, so every component gets

@@ -140,10 +140,11 @@ def coded_rows(out, query, key, value, mask, scaling, batch, layer: int) -> None
 
 def lanes_rows(out, query, key, value, mask, scaling, batch, layer: int, rows: list[int]) -> None:
     """Rows whose state is held in nibble lanes (kite.kernels.lanes): one softmax over the state's
-    coded rows, its sinks and the row's own slots (``mask``). One decode token per row on a GPU
-    (lanes of >= 32 a row, as head_dim >= 64 at 4 bits): the lanes kernel (kite.kernels.lanes_triton) over a pointer table to the rows' states, made once
-    per layer and set of rows (kept in ``batch.coded_batches`` until rows change); otherwise the
-    torch reference (on the CPU over the rows' lanes stacked, so kept; on a GPU row by row)."""
+    coded rows, its sinks and the row's own slots (``mask``). One decode token per row on a GPU, with
+    lanes of >= 32 a row (head_dim >= 64 at 4 bits): the lanes kernel (kite.kernels.lanes_triton)
+    over a pointer table to the rows' states, made once per layer and set of rows (kept in
+    ``batch.coded_batches`` until rows change). Otherwise the torch reference: on the CPU over the
+    rows' lanes stacked (kept the same way), on a GPU row by row."""
     from kite.kernels import lanes as L
     from kite.kernels.coded_attention import merge, raw_partial
 

@@ -60,10 +60,12 @@ class CodedPrefix:
 
     def tokens_per_layer(self) -> list[int]:
         """Tokens each layer attends (coded rows and raw side-cache rows)."""
+        from kite.kernels.lanes import Lanes
+
         def tokens(c) -> int:
             if c is None:
                 return 0
-            if hasattr(c, "length"):                  # Lanes of one state: coded rows, then its sinks
+            if isinstance(c, Lanes):                  # one state: its coded rows, then its sinks
                 return int(c.length[0]) + int(c.raw_k.shape[2])
             return int((c.pos >= 0).sum()) + int(c.raw_k.shape[1])
         return [tokens(c) for c in self.layers]
@@ -71,7 +73,9 @@ class CodedPrefix:
     @property
     def lanes(self) -> bool:
         """Whether the layers are nibble lanes (kite.kernels.lanes) rather than the codec's codes."""
-        return any(c is not None and hasattr(c, "length") for c in self.layers)
+        from kite.kernels.lanes import Lanes
+
+        return any(isinstance(c, Lanes) for c in self.layers)
 
     @property
     def nbytes(self) -> int:

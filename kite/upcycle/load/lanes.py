@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import torch
 
-from kite.config import LANE_BITS, parse_lane_bits  # noqa: F401 - the config's, re-exported
 from kite.errors import BadInput
+
 
 def lanes_for(bits: int, head_dim: int) -> int:
     """Lanes a row for ``bits`` an element of ``head_dim`` (a power of 2, 2..2 x head_dim)."""
