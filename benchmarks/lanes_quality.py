@@ -23,6 +23,11 @@ against the raw fp16 KV, so rows compare at (roughly) equal bytes.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/lanes_quality.py --contracts 5 --threads 2 \\
         --json docs/lanes_quality_session11.json
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/lanes_quality.py --contracts 1 --groups 128 --clips minmax \\
+        --split-groups --sinks --no-equal-bytes --one-side --threads 2 --json docs/lanes_quality_sides_session11.json
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/lanes_quality.py --contracts 5 --groups 128 64 256 --clips minmax \\
+        --split-groups --sinks 16 --worst 16 64 --sinks-groups 64 128 256 --no-codecs --threads 2 \\
+        --json docs/lanes_quality_raw_rows_session11.json
 """
 
 from __future__ import annotations
