@@ -67,8 +67,9 @@ class Lanes:
         return int(self.k_codes.shape[2])
 
     def nbytes(self, basis_bytes: int = 2, table_bytes: int = 4) -> int:
-        """Bytes of this form as a store would hold it: codes, per-group tables (``table_bytes`` an
-        entry), bases (``basis_bytes`` an entry, one row per component with a lane) and sinks (bf16)."""
+        """Bytes of this form as the GPU holds it: codes, per-group tables (``table_bytes`` an entry),
+        bases (``basis_bytes`` an entry, one row per lane, as the kernel reads them: a component of two
+        lanes has its row twice) and sinks (bf16)."""
         total = 0
         for side in "kv":
             codes, weight, const, basis = (getattr(self, f"{side}_{f}") for f in ("codes", "weight", "const", "basis"))
@@ -277,8 +278,8 @@ def lanes_partial(q: torch.Tensor, lanes: Lanes, scale: float, **kernel) -> tupl
 
 
 def stack(layers: list[Lanes]) -> Lanes:
-    """States' layers stacked into one (N = the sum of theirs): rows padded to the longest, sinks to
-    the most (a padded sink row is a zero key and value: callers stack states with equal sinks)."""
+    """States' layers stacked into one (N = the sum of theirs), rows padded to the longest. States of
+    different group sizes or numbers of sinks are refused (a padded sink row would take attention)."""
     if not layers:
         raise ValueError("nothing to stack")
     group = layers[0].group
