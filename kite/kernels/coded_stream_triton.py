@@ -10,14 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kite.kernels.coded_triton_common import _program, _query_halves, _sequence, _share
-
-
-@triton.jit
-def _as_f16(code):
-    """Integer codes < 1024 as exact fp16 values without a conversion instruction: the bits of
-    1024 + code (exponent 2^10, the code in the mantissa), minus 1024."""
-    return (code.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+from kite.kernels.coded_triton_common import _as_f16, _program, _query_halves, _sequence, _share
 
 
 @triton.jit

@@ -1,7 +1,8 @@
-"""What the coded decode kernels share (Triton): a sequence's tables behind the pointer table, the
-split of a sequence's tiles over programs, and the query heads of a KV head as two RoPE halves.
-The kernels: :mod:`kite.kernels.coded_attention_triton` (one-tile, wide, head; the dispatch) and
-:mod:`kite.kernels.coded_stream_triton` (the stream kernel)."""
+"""What the coded decode kernels share (Triton): integer codes as exact fp16, a sequence's tables
+behind the pointer table, the split of a sequence's tiles over programs, and the query heads of a
+KV head as two RoPE halves. The kernels: :mod:`kite.kernels.coded_attention_triton` (one-tile,
+wide, head; the dispatch), :mod:`kite.kernels.coded_stream_triton` (the stream kernel) and
+:mod:`kite.kernels.lanes_triton` (nibble lanes)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _as_f16(code):
+    """Integer codes < 1024 as exact fp16 values without a conversion instruction: the bits of
+    1024 + code (exponent 2^10, the code in the mantissa), minus 1024."""
+    return (code.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
 
 
 @triton.jit

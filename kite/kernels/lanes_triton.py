@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kite.kernels.coded_triton_common import LOG2E, _as_f16
 from kite.kernels.lanes import Lanes
 
-LOG2E = 1.4426950408889634
 LN2_INV = tl.constexpr(LOG2E)      # the same, for the kernels
 
 
@@ -68,11 +68,11 @@ sub.f16x2 $1, $1, bias;
 @triton.jit
 def _low_f16(codes, PTX: tl.constexpr):
     """uint8 codes -> their low nibbles as exact fp16. PTX: four bytes at a time in inline PTX (on a
-    GPU); else element by element (the bits of 1024 + n, minus 1024: Triton's interpreter)."""
+    GPU); else element by element (_as_f16: Triton's interpreter)."""
     if PTX:
         return tl.inline_asm_elementwise(_LOW_PTX, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
     else:
-        return ((codes & 15).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        return _as_f16(codes & 15)
 
 
 @triton.jit
@@ -81,7 +81,7 @@ def _high_f16(codes, PTX: tl.constexpr):
     if PTX:
         return tl.inline_asm_elementwise(_HIGH_PTX, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
     else:
-        return ((codes >> 4).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        return _as_f16(codes >> 4)
 
 
 # A state's tables behind the pointer table (LanesPlan.ptrs, one row of TABLES a state): the states
