@@ -16,7 +16,12 @@ against the full context after a prefix coded as
   (``min/max`` or MSE-clipped), k/v splits of the lanes other than equal (half the lanes on one
   side), more first tokens kept exact (``_s<n>``) or token 0 and the n - 1 tokens a first coding codes
   worst (``_w<n>``); ``--one-side``: the first variant's keys
-  with exact values (``_keys_only``) and its values with exact keys (``_values_only``).
+  with exact values (``_keys_only``) and its values with exact keys (``_values_only``);
+* ``joint+<lanes variant>`` (``--through-codec``, kite serve --resident lanes' path): the variant's
+  lanes coded from the joint codec's decoded KV (keys post-RoPE, as load_prefix rebuilds a state)
+  instead of the full KV; bytes the lanes' (what the GPU holds; the state file stays on disk).
+  ``--through-codec`` runs ratio 4 only: ``joint``, lanes g512 / g128 / g128 with 16 sinks (minmax)
+  from the full KV and through the codec.
 
 Bases are the document's own (no regenerator). Each variant's bytes are stated with its ratio
 against the raw fp16 KV, so rows compare at (roughly) equal bytes.
@@ -28,6 +33,8 @@ against the raw fp16 KV, so rows compare at (roughly) equal bytes.
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/lanes_quality.py --contracts 5 --groups 128 64 256 --clips minmax \\
         --split-groups --sinks 16 --worst 16 64 --sinks-groups 64 128 256 --no-codecs --threads 2 \\
         --json docs/lanes_quality_raw_rows_session11.json
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/lanes_quality.py --contracts 5 --through-codec --threads 2 \\
+        --json docs/lanes_quality_through_codec_session11.json
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -122,11 +130,36 @@ def _cell(doc: Document, m: dict, keys, values, nbytes: int, seconds: float, **e
             "value_rel_error_mean": round(sum(verr) / len(verr), 4), "seconds": round(seconds, 1)}
 
 
+def lanes_cells(doc: Document, variants: list[tuple], keys: list[torch.Tensor] | None = None,
+                values: list[torch.Tensor] | None = None, prefix: str = "") -> dict:
+    """Each lanes variant (:func:`lanes_variants`) of the document's KV, or of ``keys`` (post-RoPE) /
+    ``values`` in its place (a codec's decoded KV: lanes on top of it), decoded and scored against the
+    full context; cells labelled ``prefix + label``. Errors are against the document's own KV; with
+    ``keys`` given, ``lanes_key_rel_error_mean`` / ``lanes_value_rel_error_mean`` are the lanes' own
+    (against ``keys`` / ``values``)."""
+    src = doc if keys is None else SimpleNamespace(keys_post=keys, cap=SimpleNamespace(values=values))
+    out = {}
+    for label, kl_, vl_, g, c, sk, w in variants:
+        t1 = time.perf_counter()
+        k, v, b = lanes_prefix(src, kl_, vl_, g, c, sk, w)
+        extra = {}
+        if keys is not None:
+            ke, ve = relative_error(k, keys), relative_error(v, values)
+            extra = {"lanes_key_rel_error_mean": round(sum(ke) / len(ke), 4),
+                     "lanes_value_rel_error_mean": round(sum(ve) / len(ve), 4)}
+        out[prefix + label] = _cell(doc, doc.score(k, v), k, v, b["state_bytes"], time.perf_counter() - t1,
+                                    k_lanes=kl_, v_lanes=vl_, group=g, clip=c, sinks=sk, worst_first=w,
+                                    **{n: x for n, x in b.items() if n != "state_bytes"}, **extra)
+    return out
+
+
 @torch.inference_mode()
 def measure_document(lm, name: str, text: str, ratios: list[float], groups: list[int], clips: list[str],
                      split_groups: list[int], sinks: list[int] = (), context: int = 2048, continuation: int = 512,
                      codecs: bool = True, equal_bytes: bool = True, one_side: bool = False,
-                     sinks_groups: list[int] | None = None, worst: list[int] = ()) -> dict:
+                     sinks_groups: list[int] | None = None, worst: list[int] = (), through_codec: bool = False) -> dict:
+    """``through_codec``: the codec rows are the joint codec's only, and every lanes variant is also
+    applied to the joint codec's decoded KV (``joint+<variant>``, kite serve --resident lanes' path)."""
     t0 = time.perf_counter()
     doc = prepare_document(lm, name, text, continuation, context)
     exact = doc.score(doc.keys_post, doc.cap.values)          # the harness: the uncoded prefix gives full PPL
@@ -137,24 +170,26 @@ def measure_document(lm, name: str, text: str, ratios: list[float], groups: list
     for ratio in ratios:
         cell = {}
 
-        def codecs_at(r: float, suffix: str = "") -> None:
+        def codecs_at(r: float, suffix: str = "", which: tuple[str, ...] = ("pre", "joint")) -> dict:
+            out = {}
             for label, s in (("pre", codec.settings_for(r, joint_heads=False)), ("joint", codec.settings_for(r))):
+                if label not in which:
+                    continue
                 t1 = time.perf_counter()
                 keys, values, nbytes = coded_keys(doc.cap.keys_pre, doc.cap.values, doc.cos, doc.sin, s, "pre",
                                                   s.part_tokens)
                 cell[label + suffix] = _cell(doc, doc.score(keys, values), keys, values, nbytes,
                                              time.perf_counter() - t1, codec_ratio=round(r, 3))
+                out[label] = (keys, values)
+            return out
 
-        if codecs:
-            codecs_at(ratio)
-        for label, kl_, vl_, g, c, sk, w in lanes_variants(d, ratio, groups, clips, split_groups, sinks, sinks_groups,
-                                                           worst):
-            t1 = time.perf_counter()
-            keys, values, b = lanes_prefix(doc, kl_, vl_, g, c, sk, w)
-            cell[label] = _cell(doc, doc.score(keys, values), keys, values, b["state_bytes"],
-                                time.perf_counter() - t1, k_lanes=kl_, v_lanes=vl_, group=g, clip=c, sinks=sk,
-                                worst_first=w,
-                                **{k: v for k, v in b.items() if k != "state_bytes"})
+        coded = {}
+        if codecs or through_codec:
+            coded = codecs_at(ratio, which=("joint",) if through_codec else ("pre", "joint"))
+        variants = lanes_variants(d, ratio, groups, clips, split_groups, sinks, sinks_groups, worst)
+        cell.update(lanes_cells(doc, variants))
+        if through_codec:                   # serving's path: the joint codec's decoded KV, coded again in lanes
+            cell.update(lanes_cells(doc, variants, *coded["joint"], prefix="joint+"))
         if one_side:                        # which side's coding costs the quality: the other exact
             for label, kl_, vl_, g, c, sk, _ in lanes_variants(d, ratio, groups[:1], clips[:1], []):
                 t1 = time.perf_counter()
@@ -163,7 +198,7 @@ def measure_document(lm, name: str, text: str, ratios: list[float], groups: list
                     cell[f"{label}_{side}_only"] = _cell(doc, doc.score(*kv), *kv, b["state_bytes"],
                                                          time.perf_counter() - t1, k_lanes=kl_, v_lanes=vl_,
                                                          group=g, clip=c, sinks=sk)
-        if codecs and equal_bytes:          # the codecs at the bytes of the first equal-split lanes variant
+        if codecs and equal_bytes and not through_codec:          # the codecs at the bytes of the first equal-split lanes variant
             codecs_at(cell[f"lanes_g{groups[0]}_{clips[0]}"]["compression_ratio"], "@lanes")
         row["ratios"][f"{ratio:g}"] = cell
         print(f"{name} {ratio:g}x: " + "; ".join(f"{w} {c['compression_ratio']:.2f}x ΔPPL {c['ppl_delta']:+.3f} "
@@ -238,6 +273,9 @@ def main(argv=None) -> int:
     ap.add_argument("--continuation", type=int, default=512)
     ap.add_argument("--smoke", action="store_true",
                     help="one contract, 256 + 64 tokens, ratio 4, group 128, both clips, no codec rows")
+    ap.add_argument("--through-codec", action="store_true",
+                    help="serving's path: ratio 4; joint codec, lanes g512 / g128 / g128 with 16 sinks (minmax) of the "
+                         "full KV and of the joint codec's decoded KV (joint+...); overrides those options")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, help="write the result here (atomically)")
     args = ap.parse_args(argv)
@@ -245,6 +283,9 @@ def main(argv=None) -> int:
         args.ratios, args.licenses, args.contracts, args.groups, args.split_groups = [4], [], 1, [128], []
         args.sinks, args.worst = [], []
         args.context, args.continuation = 256, 64
+    if args.through_codec:
+        args.ratios, args.groups, args.clips, args.split_groups = [4], [512, 128], ["minmax"], []
+        args.sinks, args.sinks_groups, args.worst = [16], [128], []
     torch.set_num_threads(args.threads)
     from kite.model import load_model
 
@@ -252,7 +293,8 @@ def main(argv=None) -> int:
     lm = load_model(None)
     rows = [measure_document(lm, name, text, args.ratios, args.groups, args.clips, args.split_groups, args.sinks,
                              args.context, args.continuation, codecs=not (args.smoke or args.no_codecs), equal_bytes=not args.no_equal_bytes,
-                             one_side=args.one_side, sinks_groups=args.sinks_groups, worst=args.worst)
+                             one_side=args.one_side, sinks_groups=args.sinks_groups, worst=args.worst,
+                             through_codec=args.through_codec)
             for name, text in held_out_docs(args.contracts, args.licenses).items()]
     result = {"machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
               "model": lm.fingerprints.combined, "head_dim": lm.geometry.head_dim, "kv_heads": lm.geometry.n_kv_heads,

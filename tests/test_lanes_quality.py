@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks.lanes_quality import lanes_prefix, lanes_variants, worst_first
+from benchmarks.lanes_quality import lanes_cells, lanes_prefix, lanes_variants, worst_first
 from kite.kernels import lanes as L
 
 
@@ -57,3 +57,32 @@ def test_worst_first_keeps_token_0_and_the_worst_coded_tokens_exact_in_document_
         for t in order[h, :4].tolist():
             assert torch.equal(keys[0][h, t], k[h, t]) and torch.equal(values[0][h, t], v[h, t])
     assert float((keys[0] - k).norm() / k.norm()) < 0.15                                # the rest: coded, in place
+
+
+def test_lanes_cells_code_the_given_kv_in_lanes_when_given_and_the_documents_otherwise():
+    g = torch.Generator().manual_seed(2)
+    keys = [torch.randn(2, 100, 16, generator=g) for _ in range(2)]
+    values = [torch.randn(2, 100, 16, generator=g) for _ in range(2)]
+    other_k = [k + 0.3 * torch.randn(k.shape, generator=g) for k in keys]          # a codec's decoded KV
+    other_v = [v + 0.3 * torch.randn(v.shape, generator=g) for v in values]
+    seen = []
+
+    def score(k, v):
+        seen.append((k, v))
+        return {"ppl_other": 2.0, "ppl_full": 1.5, "kl_mean": 0.1, "kl_median": 0.05, "kl_max": 1.0, "top1": 0.9}
+
+    doc = SimpleNamespace(keys_post=keys, cap=SimpleNamespace(values=values), raw_bytes=10_000, score=score)
+    variants = lanes_variants(16, 4, [64], ["minmax"], [], [4])
+    plain = lanes_cells(doc, variants)
+    on_top = lanes_cells(doc, variants, other_k, other_v, prefix="joint+")
+    assert list(plain) == ["lanes_g64_minmax", "lanes_g64_minmax_s4"]
+    assert list(on_top) == ["joint+lanes_g64_minmax", "joint+lanes_g64_minmax_s4"]
+    # the lanes of the given KV keep its sinks exact, not the document's
+    k_top = seen[3][0]
+    assert torch.equal(k_top[0][:, :4], other_k[0][:, :4]) and not torch.equal(k_top[0][:, :4], keys[0][:, :4])
+    assert torch.equal(seen[1][0][0][:, :4], keys[0][:, :4])
+    c = on_top["joint+lanes_g64_minmax"]
+    assert c["ppl_delta"] == 0.5 and c["state_bytes"] == plain["lanes_g64_minmax"]["state_bytes"]
+    # errors against the document's KV include the codec's; the lanes' own are against the given KV
+    assert c["key_rel_error_mean"] > 2 * c["lanes_key_rel_error_mean"] > 0
+    assert "lanes_key_rel_error_mean" not in plain["lanes_g64_minmax"]
