@@ -17,8 +17,9 @@ minimum, plus the components coded at 0 bits as their group mean). So a row is
 and attention needs no rebuilt row: a query's score is Σ_c n_tc (w_gc (b_c · q)) + κ_g · q, a
 product of the nibbles with the query projected once per head and scaled once per group; values
 accumulate as Σ_t p_t n_t in lane space, scaled per group, projected on the basis once at the end.
-That is the work of :func:`kite.kernels.lanes_triton.lanes_decode`; :func:`lanes_partial_torch` is
-its reference and CPU path, :func:`decode` the rows themselves.
+That is the work of ``kite.kernels.lanes_triton.lanes_decode`` (which imports this module, not the
+other way); :func:`lanes_partial_torch` is its reference and CPU path, :func:`decode` the rows
+themselves.
 
 The first ``sinks`` tokens (attention sinks) stay exact in a small raw side (post-RoPE keys).
 A :class:`Lanes` holds one layer of N states stacked (N = 1 for one state); :func:`stack` stacks.
@@ -255,17 +256,10 @@ def lanes_partial_torch(q: torch.Tensor, lanes: Lanes, scale: float) -> tuple[to
     return (out, lse) if tokens else (out[:, :, 0], lse[:, :, 0])
 
 
-def lanes_partial(q: torch.Tensor, lanes: Lanes, scale: float, **kernel) -> tuple[torch.Tensor, torch.Tensor]:
+def lanes_partial(q: torch.Tensor, lanes: Lanes, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The coded rows and the sinks of each state, one softmax, for q [N, Hq, d] or [N, Hq, n, d]
-    (lanes_partial_torch's shapes). One token per state on a GPU with Triton, lanes the kernel
-    reads (>= 32 a row): the lanes kernel (``kernel``: its configuration); otherwise the reference."""
-    if q.is_cuda and q.dim() == 3:
-        try:
-            from kite.kernels.lanes_triton import kernel_reads, lanes_decode
-        except ImportError:
-            lanes_decode = None
-        if lanes_decode is not None and kernel_reads(lanes):
-            return lanes_decode(q, lanes, scale, lanes.raw_k, lanes.raw_v, **kernel)
+    (lanes_partial_torch's shapes): the torch reference, on any device. The GPU decode kernel is
+    ``kite.kernels.lanes_triton.lanes_decode`` (one token a state; the sinks as its raw rows)."""
     coded = lanes_partial_torch(q, lanes, scale)
     if lanes.raw_k.shape[2] == 0:
         return coded

@@ -78,8 +78,7 @@ class PrefixCache:
         return prefix, report
 
     def _load(self, state, lm, args, form: str, why: str | None, kwargs):
-        from kite.upcycle import load_prefix, load_resident
-        from kite.upcycle.load.lanes import load_lanes
+        from kite.upcycle import load_lanes, load_prefix, load_resident
 
         if form != "raw":
             try:
