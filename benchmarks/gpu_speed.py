@@ -1148,6 +1148,43 @@ def _stacked(layer, n: int) -> list:
     return [dataclasses.replace(layer, **{k: big[k][i] for k in big}) for i in range(n)]
 
 
+def raw_step_attention(state: dict, T: int):
+    """The raw bf16 decode step's attention, for AttentionInterface: the new token written into slot
+    T of ``state["kv"][layer]`` ([2, n, H, T + 1, d]), then sdpa over every slot."""
+    def raw_attn(module, query, key, value, attention_mask, scaling=None, **kw):
+        kv = state["kv"][module.layer_idx]
+        kv[0][:, :, T:T + 1] = key
+        kv[1][:, :, T:T + 1] = value
+        o = torch.nn.functional.scaled_dot_product_attention(query, kv[0], kv[1], scale=scaling, enable_gqa=True)
+        return o.transpose(1, 2), None
+    return raw_attn
+
+
+def decode_step_ms(model, cfg, name: str, n: int, T: int, gen, graph: bool = True) -> tuple[float, float | None]:
+    """One decode step of the model's whole forward (one new token for each of ``n`` sequences, at
+    position ``T``) through the registered attention ``name``: (eager ms, CUDA-graph ms or None)."""
+    cfg._attn_implementation = name
+    for layer in model.model.layers:
+        layer.self_attn.config._attn_implementation = name
+    ids = torch.randint(cfg.vocab_size, (n, 1), device=DEV, generator=gen)
+    pos = torch.full((n, 1), T, device=DEV)
+
+    def fwd():
+        with torch.inference_mode():
+            return model(ids, position_ids=pos, use_cache=False, logits_to_keep=1).logits
+    eager = cuda_ms(fwd, reps=5)
+    graphed = None
+    if graph and DEV == "cuda":
+        try:
+            with torch.inference_mode():
+                g, _ = capture(fwd)
+                graphed = cuda_ms(g.replay, reps=10)
+            del g
+        except Exception as e:  # noqa: BLE001
+            print(f"graph {name}: {e!r}"[:300], flush=True)
+    return eager, graphed
+
+
 def coded_concurrency(report, args, model, cfg, hot, KV_state, L, H, d, T, raw_bytes, n_params,
                       bases: str = "joint-head", nibbles: bool = False) -> None:
     """Whole decode steps at a KV budget: raw bf16 KV at its largest batch vs states resident in coded
@@ -1261,37 +1298,9 @@ def coded_concurrency(report, args, model, cfg, hot, KV_state, L, H, d, T, raw_b
         parts += [(ro[:, :, 0], rl[:, :, 0]), (so[:, :, 0], sl[:, :, 0])]
         return merge(parts)[0][:, None].to(query.dtype), None
 
-    def raw_attn(module, query, key, value, attention_mask, scaling=None, **kw):
-        kv = state["kv"][module.layer_idx]
-        kv[0][:, :, T:T + 1] = key
-        kv[1][:, :, T:T + 1] = value
-        o = torch.nn.functional.scaled_dot_product_attention(query, kv[0], kv[1], scale=scaling, enable_gqa=True)
-        return o.transpose(1, 2), None
-
     AttentionInterface.register("bench_coded", coded_attn)
-    AttentionInterface.register("bench_raw", raw_attn)
+    AttentionInterface.register("bench_raw", raw_step_attention(state, T))
     before = cfg._attn_implementation
-
-    def step_ms(name, n):
-        cfg._attn_implementation = name
-        for layer in model.model.layers:
-            layer.self_attn.config._attn_implementation = name
-        ids = torch.randint(cfg.vocab_size, (n, 1), device=DEV, generator=gen)
-        pos = torch.full((n, 1), T, device=DEV)
-
-        def fwd():
-            with torch.inference_mode():
-                return model(ids, position_ids=pos, use_cache=False, logits_to_keep=1).logits
-        eager = cuda_ms(fwd, reps=5)
-        graphed = None
-        try:
-            with torch.inference_mode():
-                g, _ = capture(fwd)
-                graphed = cuda_ms(g.replay, reps=10)
-            del g
-        except Exception as e:  # noqa: BLE001
-            print(f"graph {name}: {e!r}"[:300], flush=True)
-        return eager, graphed
 
     from kite.model import fused
 
@@ -1300,12 +1309,12 @@ def coded_concurrency(report, args, model, cfg, hot, KV_state, L, H, d, T, raw_b
     fused.ENABLED = args.fused_steps
     try:
         torch.cuda.empty_cache()
-        ce, cg = step_ms("bench_coded", n_cod)
+        ce, cg = decode_step_ms(model, cfg, "bench_coded", n_cod, T, gen)
         layers = batches = None
         torch.cuda.empty_cache()
         state["kv"] = [torch.randn(2, n_raw, H, T + 1, d, device=DEV, dtype=torch.bfloat16, generator=gen)
                        for _ in range(L)]
-        re_, rg = step_ms("bench_raw", n_raw)
+        re_, rg = decode_step_ms(model, cfg, "bench_raw", n_raw, T, gen)
         state.clear()
     finally:
         fused.ENABLED = False

@@ -107,36 +107,11 @@ def main(argv=None) -> int:
             out = merge([(o, lse), (ro[:, :, 0], rl[:, :, 0])])[0]
         return out[:, None].to(query.dtype), None
 
-    def raw_attn(module, query, key, value, attention_mask, scaling=None, **kw):
-        kv = state["kv"][module.layer_idx]
-        kv[0][:, :, T:T + 1] = key
-        kv[1][:, :, T:T + 1] = value
-        o = torch.nn.functional.scaled_dot_product_attention(query, kv[0], kv[1], scale=scaling, enable_gqa=True)
-        return o.transpose(1, 2), None
-
     AttentionInterface.register("bench_lanes", lanes_attn)
-    AttentionInterface.register("bench_raw", raw_attn)
+    AttentionInterface.register("bench_raw", gs.raw_step_attention(state, T))
 
     def step_ms(name, n):
-        cfg._attn_implementation = name
-        for layer in model.model.layers:
-            layer.self_attn.config._attn_implementation = name
-        ids = torch.randint(cfg.vocab_size, (n, 1), device=dev, generator=gen)
-        pos = torch.full((n, 1), T, device=dev)
-
-        def fwd():
-            with torch.inference_mode():
-                return model(ids, position_ids=pos, use_cache=False, logits_to_keep=1).logits
-        eager = gs.cuda_ms(fwd, reps=5)
-        graphed = None
-        if dev == "cuda" and not args.no_graph:
-            try:
-                with torch.inference_mode():
-                    g, _ = gs.capture(fwd)
-                    graphed = gs.cuda_ms(g.replay, reps=10)
-                del g
-            except Exception as e:  # noqa: BLE001
-                print(f"graph {name}: {e!r}"[:300], flush=True)
+        eager, graphed = gs.decode_step_ms(model, cfg, name, n, T, gen, graph=not args.no_graph)
         return {"eager": eager, "graph": graphed, "best": min(x for x in (eager, graphed) if x)}
 
     with torch.inference_mode():

@@ -20,26 +20,34 @@ from tests.test_serve import DOC, _settings, _start
 PROMPT = " What does the contract say about payment?"
 
 
-@pytest.fixture(scope="module")
-def lm(tiny_models):
+def tiny_lm(tiny_models):
+    """The tiny Llama on the CPU, one thread (a shared 2-core machine)."""
     import torch
 
     from kite.model import load_model
 
-    torch.set_num_threads(1)  # a shared 2-core machine
+    torch.set_num_threads(1)
     return load_model(str(tiny_models["llama"]), device="cpu")
+
+
+def compress_doc(lm, path, spec):
+    """DOC compressed at ``spec`` into ``path`` (3 clusters of 8-24-token spans): ``path``."""
+    compress_document(lm, DOC, path, CompressSettings(codec=spec, n_clusters=3, min_span_tokens=8,
+                                                      max_span_tokens=24), device="cpu")
+    return path
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_models):
+    return tiny_lm(tiny_models)
 
 
 @pytest.fixture(scope="module")
 def states(lm, tmp_path_factory):
     """A PCA-coded state (ratio 4: the coded form holds it) and an exact one (it does not)."""
     root = tmp_path_factory.mktemp("coded-states")
-    out = {}
-    for name, spec in (("pca", codec.settings_for(4)), ("exact", codec.settings_for("exact"))):
-        out[name] = root / f"{name}.upc"
-        compress_document(lm, DOC, out[name], CompressSettings(codec=spec, n_clusters=3, min_span_tokens=8,
-                                                               max_span_tokens=24), device="cpu")
-    return out
+    return {name: compress_doc(lm, root / f"{name}.upc", spec)
+            for name, spec in (("pca", codec.settings_for(4)), ("exact", codec.settings_for("exact")))}
 
 
 # -- the prefix cache --------------------------------------------------------------------------------

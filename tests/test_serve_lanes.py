@@ -9,34 +9,25 @@ import shutil
 
 import httpx
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from kite.cli.main import app as cli
 from kite.errors import BadInput
 from kite.runtime.cache import CodedPrefix
 from kite.upcycle import StateFile, codec
-from kite.upcycle.compress import CompressSettings, compress_document
 from tests.test_lanes_kernel import decoded
-from tests.test_serve import DOC, _settings, _start
-
-PROMPT = " What does the contract say about payment?"
+from tests.test_serve import _settings, _start
+from tests.test_serve_coded import _complete, compress_doc, tiny_lm
 
 
 @pytest.fixture(scope="module")
 def lm(tiny_models):
-    from kite.model import load_model
-
-    torch.set_num_threads(1)  # a shared 2-core machine
-    return load_model(str(tiny_models["qwen2"]), device="cpu")
+    return tiny_lm(tiny_models)
 
 
 @pytest.fixture(scope="module")
 def state(lm, tmp_path_factory):
-    path = tmp_path_factory.mktemp("lanes-states") / "pca.upc"
-    compress_document(lm, DOC, path, CompressSettings(codec=codec.settings_for(4), n_clusters=3, min_span_tokens=8,
-                                                      max_span_tokens=24), device="cpu")
-    return path
+    return compress_doc(lm, tmp_path_factory.mktemp("lanes-states") / "pca.upc", codec.settings_for(4))
 
 
 @pytest.mark.parametrize("bits", [(4, 4), (2, 4)])
@@ -140,13 +131,6 @@ def servers(lm, state, tmp_path_factory):
     for server, client, _ in out.values():
         client.close()
         server.stop()
-
-
-def _complete(client, max_tokens=5):
-    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
-                                             "kite": {"state": "pca"}})
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def test_a_lanes_server_holds_the_state_in_lanes_and_reads_it_as_the_raw_one(servers):

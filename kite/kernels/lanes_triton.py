@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kite.kernels.coded_triton_common import LOG2E, _as_f16
+from kite.kernels.coded_triton_common import LOG2E, _as_f16, _share
 from kite.kernels.lanes import Lanes
 
 LN2_INV = tl.constexpr(LOG2E)      # the same, for the kernels
@@ -183,9 +183,8 @@ def _lanes_kernel(qk_ptr, cq_ptr, ptrs, ng_ptr, len_ptr, m_out, l_out, acc_out, 
     ng = tl.load(ng_ptr + n)
     length = tl.load(len_ptr + n)
     live_groups = tl.minimum(tl.cdiv(length, GROUP), ng)
-    per = tl.cdiv(ng, SPLITS)
-    g_lo = split * per
-    g_hi = tl.minimum(g_lo + per, live_groups)
+    g_lo, g_hi = _share(ng, split, SPLITS)
+    g_hi = tl.minimum(g_hi, live_groups)
 
     g = tl.arange(0, GP)
     ck = tl.arange(0, RK // 2)
