@@ -64,7 +64,8 @@ def test_encode_shapes_follow_the_layout():
     x = L.encode(k, v, 16, 8, group=64, sinks=2)
     assert x.states == 1 and x.rows == 320 and x.group == 64          # 298 coded rows padded to 5 groups
     assert x.k_codes.shape == (1, 2, 320, 8) and x.k_codes.dtype == torch.uint8
-    assert x.v_codes.shape == (1, 2, 320, 4)
+    assert x.v_codes.shape == (1, 2, 5, 4, 64)                         # lane-major within each group
+    assert torch.equal(L.row_codes(x, "v")[0, 1, 70], x.v_codes[0, 1, 1, :, 6])
     assert x.k_weight.shape == (1, 2, 5, 16) and x.v_weight.shape == (1, 2, 5, 8)
     assert x.k_const.shape == (1, 2, 5, 16) and x.k_basis.shape == (1, 2, 16, 16) and x.v_basis.shape == (1, 2, 8, 16)
     assert x.length.tolist() == [298] and x.raw_k.shape == (1, 2, 2, 16)
@@ -118,7 +119,7 @@ def test_a_state_of_only_sinks_decodes_to_finite_rows():
 def test_padding_rows_code_zero_and_decode_to_their_groups_constant():
     k, v = _kv(T=100)
     x = L.encode(k, v, 8, group=64, sinks=1)               # 99 coded rows in 2 groups of 64
-    assert (x.k_codes[0, :, 99:] == 0).all() and (x.v_codes[0, :, 99:] == 0).all()
+    assert (x.k_codes[0, :, 99:] == 0).all() and (L.row_codes(x, "v")[0, :, 99:] == 0).all()
     assert torch.allclose(L.decode(x, "k")[0, :, 1 + 99:], x.k_const[0, :, 1:2].expand(-1, 128 - 99, -1))
 
 
@@ -131,6 +132,10 @@ def test_nibble_packing_low_lane_in_the_low_nibble():
     nib = torch.cat((codes & 15, codes >> 4), dim=-1).float()               # [H, 64, 8]: lane order
     rows = (nib * x.k_weight[0][:, 0][:, None, :]) @ x.k_basis[0] + x.k_const[0][:, 0][:, None, :]
     assert torch.allclose(rows, L.decode(x, "k")[0], atol=1e-5)
+    vcodes = x.v_codes[0, :, 0].transpose(-1, -2).long()                    # [H, 64 rows, 4]: the group's lanes
+    nib = torch.cat((vcodes & 15, vcodes >> 4), dim=-1).float()
+    rows = (nib * x.v_weight[0][:, 0][:, None, :]) @ x.v_basis[0] + x.v_const[0][:, 0][:, None, :]
+    assert torch.allclose(rows, L.decode(x, "v")[0], atol=1e-5)
 
 
 def test_mse_clipping_never_raises_the_squared_error_of_heavy_tails():

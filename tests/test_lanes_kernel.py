@@ -130,6 +130,9 @@ def test_the_lanes_kernel_compiles_for_the_h200_with_its_inline_ptx():
     ptx = asm["ptx"]
     assert "prmt.b32" in ptx and "lop3.b32" in ptx and "sub.f16x2" in ptx
     assert "mma" in ptx     # the scores and value sums on the tensor cores
+    # value codes lane-major within a group: a thread's four rows of a lane are one word in shared
+    # memory (row-major codes were read a byte at a time there: 128 byte loads a tile)
+    assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -5,7 +5,9 @@ projected on a basis of their own (the PCA of that head's tokens, components by 
 and coded in 4-bit *lanes*: a component gets 0, 1 or 2 lanes (0, 4 or 8 bits, chosen greedily by
 expected error from the components' variances), R lanes in all, R a power of 2 (R = d: 4 bits an
 element, 4x fewer code bytes than bf16; R = d / 2: 8x). A row's R lanes are R / 2 bytes: byte c
-holds lane c in its low nibble and lane R / 2 + c in its high one.
+holds lane c in its low nibble and lane R / 2 + c in its high one. Key codes are stored row by row
+([rows, R / 2]); value codes lane-byte by lane-byte within each group ([groups, R / 2, group]), so
+that the decode kernel, whose value product runs over rows, reads four rows of a lane in one word.
 
 Rows are quantized in groups of ``group`` rows: per group and lane a weight (the coefficient a unit
 of that nibble is worth: the component's quantization step, times 16 for the high nibble of an
@@ -34,7 +36,8 @@ import torch
 
 from kite.kernels.quant import GAUSS_STEP, MSE_GRID
 
-__all__ = ["Lanes", "allocate_lanes", "decode", "encode", "lanes_partial", "lanes_partial_torch", "stack"]
+__all__ = ["Lanes", "allocate_lanes", "decode", "encode", "lanes_partial", "lanes_partial_torch", "row_codes",
+           "stack"]
 
 LANE_BITS = 4
 MAX_LANES = 2          # lanes a component may take (8 bits)
@@ -50,7 +53,7 @@ class Lanes:
     k_weight: torch.Tensor    # float32 [N, H, G, Rk]: a nibble's coefficient, per group and lane
     k_const: torch.Tensor     # float32 [N, H, G, d]
     k_basis: torch.Tensor     # float32 [N, H, Rk, d]: lane c's component
-    v_codes: torch.Tensor
+    v_codes: torch.Tensor     # uint8 [N, H, G, Rv / 2, group]: lane-major within a group (row_codes)
     v_weight: torch.Tensor
     v_const: torch.Tensor
     v_basis: torch.Tensor
@@ -205,6 +208,7 @@ def encode(keys: torch.Tensor, values: torch.Tensor, k_lanes: int, v_lanes: int 
         raise ValueError(f"clip must be one of {CLIPS}, not {clip!r}")
     s = min(max(sinks, 0), T)
     k, v = _side(keys[:, s:], k_lanes, group, clip), _side(values[:, s:], v_lanes, group, clip)
+    v["codes"] = v["codes"].view(H, -1, group, v_lanes // 2).transpose(-1, -2).contiguous()
     return Lanes(k_codes=k["codes"][None], k_weight=k["weight"][None], k_const=k["const"][None],
                  k_basis=k["basis"][None], v_codes=v["codes"][None], v_weight=v["weight"][None],
                  v_const=v["const"][None], v_basis=v["basis"][None],
@@ -217,10 +221,19 @@ def _unpack(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat((codes & 15, codes >> 4), dim=-1).float()
 
 
+def row_codes(lanes: Lanes, side: str) -> torch.Tensor:
+    """A side's codes row by row, uint8 [N, H, Tp, R / 2] (the value codes' lane-major groups
+    transposed back: a copy)."""
+    if side == "k":
+        return lanes.k_codes
+    N, H, G, half, group = lanes.v_codes.shape
+    return lanes.v_codes.transpose(-1, -2).reshape(N, H, G * group, half)
+
+
 def _coefs(lanes: Lanes, side: str) -> torch.Tensor:
     """Each row's lane coefficients (nibble x its group's weight): float32 [N, H, Tp, R]."""
-    codes, weight = getattr(lanes, f"{side}_codes"), getattr(lanes, f"{side}_weight")
-    return _unpack(codes) * weight.float().repeat_interleave(lanes.group, dim=2)
+    weight = getattr(lanes, f"{side}_weight")
+    return _unpack(row_codes(lanes, side)) * weight.float().repeat_interleave(lanes.group, dim=2)
 
 
 def decode(lanes: Lanes, side: str) -> torch.Tensor:
@@ -295,9 +308,9 @@ def stack(layers: list[Lanes]) -> Lanes:
         if f.name == "group":
             continue
         parts = [getattr(x, f.name) for x in layers]
-        if f.name.endswith("_codes"):
+        if f.name == "k_codes":
             parts = [pad(t, 2, Tp) for t in parts]
-        elif f.name.endswith(("_weight", "_const")):
+        elif f.name.endswith(("_weight", "_const")) or f.name == "v_codes":
             parts = [pad(t, 2, Tp // group) for t in parts]
         out[f.name] = torch.cat(parts, dim=0)
     return Lanes(group=group, **out)

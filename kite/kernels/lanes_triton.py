@@ -223,10 +223,12 @@ def _lanes_kernel(qk_ptr, cq_ptr, ptrs, ng_ptr, len_ptr, m_out, l_out, acc_out, 
             ps = tl.sum(p, 1)
             lsum = lsum * alpha + ps
             gsum = gsum * alpha + ps
-            vt = tl.load(vcodes + rows[:, None] * (RV // 2) + cv[None, :])
+            # value codes lane-major within the group ([RV / 2, GROUP]): a thread's four rows of a
+            # lane (the product's k) are one word
+            vt = tl.load(vcodes + gi * (GROUP * (RV // 2)) + cv[:, None] * GROUP + (t0 + t)[None, :])
             ph = p.to(tl.float16)
-            acc_lo = acc_lo * alpha[:, None] + tl.dot(ph, _low_f16(vt, PTX)) * wv_lo[None, :]
-            acc_hi = acc_hi * alpha[:, None] + tl.dot(ph, _high_f16(vt, PTX)) * wv_hi[None, :]
+            acc_lo = acc_lo * alpha[:, None] + tl.dot(ph, tl.trans(_low_f16(vt, PTX))) * wv_lo[None, :]
+            acc_hi = acc_hi * alpha[:, None] + tl.dot(ph, tl.trans(_high_f16(vt, PTX))) * wv_hi[None, :]
             m = m_new
         # the group's probability mass (relative to the running maximum at its end): its value
         # constant's weight, applied after the kernel
