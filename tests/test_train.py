@@ -341,7 +341,11 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(tiny_models
     from safetensors.torch import load_file
 
     pairs = _pairs_file(tmp_path)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    # bitwise equal weights from two processes need the BLAS to take the same path in both: one thread
+    # (no split of the sums that load can change) and MKL's reproducible mode (none that the memory's
+    # alignment picks); once, in a full suite on a loaded 2-core box, the weights differed without them
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+           "MKL_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE"}
 
     def cmd(out, *extra):
         return [sys.executable, "-m", "kite.cli.main", "upcycle", "train", "--model", str(tiny_models["llama"]),
