@@ -314,7 +314,9 @@ def check_kernels_in_the_interpreter() -> None:
 def check_stream_kernel_in_the_interpreter() -> None:
     """(Run by run_interpreted.) The stream kernel against coded_partial_torch: one byte a code and
     nibble-packed sides (keys / values with and without byte columns), blocks of 1, 2 and 4 tiles
-    (halved where groups of 64 rows would straddle them), three sequences of their own lengths."""
+    (halved where groups of 64 rows would straddle them), three sequences of their own lengths. The
+    cases cover each side form with two geometries and each geometry with a nibble-packed form (the
+    interpreter is slow: not every pair)."""
     from kite.kernels import coded_attention_triton as tri
     from kite.kernels.coded_attention import coded_partial_torch, merge
 
@@ -323,25 +325,26 @@ def check_stream_kernel_in_the_interpreter() -> None:
     ang = torch.arange(520)[:, None].float() * inv[None]
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
     aligns = set()
-    for nib in ((0, 0), (16, 8), (8, 16)):
-        for group_rows, block in ((256, 2), (256, 4), (64, 4), (128, 1)):
-            gen = torch.Generator().manual_seed(block + nib[0])
-            layers = [_synthetic_layer(T, H, d, R, group_rows, gen, nib) for T in (512, 384, 96)]
-            q = torch.randn(3, Hq, d, generator=gen).bfloat16()
-            batch = tri.CodedBatch(layers)
-            aligns.add(batch.alignment)
-            for f16, align in ((True, None), (False, None), (True, 1)) if block == 2 else ((True, None),):
-                o, lse = tri.coded_decode(q, batch, cos, sin, 1 / math.sqrt(d), splits=2, block=block, f16=f16,
-                                          align=align)
-                out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
-                for i, layer in enumerate(layers):
-                    want, _ = coded_partial_torch(q[i][:, None].float(), layer, cos, sin, 1 / math.sqrt(d))
-                    err = float((out[i] - want[:, 0]).abs().max() / want.abs().max())
-                    assert err <= 1e-2, (nib, group_rows, block, f16, align, i, err)
-                    print(f"stream kernel ({'fp16' if f16 else 'bf16'} operands, tables aligned to "
-                          f"{batch.alignment if align is None else align} bytes), nibble bytes {nib}, groups of "
-                          f"{group_rows} rows, {block} tiles a step (aligned: {batch.aligned(block)}), sequence {i}: "
-                          f"{err:.1e} of max |out|")
+    cases = (((0, 0), 256, 2), ((0, 0), 64, 4), ((16, 8), 256, 4), ((16, 8), 128, 1), ((16, 8), 256, 2),
+             ((8, 16), 64, 4), ((8, 16), 128, 1))
+    for nib, group_rows, block in cases:
+        gen = torch.Generator().manual_seed(block + nib[0])
+        layers = [_synthetic_layer(T, H, d, R, group_rows, gen, nib) for T in (512, 384, 96)]
+        q = torch.randn(3, Hq, d, generator=gen).bfloat16()
+        batch = tri.CodedBatch(layers)
+        aligns.add(batch.alignment)
+        for f16, align in ((True, None), (False, None), (True, 1)) if block == 2 else ((True, None),):
+            o, lse = tri.coded_decode(q, batch, cos, sin, 1 / math.sqrt(d), splits=2, block=block, f16=f16,
+                                      align=align)
+            out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
+            for i, layer in enumerate(layers):
+                want, _ = coded_partial_torch(q[i][:, None].float(), layer, cos, sin, 1 / math.sqrt(d))
+                err = float((out[i] - want[:, 0]).abs().max() / want.abs().max())
+                assert err <= 1e-2, (nib, group_rows, block, f16, align, i, err)
+                print(f"stream kernel ({'fp16' if f16 else 'bf16'} operands, tables aligned to "
+                      f"{batch.alignment if align is None else align} bytes), nibble bytes {nib}, groups of "
+                      f"{group_rows} rows, {block} tiles a step (aligned: {batch.aligned(block)}), sequence {i}: "
+                      f"{err:.1e} of max |out|")
     # the stream kernel's ALIGN forms ran: 16 bytes (one byte a code; R = 32 columns) and 8 (the
     # nibble-packed sides have 8 nibble bytes a head on one side)
     assert {16, 8} <= aligns, aligns
@@ -378,26 +381,26 @@ def check_coef_keys_in_the_interpreter() -> None:
 
     H, Hq, d, R = 2, 6, 32, 32
     cos, sin = _rope_tables(d)
-    for nib in ((0, 0), (16, 8), (8, 16)):
-        for group_rows, block in ((256, 2), (64, 4), (128, 1)):
-            gen = torch.Generator().manual_seed(block + nib[0])
-            layers = [_synthetic_layer(T, H, d, R, group_rows, gen, nib) for T in (512, 384, 96)]
-            q = (torch.randn(3, Hq, d, generator=gen) * 3).bfloat16()
-            batch = tri.CodedBatch(layers)
-            for f16 in (True, False) if block == 2 else (True,):
-                o, lse = tri.coded_decode(q, batch, cos, sin, 1 / math.sqrt(d), splits=2, block=block, f16=f16,
-                                          keys="coef")
-                out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
-                for i, layer in enumerate(layers):
-                    want, _ = coded_partial_torch(q[i][:, None].float(), layer, cos, sin, 1 / math.sqrt(d), keys="coef")
-                    other, _ = coded_partial_torch(q[i][:, None].float(), layer, cos, sin, 1 / math.sqrt(d))
-                    err = float((out[i] - want[:, 0]).abs().max() / want.abs().max())
-                    # the switch matters: the same codes read as pre-RoPE keys attend otherwise
-                    apart = float((other - want).abs().max() / want.abs().max())
-                    assert err <= 1e-2 and apart > 10 * err, (nib, group_rows, block, f16, i, err, apart)
-                    print(f"coef keys, stream kernel ({'fp16' if f16 else 'bf16'} operands), nibble bytes {nib}, "
-                          f"groups of {group_rows} rows, {block} tiles a step, sequence {i}: {err:.1e} of max |out| "
-                          f"(rebuild form {apart:.1e} away)")
+    # each side form once, each geometry once, the operand types at blocks of 2 (the interpreter is slow)
+    for nib, group_rows, block in (((0, 0), 256, 2), ((16, 8), 64, 4), ((8, 16), 128, 1), ((8, 16), 256, 2)):
+        gen = torch.Generator().manual_seed(block + nib[0])
+        layers = [_synthetic_layer(T, H, d, R, group_rows, gen, nib) for T in (512, 384, 96)]
+        q = (torch.randn(3, Hq, d, generator=gen) * 3).bfloat16()
+        batch = tri.CodedBatch(layers)
+        for f16 in (True, False) if block == 2 else (True,):
+            o, lse = tri.coded_decode(q, batch, cos, sin, 1 / math.sqrt(d), splits=2, block=block, f16=f16,
+                                      keys="coef")
+            out = merge([(o[:, s], lse[:, s]) for s in range(o.shape[1])])[0]
+            for i, layer in enumerate(layers):
+                want, _ = coded_partial_torch(q[i][:, None].float(), layer, cos, sin, 1 / math.sqrt(d), keys="coef")
+                other, _ = coded_partial_torch(q[i][:, None].float(), layer, cos, sin, 1 / math.sqrt(d))
+                err = float((out[i] - want[:, 0]).abs().max() / want.abs().max())
+                # the switch matters: the same codes read as pre-RoPE keys attend otherwise
+                apart = float((other - want).abs().max() / want.abs().max())
+                assert err <= 1e-2 and apart > 10 * err, (nib, group_rows, block, f16, i, err, apart)
+                print(f"coef keys, stream kernel ({'fp16' if f16 else 'bf16'} operands), nibble bytes {nib}, "
+                      f"groups of {group_rows} rows, {block} tiles a step, sequence {i}: {err:.1e} of max |out| "
+                      f"(rebuild form {apart:.1e} away)")
 
 
 def test_coef_keys_reference_reads_the_codes_as_post_rope_keys():
@@ -431,13 +434,6 @@ def test_coef_keys_reference_reads_the_codes_as_post_rope_keys():
         coded_decode_partial(q[:, :1].transpose(0, 1), [layer], cos, sin, 0.2, keys="post")
 
 
-def test_coef_keys_stream_kernel_equals_the_torch_reference_on_the_cpu():
-    """The stream kernel with keys in coefficient space in Triton's interpreter."""
-    from tests.triton_interpreter import run_interpreted
-
-    print(run_interpreted("tests.test_coded_attention:check_coef_keys_in_the_interpreter"))
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("nib", [(0, 0), (16, 8), (64, 29)])
 @pytest.mark.parametrize("f16", [True, False])
@@ -468,18 +464,19 @@ def test_coef_keys_stream_kernel_matches_the_torch_reference_on_the_gpu(nib, f16
     assert worst["coef"] <= 1e-2, worst
 
 
-def test_stream_kernel_equals_the_torch_reference_on_the_cpu():
-    """The stream decode kernel in Triton's interpreter, one byte a code and nibble-packed."""
-    from tests.triton_interpreter import run_interpreted
-
-    print(run_interpreted("tests.test_coded_attention:check_stream_kernel_in_the_interpreter"))
+def check_every_kernel_in_the_interpreter() -> None:
+    """(Run by run_interpreted.) The three checks in one child process (its imports cost ~5 s)."""
+    check_kernels_in_the_interpreter()
+    check_stream_kernel_in_the_interpreter()
+    check_coef_keys_in_the_interpreter()
 
 
 def test_decode_kernels_equal_the_torch_reference_on_the_cpu():
-    """The one-tile decode kernel in Triton's interpreter (tests/triton_interpreter.py)."""
+    """In Triton's interpreter (tests/triton_interpreter.py): the one-tile decode kernel, the stream
+    kernel (one byte a code and nibble-packed), the stream kernel with keys in coefficient space."""
     from tests.triton_interpreter import run_interpreted
 
-    run_interpreted("tests.test_coded_attention:check_kernels_in_the_interpreter")
+    print(run_interpreted("tests.test_coded_attention:check_every_kernel_in_the_interpreter"))
 
 
 def test_coded_batch_alignment_is_what_every_table_and_column_count_allow():
