@@ -97,7 +97,7 @@ def fused_vs_unfused_models() -> None:
         assert attn.k_proj.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
         held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
         assert sum(held.values()) == sum(p.numel() * p.element_size() for p in model.parameters())   # one copy
-        doc, query = torch.randint(cfg.vocab_size, (2, 40)), torch.randint(cfg.vocab_size, (2, 5))
+        doc, query = torch.randint(cfg.vocab_size, (2, 12)), torch.randint(cfg.vocab_size, (2, 5))
         logits, seen = {}, []
         for on in (False, True):
             fused.ENABLED = on
