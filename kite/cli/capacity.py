@@ -59,7 +59,7 @@ def capacity_plan(
 
     req = CapacityRequest(qps=qps, avg_tokens=avg_tokens, ppl_tolerance=ppl_tolerance, output_tokens=output_tokens,
                           ttft_ms=ttft_ms, gpus=gpus, kv_budget_gb=kv_budget_gb, reuse=reuse, mem_util=mem_util,
-                          use_reference=not no_reference)
+                          use_reference=not no_reference, lane_bits=user_config().server.lane_bits)
     for flag, value in (("--gpu-mem-gb", gpu_mem_gb), ("--gpu-hbm-tbps", gpu_hbm_tbps),
                         ("--gpu-bf16-tflops", gpu_bf16_tflops)):
         if value is not None and not value > 0:
@@ -158,7 +158,11 @@ def _print(d: dict) -> None:
         table.add_column(col, justify="left" if col in ("setting", "mode", "fit on") else "right")
     for r in d["rows"]:
         s = fits.get(r["setting"]) if r["setting"] else None
-        if s is None:
+        if r["mode"] == "lanes":   # the loaded state's codec, then lanes: bytes by arithmetic, quality not fitted
+            lanes = r["seq_bytes"] - load["output_tokens"] * kv
+            saving, ppl, basis = f"{(1 - lanes / (load['avg_tokens'] * kv)) * 100:.1f} %", "setting's + lanes'", "not fitted"
+            bpt = f"{lanes / load['avg_tokens']:,.0f}"
+        elif s is None:
             saving, ppl, basis, bpt = "—", "+0", "exact", f"{kv:,}"
         else:
             ms = s["memory_saving"]
@@ -170,7 +174,7 @@ def _print(d: dict) -> None:
         seqs = f"{r['sequences']:,}"
         if r["sequences_range"] and tuple(r["sequences_range"]) != (r["sequences"],) * 2:
             seqs += f" ({r['sequences_range'][0]:,}–{r['sequences_range'][1]:,})"
-        table.add_row(escape(r["setting"] or "raw bf16"), r["mode"], bpt, saving, seqs, _ms(r["ttft_ms"]),
+        table.add_row(escape(r["name"] if r["mode"] == "lanes" else r["setting"] or "raw bf16"), r["mode"], bpt, saving, seqs, _ms(r["ttft_ms"]),
                       _ms(r["decode_step_ms"]), "—" if r["gpu_s_per_request"] is None else f"{r['gpu_s_per_request']:.3f}",
                       "—" if r["gpus"] is None else str(r["gpus"]), ppl, basis)
     out.print(table)

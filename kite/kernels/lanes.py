@@ -36,8 +36,8 @@ import torch
 
 from kite.kernels.quant import GAUSS_STEP, MSE_GRID
 
-__all__ = ["Lanes", "allocate_lanes", "decode", "encode", "lanes_partial", "lanes_partial_torch", "row_codes",
-           "stack"]
+__all__ = ["Lanes", "allocate_lanes", "decode", "encode", "lanes_partial", "lanes_partial_torch", "nbytes_for",
+           "row_codes", "stack"]
 
 LANE_BITS = 4
 MAX_LANES = 2          # lanes a component may take (8 bits)
@@ -86,6 +86,20 @@ class Lanes:
         if basis_dtype is not None:
             moved["k_basis"], moved["v_basis"] = moved["k_basis"].to(basis_dtype), moved["v_basis"].to(basis_dtype)
         return replace(self, **moved)
+
+
+def nbytes_for(tokens: int, heads: int, head_dim: int, k_lanes: int, v_lanes: int, group: int = 512,
+               sinks: int = 1, basis_bytes: int = 2, table_bytes: int = 4) -> int:
+    """:meth:`Lanes.nbytes` of one layer of one state of ``tokens`` tokens, by arithmetic (what
+    :func:`encode` would make, without coding anything: capacity planning)."""
+    s = min(max(sinks, 0), tokens)
+    groups = max(1, math.ceil((tokens - s) / group))
+    total = 0
+    for lanes in (k_lanes, v_lanes):
+        total += heads * groups * group * lanes // 2                          # codes
+        total += heads * groups * (lanes + head_dim) * table_bytes             # weights, constants
+        total += heads * lanes * head_dim * basis_bytes                        # basis
+    return total + 2 * heads * s * head_dim * 2                                # sinks (bf16)
 
 
 def allocate_lanes(variances: torch.Tensor, lanes: int) -> torch.Tensor:

@@ -15,6 +15,10 @@ Three ways to hold a request's context, each a row of the plan:
 - a setting, loaded (with ``reuse`` > 0): the fraction ``reuse`` of requests find their document's
   state in pinned host memory and load it into raw KV instead of prefilling; the rest prefill
   and compress. Memory per sequence is raw.
+- lanes, resident (``kite serve --resident lanes``, ``server.lane_bits``): each state loaded, then
+  coded into nibble lanes that the lanes decode kernel reads (kite.kernels.lanes; its bytes by
+  arithmetic, its speed from the H200 run); its quality is the loaded setting's plus the lanes'
+  own, which the history does not measure, so the plan shows the row but never chooses it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from kite.config import parse_lane_bits
 from kite.errors import BadInput, KiteError
 from kite.tune.gpus import GpuSpec, measured_for
 from kite.tune.quality_fit import (MinHitGain, QualityPoint, SettingFit, fit_settings, recommend,
@@ -33,6 +38,9 @@ TP_DEGREES = (1, 2, 4, 8)
 # The coded-attention figure the resident note cites (whole decode steps at a 40 GB KV budget).
 CODED_STEP = ("H200, docs/gpu_speed_h200_fused_steps_session10.json: a decode step over 81 per-head coded "
               "16K-token states 49.57 ms, over 42 raw 13.59 ms")
+# What the lanes cost in quality on top of a loaded state's codec (the lanes note cites it).
+LANES_QUALITY = ("the embedded model, 4 bits, groups of 512, on the joint codec's decoded KV at 4x: KL to the "
+                 "full context 0.0024 -> 0.0096, docs/lanes_quality_through_codec_session11.json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +60,7 @@ class CapacityRequest:
     reuse: float = 0.0
     mem_util: float = 0.9
     use_reference: bool = True
+    lane_bits: str = "4"               # server.lane_bits: the lanes row's bits ("B" or "K:V")
 
     def __post_init__(self) -> None:
         checks = (("--qps", self.qps, self.qps > 0, "above 0"),
@@ -66,6 +75,7 @@ class CapacityRequest:
         for flag, value, ok, what in checks:
             if not ok or (isinstance(value, float) and not math.isfinite(value)):
                 raise BadInput(f"{flag} {value}: must be {what}")
+        parse_lane_bits(self.lane_bits)
 
     @property
     def context(self) -> int:
@@ -80,7 +90,7 @@ class ModeRow:
 
     name: str
     setting: str | None
-    mode: str                          # raw | resident | loaded
+    mode: str                          # raw | resident | loaded | lanes
     seq_bytes: float
     sequences: int
     sequences_range: tuple[int, int] | None = None
@@ -187,8 +197,16 @@ def plan_capacity(req: CapacityRequest, shape: ModelShape, gpu: GpuSpec, *, mode
     recommended = recommend(fits, req.ppl_tolerance)
     if req.reuse > 0 and recommended is not None and recommended.ratio_point():
         rows.append(ModeRow(f"{recommended.setting} loaded", recommended.setting, "loaded", raw_seq, rows[0].sequences))
+    lanes = lanes_state_bytes(req, shape)
+    if isinstance(lanes, float):
+        # while a load is coded into lanes its prompt's KV is held raw: one sequence's worth
+        seq = lanes + req.output_tokens * kvpt
+        rows.append(ModeRow(f"lanes {req.lane_bits} bits", None, "lanes", seq,
+                            max(0, int((replica - req.avg_tokens * kvpt) // seq))))
     plan = CapacityPlan(req, model, shape, gpu, tp, budget, how, rows, fits, len(runs), points, recommended,
                         recommend_min_hit_gain(points, req.ppl_tolerance, default_min_hit_gain))
+    if isinstance(lanes, str):
+        plan.notes.append(f"no lanes row: {lanes}")
     if gpu.has_rates:
         _times(plan, {f.setting: f for f in fits})
     else:
@@ -199,6 +217,20 @@ def plan_capacity(req: CapacityRequest, shape: ModelShape, gpu: GpuSpec, *, mode
         plan.notes.append(f"{req.context:,} tokens per sequence exceed the model's context length ({limit:,})")
     plan.best = _best(plan)
     return plan
+
+
+def lanes_state_bytes(req: CapacityRequest, shape: ModelShape) -> float | str:
+    """Bytes of one prompt's state in lanes at ``req.lane_bits`` (kite serve --resident lanes'
+    groups and sinks), or why this geometry has none."""
+    from kite.kernels.lanes import nbytes_for
+    from kite.upcycle import lanes_for
+
+    g = shape.geometry
+    try:
+        k, v = (lanes_for(b, g.head_dim) for b in parse_lane_bits(req.lane_bits))
+    except BadInput as exc:
+        return str(exc)
+    return float(g.n_layers * nbytes_for(req.avg_tokens, g.n_kv_heads, g.head_dim, k, v))
 
 
 def _state_seq_bytes(req: CapacityRequest, kvpt: int, ratio: float) -> float:
@@ -246,6 +278,12 @@ def _times(plan: CapacityPlan, fits: dict[str, SettingFit]) -> None:
                           f"{m.gpu}: {m.steps_source}); per-head states are read in coded form by the "
                           f"coded-attention kernel instead, which this plan does not model ({CODED_STEP}); "
                           "either way the extra sequences are memory, not throughput, today")
+    if any(r.mode == "lanes" for r in plan.rows):
+        plan.notes.append(f"lanes rows: read by the lanes decode kernel at {fix.lanes_efficiency:.0%} of HBM "
+                          f"bandwidth ({m.lanes_source}); TTFT counts the compression and the coding into lanes "
+                          "that kite serve --resident lanes runs before the first token; quality is the loaded "
+                          f"setting's plus the lanes' own ({LANES_QUALITY}), which the history does not measure: "
+                          "the plan does not choose them")
     mid = req.avg_tokens + req.output_tokens / 2   # a sequence's mean context while it decodes
     for row in plan.rows:
         if row.sequences < 1:
@@ -255,9 +293,14 @@ def _times(plan: CapacityPlan, fits: dict[str, SettingFit]) -> None:
             ratio = fits[row.setting].ratio_point()
             kv_read = b * (req.avg_tokens * kvpt / ratio + req.output_tokens / 2 * kvpt)
             step = roof.decode_step(b, kv_read, rebuild_seqs=b)[1]
+        elif row.mode == "lanes":
+            lanes = row.seq_bytes - req.output_tokens * kvpt
+            step = roof.decode_step(b, b * req.output_tokens / 2 * kvpt, lanes_bytes_read=b * lanes)[1]
         else:
             step = roof.decode_step(b, b * mid * kvpt)[1]
         first = pf + (compress if row.mode != "raw" else 0.0)
+        if row.mode == "lanes":
+            first += roof.lanes_encode(req.avg_tokens)
         if row.mode == "loaded":
             ratio = fits[row.setting].ratio_point()
             floor, from_state = roof.state_ttft(req.avg_tokens * kvpt / ratio, req.avg_tokens)
@@ -265,6 +308,8 @@ def _times(plan: CapacityPlan, fits: dict[str, SettingFit]) -> None:
             first = req.reuse * from_state + (1 - req.reuse) * first
             row.ttft_ms = req.reuse * from_state + (1 - req.reuse) * pf
             ok = from_state if req.reuse == 1 else max(from_state, pf)
+        elif row.mode == "lanes":
+            row.ttft_ms = ok = first
         else:
             row.ttft_ms = ok = pf
         row.decode_step_ms = step
@@ -280,7 +325,8 @@ def _best(plan: CapacityPlan) -> ModeRow | None:
     """The row with the fewest GPUs that meets the TTFT limit, among raw and the recommended
     setting's (memory only, without rates: the most sequences)."""
     rec = plan.recommended.setting if plan.recommended else None
-    cands = [r for r in plan.rows if r.sequences >= 1 and r.setting in (None, rec) and r.meets_ttft is not False]
+    cands = [r for r in plan.rows if r.sequences >= 1 and r.mode != "lanes" and r.setting in (None, rec)
+             and r.meets_ttft is not False]
     if not cands:
         return None
     if plan.gpu.has_rates:

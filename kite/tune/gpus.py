@@ -104,7 +104,8 @@ class Measured:
     tokens: int                  # document tokens of every figure
     query_tokens: int
     prefill_ms: float            # document + query, TTFT without a state (sdpa)
-    decode_step_ms: float        # one token at 16K, static cache, CUDA graph (HF transformers, sdpa)
+    batch_step_ms: float         # one decode step of `batch_step_seqs` raw 16K sequences, KITE's path:
+    batch_step_seqs: int         # fused layers, the whole forward, CUDA graph (what the step costs)
     query_forward_ms: float      # the 16 query tokens over the 16K state, CUDA graph (KITE's attention)
     hot_tier_load_ms: float      # the state from pinned host memory into the GPU, rebuilt
     hot_tier_bytes: int          # the bytes that load copies: the state as staged (ratio 4)
@@ -115,6 +116,15 @@ class Measured:
     resident_seqs: int
     compress_ms: float           # compress one document (codec default, ratio 4), wall
     steps_source: str            # the run of attention_step_ms and resident_step_ms
+    # states resident in 4-bit nibble lanes (kite serve --resident lanes; benchmarks/lanes_decode.py):
+    # the decode kernel over all layers of `lanes_seqs` states of `lanes_kernel_bytes` each, the
+    # whole decode step over them (CUDA-graphed), and coding one state into lanes (its load's extra)
+    lanes_kernel_ms: float
+    lanes_step_ms: float
+    lanes_seqs: int
+    lanes_kernel_bytes: int
+    lanes_encode_ms: float       # (with generating the state's random KV: an upper bound)
+    lanes_source: str
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,19 +134,30 @@ class Measured:
 # forward through the split-KV kernel and fused layers). Its twin run on another machine start
 # (docs/gpu_speed_h200_ff_session9_repeat.json) is what the planner is checked against. Those runs
 # skipped the concurrency rows, so the batched attention step and the resident (rebuilt) step stay
-# session 4's (docs/gpu_speed_h200_session4.json, run 13; session 5: 9.555 and 1,493.263 ms).
+# session 4's (docs/gpu_speed_h200_session4.json, run 13; session 5: 9.555 and 1,493.263 ms). The
+# whole decode step is session 10's over 42 raw sequences with KITE's fused layers (until session
+# 12 it was HF transformers' one-token static-cache step, 15.191 ms at batch 1: 11.6 ms of fixed
+# cost that KITE's path does not spend); session 11's lanes run measured the same step again.
 # hot_tier_bytes: the staged state the hot-tier load copies (gpu_speed.py's `hot.nbytes`; the
 # session-9 row's floor 4.4718 ms = 245,948,416 B / 55 GB/s), not the .upc file (237,642,762 B).
 H200_MEASURED = Measured(
     source="docs/gpu_speed_h200_ff_session9.json (benchmarks/gpu_speed.py, H200, session 9: prefill, "
-           "decode step, first forward with KITE attention (split-KV kernel + fused layers), hot-tier load, "
-           "compress); batched attention and resident rebuild steps from docs/gpu_speed_h200_session4.json "
-           "(session 4 run 13: the session-9 runs skipped the concurrency rows)",
+           "first forward with KITE attention (split-KV kernel + fused layers), hot-tier load, compress); the "
+           "whole decode step over 42 raw sequences (fused layers) from docs/gpu_speed_h200_fused_steps_session10.json; "
+           "batched attention and resident rebuild steps from docs/gpu_speed_h200_session4.json (session 4 run 13: "
+           "the session-9 runs skipped the concurrency rows)",
     gpu="H200", tokens=16384, query_tokens=16,
-    prefill_ms=490.268, decode_step_ms=15.191, query_forward_ms=5.519,
+    prefill_ms=490.268, batch_step_ms=13.595, batch_step_seqs=42, query_forward_ms=5.519,
     hot_tier_load_ms=7.724, hot_tier_bytes=245_948_416, hot_tier_ratio_of=4.0,
     attention_step_ms=9.398, attention_seqs=42, resident_step_ms=1642.454, resident_seqs=161,
-    compress_ms=44.326, steps_source="docs/gpu_speed_h200_session4.json, session 4 run 13",
+    compress_ms=44.326,
+    steps_source="docs/gpu_speed_h200_session4.json, session 4 run 13 (the attention and rebuild steps); "
+                 "docs/gpu_speed_h200_fused_steps_session10.json (the whole decode step over 42 raw sequences)",
+    lanes_kernel_ms=21.519, lanes_step_ms=26.984, lanes_seqs=160, lanes_kernel_bytes=249_561_088,
+    lanes_encode_ms=1060.0,
+    lanes_source="docs/lanes_decode_h200_session11.json (benchmarks/lanes_decode.py, H200, session 11: "
+                 "4-bit lanes, groups of 512, 160 states at a 40 GB budget; raw bf16 42 sequences 13.61 ms; "
+                 "coding a state's 28 layers 1.06 s, with generating its random KV)",
 )
 MEASURED: dict[str, Measured] = {"H200": H200_MEASURED}
 

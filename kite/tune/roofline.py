@@ -8,14 +8,17 @@ these floors by a factor the planner takes from the H200 runs (kite.tune.gpus.Me
 
 - prefill: the floor over a measured efficiency (floor / measured prefill);
 - decode step and query forward: a fixed cost per step (what the measured step spends beyond its
-  bytes: launches and kernels; the decode step is HF transformers' static cache, the query's
-  forward KITE's attention, split-KV kernel and fused layers, both CUDA-graphed) plus the bytes
-  over HBM at the bandwidth a batched attention step reached;
+  bytes: launches and kernels; the decode step over 42 raw sequences, the query's forward over one
+  state, both KITE's path: fused layers, KITE's attention, CUDA-graphed) plus the bytes over HBM
+  at the bandwidth a batched attention step reached;
 - a state's load: its bytes over the host link at the efficiency the hot-tier load reached;
 - compressed states resident on the GPU, as the default joint-head states are held: every decode
   step rebuilds each sequence's layers, a fixed cost per sequence and layer (launch-bound;
   kite.upcycle's rebuild per layer). Per-head states read in coded form by the coded-attention
   kernel are not modelled.
+- states resident in nibble lanes (``kite serve --resident lanes``): the lanes' bytes over HBM at
+  the efficiency the lanes decode kernel reached (its byte floor / its measured time), on top of
+  the step's weights and raw rows.
 """
 
 from __future__ import annotations
@@ -141,6 +144,8 @@ class Corrections:
     query_fixed_ms: float        # a query forward's time beyond its bytes
     link_efficiency: float       # a state's load: bytes over the host link / measured
     rebuild_ms: float            # one compressed sequence's layer rebuilt per decode step
+    lanes_efficiency: float      # the lanes decode kernel: bytes over HBM / its measured time
+    lanes_encode_ms_per_gb: float  # coding a loaded state into lanes, per GB of its raw KV
     compress_ms_per_gb: float    # compressing a document, per GB of its raw KV
     own: bool                    # measured on this GPU (else borrowed from the H200)
     source: str
@@ -159,13 +164,16 @@ def corrections(gpu: GpuSpec, m: Measured, own: bool) -> Corrections:
     s, kv_seq = QWEN2_7B, QWEN2_7B.kv_bytes_per_token * m.tokens
     hbm_eff = (m.attention_seqs * kv_seq / hbm) / (m.attention_step_ms / 1e3)
     step_bytes_ms = (s.step_weights_bytes + kv_seq) / (hbm * hbm_eff) * 1e3
+    batch_bytes_ms = (s.step_weights_bytes + m.batch_step_seqs * kv_seq) / (hbm * hbm_eff) * 1e3
     prefill_floor = s.prefill_flops(m.tokens + m.query_tokens) / (at.bf16_tflops * 1e12) * 1e3
     return Corrections(
         prefill_efficiency=prefill_floor / m.prefill_ms, hbm_efficiency=hbm_eff,
-        step_fixed_ms=max(0.0, m.decode_step_ms - step_bytes_ms),
+        step_fixed_ms=max(0.0, m.batch_step_ms - batch_bytes_ms),
         query_fixed_ms=max(0.0, m.query_forward_ms - step_bytes_ms),
         link_efficiency=(m.hot_tier_bytes / link * 1e3) / m.hot_tier_load_ms,
         rebuild_ms=m.resident_step_ms / (m.resident_seqs * s.geometry.n_layers),
+        lanes_efficiency=(m.lanes_seqs * m.lanes_kernel_bytes / hbm) / (m.lanes_kernel_ms / 1e3),
+        lanes_encode_ms_per_gb=m.lanes_encode_ms / (kv_seq / 1e9),
         compress_ms_per_gb=m.compress_ms / (kv_seq / 1e9), own=own, source=m.source)
 
 
@@ -187,16 +195,25 @@ class Roofline:
         floor = self.shape.prefill_flops(tokens) / (self.gpu.bf16_tflops * 1e12 * self.tp) * 1e3
         return floor, floor / self.fix.prefill_efficiency
 
-    def decode_step(self, batch: int, kv_bytes_read: float, rebuild_seqs: int = 0) -> tuple[float, float]:
-        """One decode step of `batch` sequences reading `kv_bytes_read` of KV in all; the
-        `rebuild_seqs` of them held compressed are rebuilt layer by layer first."""
+    def decode_step(self, batch: int, kv_bytes_read: float, rebuild_seqs: int = 0,
+                    lanes_bytes_read: float = 0.0) -> tuple[float, float]:
+        """One decode step of `batch` sequences reading `kv_bytes_read` of raw KV in all; the
+        `rebuild_seqs` of them held compressed are rebuilt layer by layer first; `lanes_bytes_read`:
+        the bytes of states held in lanes, read by the lanes kernel."""
         nbytes = self.shape.step_weights_bytes + kv_bytes_read
-        floor = max(nbytes / self._hbm, 2 * self.shape.body_params * batch / (self.gpu.bf16_tflops * 1e12 * self.tp))
+        floor = max((nbytes + lanes_bytes_read) / self._hbm,
+                    2 * self.shape.body_params * batch / (self.gpu.bf16_tflops * 1e12 * self.tp))
         mem = nbytes / (self._hbm * self.fix.hbm_efficiency)
         compute = 2 * self.shape.body_params * batch / (self.gpu.bf16_tflops * 1e12 * self.tp
                                                         * self.fix.prefill_efficiency)
         rebuild = rebuild_seqs * self.shape.geometry.n_layers * self.fix.rebuild_ms / self.tp
-        return floor * 1e3, max(mem, compute) * 1e3 + self.fix.step_fixed_ms + rebuild
+        lanes = lanes_bytes_read / (self._hbm * self.fix.lanes_efficiency) * 1e3
+        return floor * 1e3, max(mem, compute) * 1e3 + self.fix.step_fixed_ms + rebuild + lanes
+
+    def lanes_encode(self, context_tokens: int) -> float:
+        """Predicted ms to code a loaded state of `context_tokens` into lanes (scaled by its raw KV
+        bytes from the measured one)."""
+        return self.fix.lanes_encode_ms_per_gb * self.shape.kv_bytes_per_token * context_tokens / 1e9 / self.tp
 
     def state_ttft(self, state_bytes: float, context_tokens: int) -> tuple[float, float]:
         """TTFT from a state in pinned host memory: its load over the host link, then the query's

@@ -7,7 +7,7 @@ from kite.upcycle.load.fidelity import FAR_LAYER_SHARE, load_warnings
 from kite.upcycle.load.hot_tier import HotState, HotTier, default_tier
 from kite.upcycle.load.prefix import LOAD_PRECISIONS, LoadReport, check_fingerprints, check_geometry, load_prefix
 from kite.upcycle.load.rebuild import load_staged, rebuild_layer
-from kite.upcycle.load.lanes import load_lanes
+from kite.upcycle.load.lanes import lanes_for, load_lanes
 from kite.upcycle.load.resident import build_resident, load_coded_prefix, load_resident
 from kite.upcycle.load.selection import SINK_TOKENS, Selection, select, select_clusters
 from kite.upcycle.load.staging import prepare_state, stage_state, supports_state
@@ -15,5 +15,5 @@ from kite.upcycle.load.tables import forget_tables, tables_dir
 
 __all__ = ["FAR_LAYER_SHARE", "LOAD_PRECISIONS", "SINK_TOKENS", "HotState", "HotTier", "LoadReport", "Selection",
            "build_resident", "check_fingerprints", "check_geometry", "default_tier", "flush_records", "forget_tables", "forget_verified",
-           "load_coded_prefix", "load_lanes", "load_prefix", "load_resident", "load_staged", "load_warnings", "prepare_state", "rebuild_layer", "select", "select_clusters",
+           "lanes_for", "load_coded_prefix", "load_lanes", "load_prefix", "load_resident", "load_staged", "load_warnings", "prepare_state", "rebuild_layer", "select", "select_clusters",
            "stage_state", "supports_state", "tables_dir"]
