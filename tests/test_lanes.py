@@ -236,3 +236,12 @@ def test_four_bits_an_element_is_about_a_quarter_of_bf16_on_long_states():
     x = L.encode(k, v, d, group=512)
     raw = 2 * H * T * d * 2
     assert 3.5 < raw / x.nbytes() < 4.0
+
+
+@pytest.mark.parametrize("T,H,d,rk,rv,group,sinks", [(300, 2, 16, 16, 8, 64, 2), (1000, 3, 64, 64, 32, 512, 1),
+                                                      (5, 1, 8, 8, 8, 64, 9), (64, 2, 16, 32, 32, 64, 0)])
+def test_nbytes_for_is_what_encode_makes(T, H, d, rk, rv, group, sinks):
+    """capacity-plan sizes states in lanes by arithmetic: the bytes encode's form holds (bf16 bases)."""
+    k, v = _kv(H=H, T=T, d=d)
+    x = L.encode(k, v, rk, rv, group=group, sinks=sinks)
+    assert L.nbytes_for(T, H, d, rk, rv, group, sinks) == x.nbytes()
