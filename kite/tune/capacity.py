@@ -6,7 +6,7 @@ measured sizes; times are the roofline of kite.tune.roofline corrected by this p
 measurements; the setting's PPL Δ and memory saving are intervals fitted on measured runs
 (kite.tune.quality_fit). docs/capacity.md describes the model and what is measured.
 
-Three ways to hold a request's context, each a row of the plan:
+Four ways to hold a request's context, each a row of the plan:
 - ``raw``: bf16 KV on the GPU; every request prefills its document.
 - a setting, resident: states held compressed on the GPU (more sequences fit), timed as the
   default joint-head states run: every decode step rebuilds each sequence's layers (launch-bound:
