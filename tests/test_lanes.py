@@ -4,6 +4,7 @@ decoder, the torch reference of its attention, stacking and byte accounting."""
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 
 import pytest
 import torch
@@ -245,3 +246,17 @@ def test_nbytes_for_is_what_encode_makes(T, H, d, rk, rv, group, sinks):
     k, v = _kv(H=H, T=T, d=d)
     x = L.encode(k, v, rk, rv, group=group, sinks=sinks)
     assert L.nbytes_for(T, H, d, rk, rv, group, sinks) == x.nbytes()
+
+
+def test_encode_layers_is_encode_of_each_layer():
+    """One batched eigensolver call for every layer and side (the load path) gives each layer exactly
+    what encoding it alone gives; layers of their own lengths; lists that do not pair are refused."""
+    layers = [_kv(H=2, T=T, d=16, seed=T) for T in (130, 70, 1)]
+    together = L.encode_layers([k for k, _ in layers], [v for _, v in layers], 16, 8, group=32, sinks=2)
+    for (k, v), got in zip(layers, together):
+        want = L.encode(k, v, 16, 8, group=32, sinks=2)
+        for f in fields(L.Lanes):
+            a, b = getattr(got, f.name), getattr(want, f.name)
+            assert torch.equal(a, b) if torch.is_tensor(a) else a == b, f.name
+    with pytest.raises(ValueError, match="2 layers of keys and 1 of values"):
+        L.encode_layers([layers[0][0], layers[1][0]], [layers[0][1]], 8)

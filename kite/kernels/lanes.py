@@ -36,7 +36,7 @@ import torch
 
 from kite.kernels.quant import GAUSS_STEP, MSE_GRID
 
-__all__ = ["Lanes", "allocate_lanes", "decode", "encode", "lanes_partial", "lanes_partial_torch", "nbytes_for",
+__all__ = ["Lanes", "allocate_lanes", "decode", "encode", "encode_layers", "lanes_partial", "lanes_partial_torch", "nbytes_for",
            "row_codes", "stack"]
 
 LANE_BITS = 4
@@ -157,18 +157,24 @@ def _grid(cg: torch.Tensor, vg: torch.Tensor, n_lanes: torch.Tensor, clip: str
     return lo, step
 
 
-def _side(x: torch.Tensor, lanes: int, group: int, clip: str) -> dict:
-    """One side [H, T, d] (float) of one state in lanes: codes, weights, constants, basis (see Lanes)."""
+def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One side [H, T, d] (float32): its mean [H, 1, d] and covariance [H, d, d] over the tokens."""
     H, T, d = x.shape
-    x = x.float()
+    mean = x.mean(dim=1, keepdim=True) if T else x.new_zeros(H, 1, d)
+    xc = x - mean
+    return mean, xc.transpose(1, 2) @ xc / max(T, 1)
+
+
+def _side(x: torch.Tensor, mean: torch.Tensor, evals: torch.Tensor, evecs: torch.Tensor, lanes: int, group: int,
+          clip: str) -> dict:
+    """One side [H, T, d] (float32) of one state in lanes: codes, weights, constants, basis (see Lanes),
+    from its mean and its covariance's eigenpairs (descending; columns of ``evecs``)."""
+    H, T, d = x.shape
     G = max(1, math.ceil(T / group))
     Tp = G * group
-    mean = x.mean(dim=1, keepdim=True) if T else x.new_zeros(H, 1, d)               # [H, 1, d]
     xc = x - mean
-    cov = xc.transpose(1, 2) @ xc / max(T, 1)
-    evals, evecs = torch.linalg.eigh(cov.double())
-    basis = evecs.flip(-1).transpose(1, 2).float()                                  # [H, d, d]: rows = components
-    var = evals.flip(-1).float()
+    basis = evecs.transpose(1, 2).float()                                            # [H, d, d]: rows = components
+    var = evals.float()
     n_lanes = allocate_lanes(var, lanes)                                            # [H, d]
     coef = xc @ basis.transpose(1, 2)                                               # [H, T, d]
     dev = x.device
@@ -211,8 +217,20 @@ def encode(keys: torch.Tensor, values: torch.Tensor, k_lanes: int, v_lanes: int 
     ``k_lanes`` / ``v_lanes`` lanes a row (even powers of 2 <= 2d; d: 4 bits an element), groups of
     ``group`` rows, the first ``sinks`` tokens kept exact; ``clip``: each group's quantization range
     (``"minmax"``, or ``"mse"``: clipped to the least squared error, see :func:`_grid`)."""
+    return encode_layers([keys], [values], k_lanes, v_lanes, group=group, sinks=sinks, clip=clip)[0]
+
+
+def encode_layers(keys: list[torch.Tensor], values: list[torch.Tensor], k_lanes: int, v_lanes: int | None = None,
+                  group: int = 512, sinks: int = 1, clip: str = "minmax") -> list[Lanes]:
+    """:func:`encode` of each layer of one state (``keys[i]`` / ``values[i]`` [H, T_i, d]), the PCA
+    of every layer, side and head in one call of the batched eigensolver (kite.kernels.eigh: on a
+    GPU one launch, instead of a solver call per layer and side)."""
+    from kite.kernels.eigh import eigh_desc
+
     v_lanes = k_lanes if v_lanes is None else v_lanes
-    H, T, d = keys.shape
+    if not keys or len(keys) != len(values):
+        raise ValueError(f"{len(keys)} layers of keys and {len(values)} of values")
+    H, _, d = keys[0].shape
     for name, r in (("k_lanes", k_lanes), ("v_lanes", v_lanes)):
         if r < 2 or r & (r - 1) or r > MAX_LANES * d:
             raise ValueError(f"{name} must be a power of 2 in 2..{MAX_LANES * d}, not {r}")
@@ -220,14 +238,25 @@ def encode(keys: torch.Tensor, values: torch.Tensor, k_lanes: int, v_lanes: int 
         raise ValueError(f"group must be >= 1, not {group}")
     if clip not in CLIPS:
         raise ValueError(f"clip must be one of {CLIPS}, not {clip!r}")
-    s = min(max(sinks, 0), T)
-    k, v = _side(keys[:, s:], k_lanes, group, clip), _side(values[:, s:], v_lanes, group, clip)
-    v["codes"] = v["codes"].view(H, -1, group, v_lanes // 2).transpose(-1, -2).contiguous()
-    return Lanes(k_codes=k["codes"][None], k_weight=k["weight"][None], k_const=k["const"][None],
-                 k_basis=k["basis"][None], v_codes=v["codes"][None], v_weight=v["weight"][None],
-                 v_const=v["const"][None], v_basis=v["basis"][None],
-                 length=torch.tensor([T - s], dtype=torch.int32, device=keys.device), raw_k=keys[None, :, :s].clone(),
-                 raw_v=values[None, :, :s].clone(), group=group)
+    cut = [min(max(sinks, 0), k.shape[1]) for k in keys]
+    sides = [x[:, s:].float() for k, v, s in zip(keys, values, cut) for x in (k, v)]   # k0, v0, k1, v1 ...
+    moments = [_moments(x) for x in sides]
+    cov = torch.cat([c for _, c in moments])                                        # [2 L H, d, d]
+    evals, evecs = eigh_desc(cov if cov.is_cuda else cov.double())
+    out = []
+    for i, (k, v, s) in enumerate(zip(keys, values, cut)):
+        part = []
+        for j, lanes in ((2 * i, k_lanes), (2 * i + 1, v_lanes)):
+            rows = slice(j * H, (j + 1) * H)
+            part.append(_side(sides[j], moments[j][0], evals[rows], evecs[rows], lanes, group, clip))
+        ks, vs = part
+        vs["codes"] = vs["codes"].view(H, -1, group, v_lanes // 2).transpose(-1, -2).contiguous()
+        out.append(Lanes(k_codes=ks["codes"][None], k_weight=ks["weight"][None], k_const=ks["const"][None],
+                         k_basis=ks["basis"][None], v_codes=vs["codes"][None], v_weight=vs["weight"][None],
+                         v_const=vs["const"][None], v_basis=vs["basis"][None],
+                         length=torch.tensor([k.shape[1] - s], dtype=torch.int32, device=k.device),
+                         raw_k=k[None, :, :s].clone(), raw_v=v[None, :, :s].clone(), group=group))
+    return out
 
 
 def _unpack(codes: torch.Tensor) -> torch.Tensor:

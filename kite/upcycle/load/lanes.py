@@ -38,14 +38,13 @@ def load_lanes(state, lm, *, lane_bits: tuple[int, int] = (4, 4), group: int = 5
     t0 = time.perf_counter()
     dev = torch.device(lm.device)
     basis = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    layers = []
-    for k, v in zip(prefix.keys, prefix.values):
-        if k.shape[-2] == 0:
-            layers.append(None)
-            continue
-        coded = L.encode(k.to(dev, torch.float32), v.to(dev, torch.float32), k_lanes, v_lanes, group=group,
-                         sinks=sinks)
-        layers.append(coded.to(basis_dtype=basis))
+    held_at = [i for i, k in enumerate(prefix.keys) if k.shape[-2] > 0]
+    coded = L.encode_layers([prefix.keys[i].to(dev, torch.float32) for i in held_at],
+                            [prefix.values[i].to(dev, torch.float32) for i in held_at], k_lanes, v_lanes,
+                            group=group, sinks=sinks) if held_at else []
+    layers = [None] * len(prefix.keys)
+    for i, x in zip(held_at, coded):
+        layers[i] = x.to(basis_dtype=basis)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     held = CodedPrefix(layers=layers, positions=torch.empty(0, dtype=torch.long), next_position=prefix.next_position,
