@@ -157,7 +157,8 @@ H200_MEASURED = Measured(
     lanes_source="docs/lanes_decode_h200_session11.json (benchmarks/lanes_decode.py, H200, session 11: "
                  "4-bit lanes, groups of 512, 160 states at a 40 GB budget: kernel 21.52 ms, step 26.98 ms; raw bf16 "
                  "42 sequences 13.61 ms; "
-                 "coding a state's 28 layers 1.06 s, with generating its random KV)",
+                 "coding a state's 28 layers 1.06 s, with generating its random KV and one eigensolver call per "
+                 "layer and side: encode_layers' one batched call, since session 12, is not yet timed there)",
 )
 MEASURED: dict[str, Measured] = {"H200": H200_MEASURED}
 
