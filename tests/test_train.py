@@ -141,6 +141,30 @@ def tiny_regenerator(tiny_lm):
     return fit.finish({"model_fingerprint": tiny_lm.fingerprints.combined})
 
 
+def test_the_reports_answers_are_generates_batched_and_in_order(tiny_lm):
+    """The held-out report's greedy answers, 3 rows at a time over 7 examples after states of their
+    own lengths: each is generate()'s text after its state, in the examples' order."""
+    from kite.runtime.cache import KVPrefix, cache_layers, new_cache
+    from kite.runtime.generate import forward_tokens, generate
+    from kite.upcycle.train.adapter import Example
+    from kite.upcycle.train.report import _answers
+
+    g = torch.Generator().manual_seed(0)
+    states = []
+    for n in (40, 25, 60):
+        doc = torch.randint(5, tiny_lm.model.config.vocab_size, (n,), generator=g).tolist()
+        cache = new_cache(tiny_lm.model)
+        forward_tokens(tiny_lm.model, doc, cache, 0)
+        layers = cache_layers(cache)
+        states.append(KVPrefix([k[0] for k, _ in layers], [v[0] for _, v in layers], n))
+    examples = [Example(doc=str(i % 3), prompt_ids=torch.randint(5, 300, (3 + i,), generator=g).tolist(),
+                        response_ids=list(range(5 + i)), teacher_idx=None, teacher_logp=None) for i in range(7)]
+    prefixes = [states[i % 3] for i in range(7)]
+    want = [generate(tiny_lm, ex.prompt_ids, max_new_tokens=len(ex.response_ids) + 8, prefix=p).text
+            for ex, p in zip(examples, prefixes)]
+    assert _answers(tiny_lm, prefixes, examples, rows=3) == want
+
+
 def _compress_regenerated(lm, reg, out, ratio=8):
     from kite.upcycle import CompressSettings, codec_settings, compress_document
     from tests.tiny_models import CORPUS

@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 
 from kite.data.answers import f1_score
+from kite.runtime.batch_decode import BatchDecoder
 from kite.runtime.cache import KVPrefix, new_cache
-from kite.runtime.generate import forward_tokens, generate
+from kite.runtime.generate import forward_tokens
 from kite.upcycle.train.adapter import Example, tokenize_pair
 from kite.upcycle.train.data import Pair
 
@@ -55,17 +56,21 @@ def held_out_report(lm, peft_model, pairs: list[Pair], examples: list[Example],
         full = _full_context_nll(lm.model, pairs, examples, lm.tokenizer)
     for ratio, prefix_of in prefixes.items():
         nll = {"full": list(full), "state": [], "state_adapter": []}
-        f1 = {"state": [], "state_adapter": []}
-        for pair, ex in zip(pairs, examples):
+        states = []
+        for ex in examples:
             prefix = prefix_of(ex.doc)
+            states.append(prefix)
             with peft_model.disable_adapter():
                 nll["state"].append(_nll(lm.model, new_cache(lm.model, prefix), prefix.next_position, ex))
-                f1["state"].append(f1_score(_answer(lm, prefix, ex), pair.response))
             nll["state_adapter"].append(_nll(lm.model, new_cache(lm.model, prefix), prefix.next_position, ex))
-            f1["state_adapter"].append(f1_score(_answer(lm, prefix, ex), pair.response))
             done += 1
             if progress:
                 progress("held-out report", done, total)
+        with peft_model.disable_adapter():
+            plain = _answers(lm, states, examples)
+        adapted = _answers(lm, states, examples)
+        f1 = {"state": [f1_score(a, p.response) for a, p in zip(plain, pairs)],
+              "state_adapter": [f1_score(a, p.response) for a, p in zip(adapted, pairs)]}
         ppl = {k: math.exp(sum(v) / len(v)) for k, v in nll.items()} if examples else {}
         gap = ppl.get("state", 0) - ppl.get("full", 0)
         out[f"{ratio:g}"] = {
@@ -80,9 +85,25 @@ def held_out_report(lm, peft_model, pairs: list[Pair], examples: list[Example],
     return out
 
 
-def _answer(lm, prefix: KVPrefix, ex: Example) -> str:
-    res = generate(lm, ex.prompt_ids, max_new_tokens=len(ex.response_ids) + 8, prefix=prefix)
-    return res.text
+ANSWER_ROWS = 8     # greedy answers decoded together (kite.runtime.batch_decode: each row after its own state)
+
+
+def _answers(lm, prefixes: list[KVPrefix], examples: list[Example], rows: int = ANSWER_ROWS) -> list[str]:
+    """Each example's greedy answer after its state (the reference's length + 8 tokens), decoded
+    ``rows`` at a time in one batch: the same tokens as one at a time (kite.runtime.generate), far
+    fewer forwards."""
+    decoder = BatchDecoder(lm, max_rows=rows)
+    todo = list(range(len(examples)))
+    owner: dict[int, int] = {}
+    texts: dict[int, str] = {}
+    while todo or len(decoder):
+        while todo and len(decoder) < rows:
+            i = todo.pop(0)
+            ex = examples[i]
+            owner[decoder.add(ex.prompt_ids, prefix=prefixes[i], max_new_tokens=len(ex.response_ids) + 8)] = i
+        for handle, result in decoder.step().items():
+            texts[owner[handle]] = result.text
+    return [texts[i] for i in range(len(examples))]
 
 
 def loss_plot(history: dict, path: Path) -> Path | None:
