@@ -141,7 +141,7 @@ def tiny_regenerator(tiny_lm):
     return fit.finish({"model_fingerprint": tiny_lm.fingerprints.combined})
 
 
-def test_the_reports_answers_are_generates_batched_and_in_order(tiny_lm):
+def test_the_reports_answers_are_generates_batched_and_in_order(tiny_lm, monkeypatch):
     """The held-out report's greedy answers, 3 rows at a time over 7 examples after states of their
     own lengths: each is generate()'s text after its state, in the examples' order."""
     from kite.runtime.cache import KVPrefix, cache_layers, new_cache
@@ -162,6 +162,19 @@ def test_the_reports_answers_are_generates_batched_and_in_order(tiny_lm):
     prefixes = [states[i % 3] for i in range(7)]
     want = [generate(tiny_lm, ex.prompt_ids, max_new_tokens=len(ex.response_ids) + 8, prefix=p).text
             for ex, p in zip(examples, prefixes)]
+    assert _answers(tiny_lm, prefixes, examples, rows=3) == want
+    # a row the batch refuses (as past a sliding window) is decoded alone, in its place
+    from kite.errors import BadInput
+    from kite.runtime.batch_decode import BatchDecoder
+
+    add = BatchDecoder.add
+
+    def refuse_the_fifth(self, prompt_ids, **kw):
+        if prompt_ids == examples[4].prompt_ids:
+            raise BadInput("batched decoding does not apply the model's sliding window")
+        return add(self, prompt_ids, **kw)
+
+    monkeypatch.setattr(BatchDecoder, "add", refuse_the_fifth)
     assert _answers(tiny_lm, prefixes, examples, rows=3) == want
 
 

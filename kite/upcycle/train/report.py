@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from kite.data.answers import f1_score
+from kite.errors import BadInput
 from kite.runtime.batch_decode import BatchDecoder
 from kite.runtime.cache import KVPrefix, new_cache
-from kite.runtime.generate import forward_tokens
+from kite.runtime.generate import forward_tokens, generate
 from kite.upcycle.train.adapter import Example, tokenize_pair
 from kite.upcycle.train.data import Pair
 
@@ -91,7 +92,7 @@ ANSWER_ROWS = 8     # greedy answers decoded together (kite.runtime.batch_decode
 def _answers(lm, prefixes: list[KVPrefix], examples: list[Example], rows: int = ANSWER_ROWS) -> list[str]:
     """Each example's greedy answer after its state (the reference's length + 8 tokens), decoded
     ``rows`` at a time in one batch: the same tokens as one at a time (kite.runtime.generate), far
-    fewer forwards."""
+    fewer forwards. A row the batch refuses (past a model's sliding window) is decoded alone."""
     decoder = BatchDecoder(lm, max_rows=rows)
     todo = list(range(len(examples)))
     owner: dict[int, int] = {}
@@ -99,8 +100,11 @@ def _answers(lm, prefixes: list[KVPrefix], examples: list[Example], rows: int = 
     while todo or len(decoder):
         while todo and len(decoder) < rows:
             i = todo.pop(0)
-            ex = examples[i]
-            owner[decoder.add(ex.prompt_ids, prefix=prefixes[i], max_new_tokens=len(ex.response_ids) + 8)] = i
+            ex, new = examples[i], len(examples[i].response_ids) + 8
+            try:
+                owner[decoder.add(ex.prompt_ids, prefix=prefixes[i], max_new_tokens=new)] = i
+            except BadInput:
+                texts[i] = generate(lm, ex.prompt_ids, max_new_tokens=new, prefix=prefixes[i]).text
         for handle, result in decoder.step().items():
             texts[owner[handle]] = result.text
     return [texts[i] for i in range(len(examples))]
