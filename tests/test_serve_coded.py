@@ -147,18 +147,6 @@ def test_raw_is_the_default_and_a_bad_form_is_one_line_bad_input(tmp_path):
             make()
 
 
-def test_config_key_server_resident_reaches_the_settings(tmp_path, monkeypatch):
-    from kite.config import load_config
-    from kite.serve.settings import ServeSettings
-
-    home = tmp_path / "home"
-    home.mkdir()
-    (home / "config.yaml").write_text("server:\n  resident: coded\n")
-    monkeypatch.setenv("KITE_HOME", str(home))
-    settings = ServeSettings.from_config(load_config())
-    assert settings.resident == "coded"
-
-
 def test_kite_serve_refuses_a_bad_resident_flag_in_one_line():
     r = CliRunner().invoke(cli, ["serve", "--resident", "sideways"])
     assert r.exit_code == 2, r.output

@@ -1,0 +1,65 @@
+"""The training report's greedy answers, one at a time (``generate``) against batched (the report's
+``_answers``: kite.runtime.batch_decode), on the embedded model (CPU): seconds and whether the texts
+are the same.
+
+    .venv/bin/python benchmarks/train_report_answers.py [--threads 2] [--rows 8 16]
+
+Four 1,500-token states of GPL-3 (raw KV of its prefill, as a state loaded exact), four questions
+each, answers of 48 tokens (the report's reference length + 8, for 40-token references).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+QUESTIONS = ("\nQ: What may you do with the program?\nA:", "\nQ: Who holds the copyright?\nA:",
+             "\nQ: What must you give recipients?\nA:", "\nQ: When does the license end?\nA:")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, nargs="+", default=[8])
+    ap.add_argument("--license", default="/usr/share/common-licenses/GPL-3")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from kite.model import load_model
+    from kite.runtime.cache import KVPrefix, cache_layers, new_cache
+    from kite.runtime.generate import forward_tokens, generate
+    from kite.upcycle.train.adapter import Example
+    from kite.upcycle.train.report import _answers
+
+    lm = load_model("smollm2-135m", device="cpu")
+    text = Path(args.license).read_text(encoding="utf-8")
+    examples, prefixes = [], []
+    for s in range(4):
+        doc = lm.tokenizer(text[s * 8000:s * 8000 + 7000], add_special_tokens=False)["input_ids"][:1500]
+        cache = new_cache(lm.model)
+        forward_tokens(lm.model, doc, cache, 0)
+        layers = cache_layers(cache)
+        state = KVPrefix([k[0] for k, _ in layers], [v[0] for _, v in layers], len(doc))
+        for q in QUESTIONS:
+            examples.append(Example(doc=str(s), prompt_ids=lm.tokenizer(q, add_special_tokens=False)["input_ids"],
+                                    response_ids=list(range(100, 140)), teacher_idx=None, teacher_logp=None))
+            prefixes.append(state)
+    t0 = time.perf_counter()
+    alone = [generate(lm, ex.prompt_ids, max_new_tokens=len(ex.response_ids) + 8, prefix=p).text
+             for ex, p in zip(examples, prefixes)]
+    print(f"{len(examples)} answers one at a time: {time.perf_counter() - t0:.1f} s ({args.threads} threads)")
+    for rows in args.rows:
+        t0 = time.perf_counter()
+        batched = _answers(lm, prefixes, examples, rows=rows)
+        same = sum(a == b for a, b in zip(alone, batched))
+        print(f"batched, {rows} rows: {time.perf_counter() - t0:.1f} s; identical texts {same}/{len(examples)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
