@@ -1,5 +1,5 @@
 """The training report's greedy answers, one at a time (``generate``) against batched (the report's
-``_answers``: kite.runtime.batch_decode), on the embedded model (CPU): seconds and whether the texts
+``greedy_answers``: kite.runtime.batch_decode), on the embedded model (CPU): seconds and whether the texts
 are the same.
 
     .venv/bin/python benchmarks/train_report_answers.py [--threads 2] [--rows 8 16]
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     from kite.runtime.cache import KVPrefix, cache_layers, new_cache
     from kite.runtime.generate import forward_tokens, generate
     from kite.upcycle.train.adapter import Example
-    from kite.upcycle.train.report import _answers
+    from kite.upcycle.train.report import greedy_answers
 
     lm = load_model("smollm2-135m", device="cpu")
     text = Path(args.license).read_text(encoding="utf-8")
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     print(f"{len(examples)} answers one at a time: {time.perf_counter() - t0:.1f} s ({args.threads} threads)")
     for rows in args.rows:
         t0 = time.perf_counter()
-        batched = _answers(lm, prefixes, examples, rows=rows)
+        batched = greedy_answers(lm, prefixes, examples, rows=rows)
         same = sum(a == b for a, b in zip(alone, batched))
         print(f"batched, {rows} rows: {time.perf_counter() - t0:.1f} s; identical texts {same}/{len(examples)}")
     return 0

@@ -147,7 +147,7 @@ def test_the_reports_answers_are_generates_batched_and_in_order(tiny_lm, monkeyp
     from kite.runtime.cache import KVPrefix, cache_layers, new_cache
     from kite.runtime.generate import forward_tokens, generate
     from kite.upcycle.train.adapter import Example
-    from kite.upcycle.train.report import _answers
+    from kite.upcycle.train.report import greedy_answers
 
     g = torch.Generator().manual_seed(0)
     states = []
@@ -162,7 +162,7 @@ def test_the_reports_answers_are_generates_batched_and_in_order(tiny_lm, monkeyp
     prefixes = [states[i % 3] for i in range(7)]
     want = [generate(tiny_lm, ex.prompt_ids, max_new_tokens=len(ex.response_ids) + 8, prefix=p).text
             for ex, p in zip(examples, prefixes)]
-    assert _answers(tiny_lm, prefixes, examples, rows=3) == want
+    assert greedy_answers(tiny_lm, prefixes, examples, rows=3) == want
     # a row the batch refuses (as past a sliding window) is decoded alone, in its place
     from kite.errors import BadInput
     from kite.runtime.batch_decode import BatchDecoder
@@ -175,7 +175,7 @@ def test_the_reports_answers_are_generates_batched_and_in_order(tiny_lm, monkeyp
         return add(self, prompt_ids, **kw)
 
     monkeypatch.setattr(BatchDecoder, "add", refuse_the_fifth)
-    assert _answers(tiny_lm, prefixes, examples, rows=3) == want
+    assert greedy_answers(tiny_lm, prefixes, examples, rows=3) == want
 
 
 def _compress_regenerated(lm, reg, out, ratio=8):

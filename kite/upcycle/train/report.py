@@ -68,8 +68,8 @@ def held_out_report(lm, peft_model, pairs: list[Pair], examples: list[Example],
             if progress:
                 progress("held-out report", done, total)
         with peft_model.disable_adapter():
-            plain = _answers(lm, states, examples)
-        adapted = _answers(lm, states, examples)
+            plain = greedy_answers(lm, states, examples)
+        adapted = greedy_answers(lm, states, examples)
         f1 = {"state": [f1_score(a, p.response) for a, p in zip(plain, pairs)],
               "state_adapter": [f1_score(a, p.response) for a, p in zip(adapted, pairs)]}
         ppl = {k: math.exp(sum(v) / len(v)) for k, v in nll.items()} if examples else {}
@@ -89,7 +89,7 @@ def held_out_report(lm, peft_model, pairs: list[Pair], examples: list[Example],
 ANSWER_ROWS = 8     # greedy answers decoded together (kite.runtime.batch_decode: each row after its own state)
 
 
-def _answers(lm, prefixes: list[KVPrefix], examples: list[Example], rows: int = ANSWER_ROWS) -> list[str]:
+def greedy_answers(lm, prefixes: list[KVPrefix], examples: list[Example], rows: int = ANSWER_ROWS) -> list[str]:
     """Each example's greedy answer after its state (the reference's length + 8 tokens), decoded
     ``rows`` at a time in one batch: the same tokens as one at a time (kite.runtime.generate), far
     fewer forwards. A row the batch refuses (past a model's sliding window) is decoded alone."""
