@@ -66,7 +66,10 @@ def test_encode_shapes_follow_the_layout():
     assert x.states == 1 and x.rows == 320 and x.group == 64          # 298 coded rows padded to 5 groups
     assert x.k_codes.shape == (1, 2, 320, 8) and x.k_codes.dtype == torch.uint8
     assert x.v_codes.shape == (1, 2, 5, 4, 64)                         # lane-major within each group
-    assert torch.equal(L.row_codes(x, "v")[0, 1, 70], x.v_codes[0, 1, 1, :, 6])
+    # rows in quad order (0, 2, 1, 3 of each four): row 70 is group 1's row 6, stored 5th
+    assert L.quad_order(8).tolist() == [0, 2, 1, 3, 4, 6, 5, 7] and L.quad_order(6).tolist() == [0, 2, 1, 3, 4, 5]
+    assert torch.equal(L.row_codes(x, "v")[0, 1, 70], x.v_codes[0, 1, 1, :, 5])
+    assert torch.equal(L.row_codes(x, "v")[0, 1, 68], x.v_codes[0, 1, 1, :, 4])
     assert x.k_weight.shape == (1, 2, 5, 16) and x.v_weight.shape == (1, 2, 5, 8)
     assert x.k_const.shape == (1, 2, 5, 16) and x.k_basis.shape == (1, 2, 16, 16) and x.v_basis.shape == (1, 2, 8, 16)
     assert x.length.tolist() == [298] and x.raw_k.shape == (1, 2, 2, 16)
@@ -133,7 +136,8 @@ def test_nibble_packing_low_lane_in_the_low_nibble():
     nib = torch.cat((codes & 15, codes >> 4), dim=-1).float()               # [H, 64, 8]: lane order
     rows = (nib * x.k_weight[0][:, 0][:, None, :]) @ x.k_basis[0] + x.k_const[0][:, 0][:, None, :]
     assert torch.allclose(rows, L.decode(x, "k")[0], atol=1e-5)
-    vcodes = x.v_codes[0, :, 0].transpose(-1, -2).long()                    # [H, 64 rows, 4]: the group's lanes
+    order = torch.tensor([0, 2, 1, 3] * 16) + torch.arange(64) // 4 * 4    # rows stored 0, 2, 1, 3 of each four
+    vcodes = x.v_codes[0, :, 0][..., order].transpose(-1, -2).long()       # [H, 64 rows, 4]: the group's lanes
     nib = torch.cat((vcodes & 15, vcodes >> 4), dim=-1).float()
     rows = (nib * x.v_weight[0][:, 0][:, None, :]) @ x.v_basis[0] + x.v_const[0][:, 0][:, None, :]
     assert torch.allclose(rows, L.decode(x, "v")[0], atol=1e-5)

@@ -121,14 +121,17 @@ def _kernel_sass_sm90(ptx: bool) -> dict:
 
 def test_the_lanes_kernel_compiles_for_the_h200_with_its_inline_ptx():
     """The inline PTX that unpacks four code bytes at a time assembles for sm_90a (ptxas, here), and
-    the unpacking is its prmt / lop3 / sub.f16x2, not an element-wise conversion."""
+    the unpacking is its masks (lop3) on the word and on the word shifted by a byte: no byte
+    shuffles (prmt) and no per-nibble bias subtraction (sub.f16x2: the biases come off once a
+    group), not an element-wise conversion."""
     pytest.importorskip("triton")
     try:
         asm = _kernel_sass_sm90(True)
     except (ImportError, RuntimeError) as e:   # a Triton without its NVIDIA backend / ptxas
         pytest.skip(f"cannot compile for sm_90a here: {e}"[:200])
     ptx = asm["ptx"]
-    assert "prmt.b32" in ptx and "lop3.b32" in ptx and "sub.f16x2" in ptx
+    assert "lop3.b32" in ptx and "0x00f000f0" in ptx and "0x03c003c0" in ptx and "shr.b32" in ptx
+    assert "prmt.b32" not in ptx and "sub.f16x2" not in ptx
     assert "mma" in ptx     # the scores and value sums on the tensor cores
     # value codes lane-major within a group: a thread's four rows of a lane are one word in shared
     # memory (row-major codes were read a byte at a time there: 128 byte loads a tile)

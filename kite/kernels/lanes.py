@@ -7,7 +7,9 @@ expected error from the components' variances), R lanes in all, R a power of 2 (
 element, 4x fewer code bytes than bf16; R = d / 2: 8x). A row's R lanes are R / 2 bytes: byte c
 holds lane c in its low nibble and lane R / 2 + c in its high one. Key codes are stored row by row
 ([rows, R / 2]); value codes lane-byte by lane-byte within each group ([groups, R / 2, group]), so
-that the decode kernel, whose value product runs over rows, reads four rows of a lane in one word.
+that the decode kernel, whose value product runs over rows, reads four rows of a lane in one word;
+in each such word the rows are stored in the order 0, 2, 1, 3 (:func:`quad_order`: the order in
+which the kernel's unpacking of one word yields its nibbles). :func:`row_codes` gives the rows back.
 
 Rows are quantized in groups of ``group`` rows: per group and lane a weight (the coefficient a unit
 of that nibble is worth: the component's quantization step, times 16 for the high nibble of an
@@ -37,7 +39,7 @@ import torch
 from kite.kernels.quant import GAUSS_STEP, MSE_GRID
 
 __all__ = ["Lanes", "allocate_lanes", "decode", "encode", "encode_layers", "lanes_partial", "lanes_partial_torch", "nbytes_for",
-           "row_codes", "stack"]
+           "quad_order", "row_codes", "stack"]
 
 LANE_BITS = 4
 MAX_LANES = 2          # lanes a component may take (8 bits)
@@ -53,7 +55,8 @@ class Lanes:
     k_weight: torch.Tensor    # float32 [N, H, G, Rk]: a nibble's coefficient, per group and lane
     k_const: torch.Tensor     # float32 [N, H, G, d]
     k_basis: torch.Tensor     # float32 [N, H, Rk, d]: lane c's component
-    v_codes: torch.Tensor     # uint8 [N, H, G, Rv / 2, group]: lane-major within a group (row_codes)
+    v_codes: torch.Tensor     # uint8 [N, H, G, Rv / 2, group]: lane-major within a group, rows in
+                              # quad_order (row_codes gives the rows)
     v_weight: torch.Tensor
     v_const: torch.Tensor
     v_basis: torch.Tensor
@@ -250,7 +253,8 @@ def encode_layers(keys: list[torch.Tensor], values: list[torch.Tensor], k_lanes:
             rows = slice(j * H, (j + 1) * H)
             part.append(_side(sides[j], moments[j][0], evals[rows], evecs[rows], lanes, group, clip))
         ks, vs = part
-        vs["codes"] = vs["codes"].view(H, -1, group, v_lanes // 2).transpose(-1, -2).contiguous()
+        order = quad_order(group, k.device)
+        vs["codes"] = vs["codes"].view(H, -1, group, v_lanes // 2).transpose(-1, -2)[..., order].contiguous()
         out.append(Lanes(k_codes=ks["codes"][None], k_weight=ks["weight"][None], k_const=ks["const"][None],
                          k_basis=ks["basis"][None], v_codes=vs["codes"][None], v_weight=vs["weight"][None],
                          v_const=vs["const"][None], v_basis=vs["basis"][None],
@@ -264,13 +268,25 @@ def _unpack(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat((codes & 15, codes >> 4), dim=-1).float()
 
 
+def quad_order(n: int, device=None) -> torch.Tensor:
+    """Positions 0..n-1 with the middle two of each whole quad swapped (0, 2, 1, 3, 4, 6, 5, 7, ...):
+    the order of a group's value rows in :attr:`Lanes.v_codes`. The decode kernel unpacks four code
+    bytes (one register) with two mask operations on the word and on the word shifted by a byte,
+    which yields the nibbles of bytes 0, 2, 1, 3; stored so, they come out in row order. The order
+    is its own inverse."""
+    i = torch.arange(n, device=device)
+    swapped = (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1)
+    return torch.where(i < n // 4 * 4, swapped, i)
+
+
 def row_codes(lanes: Lanes, side: str) -> torch.Tensor:
     """A side's codes row by row, uint8 [N, H, Tp, R / 2] (the value codes' lane-major groups
-    transposed back: a copy)."""
+    transposed back to rows in order: a copy)."""
     if side == "k":
         return lanes.k_codes
     N, H, G, half, group = lanes.v_codes.shape
-    return lanes.v_codes.transpose(-1, -2).reshape(N, H, G * group, half)
+    rows = lanes.v_codes[..., quad_order(group, lanes.v_codes.device)]
+    return rows.transpose(-1, -2).reshape(N, H, G * group, half)
 
 
 def _coefs(lanes: Lanes, side: str) -> torch.Tensor:

@@ -3,10 +3,11 @@
 One query token per state; a program of the stream kernel (:func:`_lanes_kernel`) takes one KV
 head of one state and a share of its groups (flash-decoding splits). Per group it scales the query,
 projected on the key lanes' basis, by the group's lane weights (fp16) and adds the score constants
-κ_g · q; per tile of rows it unpacks the nibbles to exact fp16 (inline PTX, four bytes at a time)
-and takes the scores as two tensor-core products (low nibbles, high nibbles), then the values'
-lane sums Σ p n the same way, scaled by the group's value weights; it writes each group's
-probability mass (the weight of its value constant). Its outputs (max, sum, lane sums, the groups'
+κ_g · q; per tile of rows it unpacks the nibbles to fp16 biased by 1024 (inline PTX, four bytes in
+three instructions) and takes the scores as two tensor-core products (low nibbles, high nibbles),
+then the values' lane sums Σ p n the same way; per group it takes the biases off (the scores' in
+the group's constant, the values' by the group's mass), scales the group's lane sums by its value
+weights and writes its probability mass (the weight of its value constant). Its outputs (max, sum, lane sums, the groups'
 masses) are small. Two small kernels, one program a KV head of a state, hold what the loop does
 not need, so that it does not weigh on the stream kernel's registers: :func:`_query_kernel` before
 it (the query on the key lanes, fp32 via tf32x3; the score constants) and :func:`_finish_kernel`
@@ -27,61 +28,60 @@ import torch
 import triton
 import triton.language as tl
 
-from kite.kernels.coded_triton_common import LOG2E, _as_f16, _share
+from kite.kernels.coded_triton_common import LOG2E, _share
 from kite.kernels.lanes import Lanes
 
 LN2_INV = tl.constexpr(LOG2E)      # the same, for the kernels
 
 
-# Four code bytes (one register) -> their low (or high) nibbles as exact fp16, two a register: bytes
-# spread to 16-bit halves (prmt), the nibble masked into the mantissa of 1024 (lop3: (x & m) | c),
-# 1024 taken off (sub.f16x2). One output of two registers, one input register (pack=4); low and
-# high apart, so that one unpacked tile at a time is live.
-_LOW_PTX = tl.constexpr("""
-{
-.reg .b32 t0, t1, bias;
-mov.b32 bias, 0x64006400;
-prmt.b32 t0, $2, 0, 0x4140;
-prmt.b32 t1, $2, 0, 0x4342;
-lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xea;
-lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xea;
-sub.f16x2 $0, $0, bias;
-sub.f16x2 $1, $1, bias;
-}
-""")
-_HIGH_PTX = tl.constexpr("""
-{
-.reg .b32 t0, t1, bias;
-mov.b32 bias, 0x64006400;
-prmt.b32 t0, $2, 0, 0x4140;
-prmt.b32 t1, $2, 0, 0x4342;
-shr.b32 t0, t0, 4;
-shr.b32 t1, t1, 4;
-lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xea;
-lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xea;
-sub.f16x2 $0, $0, bias;
-sub.f16x2 $1, $1, bias;
-}
-""")
+# Four code bytes (one register) -> their low (or high) nibbles n as fp16, *biased*: 1024 + n·2^p,
+# exact, the nibble at bit p of the mantissa of an fp16 whose exponent is that of 1024. One mask
+# operation (lop3: (x & m) | c) places the nibbles of bytes 0 and 2 in the two halves of a register;
+# the same on the word shifted by a byte (or by what places them) gives bytes 1 and 3. So the four
+# outputs are bytes 0, 2, 1, 3 (3 or 4 instructions for four nibbles): the key side's query is read
+# in that order, the value side's rows are stored in it (kite.kernels.lanes.quad_order). The biases
+# come off once a group, not per nibble: the scores' in the group's constant, the values' by the
+# group's probability mass. Keys take the nibbles where they lie (p = 0 low, 4 high: 3 instructions);
+# values at the top of the mantissa (p = 6), where the bias is 2.7x a mean nibble's weight, not 137x:
+# the value sums are taken off it at the end, and the tensor cores' accumulation keeps bits relative
+# to the bias (keys' bias is a constant of the softmax and costs nothing there). One output of two
+# registers, one input register (pack=4); low and high apart, so that one unpacked tile at a time is
+# live.
+def _unpack_ptx(first: int, second: int, mask: int) -> str:
+    """The PTX of one unpacking: the word shifted by ``first`` bits (left; negative: right) and by
+    ``second``, each masked to its two nibbles and or-ed into 1024's bits."""
+    def shifted(reg: str, by: int) -> str:
+        if by == 0:
+            return f"mov.b32 {reg}, $2;"
+        return f"{'shl' if by > 0 else 'shr'}.b32 {reg}, $2, {abs(by)};"
+    return "\n".join(("{", ".reg .b32 t0, t1;", shifted("t0", first), shifted("t1", second),
+                      f"lop3.b32 $0, t0, {mask:#010x}, 0x64006400, 0xea;",
+                      f"lop3.b32 $1, t1, {mask:#010x}, 0x64006400, 0xea;", "}"))
+
+
+_KEY_LOW = tl.constexpr(_unpack_ptx(0, -8, 0x000F000F))      # 1024 + n
+_KEY_HIGH = tl.constexpr(_unpack_ptx(0, -8, 0x00F000F0))     # 1024 + 16 n
+_VALUE_LOW = tl.constexpr(_unpack_ptx(6, -2, 0x03C003C0))    # 1024 + 64 n
+_VALUE_HIGH = tl.constexpr(_unpack_ptx(2, -6, 0x03C003C0))   # 1024 + 64 n
+BIAS = tl.constexpr(1024.0)
 
 
 @triton.jit
-def _low_f16(codes, PTX: tl.constexpr):
-    """uint8 codes -> their low nibbles as exact fp16. PTX: four bytes at a time in inline PTX (on a
-    GPU); else element by element (_as_f16: Triton's interpreter)."""
+def _nibbles(codes, ASM: tl.constexpr, SRC: tl.constexpr, SHIFT: tl.constexpr, PTX: tl.constexpr):
+    """uint8 codes -> 1024 + a nibble of each, placed in the mantissa (fp16, exact). PTX: four bytes
+    at a time by the inline PTX ``ASM``, bytes 0, 2, 1, 3 of each four (on a GPU); else element by
+    element, in order (Triton's interpreter): the bits ``SRC`` of the code, shifted left ``SHIFT``."""
     if PTX:
-        return tl.inline_asm_elementwise(_LOW_PTX, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(ASM, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
     else:
-        return _as_f16(codes & 15)
+        return (((codes & SRC).to(tl.int16) << SHIFT) | 0x6400).to(tl.float16, bitcast=True)
 
 
 @triton.jit
-def _high_f16(codes, PTX: tl.constexpr):
-    """uint8 codes -> their high nibbles as exact fp16 (as _low_f16)."""
-    if PTX:
-        return tl.inline_asm_elementwise(_HIGH_PTX, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
-    else:
-        return _as_f16(codes >> 4)
+def _quad(i):
+    """Positions i with the middle two of each four swapped (0, 2, 1, 3): the order in which the PTX
+    unpacking yields four bytes (kite.kernels.lanes.quad_order)."""
+    return (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1)
 
 
 # A state's tables behind the pointer table (LanesPlan.ptrs, one row of TABLES a state): the states
@@ -203,33 +203,53 @@ def _lanes_kernel(qk_ptr, cq_ptr, ptrs, ng_ptr, len_ptr, m_out, l_out, acc_out, 
     vcodes = _table(ptrs, n, 4, tl.uint8) + rows_h * (RV // 2)
     kw = _table(ptrs, n, 1, tl.float32) + h * ng * RK
     vw = _table(ptrs, n, 5, tl.float32) + h * ng * RV
+    # the key lanes in the order the unpacked nibbles come (_quad); the rows of a group's value codes
+    # are stored in it, so they come out in order (PTX), or are read in order (the interpreter)
+    if PTX:
+        kq = _quad(ck)
+        tq = t
+    else:
+        kq = ck
+        tq = _quad(t)
     for gi in range(g_lo, g_hi):
-        qs_lo = (tl.load(qrow + ck[None, :]) * tl.load(kw + gi * RK + ck)[None, :]).to(tl.float16)
-        qs_hi = (tl.load(qrow + RK // 2 + ck[None, :]) * tl.load(kw + gi * RK + RK // 2 + ck)[None, :]).to(tl.float16)
+        # the query on the group's lane weights, in fp16 as the products read it; the high nibbles
+        # come times 16, so their query is taken / 16 (exact)
+        qs_lo = (tl.load(qrow + kq[None, :]) * tl.load(kw + gi * RK + kq)[None, :]).to(tl.float16)
+        qs_hi = (tl.load(qrow + RK // 2 + kq[None, :]) * tl.load(kw + gi * RK + RK // 2 + kq)[None, :]).to(tl.float16)
+        qs_hi = qs_hi * 0.0625
+        # the score constant, less the nibbles' bias: 1024 x the query's lane sum
         cq = tl.load(cq_ptr + (pair * NGMAX + gi) * GP + g)
-        wv_lo = tl.load(vw + gi * RV + cv)
-        wv_hi = tl.load(vw + gi * RV + RV // 2 + cv)
+        cq -= BIAS * (tl.sum(qs_lo.to(tl.float32), 1) + tl.sum(qs_hi.to(tl.float32), 1))
+        # the group's value sums start at 0, relative to the running maximum; they join acc at its end
+        m_start = m
         gsum = tl.zeros([GP], tl.float32)
+        g_lo_acc = tl.zeros([GP, RV // 2], tl.float32)
+        g_hi_acc = tl.zeros([GP, RV // 2], tl.float32)
         for t0 in range(0, GROUP, BT):
             rows = gi * GROUP + t0 + t
             live = rows < length
             kt = tl.load(kcodes + rows[:, None] * (RK // 2) + ck[None, :])
-            s = tl.dot(qs_lo, tl.trans(_low_f16(kt, PTX)))
-            s = tl.dot(qs_hi, tl.trans(_high_f16(kt, PTX)), s)
+            s = tl.dot(qs_lo, tl.trans(_nibbles(kt, _KEY_LOW, 15, 0, PTX)))
+            s = tl.dot(qs_hi, tl.trans(_nibbles(kt, _KEY_HIGH, 0xF0, 0, PTX)), s)
             s = tl.where(live[None, :], s + cq[:, None], float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            ps = tl.sum(p, 1)
-            lsum = lsum * alpha + ps
-            gsum = gsum * alpha + ps
+            ph = tl.exp2(s - m_new[:, None]).to(tl.float16)
+            # the mass as the value product reads it (fp16): its bias is 1024 x this
+            gsum = gsum * alpha + tl.sum(ph.to(tl.float32), 1)
             # value codes lane-major within the group ([RV / 2, GROUP]): a thread's four rows of a
             # lane (the product's k) are one word
-            vt = tl.load(vcodes + gi * (GROUP * (RV // 2)) + cv[:, None] * GROUP + (t0 + t)[None, :])
-            ph = p.to(tl.float16)
-            acc_lo = acc_lo * alpha[:, None] + tl.dot(ph, tl.trans(_low_f16(vt, PTX))) * wv_lo[None, :]
-            acc_hi = acc_hi * alpha[:, None] + tl.dot(ph, tl.trans(_high_f16(vt, PTX))) * wv_hi[None, :]
+            vt = tl.load(vcodes + gi * (GROUP * (RV // 2)) + cv[:, None] * GROUP + (t0 + tq)[None, :])
+            g_lo_acc = tl.dot(ph, tl.trans(_nibbles(vt, _VALUE_LOW, 15, 6, PTX)), g_lo_acc * alpha[:, None])
+            g_hi_acc = tl.dot(ph, tl.trans(_nibbles(vt, _VALUE_HIGH, 0xF0, 2, PTX)), g_hi_acc * alpha[:, None])
             m = m_new
+        # the group's lane sums, biases off, on its value weights (a nibble came times 64)
+        beta = tl.exp2(m_start - m)
+        wv_lo = tl.load(vw + gi * RV + cv) * 0.015625
+        wv_hi = tl.load(vw + gi * RV + RV // 2 + cv) * 0.015625
+        acc_lo = acc_lo * beta[:, None] + (g_lo_acc - BIAS * gsum[:, None]) * wv_lo[None, :]
+        acc_hi = acc_hi * beta[:, None] + (g_hi_acc - BIAS * gsum[:, None]) * wv_hi[None, :]
+        lsum = lsum * beta + gsum
         # the group's probability mass (relative to the running maximum at its end): its value
         # constant's weight, applied after the kernel
         tl.store(gm_out + (pair * NGMAX + gi) * GP + g, m)
