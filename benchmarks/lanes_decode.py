@@ -7,7 +7,7 @@
 Random-weight Qwen2-7B geometry (benchmarks/gpu_speed.py's make_model: 28 layers, 28 query / 4 KV
 heads, head_dim 128, bf16) with the fused layers ``load_model`` installs on a GPU. Per lane count R
 (``--lanes``; R = 128 lanes a row is 4 bits an element, 64 is 2; K:V for keys and values apart):
-one 16K-token state of random KV is coded (kite.kernels.lanes.encode_layers, timed: encode_s), copied into as
+one 16K-token state of random KV is coded (kite.kernels.lanes.encode_layers, timed warm: encode_s), copied into as
 many states as the budget holds (each its own memory; one pointer table a layer), and checked against the torch reference at three layers; then the kernel
 alone over all layers (its configurations, against its byte floor: what it reads / 4.8 TB/s) and
 the whole decode step (one new token a state, the model's forward, CUDA-graphed) against raw bf16
@@ -125,6 +125,7 @@ def main(argv=None) -> int:
             k = torch.randn(H, T, d, device=dev, generator=gen)
             keys.append(k * cos + torch.cat((-k[..., d // 2:], k[..., :d // 2]), -1) * sin)
             values.append(torch.randn(H, T, d, device=dev, generator=gen))
+        L.encode_layers(keys[:1], values[:1], rk, rv, group=args.group, sinks=1)   # warm: kernels, solver handles
         gs.sync()
         t0 = time.perf_counter()   # coding the state, as kite serve --resident lanes codes a load
         ones = [x.to(basis_dtype=torch.bfloat16)
