@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lanes", nargs="+", default=["128", "64"],
                     help="lanes a row: R for keys and values, or K:V (keys K, values V)")
     ap.add_argument("--group", type=int, default=512)
+    ap.add_argument("--sinks", type=int, default=1, help="first tokens kept exact (raw rows)")
     ap.add_argument("--configs", default="128,4,3;128,4,4;128,4,3,1,168;64,4,3;64,2,3;32,2,3;32,1,3;64,1,3;128,4,3,0",
                     help="kernel configurations: block,warps,stages[,ptx (1: unpack in inline PTX, the default)"
                          "[,maxnreg (0: none)]];...")
@@ -125,17 +126,17 @@ def main(argv=None) -> int:
             k = torch.randn(H, T, d, device=dev, generator=gen)
             keys.append(k * cos + torch.cat((-k[..., d // 2:], k[..., :d // 2]), -1) * sin)
             values.append(torch.randn(H, T, d, device=dev, generator=gen))
-        L.encode_layers(keys[:1], values[:1], rk, rv, group=args.group, sinks=1)   # warm: kernels, solver handles
+        L.encode_layers(keys[:1], values[:1], rk, rv, group=args.group, sinks=args.sinks)   # warm: kernels, solver handles
         gs.sync()
         t0 = time.perf_counter()   # coding the state, as kite serve --resident lanes codes a load
         ones = [x.to(basis_dtype=torch.bfloat16)
-                for x in L.encode_layers(keys, values, rk, rv, group=args.group, sinks=1)]
+                for x in L.encode_layers(keys, values, rk, rv, group=args.group, sinks=args.sinks)]
         gs.sync()
         del keys, values
         per_seq = sum(o.nbytes() for o in ones)
         stream = sum(kernel_bytes(o) for o in ones)
         n_cod = max(1, int(budget // per_seq))
-        form = {"lanes": R, "k_lanes": rk, "v_lanes": rv, "group": args.group, "encode_s": round(time.perf_counter() - t0, 2),
+        form = {"lanes": R, "k_lanes": rk, "v_lanes": rv, "group": args.group, "sinks": args.sinks, "encode_s": round(time.perf_counter() - t0, 2),
                 "state_bytes": per_seq, "raw_over_state": round(raw_bytes / per_seq, 3), "n_states": n_cod,
                 "states_over_raw_batch": round(n_cod / n_raw, 3), "kernel_bytes_per_seq": stream}
         print(f"lanes {R}:", json.dumps(form), flush=True)

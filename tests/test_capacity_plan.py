@@ -95,9 +95,10 @@ def test_planner_predicts_the_h200_prefill_of_16k_tokens_within_10_percent(qwen)
     assert plan["times"]["prefill_ms"]["floor"] < 0.6 * measured   # the bare roofline is far off
 
 
-def _lanes_run() -> dict:
-    """Session 11's lanes run: raw bf16 and 4-bit lanes decode steps side by side at a 40 GB budget."""
-    return json.loads((DOCS / "lanes_decode_h200_session11.json").read_text())
+def _lanes_run(run: str = "a") -> dict:
+    """Session 13's lanes runs: raw bf16 and 4-bit lanes decode steps side by side at a 40 GB budget (the
+    planner's lanes kernel figure comes from run a; its twin, b, made after it, is the check)."""
+    return json.loads((DOCS / f"lanes_decode_h200_session13_{run}.json").read_text())
 
 
 def test_the_h200_decode_step_and_ttft_from_a_state_match_their_measurements(qwen):
@@ -141,7 +142,7 @@ def test_lanes_rows_are_sized_by_the_forms_bytes_and_timed_by_the_lanes_kernel(q
     m, own = measured_for(GPUS["H200"])
     roof = Roofline(QWEN2_7B, GPUS["H200"], corrections(GPUS["H200"], m, own))
     step = roof.decode_step(form["n_states"], 0.0, lanes_bytes_read=form["n_states"] * form["state_bytes"])[1]
-    assert abs(step / form["step_ms"]["graph"] - 1) <= 0.10, step
+    assert abs(step / _lanes_run("b")["forms"]["128"]["step_ms"]["graph"] - 1) <= 0.10, step
     # keys at 2 bits from the config (server.lane_bits), as kite serve reads it
     two = runner.invoke(app, ["capacity-plan", "--geometry", str(qwen), "--json", "--qps", "1", "--avg-tokens",
                               "16384", "--output-tokens", "0", "--gpu", "H200", "--kv-budget-gb", "40",

@@ -122,7 +122,7 @@ class Measured:
     lanes_kernel_ms: float
     lanes_seqs: int
     lanes_kernel_bytes: int
-    lanes_encode_ms: float       # (with generating the state's random KV: an upper bound)
+    lanes_encode_ms: float
     lanes_source: str
 
     def to_dict(self) -> dict:
@@ -136,7 +136,7 @@ class Measured:
 # session 4's (docs/gpu_speed_h200_session4.json, run 13; session 5: 9.555 and 1,493.263 ms). The
 # whole decode step is session 10's over 42 raw sequences with KITE's fused layers (until session
 # 12 it was HF transformers' one-token static-cache step, 15.191 ms at batch 1: 11.6 ms of fixed
-# cost that KITE's path does not spend); session 11's lanes run measured the same step again.
+# cost that KITE's path does not spend); the lanes runs of sessions 11 and 13 measured it again.
 # hot_tier_bytes: the staged state the hot-tier load copies (gpu_speed.py's `hot.nbytes`; the
 # session-9 row's floor 4.4718 ms = 245,948,416 B / 55 GB/s), not the .upc file (237,642,762 B).
 H200_MEASURED = Measured(
@@ -152,13 +152,12 @@ H200_MEASURED = Measured(
     compress_ms=44.326,
     steps_source="docs/gpu_speed_h200_session4.json, session 4 run 13 (the attention and rebuild steps); "
                  "docs/gpu_speed_h200_fused_steps_session10.json (the whole decode step over 42 raw sequences)",
-    lanes_kernel_ms=21.519, lanes_seqs=160, lanes_kernel_bytes=249_561_088,
-    lanes_encode_ms=1060.0,
-    lanes_source="docs/lanes_decode_h200_session11.json (benchmarks/lanes_decode.py, H200, session 11: "
-                 "4-bit lanes, groups of 512, 160 states at a 40 GB budget: kernel 21.52 ms, step 26.98 ms; raw bf16 "
-                 "42 sequences 13.61 ms; "
-                 "coding a state's 28 layers 1.06 s, with generating its random KV and one eigensolver call per "
-                 "layer and side: encode_layers' one batched call, since session 12, is not yet timed there)",
+    lanes_kernel_ms=19.409, lanes_seqs=160, lanes_kernel_bytes=249_561_088,
+    lanes_encode_ms=180.0,
+    lanes_source="docs/lanes_decode_h200_session13_a.json (benchmarks/lanes_decode.py, H200, session 13: "
+                 "4-bit lanes, groups of 512, 160 states at a 40 GB budget: kernel 19.41 ms, step 25.23 ms; raw bf16 "
+                 "42 sequences 13.92 ms in the same run; coding a state's 28 layers into lanes 0.18 s, warm "
+                 "(docs/lanes_decode_h200_session13_b.json, the twin run: 19.41 / 25.14 / 13.92 ms, 0.16 s))",
 )
 MEASURED: dict[str, Measured] = {"H200": H200_MEASURED}
 
