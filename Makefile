@@ -25,8 +25,12 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 demo: install runtime-if-possible
 	bash scripts/demo.sh
 
+# Test files in parallel (tests/conftest.py: a file whole on one worker; the tests that start Ray,
+# Redis or S3 one after another on one worker). TEST_WORKERS=1 runs them in one process.
+TEST_WORKERS ?= 2
+
 test: install runtime-if-possible redis-server
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS)
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -104,3 +104,53 @@ def pytest_addoption(parser):
 
 # Real Redis and S3-compatible (moto) servers for @pytest.mark.services tests (tests/services.py).
 from tests.services import aws_env, redis_service, s3_service  # noqa: E402,F401
+
+
+# -- running in parallel (pytest-xdist; `make test` runs `-n 2`) -----------------------------------
+# Each test file runs whole on one worker (its module fixtures built once), except that the files
+# whose tests start a Ray cluster or the Redis / S3 servers (marked ray / services) run on one worker,
+# one after another: two local Ray heads or Serve instances on one machine compete for ports and
+# CPUs. (xdist's own --dist loadgroup does not group under pytest 9: its node-id suffix is lost.) A
+# worker's torch gets its share of the cores (threads beyond them spin against each other), and its
+# child processes the same through OMP_NUM_THREADS.
+
+_CLUSTER_MARKS = ("pytest.mark.ray", "pytest.mark.services")
+
+
+def _starts_a_cluster(path: str, _seen: dict[str, bool] = {}) -> bool:  # noqa: B006 (a cache)
+    if path not in _seen:
+        try:
+            text = (Path(__file__).resolve().parents[1] / path).read_text()
+        except OSError:
+            text = ""
+        _seen[path] = any(m in text for m in _CLUSTER_MARKS)
+    return _seen[path]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "cluster" if _starts_a_cluster(path) else path
+
+    return ByFile(config, log)
+
+
+def pytest_configure(config):
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # xdist hands its workers the controller's terminal size as COLUMNS / LINES, which KITE's
+        # commands read as a width asked for; a test process of its own has none
+        for var in ("COLUMNS", "LINES"):
+            os.environ.pop(var, None)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        share = max(1, (os.cpu_count() or 1) // workers)
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, str(share))
+        import torch
+
+        torch.set_num_threads(share)

@@ -440,3 +440,25 @@ def test_copies_get_the_umask_mode(small_gguf, tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "m.gguf").stat().st_mode & 0o777 == 0o640
+
+
+def test_a_conversion_that_finishes_second_keeps_the_folder_of_the_first(small_gguf, cache, monkeypatch):
+    """Two processes converting the same model file at once (two `kite` commands on a fresh cache):
+    the one that finishes second leaves the first's whole folder in place, and none of its own."""
+    from types import SimpleNamespace
+
+    from kite.model import convert
+
+    target = cache / "models" / f"{small_gguf.stem}-{convert._cache_key(small_gguf)}"
+
+    def other_process_finishes_first(gguf, source):
+        target.mkdir(parents=True)
+        (target / "theirs").write_text("converted by the other process")
+        (target / convert.SOURCE_RECORD).write_text("{}")
+        saver = SimpleNamespace(save_pretrained=lambda folder, **kw: (Path(folder) / "ours").write_text("x"))
+        return saver, SimpleNamespace(hf_quantizer=None, config=SimpleNamespace(), save_pretrained=saver.save_pretrained)
+
+    monkeypatch.setattr(convert, "_read_gguf_model", other_process_finishes_first)
+    assert convert.converted_gguf_folder(small_gguf) == target
+    assert (target / "theirs").exists() and not (target / "ours").exists()
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]      # no scratch left

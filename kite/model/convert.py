@@ -27,7 +27,7 @@ SOURCE_RECORD = "kite-source.json"   # in a converted folder: what it was conver
 def converted_gguf_folder(gguf: Path, progress=None) -> Path:
     """The safetensors (fp32) folder of `gguf`, converted now if this file's is not cached."""
     target = cache_dir() / "models" / f"{gguf.stem}-{_cache_key(gguf)}"
-    if (target / SOURCE_RECORD).exists():
+    if _finished(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{target.name}.src.", dir=target.parent) as scratch:
@@ -108,9 +108,18 @@ def _link(target: Path, folder: Path) -> None:
     tmp = target.with_name(f".{target.name}.{os.getpid()}.link")
     tmp.unlink(missing_ok=True)
     os.symlink(folder.name, tmp)
+    if _finished(target):  # another process finished it meanwhile
+        tmp.unlink()
+        return
     if target.is_dir() and not target.is_symlink():  # a half-finished earlier conversion
         shutil.rmtree(target)
     os.replace(tmp, target)
+
+
+def _finished(target: Path) -> bool:
+    """Whether `target` is a whole converted folder (its record is written last, inside the folder
+    renamed into place)."""
+    return (target / SOURCE_RECORD).exists()
 
 
 def _read_gguf_model(gguf: Path, source: Path):
@@ -140,11 +149,19 @@ def _save_converted(gguf: Path, source: Path, model, tokenizer, target: Path) ->
         if source != gguf:  # converted from a copy without KITE's keys: the bytes converted
             record.update(source_size=source.stat().st_size, source_sha256=_sha256(source, cached=False))
         (tmp / SOURCE_RECORD).write_text(json.dumps(record))
+        if _finished(target):  # another process converted the same file meanwhile: keep its folder
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
         if target.is_symlink():  # a link to a folder since removed
             target.unlink()
         elif target.exists():  # a half-finished earlier conversion: no kite-source.json in it
             shutil.rmtree(target)
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process put its finished folder there first
+            if not _finished(target):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
