@@ -4,11 +4,11 @@ One query token per state; a program of the stream kernel (:func:`_lanes_kernel`
 head of one state and a share of its groups (flash-decoding splits). Per group it scales the query,
 projected on the key lanes' basis, by the group's lane weights (fp16) and adds the score constants
 κ_g · q; per tile of rows it unpacks the nibbles to fp16 biased by 1024 (inline PTX, four bytes in
-three instructions) and takes the scores as two tensor-core products (low nibbles, high nibbles),
-then the values' lane sums Σ p n the same way; per group it takes the biases off (the scores' in
-the group's constant, the values' by the group's mass), scales the group's lane sums by its value
-weights and writes its probability mass (the weight of its value constant). Its outputs (max, sum, lane sums, the groups'
-masses) are small. Two small kernels, one program a KV head of a state, hold what the loop does
+three or four instructions) and takes the scores as two tensor-core products (low nibbles, high
+nibbles), then the values' lane sums Σ p n the same way; per group it takes the biases off (the
+scores' in the group's constant, the values' by the group's mass), scales the group's lane sums by
+its value weights and writes its probability mass (the weight of its value constant). Its outputs
+(max, sum, lane sums, the groups' masses) are small. Two small kernels, one program a KV head of a state, hold what the loop does
 not need, so that it does not weigh on the stream kernel's registers: :func:`_query_kernel` before
 it (the query on the key lanes, fp32 via tf32x3; the score constants) and :func:`_finish_kernel`
 after it (the programs' parts and any rows kept raw, such as sinks and the tokens decoded so far,
@@ -42,7 +42,7 @@ LN2_INV = tl.constexpr(LOG2E)      # the same, for the kernels
 # in that order, the value side's rows are stored in it (kite.kernels.lanes.quad_order). The biases
 # come off once a group, not per nibble: the scores' in the group's constant, the values' by the
 # group's probability mass. Keys take the nibbles where they lie (p = 0 low, 4 high: 3 instructions);
-# values at the top of the mantissa (p = 6), where the bias is 2.7x a mean nibble's weight, not 137x:
+# values at the top of the mantissa (p = 6), where the bias is 2.1x a mean nibble's weight, not 137x:
 # the value sums are taken off it at the end, and the tensor cores' accumulation keeps bits relative
 # to the bias (keys' bias is a constant of the softmax and costs nothing there). One output of two
 # registers, one input register (pack=4); low and high apart, so that one unpacked tile at a time is
