@@ -125,7 +125,7 @@ def test_the_h200_decode_step_and_ttft_from_a_state_match_their_measurements(qwe
 def test_lanes_rows_are_sized_by_the_forms_bytes_and_timed_by_the_lanes_kernel(qwen):
     """The lanes row (kite serve --resident lanes): the state's bytes are the benchmark's to the byte, one raw
     prompt is held back while a load is coded; its step at the benchmark's 160 states is within 10 % of
-    the H200's (the kernel's efficiency comes from that run, the rest of the step from session 10's); it
+    the H200's twin run (the kernel's efficiency comes from run a, the rest of the step from session 10's); it
     is shown, never chosen, and a head_dim whose bits give no power-of-2 lanes has none, said."""
     from kite.tune.gpus import GPUS, measured_for
     from kite.tune.roofline import QWEN2_7B, Roofline, corrections
@@ -154,6 +154,20 @@ def test_lanes_rows_are_sized_by_the_forms_bytes_and_timed_by_the_lanes_kernel(q
     plan = _plan(["--qps", "1", "--avg-tokens", "4096", "--gpu", "H200", "--ppl-tolerance", "0.5"], odd)
     assert not [r for r in plan["rows"] if r["mode"] == "lanes"]
     assert any(n.startswith("no lanes row: 4 bits an element of 80 dims") for n in plan["notes"])
+
+
+def test_a_new_documents_ttft_counts_its_compression_where_kite_serve_compresses_first(qwen):
+    """Raw answers after the prefill; a resident (or lanes) row compresses a new document before its
+    state answers, so its TTFT is the prefill plus the compression (plus the lanes' coding), said."""
+    plan = _plan(["--qps", "1", "--avg-tokens", "16384", "--output-tokens", "16", "--gpu", "H200",
+                  "--kv-budget-gb", "40", "--ppl-tolerance", "0.5"], qwen)
+    prefill, compress = plan["times"]["prefill_ms"]["predicted"], plan["times"]["compress_ms"]
+    rows = {r["name"]: r for r in plan["rows"]}
+    assert rows["raw bf16"]["ttft_ms"] == prefill
+    resident = [r for r in plan["rows"] if r["mode"] == "resident" and r["sequences"] >= 1]
+    assert resident and all(r["ttft_ms"] == prefill + compress for r in resident)
+    assert rows["lanes 4 bits"]["ttft_ms"] > prefill + compress > prefill
+    assert any("TTFT counts the compression of each new document" in n for n in plan["notes"])
 
 
 def test_without_history_the_fit_rests_on_the_project_measurements_and_says_so(qwen):

@@ -277,7 +277,8 @@ def _times(plan: CapacityPlan, fits: dict[str, SettingFit]) -> None:
                           f"rebuilds layer by layer ({fix.rebuild_ms:.3f} ms per sequence and layer, measured on "
                           f"{m.gpu}: {m.steps_source}); per-head states are read in coded form by the "
                           f"coded-attention kernel instead, which this plan does not model ({CODED_STEP}); "
-                          "either way the extra sequences are memory, not throughput, today")
+                          "either way the extra sequences are memory, not throughput, today; TTFT counts the "
+                          "compression of each new document, which kite serve runs before its state answers")
     if any(r.mode == "lanes" for r in plan.rows):
         plan.notes.append(f"lanes rows: read by the lanes decode kernel at {fix.lanes_efficiency:.0%} of HBM "
                           f"bandwidth ({m.lanes_source}); TTFT counts the compression and the coding into lanes "
@@ -308,7 +309,7 @@ def _times(plan: CapacityPlan, fits: dict[str, SettingFit]) -> None:
             first = req.reuse * from_state + (1 - req.reuse) * first
             row.ttft_ms = req.reuse * from_state + (1 - req.reuse) * pf
             ok = from_state if req.reuse == 1 else max(from_state, pf)
-        elif row.mode == "lanes":
+        elif row.mode in ("lanes", "resident"):   # a new document is compressed before its state answers
             row.ttft_ms = ok = first
         else:
             row.ttft_ms = ok = pf
