@@ -127,6 +127,7 @@ def _starts_a_cluster(path: str, _seen: dict[str, bool] = {}) -> bool:  # noqa: 
     return _seen[path]
 
 
+@pytest.hookimpl(optionalhook=True)    # a plain `pytest` without xdist: no such hook
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
