@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -117,14 +118,14 @@ from tests.services import aws_env, redis_service, s3_service  # noqa: E402,F401
 _CLUSTER_MARKS = ("pytest.mark.ray", "pytest.mark.services")
 
 
-def _starts_a_cluster(path: str, _seen: dict[str, bool] = {}) -> bool:  # noqa: B006 (a cache)
-    if path not in _seen:
-        try:
-            text = (Path(__file__).resolve().parents[1] / path).read_text()
-        except OSError:
-            text = ""
-        _seen[path] = any(m in text for m in _CLUSTER_MARKS)
-    return _seen[path]
+@functools.cache
+def _starts_a_cluster(path: str) -> bool:
+    """Whether the test file at `path` (from the repository's root) marks tests ray or services."""
+    try:
+        text = (Path(__file__).resolve().parents[1] / path).read_text()
+    except OSError:
+        return False
+    return any(m in text for m in _CLUSTER_MARKS)
 
 
 @pytest.hookimpl(optionalhook=True)    # a plain `pytest` without xdist: no such hook

@@ -299,23 +299,24 @@ def test_a_state_id_not_in_the_gguf_is_one_line_naming_those_it_has(small_gguf, 
 
 
 def test_an_embedded_state_whose_bytes_changed_is_refused(small_gguf, state, tmp_path):
-    import base64
-
-    import zstandard
-
     from kite.model.gguf import copy_gguf, open_gguf
+    from kite.store.gguf import STATE_KEY, read_state, state_keys
+    from kite.upcycle import StateFile
 
     out = tmp_path / "out.gguf"
     assert _embed(str(small_gguf), str(state), "-o", str(out)).exit_code == 0
     reader = open_gguf(out)
-    text = reader.fields["kite.upc.contract"].contents()
-    # one byte of the state changed, framed as the writer frames it (a character flipped in the text
-    # itself can land on bits the decoder ignores: seen once)
-    data = bytearray(zstandard.ZstdDecompressor().decompress(base64.b64decode(text)))
-    data[len(data) // 2] ^= 0x01
-    changed = base64.b64encode(zstandard.ZstdCompressor().compress(bytes(data))).decode("ascii")
+    # one byte of the state changed, framed as the writer frames it, beside the metadata (sha256) of
+    # the original (a character flipped in the text itself can land on bits the decoder ignores)
+    _, data = read_state(out, "contract", reader)
+    changed = bytearray(data)
+    changed[len(changed) // 2] ^= 0x01
+    with StateFile(state) as sf:
+        meta = sf.meta
+    key = STATE_KEY + "contract"
+    framed = state_keys("contract", meta, bytes(changed), state)[1][key]
     tampered = tmp_path / "tampered.gguf"
-    copy_gguf(reader, tampered, drop=lambda k: k == "kite.upc.contract", add={"kite.upc.contract": changed})
+    copy_gguf(reader, tampered, drop=lambda k: k == key, add={key: framed})
     result = runner.invoke(app, ["gguf", "extract", str(tampered), "--state", "contract", "-o", str(tmp_path / "x.upc")])
     assert result.exit_code == 2 and "embedded state 'contract': corrupt" in result.output, result.output
     assert not (tmp_path / "x.upc").exists()

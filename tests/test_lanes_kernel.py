@@ -99,39 +99,23 @@ def test_lanes_partial_merges_the_sinks_on_the_cpu():
     assert torch.allclose(lse, wl[:, :, 0], atol=1e-4)
 
 
-def _kernel_sass_sm90(ptx: bool) -> dict:
-    """The stream kernel at the benchmark's geometry and its default configuration (4 KV heads x 7
-    query heads, 128 lanes, one-warp programs of 64-row tiles) compiled for sm_90a on this machine
-    (Triton's compiler and ptxas; no GPU needed)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from kite.kernels.lanes_triton import _lanes_kernel
-
-    fn = _lanes_kernel
-    types = {"ptrs": "*i64", "ng_ptr": "*i32", "len_ptr": "*i32"}
-    consts = dict(H=4, G=7, GP=16, NGMAX=32, GROUP=512, RK=128, RV=128, BT=64, SPLITS=4, PTX=ptx)
-    sig = {name: types.get(name, "*fp32" if name.endswith(("_ptr", "_out")) else "constexpr")
-           for name in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if sig[name].startswith("*")}
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=3)).asm
-
-
 def test_the_lanes_kernel_compiles_for_the_h200_with_its_inline_ptx():
     """The inline PTX that unpacks four code bytes at a time assembles for sm_90a (ptxas, here), and
-    the unpacking is its masks (lop3) on the word and on the word shifted by a byte: no byte
-    shuffles (prmt) and no per-nibble bias subtraction (sub.f16x2: the biases come off once a
-    group), not an element-wise conversion."""
+    the unpacking is its masks (lop3) on the shifted words, keys' and values' alike, with no
+    per-nibble bias subtraction (sub.f16x2: the biases come off once a group), not an element-wise
+    conversion."""
     pytest.importorskip("triton")
+    from benchmarks.lanes_sass import compile_sm90
+
     try:
-        asm = _kernel_sass_sm90(True)
+        asm = compile_sm90()
     except (ImportError, RuntimeError) as e:   # a Triton without its NVIDIA backend / ptxas
         pytest.skip(f"cannot compile for sm_90a here: {e}"[:200])
     ptx = asm["ptx"]
-    assert "lop3.b32" in ptx and "0x00f000f0" in ptx and "0x03c003c0" in ptx and "shr.b32" in ptx
-    assert "prmt.b32" not in ptx and "sub.f16x2" not in ptx
+    # the keys' masks (low, high nibble), the values' (both, at the mantissa's top), the shifts
+    assert "lop3.b32" in ptx and all(mask in ptx for mask in ("0x000f000f", "0x00f000f0", "0x03c003c0"))
+    assert "shl.b32" in ptx and "shr.b32" in ptx
+    assert "sub.f16x2" not in ptx
     assert "mma" in ptx     # the scores and value sums on the tensor cores
     # value codes lane-major within a group: a thread's four rows of a lane are one word in shared
     # memory (row-major codes were read a byte at a time there: 128 byte loads a tile)
