@@ -45,6 +45,12 @@ from kite.upcycle.train.weights import model_value_weights  # noqa: E402
 LICENSES = Path("/usr/share/common-licenses")
 CALIBRATION_LICENSES = ("GFDL-1.3", "MPL-2.0", "Artistic", "CC0-1.0", "LGPL-2.1", "MPL-1.1")
 HELD_OUT = ("GPL-3", "Apache-2.0")
+CONTINUATION = 512      # tokens scored after the state
+
+
+def context_tokens(n: int) -> int:
+    """A held-out document of ``n`` tokens: its first this many are the state's context."""
+    return min(2048, n - CONTINUATION)
 
 
 def held_out_docs(contracts: int, licenses=HELD_OUT) -> dict[str, str]:
@@ -128,7 +134,7 @@ def main(argv=None) -> int:
         ap.error(f"calibration licenses are not held out: {sorted(set(args.licenses) & set(CALIBRATION_LICENSES))}")
     for name, text in held_out_docs(args.held_out_contracts, args.licenses).items():
         n = len(tokenize_document(lm.tokenizer, text)[0])
-        ctx = min(2048, n - 512)
+        ctx = context_tokens(n)
         for ratio in args.ratios:
             if only is not None and (name, float(ratio)) not in only:
                 continue
@@ -139,7 +145,8 @@ def main(argv=None) -> int:
                 if label not in args.methods:
                     continue
                 t1 = time.perf_counter()
-                r = evaluate(model, text, context_tokens=ctx, continuation_tokens=512, settings=s, regenerator=regen)
+                r = evaluate(model, text, context_tokens=ctx, continuation_tokens=CONTINUATION, settings=s,
+                             regenerator=regen)
                 row[label] = {"ppl_full": r.ppl_full, "ppl_state": r.ppl_state, "ppl_delta": r.ppl_delta,
                               "kl": r.kl_mean, "top1": r.top1_agreement, "compression_ratio": r.compression_ratio,
                               "state_bytes": r.state_bytes, "reader_adapter": r.reader_adapter,

@@ -1,0 +1,99 @@
+"""How much of a state's PPL gap a reader adapter *can* recover on one document: an in-document bound.
+
+The held-out tables measure an adapter trained on other documents. This trains one on the held-out
+document itself, on its text *after* the region the table scores (the table reads the first
+``min(2048, n - 512)`` tokens as context and scores the next 512; the adapter's contexts are windows
+of the rest, every ``--stride`` tokens, each with ``--pairs`` continuation pairs after it), then
+measures the table's row with it. Same license, same wording, other sections: the best case for a
+reader adapter on that document. If it recovers less than half of the gap, no adapter trained on
+other documents should be expected to.
+
+    .venv/bin/python benchmarks/adapter_oracle.py --document GPL-3 --ratio 16 --regenerator REG --run /tmp/oracle
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from regenerator_quality import CONTINUATION, LICENSES, context_tokens  # noqa: E402
+
+
+def window_pairs(ids: list[int], decode, window_tokens: int, stride: int, pairs: int, prompt_tokens: int,
+                 response_tokens: int, name: str) -> list[dict]:
+    """Continuation pairs of windows of ``ids`` starting every ``stride`` tokens: a window's first
+    ``window_tokens`` are the context; pair i's prompt runs from its end to (i + 1) x prompt +
+    i x response tokens after it, its response is the next ``response_tokens``."""
+    out, step = [], prompt_tokens + response_tokens
+    for start in range(0, len(ids) - window_tokens - pairs * step + 1, stride):
+        end = start + window_tokens
+        context = decode(ids[start:end])
+        for i in range(pairs):
+            p_end = end + prompt_tokens + i * step
+            out.append({"id": f"{name}@{start}/{i}", "context": context, "prompt": decode(ids[end:p_end]),
+                        "response": decode(ids[p_end:p_end + response_tokens]),
+                        "meta": {"family": "in-document"}})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--document", default="GPL-3", help="a license under /usr/share/common-licenses")
+    ap.add_argument("--ratio", type=float, default=16)
+    ap.add_argument("--regenerator", type=Path, required=True)
+    ap.add_argument("--run", type=Path, required=True, help="the training run's output folder")
+    ap.add_argument("--context-tokens", type=int, default=1500)
+    ap.add_argument("--stride", type=int, default=256)
+    ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--response-tokens", type=int, default=64)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--config", type=Path, help="an upcycle_config.yaml: train in custom mode with its adapter.*")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+
+    from kite.model import load_model
+    from kite.upcycle import tokenize_document
+
+    lm = load_model(None)
+    text = (LICENSES / args.document).read_text()
+    ids = tokenize_document(lm.tokenizer, text)[0]
+    scored_end = context_tokens(len(ids)) + CONTINUATION     # what regenerator_quality.py reads and scores
+    pairs = window_pairs(ids[scored_end:], lm.tokenizer.decode, args.context_tokens, args.stride, args.pairs,
+                         args.prompt_tokens, args.response_tokens, args.document)
+    if not pairs:
+        raise SystemExit(f"{args.document}: {len(ids) - scored_end} tokens after the scored region, too few")
+    args.run.mkdir(parents=True, exist_ok=True)
+    data = args.run.parent / f"{args.run.name}_pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    print(f"{len(pairs)} pairs of {len({p['context'] for p in pairs})} windows after token {scored_end} -> {data}",
+          file=sys.stderr, flush=True)
+    cmd = [str(ROOT / ".venv/bin/kite"), "upcycle", "train", "--data-path", str(data), "--output-dir",
+           str(args.run), "--overwrite", "--eval-fraction", "0", "--epochs", str(args.epochs), "--ratio",
+           f"{args.ratio:g}", "--regenerator", str(args.regenerator), "--json"]
+    if args.config:
+        cmd += ["--mode", "custom", "--config", str(args.config)]
+    train = subprocess.run(cmd, capture_output=True, text=True)
+    (args.run.parent / f"{args.run.name}_train.json").write_text(train.stdout)
+    if train.returncode != 0:
+        print(train.stderr[-3000:], file=sys.stderr)
+        return train.returncode
+    import regenerator_quality
+
+    qargs = ["--regenerator", str(args.regenerator), "--adapter", str(args.run / "adapter"), "--licenses",
+             args.document, "--held-out-contracts", "0", "--ratios", f"{args.ratio:g}", "--methods", "regen",
+             "regen+adapter"]
+    if args.out:
+        qargs += ["--out", str(args.out)]
+    return regenerator_quality.main(qargs)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
