@@ -12,6 +12,7 @@ import torch
 from kite.data.pairs import contract_pairs
 from kite.errors import BadInput, FingerprintMismatch
 from kite.upcycle.train import Regenerator, RegeneratorFit, read_pairs, split_pairs
+from kite.upcycle.train.report import adapter_helps
 
 
 def _write(tmp_path, lines) -> str:
@@ -282,10 +283,22 @@ def test_train_writes_a_regenerator_a_peft_adapter_and_a_report(tiny_models, tmp
     assert rep["training"]["steps"] == 16 and len(rep["loss"]) == 16
     held = rep["held_out"]["8"]
     assert held["pairs"] == 4 and held["ppl_full"] > 0 and held["f1_state"] is not None
+    assert held["adapter_helps"] == adapter_helps(held) and isinstance(held["adapter_helps"], bool)
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "train_report.json").read_text())["regenerator"] == rep["regenerator"]
     base = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
     PeftModel.from_pretrained(base, out / "adapter")            # the standard peft format
+
+
+@pytest.mark.parametrize("gap, f1_off, f1_on, helps", [
+    (0.5, 0.20, 0.21, True),       # recovers half the gap, answers no worse
+    (0.5, 0.19, 0.16, False),      # lower PPL, worse answers
+    (-0.55, 0.2, 0.2, False),      # reads the states worse (an 8x adapter on GPL-3)
+    (0.0, 0.2, 0.2, False),
+    (None, 0.2, 0.2, None),        # no gap to recover: nothing measured
+])
+def test_the_report_says_whether_the_adapter_helps_at_a_ratio(gap, f1_off, f1_on, helps):
+    assert adapter_helps({"gap_recovered": gap, "f1_state": f1_off, "f1_state_adapter": f1_on}) is helps
 
 
 def test_a_folder_holding_a_run_is_refused_unless_resumed_or_overwritten(tiny_models, tmp_path):

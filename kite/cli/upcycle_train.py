@@ -88,4 +88,8 @@ def train(
             out.print(f"  held out at {r}x: PPL full {h['ppl_full']} · state {h['ppl_state']} · state + adapter "
                       f"{h['ppl_state_adapter']} (gap recovered {h['gap_recovered']}) · F1 {h['f1_state']} → "
                       f"{h['f1_state_adapter']}", highlight=False)
+            if h.get("adapter_helps") is False:
+                out.print(f"  [yellow]at {r}x the adapter reads held-out states worse than none[/] (PPL gap or answer "
+                          f"F1): compress states of this ratio without it (upcycle_config adapter.path unset)",
+                          highlight=False)
     out.print("  " + "  ".join(f"{k} {v}" for k, v in report["timings"].items()), highlight=False)

@@ -83,7 +83,20 @@ def held_out_report(lm, peft_model, pairs: list[Pair], examples: list[Example],
             "f1_state": round(sum(f1["state"]) / len(f1["state"]), 4) if examples else None,
             "f1_state_adapter": round(sum(f1["state_adapter"]) / len(f1["state_adapter"]), 4) if examples else None,
         }
+        out[f"{ratio:g}"]["adapter_helps"] = adapter_helps(out[f"{ratio:g}"])
     return out
+
+
+def adapter_helps(held: dict) -> bool | None:
+    """Whether the adapter reads the held-out states of a ratio better than none: it recovers part of
+    the PPL gap and the greedy answers' F1 is no worse (None when the split measured neither).
+    Measured on SmolLM2, an adapter often helps at 16x and hurts at 8x (docs/PERFORMANCE.md,
+    "Training"): a state made for it switches it on, so a ratio where it hurts is better served
+    without it."""
+    gap, f1_off, f1_on = held.get("gap_recovered"), held.get("f1_state"), held.get("f1_state_adapter")
+    if gap is None or f1_off is None or f1_on is None:
+        return None
+    return gap > 0 and f1_on >= f1_off
 
 
 ANSWER_ROWS = 8     # greedy answers decoded together (kite.runtime.batch_decode: each row after its own state)
