@@ -87,7 +87,8 @@ def main(argv=None) -> int:
         return train.returncode
     import regenerator_quality
 
-    qargs = ["--regenerator", str(args.regenerator), "--adapter", str(args.run / "adapter"), "--licenses",
+    adapter = json.loads(train.stdout[train.stdout.index("{"):])["adapter"]["folders"][f"{args.ratio:g}"]
+    qargs = ["--regenerator", str(args.regenerator), "--adapter", adapter, "--licenses",
              args.document, "--held-out-contracts", "0", "--ratios", f"{args.ratio:g}", "--methods", "regen",
              "regen+adapter"]
     if args.out:

@@ -108,11 +108,16 @@ def main(argv=None) -> int:
         return train.returncode
     import regenerator_quality
 
-    qargs = ["--regenerator", str(args.run / "regenerator"), "--adapter", str(args.run / "adapter"),
-             "--held-out-contracts", "1", "--ratios", *[f"{r:g}" for r in args.ratios]]
-    if args.out:
-        qargs += ["--out", str(args.out)]
-    return regenerator_quality.main(qargs)
+    folders = json.loads(train.stdout[train.stdout.index("{"):])["adapter"]["folders"]
+    for ratio, folder in folders.items():       # each ratio read with its own adapter
+        qargs = ["--regenerator", str(args.run / "regenerator"), "--adapter", folder, "--held-out-contracts", "1",
+                 "--ratios", ratio]
+        if args.out:
+            out = args.out if len(folders) == 1 else args.out.with_name(f"{args.out.stem}_r{ratio}{args.out.suffix}")
+            qargs += ["--out", str(out)]
+        if rc := regenerator_quality.main(qargs):
+            return rc
+    return 0
 
 
 if __name__ == "__main__":

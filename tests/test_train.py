@@ -257,14 +257,14 @@ def _pairs_file(folder, docs=5, per_doc=4):
     return path
 
 
-def _train(tiny_models, tmp_path, out, *extra):
+def _train(tiny_models, tmp_path, out, *extra, json_out=True):
     from typer.testing import CliRunner
 
     from kite.cli.main import app
 
     return CliRunner().invoke(app, ["upcycle", "train", "--model", str(tiny_models["llama"]), "--data-path",
                                     str(_pairs_file(tmp_path)), "--output-dir", str(out), "--eval-fraction", "0.2",
-                                    "--json", *extra])
+                                    *(["--json"] if json_out else []), *extra])
 
 
 def test_train_writes_a_regenerator_a_peft_adapter_and_a_report(tiny_models, tmp_path):
@@ -280,7 +280,8 @@ def test_train_writes_a_regenerator_a_peft_adapter_and_a_report(tiny_models, tmp
     assert rep["train_documents"] == 4 and rep["held_out_documents"] == 1
     assert Regenerator.load(out / "regenerator").fingerprint == rep["regenerator"]["fingerprint"]
     assert rep["adapter"]["settings"]["chosen_by"].startswith("auto:")
-    assert rep["training"]["steps"] == 16 and len(rep["loss"]) == 16
+    assert rep["training"]["8"]["steps"] == 16 and len(rep["loss"]["8"]) == 16
+    assert rep["adapter"]["folders"] == {"8": str(out / "adapter")}
     held = rep["held_out"]["8"]
     assert held["pairs"] == 4 and held["ppl_full"] > 0 and held["f1_state"] is not None
     assert held["adapter_helps"] == adapter_helps(held) and isinstance(held["adapter_helps"], bool)
@@ -288,6 +289,29 @@ def test_train_writes_a_regenerator_a_peft_adapter_and_a_report(tiny_models, tmp
     assert json.loads((out / "train_report.json").read_text())["regenerator"] == rep["regenerator"]
     base = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
     PeftModel.from_pretrained(base, out / "adapter")            # the standard peft format
+
+
+def test_a_run_of_several_ratios_trains_one_adapter_per_ratio_as_a_run_of_that_ratio_alone(tiny_models, tmp_path):
+    from safetensors.torch import load_file
+
+    from tests.conftest import parse_json
+
+    both, alone = tmp_path / "both", tmp_path / "alone"
+    res = _train(tiny_models, tmp_path, both, "--epochs", "1", "--ratio", "4", "--ratio", "8")
+    assert res.exit_code == 0, res.output
+    rep = parse_json(res.output)
+    assert rep["adapter"]["folders"] == {"4": str(both / "adapter-r4"), "8": str(both / "adapter-r8")}
+    assert set(rep["held_out"]) == {"4", "8"} and set(rep["training"]) == {"4", "8"}
+    assert (both / "r4" / "checkpoints" / "latest.json").exists() and (both / "r8" / "checkpoints").is_dir()
+    assert not (both / "adapter").exists()
+    res = _train(tiny_models, tmp_path, alone, "--epochs", "1", "--ratio", "8", json_out=False)
+    assert res.exit_code == 0, res.output
+    assert f"at 8x: {alone / 'adapter'}" in " ".join(res.output.split()) and "held out at 8x" in res.output
+    r4, r8 = (load_file(both / f"adapter-r{r}" / "adapter_model.safetensors") for r in (4, 8))
+    a8 = load_file(alone / "adapter" / "adapter_model.safetensors")
+    assert r8.keys() == a8.keys() and all(torch.allclose(r8[k], a8[k], atol=1e-6) for k in a8)
+    assert not all(torch.allclose(r4[k], r8[k]) for k in r8)       # each learned its own ratio's states
+    assert json.loads((alone / "train_report.json").read_text())["held_out"]["8"] == rep["held_out"]["8"]
 
 
 @pytest.mark.parametrize("gap, f1_off, f1_on, helps", [
@@ -333,7 +357,7 @@ def test_train_reads_a_given_regenerator_instead_of_fitting_one(tiny_models, tin
     for path in states:
         with StateFile(path) as sf:
             assert sf.meta["regenerator"]["fingerprint"] == tiny_regenerator.fingerprint
-    assert rep["training"]["steps"] == 16 and rep["held_out"]["8"]["ppl_state_adapter"] > 0
+    assert rep["training"]["8"]["steps"] == 16 and rep["held_out"]["8"]["ppl_state_adapter"] > 0
     # the same folder without it is another run
     moved = _train(tiny_models, tmp_path, out, "--regenerator-only")
     assert moved.exit_code == 2 and "holds another run" in moved.output
@@ -416,7 +440,7 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(tiny_models
     res = subprocess.run(cmd(cut, "--resume", "--json"), env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout[res.stdout.index("{"):])
-    assert 0 < report["training"]["resumed_from"] < report["training"]["steps"] == 320
+    assert 0 < report["training"]["8"]["resumed_from"] < report["training"]["8"]["steps"] == 320
     a = load_file(whole / "adapter" / "adapter_model.safetensors")
     b = load_file(cut / "adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

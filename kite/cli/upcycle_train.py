@@ -80,10 +80,10 @@ def train(
               f"{reg['folder']}", highlight=False)
     if "adapter" in report:
         s = report["adapter"]["settings"]
-        tr = report["training"]
         out.print(f"  adapter r {s['r']} on {', '.join(s['target_modules'])}  ({s['chosen_by']})", highlight=False)
-        out.print(f"  {tr['steps']} steps, final loss {tr['final_loss']:.4f}, {tr['tokens_per_s']} response tokens/s",
-                  highlight=False)
+        for r, tr in report["training"].items():
+            out.print(f"  at {r}x: {report['adapter']['folders'][r]}  {tr['steps']} steps, final loss "
+                      f"{tr['final_loss']:.4f}, {tr['tokens_per_s']} response tokens/s", highlight=False)
         for r, h in report["held_out"].items():
             out.print(f"  held out at {r}x: PPL full {h['ppl_full']} · state {h['ppl_state']} · state + adapter "
                       f"{h['ppl_state_adapter']} (gap recovered {h['gap_recovered']}) · F1 {h['f1_state']} → "

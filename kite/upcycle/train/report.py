@@ -123,8 +123,9 @@ def greedy_answers(lm, prefixes: list[KVPrefix], examples: list[Example], rows: 
     return [texts[i] for i in range(len(examples))]
 
 
-def loss_plot(history: dict, path: Path) -> Path | None:
-    """A PNG of the loss per step (and its running mean over 20); None without matplotlib."""
+def loss_plot(histories: dict[str, dict], path: Path) -> Path | None:
+    """A PNG of each history's loss per step (and its running mean over 20), one colour per label
+    (a run's training ratios); None without matplotlib."""
     try:
         import matplotlib
 
@@ -132,21 +133,22 @@ def loss_plot(history: dict, path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    import io
+
     from kite.atomic import write_bytes
 
-    loss = history.get("loss") or []
     fig, ax = plt.subplots(figsize=(7, 3.5), dpi=110)
-    ax.plot(range(1, len(loss) + 1), loss, lw=0.8, alpha=0.5, label="loss per step")
-    if len(loss) >= 20:
-        run = [sum(loss[max(0, i - 19):i + 1]) / len(loss[max(0, i - 19):i + 1]) for i in range(len(loss))]
-        ax.plot(range(1, len(loss) + 1), run, lw=1.6, label="mean of the last 20")
+    for label, history in histories.items():
+        loss = history.get("loss") or []
+        line, = ax.plot(range(1, len(loss) + 1), loss, lw=0.8, alpha=0.4, label=f"{label} loss per step")
+        if len(loss) >= 20:
+            run = [sum(loss[max(0, i - 19):i + 1]) / len(loss[max(0, i - 19):i + 1]) for i in range(len(loss))]
+            ax.plot(range(1, len(loss) + 1), run, lw=1.6, color=line.get_color(), label=f"{label} mean of the last 20")
     ax.set_xlabel("step")
     ax.set_ylabel("KL (teacher ‖ student)")
     ax.set_title("kite upcycle train: reader adapter")
     ax.legend()
     fig.tight_layout()
-    import io
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     plt.close(fig)

@@ -5,6 +5,8 @@
     DIR/states/<doc>-r<R>.upc          every document's state at each training ratio (regenerator-coded)
     DIR/adapter/                       adapter_model.safetensors + adapter_config.json (peft)
     DIR/checkpoints/                   the adapter's checkpoints (resume)
+    DIR/adapter-r<R>/, DIR/r<R>/checkpoints/
+                                       the same per ratio, in a run of several ratios (one adapter each)
     DIR/train_report.json, loss.png    the run's figures
 
 Each stage reuses what an earlier (interrupted) run of the same inputs left: a resumed run skips the
@@ -90,7 +92,8 @@ def prepare_output(req: TrainRequest, key: dict) -> None:
         except (OSError, ValueError):
             old = None
         if req.overwrite:
-            for name in ("regenerator", "states", "adapter", "checkpoints"):
+            for name in ("regenerator", "states", "adapter", "checkpoints", *(p.name for p in out.glob("adapter-r*")),
+                         *(p.name for p in out.glob("r*") if (p / "checkpoints").is_dir())):
                 shutil.rmtree(out / name, ignore_errors=True)
         elif old != key:
             raise BadInput(f"--output-dir {out}: holds another run (other data, model or settings); "
@@ -190,13 +193,33 @@ def train_upcycle(lm, pairs: list[Pair], cfg: UpcycleConfig, req: TrainRequest, 
     return report
 
 
+def adapter_folder(output_dir: Path, ratio: float, ratios: list[float]) -> Path:
+    """Where a run keeps the reader adapter of ``ratio``: ``DIR/adapter`` in a run of one ratio,
+    ``DIR/adapter-r<R>`` for each ratio of a run of several. One adapter per ratio: an adapter
+    trained on a mix of 8x and 16x states learned the 16x states' larger correction and read the
+    held-out 8x states little better than none (12 % of the gap, F1 worse), where one trained on 8x
+    alone recovered all of it (docs/PERFORMANCE.md, "Training", session 14)."""
+    return output_dir / ("adapter" if len(ratios) == 1 else f"adapter-r{ratio:g}")
+
+
+def _checkpoint_folder(output_dir: Path, ratio: float, ratios: list[float]) -> Path:
+    """The folder whose ``checkpoints/`` hold the training of ``ratio``'s adapter."""
+    return output_dir if len(ratios) == 1 else output_dir / f"r{ratio:g}"
+
+
+def _at_ratio(stage: str, key: str) -> str:
+    """A progress stage named for one ratio ("train adapter · loss …" → "train adapter 8× · loss …")."""
+    name, sep, detail = stage.partition(" · ")
+    return f"{name} {key}×{sep}{detail}"
+
+
 def _train_adapter(lm, train, held, cfg, req, states, progress, timings) -> dict:
     t = time.perf_counter()
     top_k = 256
     examples = teacher_examples(lm, train, top_k, progress)
     held_examples = teacher_examples(lm, held, top_k, progress) if held else []
     timings["teacher_s"] = round(time.perf_counter() - t, 1)
-    train_tokens = sum(len(e.response_ids) for e in examples) * len(req.ratios)
+    train_tokens = sum(len(e.response_ids) for e in examples)
     a = cfg.adapter
     if req.mode == "custom":
         s = AdapterSettings(target_modules=list(a.target_modules), r=a.r, lora_alpha=a.lora_alpha,
@@ -205,31 +228,29 @@ def _train_adapter(lm, train, held, cfg, req, states, progress, timings) -> dict
     else:
         s = auto_settings(lm.model, train_tokens, temperature=a.temperature, epochs=req.epochs,
                           checkpoint_every=req.checkpoint_every)
-    torch.manual_seed(req.seed)   # the LoRA's initial weights
-    peft_model = attach_lora(lm, s)
-
-    def loader(ratio):
-        return PrefixCache(lambda doc: load_prefix(states[(doc, ratio)], lm)[0])
-
-    prefix_of = {ratio: loader(ratio) for ratio in req.ratios}
-    # one example per (pair, ratio): the adapter learns to read every ratio it is trained for
-    mixed = [(ratio, e) for e in examples for ratio in req.ratios]
-    keyed = [e.__class__(f"{e.doc}@{ratio:g}", e.prompt_ids, e.response_ids, e.teacher_idx, e.teacher_logp)
-             for ratio, e in mixed]
-
-    def prefix(doc_at: str):
-        doc, ratio = doc_at.rsplit("@", 1)
-        return prefix_of[float(ratio)](doc)
-
-    t = time.perf_counter()
-    history = train_adapter(peft_model, keyed, prefix, s, req.output_dir, seed=req.seed, resume=req.resume,
-                            progress=progress)
-    timings["adapter_s"] = round(time.perf_counter() - t, 1)
-    peft_model.save_pretrained(req.output_dir / "adapter")
-    t = time.perf_counter()
-    held_report = held_out_report(lm, peft_model, held, held_examples, prefix_of, progress) if held else {}
-    timings["report_s"] = round(time.perf_counter() - t, 1)
-    png = loss_plot(history, req.output_dir / "loss.png")
-    return {"adapter": {"folder": str(req.output_dir / "adapter"), "settings": s.to_dict()},
-            "training": {k: v for k, v in history.items() if k != "loss"}, "loss": history["loss"],
+    folders, histories, held_report = {}, {}, {}
+    timings["adapter_s"] = timings["report_s"] = 0.0
+    for ratio in req.ratios:
+        key = f"{ratio:g}"
+        torch.manual_seed(req.seed)   # the LoRA's initial weights (the same for every ratio)
+        peft_model = attach_lora(lm, s)
+        prefix_of = PrefixCache(lambda doc, ratio=ratio: load_prefix(states[(doc, ratio)], lm)[0])
+        staged = None if progress is None else (
+            lambda stage, done, total, key=key: progress(_at_ratio(stage, key), done, total))
+        t = time.perf_counter()
+        histories[key] = train_adapter(peft_model, examples, prefix_of, s,
+                                       _checkpoint_folder(req.output_dir, ratio, req.ratios), seed=req.seed,
+                                       resume=req.resume, progress=staged)
+        timings["adapter_s"] = round(timings["adapter_s"] + time.perf_counter() - t, 1)
+        folders[key] = str(adapter_folder(req.output_dir, ratio, req.ratios))
+        peft_model.save_pretrained(folders[key])
+        t = time.perf_counter()
+        if held:
+            held_report.update(held_out_report(lm, peft_model, held, held_examples, {ratio: prefix_of}, staged))
+        timings["report_s"] = round(timings["report_s"] + time.perf_counter() - t, 1)
+        lm.model = peft_model.unload()     # the base model again, for the next ratio's LoRA
+    png = loss_plot({f"{k}×": h for k, h in histories.items()}, req.output_dir / "loss.png")
+    return {"adapter": {"folders": folders, "settings": s.to_dict()},
+            "training": {k: {n: v for n, v in h.items() if n != "loss"} for k, h in histories.items()},
+            "loss": {k: h["loss"] for k, h in histories.items()},
             "loss_plot": str(png) if png else None, "held_out": held_report}
