@@ -195,10 +195,10 @@ def train_upcycle(lm, pairs: list[Pair], cfg: UpcycleConfig, req: TrainRequest, 
 
 def adapter_folder(output_dir: Path, ratio: float, ratios: list[float]) -> Path:
     """Where a run keeps the reader adapter of ``ratio``: ``DIR/adapter`` in a run of one ratio,
-    ``DIR/adapter-r<R>`` for each ratio of a run of several. One adapter per ratio: an adapter
-    trained on a mix of 8x and 16x states learned the 16x states' larger correction and read the
-    held-out 8x states little better than none (12 % of the gap, F1 worse), where one trained on 8x
-    alone recovered all of it (docs/PERFORMANCE.md, "Training", session 14)."""
+    ``DIR/adapter-r<R>`` for each ratio of a run of several. One adapter per ratio: on its run's
+    held-out split an adapter trained on a mix of 8x and 16x states read the 8x states little better
+    than none (12 % of the gap, F1 worse), where one trained on 8x alone recovered all of it
+    (docs/PERFORMANCE.md, "Training", session 14)."""
     return output_dir / ("adapter" if len(ratios) == 1 else f"adapter-r{ratio:g}")
 
 
