@@ -90,9 +90,9 @@ def held_out_report(lm, peft_model, pairs: list[Pair], examples: list[Example],
 def adapter_helps(held: dict) -> bool | None:
     """Whether the adapter reads the held-out states of a ratio better than none: it recovers part of
     the PPL gap and the greedy answers' F1 is no worse (None when the split measured neither).
-    Measured on SmolLM2, an adapter often helps at 16x and hurts at 8x (docs/PERFORMANCE.md,
-    "Training"): a state made for it switches it on, so a ratio where it hurts is better served
-    without it."""
+    On SmolLM2 adapters have lowered PPL while answers got worse, and at 8x read documents unlike
+    their training data worse than none (docs/PERFORMANCE.md, "Training"): a state made for the
+    adapter switches it on, so a ratio where it hurts is better served without it."""
     gap, f1_off, f1_on = held.get("gap_recovered"), held.get("f1_state"), held.get("f1_state_adapter")
     if gap is None or f1_off is None or f1_on is None:
         return None
