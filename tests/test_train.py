@@ -369,6 +369,21 @@ def test_train_reads_a_given_regenerator_instead_of_fitting_one(tiny_models, tin
     assert both.exit_code == 2 and "--regenerator-only --regenerator" in both.output
 
 
+def test_custom_mode_trains_the_configs_shape_at_its_learning_rate(tiny_models, tmp_path):
+    from tests.conftest import parse_json
+
+    cfg = tmp_path / "u.yaml"
+    cfg.write_text("adapter: {target_modules: [q_proj, v_proj], r: 4, lora_alpha: 8, learning_rate: 0.0001}\n")
+    res = _train(tiny_models, tmp_path, tmp_path / "run", "--mode", "custom", "--config", str(cfg), "--epochs", "1")
+    assert res.exit_code == 0, res.output
+    s = parse_json(res.output)["adapter"]["settings"]
+    assert (s["target_modules"], s["r"], s["lora_alpha"], s["learning_rate"]) == (["q_proj", "v_proj"], 4, 8, 1e-4)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("adapter: {learning_rate: 0}\n")
+    res = _train(tiny_models, tmp_path, tmp_path / "run2", "--mode", "custom", "--config", str(bad))
+    assert res.exit_code == 2 and "learning_rate" in res.output, res.output
+
+
 def test_custom_target_modules_that_do_not_exist_are_named_with_those_that_do(tiny_models, tmp_path):
     cfg = tmp_path / "u.yaml"
     cfg.write_text("adapter: {target_modules: [self_attn.nope]}\n")

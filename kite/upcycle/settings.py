@@ -72,6 +72,8 @@ class AdapterConfig(_Strict):
     lora_dropout: float = Field(0.05, ge=0, lt=1)
     # The distillation's temperature (the teacher's and the student's logits are divided by it).
     temperature: float = Field(1.0, gt=0)
+    # The LoRA's AdamW learning rate (both modes); a large rank on many modules may need a lower one.
+    learning_rate: float = Field(5e-4, gt=0, le=1)
 
 
 class UpcycleConfig(_Strict):

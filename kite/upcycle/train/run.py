@@ -223,10 +223,12 @@ def _train_adapter(lm, train, held, cfg, req, states, progress, timings) -> dict
     a = cfg.adapter
     if req.mode == "custom":
         s = AdapterSettings(target_modules=list(a.target_modules), r=a.r, lora_alpha=a.lora_alpha,
-                            lora_dropout=a.lora_dropout, temperature=a.temperature, epochs=req.epochs,
+                            lora_dropout=a.lora_dropout, temperature=a.temperature,
+                            learning_rate=a.learning_rate, epochs=req.epochs,
                             checkpoint_every=req.checkpoint_every, chosen_by="custom: upcycle_config adapter.*")
     else:
-        s = auto_settings(lm.model, train_tokens, temperature=a.temperature, epochs=req.epochs,
+        s = auto_settings(lm.model, train_tokens, temperature=a.temperature, learning_rate=a.learning_rate,
+                          epochs=req.epochs,
                           checkpoint_every=req.checkpoint_every)
     folders, histories, held_report = {}, {}, {}
     timings["adapter_s"] = timings["report_s"] = 0.0
