@@ -5,8 +5,8 @@ document itself, on its text *after* the region the table scores (the table read
 ``min(2048, n - 512)`` tokens as context and scores the next 512; the adapter's contexts are windows
 of the rest, every ``--stride`` tokens, each with ``--pairs`` continuation pairs after it), then
 measures the table's row with it. Same license, same wording, other sections: the best case for a
-reader adapter on that document. If it recovers less than half of the gap, no adapter trained on
-other documents should be expected to.
+reader adapter on that document (for this much data: 52 pairs by default). If it recovers less than
+half of the gap, an adapter trained on other documents is unlikely to.
 
     .venv/bin/python benchmarks/adapter_oracle.py --document GPL-3 --ratio 16 --regenerator REG --run /tmp/oracle
 """
