@@ -18,10 +18,7 @@ a warm-up):
 * time to first token from the state (load + cache + the query's forward), eager and with the
   forward captured in a CUDA graph over a static cache that the load writes into;
 * concurrency at a fixed KV budget: 16K-token sequences as raw bf16 KV vs as compressed states
-  resident on the GPU, and the attention part of one batched decode step for each;
-* attention from the coded form (``--coded``): states transcoded into the resident coded form and
-  read by the coded-attention kernel, whole decode steps at the KV budget against raw bf16 at its
-  largest batch, the kernel against its byte floor, and the first forward through KITE's attention.
+  resident on the GPU, and the attention part of one batched decode step for each.
 
 Each figure is printed with its ratio to the prefill and to its hardware floor: bytes over HBM
 bandwidth (4.8 TB/s) or PCIe (55 GB/s) for host tiers, FLOPs over the bf16 matrix rate (790
@@ -327,16 +324,6 @@ def main() -> None:
     ap.add_argument("--kv-budget-gb", type=float, default=40.0)
     ap.add_argument("--chunk", type=int, default=8, help="sequences rebuilt per layer at once (concurrency)")
     ap.add_argument("--profile", action="store_true", help="add a torch.profiler summary of one default compress")
-    ap.add_argument("--coded", type=int, default=1, help="the coded-attention section (0: skip it)")
-    ap.add_argument("--coded-steps", nargs="*", default=["joint"], choices=["joint", "per-head"],
-                    help="whose whole decode steps the coded section times: states with the codec's default "
-                         "joint-head bases, with per-head bases (the stream kernel), or both")
-    ap.add_argument("--coded-forms", nargs="+", default=["bytes", "nibbles"], choices=["bytes", "nibbles"],
-                    help="per-head states resident one byte a code and / or nibble-packed (<= 4-bit columns "
-                         "two to a byte): a whole-step row each")
-    ap.add_argument("--fused-steps", action="store_true",
-                    help="time the whole decode steps (--coded-steps) with the fused layers load_model installs on "
-                         "a GPU (default: transformers' forward, as the earlier rows)")
     ap.add_argument("--skip-concurrency", action="store_true", help="skip the rebuild-per-step concurrency rows")
     ap.add_argument("--batch", type=int, default=32, help="requests decoded together (0: skip that section)")
     ap.add_argument("--batch-new", type=int, default=32, help="new tokens per request in the batched decode")
@@ -479,8 +466,6 @@ def main() -> None:
         report.data[f"compress_info_{label}"] = enc.info
         if s is settings:
             enc_main, sets_main = enc, sets
-        elif args.coded:
-            enc_ph, sets_ph = enc, sets
     if args.profile and DEV == "cuda":
         report.data["compress_profile"] = profile_compress(lambda: compress(settings))
         report.data["compress_host_syncs"] = find_syncs(lambda: compress(settings))
@@ -823,25 +808,6 @@ def main() -> None:
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         report.data["concurrency_error"] = traceback.format_exc()[-800:]
-    # ---- attention read from the coded form: whole decode steps at the KV budget --------------------
-    if args.coded:
-        try:
-            load_hot()
-            if "joint" in args.coded_steps:
-                coded_concurrency(report, args, model, cfg, hot, KV, L, H, d, T, raw_bytes, n_params, "joint-head")
-            hot_ph = stage_other(enc_ph, sets_ph, per_head, L, H, d, T, raw16)
-            enc_ph = None
-            if "per-head" in args.coded_steps:
-                # KV holds the joint-head state's rebuild, not this one's: no kernel-vs-rebuilt check here
-                # (tests/test_coded_attention.py checks the kernels against their rebuilt path on the GPU)
-                for form in args.coded_forms:
-                    coded_concurrency(report, args, model, cfg, hot_ph, None, L, H, d, T, raw_bytes, n_params,
-                                      "per-head" + (", nibble-packed" if form == "nibbles" else ""),
-                                      nibbles=form == "nibbles")
-            coded_attention_only(report, args, model, cfg, hot_ph, L, H, d, T, "per-head bases")
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-            report.data["coded_error"] = traceback.format_exc()[-1500:]
     # ---- batched decoding: many 16K sequences decoding together (kite.runtime.batch_decode) ----------
     if args.batch:
         try:
@@ -1089,65 +1055,6 @@ def ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, pre
         fused.ENABLED, fused.CONCATENATED = False, True
 
 
-def stage_other(enc, sets, settings, L, H, d, T, raw16):
-    """Another encoding of the same document written as a .upc and staged (not kept in a tier)."""
-    from kite.upcycle import load
-    from kite.upcycle.format import LARGE_MIN_SAVING, StateFile, StateWriter
-
-    path = Path(tempfile.gettempdir()) / "kite_gpu_speed_other.upc"
-    meta = {"format": "kite-upc", "kite_version": "bench", "fingerprints": {}, "n_tokens": T,
-            "model": {"geometry": {"n_layers": L, "n_kv_heads": H, "head_dim": d}}, "codec": settings.to_json(),
-            "clusters": [{"id": c, "label": f"cluster-{c}", "confidence": 0.0,
-                          "token_ranges": [[int(t), int(t) + 1] for t in idx.tolist()], "n_tokens": int(idx.numel())}
-                         for c, idx in enumerate(sets)], "raw_kv_bytes_fp16": raw16}
-    w = StateWriter(large_min_saving=LARGE_MIN_SAVING)
-    enc.add_to(w)
-    w.write(path, meta)
-    with StateFile(path) as sf:
-        hot = load.stage_state(sf, [(c, None) for c in range(len(sets))], list(sets), list(range(L)), n_layers=L,
-                               H=H, d=d, verify=False, threads=8, wait=True)
-    path.unlink()
-    return hot
-
-
-def coded_attention_only(report, args, model, cfg, hot, L, H, d, T, label) -> None:
-    """The attention part of one decode step for states of another encoding resident in coded form,
-    at their largest batch in the budget (the kernel's default configuration)."""
-    import math
-
-    from kite.kernels.coded_attention import coded_decode_partial
-    from kite.kernels.coded_attention_triton import CodedBatch
-    from kite.upcycle.load.resident import build_resident
-
-    torch.cuda.empty_cache()
-    with torch.inference_mode():
-        ct, st = model.model.rotary_emb(torch.zeros(1, device=DEV), torch.arange(T + 64, device=DEV)[None])
-    cos_tab, sin_tab = ct[0].float().contiguous(), st[0].float().contiguous()
-    res = build_resident(hot, device=DEV, dtype=torch.bfloat16, cos=cos_tab, sin=sin_tab)
-    n = int(args.kv_budget_gb * 1e9 // res.nbytes)
-    stream = sum(c.stream_bytes for c in res.layers)
-    batches = [CodedBatch(_stacked(res.layers[li], n)) for li in range(L)]
-    q = torch.randn(n, cfg.num_attention_heads, d, device=DEV, dtype=torch.bfloat16)
-    ms = cuda_ms(lambda: [coded_decode_partial(q, b, cos_tab, sin_tab, 1 / math.sqrt(d)) for b in batches], reps=3)
-    out = {"packed_state_bytes_per_seq": hot.nbytes, "resident_bytes_per_seq": res.nbytes, "n": n,
-           "Rk_per_head": res.layers[0].k_basis.shape[1], "Rv_per_head": res.layers[0].v_basis.shape[1],
-           "attention_ms": ms, "floor_ms": n * stream / HBM_BPS * 1e3}
-    report.data[f"coded_attention_{label}"] = out
-    print(f"coded attention, {label}:", json.dumps(out), flush=True)
-    report.row(f"coded attention, {label}: {n} x {T}-token states ({res.nbytes / 1e6:.0f} MB each), all {L} layers",
-               ms, out["floor_ms"], vs_prefill=False, note="kernel + merge, default configuration")
-
-
-def _stacked(layer, n: int) -> list:
-    """n copies of a resident layer, each in its own memory (views of [n, ...] tensors): a step reads
-    n distinct states, not one state n times out of the L2."""
-    import dataclasses
-
-    fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer) if torch.is_tensor(getattr(layer, f.name))}
-    big = {k: v[None].expand(n, *v.shape).clone() for k, v in fields.items()}
-    return [dataclasses.replace(layer, **{k: big[k][i] for k in big}) for i in range(n)]
-
-
 def raw_step_attention(state: dict, T: int):
     """The raw bf16 decode step's attention, for AttentionInterface: the new token written into slot
     T of ``state["kv"][layer]`` ([2, n, H, T + 1, d]), then sdpa over every slot."""
@@ -1183,162 +1090,6 @@ def decode_step_ms(model, cfg, name: str, n: int, T: int, gen, graph: bool = Tru
         except Exception as e:  # noqa: BLE001
             print(f"graph {name}: {e!r}"[:300], flush=True)
     return eager, graphed
-
-
-def coded_concurrency(report, args, model, cfg, hot, KV_state, L, H, d, T, raw_bytes, n_params,
-                      bases: str = "joint-head", nibbles: bool = False) -> None:
-    """Whole decode steps at a KV budget: raw bf16 KV at its largest batch vs states resident in coded
-    form (kite.upcycle.load.resident) read by the coded-attention kernel at theirs; every step is the
-    model's real forward (weights, projections, MLP, lm_head) with one new token per sequence.
-    ``bases``: what the state ``hot`` was coded with (joint-head or per-head), for the rows' labels.
-    ``KV_state``: ``hot``'s rebuilt KV [2, L, H, T, d], to check the kernel against (None: no check).
-    ``nibbles``: per-head sides resident with their <= 4-bit columns two to a byte (build_resident)."""
-    import math
-
-    from transformers import AttentionInterface
-
-    from kite.kernels.coded_attention import coded_decode_partial, merge, raw_partial
-    from kite.kernels.coded_attention_triton import CodedBatch, coded_decode
-    from kite.upcycle.load.resident import build_resident
-
-    torch.cuda.empty_cache()
-    budget = args.kv_budget_gb * 1e9
-    Hq = cfg.num_attention_heads
-    scale = 1 / math.sqrt(d)
-    with torch.inference_mode():
-        ct, st = model.model.rotary_emb(torch.zeros(1, device=DEV), torch.arange(T + 64, device=DEV)[None])
-    cos_tab, sin_tab = ct[0].float().contiguous(), st[0].float().contiguous()
-    sync()
-    t0 = time.perf_counter()
-    res = build_resident(hot, device=DEV, dtype=torch.bfloat16, cos=cos_tab, sin=sin_tab, nibbles=nibbles)
-    sync()
-    build_ms = (time.perf_counter() - t0) * 1e3
-    per_seq = res.nbytes
-    stream = sum(c.stream_bytes for c in res.layers)
-    n_raw = int(budget // raw_bytes)
-    n_cod = int(budget // per_seq)
-    out = {"budget_gb": args.kv_budget_gb, "raw_bytes_per_seq": raw_bytes, "packed_state_bytes_per_seq": hot.nbytes,
-           "resident_bytes_per_seq": per_seq, "resident_stream_bytes_per_seq": stream, "n_raw": n_raw,
-           "n_coded": n_cod, "transcode_ms": round(build_ms, 1),
-           "resident_vs_packed": round(per_seq / hot.nbytes, 3), "raw_vs_resident": round(raw_bytes / per_seq, 3),
-           "Rk": res.layers[0].k_basis.shape[1], "Rv": res.layers[0].v_basis.shape[1], "joint": res.layers[0].joint}
-    print("coded form:", json.dumps(out), flush=True)
-    # correctness at this geometry: the kernel vs attention over the rebuilt (bf16) layer of this state
-    gen = torch.Generator(device=DEV).manual_seed(3)
-    errs = {}
-    for li in ((0, L // 2, L - 1) if KV_state is not None else ()):
-        qc = torch.randn(4, Hq, d, device=DEV, generator=gen, dtype=torch.bfloat16) * 2
-        got, _ = coded_decode_partial(qc, [res.layers[li]] * 4, cos_tab, sin_tab, scale)
-        kk = KV_state[0, li].repeat_interleave(Hq // H, 0)[None].float()
-        vv = KV_state[1, li].repeat_interleave(Hq // H, 0)[None].float()
-        want = torch.stack([torch.nn.functional.scaled_dot_product_attention(qc[i][None, :, None].float(), kk, vv,
-                                                                             scale=scale)[0, :, 0] for i in range(4)])
-        errs[li] = {"max_abs_diff": float((got - want).abs().max()), "max_abs_out": float(want.abs().max())}
-    out["kernel_vs_rebuilt"] = errs
-    print("coded kernel vs rebuilt:", json.dumps(errs), flush=True)
-    # kernel variants on the attention part alone (every layer, n_cod sequences)
-    layers = [_stacked(res.layers[li], n_cod) for li in range(L)]
-    batches = [CodedBatch(ls) for ls in layers]
-    qn = torch.randn(n_cod, Hq, d, device=DEV, dtype=torch.bfloat16, generator=gen)
-    floor_att = n_cod * stream / HBM_BPS * 1e3
-    variants = {}
-    configs = ((8, 3, 64, 1), (8, 2, 64, 2), (8, 2, 32, 4), (8, 1, 32, 4), (4, 2, 32, 4), (4, 2, 32, 2))
-    if bases.startswith("per-head"):     # the stream kernel's configurations (its default first)
-        configs = ((4, 2, 32, 2), (4, 3, 32, 2), (4, 2, 32, 4), (4, 3, 32, 4), (8, 2, 32, 2), (8, 2, 32, 4))
-    for nw, ns, nc, nb in configs:
-        def att(nw=nw, ns=ns, nc=nc, nb=nb):
-            for b in batches:
-                coded_decode(qn, b, cos_tab, sin_tab, scale, num_warps=nw, num_stages=ns, cols=nc, block=nb)
-        name = f"warps{nw}_stages{ns}_cols{nc}_block{nb}"
-        try:
-            variants[name] = cuda_ms(att, reps=3)
-        except Exception as e:  # noqa: BLE001
-            variants[name] = repr(e)[:200]
-    print("coded kernel variants (ms, all layers):", variants, flush=True)
-    best = min((v, k) for k, v in variants.items() if isinstance(v, float))[1]
-    nw, ns, nc, nb = (int(best.split("_")[0][5:]), int(best.split("_")[1][6:]), int(best.split("_")[2][4:]),
-                      int(best.split("_")[3][5:]))
-    out["kernel_variants_ms"] = variants
-    out["kernel_best"] = best
-    # where the one-tile kernel's time goes: leave out the key rebuild, or the value accumulation
-    # (the one-tile kernel reads one byte a code: not run on nibble-packed states)
-    for name, kw in () if batches[0].nibbles else (
-            ("no key rebuild (scores of the means)", dict(do_k=False)), ("no value accumulation", dict(do_v=False)),
-            ("neither", dict(do_k=False, do_v=False))):
-        out[f"kernel_ms_{name}"] = cuda_ms(lambda kw=kw: [coded_decode(qn, b, cos_tab, sin_tab, scale, num_warps=nw,
-                                                                       num_stages=ns, cols=nc, **kw) for b in batches], reps=3)
-    print("coded kernel split:", {k: v for k, v in out.items() if k.startswith("kernel_ms_")}, flush=True)
-
-    def att_full():
-        for b in batches:
-            o, lse = coded_decode(qn, b, cos_tab, sin_tab, scale, num_warps=nw, num_stages=ns, cols=nc, block=nb)
-            parts = [(o[:, s_], lse[:, s_]) for s_ in range(o.shape[1])]
-            ro, rl = raw_partial(qn[:, :, None], b.raw_k, b.raw_v, scale, b.raw_mask)
-            merge(parts + [(ro[:, :, 0], rl[:, :, 0])])
-    out["coded_attention_ms"] = cuda_ms(att_full, reps=5)
-    out["coded_kernel_only_ms"] = variants[best]
-    out["coded_attention_floor_ms"] = floor_att
-    report.row(f"coded attention, {n_cod} x {T}-token states resident in coded form ({bases} bases), all {L} layers "
-               "(kernel + merge)",
-               out["coded_attention_ms"], floor_att, vs_prefill=False,
-               note=f"floor = coded stream bytes / HBM; kernel alone {variants[best]:.2f} ms ({best})")
-
-    # whole decode steps: the model's forward with one token per sequence
-    state = {}
-
-    def coded_attn(module, query, key, value, attention_mask, scaling=None, **kw):
-        li = module.layer_idx
-        q1 = query[:, :, 0]
-        o, lse = coded_decode(q1, batches[li], cos_tab, sin_tab, scaling, num_warps=nw, num_stages=ns, cols=nc,
-                              block=nb)
-        b = batches[li]
-        parts = [(o[:, s_], lse[:, s_]) for s_ in range(o.shape[1])]
-        ro, rl = raw_partial(query, b.raw_k, b.raw_v, scaling, b.raw_mask)
-        so, sl = raw_partial(query, key, value, scaling)            # the new token itself
-        parts += [(ro[:, :, 0], rl[:, :, 0]), (so[:, :, 0], sl[:, :, 0])]
-        return merge(parts)[0][:, None].to(query.dtype), None
-
-    AttentionInterface.register("bench_coded", coded_attn)
-    AttentionInterface.register("bench_raw", raw_step_attention(state, T))
-    before = cfg._attn_implementation
-
-    from kite.model import fused
-
-    if args.fused_steps:     # the layers as load_model installs them on a GPU (kite serve's forward)
-        fused.fuse_forward(model)
-    fused.ENABLED = args.fused_steps
-    try:
-        torch.cuda.empty_cache()
-        ce, cg = decode_step_ms(model, cfg, "bench_coded", n_cod, T, gen)
-        layers = batches = None
-        torch.cuda.empty_cache()
-        state["kv"] = [torch.randn(2, n_raw, H, T + 1, d, device=DEV, dtype=torch.bfloat16, generator=gen)
-                       for _ in range(L)]
-        re_, rg = decode_step_ms(model, cfg, "bench_raw", n_raw, T, gen)
-        state.clear()
-    finally:
-        fused.ENABLED = False
-        cfg._attn_implementation = before
-        for layer in model.model.layers:
-            layer.self_attn.config._attn_implementation = before
-    layers_note = ", fused layers" if args.fused_steps else ""
-    c_ms, r_ms = min(x for x in (ce, cg) if x), min(x for x in (re_, rg) if x)
-    weights_floor = n_params * 2 / HBM_BPS * 1e3
-    out.update({"coded_step_ms": {"eager": ce, "graph": cg}, "raw_step_ms": {"eager": re_, "graph": rg},
-                "coded_tokens_per_s": n_cod / c_ms * 1e3, "raw_tokens_per_s": n_raw / r_ms * 1e3,
-                "coded_vs_raw_tokens_per_s": round((n_cod / c_ms) / (n_raw / r_ms), 3),
-                "coded_step_floor_ms": weights_floor + floor_att, "fused_layers": args.fused_steps,
-                "raw_step_floor_ms": weights_floor + n_raw * raw_bytes / HBM_BPS * 1e3})
-    report.row(f"decode step at {args.kv_budget_gb:g} GB of KV: raw bf16, {n_raw} x {T}-token sequences (whole forward"
-               f"{layers_note})",
-               r_ms, out["raw_step_floor_ms"], vs_prefill=False, note=f"{out['raw_tokens_per_s']:.0f} tok/s")
-    report.row(f"decode step at {args.kv_budget_gb:g} GB: {n_cod} states resident in coded form, {bases} bases "
-               f"({per_seq / 1e6:.0f} MB each, {raw_bytes / per_seq:.2f}x fewer bytes than raw), coded-attention kernel"
-               f"{layers_note}",
-               c_ms, out["coded_step_floor_ms"], vs_prefill=False,
-               note=f"{out['coded_tokens_per_s']:.0f} tok/s = {out['coded_vs_raw_tokens_per_s']}x raw; target >= 2x")
-    report.data["coded_concurrency" if bases == "joint-head" else f"coded_concurrency_{bases}"] = out
-    print(f"coded concurrency ({bases}):", json.dumps(out, default=str), flush=True)
 
 
 if __name__ == "__main__":

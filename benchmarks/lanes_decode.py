@@ -7,7 +7,7 @@
 Random-weight Qwen2-7B geometry (benchmarks/gpu_speed.py's make_model: 28 layers, 28 query / 4 KV
 heads, head_dim 128, bf16) with the fused layers ``load_model`` installs on a GPU. Per lane count R
 (``--lanes``; R = 128 lanes a row is 4 bits an element, 64 is 2; K:V for keys and values apart):
-one 16K-token state of random KV is coded (kite.kernels.lanes.encode_layers, timed warm: encode_s), copied into as
+one 16K-token state of random KV is coded (kite.upcycle.codec.encode_lanes, timed warm: encode_s), copied into as
 many states as the budget holds (each its own memory; one pointer table a layer), and checked against the torch reference at three layers; then the kernel
 alone over all layers (its configurations, against its byte floor: what it reads / 4.8 TB/s) and
 the whole decode step (one new token a state, the model's forward, CUDA-graphed) against raw bf16
@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import benchmarks.gpu_speed as gs  # noqa: E402
 from kite.kernels import lanes as L  # noqa: E402
+from kite.upcycle.codec import encode_lanes  # noqa: E402
 
 
 def stacked(one: L.Lanes, n: int) -> L.Lanes:
@@ -58,9 +59,6 @@ def main(argv=None) -> int:
                     help="lanes a row: R for keys and values, or K:V (keys K, values V)")
     ap.add_argument("--group", type=int, default=512)
     ap.add_argument("--sinks", type=int, default=1, help="first tokens kept exact (raw rows)")
-    ap.add_argument("--configs", default="128,4,3;128,4,4;128,4,3,1,168;64,4,3;64,2,3;32,2,3;32,1,3;64,1,3;128,4,3,0",
-                    help="kernel configurations: block,warps,stages[,ptx (1: unpack in inline PTX, the default)"
-                         "[,maxnreg (0: none)]];...")
     ap.add_argument("--splits", type=int, nargs="*", default=[0], help="0: the kernel's default")
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true")
@@ -84,7 +82,7 @@ def main(argv=None) -> int:
     report = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu", "torch": torch.__version__,
               "tokens": T, "budget_gb": args.kv_budget_gb, "raw_bytes_per_seq": raw_bytes, "n_raw": n_raw,
               "weights_floor_ms": weights_floor, "forms": {}}
-    from kite.kernels.coded_attention import merge, raw_partial
+    from kite.kernels.partials import merge, raw_partial
     from kite.kernels.lanes_triton import LanesPlan, lanes_decode
     from kite.model import fused
     from transformers import AttentionInterface
@@ -126,11 +124,11 @@ def main(argv=None) -> int:
             k = torch.randn(H, T, d, device=dev, generator=gen)
             keys.append(k * cos + torch.cat((-k[..., d // 2:], k[..., :d // 2]), -1) * sin)
             values.append(torch.randn(H, T, d, device=dev, generator=gen))
-        L.encode_layers(keys[:1], values[:1], rk, rv, group=args.group, sinks=args.sinks)   # warm: kernels, solver handles
+        encode_lanes(keys[:1], values[:1], rk, rv, group=args.group, sinks=args.sinks)   # warm: kernels, solver handles
         gs.sync()
         t0 = time.perf_counter()   # coding the state, as kite serve --resident lanes codes a load
         ones = [x.to(basis_dtype=torch.bfloat16)
-                for x in L.encode_layers(keys, values, rk, rv, group=args.group, sinks=args.sinks)]
+                for x in encode_lanes(keys, values, rk, rv, group=args.group, sinks=args.sinks)]
         gs.sync()
         del keys, values
         per_seq = sum(o.nbytes() for o in ones)
@@ -156,24 +154,17 @@ def main(argv=None) -> int:
         floor = n_cod * stream / gs.HBM_BPS * 1e3
         variants = {}
         if dev == "cuda":
-            for conf in args.configs.split(";"):
-                vals = [int(x) for x in conf.split(",")]
-                block, warps, stages, ptx, mx = vals + [1, 0][len(vals) - 3:]
-                for sp in args.splits:
-                    kw = dict(block=block, num_warps=warps, num_stages=stages, splits=sp or None, ptx=bool(ptx),
-                              maxnreg=mx or None)
-                    name = f"block{block}_warps{warps}_stages{stages}_splits{sp}_ptx{ptx}_maxnreg{mx}"
-                    try:
-                        variants[name] = gs.cuda_ms(
-                            lambda kw=kw: [lanes_decode(qn, p, scale, **kw) for _, p in state["plans"]], reps=3)
-                    except Exception as e:  # noqa: BLE001
-                        variants[name] = repr(e)[:200]
+            for sp in args.splits:
+                kw = dict(splits=sp or None)
+                name = f"splits{sp}"
+                try:
+                    variants[name] = gs.cuda_ms(
+                        lambda kw=kw: [lanes_decode(qn, p, scale, **kw) for _, p in state["plans"]], reps=3)
+                except Exception as e:  # noqa: BLE001
+                    variants[name] = repr(e)[:200]
             print("kernel variants (ms, all layers):", variants, flush=True)
             best = min((v, k) for k, v in variants.items() if isinstance(v, float))[1]
-            b, w, s_, sp, px, mx = (int(x[len(p):]) for x, p in zip(
-                best.split("_"), ("block", "warps", "stages", "splits", "ptx", "maxnreg")))
-            state["kernel"] = dict(block=b, num_warps=w, num_stages=s_, splits=sp or None, ptx=bool(px),
-                                   maxnreg=mx or None)
+            state["kernel"] = dict(splits=int(best[len("splits"):]) or None)
             form.update({"kernel_variants_ms": variants, "kernel_best": best,
                          "kernel_ms_all_layers": variants[best], "kernel_floor_ms": floor,
                          "kernel_over_floor": round(variants[best] / floor, 2)})

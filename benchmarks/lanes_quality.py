@@ -10,7 +10,7 @@ against the full context after a prefix coded as
 * ``joint``: the default joint-head codec at ratio R (``settings_for(R)``), keys pre-RoPE;
 * ``pre@lanes`` / ``joint@lanes``: the same codecs at the ratio of the first equal-split lanes
   variant (group ``--groups[0]``, ``--clips[0]``): the codecs at the lanes' bytes;
-* ``lanes``: every layer in lanes (``lanes.encode`` of the post-RoPE keys and the values, 1 sink),
+* ``lanes``: every layer in lanes (``kite.upcycle.codec.lanes.encode`` of the post-RoPE keys and the values, 1 sink),
   decoded with ``lanes.decode`` and used as post-RoPE keys; R lanes a row = 4 d / R (R = 4: d lanes,
   4 bits an element), bytes from ``Lanes.nbytes()``. Variants: group sizes, quantization ranges
   (``min/max`` or MSE-clipped), k/v splits of the lanes other than equal (half the lanes on one
@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.post_rope_keys import Document, coded_keys, prepare_document, relative_error  # noqa: E402
 from benchmarks.regenerator_quality import held_out_docs  # noqa: E402
 from kite.kernels import lanes  # noqa: E402
+from kite.upcycle.codec import lanes as lanes_codec  # noqa: E402
 from kite.upcycle import codec  # noqa: E402
 
 
@@ -71,7 +72,7 @@ def lanes_prefix(doc: Document, k_lanes: int, v_lanes: int, group: int, clip: st
         if worst:
             idx = worst_first(k, v, k_lanes, v_lanes, group, clip, sinks)[:, :, None].expand_as(k)
             k, v = k.gather(1, idx), v.gather(1, idx)
-        x = lanes.encode(k, v, k_lanes, v_lanes, group=group, sinks=sinks, clip=clip)
+        x = lanes_codec.encode(k, v, k_lanes, v_lanes, group=group, sinks=sinks, clip=clip)
         nbytes += x.nbytes()
         fp16_tables += x.nbytes(table_bytes=2)
         for side in "kv":
@@ -93,7 +94,7 @@ def worst_first(k: torch.Tensor, v: torch.Tensor, k_lanes: int, v_lanes: int, gr
     """Per head an order of the T tokens [H, T] whose first ``keep`` (the form's raw rows, kept exact)
     are token 0 and the ``keep - 1`` tokens a first coding codes worst (relative squared error of key
     plus value); the rest in the document's order. Attention reads post-RoPE rows in any order."""
-    x = lanes.encode(k, v, k_lanes, v_lanes, group=group, sinks=1, clip=clip)
+    x = lanes_codec.encode(k, v, k_lanes, v_lanes, group=group, sinks=1, clip=clip)
     H, T, _ = k.shape
     err = sum((lanes.decode(x, side)[0, :, :T] - t.float()).pow(2).sum(-1) / t.float().pow(2).sum(-1).mean(-1, keepdim=True)
               for side, t in (("k", k), ("v", v)))                             # [H, T]
@@ -254,7 +255,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contracts", type=int, default=3, help="generated contracts of seed 23")
     ap.add_argument("--groups", type=int, nargs="*", default=[128, 64, 256, 512],
                     help="lanes: rows per group (the first: the codecs' equal bytes, the sinks variants)")
-    ap.add_argument("--clips", nargs="*", default=list(lanes.CLIPS), choices=lanes.CLIPS,
+    ap.add_argument("--clips", nargs="*", default=list(lanes_codec.CLIPS), choices=lanes_codec.CLIPS,
                     help="lanes: quantization ranges")
     ap.add_argument("--split-groups", type=int, nargs="*", default=[256],
                     help="lanes: groups at which to try half the lanes on keys or on values")
@@ -299,7 +300,7 @@ def main(argv=None) -> int:
     result = {"machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
               "model": lm.fingerprints.combined, "head_dim": lm.geometry.head_dim, "kv_heads": lm.geometry.n_kv_heads,
               "codecs": "pre: settings_for(R, joint_heads=False); joint: settings_for(R); bases the document's own",
-              "lanes": "lanes.encode(keys post-RoPE, values, k_lanes, v_lanes, group, sinks=1, clip); "
+              "lanes": "kite.upcycle.codec.lanes.encode(keys post-RoPE, values, k_lanes, v_lanes, group, sinks=1, clip); "
                        "bytes = Lanes.nbytes() (bf16 bases, fp32 tables, bf16 sinks)",
               "argv": list(argv if argv is not None else sys.argv[1:]), "rows": rows, "summary": summarize(rows),
               "seconds": round(time.perf_counter() - t0, 1)}

@@ -1,11 +1,11 @@
-"""`server.resident` raw vs coded on the CPU: what the prefix cache's two loads hold and how a batch
-step after them runs (the coded rows through the torch reference of the coded attention).
+"""`server.resident` on the CPU, every registered resident form: what the prefix cache's loads hold
+and how a batch step after them runs (a form held beside the rows through its torch reference).
 
 A document is compressed at ratio 4 twice (the ratio codecs' joint-head bases, and per-head bases);
-each state is loaded as `kite serve` loads it (``load_prefix`` for raw, ``load_resident`` for coded),
+each state is loaded as `kite serve` loads it (``resident_form(name).load``, kite.upcycle.RESIDENT_FORMS),
 then ``--rows`` rows after the same loaded state decode ``--steps`` greedy tokens together in a
 BatchDecoder: the step's median and minimum, the bytes each form holds, and whether the first row's
-greedy text and prompt NLL agree.
+greedy text and prompt NLL agree with raw's.
 
     OMP_NUM_THREADS=2 PYTHONPATH=. .venv/bin/python benchmarks/serve_resident_cpu.py --json out.json
 """
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     from kite.model import load_cached
-    from kite.upcycle import StateFile, codec, load_prefix, load_resident
+    from kite.upcycle import RESIDENT_FORMS, StateFile, codec, resident_form
     from kite.upcycle.compress import CompressSettings, compress_document
     from tests.tiny_models import CORPUS
 
@@ -59,15 +59,16 @@ def main() -> None:
             path = Path(tmp) / "state.upc"
             compress_document(lm, doc, path, CompressSettings(codec=spec, n_clusters=3), device="cpu")
             with StateFile(path) as state:
-                loads = {"raw": load_prefix(state, lm), "coded": load_resident(state, lm)}
+                loads = {form: resident_form(form).load(state, lm) for form in RESIDENT_FORMS}
             row = {"bases": name, "state_tokens": loads["raw"][1].tokens, "rows": args.rows}
             gens = {}
             for form, (prefix, report) in loads.items():
                 gens[form], row[f"{form}_step"] = _steps(lm, prefix, prompt, args.rows, args.steps)
                 row[f"{form}_bytes"] = report.resident_bytes
                 row[f"{form}_load_ms"] = report.load_ms
-            row["same_text"] = gens["raw"].text == gens["coded"].text
-            row["prompt_nll_diff_bits"] = abs(gens["raw"].prompt_nll_bits - gens["coded"].prompt_nll_bits)
+            for form in gens.keys() - {"raw"}:
+                row[f"{form}_same_text"] = gens["raw"].text == gens[form].text
+                row[f"{form}_prompt_nll_diff_bits"] = abs(gens["raw"].prompt_nll_bits - gens[form].prompt_nll_bits)
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.json:

@@ -21,14 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_speed import HBM_BPS, capture, cuda_ms  # noqa: E402
 
-CONFIGS = [dict(), dict(waves=2), dict(splits=16), dict(splits=24), dict(splits=48), dict(splits=64),
-           dict(block_n=32), dict(block_n=128), dict(block_n=128, num_warps=8), dict(num_warps=8),
-           dict(num_stages=3), dict(num_stages=4), dict(splits=16, block_n=128, num_warps=8),
-           dict(block_n=128, num_warps=8, num_stages=3),
-           # session 9: the 112 folded rows in two 64-row tiles, lighter blocks, more of them
-           dict(block_m=64, num_warps=4), dict(block_m=64, num_warps=4, waves=2),
-           dict(block_m=64, num_warps=4, waves=3), dict(block_m=64, num_warps=8, waves=2),
-           dict(block_m=64, num_warps=4, waves=2, num_stages=3)]
+CONFIGS = [dict(), dict(splits=16), dict(splits=24), dict(splits=48), dict(splits=64), dict(block_n=32),
+           dict(block_n=128), dict(splits=16, block_n=128)]
 
 
 def graph_ms(fn, reps: int = 20) -> float:

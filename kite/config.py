@@ -88,7 +88,9 @@ class ServerConfig(BaseModel):
     max_batch: int = Field(8, ge=1, le=1024)            # sequences decoding together (continuous batching)
     batch_kv_gb: float | None = Field(None, gt=0)       # the batch's KV buffers; None: unbounded
     prefix_cache_gb: float = Field(2.0, ge=0)           # loaded states kept for the next request (0: none)
-    resident: str = "raw"   # the form loaded states are held in for the batch: raw (rebuilt KV), coded or lanes
+    # the form loaded states are held in for the batch: a registered resident form (kite.upcycle.RESIDENT_FORMS:
+    # raw, rebuilt KV; lanes); kite serve checks the name against the registry, which lives above this module
+    resident: str = "raw"
     lane_bits: str = "4"    # resident lanes: bits an element, "B" or "K:V" (keys, values)
     # `kite serve --replicas` (docs/scale-out.md): replicas on Ray Serve; min/max both set = autoscaled
     replicas: int = Field(1, ge=1, le=256)
@@ -101,13 +103,6 @@ class ServerConfig(BaseModel):
     @classmethod
     def _expand(cls, v: Path | None) -> Path | None:
         return v.expanduser() if v is not None else None
-
-    @field_validator("resident")
-    @classmethod
-    def _check_resident(cls, v: str) -> str:
-        if v not in ("raw", "coded", "lanes"):
-            raise ValueError("expected raw, coded or lanes")
-        return v
 
     @field_validator("lane_bits", mode="before")
     @classmethod

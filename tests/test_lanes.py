@@ -1,5 +1,5 @@
-"""The nibble-lanes form (kite.kernels.lanes) on tiny random tensors: its lane allocation, encoder and
-decoder, the torch reference of its attention, stacking and byte accounting."""
+"""The nibble-lanes form on tiny random tensors: its lane allocation and encoder (kite.upcycle.codec.lanes),
+its decoder, the torch reference of its attention, stacking and byte accounting."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kite.kernels import lanes as L
+from kite.upcycle.codec import lanes as E
 
 
 def _kv(H: int = 2, T: int = 300, d: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,15 +31,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("lanes", [1, 5, 16, 31, 32])
 def test_allocation_spends_exactly_the_lanes_at_most_two_a_component(lanes):
     var = torch.rand(3, 16, generator=torch.Generator().manual_seed(lanes)) * 10
-    n = L.allocate_lanes(var, lanes)
+    n = E.allocate_lanes(var, lanes)
     assert n.shape == (3, 16) and n.dtype == torch.int64
     assert (n.sum(-1) == lanes).all()
-    assert n.min() >= 0 and n.max() <= L.MAX_LANES
+    assert n.min() >= 0 and n.max() <= E.MAX_LANES
 
 
 def test_allocation_gives_more_lanes_to_more_variance():
     var = torch.tensor([[0.01, 100.0, 1.0, 10.0, 0.1, 1000.0]])
-    n = L.allocate_lanes(var, 5)[0]
+    n = E.allocate_lanes(var, 5)[0]
     order = var[0].argsort(descending=True)
     assert (n[order][:-1] >= n[order][1:]).all(), n     # non-increasing along falling variance
     assert n[5] == 2 and n[0] == 0
@@ -46,23 +47,23 @@ def test_allocation_gives_more_lanes_to_more_variance():
 
 def test_allocation_fills_the_top_components_once_before_any_second_lane():
     """A first lane takes ~256x the error a second one does: equal variances get one lane each first."""
-    n = L.allocate_lanes(torch.ones(1, 8), 8)[0]
+    n = E.allocate_lanes(torch.ones(1, 8), 8)[0]
     assert (n == 1).all()
-    n = L.allocate_lanes(torch.ones(1, 8), 12)[0]
+    n = E.allocate_lanes(torch.ones(1, 8), 12)[0]
     assert sorted(n.tolist()) == [1, 1, 1, 1, 2, 2, 2, 2]
 
 
 @pytest.mark.parametrize("lanes", [0, -2, 33])
 def test_allocation_refuses_lanes_out_of_range(lanes):
     with pytest.raises(ValueError, match="lanes must be in 1..32"):
-        L.allocate_lanes(torch.ones(16), lanes)
+        E.allocate_lanes(torch.ones(16), lanes)
 
 
 # encode / decode
 
 def test_encode_shapes_follow_the_layout():
     k, v = _kv(H=2, T=300, d=16)
-    x = L.encode(k, v, 16, 8, group=64, sinks=2)
+    x = E.encode(k, v, 16, 8, group=64, sinks=2)
     assert x.states == 1 and x.rows == 320 and x.group == 64          # 298 coded rows padded to 5 groups
     assert x.k_codes.shape == (1, 2, 320, 8) and x.k_codes.dtype == torch.uint8
     assert x.v_codes.shape == (1, 2, 5, 4, 64)                         # lane-major within each group
@@ -76,12 +77,12 @@ def test_encode_shapes_follow_the_layout():
     assert L.decode(x, "k").shape == (1, 2, 2 + 320, 16)
 
 
-@pytest.mark.parametrize("clip", L.CLIPS)
+@pytest.mark.parametrize("clip", E.CLIPS)
 def test_round_trip_error_falls_with_more_lanes(clip):
     k, v = _kv(T=400, d=16)
     errs = []
     for lanes in (4, 8, 16, 32):
-        x = L.encode(k, v, lanes, group=128, clip=clip)
+        x = E.encode(k, v, lanes, group=128, clip=clip)
         n = 1 + int(x.length[0])
         errs.append((_rel(L.decode(x, "k")[0, :, :n], k), _rel(L.decode(x, "v")[0, :, :n], v)))
     for side in range(2):
@@ -94,8 +95,8 @@ def test_lanes_of_the_full_rank_at_8_bits_round_trip_within_half_a_step():
     """2d lanes (every component at 8 bits, min/max ranges): each coefficient within half its step,
     so a row within half the sum of its group's steps (the basis is orthonormal)."""
     k, v = _kv(T=256, d=8)
-    x = L.encode(k, v, 16, group=64, sinks=1, clip="minmax")
-    assert (L.allocate_lanes(torch.ones(8), 16) == 2).all()
+    x = E.encode(k, v, 16, group=64, sinks=1, clip="minmax")
+    assert (E.allocate_lanes(torch.ones(8), 16) == 2).all()
     err = (L.decode(x, "k")[0, :, 1:256] - k[:, 1:]).abs().amax(-1)            # [H, 255]
     steps = x.k_weight[0][..., :8]                                             # low nibbles: the steps [H, G, 8]
     bound = 0.5 * steps.sum(-1).repeat_interleave(64, dim=1)[:, :255]
@@ -105,7 +106,7 @@ def test_lanes_of_the_full_rank_at_8_bits_round_trip_within_half_a_step():
 
 def test_sinks_stay_exact():
     k, v = _kv(T=100)
-    x = L.encode(k, v, 8, group=32, sinks=3)
+    x = E.encode(k, v, 8, group=32, sinks=3)
     assert torch.equal(x.raw_k[0], k[:, :3]) and torch.equal(x.raw_v[0], v[:, :3])
     assert torch.equal(L.decode(x, "k")[0, :, :3], k[:, :3])
     assert x.length.tolist() == [97]
@@ -113,7 +114,7 @@ def test_sinks_stay_exact():
 
 def test_a_state_of_only_sinks_decodes_to_finite_rows():
     k, v = _kv(T=1)
-    x = L.encode(k, v, 8, group=32, sinks=1)
+    x = E.encode(k, v, 8, group=32, sinks=1)
     assert x.length.tolist() == [0]
     assert torch.isfinite(L.decode(x, "k")).all() and torch.isfinite(L.decode(x, "v")).all()
     out, lse = L.lanes_partial(torch.randn(1, 4, 16), x, 0.25)
@@ -122,7 +123,7 @@ def test_a_state_of_only_sinks_decodes_to_finite_rows():
 
 def test_padding_rows_code_zero_and_decode_to_their_groups_constant():
     k, v = _kv(T=100)
-    x = L.encode(k, v, 8, group=64, sinks=1)               # 99 coded rows in 2 groups of 64
+    x = E.encode(k, v, 8, group=64, sinks=1)               # 99 coded rows in 2 groups of 64
     assert (x.k_codes[0, :, 99:] == 0).all() and (L.row_codes(x, "v")[0, :, 99:] == 0).all()
     assert torch.allclose(L.decode(x, "k")[0, :, 1 + 99:], x.k_const[0, :, 1:2].expand(-1, 128 - 99, -1))
 
@@ -131,7 +132,7 @@ def test_nibble_packing_low_lane_in_the_low_nibble():
     """byte c holds lane c (low nibble) and lane R/2 + c (high): unpacking and weighting by hand
     rebuilds decode's rows."""
     k, v = _kv(T=64, d=8)
-    x = L.encode(k, v, 8, group=64, sinks=0)
+    x = E.encode(k, v, 8, group=64, sinks=0)
     codes = x.k_codes[0].long()                                              # [H, 64, 4]
     nib = torch.cat((codes & 15, codes >> 4), dim=-1).float()               # [H, 64, 8]: lane order
     rows = (nib * x.k_weight[0][:, 0][:, None, :]) @ x.k_basis[0] + x.k_const[0][:, 0][:, None, :]
@@ -150,8 +151,8 @@ def test_mse_clipping_never_raises_the_squared_error_of_heavy_tails():
     k = torch.distributions.StudentT(2.5).sample((H, T, d)) * torch.linspace(4, 0.5, d)
     v = torch.randn(H, T, d, generator=g)
     err = {}
-    for clip in L.CLIPS:
-        x = L.encode(k, v, 16, group=128, sinks=0, clip=clip)
+    for clip in E.CLIPS:
+        x = E.encode(k, v, 16, group=128, sinks=0, clip=clip)
         err[clip] = _rel(L.decode(x, "k")[0, :, :T], k)
     assert err["mse"] < err["minmax"], err
 
@@ -167,13 +168,13 @@ def test_mse_clipping_never_raises_the_squared_error_of_heavy_tails():
 def test_encode_refuses_bad_settings(kw, match):
     k, v = _kv(T=20)
     with pytest.raises(ValueError, match=match):
-        L.encode(k, v, **kw)
+        E.encode(k, v, **kw)
 
 
 def test_decode_refuses_an_unknown_side():
     k, v = _kv(T=20)
     with pytest.raises(ValueError, match="side must be"):
-        L.decode(L.encode(k, v, 8, group=8), "q")
+        L.decode(E.encode(k, v, 8, group=8), "q")
 
 
 # attention over stacked states
@@ -182,7 +183,7 @@ def test_partial_masks_each_states_padding_rows():
     """States of different lengths stacked: each query attends to its own coded rows only, as plain
     attention over the decoded rows truncated to that state's length."""
     H, d, group = 2, 16, 32
-    xs = [L.encode(*_kv(H=H, T=T, d=d, seed=T), 8, 16, group=group, sinks=1) for T in (130, 40, 97)]
+    xs = [E.encode(*_kv(H=H, T=T, d=d, seed=T), 8, 16, group=group, sinks=1) for T in (130, 40, 97)]
     x = L.stack(xs)
     assert x.length.tolist() == [129, 39, 96] and x.rows == 160
     q = torch.randn(3, 2 * H, d, generator=torch.Generator().manual_seed(5)) * 3
@@ -199,7 +200,7 @@ def test_partial_masks_each_states_padding_rows():
 
 
 def test_stacked_states_decode_as_they_did_alone():
-    xs = [L.encode(*_kv(T=T, seed=T), 8, group=32, sinks=1) for T in (70, 200)]
+    xs = [E.encode(*_kv(T=T, seed=T), 8, group=32, sinks=1) for T in (70, 200)]
     x = L.stack(xs)
     for n, one in enumerate(xs):
         rows = 1 + int(one.length[0])
@@ -212,9 +213,9 @@ def test_stack_refuses_what_it_cannot_stack():
     with pytest.raises(ValueError, match="nothing to stack"):
         L.stack([])
     with pytest.raises(ValueError, match="different group sizes"):
-        L.stack([L.encode(k, v, 8, group=32), L.encode(k, v, 8, group=16)])
+        L.stack([E.encode(k, v, 8, group=32), E.encode(k, v, 8, group=16)])
     with pytest.raises(ValueError, match="different numbers of sinks"):
-        L.stack([L.encode(k, v, 8, group=32, sinks=1), L.encode(k, v, 8, group=32, sinks=2)])
+        L.stack([E.encode(k, v, 8, group=32, sinks=1), E.encode(k, v, 8, group=32, sinks=2)])
 
 
 # bytes
@@ -222,7 +223,7 @@ def test_stack_refuses_what_it_cannot_stack():
 def test_nbytes_counts_codes_tables_bases_and_sinks():
     H, T, d, group, S = 2, 300, 16, 64, 2
     k, v = _kv(H=H, T=T, d=d)
-    x = L.encode(k, v, 16, 8, group=group, sinks=S)
+    x = E.encode(k, v, 16, 8, group=group, sinks=S)
     G = 5
     codes = H * G * group * (16 + 8) // 2
     tables = H * G * ((16 + 8) + 2 * d) * 4
@@ -231,14 +232,14 @@ def test_nbytes_counts_codes_tables_bases_and_sinks():
     assert x.nbytes() == codes + tables + bases + sinks
     assert x.nbytes(basis_bytes=4, table_bytes=2) == codes + tables // 2 + 2 * bases + sinks
     # stacking adds the states' bytes (plus the padding of the shorter one)
-    y = L.encode(k[:, :100], v[:, :100], 16, 8, group=group, sinks=S)
+    y = E.encode(k[:, :100], v[:, :100], 16, 8, group=group, sinks=S)
     assert L.stack([x, y]).nbytes() == x.nbytes() + y.nbytes() + H * (G - 2) * group * 12 + H * (G - 2) * (24 + 32) * 4
 
 
 def test_four_bits_an_element_is_about_a_quarter_of_bf16_on_long_states():
     H, T, d = 1, 4096, 16
     k, v = _kv(H=H, T=T, d=d)
-    x = L.encode(k, v, d, group=512)
+    x = E.encode(k, v, d, group=512)
     raw = 2 * H * T * d * 2
     assert 3.5 < raw / x.nbytes() < 4.0
 
@@ -248,19 +249,19 @@ def test_four_bits_an_element_is_about_a_quarter_of_bf16_on_long_states():
 def test_nbytes_for_is_what_encode_makes(T, H, d, rk, rv, group, sinks):
     """capacity-plan sizes states in lanes by arithmetic: the bytes encode's form holds (bf16 bases)."""
     k, v = _kv(H=H, T=T, d=d)
-    x = L.encode(k, v, rk, rv, group=group, sinks=sinks)
-    assert L.nbytes_for(T, H, d, rk, rv, group, sinks) == x.nbytes()
+    x = E.encode(k, v, rk, rv, group=group, sinks=sinks)
+    assert E.nbytes_for(T, H, d, rk, rv, group, sinks) == x.nbytes()
 
 
 def test_encode_layers_is_encode_of_each_layer():
     """One batched eigensolver call for every layer and side (the load path) gives each layer exactly
     what encoding it alone gives; layers of their own lengths; lists that do not pair are refused."""
     layers = [_kv(H=2, T=T, d=16, seed=T) for T in (130, 70, 1)]
-    together = L.encode_layers([k for k, _ in layers], [v for _, v in layers], 16, 8, group=32, sinks=2)
+    together = E.encode_layers([k for k, _ in layers], [v for _, v in layers], 16, 8, group=32, sinks=2)
     for (k, v), got in zip(layers, together):
-        want = L.encode(k, v, 16, 8, group=32, sinks=2)
+        want = E.encode(k, v, 16, 8, group=32, sinks=2)
         for f in fields(L.Lanes):
             a, b = getattr(got, f.name), getattr(want, f.name)
             assert torch.equal(a, b) if torch.is_tensor(a) else a == b, f.name
     with pytest.raises(ValueError, match="2 layers of keys and 1 of values"):
-        L.encode_layers([layers[0][0], layers[1][0]], [layers[0][1]], 8)
+        E.encode_layers([layers[0][0], layers[1][0]], [layers[0][1]], 8)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kite.kernels import lanes as L
-from kite.runtime.cache import CodedPrefix, KVPrefix
+from kite.upcycle.codec import lanes as E
 
 
 def _states(device: str, H: int = 2, d: int = 64, lengths=(700, 300), k_lanes: int = 64, v_lanes: int = 32,
@@ -22,11 +22,11 @@ def _states(device: str, H: int = 2, d: int = 64, lengths=(700, 300), k_lanes: i
     for T in lengths:
         k = torch.randn(H, T, d, generator=gen) @ A + 1.0
         v = torch.randn(H, T, d, generator=gen) @ A
-        out.append(L.encode(k.to(device), v.to(device), k_lanes, v_lanes, group=group, sinks=1))
+        out.append(E.encode(k.to(device), v.to(device), k_lanes, v_lanes, group=group, sinks=1))
     return out if separate else L.stack(out)
 
 
-def _check(device: str, dtype: torch.dtype, splits, block: int, tol: float, ptx=None, **shape) -> str:
+def _check(device: str, dtype: torch.dtype, splits, tol: float, **shape) -> str:
     from kite.kernels.lanes_triton import lanes_decode
 
     x = _states(device, **shape)
@@ -34,35 +34,35 @@ def _check(device: str, dtype: torch.dtype, splits, block: int, tol: float, ptx=
     q = (torch.randn(x.states, 3 * H, d, generator=torch.Generator().manual_seed(1)) * 2).to(device, dtype)
     scale = 1 / math.sqrt(d)
     want, wl = L.lanes_partial_torch(q, x, scale)
-    got, gl = lanes_decode(q, x, scale, splits=splits, block=block, ptx=ptx)
+    got, gl = lanes_decode(q, x, scale, splits=splits)
     err = float((got - want).abs().max())
     top = float(want.abs().max())
-    assert err <= tol * top, f"{dtype} splits={splits} block={block}: max |diff| {err:.3g} of max |out| {top:.3g}"
+    assert err <= tol * top, f"{dtype} splits={splits}: max |diff| {err:.3g} of max |out| {top:.3g}"
     assert float((gl - wl).abs().max()) <= 50 * tol
     # the same states each in its own tensors (a batch's rows: the plan's pointer table, groups apart)
     from kite.kernels.lanes_triton import LanesPlan
 
     apart = LanesPlan(_states(device, separate=True, **shape))
-    got1, _ = lanes_decode(q, apart, scale, splits=splits, block=block, ptx=ptx)
+    got1, _ = lanes_decode(q, apart, scale, splits=splits)
     err1 = float((got1 - want).abs().max())
     assert err1 <= tol * top, f"states apart: max |diff| {err1:.3g}"
     # with the sinks as rows kept raw, in the same softmax: as lanes_partial's CPU path merges them
     want2, _ = L.lanes_partial(q.cpu(), x.to("cpu"), scale)
-    got2, _ = lanes_decode(q, x, scale, x.raw_k, x.raw_v, splits=splits, block=block, ptx=ptx)
+    got2, _ = lanes_decode(q, x, scale, x.raw_k, x.raw_v, splits=splits)
     err2 = float((got2.cpu() - want2).abs().max())
     assert err2 <= tol * float(want2.abs().max()), f"with the sinks: max |diff| {err2:.3g}"
-    return f"{dtype} splits={splits} block={block}: max |diff| {err:.3g} / max |out| {top:.3g}; with sinks {err2:.3g}"
+    return f"{dtype} splits={splits}: max |diff| {err:.3g} / max |out| {top:.3g}; with sinks {err2:.3g}"
 
 
 def check_lanes_kernel_in_the_interpreter() -> None:
-    """(Run by run_interpreted.) Two states of different lengths, one program and three per head,
-    tiles of 32 and 64 rows; the kernel's fp16 operands (query scaled per group, probabilities)
+    """(Run by run_interpreted.) Two states of different lengths, one program and three per head;
+    the kernel's fp16 operands (query scaled per group, probabilities)
     leave it within 0.5 % of the largest output."""
     from tests.triton_interpreter import bridge_interpreter_gaps
 
     bridge_interpreter_gaps()
-    for splits, block in ((1, 32), (3, 64)):
-        print(_check("cpu", torch.float32, splits, block, 5e-3))
+    for splits in (1, 3):
+        print(_check("cpu", torch.float32, splits, 5e-3))
 
 
 def test_lanes_kernel_in_the_interpreter():
@@ -78,15 +78,15 @@ def test_lanes_decode_refuses_a_query_that_does_not_fit():
     x = _states("cpu")
     with pytest.raises(ValueError, match="does not fit"):
         lanes_decode(torch.randn(3, 6, 64), x, 0.125)
-    with pytest.raises(ValueError, match="must divide the group size"):
-        lanes_decode(torch.randn(2, 6, 64), x, 0.125, block=48)
+    with pytest.raises(ValueError, match="tile of 64 rows must divide the group size 96"):
+        lanes_decode(torch.randn(2, 6, 64), _states("cpu", group=96), 0.125)
     with pytest.raises(ValueError, match="reads 32 lanes a row or more"):
         lanes_decode(torch.randn(2, 6, 64), _states("cpu", k_lanes=16), 0.125)
 
 
 def test_lanes_partial_merges_the_sinks_on_the_cpu():
     """lanes_partial = one softmax over the sinks and the coded rows: attention over the decoded rows."""
-    from kite.kernels.coded_attention import raw_partial
+    from kite.kernels.partials import raw_partial
 
     x = _states("cpu", lengths=(500, 500))
     q = torch.randn(2, 6, 64)
@@ -127,32 +127,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("splits,block", [(None, 64), (1, 32), (4, 128)])
-def test_lanes_kernel_matches_the_reference_on_the_gpu(dtype, splits, block):
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_lanes_kernel_matches_the_reference_on_the_gpu(dtype, splits):
     """Compiled, at every query precision, head_dim 128 (lanes 128 and 64) and 64."""
     pytest.importorskip("triton")
-    print(_check("cuda", dtype, splits, block, 5e-3, d=128, k_lanes=128, v_lanes=64, group=256,
-                 lengths=(2000, 700, 256)))
-    print(_check("cuda", dtype, splits, min(block, 128), 5e-3))
-
-
-@cuda
-def test_lanes_kernel_unpacks_the_same_without_inline_ptx_on_the_gpu():
-    """The element-by-element unpacking (the interpreter's) compiled on the GPU gives the same."""
-    pytest.importorskip("triton")
-    print(_check("cuda", torch.bfloat16, None, 64, 5e-3, ptx=False, d=128, k_lanes=128, v_lanes=64, group=256))
-
-
-def decoded(held: CodedPrefix) -> KVPrefix:
-    """The rows a prefix in lanes decodes to (sinks first, then its coded rows), as a KVPrefix."""
-    from kite.kernels import lanes as L
-
-    keys, values = [], []
-    for layer in held.layers:
-        n = layer.raw_k.shape[2] + int(layer.length[0])
-        keys.append(L.decode(layer, "k")[0, :, :n])
-        values.append(L.decode(layer, "v")[0, :, :n])
-    return KVPrefix(keys, values, held.next_position)
+    print(_check("cuda", dtype, splits, 5e-3, d=128, k_lanes=128, v_lanes=64, group=256, lengths=(2000, 700, 256)))
+    print(_check("cuda", dtype, splits, 5e-3))
 
 
 # -- the GPU ------------------------------------------------------------------------------------------
@@ -177,7 +157,7 @@ def test_the_decode_step_reads_rows_in_lanes_with_the_kernel_on_the_gpu(tiny_mod
     lm_gpu = load_model(str(tiny_models["qwen2"]), device="cuda", dtype=dtype)
     with StateFile(state) as sf:
         held, _ = load_lanes(sf, lm_gpu, lane_bits=(bits, bits))
-    rows_kv = decoded(held)
+    rows_kv = held.as_kv()
     prompt = lm_gpu.tokenizer("What does the contract say about payment?")["input_ids"]
     cache = BatchKVCache(lm_gpu.model, 4)
     rows = [cache.take(rows_kv), cache.take(held), cache.take(held)]
@@ -185,7 +165,7 @@ def test_the_decode_step_reads_rows_in_lanes_with_the_kernel_on_the_gpu(tiny_mod
     forward_rows(lm_gpu.model, cache, rows, [prompt] * 3, pos)
     logits = forward_rows(lm_gpu.model, cache, rows, [[7]] * 3, [p + len(prompt) for p in pos])
     # the kernel's plan is kept for the step where the kernel reads the lanes
-    assert any(k[1] == "lanes" for k in cache.coded_batches) == (bits == 8)
+    assert any(k[0] == "LanesPrefix" for k in cache.plans) == (bits == 8)
     top = float(logits[0].abs().max())
     for got in logits[1:]:
         err = float((got - logits[0]).abs().max()) / top

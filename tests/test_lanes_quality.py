@@ -9,6 +9,7 @@ import torch
 
 from benchmarks.lanes_quality import lanes_cells, lanes_prefix, lanes_variants, worst_first
 from kite.kernels import lanes as L
+from kite.upcycle.codec import lanes as E
 
 
 def test_lanes_variants_spend_4d_over_r_lanes_a_row():
@@ -31,7 +32,7 @@ def test_lanes_prefix_gives_every_layer_back_at_its_length_with_its_bytes():
     for a, want in zip(k, keys):
         assert torch.equal(a[:, 0], want[:, 0])                                       # the sink
         assert float((a - want).norm() / want.norm()) < 0.01                          # 8 bits a component
-    one = L.encode(keys[0], values[0], 32, 16, group=64)
+    one = E.encode(keys[0], values[0], 32, 16, group=64)
     assert b["state_bytes"] == 3 * one.nbytes()
     # 32 key lanes on 16 components: every component has 2 lanes, so half the key basis rows repeat
     assert b["state_bytes"] - b["state_bytes_unique_basis"] == 3 * 2 * 16 * 16 * 2
@@ -45,7 +46,7 @@ def test_worst_first_keeps_token_0_and_the_worst_coded_tokens_exact_in_document_
     order = worst_first(k, v, 8, 8, 64, "minmax", 4)
     assert order.shape == (2, 200) and (order.sort(dim=1).values == torch.arange(200)).all()
     assert (order[:, 0] == 0).all() and (order[:, 4:].diff(dim=1) > 0).all()      # the rest in document order
-    first = L.encode(k, v, 8, 8, group=64, sinks=1)
+    first = E.encode(k, v, 8, 8, group=64, sinks=1)
     err = sum((L.decode(first, s)[0, :, :200] - t).pow(2).sum(-1) / t.pow(2).sum(-1).mean(-1, keepdim=True)
               for s, t in (("k", k), ("v", v)))
     for h in range(2):

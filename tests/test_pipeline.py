@@ -106,20 +106,26 @@ def test_per_head_bases_come_from_the_config_for_ratios_only():
     assert compress_settings(_cfg(joint_heads=False), precision="int8").codec.name == "int8"
 
 
-def test_a_state_compressed_with_per_head_bases_is_held_coded(tiny_models, tmp_path):
-    """compression.joint_heads: false through `kite upcycle compress` gives a state the coded form
-    (kite serve --resident coded) holds with a basis per KV head."""
+def test_a_state_compressed_with_per_head_bases_has_a_basis_per_kv_head(tiny_models, tmp_path):
+    """compression.joint_heads: false through `kite upcycle compress` gives a state whose staged layers
+    hold a PCA basis per KV head (blocks of head_dim dims), recorded in its codec settings."""
     from kite.model import load_model
-    from kite.upcycle import StateFile, load_resident
+    from kite.upcycle import SINK_TOKENS, StateFile
+    from kite.upcycle.load import HotTier, select, stage_state
 
     model = str(tiny_models["llama"])
     _compress_with("  joint_heads: false\n  cluster_num: 2\n  min_span_tokens: 6\n  max_span_tokens: 14\n",
                    model, tmp_path)
-    lm = load_model(model, device="cpu")
+    geo = load_model(model, device="cpu").geometry
     with StateFile(tmp_path / "d.upc") as state:
-        prefix, report = load_resident(state, lm)
-    assert report.resident == "coded" and not any(c is None for c in prefix.layers)
-    assert not any(c.joint for c in prefix.layers)   # a basis per KV head: the stream kernel's form
+        assert state.meta["codec"]["joint_heads"] is False
+        sel = select(state, None, SINK_TOKENS)
+        layers = list(range(geo.n_layers))
+        hot = stage_state(state, sel.parts, sel.part_positions, layers, n_layers=geo.n_layers, H=geo.n_kv_heads,
+                          d=geo.head_dim, verify=True, tier=HotTier(), key=("per-head",), wait=True)
+        plans = [hot.wait(layer) for layer in layers]
+    assert all(p is not None for p in plans)
+    assert {(p.sides[s].B, p.sides[s].D) for p in plans for s in ("k", "v")} == {(geo.n_kv_heads, geo.head_dim)}
 
 
 @pytest.mark.parametrize("command", ["compress", "eval"])

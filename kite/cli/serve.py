@@ -40,10 +40,9 @@ def serve(
     batch_kv_gb: Annotated[float | None, typer.Option(help="GB the batch's KV buffers may take (default: config "
                                                       "server.batch_kv_gb, unbounded).")] = None,
     resident: Annotated[str | None, typer.Option(help="Form loaded states are held in for the batch: raw "
-                                                 "(rebuilt KV), coded (read from the codec's codes: more states "
-                                                 "per GB, slower steps) or lanes (coded again into nibble lanes "
-                                                 "read near their byte floor; default: config server.resident, "
-                                                 "raw). docs/serving.md")] = None,
+                                                 "(rebuilt KV) or lanes (coded again into nibble lanes read near "
+                                                 "their byte floor; default: config server.resident, raw). "
+                                                 "docs/serving.md")] = None,
     lane_bits: Annotated[str | None, typer.Option(help="With --resident lanes: bits an element, B or K:V (keys, "
                                                   "values), each 1, 2, 4 or 8 (default: config "
                                                   "server.lane_bits, 4).")] = None,
@@ -133,7 +132,6 @@ def serve(
               f"rules {settings.rules_path.name}  fusion {'on' if settings.fusion else 'off'}  admin {admin}  "
               f"states {settings.state_dir}{embedded}"
               + (f"  store {', '.join(t.name for t in store.shared.tiers)}" if store.shared is not None else "")
-              + ("  states resident coded" if settings.resident == "coded" else "")
               + (f"  states resident in lanes ({settings.lane_bits} bits)" if settings.resident == "lanes" else "")
               + (f"  kv budget {settings.kv_budget_tokens} tokens "
                                                 f"({settings.kv_budget_codec})" if settings.kv_budget_tokens else ""),

@@ -101,16 +101,16 @@ def _check(status: int, what: str) -> None:
         raise CusolverError(f"{what} failed with cuSOLVER status {status}")
 
 
-def syev_batched(A: torch.Tensor, graph: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def syev_batched(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Eigenvalues [B, n] (ascending), eigenvectors [B, n, n] (column j = vector j) and the per-matrix
     ``info`` [B] int32 (0: converged) of symmetric ``A`` [B, n, n] (float32 or float64, on a CUDA
     device), in one cuSOLVER call on the current stream. Nothing waits for the device: check
     ``info`` when the results are read back (a nonzero entry means that matrix did not converge).
 
-    ``graph``: replay the call from a CUDA graph captured once per (device, B, n, dtype). For n = 512
+    The call is replayed from a CUDA graph captured once per (device, B, n, dtype). For n = 512
     the solver launches ~25 small kernels per column (~1,500 for the batch), which costs more host
-    time than the device spends on them; a replay launches them all at once. Falls back to the
-    direct call where capture fails.
+    time than the device spends on them; a replay launches them all at once. The direct call where
+    capture fails, or while the caller's stream is being captured.
 
     Each stream has its own handle: chunks of a batch on concurrent streams that shared one handle
     ran slower than one call and their replays gave wrong vectors (benchmarks/eigh_gpu.py)."""
@@ -123,7 +123,7 @@ def syev_batched(A: torch.Tensor, graph: bool = True) -> tuple[torch.Tensor, tor
     if A.shape[0] == 0:
         return (torch.empty(0, A.shape[1], dtype=A.dtype, device=A.device), A.clone(),
                 torch.zeros(0, dtype=torch.int32, device=A.device))
-    if graph and not torch.cuda.is_current_stream_capturing():
+    if not torch.cuda.is_current_stream_capturing():
         replay = _graph_for(A)
         if replay is not None:
             return replay(A)

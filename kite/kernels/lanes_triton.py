@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kite.kernels.coded_triton_common import LOG2E, _share
 from kite.kernels.lanes import Lanes
 
+LOG2E = 1.4426950408889634
 LN2_INV = tl.constexpr(LOG2E)      # the same, for the kernels
 
 
@@ -75,6 +75,14 @@ def _nibbles(codes, ASM: tl.constexpr, SRC: tl.constexpr, SHIFT: tl.constexpr, P
         return tl.inline_asm_elementwise(ASM, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
     else:
         return (((codes & SRC).to(tl.int16) << SHIFT) | 0x6400).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _share(n_items, split, SPLITS: tl.constexpr):
+    """Split `split`'s share [lo, hi) of a state's n_items groups cut into SPLITS."""
+    per = tl.cdiv(n_items, SPLITS)
+    lo = split * per
+    return lo, tl.minimum(lo + per, n_items)
 
 
 @triton.jit
@@ -271,6 +279,9 @@ def _ptx(q: torch.Tensor) -> bool:
 
 
 MIN_LANES = 32     # lanes a row the kernel reads (each half a tensor-core product's K of >= 16)
+# The stream kernel's launch configuration, the fastest on the H200 (benchmarks/lanes_decode.py): one-warp
+# programs of 64-row tiles (a tile divides the group size), 3 stages.
+BLOCK, NUM_WARPS, NUM_STAGES = 64, 1, 3
 
 
 def kernel_reads(lanes: Lanes | list[Lanes]) -> bool:
@@ -337,25 +348,20 @@ def _aligned(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_k: torch.Tensor | None = None,
-                 extra_v: torch.Tensor | None = None, splits: int | None = None, block: int = 64,
-                 num_warps: int = 1, num_stages: int = 3, ptx: bool | None = None,
-                 maxnreg: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 extra_v: torch.Tensor | None = None, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [N, Hq, d] (one token per state) over the coded rows of each state in
     ``lanes`` and, in the same softmax, ``extra_k`` / ``extra_v`` [N, H, E, d] (rows kept raw: the
     sinks, the decoded tokens; keys post-RoPE): (out [N, Hq, d], lse [N, Hq]) float32.
-    ``splits``: programs a KV head's groups are cut into (default: about 40 programs an SM);
-    ``block``: rows a tile (divides the group size); ``ptx``: unpack the nibbles in inline PTX
-    (default: on a GPU, not under Triton's interpreter); ``maxnreg``: a cap on the stream kernel's
-    registers a thread (more programs an SM, some spilled). The defaults (one-warp programs of
-    64-row tiles, 3 stages) were the fastest on the H200 (docs/lanes_decode_h200_run5.json)."""
+    ``splits``: programs a KV head's groups are cut into (default: about 40 programs an SM). The
+    nibbles are unpacked in inline PTX on a GPU, element by element under Triton's interpreter."""
     plan = lanes if isinstance(lanes, LanesPlan) else LanesPlan(lanes)
     N, H, NG, RK, RV, D = plan.N, plan.H, plan.NGMAX, plan.RK, plan.RV, plan.D
     group = plan.group
     Nq, Hq, d = q.shape
     if Nq != N or d != D or Hq % H:
         raise ValueError(f"q {tuple(q.shape)} does not fit {N} states of {H} KV heads of {D} dims")
-    if group % block:
-        raise ValueError(f"block {block} must divide the group size {group}")
+    if group % BLOCK:
+        raise ValueError(f"the kernel's tile of {BLOCK} rows must divide the group size {group}")
     if min(RK, RV) < MIN_LANES:
         raise ValueError(f"the lanes kernel reads {MIN_LANES} lanes a row or more, not {RK} / {RV} "
                          "(kite.kernels.lanes.lanes_partial_torch reads any)")
@@ -375,9 +381,8 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
     acc = torch.empty(N, H, splits, GP, RV, **f32)
     gm, gs = torch.empty(N, H, NG, GP, **f32), torch.empty(N, H, NG, GP, **f32)
     _lanes_kernel[(N * H, splits)](qk, cq, plan.ptrs, plan.ngs, plan.length, m, lsum, acc, gm, gs, H=H, G=G,
-                                   GP=GP, NGMAX=NG, GROUP=group, RK=RK, RV=RV, BT=block, SPLITS=splits,
-                                   PTX=_ptx(q) if ptx is None else ptx, num_warps=num_warps, num_stages=num_stages,
-                                   **({"maxnreg": maxnreg} if maxnreg else {}))
+                                   GP=GP, NGMAX=NG, GROUP=group, RK=RK, RV=RV, BT=BLOCK, SPLITS=splits,
+                                   PTX=_ptx(q), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if extra_k is None or extra_k.shape[2] == 0:
         extra_k = extra_v = torch.zeros(N, H, 0, D, device=dev, dtype=q.dtype)
     E = extra_k.shape[2]

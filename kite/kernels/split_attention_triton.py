@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+NUM_WARPS, NUM_STAGES = 8, 2     # the partial kernel's launch configuration
 _SMS: dict[int, int] = {}
 
 
@@ -124,14 +125,12 @@ def _sms(device: torch.device) -> int:
     return _SMS[i]
 
 
-def plan(batch: int, hkv: int, rows: int, keys: int, sms: int, block_n: int = 64,
-         waves: float = 1.0, block_m: int | None = None) -> tuple[int, int, int]:
-    """(BLOCK_M, splits, keys per split): enough blocks for ``waves`` blocks per SM, each split at
-    least two key tiles long and a whole number of tiles. ``block_m``: rows per tile (default: all the
-    folded rows in one tile, up to 128)."""
-    block_m = block_m or max(16, min(128, triton.next_power_of_2(rows)))
+def plan(batch: int, hkv: int, rows: int, keys: int, sms: int, block_n: int = 64) -> tuple[int, int, int]:
+    """(BLOCK_M, splits, keys per split): enough blocks for one block per SM, each split at least two
+    key tiles long and a whole number of tiles; all the folded rows in one tile (up to 128)."""
+    block_m = max(16, min(128, triton.next_power_of_2(rows)))
     tiles_m = triton.cdiv(rows, block_m)
-    want = max(1, int(waves * sms) // (batch * hkv * tiles_m))
+    want = max(1, sms // (batch * hkv * tiles_m))
     splits = max(1, min(want, 128, keys // (2 * block_n)))
     chunk = triton.cdiv(triton.cdiv(keys, splits), block_n) * block_n
     return block_m, triton.cdiv(keys, chunk), chunk
@@ -139,14 +138,13 @@ def plan(batch: int, hkv: int, rows: int, keys: int, sms: int, block_n: int = 64
 
 def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        mask: torch.Tensor | None = None, scale: float | None = None, *,
-                       splits: int | None = None, block_n: int = 64, num_warps: int = 8,
-                       num_stages: int = 2, waves: float = 1.0, block_m: int | None = None) -> torch.Tensor:
+                       splits: int | None = None, block_n: int = 64) -> torch.Tensor:
     """Attention of query [B, Hq, q, d] over key / value [B, Hkv, k, d] (Hq a multiple of Hkv, d a power
     of two >= 16): out [B, q, Hq, d] in the query's dtype.
 
     ``mask``: bool [B|1, 1, q, k], True = visible; None = bottom-right causal. A query row that sees no
-    key gets zeros. ``splits``: how many chunks the keys are cut into (default: ``waves`` blocks per
-    SM, at most 128 chunks; on the CPU, as for 4 SMs).
+    key gets zeros. ``splits``: how many chunks the keys are cut into (default: one block per SM, at
+    most 128 chunks; on the CPU, as for 4 SMs); ``block_n``: keys a tile.
     """
     B, Hq, QL, D = query.shape
     Hkv, KL = key.shape[1], key.shape[2]
@@ -154,7 +152,7 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     M = rep * QL
     scale = D ** -0.5 if scale is None else scale
     sms = _sms(query.device) if query.is_cuda else 4
-    block_m, n_split, chunk = plan(B, Hkv, M, KL, sms, block_n, waves, block_m)
+    block_m, n_split, chunk = plan(B, Hkv, M, KL, sms, block_n)
     if splits is not None:
         chunk = triton.cdiv(triton.cdiv(KL, max(1, splits)), block_n) * block_n
         n_split = triton.cdiv(KL, chunk)
@@ -178,7 +176,7 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), *sm, n_split,
         HKV=Hkv, REP=rep, QL=QL, D=D, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_MASK=mask is not None, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
+        HAS_MASK=mask is not None, IEEE=ieee, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     out = torch.empty(B, QL, Hq, D, dtype=query.dtype, device=query.device)
     _merge_kernel[(M, B * Hkv)](
         o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(2), n_split,

@@ -40,8 +40,8 @@ def kite_attention(module, query, key, value, attention_mask, scaling=None, drop
         held = batch.held(module.layer_idx, key.dtype, key.device) if batch.memories else None
         mask = batch.mask(module.layer_idx, key.shape[-2])
         out, _ = batch_attention(query, key, value, mask, scaling, held)
-        if batch.coded:
-            coded_rows(out, query, key, value, mask, scaling, batch, module.layer_idx)
+        if batch.beside:
+            beside_rows(out, query, key, value, mask, scaling, batch, module.layer_idx)
         return out, None
     q_len, k_len = query.shape[-2], key.shape[-2]
     mask = attention_mask
@@ -102,77 +102,22 @@ def batch_attention(query, key, value, mask, scaling=None, held=None):
     return out, None
 
 
-def coded_rows(out, query, key, value, mask, scaling, batch, layer: int) -> None:
-    """Rows whose state is resident in coded form (``batch.coded``: batch index -> CodedPrefix): their
-    output ``out[b]`` [q, Hq, d] becomes one softmax over the state's coded tokens and the row's own
-    slots (``mask``). The state's part comes from the codec's codes (:func:`_codec_part`) or from
-    nibble lanes (:func:`_lanes_part`), as the row's prefix holds it."""
-    from kite.kernels.coded_attention import merge, raw_partial
+def beside_rows(out, query, key, value, mask, scaling, batch, layer: int) -> None:
+    """Rows whose state is held beside their slots (``batch.beside``: batch index -> a
+    kite.runtime.resident.ResidentPrefix): their output ``out[b]`` [q, Hq, d] becomes one softmax over
+    the state (its form's ``attend``, rows of one form together) and the row's own slots (``mask``)."""
+    from kite.kernels.partials import merge, raw_partial
 
-    rows = [b for b in sorted(batch.coded) if batch.coded[b].layers[layer] is not None]
+    rows = [b for b in sorted(batch.beside) if batch.beside[b].holds(layer)]
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    for part, lanes in ((_codec_part, False), (_lanes_part, True)):
-        these = [b for b in rows if batch.coded[b].lanes == lanes]
-        if not these:
-            continue
+    for form in sorted({type(batch.beside[b]) for b in rows}, key=lambda t: t.__name__):
+        these = [b for b in rows if type(batch.beside[b]) is form]
         idx = torch.tensor(these, device=query.device)
         q = query[idx]                                                       # [n, Hq, q, d]
         raw = raw_partial(q, key[idx], value[idx], scaling, mask[idx])       # the rows' own slots
-        o, lse = part(q, batch, layer, these, scaling)
+        o, lse = form.attend(q, [batch.beside[b] for b in these], layer, scaling, batch.plans)
         merged, _ = merge([(o, lse), raw])                                   # [n, Hq, q, d]
         out[idx] = merged.transpose(1, 2).to(out.dtype)
-
-
-def _codec_part(q, batch, layer: int, rows: list[int], scaling: float):
-    """(out, lse) of q [n, Hq, q, d] over the rows' states in the codec's codes. One decode token per
-    row on a GPU: the batched Triton kernel over tables made once per layer and set of rows (kept in
-    ``batch.coded_batches`` until rows change); otherwise the torch reference, row by row
-    (kite.kernels.coded_attention)."""
-    from kite.kernels.coded_attention import coded_decode_partial, coded_partial
-
-    layers = [batch.coded[b].layers[layer] for b in rows]
-    if q.shape[2] == 1 and q.is_cuda:
-        tables = max((batch.coded[b] for b in rows), key=lambda p: p.cos.shape[0])
-        key_ = (layer, tuple(id(batch.coded[b]) for b in rows))
-        if key_ not in batch.coded_batches:
-            from kite.kernels.coded_attention_triton import CodedBatch
-
-            batch.coded_batches[key_] = CodedBatch(layers)
-        o, lse = coded_decode_partial(q[:, :, 0], batch.coded_batches[key_], tables.cos, tables.sin, scaling)
-        return o[:, :, None], lse[:, :, None]
-    parts = [coded_partial(q[i], c, batch.coded[b].cos, batch.coded[b].sin, scaling)
-             for i, (b, c) in enumerate(zip(rows, layers))]
-    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
-
-
-def _lanes_part(q, batch, layer: int, rows: list[int], scaling: float):
-    """(out, lse) of q [n, Hq, q, d] over the rows' states in nibble lanes (kite.kernels.lanes), their
-    sinks included. One decode token per row on a GPU, with lanes of >= 32 a row (head_dim >= 64 at
-    4 bits): the lanes kernel (kite.kernels.lanes_triton) over a pointer table to the rows' states,
-    made once per layer and set of rows (kept in ``batch.coded_batches`` until rows change);
-    otherwise the torch reference, row by row."""
-    from kite.kernels import lanes as L
-
-    layers = [batch.coded[b].layers[layer] for b in rows]
-    if q.shape[2] == 1 and q.is_cuda and _kernel_reads(layers):
-        from kite.kernels.lanes_triton import LanesPlan, lanes_decode
-
-        key_ = (layer, "lanes", tuple(id(batch.coded[b]) for b in rows))
-        if key_ not in batch.coded_batches:
-            batch.coded_batches[key_] = LanesPlan(layers)
-        plan = batch.coded_batches[key_]
-        o, lse = lanes_decode(q[:, :, 0], plan, scaling, plan.raw_k, plan.raw_v)
-        return o[:, :, None], lse[:, :, None]
-    parts = [L.lanes_partial(q[i:i + 1], x, scaling) for i, x in enumerate(layers)]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
-
-def _kernel_reads(layers) -> bool:
-    try:
-        from kite.kernels.lanes_triton import kernel_reads
-    except ImportError:     # no Triton: the reference
-        return False
-    return kernel_reads(layers)
 
 
 def _splits_keys(query, key, mask, dropout) -> bool:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kite.errors import KiteError
-from kite.runtime.cache import CodedPrefix, KVPrefix
+from kite.runtime.resident import ResidentPrefix
 from kite.runtime.row_memory import RowMemory
 
 _ALIGN = 64   # capacity grows in whole blocks of slots (fewer regrowths, steadier shapes)
@@ -57,8 +57,8 @@ class BatchStep:
     real: torch.Tensor | None    # [B, q] bool: which (row, j) are real tokens; None when all are
     row_range: tuple[int, int] | None   # (first, end) when `rows` is a consecutive run: views, no copies
     memories: dict[int, RowMemory] = field(default_factory=dict)   # batch index -> its older tokens
-    coded: dict[int, CodedPrefix] = field(default_factory=dict)    # batch index -> its state in coded form
-    coded_batches: dict = field(default_factory=dict)   # the kernel's tables per (layer, rows), kept by the cache
+    beside: dict[int, ResidentPrefix] = field(default_factory=dict)   # batch index -> its state held beside its slots
+    plans: dict = field(default_factory=dict)   # what those states' forms build per layer and rows, kept by the cache
 
     def held(self, layer: int, dtype: torch.dtype, device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """The older tokens of the rows that keep some apart (kite.runtime.row_memory), by batch
@@ -113,8 +113,8 @@ class BatchKVCache:
         self.values: list[torch.Tensor] = []
         self.lengths = torch.zeros((self.n_layers, 0), dtype=torch.long)
         self.taken: list[bool] = []
-        self.coded: dict[int, CodedPrefix] = {}     # row -> its state resident in coded form
-        self.coded_batches: dict = {}               # the coded kernel's tables, until rows change
+        self.beside: dict[int, ResidentPrefix] = {}   # row -> its state, held beside its slots in its own form
+        self.plans: dict = {}                         # what those forms build for a step's rows, until rows change
         self._step: BatchStep | None = None
         self._reserve(1, capacity)
 
@@ -154,37 +154,32 @@ class BatchKVCache:
 
     # -- rows ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def take(self, prefix: KVPrefix | CodedPrefix | None = None) -> int:
-        """A free row for a new sequence, seeded with `prefix` (layer l holds its P_l tokens in
-        slots 0…P_l-1; a CodedPrefix stays in its coded form beside the row, which then holds only
-        live tokens); raises BatchFull when there is none or its prefix passes the budget."""
+    def take(self, prefix: ResidentPrefix | None = None) -> int:
+        """A free row for a new sequence, seeded with `prefix` (kite.runtime.resident: a KVPrefix's
+        layer l fills slots 0…P_l-1; a prefix held `beside` stays in its own form beside the row, whose
+        slots then hold only live tokens); raises BatchFull when there is none or its prefix passes
+        the budget."""
         if self._step is not None:
             raise RuntimeError("rows change between steps, not during one")
         row = self.next_row()
         if row is None:
             raise BatchFull(f"all {self.max_rows} rows of the batch are taken")
         counts = [0] * self.n_layers
-        coded = prefix if isinstance(prefix, CodedPrefix) else None
-        if coded is not None:
-            prefix = None
-            if coded.n_layers != self.n_layers:
-                raise ValueError(f"prefix has {coded.n_layers} layers, the model {self.n_layers}")
         if prefix is not None:
             if prefix.n_layers != self.n_layers:
                 raise ValueError(f"prefix has {prefix.n_layers} layers, the model {self.n_layers}")
-            counts = prefix.tokens_per_layer()
+            counts = prefix.slot_tokens()
         self._reserve(row + 1, max(counts))
-        if prefix is not None:
-            for layer, (k, v) in enumerate(zip(prefix.keys, prefix.values)):
-                n = counts[layer]
-                if n:
-                    self.keys[layer][row, :, :n] = k.to(self.device, self.dtype)
-                    self.values[layer][row, :, :n] = v.to(self.device, self.dtype)
+        for layer, n in enumerate(counts):
+            if n:
+                k, v = prefix.slot_kv(layer)
+                self.keys[layer][row, :, :n] = k.to(self.device, self.dtype)
+                self.values[layer][row, :, :n] = v.to(self.device, self.dtype)
         self.lengths[:, row] = torch.tensor(counts, dtype=torch.long)
         self.taken[row] = True
-        if coded is not None:
-            self.coded[row] = coded
-        self.coded_batches.clear()
+        if prefix is not None and prefix.beside:
+            self.beside[row] = prefix
+        self.plans.clear()
         return row
 
     @torch.inference_mode()
@@ -215,11 +210,11 @@ class BatchKVCache:
             self.lengths[:, last] = 0
             self.taken[row], self.taken[last] = True, False
             moved = last
-        coded = self.coded.pop(row, None) is not None
-        if moved is not None and moved in self.coded:
-            self.coded[row] = self.coded.pop(moved)
-        if coded or moved is not None:
-            self.coded_batches.clear()
+        held = self.beside.pop(row, None) is not None
+        if moved is not None and moved in self.beside:
+            self.beside[row] = self.beside.pop(moved)
+        if held or moved is not None:
+            self.plans.clear()
         return moved
 
     @torch.inference_mode()
@@ -306,8 +301,8 @@ class BatchKVCache:
             real=None if bool(real.all()) else real.to(self.device),
             row_range=(first, end) if rows == list(range(first, end)) else None,
             memories=dict(memories or {}),
-            coded={b: self.coded[r] for b, r in enumerate(rows) if r in self.coded},
-            coded_batches=self.coded_batches)
+            beside={b: self.beside[r] for b, r in enumerate(rows) if r in self.beside},
+            plans=self.plans)
         self._step = step
         return step
 

@@ -1,7 +1,7 @@
 """Batched decoding: many sequences, each after its own loaded state, advanced one token per step.
 
 `BatchDecoder` is the engine a server's scheduler drives at step boundaries: `add` a request
-(it takes a row of the `BatchKVCache`, seeded with the request's `KVPrefix`), `step` to advance
+(it takes a row of the `BatchKVCache`, seeded with the request's prefix: kite.runtime.resident), `step` to advance
 every active sequence by one token, `cancel` to drop one. A finished or cancelled sequence leaves
 at once and frees its row for the next request; `step` returns its `GenerationResult`, with the same
 fields, text and tokens as `generate()` gives for the same request alone (greedy, or sampled with
@@ -35,7 +35,7 @@ import torch
 from kite.runtime.attention import BATCH_KWARG
 from kite.runtime.batch import right_padded
 from kite.runtime.batch_cache import BatchFull, BatchKVCache, round_capacity
-from kite.runtime.cache import CodedPrefix, KVPrefix
+from kite.runtime.resident import ResidentPrefix
 from kite.runtime.decoding import (GenerationResult, SequenceDecode, check_request, nll_bits,
                                    prompt_nll_nats)
 from kite.runtime.generate import cache_kwarg
@@ -78,7 +78,7 @@ class _Sequence:
 
     handle: int
     prompt_ids: list[int]
-    prefix: KVPrefix | None
+    prefix: ResidentPrefix | None
     decode: SequenceDecode
     row: int
     position: int                # where the next token fed goes
@@ -122,7 +122,7 @@ class BatchDecoder:
     def max_rows(self) -> int:
         return self.cache.max_rows
 
-    def fits(self, prompt_tokens: int, prefix: KVPrefix | None = None, max_new_tokens: int = 128,
+    def fits(self, prompt_tokens: int, prefix: ResidentPrefix | None = None, max_new_tokens: int = 128,
              memory: RowMemory | None = None) -> bool:
         """Whether `add` would take such a request now (a free row, and the KV budget)."""
         row = self.cache.next_row()
@@ -138,7 +138,7 @@ class BatchDecoder:
         capacity = max(self.cache.capacity, round_capacity(worst))
         return self.cache.bytes_for(rows, capacity) <= self.cache.max_bytes
 
-    def add(self, prompt_ids: list[int], *, prefix: KVPrefix | None = None, max_new_tokens: int = 128,
+    def add(self, prompt_ids: list[int], *, prefix: ResidentPrefix | None = None, max_new_tokens: int = 128,
             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
             stop_ids: set[int] | None = None, on_text: Callable[[str], None] | None = None,
             memory: RowMemory | None = None) -> int:
@@ -281,12 +281,12 @@ def _by_reader(seqs: list[_Sequence]) -> list[list[_Sequence]]:
     return [g for g in groups if g]
 
 
-def _worst_length(prompt_tokens: int, prefix: KVPrefix | CodedPrefix | None, max_new_tokens: int,
+def _worst_length(prompt_tokens: int, prefix: ResidentPrefix | None, max_new_tokens: int,
                   memory: RowMemory | None = None) -> int:
     """Slots a row may fill: its longest prefix layer, the prompt and every new token but the last
     (which is sampled, never fed); with a memory, no more than the memory lets it hold."""
-    # a state in coded form stays beside the row: its slots hold the live tokens only
-    longest = max(prefix.tokens_per_layer(), default=0) if isinstance(prefix, KVPrefix) else 0
+    # a state held beside the row fills none of its slots
+    longest = max(prefix.slot_tokens(), default=0) if prefix is not None else 0
     worst = longest + prompt_tokens + max(max_new_tokens - 1, 0)
     return min(worst, memory.max_slots) if memory is not None else worst
 

@@ -30,7 +30,7 @@ from typing import Callable
 
 from kite.errors import BadInput
 from kite.runtime.batch_decode import BatchDecoder
-from kite.runtime.cache import CodedPrefix, KVPrefix
+from kite.runtime.resident import ResidentPrefix
 from kite.runtime.row_memory import RowMemory
 
 
@@ -39,7 +39,7 @@ class BatchRequest:
     """One request's way through the batch; ``future`` gets its GenerationResult (or the error)."""
 
     prompt_ids: list[int]
-    prefix: KVPrefix | CodedPrefix | None
+    prefix: ResidentPrefix | None
     opts: object                      # kite.serve.runner.GenOptions
     memory: RowMemory | None = None   # a budgeted request's older tokens (kite.upcycle.BudgetRow)
     future: Future = field(default_factory=Future)
@@ -139,7 +139,7 @@ class Batcher:
         return result, (task.started_at - task.queued_at) * 1e3
 
     # -- requests ----------------------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], prefix: KVPrefix | CodedPrefix | None, opts,
+    def submit(self, prompt_ids: list[int], prefix: ResidentPrefix | None, opts,
                memory: RowMemory | None = None) -> BatchRequest:
         """Queue a request; it joins the batch at the next step boundary it fits. ``memory``: where
         its older tokens go (a memory-budgeted completion: its prompt is fed a chunk a step)."""
@@ -153,7 +153,7 @@ class Batcher:
             self._wake.notify()
         return req
 
-    def generate(self, prompt_ids: list[int], prefix: KVPrefix | CodedPrefix | None, opts,
+    def generate(self, prompt_ids: list[int], prefix: ResidentPrefix | None, opts,
                  memory: RowMemory | None = None) -> tuple[object, BatchRequest]:
         """Submit and wait: (GenerationResult, the request). ``opts.on_request(req)``, when set, gets
         the request first (to :meth:`cancel` it). Cancelled in the batch: stop_reason "cancelled";

@@ -6,14 +6,10 @@ request about the same state that gets the same choice reads the same KV: it is 
 replaced on disk is loaded again), the load's arguments and the form it is held in. A hit costs no
 read and no decode; its report says so (``timings_ms["cached"]``).
 
-``resident="coded"`` (``server.resident``): a load the coded form covers (every layer, the state's
-own precision, a PCA-coded state without a regenerator) is kept in that form
-(:func:`kite.upcycle.load_resident`), and the batch's attention reads it from its codes; any other
-load is rebuilt as raw KV (``load_prefix``) and its report's warnings say why.
-
-``resident="lanes"``: every load is rebuilt (``load_prefix``) and coded again into nibble lanes of
-``lane_bits`` bits an element (:func:`kite.upcycle.load.lanes.load_lanes`), which the batch's
-attention reads from their codes.
+Loads are held in the server's resident form (``server.resident``: a kite.upcycle.ResidentForm
+from the registry, kite.upcycle.RESIDENT_FORMS). A load that form refuses (BadInput: e.g. a head
+size the lanes cannot take) is held raw instead, its report's warnings say why, and the refusal is
+remembered so that the next load of it does not try again.
 """
 
 from __future__ import annotations
@@ -24,39 +20,36 @@ from dataclasses import replace
 
 from kite.errors import BadInput
 
-RESIDENT_FORMS = ("raw", "coded", "lanes")
-REFUSED_KEPT = 4096   # loads remembered as not holdable coded (not tried again while remembered)
-
-
-def prefix_bytes(prefix) -> int:
-    """Bytes a loaded prefix holds: KVPrefix.nbytes() (a method) or CodedPrefix.nbytes (a property)."""
-    n = prefix.nbytes
-    return int(n() if callable(n) else n)
+REFUSED_KEPT = 4096   # loads remembered as not holdable in the server's form (not tried again while remembered)
 
 
 class PrefixCache:
     def __init__(self, max_bytes: int, resident: str = "raw", lane_bits: str = "4"):
-        from kite.config import parse_lane_bits
+        """``resident``: the name of a registered resident form, built with the settings it takes
+        (``lane_bits`` for lanes); BadInput for an unknown name or a bad setting."""
+        from kite.upcycle import resident_form
 
-        if resident not in RESIDENT_FORMS:
-            raise BadInput(f"server.resident {resident!r}: expected one of {', '.join(RESIDENT_FORMS)}")
         self.max_bytes = max_bytes
-        self.resident = resident
-        self.lane_bits = parse_lane_bits(lane_bits)
+        self.form = resident_form(resident, lane_bits=lane_bits)
+        self.raw = self.form if self.form.name == "raw" else resident_form("raw")
         self._entries: OrderedDict = OrderedDict()
-        self._refused: OrderedDict = OrderedDict()   # (version, args) -> why the coded form does not hold it
+        self._refused: OrderedDict = OrderedDict()   # (version, args) -> why the form does not hold it
         self._bytes = 0
         self.hits = self.misses = 0
 
+    @property
+    def resident(self) -> str:
+        return self.form.name
+
     def load(self, state, lm, **kwargs):
-        """`kite.upcycle.load_prefix(state, lm, **kwargs)` (with ``resident="coded"``, in coded form
-        where it can be: `kite.upcycle.load_resident`), or what an earlier call with the same file
-        version and arguments returned (not to be modified: rows copy it)."""
+        """``self.form.load(state, lm, **kwargs)`` (``kite.upcycle.load_prefix``'s arguments; held raw
+        where the form refuses it), or what an earlier call with the same file version and arguments
+        returned (not to be modified: rows copy it)."""
         t0 = time.perf_counter()
         args = (state.version, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items())))
-        why = self._refused.get(args) if self.resident != "raw" else None
-        form = self.resident if why is None else "raw"
-        key = (args[0], form, args[1])
+        why = self._refused.get(args)
+        form = self.form if why is None else self.raw
+        key = (args[0], form.name, args[1])
         hit = self._entries.get(key)
         if hit is not None:
             self._entries.move_to_end(key)
@@ -67,32 +60,28 @@ class PrefixCache:
                                    warnings=list(report.warnings))
         self.misses += 1
         prefix, report = self._load(state, lm, args, form, why, kwargs)
-        size = prefix_bytes(prefix)
+        size = prefix.nbytes()
         key = (args[0], report.resident, args[1])
         if size <= self.max_bytes:
             self._entries[key] = (prefix, report)
             self._bytes += size
             while self._bytes > self.max_bytes:
                 _, (old, _) = self._entries.popitem(last=False)
-                self._bytes -= prefix_bytes(old)
+                self._bytes -= old.nbytes()
         return prefix, report
 
-    def _load(self, state, lm, args, form: str, why: str | None, kwargs):
-        from kite.upcycle import load_lanes, load_prefix, load_resident
-
-        if form != "raw":
+    def _load(self, state, lm, args, form, why: str | None, kwargs):
+        if form is not self.raw:
             try:
-                if form == "lanes":
-                    return load_lanes(state, lm, lane_bits=self.lane_bits, **kwargs)
-                return load_resident(state, lm, **kwargs)
+                return form.load(state, lm, **kwargs)
             except BadInput as exc:
                 why = str(exc).replace(str(state.path), state.path.name)   # the server's folders stay its own
                 self._refused[args] = why
                 while len(self._refused) > REFUSED_KEPT:
                     self._refused.popitem(last=False)
-        prefix, report = load_prefix(state, lm, **kwargs)
+        prefix, report = self.raw.load(state, lm, **kwargs)
         if why is not None:
-            report.warnings.append(f"server.resident is {self.resident}, but this load is held raw: {why}")
+            report.warnings.append(f"server.resident is {self.form.name}, but this load is held raw: {why}")
         return prefix, report
 
     @property

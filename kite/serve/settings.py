@@ -7,7 +7,6 @@ from pathlib import Path
 
 from kite.config import DEFAULT_MIN_HIT_GAIN, parse_lane_bits
 from kite.errors import BadInput
-from kite.serve.prefixes import RESIDENT_FORMS
 from kite.store.ids import check_state_id  # noqa: F401 - re-exported: kite.serve's name for it
 from kite.yoco.rules import resolve_rules_path
 
@@ -40,8 +39,8 @@ class ServeSettings:
     batch_kv_gb: float | None = None
     # loaded states kept for the next request that loads the same (kite.serve.prefixes)
     prefix_cache_gb: float = 2.0
-    # the form loaded states are held in for the batch: "raw" (rebuilt KV), "coded" (read from the
-    # codec's codes) or "lanes" (coded again into nibble lanes, ``lane_bits`` an element; docs/serving.md)
+    # the form loaded states are held in for the batch, a registered resident form (kite.upcycle.RESIDENT_FORMS):
+    # "raw" (rebuilt KV) or "lanes" (coded again into nibble lanes, ``lane_bits`` an element; docs/serving.md)
     resident: str = "raw"
     lane_bits: str = "4"
     # the shared, tiered state store (kite.store; docs/store.md): tier URLs, None = the folder only
@@ -55,8 +54,9 @@ class ServeSettings:
             raise BadInput(f"--batch-kv-gb {self.batch_kv_gb:g}: must be > 0")
         if self.prefix_cache_gb < 0:
             raise BadInput(f"server.prefix_cache_gb {self.prefix_cache_gb:g}: must be ≥ 0 (0: keep none)")
-        if self.resident not in RESIDENT_FORMS:
-            raise BadInput(f"server.resident {self.resident!r}: expected one of {', '.join(RESIDENT_FORMS)}")
+        from kite.upcycle import check_resident
+
+        check_resident(self.resident)
         parse_lane_bits(self.lane_bits)
         if self.max_body_mb <= 0:
             raise BadInput(f"server.max_body_mb {self.max_body_mb}: must be > 0")

@@ -10,8 +10,7 @@ Four ways to hold a request's context, each a row of the plan:
 - ``raw``: bf16 KV on the GPU; every request prefills its document.
 - a setting, resident: states held compressed on the GPU (more sequences fit), timed as the
   default joint-head states run: every decode step rebuilds each sequence's layers (launch-bound:
-  the plan counts that cost; per-head states read in coded form by the coded-attention kernel are
-  not modelled); every request still prefills its document, then compresses it.
+  the plan counts that cost); every request still prefills its document, then compresses it.
 - a setting, loaded (with ``reuse`` > 0): the fraction ``reuse`` of requests find their document's
   state in pinned host memory and load it into raw KV instead of prefilling; the rest prefill
   and compress. Memory per sequence is raw.
@@ -35,9 +34,6 @@ from kite.tune.roofline import ModelShape, Roofline, corrections
 
 REBUILD_CHUNK = 8      # sequences rebuilt per layer at once: a transient of raw KV (gpu_speed.py --chunk)
 TP_DEGREES = (1, 2, 4, 8)
-# The coded-attention figure the resident note cites (whole decode steps at a 40 GB KV budget).
-CODED_STEP = ("H200, docs/gpu_speed_h200_fused_steps_session10.json: a decode step over 81 per-head coded "
-              "16K-token states 49.57 ms, over 42 raw 13.59 ms")
 # What the lanes cost in quality on top of a loaded state's codec (the lanes note cites it).
 LANES_QUALITY = ("the embedded model, 4 bits, groups of 512, on the joint codec's decoded KV at 4x: KL to the "
                  "full context 0.0024 -> 0.0096, docs/lanes_quality_through_codec_session11.json")
@@ -222,15 +218,15 @@ def plan_capacity(req: CapacityRequest, shape: ModelShape, gpu: GpuSpec, *, mode
 def lanes_state_bytes(req: CapacityRequest, shape: ModelShape) -> float | str:
     """Bytes of one prompt's state in lanes at ``req.lane_bits`` (kite serve --resident lanes'
     groups and sinks), or why this geometry has none."""
-    from kite.kernels.lanes import nbytes_for
     from kite.upcycle import lanes_for
+    from kite.upcycle.codec import lanes_nbytes
 
     g = shape.geometry
     try:
         k, v = (lanes_for(b, g.head_dim) for b in parse_lane_bits(req.lane_bits))
     except BadInput as exc:
         return str(exc)
-    return float(g.n_layers * nbytes_for(req.avg_tokens, g.n_kv_heads, g.head_dim, k, v))
+    return float(g.n_layers * lanes_nbytes(req.avg_tokens, g.n_kv_heads, g.head_dim, k, v))
 
 
 def _state_seq_bytes(req: CapacityRequest, kvpt: int, ratio: float) -> float:
@@ -275,10 +271,9 @@ def _times(plan: CapacityPlan, fits: dict[str, SettingFit]) -> None:
     if any(r.mode == "resident" for r in plan.rows):
         plan.notes.append("resident states: timed as the default joint-head states, which every decode step "
                           f"rebuilds layer by layer ({fix.rebuild_ms:.3f} ms per sequence and layer, measured on "
-                          f"{m.gpu}: {m.steps_source}); per-head states are read in coded form by the "
-                          f"coded-attention kernel instead, which this plan does not model ({CODED_STEP}); "
-                          "either way the extra sequences are memory, not throughput, today; TTFT counts the "
-                          "compression of each new document, which kite serve runs before its state answers")
+                          f"{m.gpu}: {m.steps_source}); the extra sequences are memory, not throughput, "
+                          "today; TTFT counts the compression of each new document, which kite serve runs "
+                          "before its state answers")
     if any(r.mode == "lanes" for r in plan.rows):
         plan.notes.append(f"lanes rows: read by the lanes decode kernel at {fix.lanes_efficiency:.0%} of HBM "
                           f"bandwidth ({m.lanes_source}); TTFT counts the compression and the coding into lanes "

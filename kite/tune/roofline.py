@@ -14,8 +14,7 @@ these floors by a factor the planner takes from the H200 runs (kite.tune.gpus.Me
 - a state's load: its bytes over the host link at the efficiency the hot-tier load reached;
 - compressed states resident on the GPU, as the default joint-head states are held: every decode
   step rebuilds each sequence's layers, a fixed cost per sequence and layer (launch-bound;
-  kite.upcycle's rebuild per layer). Per-head states read in coded form by the coded-attention
-  kernel are not modelled.
+  kite.upcycle's rebuild per layer).
 - states resident in nibble lanes (``kite serve --resident lanes``): the lanes' bytes over HBM at
   the efficiency the lanes decode kernel reached (its byte floor / its measured time), on top of
   the step's weights and raw rows.

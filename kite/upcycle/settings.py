@@ -32,8 +32,7 @@ class CompressionConfig(_Strict):
     # beside the states). Labels not named take the state's ratio. Needs a PCA ratio, not a preset.
     label_ratios: dict[str, float] | str = Field(default_factory=dict)
     # A ratio's PCA bases: one over a layer's heads together (true: the most quality per byte) or one
-    # per KV head (false: the form `kite serve --resident coded` reads fastest on a GPU,
-    # docs/serving.md). Presets ignore it.
+    # per KV head (false). Presets ignore it.
     joint_heads: bool = True
 
     @field_validator("precision")

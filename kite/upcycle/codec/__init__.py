@@ -1,6 +1,8 @@
 """The KV-cache codec of a `.upc` state (KVTC-style PCA + per-component bit allocation, plain
 quantization, raw casts): settings and presets, the side coders registered per mode, the per-layer
-codec (CPU) and the batched encoder (any device, the GPU's), and the quantizer under them."""
+codec (CPU) and the batched encoder (any device, the GPU's), and the quantizer under them; and the
+nibble-lanes encoder (`encode_lanes`, `lanes_nbytes`: a loaded state coded again into the form the lanes
+decode kernel reads, kite.kernels.lanes)."""
 
 from kite.upcycle.codec.batched import EncodedState, encode_state
 from kite.upcycle.codec.batched import supports as supports_batched
@@ -8,6 +10,8 @@ from kite.upcycle.codec.bits import allocate_bits, allocate_bits_batched, first_
 from kite.upcycle.codec.blob import Blob, EncodedPart, LayerCodec, from_bytes, nbytes, to_bytes
 from kite.upcycle.codec.coders import (CODERS, PcaSide, QuantSide, RawSide, RegenSide, SideCoder, attach_regenerator,
                                       register)
+from kite.upcycle.codec.lanes import encode_layers as encode_lanes
+from kite.upcycle.codec.lanes import nbytes_for as lanes_nbytes
 from kite.upcycle.codec.layer import batched_pca, decode, encode, fit_layer, fit_layers, weighted_error
 from kite.upcycle.codec.quant import FLOAT_FORMATS, INT_FORMATS, QTensor, dequantize, quantize, tensors_nbytes
 from kite.upcycle.codec.part_widths import part_widths
@@ -15,6 +19,6 @@ from kite.upcycle.codec.settings import PRESETS, CodecSettings, at_ratio, ratio_
 
 __all__ = ["CODERS", "FLOAT_FORMATS", "INT_FORMATS", "PRESETS", "Blob", "CodecSettings", "EncodedPart", "EncodedState",
            "LayerCodec", "PcaSide", "at_ratio", "part_widths", "ratio_of", "QTensor", "QuantSide", "RawSide", "RegenSide", "SideCoder", "attach_regenerator", "allocate_bits",
-           "allocate_bits_batched", "batched_pca", "decode", "dequantize", "encode", "encode_state", "first_bit_cost",
-           "fit_layer", "fit_layers", "from_bytes", "layer_budget_bits", "nbytes", "quantize", "register",
+           "allocate_bits_batched", "batched_pca", "decode", "dequantize", "encode", "encode_lanes", "encode_state", "first_bit_cost",
+           "fit_layer", "fit_layers", "from_bytes", "lanes_nbytes", "layer_budget_bits", "nbytes", "quantize", "register",
            "settings_for", "supports_batched", "tensors_nbytes", "to_bytes", "weighted_error"]

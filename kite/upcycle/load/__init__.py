@@ -1,6 +1,6 @@
 """Loading states: which parts (selection), staging into the pinned hot tier, the rebuild on a device,
-the caches keyed by file version, and `load_prefix`, the one entry point callers use (`load_coded_prefix`:
-the same state kept resident in coded form for the coded attention)."""
+the caches keyed by file version, and `load_prefix`, the one entry point callers use; the resident
+forms a load is held in for the batch (`RESIDENT_FORMS`: raw, or coded again into nibble lanes)."""
 
 from kite.upcycle.load.caches import flush_records, forget_verified
 from kite.upcycle.load.fidelity import FAR_LAYER_SHARE, load_warnings
@@ -8,12 +8,13 @@ from kite.upcycle.load.hot_tier import HotState, HotTier, default_tier
 from kite.upcycle.load.prefix import LOAD_PRECISIONS, LoadReport, check_fingerprints, check_geometry, load_prefix
 from kite.upcycle.load.rebuild import load_staged, rebuild_layer
 from kite.upcycle.load.lanes import lanes_for, load_lanes
-from kite.upcycle.load.resident import build_resident, load_coded_prefix, load_resident
+from kite.upcycle.load.resident_forms import (RESIDENT_FORMS, LanesResident, RawResident, ResidentForm, check_resident,
+                                             resident_form)
 from kite.upcycle.load.selection import SINK_TOKENS, Selection, select, select_clusters
 from kite.upcycle.load.staging import prepare_state, stage_state, supports_state
 from kite.upcycle.load.tables import forget_tables, tables_dir
 
-__all__ = ["FAR_LAYER_SHARE", "LOAD_PRECISIONS", "SINK_TOKENS", "HotState", "HotTier", "LoadReport", "Selection",
-           "build_resident", "check_fingerprints", "check_geometry", "default_tier", "flush_records", "forget_tables", "forget_verified",
-           "lanes_for", "load_coded_prefix", "load_lanes", "load_prefix", "load_resident", "load_staged", "load_warnings", "prepare_state", "rebuild_layer", "select", "select_clusters",
+__all__ = ["FAR_LAYER_SHARE", "LOAD_PRECISIONS", "RESIDENT_FORMS", "SINK_TOKENS", "HotState", "HotTier", "LanesResident",
+           "LoadReport", "RawResident", "ResidentForm", "Selection", "check_fingerprints", "check_resident", "check_geometry", "default_tier", "flush_records", "forget_tables", "forget_verified",
+           "lanes_for", "load_lanes", "load_prefix", "load_staged", "load_warnings", "prepare_state", "rebuild_layer", "resident_form", "select", "select_clusters",
            "stage_state", "supports_state", "tables_dir"]

@@ -1,7 +1,7 @@
 """A loaded state held in nibble lanes (kite.kernels.lanes) for the batch's attention to read
 (``kite serve --resident lanes``): the load's KV (``load_prefix``: any clusters, layers and
-precision) coded per layer into lanes on the model's device, keys as the cache holds them
-(post-RoPE). The lanes are a second quantization on top of the state's own codec: their cost in
+precision) coded per layer into lanes on the model's device (kite.upcycle.codec.lanes), keys as the
+cache holds them (post-RoPE). The lanes are a second quantization on top of the state's own codec: their cost in
 quality is measured by ``benchmarks/lanes_quality.py``; what they buy is decode attention read from
 4-bit (or 2-bit) codes near its byte floor (``benchmarks/lanes_decode.py``)."""
 
@@ -25,11 +25,11 @@ def lanes_for(bits: int, head_dim: int) -> int:
 
 
 def load_lanes(state, lm, *, lane_bits: tuple[int, int] = (4, 4), group: int = 512, sinks: int = 1, **kwargs):
-    """``load_prefix(state, lm, **kwargs)`` held in lanes: (CodedPrefix of kite.kernels.lanes.Lanes
+    """``load_prefix(state, lm, **kwargs)`` held in lanes: (a LanesPrefix: a kite.kernels.lanes.Lanes
     per layer, None where a layer holds nothing; its LoadReport with ``resident`` "lanes" and
     ``resident_bytes`` the lanes' bytes). ``lane_bits``: bits an element for keys and values."""
-    from kite.kernels import lanes as L
-    from kite.runtime.cache import CodedPrefix
+    from kite.runtime.resident import LanesPrefix
+    from kite.upcycle.codec.lanes import encode_layers
     from kite.upcycle.load.prefix import load_prefix
 
     d = lm.geometry.head_dim
@@ -39,15 +39,14 @@ def load_lanes(state, lm, *, lane_bits: tuple[int, int] = (4, 4), group: int = 5
     dev = torch.device(lm.device)
     basis = torch.bfloat16 if dev.type == "cuda" else torch.float32
     held_at = [i for i, k in enumerate(prefix.keys) if k.shape[-2] > 0]
-    coded = L.encode_layers([prefix.keys[i].to(dev, torch.float32) for i in held_at],
-                            [prefix.values[i].to(dev, torch.float32) for i in held_at], k_lanes, v_lanes,
-                            group=group, sinks=sinks) if held_at else []
+    coded = encode_layers([prefix.keys[i].to(dev, torch.float32) for i in held_at],
+                          [prefix.values[i].to(dev, torch.float32) for i in held_at], k_lanes, v_lanes,
+                          group=group, sinks=sinks) if held_at else []
     layers = [None] * len(prefix.keys)
     for i, x in zip(held_at, coded):
         layers[i] = x.to(basis_dtype=basis)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    held = CodedPrefix(layers=layers, positions=torch.empty(0, dtype=torch.long), next_position=prefix.next_position,
-                       cos=None, sin=None, reader=prefix.reader)
+    held = LanesPrefix(layers=layers, next_position=prefix.next_position, reader=prefix.reader)
     timings = dict(report.timings_ms, lanes=round((time.perf_counter() - t0) * 1e3, 3))
-    return held, replace(report, timings_ms=timings, resident="lanes", resident_bytes=held.nbytes)
+    return held, replace(report, timings_ms=timings, resident="lanes", resident_bytes=held.nbytes())

@@ -42,7 +42,7 @@ class LoadReport:
     timings_ms: dict[str, float] = field(default_factory=dict)
     sink_tokens: int = 0  # of `tokens`, how many came along as attention sinks
     warnings: list[str] = field(default_factory=list)  # the load is far from what the state was made for
-    resident: str = "raw"  # the form the prefix is held in: "raw" (rebuilt KV) or "coded" (read by coded attention)
+    resident: str = "raw"  # the resident form the prefix is held in (kite.upcycle.RESIDENT_FORMS): "raw", "lanes"
     resident_bytes: int | None = None  # bytes the loaded prefix holds on its device
 
     def to_dict(self) -> dict:
