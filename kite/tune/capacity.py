@@ -36,11 +36,11 @@ from kite.tune.roofline import ModelShape, Roofline, corrections
 REBUILD_CHUNK = 8      # sequences rebuilt per layer at once: a transient of raw KV (gpu_speed.py --chunk)
 TP_DEGREES = (1, 2, 4, 8)
 # The coded-attention figure the resident note cites (whole decode steps at a 40 GB KV budget).
-CODED_STEP = ("H200, docs/gpu_speed_h200_fused_steps_session10.json: a decode step over 81 per-head coded "
+CODED_STEP = ("H200, benchmarks/results/gpu_speed_h200_20261201_bac3fb2.json: a decode step over 81 per-head coded "
               "16K-token states 49.57 ms, over 42 raw 13.59 ms")
 # What the lanes cost in quality on top of a loaded state's codec (the lanes note cites it).
 LANES_QUALITY = ("the embedded model, 4 bits, groups of 512, on the joint codec's decoded KV at 4x: KL to the "
-                 "full context 0.0024 -> 0.0096, docs/lanes_quality_through_codec_session11.json")
+                 "full context 0.0024 -> 0.0096, benchmarks/results/lanes_quality_cpu2_20261201_d38e9a7.json")
 
 
 @dataclass(frozen=True, slots=True)
