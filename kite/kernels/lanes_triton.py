@@ -347,7 +347,7 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
     ``block``: rows a tile (divides the group size); ``ptx``: unpack the nibbles in inline PTX
     (default: on a GPU, not under Triton's interpreter); ``maxnreg``: a cap on the stream kernel's
     registers a thread (more programs an SM, some spilled). The defaults (one-warp programs of
-    64-row tiles, 3 stages) were the fastest on the H200 (docs/lanes_decode_h200_run5.json)."""
+    64-row tiles, 3 stages) were the fastest on the H200 (benchmarks/results/lanes_decode_h200_20261201_dbb5a4f_run5.json)."""
     plan = lanes if isinstance(lanes, LanesPlan) else LanesPlan(lanes)
     N, H, NG, RK, RV, D = plan.N, plan.H, plan.NGMAX, plan.RK, plan.RV, plan.D
     group = plan.group
