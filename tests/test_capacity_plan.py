@@ -99,6 +99,7 @@ def test_planner_predicts_the_h200_prefill_of_16k_tokens_within_10_percent(qwen)
     # the correction comes from another run, not from the one it is checked against
     source = plan["calibration"]["source"]
     assert "gpu_speed_h200_20261201_fa4f0c5.json" in source and "3f7a8fe" not in source and plan["calibration"]["own"]
+    assert plan["calibration"]["name"] == "H200 calibration of 2026-11-30 to 2026-12-01 (commits c23284c, fa4f0c5, bac3fb2, 56ae4cf)"
     assert plan["times"]["prefill_ms"]["floor"] < 0.6 * measured   # the bare roofline is far off
 
 

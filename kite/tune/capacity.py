@@ -266,7 +266,8 @@ def _times(plan: CapacityPlan, fits: dict[str, SettingFit]) -> None:
     kvpt = shape.kv_bytes_per_token
     pf_floor, pf = roof.prefill(req.avg_tokens)
     compress = roof.compress(req.avg_tokens)
-    plan.calibration = {"measured_on": m.gpu, "own": own, "source": m.source, **fix.to_dict()}
+    plan.calibration = {"measured_on": m.gpu, "own": own, "name": m.calibration, "source": m.source,
+                        **fix.to_dict()}
     plan.times = {"prefill_ms": {"floor": pf_floor, "predicted": pf}, "compress_ms": compress}
     if not own:
         plan.notes.append(f"{plan.gpu.name}: not measured by this project; its roofline borrows the H200's "
