@@ -14,6 +14,7 @@ import pytest
 
 from kite.bench.perfdoc import check_doc, load_spec, render_doc
 from kite.bench.results import BadResult, build_index, load_result, validate
+from kite.errors import BadInput
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC, SPEC, RESULTS = ROOT / "docs" / "PERFORMANCE.md", ROOT / "benchmarks" / "performance_rows.yaml", ROOT / "benchmarks" / "results"
@@ -136,3 +137,17 @@ def test_load_result_names_the_file(tmp_path):
         load_result(path)
     with pytest.raises(BadResult, match="no such result file"):
         load_result(tmp_path / "gone.json")
+
+
+def test_result_names_follow_the_spec_and_the_index_is_rebuilt(tmp_path):
+    from kite.bench.results import result_name, write_index
+
+    assert result_name("gpu_speed", "h200", "2026-12-02T15:49:50Z", "6da86f26026e") == "gpu_speed_h200_20261202_6da86f2.json"
+    assert result_name("lanes_decode", "cpu2", "2026-12-02T15:49:50Z", None, "a") == "lanes_decode_cpu2_20261202_nocommit_a.json"
+    with pytest.raises(BadInput, match="lower-case"):
+        result_name("GPU Speed", "h200", "2026-12-02T15:49:50Z", "6da86f2")
+    (tmp_path / "gpu_speed_h200_20261202_6da86f2.json").write_text(json.dumps(GOOD))
+    entries = write_index(tmp_path)
+    assert entries == [{"file": "gpu_speed_h200_20261202_6da86f2.json", "benchmark": "gpu_speed",
+                        "machine": "NVIDIA H200", "started_at": "2026-12-02T15:49:50Z", "commit": "6da86f2"}]
+    assert json.loads((tmp_path / "index.jsonl").read_text()) == entries[0]
