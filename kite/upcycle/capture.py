@@ -26,7 +26,7 @@ class Capture:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer → [T, hidden]
     prefill_ms: float = 0.0
     # with queries=True: per layer, the sum over the document's tokens of each query output's square
-    # [H_q * d] float64 (pre-RoPE: q_proj's output), what a key error costs (kite.upcycle.train.weights)
+    # [H_q * d] float64 (pre-RoPE: q_proj's output), what a key error costs (kite.upcycle.codec.weights)
     query_sq: list[torch.Tensor] = field(default_factory=list)
     # with query_rows=N: per layer, the last N tokens' query outputs [N, H_q * d] fp32 (pre-RoPE)
     query_tail: list[torch.Tensor] = field(default_factory=list)

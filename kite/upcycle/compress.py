@@ -21,11 +21,11 @@ from kite.upcycle import codec
 from kite.upcycle.address import address_for
 from kite.upcycle.capture import Capture, capture
 from kite.upcycle.codec.part_widths import part_widths
+from kite.upcycle.codec.probe import ROWS as PROBE_ROWS
+from kite.upcycle.codec.probe import AttentionProbe
 from kite.upcycle.codec.settings import at_ratio, ratio_of
 from kite.upcycle.cluster import kmeans
 from kite.upcycle.spans import cut_spans
-from kite.upcycle.train.probe import ROWS as PROBE_ROWS
-from kite.upcycle.train.probe import AttentionProbe
 from kite.upcycle.format.container import LARGE_MIN_SAVING, MIN_SAVING, StateWriter
 from kite.upcycle.format.names import blob_key
 from kite.upcycle.tagging.build import describe_tagger
@@ -134,7 +134,7 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
     content. The pipeline's states carry it (:meth:`kite.upcycle.Pipeline.compress`); off, the
     header is as before addresses (unaddressed).
 
-    `regenerator`: a :class:`kite.upcycle.train.Regenerator` of this model: PCA sides are coded on
+    `regenerator`: a :class:`kite.upcycle.codec.Regenerator` of this model: PCA sides are coded on
     its calibrated bases where that is expected to pay (the state then records its fingerprint and
     loads only with it); the per-layer codec runs.
     `ids`: the document's token ids when the caller already has them (what the state will be

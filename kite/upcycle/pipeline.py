@@ -28,13 +28,13 @@ import torch
 from kite.errors import BadInput
 from kite.upcycle.address import Address, address_for
 from kite.upcycle.capture import tokenize_document
+from kite.upcycle.codec.regenerator import Regenerator, install
 from kite.upcycle.codec.settings import PRESETS, ratio_of, settings_for
 from kite.upcycle.compress import CompressResult, CompressSettings, Progress, compress_document
 from kite.upcycle.label_ratios import check_ratios, read_label_ratios
 from kite.upcycle.load.staging import prepare_state
 from kite.upcycle.settings import UpcycleConfig, load_upcycle_config
 from kite.upcycle.tagging.build import build_tagger, describe_tagger
-from kite.upcycle.train.regenerator import Regenerator, install
 
 
 def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precision: str | None = None,

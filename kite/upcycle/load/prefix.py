@@ -17,6 +17,7 @@ from kite.errors import BadInput, FingerprintMismatch
 from kite.model.fingerprint import PREFIX, short
 from kite.runtime.cache import KVPrefix
 from kite.upcycle import codec
+from kite.upcycle.codec.regenerator import resolve
 from kite.upcycle.format.container import StateFile
 from kite.upcycle.format.names import blob_key
 from kite.upcycle.load.fidelity import load_warnings
@@ -24,7 +25,6 @@ from kite.upcycle.load.hot_tier import HotTier, default_tier
 from kite.upcycle.load.rebuild import load_staged
 from kite.upcycle.load.selection import SINK_TOKENS, Selection, select
 from kite.upcycle.load.staging import stage_state, supports_state
-from kite.upcycle.train.regenerator import resolve
 from kite.upcycle.rope import apply_rope, rope_cos_sin
 
 LOAD_PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")

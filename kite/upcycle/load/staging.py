@@ -19,6 +19,7 @@ import zstandard
 
 from kite.errors import BadInput
 from kite.upcycle.codec.coders import regen_columns
+from kite.upcycle.codec.regenerator import resolve
 from kite.upcycle.format import codec_blob
 from kite.upcycle.format.bitlayout import parts_layout
 from kite.upcycle.format.container import StateFile
@@ -27,7 +28,6 @@ from kite.upcycle.format.versions import record_verified, records_enabled, same_
 from kite.upcycle.load import caches
 from kite.upcycle.load.hot_tier import HotState, HotTier
 from kite.upcycle.load.selection import select
-from kite.upcycle.train.regenerator import resolve
 from kite.upcycle.load.tables import (ALIGN, LayerPlan, SidePlan, load_tables, round_up, save_tables,
                                           table_bound, tables_file)
 

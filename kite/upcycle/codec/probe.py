@@ -2,7 +2,7 @@
 
 The regenerator's basis or the document's own, per (layer, side)? The squared error of the keys
 and values (plain, or weighted per dim: :mod:`.weights`) does not rank the candidates as the model
-does (measured on SmolLM2, docs/PERFORMANCE.md "Training", session 8). The probe measures the
+does (measured on SmolLM2 2026-12-01 at commit 15b2667, docs/PERFORMANCE.md "Training"). The probe measures the
 thing itself: the last ``rows`` tokens of the document are queries (their captured ``q_proj``
 outputs, RoPE applied at their positions) over the document's keys and values (causal), and a
 candidate's cost is the squared change of the attention output after ``o_proj`` -- keys decoded
