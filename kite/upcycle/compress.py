@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from kite.upcycle.spans import cut_spans
 from kite.upcycle.format.container import LARGE_MIN_SAVING, MIN_SAVING, StateWriter
 from kite.upcycle.format.names import blob_key
 from kite.upcycle.tagging.build import describe_tagger
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -89,7 +92,7 @@ def _span_embeddings(cap: Capture, spans: list[tuple[int, int]], tagger) -> torc
     return torch.stack([h[s:e].mean(0) for s, e in spans])
 
 
-def _span_tags(lm, text: str, cap: Capture, spans, emb: torch.Tensor, tagger):
+def _span_tags(lm: LoadedModel, text: str, cap: Capture, spans, emb: torch.Tensor, tagger):
     if _uses_embeddings(tagger):
         return tagger.predict_embeddings(emb)
     # A prompt-scoring tagger reads each span's text.
@@ -123,7 +126,7 @@ def _ranges(token_idx: list[int]) -> list[list[int]]:
     return out
 
 
-def compress_document(lm, text: str, output: str | Path, settings: CompressSettings | None = None, *,
+def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: CompressSettings | None = None, *,
                       tagger=None, source_name: str = "-", progress: Progress | None = None,
                       ids: list[int] | None = None, device: str | torch.device | None = None,
                       regenerator=None, address: bool = False) -> CompressResult:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from kite.upcycle.label_ratios import check_ratios, read_label_ratios
 from kite.upcycle.load.staging import prepare_state
 from kite.upcycle.settings import UpcycleConfig, load_upcycle_config
 from kite.upcycle.tagging.build import build_tagger, describe_tagger
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 
 def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precision: str | None = None,
@@ -97,7 +101,7 @@ class Pipeline:
     """A model with the tagger, the compression settings and the regenerator (None: each state
     stores its own bases) its states are made with."""
 
-    lm: object
+    lm: LoadedModel
     tagger: object | None
     settings: CompressSettings
     config: UpcycleConfig
@@ -136,7 +140,7 @@ class Pipeline:
 def open_pipeline(model: str | None = None,
                   upcycle_config: str | Path | UpcycleConfig | tuple[UpcycleConfig, Path | None] | None = None, *,
                   ratio: float | None = None, precision: str | None = None, clusters: int | None = None,
-                  kept_fraction: float | None = None, device: str | None = None, lm=None, tagger: bool = True,
+                  kept_fraction: float | None = None, device: str | None = None, lm: LoadedModel=None, tagger: bool = True,
                   regenerator: str | Path | None = None, label_ratios: dict[str, float] | None = None,
                   progress=None) -> Pipeline:
     """Config → settings (checked before anything slow) → model (``lm`` when given, else ``model``

@@ -30,11 +30,15 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kite.errors import BadInput, FingerprintMismatch
 from kite.model.fingerprint import PREFIX, short
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 FORMAT = "kite-regenerator"
 VERSION = 2          # the newest this reads; version 1 = unweighted (written when no weights are given)
@@ -195,7 +199,7 @@ class Regenerator:
                 "choice": "measured" if self.choice == "probe" else self.choice,
                 "metric": metric if self.choice == "probe" else None}
 
-    def check_model(self, lm) -> None:
+    def check_model(self, lm: LoadedModel) -> None:
         """Refuse a model other than the one this regenerator was fitted on (invariant 3): its weights
         and tokenizer (``model_fingerprint`` is their combined fingerprint without an adapter; a reader
         adapter does not change the KV a document is captured with)."""

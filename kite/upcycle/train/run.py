@@ -21,6 +21,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +39,9 @@ from kite.upcycle.train.adapter import (AdapterSettings, PrefixCache, attach_lor
                                         train_adapter)
 from kite.upcycle.train.data import Pair, split_pairs
 from kite.upcycle.train.report import held_out_report, loss_plot
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 RUN = "run.json"
 
@@ -107,7 +111,7 @@ def prepare_output(req: TrainRequest, key: dict) -> None:
     write_text(run, json.dumps(key, indent=1, sort_keys=True))
 
 
-def fit_regenerator(lm, train_pairs: list[Pair], cfg_codec, progress=None, weighted: bool = False) -> Regenerator:
+def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progress=None, weighted: bool = False) -> Regenerator:
     """Calibrate on the training documents (each once), in the blocks the codec uses; ``weighted``:
     with attention-aware distortion weights (the documents' queries and the model's ``o_proj``;
     :mod:`kite.upcycle.codec.weights`). Off by default: on SmolLM2's held-out rows the weighted
@@ -125,7 +129,7 @@ def fit_regenerator(lm, train_pairs: list[Pair], cfg_codec, progress=None, weigh
                       value_weights=model_value_weights(lm) if weighted else None)
 
 
-def given_regenerator(lm, req: TrainRequest) -> Regenerator:
+def given_regenerator(lm: LoadedModel, req: TrainRequest) -> Regenerator:
     """``--regenerator DIR``: the adapter then learns to read states of that regenerator (the pairing it
     will be used with) and none is fitted. FingerprintMismatch naming it when it was made for another
     model; BadInput when its bases do not fit a training ratio's codec."""
@@ -140,7 +144,7 @@ def given_regenerator(lm, req: TrainRequest) -> Regenerator:
     return reg
 
 
-def train_upcycle(lm, pairs: list[Pair], cfg: UpcycleConfig, req: TrainRequest, progress=None) -> dict:
+def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: TrainRequest, progress=None) -> dict:
     """Run every stage (see the module doc); returns the report (also written to train_report.json)."""
     t_start = time.perf_counter()
     train, held = req.check(pairs)
@@ -214,7 +218,7 @@ def _at_ratio(stage: str, key: str) -> str:
     return f"{name} {key}×{sep}{detail}"
 
 
-def _train_adapter(lm, train, held, cfg, req, states, progress, timings) -> dict:
+def _train_adapter(lm: LoadedModel, train, held, cfg, req, states, progress, timings) -> dict:
     t = time.perf_counter()
     top_k = 256
     examples = teacher_examples(lm, train, top_k, progress)
