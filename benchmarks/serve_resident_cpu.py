@@ -47,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     from kite.model import load_cached
     from kite.upcycle import StateFile, codec, load_prefix, load_resident
-    from kite.upcycle.compress import CompressSettings, compress_document
+    from kite.upcycle import CompressSettings, compress_document
     from tests.tiny_models import CORPUS
 
     lm = load_cached(args.model)

@@ -10,7 +10,7 @@ and side by the expected error at the byte budget).
 
 A **weighted** regenerator (format version 2: the calibration also summed the queries, and the
 model's ``o_proj`` weights were given) minimises what attention feels rather than the plain squared
-error (:mod:`kite.upcycle.train.weights`): per layer and side it holds the distortion weights ``w``
+error (:mod:`kite.upcycle.codec.weights`): per layer and side it holds the distortion weights ``w``
 [B, D] (``L{l}.{k|v}.weight``), its basis is the weighted PCA's (the PCA of ``x * sqrt(w)``, stored
 as ``U / sqrt(w)`` so decoding is unchanged) and its variances are the weighted ones. States coded
 against it keep, per side, whichever of the regenerator's basis and the document's own leaves the
@@ -30,11 +30,15 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kite.errors import BadInput, FingerprintMismatch
 from kite.model.fingerprint import PREFIX, short
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 FORMAT = "kite-regenerator"
 VERSION = 2          # the newest this reads; version 1 = unweighted (written when no weights are given)
@@ -99,9 +103,9 @@ class RegeneratorFit:
     def finish(self, meta: dict, value_weights: list[torch.Tensor] | None = None) -> "Regenerator":
         """The regenerator of everything added (``meta``: what it is made for; see :class:`Regenerator`).
 
-        ``value_weights``: per layer [H, d] (:func:`kite.upcycle.train.weights.model_value_weights`).
+        ``value_weights``: per layer [H, d] (:func:`kite.upcycle.codec.weights.model_value_weights`).
         With them, and queries added with every document, the regenerator is weighted (version 2)."""
-        from kite.upcycle.train import weights as W
+        from kite.upcycle.codec import weights as W
 
         if not self.tokens:
             raise BadInput("no calibration tokens: the regenerator needs at least one document")
@@ -151,7 +155,7 @@ class Regenerator:
     _fingerprint: str | None = field(default=None, repr=False)
     # how states coded against it pick each side's basis: kite.upcycle.codec.fit_layer's ``choice``
     # ("expected", "measured"; None: its default) or "probe" (measured by the attention probe,
-    # kite.upcycle.train.probe, which the compressor builds). A setting of the coder, not saved.
+    # kite.upcycle.codec.probe, which the compressor builds). A setting of the coder, not saved.
     choice: str | None = field(default=None, compare=False)
 
     @property
@@ -195,7 +199,7 @@ class Regenerator:
                 "choice": "measured" if self.choice == "probe" else self.choice,
                 "metric": metric if self.choice == "probe" else None}
 
-    def check_model(self, lm) -> None:
+    def check_model(self, lm: LoadedModel) -> None:
         """Refuse a model other than the one this regenerator was fitted on (invariant 3): its weights
         and tokenizer (``model_fingerprint`` is their combined fingerprint without an adapter; a reader
         adapter does not change the KV a document is captured with)."""

@@ -21,8 +21,12 @@ above ``FLOOR`` of that mean (a dim no query reads is still stored, only coarsel
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 FLOOR = 1e-3
 _O_PROJ = re.compile(r"layers\.(\d+)\.self_attn\.o_proj$")
@@ -52,7 +56,7 @@ def _per_kv(per_q: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
     return per_q.reshape(n_kv_heads, n_q // n_kv_heads, -1).sum(dim=1)
 
 
-def model_value_weights(lm) -> list[torch.Tensor]:
+def model_value_weights(lm: LoadedModel) -> list[torch.Tensor]:
     """Every layer's value weights [H_kv, d] from the model's ``o_proj`` weights."""
     found = {}
     for name, module in lm.model.named_modules():

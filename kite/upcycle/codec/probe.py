@@ -2,7 +2,7 @@
 
 The regenerator's basis or the document's own, per (layer, side)? The squared error of the keys
 and values (plain, or weighted per dim: :mod:`.weights`) does not rank the candidates as the model
-does (measured on SmolLM2, docs/PERFORMANCE.md "Training", session 8). The probe measures the
+does (measured on SmolLM2 2026-12-01 at commit 15b2667, docs/PERFORMANCE.md "Training"). The probe measures the
 thing itself: the last ``rows`` tokens of the document are queries (their captured ``q_proj``
 outputs, RoPE applied at their positions) over the document's keys and values (causal), and a
 candidate's cost is the squared change of the attention output after ``o_proj`` -- keys decoded
@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from kite.upcycle.rope import apply_rope, rope_cos_sin
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 _O_PROJ = re.compile(r"layers\.(\d+)\.self_attn\.o_proj$")
 ROWS = 256
@@ -26,7 +30,7 @@ ROWS = 256
 class AttentionProbe:
     """Built once per document from a capture with ``query_rows`` (:func:`kite.upcycle.capture.capture`)."""
 
-    def __init__(self, lm, query_tail: list[torch.Tensor], n_tokens: int, spread: int | None = None):
+    def __init__(self, lm: LoadedModel, query_tail: list[torch.Tensor], n_tokens: int, spread: int | None = None):
         """``query_tail``: per layer the last tokens' query outputs; ``spread``: use only that many
         of those rows, evenly spaced (default: all of them)."""
         geo = lm.geometry
