@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.post_rope_keys import Document, coded_keys, prepare_document, relative_error  # noqa: E402
 from benchmarks.regenerator_quality import held_out_docs  # noqa: E402
 from kite.kernels import lanes  # noqa: E402
-from kite.upcycle.codec import lanes as lanes_codec  # noqa: E402
+from kite.upcycle.codec import LANE_CLIPS, encode_lanes  # noqa: E402
 from kite.upcycle import codec  # noqa: E402
 
 
@@ -72,7 +72,7 @@ def lanes_prefix(doc: Document, k_lanes: int, v_lanes: int, group: int, clip: st
         if worst:
             idx = worst_first(k, v, k_lanes, v_lanes, group, clip, sinks)[:, :, None].expand_as(k)
             k, v = k.gather(1, idx), v.gather(1, idx)
-        x = lanes_codec.encode(k, v, k_lanes, v_lanes, group=group, sinks=sinks, clip=clip)
+        x = encode_lanes([k], [v], k_lanes, v_lanes, group=group, sinks=sinks, clip=clip)[0]
         nbytes += x.nbytes()
         fp16_tables += x.nbytes(table_bytes=2)
         for side in "kv":
@@ -94,7 +94,7 @@ def worst_first(k: torch.Tensor, v: torch.Tensor, k_lanes: int, v_lanes: int, gr
     """Per head an order of the T tokens [H, T] whose first ``keep`` (the form's raw rows, kept exact)
     are token 0 and the ``keep - 1`` tokens a first coding codes worst (relative squared error of key
     plus value); the rest in the document's order. Attention reads post-RoPE rows in any order."""
-    x = lanes_codec.encode(k, v, k_lanes, v_lanes, group=group, sinks=1, clip=clip)
+    x = encode_lanes([k], [v], k_lanes, v_lanes, group=group, sinks=1, clip=clip)[0]
     H, T, _ = k.shape
     err = sum((lanes.decode(x, side)[0, :, :T] - t.float()).pow(2).sum(-1) / t.float().pow(2).sum(-1).mean(-1, keepdim=True)
               for side, t in (("k", k), ("v", v)))                             # [H, T]
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contracts", type=int, default=3, help="generated contracts of seed 23")
     ap.add_argument("--groups", type=int, nargs="*", default=[128, 64, 256, 512],
                     help="lanes: rows per group (the first: the codecs' equal bytes, the sinks variants)")
-    ap.add_argument("--clips", nargs="*", default=list(lanes_codec.CLIPS), choices=lanes_codec.CLIPS,
+    ap.add_argument("--clips", nargs="*", default=list(LANE_CLIPS), choices=LANE_CLIPS,
                     help="lanes: quantization ranges")
     ap.add_argument("--split-groups", type=int, nargs="*", default=[256],
                     help="lanes: groups at which to try half the lanes on keys or on values")

@@ -49,7 +49,7 @@ from benchmarks.regenerator_quality import held_out_docs  # noqa: E402
 from kite.runtime.cache import KVPrefix, new_cache  # noqa: E402
 from kite.runtime.generate import forward_tokens  # noqa: E402
 from kite.upcycle import apply_rope, codec, compare_logits, rope_cos_sin, tokenize_document  # noqa: E402
-from kite.upcycle.capture import capture  # noqa: E402
+from kite.upcycle import capture_kv as capture  # noqa: E402
 
 WHERE = ("pre", "post")
 MODES = (*WHERE, "post_rmean")

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kite.upcycle.compress as compress  # noqa: E402
 import regenerator_quality  # noqa: E402
-from kite.upcycle.train.probe import AttentionProbe  # noqa: E402
+from kite.upcycle.codec import AttentionProbe  # noqa: E402
 
 compress.PROBE_ROWS = 1 << 20   # the capture keeps every token's queries
 compress.AttentionProbe = lambda lm, tail, n_tokens: AttentionProbe(lm, tail, n_tokens, spread=256)

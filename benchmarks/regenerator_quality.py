@@ -39,8 +39,8 @@ from kite.data.contracts import generate_contracts  # noqa: E402
 from kite.model import load_model  # noqa: E402
 from kite.upcycle import (CompressSettings, Regenerator, RegeneratorFit, codec_settings, evaluate,  # noqa: E402
                           tokenize_document)
-from kite.upcycle.capture import capture  # noqa: E402
-from kite.upcycle.train.weights import model_value_weights  # noqa: E402
+from kite.upcycle import capture_kv as capture  # noqa: E402
+from kite.upcycle.codec import model_value_weights  # noqa: E402
 
 LICENSES = Path("/usr/share/common-licenses")
 CALIBRATION_LICENSES = ("GFDL-1.3", "MPL-2.0", "Artistic", "CC0-1.0", "LGPL-2.1", "MPL-1.1")
@@ -79,7 +79,7 @@ def fit_regenerator(lm, n_contracts: int, weighted: bool = False) -> Regenerator
 def fit_on_pairs(lm, path: Path, eval_fraction: float, seed: int, weighted: bool) -> Regenerator:
     """A regenerator calibrated as `kite upcycle train` does, on the training split of a pairs file
     (the same documents as that run's, with ``--eval-fraction`` and ``--seed`` as it had them)."""
-    from kite.upcycle.train.data import read_pairs, split_pairs
+    from kite.upcycle import read_pairs, split_pairs
     from kite.upcycle.train.run import fit_regenerator as train_fit
 
     train, _ = split_pairs(read_pairs(path), eval_fraction, seed)

@@ -20,10 +20,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kite.upcycle.codec.bits import allocate_bits, expected_error, layer_budget_bits  # noqa: E402
-from kite.upcycle.codec.coders import PcaSide, RegenSide, blocks  # noqa: E402
-from kite.upcycle.codec.quant import INT_FORMATS  # noqa: E402
-from kite.upcycle.codec.settings import settings_for  # noqa: E402
+from kite.upcycle.codec import (INT_FORMATS, PcaSide, RegenSide, allocate_bits, blocks, expected_error,  # noqa: E402
+                               layer_budget_bits, settings_for)
 
 LICENSES = Path("/usr/share/common-licenses")
 
@@ -60,8 +58,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from kite.model import load_model
-    from kite.upcycle.capture import capture
-    from kite.upcycle.train.regenerator import Regenerator
+    from kite.upcycle import Regenerator
+    from kite.upcycle import capture_kv as capture
 
     lm = load_model(None)
     reg = Regenerator.load(args.regenerator)

@@ -23,10 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kite.model import load_model  # noqa: E402
 from kite.upcycle import codec as C  # noqa: E402
 from kite.upcycle import codec_settings, tokenize_document  # noqa: E402
-from kite.upcycle.capture import capture  # noqa: E402
-from kite.upcycle.codec.coders import coder  # noqa: E402
-from kite.upcycle.train.probe import ROWS, AttentionProbe  # noqa: E402
-from kite.upcycle.train.regenerator import Regenerator  # noqa: E402
+from kite.upcycle import capture_kv as capture  # noqa: E402
+from kite.upcycle.codec import PROBE_ROWS as ROWS  # noqa: E402
+from kite.upcycle.codec import AttentionProbe, Regenerator, coder  # noqa: E402
 
 
 def main() -> None:

@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kite.model import load_model  # noqa: E402
 from kite.upcycle import CompressSettings, codec, codec_settings, compress_document, tokenize_document  # noqa: E402
 from kite.upcycle.format import StateFile  # noqa: E402
-from kite.upcycle.format.names import blob_key  # noqa: E402
-from kite.upcycle.train.regenerator import Regenerator  # noqa: E402
+from kite.upcycle import Regenerator  # noqa: E402
+from kite.upcycle.format import blob_key  # noqa: E402
 
 torch.set_num_threads(2)
 lm = load_model(None)

@@ -36,7 +36,7 @@ from kite.runtime.cache import new_cache  # noqa: E402
 from kite.runtime.generate import forward_tokens  # noqa: E402
 from kite.upcycle import (LABEL_RATIOS_FILE, StateFile, compare_logits, load_prefix, open_pipeline,  # noqa: E402
                           read_label_ratios)
-from kite.upcycle.quality import split_text  # noqa: E402
+from kite.upcycle import split_text  # noqa: E402
 from kite.yoco.flywheel import RetunePolicy, retune  # noqa: E402
 from kite.yoco.fused import measured_gain, prompt_nll  # noqa: E402
 from kite.yoco.health import HealthStore  # noqa: E402

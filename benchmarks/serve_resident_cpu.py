@@ -46,8 +46,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     from kite.model import load_cached
-    from kite.upcycle import RESIDENT_FORMS, StateFile, codec, resident_form
-    from kite.upcycle.compress import CompressSettings, compress_document
+    from kite.upcycle import RESIDENT_FORMS, CompressSettings, StateFile, codec, compress_document, resident_form
     from tests.tiny_models import CORPUS
 
     lm = load_cached(args.model)

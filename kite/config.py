@@ -13,7 +13,7 @@ stays `0123`) and boolean keys take 1/0, true/false, yes/no, on/off.
 
 Importing this module does not import torch.
 
-Why not pydantic-settings and ruamel.yaml (issue 13 asked; both were tried against
+Why not pydantic-settings and ruamel.yaml (both were tried on 2026-11-30 against
 tests/test_config.py): pydantic-settings merges the layers and reads `KITE_A__B` names, but an
 unknown section's variable (`KITE_SERVR__PORT`) passes silently, its errors name the key rather
 than the variable, and it records no origin per key, so the variable scan, the origins and the

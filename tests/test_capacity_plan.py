@@ -1,15 +1,18 @@
 """`kite capacity-plan`: exact KV and weight sizes from a config, the H200 measurements reproduced
-within 10 %, intervals fitted on the results history (or on the project's measurements, or analytic
-bounds, each said), and one-line errors for bad input. No weights: geometry from a config.json."""
+within 10 % (checked against runs other than the ones the packaged calibration cites), intervals
+fitted on the results history (or on the project's measurements, or analytic bounds, each said), and
+one-line errors for bad input. No weights: geometry from a config.json."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from kite.bench.results import load_result
 from kite.cli.main import app
 from kite.errors import BadInput
 from kite.tune.capacity import CapacityRequest, plan_capacity
@@ -19,7 +22,7 @@ from kite.tune.roofline import QWEN2_7B, shape_from_config
 from tests.conftest import parse_json
 
 runner = CliRunner()
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 QWEN2_7B_CONFIG = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 28,
     "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_size": 3584, "intermediate_size": 18944,
@@ -39,14 +42,18 @@ def empty_home(tmp_path, monkeypatch):
     monkeypatch.setenv("KITE_HOME", str(tmp_path / "home"))
 
 
-def _session5() -> dict:
-    """The run the resident-sequence count is checked against (the session-9 runs skipped it)."""
-    return json.loads((DOCS / "gpu_speed_h200_session5.json").read_text())
+def _raw(name: str) -> dict:
+    return load_result(RESULTS / name).raw
 
 
-def _session9_repeat() -> dict:
+def _concurrency_run() -> dict:
+    """A gpu_speed run with the concurrency rows, not the one the calibration's steps come from."""
+    return _raw("gpu_speed_h200_20261130_d81261e.json")
+
+
+def _prefill_twin() -> dict:
     """The twin of the run the H200 time corrections come from: another machine start, same code."""
-    return json.loads((DOCS / "gpu_speed_h200_ff_session9_repeat.json").read_text())
+    return _raw("gpu_speed_h200_20261201_3f7a8fe.json")
 
 
 def _plan(cli_args: list[str], qwen: Path, code: int = 0) -> dict:
@@ -66,7 +73,7 @@ def test_qwen2_7b_kv_bytes_per_token_and_weights_are_exact():
 
 
 def test_planner_reproduces_the_h200_sequences_at_a_40_gb_budget(qwen):
-    measured = _session5()["concurrency"]
+    measured = _concurrency_run()["concurrency"]
     plan = _plan(["--qps", "1", "--avg-tokens", "16384", "--output-tokens", "0", "--gpu", "H200",
                   "--kv-budget-gb", "40", "--ppl-tolerance", "0.5"], qwen)
     rows = {r["name"]: r for r in plan["rows"]}
@@ -85,24 +92,25 @@ def test_planner_reproduces_the_h200_sequences_at_a_40_gb_budget(qwen):
 
 
 def test_planner_predicts_the_h200_prefill_of_16k_tokens_within_10_percent(qwen):
-    measured = _session9_repeat()["prefill 16384+16 tokens (TTFT without a state)"]["ms"]
+    measured = _prefill_twin()["prefill 16384+16 tokens (TTFT without a state)"]["ms"]
     plan = _plan(["--qps", "1", "--avg-tokens", "16400", "--gpu", "H200", "--ppl-tolerance", "0.5"], qwen)
     predicted = plan["times"]["prefill_ms"]["predicted"]
     assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
-    # the correction comes from another run (session 9's first), not from the one it is checked against
+    # the correction comes from another run, not from the one it is checked against
     source = plan["calibration"]["source"]
-    assert "gpu_speed_h200_ff_session9.json" in source and "repeat" not in source and plan["calibration"]["own"]
+    assert "gpu_speed_h200_20261201_fa4f0c5.json" in source and "3f7a8fe" not in source and plan["calibration"]["own"]
+    assert plan["calibration"]["name"] == "H200 calibration of 2026-11-30 to 2026-12-01 (commits c23284c, fa4f0c5, bac3fb2, 56ae4cf)"
     assert plan["times"]["prefill_ms"]["floor"] < 0.6 * measured   # the bare roofline is far off
 
 
 def _lanes_run(run: str = "a") -> dict:
-    """Session 13's lanes runs: raw bf16 and 4-bit lanes decode steps side by side at a 40 GB budget (the
+    """Two lanes runs: raw bf16 and 4-bit lanes decode steps side by side at a 40 GB budget (the
     planner's lanes kernel figure comes from run a; its twin, b, made after it, is the check)."""
-    return json.loads((DOCS / f"lanes_decode_h200_session13_{run}.json").read_text())
+    return _raw(f"lanes_decode_h200_20261201_56ae4cf_{run}.json")
 
 
 def test_the_h200_decode_step_and_ttft_from_a_state_match_their_measurements(qwen):
-    run = _session9_repeat()
+    run = _prefill_twin()
     plan = _plan(["--qps", "1", "--avg-tokens", "16384", "--output-tokens", "1", "--gpu", "H200",
                   "--ppl-tolerance", "0.5", "--reuse", "1"], qwen)
     # KITE's path: the hot-tier load, then the query's forward through the split-KV kernel and fused layers
@@ -114,7 +122,7 @@ def test_the_h200_decode_step_and_ttft_from_a_state_match_their_measurements(qwe
     forward = run["  first forward, 16 tokens, KITE attention (split-KV kernel + fused layers), cache of state "
                   "+ query, CUDA graph"]["ms"]
     assert step1["floor"] < step1["predicted"] <= forward
-    # the whole decode step over 42 raw sequences (calibrated on session 10's) against session 11's twin
+    # the whole decode step over 42 raw sequences (calibrated on one gpu_speed run) against a lanes run's
     full = _plan(["--qps", "1", "--avg-tokens", "16384", "--output-tokens", "0", "--gpu", "H200",
                   "--kv-budget-gb", "40", "--ppl-tolerance", "0.5"], qwen)
     raw = {r["name"]: r for r in full["rows"]}["raw bf16"]
@@ -125,7 +133,7 @@ def test_the_h200_decode_step_and_ttft_from_a_state_match_their_measurements(qwe
 def test_lanes_rows_are_sized_by_the_forms_bytes_and_timed_by_the_lanes_kernel(qwen):
     """The lanes row (kite serve --resident lanes): the state's bytes are the benchmark's to the byte, one raw
     prompt is held back while a load is coded; its step at the benchmark's 160 states is within 10 % of
-    the H200's twin run (the kernel's efficiency comes from run a, the rest of the step from session 10's); it
+    the H200's twin run (the kernel's efficiency comes from run a, the rest of the step from a gpu_speed run); it
     is shown, never chosen, and a head_dim whose bits give no power-of-2 lanes has none, said."""
     from kite.tune.gpus import GPUS, measured_for
     from kite.tune.roofline import QWEN2_7B, Roofline, corrections
@@ -340,8 +348,9 @@ def test_the_table_lists_every_setting_and_the_recommendation(qwen):
     assert result.exit_code == 0, result.output
     for text in ("57,344", "raw bf16", "ratio=4", "ratio=8", "int4", "resident", "loaded", "recommended",
                  "--ratio 4", "features.upcycle_compression_ratio: 0.25", "features.yoco_min_hit_gain: 0.005",
-                 "ff_session9", "plan:"):
+                 "H200 calibration of 2026-11-30 to 2026-12-01", "plan:"):
         assert text in result.output, text
+    assert not re.search(r"(?i)session [0-9]|issue [0-9]|docs/\w+\.json", result.output)
 
 
 def test_unmet_ttft_limit_exits_1_unless_states_meet_it(qwen):
@@ -379,3 +388,59 @@ def test_library_plan_without_the_cli():
     assert d["rows"][0]["sequences"] >= 1 and d["recommendation"]["setting"] == "ratio=4"
     with pytest.raises(BadInput, match="--avg-tokens"):
         CapacityRequest(qps=1, avg_tokens=0, ppl_tolerance=0.5)
+
+
+def test_every_calibration_figure_is_its_result_files_row():
+    """The packaged H200 calibration: each figure is the row of a result file under benchmarks/results,
+    with the commit and day that file records."""
+    from kite.tune.gpus import H200_MEASURED
+
+    assert H200_MEASURED.figures, "no figures"
+    for field_name, cite in H200_MEASURED.figures.items():
+        result = load_result(RESULTS / cite.result)
+        assert result.commit == cite.commit and result.date == cite.date, field_name
+        row = result.row(cite.row)
+        assert (row.value, row.unit) == (cite.value, cite.unit), field_name
+    assert H200_MEASURED.lanes_encode_ms == H200_MEASURED.figures["lanes_encode_s"].value * 1e3
+    assert "2026-11-30 to 2026-12-01" in H200_MEASURED.calibration
+
+
+def _calibration() -> dict:
+    from importlib import resources
+
+    return json.loads(resources.files("kite.tune").joinpath("calibration", "h200.json").read_text())
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.pop("schema"), "no schema line"),
+    (lambda c: c["figures"].pop("prefill_ms"), "figures lack prefill_ms"),
+    (lambda c: c["figures"]["prefill_ms"].update(value="fast"), "figures.prefill_ms: value must be a positive number"),
+    (lambda c: c["figures"]["prefill_ms"].update(unit="s"), "figures.prefill_ms: unit must be 'ms'"),
+    (lambda c: c["figures"]["compress_ms"].update(result="docs/gpu_speed_h200.json"), "must name a file of benchmarks"),
+    (lambda c: c["figures"]["compress_ms"].update(commit="HEAD"), "commit must be a full git hash"),
+    (lambda c: c["figures"]["resident_seqs"].update(value=160.5), "resident_seqs: value must be a whole number"),
+    (lambda c: c.update(gpu="TPUv5"), "not in the GPU table"),
+])
+def test_a_bad_calibration_is_one_line(change, message):
+    from kite.tune.gpus import parse_calibration
+
+    cal = _calibration()
+    change(cal)
+    with pytest.raises(BadInput) as err:
+        parse_calibration(cal, "h200.json")
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("h200.json: not a kite.tune.calibration/1 calibration") and message in text
+
+
+def test_gpu_limits_are_the_tables_one_value_per_limit():
+    from kite.tune.gpus import GPUS, gpu_limits
+
+    h200 = gpu_limits("h200-sxm")
+    assert (h200.name, h200.memory_bytes, h200.hbm_bytes_per_s) == ("H200", 141e9, 4.8e12)
+    assert (h200.bf16_flops, h200.host_link_bytes_per_s) == (989.5e12, 64e9)
+    assert "datasheet" in h200.source
+    for name, spec in GPUS.items():
+        lim = gpu_limits(name)
+        assert lim.bf16_flops == spec.bf16_tflops * 1e12 and lim.host_link_bytes_per_s == spec.host_link_gbps * 1e9
+    with pytest.raises(BadInput, match="not in the GPU table"):
+        gpu_limits("TPUv5")

@@ -168,7 +168,7 @@ def test_quantize_formats(fmt, tol, axis):
 # --- a regenerator's basis (rpca) --------------------------------------------------------------
 
 def _regenerator(seeds=(10, 11, 12)):
-    from kite.upcycle.train.regenerator import RegeneratorFit
+    from kite.upcycle.codec.regenerator import RegeneratorFit
 
     fit = RegeneratorFit(n_layers=1)
     for seed in seeds:

@@ -11,8 +11,8 @@ import torch
 from kite.errors import BadInput
 from kite.upcycle import codec as C
 from kite.upcycle.codec.coders import coder
-from kite.upcycle.train import weights as W
-from kite.upcycle.train.regenerator import Regenerator, RegeneratorFit
+from kite.upcycle.codec import weights as W
+from kite.upcycle.codec.regenerator import Regenerator, RegeneratorFit
 
 H, d = 2, 16
 

@@ -191,8 +191,8 @@ def test_a_state_coded_on_a_regenerator_moves_it_to_the_new_model(setup, tmp_pat
 
     from kite.model import load_model
     from kite.upcycle.capture import capture
-    from kite.upcycle.train import RegeneratorFit
-    from kite.upcycle.train.regenerator import install, resolve
+    from kite.upcycle.codec import RegeneratorFit
+    from kite.upcycle.codec.regenerator import install, resolve
 
     a, b_dir, _, old, new = setup
     fit = RegeneratorFit(n_layers=a.geometry.n_layers)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kite.upcycle.capture import capture
-from kite.upcycle.train import weights as W
-from kite.upcycle.train.probe import AttentionProbe
-from kite.upcycle.train.regenerator import RegeneratorFit
+from kite.upcycle.codec import weights as W
+from kite.upcycle.codec.probe import AttentionProbe
+from kite.upcycle.codec.regenerator import RegeneratorFit
 from tests.tiny_models import CORPUS
 
 

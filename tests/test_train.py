@@ -11,7 +11,8 @@ import torch
 
 from kite.data.pairs import contract_pairs
 from kite.errors import BadInput, FingerprintMismatch
-from kite.upcycle.train import Regenerator, RegeneratorFit, read_pairs, split_pairs
+from kite.upcycle.codec import Regenerator, RegeneratorFit
+from kite.upcycle.train import read_pairs, split_pairs
 from kite.upcycle.train.report import adapter_helps
 
 
@@ -191,7 +192,7 @@ def _compress_regenerated(lm, reg, out, ratio=8):
 def test_a_regenerated_state_records_its_regenerator_and_loads_only_with_it(tiny_lm, tiny_regenerator, tmp_path,
                                                                              monkeypatch):
     from kite.upcycle import StateFile, load_prefix
-    from kite.upcycle.train import regenerator as R
+    from kite.upcycle.codec import regenerator as R
 
     made = _compress_regenerated(tiny_lm, tiny_regenerator, tmp_path / "s.upc")
     with StateFile(made.path) as sf:

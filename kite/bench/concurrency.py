@@ -14,8 +14,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from kite.runtime.batch_decode import BatchDecoder
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 
 def percentiles_ms(values_ms: list[float]) -> dict[str, float]:
@@ -24,7 +28,7 @@ def percentiles_ms(values_ms: list[float]) -> dict[str, float]:
     return {"p50_ms": round(statistics.median(v), 1), "p95_ms": round(v[min(len(v) - 1, int(0.95 * len(v)))], 1)}
 
 
-def closed_loop(lm, requests: list[tuple[list[int], object]], clients: int, rows: int,
+def closed_loop(lm: LoadedModel, requests: list[tuple[list[int], object]], clients: int, rows: int,
                 max_new_tokens: int) -> dict:
     """Serve ``requests`` ((prompt ids, KVPrefix or None), in order) to ``clients`` clients with a
     batch of ``rows``; the figures and every answer's text."""
@@ -66,7 +70,7 @@ def closed_loop(lm, requests: list[tuple[list[int], object]], clients: int, rows
             "texts": [results[i].text for i in range(len(requests))]}
 
 
-def measure(lm, requests: list[tuple[list[int], object]], clients: int, max_new_tokens: int) -> dict:
+def measure(lm: LoadedModel, requests: list[tuple[list[int], object]], clients: int, max_new_tokens: int) -> dict:
     """Batched (``clients`` rows) against one at a time, same clients, same requests."""
     batched = closed_loop(lm, requests, clients, clients, max_new_tokens)
     single = closed_loop(lm, requests, clients, 1, max_new_tokens)

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kite.runtime.cache import KVPrefix, cache_layers, new_cache
 from kite.runtime.generate import cache_kwarg
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 
 @dataclass
@@ -24,12 +28,12 @@ class DocumentContext:
     def n_tokens(self) -> int:
         return len(self.ids)
 
-    def raw_kv_bytes(self, lm) -> int:
+    def raw_kv_bytes(self, lm: LoadedModel) -> int:
         """The document's KV at fp16: what a plain cache holds for it."""
         return int(lm.geometry.kv_bytes_per_token("fp16") * self.n_tokens)
 
 
-def document_ids(lm, text: str) -> list[int]:
+def document_ids(lm: LoadedModel, text: str) -> list[int]:
     """The document's token ids (no special tokens: states are made from the same ids)."""
     from kite.upcycle import tokenize_document
 
@@ -37,7 +41,7 @@ def document_ids(lm, text: str) -> list[int]:
 
 
 @torch.inference_mode()
-def prefill_document(lm, key: str, ids: list[int], chunk_tokens: int = 1024) -> DocumentContext:
+def prefill_document(lm: LoadedModel, key: str, ids: list[int], chunk_tokens: int = 1024) -> DocumentContext:
     """Prefill `ids` in chunks (only the last position's logits are computed) and keep the KV."""
     model = lm.model
     cache = new_cache(model)

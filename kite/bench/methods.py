@@ -13,7 +13,7 @@ import abc
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -21,6 +21,9 @@ from kite.bench.document import DocumentContext, take_tokens
 from kite.config import DEFAULT_MIN_HIT_GAIN
 from kite.runtime.cache import KVPrefix, new_cache
 from kite.runtime.generate import GenerationResult, generate
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 
 @dataclass
@@ -51,7 +54,7 @@ def _answer(gen: GenerationResult, before_ms: float, kv_bytes: int, prefix, prom
                         gen.new_tokens, kv_bytes, prefix, prompt, details)
 
 
-def fp16_token_bytes(lm) -> float:
+def fp16_token_bytes(lm: LoadedModel) -> float:
     return lm.geometry.kv_bytes_per_token("fp16")
 
 
@@ -61,15 +64,15 @@ class Method(abc.ABC):
     uses_state: ClassVar[bool] = False  # Prepared.data is the document's states.StateRef
     needs_document: ClassVar[bool] = True  # reads the document's full cache (DocumentContext.full)
 
-    def prepare(self, lm, doc: DocumentContext, budget_bytes: int) -> Prepared:
+    def prepare(self, lm: LoadedModel, doc: DocumentContext, budget_bytes: int) -> Prepared:
         return Prepared(kv_bytes=doc.raw_kv_bytes(lm))
 
     @abc.abstractmethod
-    def answer(self, lm, doc: DocumentContext, prep: Prepared, question: str, prompt: list[int],
+    def answer(self, lm: LoadedModel, doc: DocumentContext, prep: Prepared, question: str, prompt: list[int],
                gen: dict) -> MethodAnswer:
         """Answer `question` (tokens `prompt`) about the document with this method's cache."""
 
-    def reference_logits(self, lm, doc: DocumentContext, ans: MethodAnswer, reference: list[int]) -> torch.Tensor:
+    def reference_logits(self, lm: LoadedModel, doc: DocumentContext, ans: MethodAnswer, reference: list[int]) -> torch.Tensor:
         """Logits [len(reference), vocab] of the reference teacher-forced after what the answer
         read (its `ppl_prefix` and `ppl_prompt`)."""
         from kite.bench.scoring import reference_logits
@@ -84,7 +87,7 @@ class FullPrefill(Method):
     name: ClassVar[str] = "full"
     equal_bytes: ClassVar[bool] = False
 
-    def answer(self, lm, doc, prep, question, prompt, gen):
+    def answer(self, lm: LoadedModel, doc, prep, question, prompt, gen):
         # The document's prefill was measured once (DocumentContext.prefill_ms); the prompt then
         # continues that cache, which gives the same logits as prefilling both at once.
         g = generate(lm, prompt, prefix=doc.full, **gen)
@@ -100,7 +103,7 @@ class KeepLastWindow(Method):
     name: ClassVar[str] = "window"
     sinks: int = 4
 
-    def prepare(self, lm, doc, budget_bytes):
+    def prepare(self, lm: LoadedModel, doc, budget_bytes):
         n = doc.n_tokens
         keep = max(1, min(n, round(budget_bytes / fp16_token_bytes(lm))))
         sinks = min(self.sinks, keep)
@@ -109,7 +112,7 @@ class KeepLastWindow(Method):
         return Prepared(kv_bytes=int(idx.numel() * fp16_token_bytes(lm)), data=prefix,
                         note=f"{sinks} sinks + last {idx.numel() - sinks} of {n} tokens")
 
-    def answer(self, lm, doc, prep, question, prompt, gen):
+    def answer(self, lm: LoadedModel, doc, prep, question, prompt, gen):
         g = generate(lm, prompt, prefix=prep.data, **gen)
         return _answer(g, 0.0, prep.kv_bytes, prep.data, prompt, kept_tokens=int(prep.data.keys[0].shape[1]))
 
@@ -122,7 +125,7 @@ class KiviQuant(Method):
     name: ClassVar[str] = "kivi"
     group_size: int = 32
 
-    def prepare(self, lm, doc, budget_bytes):
+    def prepare(self, lm: LoadedModel, doc, budget_bytes):
         from kite.bench.kivi import kivi_at_budget
 
         t0 = time.perf_counter()
@@ -131,7 +134,7 @@ class KiviQuant(Method):
                 f" fp16 residual" + (f"; {cache.note}" if cache.note else ""))
         return Prepared(cache.nbytes, cache, (time.perf_counter() - t0) * 1e3, note)
 
-    def answer(self, lm, doc, prep, question, prompt, gen):
+    def answer(self, lm: LoadedModel, doc, prep, question, prompt, gen):
         t0 = time.perf_counter()
         prefix = prep.data.to_prefix()
         load_ms = (time.perf_counter() - t0) * 1e3
@@ -149,13 +152,13 @@ class SnapKV(Method):
     window: int = 32
     kernel: int = 7
 
-    def prepare(self, lm, doc, budget_bytes):
+    def prepare(self, lm: LoadedModel, doc, budget_bytes):
         keep = max(1, min(doc.n_tokens, round(budget_bytes / fp16_token_bytes(lm))))
         return Prepared(kv_bytes=int(keep * fp16_token_bytes(lm)), data=keep,
                         note=f"{keep} of {doc.n_tokens} tokens per layer and head")
 
     @torch.inference_mode()
-    def answer(self, lm, doc, prep, question, prompt, gen):
+    def answer(self, lm: LoadedModel, doc, prep, question, prompt, gen):
         from kite.bench.snapkv import capture_queries, select
         from kite.runtime.cache import cache_layers
         from kite.runtime.generate import forward_tokens
@@ -192,10 +195,10 @@ class WholeState(Method):
     uses_state: ClassVar[bool] = True
     needs_document: ClassVar[bool] = False
 
-    def prepare(self, lm, doc, budget_bytes):
+    def prepare(self, lm: LoadedModel, doc, budget_bytes):
         return Prepared(kv_bytes=budget_bytes)
 
-    def answer(self, lm, doc, prep, question, prompt, gen):
+    def answer(self, lm: LoadedModel, doc, prep, question, prompt, gen):
         from kite.upcycle import load_prefix
 
         t0 = time.perf_counter()
@@ -220,10 +223,10 @@ class Fused(Method):
     health: Any = None
     min_hit_gain: float = DEFAULT_MIN_HIT_GAIN
 
-    def prepare(self, lm, doc, budget_bytes):
+    def prepare(self, lm: LoadedModel, doc, budget_bytes):
         return Prepared(kv_bytes=budget_bytes)  # the runner attaches the state (states.StateRef)
 
-    def answer(self, lm, doc, prep, question, prompt, gen):
+    def answer(self, lm: LoadedModel, doc, prep, question, prompt, gen):
         from kite.upcycle import load_prefix
         from kite.yoco.fused import answer as fused_answer, load_args
 
@@ -264,16 +267,16 @@ class KVBudget(Method):
         return check_budget(BudgetSettings(budget_tokens=self.budget_tokens, codec=self.codec,
                                            block_tokens=self.block_tokens), context_length)
 
-    def _cache(self, lm):
+    def _cache(self, lm: LoadedModel):
         from kite.upcycle import BudgetCache
 
         return BudgetCache(lm.model, self.check(lm.geometry.context_length))
 
-    def prepare(self, lm, doc, budget_bytes):
+    def prepare(self, lm: LoadedModel, doc, budget_bytes):
         return Prepared(kv_bytes=0, note=f"{self.budget_tokens} tokens raw, older ones in {self.codec} blocks "
                                         f"of {self.block_tokens}")
 
-    def answer(self, lm, doc, prep, question, prompt, gen):
+    def answer(self, lm: LoadedModel, doc, prep, question, prompt, gen):
         cache = self._cache(lm)
         g = generate(lm, doc.ids + prompt, cache=cache, prefill_chunk=self.block_tokens, **gen)
         stats = cache.stats()
@@ -282,7 +285,7 @@ class KVBudget(Method):
                        compressed_tokens=stats["compressed_tokens"], ratio_to_raw=stats["ratio_to_raw"])
 
     @torch.inference_mode()
-    def reference_logits(self, lm, doc, ans, reference):
+    def reference_logits(self, lm: LoadedModel, doc, ans, reference):
         from kite.runtime.generate import forward_tokens
 
         ids = ans.ppl_prompt + reference[:-1]
@@ -325,7 +328,7 @@ class KVPress(Method):
 
     name: ClassVar[str] = "kvpress"
 
-    def prepare(self, lm, doc, budget_bytes):
+    def prepare(self, lm: LoadedModel, doc, budget_bytes):
         from kvpress import ExpectedAttentionPress
 
         from kite.bench.document import prefill_document
@@ -338,7 +341,7 @@ class KVPress(Method):
         return Prepared(int(kept * fp16_token_bytes(lm)), take_tokens(ctx.full, torch.arange(kept)),
                         note=f"ExpectedAttentionPress(compression_ratio={ratio:.3f})")
 
-    def answer(self, lm, doc, prep, question, prompt, gen):
+    def answer(self, lm: LoadedModel, doc, prep, question, prompt, gen):
         g = generate(lm, prompt, prefix=prep.data, **gen)
         return _answer(g, 0.0, prep.kv_bytes, prep.data, prompt)
 

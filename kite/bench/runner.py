@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kite.bench.cases import BenchCase, load_cases
 from kite.bench.document import DocumentContext
@@ -19,6 +20,9 @@ from kite.bench.methods import ALL_METHODS, BASELINES, Fused, Method, kvpress_st
 from kite.bench.reuse import BenchReuse, Reference
 from kite.config import DEFAULT_MIN_HIT_GAIN
 from kite.errors import BadInput
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 Progress = Callable[[str, int, int], None]
 
@@ -74,7 +78,7 @@ def prompt_text(case: BenchCase) -> tuple[str, bool]:
     return f"\n{case.prompt}", False
 
 
-def prompt_ids(lm, case: BenchCase, chat: bool = True) -> list[int]:
+def prompt_ids(lm: LoadedModel, case: BenchCase, chat: bool = True) -> list[int]:
     """The case's prompt after the document (no BOS: it continues the document). `chat=False`
     asks a case without a `prompt` as `\nQuestion: Q\nAnswer:` instead of a chat turn."""
     from kite.runtime.generate import encode_prompt
@@ -92,7 +96,7 @@ def answer_text(generated: str) -> str:
     return generated.strip().split("\n", 1)[0]
 
 
-def check_lengths(lm, cases: list[BenchCase], max_new_tokens: int, chat: bool) -> dict[str, tuple]:
+def check_lengths(lm: LoadedModel, cases: list[BenchCase], max_new_tokens: int, chat: bool) -> dict[str, tuple]:
     """Token ids of every case; a case past the model's context is BadInput (file:line)."""
     from kite.bench.document import document_ids
 

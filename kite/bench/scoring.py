@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from kite.data.answers import exact_match, f1_score, normalize_answer
 
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
+
 __all__ = ["exact_match", "f1_score", "normalize_answer", "perplexity", "reference_logits"]
 
 
 @torch.inference_mode()
-def reference_logits(lm, prefix, prompt_ids: list[int], reference_ids: list[int]) -> torch.Tensor:
+def reference_logits(lm: LoadedModel, prefix, prompt_ids: list[int], reference_ids: list[int]) -> torch.Tensor:
     """Logits [len(reference), vocab] predicting each reference token after prefix + prompt."""
     from kite.runtime.cache import new_cache
     from kite.runtime.generate import forward_tokens

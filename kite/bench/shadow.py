@@ -16,11 +16,14 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kite.errors import BadInput
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 CLASSES = ("identical", "whitespace_punctuation", "stop_words", "substantive")
 _TOKEN = re.compile(r"\w+|[^\w\s]", re.UNICODE)
@@ -124,14 +127,14 @@ def compare(case_ids: list[str], questions: list[str], golden: list[str], golden
                         max_substantive, excess <= max_substantive, examples, rows)
 
 
-def answer_all(lm, cfg: ShadowConfig, cases, states_dir: Path, *, seed: int | None = None,
+def answer_all(lm: LoadedModel, cfg: ShadowConfig, cases, states_dir: Path, *, seed: int | None = None,
                progress=None, stage: str = "answers") -> list[str]:
     """The texts `cfg`'s pipeline generates for `cases` (in order)."""
     with contextlib.ExitStack() as cleanup:
         return _answer_all(lm, cfg, cases, states_dir, seed, progress, stage, cleanup)
 
 
-def _answer_all(lm, cfg, cases, states_dir, seed, progress, stage, cleanup) -> list[str]:
+def _answer_all(lm: LoadedModel, cfg, cases, states_dir, seed, progress, stage, cleanup) -> list[str]:
     from kite.bench.document import prefill_document
     from kite.bench.methods import BASELINES, Fused
     from kite.bench.runner import prompt_ids

@@ -8,8 +8,12 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kite.errors import FingerprintMismatch
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 
 @dataclass
@@ -42,7 +46,7 @@ def settings_key(settings, tagger) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
-def _matches(path: Path, lm, n_tokens: int, settings) -> bool:
+def _matches(path: Path, lm: LoadedModel, n_tokens: int, settings) -> bool:
     from kite.upcycle import StateFile, check_fingerprints
 
     try:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import sys
 import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kite.cli._common import (JsonOpt, KvBudgetBlockOpt, KvBudgetCodecOpt, check_budget_flags, console, emit_json,
                               model_spec)
 from kite.errors import BadInput
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 
 def read_text_input(prompt: str | None, prompt_file: Path | None) -> str:
@@ -39,7 +42,7 @@ def read_text_input(prompt: str | None, prompt_file: Path | None) -> str:
     return text
 
 
-def state_prompt_ids(lm, text: str, *, chat: bool, system: str | None, with_state: bool) -> list[int]:
+def state_prompt_ids(lm: LoadedModel, text: str, *, chat: bool, system: str | None, with_state: bool) -> list[int]:
     """The prompt's ids. After a state the prompt continues the document: no BOS token again."""
     from kite.runtime.generate import encode_prompt
 

@@ -279,8 +279,9 @@ def _ptx(q: torch.Tensor) -> bool:
 
 
 MIN_LANES = 32     # lanes a row the kernel reads (each half a tensor-core product's K of >= 16)
-# The stream kernel's launch configuration, the fastest on the H200 (benchmarks/lanes_decode.py): one-warp
-# programs of 64-row tiles (a tile divides the group size), 3 stages.
+# The stream kernel's launch configuration, the fastest on the H200 (benchmarks/lanes_decode.py,
+# benchmarks/results/lanes_decode_h200_20261201_dbb5a4f_run5.json): one-warp programs of 64-row tiles
+# (a tile divides the group size), 3 stages.
 BLOCK, NUM_WARPS, NUM_STAGES = 64, 1, 3
 
 

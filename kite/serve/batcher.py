@@ -26,12 +26,15 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from kite.errors import BadInput
 from kite.runtime.batch_decode import BatchDecoder
 from kite.runtime.resident import ResidentPrefix
 from kite.runtime.row_memory import RowMemory
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 
 @dataclass(eq=False)
@@ -104,7 +107,7 @@ class Batcher:
     the queue left, the sequences the step ran, those it dropped because their clients left, the step's
     wall time)."""
 
-    def __init__(self, lm, *, max_batch: int = 8, max_kv_bytes: int | None = None, on_step=None):
+    def __init__(self, lm: LoadedModel, *, max_batch: int = 8, max_kv_bytes: int | None = None, on_step=None):
         if max_batch < 1:
             raise BadInput(f"--max-batch {max_batch}: at least 1")
         self.lm, self.on_step = lm, on_step

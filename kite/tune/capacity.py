@@ -36,7 +36,7 @@ REBUILD_CHUNK = 8      # sequences rebuilt per layer at once: a transient of raw
 TP_DEGREES = (1, 2, 4, 8)
 # What the lanes cost in quality on top of a loaded state's codec (the lanes note cites it).
 LANES_QUALITY = ("the embedded model, 4 bits, groups of 512, on the joint codec's decoded KV at 4x: KL to the "
-                 "full context 0.0024 -> 0.0096, docs/lanes_quality_through_codec_session11.json")
+                 "full context 0.0024 -> 0.0096, benchmarks/results/lanes_quality_cpu2_20261201_d38e9a7.json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,7 +262,8 @@ def _times(plan: CapacityPlan, fits: dict[str, SettingFit]) -> None:
     kvpt = shape.kv_bytes_per_token
     pf_floor, pf = roof.prefill(req.avg_tokens)
     compress = roof.compress(req.avg_tokens)
-    plan.calibration = {"measured_on": m.gpu, "own": own, "source": m.source, **fix.to_dict()}
+    plan.calibration = {"measured_on": m.gpu, "own": own, "name": m.calibration, "source": m.source,
+                        **fix.to_dict()}
     plan.times = {"prefill_ms": {"floor": pf_floor, "predicted": pf}, "compress_ms": compress}
     if not own:
         plan.notes.append(f"{plan.gpu.name}: not measured by this project; its roofline borrows the H200's "

@@ -1,14 +1,20 @@
-"""The GPUs `kite capacity-plan` knows: memory, bandwidth and bf16 rate from the vendors' datasheets,
-and the H200 figures this project measured, which correct the roofline.
+"""The GPUs KITE knows: memory, bandwidth and bf16 rate from the vendors' datasheets (the one
+definition of each hardware limit: `kite capacity-plan` and the benchmarks' floors read it, the
+latter through `gpu_limits`), and the H200 figures this project measured (package data,
+kite/tune/calibration/h200.json), which correct the planner's roofline.
 
 Every datasheet figure is the dense one: NVIDIA's tensor rates are printed "with sparsity"; dense
 is half. Memory is the datasheet's GB (1e9 B). `host_link_gbps` is one direction of the host link
-(PCIe Gen5 x16 128 GB/s bidirectional = 64 GB/s each way).
+(PCIe Gen5 x16 128 GB/s bidirectional = 64 GB/s each way; a pinned copy measures ~55 GB/s of it on
+the H200, which the calibration's hot-tier load carries, not the limit).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import asdict, dataclass
+from importlib import resources
 
 from kite.errors import BadInput
 
@@ -90,16 +96,60 @@ def gpu_spec(name: str, mem_gb: float | None = None, hbm_tbps: float | None = No
     return GpuSpec(**{**asdict(spec), **changed, "source": f"{spec.source}; {told} given on the command line"})
 
 
+
+@dataclass(frozen=True, slots=True)
+class GpuLimits:
+    """One GPU's hardware limits in SI units, for floors: `memory_bytes`, `hbm_bytes_per_s`,
+    `bf16_flops` (dense, per second), `host_link_bytes_per_s` (one way) and `source` (where each
+    comes from: all datasheet figures)."""
+
+    name: str
+    memory_bytes: float
+    hbm_bytes_per_s: float
+    bf16_flops: float
+    host_link_bytes_per_s: float
+    source: str
+
+
+def gpu_limits(name: str) -> GpuLimits:
+    """The limits of the table's GPU `name` (case-insensitive, aliases as `gpu_spec`); BadInput
+    for a GPU the table does not have."""
+    spec = gpu_spec(name)
+    return GpuLimits(spec.name, spec.mem_gb * 1e9, spec.hbm_tbps * 1e12, spec.bf16_tflops * 1e12,
+                     spec.host_link_gbps * 1e9, f"datasheet: {spec.source}")
+
+
 # --------------------------------------------------------------------------- measured on the H200
+
+CALIBRATION_SCHEMA = "kite.tune.calibration/1"
+_FIGURES = {  # field -> the unit its figure is recorded in
+    "prefill_ms": "ms", "query_forward_ms": "ms", "hot_tier_load_ms": "ms", "compress_ms": "ms",
+    "batch_step_ms": "ms", "batch_step_seqs": "", "attention_step_ms": "ms", "attention_seqs": "",
+    "resident_step_ms": "ms", "resident_seqs": "", "hot_tier_bytes": "B", "lanes_kernel_ms": "ms",
+    "lanes_seqs": "", "lanes_kernel_bytes": "B", "lanes_encode_s": "s",
+}
+_RESULT = re.compile(r"[a-z0-9_]+_[a-z0-9-]+_\d{8}_[0-9a-f]{7}(?:_[A-Za-z0-9_-]+)?\.json")
+
+
+@dataclass(frozen=True, slots=True)
+class Cited:
+    """One measured figure and the run behind it: a result file under benchmarks/results, its row,
+    the commit and the day."""
+
+    value: float
+    unit: str
+    result: str
+    row: str
+    commit: str
+    date: str
+
 
 @dataclass(frozen=True, slots=True)
 class Measured:
-    """What `benchmarks/gpu_speed.py` measured on this project's H200 (Qwen2-7B geometry: 28 layers,
-    28 query / 4 KV heads, head_dim 128, bf16; a 16,384-token document + a 16-token query; medians,
-    ms). The planner turns them into corrections of its roofline (kite.tune.roofline). `source`
-    names the run(s) every field comes from."""
+    """What the benchmarks measured on one GPU (Qwen2-7B geometry: 28 layers, 28 query / 4 KV heads,
+    head_dim 128, bf16; a 16,384-token document + a 16-token query; medians, ms). The planner turns
+    them into corrections of its roofline (kite.tune.roofline). `figures` cites the run of each."""
 
-    source: str
     gpu: str
     tokens: int                  # document tokens of every figure
     query_tokens: int
@@ -115,7 +165,6 @@ class Measured:
     resident_step_ms: float      # the same over `resident_seqs` compressed states, rebuilt per layer
     resident_seqs: int
     compress_ms: float           # compress one document (codec default, ratio 4), wall
-    steps_source: str            # the run of attention_step_ms and resident_step_ms
     # states resident in 4-bit nibble lanes (kite serve --resident lanes; benchmarks/lanes_decode.py):
     # the decode kernel over all layers of `lanes_seqs` states of `lanes_kernel_bytes` each, and
     # coding one state into lanes (its load's extra)
@@ -123,42 +172,119 @@ class Measured:
     lanes_seqs: int
     lanes_kernel_bytes: int
     lanes_encode_ms: float
-    lanes_source: str
+    figures: dict                # field -> Cited
+
+    def _runs(self, *fields: str) -> str:
+        cites = [self.figures[f] for f in (fields or self.figures)]
+        files = list(dict.fromkeys(c.result for c in cites))
+        return ", ".join(f"benchmarks/results/{f}" for f in files)
+
+    @property
+    def calibration(self) -> str:
+        """The calibration by name: the GPU, the days and commits of its runs."""
+        cites = self.figures.values()
+        days = sorted({c.date for c in cites})
+        commits = list(dict.fromkeys(c.commit[:7] for c in sorted(cites, key=lambda c: c.date)))
+        span = days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}"
+        return f"{self.gpu} calibration of {span} (commits {', '.join(commits)})"
+
+    @property
+    def source(self) -> str:
+        return f"{self.calibration}: {self._runs()}"
+
+    @property
+    def steps_source(self) -> str:
+        return self._runs("attention_step_ms", "resident_step_ms", "batch_step_ms")
+
+    @property
+    def lanes_source(self) -> str:
+        return self._runs("lanes_kernel_ms", "lanes_encode_s")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = {k: getattr(self, k) for k in self.__slots__ if k != "figures"}
+        d["figures"] = {k: asdict(c) for k, c in self.figures.items()}
+        return {**d, "calibration": self.calibration, "source": self.source}
 
 
-# Session 9 (docs/gpu_speed_h200_ff_session9.json): KITE's GPU path of today (the query's first
-# forward through the split-KV kernel and fused layers). Its twin run on another machine start
-# (docs/gpu_speed_h200_ff_session9_repeat.json) is what the planner is checked against. Those runs
-# skipped the concurrency rows, so the batched attention step and the resident (rebuilt) step stay
-# session 4's (docs/gpu_speed_h200_session4.json, run 13; session 5: 9.555 and 1,493.263 ms). The
-# whole decode step is session 10's over 42 raw sequences with KITE's fused layers (until session
-# 12 it was HF transformers' one-token static-cache step, 15.191 ms at batch 1: 11.6 ms of fixed
-# cost that KITE's path does not spend); the lanes runs of sessions 11 and 13 measured it again.
-# hot_tier_bytes: the staged state the hot-tier load copies (gpu_speed.py's `hot.nbytes`; the
-# session-9 row's floor 4.4718 ms = 245,948,416 B / 55 GB/s), not the .upc file (237,642,762 B).
-H200_MEASURED = Measured(
-    source="docs/gpu_speed_h200_ff_session9.json (benchmarks/gpu_speed.py, H200, session 9: prefill, "
-           "first forward with KITE attention (split-KV kernel + fused layers), hot-tier load, compress); the "
-           "whole decode step over 42 raw sequences (fused layers) from docs/gpu_speed_h200_fused_steps_session10.json; "
-           "batched attention and resident rebuild steps from docs/gpu_speed_h200_session4.json (session 4 run 13: "
-           "the session-9 runs skipped the concurrency rows)",
-    gpu="H200", tokens=16384, query_tokens=16,
-    prefill_ms=490.268, batch_step_ms=13.595, batch_step_seqs=42, query_forward_ms=5.519,
-    hot_tier_load_ms=7.724, hot_tier_bytes=245_948_416, hot_tier_ratio_of=4.0,
-    attention_step_ms=9.398, attention_seqs=42, resident_step_ms=1642.454, resident_seqs=161,
-    compress_ms=44.326,
-    steps_source="docs/gpu_speed_h200_session4.json, session 4 run 13 (the attention and rebuild steps); "
-                 "docs/gpu_speed_h200_fused_steps_session10.json (the whole decode step over 42 raw sequences)",
-    lanes_kernel_ms=19.409, lanes_seqs=160, lanes_kernel_bytes=249_561_088,
-    lanes_encode_ms=180.0,
-    lanes_source="docs/lanes_decode_h200_session13_a.json (benchmarks/lanes_decode.py, H200, session 13: "
-                 "4-bit lanes, groups of 512, 160 states at a 40 GB budget: kernel 19.41 ms, step 25.23 ms; raw bf16 "
-                 "42 sequences 13.92 ms in the same run; coding a state's 28 layers into lanes 0.18 s, warm "
-                 "(docs/lanes_decode_h200_session13_b.json, the twin run: 19.41 / 25.14 / 13.92 ms, 0.16 s))",
-)
+def _bad(where: str, why: str) -> BadInput:
+    return BadInput(f"{where}: not a {CALIBRATION_SCHEMA} calibration: {why}")
+
+
+def _positive_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def parse_calibration(obj, where: str = "calibration") -> Measured:
+    """The measurements an envelope `obj` holds; BadInput (one line, starting with `where`) when it
+    is not the schema: every figure of `_FIGURES` with a positive value in its unit, a result file
+    name, its row, a git commit and a YYYY-MM-DD date."""
+    if not isinstance(obj, dict) or obj.get("schema") != CALIBRATION_SCHEMA:
+        raise _bad(where, "no schema line")
+    if not isinstance(obj.get("gpu"), str) or obj["gpu"] not in GPUS:
+        raise _bad(where, f"gpu {obj.get('gpu')!r} is not in the GPU table")
+    for k in ("tokens", "query_tokens"):
+        if not _positive_int(obj.get(k)):
+            raise _bad(where, f"{k} must be a positive whole number")
+    if not isinstance(obj.get("hot_tier_ratio_of"), (int, float)) or obj["hot_tier_ratio_of"] <= 0:
+        raise _bad(where, "hot_tier_ratio_of must be a positive number")
+    figs = obj.get("figures")
+    if not isinstance(figs, dict):
+        raise _bad(where, "figures must be an object")
+    missing = [k for k in _FIGURES if k not in figs]
+    if missing:
+        raise _bad(where, f"figures lack {', '.join(missing)}")
+    cited = {}
+    for k, unit in _FIGURES.items():
+        f = figs[k]
+        if not isinstance(f, dict):
+            raise _bad(where, f"figures.{k} must be an object")
+        v = f.get("value")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+            raise _bad(where, f"figures.{k}: value must be a positive number")
+        if f.get("unit") != unit:
+            raise _bad(where, f"figures.{k}: unit must be {unit!r}")
+        if not (isinstance(f.get("result"), str) and _RESULT.fullmatch(f["result"])):
+            raise _bad(where, f"figures.{k}: result must name a file of benchmarks/results")
+        if not (isinstance(f.get("row"), str) and f["row"]):
+            raise _bad(where, f"figures.{k}: row must name the result's row")
+        if not (isinstance(f.get("commit"), str) and re.fullmatch(r"[0-9a-f]{40}", f["commit"])):
+            raise _bad(where, f"figures.{k}: commit must be a full git hash")
+        if not (isinstance(f.get("date"), str) and re.fullmatch(r"\d{4}-\d\d-\d\d", f["date"])):
+            raise _bad(where, f"figures.{k}: date must be YYYY-MM-DD")
+        cited[k] = Cited(float(v), unit, f["result"], f["row"], f["commit"], f["date"])
+    val = {k: c.value for k, c in cited.items()}
+    ints = ("batch_step_seqs", "attention_seqs", "resident_seqs", "lanes_seqs", "hot_tier_bytes", "lanes_kernel_bytes")
+    for k in ints:
+        if val[k] != int(val[k]):
+            raise _bad(where, f"figures.{k}: value must be a whole number")
+    return Measured(
+        gpu=obj["gpu"], tokens=obj["tokens"], query_tokens=obj["query_tokens"],
+        prefill_ms=val["prefill_ms"], batch_step_ms=val["batch_step_ms"], batch_step_seqs=int(val["batch_step_seqs"]),
+        query_forward_ms=val["query_forward_ms"], hot_tier_load_ms=val["hot_tier_load_ms"],
+        hot_tier_bytes=int(val["hot_tier_bytes"]), hot_tier_ratio_of=float(obj["hot_tier_ratio_of"]),
+        attention_step_ms=val["attention_step_ms"], attention_seqs=int(val["attention_seqs"]),
+        resident_step_ms=val["resident_step_ms"], resident_seqs=int(val["resident_seqs"]),
+        compress_ms=val["compress_ms"], lanes_kernel_ms=val["lanes_kernel_ms"], lanes_seqs=int(val["lanes_seqs"]),
+        lanes_kernel_bytes=int(val["lanes_kernel_bytes"]), lanes_encode_ms=val["lanes_encode_s"] * 1e3,
+        figures=cited)
+
+
+def load_calibration(name: str = "h200") -> Measured:
+    """The packaged calibration kite/tune/calibration/<name>.json, validated (BadInput, one line,
+    when missing or not the schema)."""
+    where = f"kite/tune/calibration/{name}.json"
+    try:
+        text = resources.files("kite.tune").joinpath("calibration", f"{name}.json").read_text()
+    except (FileNotFoundError, OSError):
+        raise BadInput(f"{where}: no such calibration") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _bad(where, f"not JSON ({e})") from None
+    return parse_calibration(obj, where)
+
+
+H200_MEASURED = load_calibration("h200")
 MEASURED: dict[str, Measured] = {"H200": H200_MEASURED}
 
 

@@ -8,25 +8,28 @@ and ``format`` included, for benchmarks and tools that work on the codec or the 
     address    content addresses of states (sha256 of model, token ids, settings, format version)
     load       load_prefix: .upc -> KV prefix (fingerprints checked, parts chosen, CPU or GPU rebuild)
     format     the container (StateFile, StateWriter), blob names, codec blob bytes, bit layout
-    codec      settings and presets, side coders, per-layer codec, batched encoder, quantizer
+    codec      settings and presets, side coders, per-layer codec, batched encoder, quantizer, and the
+               regenerator (calibrated bases), distortion weights and attention probe loads and
+               compression read
     tagging    the clause tagger
-    train      `kite upcycle train`: the regenerator (calibrated bases) and the LoRA reader adapter
+    train      `kite upcycle train`: calibrates the regenerator, trains the LoRA reader adapter
     budget     the memory-budgeted KV cache (coded blocks that stay in attention)
     label_ratios, recode  per-label ratios (config, flags) and clusters re-encoded at higher ones
                from the stored form (`kite upcycle retune`, kite.yoco.flywheel, decides them)
-    migration, quality (what a setting loses), inspect, rope, capture
+    migration, quality (what a setting loses), inspect, rope, capture (capture_kv: a document's K, V)
 """
 
 from kite.upcycle import codec, format
 from kite.upcycle.address import Address, AddressMismatch, address_for, check_address, is_address, tokens_digest
 from kite.upcycle.budget import (DEFAULT_BLOCK_TOKENS, DEFAULT_CODEC, BudgetCache, BudgetRow, BudgetSettings, WindowCache,
                                  budget_cache, check_budget, kv_bytes_per_token, min_budget)
-from kite.upcycle.capture import tokenize_document
-from kite.upcycle.codec import CodecSettings
+from kite.upcycle.capture import Capture, tokenize_document
+from kite.upcycle.capture import capture as capture_kv
+from kite.upcycle.codec import CodecSettings, Regenerator, RegeneratorFit
 from kite.upcycle.codec import settings_for as codec_settings
 from kite.upcycle.compress import ClusterInfo, CompressResult, CompressSettings, compress_document
 from kite.upcycle.recode import cluster_ratios, not_recodable, recode_clusters, state_ratio
-from kite.upcycle.quality import PROBES, EvalResult, check_probe, compare_logits, evaluate
+from kite.upcycle.quality import PROBES, EvalResult, check_probe, compare_logits, evaluate, split_text
 from kite.upcycle.format import FORMAT_VERSION, StateFile, StateWriter, path_version
 from kite.upcycle.inspect import describe_state
 from kite.upcycle.load import (LOAD_PRECISIONS, RESIDENT_FORMS, SINK_TOKENS, HotTier, LoadReport, ResidentForm,
@@ -38,7 +41,7 @@ from kite.upcycle.label_ratios import parse_label_ratio_flags, read_label_ratios
 from kite.upcycle.pipeline import Pipeline, compress_settings, open_pipeline
 from kite.upcycle.rope import apply_rope, remove_rope, rope_cos_sin
 from kite.upcycle.settings import UpcycleConfig, load_upcycle_config
-from kite.upcycle.train import Pair, Regenerator, RegeneratorFit, read_pairs, split_pairs
+from kite.upcycle.train import Pair, read_pairs, split_pairs
 from kite.upcycle.train.run import TrainRequest, train_upcycle
 from kite.upcycle.tagging import (ClauseTagger, QueryHead, TagResult, build_tagger, calibration_set,
                                   describe_tagger, evaluate_queries, evaluate_tagging)
@@ -57,4 +60,5 @@ __all__ = [
     "Address", "AddressMismatch", "address_for", "check_address", "is_address", "tokens_digest",
     "prepare_state", "remove_rope", "rollback", "rope_cos_sin", "select_clusters", "tokenize_document",
     "RESIDENT_FORMS", "ResidentForm", "check_resident", "resident_form",
+    "Capture", "capture_kv", "split_text",
 ]

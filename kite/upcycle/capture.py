@@ -6,12 +6,16 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kite.runtime.cache import cache_layers, new_cache
 from kite.runtime.generate import cache_kwarg
 from kite.upcycle.rope import remove_rope, rope_cos_sin
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 
 @dataclass
@@ -26,7 +30,7 @@ class Capture:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer → [T, hidden]
     prefill_ms: float = 0.0
     # with queries=True: per layer, the sum over the document's tokens of each query output's square
-    # [H_q * d] float64 (pre-RoPE: q_proj's output), what a key error costs (kite.upcycle.train.weights)
+    # [H_q * d] float64 (pre-RoPE: q_proj's output), what a key error costs (kite.upcycle.codec.weights)
     query_sq: list[torch.Tensor] = field(default_factory=list)
     # with query_rows=N: per layer, the last N tokens' query outputs [N, H_q * d] fp32 (pre-RoPE)
     query_tail: list[torch.Tensor] = field(default_factory=list)
@@ -53,7 +57,7 @@ def token_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]
 
 
 @torch.inference_mode()
-def capture(lm, text: str, *, chunk_tokens: int = 1024, hidden_layers: Sequence[int] = (),
+def capture(lm: LoadedModel, text: str, *, chunk_tokens: int = 1024, hidden_layers: Sequence[int] = (),
             progress: Callable[[int, int], None] | None = None,
             ids: list[int] | None = None, queries: bool = False, query_rows: int = 0) -> Capture:
     """Prefill `text` in chunks of `chunk_tokens`, keeping K (pre-RoPE), V and some hidden states.

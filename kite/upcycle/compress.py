@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,14 +21,17 @@ from kite.upcycle import codec
 from kite.upcycle.address import address_for
 from kite.upcycle.capture import Capture, capture
 from kite.upcycle.codec.part_widths import part_widths
+from kite.upcycle.codec.probe import ROWS as PROBE_ROWS
+from kite.upcycle.codec.probe import AttentionProbe
 from kite.upcycle.codec.settings import at_ratio, ratio_of
 from kite.upcycle.cluster import kmeans
 from kite.upcycle.spans import cut_spans
-from kite.upcycle.train.probe import ROWS as PROBE_ROWS
-from kite.upcycle.train.probe import AttentionProbe
 from kite.upcycle.format.container import LARGE_MIN_SAVING, MIN_SAVING, StateWriter
 from kite.upcycle.format.names import blob_key
 from kite.upcycle.tagging.build import describe_tagger
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -89,7 +92,7 @@ def _span_embeddings(cap: Capture, spans: list[tuple[int, int]], tagger) -> torc
     return torch.stack([h[s:e].mean(0) for s, e in spans])
 
 
-def _span_tags(lm, text: str, cap: Capture, spans, emb: torch.Tensor, tagger):
+def _span_tags(lm: LoadedModel, text: str, cap: Capture, spans, emb: torch.Tensor, tagger):
     if _uses_embeddings(tagger):
         return tagger.predict_embeddings(emb)
     # A prompt-scoring tagger reads each span's text.
@@ -123,7 +126,7 @@ def _ranges(token_idx: list[int]) -> list[list[int]]:
     return out
 
 
-def compress_document(lm, text: str, output: str | Path, settings: CompressSettings | None = None, *,
+def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: CompressSettings | None = None, *,
                       tagger=None, source_name: str = "-", progress: Progress | None = None,
                       ids: list[int] | None = None, device: str | torch.device | None = None,
                       regenerator=None, address: bool = False) -> CompressResult:
@@ -134,7 +137,7 @@ def compress_document(lm, text: str, output: str | Path, settings: CompressSetti
     content. The pipeline's states carry it (:meth:`kite.upcycle.Pipeline.compress`); off, the
     header is as before addresses (unaddressed).
 
-    `regenerator`: a :class:`kite.upcycle.train.Regenerator` of this model: PCA sides are coded on
+    `regenerator`: a :class:`kite.upcycle.codec.Regenerator` of this model: PCA sides are coded on
     its calibrated bases where that is expected to pay (the state then records its fingerprint and
     loads only with it); the per-layer codec runs.
     `ids`: the document's token ids when the caller already has them (what the state will be

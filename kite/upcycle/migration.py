@@ -24,8 +24,8 @@ from pathlib import Path
 
 from kite.errors import BadInput, KiteError
 from kite.model.fingerprint import PREFIX, short
+from kite.upcycle.codec.regenerator import Regenerator, install, resolve
 from kite.upcycle.format.container import StateFile, rewrite_header
-from kite.upcycle.train.regenerator import Regenerator, install, resolve
 
 JOURNAL = ".kite-migrate.journal"
 

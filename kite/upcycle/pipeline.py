@@ -22,19 +22,23 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kite.errors import BadInput
 from kite.upcycle.address import Address, address_for
 from kite.upcycle.capture import tokenize_document
+from kite.upcycle.codec.regenerator import Regenerator, install
 from kite.upcycle.codec.settings import PRESETS, ratio_of, settings_for
 from kite.upcycle.compress import CompressResult, CompressSettings, Progress, compress_document
 from kite.upcycle.label_ratios import check_ratios, read_label_ratios
 from kite.upcycle.load.staging import prepare_state
 from kite.upcycle.settings import UpcycleConfig, load_upcycle_config
 from kite.upcycle.tagging.build import build_tagger, describe_tagger
-from kite.upcycle.train.regenerator import Regenerator, install
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 
 def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precision: str | None = None,
@@ -97,7 +101,7 @@ class Pipeline:
     """A model with the tagger, the compression settings and the regenerator (None: each state
     stores its own bases) its states are made with."""
 
-    lm: object
+    lm: LoadedModel
     tagger: object | None
     settings: CompressSettings
     config: UpcycleConfig
@@ -136,7 +140,7 @@ class Pipeline:
 def open_pipeline(model: str | None = None,
                   upcycle_config: str | Path | UpcycleConfig | tuple[UpcycleConfig, Path | None] | None = None, *,
                   ratio: float | None = None, precision: str | None = None, clusters: int | None = None,
-                  kept_fraction: float | None = None, device: str | None = None, lm=None, tagger: bool = True,
+                  kept_fraction: float | None = None, device: str | None = None, lm: LoadedModel=None, tagger: bool = True,
                   regenerator: str | Path | None = None, label_ratios: dict[str, float] | None = None,
                   progress=None) -> Pipeline:
     """Config → settings (checked before anything slow) → model (``lm`` when given, else ``model``

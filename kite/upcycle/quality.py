@@ -15,6 +15,7 @@ import tempfile
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from kite.runtime.generate import forward_tokens, generate
 from kite.upcycle.capture import tokenize_document
 from kite.upcycle.compress import CompressSettings, compress_document
 from kite.upcycle.load import load_prefix
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 
 @dataclass
@@ -64,7 +68,7 @@ def compare_logits(full: torch.Tensor, other: torch.Tensor, targets: torch.Tenso
     return {"ppl_full": ppl_full, "ppl_other": ppl_other, "kl_mean": float(kl), "top1": float(top1)}
 
 
-def split_text(lm, text: str, context_tokens: int, continuation_tokens: int) -> tuple[list[int], list[int]]:
+def split_text(lm: LoadedModel, text: str, context_tokens: int, continuation_tokens: int) -> tuple[list[int], list[int]]:
     ids, _ = tokenize_document(lm.tokenizer, text)
     need = context_tokens + continuation_tokens
     if context_tokens < 1 or continuation_tokens < 2:
@@ -88,7 +92,7 @@ def check_probe(probe: str | None) -> None:
 
 
 @torch.inference_mode()
-def evaluate(lm, text: str, *, context_tokens: int = 2048, continuation_tokens: int = 512,
+def evaluate(lm: LoadedModel, text: str, *, context_tokens: int = 2048, continuation_tokens: int = 512,
              settings: CompressSettings | None = None, tagger=None, probe: str | None = None,
              progress=None, regenerator=None) -> EvalResult:
     """The module's measurement of `settings` on `text`; `progress(stage, done, total)` after the
@@ -133,11 +137,11 @@ PASSKEY_DEPTHS = (0.05, 0.15, 0.3)
 
 
 @torch.inference_mode()
-def _reading(lm, prefix):
+def _reading(lm: LoadedModel, prefix):
     return lm.reading(prefix.reader) if hasattr(lm, "reading") else nullcontext(False)
 
 
-def passkey_probe(lm, text: str, context_tokens: int, settings: CompressSettings, tagger=None,
+def passkey_probe(lm: LoadedModel, text: str, context_tokens: int, settings: CompressSettings, tagger=None,
                   depths=PASSKEY_DEPTHS, seed: int = 0, progress=None, regenerator=None) -> dict:
     """Plant a passkey early in the context, compress without the question, ask for it.
 

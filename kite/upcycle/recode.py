@@ -17,11 +17,11 @@ from kite.errors import BadInput
 from kite.upcycle import codec
 from kite.upcycle.codec.coders import PcaSide
 from kite.upcycle.codec.part_widths import part_widths
+from kite.upcycle.codec.regenerator import resolve
 from kite.upcycle.codec.settings import ratio_of
 from kite.upcycle.format.container import StateFile, StateWriter
 from kite.upcycle.format.names import blob_key
 from kite.upcycle.load.selection import cluster_positions
-from kite.upcycle.train.regenerator import resolve
 
 
 def state_ratio(meta: dict) -> float | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kite.config import DEFAULT_MIN_HIT_GAIN
 from kite.runtime.generate import GenerationResult, generate
@@ -28,6 +29,9 @@ from kite.yoco.health import DEFAULT_GAIN_SCALE, DEFAULT_PRIOR_GAIN, health_from
 from kite.yoco.intent import QuerySignals, query_signals
 from kite.yoco.plan import LoadPlan
 from kite.yoco.signals import HardwareWatermark, Signals
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 
 def state_id_of(path: str | Path) -> str:
@@ -63,7 +67,7 @@ def load_args(plan: LoadPlan, query_label: str) -> dict:
     return {"clusters": clusters, "layers": plan.layers, "precision": plan.precision}
 
 
-def prompt_nll(lm, prompt_ids: list[int], prefix=None) -> float | None:
+def prompt_nll(lm: LoadedModel, prompt_ids: list[int], prefix=None) -> float | None:
     """Mean negative log-likelihood (bits) of the prompt's tokens after its first, teacher-forced,
     after `prefix` (a loaded state) when given; None for a prompt of fewer than 2 tokens. The
     first token is left out on both sides: without a state nothing predicts it."""
@@ -103,7 +107,7 @@ class FusedAnswer:
                 "generation": self.generation.to_dict(), "gain": self.gain, "timings_ms": self.timings_ms}
 
 
-def plan_for(lm, tagger, rules, state: StateFile, query: str, *, health=None, novelty=None,
+def plan_for(lm: LoadedModel, tagger, rules, state: StateFile, query: str, *, health=None, novelty=None,
              watermark: HardwareWatermark | None = None, min_hit_gain: float = DEFAULT_MIN_HIT_GAIN,
              state_id: str | None = None,
              timings: dict | None = None) -> tuple[Signals, LoadPlan, QuerySignals, StateInfo]:
@@ -138,7 +142,7 @@ class Prepared:
     query: QuerySignals | None = None  # the signals' pass over the query (its token ids and their NLL)
 
 
-def prepare(lm, tagger, rules, state_path: str | Path, query: str, *, health=None, novelty=None, sampler=None,
+def prepare(lm: LoadedModel, tagger, rules, state_path: str | Path, query: str, *, health=None, novelty=None, sampler=None,
             min_hit_gain: float = DEFAULT_MIN_HIT_GAIN, fusion_enabled: bool = True,
             state_id: str | None = None, loader=None) -> Prepared:
     """Signals, the rules' decision and the load (nothing loaded with fusion disabled).
@@ -162,7 +166,7 @@ def prepare(lm, tagger, rules, state_path: str | Path, query: str, *, health=Non
         query=q)
 
 
-def without_state_nll(lm, prepared: Prepared, prompt_ids: list[int]) -> float | None:
+def without_state_nll(lm: LoadedModel, prepared: Prepared, prompt_ids: list[int]) -> float | None:
     """The gain's side without the state: the prompt's NLL from the signals' own pass over the query
     when the prompt is those very tokens (a completion whose prompt is the query), else one short
     forward (:func:`prompt_nll`)."""
@@ -172,7 +176,7 @@ def without_state_nll(lm, prepared: Prepared, prompt_ids: list[int]) -> float | 
     return prompt_nll(lm, prompt_ids)
 
 
-def finish(lm, prepared: Prepared, prompt_ids: list[int], gen: GenerationResult, *, health=None) -> FusedAnswer:
+def finish(lm: LoadedModel, prepared: Prepared, prompt_ids: list[int], gen: GenerationResult, *, health=None) -> FusedAnswer:
     """The measured gain of a load (the prefill's own NLL with the state against the prompt's NLL
     without it, :func:`without_state_nll`), recorded in the health store per loaded label."""
     gain = None
@@ -188,7 +192,7 @@ def finish(lm, prepared: Prepared, prompt_ids: list[int], gen: GenerationResult,
                        timings_ms={**prepared.timings_ms, "generate": gen.total_ms, **extra})
 
 
-def answer(lm, tagger, rules, state_path: str | Path, query: str, prompt_ids: list[int], *,
+def answer(lm: LoadedModel, tagger, rules, state_path: str | Path, query: str, prompt_ids: list[int], *,
            health=None, novelty=None, sampler=None, min_hit_gain: float = DEFAULT_MIN_HIT_GAIN,
            fusion_enabled: bool = True, state_id: str | None = None, **gen_kwargs) -> FusedAnswer:
     """Answer `prompt_ids` (the query, formatted) with whatever the rules load from the state:

@@ -18,11 +18,15 @@ import math
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from kite.runtime.batch import right_padded
 from kite.runtime.lowp import bf16_linears
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 PRECISIONS = ("fp32", "bf16")
 _LN2 = math.log(2.0)
 
@@ -113,7 +117,7 @@ def _batches(lengths: list[int], batch_size: int, batch_tokens: int) -> list[lis
 
 
 @torch.inference_mode()
-def query_signals(lm, queries: list[str], tagger=None, batch_size: int = 64,
+def query_signals(lm: LoadedModel, queries: list[str], tagger=None, batch_size: int = 64,
                   max_tokens: int = 128, *, batch_tokens: int = 1024, precision: str = "fp32",
                   progress: Callable[[int, int], None] | None = None) -> list[QuerySignals]:
     """Signals for each query, in order (right-padded batches, so each query's own tokens are
@@ -131,7 +135,7 @@ def query_signals(lm, queries: list[str], tagger=None, batch_size: int = 64,
     return [replace(distinct[k], label_probs=dict(distinct[k].label_probs)) for k in which]
 
 
-def _distinct_signals(lm, queries: list[str], tagger, batch_size: int, max_tokens: int, batch_tokens: int,
+def _distinct_signals(lm: LoadedModel, queries: list[str], tagger, batch_size: int, max_tokens: int, batch_tokens: int,
                       precision: str, progress) -> list[QuerySignals]:
     tok = lm.tokenizer
     layers = list(tagger.query_layers) if tagger is not None else []

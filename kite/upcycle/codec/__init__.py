@@ -1,24 +1,35 @@
 """The KV-cache codec of a `.upc` state (KVTC-style PCA + per-component bit allocation, plain
 quantization, raw casts): settings and presets, the side coders registered per mode, the per-layer
-codec (CPU) and the batched encoder (any device, the GPU's), and the quantizer under them; and the
-nibble-lanes encoder (`encode_lanes`, `lanes_nbytes`: a loaded state coded again into the form the lanes
-decode kernel reads, kite.kernels.lanes)."""
+codec (CPU) and the batched encoder (any device, the GPU's), and the quantizer under them; the
+regenerator (per-model calibrated bases a state may be coded on), the attention-aware distortion
+weights and the attention probe that choose between bases. Loads read the regenerator from here;
+`kite upcycle train` (kite.upcycle.train) fits it. And the nibble-lanes encoder (`encode_lanes`,
+`lanes_nbytes`, `LANE_CLIPS`: a loaded state coded again into the form the lanes decode kernel reads,
+kite.kernels.lanes)."""
 
 from kite.upcycle.codec.batched import EncodedState, encode_state
 from kite.upcycle.codec.batched import supports as supports_batched
-from kite.upcycle.codec.bits import allocate_bits, allocate_bits_batched, first_bit_cost, layer_budget_bits
+from kite.upcycle.codec.bits import (allocate_bits, allocate_bits_batched, expected_error, first_bit_cost,
+                                    layer_budget_bits)
 from kite.upcycle.codec.blob import Blob, EncodedPart, LayerCodec, from_bytes, nbytes, to_bytes
 from kite.upcycle.codec.coders import (CODERS, PcaSide, QuantSide, RawSide, RegenSide, SideCoder, attach_regenerator,
-                                      register)
+                                      blocks, coder, register)
+from kite.upcycle.codec.lanes import CLIPS as LANE_CLIPS
 from kite.upcycle.codec.lanes import encode_layers as encode_lanes
 from kite.upcycle.codec.lanes import nbytes_for as lanes_nbytes
 from kite.upcycle.codec.layer import batched_pca, decode, encode, fit_layer, fit_layers, weighted_error
 from kite.upcycle.codec.quant import FLOAT_FORMATS, INT_FORMATS, QTensor, dequantize, quantize, tensors_nbytes
 from kite.upcycle.codec.part_widths import part_widths
+from kite.upcycle.codec.probe import ROWS as PROBE_ROWS
+from kite.upcycle.codec.probe import AttentionProbe
+from kite.upcycle.codec.regenerator import Regenerator, RegeneratorFit
 from kite.upcycle.codec.settings import PRESETS, CodecSettings, at_ratio, ratio_of, settings_for
+from kite.upcycle.codec.weights import model_value_weights
 
-__all__ = ["CODERS", "FLOAT_FORMATS", "INT_FORMATS", "PRESETS", "Blob", "CodecSettings", "EncodedPart", "EncodedState",
-           "LayerCodec", "PcaSide", "at_ratio", "part_widths", "ratio_of", "QTensor", "QuantSide", "RawSide", "RegenSide", "SideCoder", "attach_regenerator", "allocate_bits",
-           "allocate_bits_batched", "batched_pca", "decode", "dequantize", "encode", "encode_lanes", "encode_state", "first_bit_cost",
-           "fit_layer", "fit_layers", "from_bytes", "lanes_nbytes", "layer_budget_bits", "nbytes", "quantize", "register",
+__all__ = ["CODERS", "FLOAT_FORMATS", "INT_FORMATS", "LANE_CLIPS", "PRESETS", "PROBE_ROWS", "AttentionProbe", "Blob", "CodecSettings",
+           "EncodedPart", "EncodedState", "LayerCodec", "PcaSide", "QTensor", "QuantSide", "RawSide", "RegenSide",
+           "Regenerator", "RegeneratorFit", "SideCoder", "allocate_bits", "allocate_bits_batched", "at_ratio",
+           "attach_regenerator", "batched_pca", "blocks", "coder", "decode", "dequantize", "encode", "encode_lanes",
+           "encode_state", "expected_error", "first_bit_cost", "fit_layer", "fit_layers", "from_bytes", "lanes_nbytes",
+           "layer_budget_bits", "model_value_weights", "nbytes", "part_widths", "quantize", "ratio_of", "register",
            "settings_for", "supports_batched", "tensors_nbytes", "to_bytes", "weighted_error"]

@@ -51,7 +51,7 @@ class SideCoder(ABC):
         """Add the side's shared layer part to ``tensors`` / ``meta`` (X: [H, T, d] of the document).
         Returns the squared error the fit expects to leave where the mode can tell (else None).
         ``weights`` [B, D] (the blocks' dims, > 0): the distortion to minimise is the weighted
-        squared error (attention-aware: :mod:`kite.upcycle.train.weights`); modes with no basis
+        squared error (attention-aware: :mod:`kite.upcycle.codec.weights`); modes with no basis
         ignore it."""
         meta[side] = {"mode": self.mode}
         return None

@@ -29,12 +29,12 @@ def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | st
     is spread over: the shared part is paid once for that many tokens, so a codec fitted on a
     sample and used for more tokens (the budgeted KV cache) gives its parts the bits they carry.
     ``regenerator``: this layer's calibrated ``{"k": (mean, variances, basis), "v": ...}``
-    (:class:`kite.upcycle.train.Regenerator`): each ``pca`` side is then coded on the regenerator's
+    (:class:`kite.upcycle.codec.Regenerator`): each ``pca`` side is then coded on the regenerator's
     basis (``rpca``, no basis stored) unless the document's own basis is expected to leave less
     error for the same bytes.
     ``weights``: ``{"k": [B, D], "v": [B, D]}``, the distortion weight of each dim of the blocks
     (attention-aware: what a key error costs the scores, a value error the attention output; a
-    weighted regenerator's, :meth:`kite.upcycle.train.Regenerator.weights`). PCA sides then
+    weighted regenerator's, :meth:`kite.upcycle.codec.Regenerator.weights`). PCA sides then
     minimise the weighted squared error (weighted PCA) and, with a regenerator, each side keeps the
     candidate (the document's weighted basis, its plain basis, the regenerator's) whose *measured*
     weighted error on the document is lowest at the same byte budget.
@@ -44,7 +44,7 @@ def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | st
     expects, as before weights existed).
     ``metric(side, X, X_hat) -> float`` (with a regenerator; implies ``choice="measured"``): what a
     candidate's decoded side costs, in place of the (weighted) squared error -- e.g. the attention
-    probe's (:class:`kite.upcycle.train.probe.AttentionProbe`).
+    probe's (:class:`kite.upcycle.codec.probe.AttentionProbe`).
     """
     s = settings_for(settings)
     if K_pre.dim() != 3 or K_pre.shape != V.shape:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,7 @@ from kite.errors import BadInput, FingerprintMismatch
 from kite.model.fingerprint import PREFIX, short
 from kite.runtime.cache import KVPrefix
 from kite.upcycle import codec
+from kite.upcycle.codec.regenerator import resolve
 from kite.upcycle.format.container import StateFile
 from kite.upcycle.format.names import blob_key
 from kite.upcycle.load.fidelity import load_warnings
@@ -24,8 +26,10 @@ from kite.upcycle.load.hot_tier import HotTier, default_tier
 from kite.upcycle.load.rebuild import load_staged
 from kite.upcycle.load.selection import SINK_TOKENS, Selection, select
 from kite.upcycle.load.staging import stage_state, supports_state
-from kite.upcycle.train.regenerator import resolve
 from kite.upcycle.rope import apply_rope, rope_cos_sin
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 LOAD_PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
 
@@ -49,7 +53,7 @@ class LoadReport:
         return asdict(self)
 
 
-def check_fingerprints(state: StateFile, lm) -> None:
+def check_fingerprints(state: StateFile, lm: LoadedModel) -> None:
     """Invariant 3: a state made by another model, tokenizer or adapter never loads silently.
 
     The adapter is a reader (on only while a state made for it is read; the state's KV is the base
@@ -81,7 +85,7 @@ def check_fingerprints(state: StateFile, lm) -> None:
                 f"--new-model-fingerprint {short(want.combined)} --upcycle-dir {state.path.parent}")
 
 
-def check_geometry(state: StateFile, lm) -> None:
+def check_geometry(state: StateFile, lm: LoadedModel) -> None:
     """A state's KV geometry (layers, KV heads, head size) is the model's, checked before any part
     is read: one BadInput line for the first that differs."""
     have = state.meta["model"]["geometry"]
@@ -92,13 +96,13 @@ def check_geometry(state: StateFile, lm) -> None:
                            f"model has {getattr(want, key)}")
 
 
-def _on_gpu(state: StateFile, lm, precision: str | None) -> bool:
+def _on_gpu(state: StateFile, lm: LoadedModel, precision: str | None) -> bool:
     if torch.device(lm.device).type != "cuda" or not supports_state(state):
         return False
     return precision in (None, "fp32") or {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision) == lm.dtype
 
 
-def _load_on_gpu(state: StateFile, lm, sel: Selection, layer_set: set[int], verify: bool, sink_tokens: int,
+def _load_on_gpu(state: StateFile, lm: LoadedModel, sel: Selection, layer_set: set[int], verify: bool, sink_tokens: int,
                  tier: HotTier | None, regenerator) -> tuple[list, list, int, dict]:
     geo = lm.geometry
     H, d = geo.n_kv_heads, geo.head_dim
@@ -131,7 +135,7 @@ def _at_precision(x: torch.Tensor, precision: str | None) -> torch.Tensor:
     return codec.dequantize(codec.quantize(x, precision, group_size=group, axis=-1))
 
 
-def _load_on_host(state: StateFile, lm, sel: Selection, layer_set: set[int], verify: bool,
+def _load_on_host(state: StateFile, lm: LoadedModel, sel: Selection, layer_set: set[int], verify: bool,
                   precision: str | None, regenerator) -> tuple[list, list, int, dict]:
     geo = lm.geometry
     positions, order = sel.positions()
@@ -171,7 +175,7 @@ def _load_on_host(state: StateFile, lm, sel: Selection, layer_set: set[int], ver
 
 
 @torch.inference_mode()
-def load_prefix(state: StateFile | str | Path, lm, *, clusters: list[str] | None = None,
+def load_prefix(state: StateFile | str | Path, lm: LoadedModel, *, clusters: list[str] | None = None,
                 layers: list[int] | None = None, precision: str | None = None,
                 verify: bool = True, sink_tokens: int = SINK_TOKENS,
                 tier: HotTier | None = None, regenerator=None) -> tuple[KVPrefix, LoadReport]:

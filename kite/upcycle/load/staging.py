@@ -19,6 +19,7 @@ import zstandard
 
 from kite.errors import BadInput
 from kite.upcycle.codec.coders import regen_columns
+from kite.upcycle.codec.regenerator import resolve
 from kite.upcycle.format import codec_blob
 from kite.upcycle.format.bitlayout import parts_layout
 from kite.upcycle.format.container import StateFile
@@ -27,10 +28,8 @@ from kite.upcycle.format.versions import record_verified, records_enabled, same_
 from kite.upcycle.load import caches
 from kite.upcycle.load.hot_tier import HotState, HotTier
 from kite.upcycle.load.selection import select
-from kite.upcycle.train.regenerator import resolve
-from kite.upcycle.load.tables import (ALIGN, LayerPlan, SidePlan, load_tables, round_up, save_tables,
-                                          table_bound, tables_file)
-
+from kite.upcycle.load.tables import (ALIGN, LayerPlan, SidePlan, load_tables, round_up, save_tables, table_bound,
+                                      tables_file)
 
 
 def supports_state(state: StateFile) -> bool:
@@ -188,6 +187,56 @@ def stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region:
     return plan, view[tables_at:cur].copy(), checked
 
 
+class StagingRun:
+    """One staging of a state's layers, each staged by :meth:`stage` (on any thread). When the last
+    layer is in, and none failed, it records for other processes what this staging established: the
+    blob checksums it checked and the tables it built, while the file is still the version they were
+    made on."""
+
+    def __init__(self, state: StateFile, fd: int, view: np.ndarray, *, ckey: tuple, entry, verified: set[str] | None,
+                 layers: list[int], H: int, d: int, verify: bool, regenerator, header_sum) -> None:
+        self.state, self.fd, self.view = state, fd, view
+        self.ckey, self.entry, self.verified = ckey, entry, verified
+        self.layers, self.H, self.d = layers, H, d
+        self.verify, self.regenerator, self.header_sum = verify, regenerator, header_sum
+        self.version = state.version
+        self.left = len(layers)        # layers still to stage; -1 once one failed (nothing is recorded)
+        self.checked_any = False       # a blob's checksum was checked by this staging
+        self.built_any = False         # a layer's tables were built (not copied) by this staging
+
+    def stage(self, layer: int, region: int, keys: list[str], offs: list[int], tables_at: int, cap: int) -> LayerPlan:
+        try:
+            plan, tbytes, checked = stage_layer(self.state, self.fd, self.view, layer, region, keys, offs, tables_at,
+                                                cap, self.H, self.d, self.verify, self.verified,
+                                                self.entry.layers.get(layer), self.regenerator)
+        except BaseException:
+            with caches.LOCK:
+                self.left = -1
+            raise
+        if tbytes is not None:
+            self.entry.layers[layer] = (plan, tbytes)
+        with caches.LOCK:
+            # remember the checks only while the file is still the version they were made on
+            unchanged = same_version(self.fd, self.version)
+            if checked and unchanged:
+                caches.VERIFIED.setdefault(self.version, set()).update(checked)
+                self.checked_any = True
+            self.built_any = self.built_any or tbytes is not None
+            self.left -= 1
+            last = self.left == 0
+            done = set(caches.VERIFIED.get(self.version, ())) if last and self.checked_any else None
+            keep = last and self.verify and unchanged and self.header_sum is not None and records_enabled()
+            tables = {l: self.entry.layers[l] for l in self.layers} \
+                if keep and (self.built_any or not tables_file(self.ckey).exists()) else None
+        if last and self.header_sum is not None:
+            # the whole staging checked out: record it for other processes, off the load's path
+            if done is not None:
+                caches.record_in_background(record_verified, self.version, self.header_sum, done)
+            if tables is not None:
+                caches.record_in_background(save_tables, self.ckey, self.header_sum, tables)
+        return plan
+
+
 def stage_state(state: StateFile, selection: list[tuple[int, torch.Tensor | None]], part_positions: list[torch.Tensor],
                 layers: list[int], *, n_layers: int, H: int, d: int, verify: bool = True,
                 tier: HotTier | None = None, threads: int = 8, key: tuple | None = None,
@@ -264,47 +313,16 @@ def stage_state(state: StateFile, selection: list[tuple[int, torch.Tensor | None
                    positions=kept_pos[order], layers=plans, bytes_read=nread,
                    graphs=entry.graphs, dest_dev=entry.dest_dev,
                    cached_tables=all(layer in entry.layers for layer in layer_set))
-    pending = [len(jobs), False, False]   # layers still to stage, any blob checked, any tables built
-
-    def one(layer, region, keys, offs, tables_at, cap):
-        try:
-            plan, tbytes, checked = stage_layer(state, fd, view, layer, region, keys, offs, tables_at, cap, H, d,
-                                                 verify, verified, entry.layers.get(layer), regenerator)
-        except BaseException:
-            with caches.LOCK:
-                pending[0] = -1        # a failed staging records nothing across processes
-            raise
-        if tbytes is not None:
-            entry.layers[layer] = (plan, tbytes)
-        with caches.LOCK:
-            # remember the checks only while the file is still the version they were made on
-            unchanged = same_version(fd, version)
-            if checked and unchanged:
-                caches.VERIFIED.setdefault(version, set()).update(checked)
-                pending[1] = True
-            pending[2] = pending[2] or tbytes is not None
-            pending[0] -= 1
-            last = pending[0] == 0
-            done = set(caches.VERIFIED.get(version, ())) if last and pending[1] else None
-            keep = last and verify and unchanged and header_sum is not None and records_enabled()
-            tables = {l: entry.layers[l] for l in layer_set} if keep and (pending[2] or not tables_file(ckey).exists()) \
-                else None
-        if last and header_sum is not None:
-            # the whole staging checked out: record it for other processes, off the load's path
-            if done is not None:
-                caches.record_in_background(record_verified, version, header_sum, done)
-            if tables is not None:
-                caches.record_in_background(save_tables, ckey, header_sum, tables)
-        return plan
-
+    run = StagingRun(state, fd, view, ckey=ckey, entry=entry, verified=verified, layers=layer_set, H=H, d=d,
+                     verify=verify, regenerator=regenerator, header_sum=header_sum)
     if threads <= 1:
         for job in jobs:
-            plans[job[0]] = one(*job)
+            plans[job[0]] = run.stage(*job)
         return hot
     pool = caches.pool(threads)
     futures: list = [None] * n_layers
     for job in jobs:
-        futures[job[0]] = pool.submit(one, *job)
+        futures[job[0]] = pool.submit(run.stage, *job)
     hot.futures = futures
     if wait:
         hot.wait_all()

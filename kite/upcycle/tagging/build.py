@@ -5,10 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kite.errors import BadInput
 from kite.paths import cache_dir
 from kite.upcycle.tagging.tagger import ClauseTagger
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 TAGGER_CACHE_VERSION = 2  # 2: taggers carry a query head calibrated on questions
 # The query head's calibration set: generated labeled questions (kite.data.traffic
@@ -46,7 +50,7 @@ def config_examples(cfg, cfg_path: Path | None) -> list[tuple[str, str]]:
     return examples
 
 
-def build_tagger(lm, cfg, cfg_path: Path | None = None, progress=None):
+def build_tagger(lm: LoadedModel, cfg, cfg_path: Path | None = None, progress=None):
     """A fitted ClauseTagger for `lm`, or None when the config has no labels and no examples."""
     examples = config_examples(cfg, cfg_path)
     labels = list(cfg.semantic_tagging.labels) or sorted({lab for _, lab in examples})

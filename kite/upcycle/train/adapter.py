@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from kite.runtime.generate import cache_kwarg
 from kite.upcycle.capture import tokenize_document
 from kite.upcycle.train.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from kite.upcycle.train.data import Pair
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 Progress = Callable[[str, int, int], None]
 
@@ -105,7 +109,7 @@ def tokenize_pair(tokenizer, pair: Pair) -> tuple[list[int], list[int], list[int
 
 
 @torch.inference_mode()
-def teacher_examples(lm, pairs: list[Pair], top_k: int, progress: Progress | None = None) -> list[Example]:
+def teacher_examples(lm: LoadedModel, pairs: list[Pair], top_k: int, progress: Progress | None = None) -> list[Example]:
     """Each pair's teacher: the base model over context + prompt + response (the context prefilled
     once per document and shared by its pairs)."""
     from kite.runtime.generate import forward_tokens
@@ -178,7 +182,7 @@ class PrefixCache:
         return self.items[doc]
 
 
-def attach_lora(lm, s: AdapterSettings):
+def attach_lora(lm: LoadedModel, s: AdapterSettings):
     """The peft model wrapping ``lm.model`` (the LoRA layers go into lm.model itself: on by default,
     off inside ``peft_model.disable_adapter()``)."""
     from peft import LoraConfig, get_peft_model

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from kite.runtime.cache import KVPrefix, new_cache
 from kite.runtime.generate import forward_tokens, generate
 from kite.upcycle.train.adapter import Example, tokenize_pair
 from kite.upcycle.train.data import Pair
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 
 @torch.inference_mode()
@@ -46,7 +50,7 @@ def _full_context_nll(model, pairs: list[Pair], examples: list[Example], tokeniz
     return out
 
 
-def held_out_report(lm, peft_model, pairs: list[Pair], examples: list[Example],
+def held_out_report(lm: LoadedModel, peft_model, pairs: list[Pair], examples: list[Example],
                     prefixes: dict[float, Callable[[str], KVPrefix]], progress=None) -> dict:
     """Per training ratio: mean PPL (full / state / state + adapter), the share of the gap between
     the state and full context the adapter recovers, and mean answer F1 without / with it."""
@@ -102,7 +106,7 @@ def adapter_helps(held: dict) -> bool | None:
 ANSWER_ROWS = 8     # greedy answers decoded together (kite.runtime.batch_decode: each row after its own state)
 
 
-def greedy_answers(lm, prefixes: list[KVPrefix], examples: list[Example], rows: int = ANSWER_ROWS) -> list[str]:
+def greedy_answers(lm: LoadedModel, prefixes: list[KVPrefix], examples: list[Example], rows: int = ANSWER_ROWS) -> list[str]:
     """Each example's greedy answer after its state (the reference's length + 8 tokens), decoded
     ``rows`` at a time in one batch: the same tokens as one at a time (kite.runtime.generate), far
     fewer forwards. A row the batch refuses (past a model's sliding window) is decoded alone."""

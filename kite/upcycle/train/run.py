@@ -21,6 +21,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,16 +29,19 @@ from kite.atomic import write_text
 from kite.errors import BadInput
 from kite.model.fingerprint import short
 from kite.upcycle.capture import capture
+from kite.upcycle.codec.regenerator import Regenerator, RegeneratorFit, install
 from kite.upcycle.codec.settings import settings_for
+from kite.upcycle.codec.weights import model_value_weights
 from kite.upcycle.compress import CompressSettings, compress_document
 from kite.upcycle.load.prefix import load_prefix
 from kite.upcycle.settings import UpcycleConfig
 from kite.upcycle.train.adapter import (AdapterSettings, PrefixCache, attach_lora, auto_settings, teacher_examples,
                                         train_adapter)
 from kite.upcycle.train.data import Pair, split_pairs
-from kite.upcycle.train.regenerator import Regenerator, RegeneratorFit, install
 from kite.upcycle.train.report import held_out_report, loss_plot
-from kite.upcycle.train.weights import model_value_weights
+
+if TYPE_CHECKING:
+    from kite.model import LoadedModel
 
 RUN = "run.json"
 
@@ -107,11 +111,12 @@ def prepare_output(req: TrainRequest, key: dict) -> None:
     write_text(run, json.dumps(key, indent=1, sort_keys=True))
 
 
-def fit_regenerator(lm, train_pairs: list[Pair], cfg_codec, progress=None, weighted: bool = False) -> Regenerator:
+def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progress=None, weighted: bool = False) -> Regenerator:
     """Calibrate on the training documents (each once), in the blocks the codec uses; ``weighted``:
     with attention-aware distortion weights (the documents' queries and the model's ``o_proj``;
-    :mod:`kite.upcycle.train.weights`). Off by default: on SmolLM2's held-out rows the weighted
-    regenerator lost more often than it won (docs/PERFORMANCE.md "Training", session 8)."""
+    :mod:`kite.upcycle.codec.weights`). Off by default: on SmolLM2's held-out rows the weighted
+    regenerator lost more often than it won (docs/PERFORMANCE.md "Training"; measured 2026-12-01 at
+    commit 42c8b7a)."""
     docs = {p.document_key: p for p in train_pairs}
     fit = RegeneratorFit(n_layers=lm.geometry.n_layers, joint_heads=cfg_codec.joint_heads, center=cfg_codec.center)
     for i, p in enumerate(docs.values()):
@@ -124,7 +129,7 @@ def fit_regenerator(lm, train_pairs: list[Pair], cfg_codec, progress=None, weigh
                       value_weights=model_value_weights(lm) if weighted else None)
 
 
-def given_regenerator(lm, req: TrainRequest) -> Regenerator:
+def given_regenerator(lm: LoadedModel, req: TrainRequest) -> Regenerator:
     """``--regenerator DIR``: the adapter then learns to read states of that regenerator (the pairing it
     will be used with) and none is fitted. FingerprintMismatch naming it when it was made for another
     model; BadInput when its bases do not fit a training ratio's codec."""
@@ -139,7 +144,7 @@ def given_regenerator(lm, req: TrainRequest) -> Regenerator:
     return reg
 
 
-def train_upcycle(lm, pairs: list[Pair], cfg: UpcycleConfig, req: TrainRequest, progress=None) -> dict:
+def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: TrainRequest, progress=None) -> dict:
     """Run every stage (see the module doc); returns the report (also written to train_report.json)."""
     t_start = time.perf_counter()
     train, held = req.check(pairs)
@@ -198,7 +203,7 @@ def adapter_folder(output_dir: Path, ratio: float, ratios: list[float]) -> Path:
     ``DIR/adapter-r<R>`` for each ratio of a run of several. One adapter per ratio: on its run's
     held-out split an adapter trained on a mix of 8x and 16x states read the 8x states little better
     than none (12 % of the gap, F1 worse), where one trained on 8x alone recovered all of it
-    (docs/PERFORMANCE.md, "Training", session 14)."""
+    (docs/PERFORMANCE.md, "Training"; measured 2026-12-02 at commit 2d4995e)."""
     return output_dir / ("adapter" if len(ratios) == 1 else f"adapter-r{ratio:g}")
 
 
@@ -213,7 +218,7 @@ def _at_ratio(stage: str, key: str) -> str:
     return f"{name} {key}×{sep}{detail}"
 
 
-def _train_adapter(lm, train, held, cfg, req, states, progress, timings) -> dict:
+def _train_adapter(lm: LoadedModel, train, held, cfg, req, states, progress, timings) -> dict:
     t = time.perf_counter()
     top_k = 256
     examples = teacher_examples(lm, train, top_k, progress)
