@@ -1,0 +1,77 @@
+"""Hardware floors: the time to move N bytes at a GPU's HBM bandwidth or over its host link, and to
+do F FLOPs at its dense bf16 tensor rate. The limits come from the library's GPU table
+(kite.tune.gpus) through :func:`gpu_limits` alone: the one place that reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_GPU = "H200"     # the GPU the project's figures are taken on
+
+
+@dataclass(frozen=True)
+class Limits:
+    """One GPU's limits in SI units per second, and where they come from."""
+
+    name: str
+    hbm_bytes_per_s: float
+    bf16_flops_per_s: float
+    host_link_bytes_per_s: float
+    source: str
+
+
+def gpu_limits(name: str = DEFAULT_GPU) -> Limits:
+    """The limits of GPU ``name`` (the table's names and aliases: "H200", "H100", ...)."""
+    from kite.tune.gpus import gpu_spec
+
+    spec = gpu_spec(name)
+    if not spec.has_rates or not spec.host_link_gbps:
+        raise ValueError(f"GPU {name}: the table has no bandwidth or bf16 rate for it")
+    return Limits(spec.name, spec.hbm_tbps * 1e12, spec.bf16_tflops * 1e12, spec.host_link_gbps * 1e9,
+                  spec.source)
+
+
+def gpu_name(device_name: str | None) -> str:
+    """The table's name for a torch device name ("NVIDIA H200" -> "H200"); DEFAULT_GPU when there is
+    none or the table does not know it."""
+    from kite.tune.gpus import ALIASES, GPUS
+
+    if device_name:
+        for word in reversed(device_name.upper().replace("NVIDIA", "").split()):
+            if word in GPUS or word in ALIASES:
+                return ALIASES.get(word, word)
+    return DEFAULT_GPU
+
+
+def _check(n: float, what: str) -> float:
+    if not n >= 0:
+        raise ValueError(f"{what} must be >= 0, got {n}")
+    return float(n)
+
+
+def bytes_ms(n_bytes: float, gpu: str = DEFAULT_GPU) -> float:
+    """ms to move ``n_bytes`` once at the GPU's HBM bandwidth."""
+    return _check(n_bytes, "bytes") / gpu_limits(gpu).hbm_bytes_per_s * 1e3
+
+
+def flops_ms(flops: float, gpu: str = DEFAULT_GPU) -> float:
+    """ms to do ``flops`` at the GPU's dense bf16 tensor rate."""
+    return _check(flops, "FLOPs") / gpu_limits(gpu).bf16_flops_per_s * 1e3
+
+
+def host_link_ms(n_bytes: float, gpu: str = DEFAULT_GPU) -> float:
+    """ms to move ``n_bytes`` one way over the GPU's host link (PCIe)."""
+    return _check(n_bytes, "bytes") / gpu_limits(gpu).host_link_bytes_per_s * 1e3
+
+
+def hbm_text(gpu: str = DEFAULT_GPU) -> str:
+    """"at 4.8 TB/s (H200 HBM)": the bandwidth a bytes floor assumes, for a row's floor text."""
+    return f"at {gpu_limits(gpu).hbm_bytes_per_s / 1e12:g} TB/s ({gpu} HBM)"
+
+
+def bf16_text(gpu: str = DEFAULT_GPU) -> str:
+    return f"at {gpu_limits(gpu).bf16_flops_per_s / 1e12:g} TFLOP/s ({gpu} dense bf16)"
+
+
+def host_link_text(gpu: str = DEFAULT_GPU) -> str:
+    return f"at {gpu_limits(gpu).host_link_bytes_per_s / 1e9:g} GB/s ({gpu} host link, one way)"
