@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from pathlib import Path
 
 
@@ -34,10 +35,14 @@ def parser(doc: str | None, timing: bool = False, repeat: int = 20, warmup: int 
 
 def parse(ap: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """Parse, resolve ``--device auto``, seed the generators; a bad --repeat / --warmup is an argparse
-    error."""
+    error. With ``--json`` the script's own prints go to stderr until :func:`~.results.finish` puts
+    the result's JSON alone on stdout (``args.stdout``)."""
     args = ap.parse_args(argv)
     if getattr(args, "repeat", 1) < 1 or getattr(args, "warmup", 0) < 0:
         ap.error("--repeat must be >= 1 and --warmup >= 0")
+    args.stdout = sys.stdout
+    if args.json:
+        sys.stdout = sys.stderr
     if args.device == "auto":
         args.device = _auto_device()
     random.seed(args.seed)

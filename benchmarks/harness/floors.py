@@ -75,3 +75,28 @@ def bf16_text(gpu: str = DEFAULT_GPU) -> str:
 
 def host_link_text(gpu: str = DEFAULT_GPU) -> str:
     return f"at {gpu_limits(gpu).host_link_bytes_per_s / 1e9:g} GB/s ({gpu} host link, one way)"
+
+
+def cpu_fp32_peak() -> tuple[float, str]:
+    """This CPU's fp32 rate (FLOP/s) and how it is reckoned: cores x clock x 32 FLOP a cycle (two
+    256-bit FMA a cycle: 2 x 8 lanes x 2 FLOP, as Zen 4 and most AVX2 / AVX-512 cores issue). The clock
+    is the TSC's (bogomips / 2), 2.5 GHz where /proc/cpuinfo does not say."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ghz = None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("bogomips"):
+                    ghz = float(line.split(":")[1]) / 2000.0
+                    break
+    except OSError:
+        pass
+    ghz = ghz or 2.5
+    return cores * ghz * 32 * 1e9, f"{cores} cores x {ghz:.2f} GHz x 32 FLOP/cycle (fp32 FMA)"
+
+
+def cpu_flops_ms(flops: float) -> float:
+    """ms to do ``flops`` at this CPU's fp32 rate (:func:`cpu_fp32_peak`)."""
+    return _check(flops, "FLOPs") / cpu_fp32_peak()[0] * 1e3

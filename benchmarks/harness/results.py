@@ -208,12 +208,13 @@ def machine_slug(m: dict) -> str:
 def finish(result: Result, args, label: str | None = None) -> int:
     """The end of a run: print the rows (stderr when ``--json`` puts the JSON on stdout), write the file
     (``--out`` or benchmarks/results/), say where; 0."""
-    out = sys.stderr if getattr(args, "json", False) else sys.stdout
-    print(result.table(), file=out, flush=True)
+    as_json = getattr(args, "json", False)
+    print(result.table(), file=sys.stderr if as_json else sys.stdout, flush=True)
     path = result.write(getattr(args, "out", None), label)
-    print(f"result: {_shown(path)}", file=out, flush=True)
-    if getattr(args, "json", False):
-        print(json.dumps(result.to_dict(), indent=1, default=str))
+    print(f"result: {_shown(path)}", file=sys.stderr if as_json else sys.stdout, flush=True)
+    if as_json:
+        sys.stdout = getattr(args, "stdout", None) or sys.__stdout__      # parse() sent prints to stderr
+        print(json.dumps(result.to_dict(), indent=1, default=str), flush=True)
     return 0
 
 

@@ -75,7 +75,7 @@ def lanes_variants(d: int, ratio: float, groups: list[int], clips: list[str], sp
     return out
 
 
-def _cell(doc: Document, m: dict, keys, values, nbytes: int, seconds: float, **extra) -> dict:
+def score_cell(doc: Document, m: dict, keys, values, nbytes: int, seconds: float, **extra) -> dict:
     kerr, verr = relative_error(keys, doc.keys_post), relative_error(values, doc.cap.values)
     return {"state_bytes": nbytes, "compression_ratio": round(doc.raw_bytes / nbytes, 3), **extra,
             "ppl": round(m["ppl_other"], 4), "ppl_delta": round(m["ppl_other"] - m["ppl_full"], 4),
@@ -101,7 +101,7 @@ def lanes_cells(doc: Document, variants: list[tuple], keys: list[torch.Tensor] |
             ke, ve = relative_error(k, keys), relative_error(v, values)
             extra = {"lanes_key_rel_error_mean": round(sum(ke) / len(ke), 4),
                      "lanes_value_rel_error_mean": round(sum(ve) / len(ve), 4)}
-        out[prefix + label] = _cell(doc, doc.score(k, v), k, v, b["state_bytes"], time.perf_counter() - t1,
+        out[prefix + label] = score_cell(doc, doc.score(k, v), k, v, b["state_bytes"], time.perf_counter() - t1,
                                     k_lanes=kl_, v_lanes=vl_, group=g, clip=c, sinks=sk, worst_first=w,
                                     **{n: x for n, x in b.items() if n != "state_bytes"}, **extra)
     return out
