@@ -119,6 +119,7 @@ class Report:
 
     def __init__(self, device):
         self.res = Result("gpu_speed", device=device)
+        self.on_gpu = str(device).startswith("cuda")      # the floors are a GPU's: none on the CPU smoke run
         self.data: dict = {}
         self.prefill: str | None = None
 
@@ -136,7 +137,7 @@ class Report:
             key, n = f"{name.strip()} ({n})", n + 1
         if self.prefill is None and key.startswith("prefill"):
             self.prefill = key
-        floor = floor_ms if floor_ms and floor_ms > 0 else None
+        floor = floor_ms if self.on_gpu and floor_ms and floor_ms > 0 else None
         self.res.row(key, ms, "ms", baseline=self.prefill if vs_prefill and self.prefill != key else None,
                      floor=what if floor else None, floor_value=floor, **({"note": note} if note else {}))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_GPU = "H200"     # the GPU the project's figures are taken on
+DEFAULT_GPU = "H200"     # the GPU the project's figures are taken on: the floors where no GPU is present
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,15 @@ def gpu_limits(name: str = DEFAULT_GPU) -> Limits:
                   spec.source)
 
 
+def this_gpu() -> str:
+    """The table's name of this machine's first CUDA device; DEFAULT_GPU without one."""
+    try:
+        import torch
+    except ImportError:
+        return DEFAULT_GPU
+    return gpu_name(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else DEFAULT_GPU
+
+
 def gpu_name(device_name: str | None) -> str:
     """The table's name for a torch device name ("NVIDIA H200" -> "H200"); DEFAULT_GPU when there is
     none or the table does not know it."""
@@ -49,31 +58,35 @@ def _check(n: float, what: str) -> float:
     return float(n)
 
 
-def bytes_ms(n_bytes: float, gpu: str = DEFAULT_GPU) -> float:
-    """ms to move ``n_bytes`` once at the GPU's HBM bandwidth."""
-    return _check(n_bytes, "bytes") / gpu_limits(gpu).hbm_bytes_per_s * 1e3
+def bytes_ms(n_bytes: float, gpu: str | None = None) -> float:
+    """ms to move ``n_bytes`` once at the GPU's HBM bandwidth (``gpu``: a table name; default this
+    machine's GPU, the H200 without one)."""
+    return _check(n_bytes, "bytes") / gpu_limits(gpu or this_gpu()).hbm_bytes_per_s * 1e3
 
 
-def flops_ms(flops: float, gpu: str = DEFAULT_GPU) -> float:
+def flops_ms(flops: float, gpu: str | None = None) -> float:
     """ms to do ``flops`` at the GPU's dense bf16 tensor rate."""
-    return _check(flops, "FLOPs") / gpu_limits(gpu).bf16_flops_per_s * 1e3
+    return _check(flops, "FLOPs") / gpu_limits(gpu or this_gpu()).bf16_flops_per_s * 1e3
 
 
-def host_link_ms(n_bytes: float, gpu: str = DEFAULT_GPU) -> float:
+def host_link_ms(n_bytes: float, gpu: str | None = None) -> float:
     """ms to move ``n_bytes`` one way over the GPU's host link (PCIe)."""
-    return _check(n_bytes, "bytes") / gpu_limits(gpu).host_link_bytes_per_s * 1e3
+    return _check(n_bytes, "bytes") / gpu_limits(gpu or this_gpu()).host_link_bytes_per_s * 1e3
 
 
-def hbm_text(gpu: str = DEFAULT_GPU) -> str:
+def hbm_text(gpu: str | None = None) -> str:
     """"at 4.8 TB/s (H200 HBM)": the bandwidth a bytes floor assumes, for a row's floor text."""
+    gpu = gpu or this_gpu()
     return f"at {gpu_limits(gpu).hbm_bytes_per_s / 1e12:g} TB/s ({gpu} HBM)"
 
 
-def bf16_text(gpu: str = DEFAULT_GPU) -> str:
+def bf16_text(gpu: str | None = None) -> str:
+    gpu = gpu or this_gpu()
     return f"at {gpu_limits(gpu).bf16_flops_per_s / 1e12:g} TFLOP/s ({gpu} dense bf16)"
 
 
-def host_link_text(gpu: str = DEFAULT_GPU) -> str:
+def host_link_text(gpu: str | None = None) -> str:
+    gpu = gpu or this_gpu()
     return f"at {gpu_limits(gpu).host_link_bytes_per_s / 1e9:g} GB/s ({gpu} host link, one way)"
 
 
