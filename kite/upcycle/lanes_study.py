@@ -76,6 +76,8 @@ def lanes_variants(d: int, ratio: float, groups: list[int], clips: list[str], sp
 
 
 def score_cell(doc: Document, m: dict, keys, values, nbytes: int, seconds: float, **extra) -> dict:
+    """One variant's cell: its bytes and ratio to the raw fp16 KV, the scores ``m`` against the full
+    context (PPL, its delta, KL mean / median / max, top-1), the key and value errors, its seconds."""
     kerr, verr = relative_error(keys, doc.keys_post), relative_error(values, doc.cap.values)
     return {"state_bytes": nbytes, "compression_ratio": round(doc.raw_bytes / nbytes, 3), **extra,
             "ppl": round(m["ppl_other"], 4), "ppl_delta": round(m["ppl_other"] - m["ppl_full"], 4),
