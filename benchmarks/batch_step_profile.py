@@ -5,7 +5,8 @@ Times `BatchDecoder.step` for 8 plain rows, for 8 rows of which 4 follow an 808-
 (the ops that take the time: the weights' matrix products, attention, the rest).
 
 Each step is timed over --repeat steps (median, after --warmup); the 8-row figures have the one-row
-step as their baseline; no floor (the CPU has no limits table).
+step as their baseline; the floor is the step's weight matmuls (2 x parameters x rows FLOPs) at this
+CPU's fp32 FMA peak (harness.floors.cpu_fp32_peak; attention left out).
 
     .venv/bin/python benchmarks/batch_step_profile.py [--repeat 20]
 """
@@ -25,6 +26,7 @@ from kite.runtime.batch_decode import BatchDecoder  # noqa: E402
 from kite.runtime.cache import KVPrefix, cache_layers, new_cache  # noqa: E402
 from kite.runtime.generate import forward_tokens  # noqa: E402
 from harness import Result, finish, parse, parser, time_ms  # noqa: E402
+from harness.floors import cpu_flops_ms, cpu_fp32_peak  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -54,11 +56,18 @@ def main(argv=None) -> int:
         return dec
 
     res = Result("batch_step_profile", device="cpu")
-    res.timing("decode step, 1 row", time_ms(decoder(False, 1).step, args.repeat, args.warmup))
+    n_params = sum(p.numel() for p in lm.model.parameters())
+    peak = cpu_fp32_peak()
+
+    def floor(rows: int) -> dict:
+        return {"floor": f"2 x {n_params / 1e6:.0f}M parameters x {rows} rows at {peak[0] / 1e9:.0f} GFLOP/s "
+                         f"({peak[1]})", "floor_value": cpu_flops_ms(2 * n_params * rows)}
+
+    res.timing("decode step, 1 row", time_ms(decoder(False, 1).step, args.repeat, args.warmup), **floor(1))
     res.timing("decode step, 8 plain rows", time_ms(decoder(False, 8).step, args.repeat, args.warmup),
-               baseline="decode step, 1 row")
+               baseline="decode step, 1 row", **floor(8))
     res.timing(f"decode step, 8 rows, 4 after a {len(ids)}-token document",
-               time_ms(decoder(True, 8).step, args.repeat, args.warmup), baseline="decode step, 1 row")
+               time_ms(decoder(True, 8).step, args.repeat, args.warmup), baseline="decode step, 1 row", **floor(8))
     from torch.profiler import ProfilerActivity, profile
 
     dec = decoder(True, 8)

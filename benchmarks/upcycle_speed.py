@@ -7,9 +7,9 @@ then Apache-2.0, repeated as needed), a short question after it.
   compress    capture + spans + clusters + tags + codec + write (the state is made once)
   ttft/state  read + decode the state + forward over the question, first token out
 
-Every row's baseline is the prefill measured in the same run (medians of --repeat); on a GPU the
-prefill's floor is 2 x parameters x tokens FLOPs at the bf16 tensor rate (no floor on a CPU: it has
-no limits table).
+Every row's baseline is the prefill measured in the same run (medians of --repeat); the prefill's
+floor is 2 x parameters x tokens FLOPs at the GPU's bf16 tensor rate, or on a CPU at its fp32 FMA
+peak (harness.floors.cpu_fp32_peak).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import Result, finish, flops_ms, parse, parser, time_ms  # noqa: E402
-from harness.floors import bf16_text  # noqa: E402
+from harness.floors import bf16_text, cpu_flops_ms, cpu_fp32_peak  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -60,8 +60,10 @@ def main(argv=None) -> int:
     n_params = sum(p.numel() for p in lm.model.parameters())
     on_gpu = str(lm.device).startswith("cuda")
     prefill = "prefill document + question -> first token"
-    floor = (f"2 x {n_params / 1e6:.0f}M parameters x {len(doc) + len(question)} tokens {bf16_text()}",
-             flops_ms(2 * n_params * (len(doc) + len(question)))) if on_gpu else (None, None)
+    work = 2 * n_params * (len(doc) + len(question))
+    what = f"2 x {n_params / 1e6:.0f}M parameters x {len(doc) + len(question)} tokens"
+    floor = (f"{what} {bf16_text()}", flops_ms(work)) if on_gpu else \
+        (f"{what} at {cpu_fp32_peak()[0] / 1e9:.0f} GFLOP/s ({cpu_fp32_peak()[1]})", cpu_flops_ms(work))
     t, _ = best(lambda: generate(lm, doc + question, max_new_tokens=1, stop_ids=set()), args.repeat)
     res.timing(prefill, t, floor=floor[0], floor_value=floor[1])
     with tempfile.TemporaryDirectory() as tmp:

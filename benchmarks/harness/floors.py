@@ -21,7 +21,8 @@ class Limits:
 
 
 def gpu_limits(name: str = DEFAULT_GPU) -> Limits:
-    """The limits of GPU ``name`` (the table's names and aliases: "H200", "H100", ...)."""
+    """The limits of GPU ``name`` (the table's names and aliases: "H200", "H100", ...): the one place
+    benchmarks/ reads the library's GPU table."""
     from kite.tune.gpus import gpu_spec
 
     spec = gpu_spec(name)
@@ -41,14 +42,13 @@ def this_gpu() -> str:
 
 
 def gpu_name(device_name: str | None) -> str:
-    """The table's name for a torch device name ("NVIDIA H200" -> "H200"); DEFAULT_GPU when there is
-    none or the table does not know it."""
-    from kite.tune.gpus import ALIASES, GPUS
-
-    if device_name:
-        for word in reversed(device_name.upper().replace("NVIDIA", "").split()):
-            if word in GPUS or word in ALIASES:
-                return ALIASES.get(word, word)
+    """The table's name for a torch device name ("NVIDIA H200" -> "H200", "NVIDIA H100 80GB HBM3" ->
+    "H100-80G"); DEFAULT_GPU when there is none or the table does not know it."""
+    for word in reversed((device_name or "").upper().replace("NVIDIA", "").split()):
+        try:
+            return gpu_limits(word).name
+        except Exception:  # noqa: BLE001 - not a name the table knows: the next word
+            continue
     return DEFAULT_GPU
 
 
