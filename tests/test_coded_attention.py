@@ -474,7 +474,7 @@ def check_every_kernel_in_the_interpreter() -> None:
 def test_decode_kernels_equal_the_torch_reference_on_the_cpu():
     """In Triton's interpreter (tests/triton_interpreter.py): the one-tile decode kernel, the stream
     kernel (one byte a code and nibble-packed), the stream kernel with keys in coefficient space."""
-    from tests.triton_interpreter import run_interpreted
+    from kite.testing.triton_interpreter import run_interpreted
 
     print(run_interpreted("tests.test_coded_attention:check_every_kernel_in_the_interpreter"))
 
