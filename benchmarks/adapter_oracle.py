@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kite.upcycle.held_out import CONTINUATION, LICENSES, context_tokens, window_pairs  # noqa: E402
+from kite.upcycle.study import CONTINUATION, LICENSES, context_tokens, window_pairs  # noqa: E402
 from harness import parse, parser  # noqa: E402
 
 

@@ -48,9 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kite.kernels import lanes  # noqa: E402
 from kite.upcycle import codec  # noqa: E402
-from kite.upcycle.held_out import held_out_docs, prepare_document  # noqa: E402
-from kite.upcycle.key_coding import coded_keys  # noqa: E402
-from kite.upcycle.lanes_study import lanes_cells, lanes_prefix, lanes_variants, score_cell  # noqa: E402
+from kite.upcycle.study import held_out_docs, prepare_document  # noqa: E402
+from kite.upcycle.study import coded_keys  # noqa: E402
+from kite.upcycle.study import lanes_cells, lanes_prefix, lanes_variants, score_cell  # noqa: E402
 from harness import Result, clock, finish, parse, parser  # noqa: E402
 
 

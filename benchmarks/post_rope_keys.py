@@ -45,8 +45,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kite.upcycle import codec  # noqa: E402
-from kite.upcycle.held_out import held_out_docs, prepare_document, relative_error  # noqa: E402
-from kite.upcycle.key_coding import MODES, WHERE, coded_keys, variance_fractions  # noqa: E402
+from kite.upcycle.study import held_out_docs, prepare_document, relative_error  # noqa: E402
+from kite.upcycle.study import MODES, WHERE, coded_keys, variance_fractions  # noqa: E402
 from harness import Result, clock, finish, parse, parser  # noqa: E402
 
 @torch.inference_mode()

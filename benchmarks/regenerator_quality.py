@@ -39,7 +39,7 @@ from kite.model import load_model  # noqa: E402
 from kite.upcycle import (CompressSettings, Regenerator, RegeneratorFit, codec_settings, evaluate,  # noqa: E402
                           tokenize_document)
 from kite.upcycle import capture_kv as capture  # noqa: E402
-from kite.upcycle.held_out import (CALIBRATION_LICENSES, CONTINUATION, HELD_OUT, LICENSES,  # noqa: E402
+from kite.upcycle.study import (CALIBRATION_LICENSES, CONTINUATION, HELD_OUT, LICENSES,  # noqa: E402
                                    context_tokens, held_out_docs)
 from kite.upcycle.codec import model_value_weights  # noqa: E402
 from harness import Result, clock, finish, parse, parser  # noqa: E402

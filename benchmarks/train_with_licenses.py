@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kite.data.contracts import generate_contracts  # noqa: E402
 from kite.data.pairs import contract_pairs  # noqa: E402
-from kite.upcycle.held_out import CALIBRATION_LICENSES, LICENSES  # noqa: E402
+from kite.upcycle.study import CALIBRATION_LICENSES, LICENSES  # noqa: E402
 from harness import parse, parser  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 from windows of the text after the scored region, each pair's prompt right after its window and its
 response right after the prompt."""
 
-from kite.upcycle.held_out import CONTINUATION, context_tokens, window_pairs
+from kite.upcycle.study import CONTINUATION, context_tokens, window_pairs
 
 
 def decode(ids):

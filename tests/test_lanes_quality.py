@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from kite.kernels import lanes as L
-from kite.upcycle.lanes_study import lanes_cells, lanes_prefix, lanes_variants, worst_first
+from kite.upcycle.study import lanes_cells, lanes_prefix, lanes_variants, worst_first
 
 
 def test_lanes_variants_spend_4d_over_r_lanes_a_row():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kite.upcycle.key_coding import coded_keys, variance_fractions
+from kite.upcycle.study import coded_keys, variance_fractions
 from kite.runtime.cache import cache_layers, new_cache
 from kite.runtime.generate import forward_tokens
 from kite.upcycle import codec, rope_cos_sin, tokenize_document

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kite.upcycle import codec
+import kite.upcycle.codec as codec
 from kite.upcycle.rope import apply_rope
 
 WHERE = ("pre", "post")

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from kite.kernels import lanes
-from kite.upcycle.held_out import Document, relative_error
+from kite.upcycle.study.held_out import Document, relative_error
 
 def lanes_prefix(doc: Document, k_lanes: int, v_lanes: int, group: int, clip: str, sinks: int = 1,
                  worst: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
