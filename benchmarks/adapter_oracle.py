@@ -9,11 +9,13 @@ reader adapter on that document (for this much data: 52 pairs by default). If it
 half of the gap, an adapter trained on other documents is unlikely to.
 
     .venv/bin/python benchmarks/adapter_oracle.py --document GPL-3 --ratio 16 --regenerator REG --run /tmp/oracle
+
+The result is regenerator_quality.py's rows (regen, regen+adapter against the full context's PPL),
+written as this benchmark's.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -23,28 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from regenerator_quality import CONTINUATION, LICENSES, context_tokens  # noqa: E402
-
-
-def window_pairs(ids: list[int], decode, window_tokens: int, stride: int, pairs: int, prompt_tokens: int,
-                 response_tokens: int, name: str) -> list[dict]:
-    """Continuation pairs of windows of ``ids`` starting every ``stride`` tokens: a window's first
-    ``window_tokens`` are the context; pair i's prompt runs from its end to (i + 1) x prompt +
-    i x response tokens after it, its response is the next ``response_tokens``."""
-    out, step = [], prompt_tokens + response_tokens
-    for start in range(0, len(ids) - window_tokens - pairs * step + 1, stride):
-        end = start + window_tokens
-        context = decode(ids[start:end])
-        for i in range(pairs):
-            p_end = end + prompt_tokens + i * step
-            out.append({"id": f"{name}@{start}/{i}", "context": context, "prompt": decode(ids[end:p_end]),
-                        "response": decode(ids[p_end:p_end + response_tokens]),
-                        "meta": {"family": "in-document"}})
-    return out
+from kite.upcycle.study import CONTINUATION, LICENSES, context_tokens, window_pairs  # noqa: E402
+from harness import parse, parser  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, device="cpu")
     ap.add_argument("--document", default="GPL-3", help="a license under /usr/share/common-licenses")
     ap.add_argument("--ratio", type=float, default=16)
     ap.add_argument("--regenerator", type=Path, required=True)
@@ -56,8 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--response-tokens", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--config", type=Path, help="an upcycle_config.yaml: train in custom mode with its adapter.*")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
 
     from kite.model import load_model
     from kite.upcycle import tokenize_document
@@ -91,9 +76,9 @@ def main(argv=None) -> int:
     qargs = ["--regenerator", str(args.regenerator), "--adapter", adapter, "--licenses",
              args.document, "--held-out-contracts", "0", "--ratios", f"{args.ratio:g}", "--methods", "regen",
              "regen+adapter"]
-    if args.out:
-        qargs += ["--out", str(args.out)]
-    return regenerator_quality.main(qargs)
+    qargs += ["--out", str(args.out)] if args.out else []
+    qargs += ["--json"] if args.json else []
+    return regenerator_quality.main(qargs, benchmark="adapter_oracle")
 
 
 if __name__ == "__main__":

@@ -12,20 +12,18 @@ over the time after it; end-to-end counts every new token over the whole run, pr
 ``weights GB/s`` is the model's weight bytes read per decode forward × forwards per second:
 decoding one token at a time is bound by reading the weights, and batching reads them once for
 N tokens, so it turns toward compute: ``GFLOP/s`` is 2 × parameters × decode tokens/s (the
-matmuls; attention left out). ``same text`` checks that both ways gave the same answers. ``--repeat R`` runs the pair R
-times, alternating, and keeps each way's fastest run (a shared machine's other load only slows a
-run down).
+matmuls; attention left out). ``same text`` checks that both ways gave the same answers.
+``--repeat R`` runs the pair R times, alternating, and keeps each way's fastest run (a shared
+machine's other load only slows a run down). Batched rows have alone's as their baseline (> 1:
+faster); no floor (the CPU has no limits table).
 
     .venv/bin/python benchmarks/batch_decode_cpu.py                 # 8 × (~100 + 64), GPL-3 text
-    .venv/bin/python benchmarks/batch_decode_cpu.py --n 4 --new 32 --threads 1 --json
+    .venv/bin/python benchmarks/batch_decode_cpu.py --n 4 --new 32 --threads 1
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kite.model import load_cached  # noqa: E402
 from kite.runtime.batch_decode import BatchDecoder  # noqa: E402
 from kite.runtime.generate import generate  # noqa: E402
+from harness import Result, clock, finish, parse, parser  # noqa: E402
 
 TEXT = "/usr/share/common-licenses/GPL-3"
 
@@ -48,43 +47,42 @@ def prompts_from(tokenizer, path: str, n: int, tokens: int) -> list[list[int]]:
 
 
 def run_alone(lm, prompts, new_tokens):
-    t0 = time.perf_counter()
+    t0 = clock()
     results = [generate(lm, p, max_new_tokens=new_tokens, stop_ids=set()) for p in prompts]
-    wall = time.perf_counter() - t0
+    wall = clock() - t0
     decode_s = sum((r.total_ms - r.ttft_ms) / 1e3 for r in results)
     return results, wall, decode_s, len(prompts) * (new_tokens - 1)   # forwards: one per token after the first
 
 
 def run_batched(lm, prompts, new_tokens):
     engine = BatchDecoder(lm, max_rows=len(prompts))
-    t0 = time.perf_counter()
+    t0 = clock()
     handles = [engine.add(p, max_new_tokens=new_tokens, stop_ids=set()) for p in prompts]
     results = engine.step()          # the prefill: every sequence's first token
-    t1 = time.perf_counter()
+    t1 = clock()
     results.update(engine.drain())
-    t2 = time.perf_counter()
+    t2 = clock()
     return [results[h] for h in handles], t2 - t0, t2 - t1, new_tokens - 1
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    ap = parser(__doc__, timing=True, repeat=1, warmup=1, device="cpu")
     ap.add_argument("--n", type=int, default=8, help="sequences")
     ap.add_argument("--prompt-tokens", type=int, default=100, help="about this many tokens per prompt")
     ap.add_argument("--new", type=int, default=64, help="new tokens per sequence")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    ap.add_argument("--repeat", type=int, default=1, help="run both ways this many times, keep the fastest")
     ap.add_argument("--text", default=TEXT)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = parse(ap, argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_cached("smollm2-135m")
     prompts = prompts_from(lm.tokenizer, args.text, args.n, args.prompt_tokens)
     params = sum(p.numel() for p in lm.model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
-    generate(lm, prompts[0][:8], max_new_tokens=2, stop_ids=set())          # warm up
+    for _ in range(args.warmup):
+        generate(lm, prompts[0][:8], max_new_tokens=2, stop_ids=set())      # warm up
     alone_runs, batched_runs = [], []
-    for _ in range(max(args.repeat, 1)):
+    for _ in range(args.repeat):
         alone_runs.append(run_alone(lm, prompts, args.new))
         batched_runs.append(run_batched(lm, prompts, args.new))
     alone, alone_wall, alone_decode_s, alone_forwards = min(alone_runs, key=lambda r: r[2])
@@ -105,19 +103,16 @@ def main() -> None:
            "decode_ratio": rows["batched"]["decode_tok_s"] / rows["alone"]["decode_tok_s"],
            "e2e_ratio": rows["batched"]["e2e_tok_s"] / rows["alone"]["e2e_tok_s"],
            "same_text": sum(a.text == b.text for a, b in zip(alone, batched))}
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return
-    print(f"{out['model']}, {out['threads']} threads, best of {args.repeat}: {args.n} sequences, prompts of "
-          f"{min(out['prompt_tokens'])}-{max(out['prompt_tokens'])} tokens, {args.new} new tokens each")
-    print(f"{'':8} {'decode tok/s':>13} {'end-to-end tok/s':>17} {'wall s':>8} {'weights GB/s':>13} "
-          f"{'GFLOP/s':>8}")
+    res = Result("batch_decode_cpu", device="cpu")
+    for key, label in (("decode_tok_s", "decode"), ("e2e_tok_s", "end-to-end")):
+        res.row(f"{label}, one at a time", rows["alone"][key], "tokens/s")
+        res.row(f"{label}, batched ({args.n} rows)", rows["batched"][key], "tokens/s",
+                baseline=f"{label}, one at a time")
     for name, r in rows.items():
-        print(f"{name:8} {r['decode_tok_s']:13.1f} {r['e2e_tok_s']:17.1f} {r['wall_s']:8.2f} "
-              f"{r['weights_gb_s']:13.2f} {r['gflop_s']:8.1f}")
-    print(f"batched / alone: decode {out['decode_ratio']:.2f}x, end-to-end {out['e2e_ratio']:.2f}x; "
-          f"same text {out['same_text']}/{args.n}")
+        res.row(f"weights read, {name}", r["weights_gb_s"], "GB/s")
+    res.raw.update(out)
+    return finish(res, args)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -4,13 +4,16 @@ Times `BatchDecoder.step` for 8 plain rows, for 8 rows of which 4 follow an 808-
 (the serve_concurrency burst's mix), and for one row; then torch's profiler over 10 mixed steps
 (the ops that take the time: the weights' matrix products, attention, the rest).
 
-    .venv/bin/python benchmarks/batch_step_profile.py
+Each step is timed over --repeat steps (median, after --warmup); the 8-row figures have the one-row
+step as their baseline; the floor is the step's weight matmuls (2 x parameters x rows FLOPs) at this
+CPU's fp32 FMA peak (harness.floors.cpu_fp32_peak; attention left out).
+
+    .venv/bin/python benchmarks/batch_step_profile.py [--repeat 20]
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,10 +25,15 @@ from kite.model import load_model  # noqa: E402
 from kite.runtime.batch_decode import BatchDecoder  # noqa: E402
 from kite.runtime.cache import KVPrefix, cache_layers, new_cache  # noqa: E402
 from kite.runtime.generate import forward_tokens  # noqa: E402
+from harness import Result, finish, parse, parser, time_ms  # noqa: E402
+from harness.floors import cpu_flops_ms, cpu_fp32_peak  # noqa: E402
 
 
-def main() -> int:
-    torch.set_num_threads(2)
+def main(argv=None) -> int:
+    ap = parser(__doc__, timing=True, repeat=20, warmup=1, device="cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    args = parse(ap, argv)
+    torch.set_num_threads(args.threads)
     lm = load_model(None)
     ids = lm.tokenizer(generate_contracts(1, tokens=900, seed=7)[0]["text"])["input_ids"][:808]
     cache = new_cache(lm.model)
@@ -47,23 +55,29 @@ def main() -> int:
         dec.step()
         return dec
 
-    def ms_per_step(dec: BatchDecoder, steps: int = 20) -> float:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            dec.step()
-        return (time.perf_counter() - t0) / steps * 1e3
+    res = Result("batch_step_profile", device="cpu")
+    n_params = sum(p.numel() for p in lm.model.parameters())
+    peak = cpu_fp32_peak()
 
-    print(f"8 plain rows: {ms_per_step(decoder(False, 8)):.1f} ms a step")
-    print(f"8 rows, 4 after the {len(ids)}-token document: {ms_per_step(decoder(True, 8)):.1f} ms a step")
-    print(f"1 row: {ms_per_step(decoder(False, 1)):.1f} ms a step")
+    def floor(rows: int) -> dict:
+        return {"floor": f"2 x {n_params / 1e6:.0f}M parameters x {rows} rows at {peak[0] / 1e9:.0f} GFLOP/s "
+                         f"({peak[1]})", "floor_value": cpu_flops_ms(2 * n_params * rows)}
+
+    res.timing("decode step, 1 row", time_ms(decoder(False, 1).step, args.repeat, args.warmup), **floor(1))
+    res.timing("decode step, 8 plain rows", time_ms(decoder(False, 8).step, args.repeat, args.warmup),
+               baseline="decode step, 1 row", **floor(8))
+    res.timing(f"decode step, 8 rows, 4 after a {len(ids)}-token document",
+               time_ms(decoder(True, 8).step, args.repeat, args.warmup), baseline="decode step, 1 row", **floor(8))
     from torch.profiler import ProfilerActivity, profile
 
     dec = decoder(True, 8)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(10):
             dec.step()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
-    return 0
+    top = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    print(top)
+    res.raw.update(threads=torch.get_num_threads(), document_tokens=len(ids), profile=top)
+    return finish(res, args)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Why `kite serve` runs all model work on its batch's thread, and keeps the batch's rows packed: two
-measurements behind docs/PERFORMANCE.md "Continuous batching", session 8 (embedded model, this CPU).
+measurements behind docs/PERFORMANCE.md "Continuous batching" (embedded model, this CPU).
 
 1. Steps of 8 plain rows (`BatchDecoder.step`) from one thread, against the same steps from a second
    thread after the main thread has run torch too: with two OpenMP teams libgomp sees more of its
@@ -9,24 +9,28 @@ measurements behind docs/PERFORMANCE.md "Continuous batching", session 8 (embedd
    them (a gap in the taken rows), for every layer and side of a step (60 tensors of 8 x 3 x 1,100 x 64
    fp32, 870 slots read).
 
-    .venv/bin/python benchmarks/batch_step_threads.py [--json OUT]
+Medians; the one-thread step and the slice are the baselines. No floor (the CPU has no limits table).
+
+    .venv/bin/python benchmarks/batch_step_threads.py
     (set OMP_WAIT_POLICY=ACTIVE in the environment to see spinning teams compete instead)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import statistics
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from harness import Result, Timing, finish, parse, parser, time_ms  # noqa: E402
+
 MODES = ("main", "worker", "second")
 
 
@@ -50,11 +54,7 @@ def step_ms(mode: str, reps: int = 3, new_tokens: int = 40) -> list[float]:
         for _ in range(8):
             dec.add(plain, prefix=None, max_new_tokens=new_tokens, stop_ids=set())
         dec.step()   # the prompts
-        t0, n = time.perf_counter(), 0
-        while len(dec):
-            dec.step()
-            n += 1
-        return (time.perf_counter() - t0) / n * 1e3
+        return time_ms(dec.step, repeat=new_tokens - 1, warmup=0).median_ms
 
     def in_thread(fn):
         th = threading.Thread(target=lambda: out.__setitem__("r", fn()))
@@ -72,39 +72,35 @@ def step_ms(mode: str, reps: int = 3, new_tokens: int = 40) -> list[float]:
     return in_thread(lambda: [run() for _ in range(reps)])
 
 
-def gather_ms(reps: int = 3) -> dict[str, float]:
+def gather_ms(repeat: int, warmup: int) -> dict[str, Timing]:
     torch.set_num_threads(2)
     bufs = [torch.randn(8, 3, 1100, 64) for _ in range(60)]
     idx = torch.tensor([0, 1, 3, 4, 5, 6, 7])
-    out = {}
-    for name, f in (("slice of 8 rows", lambda b: b[0:8, :, :870]), ("gather of 7 rows", lambda b: b[idx, :, :870])):
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for b in bufs:
-                f(b)
-            times.append((time.perf_counter() - t0) * 1e3)
-        out[name] = round(min(times), 2)
-    return out
+    return {name: time_ms(lambda f=f: [f(b) for b in bufs], repeat, warmup)
+            for name, f in (("slice of 8 rows", lambda b: b[0:8, :, :870]),
+                            ("gather of 7 rows", lambda b: b[idx, :, :870]))}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)   # one mode, in this process
-    ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+def main(argv=None) -> int:
+    ap = parser(__doc__, timing=True, repeat=3, warmup=1, device="cpu")
+    ap.add_argument("--mode", choices=MODES, help="one mode, in this process (the run starts one process a mode)")
+    args = parse(ap, argv)
     if args.mode:
-        print(json.dumps(step_ms(args.mode)))
+        print(json.dumps(step_ms(args.mode, args.repeat)))
         return 0
-    result = {"step_ms_8_rows": {}, "kv_per_step_ms": gather_ms()}
+    res = Result("batch_step_threads", device="cpu")
+    steps: dict[str, list[float]] = {}
     for mode in MODES + MODES:   # each twice, alternating (a shared machine drifts)
-        r = subprocess.run([sys.executable, __file__, "--mode", mode], capture_output=True, text=True, check=True)
-        result["step_ms_8_rows"].setdefault(mode, []).extend(json.loads(r.stdout.strip().splitlines()[-1]))
-        print(mode, " ".join(f"{x:.1f}" for x in result["step_ms_8_rows"][mode][-3:]), "ms a step", flush=True)
-    print(json.dumps(result["kv_per_step_ms"]))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    return 0
+        r = subprocess.run([sys.executable, __file__, "--mode", mode, "--repeat", str(args.repeat)],
+                           capture_output=True, text=True, check=True)
+        steps.setdefault(mode, []).extend(json.loads(r.stdout.strip().splitlines()[-1]))
+    for mode in MODES:
+        res.row(f"decode step of 8 rows, {mode} thread", statistics.median(steps[mode]), "ms",
+                baseline=None if mode == "main" else "decode step of 8 rows, main thread", samples=steps[mode])
+    kv = gather_ms(args.repeat, args.warmup)
+    res.timing("one step's KV, slice of 8 rows", kv["slice of 8 rows"])
+    res.timing("one step's KV, gather of 7 rows", kv["gather of 7 rows"], baseline="one step's KV, slice of 8 rows")
+    return finish(res, args)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ top-1 agreement with the full context.  Baselines at the same byte size: keep-la
 values per token).
 
     .venv/bin/python benchmarks/codec_sweep.py                   # default sweep, table
-    .venv/bin/python benchmarks/codec_sweep.py --settings ratio=4 ratio=8 int4 --json
+    .venv/bin/python benchmarks/codec_sweep.py --settings ratio=4 ratio=8 int4
+
+Each setting is one row: its continuation PPL against the full context's (x baseline), with its bytes,
+ratio, KL and top-1 beside it (a quality figure: no floor).
 
 Bytes count every stored byte: the shared per-layer parts (means, bases, bit allocations, meta)
 and every (part, layer, K|V) blob (codes, scales, minimums, outlier indices, meta).
@@ -18,14 +21,11 @@ and every (part, layer, K|V) blob (codes, scales, minimums, outlier indices, met
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import math
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kite.upcycle import codec as C  # noqa: E402
 from kite.upcycle import apply_rope, remove_rope, rope_cos_sin  # noqa: E402
 from kite.runtime.generate import cache_kwarg  # noqa: E402
+from harness import Result, clock, finish, parse, parser  # noqa: E402
 
 HF_CACHE = Path(os.environ.get("KITE_CODEC_MODEL_DIR", "/tmp/smollm2-hf-codec"))
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -118,7 +119,7 @@ def run_codec(kv_pre: list, setting: str, parts: int):
 
 
 def _run_codec(kv_pre: list, s, parts: int):
-    t0 = time.perf_counter()
+    t0 = clock()
     lcs = C.fit_layers(kv_pre, s)
     T = kv_pre[0][0].shape[1]
     bounds = [round(i * T / parts) for i in range(parts + 1)]
@@ -128,12 +129,12 @@ def _run_codec(kv_pre: list, s, parts: int):
         layer_parts = [C.encode(lc, k[:, a:b], v[:, a:b], torch.arange(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
         total += C.nbytes(layer_parts)
         encoded.append(layer_parts)
-    t1 = time.perf_counter()
+    t1 = clock()
     recon = []
     for lc, layer_parts in zip(lcs, encoded):
         dec = [C.decode(lc, p) for p in layer_parts]
         recon.append((torch.cat([d[0] for d in dec], dim=1), torch.cat([d[1] for d in dec], dim=1)))
-    t2 = time.perf_counter()
+    t2 = clock()
     return recon, total, {"encode_s": t1 - t0, "decode_s": t2 - t1, "settings": s.to_json(),
                           "shared_bytes": C.nbytes(lcs)}
 
@@ -152,7 +153,7 @@ def kivi(kv_post: list, bits: int, group: int):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, device="cpu")
     ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--continuation", type=int, default=512)
@@ -165,17 +166,16 @@ def main(argv=None) -> int:
     ap.add_argument("--kivi", nargs="*", default=["4:32", "4:128", "3:128", "2:32", "2:128"],
                     help="plain int-N baselines as bits:group")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
     torch.set_num_threads(args.threads)
 
     model, tok = load_model()
     ids = torch.tensor(tok(Path(args.text).read_text(encoding="utf-8"))["input_ids"])
     n_ctx = min(args.context, ids.numel() - args.continuation)
     ctx, cont = ids[:n_ctx], ids[n_ctx:n_ctx + args.continuation]
-    t0 = time.perf_counter()
+    t0 = clock()
     kv_post = capture(model, ctx)
-    prefill_s = time.perf_counter() - t0
+    prefill_s = clock() - t0
     cos, sin = rope_cos_sin(model, torch.arange(n_ctx))
     kv_pre = [(remove_rope(k, cos, sin), v) for k, v in kv_post]
     L = len(kv_post)
@@ -226,14 +226,16 @@ def main(argv=None) -> int:
             bits, group = (int(x) for x in spec.split(":"))
             kv, nb = kivi(kv_post, bits, group)
             add(f"kivi int{bits} g{group}", "kivi", nb, continuation_logits(model, kv, cont, n_ctx))
-    result = {"machine": {"platform": platform.platform(), "cpu_threads": args.threads,
-                          "torch": torch.__version__, "loader": LOADER},
-              "text": Path(args.text).name, "context": n_ctx, "continuation": int(cont.numel()),
-              "parts": args.parts, "raw_fp16_bytes": raw_fp16, "full_ppl": full["ppl"],
-              "no_context_ppl": none["ppl"], "no_context_kl": none["kl"], "rows": rows}
-    if args.json:
-        print(json.dumps(result, indent=1))
-    return 0
+    res = Result("codec_sweep", device="cpu")
+    res.row("full context: PPL", full["ppl"], "PPL")
+    res.row("no context: PPL", none["ppl"], "PPL", baseline="full context: PPL", kl=none["kl"])
+    for r in rows:
+        res.row(f"{r['setting']} ({r['kind']}): PPL", r["ppl"], "PPL", baseline="full context: PPL",
+                **{k: v for k, v in r.items() if k not in ("setting", "ppl")})
+    res.raw.update(platform=platform.platform(), cpu_threads=args.threads, loader=LOADER, text=Path(args.text).name,
+                   context=n_ctx, continuation=int(cont.numel()), parts=args.parts, raw_fp16_bytes=raw_fp16,
+                   prefill_s=round(prefill_s, 2), rows=rows)
+    return finish(res, args)
 
 
 def _header() -> str:

@@ -1,20 +1,17 @@
 """Native CPU kernels vs their pure-torch fallbacks, side by side (the issue's CPU target).
 
-    make build-runtime && .venv/bin/python benchmarks/cpu_kernels.py [--reps 5] [--json out/cpu_kernels.json]
+    make build-runtime && .venv/bin/python benchmarks/cpu_kernels.py [--repeat 5]
 
 Shapes are the embedded model's (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, hidden 576) on
-a 2,048-token document. Each figure is the median of --reps runs after a warm-up, on fresh random
-inputs; the load average before and after is printed because the machine may be shared.
+a 2,048-token document. Each figure is the median of --repeat runs after a warm-up, on random
+inputs of --seed; each native row's baseline is its torch fallback. The load average before and
+after is recorded because the machine may be shared. No floor: the CPU has no limits table.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,20 +21,11 @@ sys.path.insert(0, str(ROOT))
 
 from kite.kernels import eigh, kmeans, native, quant  # noqa: E402
 from kite.upcycle import codec  # noqa: E402
+from harness import Result, finish, parse, parser, time_ms  # noqa: E402
 
 
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
-def cases(T: int = 2048, L: int = 30, H: int = 3, d: int = 64, hidden: int = 576):
-    g = torch.Generator().manual_seed(int(time.time()))
+def cases(seed: int, T: int = 2048, L: int = 30, H: int = 3, d: int = 64, hidden: int = 576):
+    g = torch.Generator().manual_seed(seed)
     # quantization: one layer's PCA coefficients (192 columns x T tokens, groups of 256 tokens)
     x = torch.randn(192 * T // 256, 256, generator=g)
     yield ("quantize int4 minmax", f"[{x.shape[0]}, 256]",
@@ -65,33 +53,22 @@ def cases(T: int = 2048, L: int = 30, H: int = 3, d: int = 64, hidden: int = 576
            lambda: eigh.batched_pca(Xb), lambda: codec.batched_pca(Xb))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args()
+def main(argv=None) -> int:
+    ap = parser(__doc__, timing=True, repeat=5, warmup=1, device="cpu")
+    args = parse(ap, argv)
     if native.cpu() is None:
         raise SystemExit("native runtime not built (or KITE_RUNTIME=torch): run `make build-runtime`")
-    load_before = os.getloadavg()
-    print(f"{native.cpu().kite_runtime_version().decode()}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; load average {load_before[0]:.2f} {load_before[1]:.2f} "
-          f"{load_before[2]:.2f}", flush=True)
-    rows = []
-    for name, shape, fast, slow in cases():
-        nat, ref = median_ms(fast, args.reps), median_ms(slow, args.reps)
-        rows.append({"kernel": name, "shape": shape, "native_ms": nat, "torch_ms": ref, "speedup": ref / nat})
-        print(f"  {name:32s} {shape:24s} native {nat:10.2f} ms   torch {ref:10.2f} ms   x{ref / nat:7.1f}",
-              flush=True)
-    load_after = os.getloadavg()
-    print(f"load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
-    print("\n| kernel | shape | native ms | torch ms | torch / native |\n|---|---|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['kernel']} | {r['shape']} | {r['native_ms']:.2f} | {r['torch_ms']:.2f} | {r['speedup']:.1f} |")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"load_before": load_before, "load_after": load_after, "rows": rows},
-                                        indent=1))
+    res = Result("cpu_kernels", device="cpu")
+    res.raw.update(runtime=native.cpu().kite_runtime_version().decode(), threads=torch.get_num_threads(),
+                   load_before=os.getloadavg())
+    for name, shape, fast, slow in cases(args.seed):
+        ref = time_ms(slow, args.repeat, args.warmup)
+        nat = time_ms(fast, args.repeat, args.warmup)
+        res.timing(f"{name}, torch", ref, shape=shape)
+        res.timing(f"{name}, native", nat, baseline=f"{name}, torch", shape=shape)
+    res.raw["load_after"] = os.getloadavg()
+    return finish(res, args)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """The joint-head codec's eigensolver on a GPU: every way to get 2 x 28 eigendecompositions of
 512x512 Grams, timed side by side in one run, with their accuracy.
 
-    python benchmarks/eigh_gpu.py [--layers 28] [--dim 512] [--tokens 16384] [--out out/eigh_gpu.json]
+    python benchmarks/eigh_gpu.py [--layers 28] [--dim 512] [--tokens 16384] [--repeat 5]
 
 Grams come from [layers, tokens, dim] fp32 data with a power-law spectrum (the KV of a trained model
 decays; random weights give a flat one, so both are timed). Rows:
@@ -15,12 +15,14 @@ decays; random weights give a flat one, so both are timed). Rows:
 
 Accuracy: max over matrices of ||G V - V diag(w)||_F / ||G||_F, ||V^T V - I||_max, and the largest
 eigenvalue error relative to the largest eigenvalue, against fp64 ``torch.linalg.eigh``.
+
+Baselines: each eigensolver against ``torch.linalg.eigh`` fp32 of the same spectrum, each projection
+against fp32. Floors: the Gram and the projections at the bf16 tensor rate (2 L T D^2 FLOPs), the
+eigensolvers at reading their Grams once from HBM.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import threading
 from pathlib import Path
@@ -29,9 +31,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gpu_speed import cuda_ms  # noqa: E402  (CUDA-event medians, as every GPU figure)
+from harness import Result, bytes_ms, finish, flops_ms, parse, parser, time_ms  # noqa: E402
+from harness.floors import bf16_text, hbm_text  # noqa: E402
 
 
 def grams(L: int, T: int, D: int, decay: float, seed: int) -> torch.Tensor:
@@ -53,42 +55,47 @@ def accuracy(G: torch.Tensor, w: torch.Tensor, V: torch.Tensor, w_ref: torch.Ten
     return {"residual": float(res.max()), "orthogonality": float(orth), "eigenvalue_rel_err": float(ev)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None) -> int:
+    ap = parser(__doc__, timing=True, repeat=5, warmup=1, device="cuda")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--out", type=Path, default=ROOT / "out" / "eigh_gpu.json")
-    args = ap.parse_args()
+    args = parse(ap, argv)
     from kite.kernels import cusolver, eigh
 
     L, D, T = args.layers, args.dim, args.tokens
-    out: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                 "cusolver_batched": cusolver.available(), "rows": {}}
+    res = Result("eigh_gpu", device=args.device)
+    res.raw.update(cusolver_batched=cusolver.available())
+    matmul = (f"2 x {L} x {T} x {D}^2 FLOPs {bf16_text()}", flops_ms(2 * L * T * D * D))
 
-    def row(name: str, ms: float, acc: dict | None = None) -> None:
-        out["rows"][name] = {"ms": round(ms, 3), **(acc or {})}
-        extra = "  ".join(f"{k} {v:.2e}" for k, v in (acc or {}).items())
-        print(f"{name:<64} {ms:9.3f} ms  {extra}", flush=True)
+    def cuda_ms(fn, reps=None):
+        return time_ms(fn, reps or args.repeat, args.warmup, device=args.device)
+
+    def row(name: str, t, acc: dict | None = None, baseline=None, floor=(None, None)) -> None:
+        res.timing(name, t, baseline=baseline, floor=floor[0], floor_value=floor[1], **(acc or {}))
 
     for decay in (0.0, 1.0):
         X, G1 = grams(L, T, D, decay, seed=0)
         _, G2 = grams(L, T, D, decay, seed=1)
         G = torch.cat([G1, G2])                            # both sides: 2L matrices
         tag = f"{2 * L} x {D}x{D}, spectrum ~ k^-{decay:g}"
+        base = f"torch.linalg.eigh fp32, {tag}"
+        read = (f"{2 * L} fp32 Grams read once {hbm_text()}", bytes_ms(G.numel() * 4))
+        half = (read[0].replace(f"{2 * L} fp32", f"{L} fp32"), read[1] / 2)
         w64, _ = torch.linalg.eigh(G.double())
-        row(f"Gram [{L}, {T}, {D}] fp32 (one side)", cuda_ms(lambda: X.transpose(1, 2) @ X))
+        row(f"Gram [{L}, {T}, {D}] fp32 (one side), spectrum ~ k^-{decay:g}", cuda_ms(lambda: X.transpose(1, 2) @ X),
+            floor=matmul)
         ms = cuda_ms(lambda: torch.linalg.eigh(G), reps=3)
         w, V = torch.linalg.eigh(G)
-        row(f"torch.linalg.eigh fp32, {tag}", ms, accuracy(G, w, V, w64))
+        row(base, ms, accuracy(G, w, V, w64), floor=read)
         if cusolver.available():
             for dt in (torch.float32, torch.float64):
                 Gd = G.to(dt)
-                ms = cuda_ms(lambda: cusolver.syev_batched(Gd), reps=5)
+                ms = cuda_ms(lambda: cusolver.syev_batched(Gd))
                 w, V, info = cusolver.syev_batched(Gd)
                 acc = accuracy(G, w, V, w64)
                 acc["info_nonzero"] = int((info != 0).sum())
-                row(f"cusolverDnXsyevBatched {str(dt)[6:]}, graph replay, {tag}", ms, acc)
+                row(f"cusolverDnXsyevBatched {str(dt)[6:]}, graph replay, {tag}", ms, acc, base, read)
             sides = [G[:L].contiguous(), G[L:].contiguous()]
             streams = [torch.cuda.Stream(), torch.cuda.Stream()]
 
@@ -102,16 +109,16 @@ def main() -> None:
                 for st in streams:
                     main.wait_stream(st)
                 return res
-            ms = cuda_ms(two_streams, reps=5)
+            ms = cuda_ms(two_streams)
             res = two_streams()
             torch.cuda.synchronize()
             w = torch.cat([r[0] for r in res])
             V = torch.cat([r[1] for r in res])
             row(f"cusolverDnXsyevBatched fp32, graph replay, each side ({L}) on its own stream + handle, {tag}",
-                ms, accuracy(G, w, V, w64))
+                ms, accuracy(G, w, V, w64), base, read)
             Gh = G[:L].contiguous()
             row(f"cusolverDnXsyevBatched fp32, one side ({L} matrices), graph, 1 stream, {tag}",
-                cuda_ms(lambda: cusolver.syev_batched(Gh), reps=5))
+                cuda_ms(lambda: cusolver.syev_batched(Gh)), floor=half)
 
         def threaded(n_threads: int = 8) -> None:
             chunks = G.chunk(n_threads)
@@ -126,12 +133,13 @@ def main() -> None:
                 t.start()
             for t in ts:
                 t.join()
-        row(f"torch.linalg.eigh fp32 in 8 threads x 1 stream, {tag}", cuda_ms(threaded, reps=3))
+        row(f"torch.linalg.eigh fp32 in 8 threads x 1 stream, {tag}", cuda_ms(threaded, reps=3), None, base, read)
         H = D // 128
         blocks = torch.stack([G[:, h * 128:(h + 1) * 128, h * 128:(h + 1) * 128] for h in range(H)], 1)
         blocks = blocks.reshape(-1, 128, 128).contiguous()
-        row(f"per-head blocks: eigh_desc (Jacobi kernel when built) {blocks.shape[0]} x 128x128",
-            cuda_ms(lambda: eigh.eigh_desc(blocks), reps=5))
+        row(f"per-head blocks: eigh_desc (Jacobi kernel when built) {blocks.shape[0]} x 128x128, "
+            f"spectrum ~ k^-{decay:g}", cuda_ms(lambda: eigh.eigh_desc(blocks)),
+            floor=(f"{blocks.shape[0]} fp32 blocks read once {hbm_text()}", bytes_ms(blocks.numel() * 4)))
         X = G1 = G2 = G = blocks = None  # free before the next spectrum
         torch.cuda.empty_cache()
 
@@ -143,15 +151,16 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = False
         ms = cuda_ms(fn)
         err = float(((fn().double() - ref).norm() / ref.norm()))
-        row(f"project [{L}, {T}, {D}] @ [{D}, {D}] {name}", ms, {"rel_err": err})
+        row(f"project [{L}, {T}, {D}] @ [{D}, {D}] {name}", ms, {"rel_err": err},
+            None if name == "fp32" else f"project [{L}, {T}, {D}] @ [{D}, {D}] fp32", matmul)
     torch.backends.cuda.matmul.allow_tf32 = True
     ms = cuda_ms(lambda: X @ U)
     err = float(((X @ U).double() - ref).norm() / ref.norm())
-    row(f"project [{L}, {T}, {D}] @ [{D}, {D}] tf32", ms, {"rel_err": err})
+    row(f"project [{L}, {T}, {D}] @ [{D}, {D}] tf32", ms, {"rel_err": err},
+        f"project [{L}, {T}, {D}] @ [{D}, {D}] fp32", matmul)
     torch.backends.cuda.matmul.allow_tf32 = False
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
+    return finish(res, args)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

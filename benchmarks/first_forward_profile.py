@@ -1,17 +1,18 @@
-"""Where the first forward of a query over a loaded state goes on a GPU (issue 17's "say what bounds
-it"): Qwen2-7B geometry at random weights (bf16), a 16,384-token state in a static cache, a 16-token
+"""Where the first forward of a query over a loaded state goes on a GPU (what bounds it): Qwen2-7B geometry at random weights (bf16), a 16,384-token state in a static cache, a 16-token
 query through KITE's attention; torch's profiler over 5 eager forwards, CUDA kernels grouped by kind
 (weights' matrix products, attention, the rest), against the floor (weights + KV read once). Once per
 attention path: the fused sdpa kernel and the split-KV kernel (``kite.runtime.attention.SPLIT_KV``),
 and the split-KV kernel with the fused layers (``kite.model.fused``: one-kernel RMSNorm and RoPE,
 silu * mul, q/k/v and gate/up as one product each), as ``load_model`` installs them on a GPU.
 
-    python3 benchmarks/first_forward_profile.py --out out/first_forward_profile.json
+    python3 benchmarks/first_forward_profile.py
+
+Rows: each path's device time per forward (the profiler's kernel sum), the fused sdpa path the
+baseline, the floor the weights and the KV read once at the H200's HBM bandwidth (harness.floors).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -21,7 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_speed import HBM_BPS, QUERY, make_model  # noqa: E402
+from gpu_speed import QUERY, make_model  # noqa: E402
+from harness import Result, bytes_ms, finish, parse, parser  # noqa: E402
+from harness.floors import hbm_text  # noqa: E402
 
 
 VARIANTS = {"fused_sdpa": (False, False), "split_kv": (True, False), "split_kv_fused_layers": (True, True)}
@@ -74,11 +77,10 @@ def logits_check(cfg, model, forward) -> dict:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> int:
+    ap = parser(__doc__, device="cuda")
     ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    args = parse(ap, argv)
     from torch.profiler import ProfilerActivity, profile
     from transformers import StaticCache
 
@@ -109,7 +111,7 @@ def main() -> int:
 
     kv = 2 * L * H * T * d * 2
     result = {"tokens": T, "query": QUERY, "fuse_forward": str(installed),
-              "floor_ms": {"weights": round(weights / HBM_BPS * 1e3, 3), "kv": round(kv / HBM_BPS * 1e3, 3)}}
+              "floor_ms": {"weights": round(bytes_ms(weights), 3), "kv": round(bytes_ms(kv), 3)}}
     for name, (split, fuse) in VARIANTS.items():
         attention.SPLIT_KV, fused.ENABLED = split, fuse
         with torch.inference_mode():
@@ -137,10 +139,16 @@ def main() -> int:
             "top_kernels": [{"ms": round(m, 3), "calls": c, "name": n} for m, c, n in sorted(top, reverse=True)[:25]]}
     result["logits"] = logits_check(cfg, model, forward)
     print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-    return 0
+    res = Result("first_forward_profile", device="cuda")
+    first = None
+    for name in VARIANTS:
+        row = f"first forward, {QUERY} tokens over {T}, {name}: device time"
+        res.row(row, result[name]["device_ms_total"], "ms", baseline=first,
+                floor=f"weights + KV read once {hbm_text()}", floor_value=bytes_ms(weights + kv),
+                **result[name]["device_ms_per_forward"], kernels=result[name]["kernels_per_forward"])
+        first = first or row
+    res.raw.update(result)
+    return finish(res, args)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""Which request-time proxy of a load's gain tracks answer quality? (issue #4, YOCO feedback)
+"""Which request-time proxy of a load's gain tracks answer quality? (YOCO's feedback signal)
 
     kite bench cases --n 3 --tokens 1500 --seed 23 --per-family 3 --out /tmp/gp/cases.jsonl
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/gain_proxy.py --cases /tmp/gp/cases.jsonl \
-        --out out/gain_proxy --threads 1
+        --work out/gain_proxy --threads 1
 
 For every question of held-out generated contracts (not configs/bench_cases.jsonl) the fused
 pipeline decides as `kite bench run` would (v1 rules, a fresh health store fed the gains the
@@ -22,22 +22,23 @@ state, the cluster of the question's label, nothing. For each load:
 * ground truth: ln(PPL_none / PPL_load) of the reference answer (> 0: the load helped versus no
   document), ln(PPL_whole / PPL_load), answer F1 and its delta against no document.
 
-Prints and writes (`OUT/results.json`, `OUT/table.md`) Spearman rank correlations and sign
-agreement (proxy > 0 ⇔ reference PPL below no document's) per proxy, and what the health store
-would have decided fed with each proxy.
+Prints Spearman rank correlations and sign agreement (proxy > 0 ⇔ reference PPL below no
+document's) per proxy, and what the health store would have decided fed with each proxy; rows: each
+proxy's rank correlation with ln(PPL_none / PPL_load) over every load (a quality figure: no baseline,
+no floor), every case under ``raw``. The states and the cases measured so far are kept in --work.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness import Result, clock, finish, parse, parser  # noqa: E402
 
 PROXIES = ["mean_prompt", "last", "last4", "last8", "gen", "prompt_nll", "last_logmaxp", "kl_last"]
 
@@ -131,14 +132,14 @@ def proxies(base: dict, v: dict) -> dict[str, float]:
 def main(argv=None) -> int:
     from kite.config import DEFAULT_MIN_HIT_GAIN
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, device="cpu")
     ap.add_argument("--cases", required=True)
-    ap.add_argument("--out", default="out/gain_proxy")
+    ap.add_argument("--work", default="out/gain_proxy", help="states and the cases measured so far")
     ap.add_argument("--rules", default="rules/yoco_rules.yaml")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--min-hit-gain", type=float, default=DEFAULT_MIN_HIT_GAIN)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
 
     import tempfile
 
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
     from kite.yoco.health import HealthStore
     from kite.yoco.rules import load_rules
 
-    out_dir = Path(args.out)
+    out_dir = Path(args.work)
     out_dir.mkdir(parents=True, exist_ok=True)
     cases = load_cases(args.cases)
     pipe = open_pipeline(None, tagger=False)
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="kite-gain-proxy-")
     # One health store per proxy: the pipeline's decisions had each proxy been the measured gain.
     stores = {p: HealthStore(Path(tmp.name) / f"{p}.sqlite") for p in PROXIES if p != "kl_last"}
-    t0 = time.perf_counter()
+    t0 = clock()
     rows, states = [], {}
     for ci, case in enumerate(cases):
         doc_ids, p_ids, ref_ids = ids_of[case.id]
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
                                  # the load the pipeline made with the gain before the switch (mean_prompt)
                                  "fused_mean_prompt": decisions["mean_prompt"]["variant"] == key}
         rows.append(row)
-        print(f"[{ci + 1}/{len(cases)} {time.perf_counter() - t0:.0f}s] {case.id} {case.family} "
+        print(f"[{ci + 1}/{len(cases)} {clock() - t0:.0f}s] {case.id} {case.family} "
               f"none ppl {base['ppl']:.2f} f1 {f1_none:.2f}; " + "; ".join(
                   f"{k} ppl {v['ppl']:.2f} f1 {v['f1']:.2f} mp {v['proxies']['mean_prompt']:+.3f} "
                   f"last {v['proxies']['last']:+.3f}" for k, v in variants.items())
@@ -231,12 +232,17 @@ def main(argv=None) -> int:
     tmp.cleanup()
     summary = summarize(rows)
     md = table(summary)
-    (out_dir / "results.json").write_text(json.dumps(
-        {"cases": rows, "summary": summary, "args": vars(args), "wall_s": round(time.perf_counter() - t0, 1),
-         "threads": args.threads}, indent=1))
-    (out_dir / "table.md").write_text(md)
     print(md)
-    return 0
+    res = Result("gain_proxy", device="cpu")
+    for p, d in summary["proxies"].items():
+        a = d["all"]
+        if math.isnan(a["rho_ppl_vs_none"]):     # a constant proxy: no rank correlation
+            continue
+        res.row(f"{p}: Spearman rho with ln(PPL_none / PPL_load), all loads", a["rho_ppl_vs_none"], "rho",
+                sign_agree=a["sign_agree"], rho_f1_vs_none=a["rho_f1_vs_none"], loads=a["n"],
+                pairwise_order=d["pairwise_order"], pipeline=d.get("pipeline"))
+    res.raw.update(cases=rows, summary=summary, threads=args.threads, wall_s=round(clock() - t0, 1))
+    return finish(res, args)
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -1,6 +1,6 @@
 """GPU speed of KITE's real GPU path on Qwen2-7B geometry: build, check, time, in one run.
 
-    python benchmarks/gpu_speed.py [--tokens 16384] [--ratio 4] [--kv-budget-gb 40] [--out out/gpu_speed.json]
+    python benchmarks/gpu_speed.py [--tokens 16384] [--ratio 4] [--kv-budget-gb 40]
     python benchmarks/gpu_speed.py --cpu-smoke --no-build --tokens 1024   # the same code on the CPU
 
 Random-weight Qwen2-7B (28 layers, 28 query / 4 KV heads, head_dim 128, bf16, sdpa) and a
@@ -20,21 +20,19 @@ a warm-up):
 * concurrency at a fixed KV budget: 16K-token sequences as raw bf16 KV vs as compressed states
   resident on the GPU, and the attention part of one batched decode step for each.
 
-Each figure is printed with its ratio to the prefill and to its hardware floor: bytes over HBM
-bandwidth (4.8 TB/s) or PCIe (55 GB/s) for host tiers, FLOPs over the bf16 matrix rate (790
-TFLOP/s) for prefill. Random weights make the KV far from low rank, so the reconstruction errors
+Each figure is recorded with its ratio to the prefill (its baseline) and to its hardware floor:
+bytes over HBM bandwidth or over the host link for host tiers, FLOPs over the dense bf16 tensor
+rate for prefill (the H200's limits, from kite.tune.gpus through benchmarks/harness/floors.py). Random weights make the KV far from low rank, so the reconstruction errors
 printed here say nothing about quality (that is measured on the embedded model).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
+import math
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 import warnings
 from pathlib import Path
@@ -43,8 +41,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-HBM_BPS, PCIE_BPS, BF16_FLOPS = 4.8e12, 55e9, 790e12
+from harness import (Result, Timing, bytes_ms, clock, finish, flops_ms, host_link_ms, parse, parser,  # noqa: E402
+                     time_ms, wall)
+from harness.floors import bf16_text, hbm_text, host_link_text  # noqa: E402
+
+HBM = f"bytes moved once {hbm_text()}"          # a row's floor, unless it says otherwise
+LINK = f"bytes over the host link {host_link_text()}"
 GEOMETRY = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                 num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1e6)
 K_CLASSES = ((4, 32), (3, 32), (2, 32))   # (bits, components) per head, in component order
@@ -97,61 +101,49 @@ def capture(fn):
 
 
 def cuda_ms(fn, reps: int = 5, warmup: int = 1) -> float:
-    """Median wall time of fn() in ms, timed with CUDA events around each call."""
-    if DEV != "cuda":
-        return host_ms(fn, reps, warmup)
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median ms of fn() (harness.time_ms: CUDA events on the GPU, the host clock on the CPU)."""
+    return time_ms(fn, reps, warmup, device=DEV).median_ms
 
 
 def host_ms(fn, reps: int = 5, warmup: int = 1) -> float:
-    """Median of host-clock times (fn synchronises itself)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    """Median host-clock ms of fn(), the device synchronised after each call (and before the first)."""
+    sync()
+    return time_ms(lambda: (fn(), sync()), reps, warmup).median_ms
 
 
 class Report:
-    def __init__(self):
-        self.rows: list[tuple] = []
-        self.data: dict = {}
+    """The run's rows (a harness Result: x prefill, x floor) and everything else it records."""
 
-    def row(self, name: str, ms: float, floor_ms: float | None = None, vs_prefill: bool = True, note: str = ""):
-        self.rows.append((name, ms, floor_ms, vs_prefill, note))
+    def __init__(self, device):
+        self.res = Result("gpu_speed", device=device)
+        self.on_gpu = str(device).startswith("cuda")      # the floors are a GPU's: none on the CPU smoke run
+        self.data: dict = {}
+        self.prefill: str | None = None
+
+    def row(self, name: str, ms: float, floor_ms: float | None = None, vs_prefill: bool = True, note: str = "",
+            what: str = HBM):
+        """A timing row; its baseline the prefill row (``vs_prefill``), its floor ``floor_ms`` (``what``: how it
+        is reckoned)."""
         self.data[name] = {"ms": ms, "floor_ms": floor_ms, "note": note}
         print(f"  {name}: {ms:.3f} ms {note}", flush=True)
-
-    def table(self, prefill_ms: float | None) -> str:
-        lines = [f"{'figure':58s} {'ms':>9s} {'/prefill':>9s} {'floor ms':>9s} {'x floor':>8s}  note"]
-        for name, ms, floor, vs, note in self.rows:
-            pre = f"{ms / prefill_ms:9.3f}" if prefill_ms and vs else f"{'':9s}"
-            fl = f"{floor:9.3f} {ms / floor:8.1f}" if floor else f"{'':9s} {'':8s}"
-            lines.append(f"{name:58s} {ms:9.3f} {pre} {fl}  {note}")
-        return "\n".join(lines)
+        if ms is None or not math.isfinite(ms):
+            return
+        taken = {r["name"] for r in self.res.rows}
+        n, key = 2, name.strip()
+        while key in taken:
+            key, n = f"{name.strip()} ({n})", n + 1
+        if self.prefill is None and key.startswith("prefill"):
+            self.prefill = key
+        floor = floor_ms if self.on_gpu and floor_ms and floor_ms > 0 else None
+        self.res.row(key, ms, "ms", baseline=self.prefill if vs_prefill and self.prefill != key else None,
+                     floor=what if floor else None, floor_value=floor, **({"note": note} if note else {}))
 
 
 def build(report: Report) -> None:
-    t = time.perf_counter()
+    t = clock()
     r = subprocess.run(["make", "-C", str(ROOT), "build-runtime"], capture_output=True, text=True)
     print(r.stdout[-1500:], r.stderr[-3000:], flush=True)
-    report.data["build"] = {"rc": r.returncode, "s": round(time.perf_counter() - t, 1)}
+    report.data["build"] = {"rc": r.returncode, "s": round(clock() - t, 1)}
     if r.returncode:
         raise SystemExit("make build-runtime failed")
 
@@ -211,17 +203,17 @@ def profile_compress(fn, top: int = 30) -> dict:
     fn()
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         sync()
-        wall = (time.perf_counter() - t0) * 1e3
+        took = (clock() - t0) * 1e3
     ev = prof.key_averages()
     dev_attr = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
     by_dev = sorted(ev, key=lambda e: getattr(e, dev_attr), reverse=True)[:top]
     by_host = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     table = ev.table(sort_by=dev_attr, row_limit=top)
     print(table, flush=True)
-    out = {"wall_ms_profiled": round(wall, 3),
+    out = {"wall_ms_profiled": round(took, 3),
            "device_ms": [(e.key, e.count, round(getattr(e, dev_attr) / 1e3, 3)) for e in by_dev],
            "host_ms": [(e.key, e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in by_host]}
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,17 +235,17 @@ def python_profile(fn, top: int = 25) -> dict:
     fn()
     sync()
     prof = cProfile.Profile()
-    t0 = time.perf_counter()
+    t0 = clock()
     prof.enable()
     fn()
     prof.disable()
-    wall = (time.perf_counter() - t0) * 1e3
+    took = (clock() - t0) * 1e3
     st = pstats.Stats(prof)
 
     def rows(key):
         items = sorted(st.stats.items(), key=lambda kv: kv[1][key], reverse=True)[:top]
         return [[f"{Path(f).name}:{line} {name}", int(v[1]), round(v[key] * 1e3, 3)] for (f, line, name), v in items]
-    return {"wall_ms": round(wall, 3), "own": rows(2), "cumulative": rows(3)}
+    return {"wall_ms": round(took, 3), "own": rows(2), "cumulative": rows(3)}
 
 
 def find_syncs(fn) -> list[str]:
@@ -313,10 +305,9 @@ def timeline(trace: dict, min_gap_ms: float = 0.3) -> dict:
             "gaps": gaps, "host_waits": waits}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None) -> int:
+    ap = parser(__doc__, device="cuda")
     ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--out", type=Path, default=ROOT / "out" / "gpu_speed.json")
     ap.add_argument("--no-build", action="store_true")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU: checks the script runs")
@@ -328,13 +319,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="requests decoded together (0: skip that section)")
     ap.add_argument("--batch-new", type=int, default=32, help="new tokens per request in the batched decode")
     ap.add_argument("--batch-alone", type=int, default=4, help="of those, how many to time one at a time")
-    args = ap.parse_args()
+    args = parse(ap, argv)
     global DEV, PIN
     if args.cpu_smoke:
         DEV, PIN = "cpu", False
         args.kv_budget_gb = min(args.kv_budget_gb, 0.02)
     warnings.filterwarnings("ignore")
-    report = Report()
+    report = Report(DEV)
     report.data["device"] = torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu"
     report.data["torch"] = torch.__version__
     if not args.no_build:
@@ -369,8 +360,8 @@ def main() -> None:
     prefill_ms = cuda_ms(lambda: prefill(ids), reps=3)
     attn_flops = 2 * 2 * L * cfg.num_attention_heads * d * (T + QUERY) ** 2 / 2
     flops = 2 * n_body * (T + QUERY) + attn_flops
-    report.row(f"prefill {T}+{QUERY} tokens (TTFT without a state)", prefill_ms, flops / BF16_FLOPS * 1e3,
-               note=f"{flops / 1e12:.0f} TFLOP")
+    report.row(f"prefill {T}+{QUERY} tokens (TTFT without a state)", prefill_ms, flops_ms(flops),
+               note=f"{flops / 1e12:.0f} TFLOP", what=f"{flops / 1e12:.0f} TFLOP {bf16_text()}")
     with torch.inference_mode():
         out = prefill(doc)
     hook.remove()
@@ -390,8 +381,8 @@ def main() -> None:
     host_raw = torch.empty(raw_bytes, dtype=torch.uint8, pin_memory=PIN)
     dev_raw = torch.empty(raw_bytes, dtype=torch.uint8, device=DEV)
     ms = cuda_ms(lambda: dev_raw.copy_(host_raw, non_blocking=True), reps=5)
-    report.row("copy raw bf16 KV pinned host -> GPU", ms, raw_bytes / PCIE_BPS * 1e3,
-               note=f"{raw_bytes / 1e6:.0f} MB, {raw_bytes / ms / 1e6:.1f} GB/s")
+    report.row("copy raw bf16 KV pinned host -> GPU", ms, host_link_ms(raw_bytes),
+               note=f"{raw_bytes / 1e6:.0f} MB, {raw_bytes / ms / 1e6:.1f} GB/s", what=LINK)
     host_raw = dev_raw = None  # free 1.8 GB
 
 
@@ -438,10 +429,10 @@ def main() -> None:
         """Wall time of remove RoPE + cluster + fit + encode up to the coefficients on the host (no
         per-stage syncs; the blob serialization after the device work is left out)."""
         sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         enc, _ = compress(s)
-        wall = (time.perf_counter() - t0) * 1e3
-        return wall - enc.timings_ms.get("serialize", 0.0) - enc.timings_ms.get("fit: layer blobs", 0.0), enc.timings_ms
+        took = (clock() - t0) * 1e3
+        return took - enc.timings_ms.get("serialize", 0.0) - enc.timings_ms.get("fit: layer blobs", 0.0), enc.timings_ms
 
     for label, s in (("joint heads (codec default)", settings), ("per head", per_head)):
         total = host_ms(lambda: compress(s), reps=3)
@@ -454,7 +445,7 @@ def main() -> None:
         serialize = stages.pop("serialize", 0.0) + stages.pop("fit: layer blobs", 0.0)
         gpu_part = ms_remove + sum(stages.values())   # the stages include the caller's clustering
         report.row(f"compress, {label}: remove RoPE + cluster + fit + encode (wall, no per-stage syncs)",
-                   walls[len(walls) // 2], (raw_bytes + raw_bytes * 2) / HBM_BPS * 1e3,
+                   walls[len(walls) // 2], bytes_ms(raw_bytes + raw_bytes * 2),
                    note="target <= 50 ms; coefficients on the host, blobs not yet serialized")
         report.row(f"  compress, {label}: sum of the stages below, each synchronized", gpu_part)
         report.row(f"  compress, {label}, end to end incl. blob serialization", total)
@@ -533,17 +524,17 @@ def main() -> None:
                           "token_ranges": [[int(t), int(t) + 1] for t in idx.tolist()], "n_tokens": int(idx.numel())}
                          for c, idx in enumerate(sets_main)], "raw_kv_bytes_fp16": raw16}
     writer = StateWriter(large_min_saving=LARGE_MIN_SAVING)   # as compress_document on a GPU
-    t0 = time.perf_counter()
+    t0 = clock()
     enc_main.add_to(writer)
-    t1 = time.perf_counter()
+    t1 = clock()
     size = writer.write(path, meta)
-    t2 = time.perf_counter()
+    t2 = clock()
     report.row("serialize into StateWriter (zstd tried per blob)", (t1 - t0) * 1e3)
     report.row("write .upc (temp file, fsync, rename)", (t2 - t1) * 1e3, note=f"{size / 1e6:.1f} MB")
-    t0 = time.perf_counter()
+    t0 = clock()
     load.prepare_state(path)   # as compress_document on a GPU: the loader's tables kept for later processes
     report.row("prepare the loader's tables after writing (stage once, tables kept in KITE_CACHE)",
-               (time.perf_counter() - t0) * 1e3)
+               (clock() - t0) * 1e3)
     report.data["state_bytes"] = size
     report.data["ratio_vs_fp16"] = raw16 / size
     # the same blobs under the zstd rule before (>= 3 % saving for every blob): size and load compared
@@ -607,11 +598,11 @@ def main() -> None:
         load_hot(h, into)
         tier.put(h)
 
-    wire = hot.nbytes / PCIE_BPS * 1e3
+    wire = host_link_ms(hot.nbytes)
     report.row("load from pinned hot tier, eager launches", cuda_ms(
         lambda: load.load_staged(hot, device=DEV, dtype=torch.bfloat16, cos=cq, sin=sq, out=outs, staging=staging,
-                                     use_graphs=False), reps=10), wire)
-    report.row("load from pinned hot tier (copy + rebuild graphs, pipelined per layer)", cuda_ms(load_hot, reps=10), wire,
+                                     use_graphs=False), reps=10), wire, what=LINK)
+    report.row("load from pinned hot tier (copy + rebuild graphs, pipelined per layer)", cuda_ms(load_hot, reps=10), wire, what=LINK,
                note=f"state {size / 1e6:.1f} MB = 1/{raw16 / size:.2f} of fp16 KV; target <= 10 ms")
 
     def rebuild_all():
@@ -622,7 +613,7 @@ def main() -> None:
                                    compute_dtype=torch.bfloat16 if DEV == "cuda" else torch.float32)
 
     report.row(f"  rebuild only ({L} layers x 2 x [dequantize basis, coefficients, matmul, finish])",
-               cuda_ms(rebuild_all, reps=10), (hot.nbytes + raw_bytes) / HBM_BPS * 1e3)
+               cuda_ms(rebuild_all, reps=10), bytes_ms(hot.nbytes + raw_bytes))
     def first(fn):
         """fn() as on the first staging of this file version: no verified blobs, tables or graphs kept."""
         load.forget_verified()
@@ -634,16 +625,16 @@ def main() -> None:
     # a new process loading the file StateWriter just wrote: its record spares the hashing (tables and
     # graphs are built again); then the same file with the zstd rule before
     report.row("load from .upc in page cache, first load in a new process of the file compress_document wrote",
-               host_ms(lambda: (load.forget_verified(persisted=False), load_file(True)), reps=5), wire,
+               host_ms(lambda: (load.forget_verified(persisted=False), load_file(True)), reps=5), wire, what=LINK,
                note="no blob hashed (writer's record), tables kept at write time; eager rebuild; target <= 40 ms")
     if args.profile:   # where the main thread's time goes in one such load (staging threads not profiled)
         report.data["first_load_new_process_main_thread"] = python_profile(
             lambda: (load.forget_verified(persisted=False), load_file(True), sync()))
     report.row("  same, every layer staged before the first rebuild (no pipelining)",
-               host_ms(lambda: (load.forget_verified(persisted=False), load_file(True, wait=True)), reps=5), wire)
+               host_ms(lambda: (load.forget_verified(persisted=False), load_file(True, wait=True)), reps=5), wire, what=LINK)
     report.row("  same with no tables kept (the writer's record only: tables built in the load)",
                host_ms(lambda: (load.forget_verified(persisted=False), load.forget_tables(path),
-                                load_file(True)), reps=5), wire)
+                                load_file(True)), reps=5), wire, what=LINK)
     load.prepare_state(path)
     # its staging alone by thread count
     report.data["stage_first_load_new_process_ms_by_threads"] = {
@@ -654,7 +645,7 @@ def main() -> None:
     sf_old = StateFile(path_old)
     load_file(True, f=sf_old)
     report.row(f"load from .upc in page cache, repeat load, zstd rule before ({size_old / 1e6:.1f} MB file)",
-               host_ms(lambda: load_file(True, f=sf_old), reps=5), wire)
+               host_ms(lambda: load_file(True, f=sf_old), reps=5), wire, what=LINK)
     report.row("  stage from page cache only, repeat load, zstd rule before",
                host_ms(lambda: (tier.drop(("bench",)), tier.put(stage(True, wait=True, f=sf_old))), reps=5))
     report.data["stage_split_ms_summed_over_threads_repeat_zstd_before"] = split(stage(True, wait=True, f=sf_old))
@@ -669,12 +660,12 @@ def main() -> None:
     print("stage split (first, repeat):", report.data["stage_split_ms_summed_over_threads"],
           report.data["stage_split_ms_summed_over_threads_repeat"], flush=True)
     report.row("load from .upc in page cache, first load of a file version no process has seen (verify + tables + "
-               "eager rebuild)", host_ms(lambda: first(lambda: load_file(True)), reps=5), wire)
+               "eager rebuild)", host_ms(lambda: first(lambda: load_file(True)), reps=5), wire, what=LINK)
     report.row("load from .upc in page cache (stage + copy + rebuild, pipelined), checksums verified",
-               host_ms(lambda: load_file(True), reps=5), wire,
+               host_ms(lambda: load_file(True), reps=5), wire, what=LINK,
                note="repeat load of the unchanged file (verified version); target <= 40 ms")
     report.row("  same without checksum verification, first load (tables + eager rebuild)",
-               host_ms(lambda: first(lambda: load_file(False)), reps=5), wire)
+               host_ms(lambda: first(lambda: load_file(False)), reps=5), wire, what=LINK)
     load_hot()
     sync()
     # correctness: layer 3 against the codec's host decode + RoPE
@@ -724,10 +715,10 @@ def main() -> None:
     ms_ttft = host_ms(ttft_eager, reps=5)
     ms_asm = cuda_ms(assemble, reps=5)
     ms_fwd = cuda_ms(lambda: forward_q(assemble()), reps=5) - ms_asm
-    fwd_floor = (2 * n_params + raw_bytes) / HBM_BPS * 1e3
+    fwd_floor = bytes_ms(2 * n_params + raw_bytes)
     report.row("TTFT from the hot tier, eager (load + DynamicCache + 16-token forward)", ms_ttft,
                note=f"{prefill_ms / ms_ttft:.1f}x faster than prefill; target >= 8x")
-    report.row("  cache assembly (DynamicCache.update copies)", ms_asm, raw_bytes * 2 / HBM_BPS * 1e3)
+    report.row("  cache assembly (DynamicCache.update copies)", ms_asm, bytes_ms(raw_bytes * 2))
     report.row("  first forward, 16 query tokens at 16K, eager", ms_fwd, fwd_floor, note="floor: weights + KV once")
     report.row("TTFT from the .upc in page cache, eager", host_ms(lambda: (load_file(True), forward_q(assemble())), reps=3))
 
@@ -819,13 +810,8 @@ def main() -> None:
     sf.close()
     path.unlink()
 
-    text = report.table(prefill_ms)
-    report.data["table"] = text
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report.data, indent=1, default=str))
-    print(json.dumps({k: v for k, v in report.data.items() if k not in ("table",) and not isinstance(v, dict)
-                      or k in ("checks", "build")}, default=str))
-    print(text)
+    report.res.raw.update(report.data)
+    return finish(report.res, args, label="smoke" if args.cpu_smoke else None)
 
 
 class _Ids:
@@ -870,23 +856,20 @@ def batched_decode(report, args, model, cfg, K, V, KV_state, L, T, n_params) -> 
         for start in range(0, n, rows):
             for q in queries[start:start + rows]:
                 dec.add(q, prefix=prefix, max_new_tokens=new)
-            sync()
-            t0 = time.perf_counter()
-            out = dec.step()
-            sync()
-            first_ms.append((time.perf_counter() - t0) * 1e3)
+            with wall(DEV) as w:
+                out = dec.step()
+            first_ms.append(w.ms)
             while len(dec):
-                t0 = time.perf_counter()
-                out.update(dec.step())
-                sync()
-                step_ms.append((time.perf_counter() - t0) * 1e3)
+                with wall(DEV) as w:
+                    out.update(dec.step())
+                step_ms.append(w.ms)
             texts.update({start + h % rows: r.text for h, r in out.items()})
         decode_tokens = n * (new - 1)
         kv_bytes = rows * 2 * L * cfg.num_key_value_heads * (T + QUERY + new // 2) * (cfg.hidden_size // cfg.num_attention_heads) * 2
-        return {"rows": rows, "requests": n, "first_step_ms": round(statistics.median(first_ms), 2),
-                "decode_step_ms": round(statistics.median(step_ms), 3),
+        return {"rows": rows, "requests": n, "first_step_ms": round(Timing.of(first_ms).median_ms, 2),
+                "decode_step_ms": round(Timing.of(step_ms).median_ms, 3),
                 "decode_tokens_per_s": round(decode_tokens / (sum(step_ms) / 1e3), 1),
-                "step_floor_ms": round((weights_bytes + kv_bytes) / HBM_BPS * 1e3, 3),
+                "step_floor_ms": round(bytes_ms(weights_bytes + kv_bytes), 3),
                 "kv_buffer_gb": round(dec.cache.bytes_reserved() / 1e9, 2)}, texts
 
     try:
@@ -941,7 +924,7 @@ def concurrency(report, args, L, H, d, T, cfg, hot, staging, dest, cq, sq, raw_b
             torch.nn.functional.scaled_dot_product_attention(q, kv[layer, 0], kv[layer, 1], enable_gqa=True)
 
     res["raw_step_attention_ms"] = cuda_ms(step_raw, reps=5)
-    res["raw_floor_ms"] = n_raw * raw_bytes / HBM_BPS * 1e3
+    res["raw_floor_ms"] = bytes_ms(n_raw * raw_bytes)
     kv = q = None
     torch.cuda.empty_cache() if DEV == "cuda" else None
     # compressed: n_comp staged states resident (copies of one), rebuilt per layer in chunks
@@ -962,7 +945,7 @@ def concurrency(report, args, L, H, d, T, cfg, hot, staging, dest, cq, sq, raw_b
                 torch.nn.functional.scaled_dot_product_attention(q[c0:c0 + m], kt[0, :m], kt[1, :m], enable_gqa=True)
 
     res["compressed_step_attention_ms"] = cuda_ms(step_comp, reps=2)
-    res["compressed_floor_ms"] = n_comp * hot.nbytes / HBM_BPS * 1e3
+    res["compressed_floor_ms"] = bytes_ms(n_comp * hot.nbytes)
     states = kt = q = None
     report.data["concurrency"] = res
     report.row(f"concurrency at {args.kv_budget_gb:g} GB of KV: raw bf16, {n_raw} x {T}-token sequences, "
@@ -993,10 +976,10 @@ def ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, pre
     try:
         cfg._attn_implementation = name
         sync()
-        mem0, t0 = torch.cuda.memory_allocated(), time.perf_counter()
+        mem0, t0 = torch.cuda.memory_allocated(), clock()
         done = fused.fuse_forward(model)      # the weights concatenated once (views: one copy)
         sync()
-        report.data["fuse_forward"] = {"installed": str(done), "ms": (time.perf_counter() - t0) * 1e3,
+        report.data["fuse_forward"] = {"installed": str(done), "ms": (clock() - t0) * 1e3,
                                        "allocated_bytes_change": torch.cuda.memory_allocated() - mem0}
         print("fuse_forward:", report.data["fuse_forward"], flush=True)
         sc = StaticCache(config=cfg, max_cache_len=T + QUERY)
@@ -1093,4 +1076,4 @@ def decode_step_ms(model, cfg, name: str, n: int, T: int, gen, graph: bool = Tru
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -23,17 +23,19 @@ per compressed token (bytes only; the model's context is 8K, so PPL at 16K is no
 
     .venv/bin/python benchmarks/kv_budget.py                       # GPL-3, 4,096 tokens, budget 1,024
     kite data contracts --n 1 --tokens 4600 --seed 0 --out /tmp/c.jsonl
-    .venv/bin/python benchmarks/kv_budget.py --jsonl /tmp/c.jsonl --json
+    .venv/bin/python benchmarks/kv_budget.py --jsonl /tmp/c.jsonl
+
+Rows: each method's PPL, the full cache's the baseline, its bytes and ratio beside it (quality
+figures, no floor); with ``--speed``, each configuration's TTFT and tokens/s, the plain cache's the
+baseline (no floor: the CPU has no limits table).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -44,6 +46,7 @@ from kite.runtime.cache import new_cache  # noqa: E402
 from kite.runtime.generate import forward_tokens  # noqa: E402
 from kite.upcycle import (SINK_TOKENS, BudgetCache, BudgetSettings, WindowCache,  # noqa: E402
                           kv_bytes_per_token)
+from harness import Result, clock, finish, parse, parser  # noqa: E402
 
 GPL3 = "/usr/share/common-licenses/GPL-3"
 PROJECT_TOKENS = 16384
@@ -66,7 +69,7 @@ def load_document(args, tokenizer) -> tuple[str, list[int]]:
 def score(model, ids: list[int], cache, chunk: int, after: int) -> dict:
     """Teacher-forced NLL, chunked; PPL over all predicted tokens and over targets at positions > after."""
     nll_all, n_all, nll_after, n_after = 0.0, 0, 0.0, 0
-    t0 = time.perf_counter()
+    t0 = clock()
     for s in range(0, len(ids), chunk):
         logits = forward_tokens(model, ids[s:s + chunk], cache, s)
         targets = torch.tensor(ids[s + 1:s + chunk + 1])
@@ -79,7 +82,7 @@ def score(model, ids: list[int], cache, chunk: int, after: int) -> dict:
         nll_after += float(nll[pos > after].sum())
         n_after += int((pos > after).sum())
     return {"ppl": math.exp(nll_all / n_all), "ppl_after": math.exp(nll_after / max(n_after, 1)),
-            "seconds": time.perf_counter() - t0}
+            "seconds": clock() - t0}
 
 
 def quanto_bytes(cache) -> int:
@@ -102,8 +105,8 @@ def parse_extra(spec: str, default_block: int) -> tuple[int, str, int]:
     return budget, codec, block
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> int:
+    ap = parser(__doc__, device="cpu")
     ap.add_argument("--text", default=GPL3, help="a UTF-8 text file (default GPL-3)")
     ap.add_argument("--jsonl", help="a `kite data contracts` JSONL file: its first contract is the document")
     ap.add_argument("--tokens", type=int, default=4096, help="document tokens (at least 4× --budget)")
@@ -123,9 +126,7 @@ def main() -> None:
                     help="instead: generation speed after a prompt of this many document tokens (32 greedy "
                          "tokens): plain cache vs budget --budget with --codecs[0], with and without keep_decoded")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    ap.add_argument("--out", help="also write the JSON document here")
-    args = ap.parse_args()
+    args = parse(ap, argv)
     torch.set_num_threads(args.threads)
 
     from kite.bench.machine import machine_info
@@ -202,29 +203,30 @@ def main() -> None:
     doc = {"document": name, "tokens": len(ids), "chunk": args.chunk, "raw_kv_bytes": raw,
            "bytes_per_token_16bit": bpt, "model": str(lm.source.spec), "rows": rows, "target": target,
            "quanto_error": quanto_error,
-           "machine": {**machine_info(lm.device), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
-           "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
-    if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
-    if args.json:
-        print(json.dumps(doc, indent=2, default=str))
-        return
+           "machine": {**machine_info(lm.device), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}}
+    res = Result("kv_budget", device="cpu")
+    for r in rows:
+        res.row(f"{r['method']}: PPL", r["ppl"], "PPL", baseline=None if r is ref else "full cache: PPL",
+                kv_bytes=r["kv_bytes"], ratio=r["ratio"], dppl=r["dppl"], ppl_after=r["ppl_after"])
+    res.raw.update(doc)
+    out = sys.stderr if args.json else sys.stdout
     print(f"\n{name}, {len(ids)} tokens, chunk {args.chunk}; raw 16-bit KV {raw:,} B; "
-          f"PPL>B = the tokens past position {args.budget}\n")
-    print("| method | KV bytes | ratio | @16K | PPL | ΔPPL | PPL>B | ΔPPL>B |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          f"PPL>B = the tokens past position {args.budget}\n", file=out)
+    print("| method | KV bytes | ratio | @16K | PPL | ΔPPL | PPL>B | ΔPPL>B |", file=out)
+    print("|---|---:|---:|---:|---:|---:|---:|---:|", file=out)
     for r in rows:
         proj = f"{r['ratio_16k_projected']:.3f}" if "ratio_16k_projected" in r else ""
         print(f"| {r['method']} | {r['kv_bytes']:,} | {r['ratio']:.3f} | {proj} | {r['ppl']:.3f} | "
-              f"{r['dppl']:+.3f} | {r['ppl_after']:.3f} | {r['dppl_after']:+.3f} |")
+              f"{r['dppl']:+.3f} | {r['ppl_after']:.3f} | {r['dppl_after']:+.3f} |", file=out)
     if quanto_error:
-        print(f"\nQuantizedCache(quanto): {quanto_error}")
+        print(f"\nQuantizedCache(quanto): {quanto_error}", file=out)
     if best:
         print(f"\nbest budget row at ≤ {args.max_ratio:.3f} of raw: {best['method']} — ratio {best['ratio']:.3f}, "
-              f"ΔPPL {best['dppl']:+.3f} ({'meets' if target['met'] else 'misses'} ≤ +{args.max_dppl})")
+              f"ΔPPL {best['dppl']:+.3f} ({'meets' if target['met'] else 'misses'} ≤ +{args.max_dppl})", file=out)
+    return finish(res, args)
 
 
-def speed(lm, ids: list[int], args) -> None:
+def speed(lm, ids: list[int], args) -> int:
     from kite.runtime.generate import generate
     from kite.upcycle import budget_cache
 
@@ -244,9 +246,17 @@ def speed(lm, ids: list[int], args) -> None:
         if not args.json:
             print(f"{label:<40} ttft {r.ttft_ms / 1e3:6.1f} s  {r.tokens_per_s:5.2f} tokens/s  "
                   f"decoded cache {row['decoded_cache_bytes'] or 0:,} B", flush=True)
-    if args.json:
-        print(json.dumps({"speed": out}, indent=2))
+    res = Result("kv_budget", device="cpu")
+    for r in out:
+        first = r is out[0]
+        res.row(f"{r['config']}: TTFT", r["ttft_ms"], "ms", baseline=None if first else f"{out[0]['config']}: TTFT",
+                prompt_tokens=r["prompt_tokens"])
+        res.row(f"{r['config']}: decode", r["tokens_per_s"], "tokens/s",
+                baseline=None if first else f"{out[0]['config']}: decode",
+                **{k: r[k] for k in ("kv_bytes", "ratio_to_raw", "decoded_cache_bytes")})
+    res.raw["speed"] = out
+    return finish(res, args, label="speed")
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Whole decode steps from states resident in nibble lanes vs raw bf16 KV, at one KV budget, in one run
-(issue 17's decode target: tokens/s >= 2x raw at raw's largest batch).
+(the decode target: tokens/s >= 2x raw at raw's largest batch).
 
-    python benchmarks/lanes_decode.py [--tokens 16384] [--kv-budget-gb 40] [--lanes 128 64] [--out out/lanes_decode.json]
+    python benchmarks/lanes_decode.py [--tokens 16384] [--kv-budget-gb 40] [--lanes 128 64]
     python benchmarks/lanes_decode.py --cpu-smoke        # tiny model on the CPU: the script runs
 
 Random-weight Qwen2-7B geometry (benchmarks/gpu_speed.py's make_model: 28 layers, 28 query / 4 KV
@@ -9,20 +9,20 @@ heads, head_dim 128, bf16) with the fused layers ``load_model`` installs on a GP
 (``--lanes``; R = 128 lanes a row is 4 bits an element, 64 is 2; K:V for keys and values apart):
 one 16K-token state of random KV is coded (kite.upcycle.codec.encode_lanes, timed warm: encode_s), copied into as
 many states as the budget holds (each its own memory; one pointer table a layer), and checked against the torch reference at three layers; then the kernel
-alone over all layers (its configurations, against its byte floor: what it reads / 4.8 TB/s) and
+alone over all layers (its configurations, against its byte floor: what it reads at HBM bandwidth) and
 the whole decode step (one new token a state, the model's forward, CUDA-graphed) against raw bf16
 KV at its largest batch in the same run. Random KV has a flat spectrum, so every component gets
 the same lanes: the speed is the form's, the quality is measured on the embedded model
-(benchmarks/lanes_quality.py).
+(benchmarks/lanes_quality.py). Rows: raw's decode step and tokens/s (the baselines), each form's
+step and tokens/s against them, its kernel's best configuration; floors: the weights and what each
+step's attention reads, once, at the H200's HBM bandwidth (harness.floors).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -30,10 +30,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import benchmarks.gpu_speed as gs  # noqa: E402
+import gpu_speed as gs  # noqa: E402
 from kite.kernels import lanes as L  # noqa: E402
 from kite.upcycle.codec import encode_lanes  # noqa: E402
+from harness import Result, bytes_ms, finish, parse, parser, wall  # noqa: E402
+from harness.floors import hbm_text  # noqa: E402
 
 
 def stacked(one: L.Lanes, n: int) -> L.Lanes:
@@ -52,7 +55,7 @@ def kernel_bytes(one: L.Lanes) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, device="cuda")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--kv-budget-gb", type=float, default=40.0)
     ap.add_argument("--lanes", nargs="+", default=["128", "64"],
@@ -62,8 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", type=int, nargs="*", default=[0], help="0: the kernel's default")
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true")
-    ap.add_argument("--out", type=Path, default=ROOT / "out" / "lanes_decode.json")
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
     if args.cpu_smoke:
         gs.DEV = "cpu"
         args.tokens, args.kv_budget_gb, args.lanes, args.group = 600, 0.002, ["32", "16:32"], 128
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
     d = cfg.hidden_size // Hq
     scale = 1 / math.sqrt(d)
     n_params = sum(p.numel() for p in model.model.layers.parameters()) + cfg.vocab_size * cfg.hidden_size
-    weights_floor = n_params * 2 / gs.HBM_BPS * 1e3
+    weights_floor = bytes_ms(n_params * 2)
     raw_bytes = 2 * Lyr * H * T * d * 2
     budget = args.kv_budget_gb * 1e9
     n_raw = max(1, int(budget // raw_bytes))
@@ -125,16 +127,14 @@ def main(argv=None) -> int:
             keys.append(k * cos + torch.cat((-k[..., d // 2:], k[..., :d // 2]), -1) * sin)
             values.append(torch.randn(H, T, d, device=dev, generator=gen))
         encode_lanes(keys[:1], values[:1], rk, rv, group=args.group, sinks=args.sinks)   # warm: kernels, solver handles
-        gs.sync()
-        t0 = time.perf_counter()   # coding the state, as kite serve --resident lanes codes a load
-        ones = [x.to(basis_dtype=torch.bfloat16)
-                for x in encode_lanes(keys, values, rk, rv, group=args.group, sinks=args.sinks)]
-        gs.sync()
+        with wall(dev) as took:     # coding the state, as kite serve --resident lanes codes a load
+            ones = [x.to(basis_dtype=torch.bfloat16)
+                    for x in encode_lanes(keys, values, rk, rv, group=args.group, sinks=args.sinks)]
         del keys, values
         per_seq = sum(o.nbytes() for o in ones)
         stream = sum(kernel_bytes(o) for o in ones)
         n_cod = max(1, int(budget // per_seq))
-        form = {"lanes": R, "k_lanes": rk, "v_lanes": rv, "group": args.group, "sinks": args.sinks, "encode_s": round(time.perf_counter() - t0, 2),
+        form = {"lanes": R, "k_lanes": rk, "v_lanes": rv, "group": args.group, "sinks": args.sinks, "encode_s": round(took.s, 2),
                 "state_bytes": per_seq, "raw_over_state": round(raw_bytes / per_seq, 3), "n_states": n_cod,
                 "states_over_raw_batch": round(n_cod / n_raw, 3), "kernel_bytes_per_seq": stream}
         print(f"lanes {R}:", json.dumps(form), flush=True)
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         print("kernel vs reference:", json.dumps(errs), flush=True)
         state["plans"] = [(x, LanesPlan(x)) for x in (stacked(o, n_cod) for o in ones)]
         qn = torch.randn(n_cod, Hq, d, device=dev, dtype=torch.bfloat16, generator=gen)
-        floor = n_cod * stream / gs.HBM_BPS * 1e3
+        floor = bytes_ms(n_cod * stream)
         variants = {}
         if dev == "cuda":
             for sp in args.splits:
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     fused.ENABLED = False
     report["raw_step_ms"] = raw
     report["raw_tokens_per_s"] = n_raw / raw["best"] * 1e3
-    report["raw_step_floor_ms"] = weights_floor + n_raw * raw_bytes / gs.HBM_BPS * 1e3
+    report["raw_step_floor_ms"] = weights_floor + bytes_ms(n_raw * raw_bytes)
     for R, form in report["forms"].items():
         form["vs_raw_tokens_per_s"] = round(form["tokens_per_s"] / report["raw_tokens_per_s"], 3)
     print(f"raw bf16, {n_raw} sequences: {raw['best']:.2f} ms/step, {report['raw_tokens_per_s']:.0f} tok/s "
@@ -195,9 +195,26 @@ def main(argv=None) -> int:
         print(f"lanes {R}: {form['n_states']} states ({form['raw_over_state']}x fewer bytes), "
               f"{form['step_ms']['best']:.2f} ms/step, {form['tokens_per_s']:.0f} tok/s = {form['vs_raw_tokens_per_s']}x raw"
               f" (floor {form['step_floor_ms']:.2f} ms){kern}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1, default=str))
-    return 0
+    res = Result("lanes_decode", device=dev)
+
+    def fl(what: str, ms: float) -> dict:     # the floors are a GPU's: none on the CPU smoke run
+        return {"floor": what, "floor_value": ms} if dev == "cuda" else {}
+
+    raw_step = f"decode step, raw bf16, {n_raw} x {T}-token sequences"
+    res.row(raw_step, raw["best"], "ms", **fl(f"weights + {n_raw} raw KV read once {hbm_text()}",
+                                             report["raw_step_floor_ms"]), eager_ms=raw["eager"], graph_ms=raw["graph"])
+    res.row("tokens/s, raw bf16", report["raw_tokens_per_s"], "tokens/s")
+    for R, form in report["forms"].items():
+        n = form["n_states"]
+        res.row(f"decode step, lanes {R}, {n} states", form["step_ms"]["best"], "ms", baseline=raw_step,
+                **fl(f"weights + {n} lanes states' kernel bytes read once {hbm_text()}", form["step_floor_ms"]),
+                state_bytes=form["state_bytes"])
+        res.row(f"tokens/s, lanes {R}", form["tokens_per_s"], "tokens/s", baseline="tokens/s, raw bf16")
+        if "kernel_ms_all_layers" in form:
+            res.row(f"lanes {R} kernel, all layers ({form['kernel_best']})", form["kernel_ms_all_layers"], "ms",
+                    **fl(f"{n} states' codes, tables and bases read once {hbm_text()}", form["kernel_floor_ms"]))
+    res.raw.update(report)
+    return finish(res, args, label="smoke" if args.cpu_smoke else None)
 
 
 if __name__ == "__main__":

@@ -1,55 +1,27 @@
 """The lanes stream kernel's machine code for the H200 (sm_90a), compiled here without a GPU: the
 instructions of its loops, by opcode (the tile loop's size is the kernel's per-tile work).
 
-    python benchmarks/lanes_sass.py [--block 64] [--stages 3] [--maxnreg N] [--json]
+    python benchmarks/lanes_sass.py [--block 64] [--stages 3] [--maxnreg N]
 
 The benchmark's geometry and the kernel's default configuration: 4 KV heads x 7 query heads, 128
 lanes a row, groups of 512 rows, one-warp programs. Needs Triton with its NVIDIA backend (ptxas and
-cuobjdump ship in its package); tests/test_lanes_kernel.py compiles through `compile_sm90` too.
+cuobjdump ship in its package; kite.testing.sm90 compiles it, as tests/test_lanes_kernel.py does).
+Rows: each loop's instruction count, the innermost (tile) loop first (a size: no baseline, no
+floor); every loop's opcodes under ``raw``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def compile_sm90(ptx: bool = True, block: int = 64, stages: int = 3, maxnreg: int | None = None) -> dict:
-    """The stream kernel compiled for sm_90a (Triton's compiler and ptxas): its ``asm`` (ptx, cubin ...)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from kite.kernels.lanes_triton import STREAM_KERNEL as fn
-
-    types = {"ptrs": "*i64", "ng_ptr": "*i32", "len_ptr": "*i32"}
-    consts = dict(H=4, G=7, GP=16, NGMAX=32, GROUP=512, RK=128, RV=128, BT=block, SPLITS=4, PTX=ptx)
-    sig = {name: types.get(name, "*fp32" if name.endswith(("_ptr", "_out")) else "constexpr")
-           for name in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if sig[name].startswith("*")}
-    options = dict(num_warps=1, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm
-
-
-def sass(cubin: bytes) -> str:
-    """cuobjdump -sass of a cubin (the cuobjdump in Triton's package)."""
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+from kite.testing.sm90 import compile_sm90, sass  # noqa: E402
+from harness import Result, finish, parse, parser  # noqa: E402
 
 
 def loops(text: str) -> list[dict]:
@@ -69,20 +41,18 @@ def loops(text: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, device="cpu")
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--maxnreg", type=int, default=0)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
     found = loops(sass(compile_sm90(True, args.block, args.stages, args.maxnreg or None)["cubin"]))
-    if args.json:
-        print(json.dumps(found, indent=1))
-        return 0
+    res = Result("lanes_sass", device="cpu")
     for loop in found:   # innermost (the tile loop) first: the shortest span
         top = ", ".join(f"{k} {v}" for k, v in list(loop["opcodes"].items())[:12])
-        print(f"loop {loop['from']}-{loop['to']}: {loop['instructions']} instructions ({top})")
-    return 0
+        res.row(f"loop {loop['from']}-{loop['to']}", loop["instructions"], "instructions", top_opcodes=top)
+    res.raw.update(block=args.block, stages=args.stages, maxnreg=args.maxnreg or None, loops=found)
+    return finish(res, args)
 
 
 if __name__ == "__main__":

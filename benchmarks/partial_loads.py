@@ -4,35 +4,37 @@ rule that warns of loads far from what a state was tuned for (kite/upcycle/load/
 A text's first ``--context`` tokens are compressed into a state (default settings and also
 ``exact``), then the next ``--continuation`` tokens are scored teacher-forced after loads of that
 state into every layer, into some layers (the others hold no prefix), and at each load precision.
-Rows print PPL over continuation tokens 2..N and its ratio to full-context prefill, next to the
-same text with no context at all (the floor a useless load falls to).
+Rows: PPL over continuation tokens 2..N, full-context prefill's the baseline, next to the same
+text with no context at all (what a useless load falls to; ``x_none`` beside each row). Quality
+figures: no floor.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/partial_loads.py            # GPL-3, 2,048 + 512
-    .venv/bin/python benchmarks/partial_loads.py --input doc.txt --json out/partial_loads.json
+    .venv/bin/python benchmarks/partial_loads.py --input doc.txt
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+from harness import Result, clock, finish, parse, parser  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = parser(__doc__, device="cpu")
     ap.add_argument("--input", default="/usr/share/common-licenses/GPL-3")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--continuation", type=int, default=512)
     ap.add_argument("--settings", nargs="+", default=["ratio=4", "exact"])
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", default=None, help="Also write the rows here.")
-    args = ap.parse_args()
+    args = parse(ap, argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -82,32 +84,32 @@ def main() -> None:
             settings = CompressSettings(codec=codec_settings(spec))
             compress_document(lm, lm.tokenizer.decode(ctx), path, settings, ids=ctx)
             for name, layers in layer_sets.items():
-                t = time.perf_counter()
+                t = clock()
                 with torch.inference_mode():
                     prefix, _ = load_prefix(path, lm, layers=layers)
                     value = ppl(prefix, prefix.next_position)
                 rows.append({"state": spec, "load": f"layers {name}", "layers": len(layers or range(L)),
-                             "ppl": value, "s": round(time.perf_counter() - t, 1)})
-                print(rows[-1], flush=True)
+                             "ppl": value, "s": round(clock() - t, 1)})
+                print(rows[-1], file=sys.stderr, flush=True)
             for precision in ("fp16", "fp8", "int8", "int4"):
                 with torch.inference_mode():
                     prefix, _ = load_prefix(path, lm, precision=precision)
                     value = ppl(prefix, prefix.next_position)
                 rows.append({"state": spec, "load": f"precision {precision}", "layers": L, "ppl": value})
-                print(rows[-1], flush=True)
+                print(rows[-1], file=sys.stderr, flush=True)
             with torch.inference_mode():
                 prefix, _ = load_prefix(path, lm, layers=[0, 2, 4], precision="int4")
                 value = ppl(prefix, prefix.next_position)
             rows.append({"state": spec, "load": "layers 0,2,4 at int4", "layers": 3, "ppl": value})
-    print(f"\n{args.input}: {len(ctx)} context + {len(cont)} continuation tokens, {args.model} ({L} layers)")
-    print(f"{'state':<9} {'load':<24} {'layers':>6} {'PPL':>8} {'x full':>7} {'x none':>7}")
+    res = Result("partial_loads", device="cpu")
     for r in rows:
-        print(f"{r['state']:<9} {r['load']:<24} {r['layers']:>6} {r['ppl']:>8.3f} {r['ppl'] / full:>7.3f} "
-              f"{r['ppl'] / none:>7.3f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "full": full, "none": none, "rows": rows},
-                                              indent=1))
+        name = f"{r['state']}: {r['load']}" if r["state"] != "-" else r["load"]
+        res.row(f"{name}: PPL", r["ppl"], "PPL", baseline=None if r is rows[0] else "full-context prefill: PPL",
+                layers=r["layers"], x_none=round(r["ppl"] / none, 4), **({"s": r["s"]} if "s" in r else {}))
+    res.raw.update(input=args.input, model=args.model, context=len(ctx), continuation=len(cont), layers=L,
+                   full=full, none=none)
+    return finish(res, args)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,10 +1,10 @@
-"""What coding keys post-RoPE costs in quality at equal bytes (issue 17's decode design question).
+"""What coding keys post-RoPE costs in quality at equal bytes (a decode design question: can a kernel score coded keys with no rebuild?).
 
 Per-head coded states store keys *pre*-RoPE, so a decode kernel must rebuild every key (codes x
 basis) and rotate it before scoring. Keys coded *post*-RoPE (the bases fitted on the keys as the
 cache holds them) could be scored in coefficient space, s_t = c_t . (B_k q) + mu_k . q, with no
 per-token rebuild. This measures the quality side of that trade on the embedded model (SmolLM2-135M,
-CPU): for each held-out document (benchmarks/regenerator_quality.py's: GPL-3, Apache-2.0, generated
+CPU): for each held-out document (kite.upcycle.held_out's: GPL-3, Apache-2.0, generated
 contracts of seed 23; context min(2048, n - 512) tokens, the next 512 teacher-forced), the PPL of
 the continuation after
 
@@ -28,149 +28,31 @@ keys' (centred) variance in the top components pre- vs post-RoPE and the share o
 energy in their per-head mean.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/post_rope_keys.py --post-key-scales 1.25 1.5 2 \
-        --post-key-shares 0.45 0.55 --json docs/post_rope_keys_session10.json
+        --post-key-shares 0.45 0.55
+
+Rows: per ratio and variant the mean KL over documents (nats a token), with ``pre`` as the baseline;
+quality figures, no floor.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.regenerator_quality import held_out_docs  # noqa: E402
-from kite.runtime.cache import KVPrefix, new_cache  # noqa: E402
-from kite.runtime.generate import forward_tokens  # noqa: E402
-from kite.upcycle import apply_rope, codec, compare_logits, rope_cos_sin, tokenize_document  # noqa: E402
-from kite.upcycle import capture_kv as capture  # noqa: E402
-
-WHERE = ("pre", "post")
-MODES = (*WHERE, "post_rmean")
-
-
-def coded_keys(keys_pre: list[torch.Tensor], values: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-               settings: codec.CodecSettings, where: str, part_tokens: int = 0
-               ) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
-    """Code a document's keys and values [H, T, d] per layer with the codec's own fit / encode /
-    decode and return the keys as attention reads them (post-RoPE), the values, and every stored
-    byte (layer codecs + parts).
-
-    ``where="pre"``: keys coded before RoPE, rotated after decoding (a state's path);
-    ``where="post"``: keys coded as the cache holds them (``apply_rope(keys_pre)``), used as decoded;
-    ``where="post_rmean"``: the per-head pre-RoPE mean mu (stored fp16, paid from the keys' bit
-    budget) taken out first, the rest coded post-RoPE, ``apply_rope(mu)`` added back: a score
-    kernel then reads ``q . R_t mu`` from the cos/sin tables (d per token) and the rest from
-    coefficients, still with no rebuild.
-    ``part_tokens``: code the tokens as contiguous parts of this many (0: one part)."""
-    if where not in MODES:
-        raise ValueError(f"where must be one of {MODES}, got {where!r}")
-    means = [k.mean(dim=1, keepdim=True).half().float() if where == "post_rmean" else None for k in keys_pre]
-    stored = keys_pre if where == "pre" else [apply_rope(k if mu is None else k - mu, cos, sin)
-                                               for k, mu in zip(keys_pre, means)]
-    T = values[0].shape[1]
-    if where == "post_rmean" and settings.k_mode == "pca":   # the fp16 means are paid from the keys' budget
-        settings = codec.settings_for(settings, k_bits=settings.k_bits - 16 / T)
-    layer_codecs = codec.fit_layers(list(zip(stored, values)), settings)
-    step = part_tokens or T
-    keys, vals, nbytes = [], [], 0
-    for lc, K, V, mu in zip(layer_codecs, stored, values, means):
-        nbytes += codec.nbytes(lc)
-        ks, vs = [], []
-        for a in range(0, T, step):
-            part = codec.encode(lc, K[:, a:a + step], V[:, a:a + step], positions=torch.arange(a, min(a + step, T)))
-            nbytes += codec.nbytes(part)
-            k, v = codec.decode(lc, part)
-            ks.append(k)
-            vs.append(v)
-        k, v = torch.cat(ks, dim=1), torch.cat(vs, dim=1)
-        if where == "pre":
-            k = apply_rope(k, cos, sin)
-        elif mu is not None:
-            k = k + apply_rope(mu.expand_as(k), cos, sin)
-            nbytes += mu.numel() * 2
-        keys.append(k)
-        vals.append(v)
-    return keys, vals, nbytes
-
-
-def variance_fractions(keys: torch.Tensor, tops: list[int]) -> dict:
-    """For keys [H, T, d]: the fraction of the centred variance in the top-k principal components
-    (per head, mean over heads) for each k in ``tops``, and the share of the keys' energy (sum of
-    squares) in their per-head mean."""
-    mean, evals, _ = codec.batched_pca(keys.float(), center=True)      # [H, d], [H, d] descending
-    total = evals.sum(-1).clamp_min(1e-30)
-    out = {f"top{k}": round(float((evals[:, :k].sum(-1) / total).mean()), 4) for k in tops}
-    energy = keys.double().pow(2).sum(dim=(1, 2))                        # [H]
-    out["mean_energy_share"] = round(float((mean.double().pow(2).sum(-1) * keys.shape[1] / energy).mean()), 4)
-    return out
-
-
-def relative_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float]:
-    """Per layer: ||a - b|| / ||b||."""
-    return [round(float((x - y).norm() / y.norm().clamp_min(1e-30)), 4) for x, y in zip(a, b)]
-
-
-@dataclass
-class Document:
-    """One held-out document prepared for scoring: its context prefilled and captured (keys pre- and
-    post-RoPE, values), the continuation's logits after the full context."""
-
-    lm: object
-    name: str
-    n_ctx: int
-    cont: list[int]
-    targets: torch.Tensor
-    full: torch.Tensor          # the continuation's logits after the full context
-    cap: object                 # kite.upcycle.capture's Captured: keys_pre, values per layer [H, T, d]
-    cos: torch.Tensor
-    sin: torch.Tensor
-    keys_post: list[torch.Tensor]
-
-    @property
-    def raw_bytes(self) -> int:
-        """The context's K and V in fp16."""
-        return 2 * sum(k.numel() for k in self.cap.keys_pre) * 2
-
-    @torch.inference_mode()
-    def score(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> dict:
-        """The continuation teacher-forced after a prefix of these (post-RoPE) keys and values, against
-        the full context: compare_logits' metrics plus the per-token KL's median and maximum."""
-        prefix = KVPrefix(keys=keys, values=values, next_position=self.n_ctx)
-        got = forward_tokens(self.lm.model, self.cont, new_cache(self.lm.model, prefix), self.n_ctx)[:-1]
-        # the mean KL is compare_logits'; a few tokens that copy from the context can dominate it, so
-        # the per-token median and maximum go beside it
-        lp_full, lp_got = torch.log_softmax(self.full, -1), torch.log_softmax(got, -1)
-        kl = (lp_full.exp() * (lp_full - lp_got)).sum(-1)
-        return {**compare_logits(self.full, got, self.targets), "kl_median": float(kl.median()),
-                "kl_max": float(kl.max())}
-
-
-@torch.inference_mode()
-def prepare_document(lm, name: str, text: str, continuation: int = 512, context: int = 2048) -> Document:
-    """Context min(``context``, n - continuation) tokens, the next ``continuation`` teacher-forced."""
-    ids, _ = tokenize_document(lm.tokenizer, text)
-    n_ctx = min(context, len(ids) - continuation)
-    ctx, cont = ids[:n_ctx], ids[n_ctx:n_ctx + continuation]
-    full_cache = new_cache(lm.model)
-    forward_tokens(lm.model, ctx, full_cache, 0)
-    full = forward_tokens(lm.model, cont, full_cache, n_ctx)[:-1]
-    cap = capture(lm, "", ids=ctx)
-    cos, sin = rope_cos_sin(lm.model, torch.arange(n_ctx))
-    return Document(lm=lm, name=name, n_ctx=n_ctx, cont=cont, targets=torch.tensor(cont[1:]), full=full, cap=cap,
-                    cos=cos, sin=sin, keys_post=[apply_rope(k, cos, sin) for k in cap.keys_pre])
-
+from kite.upcycle import codec  # noqa: E402
+from kite.upcycle.study import held_out_docs, prepare_document, relative_error  # noqa: E402
+from kite.upcycle.study import MODES, WHERE, coded_keys, variance_fractions  # noqa: E402
+from harness import Result, clock, finish, parse, parser  # noqa: E402
 
 @torch.inference_mode()
 def measure_document(lm, name: str, text: str, ratios: list[float], tops: list[int], part_tokens: int,
                      key_scales: list[float] = (), key_shares: list[float] = (), continuation: int = 512) -> dict:
-    t0 = time.perf_counter()
+    t0 = clock()
     doc = prepare_document(lm, name, text, continuation)
     n_ctx, cont, cap, cos, sin, keys_post, score = (doc.n_ctx, doc.cont, doc.cap, doc.cos, doc.sin, doc.keys_post,
                                                     doc.score)
@@ -193,7 +75,7 @@ def measure_document(lm, name: str, text: str, ratios: list[float], tops: list[i
         variants += [(f"{w}_share{sh:g}", w, codec.settings_for(s, k_bits=total * sh, v_bits=total * (1 - sh)))
                      for w in MODES[1:] for sh in key_shares]
         for label, where, settings in variants:
-            t1 = time.perf_counter()
+            t1 = clock()
             keys, values, nbytes = coded_keys(cap.keys_pre, cap.values, cos, sin, settings, where, part_tokens)
             m = score(keys, values)
             err = relative_error(keys, keys_post)
@@ -203,13 +85,13 @@ def measure_document(lm, name: str, text: str, ratios: list[float], tops: list[i
                            "kl_max": round(m["kl_max"], 3), "top1": round(m["top1"], 4),
                            "key_rel_error_mean": round(sum(err) / len(err), 4), "key_rel_error": err,
                            "value_rel_error_mean": round(sum(relative_error(values, cap.values)) / len(values), 4),
-                           "seconds": round(time.perf_counter() - t1, 1)}
+                           "seconds": round(clock() - t1, 1)}
         cell["bytes_post_over_pre"] = round(cell["post"]["state_bytes"] / cell["pre"]["state_bytes"], 4)
         row["ratios"][f"{ratio:g}"] = cell
         print(f"{name} {ratio:g}x: " + " ".join(f"{w} ΔPPL {cell[w]['ppl_delta']:+.3f} KL {cell[w]['kl']:.4f} "
                                                  f"{cell[w]['state_bytes']} B" for w, _, _ in variants),
               file=sys.stderr, flush=True)
-    row["seconds"] = round(time.perf_counter() - t0, 1)
+    row["seconds"] = round(clock() - t0, 1)
     return row
 
 
@@ -256,7 +138,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, device="cpu")
     ap.add_argument("--ratios", type=float, nargs="*", default=[4, 8])
     ap.add_argument("--licenses", nargs="*", default=["GPL-3", "Apache-2.0"])
     ap.add_argument("--contracts", type=int, default=2, help="generated contracts of seed 23")
@@ -271,30 +153,30 @@ def main(argv=None) -> int:
                     help="also code the post-RoPE variants with these shares of the ratio's bits on the keys "
                          "(the rest on the values): equal bytes, rebalanced")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", type=Path, help="write the result here (atomically)")
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
     torch.set_num_threads(args.threads)
     from kite.model import load_model
 
-    t0 = time.perf_counter()
+    t0 = clock()
     lm = load_model(None)
     part_tokens = codec.settings_for(4, joint_heads=False).part_tokens if args.part_tokens is None else args.part_tokens
     rows = [measure_document(lm, name, text, args.ratios, args.tops, part_tokens, args.post_key_scales,
                              args.post_key_shares)
             for name, text in held_out_docs(args.contracts, args.licenses).items()]
-    result = {"machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
+    result = {"platform": platform.platform(), "threads": args.threads,
               "model": lm.fingerprints.combined, "head_dim": lm.geometry.head_dim, "kv_heads": lm.geometry.n_kv_heads,
               "codec": "settings_for(R, joint_heads=False): per-head bases, the document's own (no regenerator)",
               "part_tokens": part_tokens, "argv": list(argv if argv is not None else sys.argv[1:]),
               "rows": rows, "summary": summarize(rows, args.ratios, args.tops),
-              "seconds": round(time.perf_counter() - t0, 1)}
-    if args.json:
-        from kite.atomic import write_text
-
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        write_text(args.json, json.dumps(result, indent=1))
-    print(table(result))
-    return 0
+              "seconds": round(clock() - t0, 1)}
+    print(table(result), file=sys.stderr if args.json else sys.stdout)
+    res = Result("post_rope_keys", device="cpu")
+    for ratio, means in result["summary"]["by_ratio"].items():
+        for w, m in means.items():
+            res.row(f"{ratio}x {w}: mean KL", m["kl"], "nats/token",
+                    baseline=None if w == "pre" else f"{ratio}x pre: mean KL", **m)
+    res.raw.update(result)
+    return finish(res, args)
 
 
 if __name__ == "__main__":

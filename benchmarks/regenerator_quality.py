@@ -14,21 +14,20 @@ regenerator folder, or fit one from the licenses and generated contracts below, 
 held out). Held out: GPL-3 and Apache-2.0 (2,048 / 1,712 context tokens + 512) and generated
 contracts of seeds the calibration never drew.
 
-    .venv/bin/python benchmarks/regenerator_quality.py --out out/regen_quality.json
+    .venv/bin/python benchmarks/regenerator_quality.py
     .venv/bin/python benchmarks/regenerator_quality.py --regenerator RUN/regenerator --adapter RUN/adapter
 
 The regenerator fitted here is unweighted, as `kite upcycle train` fits it, unless ``--weighted``
 (attention-aware distortion, :mod:`kite.upcycle.train.weights`); ``--only DOC:RATIO ...`` and ``--methods`` pick rows and columns,
-``--calibration-pairs`` fits on a training run's documents instead.
+``--calibration-pairs`` fits on a training run's documents instead. Rows: each document, ratio and
+method's continuation PPL, the full context's the baseline (quality figures, no floor).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -40,24 +39,10 @@ from kite.model import load_model  # noqa: E402
 from kite.upcycle import (CompressSettings, Regenerator, RegeneratorFit, codec_settings, evaluate,  # noqa: E402
                           tokenize_document)
 from kite.upcycle import capture_kv as capture  # noqa: E402
+from kite.upcycle.study import (CALIBRATION_LICENSES, CONTINUATION, HELD_OUT, LICENSES,  # noqa: E402
+                                   context_tokens, held_out_docs)
 from kite.upcycle.codec import model_value_weights  # noqa: E402
-
-LICENSES = Path("/usr/share/common-licenses")
-CALIBRATION_LICENSES = ("GFDL-1.3", "MPL-2.0", "Artistic", "CC0-1.0", "LGPL-2.1", "MPL-1.1")
-HELD_OUT = ("GPL-3", "Apache-2.0")
-CONTINUATION = 512      # tokens scored after the state
-
-
-def context_tokens(n: int) -> int:
-    """A held-out document of ``n`` tokens: its first this many are the state's context."""
-    return min(2048, n - CONTINUATION)
-
-
-def held_out_docs(contracts: int, licenses=HELD_OUT) -> dict[str, str]:
-    docs = {name: (LICENSES / name).read_text() for name in licenses}
-    for rec in generate_contracts(contracts, tokens=2700, seed=23):
-        docs[rec["id"]] = rec["text"]
-    return docs
+from harness import Result, clock, finish, parse, parser  # noqa: E402
 
 
 def fit_regenerator(lm, n_contracts: int, weighted: bool = False) -> Regenerator:
@@ -86,8 +71,8 @@ def fit_on_pairs(lm, path: Path, eval_fraction: float, seed: int, weighted: bool
     return train_fit(lm, train, codec_settings(8), weighted=weighted)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, benchmark: str = "regenerator_quality") -> int:
+    ap = parser(__doc__, device="cpu")
     ap.add_argument("--ratios", type=float, nargs="*", default=[4, 8, 16])
     ap.add_argument("--regenerator", type=Path, help="a regenerator folder (default: fit one here)")
     ap.add_argument("--adapter", type=Path, help="a reader adapter folder: also measure regen+adapter")
@@ -103,7 +88,6 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration-pairs", type=Path,
                     help="fit on the training split of this pairs file, as `kite upcycle train` does")
     ap.add_argument("--eval-fraction", type=float, default=0.1, help="with --calibration-pairs: the run's")
-    ap.add_argument("--seed", type=int, default=0, help="with --calibration-pairs: the run's")
     ap.add_argument("--only", nargs="*", metavar="DOC:RATIO",
                     help="measure only these rows (e.g. GPL-3:4 Apache-2.0:16)")
     ap.add_argument("--methods", nargs="*", default=["doc", "regen", "regen+adapter"],
@@ -111,10 +95,9 @@ def main(argv=None) -> int:
     ap.add_argument("--choice", choices=["measured", "expected", "probe"],
                     help="how each side picks the regenerator's basis or the document's (default: the codec's)")
     ap.add_argument("--save-regenerator", type=Path, help="keep the fitted regenerator in this folder")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)      # --seed: with --calibration-pairs, the run's
     torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
+    t0 = clock()
     lm = load_model(None)
     if args.regenerator:
         reg = Regenerator.load(args.regenerator)
@@ -125,7 +108,7 @@ def main(argv=None) -> int:
     if args.save_regenerator:
         reg.save(args.save_regenerator)
     reg.choice = args.choice
-    print(f"regenerator {reg.fingerprint[:21]} weighted={reg.weighted} ({time.perf_counter() - t0:.0f} s)",
+    print(f"regenerator {reg.fingerprint[:21]} weighted={reg.weighted} ({clock() - t0:.0f} s)",
           file=sys.stderr, flush=True)
     reader = load_model(None, adapter=args.adapter) if args.adapter else None
     only = {(o.rsplit(":", 1)[0], float(o.rsplit(":", 1)[1])) for o in args.only} if args.only else None
@@ -144,27 +127,36 @@ def main(argv=None) -> int:
                                         *((("regen+adapter", reader, reg),) if reader else ())):
                 if label not in args.methods:
                     continue
-                t1 = time.perf_counter()
+                t1 = clock()
                 r = evaluate(model, text, context_tokens=ctx, continuation_tokens=CONTINUATION, settings=s,
                              regenerator=regen)
                 row[label] = {"ppl_full": r.ppl_full, "ppl_state": r.ppl_state, "ppl_delta": r.ppl_delta,
                               "kl": r.kl_mean, "top1": r.top1_agreement, "compression_ratio": r.compression_ratio,
                               "state_bytes": r.state_bytes, "reader_adapter": r.reader_adapter,
-                              "seconds": round(time.perf_counter() - t1, 1)}
+                              "seconds": round(clock() - t1, 1)}
             rows.append(row)
-            print(json.dumps(row), flush=True)
-    result = {"machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    result = {"platform": platform.platform(), "threads": args.threads,
               "model": lm.fingerprints.combined, "regenerator": {"fingerprint": reg.fingerprint,
                                                                   "weighted": reg.weighted, "choice": reg.choice,
                                                                   "calibration": reg.meta.get("calibration")},
               "argv": list(argv if argv is not None else sys.argv[1:]),
               "adapter": str(args.adapter) if args.adapter else None, "rows": rows,
-              "seconds": round(time.perf_counter() - t0, 1)}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-    print(table(result))
-    return 0
+              "seconds": round(clock() - t0, 1)}
+    print(table(result), file=sys.stderr if args.json else sys.stdout)
+    res = Result(benchmark, device="cpu")
+    for r in rows:
+        at = f"{r['document']} {r['ratio']:g}x"
+        full = next((r[k]["ppl_full"] for k in ("doc", "regen", "regen+adapter") if k in r), None)
+        if full is None:
+            continue
+        res.row(f"{at} full context: PPL", full, "PPL", context_tokens=r["context_tokens"])
+        for k in ("doc", "regen", "regen+adapter"):
+            if k in r:
+                res.row(f"{at} {k}: PPL", r[k]["ppl_state"], "PPL", baseline=f"{at} full context: PPL",
+                        **{m: v for m, v in r[k].items() if m != "ppl_state"})
+    res.raw.update(result)
+    return finish(res, args)
 
 
 def table(result: dict) -> str:

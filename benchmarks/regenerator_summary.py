@@ -6,24 +6,29 @@ method's ΔPPL (and KL) is lower than per-document bases', the means and medians
 difference of ΔPPL (method - doc) with its standard error over documents. A document measured in
 several files counts once (the last file wins).
 
-    .venv/bin/python benchmarks/regenerator_summary.py docs/regen_quality_more_docs_session8.json OTHER.json
+    .venv/bin/python benchmarks/regenerator_summary.py benchmarks/results/regenerator_quality_*.json
+
+Rows: per ratio and method the mean KL over the documents, per-document bases' the baseline (a
+quality figure, no floor); the whole summary under ``raw``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
 import sys
 from pathlib import Path
 
+from harness import Result, finish, parse, parser
+
 
 def pooled_rows(paths: list[Path]) -> dict[tuple[str, float], dict]:
     """(document, ratio) -> the row of the last file that measured it, merged over methods."""
     rows: dict[tuple[str, float], dict] = {}
     for path in paths:
-        for row in json.loads(path.read_text())["rows"]:
+        data = json.loads(path.read_text())
+        for row in (data["raw"] if "schema" in data else data)["rows"]:   # a result envelope or a bare run
             rows.setdefault((row["document"], float(row["ratio"])), {}).update(row)
     return rows
 
@@ -66,18 +71,25 @@ def table(summary: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("files", type=Path, nargs="+", help="regenerator_quality.py --out files")
+    ap = parser(__doc__, device="cpu")
+    ap.add_argument("files", type=Path, nargs="+", help="regenerator_quality.py's result files")
     ap.add_argument("--methods", nargs="*", default=["regen", "regen+adapter"])
-    ap.add_argument("--json", action="store_true", help="the summary as JSON")
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
     rows = pooled_rows(args.files)
     summary = [s for m in args.methods for s in summarize(rows, m)]
     if not summary:
         print("no row measured both per-document bases and " + " or ".join(args.methods), file=sys.stderr)
         return 2
-    print(json.dumps(summary, indent=1) if args.json else table(summary))
-    return 0
+    print(table(summary), file=sys.stderr if args.json else sys.stdout)
+    res = Result("regenerator_summary", device="cpu")
+    for x in summary:
+        at = f"{x['ratio']:g}x, {x['documents']} documents"
+        if not any(r["name"] == f"{at}, doc: mean KL" for r in res.rows):
+            res.row(f"{at}, doc: mean KL", x["mean_kl_doc"], "nats/token")
+        res.row(f"{at}, {x['method']}: mean KL", x["mean_kl"], "nats/token", baseline=f"{at}, doc: mean KL",
+                **{k: v for k, v in x.items() if k not in ("mean_kl",)})
+    res.raw.update(files=[str(f) for f in args.files], summary=summary)
+    return finish(res, args)
 
 
 if __name__ == "__main__":

@@ -13,17 +13,17 @@
 5. The states compressed again from the documents with the new map (``compress`` honouring
    ``label_ratios``): the labels whose ratio went down get their bytes there.
 
-    .venv/bin/python benchmarks/retune_effect.py --out docs/retune_effect.json
+    .venv/bin/python benchmarks/retune_effect.py
+
+Rows: every state's bytes after the retune and recompressed, the state before the retune the
+baseline (sizes, no floor); the whole table (ΔPPL, gains) under ``raw``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,6 +40,7 @@ from kite.upcycle import split_text  # noqa: E402
 from kite.yoco.flywheel import RetunePolicy, retune  # noqa: E402
 from kite.yoco.fused import measured_gain, prompt_nll  # noqa: E402
 from kite.yoco.health import HealthStore  # noqa: E402
+from harness import Result, clock, finish, parse, parser  # noqa: E402
 
 
 def questions(rec: dict) -> list[tuple[str, str]]:
@@ -81,16 +82,15 @@ def per_label(gains: dict) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, device="cpu")
     ap.add_argument("--contracts", type=int, default=6)
     ap.add_argument("--ratio", type=float, default=8.0)
     ap.add_argument("--min-loads", type=int, default=4)
     ap.add_argument("--gain-scale", type=float, default=0.02, help="the health store's gain → health scale")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
     torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
+    t0 = clock()
     pipe = open_pipeline(None, None, ratio=args.ratio)
     lm = pipe.lm
     docs = []
@@ -112,9 +112,9 @@ def main(argv=None) -> int:
             for sid, rows in before["gains"].items():
                 for label, g in rows:
                     health.record(sid, label, g)
-            t = time.perf_counter()
+            t = clock()
             report = retune(folder, health, policy=RetunePolicy(min_loads=args.min_loads), default_ratio=args.ratio)
-            retune_s = time.perf_counter() - t
+            retune_s = clock() - t
         after = measure(lm, docs, folder)
         ratios = read_label_ratios(folder / LABEL_RATIOS_FILE)
         fresh = replace(pipe.settings, label_ratios=ratios)
@@ -129,18 +129,21 @@ def main(argv=None) -> int:
                                                                        ("recompressed", recompressed))
                         for f in ("bytes", "ppl_delta")}})
     result = {
-        "command": "benchmarks/retune_effect.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
+        "platform": platform.platform(), "threads": args.threads,
         "model": lm.fingerprints.combined, "ratio": args.ratio, "gain_scale": args.gain_scale,
         "labels": [d.__dict__ for d in report.labels], "label_ratios": ratios,
         "label_gain_before": per_label(before["gains"]), "label_gain_retuned": per_label(after["gains"]),
         "label_gain_recompressed": per_label(recompressed["gains"]),
-        "rows": rows, "retune_seconds": round(retune_s, 2), "seconds": round(time.perf_counter() - t0, 1)}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1, ensure_ascii=False))
-    print(table(result))
-    return 0
+        "rows": rows, "retune_seconds": round(retune_s, 2), "seconds": round(clock() - t0, 1)}
+    print(table(result), file=sys.stderr if args.json else sys.stdout)
+    res = Result("retune_effect", device="cpu")
+    for row in rows:
+        res.row(f"{row['state']}: bytes before", row["before_bytes"], "B", ppl_delta=row["before_ppl_delta"])
+        for k in ("retuned", "recompressed"):
+            res.row(f"{row['state']}: bytes {k}", row[f"{k}_bytes"], "B", baseline=f"{row['state']}: bytes before",
+                    ppl_delta=row[f"{k}_ppl_delta"])
+    res.raw.update(result)
+    return finish(res, args)
 
 
 def table(r: dict) -> str:

@@ -7,12 +7,14 @@ prompts of ~100 tokens), all at once. Per server: aggregate completion tokens/s 
 the wall time of the whole burst), each request's time to first token as its client saw it (p50,
 p95), and every answer's text, which must be the same on both servers.
 
-    .venv/bin/python benchmarks/serve_concurrency.py --out docs/serve_concurrency_cpu.json
+    .venv/bin/python benchmarks/serve_concurrency.py
+
+Rows: tokens/s and TTFT p50 / p95 of the batched server, the one-at-a-time server's the baseline (no
+floor: the CPU has no limits table). Exit 1 when the answers differ.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -31,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from kite.bench.concurrency import percentiles_ms  # noqa: E402
 from kite.data.contracts import generate_contracts  # noqa: E402
 from kite.serve.server import free_port  # noqa: E402
+from harness import Result, clock, finish, parse, parser  # noqa: E402
 
 PROMPTS = [
     "The following is a short report about the shipping industry and the way ports handle containers. ",
@@ -69,7 +72,7 @@ def wait_until_serving(proc: subprocess.Popen, url: str, log: Path, timeout_s: f
 def stream(url: str, body: dict) -> dict:
     """One streamed completion: its text, time to first token, tokens, total time, and the `kite`
     object of its last event (the server's own timings)."""
-    t0 = time.perf_counter()
+    t0 = clock()
     ttft = None
     text, usage, kite = [], None, None
     with httpx.Client(timeout=600) as c, c.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
@@ -82,21 +85,21 @@ def stream(url: str, body: dict) -> dict:
                 raise RuntimeError(ev["error"])
             piece = ev["choices"][0]["text"]
             if piece and ttft is None:
-                ttft = time.perf_counter() - t0
+                ttft = clock() - t0
             text.append(piece)
             usage, kite = ev.get("usage", usage), ev.get("kite", kite)
-    return {"text": "".join(text), "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
-            "tokens": usage["completion_tokens"], "total_s": time.perf_counter() - t0, "kite": kite}
+    return {"text": "".join(text), "ttft_s": ttft if ttft is not None else clock() - t0,
+            "tokens": usage["completion_tokens"], "total_s": clock() - t0, "kite": kite}
 
 
 def burst(url: str, bodies: list[dict], clients: int) -> dict:
-    t0 = time.perf_counter()
+    t0 = clock()
     with ThreadPoolExecutor(max_workers=clients) as pool:
         # each client sends its requests one after another
         per_client = [bodies[i::clients] for i in range(clients)]
         futures = [pool.submit(lambda bs: [stream(url, b) for b in bs], bs) for bs in per_client]
         results = [f.result() for f in futures]
-    wall = time.perf_counter() - t0
+    wall = clock() - t0
     flat = [None] * len(bodies)
     for i, rs in enumerate(results):
         for j, r in enumerate(rs):
@@ -124,13 +127,12 @@ def burst_bodies(clients: int, requests: int, max_tokens: int) -> tuple[list[dic
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, device="cpu")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=2, help="per client")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
     bodies, contract = burst_bodies(args.clients, args.requests, args.max_tokens)
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,8 +151,7 @@ def main(argv=None) -> int:
     batched, single = runs[args.clients], runs[1]
     same = batched["texts"] == single["texts"]
     result = {
-        "command": "benchmarks/serve_concurrency.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads},
+        "platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
         "model": "smollm2-135m (embedded)", "clients": args.clients, "requests": len(bodies),
         "max_tokens": args.max_tokens,
         "batched": {k: v for k, v in batched.items() if k != "texts"},
@@ -158,10 +159,16 @@ def main(argv=None) -> int:
         "throughput_ratio": round(batched["tokens_per_s"] / single["tokens_per_s"], 2),
         "identical_answers": same,
         "differing": [i for i, (a, b) in enumerate(zip(batched["texts"], single["texts"])) if a != b]}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
+    res = Result("serve_concurrency", device="cpu")
+    for label, r in (("one at a time", single), (f"max batch {args.clients}", batched)):
+        first = r is single
+        res.row(f"{label}: completion tokens/s", r["tokens_per_s"], "tokens/s",
+                baseline=None if first else "one at a time: completion tokens/s", wall_s=r["wall_s"])
+        for q in ("p50", "p95"):
+            res.row(f"{label}: TTFT {q}", r[f"ttft_{q}_ms"], "ms",
+                    baseline=None if first else f"one at a time: TTFT {q}")
+    res.raw.update(result)
+    finish(res, args)
     return 0 if same else 1
 
 

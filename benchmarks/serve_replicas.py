@@ -12,12 +12,15 @@ latency of sequential requests (one client) for the overhead: Ray's 1 replica mi
 server, same requests; and the routing alone (GET /v1/models through the endpoint against the
 replica's own URL, no model work). Every answer is checked against the plain server's.
 
-    .venv/bin/python benchmarks/serve_replicas.py --out docs/serve_replicas_cpu.json
+    .venv/bin/python benchmarks/serve_replicas.py
+
+Rows: requests/s of each Ray setup, the plain server's the baseline; the sequential latency of Ray's
+one replica and the routing alone against the replica's own URL (no floor: the CPU has no limits
+table).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -38,6 +41,7 @@ from kite.data.contracts import generate_contracts  # noqa: E402
 from kite.serve.server import free_port  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import Result, clock, finish, parse, parser, time_ms  # noqa: E402
 from serve_concurrency import wait_until_serving  # noqa: E402
 
 UPCYCLE = "compression: {cluster_num: 4}\nsemantic_tagging: {labels: [], generated_examples_per_label: 0}\n"
@@ -77,22 +81,22 @@ def start_ray(args, n: int, state_dir: Path, cfg: Path):
 
 
 def complete(url: str, sid: str, q: str, max_tokens: int) -> dict:
-    t0 = time.perf_counter()
+    t0 = clock()
     with httpx.Client(timeout=900) as c:
         r = c.post(url + "/v1/completions", json={"prompt": q, "max_tokens": max_tokens, "kite": {"state": sid}})
     r.raise_for_status()
     body = r.json()
     load = body["kite"].get("load") or {}
-    return {"text": body["choices"][0]["text"], "ms": (time.perf_counter() - t0) * 1e3,
+    return {"text": body["choices"][0]["text"], "ms": (clock() - t0) * 1e3,
             "hit": "cached" in (load.get("timings_ms") or {}), "loaded": bool(body["kite"].get("loaded")),
             "replica": r.headers.get("x-kite-replica", "plain")}
 
 
 def burst(url: str, jobs: list[tuple[str, str]], clients: int, max_tokens: int) -> dict:
-    t0 = time.perf_counter()
+    t0 = clock()
     with ThreadPoolExecutor(clients) as pool:
         out = list(pool.map(lambda j: complete(url, j[0], j[1], max_tokens), jobs))
-    wall = time.perf_counter() - t0
+    wall = clock() - t0
     per = {}
     for o in out:
         per[o["replica"]] = per.get(o["replica"], 0) + 1
@@ -115,18 +119,13 @@ def routing_ms(url: str, n: int = 30) -> dict:
     out = {}
     for name, base in (("endpoint", url), ("replica_direct", direct)):
         with httpx.Client(base_url=base, timeout=30) as c:
-            c.get("/v1/models")
-            t0 = time.perf_counter()
-            for _ in range(n):
-                c.get("/v1/models").raise_for_status()
-            out[name] = round((time.perf_counter() - t0) / n * 1e3, 2)
+            out[name] = round(time_ms(lambda: c.get("/v1/models").raise_for_status(), n, 1).median_ms, 2)
     out["overhead"] = round(out["endpoint"] - out["replica_direct"], 2)
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
+def main(argv=None) -> int:
+    ap = parser(__doc__, device="cpu")
     ap.add_argument("--replicas", default="1,2,4")
     ap.add_argument("--states", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=300, help="tokens per contract")
@@ -134,7 +133,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--prefix-cache-gb", type=float, default=0.15, help="per replica")
-    args = ap.parse_args()
+    args = parse(ap, argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="kite-replicas-bench-"))
     state_dir, cfg = tmp / "states", tmp / "upcycle.yaml"
@@ -158,7 +157,8 @@ def main() -> None:
         proc.terminate()
         proc.wait(30)
     want = result["setups"]["plain"]["texts"]
-    print(json.dumps({k: v for k, v in result["setups"]["plain"].items() if k != "texts"}), flush=True)
+    print(json.dumps({k: v for k, v in result["setups"]["plain"].items() if k != "texts"}), file=sys.stderr,
+          flush=True)
 
     from kite.serve.replicas import stop
 
@@ -174,7 +174,8 @@ def main() -> None:
                 b["sequential_mean_ms"] = seq_ms
                 b["routing_only_ms"] = hop
             result["setups"][f"ray_{n}"] = b
-            print(json.dumps({f"ray_{n}": {k: v for k, v in b.items() if k != "texts"}}), flush=True)
+            print(json.dumps({f"ray_{n}": {k: v for k, v in b.items() if k != "texts"}}), file=sys.stderr,
+                  flush=True)
         finally:
             stop(cluster)
     plain, one = result["setups"]["plain"], result["setups"].get("ray_1")
@@ -184,9 +185,23 @@ def main() -> None:
         result["ray_routing_only_ms_per_request"] = one["routing_only_ms"]["overhead"]
     for s in result["setups"].values():
         s.pop("texts", None)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "settings"}, indent=2))
+    res = Result("serve_replicas", device="cpu")
+    res.row("plain kite serve: requests/s", plain["requests_per_s"], "requests/s", hit_rate=plain["hit_rate"])
+    for name, b in result["setups"].items():
+        if name != "plain":
+            res.row(f"{name.replace('_', ' ')} replicas: requests/s", b["requests_per_s"], "requests/s",
+                    baseline="plain kite serve: requests/s", hit_rate=b["hit_rate"],
+                    busiest_replica_share=b["busiest_replica_share"], answers_match_plain=b["answers_match_plain"])
+    if one:
+        res.row("plain kite serve: sequential request", plain["sequential_mean_ms"], "ms")
+        res.row("ray 1 replica: sequential request", one["sequential_mean_ms"], "ms",
+                baseline="plain kite serve: sequential request")
+        res.row("routing only, replica's own URL: GET /v1/models", one["routing_only_ms"]["replica_direct"], "ms")
+        res.row("routing only, through the endpoint: GET /v1/models", one["routing_only_ms"]["endpoint"], "ms",
+                baseline="routing only, replica's own URL: GET /v1/models")
+    res.raw.update(result)
+    return finish(res, args)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -8,15 +8,17 @@ then the batch's steps from the server's /metrics (`kite_batch_step_seconds`): p
 steps and their mean wall time, and the time all steps took against the burst's wall.
 
     .venv/bin/python benchmarks/serve_timeline.py --max-batch 8
+
+Rows: the burst's wall, the time its batch steps took (the wall the baseline: the share of the burst
+the model worked) and each row count's mean step (no floor: the CPU has no limits table); every
+request's line under ``raw``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +27,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serve_concurrency as sc  # noqa: E402
+from harness import Result, clock, finish, parse, parser  # noqa: E402
 
 
 def server_ms(kite: dict) -> dict:
@@ -53,11 +56,13 @@ def step_times(metrics: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, device="cpu")
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
+    res = Result("serve_timeline", device="cpu")
+    requests = []
     bodies, contract = sc.burst_bodies(args.clients, 2, args.max_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = sc.start_server(args.max_batch, Path(tmp) / "states", 2, Path(tmp) / "serve.log")
@@ -65,30 +70,35 @@ def main(argv=None) -> int:
             httpx.post(url + "/v1/states", json={"document": contract["text"], "id": "contract"},
                        timeout=600).raise_for_status()
             sc.stream(url, bodies[0])   # warm-up
-            t0 = time.perf_counter()
+            t0 = clock()
 
             def client(i):
                 rows = []
                 for body in bodies[i::args.clients]:
-                    sent = time.perf_counter() - t0
+                    sent = clock() - t0
                     r = sc.stream(url, body)
                     rows.append({"client": i, "sent_s": round(sent, 2), "first_token_s": round(sent + r["ttft_s"], 2),
-                                 "end_s": round(time.perf_counter() - t0, 2), "tokens": r["tokens"],
+                                 "end_s": round(clock() - t0, 2), "tokens": r["tokens"],
                                  "state": "kite" in body, "server_ms": server_ms(r["kite"])})
                 return rows
 
             with ThreadPoolExecutor(args.clients) as pool:
                 for rows in pool.map(client, range(args.clients)):
                     for row in rows:
-                        print(json.dumps(row))
-            wall = time.perf_counter() - t0
+                        print(json.dumps(row), file=sys.stderr)
+                        requests.append(row)
+            wall = clock() - t0
             steps = step_times(httpx.get(url + "/metrics", timeout=30).text)
-            print(json.dumps({"wall_s": round(wall, 2), "steps": steps,
-                              "steps_s": round(sum(s["total_s"] for s in steps.values()), 2)}))
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-    return 0
+    res.row("burst wall", wall, "s", requests=len(requests))
+    res.row("batch steps, all", sum(s["total_s"] for s in steps.values()), "s", baseline="burst wall")
+    for n, st in steps.items():
+        if st.get("mean_ms") is not None:
+            res.row(f"batch step of {n} rows, mean", st["mean_ms"], "ms", steps=st["count"])
+    res.raw.update(requests=requests, steps=steps, max_batch=args.max_batch, clients=args.clients)
+    return finish(res, args)
 
 
 if __name__ == "__main__":

@@ -7,17 +7,18 @@ the same `train_upcycle` the CLI runs: regenerator, states, teacher, one epoch o
 adapter, the held-out report. Random weights say nothing about quality; the figures are times
 (each stage, and the adapter's response tokens per second).
 
-    python benchmarks/train_gpu.py --out out/train_gpu.json [--contracts 8] [--epochs 1]
+    python benchmarks/train_gpu.py [--contracts 8] [--epochs 1]
+
+Rows: each stage's wall time as the run reports it (no baseline; no floor: a training stage's
+bound is not one limit).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kite.data.pairs import contract_pairs  # noqa: E402
+from harness import Result, clock, finish, parse, parser  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,
@@ -52,22 +54,21 @@ def make_model(folder: Path, texts: list[str]) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--contracts", type=int, default=8)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--ratio", type=float, default=8.0)
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
     from kite.model import load_model
     from kite.upcycle import TrainRequest, UpcycleConfig, read_pairs, train_upcycle
 
     work = Path(tempfile.mkdtemp(prefix="kite-train-gpu-"))
     records = contract_pairs(args.contracts, tokens=2000, seed=0)
     (work / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    t0 = time.perf_counter()
+    t0 = clock()
     folder = make_model(work / "model", sorted({r["context"] for r in records}))
-    lm = load_model(str(folder))
-    t_model = time.perf_counter() - t0
+    lm = load_model(str(folder), device=args.device)
+    t_model = clock() - t0
     pairs = read_pairs(work / "pairs.jsonl")
     req = TrainRequest(data_path=str(work / "pairs.jsonl"), output_dir=work / "run", ratios=[args.ratio],
                        eval_fraction=0.25, epochs=args.epochs)
@@ -75,23 +76,23 @@ def main(argv=None) -> int:
 
     def progress(stage, done, total):
         name = stage.partition(" · ")[0]
-        stages[name] = time.perf_counter()
+        stages[name] = clock()
         if done == total:
             print(f"{stage} {done}/{total}", flush=True)
 
     report = train_upcycle(lm, pairs, UpcycleConfig(), req, progress=progress)
     ctx_tokens = [len(lm.tokenizer(r["context"], add_special_tokens=False)["input_ids"]) for r in records[:8]]
-    result = {"device": str(lm.device), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-              "torch": torch.__version__, "platform": platform.platform(), "dtype": str(lm.dtype),
+    result = {"device": str(lm.device), "platform": platform.platform(), "dtype": str(lm.dtype),
               "pairs": len(records), "context_tokens_sample": ctx_tokens, "model_and_tokenizer_s": round(t_model, 1),
               "timings": report["timings"], "training": report.get("training"),
               "adapter": report.get("adapter", {}).get("settings")}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-    print(text)
-    return 0
+    res = Result("train_gpu", device=lm.device)
+    res.row("model and tokenizer", t_model, "s")
+    for name, value in (report["timings"] or {}).items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            res.row(name, value, "s")
+    res.raw.update(result)
+    return finish(res, args)
 
 
 if __name__ == "__main__":

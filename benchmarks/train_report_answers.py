@@ -5,30 +5,31 @@ are the same.
     .venv/bin/python benchmarks/train_report_answers.py [--threads 2] [--rows 8 16]
 
 Four 1,500-token states of GPL-3 (raw KV of its prefill, as a state loaded exact), four questions
-each, answers of 48 tokens (the report's reference length + 8, for 40-token references).
+each, answers of 48 tokens (the report's reference length + 8, for 40-token references). Rows: the
+batched answers' wall, one at a time's the baseline (no floor: the CPU has no limits table).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness import Result, finish, parse, parser, wall  # noqa: E402
+
 QUESTIONS = ("\nQ: What may you do with the program?\nA:", "\nQ: Who holds the copyright?\nA:",
              "\nQ: What must you give recipients?\nA:", "\nQ: When does the license end?\nA:")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, device="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[8])
     ap.add_argument("--license", default="/usr/share/common-licenses/GPL-3")
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
     torch.set_num_threads(args.threads)
     from kite.model import load_model
     from kite.runtime.cache import KVPrefix, cache_layers, new_cache
@@ -49,16 +50,17 @@ def main(argv=None) -> int:
             examples.append(Example(doc=str(s), prompt_ids=lm.tokenizer(q, add_special_tokens=False)["input_ids"],
                                     response_ids=list(range(100, 140)), teacher_idx=None, teacher_logp=None))
             prefixes.append(state)
-    t0 = time.perf_counter()
-    alone = [generate(lm, ex.prompt_ids, max_new_tokens=len(ex.response_ids) + 8, prefix=p).text
-             for ex, p in zip(examples, prefixes)]
-    print(f"{len(examples)} answers one at a time: {time.perf_counter() - t0:.1f} s ({args.threads} threads)")
+    res = Result("train_report_answers", device="cpu")
+    with wall() as took:
+        alone = [generate(lm, ex.prompt_ids, max_new_tokens=len(ex.response_ids) + 8, prefix=p).text
+                 for ex, p in zip(examples, prefixes)]
+    base = res.row(f"{len(examples)} answers one at a time", took.s, "s", threads=args.threads)
     for rows in args.rows:
-        t0 = time.perf_counter()
-        batched = greedy_answers(lm, prefixes, examples, rows=rows)
-        same = sum(a == b for a, b in zip(alone, batched))
-        print(f"batched, {rows} rows: {time.perf_counter() - t0:.1f} s; identical texts {same}/{len(examples)}")
-    return 0
+        with wall() as took:
+            batched = greedy_answers(lm, prefixes, examples, rows=rows)
+        res.row(f"{len(examples)} answers batched, {rows} rows", took.s, "s", baseline=base["name"],
+                identical_texts=sum(a == b for a, b in zip(alone, batched)))
+    return finish(res, args)
 
 
 if __name__ == "__main__":

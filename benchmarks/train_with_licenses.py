@@ -3,19 +3,20 @@
 The training run of docs/PERFORMANCE.md ("Training") saw generated contracts only, and its adapter
 did not help on GPL-3 (a license: outside its training distribution). This run adds continuation
 pairs from six licenses that are not held out (the calibration licenses of
-benchmarks/regenerator_quality.py): each license's first ``--context-tokens`` tokens are the
+kite.upcycle.held_out): each license's first ``--context-tokens`` tokens are the
 context, and each pair's prompt is the text up to a point after it and its response the next
 ``--response-tokens`` tokens. The regenerator is calibrated on the same training documents, or given
 (``--regenerator DIR``: the adapter then trains on states of the regenerator it is measured with). Then
 benchmarks/regenerator_quality.py measures GPL-3, Apache-2.0 and a contract of an unseen seed with
 the run's regenerator and adapter.
 
-    .venv/bin/python benchmarks/train_with_licenses.py --run /tmp/run_lic --out docs/regen_quality_licenses.json
+    .venv/bin/python benchmarks/train_with_licenses.py --run /tmp/run_lic
+
+Each ratio's table is a regenerator_quality.py result, written as this benchmark's (label r<ratio>).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -27,7 +28,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kite.data.contracts import generate_contracts  # noqa: E402
 from kite.data.pairs import contract_pairs  # noqa: E402
-from regenerator_quality import CALIBRATION_LICENSES, LICENSES  # noqa: E402
+from kite.upcycle.study import CALIBRATION_LICENSES, LICENSES  # noqa: E402
+from harness import parse, parser  # noqa: E402
 
 
 def continuation_pairs(tokenizer, texts: dict[str, str], context_tokens: int, pairs: int, prompt_tokens: int,
@@ -58,7 +60,7 @@ def continuation_pairs(tokenizer, texts: dict[str, str], context_tokens: int, pa
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, device="cpu")
     ap.add_argument("--run", type=Path, required=True, help="the training run's output folder")
     ap.add_argument("--contracts", type=int, default=6)
     ap.add_argument("--context-tokens", type=int, default=1500)
@@ -75,8 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--regenerator", type=Path,
                     help="code the training states with this regenerator (the one the adapter will read) instead "
                     "of fitting one on the training documents")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
 
     from kite.model import load_model
 
@@ -115,7 +116,8 @@ def main(argv=None) -> int:
         if args.out:
             out = args.out if len(folders) == 1 else args.out.with_name(f"{args.out.stem}_r{ratio}{args.out.suffix}")
             qargs += ["--out", str(out)]
-        if rc := regenerator_quality.main(qargs):
+        qargs += ["--json"] if args.json else []
+        if rc := regenerator_quality.main(qargs, benchmark="train_with_licenses"):
             return rc
     return 0
 

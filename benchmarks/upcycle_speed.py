@@ -7,30 +7,32 @@ then Apache-2.0, repeated as needed), a short question after it.
   compress    capture + spans + clusters + tags + codec + write (the state is made once)
   ttft/state  read + decode the state + forward over the question, first token out
 
-Prints a table and --json; every ratio is against the prefill measured in the same run.
+Every row's baseline is the prefill measured in the same run (medians of --repeat); the prefill's
+floor is 2 x parameters x tokens FLOPs at the GPU's bf16 tensor rate, or on a CPU at its fp32 FMA
+peak (harness.floors.cpu_fp32_peak).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
-import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+from harness import Result, finish, flops_ms, parse, parser, time_ms  # noqa: E402
+from harness.floors import bf16_text, cpu_flops_ms, cpu_fp32_peak  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = parser(__doc__, timing=True, repeat=3, warmup=0)
     ap.add_argument("--model", default=None)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--settings", nargs="+", default=["ratio=4", "ratio=8", "int4"])
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = parse(ap, argv)
 
     import torch
 
@@ -40,7 +42,7 @@ def main() -> None:
     from kite.runtime.generate import generate
     from kite.upcycle import CompressSettings, codec_settings, compress_document, load_prefix, tokenize_document
 
-    lm = load_model(args.model)
+    lm = load_model(args.model, device=args.device)
     texts = [Path("/usr/share/common-licenses/GPL-3").read_text(), Path("/usr/share/common-licenses/Apache-2.0").read_text()]
     ids: list[int] = []
     while len(ids) < args.tokens:
@@ -48,50 +50,41 @@ def main() -> None:
     doc = ids[: args.tokens]
     question = lm.tokenizer("\nQuestion: what does this license require? Answer:", add_special_tokens=False)["input_ids"]
 
-    def best(fn, n):
-        times = []
-        out = None
-        for _ in range(n):
-            t = time.perf_counter()
-            out = fn()
-            times.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(times), out
+    res = Result("upcycle_speed", device=lm.device)
 
-    prefill_ms, _ = best(lambda: generate(lm, doc + question, max_new_tokens=1, stop_ids=set()), args.repeats)
-    rows = [{"step": "prefill document + question → first token", "ms": round(prefill_ms, 1), "vs_prefill": 1.0}]
+    def best(fn, n):
+        out = []
+        t = time_ms(lambda: out.append(fn()), n, args.warmup, device=lm.device)
+        return t, out[-1]
+
+    n_params = sum(p.numel() for p in lm.model.parameters())
+    on_gpu = str(lm.device).startswith("cuda")
+    prefill = "prefill document + question -> first token"
+    work = 2 * n_params * (len(doc) + len(question))
+    what = f"2 x {n_params / 1e6:.0f}M parameters x {len(doc) + len(question)} tokens"
+    floor = (f"{what} {bf16_text()}", flops_ms(work)) if on_gpu else \
+        (f"{what} at {cpu_fp32_peak()[0] / 1e9:.0f} GFLOP/s ({cpu_fp32_peak()[1]})", cpu_flops_ms(work))
+    t, _ = best(lambda: generate(lm, doc + question, max_new_tokens=1, stop_ids=set()), args.repeat)
+    res.timing(prefill, t, floor=floor[0], floor_value=floor[1])
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.settings:
             path = Path(tmp) / f"{spec}.upc"
             settings = CompressSettings(codec=codec_settings(spec))
-            comp_ms, made = best(lambda: compress_document(lm, "", path, settings, ids=doc), 1)
-            load_ms, loaded = best(lambda: load_prefix(path, lm), args.repeats)
-            prefix = loaded[0]
-            ttft_ms, gen = best(lambda: (lambda p: generate(lm, question, max_new_tokens=1, prefix=p, stop_ids=set()))(
-                load_prefix(path, lm)[0]), args.repeats)
-            first_fwd = gen.ttft_ms
-            rows += [
-                {"step": f"{spec}: compress (state {made.state_bytes:,} B, {made.compression_ratio:.2f}×)",
-                 "ms": round(comp_ms, 1), "vs_prefill": round(comp_ms / prefill_ms, 3),
-                 "parts": made.timings_ms},
-                {"step": f"{spec}: load state (read + decode + RoPE)", "ms": round(load_ms, 1),
-                 "vs_prefill": round(load_ms / prefill_ms, 3)},
-                {"step": f"{spec}: question forward after the state", "ms": round(first_fwd, 1),
-                 "vs_prefill": round(first_fwd / prefill_ms, 3)},
-                {"step": f"{spec}: time to first token from the state", "ms": round(ttft_ms, 1),
-                 "vs_prefill": round(ttft_ms / prefill_ms, 3), "speedup": round(prefill_ms / ttft_ms, 2)},
-            ]
-            del prefix
+            t, made = best(lambda: compress_document(lm, "", path, settings, ids=doc), 1)
+            res.timing(f"{spec}: compress", t, baseline=prefill, state_bytes=made.state_bytes,
+                       compression_ratio=round(made.compression_ratio, 3), parts=made.timings_ms)
+            t, _ = best(lambda: load_prefix(path, lm), args.repeat)
+            res.timing(f"{spec}: load state (read + decode + RoPE)", t, baseline=prefill)
+            t, gen = best(lambda: generate(lm, question, max_new_tokens=1, prefix=load_prefix(path, lm)[0],
+                                           stop_ids=set()), args.repeat)
+            res.row(f"{spec}: question forward after the state", gen.ttft_ms, "ms", baseline=prefill)
+            res.timing(f"{spec}: time to first token from the state", t, baseline=prefill)
     report = {"model": lm.source.spec, "tokens": len(doc), "question_tokens": len(question),
               "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-              "cpus": os.cpu_count(), "load_average": os.getloadavg(), "rows": rows}
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return
-    print(f"{report['model']}, {report['tokens']} tokens, {report['threads']} threads, load {report['load_average']}")
-    for r in rows:
-        extra = f"  ({r['speedup']}× faster)" if "speedup" in r else ""
-        print(f"  {r['step']:<62} {r['ms']:>10.1f} ms  {r['vs_prefill']:>6.3f}× prefill{extra}")
+              "cpus": os.cpu_count(), "load_average": os.getloadavg()}
+    res.raw.update(report)
+    return finish(res, args)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

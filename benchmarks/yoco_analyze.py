@@ -1,8 +1,8 @@
 """Throughput of `kite yoco analyze`'s entropy pass on the embedded model, variants side by side.
 
-    .venv/bin/python benchmarks/yoco_analyze.py [--n 256] [--rounds 2] [--json]
+    .venv/bin/python benchmarks/yoco_analyze.py [--n 256] [--repeat 2]
 
-Variants run interleaved (round-robin, `--rounds` times) on the same distinct queries of synthetic
+Variants run interleaved (round-robin, `--repeat` rounds) on the same distinct queries of synthetic
 traffic (kite.data.traffic), so a shared machine's load drifts over all of them alike:
   before     the pass as first written: full model forward, softmax of the [B, T, V] logits,
              32 queries a batch sorted by characters
@@ -14,50 +14,34 @@ traffic (kite.data.traffic), so a shared machine's load drifts over all of them 
   autocast   torch.autocast bf16 (the first `--fast`: re-casts every weight on every call)
   int8       dynamically quantized Linear layers (torch.ao), LM head kept fp32 (not shipped:
              see its deviation)
-Each prints q/s, tokens/s, achieved GFLOP/s and its ratio to this CPU's fp32 FMA peak, the
-max and mean |Δ entropy| against fp32 (bits), and the load average when it ran. OpenMP's wait
+Each variant's row is its pass over the queries (best round, ms), `before` the baseline and the
+floor the pass's FLOPs at this CPU's fp32 FMA peak (harness.floors.cpu_fp32_peak), with q/s,
+tokens/s, the max and mean |Δ entropy| against fp32 (bits), and the load average when it ran. OpenMP's wait
 policy (OMP_WAIT_POLICY, read when torch loads) is printed too: run the script with and without
 OMP_WAIT_POLICY=PASSIVE to see what spinning threads cost on a loaded machine.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import os
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def fp32_peak_gflops() -> tuple[float, str]:
-    """cores × GHz × fp32 FLOP/cycle. Zen 4 (and most AVX-512 / AVX2 cores) issue two 256-bit
-    FMA per cycle: 2 × 8 lanes × 2 FLOP = 32. The clock is the TSC (bogomips / 2)."""
-    cores = os.cpu_count() or 1
-    ghz = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("bogomips"):
-                    ghz = float(line.split(":")[1]) / 2000.0
-                    break
-    except OSError:
-        pass
-    ghz = ghz or 2.5
-    return cores * ghz * 32, f"{cores} cores x {ghz:.2f} GHz x 32 FLOP/cycle"
+from harness import Result, clock, finish, parse, parser, time_ms  # noqa: E402
+from harness.floors import cpu_fp32_peak  # noqa: E402
 
 
 def measured_gemm_gflops(threads: int, dtype: torch.dtype = torch.float32) -> float:
     """What a GEMM of the model's shape reaches right now (the load included)."""
     torch.set_num_threads(threads)
     x, w = torch.randn(512, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
-    torch.nn.functional.linear(x, w)
-    t = time.perf_counter()
-    for _ in range(20):
-        torch.nn.functional.linear(x, w)
-    return 2 * 512 * 576 * 1536 * 20 / (time.perf_counter() - t) / 1e9
+    t = time_ms(lambda: torch.nn.functional.linear(x, w), repeat=20, warmup=1)
+    return 2 * 512 * 576 * 1536 / (t.median_ms / 1e3) / 1e9
 
 
 def flops_per_token(model, mean_tokens: float) -> float:
@@ -107,14 +91,11 @@ def int8_model(lm):
     return replace(lm, model=model)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    ap = parser(__doc__, timing=True, repeat=2, warmup=1, device="cpu")
     ap.add_argument("--n", type=int, default=256, help="queries per variant per round")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default="before,fp32,fp32-1t,bf16,bf16-1t,autocast,int8")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = parse(ap, argv)
 
     from kite.data.traffic import generate_traffic
     from kite.model import load_model
@@ -150,17 +131,18 @@ def main() -> None:
     loads: dict[str, list[float]] = {v: [] for v in names}
     dev: dict[str, float] = {}
     mean_dev: dict[str, float] = {}
-    for _ in range(args.rounds):
+    for _ in range(args.repeat):
         for v in names:
             torch.set_num_threads(1 if v.endswith("-1t") else threads)
-            t = time.perf_counter()
+            t = clock()
             ent = runs[v]()
-            times[v].append(time.perf_counter() - t)
+            times[v].append(clock() - t)
             loads[v].append(os.getloadavg()[0])
             dev[v] = max(abs(a - b) for a, b in zip(ent, reference))
             mean_dev[v] = statistics.mean(abs(a - b) for a, b in zip(ent, reference))
     torch.set_num_threads(threads)
-    peak, how = fp32_peak_gflops()
+    peak, how = cpu_fp32_peak()
+    peak /= 1e9
     flop_tok = flops_per_token(lm.model, tokens / len(queries))
     rows = []
     for v in names:
@@ -182,24 +164,16 @@ def main() -> None:
               "flop_per_token": flop_tok, "mean_tokens": tokens / len(queries), "threads": threads,
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
               "load_avg": os.getloadavg(), "rows": rows}
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return
-    print(f"{len(queries)} queries, {tokens / len(queries):.1f} tokens each, "
-          f"{flop_tok / 1e6:.0f} MFLOP/token; {args.rounds} rounds, best shown; {threads} threads, "
-          f"OMP_WAIT_POLICY={report['omp_wait_policy']}")
-    print(f"fp32 peak {peak:.0f} GFLOP/s ({how}); an fp32 GEMM reaches {gemm:.0f} GFLOP/s now; "
-          f"load avg {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"a bf16 GEMM reaches {gemm_bf16:.0f} GFLOP/s now: a pass of nothing but bf16 GEMMs would "
-          f"do {ceiling:.0f} q/s")
-    print(f"{'variant':<9} {'q/s':>7} {'median':>7} {'tok/s':>7} {'GFLOP/s':>8} {'%peak':>6} "
-          f"{'vs before':>9} {'max|dH|':>8} {'mean|dH|':>8} {'load':>5}")
-    for r in rows:
-        speedup = r["q_per_s"] / base["q_per_s"] if base else math.nan
-        print(f"{r['variant']:<9} {r['q_per_s']:7.1f} {r['q_per_s_median']:7.1f} {r['tokens_per_s']:7.0f} "
-              f"{r['gflops']:8.1f} {100 * r['ratio_to_fp32_peak']:5.1f}% {speedup:8.2f}x "
-              f"{r['max_abs_dev_bits']:8.4f} {r['mean_abs_dev_bits']:8.4f} {r['load_avg_1m']:5.2f}")
+    res = Result("yoco_analyze", device="cpu")
+    floor = tokens * flop_tok / (peak * 1e9) * 1e3
+    for r in sorted(rows, key=lambda r: r is not base):
+        res.row(f"{r['variant']}: entropy pass of {len(queries)} queries", len(queries) / r["q_per_s"] * 1e3, "ms",
+                baseline=f"before: entropy pass of {len(queries)} queries" if base and r is not base else None,
+                floor=f"{tokens * flop_tok / 1e9:.1f} GFLOP at {peak:.0f} GFLOP/s ({how})", floor_value=floor,
+                **{k: v for k, v in r.items() if k != "variant"})
+    res.raw.update(report)
+    return finish(res, args)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

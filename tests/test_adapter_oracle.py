@@ -1,9 +1,8 @@
-"""benchmarks/adapter_oracle.py: the in-document adapter's training pairs come from windows of the
-text after the scored region, each pair's prompt right after its window and its response right after
-the prompt."""
+"""kite.upcycle.held_out: the in-document adapter's training pairs (benchmarks/adapter_oracle.py) come
+from windows of the text after the scored region, each pair's prompt right after its window and its
+response right after the prompt."""
 
-from benchmarks.adapter_oracle import window_pairs
-from benchmarks.regenerator_quality import CONTINUATION, context_tokens
+from kite.upcycle.study import CONTINUATION, context_tokens, window_pairs
 
 
 def decode(ids):

@@ -10,7 +10,7 @@ import torch
 
 from kite.runtime import attention
 from kite.runtime.attention import _folded_attention, kite_attention
-from tests.triton_interpreter import run_interpreted
+from kite.testing.triton_interpreter import run_interpreted
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -11,7 +11,7 @@ import torch
 from kite.model import fused
 from kite.runtime.attention import register
 from tests.tiny_models import tiny_config
-from tests.triton_interpreter import run_interpreted
+from kite.testing.triton_interpreter import run_interpreted
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -58,7 +58,7 @@ def check_lanes_kernel_in_the_interpreter() -> None:
     """(Run by run_interpreted.) Two states of different lengths, one program and three per head;
     the kernel's fp16 operands (query scaled per group, probabilities)
     leave it within 0.5 % of the largest output."""
-    from tests.triton_interpreter import bridge_interpreter_gaps
+    from kite.testing.triton_interpreter import bridge_interpreter_gaps
 
     bridge_interpreter_gaps()
     for splits in (1, 3):
@@ -66,7 +66,7 @@ def check_lanes_kernel_in_the_interpreter() -> None:
 
 
 def test_lanes_kernel_in_the_interpreter():
-    from tests.triton_interpreter import run_interpreted
+    from kite.testing.triton_interpreter import run_interpreted
 
     print(run_interpreted("tests.test_lanes_kernel:check_lanes_kernel_in_the_interpreter"))
 
@@ -105,7 +105,7 @@ def test_the_lanes_kernel_compiles_for_the_h200_with_its_inline_ptx():
     per-nibble bias subtraction (sub.f16x2: the biases come off once a group), not an element-wise
     conversion."""
     pytest.importorskip("triton")
-    from benchmarks.lanes_sass import compile_sm90
+    from kite.testing.sm90 import compile_sm90
 
     try:
         asm = compile_sm90()

@@ -1,5 +1,5 @@
-"""benchmarks/lanes_quality.py: its lanes variants and the prefix it builds from a document's layers
-(tiny random tensors in place of the embedded model's)."""
+"""kite.upcycle.lanes_study (benchmarks/lanes_quality.py): its lanes variants and the prefix it
+builds from a document's layers (tiny random tensors in place of the embedded model's)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks.lanes_quality import lanes_cells, lanes_prefix, lanes_variants, worst_first
 from kite.kernels import lanes as L
 from kite.upcycle.codec import lanes as E
+from kite.upcycle.study import lanes_cells, lanes_prefix, lanes_variants, worst_first
 
 
 def test_lanes_variants_spend_4d_over_r_lanes_a_row():

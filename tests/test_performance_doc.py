@@ -18,7 +18,7 @@ from kite.errors import BadInput
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC, SPEC, RESULTS = ROOT / "docs" / "PERFORMANCE.md", ROOT / "benchmarks" / "performance_rows.yaml", ROOT / "benchmarks" / "results"
-SCRIPT = ROOT / "benchmarks" / "render_performance.py"
+SCRIPT = ROOT / "scripts" / "render_performance.py"
 
 
 def test_the_doc_is_its_rendering_and_every_row_is_backed():

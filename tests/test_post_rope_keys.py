@@ -1,4 +1,4 @@
-"""benchmarks/post_rope_keys.py codes keys pre- and post-RoPE with the codec's own functions: both
+"""kite.upcycle.key_coding codes keys pre- and post-RoPE with the codec's own functions: both
 paths must give back the keys the model's cache holds (post-RoPE: as decoded; pre-RoPE: after RoPE)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.post_rope_keys import coded_keys, variance_fractions
+from kite.upcycle.study import coded_keys, variance_fractions
 from kite.runtime.cache import cache_layers, new_cache
 from kite.runtime.generate import forward_tokens
 from kite.upcycle import codec, rope_cos_sin, tokenize_document

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-CORPUS = (
-    "The parties agree that the supplier shall deliver the goods. Any breach of this agreement "
-    "shall be settled by the court of Shanghai. Confidential information shall not be disclosed. "
-    "What is the capital of France? Paris is the capital of France. Once upon a time there was a "
-    "contract between two companies about payment, penalty, jurisdiction and force majeure. "
-) * 4
+from kite.testing.corpus import CORPUS  # noqa: F401  (the corpus its tokenizer learns; tests import it here)
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

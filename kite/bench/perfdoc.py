@@ -160,7 +160,7 @@ def check_doc(text: str, spec: dict[str, list[DocRow]], results: Path) -> list[s
         return problems
     for name, (start, end) in spans.items():
         if text[start:end].strip("\n") != render_table(spec[name], results, cache):
-            problems.append(f"table {name}: differs from its rendering (run benchmarks/render_performance.py)")
+            problems.append(f"table {name}: differs from its rendering (run scripts/render_performance.py)")
     inside = [range(s, e) for s, e in spans.values()]
     pos = 0
     for n, line in enumerate(text.splitlines(keepends=True), 1):

@@ -3,8 +3,8 @@ benchmarks/results (kite.bench.perfdoc). `--check` renders nothing and exits 1, 
 when a table differs from its rendering, a row's result file is missing, has no commit or lacks the
 row, or a table row stands outside the rendered tables.
 
-    python benchmarks/render_performance.py            # rewrite the tables in place
-    python benchmarks/render_performance.py --check    # CI: exit 1 unless every figure is backed
+    python scripts/render_performance.py            # rewrite the tables in place
+    python scripts/render_performance.py --check    # CI: exit 1 unless every figure is backed
 """
 
 from __future__ import annotations

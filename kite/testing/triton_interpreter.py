@@ -1,5 +1,5 @@
 """Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1: kernels run in numpy),
-for tests. The interpreter must be on before Triton's first import in a process (Triton's own helpers
+for tests (pytest's skip is used, so call it from a test). The interpreter must be on before Triton's first import in a process (Triton's own helpers
 are kernels too), and a test session may have imported Triton already, so the checks run in a child
 process: ``run_interpreted("tests.module:function")`` calls that function there and fails the test
 with its output if it raises. Skipped where Triton is missing, and on a GPU (which runs the compiled
@@ -14,13 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]     # the checkout, where ``tests.module`` is found
 
 
 def run_interpreted(target: str, timeout: float = 300) -> str:
     """Run ``module:function`` under the interpreter in a child process; its output."""
+    import pytest
     import torch
 
     if importlib.util.find_spec("triton") is None:
@@ -29,7 +28,7 @@ def run_interpreted(target: str, timeout: float = 300) -> str:
         pytest.skip("a GPU runs the compiled kernels (the GPU tests)")
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    r = subprocess.run([sys.executable, "-m", "tests.triton_interpreter", target], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "-m", "kite.testing.triton_interpreter", target], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     return r.stdout

@@ -1,0 +1,28 @@
+"""What every script under benchmarks/ shares: one timer (:mod:`.timing`), one flag parser base
+(:mod:`.flags`), the hardware floors from the library's GPU table (:mod:`.floors`) and the result
+writer (:mod:`.results`: one JSON envelope per run under benchmarks/results/, an index line, every
+row printed with its ratio to its baseline and to its floor).
+
+A benchmark script::
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # kite, when run as a script
+    from harness import Result, bytes_ms, finish, parse, parser, time_ms
+
+    def main(argv=None) -> int:
+        ap = parser(__doc__, timing=True)                 # --out --json --device --seed --repeat --warmup
+        ap.add_argument("--tokens", type=int, default=16384)
+        args = parse(ap, argv)
+        res = Result("my_bench", device=args.device)
+        base = res.timing("raw step", time_ms(raw, args.repeat, args.warmup, device=args.device))
+        res.timing("new step", time_ms(new, args.repeat, args.warmup, device=args.device),
+                   baseline=base["name"], floor="KV read once at HBM", floor_value=bytes_ms(kv_bytes))
+        return finish(res, args)                          # prints the rows, writes benchmarks/results/...
+"""
+
+from .flags import parse, parser
+from .floors import bytes_ms, flops_ms, gpu_limits, host_link_ms
+from .results import Result, finish
+from .timing import Timing, clock, time_ms, wall
+
+__all__ = ["Result", "Timing", "bytes_ms", "clock", "finish", "flops_ms", "gpu_limits", "host_link_ms", "parse",
+           "parser", "time_ms", "wall"]
