@@ -154,7 +154,3 @@ def answer_question(lm, state, record: dict, question: DemoQuestion) -> DemoAnsw
                       fact=fact, agrees=agrees(result.text, fact), tokens_loaded=report.tokens,
                       load_ms=round(load_ms, 1), generate_ms=round(result.total_ms, 1))
 
-
-def ask(lm, state, record: dict, questions: tuple[DemoQuestion, ...] = QUESTIONS) -> list[DemoAnswer]:
-    """Every question of `questions` answered from `state` and judged (:func:`answer_question`)."""
-    return [answer_question(lm, state, record, q) for q in questions]
