@@ -37,7 +37,8 @@ class DemoQuestion:
     fact: str  # the key of the contract's fact (a clause label of kite.data.clauses)
     question: str  # the question as a reader would ask it (shown, not sent to the model)
     clusters: tuple[str, ...] | None = None
-    max_new_tokens: int = 16  # an amount like "USD 1,183,250" is 12 tokens (one per digit)
+    # " USD 1,183,250" is 11 tokens (a token per digit and comma): 16 leave room for what follows
+    max_new_tokens: int = 16
 
     @property
     def prompt(self) -> str:
