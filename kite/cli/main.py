@@ -57,6 +57,7 @@ GROUPS = (
 # (name, module, function, help): single commands.
 COMMANDS = (
     ("generate", "kite.cli.generate", "generate", "Generate text, optionally from a .upc state."),
+    ("demo", "kite.cli.demo", "demo", "Ask the demo's questions from a contract's state; each answer beside the contract's fact (exit 1 when one disagrees)."),
     ("serve", "kite.cli.serve", "serve", "Serve one model over HTTP (OpenAI-style)."),
     ("shadow", "kite.cli.shadow", "shadow", "Compare a candidate config against the golden one."),
     ("capacity-plan", "kite.cli.capacity", "capacity_plan", "GPUs for a load, raw and with compressed states; the setting to run."),
