@@ -4,32 +4,23 @@ do F FLOPs at its dense bf16 tensor rate. The limits come from the library's GPU
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kite.tune.gpus import GpuLimits
 
 DEFAULT_GPU = "H200"     # the GPU the project's figures are taken on: the floors where no GPU is present
 
 
-@dataclass(frozen=True)
-class Limits:
-    """One GPU's limits in SI units per second, and where they come from."""
-
-    name: str
-    hbm_bytes_per_s: float
-    bf16_flops_per_s: float
-    host_link_bytes_per_s: float
-    source: str
-
-
-def gpu_limits(name: str = DEFAULT_GPU) -> Limits:
+def gpu_limits(name: str = DEFAULT_GPU) -> GpuLimits:
     """The limits of GPU ``name`` (the table's names and aliases: "H200", "H100", ...): the one place
-    benchmarks/ reads the library's GPU table."""
-    from kite.tune.gpus import gpu_spec
+    benchmarks/ reads the library's GPU table. ValueError for a GPU without bandwidth or bf16 rate."""
+    from kite.tune.gpus import gpu_limits as table_limits
 
-    spec = gpu_spec(name)
-    if not spec.has_rates or not spec.host_link_gbps:
+    lim = table_limits(name)
+    if not (lim.hbm_bytes_per_s and lim.bf16_flops and lim.host_link_bytes_per_s):
         raise ValueError(f"GPU {name}: the table has no bandwidth or bf16 rate for it")
-    return Limits(spec.name, spec.hbm_tbps * 1e12, spec.bf16_tflops * 1e12, spec.host_link_gbps * 1e9,
-                  spec.source)
+    return lim
 
 
 def this_gpu() -> str:
@@ -66,7 +57,7 @@ def bytes_ms(n_bytes: float, gpu: str | None = None) -> float:
 
 def flops_ms(flops: float, gpu: str | None = None) -> float:
     """ms to do ``flops`` at the GPU's dense bf16 tensor rate."""
-    return _check(flops, "FLOPs") / gpu_limits(gpu or this_gpu()).bf16_flops_per_s * 1e3
+    return _check(flops, "FLOPs") / gpu_limits(gpu or this_gpu()).bf16_flops * 1e3
 
 
 def host_link_ms(n_bytes: float, gpu: str | None = None) -> float:
@@ -82,7 +73,7 @@ def hbm_text(gpu: str | None = None) -> str:
 
 def bf16_text(gpu: str | None = None) -> str:
     gpu = gpu or this_gpu()
-    return f"at {gpu_limits(gpu).bf16_flops_per_s / 1e12:g} TFLOP/s ({gpu} dense bf16)"
+    return f"at {gpu_limits(gpu).bf16_flops / 1e12:g} TFLOP/s ({gpu} dense bf16)"
 
 
 def host_link_text(gpu: str | None = None) -> str:

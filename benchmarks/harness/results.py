@@ -25,7 +25,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-SCHEMA = "kite.bench.result/1"
+from kite.bench.results import SCHEMA, index_entry, result_from_dict, result_name, validate
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 TIME_UNITS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3, "min": 6e4}
@@ -102,9 +103,7 @@ class Result:
                 "raw": self.raw}
 
     def file_name(self, label: str | None = None) -> str:
-        day = self.started_at[:10].replace("-", "")
-        parts = [self.benchmark, self.slug, day, (self.commit or "nocommit")[:7]]
-        return "_".join(parts + ([label] if label else [])) + ".json"
+        return result_name(self.benchmark, self.slug, self.started_at, self.commit, label)
 
     def write(self, path: Path | None = None, label: str | None = None) -> Path:
         """Write the envelope to ``path`` (default: benchmarks/results/, a ``_2``, ``_3`` ... suffix where
@@ -117,11 +116,13 @@ class Result:
                 path = RESULTS / self.file_name(f"{label}_{n}" if label else str(n))
                 n += 1
         path = Path(path)
+        envelope = json.loads(json.dumps(self.to_dict(), default=str))
+        validate(envelope, str(path))          # the library's reader takes back what is written here
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1, default=str) + "\n", encoding="utf-8")
+        path.write_text(json.dumps(envelope, indent=1) + "\n", encoding="utf-8")
         if path.resolve().parent == RESULTS.resolve():
             with open(RESULTS / "index.jsonl", "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(index_line(self.to_dict(), path.name)) + "\n")
+                fh.write(json.dumps(index_entry(result_from_dict(envelope, str(path)), path.name)) + "\n")
         return path
 
     def table(self) -> str:
@@ -145,13 +146,15 @@ def _ratio(value: float, ref: float, name: str, what: str) -> float:
     return round(value / ref, 4)
 
 
-def index_line(envelope: dict, file: str) -> dict:
-    return {"file": file, "benchmark": envelope["benchmark"], "machine": envelope["machine"]["name"],
-            "started_at": envelope["started_at"], "commit": envelope["commit"]}
+COMMIT_ENV = "KITE_BENCH_COMMIT"   # the commit of a copied tree whose git metadata is not its own
 
 
 def git_commit(root: Path = ROOT) -> tuple[str | None, bool | None]:
-    """(HEAD's commit, whether the work tree differs from it); (None, None) outside a git checkout."""
+    """(HEAD's commit, whether the work tree differs from it); (None, None) outside a git checkout.
+    ``KITE_BENCH_COMMIT`` names the commit instead, for a run on a copy of a clean tree whose ``.git``
+    is not that tree's (a remote machine handed the working tree): the dirty flag is then unknown."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV].strip(), None
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
         if head.returncode != 0:
