@@ -100,7 +100,7 @@ def tiny_contract_state(tiny_models, tmp_path_factory):
 
 def pytest_addoption(parser):
     parser.addoption("--record-golden", action="store_true", default=False,
-                     help="print the digests of tests/test_golden_state.py instead of checking them")
+                     help="write tests/data/golden/ (the reference of tests/test_golden_state.py) instead of checking it")
 
 
 # Real Redis and S3-compatible (moto) servers for @pytest.mark.services tests (tests/services.py).
