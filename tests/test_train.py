@@ -14,6 +14,8 @@ from kite.errors import BadInput, FingerprintMismatch
 from kite.upcycle.train import Regenerator, RegeneratorFit, read_pairs, split_pairs
 from kite.upcycle.train.report import adapter_helps
 
+from tests.waiting import wait_until
+
 
 def _write(tmp_path, lines) -> str:
     path = tmp_path / "pairs.jsonl"
@@ -425,7 +427,6 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(tiny_models
     import signal
     import subprocess
     import sys
-    import time
 
     from safetensors.torch import load_file
 
@@ -446,9 +447,7 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(tiny_models
     cut = tmp_path / "cut"
     proc = subprocess.Popen(cmd(cut), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     latest = cut / "checkpoints" / "latest.json"
-    deadline = time.monotonic() + 120
-    while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: latest.exists() or proc.poll() is not None, 120, 0.02, "the first checkpoint")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert latest.exists() and not (cut / "adapter").exists(), "the run ended before it could be killed"
