@@ -32,8 +32,9 @@ TEST_WORKERS ?= 2
 test: install runtime-if-possible redis-server
 	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS)
 
+# No embedded model, no Triton interpreter, no Ray, Redis or S3: the quick loop while editing.
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not ray and not services" -n $(TEST_WORKERS)
 
 lint: install
 	$(BIN)/ruff check kite tests

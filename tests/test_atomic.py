@@ -30,7 +30,7 @@ with atomic_writer(sys.argv[1]) as fh:
     fh.write(b"half of it")
     fh.flush()
     print("ready", flush=True)
-    time.sleep(120)
+    time.sleep(120)   # the live writer itself (killed by the test), not a wait
 """
 
 

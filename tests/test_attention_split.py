@@ -58,6 +58,7 @@ def check_split_kernel_in_the_interpreter() -> None:
     assert (out[:, [0, 2]] - reference(q, k, v, mask, 0.25)[:, [0, 2]]).abs().max().item() < 1e-5
 
 
+@pytest.mark.slow   # Triton's interpreter on the CPU: 13-25 s
 def test_split_kernel_equals_the_folded_sdpa_path_on_the_cpu():
     """In Triton's interpreter: causal rule and bool masks, ragged row and key tiles, one decode token,
     one chunk and more chunks than tiles, at fp32 / bf16 / fp16; a row that sees no key gets zeros."""

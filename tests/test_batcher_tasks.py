@@ -4,12 +4,13 @@ two steps, in arrival order, and the batch goes on decoding around it."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from kite.serve.batcher import Batcher
 from kite.serve.runner import GenOptions
+
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,8 @@ def test_work_handed_over_during_a_generation_runs_at_the_next_step_boundary(bat
         asked = batcher.steps
         ran_at, _ = batcher.call(lambda: (batcher.steps, torch.ones(4).sum().item()))
         steps_seen.append((asked, ran_at[0]))
-        time.sleep(0.002)
+        wait_until(lambda: batcher.steps > ran_at[0] or not t.is_alive(), 30, 0.001,
+                   "the batch's next step")   # the next call meets another step
     t.join(60)
     assert all(ran - asked <= 1 for asked, ran in steps_seen), steps_seen
     # the generation was not disturbed: the same tokens as alone
@@ -78,15 +80,16 @@ def test_work_handed_over_during_a_generation_runs_at_the_next_step_boundary(bat
 def test_tasks_run_in_the_order_they_were_handed_over(batcher):
     order: list[int] = []
     gate = threading.Event()
-    first = threading.Thread(target=lambda: batcher.call(lambda: (gate.wait(10), order.append(0))))
+    holding = threading.Event()
+    first = threading.Thread(target=lambda: batcher.call(lambda: (holding.set(), gate.wait(10), order.append(0))))
     first.start()
-    time.sleep(0.05)   # the first task holds the thread: the next ones queue behind it
+    assert holding.wait(10)   # the first task holds the thread: the next ones queue behind it
     threads = []
     for i in range(1, 5):
         th = threading.Thread(target=lambda i=i: batcher.call(lambda: order.append(i)))
         th.start()
         threads.append(th)
-        time.sleep(0.02)
+        wait_until(lambda: len(batcher._tasks) == i, 10, 0.001, f"task {i} in the queue")
     gate.set()
     for th in [first, *threads]:
         th.join(10)

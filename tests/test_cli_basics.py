@@ -183,7 +183,7 @@ def _listed(help_text: str, option: str) -> list[str]:
 
 
 @pytest.mark.parametrize("command", ["compress", "eval"])
-def test_precision_help_lists_exactly_what_is_accepted(command, monkeypatch):
+def test_precision_help_lists_exactly_what_is_accepted(command, monkeypatch, tmp_path):
     from kite.upcycle import UpcycleConfig, compress_settings
     from kite.upcycle.codec import PRESETS
 
@@ -193,8 +193,10 @@ def test_precision_help_lists_exactly_what_is_accepted(command, monkeypatch):
     assert listed == list(PRESETS)
     for name in listed:
         assert compress_settings(UpcycleConfig(), precision=name).codec.name == name
-    res = runner.invoke(app, ["upcycle", command, "--input", "README.md", "--precision", "int9",
-                              *(["--output", "x.upc"] if command == "compress" else [])])
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The supplier shall deliver the goods.\n")
+    res = runner.invoke(app, ["upcycle", command, "--input", str(doc), "--precision", "int9",
+                              *(["--output", str(tmp_path / "x.upc")] if command == "compress" else [])])
     assert res.exit_code == 2 and "int9" in res.stderr
 
 

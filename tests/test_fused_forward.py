@@ -186,6 +186,7 @@ def check_in_the_interpreter() -> None:
     fused_forward_in_batched_rows()
 
 
+@pytest.mark.slow   # Triton's interpreter on the CPU: 13-25 s
 def test_fused_kernels_and_forward_equal_transformers_on_the_cpu():
     """In Triton's interpreter: RMSNorm (alone and after the residual add), RoPE of q / k from one
     projection's column blocks (v copied alike), silu(gate) * up, against transformers' code at fp32

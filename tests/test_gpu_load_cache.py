@@ -71,7 +71,9 @@ def _flip_byte_in_place(path, key):
     with StateFile(path) as sf:
         at = sf.data_start + sf.index[key].offset + sf.index[key].length // 2
     before = os.stat(path).st_mtime_ns
-    time.sleep(0.02)   # the file system's timestamps are coarse: let the write land in a later tick
+    # kept as a sleep: what is tested is a rewrite the file system's coarse timestamps can tell apart
+    # (the cache keys on mtime), so the write must land in a later tick than `before`
+    time.sleep(0.02)
     with open(path, "r+b") as fh:
         fh.seek(at)
         b = fh.read(1)

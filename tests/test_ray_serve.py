@@ -19,6 +19,7 @@ from kite.serve import BackgroundServer, ServeSettings, create_app  # noqa: E402
 from kite.serve.scale import ReplicaSpec, ScaleSettings  # noqa: E402
 from kite.serve.server import free_port  # noqa: E402
 from tests.tiny_models import CORPUS  # noqa: E402
+from tests.waiting import wait_until  # noqa: E402
 
 RULES = """version: v1
 rules:
@@ -60,13 +61,8 @@ class Cluster:
         return self
 
     def _wait_for(self, n: int, timeout: float = 120.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            alive = [r for r in self.client.get("/v1/replicas").json()["data"] if r["alive"]]
-            if len(alive) >= n:
-                return alive
-            time.sleep(0.5)
-        raise AssertionError(f"{n} replicas not alive after {timeout} s")
+        return wait_until(lambda: (lambda alive: alive if len(alive) >= n else None)(self.replicas()),
+                          timeout, 0.5, f"{n} replicas alive")
 
     def replicas(self) -> list[dict]:
         return [r for r in self.client.get("/v1/replicas").json()["data"] if r["alive"]]
@@ -125,7 +121,9 @@ def test_requests_about_a_state_go_to_the_replica_holding_it_and_cold_states_spr
     sids = [c.post("/v1/states", json={"document": d}).json()["id"] for d in DOCS]
     first = _complete(c, sids[1], PROMPTS[0])
     holder = first.headers["x-kite-replica"]
-    time.sleep(1.2)   # the replicas report their hot states (stats period 0.5 s)
+    # Ray Serve pulls each replica's routing stats (its hot states) into the router every stats
+    # period (0.5 s); nothing outside Ray shows when it has, so this waits two periods and a margin
+    time.sleep(1.2)
     answered = {_complete(c, sids[1], p).headers["x-kite-replica"] for p in PROMPTS}
     assert answered == {holder}
     cold = [f"cold-{i}" for i in range(12)]
@@ -230,8 +228,7 @@ def kill_a_replica_under_load(cluster, tiny_models, store_url=None):
 
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(one, k) for k in jobs]
-        while len(done) < 40:
-            time.sleep(0.05)
+        wait_until(lambda: len(done) >= 40, 300, 0.05, "40 answers")
         with lock:
             recent = done[-8:]
         busy = max(set(recent), key=recent.count)   # the replica answering most just now: it has work in flight
@@ -276,17 +273,14 @@ def test_kite_serve_replicas_autoscaled_from_the_command_line_serves_and_stops_o
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
+        def two_alive() -> bool:
             assert proc.poll() is None, proc.stdout.read()
             try:
-                alive = [r for r in httpx.get(f"{url}/v1/replicas", timeout=5).json()["data"] if r["alive"]]
-                if len(alive) == 2:
-                    break
+                return len([r for r in httpx.get(f"{url}/v1/replicas", timeout=5).json()["data"] if r["alive"]]) == 2
             except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            assert time.monotonic() < deadline, "kite serve --replicas 2 did not come up"
-            time.sleep(1)
+                return False
+
+        wait_until(two_alive, 240, 1, "kite serve --replicas 2 to come up")
         r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 3,
                                                       "kite": {"document": DOCS[0]}}, timeout=120)
         assert r.status_code == 200, r.text

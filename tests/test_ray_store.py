@@ -1,4 +1,4 @@
-"""`kite serve --replicas` over the shared store (issue 18): two replicas on a local Ray cluster, each
+"""`kite serve --replicas` over the shared store: two replicas on a local Ray cluster, each
 with a folder of its own (as on two machines), a Redis + S3-compatible store between them (real
 redis-server with its append-only file, moto's S3 server, on 127.0.0.1). A state made through one
 replica answers on the other with no recompression; after every process restarts (Ray, the

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -13,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_serve import DOC, _settings, _start
+from tests.waiting import wait_until
 
 SECOND_DOC = DOC.replace("Shanghai", "Geneva").replace("supplier", "vendor")
 
@@ -117,9 +117,7 @@ def test_fifty_concurrent_mixed_requests_each_match_their_sequential_twin(batche
     assert all(line.startswith("data: ") for line in left)
     # the leavers were dropped from the batch, not decoded to their 400 tokens
     runner = batched["app"].state.kite.runner
-    deadline = time.monotonic() + 30
-    while runner.batcher.batch_size and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: runner.batcher.batch_size == 0, 30, 0.05, "an empty batch")
     assert runner.batcher.batch_size == 0 and runner.batcher.queue_length == 0
     metrics = c.get("/metrics").text
     assert _metric(metrics, "kite_batch_cancelled_total") - cancelled_before == 3

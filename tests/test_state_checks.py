@@ -1,4 +1,4 @@
-"""States checked before they are used (issue 13, "States and loads"): the file's size against its
+"""States checked before they are used: the file's size against its
 blob index, every header field against the others when it opens and against the model before a
 blob is read, load flags parsed strictly, warnings for a load far from what the state was made for,
 and the combined fingerprint shown and taken everywhere."""

@@ -92,10 +92,10 @@ def test_address_is_the_same_in_other_processes_whatever_the_hash_seed(pipe):
     here = address_for("kite-fp1:aa", list(range(50)),
                        CompressSettings(codec=codec_settings(4.0), n_clusters=2, label_ratios={"a": 6.0, "b": 8.0}),
                        {"labels": ["x", "y"]}, None).id
-    for seed in ("1", "2"):
-        env = {**os.environ, "PYTHONHASHSEED": seed}
-        got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert got.stdout.strip() == here
+    # this process's string hashes are seeded at random; the other one's with a fixed seed
+    env = {**os.environ, "PYTHONHASHSEED": "1"}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert got.stdout.strip() == here
 
 
 def test_a_tampered_or_missing_address_is_refused(pipe, states, tmp_path):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
 
 from kite.yoco.watermark import GB, HostBackend, NvmlBackend, WatermarkSampler
+
+from tests.waiting import wait_until
 
 
 class NVMLError(Exception):
@@ -156,27 +157,17 @@ def test_thread_wakes_for_micro_sampling_and_survives_driver_errors():
     s = WatermarkSampler(NvmlBackend(0, nvml=nv), interval_ms=10_000, micro_interval_ms=5,
                          link_interval_ms=10_000, torch_peak=False)
     with s:
-        deadline = time.monotonic() + 2
-        while s.samples < 1 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_until(lambda: s.samples >= 1, 2, 0.005, "the first sample")
         assert s.samples == 1  # then it waits 10 s ...
         s.enable_micro_sampling(window_s=0.5)  # ... unless a risky query wakes it
-        deadline = time.monotonic() + 2
-        while s.samples < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert s.samples >= 4
+        wait_until(lambda: s.samples >= 4, 2, 0.01, "micro samples")
         nv.fail_memory = True
-        deadline = time.monotonic() + 2
-        while not s.last_error and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: s.last_error, 2, 0.01, "the driver error")
         assert "GPU is lost" in (s.last_error or "")
         nv.fail_memory = False
         n = s.samples
         s.enable_micro_sampling(window_s=0.5)
-        deadline = time.monotonic() + 2
-        while s.samples <= n and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert s.samples > n
+        wait_until(lambda: s.samples > n, 2, 0.01, "a sample after the error")
     assert nv.inited == 0  # closed with the sampler
 
 
