@@ -194,6 +194,7 @@ def test_writer_records_nothing_when_turned_off(state, lm, monkeypatch):
     assert count.n == n_blobs
 
 
+@pytest.mark.slow
 def test_record_of_another_process_honoured_only_for_the_identical_version(state, lm, monkeypatch):
     _stage_in_another_process(state)                   # verifies every blob there and records it
     load.forget_verified(persisted=False)

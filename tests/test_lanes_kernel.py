@@ -65,6 +65,7 @@ def check_lanes_kernel_in_the_interpreter() -> None:
         print(_check("cpu", torch.float32, splits, 5e-3))
 
 
+@pytest.mark.slow
 def test_lanes_kernel_in_the_interpreter():
     from kite.testing.triton_interpreter import run_interpreted
 
