@@ -129,7 +129,7 @@ def test_a_state_compressed_with_per_head_bases_has_a_basis_per_kv_head(tiny_mod
 
 
 @pytest.mark.parametrize("command", ["compress", "eval"])
-def test_ratio_with_precision_is_refused_before_the_model_loads(command, tmp_path, monkeypatch):
+def test_ratio_with_precision_is_refused_before_the_model_loads(command, tmp_path, monkeypatch, tiny_models):
     import kite.model
 
     def no_model(*a, **k):
@@ -138,7 +138,8 @@ def test_ratio_with_precision_is_refused_before_the_model_loads(command, tmp_pat
     monkeypatch.setattr(kite.model, "load_model", no_model)
     doc = tmp_path / "doc.txt"
     doc.write_text(CORPUS)
-    args = ["upcycle", command, "--input", str(doc), "--ratio", "4", "--precision", "int8"]
+    args = ["upcycle", command, "--model", str(tiny_models["llama"]), "--input", str(doc), "--ratio", "4",
+            "--precision", "int8"]
     r = runner.invoke(app, args + (["--output", str(tmp_path / "d.upc")] if command == "compress" else []))
     assert r.exit_code == 2, r.output
     assert "use one of --ratio or --precision" in r.stderr and "model was loaded" not in r.output

@@ -210,7 +210,7 @@ def test_the_registry_is_what_validation_reads(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("bad", ["coded", "sideways", "RAW"])
-def test_a_name_not_registered_is_one_line_of_bad_input_naming_the_forms(tmp_path, monkeypatch, bad):
+def test_a_name_not_registered_is_one_line_of_bad_input_naming_the_forms(tmp_path, monkeypatch, bad, tiny_models):
     from kite.serve.prefixes import PrefixCache
     from kite.serve.settings import ServeSettings
 
@@ -220,7 +220,8 @@ def test_a_name_not_registered_is_one_line_of_bad_input_naming_the_forms(tmp_pat
         with pytest.raises(BadInput, match=msg):
             make()
     monkeypatch.setenv("KITE_HOME", str(tmp_path / "home"))
-    for args, config in ((["serve", "--resident", bad], None), (["serve"], f"server:\n  resident: {bad}\n")):
+    model = ["--model", str(tiny_models["llama"])]
+    for args, config in ((["serve", *model, "--resident", bad], None), (["serve", *model], f"server:\n  resident: {bad}\n")):
         if config:
             (tmp_path / "home").mkdir(exist_ok=True)
             (tmp_path / "home" / "config.yaml").write_text(config)

@@ -560,9 +560,9 @@ def test_serve_command_refuses_a_bad_rule_file_before_loading(tmp_path, tiny_mod
     bad.write_text(RULES_BAD)
     res = runner.invoke(cli, ["serve", "--model", str(tiny_models["llama"]), "--rules", str(bad)])
     assert res.exit_code == 2 and "unknown field 'intent_entropyy'" in res.output
-    res = runner.invoke(cli, ["serve", "--rules", str(tmp_path / "missing.yaml")])
+    res = runner.invoke(cli, ["serve", "--model", str(tiny_models["llama"]), "--rules", str(tmp_path / "missing.yaml")])
     assert res.exit_code == 2 and "no such rule file" in res.output
-    res = runner.invoke(cli, ["serve", "--port", "70000"])
+    res = runner.invoke(cli, ["serve", "--model", str(tiny_models["llama"]), "--port", "70000"])
     assert res.exit_code == 2 and "server.port" in res.output
 
 
