@@ -33,13 +33,15 @@ over the round's wall time; TTFT p50 and p99 as the clients saw them (send to fi
 batch step the server reports (kite_batch_step_seconds at the round's most frequent row count: its
 mean, newcomers' prefills included) against its byte floor (weights + each row's KV, or lanes and
 own slots, read once at the GPU's HBM bandwidth), beside the client's inter-token p50; GPU memory
-(torch.cuda.max_memory_allocated in the server since it started, from /healthz's watermark, and
-the device's used memory through NVML when the server has it); requests refused (an HTTP error or
+(torch.cuda.max_memory_allocated in the server since it started, uploads included: /healthz's
+watermark has no per-round peak; beside it the device's used memory through NVML, the most seen
+during the round, when the server has pynvml); requests refused (an HTTP error or
 an error event), cut at the deadline or never sent, and the longest queue the server's
 kite_batch_queue_length showed. Every request's record is under ``raw``.
 
-Bounded: --budget-s for the whole run (each mode gets an equal share of what is left when it
-starts; a round past its mode's deadline sends nothing more and cancels what is in flight), every
+Bounded: --budget-s for the whole run, the model's writing included (the modes run in the order raw,
+lanes, none, each with an equal share of what is left when it starts, so what one leaves goes to the
+next; a round past its mode's deadline sends nothing more and cancels what is in flight), every
 request a read timeout. Random weights say nothing about answers, only about speed.
 """
 
@@ -68,6 +70,7 @@ from harness.floors import hbm_text  # noqa: E402
 from harness.models import random_words, write_random_qwen2  # noqa: E402
 
 MODES = ("none", "raw", "lanes")
+RUN_ORDER = ("raw", "lanes", "none")   # none, whose every request prefills its document, last: it gets what is left
 QUESTION_WORDS = 16
 RULES = """version: bench
 rules:
@@ -87,7 +90,7 @@ class Server:
     """`kite serve` in a subprocess for one mode; :meth:`start` returns once /healthz answers."""
 
     def __init__(self, mode: str, model: Path, work: Path, max_batch: int, prefix_cache_gb: float,
-                 lane_bits: str | None, threads: int | None):
+                 lane_bits: str | None, threads: int | None, batch_kv_gb: float | None = None):
         self.mode, self.work = mode, work
         self.home = work / f"home-{mode}"            # its own config, health store
         self.home.mkdir(parents=True, exist_ok=True)
@@ -103,6 +106,7 @@ class Server:
         self.cmd = [sys.executable, "-c", "from kite.cli.main import main; main()", "serve", "--model", str(model),
                     "--host", "127.0.0.1", "--port", str(self.port), "--state-dir", str(self.states),
                     "--rules", str(self.rules), "--max-batch", str(max_batch), "--log-level", "warning", "--mkdir",
+                    *(["--batch-kv-gb", f"{batch_kv_gb:g}"] if batch_kv_gb else []),
                     *(["--no-fusion"] if mode == "none" else ["--fusion", "--resident", mode]),
                     *(["--lane-bits", lane_bits] if mode == "lanes" and lane_bits else [])]
         self.env = {**os.environ, "KITE_HOME": str(self.home), "KITE_CACHE": str(work / "cache"),
@@ -376,7 +380,7 @@ def run_mode(mode: str, args, model: Path, work: Path, docs: list[str], info: di
     from kite.serve.scrape import parse_metrics
 
     max_batch = min(args.max_batch, args.none_max_batch) if mode == "none" else args.max_batch
-    srv = Server(mode, model, work, max_batch, args.prefix_cache_gb, args.lane_bits, args.threads)
+    srv = Server(mode, model, work, max_batch, args.prefix_cache_gb, args.lane_bits, args.threads, args.batch_kv_gb)
     out["max_batch"] = max_batch
     out["command"] = " ".join(srv.cmd[3:])
     log(f"{mode}: starting kite serve (max batch {max_batch})", t0)
@@ -385,6 +389,8 @@ def run_mode(mode: str, args, model: Path, work: Path, docs: list[str], info: di
         out["start_s"] = round(clock() - t0, 1)
         log(f"{mode}: serving on {srv.url}", t0)
         state_ids = None
+        if clock() >= deadline:
+            raise RuntimeError("its server started after this mode's share of --budget-s had passed")
         if mode != "none":
             state_ids, out["states"] = upload(srv.url, docs, args.read_timeout_s, t0)
         warm_bodies = bodies_for(mode, 1, len(docs) if mode != "none" else 1, docs, state_ids, info["vocab_size"],
@@ -414,7 +420,7 @@ def run_mode(mode: str, args, model: Path, work: Path, docs: list[str], info: di
             log(f"{mode}: {clients} clients x {per_client}: {s['ok']}/{s['requests']} ok {s['by_status']}, "
                 f"{s['tokens_per_s']} tok/s, TTFT p50 {s['ttft_p50_ms']} ms p99 {s['ttft_p99_ms']} ms, "
                 f"step {s['step_mean_ms']} ms at {s['step_rows']} rows, {wall_s:.1f} s", t0)
-            bad = [r for r in flat if r["status"] not in ("ok", "not sent")]
+            bad = [r for r in flat if r["status"] not in ("ok", "not sent", "cut at deadline")]
             if bad:
                 log(f"{mode}: first failure: {bad[0]['status']}: {bad[0].get('error')}", t0)
     finally:
@@ -452,7 +458,7 @@ def add_rows(res: Result, modes: list[str], runs: dict, args, info: dict, on_gpu
             if s["inter_token_p50_ms"] is not None:
                 res.row(f"{tag}: inter-token p50, client", s["inter_token_p50_ms"], "ms", **extra)
             if s["torch_peak_gb"] is not None and on_gpu:
-                res.row(f"{tag}: GPU memory, torch peak in the server", s["torch_peak_gb"], "GB",
+                res.row(f"{tag}: GPU memory, torch peak in the server since it started", s["torch_peak_gb"], "GB",
                         device_used_gb=s["max_device_used_gb"], source=s["memory_source"], **extra)
             res.row(f"{tag}: requests refused", sum(n for k, n in s["by_status"].items()
                                                    if k not in ("ok", "not sent", "cut at deadline")),
@@ -491,7 +497,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix-cache-gb", type=float, help="the state servers' server.prefix_cache_gb (default: "
                     "every document's raw KV, at most 40)")
     ap.add_argument("--lane-bits", help="--lane-bits of the lanes server (default: the server's, 4)")
-    ap.add_argument("--budget-s", type=float, help="seconds the whole run may take (default 480; --cpu-smoke 900)")
+    ap.add_argument("--batch-kv-gb", type=float, help="the servers' --batch-kv-gb (default: unbounded)")
+    ap.add_argument("--budget-s", type=float, help="seconds the whole run may take, the model's writing "
+                    "included (default 450; --cpu-smoke 900)")
     ap.add_argument("--read-timeout-s", type=float, default=300.0, help="a request's read timeout (default 300)")
     ap.add_argument("--start-timeout-s", type=float, default=300.0, help="wait this long for a server (default 300)")
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the servers (default: unset; --cpu-smoke 2)")
@@ -508,14 +516,15 @@ def main(argv=None) -> int:
     args.requests = pick(8, 4, args.requests)
     args.max_new_tokens = pick(64, 8, args.max_new_tokens)
     args.max_batch = pick(max(args.clients), max(args.clients), args.max_batch)
-    args.budget_s = pick(480.0, 900.0, args.budget_s)
+    args.budget_s = pick(450.0, 900.0, args.budget_s)
     args.threads = pick(None, 2, args.threads)
     for flag in ("tokens", "docs", "requests", "max_new_tokens", "max_batch", "none_max_batch"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in MODES for m in modes):
+    asked = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not asked or any(m not in MODES for m in asked):
         ap.error(f"--modes {args.modes!r}: a comma-separated list of {', '.join(MODES)}")
+    modes = [m for m in RUN_ORDER if m in asked]
     on_gpu = str(args.device).startswith("cuda")
     if "lanes" in modes and not on_gpu:
         print("lanes: skipped: states resident in lanes are read by the GPU kernel; this run is on the CPU",
@@ -523,6 +532,9 @@ def main(argv=None) -> int:
         modes.remove("lanes")
     t0 = clock()
     deadline = t0 + args.budget_s
+    print(f"modes {', '.join(modes)}; clients {args.clients}; {args.docs} documents of {args.tokens} tokens; "
+          f"{args.max_new_tokens} new tokens; at least {args.requests} requests a round; budget {args.budget_s:g} s",
+          flush=True)
     res = Result("serve_gpu", device=args.device)
     runs: dict = {}
     with tempfile.TemporaryDirectory(prefix="kite-serve-gpu-") as tmp:
