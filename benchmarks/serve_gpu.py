@@ -22,9 +22,11 @@ questions (16 random tokens) about one of the documents, for every C of --client
   only, skipped with its reason on a CPU.
 
 The state servers run a rule file of one rule (load every cluster: YOCO's decision is still made, its
-plan is always the whole state), with features.yoco_min_hit_gain 0 and each state's health record
-reset before every round (random weights measure gains near 0, which the default rules would answer
-by skipping the load); a request answered without its state is counted. Their prefix cache holds
+plan is always the whole state) with features.yoco_min_hit_gain 0, and each request names its own
+alias of its document's state (a symlink in the state folder): random weights measure gains near or
+below 0, which the health store, keyed by state id, would soon answer by skipping the load; the
+prefix cache keys on the file, so the aliases of a document share one hot entry. A request answered
+without its state is counted. Their prefix cache holds
 every document (--prefix-cache-gb), and every document is asked about once before the rounds, so a
 round's loads come from the hot tier.
 
@@ -151,17 +153,16 @@ class Server:
         return httpx.get(self.url + "/healthz", timeout=10).json()
 
 
-def reset_health(home: Path, state_ids: list[str]) -> None:
-    """Forget the measured gains the server recorded for the states (its health store, SQLite in WAL
-    mode, is meant for several processes)."""
-    path = home / "health.sqlite"
-    if not path.exists():
-        return
-    from kite.yoco.health import HealthStore
-
-    store = HealthStore(path)
-    for sid in state_ids:
-        store.reset(sid)
+def alias_states(folder: Path, per_client: list[list[dict]], state_ids: list[str]) -> None:
+    """Give each request's state id (``<state>.<tag>``) as a symlink to its document's state in the
+    server's state folder: the health store, keyed by state id, then holds no gain measured by an
+    earlier request, while the prefix cache, keyed by the file (its real path and stat), serves every
+    alias of a document from one hot entry."""
+    for bodies in per_client:
+        for b in bodies:
+            alias = folder / f"{b['kite']['state']}.upc"
+            if not alias.exists():
+                alias.symlink_to(f"{state_ids[b['_doc']]}.upc")
 
 
 # -- the clients --------------------------------------------------------------------------------
@@ -303,6 +304,8 @@ def summarize(recs: list[dict], seen: dict, wall_s: float, steps: dict) -> dict:
          "steps_by_rows": steps,
          "step_rows": int(busiest[0]) if busiest else None, "step_mean_ms": busiest[1]["mean_ms"] if busiest else None,
          "without_state": sum(1 for r in ok if r.get("kite") and r["kite"].get("state") and not r["kite"].get("loaded")),
+         "loads_from_prefix_cache": sum(1 for r in ok if r.get("kite") and r["kite"].get("load")
+                                        and "cached" in (r["kite"]["load"].get("timings_ms") or {})),
          "resident_forms": forms, "resident_bytes": int(statistics.median(resident)) if resident else None,
          "max_queue": seen.get("max_queue"), "torch_peak_gb": seen.get("torch_peak_gb"),
          "max_device_used_gb": seen.get("max_device_used_gb"), "memory_source": seen.get("memory_source")}
@@ -326,9 +329,10 @@ def step_floor_bytes(mode: str, s: dict, info: dict, tokens: int, new: int) -> f
 
 # -- the run ------------------------------------------------------------------------------------
 def bodies_for(mode: str, clients: int, per_client: int, docs: list[str], state_ids: list[str] | None,
-               vocab: int, new: int, seed: int) -> list[list[dict]]:
-    """Each client's requests: a new question (QUESTION_WORDS random words, the same for every mode
-    at a given round and place) about one document, the documents in turn."""
+               vocab: int, new: int, seed: int, tag: str | None = None) -> list[list[dict]]:
+    """Each client's requests: a new question (QUESTION_WORDS random tokens, the same for every mode
+    at a given round and place) about one document, the documents in turn; with ``tag``, each
+    request names its own alias of its document's state (:func:`alias_states`)."""
     rng = random.Random(seed)
     out = []
     for c in range(clients):
@@ -340,7 +344,7 @@ def bodies_for(mode: str, clients: int, per_client: int, docs: list[str], state_
             if mode == "none":
                 body["prompt"] = docs[d] + q
             else:
-                body.update(prompt=q, kite={"state": state_ids[d]})
+                body.update(prompt=q, kite={"state": f"{state_ids[d]}.{tag}-{c}-{j}" if tag else state_ids[d]})
             mine.append(body)
         out.append(mine)
     return out
@@ -407,9 +411,9 @@ def run_mode(mode: str, args, model: Path, work: Path, docs: list[str], info: di
                 continue
             per_client = max(1, math.ceil(args.requests / clients))
             bodies = bodies_for(mode, clients, per_client, docs, state_ids, info["vocab_size"], args.max_new_tokens,
-                                seed=1000 + ci)
+                                seed=1000 + ci, tag=f"{mode}-{clients}")
             if state_ids:
-                reset_health(srv.home, state_ids)
+                alias_states(srv.states, bodies, state_ids)
             before = parse_metrics(httpx.get(srv.url + "/metrics", timeout=10).text)
             recs, seen, wall_s = asyncio.run(run_round(srv.url, bodies, deadline, args.read_timeout_s))
             after = parse_metrics(httpx.get(srv.url + "/metrics", timeout=10).text)
@@ -469,7 +473,9 @@ def add_rows(res: Result, modes: list[str], runs: dict, args, info: dict, on_gpu
                 res.row(f"{tag}: longest queue for the batch", s["max_queue"], "requests",
                         wait_p50_ms=s["wait_p50_ms"], wait_max_ms=s["wait_max_ms"], **extra)
             if mode != "none":
-                res.row(f"{tag}: answered without the state", s["without_state"], "requests", of=s["ok"], **extra)
+                res.row(f"{tag}: answered without the state", s["without_state"], "requests", of=s["ok"],
+                        loads_from_prefix_cache=s["loads_from_prefix_cache"], resident_forms=s["resident_forms"],
+                        **extra)
 
 
 def client_list(text: str) -> list[int]:

@@ -47,6 +47,7 @@ def test_the_cpu_smoke_run_serves_both_modes_and_writes_every_row(tmp_path):
     recs = runs["raw"]["rounds"]["4"]["records"]
     assert len(recs) == 4 and all(r["status"] == "ok" and 1 <= r["tokens"] <= 8 for r in recs)
     assert all(r["kite"]["loaded"] and r["kite"]["load"]["resident"] == "raw" for r in recs)
+    assert runs["raw"]["rounds"]["4"]["loads_from_prefix_cache"] == 4     # every document asked about once before
     assert [s["tokens"] for s in runs["raw"]["states"]] == [256, 256]
     assert {r["doc"] for r in recs} == {0, 1}
 
