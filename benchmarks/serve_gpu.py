@@ -456,7 +456,8 @@ def add_rows(res: Result, modes: list[str], runs: dict, args, info: dict, on_gpu
             rel("ttft_p99_ms", "ms", "TTFT p99", s["ttft_p99_ms"])
             if s["step_mean_ms"] is not None:
                 fb = step_floor_bytes(mode, s, info, args.tokens, args.max_new_tokens)
-                floor = {"floor": f"weights + {s['step_rows']} rows' KV read once {hbm_text()}",
+                held = "lanes and own slots" if mode == "lanes" else "KV"
+                floor = {"floor": f"weights + {s['step_rows']} rows' {held} read once {hbm_text()}",
                          "floor_value": bytes_ms(fb)} if on_gpu and fb else {}
                 res.row(f"{tag}: batch step, server mean", s["step_mean_ms"], "ms", rows=s["step_rows"], **floor, **extra)
             if s["inter_token_p50_ms"] is not None:
@@ -478,14 +479,13 @@ def add_rows(res: Result, modes: list[str], runs: dict, args, info: dict, on_gpu
                         **extra)
 
 
-def client_list(text: str) -> list[int]:
+def client_list(text: str) -> list[int] | None:
+    """The client counts of ``--clients``; None when it is not a list of integers >= 1."""
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"--clients {text!r}: a comma-separated list of integers") from None
-    if not out or min(out) < 1:
-        raise SystemExit(f"--clients {text!r}: each at least 1")
-    return out
+        return None
+    return out if out and min(out) >= 1 else None
 
 
 def main(argv=None) -> int:
@@ -518,7 +518,10 @@ def main(argv=None) -> int:
     pick = (lambda gpu, cpu, v: v if v is not None else (cpu if smoke else gpu))
     args.tokens = pick(16384, 256, args.tokens)
     args.docs = pick(8, 2, args.docs)
-    args.clients = client_list(pick("1,8,32,64", "1,4", args.clients))
+    clients = client_list(pick("1,8,32,64", "1,4", args.clients))
+    if clients is None:
+        ap.error(f"--clients {args.clients!r}: a comma-separated list of integers, each at least 1")
+    args.clients = clients
     args.requests = pick(8, 4, args.requests)
     args.max_new_tokens = pick(64, 8, args.max_new_tokens)
     args.max_batch = pick(max(args.clients), max(args.clients), args.max_batch)

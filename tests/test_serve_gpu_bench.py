@@ -52,8 +52,13 @@ def test_the_cpu_smoke_run_serves_both_modes_and_writes_every_row(tmp_path):
     assert {r["doc"] for r in recs} == {0, 1}
 
 
-def test_a_bad_flag_fails_before_any_model_is_written(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_gpu.py"), "--cpu-smoke", "--modes", "vllm",
+@pytest.mark.parametrize("flags, says", [(["--modes", "vllm"], "--modes 'vllm'"),
+                                         (["--clients", "1,x"], "--clients '1,x'"),
+                                         (["--clients", "0"], "--clients '0'"),
+                                         (["--tokens", "0"], "--tokens must be at least 1")])
+def test_a_bad_flag_fails_before_any_model_is_written(tmp_path, flags, says):
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_gpu.py"), "--cpu-smoke", *flags,
                           "--out", str(tmp_path / "x.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "--modes 'vllm'" in run.stderr
+    assert run.returncode == 2 and says in run.stderr, run.stderr[-2000:]
+    assert "writing a random-weight" not in run.stdout
     assert not (tmp_path / "x.json").exists()
