@@ -54,6 +54,7 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -121,17 +122,21 @@ class Server:
         with open(self.log_path, "w", encoding="utf-8") as out:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
         deadline = clock() + timeout_s
-        while clock() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kite serve ({self.mode}) exited {self.proc.returncode}: {self.tail()}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"kite serve ({self.mode}) did not answer /healthz within {timeout_s:.0f} s: {self.tail()}")
+        try:
+            while clock() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"kite serve ({self.mode}) exited {self.proc.returncode}: {self.tail()}")
+                try:
+                    if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+            raise RuntimeError(f"kite serve ({self.mode}) did not answer /healthz within {timeout_s:.0f} s: "
+                               f"{self.tail()}")
+        except BaseException:
+            self.stop()
+            raise
 
     def tail(self, n: int = 3000) -> str:
         try:
@@ -539,6 +544,8 @@ def main(argv=None) -> int:
         print("lanes: skipped: states resident in lanes are read by the GPU kernel; this run is on the CPU",
               flush=True)
         modes.remove("lanes")
+    # a `timeout` around the run stops it with SIGTERM: unwind, so each server is stopped (its finally)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = clock()
     deadline = t0 + args.budget_s
     print(f"modes {', '.join(modes)}; clients {args.clients}; {args.docs} documents of {args.tokens} tokens; "
