@@ -46,11 +46,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from harness import (Result, Timing, bytes_ms, clock, finish, flops_ms, host_link_ms, parse, parser,  # noqa: E402
                      time_ms, wall)
 from harness.floors import bf16_text, hbm_text, host_link_text  # noqa: E402
+from harness.models import random_qwen2  # noqa: E402
 
 HBM = f"bytes moved once {hbm_text()}"          # a row's floor, unless it says otherwise
 LINK = f"bytes over the host link {host_link_text()}"
-GEOMETRY = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1e6)
 K_CLASSES = ((4, 32), (3, 32), (2, 32))   # (bits, components) per head, in component order
 V_CLASSES = ((4, 64), (3, 32), (2, 32))
 GROUP = 256
@@ -181,18 +180,8 @@ def check_kernels(report: Report) -> None:
 
 
 def make_model(T: int, small: bool):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    geo = dict(GEOMETRY, **(dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                                 num_attention_heads=4, vocab_size=1000) if small else {}))
-    cfg = Qwen2Config(**geo)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device(DEV):
-        model = Qwen2ForCausalLM(cfg).eval()
-    torch.set_default_dtype(torch.float32)
-    return cfg, model
+    """Random-weight Qwen2-7B geometry on DEV (``small``: the tiny one), bf16, sdpa (harness.models)."""
+    return random_qwen2(DEV, small)
 
 
 def profile_compress(fn, top: int = 30) -> dict:

@@ -1,0 +1,64 @@
+"""benchmarks/serve_gpu.py --cpu-smoke end to end: a tiny random Qwen2 folder, `kite serve` started
+for the `none` and `raw` modes (lanes skipped on the CPU, with its reason), states uploaded over HTTP,
+1 and 4 streamed clients; the result file reads back through the library with a row of each kind
+per mode and client count, the raw mode's rows measured against `none` at the same count."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kite.bench.results import load_result
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow   # two `kite serve` processes and an upload: ~35 s on the 2-core machine
+
+
+def test_the_cpu_smoke_run_serves_both_modes_and_writes_every_row(tmp_path):
+    out = tmp_path / "serve_gpu.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_gpu.py"), "--cpu-smoke", "--out", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "lanes: skipped: " in run.stdout
+    res = load_result(out)
+    assert res.benchmark == "serve_gpu" and res.machine["kind"] == "cpu"
+    rows = {r.name: r for r in res.rows}
+    for mode in ("none", "raw"):
+        for clients in (1, 4):
+            tag = f"{mode}, {clients} clients"
+            assert rows[f"{tag}: completion tokens/s"].value > 0
+            assert 0 < rows[f"{tag}: TTFT p50"].value <= rows[f"{tag}: TTFT p99"].value
+            assert rows[f"{tag}: batch step, server mean"].value > 0
+            assert rows[f"{tag}: requests refused"].value == 0
+            assert rows[f"{tag}: requests not finished by the deadline"].value == 0
+    for clients in (1, 4):
+        tag = f"raw, {clients} clients"
+        assert rows[f"{tag}: answered without the state"].value == 0
+        assert rows[f"{tag}: TTFT p50"].baseline == f"none, {clients} clients: TTFT p50"
+        assert rows[f"{tag}: completion tokens/s"].x_baseline is not None
+    assert not any(name.startswith("lanes") for name in rows)
+    runs = res.raw["runs"]
+    recs = runs["raw"]["rounds"]["4"]["records"]
+    assert len(recs) == 4 and all(r["status"] == "ok" and 1 <= r["tokens"] <= 8 for r in recs)
+    assert all(r["kite"]["loaded"] and r["kite"]["load"]["resident"] == "raw" for r in recs)
+    assert runs["raw"]["rounds"]["4"]["loads_from_prefix_cache"] == 4     # every document asked about once before
+    assert [s["tokens"] for s in runs["raw"]["states"]] == [256, 256]
+    assert {r["doc"] for r in recs} == {0, 1}
+
+
+@pytest.mark.parametrize("flags, says", [(["--modes", "vllm"], "--modes 'vllm'"),
+                                         (["--clients", "1,x"], "--clients '1,x'"),
+                                         (["--clients", "0"], "--clients '0'"),
+                                         (["--tokens", "0"], "--tokens must be at least 1")])
+def test_a_bad_flag_fails_before_any_model_is_written(tmp_path, flags, says):
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_gpu.py"), "--cpu-smoke", *flags,
+                          "--out", str(tmp_path / "x.json")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and says in run.stderr, run.stderr[-2000:]
+    assert "writing a random-weight" not in run.stdout
+    assert not (tmp_path / "x.json").exists()
