@@ -270,10 +270,61 @@ def test_no_test_imports_a_benchmark_script():
     assert imported == []
 
 
-def test_floors_and_the_cpu_peak_are_positive_numbers():
-    peak, how = floors.cpu_fp32_peak()
-    assert peak > 0 and math.isfinite(peak) and "cores" in how
-    assert floors.cpu_flops_ms(peak) == pytest.approx(1e3)
+def test_the_cpu_limits_are_measured_once_positive_and_recorded_in_the_result(monkeypatch):
+    monkeypatch.setattr(floors, "_CPU", None)
+    calls = []
+    measure = floors._measure_cpu
+    monkeypatch.setattr(floors, "_measure_cpu", lambda: calls.append(1) or measure())
+    assert floors.measured_cpu_limits() is None
+    res = results.Result("unit_bench", device="cpu", command=[])
+    res.row("step", 1.0, "ms")
+    assert "cpu_limits" not in res.to_dict()["raw"]          # nothing measured, nothing recorded
+    lim = floors.cpu_limits()
+    assert floors.cpu_limits() is lim and calls == [1]       # once per process
+    assert lim.bytes_per_s > 1e8 and lim.fp32_flops > 1e8 and lim.threads >= 1
+    assert math.isfinite(lim.bytes_per_s) and math.isfinite(lim.fp32_flops)
+    for source in (lim.bytes_source, lim.flops_source):
+        assert source.startswith("measured: ") and re.search(r"best of \d", source)
+        assert re.search(r"\d{4}-\d\d-\d\d on ", source) and results.cpu_model()[0] in source
+    assert "256 MiB" in lim.bytes_source and "2048 x 2048 fp32 matmul" in lim.flops_source
+    assert floors.cpu_bytes_ms(lim.bytes_per_s) == pytest.approx(1e3)
+    assert floors.cpu_flops_ms(2 * lim.fp32_flops) == pytest.approx(2e3)
+    with pytest.raises(ValueError, match=">= 0"):
+        floors.cpu_bytes_ms(-1)
+    raw = res.to_dict()["raw"]["cpu_limits"]                  # a run that used a CPU floor says what it was
+    assert raw == lim.to_dict() and raw["bytes_source"] == lim.bytes_source
+
+
+def test_a_cpu_floor_is_the_larger_of_bytes_and_flops_and_says_which(monkeypatch):
+    lim = floors.CpuLimits(10e9, 100e9, "measured: test", "measured: test", 2)
+    monkeypatch.setattr(floors, "_CPU", lim)
+    text, ms = floors.cpu_floor(1e9, 1e9, "weights read once", "2 x params FLOPs")
+    assert ms == pytest.approx(100.0) and text.startswith("weights read once at 10 GB/s") and "above its FLOPs" in text
+    text, ms = floors.cpu_floor(1e6, 1e12, "weights read once", "2 x params FLOPs")
+    assert ms == pytest.approx(1e4) and text.startswith("2 x params FLOPs at 100 GFLOP/s")
+
+
+def test_a_forward_floor_reads_the_weights_and_kv_of_the_model(monkeypatch):
+    import torch
+
+    from kite.model.geometry import Geometry
+
+    monkeypatch.setattr(floors, "_CPU", floors.CpuLimits(1e9, 1e15, "m", "m", 1))
+    model = torch.nn.Linear(1000, 1000, bias=False)                            # 4 MB of fp32 weights
+    lm = type("LM", (), {"model": model, "geometry": Geometry("x", "llama", 2, 4, 2, 8, 32, 100, 512)})()
+    text, ms = floors.cpu_forward_floor(lm, 1, kv_tokens=100)
+    kv = 2 * 2 * 2 * 8 * 4 * 100                                              # K+V, layers, heads, dim, fp32
+    assert ms == pytest.approx((4e6 + kv) / 1e9 * 1e3) and "weights (4 MB)" in text and "KV of 100 tokens" in text
+
+
+def test_a_row_without_a_floor_says_why_and_has_no_ratio():
+    res = results.Result("unit_bench", device="cpu", command=[])
+    row = res.row("process start", 900.0, "ms", no_floor="a process start: no hardware bound")
+    assert row["floor"] == "none: a process start: no hardware bound" and row["x_floor"] is None
+    with pytest.raises(ValueError, match="no_floor"):
+        res.row("wait", 1.0, "ms", no_floor="a wait", floor="x", floor_value=1.0)
+    with pytest.raises(ValueError, match="no_floor"):
+        res.row("wait 2", 1.0, "ms", no_floor=" ")
 
 
 def test_a_named_commit_stands_for_a_copied_tree_whose_git_is_not_its_own(monkeypatch):
