@@ -220,3 +220,19 @@ def cpu_forward_floor(lm, tokens: int = 1, kv_tokens: float = 0, what: str | Non
     return cpu_floor(weight_bytes + kv_bytes, 2 * n_params * tokens,
                      f"{what}: weights ({weight_bytes / 1e6:.3g} MB){kv} read once",
                      f"{what}: 2 x {n_params / 1e6:.0f}M parameters x {tokens} tokens")
+
+
+def model_shape(spec: str | None = None):
+    """A stand-in for a loaded model of ``spec`` whose weights are never read: ``.model`` on torch's meta
+    device (its parameters' counts and dtype, no memory), ``.geometry``, ``.tokenizer``; for the floors
+    of a script that talks to a server holding the model (:func:`cpu_forward_floor` takes it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kite.model import geometry_from_config, load_config_only
+
+    _, folder, config = load_config_only(spec)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return type("ModelShape", (), {"model": model, "geometry": geometry_from_config(config),
+                                   "tokenizer": AutoTokenizer.from_pretrained(folder)})()
