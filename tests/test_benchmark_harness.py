@@ -259,6 +259,60 @@ def test_the_static_check_finds_each_thing_it_looks_for(tmp_path):
     assert violations(good) == []
 
 
+TIME_UNITS = {"ns", "us", "ms", "s", "min"}
+# Scripts that time something and have no hardware floor for any of it; each with why. Empty: every
+# timing script states a floor for its main rows (a row with none says why, through no_floor).
+NO_FLOOR: dict[str, str] = {
+    # its rows are training stages as train_upcycle reports them (forwards, backwards, codec fits and
+    # Python work in one figure, none counted): no one hardware bound; each row says so (no_floor)
+    "train_gpu.py": "training stages: no one bound",
+}
+
+
+def times(tree: ast.AST) -> bool:
+    """Whether a script records a time: it calls the harness's timer (time_ms, .timing) or adds a row
+    whose unit (third argument or ``unit=``) is a time unit."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+        if name in ("time_ms", "timing"):
+            return True
+        if name == "row":
+            unit = node.args[2] if len(node.args) > 2 else next(
+                (k.value for k in node.keywords if k.arg == "unit"), None)
+            if isinstance(unit, ast.Constant) and unit.value in TIME_UNITS:
+                return True
+    return False
+
+
+def passes_a_floor(tree: ast.AST) -> bool:
+    """Whether a script gives some row a floor: a ``floor_value=`` argument or a "floor_value" key."""
+    return any(isinstance(n, ast.keyword) and n.arg == "floor_value" or
+               isinstance(n, ast.Constant) and n.value == "floor_value" for n in ast.walk(tree))
+
+
+def test_every_script_that_times_gives_its_rows_a_floor():
+    missing = []
+    for path in _scripts():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        if times(tree) and not passes_a_floor(tree) and path.name not in NO_FLOOR:
+            missing.append(str(path.relative_to(ROOT)))
+    assert missing == []
+    assert all(why.strip() for why in NO_FLOOR.values())
+
+
+def test_the_floor_check_tells_a_timing_script_without_a_floor(tmp_path):
+    cases = {"res.timing('step', time_ms(f))\n": (True, False),
+             "res.row('load', 3.0, 'ms', floor='bytes', floor_value=1.0)\n": (True, True),
+             "res.row('load', 3.0, unit='s', **{'floor': 'x', 'floor_value': 1.0})\n": (True, True),
+             "res.row('PPL', 3.0, 'PPL')\nt = clock()\n": (False, False)}
+    for src, (timed, floored) in cases.items():
+        tree = ast.parse(src)
+        assert (times(tree), passes_a_floor(tree)) == (timed, floored), src
+
+
 def test_no_test_imports_a_benchmark_script():
     imported = []
     for path in sorted((ROOT / "tests").glob("*.py")):
