@@ -90,7 +90,8 @@ def host_link_text(gpu: str | None = None) -> str:
 
 COPY_MIB = 256          # the bandwidth probe's buffer: past the caches, a copy and a read of it
 MATMUL_N = 2048         # the compute probe: an fp32 n x n matmul on every thread torch uses
-PROBE_CALLS = 4         # calls of each probe; the best one counts
+PROBE_CALLS = 3         # calls of each probe at least; the best one counts
+PROBE_S = 0.3           # seconds each probe goes on calling while it lasts
 
 
 @dataclass(frozen=True)
@@ -129,15 +130,17 @@ def measured_cpu_limits() -> dict | None:
     return _CPU.to_dict() if _CPU is not None else None
 
 
-def _best_s(fn, calls: int) -> float:
+def _best_s(fn, budget_s: float) -> tuple[float, int]:
+    """(the fastest call's seconds, calls made): ``fn`` called at least ``PROBE_CALLS`` times and on
+    while ``budget_s`` lasts (a shared machine's load only slows a call down: more calls, a better best)."""
     from .timing import clock
 
-    best = float("inf")
-    for _ in range(calls):
+    best, calls, start = float("inf"), 0, clock()
+    while calls < PROBE_CALLS or clock() - start < budget_s:
         t = clock()
         fn()
-        best = min(best, clock() - t)
-    return best
+        best, calls = min(best, clock() - t), calls + 1
+    return best, calls
 
 
 def _measure_cpu() -> CpuLimits:
@@ -152,16 +155,18 @@ def _measure_cpu() -> CpuLimits:
     n = COPY_MIB * 2**20 // 4
     src, dst = torch.empty(n), torch.empty(n)
     src.fill_(1.0)
-    copy = 2 * n * 4 / _best_s(lambda: dst.copy_(src), PROBE_CALLS)
-    read = n * 4 / _best_s(lambda: src.sum(), PROBE_CALLS)
-    how = f"{COPY_MIB} MiB {'copy (read + written)' if copy >= read else 'sum (read)'}"
+    copy_s, copies = _best_s(lambda: dst.copy_(src), PROBE_S)
+    read_s, reads = _best_s(lambda: src.sum(), PROBE_S)
+    copy, read = 2 * n * 4 / copy_s, n * 4 / read_s
+    how = (f"{COPY_MIB} MiB copy (read + written), best of {copies}" if copy >= read else
+           f"{COPY_MIB} MiB sum (read), best of {reads}")
     bw = max(copy, read)
-    bytes_source = (f"measured: {how}, best of {PROBE_CALLS}: {bw / 1e9:.3g} GB/s (copy {copy / 1e9:.3g}, "
-                    f"read {read / 1e9:.3g}), {where}")
+    bytes_source = (f"measured: {how}: {bw / 1e9:.3g} GB/s (copy {copy / 1e9:.3g}, read {read / 1e9:.3g}), {where}")
     a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
-    flops = 2 * MATMUL_N**3 / _best_s(lambda: a @ b, PROBE_CALLS - 1)
-    flops_source = (f"measured: {MATMUL_N} x {MATMUL_N} fp32 matmul, best of {PROBE_CALLS - 1}: "
-                    f"{flops / 1e9:.3g} GFLOP/s, {where}")
+    mm_s, mms = _best_s(lambda: a @ b, PROBE_S)
+    flops = 2 * MATMUL_N**3 / mm_s
+    flops_source = (f"measured: {MATMUL_N} x {MATMUL_N} fp32 matmul, best of {mms}: {flops / 1e9:.3g} GFLOP/s, "
+                    f"{where}")
     return CpuLimits(bw, flops, bytes_source, flops_source, threads)
 
 
