@@ -114,11 +114,12 @@ _CPU: CpuLimits | None = None
 
 
 def cpu_limits() -> CpuLimits:
-    """This CPU's limits, measured once per process (about a second; cached): the memory bandwidth is
+    """This CPU's limits, measured once per process (1-2 s; cached): the memory bandwidth is
     the better of a 256 MiB fp32 copy (bytes read + written over its time) and a 256 MiB sum (bytes read
     over its time), the compute rate a 2048 x 2048 fp32 matmul (2 n^3 FLOPs over its time) on every
-    thread torch uses; each the best of a few calls. A floor from them is what the machine showed it
-    can do, not a datasheet figure; on a shared machine it is what it could do at that moment."""
+    thread torch uses; each the best of the calls that fit in ``PROBE_S`` (at least ``PROBE_CALLS``). A
+    floor from them is what the machine showed it can do, not a datasheet figure; on a shared machine,
+    what it could do at that moment (the run's timings share that load)."""
     global _CPU
     if _CPU is None:
         _CPU = _measure_cpu()
