@@ -60,10 +60,9 @@ def main(argv=None) -> int:
 
     def timed(dec: BatchDecoder) -> dict:
         """The step's timing and its floor (the KV in use before the timed steps: the least a step read)."""
-        kv = dec.cache.bytes_in_use()
+        rows, kv = len(dec), dec.cache.bytes_in_use()
         t = time_ms(dec.step, args.repeat, args.warmup)
-        text, ms = cpu_forward_floor(lm, len(dec), kv_bytes=kv,
-                                     what=f"a step of {len(dec)} row{'s' * (len(dec) > 1)}")
+        text, ms = cpu_forward_floor(lm, rows, kv_bytes=kv, what=f"a step of {rows} row{'s' * (rows > 1)}")
         return {"t": t, "floor": text, "floor_value": ms}
 
     res.timing("decode step, 1 row", **timed(decoder(False, 1)))

@@ -58,9 +58,9 @@ def step_ms(mode: str, reps: int = 3, new_tokens: int = 40) -> dict:
         for _ in range(8):
             dec.add(plain, prefix=None, max_new_tokens=new_tokens, stop_ids=set())
         dec.step()   # the prompts
-        kv = dec.cache.bytes_in_use()       # the least a timed step reads
+        rows, kv = len(dec), dec.cache.bytes_in_use()       # the least a timed step reads
         ms = time_ms(dec.step, repeat=new_tokens - 1, warmup=0).median_ms
-        out["floor"] = cpu_forward_floor(lm, len(dec), kv_bytes=kv, what="a step of 8 rows")
+        out["floor"] = cpu_forward_floor(lm, rows, kv_bytes=kv, what=f"a step of {rows} rows")
         return ms
 
     def in_thread(fn):
