@@ -97,8 +97,10 @@ def main(argv=None) -> int:
             proc.wait(timeout=30)
     shape = model_shape(None)
     step_floor = {n: cpu_forward_floor(shape, int(n), what=f"a step of {n} rows") for n in steps}
-    all_steps = {"floor": "each step's floor (a step of n rows: " + step_floor[max(steps, key=int)][0] + ", ...)",
-                 "floor_value": sum(st["count"] * step_floor[n][1] for n, st in steps.items()) / 1e3}
+    all_steps = {"no_floor": "the server reported no batch steps"} if not steps else {
+        "floor": f"its {sum(st.get('count') or 0 for st in steps.values())} steps' floors (the largest: "
+                 f"{step_floor[max(steps, key=int)][0]})",
+        "floor_value": sum((st.get("count") or 0) * step_floor[n][1] for n, st in steps.items()) / 1e3}
     res.row("burst wall", wall, "s", requests=len(requests), **all_steps)
     res.row("batch steps, all", sum(s["total_s"] for s in steps.values()), "s", baseline="burst wall", **all_steps)
     for n, st in steps.items():
