@@ -15,7 +15,9 @@ N tokens, so it turns toward compute: ``GFLOP/s`` is 2 × parameters × decode t
 matmuls; attention left out). ``same text`` checks that both ways gave the same answers.
 ``--repeat R`` runs the pair R times, alternating, and keeps each way's fastest run (a shared
 machine's other load only slows a run down). Batched rows have alone's as their baseline (> 1:
-faster); no floor (the CPU has no limits table).
+faster). Each way's decode step (ms: its decode time over its forwards) has as its floor the larger of
+the weights + every row's mean KV read once at this CPU's measured memory bandwidth and 2 x parameters
+x rows FLOPs at its measured fp32 rate (harness.floors.cpu_forward_floor).
 
     .venv/bin/python benchmarks/batch_decode_cpu.py                 # 8 × (~100 + 64), GPL-3 text
     .venv/bin/python benchmarks/batch_decode_cpu.py --n 4 --new 32 --threads 1
@@ -34,6 +36,7 @@ from kite.model import load_cached  # noqa: E402
 from kite.runtime.batch_decode import BatchDecoder  # noqa: E402
 from kite.runtime.generate import generate  # noqa: E402
 from harness import Result, clock, finish, parse, parser  # noqa: E402
+from harness.floors import cpu_forward_floor  # noqa: E402
 
 TEXT = "/usr/share/common-licenses/GPL-3"
 
@@ -108,6 +111,13 @@ def main(argv=None) -> int:
         res.row(f"{label}, one at a time", rows["alone"][key], "tokens/s")
         res.row(f"{label}, batched ({args.n} rows)", rows["batched"][key], "tokens/s",
                 baseline=f"{label}, one at a time")
+    mean_kv = [len(p) + args.new / 2 for p in prompts]        # a row's KV over its decode steps, on average
+    one = cpu_forward_floor(lm, 1, sum(mean_kv) / len(mean_kv), what="one row's step")
+    res.row("decode step, one at a time", alone_decode_s * 1e3 / alone_forwards, "ms", floor=one[0],
+            floor_value=one[1])
+    many = cpu_forward_floor(lm, args.n, sum(mean_kv), what=f"a step of {args.n} rows")
+    res.row(f"decode step, batched ({args.n} rows)", batch_decode_s * 1e3 / batch_forwards, "ms",
+            floor=many[0], floor_value=many[1])
     for name, r in rows.items():
         res.row(f"weights read, {name}", r["weights_gb_s"], "GB/s")
     res.raw.update(out)

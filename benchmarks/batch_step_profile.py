@@ -5,8 +5,9 @@ Times `BatchDecoder.step` for 8 plain rows, for 8 rows of which 4 follow an 808-
 (the ops that take the time: the weights' matrix products, attention, the rest).
 
 Each step is timed over --repeat steps (median, after --warmup); the 8-row figures have the one-row
-step as their baseline; the floor is the step's weight matmuls (2 x parameters x rows FLOPs) at this
-CPU's fp32 FMA peak (harness.floors.cpu_fp32_peak; attention left out).
+step as their baseline; the floor is the larger of the weights + every row's KV read once at this CPU's
+measured memory bandwidth and the step's matmuls (2 x parameters x rows FLOPs; attention left out) at
+its measured fp32 rate (harness.floors.cpu_forward_floor).
 
     .venv/bin/python benchmarks/batch_step_profile.py [--repeat 20]
 """
@@ -26,7 +27,7 @@ from kite.runtime.batch_decode import BatchDecoder  # noqa: E402
 from kite.runtime.cache import KVPrefix, cache_layers, new_cache  # noqa: E402
 from kite.runtime.generate import forward_tokens  # noqa: E402
 from harness import Result, finish, parse, parser, time_ms  # noqa: E402
-from harness.floors import cpu_flops_ms, cpu_fp32_peak  # noqa: E402
+from harness.floors import cpu_forward_floor  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -56,18 +57,18 @@ def main(argv=None) -> int:
         return dec
 
     res = Result("batch_step_profile", device="cpu")
-    n_params = sum(p.numel() for p in lm.model.parameters())
-    peak = cpu_fp32_peak()
 
-    def floor(rows: int) -> dict:
-        return {"floor": f"2 x {n_params / 1e6:.0f}M parameters x {rows} rows at {peak[0] / 1e9:.0f} GFLOP/s "
-                         f"({peak[1]})", "floor_value": cpu_flops_ms(2 * n_params * rows)}
+    def timed(dec: BatchDecoder) -> dict:
+        """The step's timing and its floor (the KV in use before the timed steps: the least a step read)."""
+        rows, kv = len(dec), dec.cache.bytes_in_use()
+        t = time_ms(dec.step, args.repeat, args.warmup)
+        text, ms = cpu_forward_floor(lm, rows, kv_bytes=kv, what=f"a step of {rows} row{'s' * (rows > 1)}")
+        return {"t": t, "floor": text, "floor_value": ms}
 
-    res.timing("decode step, 1 row", time_ms(decoder(False, 1).step, args.repeat, args.warmup), **floor(1))
-    res.timing("decode step, 8 plain rows", time_ms(decoder(False, 8).step, args.repeat, args.warmup),
-               baseline="decode step, 1 row", **floor(8))
-    res.timing(f"decode step, 8 rows, 4 after a {len(ids)}-token document",
-               time_ms(decoder(True, 8).step, args.repeat, args.warmup), baseline="decode step, 1 row", **floor(8))
+    res.timing("decode step, 1 row", **timed(decoder(False, 1)))
+    res.timing("decode step, 8 plain rows", **timed(decoder(False, 8)), baseline="decode step, 1 row")
+    res.timing(f"decode step, 8 rows, 4 after a {len(ids)}-token document", **timed(decoder(True, 8)),
+               baseline="decode step, 1 row")
     from torch.profiler import ProfilerActivity, profile
 
     dec = decoder(True, 8)

@@ -26,8 +26,10 @@ per compressed token (bytes only; the model's context is 8K, so PPL at 16K is no
     .venv/bin/python benchmarks/kv_budget.py --jsonl /tmp/c.jsonl
 
 Rows: each method's PPL, the full cache's the baseline, its bytes and ratio beside it (quality
-figures, no floor); with ``--speed``, each configuration's TTFT and tokens/s, the plain cache's the
-baseline (no floor: the CPU has no limits table).
+figures, no floor); with ``--speed``, each configuration's TTFT, decode step (ms a token) and tokens/s,
+the plain cache's the baseline; the TTFT's floor the prompt's forward, the step's the weights + the KV
+it holds read once, each the larger of its bytes at this CPU's measured memory bandwidth and its
+FLOPs at its measured fp32 rate (harness.floors.cpu_forward_floor).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from kite.runtime.generate import forward_tokens  # noqa: E402
 from kite.upcycle import (SINK_TOKENS, BudgetCache, BudgetSettings, WindowCache,  # noqa: E402
                           kv_bytes_per_token)
 from harness import Result, clock, finish, parse, parser  # noqa: E402
+from harness.floors import cpu_forward_floor  # noqa: E402
 
 GPL3 = "/usr/share/common-licenses/GPL-3"
 PROJECT_TOKENS = 16384
@@ -249,8 +252,13 @@ def speed(lm, ids: list[int], args) -> int:
     res = Result("kv_budget", device="cpu")
     for r in out:
         first = r is out[0]
+        prefill = cpu_forward_floor(lm, r["prompt_tokens"], what="the prompt's forward")
         res.row(f"{r['config']}: TTFT", r["ttft_ms"], "ms", baseline=None if first else f"{out[0]['config']}: TTFT",
-                prompt_tokens=r["prompt_tokens"])
+                prompt_tokens=r["prompt_tokens"], floor=prefill[0], floor_value=prefill[1])
+        step = cpu_forward_floor(lm, 1, r["prompt_tokens"], what="a one-row step") if r["kv_bytes"] is None else \
+            cpu_forward_floor(lm, 1, kv_bytes=r["kv_bytes"], what="a one-row step over the budgeted KV")
+        res.row(f"{r['config']}: decode step", 1e3 / r["tokens_per_s"], "ms",
+                baseline=None if first else f"{out[0]['config']}: decode step", floor=step[0], floor_value=step[1])
         res.row(f"{r['config']}: decode", r["tokens_per_s"], "tokens/s",
                 baseline=None if first else f"{out[0]['config']}: decode",
                 **{k: r[k] for k in ("kv_bytes", "ratio_to_raw", "decoded_cache_bytes")})

@@ -9,8 +9,11 @@ p95), and every answer's text, which must be the same on both servers.
 
     .venv/bin/python benchmarks/serve_concurrency.py
 
-Rows: tokens/s and TTFT p50 / p95 of the batched server, the one-at-a-time server's the baseline (no
-floor: the CPU has no limits table). Exit 1 when the answers differ.
+Rows: tokens/s and TTFT p50 / p95 of the batched server, the one-at-a-time server's the baseline, and
+the burst's wall. Floors (this CPU's measured limits, harness.floors.cpu_forward_floor): a TTFT's is the
+forward of the shortest prompt (its first token cannot come sooner); the burst's, its decode steps':
+one at a time, a one-row step per completion token; batched, the completion tokens over the batch's
+rows in steps of that many rows. Exit 1 when the answers differ.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from kite.bench.concurrency import percentiles_ms  # noqa: E402
 from kite.data.contracts import generate_contracts  # noqa: E402
 from kite.serve.server import free_port  # noqa: E402
 from harness import Result, clock, finish, parse, parser  # noqa: E402
+from harness.floors import cpu_forward_floor, model_shape  # noqa: E402
 
 PROMPTS = [
     "The following is a short report about the shipping industry and the way ports handle containers. ",
@@ -160,13 +164,23 @@ def main(argv=None) -> int:
         "identical_answers": same,
         "differing": [i for i, (a, b) in enumerate(zip(batched["texts"], single["texts"])) if a != b]}
     res = Result("serve_concurrency", device="cpu")
+    shape = model_shape(None)
+    shortest = min(len(shape.tokenizer(b["prompt"])["input_ids"]) for b in bodies)
+    ttft_floor = cpu_forward_floor(shape, shortest, what=f"the shortest prompt's forward ({shortest} tokens)")
     for label, r in (("one at a time", single), (f"max batch {args.clients}", batched)):
         first = r is single
+        rows = 1 if first else args.clients
+        steps = -(-r["tokens"] // rows)
+        step_text, step_ms = cpu_forward_floor(shape, rows, what=f"a step of {rows} row{'s' * (rows > 1)}")
         res.row(f"{label}: completion tokens/s", r["tokens_per_s"], "tokens/s",
                 baseline=None if first else "one at a time: completion tokens/s", wall_s=r["wall_s"])
+        res.row(f"{label}: burst wall", r["wall_s"], "s", baseline=None if first else "one at a time: burst wall",
+                floor=f"{steps} decode steps ({r['tokens']} tokens / {rows} rows), each {step_text}",
+                floor_value=steps * step_ms / 1e3)
         for q in ("p50", "p95"):
             res.row(f"{label}: TTFT {q}", r[f"ttft_{q}_ms"], "ms",
-                    baseline=None if first else f"one at a time: TTFT {q}")
+                    baseline=None if first else f"one at a time: TTFT {q}", floor=ttft_floor[0],
+                    floor_value=ttft_floor[1])
     res.raw.update(result)
     finish(res, args)
     return 0 if same else 1

@@ -15,8 +15,10 @@ replica's own URL, no model work). Every answer is checked against the plain ser
     .venv/bin/python benchmarks/serve_replicas.py
 
 Rows: requests/s of each Ray setup, the plain server's the baseline; the sequential latency of Ray's
-one replica and the routing alone against the replica's own URL (no floor: the CPU has no limits
-table).
+one replica and the routing alone against the replica's own URL. A sequential request's floor is its
+--max-tokens one-row decode steps (each the larger of the weights read once at this CPU's measured
+memory bandwidth and 2 x parameters FLOPs at its measured fp32 rate; harness.floors); the routing
+rows are loopback round trips with no model work: no hardware floor.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from kite.serve.server import free_port  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from harness import Result, clock, finish, parse, parser, time_ms  # noqa: E402
+from harness.floors import cpu_forward_floor, model_shape  # noqa: E402
 from serve_concurrency import wait_until_serving  # noqa: E402
 
 UPCYCLE = "compression: {cluster_num: 4}\nsemantic_tagging: {labels: [], generated_examples_per_label: 0}\n"
@@ -193,12 +196,16 @@ def main(argv=None) -> int:
                     baseline="plain kite serve: requests/s", hit_rate=b["hit_rate"],
                     busiest_replica_share=b["busiest_replica_share"], answers_match_plain=b["answers_match_plain"])
     if one:
-        res.row("plain kite serve: sequential request", plain["sequential_mean_ms"], "ms")
+        text, step_ms = cpu_forward_floor(model_shape(None), 1, what="a one-row step")
+        request = {"floor": f"{args.max_tokens} decode steps, each {text}", "floor_value": args.max_tokens * step_ms}
+        loopback = "a loopback HTTP round trip, no model work: no hardware bound"
+        res.row("plain kite serve: sequential request", plain["sequential_mean_ms"], "ms", **request)
         res.row("ray 1 replica: sequential request", one["sequential_mean_ms"], "ms",
-                baseline="plain kite serve: sequential request")
-        res.row("routing only, replica's own URL: GET /v1/models", one["routing_only_ms"]["replica_direct"], "ms")
+                baseline="plain kite serve: sequential request", **request)
+        res.row("routing only, replica's own URL: GET /v1/models", one["routing_only_ms"]["replica_direct"], "ms",
+                no_floor=loopback)
         res.row("routing only, through the endpoint: GET /v1/models", one["routing_only_ms"]["endpoint"], "ms",
-                baseline="routing only, replica's own URL: GET /v1/models")
+                baseline="routing only, replica's own URL: GET /v1/models", no_floor=loopback)
     res.raw.update(result)
     return finish(res, args)
 

@@ -6,7 +6,9 @@ each state is loaded as `kite serve` loads it (``resident_form(name).load``, kit
 then ``--rows`` rows after the same loaded state decode ``--steps`` greedy tokens together in a
 BatchDecoder: the step's median and minimum, the bytes each form holds, and whether the first row's
 greedy text and prompt NLL agree with raw's. Rows: per bases and form the step (median of the --steps steps)
-and the bytes held, raw's the baseline (no floor: the CPU has no limits table).
+and the bytes held, raw's the baseline; a step's floor is the larger of the weights + the form's bytes
+held read once at this CPU's measured memory bandwidth and 2 x parameters x rows FLOPs at its measured
+fp32 rate (harness.floors.cpu_forward_floor).
 
     OMP_NUM_THREADS=2 PYTHONPATH=. .venv/bin/python benchmarks/serve_resident_cpu.py
 """
@@ -23,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import Result, finish, parse, parser, time_ms  # noqa: E402
+from harness.floors import cpu_forward_floor  # noqa: E402
 
 
 def _steps(lm, prefix, prompt, rows: int, steps: int):
@@ -65,8 +68,11 @@ def main(argv=None) -> int:
                 row[f"{form}_bytes"] = report.resident_bytes
                 row[f"{form}_load_ms"] = report.load_ms
                 first = form == "raw"
+                floor, floor_ms = cpu_forward_floor(lm, args.rows, kv_bytes=report.resident_bytes,
+                                                    what=f"a step of {args.rows} rows after the {form} state")
                 res.timing(f"{name}, {form}: decode step of {args.rows} rows", t,
-                           baseline=None if first else f"{name}, raw: decode step of {args.rows} rows")
+                           baseline=None if first else f"{name}, raw: decode step of {args.rows} rows",
+                           floor=floor, floor_value=floor_ms)
                 res.row(f"{name}, {form}: bytes held", report.resident_bytes, "B",
                         baseline=None if first else f"{name}, raw: bytes held", load_ms=report.load_ms)
             for form in gens.keys() - {"raw"}:

@@ -10,8 +10,10 @@ steps and their mean wall time, and the time all steps took against the burst's 
     .venv/bin/python benchmarks/serve_timeline.py --max-batch 8
 
 Rows: the burst's wall, the time its batch steps took (the wall the baseline: the share of the burst
-the model worked) and each row count's mean step (no floor: the CPU has no limits table); every
-request's line under ``raw``.
+the model worked) and each row count's mean step; every request's line under ``raw``. A step of n
+rows has as its floor the larger of the weights read once at this CPU's measured memory bandwidth
+and 2 x parameters x n FLOPs at its measured fp32 rate (harness.floors.cpu_forward_floor; the KV
+left out: the server does not say what each step read); the burst's and all steps', every step's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serve_concurrency as sc  # noqa: E402
 from harness import Result, clock, finish, parse, parser  # noqa: E402
+from harness.floors import cpu_forward_floor, model_shape  # noqa: E402
 
 
 def server_ms(kite: dict) -> dict:
@@ -92,11 +95,18 @@ def main(argv=None) -> int:
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-    res.row("burst wall", wall, "s", requests=len(requests))
-    res.row("batch steps, all", sum(s["total_s"] for s in steps.values()), "s", baseline="burst wall")
+    shape = model_shape(None)
+    step_floor = {n: cpu_forward_floor(shape, int(n), what=f"a step of {n} rows") for n in steps}
+    all_steps = {"no_floor": "the server reported no batch steps"} if not steps else {
+        "floor": f"its {sum(st.get('count') or 0 for st in steps.values())} steps' floors (the largest: "
+                 f"{step_floor[max(steps, key=int)][0]})",
+        "floor_value": sum((st.get("count") or 0) * step_floor[n][1] for n, st in steps.items()) / 1e3}
+    res.row("burst wall", wall, "s", requests=len(requests), **all_steps)
+    res.row("batch steps, all", sum(s["total_s"] for s in steps.values()), "s", baseline="burst wall", **all_steps)
     for n, st in steps.items():
         if st.get("mean_ms") is not None:
-            res.row(f"batch step of {n} rows, mean", st["mean_ms"], "ms", steps=st["count"])
+            res.row(f"batch step of {n} rows, mean", st["mean_ms"], "ms", steps=st["count"], floor=step_floor[n][0],
+                    floor_value=step_floor[n][1])
     res.raw.update(requests=requests, steps=steps, max_batch=args.max_batch, clients=args.clients)
     return finish(res, args)
 

@@ -6,7 +6,10 @@ are the same.
 
 Four 1,500-token states of GPL-3 (raw KV of its prefill, as a state loaded exact), four questions
 each, answers of 48 tokens (the report's reference length + 8, for 40-token references). Rows: the
-batched answers' wall, one at a time's the baseline (no floor: the CPU has no limits table).
+batched answers' wall, one at a time's the baseline. Floors (harness.floors.cpu_forward_floor, this CPU's
+measured limits): one at a time, every answer's 48 one-row decode steps over its state's KV; batched in
+r rows, the answers' steps in groups of r, each step the weights + its rows' KV read once (or its
+FLOPs, the larger); the prompts' forwards left out.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import Result, finish, parse, parser, wall  # noqa: E402
+from harness.floors import cpu_forward_floor  # noqa: E402
 
 QUESTIONS = ("\nQ: What may you do with the program?\nA:", "\nQ: Who holds the copyright?\nA:",
              "\nQ: What must you give recipients?\nA:", "\nQ: When does the license end?\nA:")
@@ -54,12 +58,24 @@ def main(argv=None) -> int:
     with wall() as took:
         alone = [generate(lm, ex.prompt_ids, max_new_tokens=len(ex.response_ids) + 8, prefix=p).text
                  for ex, p in zip(examples, prefixes)]
-    base = res.row(f"{len(examples)} answers one at a time", took.s, "s", threads=args.threads)
+    new = len(examples[0].response_ids) + 8
+    kv = [p.next_position for p in prefixes]
+
+    def answers_floor(rows: int) -> dict:
+        """Every answer's `new` decode steps, `rows` answers a step, over their states' KV."""
+        text, total = "", 0.0
+        for i in range(0, len(examples), rows):
+            group = kv[i:i + rows]
+            text, ms = cpu_forward_floor(lm, len(group), sum(group), what=f"a step of {len(group)} rows")
+            total += new * ms
+        return {"floor": f"{-(-len(examples) // rows)} x {new} decode steps, each {text}", "floor_value": total / 1e3}
+
+    base = res.row(f"{len(examples)} answers one at a time", took.s, "s", threads=args.threads, **answers_floor(1))
     for rows in args.rows:
         with wall() as took:
             batched = greedy_answers(lm, prefixes, examples, rows=rows)
         res.row(f"{len(examples)} answers batched, {rows} rows", took.s, "s", baseline=base["name"],
-                identical_texts=sum(a == b for a, b in zip(alone, batched)))
+                identical_texts=sum(a == b for a, b in zip(alone, batched)), **answers_floor(rows))
     return finish(res, args)
 
 

@@ -5,8 +5,12 @@
 Targets: decision p99 <= 50 us with 50 rules; the 100 decisions after a reload no slower than
 steady state; the sampler at 10 ms < 2% of one core; YOCO's per-request overhead (signals except
 the model's entropy pass + decision + plan) <= 1 ms. Rows: each latency's p50 and p99 (us), the
-target the baseline where there is one; the first decisions after a reload against steady state;
-no floor (the CPU has no limits table).
+target the baseline where there is one; the first decisions after a reload against steady state.
+Floors (this CPU's measured limits, harness.floors): a decision's is the rules it tests, one comparison
+each, at the fp32 rate (the least work a rule engine can do: far below what Python's dispatch costs,
+which is what x floor shows); novelty's is the recent queries' text it compares against read once at
+the memory bandwidth; the per-request overhead's, the two together. The sampler's CPU share is a share,
+not a time: no floor.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from kite.yoco.novelty import NoveltyTracker  # noqa: E402
 from kite.yoco.rules import parse_rules  # noqa: E402
 from kite.yoco.signals import HardwareWatermark, Signals  # noqa: E402
 from kite.yoco.watermark import WatermarkSampler, default_backend  # noqa: E402
-from harness import Result, clock, finish, parse, parser, time_ms  # noqa: E402
+from harness import Result, clock, cpu_bytes_ms, cpu_flops_ms, cpu_fp32_text, cpu_mem_text, finish, parse, parser, time_ms  # noqa: E402
 
 LABELS = ["违约责任", "管辖法院", "保密义务", "知识产权", "不可抗力"]
 
@@ -120,9 +124,15 @@ def main(argv=None) -> int:
     p50, p99 = pct(lat, 50), pct(lat, 99)
     print(f"p50 {p50:.1f} us  p99 {p99:.1f} us  max {max(lat):.1f} us  "
           f"(p99 = {p99 / 50:.0%} of the 50 us target)")
-    us(f"decide(), {args.rules} rules", lat, 50, compile_ms=round(compile_ms, 2))
+
+    def tested(n: float) -> dict:
+        """The floor of a decision that tests ``n`` rules: one comparison each, at the fp32 rate (us)."""
+        return {"floor": f"{n:.3g} rules tested, one comparison each, {cpu_fp32_text()}",
+                "floor_value": cpu_flops_ms(n) * 1e3}
+
+    us(f"decide(), {args.rules} rules", lat, 50, compile_ms=round(compile_ms, 2), **tested(depth))
     match = each_us(rs.match, sigs, args.decisions)
-    us("rule matching alone (RuleSet.match)", match)
+    us("rule matching alone (RuleSet.match)", match, **tested(depth))
     print(f"rule matching alone (RuleSet.match, no plan or reason): p50 {pct(match, 50):.1f} us  "
           f"p99 {pct(match, 99):.1f} us")
     worst = [Signals(intent_entropy=0.0, query_novelty=0.0, query_label="", label_entropy=9.0,
@@ -130,7 +140,7 @@ def main(argv=None) -> int:
                      hardware_watermark=HardwareWatermark(gpu_mem=0.99, spike=True))]
     wl = time_decisions(rs, worst, state, args.decisions // 2)
     assert decide(rs, worst[0], state, DEFAULT_MIN_HIT_GAIN).matched_rule == "default"
-    us(f"decide(), worst case (all {args.rules} conditions tested)", wl, 50)
+    us(f"decide(), worst case (all {args.rules} conditions tested)", wl, 50, **tested(args.rules))
     print(f"worst case (all {args.rules} conditions tested, default matches): "
           f"p50 {pct(wl, 50):.1f} us  p99 {pct(wl, 99):.1f} us")
 
@@ -155,11 +165,11 @@ def main(argv=None) -> int:
           f"new set vs control (mean): {statistics.mean(first) / statistics.mean(control):.2f}; "
           f"decision #1 after compiling: new set {statistics.mean(first[::100]):.0f} us, "
           f"old set {statistics.mean(control[::100]):.0f} us")
-    res.row("steady-state decision: mean", statistics.mean(steady), "us")
+    res.row("steady-state decision: mean", statistics.mean(steady), "us", **tested(depth))
     res.row("first 100 decisions after a reload, old set (control): mean", statistics.mean(control), "us",
-            baseline="steady-state decision: mean")
+            baseline="steady-state decision: mean", **tested(depth))
     res.row("first 100 decisions after a reload, new set: mean", statistics.mean(first), "us",
-            baseline="steady-state decision: mean")
+            baseline="steady-state decision: mean", **tested(depth))
 
     # Novelty and the whole per-request overhead (everything but the model's entropy pass).
     words = ("contract party breach damages court jurisdiction confidentiality clause payment "
@@ -191,9 +201,14 @@ def main(argv=None) -> int:
           f"p99 = {pct(total, 99) / 1000:.0%} of the 1 ms target)")
     print(f"total CPU:  p50 {pct(cpu, 50):4.0f} us  p99 {pct(cpu, 99):4.0f} us (this thread's CPU "
           f"time: wall minus time the OS ran others)")
-    us("novelty", nov)
-    us("per-request overhead (novelty + watermark read + decide)", total, 1000)
-    us("per-request overhead, this thread's CPU time", cpu, 1000)
+    recent = 128 * statistics.mean(len(q.encode()) for q in queries)      # the tracker's window of queries
+    novelty_floor = {"floor": f"{recent / 1e3:.3g} kB of recent queries read once {cpu_mem_text()}",
+                     "floor_value": cpu_bytes_ms(recent) * 1e3}
+    overhead_floor = {"floor": f"novelty's + a decision's ({novelty_floor['floor']}; {tested(depth)['floor']})",
+                      "floor_value": novelty_floor["floor_value"] + tested(depth)["floor_value"]}
+    us("novelty", nov, **novelty_floor)
+    us("per-request overhead (novelty + watermark read + decide)", total, 1000, **overhead_floor)
+    us("per-request overhead, this thread's CPU time", cpu, 1000, **overhead_floor)
     exact, capped = NoveltyTracker(max_exact=None), NoveltyTracker()
     diffs, exact_us = [], []
     for q in queries[:1128]:
@@ -227,7 +242,8 @@ def main(argv=None) -> int:
         print(f"last sampler error: {s.last_error}")
     backend.close()
     res.row("watermark sampler at 10 ms: CPU of one core", 100 * cpu / wall, "%", baseline="the 2% target",
-            baseline_value=2.0, samples_per_s=round(s.samples / wall, 1), idle_process_pct=round(100 * idle, 3))
+            baseline_value=2.0, samples_per_s=round(s.samples / wall, 1), idle_process_pct=round(100 * idle, 3),
+            no_floor="a share of one core, not a time")
     return finish(res, args)
 
 

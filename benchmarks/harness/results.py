@@ -27,6 +27,8 @@ from pathlib import Path
 
 from kite.bench.results import SCHEMA, index_entry, result_from_dict, result_name, validate
 
+from .floors import measured_cpu_limits
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 TIME_UNITS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3, "min": 6e4}
@@ -55,10 +57,12 @@ class Result:
 
     def row(self, name: str, value: float, unit: str, baseline: str | None = None,
             baseline_value: float | None = None, floor: str | None = None, floor_value: float | None = None,
-            **extra) -> dict:
+            no_floor: str | None = None, **extra) -> dict:
         """Add a row. ``baseline``: the name of an earlier row (its value is the baseline) or a
         description with ``baseline_value``. ``floor``: what the floor is (e.g. "weights read once at
-        4.8 TB/s") with ``floor_value`` in the row's unit. ``extra`` goes into the row as it is."""
+        4.8 TB/s") with ``floor_value`` in the row's unit. ``no_floor``: why a time has no hardware
+        floor (a process start, a loopback round trip, a wait): the row's floor text says so and its
+        x_floor stays empty. ``extra`` goes into the row as it is."""
         if not unit or not isinstance(unit, str):
             raise ValueError(f"row {name!r}: no unit")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -84,6 +88,10 @@ class Result:
             if is_rate(unit):
                 raise ValueError(f"row {name!r}: a rate ({unit}) has no floor; give the floor as a time")
             x_floor = _ratio(value, floor_value, name, "floor")
+        if no_floor is not None:
+            if floor is not None or floor_value is not None or not str(no_floor).strip():
+                raise ValueError(f"row {name!r}: no_floor says why there is no floor; give it alone and not empty")
+            floor = f"none: {no_floor}"
         r = {"name": name, "value": float(value), "unit": unit, "baseline": baseline, "x_baseline": x_base,
              "floor": floor, "x_floor": x_floor, **({"floor_value": float(floor_value)} if x_floor else {}),
              **extra}
@@ -91,16 +99,22 @@ class Result:
         return r
 
     def timing(self, name: str, t, baseline: str | None = None, baseline_value: float | None = None,
-               floor: str | None = None, floor_value: float | None = None, **extra) -> dict:
+               floor: str | None = None, floor_value: float | None = None, no_floor: str | None = None,
+               **extra) -> dict:
         """A row of a :class:`~.timing.Timing`: its median in ms, p10 and p90 beside it."""
-        return self.row(name, t.median_ms, "ms", baseline, baseline_value, floor, floor_value,
+        return self.row(name, t.median_ms, "ms", baseline, baseline_value, floor, floor_value, no_floor,
                         p10_ms=round(t.p10_ms, 4), p90_ms=round(t.p90_ms, 4), samples=len(t.samples_ms), **extra)
 
     def to_dict(self) -> dict:
+        """The envelope; where this process measured the CPU's limits (a CPU floor), ``raw["cpu_limits"]``
+        holds them and how they were measured."""
+        raw = self.raw
+        if (cpu := measured_cpu_limits()) is not None and "cpu_limits" not in raw:
+            raw = {**raw, "cpu_limits": cpu}
         return {"schema": SCHEMA, "benchmark": self.benchmark, "command": self.command, "commit": self.commit,
                 "dirty": self.dirty, "commit_source": "recorded", "machine": self.machine,
                 "started_at": self.started_at, "started_at_source": "recorded", "rows": self.rows,
-                "raw": self.raw}
+                "raw": raw}
 
     def file_name(self, label: str | None = None) -> str:
         return result_name(self.benchmark, self.slug, self.started_at, self.commit, label)
