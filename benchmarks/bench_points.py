@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bench-output", type=Path, default=None, help="keep kite bench's results.json here")
     args = parse(ap, argv)
 
+    res = Result("bench_points", device=args.device,       # started now: before the bench runs
+                 command=["benchmarks/bench_points.py", *(argv if argv is not None else sys.argv[1:])])
     kite = Path(sys.executable).with_name("kite")
     with tempfile.TemporaryDirectory() as tmp:
         out = args.bench_output or Path(tmp) / "results.json"
@@ -47,8 +49,6 @@ def main(argv=None) -> int:
         run = json.loads(out.read_text())
     overall = (run.get("summary") or {}).get("overall") or {}
     cases = len(run.get("cases") or [])
-    res = Result("bench_points", device=args.device,
-                 command=["benchmarks/bench_points.py", *(argv if argv is not None else sys.argv[1:])])
     res.raw.update(kite_bench_command=" ".join(["kite", *cmd[1:]]).replace(tmp, "$TMP"), exit_code=rc,
                    cases=cases, config=run.get("config"), overall=overall, model=run.get("model"))
     for method, label in (("state", "the whole state"), ("fused", "YOCO's loads")):
