@@ -188,7 +188,7 @@ def test_without_history_the_fit_rests_on_the_project_measurements_and_says_so(q
     assert rec["yoco_min_hit_gain"]["value"] == 0.005 and rec["yoco_min_hit_gain"]["basis"] == "default"
     assert not plan["calibration"]["own"] and any("borrows the H200" in n for n in plan["notes"])
     # a looser tolerance buys more compression; a tighter one none (exit 1)
-    assert _plan(["--qps", "2", "--avg-tokens", "8192", "--gpu", "H100-80G", "--ppl-tolerance", "1"],
+    assert _plan(["--qps", "2", "--avg-tokens", "8192", "--gpu", "H100-80G", "--ppl-tolerance", "2"],
                  qwen)["recommendation"]["setting"] == "ratio=8"
     tight = _plan(["--qps", "2", "--avg-tokens", "8192", "--gpu", "H100-80G", "--ppl-tolerance", "0.01"], qwen, code=1)
     assert tight["recommendation"]["setting"] is None and not tight["meets"]
@@ -241,9 +241,13 @@ def test_the_fit_rests_on_the_history_and_counts_its_runs(qwen, tmp_path):
 
 def test_one_history_run_is_pooled_with_the_reference_points():
     points = points_from_history([_run("a", "ratio=4", 4.05, 0.3, 0.4, 0.005, 5.0)])
+    from kite.tune.quality_fit import reference
+
+    ref = [p for p in reference().points if p.setting == "ratio=4" and p.ppl_delta is not None]
+    assert len(ref) >= 2
     four = next(f for f in fit_settings(points) if f.setting == "ratio=4")
-    assert four.ppl_delta.basis == "history + reference" and four.ppl_delta.n == 2 + 5
-    assert four.ppl_delta.runs == 1 + 5
+    assert four.ppl_delta.basis == "history + reference" and four.ppl_delta.n == 2 + len(ref)
+    assert four.ppl_delta.runs == 1 + len(ref)
     alone = next(f for f in fit_settings(points, use_reference=False) if f.setting == "ratio=4")
     assert alone.ppl_delta.basis == "history" and (alone.ppl_delta.n, alone.ppl_delta.runs) == (2, 1)
     assert recommend(fit_settings(points, use_reference=False), 1.0) is None   # one run has no spread
@@ -348,9 +352,12 @@ def test_the_table_lists_every_setting_and_the_recommendation(qwen):
     assert result.exit_code == 0, result.output
     for text in ("57,344", "raw bf16", "ratio=4", "ratio=8", "int4", "resident", "loaded", "recommended",
                  "--ratio 4", "features.upcycle_compression_ratio: 0.25", "features.yoco_min_hit_gain: 0.005",
-                 "H200 calibration of 2026-11-30 to 2026-12-01", "plan:"):
+                 "H200 calibration of 2026-11-30 to 2026-12-01", "smollm2-135m quality calibration of 2026-", "plan:"):
         assert text in result.output, text
-    assert not re.search(r"(?i)session [0-9]|issue [0-9]|docs/\w+\.json", result.output)
+    assert not re.search(r"(?i)session [0-9]|issue [0-9]|docs/|architecture\.md", result.output)
+    plan = _plan(["--qps", "4", "--avg-tokens", "16384", "--gpu", "h200", "--ppl-tolerance", "0.5"], qwen)
+    assert plan["fit"]["reference"].startswith("smollm2-135m quality calibration of 2026-")
+    assert not re.search(r"(?i)docs/|architecture\.md", json.dumps(plan))
 
 
 def test_unmet_ttft_limit_exits_1_unless_states_meet_it(qwen):
@@ -444,3 +451,58 @@ def test_gpu_limits_are_the_tables_one_value_per_limit():
         assert lim.bf16_flops == spec.bf16_tflops * 1e12 and lim.host_link_bytes_per_s == spec.host_link_gbps * 1e9
     with pytest.raises(BadInput, match="not in the GPU table"):
         gpu_limits("TPUv5")
+
+
+def _quality() -> dict:
+    from importlib import resources
+
+    return json.loads(resources.files("kite.tune").joinpath("calibration", "quality_smollm2.json").read_text())
+
+
+def test_every_quality_point_is_its_result_files_rows():
+    """The packaged quality calibration: each figure of each point is a row of the result file it
+    cites, with the commit and day that file records; the plan names it by its days and commits."""
+    from kite.tune.quality_fit import reference
+
+    raw = _quality()
+    assert raw["points"], "no points"
+    for p in raw["points"]:
+        result = load_result(RESULTS / p["result"])
+        assert result.commit == p["commit"] and result.date == p["date"], p["run"]
+        for figure, row in p["rows"].items():
+            assert result.row(row).value == pytest.approx(p[figure], rel=1e-9), (p["run"], figure)
+    ref = reference()
+    assert len(ref.points) == len(raw["points"])
+    gpu = [q for q in ref.points if q.method == "gpu-bytes"]
+    assert gpu and all(q.achieved_ratio == p["raw_kv_bytes"] / p["state_bytes"]
+                       for q, p in zip(gpu, [p for p in raw["points"] if p["method"] == "gpu-bytes"]))
+    assert ref.name.startswith("smollm2-135m quality calibration of 2026-")
+    assert all(c[:7] in ref.name for c in ref.commits)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.pop("schema"), "no schema line"),
+    (lambda c: c.update(points=[]), "points must be a non-empty list"),
+    (lambda c: c["points"][0].update(setting="ratio=x"), "points[0]: setting 'ratio=x' is neither"),
+    (lambda c: c["points"][0].update(method="guess"), "points[0]: method must be one of"),
+    (lambda c: c["points"][0].update(ppl_delta="small"), "points[0]: ppl_delta must be a number or null"),
+    (lambda c: c["points"][0]["rows"].pop("ppl_delta"), "points[0]: rows.ppl_delta must name the result's row"),
+    (lambda c: c["points"][0].update(result="docs/PERFORMANCE.md"), "must name a file of benchmarks/results"),
+    (lambda c: c["points"][0].update(commit="HEAD"), "commit must be a full git hash"),
+    (lambda c: c["points"][0].update(date="yesterday"), "date must be YYYY-MM-DD"),
+    (lambda c: c["points"][1].update(run=c["points"][0]["run"], result=c["points"][0]["result"],
+                                     commit=c["points"][0]["commit"], date=c["points"][0]["date"]),
+     "two points name the same run"),
+    (lambda c: next(p for p in c["points"] if p["method"] == "gpu-bytes").update(achieved_ratio=4.0),
+     "a gpu-bytes point's ratio is raw_kv_bytes / state_bytes"),
+])
+def test_a_bad_quality_calibration_is_one_line(change, message):
+    from kite.tune.quality_fit import parse_quality_calibration
+
+    cal = _quality()
+    change(cal)
+    with pytest.raises(BadInput) as err:
+        parse_quality_calibration(cal, "quality.json")
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("quality.json: not a kite.tune.quality/1 calibration"), text
+    assert message in text, text

@@ -42,7 +42,7 @@ def capacity_plan(
     history: Annotated[Optional[Path], typer.Option("--history", help="Results history to fit on (default "
                                                     "$KITE_HOME/results/bench.jsonl, `kite bench history`).")] = None,
     no_reference: Annotated[bool, typer.Option("--no-reference", help="Fit on the history alone, not on this "
-                                               "project's measurements (docs/PERFORMANCE.md).")] = False,
+                                               "project's measurements (the packaged quality calibration).")] = False,
     json_out: bool = JsonOpt,
 ) -> None:
     """KV bytes per token raw and compressed, weights, sequences per GPU at each setting, prefill
@@ -181,8 +181,8 @@ def _print(d: dict) -> None:
     f = d["fit"]
     out.print(f"fit: {f['history_runs']} run(s) in the history ({f['history_points']} measured points"
               + (f", models {', '.join(f['history_models'])}" if f["history_models"] else "") + ")"
-              + (f"; this project's measurements: {f['reference_points']} points (docs/PERFORMANCE.md, "
-                 "ARCHITECTURE.md: the embedded SmolLM2-135M; GPU bytes at Qwen2-7B geometry)"
+              + (f"; this project's measurements: {f['reference_points']} points ({f['reference']}: the "
+                 "embedded model; GPU bytes at Qwen2-7B geometry)"
                  if f["reference_used"] else "; this project's measurements not used (--no-reference)")
               + "; 'analytic' = no measured run: bounds only", highlight=False)
     rec = d["recommendation"]

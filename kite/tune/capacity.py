@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from kite.config import parse_lane_bits
 from kite.errors import BadInput, KiteError
 from kite.tune.gpus import GpuSpec, measured_for
-from kite.tune.quality_fit import (MinHitGain, QualityPoint, SettingFit, fit_settings, recommend,
+from kite.tune.quality_fit import (MinHitGain, QualityPoint, SettingFit, fit_settings, recommend, reference,
                                    recommend_min_hit_gain)
 from kite.tune.roofline import ModelShape, Roofline, corrections
 
@@ -161,7 +161,8 @@ class CapacityPlan:
             "settings": [f.to_dict() for f in self.fits],
             "fit": {"history_runs": self.history_runs, "history_points": len(self.history_points),
                     "history_models": sorted({p.model for p in self.history_points}),
-                    "reference_points": len(ref), "reference_used": req.use_reference},
+                    "reference_points": len(ref), "reference_used": req.use_reference,
+                    "reference": reference().name if req.use_reference else None},
             "recommendation": self.recommendation(),
             "plan": self.best.to_dict() if self.best else None, "meets": self.meets, "notes": self.notes,
         }

@@ -1,7 +1,8 @@
 """What a compression setting costs in quality and saves in memory, as intervals fitted on measured
-runs: the results history (`kite bench history`) first, this project's own measurements
-(docs/PERFORMANCE.md, the embedded model) when the history has none for a setting, and analytic
-bounds, marked as such, when neither has.
+runs: the results history (`kite bench history`) first, this project's own measurements (the
+packaged calibration kite/tune/calibration/quality_smollm2.json: the embedded model, each point
+citing its result file under benchmarks/results) when the history has none for a setting, and
+analytic bounds, marked as such, when neither has.
 
 A setting is a codec name as states record it: ``ratio=R`` (the PCA codec at R× smaller than raw
 fp16 KV) or a plain quantization preset (``int8``, ``int4`` ...). A point is one measured run of a
@@ -10,9 +11,15 @@ setting: the ratio it reached (raw KV bytes / state bytes) and its PPL Δ agains
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
+from functools import cache
+from importlib import resources
 from statistics import mean, stdev
+
+from kite.errors import BadInput
 
 # Bits per value of the quantization presets, all bytes counted: the codes plus an fp16 scale and
 # minimum per group (kite/upcycle/codec/settings.py PRESETS: int8 in groups of 64, int2-int4 of
@@ -41,26 +48,131 @@ class QualityPoint:
         return asdict(self)
 
 
-_PERF = "docs/PERFORMANCE.md"
-_SMOL = "smollm2-135m"
-# This project's measured points (the embedded SmolLM2-135M; the H200 one at Qwen2-7B geometry).
-REFERENCE_POINTS: tuple[QualityPoint, ...] = (
-    QualityPoint("ratio=4", 4.09, 0.011, "eval", _SMOL, f"{_PERF} Upcycle quality: GPL-3 2,048 + 512, --ratio 4"),
-    QualityPoint("ratio=4", 4.09, 0.011, "eval", _SMOL, f"{_PERF} Upcycle quality: a generated contract, 4x"),
-    QualityPoint("ratio=4", 4.20, 0.124, "eval", _SMOL, f"{_PERF} Upcycle quality: Apache-2.0 1,712 + 512, 4x"),
-    QualityPoint("ratio=4", 4.08, 0.01, "state", _SMOL, f"{_PERF} Bench: 10 cases, the whole state"),
-    QualityPoint("ratio=4", 4.08, 0.17, "fused", _SMOL, f"{_PERF} Bench: 10 cases, YOCO's loads",
-                 min_hit_gain=0.005, ttft_speedup=10.38),
-    QualityPoint("ratio=4", 939_524_096 / 245_948_416, None, "gpu-bytes", "Qwen2-7B geometry",
-                 f"{_PERF} H200: a 16K-token state as staged on the GPU (245,948,416 B)"),
-    QualityPoint("ratio=8", 8.09, 0.508, "eval", _SMOL, f"{_PERF} Upcycle quality: GPL-3 2,048 + 512, --ratio 8"),
-    QualityPoint("ratio=8", 8.10, 0.326, "eval", _SMOL, f"{_PERF} Upcycle quality: a generated contract, 8x"),
-    QualityPoint("ratio=8", 8.39, 0.247, "eval", _SMOL, f"{_PERF} Upcycle quality: Apache-2.0 1,712 + 512, 8x"),
-    QualityPoint("int4", 3.31, None, "bytes", _SMOL, f"{_PERF} Upcycle speed: int4 state of 4,096 tokens"),
-    QualityPoint("int4", None, 0.02, "eval", _SMOL, "ARCHITECTURE.md, the .upc state: GPL-3 int4 15.52 vs 15.50"),
-    QualityPoint("int3", None, 0.06, "eval", _SMOL, "ARCHITECTURE.md, the .upc state: GPL-3 int3 15.56 vs 15.50"),
-    QualityPoint("int2", None, 4.09, "eval", _SMOL, "ARCHITECTURE.md, the .upc state: GPL-3 int2 19.59 vs 15.50"),
-)
+QUALITY_SCHEMA = "kite.tune.quality/1"
+METHODS = ("state", "fused", "eval", "bytes", "gpu-bytes")
+_CITED = ("achieved_ratio", "ppl_delta", "state_bytes", "min_hit_gain", "ttft_speedup")
+_RESULT = re.compile(r"[a-z0-9_]+_[a-z0-9-]+_\d{8}_[0-9a-f]{7}(?:_[A-Za-z0-9_-]+)?\.json")
+
+
+@dataclass(frozen=True, slots=True)
+class QualityCalibration:
+    """This project's measured points (package data kite/tune/calibration/<name>.json): each cites
+    the result file under benchmarks/results, its rows, the commit and the day of its run."""
+
+    model: str
+    workload: str
+    points: tuple[QualityPoint, ...]
+    commits: tuple[str, ...]     # full hashes, in the order of the points' days
+    dates: tuple[str, ...]       # YYYY-MM-DD, sorted
+
+    @property
+    def name(self) -> str:
+        """The calibration by name: its model, the days and commits of its runs."""
+        span = self.dates[0] if len(self.dates) == 1 else f"{self.dates[0]} to {self.dates[-1]}"
+        return f"{self.model} quality calibration of {span} (commits {', '.join(c[:7] for c in self.commits)})"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "model": self.model, "workload": self.workload,
+                "points": [p.to_dict() for p in self.points]}
+
+
+def _bad(where: str, why: str) -> BadInput:
+    return BadInput(f"{where}: not a {QUALITY_SCHEMA} calibration: {why}")
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def parse_quality_calibration(obj, where: str = "quality calibration") -> QualityCalibration:
+    """The points an object holds; BadInput (one line, starting with `where`) when it is not the
+    schema: a setting the fit knows, a method of METHODS, its figures (the bytes ratio > 0, the PPL Δ;
+    a ``gpu-bytes`` point: raw and state bytes, the ratio theirs), a row of the result file for each
+    figure, a full commit and a YYYY-MM-DD date."""
+    if not isinstance(obj, dict) or obj.get("schema") != QUALITY_SCHEMA:
+        raise _bad(where, "no schema line")
+    for k in ("model", "workload"):
+        if not (isinstance(obj.get(k), str) and obj[k]):
+            raise _bad(where, f"{k} must be a non-empty string")
+    raw = obj.get("points")
+    if not isinstance(raw, list) or not raw:
+        raise _bad(where, "points must be a non-empty list")
+    points = []
+    for i, p in enumerate(raw):
+        at = f"points[{i}]"
+        if not isinstance(p, dict):
+            raise _bad(where, f"{at} must be an object")
+        if not isinstance(p.get("setting"), str) or nominal_ratio(p["setting"]) is None:
+            raise _bad(where, f"{at}: setting {p.get('setting')!r} is neither ratio=R nor a preset "
+                       f"({', '.join(PRESET_BITS)})")
+        if p.get("method") not in METHODS:
+            raise _bad(where, f"{at}: method must be one of {', '.join(METHODS)}")
+        for k in ("model", "run"):
+            if not (isinstance(p.get(k), str) and p[k]):
+                raise _bad(where, f"{at}: {k} must be a non-empty string")
+        for k in _CITED:
+            if p.get(k) is not None and not _is_num(p[k]):
+                raise _bad(where, f"{at}: {k} must be a number or null")
+        ratio = p.get("achieved_ratio")
+        if p["method"] == "gpu-bytes":
+            raw_b, state_b = p.get("raw_kv_bytes"), p.get("state_bytes")
+            if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in (raw_b, state_b)):
+                raise _bad(where, f"{at}: a gpu-bytes point needs raw_kv_bytes and state_bytes, whole bytes > 0")
+            if ratio is not None:
+                raise _bad(where, f"{at}: a gpu-bytes point's ratio is raw_kv_bytes / state_bytes, not given")
+            ratio = raw_b / state_b
+        elif ratio is not None and ratio <= 0:
+            raise _bad(where, f"{at}: achieved_ratio must be positive")
+        if ratio is None and p.get("ppl_delta") is None:
+            raise _bad(where, f"{at}: neither a ratio nor a PPL delta")
+        rows = p.get("rows")
+        if not isinstance(rows, dict):
+            raise _bad(where, f"{at}: rows must be an object (figure -> the result's row)")
+        for k in _CITED:
+            wanted = p.get(k) is not None
+            if wanted and not (isinstance(rows.get(k), str) and rows[k]):
+                raise _bad(where, f"{at}: rows.{k} must name the result's row of {k}")
+            if not wanted and k in rows:
+                raise _bad(where, f"{at}: rows.{k} cites a figure the point does not have")
+        if not (isinstance(p.get("result"), str) and _RESULT.fullmatch(p["result"])):
+            raise _bad(where, f"{at}: result must name a file of benchmarks/results")
+        if not (isinstance(p.get("commit"), str) and re.fullmatch(r"[0-9a-f]{40}", p["commit"])):
+            raise _bad(where, f"{at}: commit must be a full git hash")
+        if not (isinstance(p.get("date"), str) and re.fullmatch(r"\d{4}-\d\d-\d\d", p["date"])):
+            raise _bad(where, f"{at}: date must be YYYY-MM-DD")
+        points.append((p, QualityPoint(
+            p["setting"], float(ratio) if ratio is not None else None,
+            float(p["ppl_delta"]) if p.get("ppl_delta") is not None else None, p["method"], p["model"],
+            f"{p['run']} (benchmarks/results/{p['result']}, commit {p['commit'][:7]}, {p['date']})",
+            _num(p.get("min_hit_gain")), _num(p.get("ttft_speedup")))))
+    if len({q.source for _, q in points}) != len(points):
+        raise _bad(where, "two points name the same run")
+    by_day = sorted(points, key=lambda x: x[0]["date"])
+    return QualityCalibration(obj["model"], obj["workload"], tuple(q for _, q in points),
+                              tuple(dict.fromkeys(p["commit"] for p, _ in by_day)),
+                              tuple(sorted({p["date"] for p, _ in points})))
+
+
+def load_quality_calibration(name: str = "quality_smollm2") -> QualityCalibration:
+    """The packaged calibration kite/tune/calibration/<name>.json, validated (BadInput, one line,
+    when missing or not the schema)."""
+    where = f"kite/tune/calibration/{name}.json"
+    try:
+        text = resources.files("kite.tune").joinpath("calibration", f"{name}.json").read_text()
+    except (FileNotFoundError, OSError):
+        raise BadInput(f"{where}: no such calibration") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _bad(where, f"not JSON ({e})") from None
+    return parse_quality_calibration(obj, where)
+
+
+@cache
+def reference() -> QualityCalibration:
+    """This project's measured points: the packaged calibration (the embedded SmolLM2-135M; GPU bytes
+    at Qwen2-7B geometry on the H200)."""
+    return load_quality_calibration()
 
 
 def nominal_ratio(setting: str) -> float | None:
@@ -185,12 +297,12 @@ class SettingFit:
 
 def fit_settings(history: list[QualityPoint], use_reference: bool = True) -> list[SettingFit]:
     """Every setting the plan shows (RATIOS, the presets, and any the points name), fitted on the
-    history's points where they come from MIN_RUNS runs, pooled with REFERENCE_POINTS (when
+    history's points where they come from MIN_RUNS runs, pooled with the reference points (when
     `use_reference`) where it has fewer, else bounded analytically: the ratio by its nominal value,
     the PPL Δ from below by the largest fitted low of a setting with a smaller nominal ratio (more
     compression is assumed to lose no less) and not at all from above."""
     names = [f"ratio={r:g}" for r in RATIOS] + list(PRESET_BITS)
-    names += [p.setting for p in (*history, *(REFERENCE_POINTS if use_reference else ()))]
+    names += [p.setting for p in (*history, *(reference().points if use_reference else ()))]
     fits = [_fit_one(name, history, use_reference) for name in dict.fromkeys(names)]
     _bound_unmeasured(fits)
     return sorted(fits, key=lambda f: (f.nominal or 0, f.setting))
@@ -199,7 +311,7 @@ def fit_settings(history: list[QualityPoint], use_reference: bool = True) -> lis
 def _fit_one(name: str, history: list[QualityPoint], use_reference: bool) -> SettingFit:
     nominal = nominal_ratio(name)
     mine = [p for p in history if p.setting == name]
-    ref = [p for p in REFERENCE_POINTS if use_reference and p.setting == name]
+    ref = [p for p in reference().points if use_reference and p.setting == name]
     ratio = _interval([p for p in mine if p.achieved_ratio], [p for p in ref if p.achieved_ratio],
                       lambda p: p.achieved_ratio)
     ppl = _interval([p for p in mine if p.ppl_delta is not None], [p for p in ref if p.ppl_delta is not None],
@@ -207,7 +319,7 @@ def _fit_one(name: str, history: list[QualityPoint], use_reference: bool) -> Set
     points = list(dict.fromkeys([*ratio[1], *ppl[1]]))
     r_int = ratio[0] or (Interval(nominal, nominal, "analytic", 0, "the nominal ratio (the codec's byte budget); "
                                   "not measured") if nominal else Interval(None, None, "analytic", 0, "unknown"))
-    gpu = [p.achieved_ratio for p in REFERENCE_POINTS if use_reference and p.setting == name
+    gpu = [p.achieved_ratio for p in reference().points if use_reference and p.setting == name
            and p.method == "gpu-bytes"]
     return SettingFit(name, nominal, r_int, ppl[0] or Interval(None, None, "analytic", 0, "not measured"),
                       points, gpu[0] if gpu else None)
