@@ -17,13 +17,10 @@ DOC = CORPUS.replace(". ", ".\n\n", 3)
 # A kind whose mutants a reader does not yet handle: the check that is missing. Each is strict: when
 # the check lands, the test passes and the xfail must go.
 MISSING = {
-    "blob": "a part's codec blob is not checked before decoding (its meta, tensor table and lengths against its "
-            "layer's codec and its cluster's token count): crashes in the native dequantizer, internal "
-            "exceptions, silent loads",
-    "keys": "a part's blob does not name the (cluster, layer, side) key it is stored under: swapped K/V parts "
-            "crash the native dequantizer, swapped layers and clusters load silently",
-    "clusters": "a part's row count is not compared with its cluster's token count, and the parts do not name "
-                "their cluster: swapped ids, ranges and moved tokens load silently",
+    "blob": "the header does not bind its parts' checksums: a part whose values were edited, its checksum "
+            "recomputed, loads into other KV",
+    "keys": "the header does not bind which part is stored under which key: two layers' parts of the same "
+            "size and widths swapped load into other KV",
 }
 
 

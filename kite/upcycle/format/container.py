@@ -233,6 +233,8 @@ class StateFile:
         if version > FORMAT_VERSION:
             raise BadInput(f"{self.path}: .upc format version {version} is newer than this KITE reads "
                            f"({FORMAT_VERSION}); upgrade KITE")
+        if version < 1:
+            raise BadInput(f"{self.path}: corrupt .upc state (format version {version}; versions start at 1)")
         if hlen > MAX_HEADER:
             raise BadInput(f"{self.path}: corrupt .upc state (header length {hlen})")
         header = self._fh.read(hlen)
@@ -262,7 +264,13 @@ class StateFile:
         if entry.codec == "zstd":
             import zstandard
 
-            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=entry.raw_length)
+            try:
+                data = zstandard.ZstdDecompressor().decompress(data, max_output_size=entry.raw_length)
+            except zstandard.ZstdError as exc:
+                raise BadInput(f"{self.path}: corrupt .upc state (part {key} does not decompress: {exc})") from None
+            if len(data) != entry.raw_length:
+                raise BadInput(f"{self.path}: corrupt .upc state (part {key} decompresses to {len(data):,} bytes, "
+                               f"its index says {entry.raw_length:,})")
         return data
 
     def check_blob(self, key: str, stored) -> None:
@@ -304,6 +312,8 @@ def check_state_bytes(data: bytes, where: str = "state") -> tuple[dict, int]:
     _, version, _flags, hlen, hsum = _PREAMBLE.unpack_from(view)
     if version > FORMAT_VERSION:
         raise BadInput(f"{where}: .upc format version {version} is newer than this KITE reads ({FORMAT_VERSION})")
+    if version < 1:
+        raise BadInput(f"{where}: corrupt .upc state (format version {version}; versions start at 1)")
     start = _PREAMBLE.size + hlen
     if hlen > MAX_HEADER or len(view) < start:
         raise BadInput(f"{where}: truncated .upc state (the header is cut off)")
