@@ -16,8 +16,10 @@ and an index alone (the same three give the same bytes on every machine):
   ids, ranges or labels, a token moves from one cluster to the next), the header checksum
   recomputed.
 
-No mutant recomputes the content address: it is the binding a reader checks a forged header or
-part against (docs/upc-format.md says what it covers).
+No mutant recomputes the header's content digest nor the content address: they are the binding a
+reader checks an edited header or part against (docs/upc-format.md, "What a reader detects"). A
+state written without the digest (:func:`without_content`, as before it) shows what the parts'
+own structure catches.
 """
 
 from __future__ import annotations
@@ -80,6 +82,12 @@ def assemble(meta: dict, blobs, version: int = 1, flags: int = 0, index: list | 
                         separators=(",", ":"), ensure_ascii=False).encode()
     pre = _PRE.pack(b"KITEUPC\0", version, flags, len(header), _digest(header))
     return pre + header + b"".join(stored for _, stored, _, _ in blobs)
+
+
+def without_content(data: bytes) -> bytes:
+    """The state without its header's content digest (as states were written before it)."""
+    p = _Parsed(data)
+    return assemble({k: v for k, v in p.meta.items() if k != "content"}, p.blobs, version=p.version)
 
 
 def mutants(data: bytes, n: int, seed: int = 0, start: int = 0, kinds=MUTANT_KINDS):
@@ -367,4 +375,4 @@ def _clusters(data: bytes, p: _Parsed, rng) -> tuple[str, bytes]:
 
 _MAKERS = {"damage": _damage, "header": _header, "blob": _blob, "keys": _keys, "clusters": _clusters}
 
-__all__ = ["MUTANT_KINDS", "Mutant", "assemble", "make_mutant", "mutants"]
+__all__ = ["MUTANT_KINDS", "Mutant", "assemble", "make_mutant", "mutants", "without_content"]

@@ -63,9 +63,12 @@ def classify_exception(exc: BaseException) -> tuple[str, str]:
     return "internal", f"{type(exc).__name__}: {text[:300]}"
 
 
-def make_fuzz_state(model_dir: str | Path, text: str, out: str | Path, codec: str = "ratio=4", n_clusters: int = 3) -> Path:
+def make_fuzz_state(model_dir: str | Path, text: str, out: str | Path, codec: str = "ratio=4", n_clusters: int = 3,
+                    content: bool = True) -> Path:
     """A small addressed state of ``text`` on the model in ``model_dir`` (CPU), PCA-coded by default
-    so that loads go through the native decoder: what the fuzzer mutates."""
+    so that loads go through the native decoder: what the fuzzer mutates. ``content=False``: without
+    the header's content digest, as states were written before it (a reader then has only the
+    parts' own structure to go by)."""
     from kite.model import load_model
     from kite.upcycle import codec as codecs
     from kite.upcycle.compress import CompressSettings, compress_document
@@ -73,6 +76,10 @@ def make_fuzz_state(model_dir: str | Path, text: str, out: str | Path, codec: st
     lm = load_model(str(model_dir), device="cpu")
     compress_document(lm, text, out, CompressSettings(codec=codecs.settings_for(codec), n_clusters=n_clusters,
                                                       min_span_tokens=8, max_span_tokens=24), address=True)
+    if not content:
+        from kite.upcycle.format.mutants import without_content
+
+        Path(out).write_bytes(without_content(Path(out).read_bytes()))
     return Path(out)
 
 
