@@ -83,3 +83,29 @@ def test_mutants_are_made_from_the_seed_and_index_alone(state):
         assert (a.kind, a.name, a.data) == (b.kind, b.name, b.data)
         assert a.kind == MUTANT_KINDS[i % len(MUTANT_KINDS)]
     assert any(make_mutant(data, i, seed=3).data != make_mutant(data, i, seed=4).data for i in range(5))
+
+
+def crashing_load(path, lm):
+    """A loader for the fuzzer's own test: a native crash on mutants 1 and 5, an internal exception on
+    2 and 6, the public load path otherwise."""
+    import os
+    import signal
+
+    from kite.upcycle.study.state_fuzz import load_state
+
+    index = int(path.stem[1:]) if path.stem.startswith("m") else -1
+    if index % 4 == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if index % 4 == 2:
+        raise KeyError("codes")
+    return load_state(path, lm)
+
+
+@pytest.mark.slow
+def test_the_fuzzer_counts_a_crash_and_goes_on(tiny_models, state):
+    got = fuzz_states(tiny_models["llama"], state, 8, seed=0, batch=8, loader=f"{__name__}:crashing_load")
+    assert [o.index for o in got] == list(range(8))
+    assert [o.index for o in got if o.outcome == "crash"] == [1, 5]
+    assert all(o.detail == "killed by SIGSEGV" for o in got if o.outcome == "crash")
+    assert [o.index for o in got if o.outcome == "internal"] == [2, 6]
+    assert all(o.outcome in ("refused", "identical") for o in got if o.index % 4 in (0, 3))

@@ -65,6 +65,13 @@ def _check(meta) -> int:
     n_layers = _geometry(meta.get("model"))
     _fingerprints(meta.get("fingerprints", {}))
     _codec(meta.get("codec"))
+    for key in ("source", "spans", "tagger"):
+        if meta.get(key) is not None:
+            _object(meta[key], key)
+    if meta.get("regenerator") is not None:
+        fp = _object(meta["regenerator"], "regenerator").get("fingerprint")
+        if not isinstance(fp, str):
+            raise _Bad(f"regenerator.fingerprint is {_show(fp)}, expected a string")
     if "raw_kv_bytes_fp16" in meta:
         _int(meta["raw_kv_bytes_fp16"], "raw_kv_bytes_fp16", 0)
     ids = _clusters(meta.get("clusters"), n_tokens)
@@ -213,7 +220,8 @@ def _blobs(rows, n_layers: int, ids: list[int]) -> int:
     if not isinstance(rows, list):
         raise _Bad(f"blobs is {_show(rows)}, expected the blob index (a list)")
     if not rows:
-        _explain_keys(set(), n_layers, ids)
+        raise _Bad(f"the blob index has no part L0 ({n_layers * (1 + 2 * len(ids))} missing for {n_layers} layers "
+                   f"and {len(ids)} clusters)")
     if set(map(type, rows)) != {list} or set(map(len, rows)) != {6}:
         _explain_blobs(rows)
     keys, offsets, lengths, raws, codecs, sums = zip(*rows)
@@ -224,6 +232,9 @@ def _blobs(rows, n_layers: int, ids: list[int]) -> int:
             or not set(codecs) <= {"raw", "zstd"} or ("raw", False) in set(zip(codecs, map(operator.eq, raws, lengths)))
             or set(map(type, sums)) != {str} or set(map(len, sums)) != {32} or not _HEX.fullmatch("".join(sums))):
         _explain_blobs(rows)
+    if n_layers * (1 + 2 * len(ids)) > 4 * len(keys):   # never build a set of keys far larger than the index
+        raise _Bad(f"the blob index has {len(keys)} parts; {n_layers} layers and {len(ids)} clusters call for "
+                   f"{n_layers * (1 + 2 * len(ids))}")
     want = {blob_key(None, layer) for layer in range(n_layers)}
     for c in ids:
         for layer in range(n_layers):

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+LOADER = "kite.upcycle.study.state_fuzz:load_state"
 OUTCOMES = ("refused", "crash", "internal", "identical", "different")
 BAD_OUTCOMES = ("crash", "internal", "different")
 
@@ -91,29 +92,44 @@ def _same(a, b) -> bool:
     return all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
 
 
-def _load_one(path, lm, base, StateFile, load_prefix) -> tuple[str, str]:
+def load_state(path, lm):
+    """The public load path (``kite generate --upc``): ``StateFile`` + ``load_prefix``, every
+    cluster and layer. Returns the KV prefix."""
+    from kite.upcycle.format import StateFile
+    from kite.upcycle.load import load_prefix
+
+    with StateFile(path) as sf:
+        return load_prefix(sf, lm)[0]
+
+
+def _loader(spec: str):
+    import importlib
+
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _load_one(path, lm, base, load) -> tuple[str, str]:
     try:
-        with StateFile(path) as sf:
-            prefix, _ = load_prefix(sf, lm)
+        prefix = load(path, lm)
     except Exception as exc:  # every exception is a finding: classified, never raised
         return classify_exception(exc)
     return ("identical", "") if _same(prefix, base) else ("different", "")
 
 
 def run_batch(model_dir: str, state_path: str, seed: int, start: int, stop: int, out_path: str,
-              kinds=None, timeout: float = 60.0) -> None:
+              kinds=None, timeout: float = 60.0, loader: str = LOADER) -> None:
     """The child's work: mutants ``start`` .. ``stop - 1``, one JSON line each in ``out_path``."""
     import torch
 
     from kite.model import load_model
-    from kite.upcycle.format import StateFile
     from kite.upcycle.format.mutants import MUTANT_KINDS, make_mutant
-    from kite.upcycle.load import load_prefix
 
     torch.set_num_threads(1)
     lm = load_model(model_dir, device="cpu")
     data = Path(state_path).read_bytes()
-    base, _ = load_prefix(StateFile(state_path), lm)
+    load = _loader(loader)
+    base = load(Path(state_path), lm)
     work = Path(tempfile.mkdtemp(prefix="kite-fuzz-"))
     at = start
     while at < stop:
@@ -123,7 +139,7 @@ def run_batch(model_dir: str, state_path: str, seed: int, start: int, stop: int,
         if pid == 0:
             code = 0
             try:
-                _run_loads(data, at, stop, seed, kinds or MUTANT_KINDS, work, out_path, lm, base, timeout)
+                _run_loads(data, at, stop, seed, kinds or MUTANT_KINDS, work, out_path, lm, base, timeout, load)
             except BaseException:
                 code = 3
             finally:
@@ -148,10 +164,8 @@ def run_batch(model_dir: str, state_path: str, seed: int, start: int, stop: int,
     work.rmdir()
 
 
-def _run_loads(data, start, stop, seed, kinds, work, out_path, lm, base, timeout) -> None:
-    from kite.upcycle.format import StateFile
+def _run_loads(data, start, stop, seed, kinds, work, out_path, lm, base, timeout, load) -> None:
     from kite.upcycle.format.mutants import mutants
-    from kite.upcycle.load import load_prefix
 
     with open(out_path, "a", buffering=1) as out:
         for m in mutants(data, stop, seed, start, kinds):
@@ -160,14 +174,14 @@ def _run_loads(data, start, stop, seed, kinds, work, out_path, lm, base, timeout
             out.write(json.dumps({"start": m.index}) + "\n")   # a crash is the mutant after this line
             t = time.perf_counter()
             signal.alarm(max(1, int(timeout)))                  # a hang ends the fork with SIGALRM
-            outcome, detail = _load_one(path, lm, base, StateFile, load_prefix)
+            outcome, detail = _load_one(path, lm, base, load)
             signal.alarm(0)
             ms = round((time.perf_counter() - t) * 1e3, 3)
             out.write(json.dumps(Outcome(m.index, m.kind, m.name, outcome, detail, ms).to_dict()) + "\n")
             path.unlink()
 
 
-def _run_range(model_dir, state_path, seed, start, stop, kinds, timeout) -> list[Outcome]:
+def _run_range(model_dir, state_path, seed, start, stop, kinds, timeout, loader) -> list[Outcome]:
     from kite.upcycle.format.mutants import MUTANT_KINDS, make_mutant
 
     kinds = tuple(kinds or MUTANT_KINDS)
@@ -177,8 +191,8 @@ def _run_range(model_dir, state_path, seed, start, stop, kinds, timeout) -> list
     env = {**os.environ, "KITE_VERIFY_RECORD": "0", "OMP_NUM_THREADS": "1"}
     while at < stop:
         with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as out:
-            cmd = [sys.executable, "-m", "kite.upcycle.study.state_fuzz", model_dir, str(state_path), str(seed),
-                   str(at), str(stop), out.name, ",".join(kinds)]
+            cmd = [sys.executable, "-W", "ignore::RuntimeWarning", "-m", "kite.upcycle.study.state_fuzz", model_dir, str(state_path), str(seed),
+                   str(at), str(stop), out.name, ",".join(kinds), loader]
             try:
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
                 rc, err = proc.returncode, proc.stderr
@@ -209,16 +223,19 @@ def _run_range(model_dir, state_path, seed, start, stop, kinds, timeout) -> list
 
 
 def fuzz_states(model_dir: str | Path, state_path: str | Path, n: int, *, seed: int = 0, batch: int = 250,
-                workers: int = 1, kinds=None, timeout: float = 600.0) -> list[Outcome]:
+                workers: int = 1, kinds=None, timeout: float = 600.0, loader: str = LOADER) -> list[Outcome]:
     """Outcomes of mutants 0 .. n-1 of the state (seeded), loaded on the model in ``model_dir`` on
-    the CPU, ``batch`` mutants per child process, ``workers`` children at a time."""
+    the CPU, ``batch`` mutants per child process, ``workers`` children at a time. ``loader``:
+    ``"module:function"`` that loads a state file on the model (``function(path, lm)`` -> KV
+    prefix; default :func:`load_state`, the public load path)."""
     ranges = [(s, min(n, s + batch)) for s in range(0, n, batch)]
     with ThreadPoolExecutor(max(1, workers)) as pool:
-        parts = pool.map(lambda r: _run_range(str(model_dir), str(state_path), seed, r[0], r[1], kinds, timeout),
+        parts = pool.map(lambda r: _run_range(str(model_dir), str(state_path), seed, r[0], r[1], kinds, timeout,
+                                                loader),
                          ranges)
         return sorted((o for part in parts for o in part), key=lambda o: o.index)
 
 
 if __name__ == "__main__":
-    model, state, seed_, start_, stop_, out_, kinds_ = sys.argv[1:8]
-    run_batch(model, state, int(seed_), int(start_), int(stop_), out_, tuple(kinds_.split(",")))
+    model, state, seed_, start_, stop_, out_, kinds_, loader_ = sys.argv[1:9]
+    run_batch(model, state, int(seed_), int(start_), int(stop_), out_, tuple(kinds_.split(",")), loader=loader_)
