@@ -436,3 +436,12 @@ def test_the_dequantizer_refuses_buffers_shorter_than_its_arguments():
         dequantize_groups(torch.zeros(10, dtype=torch.uint8), 4, 32, 4, scale, scale)
     with pytest.raises(ValueError, match="fp16 scales"):
         dequantize_groups(torch.zeros(64, dtype=torch.uint8), 4, 32, 4, scale[:2], scale)
+
+
+def test_inspect_verify_lists_the_parts_a_load_would_refuse(pca_state, tmp_path):
+    bad = _keys_swapped(pca_state, tmp_path / "kv.upc", "c0/L1/K", "c0/L1/V", content=False)
+    result = _inspect(bad, "--verify", "--json")
+    assert result.exit_code == 1
+    report = parse_json(result.output)
+    assert sorted(report["checksums"]["failed"]) == ["c0/L1/K", "c0/L1/V"]
+    assert "does not decode" in report["checksums"]["errors"]["c0/L1/K"]

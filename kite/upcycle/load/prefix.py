@@ -18,12 +18,12 @@ from kite.errors import BadInput, FingerprintMismatch
 from kite.model.fingerprint import PREFIX, short
 from kite.runtime.cache import KVPrefix
 from kite.upcycle import codec
-from kite.upcycle.codec.checks import check_layer, check_part, table_of
 from kite.upcycle.codec.regenerator import resolve
 from kite.upcycle.format.container import StateFile
 from kite.upcycle.format.names import blob_key
 from kite.upcycle.load.fidelity import load_warnings
 from kite.upcycle.load.hot_tier import HotTier, default_tier
+from kite.upcycle.load.parts import decode_part, read_layer, read_part
 from kite.upcycle.load.rebuild import load_staged
 from kite.upcycle.load.selection import SINK_TOKENS, Selection, select
 from kite.upcycle.load.staging import stage_state, supports_state
@@ -136,45 +136,6 @@ def _at_precision(x: torch.Tensor, precision: str | None) -> torch.Tensor:
     return codec.dequantize(codec.quantize(x, precision, group_size=group, axis=-1))
 
 
-def _bad_part(state: StateFile, key: str, exc: BaseException) -> BadInput:
-    return BadInput(f"{state.path}: part {key} does not decode ({exc})")
-
-
-def _read_layer(state: StateFile, layer: int, verify: bool, H: int, d: int):
-    """A layer codec read and checked (:func:`kite.upcycle.codec.checks.check_layer`): (codec, widths)."""
-    key = blob_key(None, layer)
-    data = state.read(key, verify=verify)
-    try:
-        lc = codec.from_bytes(data, codec.LayerCodec)
-        bits = {side: lc.tensors[f"{side}.bits"].numpy() for side in ("k", "v") if f"{side}.bits" in lc.tensors}
-        widths = check_layer(lc.meta, table_of(lc.tensors), bits, H, d)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise _bad_part(state, key, exc) from None
-    return lc, widths
-
-
-def _read_part(state: StateFile, key: str, verify: bool, lc, widths: dict, tokens: int, H: int, d: int):
-    """A part's blob read and checked against its layer codec and its cluster's ``tokens``."""
-    data = state.read(key, verify=verify)
-    side = key.rsplit("/", 1)[1].lower()
-    try:
-        blob = codec.from_bytes(data)
-        idx = blob.tensors.get("out.idx")
-        check_part(lc.meta, side, widths.get(side), blob.meta, table_of(blob.tensors), tokens, H, d,
-                   outliers=None if idx is None or idx.dim() != 1 else idx.numpy())
-    except (ValueError, KeyError, TypeError) as exc:
-        raise _bad_part(state, key, exc) from None
-    return blob
-
-
-def _decode(state: StateFile, lc, part, cluster: int, layer: int):
-    """A checked part decoded; should the decoder still refuse it, a BadInput naming the part."""
-    try:
-        return codec.decode(lc, part)
-    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
-        raise _bad_part(state, f"c{cluster}/L{layer}", exc) from None
-
-
 def _load_on_host(state: StateFile, lm: LoadedModel, sel: Selection, layer_set: set[int], verify: bool,
                   precision: str | None, regenerator) -> tuple[list, list, int, dict]:
     geo = lm.geometry
@@ -192,19 +153,19 @@ def _load_on_host(state: StateFile, lm: LoadedModel, sel: Selection, layer_set: 
             values.append(empty)
             continue
         t = time.perf_counter()
-        lc, widths = _read_layer(state, layer, verify, H, d)
+        lc, widths = read_layer(state, layer, verify, H, d)
         if regenerator is not None:
             codec.attach_regenerator(lc, {side: regenerator.side(layer, side)[2] for side in ("k", "v")})
         nbytes += state.index[blob_key(None, layer)].length
         parts = []
         for (c, _), pos in zip(sel.parts, sel.part_positions):
-            kb, vb = (_read_part(state, blob_key(c, layer, side), verify, lc, widths, int(pos.numel()), H, d)
+            kb, vb = (read_part(state, blob_key(c, layer, side), verify, lc, widths, int(pos.numel()), H, d)
                       for side in ("K", "V"))
             nbytes += state.index[blob_key(c, layer, "K")].length + state.index[blob_key(c, layer, "V")].length
             parts.append(codec.EncodedPart(kb, vb))
         t_read += time.perf_counter() - t
         t = time.perf_counter()
-        decoded = [_decode(state, lc, p, c, layer) for p, (c, _) in zip(parts, sel.parts)]
+        decoded = [decode_part(state, lc, p, c, layer) for p, (c, _) in zip(parts, sel.parts)]
         ks = [k if keep is None else k[:, keep] for (k, _), (_, keep) in zip(decoded, sel.parts)]
         vs = [v if keep is None else v[:, keep] for (_, v), (_, keep) in zip(decoded, sel.parts)]
         k = apply_rope(torch.cat(ks, dim=1)[:, order], cos, sin)
