@@ -15,8 +15,9 @@ tests/data/golden/ in two ways:
   the machine rather than the state: ``created_at``, ``kite_version``, ``model.spec`` (a temporary
   folder) and the fingerprints (hashes of the weights file and tokenizer as the installed
   transformers / tokenizers write them); and the bytes a float result decides (each blob's stored
-  length, offset, checksum and whether zstd paid). Floats the tagger computes (cluster
-  probabilities, rounded to 4 places, its temperatures and accuracies) match to 5e-3.
+  length, offset, checksum and whether zstd paid, and the header's content digest, checked by its
+  documented rule instead). Floats the tagger computes (cluster probabilities, rounded to 4 places,
+  its temperatures and accuracies) match to 5e-3.
 - **Decoded tensors, within a tolerance** (`decoded.npz`, fp16). Keys and values as `load_prefix`
   rebuilds them (after RoPE), every layer:
 
@@ -220,6 +221,14 @@ def _read_state(path: Path) -> dict:
         blob_meta, table, tensors = _codec_blob(raw, key)
         bits = {n: list(tensors[n]) for n in tensors if n.endswith(".bits")}
         blobs.append({"key": key, "raw_length": raw_len, "meta": blob_meta, "table": table, "bits": bits})
+    # the content digest, by its documented rule; its value follows the blobs' checksums, which float
+    # results decide, so the reference holds the rule rather than the value
+    content = meta.pop("content")
+    body = {"scheme": "kite-content1", "n_tokens": meta["n_tokens"],
+            "clusters": [[c["id"], c["label"], c["token_ranges"]] for c in meta["clusters"]],
+            "blobs": [[key, stored_len, raw_len, codec, checksum] for key, _, stored_len, raw_len, codec, checksum in rows]}
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode())
+    assert content == {"scheme": "kite-content1", "sha256": digest.hexdigest()}, "the content digest"
     for dotted in VOLATILE:
         node, (*parents, leaf) = meta, dotted.split(".")
         for p in parents:

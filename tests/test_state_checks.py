@@ -341,3 +341,107 @@ def test_inspect_shows_the_combined_fingerprint(state, lm):
     assert info["fingerprint"] == combined == info["fingerprints"]["combined"]
     table = _inspect(state).output
     assert f"fingerprint {combined}" in table and combined.removeprefix("kite-fp1:")[:12] in table
+
+
+# --- crafted states: every check in one place, before any decoder ----------------------------------
+
+def _parts(path):
+    """(meta, [[key, stored bytes, raw length, codec], ...]) of a state, by the documented layout."""
+    pre, meta, blobs = _split(path)
+    return meta, [[k, blobs[off:off + n], raw, c] for k, off, n, raw, c, _ in meta["blobs"]]
+
+
+def _keys_swapped(path, out, a, b, content=True):
+    """`path` with the blob index's keys `a` and `b` swapped, every checksum still valid (the content
+    digest left as it was, or dropped with ``content=False``)."""
+    from kite.upcycle.format import assemble
+
+    meta, blobs = _parts(path)
+    if not content:
+        meta.pop("content")
+    index = [[{a: b, b: a}.get(r[0], r[0]), *r[1:]] for r in meta["blobs"]]
+    out.write_bytes(assemble(meta, blobs, index=index))
+    return out
+
+
+@pytest.fixture(scope="module")
+def pca_state(lm, tmp_path_factory):
+    """A ratio=4 (PCA-coded) state of the tiny Llama: its K and V parts differ in widths."""
+    out = tmp_path_factory.mktemp("checks") / "pca.upc"
+    compress_document(lm, DOC, out, CompressSettings(codec=codec.settings_for("ratio=4"), n_clusters=3,
+                                                     min_span_tokens=8, max_span_tokens=24), address=True)
+    return out
+
+
+def test_a_state_records_a_content_digest_of_its_clusters_and_parts(pca_state):
+    with StateFile(pca_state) as sf:
+        assert sf.meta["content"]["scheme"] == "kite-content1"
+        assert len(sf.meta["content"]["sha256"]) == 64
+
+
+def test_swapped_parts_are_refused_when_the_state_opens(pca_state, tmp_path):
+    bad = _keys_swapped(pca_state, tmp_path / "swapped.upc", "c0/L1/K", "c0/L2/K")
+    with pytest.raises(BadInput, match="content digest does not match"):
+        StateFile(bad)
+    line = _one_error_line(_inspect(bad, "--verify"))
+    assert "content digest" in line
+
+
+def test_without_a_digest_a_swapped_key_and_value_are_refused_naming_the_part(pca_state, lm, tmp_path):
+    bad = _keys_swapped(pca_state, tmp_path / "kv.upc", "c0/L1/K", "c0/L1/V", content=False)
+    with StateFile(bad) as sf:          # the header is consistent: only the parts tell
+        with pytest.raises(BadInput, match=r"part c0/L1/[KV] does not decode \(tensor codes has shape"):
+            load_prefix(sf, lm)
+
+
+def test_a_part_whose_token_count_is_not_its_clusters_is_refused(pca_state, lm, tmp_path):
+    from kite.upcycle.format import assemble
+    from kite.upcycle.format.codec_blob import decode, encode
+
+    meta, blobs = _parts(pca_state)
+    meta.pop("content")
+    i = next(i for i, b in enumerate(blobs) if b[0] == "c1/L0/V")
+    raw = blobs[i][1] if blobs[i][3] == "raw" else __import__("zstandard").ZstdDecompressor().decompress(blobs[i][1])
+    m, tensors = decode(raw)
+    m["T"] += 1
+    edited = encode(m, tensors)
+    blobs[i] = ["c1/L0/V", edited, len(edited), "raw"]
+    out = tmp_path / "rows.upc"
+    out.write_bytes(assemble(meta, blobs))
+    with pytest.raises(BadInput, match=r"part c1/L0/V does not decode \(the part holds \d+ tokens, its cluster \d+\)"):
+        load_prefix(str(out), lm)
+
+
+def test_a_zeroed_address_or_format_version_0_is_refused_when_the_state_opens(pca_state, tmp_path):
+    from kite.upcycle import AddressMismatch
+
+    bad = _with_header(pca_state, tmp_path / "addr.upc", lambda m: m["address"].update(id="0" * 64))
+    with pytest.raises(AddressMismatch, match="is not the hash of its fields"):
+        StateFile(bad)
+    data = bytearray(pca_state.read_bytes())
+    data[8:10] = struct.pack("<H", 0)
+    v0 = tmp_path / "v0.upc"
+    v0.write_bytes(bytes(data))
+    with pytest.raises(BadInput, match="format version 0"):
+        StateFile(v0)
+
+
+def test_the_dequantizer_refuses_buffers_shorter_than_its_arguments():
+    import torch
+
+    from kite.kernels.quant import dequantize_groups
+
+    scale = torch.ones(4, dtype=torch.float16)
+    with pytest.raises(ValueError, match="need 64 code bytes"):
+        dequantize_groups(torch.zeros(10, dtype=torch.uint8), 4, 32, 4, scale, scale)
+    with pytest.raises(ValueError, match="fp16 scales"):
+        dequantize_groups(torch.zeros(64, dtype=torch.uint8), 4, 32, 4, scale[:2], scale)
+
+
+def test_inspect_verify_lists_the_parts_a_load_would_refuse(pca_state, tmp_path):
+    bad = _keys_swapped(pca_state, tmp_path / "kv.upc", "c0/L1/K", "c0/L1/V", content=False)
+    result = _inspect(bad, "--verify", "--json")
+    assert result.exit_code == 1
+    report = parse_json(result.output)
+    assert sorted(report["checksums"]["failed"]) == ["c0/L1/K", "c0/L1/V"]
+    assert "does not decode" in report["checksums"]["errors"]["c0/L1/K"]

@@ -130,6 +130,13 @@ def dequantize_groups(packed: torch.Tensor, G: int, gs: int, bits: int, scale: t
                       mn: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`quantize_groups`: float32 [G, gs] = min + scale * code."""
     _check(bits, "minmax")
+    # the native kernel reads G * gs codes and G scales and minimums wherever the pointers lead:
+    # never hand it buffers shorter than that (a damaged or crafted state would make it read past them)
+    if G < 0 or gs < 0 or packed.dtype != torch.uint8 or packed.numel() < -(-G * gs * bits // 8) \
+            or scale.dtype != torch.float16 or mn.dtype != torch.float16 or scale.numel() < G or mn.numel() < G:
+        raise ValueError(f"dequantize_groups: {G} groups of {gs} {bits}-bit codes need {-(-G * gs * bits // 8)} "
+                         f"code bytes and {G} fp16 scales and minimums; got {packed.numel()} {packed.dtype}, "
+                         f"{scale.numel()} {scale.dtype}, {mn.numel()} {mn.dtype}")
     lib = native.cpu() if not packed.is_cuda else None
     if lib is None:
         return dequantize_groups_torch(packed, G, gs, bits, scale, mn)

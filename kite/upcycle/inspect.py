@@ -6,11 +6,12 @@ from pathlib import Path
 
 from kite.upcycle.address import check_address
 from kite.upcycle.format.container import FORMAT_VERSION, StateFile
+from kite.upcycle.load import check_parts
 
 
 def describe_state(path: str | Path, verify: bool = False) -> dict:
     """The header as plain data (fingerprints, geometry, codec, clusters with their bytes); with
-    `verify`, every part's checksum too. Opening checks the header and the file's size."""
+    `verify`, every part's checksum too, and the checks a load makes of each part before decoding it. Opening checks the header and the file's size."""
     with StateFile(path) as sf:
         meta = sf.meta
         per_cluster: dict[int, int] = {}
@@ -51,6 +52,8 @@ def describe_state(path: str | Path, verify: bool = False) -> dict:
         }
         if verify:
             status = sf.verify()
+            # then, of the parts whose bytes are whole, what a load checks before decoding them
+            status.update({k: v for k, v in check_parts(sf, verify=False).items() if status.get(k) == "ok"})
             failed = [k for k, v in status.items() if v != "ok"]
             report["checksums"] = {"ok": len(status) - len(failed), "failed": failed,
                                    "errors": {k: status[k] for k in failed}}

@@ -74,39 +74,64 @@ def encode_rows(meta: dict, rows) -> bytes:
     return b"".join(bufs)
 
 
+def read_table(data, off: int = 0) -> tuple[dict, list[tuple[str, str, list[int], int]], int]:
+    """The blob at ``data[off:]``: its meta and its table as (name, dtype name, shape, absolute offset)
+    rows, and where its bytes end. ValueError, saying what is wrong, unless the header is JSON of the
+    documented form and the tensors' bytes fill the blob exactly (no tensor past its end, no byte
+    after the last)."""
+    end = len(data)
+    if bytes(data[off:off + 3]) != MAGIC:
+        raise ValueError("not a codec blob (bad magic)")
+    if end - off < PREFIX_BYTES:
+        raise ValueError("truncated codec blob (its header is cut off)")
+    (n,) = _LEN.unpack(bytes(data[off + 3:off + 7]))
+    if n > end - off - PREFIX_BYTES:
+        raise ValueError("truncated codec blob (its header is cut off)")
+    try:
+        head = json.loads(bytes(data[off + 7:off + 7 + n]))
+    except ValueError:
+        raise ValueError("a codec blob's header is not JSON") from None
+    if not isinstance(head, dict) or not isinstance(head.get("m"), dict) or not isinstance(head.get("t"), list):
+        raise ValueError("a codec blob's header is not {m, t}")
+    pos = off + 7 + n
+    rows, names = [], set()
+    for row in head["t"]:
+        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str) and row[1] in ITEMSIZE
+                and isinstance(row[2], list) and all(type(x) is int and x >= 0 for x in row[2])):
+            raise ValueError(f"a codec blob's tensor row {str(row)[:60]} is not [name, dtype, shape]")
+        if row[0] in names:
+            raise ValueError(f"tensor {row[0]} appears twice in a codec blob")
+        names.add(row[0])
+        size = math.prod(row[2]) * ITEMSIZE[row[1]]
+        if size > end - pos:
+            raise ValueError(f"truncated codec blob (tensor {row[0]} is cut off)")
+        rows.append((row[0], row[1], row[2], pos))
+        pos += size
+    if pos != end:
+        raise ValueError(f"corrupt codec blob ({end - pos} bytes after its last tensor)")
+    return head["m"], rows, pos
+
+
 def decode(data: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
     """(meta, tensors) of a blob; the tensors own their bytes. ValueError on a damaged blob."""
-    if data[:3] != MAGIC:
-        raise ValueError("not a codec blob (bad magic)")
-    (n,) = _LEN.unpack(data[3:7])
-    head = json.loads(data[7:7 + n])
-    off = 7 + n
+    meta, rows, _ = read_table(data)
     tensors = {}
-    for name, dt, shape in head["t"]:
-        dtype = TORCH_DTYPES[dt]
+    for name, dt, shape, off in rows:
         size = math.prod(shape) * ITEMSIZE[dt]
         buf = bytearray(data[off:off + size])
-        if len(buf) != size:
-            raise ValueError("truncated codec blob")
         t = torch.frombuffer(buf, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-        tensors[name] = t.view(dtype).reshape(shape)
-        off += size
-    return head["m"], tensors
+        tensors[name] = t.view(TORCH_DTYPES[dt]).reshape(shape)
+    return meta, tensors
 
 
-def locate(buf: memoryview, off: int) -> tuple[dict, dict[str, tuple[int, str, list[int]]]]:
-    """A blob at ``buf[off:]`` read in place: its meta and {tensor: (absolute offset, dtype name,
-    shape)}. BadInput when it is not a codec blob."""
-    if buf[off:off + 3] != MAGIC:
-        raise BadInput("corrupt .upc state (a part is not a codec blob)")
-    n = int.from_bytes(buf[off + 3:off + 7], "little")
-    head = json.loads(buf[off + 7:off + 7 + n].tobytes())
-    pos = off + 7 + n
-    tensors = {}
-    for name, dt, shape in head["t"]:
-        tensors[name] = (pos, dt, shape)
-        pos += math.prod(shape) * ITEMSIZE[dt]
-    return head["m"], tensors
+def locate(buf: memoryview, off: int, end: int) -> tuple[dict, dict[str, tuple[int, str, list[int]]]]:
+    """A blob at ``buf[off:end]`` read in place: its meta and {tensor: (absolute offset, dtype name,
+    shape)}. BadInput when it is not a whole codec blob."""
+    try:
+        meta, rows, _ = read_table(buf[:end], off)
+    except ValueError as exc:
+        raise BadInput(f"corrupt .upc state ({exc})") from None
+    return meta, {name: (pos, dt, shape) for name, dt, shape, pos in rows}
 
 
 def numpy_at(buf: np.ndarray, spec: tuple[int, str, list[int]]) -> np.ndarray:

@@ -28,7 +28,8 @@ from typing import Any, BinaryIO
 
 from kite.atomic import atomic_writer
 from kite.errors import BadInput
-from kite.upcycle.format.header import check_header
+from kite.upcycle.format.address import check_address
+from kite.upcycle.format.header import check_header, content_digest
 from kite.upcycle.format.versions import file_version, record_verified, records_enabled
 
 MAGIC = b"KITEUPC\0"
@@ -130,6 +131,7 @@ class StateWriter:
         for key, data, raw_len, codec in self._blobs:
             index.append(BlobEntry(key, offset, len(data), raw_len, codec, _digest(data)).to_json())
             offset += len(data)
+        meta = _with_content(meta, index)
         check_header({**meta, "blobs": index}, path)  # never write a state no reader would open
         header = json.dumps({**meta, "blobs": index}, separators=(",", ":"), ensure_ascii=False).encode()
         pre = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(header), bytes.fromhex(_digest(header)))
@@ -158,28 +160,44 @@ class StateWriter:
         return _PREAMBLE.size + len(header) + offset
 
 
-# Headers already checked in this process, by their checksum (the same bytes pass the same check):
-# a state opened on every request pays the check once. Header checksum -> the bytes of its blobs.
-_CHECKED: dict[str, int] = {}
+def _with_content(meta: dict, index: list) -> dict:
+    """``meta`` with its ``content`` section (:func:`.header.content_digest`) for the blob index."""
+    rest = {k: v for k, v in meta.items() if k not in ("content", "blobs")}
+    return {**rest, "content": content_digest(rest, index)}
+
+
+def check_meta(meta: dict, version: int, where) -> int:
+    """Every check of a header every reader makes, in one place: its fields against each other and
+    its content digest (:func:`.header.check_header`), its content address recomputed and compared
+    with the fingerprint, regenerator and format version it names (:func:`.address.check_address`).
+    BadInput (one line naming ``where``); returns the bytes its blobs take."""
+    data_bytes = check_header(meta, where)
+    check_address(meta, version, str(where))
+    return data_bytes
+
+
+# Headers already checked in this process, by their checksum and the file's version (the same bytes
+# pass the same check): a state opened on every request pays the check once. -> the bytes of its blobs.
+_CHECKED: dict[tuple[str, int], int] = {}
 _CHECKED_LIMIT = 1024
 
 
-def _checked_header(meta: dict, header_sum: str, path) -> int:
-    data_bytes = _CHECKED.get(header_sum)
+def _checked_header(meta: dict, header_sum: str, version: int, path) -> int:
+    data_bytes = _CHECKED.get((header_sum, version))
     if data_bytes is None:
-        data_bytes = check_header(meta, path)
+        data_bytes = check_meta(meta, version, path)
         if len(_CHECKED) >= _CHECKED_LIMIT:
             _CHECKED.clear()
-        _CHECKED[header_sum] = data_bytes
+        _CHECKED[(header_sum, version)] = data_bytes
     return data_bytes
 
 
 class StateFile:
     """An open `.upc` file: `meta` (the header) and `read(key)` for any blob, checksum-verified.
 
-    Opening checks the header's fields against each other (:mod:`.header`) and the file's size
-    against the blob index: a file cut short or with bytes after its last part is refused at once,
-    without reading any blob.
+    Opening checks the header (:func:`check_meta`: its fields against each other, its content
+    digest, its content address) and the file's size against the blob index: a file cut short or
+    with bytes after its last part is refused at once, without reading any blob.
     """
 
     def __init__(self, path: str | os.PathLike[str]):
@@ -193,7 +211,7 @@ class StateFile:
         try:
             self.meta, self._data_start = self._read_header()
             self.file_size = os.fstat(self._fh.fileno()).st_size
-            self._check_size(self._data_start + _checked_header(self.meta, self.header_sum, self.path))
+            self._check_size(self._data_start + _checked_header(self.meta, self.header_sum, self.format_version, self.path))
         except BaseException:
             self._fh.close()
             raise
@@ -233,6 +251,8 @@ class StateFile:
         if version > FORMAT_VERSION:
             raise BadInput(f"{self.path}: .upc format version {version} is newer than this KITE reads "
                            f"({FORMAT_VERSION}); upgrade KITE")
+        if version < 1:
+            raise BadInput(f"{self.path}: corrupt .upc state (format version {version}; versions start at 1)")
         if hlen > MAX_HEADER:
             raise BadInput(f"{self.path}: corrupt .upc state (header length {hlen})")
         header = self._fh.read(hlen)
@@ -262,7 +282,13 @@ class StateFile:
         if entry.codec == "zstd":
             import zstandard
 
-            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=entry.raw_length)
+            try:
+                data = zstandard.ZstdDecompressor().decompress(data, max_output_size=entry.raw_length)
+            except zstandard.ZstdError as exc:
+                raise BadInput(f"{self.path}: corrupt .upc state (part {key} does not decompress: {exc})") from None
+            if len(data) != entry.raw_length:
+                raise BadInput(f"{self.path}: corrupt .upc state (part {key} decompresses to {len(data):,} bytes, "
+                               f"its index says {entry.raw_length:,})")
         return data
 
     def check_blob(self, key: str, stored) -> None:
@@ -304,6 +330,8 @@ def check_state_bytes(data: bytes, where: str = "state") -> tuple[dict, int]:
     _, version, _flags, hlen, hsum = _PREAMBLE.unpack_from(view)
     if version > FORMAT_VERSION:
         raise BadInput(f"{where}: .upc format version {version} is newer than this KITE reads ({FORMAT_VERSION})")
+    if version < 1:
+        raise BadInput(f"{where}: corrupt .upc state (format version {version}; versions start at 1)")
     start = _PREAMBLE.size + hlen
     if hlen > MAX_HEADER or len(view) < start:
         raise BadInput(f"{where}: truncated .upc state (the header is cut off)")
@@ -314,7 +342,7 @@ def check_state_bytes(data: bytes, where: str = "state") -> tuple[dict, int]:
         meta = json.loads(header)
     except ValueError:
         raise BadInput(f"{where}: corrupt .upc state (header is not JSON)") from None
-    expected = start + check_header(meta, where)
+    expected = start + check_meta(meta, version, where)
     if len(view) != expected:
         what = "truncated" if len(view) < expected else "corrupt"
         raise BadInput(f"{where}: {what} .upc state ({len(view):,} bytes; its header's blob index says {expected:,})")
@@ -329,6 +357,7 @@ def rewrite_header(src: str | os.PathLike[str], dest: str | os.PathLike[str], me
     """Write `src` with a new header `meta` (blobs copied unchanged) to `dest`, atomically."""
     with StateFile(src) as sf:
         index = [e.to_json() for e in sf.index.values()]
+        meta = _with_content(meta, index)
         check_header({**meta, "blobs": index}, dest)
         header = json.dumps({**meta, "blobs": index}, separators=(",", ":"), ensure_ascii=False).encode()
         pre = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(header), bytes.fromhex(_digest(header)))

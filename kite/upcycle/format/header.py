@@ -10,7 +10,9 @@ size of the file against the blob index is the container's check (it knows the f
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import math
 import operator
 import re
@@ -22,6 +24,23 @@ from kite.upcycle.format.names import blob_key
 # a test keeps the two lists equal: a new mode is a new thing a file can say, so readers learn it here).
 CODEC_MODES = ("pca", "quant", "raw", "rpca")
 _HEX = re.compile(r"[0-9a-f]*")
+
+
+CONTENT_SCHEME = "kite-content1"
+
+
+def content_digest(meta: dict, rows: list) -> dict:
+    """The header's ``content`` section for the header ``meta`` and its blob index ``rows``: sha256 of
+    the canonical JSON (sorted keys, compact, ASCII) of the scheme, ``n_tokens``, each cluster's
+    ``[id, label, token_ranges]`` in table order and each blob's ``[key, length, raw_length, codec,
+    checksum]`` in index order. It binds the parts (by their checksums) to the keys they are stored
+    under and to the clusters whose tokens they hold: an edit of any of them that leaves it as it was
+    is refused (docs/upc-format.md, "What a reader detects")."""
+    body = {"scheme": CONTENT_SCHEME, "n_tokens": meta.get("n_tokens"),
+            "clusters": [[c.get("id"), c.get("label"), c.get("token_ranges")] for c in meta.get("clusters") or []],
+            "blobs": [[r[0], r[2], r[3], r[4], r[5]] for r in rows]}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return {"scheme": CONTENT_SCHEME, "sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 
 class _Bad(Exception):
@@ -46,10 +65,25 @@ def _check(meta) -> int:
     n_layers = _geometry(meta.get("model"))
     _fingerprints(meta.get("fingerprints", {}))
     _codec(meta.get("codec"))
+    for key in ("source", "spans", "tagger"):
+        if meta.get(key) is not None:
+            _object(meta[key], key)
+    if meta.get("regenerator") is not None:
+        fp = _object(meta["regenerator"], "regenerator").get("fingerprint")
+        if not isinstance(fp, str):
+            raise _Bad(f"regenerator.fingerprint is {_show(fp)}, expected a string")
     if "raw_kv_bytes_fp16" in meta:
         _int(meta["raw_kv_bytes_fp16"], "raw_kv_bytes_fp16", 0)
     ids = _clusters(meta.get("clusters"), n_tokens)
-    return _blobs(meta.get("blobs"), n_layers, ids)
+    size = _blobs(meta.get("blobs"), n_layers, ids)
+    if "content" in meta:
+        content = meta["content"]
+        if not isinstance(content, dict) or content.get("scheme") != CONTENT_SCHEME:
+            raise _Bad(f"content section of unknown scheme {_show(content)}")
+        if content != content_digest(meta, meta["blobs"]):
+            raise _Bad("its content digest does not match its cluster table and blob index (a part, a key or a "
+                       "cluster changed after the state was written)")
+    return size
 
 
 def _int(value, what: str, least: int) -> int:
@@ -186,7 +220,8 @@ def _blobs(rows, n_layers: int, ids: list[int]) -> int:
     if not isinstance(rows, list):
         raise _Bad(f"blobs is {_show(rows)}, expected the blob index (a list)")
     if not rows:
-        _explain_keys(set(), n_layers, ids)
+        raise _Bad(f"the blob index has no part L0 ({n_layers * (1 + 2 * len(ids))} missing for {n_layers} layers "
+                   f"and {len(ids)} clusters)")
     if set(map(type, rows)) != {list} or set(map(len, rows)) != {6}:
         _explain_blobs(rows)
     keys, offsets, lengths, raws, codecs, sums = zip(*rows)
@@ -197,6 +232,9 @@ def _blobs(rows, n_layers: int, ids: list[int]) -> int:
             or not set(codecs) <= {"raw", "zstd"} or ("raw", False) in set(zip(codecs, map(operator.eq, raws, lengths)))
             or set(map(type, sums)) != {str} or set(map(len, sums)) != {32} or not _HEX.fullmatch("".join(sums))):
         _explain_blobs(rows)
+    if n_layers * (1 + 2 * len(ids)) > 4 * len(keys):   # never build a set of keys far larger than the index
+        raise _Bad(f"the blob index has {len(keys)} parts; {n_layers} layers and {len(ids)} clusters call for "
+                   f"{n_layers * (1 + 2 * len(ids))}")
     want = {blob_key(None, layer) for layer in range(n_layers)}
     for c in ids:
         for layer in range(n_layers):

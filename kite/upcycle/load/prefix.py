@@ -23,6 +23,7 @@ from kite.upcycle.format.container import StateFile
 from kite.upcycle.format.names import blob_key
 from kite.upcycle.load.fidelity import load_warnings
 from kite.upcycle.load.hot_tier import HotTier, default_tier
+from kite.upcycle.load.parts import decode_part, read_layer, read_part
 from kite.upcycle.load.rebuild import load_staged
 from kite.upcycle.load.selection import SINK_TOKENS, Selection, select
 from kite.upcycle.load.staging import stage_state, supports_state
@@ -152,18 +153,19 @@ def _load_on_host(state: StateFile, lm: LoadedModel, sel: Selection, layer_set: 
             values.append(empty)
             continue
         t = time.perf_counter()
-        lc = codec.from_bytes(state.read(blob_key(None, layer), verify=verify), codec.LayerCodec)
+        lc, widths = read_layer(state, layer, verify, H, d)
         if regenerator is not None:
             codec.attach_regenerator(lc, {side: regenerator.side(layer, side)[2] for side in ("k", "v")})
         nbytes += state.index[blob_key(None, layer)].length
         parts = []
-        for c, _ in sel.parts:
-            kb, vb = state.read(blob_key(c, layer, "K"), verify), state.read(blob_key(c, layer, "V"), verify)
+        for (c, _), pos in zip(sel.parts, sel.part_positions):
+            kb, vb = (read_part(state, blob_key(c, layer, side), verify, lc, widths, int(pos.numel()), H, d)
+                      for side in ("K", "V"))
             nbytes += state.index[blob_key(c, layer, "K")].length + state.index[blob_key(c, layer, "V")].length
-            parts.append(codec.EncodedPart(codec.from_bytes(kb), codec.from_bytes(vb)))
+            parts.append(codec.EncodedPart(kb, vb))
         t_read += time.perf_counter() - t
         t = time.perf_counter()
-        decoded = [codec.decode(lc, p) for p in parts]
+        decoded = [decode_part(state, lc, p, c, layer) for p, (c, _) in zip(parts, sel.parts)]
         ks = [k if keep is None else k[:, keep] for (k, _), (_, keep) in zip(decoded, sel.parts)]
         vs = [v if keep is None else v[:, keep] for (_, v), (_, keep) in zip(decoded, sel.parts)]
         k = apply_rope(torch.cat(ks, dim=1)[:, order], cos, sin)

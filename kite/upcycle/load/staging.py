@@ -18,6 +18,7 @@ import torch
 import zstandard
 
 from kite.errors import BadInput
+from kite.upcycle.codec.checks import check_layer, check_part
 from kite.upcycle.codec.coders import regen_columns
 from kite.upcycle.codec.regenerator import resolve
 from kite.upcycle.format import codec_blob
@@ -101,7 +102,13 @@ def stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region:
             if verify and (verified is None or key not in verified):
                 state.check_blob(key, data)
                 checked.append(key)
-            raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=e.raw_length)
+            try:
+                raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=e.raw_length)
+            except zstandard.ZstdError as exc:
+                raise BadInput(f"{state.path}: corrupt .upc state (part {key} does not decompress: {exc})") from None
+            if len(raw) != e.raw_length:
+                raise BadInput(f"{state.path}: corrupt .upc state (part {key} decompresses to {len(raw):,} bytes, "
+                               f"its index says {e.raw_length:,})")
             view[off:off + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         t_verify += time.perf_counter() - t1
     t_tables = time.perf_counter()
@@ -111,10 +118,10 @@ def stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region:
         return (LayerPlan(off=plan.off, size=plan.size, sides=plan.sides,
                            times_ms={"read": t_read * 1e3, "verify": t_verify * 1e3,
                                      "tables": (time.perf_counter() - t_tables) * 1e3}), None, checked)
-    # 2. tables
-    lmeta, lt = codec_blob.locate(mv, blob_offs[0])
+    # 2. the blobs checked against the layer codec and their clusters' token counts (nothing below
+    # reads a length or an offset these checks have not bounded), then the tables
+    lmeta, lt, parts = _checked_layer(state, view, mv, layer, keys, blob_offs, H, d)
     gsz = int(lmeta["settings"]["group_size"])
-    parts = [codec_blob.locate(mv, o) for o in blob_offs[1:]]          # K, V, K, V, ... of the chosen parts
     cur = tables_at
 
     def put(arr: np.ndarray) -> int:
@@ -185,6 +192,37 @@ def stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region:
                       times_ms={"read": t_read * 1e3, "verify": t_verify * 1e3,
                                 "tables": (time.perf_counter() - t_tables) * 1e3})
     return plan, view[tables_at:cur].copy(), checked
+
+
+def _checked_layer(state: StateFile, view: np.ndarray, mv: memoryview, layer: int, keys: list[str], offs: list[int],
+                   H: int, d: int):
+    """The layer codec's (meta, table) and each part's, located in place and checked
+    (:mod:`kite.upcycle.codec.checks`); BadInput naming the first part that is wrong."""
+    tokens = {c["id"]: c["n_tokens"] for c in state.meta["clusters"]}
+    located = []
+    for key, off in zip(keys, offs):
+        try:
+            located.append(codec_blob.locate(mv, off, off + state.index[key].raw_length))
+        except BadInput as exc:
+            raise BadInput(f"{state.path}: part {key} does not decode ({str(exc).removeprefix('corrupt .upc state ')})") \
+                from None
+    (lmeta, lt), parts = located[0], located[1:]
+    try:
+        bits = {side: codec_blob.numpy_at(view, lt[f"{side}.bits"]) for side in ("k", "v") if f"{side}.bits" in lt}
+        widths = check_layer(lmeta, {n: (dt, sh) for n, (_, dt, sh) in lt.items()}, bits, H, d)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BadInput(f"{state.path}: part {keys[0]} does not decode ({exc})") from None
+    for key, (meta, pt) in zip(keys[1:], parts):
+        cluster, _, side = key.split("/")
+        side = side.lower()
+        idx = codec_blob.numpy_at(view, pt["out.idx"]) if "out.idx" in pt and pt["out.idx"][1] in ("i16", "i32") \
+            and len(pt["out.idx"][2]) == 1 else None
+        try:
+            check_part(lmeta, side, widths.get(side), meta, {n: (dt, sh) for n, (_, dt, sh) in pt.items()},
+                       tokens[int(cluster[1:])], H, d, outliers=idx)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BadInput(f"{state.path}: part {key} does not decode ({exc})") from None
+    return lmeta, lt, parts
 
 
 class StagingRun:

@@ -1,0 +1,84 @@
+"""The content address a state's header records, and its check: the id recomputed from the
+header's own fields (:func:`check_address`), run whenever a state is opened. How an address is
+made from a document, a model and settings is :mod:`kite.upcycle.address`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kite.errors import BadInput
+
+SCHEME = "kite-addr1"
+ADDRESS_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def is_address(text: str) -> bool:
+    """Whether `text` has the form of a content address (64 lowercase hex digits)."""
+    return isinstance(text, str) and ADDRESS_RE.fullmatch(text) is not None
+
+
+def canonical(obj: Any) -> bytes:
+    """The one byte encoding hashed: JSON, sorted keys, compact, ASCII, no NaN."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    """The fields an address is computed from, and the id (``id``, 64 hex digits)."""
+
+    format_version: int
+    model: str
+    tokens_sha256: str
+    settings: dict
+    regenerator: str | None
+
+    @property
+    def id(self) -> str:
+        body = {"scheme": SCHEME, **asdict(self)}
+        return hashlib.sha256(canonical(body)).hexdigest()
+
+    def to_header(self) -> dict:
+        """The header section: the fields, the scheme and the id."""
+        return {"scheme": SCHEME, **asdict(self), "id": self.id}
+
+
+class AddressMismatch(BadInput):
+    """A state's recorded address does not match what its own header says."""
+
+
+def check_address(meta: dict, format_version: int, where: str = "state") -> str | None:
+    """The state's address recomputed from its header `meta` (None: an unaddressed state).
+
+    AddressMismatch (one line) when the recorded id is not the hash of the recorded fields, or the
+    fields disagree with the rest of the header (model fingerprint, regenerator, format version)."""
+    sec = meta.get("address")
+    if sec is None:
+        return None
+    if not isinstance(sec, dict) or sec.get("scheme") != SCHEME:
+        scheme = sec.get("scheme") if isinstance(sec, dict) else type(sec).__name__
+        raise AddressMismatch(f"{where}: address section of unknown scheme {str(scheme)[:40]!r}")
+    try:
+        addr = Address(sec["format_version"], sec["model"], sec["tokens_sha256"], sec["settings"],
+                       sec["regenerator"])
+        recomputed = addr.id
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AddressMismatch(f"{where}: malformed address section ({exc})") from None
+    if sec.get("id") != recomputed:
+        raise AddressMismatch(f"{where}: recorded address {str(sec.get('id'))[:16]}... is not the hash of its "
+                              f"fields ({recomputed[:16]}...)")
+    combined = (meta.get("fingerprints") or {}).get("combined")
+    if addr.model != combined:
+        raise AddressMismatch(f"{where}: address names model {str(addr.model)[:24]}, the header {str(combined)[:24]}")
+    regen = (meta.get("regenerator") or {}).get("fingerprint")
+    if addr.regenerator != regen:
+        raise AddressMismatch(f"{where}: address names regenerator {addr.regenerator}, the header {regen}")
+    if addr.format_version != format_version:
+        raise AddressMismatch(f"{where}: address names format version {addr.format_version}, the file is "
+                              f"{format_version}")
+    if meta.get("n_tokens") != (meta.get("source") or {}).get("tokens", meta.get("n_tokens")):
+        raise AddressMismatch(f"{where}: token counts disagree in the header")
+    return recomputed
