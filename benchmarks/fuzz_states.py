@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import Result, finish, parse, parser, wall  # noqa: E402
+from harness.floors import cpu_bytes_ms, cpu_mem_text  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -58,7 +59,9 @@ def main(argv=None) -> int:
     for outcome in OUTCOMES:
         ms = [o.ms for o in outcomes if o.outcome == outcome and o.ms]
         if ms:
-            res.row(f"median load, {outcome}", round(statistics.median(ms), 3), "ms", samples=len(ms))
+            # a load reads the state at least once, whatever it finds: its bytes at memory bandwidth
+            res.row(f"median load, {outcome}", round(statistics.median(ms), 3), "ms", samples=len(ms),
+                    floor=f"the state's {size:,} bytes read once {cpu_mem_text()}", floor_value=cpu_bytes_ms(size))
     res.raw.update(mutants=args.mutants, seed=args.seed, codec=args.codec, content_digest=not args.without_content,
                    state_bytes=size,
                    wall_s=round(span.s, 1), counts=by_kind,
