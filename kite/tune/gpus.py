@@ -269,19 +269,24 @@ def parse_calibration(obj, where: str = "calibration") -> Measured:
         figures=cited)
 
 
-def load_calibration(name: str = "h200") -> Measured:
-    """The packaged calibration kite/tune/calibration/<name>.json, validated (BadInput, one line,
-    when missing or not the schema)."""
+def read_packaged_calibration(name: str) -> tuple[object, str]:
+    """The JSON of the packaged calibration kite/tune/calibration/<name>.json and that path (for
+    messages); BadInput, one line, when it is missing or not JSON. Its schema is the caller's."""
     where = f"kite/tune/calibration/{name}.json"
     try:
         text = resources.files("kite.tune").joinpath("calibration", f"{name}.json").read_text()
     except (FileNotFoundError, OSError):
         raise BadInput(f"{where}: no such calibration") from None
     try:
-        obj = json.loads(text)
+        return json.loads(text), where
     except json.JSONDecodeError as e:
-        raise _bad(where, f"not JSON ({e})") from None
-    return parse_calibration(obj, where)
+        raise BadInput(f"{where}: not a calibration: not JSON ({e})") from None
+
+
+def load_calibration(name: str = "h200") -> Measured:
+    """The packaged calibration kite/tune/calibration/<name>.json, validated (BadInput, one line,
+    when missing or not the schema)."""
+    return parse_calibration(*read_packaged_calibration(name))
 
 
 H200_MEASURED = load_calibration("h200")

@@ -11,12 +11,10 @@ setting: the ratio it reached (raw KV bytes / state bytes) and its PPL Δ agains
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
 from functools import cache
-from importlib import resources
 from statistics import mean, stdev
 
 from kite.errors import BadInput
@@ -156,16 +154,9 @@ def parse_quality_calibration(obj, where: str = "quality calibration") -> Qualit
 def load_quality_calibration(name: str = "quality_smollm2") -> QualityCalibration:
     """The packaged calibration kite/tune/calibration/<name>.json, validated (BadInput, one line,
     when missing or not the schema)."""
-    where = f"kite/tune/calibration/{name}.json"
-    try:
-        text = resources.files("kite.tune").joinpath("calibration", f"{name}.json").read_text()
-    except (FileNotFoundError, OSError):
-        raise BadInput(f"{where}: no such calibration") from None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise _bad(where, f"not JSON ({e})") from None
-    return parse_quality_calibration(obj, where)
+    from kite.tune.gpus import read_packaged_calibration
+
+    return parse_quality_calibration(*read_packaged_calibration(name))
 
 
 @cache

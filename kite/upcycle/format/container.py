@@ -279,17 +279,22 @@ class StateFile:
             raise BadInput(f"{self.path}: truncated .upc state (part {key} is cut off)")
         if verify:
             self.check_blob(key, data)
-        if entry.codec == "zstd":
-            import zstandard
+        return self.inflate(key, data) if entry.codec == "zstd" else data
 
-            try:
-                data = zstandard.ZstdDecompressor().decompress(data, max_output_size=entry.raw_length)
-            except zstandard.ZstdError as exc:
-                raise BadInput(f"{self.path}: corrupt .upc state (part {key} does not decompress: {exc})") from None
-            if len(data) != entry.raw_length:
-                raise BadInput(f"{self.path}: corrupt .upc state (part {key} decompresses to {len(data):,} bytes, "
-                               f"its index says {entry.raw_length:,})")
-        return data
+    def inflate(self, key: str, data: bytes) -> bytes:
+        """A zstd blob's raw bytes, never more than its index says (BadInput naming the part when it
+        does not decompress or comes out another length)."""
+        import zstandard
+
+        raw_length = self.index[key].raw_length
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_length)
+        except zstandard.ZstdError as exc:
+            raise BadInput(f"{self.path}: corrupt .upc state (part {key} does not decompress: {exc})") from None
+        if len(raw) != raw_length:
+            raise BadInput(f"{self.path}: corrupt .upc state (part {key} decompresses to {len(raw):,} bytes, "
+                           f"its index says {raw_length:,})")
+        return raw
 
     def check_blob(self, key: str, stored) -> None:
         """BadInput unless `stored` (part `key`'s bytes as stored) matches the index's checksum."""

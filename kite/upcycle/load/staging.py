@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 import torch
-import zstandard
 
 from kite.errors import BadInput
 from kite.upcycle.codec.checks import check_layer, check_part
@@ -102,13 +101,7 @@ def stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region:
             if verify and (verified is None or key not in verified):
                 state.check_blob(key, data)
                 checked.append(key)
-            try:
-                raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=e.raw_length)
-            except zstandard.ZstdError as exc:
-                raise BadInput(f"{state.path}: corrupt .upc state (part {key} does not decompress: {exc})") from None
-            if len(raw) != e.raw_length:
-                raise BadInput(f"{state.path}: corrupt .upc state (part {key} decompresses to {len(raw):,} bytes, "
-                               f"its index says {e.raw_length:,})")
+            raw = state.inflate(key, data)
             view[off:off + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         t_verify += time.perf_counter() - t1
     t_tables = time.perf_counter()
