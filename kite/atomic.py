@@ -93,13 +93,16 @@ def write_text(path: str | os.PathLike[str], text: str) -> None:
 
 
 def check_output(path: str | os.PathLike[str], mkdir: bool = False, flag: str | None = None) -> Path:
-    """`path` as an output: its folder exists (made when `mkdir`, or when it lies under KITE_HOME or
-    KITE_CACHE), else BadInput naming `flag` and the missing folder. Returns `path` as a Path."""
+    """`path` as an output file: not a folder, and its folder exists (made when `mkdir`, or when it
+    lies under KITE_HOME or KITE_CACHE), else BadInput naming `flag` and what is wrong. Returns `path`
+    as a Path."""
     target = Path(path)
+    name = f"{flag} {path}" if flag else str(path)
+    if target.is_dir():   # refused now, not after the work that was to be written there
+        raise BadInput(f"{name}: is a folder; name the file to write")
     parent = target.parent
     if parent.is_dir():
         return target
-    name = f"{flag} {path}" if flag else str(path)
     if parent.exists():
         raise BadInput(f"{name}: {parent} is not a folder")
     if mkdir or _under_kite_folders(parent):

@@ -103,6 +103,23 @@ def test_a_missing_folder_is_refused_and_not_made(tmp_path):
     assert target.read_text() == "{}"
 
 
+def test_an_output_that_is_a_folder_is_refused_before_the_model_loads(tmp_path, monkeypatch, tiny_models):
+    with pytest.raises(BadInput, match=r"^--output .*: is a folder; name the file to write$"):
+        check_output(tmp_path, flag="--output")
+    import kite.model
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(kite.model, "load_model", no_model)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A short document. " * 20)
+    r = CliRunner().invoke(app, ["upcycle", "compress", "--model", str(tiny_models["llama"]), "--input", str(doc),
+                                 "--output", str(tmp_path)])
+    assert r.exit_code == 2, r.output
+    assert "is a folder" in r.output and "model was loaded" not in r.output
+
+
 def test_folders_under_kite_home_and_the_cache_are_made(kite_home, tmp_path, monkeypatch):
     monkeypatch.setenv("KITE_CACHE", str(tmp_path / "cache"))
     write_text(kite_home / "results" / "x.json", "{}")
