@@ -79,6 +79,7 @@ def test_address_depends_on_settings_and_tokens_and_model(pipe):
     assert address_for("kite-fp1:aa", ids, pipe.settings, {**tagger, "labels": ["a", "c"]}, None).id != tagged
 
 
+@pytest.mark.slow   # a fresh KITE process
 def test_address_is_the_same_in_other_processes_whatever_the_hash_seed(pipe):
     from kite.upcycle import address_for
 
@@ -264,6 +265,7 @@ def test_memory_tier_keeps_its_bound_least_recently_used_out(states):
     assert tiny.put(states[0][2]).tiers["mem"].startswith("declined")
 
 
+@pytest.mark.slow   # a fresh KITE process
 def test_disk_index_is_rebuilt_from_the_files_headers_in_a_fresh_process(states, tmp_path):
     folder = tmp_path / "disk"
     store = _store(f"file://{folder}")
