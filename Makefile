@@ -37,7 +37,7 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not ray and not services" -n $(TEST_WORKERS)
 
 lint: install
-	$(BIN)/ruff check kite tests
+	$(BIN)/ruff check kite tests benchmarks scripts
 
 # Native runtime (csrc/ -> build/): the CPU library always (C++17, OpenMP, ~5 s), the CUDA one too
 # where nvcc is found (KITE_NO_CUDA=1 skips it). Built for this machine (-march=native); files are

@@ -21,28 +21,30 @@ kernel on a GPU and by its torch reference elsewhere.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch
 
 
-class ResidentPrefix:
-    """A loaded state as a batch row holds it (the module docstring says what each member means)."""
+class ResidentPrefix(ABC):
+    """A loaded state as a batch row holds it (the module docstring says what each member means).
+    A form implements the abstract members; ``attend`` only when it is held ``beside`` the slots."""
 
     beside: ClassVar[bool] = False
     next_position: int
     reader: bool
 
     @property
-    def n_layers(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def n_layers(self) -> int: ...
 
-    def tokens_per_layer(self) -> list[int]:
-        raise NotImplementedError
+    @abstractmethod
+    def tokens_per_layer(self) -> list[int]: ...
 
-    def nbytes(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def nbytes(self) -> int: ...
 
     def holds(self, layer: int) -> bool:
         """Whether ``layer`` holds any of the state's tokens."""
@@ -56,10 +58,10 @@ class ResidentPrefix:
         """Keys and values [H, n, d] the row's slots of ``layer`` start with (None: none)."""
         return None
 
+    @abstractmethod
     def as_kv(self) -> KVPrefix:
         """The keys and values this prefix stands for, as the batch attends them (sinks and decoded
         rows for a coded form), as a KVPrefix: what a test checks the form's attention against."""
-        raise NotImplementedError
 
     @classmethod
     def attend(cls, q: torch.Tensor, prefixes: list, layer: int, scale: float,
@@ -68,7 +70,7 @@ class ResidentPrefix:
         tokens visible) over layer ``layer`` of each row's state: (out [n, Hq, q_len, d], lse
         [n, Hq, q_len]) float32. ``plans``: what the form builds once per layer and set of rows (kept
         by the batch cache until its rows change). Only for forms attended ``beside`` the slots."""
-        raise NotImplementedError(f"{cls.__name__} is attended in the row's slots")
+        raise TypeError(f"{cls.__name__} is attended in the row's slots, not beside them")
 
 
 @dataclass

@@ -18,6 +18,7 @@ attended from their codes.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from kite.errors import BadInput
@@ -27,17 +28,17 @@ from kite.runtime.resident import LanesPrefix, ResidentPrefix
 RESIDENT_FORMS: dict[str, type[ResidentForm]] = {}
 
 
-class ResidentForm:
+class ResidentForm(ABC):
     """One way to hold a loaded state for the batch (see the module docstring)."""
 
     name: ClassVar[str]
     prefix_type: ClassVar[type[ResidentPrefix]]
     options: ClassVar[tuple[str, ...]] = ()     # settings it takes (resident_form passes these)
 
+    @abstractmethod
     def load(self, state, lm, **kwargs):
         """``load_prefix(state, lm, **kwargs)`` held in this form: (prefix, LoadReport). BadInput for
         a load the form cannot hold (the caller may then hold it raw)."""
-        raise NotImplementedError
 
     def nbytes(self, prefix: ResidentPrefix) -> int:
         """Bytes ``prefix`` (one of this form's) holds on its device."""
