@@ -243,8 +243,8 @@ class _Graph:
 
     def __init__(self, forward: KernelForward, bucket: int, n_layers: int, device, pool):
         self.bucket = bucket
-        self.host = torch.zeros(3 + 2 * n_layers, bucket, dtype=torch.int64).pin_memory()
-        self.inputs = torch.zeros(3 + 2 * n_layers, bucket, dtype=torch.int64, device=device)
+        self.host = torch.zeros(4 + 2 * n_layers, bucket, dtype=torch.int64).pin_memory()
+        self.inputs = torch.zeros(4 + 2 * n_layers, bucket, dtype=torch.int64, device=device)
         ids, pos = self.inputs[0:1].T, self.inputs[1:2].T                # [bucket, 1] views
         self.rows32 = torch.zeros(bucket, dtype=torch.int32, device=device)
         self.small = torch.zeros(1 + 2 * n_layers, bucket, dtype=torch.int32, device=device)   # counts, lens, starts
