@@ -90,6 +90,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed per run")
     ap.add_argument("--kv-budget-gb", type=float, default=40.0, help="the KV budget of the raw / lanes rows (0: skip)")
     ap.add_argument("--lane-bits", type=int, default=4)
+    ap.add_argument("--splits", default="", help="also time the graphed step with the attention's keys cut into "
+                    "these numbers of chunks, e.g. 0,2,4,8 (0: the kernel's plan)")
     ap.add_argument("--small", action="store_true", help="the tiny geometry (a quick run of the script)")
     args = parse(ap, argv)
     if args.device != "cuda":
@@ -148,6 +150,20 @@ def main(argv=None) -> int:
     raw["graphed_equals_transformers_rows"] = f"{sum(same_hf)} of {len(same_hf)}"
     raw["runs"] = {m: {k: v for k, v in r.items() if k != "texts"} for m, r in runs.items()}
 
+    if args.splits:
+        from kite.runtime import kernel_step
+
+        sweep = {}
+        for n in [int(x) for x in args.splits.split(",")]:
+            kernel_step.SPLITS = n or None
+            torch.cuda.empty_cache()
+            dec = engine(model, cfg, args.rows, "kernels, graphed")
+            decode(dec, prefix, args.rows, 2)
+            sweep[n] = Timing.of(decode(dec, prefix, args.rows, args.steps)["steps_ms"]).median_ms
+            print(f"graphed, splits {n or 'planned'}: step {sweep[n]:.2f} ms", flush=True)
+            dec = None
+        kernel_step.SPLITS = None
+        raw["splits_sweep_ms"] = sweep
     if args.kv_budget_gb > 0:
         budget = args.kv_budget_gb * 1e9
         budget_rows(res, raw, model, cfg, prefix, budget, args, floor, slot)

@@ -34,6 +34,7 @@ from kite.runtime.batch_cache import BatchKVCache
 
 MAX_QUERY = 64        # tokens a row feeds in one step through the kernels (longer prompts: transformers')
 GRAPHS = True         # False: decode steps run eagerly too (benchmarks compare both)
+SPLITS: int | None = None   # chunks the attention cuts each row's keys into (None: the kernel's plan; benchmarks sweep)
 _log = logging.getLogger("kite.runtime")
 
 
@@ -214,7 +215,7 @@ class KernelStep:
                 groups.append((form, torch.tensor(these, device=dev), [beside[b] for b in these], self.cache.plans))
         return self.forward(ids.to(dev), pos.to(dev), torch.tensor(rows, dtype=torch.int32, device=dev),
                             (before + n[None]).to(dev, torch.int32), before.to(dev, torch.int32), n.to(dev),
-                            beside=groups)
+                            beside=groups, splits=SPLITS)
 
     # -- CUDA graphs of decode steps -------------------------------------------------------------
     def _replay(self, rows, tokens, positions, before, reader_on) -> torch.Tensor:
@@ -223,6 +224,7 @@ class KernelStep:
         buffers = (self.cache.keys[0].data_ptr(), self.cache.capacity, self.cache.rows_allocated)
         if buffers != self._buffers:          # reallocated: every graph read the old buffers
             self._graphs.clear()
+            self._pool = None                 # a pool whose graphs are all gone is not captured into again
             self._buffers = buffers
         graph = self._graphs.get((bucket, reader_on))
         if graph is None:
@@ -253,7 +255,7 @@ class _Graph:
         def step():
             self.rows32.copy_(self.inputs[2])
             self.small.copy_(self.inputs[3:])
-            return forward(ids, pos, self.rows32, self.small[1:1 + L], self.small[1 + L:], self.small[0])
+            return forward(ids, pos, self.rows32, self.small[1:1 + L], self.small[1 + L:], self.small[0], splits=SPLITS)
 
         self.inputs.zero_()      # counts 0: a row that writes and reads nothing (capture writes no KV)
         side = torch.cuda.Stream(device)
