@@ -231,6 +231,27 @@ def test_a_state_whose_header_is_refused_is_quarantined_until_its_file_changes(s
     assert "bad-header" not in srv.store.quarantine.ids()
 
 
+def test_a_document_whose_state_is_quarantined_is_upcycled_again(served):
+    c, good, folder = served["client"], served["good"], served["folder"]
+    path = folder / f"{good}.upc"
+    clean = path.read_bytes()
+    _write(folder, good, _damaged_part(clean))
+    asked = {"prompt": " Payment?", "max_tokens": 4, "kite": {"state": good}}
+    assert c.post("/v1/completions", json=asked).status_code == 422
+    assert _listed(c)[good]["quarantined"] is True
+    # the same document again: its content id is quarantined, so it is upcycled in its place
+    r = c.post("/v1/completions", json={"prompt": " Payment?", "max_tokens": 4, "kite": {"document": DOC}})
+    assert r.status_code == 200, r.text
+    kite = r.json()["kite"]
+    assert kite["state"] == good and kite["upcycled"]["created"] is True and kite["loaded"] is True
+    assert kite["upcycled"]["quarantined"] is False
+    assert path.read_bytes() != _damaged_part(clean)
+    # and reused as before once it is whole
+    r = c.post("/v1/states", json={"document": DOC})
+    assert r.status_code == 200 and r.json()["created"] is False
+    assert c.post("/v1/completions", json=asked).status_code == 200
+
+
 # -- the quarantine record ---------------------------------------------------------------------------
 
 def test_the_quarantine_record_keys_on_the_file_version(tmp_path):

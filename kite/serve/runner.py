@@ -115,7 +115,8 @@ class ModelRunner:
     def upcycle(self, document: str, state_id: str | None = None, name: str = "-",
                 overwrite: bool = False) -> Upcycled:
         """Store `document` as a state. Without an id the id is a hash of the document and the
-        model, and a document already stored is reused rather than upcycled again."""
+        model, and a document already stored is reused rather than upcycled again, unless that
+        state is quarantined (kite.serve.quarantine): then it is upcycled again in its place."""
         if not document.strip():
             raise BadInput("the document is empty")
         explicit = state_id is not None
@@ -132,13 +133,18 @@ class ModelRunner:
         path = self.store.path_for(sid)
         if not explicit and not path.is_file() and self.store.fetch(sid):
             return Upcycled(self.store.summary(sid), created=False)   # another server made it
+
+        def reusable() -> bool:   # the same document's state is there, and not quarantined
+            return path.is_file() and self.store.quarantine.entry(sid) is None
+
         if path.is_file():
-            if not explicit:
+            if not explicit and reusable():
                 return Upcycled(self.store.summary(sid), created=False)
-            if not overwrite:
+            if explicit and not overwrite:
                 raise StateExists(f"state {sid!r} exists (send \"overwrite\": true to replace it)")
+
         def compress():
-            if not explicit and path.is_file():  # the same document, upcycled while we waited
+            if not explicit and reusable():  # the same document, upcycled while we waited
                 return None
             return self.pipeline.compress(document, path, source_name=name)
 
@@ -146,10 +152,9 @@ class ModelRunner:
         if result is None:
             return Upcycled(self.store.summary(sid), created=False)
         self.store.publish(path)
-        if explicit and overwrite:
-            self.store.quarantine.lift(sid, "replaced by an upload")   # its new version would lift it anyway
-            if self.health is not None:
-                self.health.reset(sid)  # a new document under an old id: its old record means nothing
+        self.store.quarantine.lift(sid, "upcycled again")   # its new version would lift it anyway
+        if explicit and overwrite and self.health is not None:
+            self.health.reset(sid)  # a new document under an old id: its old record means nothing
         return Upcycled(self.store.summary(sid), created=True, timings_ms=result.timings_ms,
                         raw_kv_bytes=result.raw_kv_bytes)
 
