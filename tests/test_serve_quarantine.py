@@ -300,7 +300,7 @@ def test_only_a_readers_refusal_quarantines(tmp_path):
             with q.reading("s2", path, path_version(path)):
                 raise exc
     assert q.ids() == [] and q.counts()["unreadable"] == 0
-    with pytest.raises(StateQuarantined):   # a refusal inside a reading passes through, counted once
+    with pytest.raises(StateQuarantined):   # a refusal made inside a reading passes through as it is
         with q.reading("s2", path, path_version(path)):
             raise StateQuarantined("state 's2' is quarantined: ...")
     assert q.ids() == []

@@ -88,8 +88,8 @@ class Quarantine:
         with self._lock:
             self.refused["quarantined"] += 1
             self._refusals[state_id] = self._refusals.get(state_id, 0) + 1
-        raise StateQuarantined(f"state {state_id!r} is quarantined: {hit.reason} (refused since "
-                               f"{hit.to_dict()['since']}; replace it: upload with \"overwrite\": true)")
+        raise StateQuarantined(f"state {state_id!r} is quarantined: {hit.reason} (since {hit.to_dict()['since']}, "
+                               f"until its file is replaced)")
 
     @contextlib.contextmanager
     def reading(self, state_id: str, path: Path, version: tuple):
