@@ -60,6 +60,7 @@ def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sa
     runner = ModelRunner(pipeline, settings, rules, store, health=health, novelty=NoveltyTracker(), sampler=sampler,
                          on_step=metrics.observe_step)
     metrics.bind_rules(rules)
+    metrics.bind_quarantine(store.quarantine)
     if shared is not None:
         metrics.bind_store(shared)
     if sampler is not None:
@@ -88,6 +89,7 @@ def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sa
     app.state.kite = ServerState(settings, runner, store, rules, metrics, health, sampler)
     for module in (routes_openai, routes_states, routes_admin, routes_ops):
         app.include_router(module.router)
+    app.include_router(routes_admin.states_router)
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=metrics)  # outermost: counts 413s too

@@ -88,6 +88,11 @@ class ServerMetrics:
         kite_store_errors_total{tier,op}, kite_store_evictions_total{tier}."""
         self.registry.register(_StoreCollector(store))
 
+    def bind_quarantine(self, quarantine) -> None:
+        """The quarantine's counts (kite.serve.quarantine.Quarantine) read at scrape time:
+        kite_states_quarantined, kite_state_loads_refused_total{cause}."""
+        self.registry.register(_QuarantineCollector(quarantine))
+
     def bind_rules(self, active) -> None:
         self.rules_loaded_at.set_function(lambda: float(active.current.loaded_at))
 
@@ -184,3 +189,29 @@ class _StoreCollector:
         misses = CounterMetricFamily("kite_store_misses", "Reads no tier answered with a good copy.",
                                      value=snap["misses"])
         return [hits, misses, puts, errors, evictions]
+
+
+class _QuarantineCollector:
+    """Reads the quarantine when /metrics is scraped: the states quarantined now, the loads refused."""
+
+    def __init__(self, quarantine):
+        self.quarantine = quarantine
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        from kite.serve.quarantine import REFUSED_CAUSES
+
+        held = GaugeMetricFamily("kite_states_quarantined", "States quarantined: a reader refused the file's "
+                                 "bytes at a load; requests naming them are refused until the file changes.",
+                                 value=len(self.quarantine.ids()))
+        refused = CounterMetricFamily("kite_state_loads_refused", "Loads of a state refused, by cause (unreadable "
+                                      "= a reader refused the file and quarantined it, quarantined = refused "
+                                      "without a read).", labels=["cause"])
+        counts = self.quarantine.counts()
+        for cause in REFUSED_CAUSES:
+            refused.add_metric([cause], counts.get(cause, 0))
+        return [held, refused]
