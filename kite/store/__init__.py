@@ -26,7 +26,7 @@ from kite.store.disk import DiskTier
 from kite.store.memory import MemoryTier
 from kite.store.redis_tier import RedisTier
 from kite.store.s3 import S3Tier
-from kite.store.tier import ObjectStat, Tier, TierError, parse_size, register_tier, tier_schemes
+from kite.store.tier import MissingStore, ObjectStat, Tier, TierError, parse_size, register_tier, tier_schemes
 from kite.store.tiered import PutReport, StoreError, TieredStore
 from kite.store.url import open_store, split_url
 from kite.store.verify import CorruptState, StateInfo, Unaddressed, read_state_file, verify_state
@@ -36,7 +36,7 @@ __all__ = [
     "EMBED_FORMAT", "EMBED_VERSION", "META_KEY", "STATE_KEY", "EmbedReport", "EmbeddedState", "cached_state",
     "cached_states", "check_made_by", "check_state_id", "embed_states", "embedded_states", "extract_state",
     "find_state", "gguf_file", "read_state", "state_path",
-    "StoredCompress", "compress_to_store", "CorruptState", "DiskTier", "MemoryTier", "ObjectStat", "PutReport", "RedisTier", "S3Tier", "StateInfo",
+    "StoredCompress", "compress_to_store", "CorruptState", "DiskTier", "MemoryTier", "MissingStore", "ObjectStat", "PutReport", "RedisTier", "S3Tier", "StateInfo",
     "StoreCounters", "StoreError", "Tier", "TierError", "TieredStore", "Unaddressed", "is_address", "open_store",
     "parse_size", "read_state_file", "register_tier", "split_url", "tier_schemes", "verify_state",
 ]
