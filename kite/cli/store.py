@@ -1,4 +1,4 @@
-"""`kite store`: the tiered, content-addressed state store (docs/store.md): ls, get, put, gc, stats."""
+"""`kite store`: the tiered, content-addressed state store (docs/store.md): ls, get, put, sync, gc, stats."""
 
 from __future__ import annotations
 
@@ -142,6 +142,46 @@ def put(
         raise KiteError(f"{len(failed)} put(s) failed in a tier (named above)")
 
 
+@app.command("sync")
+def sync(
+    store: Annotated[str | None, StoreOpt] = None,
+    to: Annotated[str | None, typer.Option("--to", help="Only these tiers, by name (comma-separated: "
+                                           "file,redis,s3; default every tier but mem).")] = None,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Copy into each tier the states it misses from the tiers that hold them (verified), e.g. after
+    Redis or S3 was down during puts; retries the journal of missed writes. Idempotent: a second run
+    copies nothing. Exit 1 when a copy failed (each is named).
+
+    Example: kite store sync --store file:///var/kite/store,redis://127.0.0.1:6379/0
+    """
+    from kite.cli._progress import progress_bar
+    from kite.store import sync_store
+
+    st = open_cli_store(store, create=False)
+    targets = [t.strip() for t in to.split(",") if t.strip()] if to is not None else None
+    with progress_bar() as progress:
+        report = sync_store(st, targets, progress)
+    st.close()
+    if json_out:
+        emit_json(report.to_dict())
+    else:
+        out = console()
+        for name, row in report.tiers.items():
+            out.print(f"{name:<6} {row['url']}  held {row['held_before']}, missed {row['missing']}: copied "
+                      f"{row['copied']}, failed {row['failed']}, declined {row['declined']}, no good copy "
+                      f"{row['no_copy']}", highlight=False)
+        for name, why in report.unreachable.items():
+            out.print(f"[yellow]warning:[/] tier {name} could not be listed, not synced: {why}", highlight=False)
+        for f in report.failed[:10]:
+            out.print(f"[red]{f['to']} failed[/] for {f['id'][:16]}: {f['why']}", highlight=False)
+    if report.failed or report.unreachable:
+        what = [f"{len(report.failed)} copy(ies) failed"] if report.failed else []
+        if report.unreachable:
+            what.append(f"tier(s) unreachable: {', '.join(report.unreachable)}")
+        raise KiteError(f"{'; '.join(what)}; run kite store sync again once it is back")
+
+
 @app.command("gc")
 def gc(store: Annotated[str | None, StoreOpt] = None, json_out: bool = JsonOpt) -> None:
     """Evict least recently used states from every bounded tier (max=SIZE) until it is within its bound."""
@@ -172,4 +212,5 @@ def stats(store: Annotated[str | None, StoreOpt] = None, json_out: bool = JsonOp
         held = (f"{t['objects']} states, {t['bytes']:,} B" if t["objects"] is not None
                 else f"[red]unreachable[/]: {t['error']}")
         bound = f" of {t['max_bytes']:,} B" if t["max_bytes"] else ""
-        out.print(f"{t['name']:<6} {t['url']}  write-{t['write']}  {held}{bound}", highlight=False)
+        missed = f"  [yellow]{t['missed']} missed write(s)[/]: kite store sync" if t["missed"] else ""
+        out.print(f"{t['name']:<6} {t['url']}  write-{t['write']}  {held}{bound}{missed}", highlight=False)

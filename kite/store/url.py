@@ -15,6 +15,7 @@ from urllib.parse import parse_qsl, urlsplit
 from kite.errors import BadInput
 from kite.store import disk, memory, redis_tier, s3  # noqa: F401  (each registers its tier)
 from kite.store.tier import WRITE_POLICIES, MissingStore, Tier, TierURL, parse_size, tier_class, tier_schemes
+from kite.store.journal import journal_for
 from kite.store.tiered import TieredStore
 
 COMMON = ("max", "write")
@@ -76,4 +77,4 @@ def open_store(text: str, default_write: str = "through", create: bool = True) -
         kind = tier_class(u.scheme).scheme   # rediss -> redis
         counts[kind] = counts.get(kind, 0) + 1
         tiers.append(open_tier(u, kind if counts[kind] == 1 else f"{kind}{counts[kind]}", default_write, create))
-    return TieredStore(tiers)
+    return TieredStore(tiers, journal=journal_for(tiers))
