@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kite.atomic import write_bytes
 from kite.errors import BadInput, KiteError
+from kite.shortid import apart
 from kite.store.tier import ObjectStat, Tier, TierError, TierURL, register_tier
 from kite.upcycle import StateFile, check_address, is_address
 
@@ -106,7 +107,8 @@ class DiskTier(Tier):
         if addr is None:
             return "an unaddressed state"
         if addr != stem:
-            return f"holds state {addr[:16]}..., not {stem[:16]}..."
+            holds, name = apart(addr, stem, 16)
+            return f"holds state {holds}..., not {name}..."
         return None
 
     def get(self, state_id: str) -> bytes | None:
