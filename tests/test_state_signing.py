@@ -182,3 +182,10 @@ def test_the_key_comes_from_the_config_and_is_never_printed(states, tmp_path, mo
     assert result.exit_code == 2 and "security.require_signed is on but security.state_key is not set" in result.output
     monkeypatch.delenv("KITE_SECURITY__REQUIRE_SIGNED")
     assert runner.invoke(app, ["upcycle", "inspect", str(path)]).exit_code == 0
+    signed = tmp_path / "s.upc"
+    signed.write_bytes(states[0])
+    shown = runner.invoke(app, ["upcycle", "inspect", str(signed), "--json"])
+    assert json.loads(shown.output)["signature"] == {"scheme": "kite-hmac1", "key_id": KEY.key_id, "checked": False}
+    monkeypatch.setenv("KITE_SECURITY__STATE_KEY", KEY.key.decode())
+    shown = runner.invoke(app, ["upcycle", "inspect", str(signed)])
+    assert f"signed with key {KEY.key_id} (checked)" in shown.output
