@@ -230,3 +230,21 @@ def test_sync_copies_what_a_tier_missed_and_is_idempotent(redis_service, states,
     assert (tmp_path / "disk" / f"{a}.upc").read_bytes() == data
     bad = runner.invoke(app, ["store", "sync", "--store", url, "--to", "s3"])
     assert bad.exit_code == 2 and "--to s3: no such tier" in bad.output
+
+
+def test_states_put_while_the_s3_bucket_was_missing_reach_it_by_sync(s3_service, aws_env, states, tmp_path):
+    from kite.store import sync_store
+
+    name = f"kite-late-{tmp_path.name[-8:].lower().replace('_', '-')}"
+    url = f"file://{tmp_path}/disk,s3://{name}/p?endpoint_url={s3_service.endpoint}"
+    store = _open(url)
+    for _, data in states:
+        assert store.put(data).tiers["s3"].startswith("failed: NoSuchBucket")
+    assert len(store.journal.pending()) == 2
+    s3_service.bucket(name)                                     # the bucket is there now
+    progress = []
+    report = sync_store(_open(url), progress=lambda *a: progress.append(a))
+    assert sorted(c["id"] for c in report.copied) == sorted(a for a, _ in states)
+    assert progress[0] == ("sync", 0, 2) and progress[-1] == ("sync", 2, 2)
+    assert sorted(_open(url).tiers[1].ids()) == sorted(a for a, _ in states)
+    assert _open(url).journal.pending() == [] and sync_store(_open(url)).copied == []
