@@ -259,7 +259,7 @@ def allowed(dotted_key: str) -> str:
             if getattr(m, attr, None) is not None:
                 bounds.append(f"{op} {getattr(m, attr)}")
         if getattr(m, "min_length", None) and typ is str:
-            words = "a non-empty string"
+            words = "a non-empty string" if m.min_length == 1 else f"a string of {m.min_length} characters or more"
     text = words + (" " + " and ".join(bounds) if bounds else "")
     return text + (", or null" if nullable else "")
 
@@ -460,6 +460,8 @@ def _problem(err: dict[str, Any]) -> tuple[str, str]:
         "a mapping" if isinstance(err["input"], dict) else "a list")
     if key not in _FIELDS:
         return key, f"{key}: {err['msg']}"
+    if is_secret(key):   # an error never shows a secret
+        shown = "***"
     if err["type"] in _RANGE_ERRORS:
         return key, f"{key} = {shown} is out of range; allowed: {allowed(key)}"
     if err["type"] == "value_error":   # a field's own validator: its message says what is allowed

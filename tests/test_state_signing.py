@@ -189,3 +189,13 @@ def test_the_key_comes_from_the_config_and_is_never_printed(states, tmp_path, mo
     monkeypatch.setenv("KITE_SECURITY__STATE_KEY", KEY.key.decode())
     shown = runner.invoke(app, ["upcycle", "inspect", str(signed)])
     assert f"signed with key {KEY.key_id} (checked)" in shown.output
+
+
+def test_a_bad_key_in_the_config_is_refused_without_showing_it(monkeypatch):
+    from kite.cli.main import app
+
+    monkeypatch.setenv("KITE_SECURITY__STATE_KEY", "tooshort-secret")
+    result = CliRunner().invoke(app, ["store", "ls", "--store", "mem://"])
+    assert result.exit_code == 2 and "tooshort-secret" not in result.output
+    assert ("KITE_SECURITY__STATE_KEY: security.state_key = *** is out of range; allowed: a string of 16 "
+            "characters or more, or null") in result.output
