@@ -118,6 +118,9 @@ def test_generate_answers_from_a_state_fetched_by_address(two_states, tiny_model
     assert got["text"] == want["text"]
     missing = kite(*common, "--store", store, "--upc", "f" * 64)
     assert missing.exit_code == 1 and "no tier of the store holds a good copy" in missing.output
+    nowhere = kite(*common, "--store", f"file://{tmp_path}/nowhere", "--upc", address[:12])
+    assert nowhere.exit_code == 2 and "folder" in nowhere.output and "does not exist" in nowhere.output
+    assert not (tmp_path / "nowhere").exists()
 
 
 def test_inspect_shows_the_checked_address(two_states, tmp_path):
