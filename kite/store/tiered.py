@@ -206,9 +206,12 @@ class TieredStore:
             finally:
                 self._queue.task_done()
 
-    def good_copy(self, state_id: str, besides: Tier | None = None) -> tuple[bytes, Tier] | None:
+    def good_copy(self, state_id: str, besides: Tier | None = None,
+                  unsure: list | None = None) -> tuple[bytes, Tier] | None:
         """The first copy of the state that verifies, from the tiers but ``besides`` (no promotion);
-        None when none holds one. A bad copy is counted and left for a read to repair."""
+        None when none holds one. A bad copy is counted and left for a read to repair. ``unsure``:
+        the names of tiers that failed to answer are appended to it (None may then mean "not
+        known")."""
         for tier in self.tiers:
             if tier is besides:
                 continue
@@ -216,6 +219,8 @@ class TieredStore:
                 data = tier.get(state_id)
             except TierError:
                 self.counters.error(tier.name, "get")
+                if unsure is not None:
+                    unsure.append(tier.name)
                 continue
             if data is None:
                 continue
@@ -230,8 +235,8 @@ class TieredStore:
     def retry_missed(self, tier: Tier, besides: str | None = None) -> dict[str, str]:
         """Copy into ``tier`` the states its journal says it missed (it took a put just now, so it is
         back), from the tiers that hold them; id -> "stored", "declined (...)", "failed: why" or
-        "no copy" (no other tier holds a good one: the entry is dropped). ``besides``: an id the
-        caller has just stored there."""
+        "no copy" (no other tier holds a good one: the entry is dropped, unless a tier did not
+        answer). ``besides``: an id the caller has just stored there."""
         url = journal_key(tier)
         out: dict[str, str] = {}
         for missed in self.journal.pending(url):
@@ -239,10 +244,12 @@ class TieredStore:
             if sid == besides:
                 self.journal.done(url, sid)
                 continue
-            found = self.good_copy(sid, besides=tier)
+            unsure: list[str] = []
+            found = self.good_copy(sid, besides=tier, unsure=unsure)
             if found is None:
-                self.journal.done(url, sid)
-                out[sid] = "no copy"
+                if not unsure:   # no tier holds it now (deleted, evicted): nothing to copy
+                    self.journal.done(url, sid)
+                out[sid] = "no copy" + (f" (tiers {', '.join(unsure)} did not answer)" if unsure else "")
                 continue
             try:
                 stored = tier.put(sid, found[0])
