@@ -31,7 +31,7 @@ class SyncReport:
     copied: list[dict] = field(default_factory=list)       # {"id", "from", "to"}
     failed: list[dict] = field(default_factory=list)       # {"id", "to", "why"}
     declined: list[dict] = field(default_factory=list)     # {"id", "to"}
-    no_copy: list[dict] = field(default_factory=list)      # {"id", "to"}
+    no_copy: list[dict] = field(default_factory=list)      # {"id", "to", "unanswered": tiers that failed to answer}
     unreachable: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -96,9 +96,10 @@ def sync_store(store: TieredStore, to: list[str] | None = None, progress: Progre
 
 
 def _copy(store: TieredStore, tier, sid: str, url: str, report: SyncReport, row: dict, down: set[str]) -> None:
-    found = store.good_copy(sid, besides=tier)
+    unsure: list[str] = []
+    found = store.good_copy(sid, besides=tier, unsure=unsure)
     if found is None:
-        report.no_copy.append({"id": sid, "to": tier.name})
+        report.no_copy.append({"id": sid, "to": tier.name, "unanswered": unsure})
         row["no_copy"] += 1
         return
     data, source = found
