@@ -1,4 +1,4 @@
-"""`kite store`: the tiered, content-addressed state store (docs/store.md): ls, get, put, gc, stats."""
+"""`kite store`: the tiered, content-addressed state store (docs/store.md): ls, get, put, sync, gc, stats."""
 
 from __future__ import annotations
 
@@ -26,14 +26,16 @@ def store_url(flag: str | None, required: bool = True) -> str | None:
     return url
 
 
-def open_cli_store(flag: str | None, required: bool = True):
-    """The TieredStore of --store / store.url (None when neither is set and not `required`)."""
+def open_cli_store(flag: str | None, required: bool = True, create: bool = True):
+    """The TieredStore of --store / store.url (None when neither is set and not `required`).
+    ``create`` False (the read commands): a file:// folder that does not exist is one line, exit 2
+    (kite.store.MissingStore), never created."""
     url = store_url(flag, required)
     if url is None:
         return None
     from kite.store import open_store
 
-    return open_store(url, default_write=user_config().store.write)
+    return open_store(url, default_write=user_config().store.write, create=create)
 
 
 def resolve_id(store, ref: str) -> str:
@@ -59,7 +61,7 @@ def ls(store: Annotated[str | None, StoreOpt] = None, json_out: bool = JsonOpt) 
 
     Example: kite store ls --store mem://,file:///var/kite/store
     """
-    st = open_cli_store(store)
+    st = open_cli_store(store, create=False)
     rows = []
     for sid, tiers in st.ids().items():
         rows.append({"id": sid, "tiers": tiers})
@@ -89,7 +91,7 @@ def get(
     from kite.atomic import check_output
 
     check_output(output, mkdir, "--output")
-    st = open_cli_store(store)
+    st = open_cli_store(store, create=False)
     sid = resolve_id(st, state_id)
     info = st.get_file(sid, output)
     st.close()
@@ -106,6 +108,8 @@ def get(
 def put(
     files: Annotated[list[Path], typer.Argument(help="The .upc states to store.", show_default=False)],
     store: Annotated[str | None, StoreOpt] = None,
+    mkdir: bool = typer.Option(False, "--mkdir", help="Create a file:// tier's folder when it does not "
+                               "exist (without it a missing folder is an error)."),
     json_out: bool = JsonOpt,
 ) -> None:
     """Verify each state (its checksums and content address) and store it in every tier under its
@@ -113,10 +117,13 @@ def put(
 
     Example: kite store put contract.upc --store file:///var/kite/store,redis://127.0.0.1:6379/0
     """
-    from kite.store import read_state_file
+    from kite.store import MissingStore, read_state_file
 
     loaded = [read_state_file(f) for f in files]   # every file checked before anything is stored
-    st = open_cli_store(store)
+    try:
+        st = open_cli_store(store, create=mkdir)
+    except MissingStore as exc:
+        raise MissingStore(f"{exc} (pass --mkdir to create it)") from None
     reports = [st.put(data) for data, _ in loaded]
     late = st.flush()   # write-back tiers finish before the command answers
     st.close()
@@ -135,10 +142,50 @@ def put(
         raise KiteError(f"{len(failed)} put(s) failed in a tier (named above)")
 
 
+@app.command("sync")
+def sync(
+    store: Annotated[str | None, StoreOpt] = None,
+    to: Annotated[str | None, typer.Option("--to", help="Only these tiers, by name (comma-separated: "
+                                           "file,redis,s3; default every tier but mem).")] = None,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Copy into each tier the states it misses from the tiers that hold them (verified), e.g. after
+    Redis or S3 was down during puts; retries the journal of missed writes. Idempotent: a second run
+    copies nothing. Exit 1 when a copy failed (each is named).
+
+    Example: kite store sync --store file:///var/kite/store,redis://127.0.0.1:6379/0
+    """
+    from kite.cli._progress import progress_bar
+    from kite.store import sync_store
+
+    st = open_cli_store(store, create=False)
+    targets = [t.strip() for t in to.split(",") if t.strip()] if to is not None else None
+    with progress_bar() as progress:
+        report = sync_store(st, targets, progress)
+    st.close()
+    if json_out:
+        emit_json(report.to_dict())
+    else:
+        out = console()
+        for name, row in report.tiers.items():
+            out.print(f"{name:<6} {row['url']}  held {row['held_before']}, missed {row['missing']}: copied "
+                      f"{row['copied']}, failed {row['failed']}, declined {row['declined']}, no good copy "
+                      f"{row['no_copy']}", highlight=False)
+        for name, why in report.unreachable.items():
+            out.print(f"[yellow]warning:[/] tier {name} could not be listed, not synced: {why}", highlight=False)
+        for f in report.failed[:10]:
+            out.print(f"[red]{f['to']} failed[/] for {f['id'][:16]}: {f['why']}", highlight=False)
+    if report.failed or report.unreachable:
+        what = [f"{len(report.failed)} copy(ies) failed"] if report.failed else []
+        if report.unreachable:
+            what.append(f"tier(s) unreachable: {', '.join(report.unreachable)}")
+        raise KiteError(f"{'; '.join(what)}; run kite store sync again once it is back")
+
+
 @app.command("gc")
 def gc(store: Annotated[str | None, StoreOpt] = None, json_out: bool = JsonOpt) -> None:
     """Evict least recently used states from every bounded tier (max=SIZE) until it is within its bound."""
-    st = open_cli_store(store)
+    st = open_cli_store(store, create=False)
     dropped = st.gc()
     if json_out:
         emit_json({"evicted": dropped})
@@ -155,7 +202,7 @@ def stats(store: Annotated[str | None, StoreOpt] = None, json_out: bool = JsonOp
 
     A server counts hits, misses and errors over its life: see its /metrics (kite_store_*).
     """
-    st = open_cli_store(store)
+    st = open_cli_store(store, create=False)
     report = st.stats()
     if json_out:
         emit_json(report)
@@ -165,4 +212,5 @@ def stats(store: Annotated[str | None, StoreOpt] = None, json_out: bool = JsonOp
         held = (f"{t['objects']} states, {t['bytes']:,} B" if t["objects"] is not None
                 else f"[red]unreachable[/]: {t['error']}")
         bound = f" of {t['max_bytes']:,} B" if t["max_bytes"] else ""
-        out.print(f"{t['name']:<6} {t['url']}  write-{t['write']}  {held}{bound}", highlight=False)
+        missed = f"  [yellow]{t['missed']} missed write(s)[/]: kite store sync" if t["missed"] else ""
+        out.print(f"{t['name']:<6} {t['url']}  write-{t['write']}  {held}{bound}{missed}", highlight=False)

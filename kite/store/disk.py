@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kite.atomic import write_bytes
 from kite.errors import BadInput, KiteError
+from kite.shortid import apart
 from kite.store.tier import ObjectStat, Tier, TierError, TierURL, register_tier
 from kite.upcycle import StateFile, check_address, is_address
 
@@ -43,10 +44,21 @@ class DiskTier(Tier):
 
     @classmethod
     def from_url(cls, name: str, url: TierURL, write: str, max_bytes: int | None) -> "DiskTier":
+        return cls(cls._location(url), name, write, max_bytes)
+
+    @staticmethod
+    def _location(url: TierURL) -> str:
         location = url.netloc + url.path
         if not location:
             raise BadInput(f"store URL {url.text!r}: file:// needs a folder (file:///abs/path or file://~/path)")
-        return cls(location, name, write, max_bytes)
+        return location
+
+    @classmethod
+    def absent(cls, url: TierURL) -> str | None:
+        folder = Path(cls._location(url)).expanduser()
+        if folder.is_dir():
+            return None
+        return f"folder {folder} does not exist" if not folder.exists() else f"{folder} is not a folder"
 
     def _path(self, state_id: str) -> Path:
         if not is_address(state_id):
@@ -95,7 +107,8 @@ class DiskTier(Tier):
         if addr is None:
             return "an unaddressed state"
         if addr != stem:
-            return f"holds state {addr[:16]}..., not {stem[:16]}..."
+            holds, name = apart(addr, stem, 16)
+            return f"holds state {holds}..., not {name}..."
         return None
 
     def get(self, state_id: str) -> bytes | None:

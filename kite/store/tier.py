@@ -20,6 +20,10 @@ from kite.errors import BadInput, KiteError
 WRITE_POLICIES = ("through", "back")
 
 
+class MissingStore(BadInput):
+    """A store opened for reading names a place that does not exist (a file:// tier's folder)."""
+
+
 class TierError(KiteError):
     """A tier failed an operation (its backend is down, refused, or the disk is full)."""
 
@@ -94,6 +98,13 @@ class Tier(ABC):
                 dropped.append(s.id)
                 self.evictions += 1
         return dropped
+
+    @classmethod
+    def absent(cls, url: "TierURL") -> str | None:
+        """Why the place a URL names for this tier does not exist (a missing folder), in words; None
+        where it does or the tier cannot tell without connecting. A store opened not to create its
+        places (``open_store(create=False)``: the read commands) refuses such a tier."""
+        return None
 
     def describe(self) -> str:
         """The tier as a URL-like line (no secrets)."""

@@ -14,7 +14,8 @@ from urllib.parse import parse_qsl, urlsplit
 
 from kite.errors import BadInput
 from kite.store import disk, memory, redis_tier, s3  # noqa: F401  (each registers its tier)
-from kite.store.tier import WRITE_POLICIES, Tier, TierURL, parse_size, tier_class, tier_schemes
+from kite.store.tier import WRITE_POLICIES, MissingStore, Tier, TierURL, parse_size, tier_class, tier_schemes
+from kite.store.journal import journal_for
 from kite.store.tiered import TieredStore
 
 COMMON = ("max", "write")
@@ -45,7 +46,9 @@ def split_url(text: str) -> list[TierURL]:
     return out
 
 
-def open_tier(url: TierURL, name: str, default_write: str = "through") -> Tier:
+def open_tier(url: TierURL, name: str, default_write: str = "through", create: bool = True) -> Tier:
+    """The tier of one URL. ``create`` False: MissingStore (one line) when its place does not exist
+    (a file:// folder), instead of making it."""
     cls = tier_class(url.scheme)
     unknown = set(url.params) - set(COMMON) - set(cls.params)
     if unknown:
@@ -55,12 +58,17 @@ def open_tier(url: TierURL, name: str, default_write: str = "through") -> Tier:
     if write not in WRITE_POLICIES:
         raise BadInput(f"--store: {url.text!r}: write={write!r}, expected through or back")
     max_bytes = parse_size(url.params["max"], f"--store {url.text!r}: max") if "max" in url.params else None
+    if not create:
+        why = cls.absent(url)
+        if why is not None:
+            raise MissingStore(f"store tier {name}: {why}")
     return cls.from_url(name, url, write, max_bytes)
 
 
-def open_store(text: str, default_write: str = "through") -> TieredStore:
+def open_store(text: str, default_write: str = "through", create: bool = True) -> TieredStore:
     """The TieredStore a store URL describes. Tier names are the schemes (``mem``, ``file``,
-    ``redis``, ``s3``), numbered from the second of a kind (``file2``)."""
+    ``redis``, ``s3``), numbered from the second of a kind (``file2``). ``create`` False (what reads
+    ask for): MissingStore when a tier's place (a file:// folder) does not exist, nothing created."""
     urls = split_url(text)
     if sum(u.scheme == "mem" for u in urls) > 1:
         raise BadInput(f"--store {text!r}: one mem:// tier at most")
@@ -68,5 +76,5 @@ def open_store(text: str, default_write: str = "through") -> TieredStore:
     for u in urls:
         kind = tier_class(u.scheme).scheme   # rediss -> redis
         counts[kind] = counts.get(kind, 0) + 1
-        tiers.append(open_tier(u, kind if counts[kind] == 1 else f"{kind}{counts[kind]}", default_write))
-    return TieredStore(tiers)
+        tiers.append(open_tier(u, kind if counts[kind] == 1 else f"{kind}{counts[kind]}", default_write, create))
+    return TieredStore(tiers, journal=journal_for(tiers))
