@@ -101,3 +101,46 @@ def test_a_closed_batcher_refuses_work(lm):
     b.close()
     with pytest.raises(RuntimeError, match="shutting down"):
         b.call(lambda: 1)
+
+
+def test_work_handed_over_together_runs_in_one_call_with_a_result_or_error_each(batcher):
+    """Items of one key handed over before the same step boundary run in one call, in arrival order;
+    each caller gets its own result or exception; other work keeps its place; from the model's thread
+    an item runs alone, at once."""
+    release = threading.Event()
+    calls: list[list] = []
+
+    def together(items):
+        calls.append(list(items))
+        return [ValueError(f"bad {i}") if i == 2 else i * 10 for i in items]
+
+    blocker = threading.Thread(target=lambda: batcher.call(release.wait))
+    blocker.start()
+    wait_until(lambda: not batcher._tasks, what="the blocking task to start")
+    results: dict = {}
+
+    def ask(i):
+        try:
+            results[i] = batcher.call_together("k", i, together)[0]
+        except ValueError as exc:
+            results[i] = str(exc)
+
+    askers = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in askers:
+        t.start()
+        wait_until(lambda n=askers.index(t) + 1: len(batcher._tasks) == n, what="the item to be queued")
+    release.set()
+    for t in askers + [blocker]:
+        t.join(timeout=30)
+    assert calls == [[0, 1, 2, 3]]
+    assert results == {0: 0, 1: 10, 2: "bad 2", 3: 30}
+    # from the model's thread: alone, at once
+    assert batcher.call(lambda: batcher.call_together("k", 5, together)[0])[0] == 50
+    assert calls[-1] == [5]
+
+    def broken(items):
+        raise RuntimeError("the whole group failed")
+
+    with pytest.raises(RuntimeError, match="the whole group failed"):
+        batcher.call_together("other", 1, broken)
+    assert batcher.call(lambda: "still here")[0] == "still here"

@@ -10,7 +10,9 @@ one that can never fit (alone it would pass the KV budget) is refused.
 
 The scheduler's thread is the model's only thread. Everything else that runs the model (an
 upload's upcycle, YOCO's decision and the state's load before a generation, the measured gain after
-it) is handed to it with :meth:`Batcher.call` and runs between two steps, in arrival order. One
+it) is handed to it with :meth:`Batcher.call` and runs between two steps, in arrival order; work
+that runs better together (YOCO's pass over the queries of every request that arrived since the last
+step: one forward, not one each) with :meth:`Batcher.call_together`. One
 thread keeps one OpenMP team: a second thread that runs torch work starts a second team, and
 libgomp, seeing more of its threads than cores, stops letting idle workers spin, so every parallel
 region of every step waits for a worker to wake (on the 2-core dev box a 6-row step in `kite serve` went
@@ -77,6 +79,51 @@ class ModelTask:
             self.future.set_exception(exc)
 
 
+@dataclass(eq=False)
+class GroupTask:
+    """One item of work the model's thread runs together with the others of its ``key`` handed over
+    before the same step boundary (:meth:`Batcher.call_together`): ``run(items)`` gives one result or
+    exception per item, in order."""
+
+    key: object
+    item: object
+    run: Callable[[list], list]
+    future: Future = field(default_factory=Future)
+    queued_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+
+
+def run_tasks(tasks: list) -> None:
+    """Run the work handed over before a step boundary, in arrival order; the items of one group run
+    in one call where the group's first item stands."""
+    done: set = set()
+    for task in tasks:
+        if isinstance(task, ModelTask):
+            task.run()
+            continue
+        if task.key in done:
+            continue
+        done.add(task.key)
+        members = [t for t in tasks if isinstance(t, GroupTask) and t.key == task.key
+                   and t.future.set_running_or_notify_cancel()]
+        if not members:
+            continue
+        now = time.perf_counter()
+        for t in members:
+            t.started_at = now
+        try:
+            results = task.run([t.item for t in members])
+            if len(results) != len(members):
+                raise RuntimeError(f"{len(results)} results for {len(members)} items of {task.key!r}")
+        except BaseException as exc:  # noqa: BLE001 - every member gets it
+            results = [exc] * len(members)
+        for t, r in zip(members, results):
+            if isinstance(r, BaseException):
+                t.future.set_exception(r)
+            else:
+                t.future.set_result(r)
+
+
 class Leaving:
     """A client that may leave before its request joins the batch: :meth:`leave` cancels it
     whenever that happens (pass :meth:`attach` as ``GenOptions.on_request``)."""
@@ -113,7 +160,7 @@ class Batcher:
         self.lm, self.on_step = lm, on_step
         self.decoder = BatchDecoder(lm, max_batch, max_kv_bytes=max_kv_bytes)
         self._queue: deque[BatchRequest] = deque()
-        self._tasks: deque[ModelTask] = deque()
+        self._tasks: deque[ModelTask | GroupTask] = deque()
         self._running: dict[int, BatchRequest] = {}
         self._wake = threading.Condition()
         self._closed = False
@@ -131,6 +178,28 @@ class Batcher:
             t0 = time.perf_counter()
             return fn(), ((t0 - since) * 1e3 if since is not None else 0.0)
         task = ModelTask(fn)
+        if since is not None:
+            task.queued_at = since
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the server is shutting down")
+            self._tasks.append(task)
+            self._wake.notify()
+        result = task.future.result()
+        return result, (task.started_at - task.queued_at) * 1e3
+
+    def call_together(self, key, item, run: Callable[[list], list], since: float | None = None) -> tuple[object, float]:
+        """Like :meth:`call`, for work that runs better together: the items of ``key`` handed over
+        before the same step boundary run in one ``run(items)`` (one result or exception per item, in
+        order), e.g. one forward over every newly arrived query instead of one each. (Its result, ms it
+        waited to start.) Called from the model's thread, it runs alone, at once."""
+        if threading.current_thread() is self._thread:
+            t0 = time.perf_counter()
+            (result,) = run([item])
+            if isinstance(result, BaseException):
+                raise result
+            return result, ((t0 - since) * 1e3 if since is not None else 0.0)
+        task = GroupTask(key, item, run)
         if since is not None:
             task.queued_at = since
         with self._wake:
@@ -203,8 +272,7 @@ class Batcher:
                     return
                 tasks = list(self._tasks)   # what was handed over before this step boundary
                 self._tasks.clear()
-            for task in tasks:
-                task.run()
+            run_tasks(tasks)
             with self._wake:
                 if not self._queue and not self._running:
                     continue

@@ -183,13 +183,15 @@ class ModelRunner:
         if path is not None:
             ruleset = self.rules.current  # one read: the set that decides this request
 
-            def decide_and_load():
+            def decide_and_load(signals):
                 with self._reading(state_id, path) as (state, load):
                     return prepare(self.lm, self.tagger, ruleset, state, query, health=self.health,
                                    novelty=self.novelty, sampler=self.sampler, min_hit_gain=self.settings.min_hit_gain,
-                                   fusion_enabled=self.settings.fusion, state_id=state_id, loader=load)
+                                   fusion_enabled=self.settings.fusion, state_id=state_id, loader=load,
+                                   signals=signals)
 
-            prepared, wait = self.batcher.call(decide_and_load, since=opts.queued_at)
+            prepared, wait = self.batcher.call_together("decide", (query, decide_and_load), self._decide_together,
+                                                        since=opts.queued_at)
             opts.queued_at = time.perf_counter()
         gen, req = self.batcher.generate(prompt_ids, prepared.prefix if prepared else None, opts)
         wait += req.wait_ms
@@ -200,6 +202,21 @@ class ModelRunner:
             "applied": False, "reason": "a state was named: its KV is loaded as the state's own compressed prefix"}
         return Answer(gen, fused, state_id, {"version": ruleset.version, "sha256": ruleset.sha256}, wait_ms=wait,
                       kv_budget=skipped)
+
+    def _decide_together(self, items: list) -> list:
+        """On the model's thread: the model's pass over the queries of every request that arrived
+        since the last step, in one forward (kite.yoco.intent.query_signals), then each request's
+        decision and load in arrival order; a result or the exception for each."""
+        from kite.yoco.intent import query_signals
+
+        signals = query_signals(self.lm, [query for query, _ in items], self.tagger)
+        out = []
+        for (_, decide_and_load), q in zip(items, signals):
+            try:
+                out.append(decide_and_load(q))
+            except Exception as exc:  # noqa: BLE001 - a request's own error (a bad state) fails it alone
+                out.append(exc)
+        return out
 
     @contextlib.contextmanager
     def _reading(self, state_id: str, path):

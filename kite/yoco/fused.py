@@ -110,12 +110,13 @@ class FusedAnswer:
 
 def plan_for(lm: LoadedModel, tagger, rules, state: StateFile, query: str, *, health=None, novelty=None,
              watermark: HardwareWatermark | None = None, min_hit_gain: float = DEFAULT_MIN_HIT_GAIN,
-             state_id: str | None = None,
-             timings: dict | None = None) -> tuple[Signals, LoadPlan, QuerySignals, StateInfo]:
+             state_id: str | None = None, timings: dict | None = None,
+             signals: QuerySignals | None = None) -> tuple[Signals, LoadPlan, QuerySignals, StateInfo]:
     """Signals and the rules' decision for `query` against `state` (no loading). `timings`, when
-    given, receives `model_signals` (the model's pass over the query) and `decide` (the rules), ms."""
+    given, receives `model_signals` (the model's pass over the query) and `decide` (the rules), ms.
+    ``signals``: the model's pass over `query` made already (several queries' in one forward)."""
     t0 = time.perf_counter()
-    q = query_signals(lm, [query], tagger)[0]
+    q = signals if signals is not None else query_signals(lm, [query], tagger)[0]
     t1 = time.perf_counter()
     nov = novelty.novelty(query) if novelty is not None else 1.0
     if novelty is not None:
@@ -145,10 +146,11 @@ class Prepared:
 
 def prepare(lm: LoadedModel, tagger, rules, state_path: str | Path, query: str, *, health=None, novelty=None, sampler=None,
             min_hit_gain: float = DEFAULT_MIN_HIT_GAIN, fusion_enabled: bool = True,
-            state_id: str | None = None, loader=None) -> Prepared:
+            state_id: str | None = None, loader=None, signals: QuerySignals | None = None) -> Prepared:
     """Signals, the rules' decision and the load (nothing loaded with fusion disabled).
     ``state_path``: the state's file, or a StateFile the caller opened (and closes).
-    ``loader``: what loads (``load_prefix``'s signature; a server's prefix cache), default load_prefix."""
+    ``loader``: what loads (``load_prefix``'s signature; a server's prefix cache), default load_prefix.
+    ``signals``: the model's pass over ``query`` when made already (:func:`plan_for`)."""
     t0 = time.perf_counter()
     opened = contextlib.nullcontext(state_path) if isinstance(state_path, StateFile) else StateFile(state_path)
     with opened as state:
@@ -156,7 +158,7 @@ def prepare(lm: LoadedModel, tagger, rules, state_path: str | Path, query: str, 
         parts: dict[str, float] = {}
         signals, plan, q, info = plan_for(lm, tagger, rules, state, query, health=health, novelty=novelty,
                                           watermark=watermark, min_hit_gain=min_hit_gain, state_id=state_id,
-                                          timings=parts)
+                                          timings=parts, signals=signals)
         t_decide = time.perf_counter()
         if plan.enable_micro_sampling and sampler is not None:
             sampler.enable_micro_sampling()
