@@ -215,3 +215,19 @@ def test_gpu_rows_in_lanes_decode_in_the_same_step_as_raw_rows():
     want, _ = run(lm, reqs, kernels=False)
     got, _ = run(lm, reqs, kernels=True)
     assert got == want
+
+
+@cuda
+def test_gpu_rows_all_in_lanes_are_replayed_from_a_graph_with_the_eager_tokens():
+    """Every row held in lanes (states of different lengths, rows joining, leaving and cancelled):
+    the graphed step reads each row's state through the tables kept by cache row and gives the
+    tokens of the eager step and of transformers' forward with the lanes form's attention."""
+    lm = tiny_lm("qwen2", "cuda", torch.float32, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    states = [lanes_prefix(lm, raw_prefix(lm, n, s)) for n, s in ((150, 1), (90, 2), (300, 3))]
+    reqs = [(ids(lm, 4, 20 + i), states[i % 3], 6 + i) for i in range(6)]
+    want, _ = run(lm, reqs, kernels=False)
+    eager, _ = run(lm, reqs, kernels=True, graphs=False)
+    graphed, dec = run(lm, reqs, kernels=True, graphs=True)
+    assert eager == want and graphed == want
+    assert dec.kernels.captures >= 1 and dec.kernels.replays > dec.kernels.captures
+    assert dec.kernels.lanes_rows.held

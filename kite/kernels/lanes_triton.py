@@ -338,6 +338,22 @@ class LanesPlan:
         self.raw_v = torch.cat([x.raw_v for x in states]) if len(states) > 1 else first.raw_v
 
 
+    @classmethod
+    def gathered(cls, like: LanesPlan, ptrs: torch.Tensor, ngs: torch.Tensor, length: torch.Tensor,
+                 raw_k: torch.Tensor, raw_v: torch.Tensor, ngmax: int) -> LanesPlan:
+        """A plan of the states whose tables ``ptrs`` [N, 8] point to (``ngs``, ``length`` [N] int32,
+        their sinks ``raw_k`` / ``raw_v`` [N, H, S, d]), shaped as ``like`` (heads, lanes, group, basis
+        type), read up to ``ngmax`` groups a state: what a captured decode step builds from tables kept
+        by cache row. The caller keeps the states' tensors alive."""
+        plan = object.__new__(cls)
+        for name in ("group", "H", "RK", "RV", "D", "basis_type"):
+            setattr(plan, name, getattr(like, name))
+        plan._keep = []
+        plan.ptrs, plan.ngs, plan.length, plan.raw_k, plan.raw_v = ptrs, ngs, length, raw_k, raw_v
+        plan.N, plan.NGMAX = int(ptrs.shape[0]), int(ngmax)
+        return plan
+
+
 def _aligned(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """``t`` contiguous (in ``dtype``), each of its states' rows 16-byte aligned (a copy if not)."""
     t = t.contiguous() if dtype is None else t.to(dtype).contiguous()

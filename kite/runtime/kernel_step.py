@@ -76,12 +76,14 @@ class KernelForward:
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
                  starts: torch.Tensor, counts: torch.Tensor, beside: dict | None = None,
-                 splits: int | None = None) -> torch.Tensor:
+                 splits: int | None = None, lanes=None) -> torch.Tensor:
         """Logits [B, q, vocab] (fp32) of ``ids`` [B, q] at positions ``pos`` [B, q]; sequence b feeds
         ``counts[b]`` real tokens into buffer row ``rows[b]``, layer l's from slot ``starts[l, b]`` on,
         and attends its first ``lens[l, b]`` slots (int32 device tensors: rows, counts [B]; lens,
         starts [layers, B]). ``beside``: (form, batch indices on the device, their prefixes, plans) of
-        the rows whose state is held beside their slots."""
+        the rows whose state is held beside their slots. ``lanes``: every row's state is held in lanes
+        beside its slots, read through ``lanes(layer, q)`` -> (out [B, Hq, 1, d], lse [B, Hq, 1]) (a
+        captured step's :class:`LanesRows`)."""
         from kite.kernels.fused_norm_triton import rms_norm
         from kite.kernels.kv_store_triton import store_kv
         from kite.kernels.rope_triton import rope_qkv
@@ -97,7 +99,12 @@ class KernelForward:
             x = rms_norm(h, block.input_layernorm.weight, block.input_layernorm.variance_epsilon)
             q, k, v = rope_qkv(*attn.kite_qkv(x), cos, sin)    # the fused layers' projections (kite.model.fused)
             store_kv(k, v, keys[layer], values[layer], rows, starts[layer], counts)
-            if beside:
+            if lanes is not None:
+                out, lse = split_kv_attention(q, keys[layer], values[layer], None, attn.scaling, rows=rows,
+                                              lengths=lens[layer], starts=starts[layer], splits=splits,
+                                              return_lse=True)
+                out = _merge_lanes(out, lse, *lanes(layer, q, attn.scaling))
+            elif beside:
                 out, lse = split_kv_attention(q, keys[layer], values[layer], None, attn.scaling, rows=rows,
                                               lengths=lens[layer], starts=starts[layer], splits=splits,
                                               return_lse=True)
@@ -111,6 +118,15 @@ class KernelForward:
             h = h + mlp.down_proj(silu_mul(*mlp.kite_gate_up(x)))
         h = rms_norm(h, self.inner.norm.weight, self.inner.norm.variance_epsilon)
         return self.lm.lm_head(h).float()
+
+
+def _merge_lanes(out, lse, o, s) -> torch.Tensor:
+    """Every row's slots (``out`` [B, q, Hq, d], ``lse`` [B, Hq, q]) and its state's part (``o``
+    [B, Hq, q, d], ``s``) in one softmax: [B, q, Hq, d] in ``out``'s dtype."""
+    from kite.kernels.partials import merge
+
+    merged, _ = merge([(o, s), (out.transpose(1, 2).float(), lse)])
+    return merged.transpose(1, 2).to(out.dtype)
 
 
 def _merge_beside(out, lse, q, layer: int, scale: float, beside) -> None:
@@ -139,7 +155,8 @@ class KernelStep:
         self.device = cache.device
         self.buckets = buckets(cache.max_rows)
         self.graphed = cache.device.type == "cuda"      # a CPU (Triton's interpreter, in tests) runs eagerly
-        self._graphs: dict[tuple[int, bool], _Graph] = {}
+        self._graphs: dict[tuple, _Graph] = {}
+        self.lanes_rows = LanesRows(cache)
         self._pool = None
         self._buffers = None
         self.captures = 0
@@ -168,8 +185,12 @@ class KernelStep:
         idx = torch.tensor(rows, dtype=torch.long)
         before = cache.lengths[:, idx]                                   # [L, B]
         cache.reserve_for(int((before + torch.tensor(counts)[None]).max()))
-        if max(counts) == 1 and not beside and GRAPHS and self.graphed:
+        graphed = max(counts) == 1 and GRAPHS and self.graphed
+        if graphed and not beside:
             out = self._replay(rows, [t[0] for t in tokens], positions, before, reader_on)
+        elif graphed and len(beside) == len(rows) and self.lanes_rows.takes(beside.values()):
+            self.lanes_rows.sync({rows[b]: p for b, p in beside.items()})
+            out = self._replay(rows, [t[0] for t in tokens], positions, before, reader_on, lanes=True)
         else:
             out = self._eager(rows, tokens, positions, before, counts, beside)
         cache.advance(rows, counts)
@@ -194,18 +215,20 @@ class KernelStep:
                             beside=groups, splits=SPLITS)
 
     # -- CUDA graphs of decode steps -------------------------------------------------------------
-    def _replay(self, rows, tokens, positions, before, reader_on) -> torch.Tensor:
+    def _replay(self, rows, tokens, positions, before, reader_on, lanes: bool = False) -> torch.Tensor:
         B = len(rows)
         bucket = next(b for b in self.buckets if b >= B)
+        lanes_key = self.lanes_rows.version if lanes else None
         buffers = (self.cache.keys[0].data_ptr(), self.cache.capacity, self.cache.rows_allocated)
         if buffers != self._buffers:          # reallocated: every graph read the old buffers
             self._graphs.clear()
             self._pool = None                 # a pool whose graphs are all gone is not captured into again
             self._buffers = buffers
-        graph = self._graphs.get((bucket, reader_on))
+        key = (bucket, reader_on, lanes_key)
+        graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[(bucket, reader_on)] = _Graph(self.forward, bucket, self.cache.n_layers,
-                                                                self.device, self._pool_handle())
+            graph = self._graphs[key] = _Graph(self.forward, bucket, self.cache.n_layers, self.device,
+                                               self._pool_handle(), self.lanes_rows if lanes else None, rows[0])
             self.captures += 1
         self.replays += 1
         return graph.run(rows, tokens, positions, before)
@@ -219,7 +242,8 @@ class KernelStep:
 class _Graph:
     """One decode step of ``bucket`` rows captured: static inputs, copied in before each replay."""
 
-    def __init__(self, forward: KernelForward, bucket: int, n_layers: int, device, pool):
+    def __init__(self, forward: KernelForward, bucket: int, n_layers: int, device, pool,
+                 lanes: LanesRows | None = None, pad_row: int = 0):
         self.bucket = bucket
         self.host = torch.zeros(4 + 2 * n_layers, bucket, dtype=torch.int64).pin_memory()
         self.inputs = torch.zeros(4 + 2 * n_layers, bucket, dtype=torch.int64, device=device)
@@ -228,12 +252,16 @@ class _Graph:
         self.small = torch.zeros(1 + 2 * n_layers, bucket, dtype=torch.int32, device=device)   # counts, lens, starts
         L = n_layers
 
+        part = None if lanes is None else lanes.part(self.inputs[2])
+
         def step():
             self.rows32.copy_(self.inputs[2])
             self.small.copy_(self.inputs[3:])
-            return forward(ids, pos, self.rows32, self.small[1:1 + L], self.small[1 + L:], self.small[0], splits=SPLITS)
+            return forward(ids, pos, self.rows32, self.small[1:1 + L], self.small[1 + L:], self.small[0], splits=SPLITS,
+                           lanes=part)
 
         self.inputs.zero_()      # counts 0: a row that writes and reads nothing (capture writes no KV)
+        self.inputs[2].fill_(pad_row)   # a row whose tables (lanes) hold a state: what the warm-up reads
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -250,9 +278,107 @@ class _Graph:
         h[0, :B] = torch.tensor(tokens)
         h[1, :B] = torch.tensor(positions)
         h[2, :B] = torch.tensor(rows)
+        h[2, B:] = rows[0]       # padding reads a real row's tables (lanes) and, with count 0, none of its slots
         h[3, :B] = 1
         h[4:4 + L, :B] = before + 1
         h[4 + L:, :B] = before
         self.inputs.copy_(h, non_blocking=True)
         self.graph.replay()
         return self.out[:B]
+
+
+class LanesRows:
+    """What the lanes kernel (kite.kernels.lanes_triton) reads of the state held beside each cache row,
+    in device tables by layer and cache row: pointers to the state's tables, its groups, its length
+    and its sinks. A row's entries are written when the state it holds changes (:meth:`sync`); a
+    captured decode step gathers them by its rows (:meth:`part`), so rows joining and leaving the
+    batch change table entries, not the graph. ``version`` changes when the tables are reallocated
+    or must be read for more groups (a graph captured before is not replayed then)."""
+
+    def __init__(self, cache: BatchKVCache):
+        self.cache = cache
+        self.version = 0
+        self.held: dict[int, int] = {}        # cache row -> id of the LanesPrefix its entries hold
+        self._prefixes: dict[int, object] = {}   # what those entries point into, kept alive
+        self.like: list | None = None         # per layer: a one-state plan (heads, lanes, group, basis type)
+        self.ngmax = 0
+        self.tables: dict[str, torch.Tensor] = {}
+
+    def takes(self, prefixes) -> bool:
+        """Whether these rows' states can be read from the tables: lanes the kernel reads, every layer
+        held, and (once the tables exist) the same shape as theirs."""
+        from kite.runtime.resident import LanesPrefix
+
+        try:
+            from kite.kernels.lanes_triton import kernel_reads
+        except ImportError:
+            return False
+        for p in prefixes:
+            if not isinstance(p, LanesPrefix) or any(x is None for x in p.layers) or not kernel_reads(p.layers):
+                return False
+            if self.like is not None and _lanes_shape(p) != self._shape:
+                return False
+        return True
+
+    def sync(self, beside: dict[int, object]) -> None:
+        """Write the entries of every cache row (``beside``: row -> its LanesPrefix) whose state changed."""
+        for row, prefix in beside.items():
+            if self.held.get(row) != id(prefix):
+                self._write(row, prefix)
+
+    def _write(self, row: int, prefix) -> None:
+        entry = _row_entry(prefix)
+        if self.like is None:
+            self._allocate(prefix, entry)
+        if int(entry["ngs"].max()) > self.ngmax:
+            self.ngmax = int(entry["ngs"].max())
+            self.version += 1
+        for name, value in entry.items():
+            self.tables[name][:, row] = value
+        self.held[row] = id(prefix)
+        self._prefixes[row] = prefix
+
+    def _allocate(self, prefix, entry) -> None:
+        R = self.cache.max_rows
+        self.like = prefix._kernel_plans
+        self._shape = _lanes_shape(prefix)
+        self.tables = {name: torch.zeros((v.shape[0], R, *v.shape[1:]), dtype=v.dtype, device=v.device)
+                       for name, v in entry.items()}
+        self.version += 1
+
+    def part(self, rows: torch.Tensor):
+        """``part(layer, q, scale)`` for a forward: the lanes attention of each row's query (q [B, Hq, 1, d])
+        over its row's state, from the tables gathered by ``rows`` (cache rows, int64 on the device)."""
+        from kite.kernels.lanes_triton import LanesPlan, lanes_decode
+
+        t, like, ngmax = self.tables, self.like, self.ngmax
+
+        def lanes(layer: int, q: torch.Tensor, scale: float):
+            pick = {name: v[layer].index_select(0, rows) for name, v in t.items()}
+            plan = LanesPlan.gathered(like[layer], pick["ptrs"], pick["ngs"], pick["length"], pick["sinks_k"],
+                                      pick["sinks_v"], ngmax)
+            o, lse = lanes_decode(q[:, :, 0], plan, scale, plan.raw_k, plan.raw_v)
+            return o[:, :, None], lse[:, :, None]
+
+        return lanes
+
+
+def _lanes_shape(prefix) -> tuple:
+    x = prefix.layers[0]
+    return (x.k_codes.shape[1], x.k_weight.shape[-1], x.v_weight.shape[-1], x.group, x.k_basis.dtype,
+            tuple(x.raw_k.shape[1:]), x.raw_k.dtype, len(prefix.layers))
+
+
+def _row_entry(prefix) -> dict[str, torch.Tensor]:
+    """A LanesPrefix's entries for the tables, every layer stacked: made once per prefix (a prefix the
+    server's cache hands to many rows is planned once) and kept on it with its one-state plans."""
+    entry = getattr(prefix, "_kernel_entry", None)
+    if entry is None:
+        from kite.kernels.lanes_triton import LanesPlan
+
+        plans = [LanesPlan([x]) for x in prefix.layers]
+        entry = {"ptrs": torch.stack([p.ptrs[0] for p in plans]), "ngs": torch.stack([p.ngs[0] for p in plans]),
+                 "length": torch.stack([p.length[0] for p in plans]),
+                 "sinks_k": torch.stack([p.raw_k[0] for p in plans]), "sinks_v": torch.stack([p.raw_v[0] for p in plans])}
+        prefix._kernel_plans, prefix._kernel_entry = plans, entry
+    return entry
