@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from kite.atomic import write_text
 from kite.errors import BadInput, KiteError
 from kite.paths import config_path, kite_home
+from kite.tenants import TENANT_RE
 from kite.yaml_model import YamlLoader, parse_yaml_tree, read_utf8
 
 # --------------------------------------------------------------------------- the schema
@@ -140,6 +141,15 @@ class StoreConfig(BaseModel):
     # tier URLs, fastest first, comma-separated (mem://?max=2GB,file:///path,redis://...,s3://...); None: no store
     url: str | None = Field(None, min_length=1)
     write: str = "through"   # a tier URL's default write= (through or back)
+    # the tenant whose states the CLI's store commands file, find and list (kite.tenants); None: no tenant
+    tenant: str | None = Field(None, min_length=1)
+
+    @field_validator("tenant")
+    @classmethod
+    def _check_tenant(cls, v: str | None) -> str | None:
+        if v is not None and not TENANT_RE.fullmatch(v):
+            raise ValueError("a tenant is 1-64 of A-Z a-z 0-9 . _ - starting with a letter or a digit")
+        return v
 
     @field_validator("url")
     @classmethod

@@ -17,6 +17,21 @@ StoreOpt = typer.Option("--store", help="Tier URLs, fastest first, comma-separat
                         "?endpoint_url=http://127.0.0.1:9000 (default: the config's store.url).")
 
 
+TenantOpt = typer.Option("--tenant", help="The tenant whose states these are: salted into content addresses, "
+                         "its own part of every tier; another tenant's states are neither listed nor found "
+                         "(default: the config's store.tenant; none: no tenant, addresses as before tenants).")
+
+
+def store_tenant(flag: str | None) -> str | None:
+    """The tenant a command works for: --tenant, else the config's store.tenant (None: no tenant).
+    BadInput (one line, exit 2) for an empty or malformed name."""
+    from kite.tenants import check_tenant
+
+    if flag is not None:
+        return check_tenant(flag, "--tenant")
+    return check_tenant(user_config().store.tenant, "store.tenant")
+
+
 def store_url(flag: str | None, required: bool = True) -> str | None:
     """The store a command uses: --store, else the config's store.url; BadInput when neither is set
     and the command needs one."""
@@ -26,14 +41,15 @@ def store_url(flag: str | None, required: bool = True) -> str | None:
     return url
 
 
-def open_cli_store(flag: str | None, required: bool = True):
-    """The TieredStore of --store / store.url (None when neither is set and not `required`)."""
+def open_cli_store(flag: str | None, required: bool = True, tenant: str | None = None):
+    """The TieredStore of --store / store.url (None when neither is set and not `required`), of the
+    tenant `tenant` (a name already checked by :func:`store_tenant`; None: no tenant)."""
     url = store_url(flag, required)
     if url is None:
         return None
     from kite.store import open_store
 
-    return open_store(url, default_write=user_config().store.write)
+    return open_store(url, default_write=user_config().store.write, tenant=tenant)
 
 
 def resolve_id(store, ref: str) -> str:
@@ -54,12 +70,13 @@ def resolve_id(store, ref: str) -> str:
 
 
 @app.command("ls")
-def ls(store: Annotated[str | None, StoreOpt] = None, json_out: bool = JsonOpt) -> None:
-    """Every state any tier holds, with the tiers holding it.
+def ls(store: Annotated[str | None, StoreOpt] = None, tenant: Annotated[str | None, TenantOpt] = None,
+       json_out: bool = JsonOpt) -> None:
+    """Every state any tier holds (of the tenant, with --tenant), with the tiers holding it.
 
     Example: kite store ls --store mem://,file:///var/kite/store
     """
-    st = open_cli_store(store)
+    st = open_cli_store(store, tenant=store_tenant(tenant))
     rows = []
     for sid, tiers in st.ids().items():
         rows.append({"id": sid, "tiers": tiers})
@@ -79,17 +96,19 @@ def get(
     state_id: Annotated[str, typer.Argument(help="The state's address (or its first 8+ hex digits).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the .upc state.")],
     store: Annotated[str | None, StoreOpt] = None,
+    tenant: Annotated[str | None, TenantOpt] = None,
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
-    """Fetch a state (verified: checksums and address) into a file; exit 1 when no tier has a good copy.
+    """Fetch a state (verified: checksums and address) into a file; exit 1 when no tier has a good copy
+    (another tenant's state is no copy: the same exit and message as a state nobody holds).
 
     Example: kite store get 36f597c14edb48d5 -o contract.upc
     """
     from kite.atomic import check_output
 
     check_output(output, mkdir, "--output")
-    st = open_cli_store(store)
+    st = open_cli_store(store, tenant=store_tenant(tenant))
     sid = resolve_id(st, state_id)
     info = st.get_file(sid, output)
     st.close()
@@ -106,17 +125,26 @@ def get(
 def put(
     files: Annotated[list[Path], typer.Argument(help="The .upc states to store.", show_default=False)],
     store: Annotated[str | None, StoreOpt] = None,
+    tenant: Annotated[str | None, TenantOpt] = None,
     json_out: bool = JsonOpt,
 ) -> None:
     """Verify each state (its checksums and content address) and store it in every tier under its
-    address. Exit 1 when a tier failed to take one (each failure is named).
+    address. Exit 1 when a tier failed to take one (each failure is named); exit 2 for a state made
+    for another tenant than --tenant (or for none).
 
     Example: kite store put contract.upc --store file:///var/kite/store,redis://127.0.0.1:6379/0
     """
-    from kite.store import read_state_file
+    from kite.store import WrongTenant, read_state_file
 
+    who = store_tenant(tenant)
     loaded = [read_state_file(f) for f in files]   # every file checked before anything is stored
-    st = open_cli_store(store)
+    st = open_cli_store(store, tenant=who)
+    for (_, info), f in zip(loaded, files):
+        if info.tenant != st.tenant:
+            whose = "no tenant" if info.tenant is None else "another tenant"
+            raise WrongTenant(f"{f}: state {info.id[:16]}... was made for {whose}, not for "
+                              + ("no tenant" if who is None else f"tenant {who}")
+                              + ": compress it again with --tenant")
     reports = [st.put(data) for data, _ in loaded]
     late = st.flush()   # write-back tiers finish before the command answers
     st.close()
@@ -136,9 +164,11 @@ def put(
 
 
 @app.command("gc")
-def gc(store: Annotated[str | None, StoreOpt] = None, json_out: bool = JsonOpt) -> None:
-    """Evict least recently used states from every bounded tier (max=SIZE) until it is within its bound."""
-    st = open_cli_store(store)
+def gc(store: Annotated[str | None, StoreOpt] = None, tenant: Annotated[str | None, TenantOpt] = None,
+       json_out: bool = JsonOpt) -> None:
+    """Evict least recently used states from every bounded tier (max=SIZE) until it is within its bound
+    (with --tenant: the tenant's part of each tier, which keeps the tier's bound on its own)."""
+    st = open_cli_store(store, tenant=store_tenant(tenant))
     dropped = st.gc()
     if json_out:
         emit_json({"evicted": dropped})
@@ -150,12 +180,14 @@ def gc(store: Annotated[str | None, StoreOpt] = None, json_out: bool = JsonOpt) 
 
 
 @app.command("stats")
-def stats(store: Annotated[str | None, StoreOpt] = None, json_out: bool = JsonOpt) -> None:
-    """Per tier: objects and bytes held, its bound and write policy, and this process's counts.
+def stats(store: Annotated[str | None, StoreOpt] = None, tenant: Annotated[str | None, TenantOpt] = None,
+          json_out: bool = JsonOpt) -> None:
+    """Per tier: objects and bytes held (of the tenant, with --tenant), its bound and write policy, and
+    this process's counts.
 
     A server counts hits, misses and errors over its life: see its /metrics (kite_store_*).
     """
-    st = open_cli_store(store)
+    st = open_cli_store(store, tenant=store_tenant(tenant))
     report = st.stats()
     if json_out:
         emit_json(report)

@@ -180,6 +180,10 @@ class DiskTier(Tier):
         path = self._path(state_id)
         return path if path.is_file() else None
 
+    def tenant_part(self, tag: str) -> "DiskTier":
+        """The tenant's states in ``<folder>/tenants/<tag>/`` (a folder of their own, bound of its own)."""
+        return DiskTier(self.folder / "tenants" / tag, self.name, self.write, self.max_bytes)
+
     def usage(self) -> tuple[int, int]:
         with self._lock:
             return len(self._index), sum(e[0] for e in self._index.values())

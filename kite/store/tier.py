@@ -74,6 +74,13 @@ class Tier(ABC):
     def stat(self, state_id: str) -> ObjectStat | None:
         """Size (and last use) of one object without reading it; None when not held."""
 
+    @abstractmethod
+    def tenant_part(self, tag: str) -> "Tier":
+        """This tier's part for the tenant of ``tag`` (:func:`kite.tenants.tenant_tag`): the same
+        backend (connection, folder, bucket) with the tenant's states under keys of their own, which
+        this tier's own ``get``, ``ids`` and ``stat`` never reach, nor another tenant's part
+        (docs/store.md, "Tenants")."""
+
     def usage(self) -> tuple[int, int]:
         """(objects, bytes) held now."""
         stats = [s for s in (self.stat(i) for i in self.ids()) if s is not None and s.held]

@@ -11,6 +11,10 @@ Writes: a state is verified before any tier sees it. Write-through tiers are wri
 ``put`` returns; write-back tiers get it from a background thread. A tier that fails is counted,
 and named in the :class:`PutReport` (write-back failures in ``failures`` and at ``flush``); a put
 that no tier took raises StoreError.
+
+Tenants: :meth:`TieredStore.for_tenant` is the store of one tenant, every tier's tenant part
+(:meth:`kite.store.Tier.tenant_part`); it takes and returns only states whose address was made for
+that tenant, so a state of another tenant (or of none) is neither listed, found nor stored there.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from kite.atomic import write_bytes
 from kite.errors import KiteError
 from kite.store.counters import StoreCounters
 from kite.store.tier import Tier, TierError
-from kite.store.verify import CorruptState, StateInfo, read_state_file, verify_state
+from kite.store.verify import CorruptState, StateInfo, WrongTenant, read_state_file, verify_state
+from kite.tenants import tenant_tag
 
 _FAILURES_KEPT = 100
 
@@ -54,9 +59,11 @@ class PutReport:
 
 
 class TieredStore:
-    """Tiers in order, fastest first. ``counters``: what was counted (shared with /metrics)."""
+    """Tiers in order, fastest first. ``counters``: what was counted (shared with /metrics).
+    ``tenant``: the tag of the tenant this store holds the states of (None: no tenant; see
+    :meth:`for_tenant`)."""
 
-    def __init__(self, tiers: list[Tier], counters: StoreCounters | None = None):
+    def __init__(self, tiers: list[Tier], counters: StoreCounters | None = None, *, tenant: str | None = None):
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names repeat: {names}")
@@ -66,6 +73,38 @@ class TieredStore:
         self._queue: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.tenant = tenant
+        self.tenant_name: str | None = None   # the name the tag was made from (set by for_tenant)
+        self._parts: dict[str, TieredStore] = {}   # tag -> the store of that tenant (for_tenant)
+        self._root: TieredStore | None = None
+
+    def for_tenant(self, name: str | None) -> "TieredStore":
+        """The store of tenant `name` (None: this store without a tenant): the same tiers' tenant parts,
+        the same counters, made once per tenant. BadInput for an empty or malformed name."""
+        root = self._root or self
+        tag = tenant_tag(name)
+        if tag is None:
+            return root
+        with root._lock:
+            part = root._parts.get(tag)
+            if part is None:
+                part = TieredStore([t.tenant_part(tag) for t in root.tiers], root.counters, tenant=tag)
+                part._root, part.tenant_name = root, name
+                root._parts[tag] = part
+        return part
+
+    def _check(self, data: bytes, state_id: str | None, where: str) -> StateInfo:
+        """verify_state, and the state's address made for this store's tenant (CorruptState when read
+        back from a tier, WrongTenant when given to put)."""
+        info = verify_state(data, state_id, where)
+        if info.tenant != self.tenant:
+            whose = "no tenant" if info.tenant is None else "another tenant"
+            if state_id is not None:
+                raise CorruptState(f"{where}: holds a state made for {whose}")
+            mine = "no tenant" if self.tenant is None else "this store's tenant"
+            raise WrongTenant(f"{where} {info.id[:16]}...: made for {whose}, not for {mine}; states are "
+                              f"filed per tenant: compress the document again for this tenant (--tenant)")
+        return info
 
     # ------------------------------------------------------------------ reads
 
@@ -84,7 +123,7 @@ class TieredStore:
             if data is None:
                 continue
             try:
-                info = verify_state(data, state_id, f"{tier.name} {state_id[:16]}")
+                info = self._check(data, state_id, f"{tier.name} {state_id[:16]}")
             except CorruptState:
                 self.counters.error(tier.name, "verify")
                 self._drop(tier, state_id)
@@ -135,7 +174,7 @@ class TieredStore:
 
     def put(self, data: bytes) -> PutReport:
         """Verify the state, then store it under its address in every tier (see the module doc)."""
-        info = verify_state(data, where="state")
+        info = self._check(data, None, "state")
         report = PutReport(info.id, len(data), already=self.where(info.id))
         for tier in self.tiers:
             if tier.write == "back":
@@ -196,7 +235,10 @@ class TieredStore:
         if self._writer is not None:
             self._queue.join()
         with self._lock:
-            return list(self.failures)
+            parts = list(self._parts.values())
+        late = [f for part in parts for f in part.flush()]
+        with self._lock:
+            return list(self.failures) + late
 
     # ------------------------------------------------------------------ management
 
@@ -254,7 +296,10 @@ class TieredStore:
         return {"tiers": tiers, "misses": snap["misses"], "recent_failures": self.failures[-10:]}
 
     def close(self) -> None:
-        """Finish queued write-backs, then close the tiers."""
+        """Finish queued write-backs (the tenants' too), then close the tiers (a tenant's store closes
+        nothing: its tiers share their connections with the store it came from)."""
         self.flush()
+        if self._root is not None:
+            return
         for tier in self.tiers:
             tier.close()

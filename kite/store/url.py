@@ -16,6 +16,7 @@ from kite.errors import BadInput
 from kite.store import disk, memory, redis_tier, s3  # noqa: F401  (each registers its tier)
 from kite.store.tier import WRITE_POLICIES, Tier, TierURL, parse_size, tier_class, tier_schemes
 from kite.store.tiered import TieredStore
+from kite.tenants import check_tenant
 
 COMMON = ("max", "write")
 
@@ -58,9 +59,11 @@ def open_tier(url: TierURL, name: str, default_write: str = "through") -> Tier:
     return cls.from_url(name, url, write, max_bytes)
 
 
-def open_store(text: str, default_write: str = "through") -> TieredStore:
+def open_store(text: str, default_write: str = "through", tenant: str | None = None) -> TieredStore:
     """The TieredStore a store URL describes. Tier names are the schemes (``mem``, ``file``,
-    ``redis``, ``s3``), numbered from the second of a kind (``file2``)."""
+    ``redis``, ``s3``), numbered from the second of a kind (``file2``). ``tenant``: the store of that
+    tenant (:meth:`TieredStore.for_tenant`; checked before any tier opens); None: no tenant."""
+    check_tenant(tenant)
     urls = split_url(text)
     if sum(u.scheme == "mem" for u in urls) > 1:
         raise BadInput(f"--store {text!r}: one mem:// tier at most")
@@ -69,4 +72,4 @@ def open_store(text: str, default_write: str = "through") -> TieredStore:
         kind = tier_class(u.scheme).scheme   # rediss -> redis
         counts[kind] = counts.get(kind, 0) + 1
         tiers.append(open_tier(u, kind if counts[kind] == 1 else f"{kind}{counts[kind]}", default_write))
-    return TieredStore(tiers)
+    return TieredStore(tiers).for_tenant(tenant)
