@@ -84,6 +84,9 @@ class ServerConfig(BaseModel):
     host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(8088, ge=1, le=65535)
     admin_token: str | None = Field(None, min_length=1, json_schema_extra=_SECRET)
+    # API keys of the /v1/ routes and the tenant of each (docs/serving.md, "Tenants"): a YAML file
+    # `key: tenant` (null: no tenant); None: no keys, the routes are open and of no tenant
+    api_keys_file: Path | None = Field(None, strict=False)
     max_body_mb: int = Field(32, ge=1)
     state_dir: Path | None = Field(None, strict=False)  # None: $KITE_HOME/states
     max_batch: int = Field(8, ge=1, le=1024)            # sequences decoding together (continuous batching)
@@ -100,7 +103,7 @@ class ServerConfig(BaseModel):
     route_max_imbalance: int = Field(4, ge=0)           # queued requests a state's holder may exceed the least loaded by
     ray_address: str | None = Field(None, min_length=1)  # None: a local Ray head
 
-    @field_validator("state_dir")
+    @field_validator("state_dir", "api_keys_file")
     @classmethod
     def _expand(cls, v: Path | None) -> Path | None:
         return v.expanduser() if v is not None else None

@@ -26,6 +26,7 @@ class ServerState:
     health: object | None
     sampler: object | None
     model_limiter: object | None = None  # anyio.CapacityLimiter, made in the loop (workers.py)
+    tenants: object | None = None   # kite.serve.tenants.Tenants: each API key tenant's view, made on first use
 
 
 def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sampler=None,
@@ -85,7 +86,9 @@ def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sa
 
     app = FastAPI(title="KITE", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)
-    app.state.kite = ServerState(settings, runner, store, rules, metrics, health, sampler)
+    from kite.serve.tenants import Tenants
+
+    app.state.kite = ServerState(settings, runner, store, rules, metrics, health, sampler, tenants=Tenants())
     for module in (routes_openai, routes_states, routes_admin, routes_ops):
         app.include_router(module.router)
     install_handlers(app)
