@@ -163,6 +163,17 @@ def test_two_tenants_share_a_memory_and_disk_store(made, tmp_path):
     assert beta_again.counters.errors[("file", "verify")] == 1
 
 
+def test_the_memory_tier_keeps_one_bound_for_every_tenant_and_counts_its_evictions_once(made):
+    a_id, _, a_data = made["acme"]
+    b_id, _, b_data = made["beta"]
+    shared, acme, beta = _two_tenants(f"mem://?max={max(len(a_data), len(b_data)) + 10}")
+    acme.put(a_data)
+    beta.put(b_data)                                  # the process's bound: acme's state goes
+    assert acme.ids() == {} and list(beta.ids()) == [b_id]
+    assert shared.tiers[0].evictions == acme.tiers[0].evictions == 1
+    assert shared.stats()["tiers"][0]["evictions"] == 1
+
+
 def test_a_closed_tenant_store_leaves_the_shared_one_working(made, tmp_path):
     shared, acme, _ = _two_tenants(f"file://{tmp_path}/disk")
     acme.put(made["acme"][2])
@@ -196,6 +207,52 @@ def test_two_tenants_share_redis_and_s3(made, redis_service, s3_service, aws_env
 
 
 # ---------------------------------------------------------------- the CLI
+
+@pytest.mark.services
+def test_compress_through_redis_and_s3_for_two_tenants(tiny_models, redis_service, s3_service, aws_env,
+                                                       tmp_path):
+    """`kite upcycle compress --store --tenant`: each tenant compresses the same document once, under its
+    own address; a tenant asking again is answered from its part; the other tenant's state is no hit."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text(CORPUS)
+    store = f"{redis_service.url},s3://{s3_service.bucket()}/states?endpoint_url={s3_service.endpoint}"
+
+    def compress(tenant, out):
+        done = kite("upcycle", "compress", "--model", tiny_models["llama"], "-i", doc, "-o", tmp_path / out,
+                    "--ratio", "4", "--clusters", "2", "--store", store, "--tenant", tenant, "--json")
+        assert done.exit_code == 0, done.output
+        return parse_json(done.output)
+
+    acme, beta, again = compress("acme", "a.upc"), compress("beta", "b.upc"), compress("acme", "a2.upc")
+    from kite.tenants import tenant_tag
+
+    from kite.store import verify_state
+
+    expect = {"acme": acme["store"]["address"], "beta": beta["store"]["address"]}
+    assert expect["acme"] != expect["beta"]
+    for tenant, out in (("acme", "a.upc"), ("beta", "b.upc")):
+        info = verify_state((tmp_path / out).read_bytes())
+        assert info.id == expect[tenant] and info.tenant == tenant_tag(tenant)
+    assert acme["store"]["recompressed"] is True and beta["store"]["recompressed"] is True   # no hit on acme's
+    assert acme["store"]["put"]["tiers"] == {"redis": "stored", "s3": "stored"}
+    assert again["store"] == {"address": expect["acme"], "recompressed": False, "found_in": "redis", "put": None}
+    assert (tmp_path / "a2.upc").read_bytes() == (tmp_path / "a.upc").read_bytes()
+    for tenant in ("acme", "beta"):
+        listed = parse_json(kite("store", "ls", "--store", store, "--tenant", tenant, "--json").output)
+        assert listed["states"] == [{"id": expect[tenant], "tiers": ["redis", "s3"]}]
+        assert redis_service_has(redis_service, tenant_tag(tenant), expect[tenant])
+    assert parse_json(kite("store", "ls", "--store", store, "--json").output)["states"] == []
+
+
+def redis_service_has(service, tag, state_id) -> bool:
+    import redis
+
+    client = redis.Redis.from_url(service.url)
+    try:
+        return bool(client.exists(f"kite:tenant:{tag}:state:{state_id}"))
+    finally:
+        client.close()
+
 
 def test_kite_store_with_two_tenants(made, tmp_path):
     store = f"file://{tmp_path}/disk"
@@ -242,6 +299,7 @@ def test_the_config_and_its_environment_name_the_tenant(made, tmp_path, monkeypa
     ("store", "get", "f" * 64, "-o", "x.upc", "--store", "mem://", "--tenant", "a b"),
     ("store", "put", "x.upc", "--store", "mem://", "--tenant", "x" * 65),
     ("upcycle", "compress", "-i", "doc.txt", "-o", "x.upc", "--tenant", "é"),
+    ("generate", "--prompt", "x", "--tenant", ""),
 ])
 def test_an_empty_or_malformed_tenant_is_one_line_exit_2(args, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -53,16 +53,14 @@ def state_prompt_ids(lm: LoadedModel, text: str, *, chat: bool, system: str | No
 
 def _from_store(upc: Path, flag: str | None, folder: tempfile.TemporaryDirectory, tenant: str | None = None) -> Path:
     """--upc as a path, or, when it is no file and a store is set, the state of that address (or
-    unique prefix) fetched and verified from the store (the tenant's part of it, with --tenant) into
+    unique prefix) fetched and verified from the store (the part of `tenant`, a checked name) into
     `folder` (exit 1 when no tier holds it)."""
-    from kite.cli.store import open_cli_store, resolve_id, store_tenant
-
-    who = store_tenant(tenant)   # a bad --tenant is refused even when --upc is a file
     if upc.exists():
         return upc
+    from kite.cli.store import open_cli_store, resolve_id
     from kite.errors import KiteError
 
-    tiers = open_cli_store(flag, required=False, tenant=who)
+    tiers = open_cli_store(flag, required=False, tenant=tenant)
     ref = str(upc)
     if tiers is None or len(ref) < 8 or any(c not in "0123456789abcdef" for c in ref.lower()):
         return upc
@@ -117,7 +115,10 @@ def generate(
     # Everything the request names is checked before the model loads (the slow part).
     if upc is None and (clusters or layers or precision):
         raise BadInput("--clusters, --layers and --precision restrict what --upc loads; give --upc")
+    from kite.cli.store import store_tenant
+
     text = read_text_input(prompt, prompt_file)
+    who = store_tenant(tenant)
     model = model_spec(model)
     budget = _budget_settings(kv_budget_tokens, kv_budget_codec, kv_budget_block, upc)
     state = load_kw = None
@@ -129,7 +130,7 @@ def generate(
             raise BadInput(f"--precision {precision}: expected one of {', '.join(LOAD_PRECISIONS)}")
         from kite.store import state_path
 
-        upc = _from_store(upc, store, fetched, tenant)
+        upc = _from_store(upc, store, fetched, who)
         # a missing file, wrong magic or a bad header fails here; an id names a state the .gguf embeds
         state = StateFile(state_path(upc, model))
         wanted = parse_clusters(clusters)

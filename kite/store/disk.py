@@ -182,7 +182,9 @@ class DiskTier(Tier):
 
     def tenant_part(self, tag: str) -> "DiskTier":
         """The tenant's states in ``<folder>/tenants/<tag>/`` (a folder of their own, bound of its own)."""
-        return DiskTier(self.folder / "tenants" / tag, self.name, self.write, self.max_bytes)
+        part = DiskTier(self.folder / "tenants" / tag, self.name, self.write, self.max_bytes)
+        part._evicted = self._evicted
+        return part
 
     def usage(self) -> tuple[int, int]:
         with self._lock:

@@ -170,7 +170,6 @@ class RedisTier(Tier):
         part = copy.copy(self)
         part.prefix = f"{self.prefix}:tenant:{tag}"
         part._index, part._used = f"{part.prefix}:index", f"{part.prefix}:used"
-        part.evictions = 0
         return part
 
     def describe(self) -> str:

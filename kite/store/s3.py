@@ -110,7 +110,6 @@ class S3Tier(Tier):
         """The tenant's objects under ``<prefix>/tenants/<tag>/`` of the same bucket, on the same client."""
         part = copy.copy(self)
         part.prefix = f"{self.prefix}/tenants/{tag}" if self.prefix else f"tenants/{tag}"
-        part.evictions = 0
         return part
 
     def usage(self) -> tuple[int, int]:

@@ -52,7 +52,17 @@ class Tier(ABC):
         if write not in WRITE_POLICIES:
             raise BadInput(f"store tier {name}: write={write!r}, expected one of {', '.join(WRITE_POLICIES)}")
         self.name, self.write, self.max_bytes = name, write, max_bytes
-        self.evictions = 0   # objects dropped to keep within max_bytes (read by the store's stats)
+        self._evicted = [0]   # shared with the tier's tenant parts: one count for the operator
+
+    @property
+    def evictions(self) -> int:
+        """Objects dropped to keep within max_bytes, by this tier and its tenant parts (read by the
+        store's stats and /metrics)."""
+        return self._evicted[0]
+
+    @evictions.setter
+    def evictions(self, n: int) -> None:
+        self._evicted[0] = n
 
     @abstractmethod
     def get(self, state_id: str) -> bytes | None:
