@@ -99,6 +99,13 @@ def test_two_tenants_neither_list_find_nor_load_each_other(servers, tmp_path):
     assert named.status_code == 201
     _same_as_missing(c["beta"].get("/v1/states/contract"), c["beta"].get("/v1/states/nothing"), "contract", "nothing")
     assert c["beta"].post("/v1/states", json={"document": DOC, "id": "contract"}).status_code == 201
+    # what YOCO measured on acme's "contract" is acme's record, not beta's nor the server's own
+    assert _ask(c["acme"], "contract").status_code == 200
+    root = app.state.kite
+    views = {who: root.tenants.view(root, who) for who in ("acme", "beta")}
+    assert views["acme"].health.records("contract") and not views["beta"].health.records("contract")
+    assert root.health.records("contract") == []
+    assert views["acme"].runner.novelty is not views["beta"].runner.novelty is not root.runner.novelty
     # on disk: the server's folder keeps its own; each tenant a folder beside it, under its tag
     from kite.tenants import tenant_tag
 

@@ -12,7 +12,8 @@ request sees:
 - content addresses and document ids made for it (the tag is salted in), so the same document
   uploaded by two tenants is two states, and a tenant asking for another's document computes an
   address of its own and misses as for any new document;
-- its own health records (YOCO's measured gains, keyed by the tenant's tag and the state id).
+- its own health records (YOCO's measured gains, keyed by the tenant's tag and the state id) and its
+  own query novelty (how new a query is, against the tenant's recent queries only).
 
 Another tenant's state is not there for it: listing leaves it out, and naming it is answered as
 for a state nobody made (404, the same message). The model's own embedded states
@@ -58,6 +59,10 @@ class Tenants:
                 health = None if root.health is None else TenantHealth(root.health, store.tenant_tag)
                 runner = copy.copy(root.runner)   # the same model, batch and prefix cache
                 runner.store, runner.health, runner.tenant = store, health, tenant
+                if root.runner.novelty is not None:
+                    from kite.yoco.novelty import NoveltyTracker
+
+                    runner.novelty = NoveltyTracker()
                 view = self._views[tenant] = dataclasses.replace(root, runner=runner, store=store, health=health)
             return view
 
