@@ -134,17 +134,13 @@ def put(
 
     Example: kite store put contract.upc --store file:///var/kite/store,redis://127.0.0.1:6379/0
     """
-    from kite.store import WrongTenant, read_state_file
+    from kite.store import read_state_file
 
     who = store_tenant(tenant)
     loaded = [read_state_file(f) for f in files]   # every file checked before anything is stored
     st = open_cli_store(store, tenant=who)
     for (_, info), f in zip(loaded, files):
-        if info.tenant != st.tenant:
-            whose = "no tenant" if info.tenant is None else "another tenant"
-            raise WrongTenant(f"{f}: state {info.id[:16]}... was made for {whose}, not for "
-                              + ("no tenant" if who is None else f"tenant {who}")
-                              + ": compress it again with --tenant")
+        st.check_tenant_of(info, str(f))
     reports = [st.put(data) for data, _ in loaded]
     late = st.flush()   # write-back tiers finish before the command answers
     st.close()

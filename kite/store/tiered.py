@@ -97,14 +97,21 @@ class TieredStore:
         """verify_state, and the state's address made for this store's tenant (CorruptState when read
         back from a tier, WrongTenant when given to put)."""
         info = verify_state(data, state_id, where)
+        if state_id is None:
+            self.check_tenant_of(info, where)
+        elif info.tenant != self.tenant:
+            raise CorruptState(f"{where}: holds a state made for "
+                               + ("no tenant" if info.tenant is None else "another tenant"))
+        return info
+
+    def check_tenant_of(self, info: StateInfo, where: str = "state") -> None:
+        """WrongTenant (one line, exit 2) unless the verified state `info` was made for this store's
+        tenant: states are filed per tenant, so another's (or an untenanted one) is not put here."""
         if info.tenant != self.tenant:
             whose = "no tenant" if info.tenant is None else "another tenant"
-            if state_id is not None:
-                raise CorruptState(f"{where}: holds a state made for {whose}")
-            mine = "no tenant" if self.tenant is None else "this store's tenant"
-            raise WrongTenant(f"{where} {info.id[:16]}...: made for {whose}, not for {mine}; states are "
-                              f"filed per tenant: compress the document again for this tenant (--tenant)")
-        return info
+            mine = "no tenant" if self.tenant is None else f"tenant {self.tenant_name}"
+            raise WrongTenant(f"{where}: state {info.id[:16]}... was made for {whose}, not for {mine}: "
+                              f"compress the document again for this tenant (--tenant)")
 
     # ------------------------------------------------------------------ reads
 
