@@ -172,6 +172,17 @@ class StoreConfig(BaseModel):
         return v
 
 
+class SecurityConfig(BaseModel):
+    """Keyed digests of `.upc` states (docs/upc-format.md, "Keyed digest"): with `state_key` set,
+    every state KITE writes carries an HMAC-SHA256 of its header under that key, and a reader
+    refuses a state whose keyed digest does not match; `require_signed` also refuses a state
+    without one."""
+
+    model_config = _STRICT
+    state_key: str | None = Field(None, min_length=16, json_schema_extra=_SECRET)
+    require_signed: bool = False
+
+
 class YocoConfig(BaseModel):
     model_config = _STRICT
     rules_file: str = Field("rules/yoco_rules.yaml", min_length=1)
@@ -192,6 +203,7 @@ class KiteConfig(BaseModel):
     yoco: YocoConfig = Field(default_factory=YocoConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
 
     # dotted key → (layer, origin) for every key a layer above the defaults set
     _sources: dict[str, tuple[str, str]] = PrivateAttr(default_factory=dict)
@@ -260,7 +272,7 @@ def allowed(dotted_key: str) -> str:
             if getattr(m, attr, None) is not None:
                 bounds.append(f"{op} {getattr(m, attr)}")
         if getattr(m, "min_length", None) and typ is str:
-            words = "a non-empty string"
+            words = "a non-empty string" if m.min_length == 1 else f"a string of {m.min_length} characters or more"
     text = words + (" " + " and ".join(bounds) if bounds else "")
     return text + (", or null" if nullable else "")
 
@@ -461,6 +473,8 @@ def _problem(err: dict[str, Any]) -> tuple[str, str]:
         "a mapping" if isinstance(err["input"], dict) else "a list")
     if key not in _FIELDS:
         return key, f"{key}: {err['msg']}"
+    if is_secret(key):   # an error never shows a secret
+        shown = "***"
     if err["type"] in _RANGE_ERRORS:
         return key, f"{key} = {shown} is out of range; allowed: {allowed(key)}"
     if err["type"] == "value_error":   # a field's own validator: its message says what is allowed

@@ -58,11 +58,61 @@ def check_split_kernel_in_the_interpreter() -> None:
     assert (out[:, [0, 2]] - reference(q, k, v, mask, 0.25)[:, [0, 2]]).abs().max().item() < 1e-5
 
 
+def by_row_reference(q, keys, values, rows, lengths, starts, scale):
+    """Sequence b over buffer row rows[b]: key j visible to its token t iff j < lengths[b] and
+    j <= starts[b] + t; fp32 (out [B, q, Hq, d], lse [B, Hq, q])."""
+    from kite.kernels.partials import raw_partial
+
+    B, Hq, QL, D = q.shape
+    outs, lses = [], []
+    for b in range(B):
+        j = torch.arange(keys.shape[2])
+        t = torch.arange(QL)
+        vis = (j[None] < int(lengths[b])) & (j[None] <= int(starts[b]) + t[:, None])     # [q, k]
+        o, lse = raw_partial(q[b:b + 1].float(), keys[int(rows[b])][None].float(), values[int(rows[b])][None].float(),
+                             scale, vis[None, None])
+        outs.append(torch.nan_to_num(o).transpose(1, 2))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def check_by_row_kernel_in_the_interpreter() -> None:
+    """(Run by run_interpreted.) Sequences of different lengths reading rows of one buffer (out of
+    order, one row twice, one sequence of length 0), one decode token and a padded 4-token query,
+    with the log-sum-exp, at fp32 and bf16."""
+    from kite.kernels.split_attention_triton import split_kv_attention
+
+    g = torch.Generator().manual_seed(7)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1.5e-2)):
+        for QL, lengths, starts in ((1, [120, 37, 0, 200], [119, 36, 0, 199]),
+                                    (4, [120, 37, 5, 200], [116, 35, 1, 196])):
+            keys, values = (torch.randn(5, 2, 208, 16, generator=g).to(dtype) for _ in range(2))
+            q = torch.randn(4, 6, QL, 16, generator=g).to(dtype)
+            rows = torch.tensor([3, 0, 4, 3], dtype=torch.int32)
+            lens, st = torch.tensor(lengths, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)
+            out, lse = split_kv_attention(q, keys, values, None, 0.3, splits=3, block_n=16, rows=rows,
+                                          lengths=lens, starts=st, return_lse=True)
+            ref, ref_lse = by_row_reference(q, keys, values, rows, lens, st, 0.3)
+            assert out.shape == (4, QL, 6, 16) and lse.shape == (4, 6, QL)
+            assert (out.float() - ref).abs().max().item() < tol, (dtype, QL)
+            fin = torch.isfinite(ref_lse)
+            assert torch.equal(fin, torch.isfinite(lse))
+            assert (lse[fin] - ref_lse[fin]).abs().max().item() < tol * 10, (dtype, QL)
+            print(f"by row, q={QL}, {dtype}: ok")
+
+
 @pytest.mark.slow   # Triton's interpreter on the CPU: 13-25 s
 def test_split_kernel_equals_the_folded_sdpa_path_on_the_cpu():
     """In Triton's interpreter: causal rule and bool masks, ragged row and key tiles, one decode token,
     one chunk and more chunks than tiles, at fp32 / bf16 / fp16; a row that sees no key gets zeros."""
     run_interpreted("tests.test_attention_split:check_split_kernel_in_the_interpreter")
+
+
+@pytest.mark.slow   # Triton's interpreter on the CPU
+def test_split_kernel_reads_rows_of_different_lengths_on_the_cpu():
+    """In Triton's interpreter: each sequence reads its own buffer row up to its own length, its new
+    tokens causal among themselves; the log-sum-exp for merging with another part."""
+    run_interpreted("tests.test_attention_split:check_by_row_kernel_in_the_interpreter")
 
 
 def test_the_cpu_keeps_the_existing_path():

@@ -75,7 +75,7 @@ def setup(tmp_path, tiny_models):
 def _run(setup, *extra, thresholds: str | None = None):
     tmp = setup["tmp"]
     th = tmp / "bench.yaml"
-    th.write_text(thresholds or "thresholds:\n  memory_peak_gb: {max: 1000}\n")
+    th.write_text(thresholds or "thresholds:\n  memory_peak_gb: {max: 1000, unit: GB}\n")
     args = ["bench", "run", "--model", setup["model"], "--upcycle", str(tmp / "states"),
             "--upcycle-config", str(setup["cfg"]), "--yoco-rules", str(setup["rules"]), "--cases", str(setup["cases"]),
             "--output", str(tmp / "results.json"), "--thresholds", str(th),
@@ -147,7 +147,7 @@ def test_concurrency_waits_for_rows_in_arrival_order(tiny_models):
 
 def test_threshold_fail_exits_1(setup):
     r = _run(setup, "--baselines", "window", "--max-cases", "1",
-             thresholds="thresholds:\n  f1: {min: 2}\n  memory_peak_gb: {max: 1000}\n")
+             thresholds="thresholds:\n  f1: {min: 2, unit: fraction}\n  memory_peak_gb: {max: 1000, unit: GB}\n")
     assert r.exit_code == 1, r.output
     res = json.loads((setup["tmp"] / "results.json").read_text())
     rows = {t["metric"]: t["pass"] for t in res["thresholds"]}
@@ -274,6 +274,14 @@ def test_unknown_threshold_metric(setup):
     assert r.exit_code == 2
     assert "bench.yaml:2: thresholds.latency_ms: unknown metric (did you mean 'ttft_ms'" in r.stderr \
         or "bench.yaml:2: thresholds.latency_ms: unknown metric" in r.stderr
+
+
+def test_a_threshold_in_another_unit_is_refused_before_the_model_loads(setup):
+    r = _bad(setup, None, thresholds="thresholds:\n  upcycle_regenerate_rate: {min: 0.85, unit: x}\n")
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert ("bench.yaml:2: thresholds.upcycle_regenerate_rate: unit 'x' is not the metric's (MB/1K tokens: MB of "
+            ".upc per 1,000 document tokens)") in r.stderr
+    assert not (setup["tmp"] / "states").exists()
 
 
 def test_unknown_baseline_and_family(setup):

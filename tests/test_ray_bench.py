@@ -69,7 +69,7 @@ def test_shards_keep_each_record_whole_and_the_case_ids(tmp_path):
 def test_bench_run_on_ray_gives_the_local_runs_results(ray_cluster, tmp_path, tiny_models):
     cases, cfg, rules = bench_inputs(tmp_path)
     th = tmp_path / "bench.yaml"
-    th.write_text("thresholds:\n  memory_peak_gb: {max: 1000}\n")
+    th.write_text("thresholds:\n  memory_peak_gb: {max: 1000, unit: GB}\n")
 
     def run(out, *extra):
         r = runner.invoke(app, ["bench", "run", "--model", str(tiny_models["llama"]), "--upcycle",

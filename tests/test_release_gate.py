@@ -147,8 +147,7 @@ def gate_inputs(tmp_path_factory):
     cases = root / "cases.jsonl"
     cases.write_text(json.dumps(contract) + "\n")
     thresholds = root / "bench.yaml"
-    thresholds.write_text("thresholds:\n  upcycle_regenerate_rate: {min: 0.85}\n  compression_ratio: {min: 2}\n"
-                          "  memory_peak_gb: {max: 42}\n")
+    thresholds.write_text("thresholds:\n  compression_ratio: {min: 2, unit: x}\n  memory_peak_gb: {max: 42, unit: GB}\n")
     shadow = root / "shadow.yaml"
     shadow.write_text("method: fused\nratio: 4\ntemperature: 0\nmax_new_tokens: 8\n")
     states = root / "old-states"
@@ -232,7 +231,7 @@ def test_failing_bench_gate_stops_the_release(gate_inputs, tmp_path):
     states = tmp_path / "states"
     shutil.copytree(gate_inputs["states"], states)
     impossible = tmp_path / "impossible.yaml"
-    impossible.write_text("thresholds:\n  f1: {min: 1.5}\n")
+    impossible.write_text("thresholds:\n  f1: {min: 1.5, unit: fraction}\n")
     args = _common(gate_inputs, tmp_path, states)
     args[args.index("--thresholds") + 1] = str(impossible)
     r = gate("--new-model", "smollm2-135m", "--old-model", "smollm2-135m", *args, "--max-cases", "1",

@@ -157,3 +157,49 @@ def test_a_bad_api_key_file_is_one_line_exit_2_before_the_model_loads(text, mess
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.output
     assert "long-enough-key" not in result.output and "short" not in result.output   # keys never shown
+
+
+def test_a_tenant_s_quarantined_state_is_its_own(lm, tmp_path):
+    """A state a reader refused for acme is quarantined in acme's view only: beta neither lists it nor
+    is refused for it (its own upload of the document loads), /metrics counts it, and an admin lifts it
+    naming the tenant."""
+    import os
+
+    from tests.test_serve import TOKEN, _start
+    from tests.test_serve_quarantine import _damaged_part, _metric
+    from kite.tenants import tenant_tag
+
+    root = tmp_path / "q"
+    server, _, _ = _start(lm, _settings(root, fusion=True, api_keys=KEYS, admin_token=TOKEN), root)
+    acme, beta = (httpx.Client(base_url=server.url, timeout=120, headers={"Authorization": f"Bearer {key}"})
+                  for key in ("acme-key-0123456789", "beta-key-0123456789"))
+    try:
+        sid = acme.post("/v1/states", json={"document": DOC}).json()["id"]
+        path = root / "states" / "tenants" / tenant_tag("acme") / f"{sid}.upc"
+        damaged = path.with_name(".damaged.tmp")
+        damaged.write_bytes(_damaged_part(path.read_bytes()))
+        os.replace(damaged, path)
+        refused = _ask(acme, sid)
+        assert refused.status_code == 422 and "quarantined" in refused.json()["error"]["message"], refused.text
+        assert {s["id"]: s["quarantined"] for s in acme.get("/v1/states").json()["data"]} == {sid: True}
+        assert "is quarantined" in _ask(acme, sid).json()["error"]["message"]
+        # beta: not listed, named it is a state nobody made; its own state of the document loads
+        assert beta.get("/v1/states").json()["data"] == []
+        _same_as_missing(_ask(beta, sid), _ask(beta, "f" * 64), sid, "f" * 64)
+        own = beta.post("/v1/states", json={"document": DOC}).json()["id"]
+        assert own != sid and _ask(beta, own).status_code == 200
+        assert {s["id"]: s["quarantined"] for s in beta.get("/v1/states").json()["data"]} == {own: False}
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert _metric(metrics, "kite_states_quarantined") == 1
+        # the admin lifts it in acme's view; the server's own (no tenant) does not hold it
+        auth = {"authorization": f"Bearer {TOKEN}"}
+        assert httpx.delete(f"{server.url}/admin/states/{sid}/quarantine", headers=auth).status_code == 404
+        bad = httpx.delete(f"{server.url}/admin/states/{sid}/quarantine?tenant=a%20b", headers=auth)
+        assert bad.status_code == 400 and "malformed" in bad.json()["error"]["message"]
+        lifted = httpx.delete(f"{server.url}/admin/states/{sid}/quarantine?tenant=acme", headers=auth)
+        assert lifted.json() == {"id": sid, "lifted": True}
+        assert _metric(httpx.get(f"{server.url}/metrics").text, "kite_states_quarantined") == 0
+    finally:
+        acme.close()
+        beta.close()
+        server.stop()

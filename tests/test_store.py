@@ -246,6 +246,14 @@ def test_write_back_tiers_are_written_in_the_background_and_failures_reported(st
     assert (tmp_path / "disk" / f"{address}.upc").read_bytes() == data
     assert [(f["tier"], f["op"]) for f in failures] == [("remote", "put")]
     assert store.counters.errors[("remote", "put")] == 1
+    # the missed write-back is journaled; once the tier takes a put again it gets the missed state too
+    assert [(m.tier, m.id) for m in store.journal.pending()] == [(f"remote {store.tiers[2].describe()}", address)]
+    back = MemoryTier("remote")
+    store.tiers[2] = back
+    other = states[1][2]
+    store.put(other)
+    store.flush()
+    assert sorted(back.ids()) == sorted([address, states[1][0]]) and store.journal.pending() == []
 
 
 # ---------------------------------------------------------------- bounds and the disk index

@@ -32,7 +32,7 @@ def kite(*args):
 
 def test_put_ls_get_gc_stats(two_states, tmp_path):
     store = f"file://{tmp_path}/disk"
-    put = kite("store", "put", *(str(p) for _, p in two_states), "--store", store, "--json")
+    put = kite("store", "put", *(str(p) for _, p in two_states), "--store", store, "--mkdir", "--json")
     assert put.exit_code == 0, put.output
     stored = parse_json(put.output)["stored"]
     assert [s["id"] for s in stored] == [a for a, _ in two_states]
@@ -52,7 +52,7 @@ def test_put_ls_get_gc_stats(two_states, tmp_path):
 
 def test_the_config_names_the_store(two_states, tmp_path, monkeypatch):
     monkeypatch.setenv("KITE_STORE__URL", f"file://{tmp_path}/cfg")
-    assert kite("store", "put", str(two_states[0][1])).exit_code == 0
+    assert kite("store", "put", str(two_states[0][1]), "--mkdir").exit_code == 0
     assert two_states[0][0] in kite("store", "ls").output
 
 
@@ -69,6 +69,31 @@ def test_errors_are_one_line_with_their_exit_code(args, code, message, tmp_path,
     assert message in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("command", [("ls",), ("stats",), ("gc",), ("get", "0123456789abcdef", "-o", "x.upc")])
+def test_a_read_never_creates_a_missing_store_folder(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    missing = tmp_path / "missing"
+    result = kite("store", *command, "--store", f"mem://,file://{missing}")
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == f"error: store tier file: folder {missing} does not exist"
+    assert not missing.exists()
+
+
+def test_put_creates_a_missing_folder_only_with_mkdir(two_states, tmp_path):
+    missing = tmp_path / "new" / "store"
+    result = kite("store", "put", str(two_states[0][1]), "--store", f"file://{missing}")
+    assert result.exit_code == 2 and not missing.exists()
+    assert "folder" in result.output and "does not exist (pass --mkdir to create it)" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert kite("store", "put", str(two_states[0][1]), "--store", f"file://{missing}", "--mkdir").exit_code == 0
+    assert [p.name for p in missing.iterdir()] == [f"{two_states[0][0]}.upc"]
+    # an existing folder needs no --mkdir; a file in its place is refused
+    assert kite("store", "put", str(two_states[1][1]), "--store", f"file://{missing}").exit_code == 0
+    (tmp_path / "plain").write_text("x")
+    result = kite("store", "ls", "--store", f"file://{tmp_path / 'plain'}")
+    assert result.exit_code == 2 and "is not a folder" in result.output
+
+
 def test_put_refuses_a_damaged_or_unaddressed_file_before_storing_anything(two_states, tmp_path):
     bad = tmp_path / "bad.upc"
     data = two_states[1][1].read_bytes()
@@ -82,7 +107,7 @@ def test_put_refuses_a_damaged_or_unaddressed_file_before_storing_anything(two_s
 def test_generate_answers_from_a_state_fetched_by_address(two_states, tiny_models, tmp_path):
     address, path = two_states[0]
     store = f"file://{tmp_path}/disk"
-    assert kite("store", "put", str(path), "--store", store).exit_code == 0
+    assert kite("store", "put", str(path), "--store", store, "--mkdir").exit_code == 0
     common = ["generate", "--model", str(tiny_models["llama"]), "--prompt", " The supplier", "--max-new-tokens", "3",
               "--json"]
     by_address = kite(*common, "--store", store, "--upc", address[:12])
@@ -93,6 +118,9 @@ def test_generate_answers_from_a_state_fetched_by_address(two_states, tiny_model
     assert got["text"] == want["text"]
     missing = kite(*common, "--store", store, "--upc", "f" * 64)
     assert missing.exit_code == 1 and "no tier of the store holds a good copy" in missing.output
+    nowhere = kite(*common, "--store", f"file://{tmp_path}/nowhere", "--upc", address[:12])
+    assert nowhere.exit_code == 2 and "folder" in nowhere.output and "does not exist" in nowhere.output
+    assert not (tmp_path / "nowhere").exists()
 
 
 def test_inspect_shows_the_checked_address(two_states, tmp_path):

@@ -170,3 +170,81 @@ def test_a_server_after_a_redis_restart_finds_the_state_another_server_made(redi
     finally:
         cb.close()
         b.stop()
+
+
+def test_a_put_missed_while_redis_was_down_reaches_it_at_the_next_put(redis_service, states, tmp_path):
+    from kite.store.journal import JOURNAL_NAME
+
+    (a, first), (b, second) = states
+    url = f"file://{tmp_path}/disk,{redis_service.url}?timeout=0.5"
+    redis_service.stop()
+    report = _open(url).put(first)                     # Redis down: the disk has it, Redis missed it
+    assert report.tiers["file"] == "stored" and report.tiers["redis"].startswith("failed")
+    assert (tmp_path / "disk" / JOURNAL_NAME).is_file()
+    redis_service.start()                              # back (same port and data folder)
+    store = _open(url)                                 # another process of the same store
+    [missed] = store.journal.pending()
+    assert (missed.id, missed.attempts) == (a, 1) and missed.tier.startswith("redis redis://")
+    assert store.put(second).tiers == {"file": "stored", "redis": "stored"}
+    assert sorted(store.tiers[1].ids()) == sorted([a, b])   # the missed one came along
+    assert store.tiers[1].get(a) == first
+    assert store.journal.pending() == []
+
+
+def test_sync_copies_what_a_tier_missed_and_is_idempotent(redis_service, states, tmp_path):
+    from typer.testing import CliRunner
+
+    from kite.cli.main import app
+    from tests.conftest import parse_json
+
+    runner = CliRunner()
+    url = f"file://{tmp_path}/disk,{redis_service.url}?timeout=0.5"
+    redis_service.stop()
+    files = []
+    for i, (_, data) in enumerate(states):
+        files.append(tmp_path / f"{i}.upc")
+        files[-1].write_bytes(data)
+    put = runner.invoke(app, ["store", "put", *map(str, files), "--store", url, "--mkdir"])
+    assert put.exit_code == 1 and "redis failed" in put.output
+    down = runner.invoke(app, ["store", "sync", "--store", url, "--json"])
+    assert down.exit_code == 1 and down.output.strip().endswith("tier(s) unreachable: redis; run kite store sync "
+                                                                "again once it is back")
+    doc = json.JSONDecoder().raw_decode(down.output[down.output.index("{"):])[0]
+    assert doc["unreachable"].keys() == {"redis"} and doc["copied"] == []
+    redis_service.start()
+    first = runner.invoke(app, ["store", "sync", "--store", url, "--json"])
+    assert first.exit_code == 0, first.output
+    doc = parse_json(first.output)
+    assert sorted(c["id"] for c in doc["copied"]) == sorted(a for a, _ in states)
+    assert {(c["from"], c["to"]) for c in doc["copied"]} == {("file", "redis")}
+    assert doc["tiers"]["redis"]["missing"] == 2 and doc["tiers"]["file"]["missing"] == 0
+    again = parse_json(runner.invoke(app, ["store", "sync", "--store", url, "--json"]).output)
+    assert again["copied"] == [] and again["tiers"]["redis"]["missing"] == 0
+    listed = parse_json(runner.invoke(app, ["store", "ls", "--store", url, "--json"]).output)["states"]
+    assert all(r["tiers"] == ["file", "redis"] for r in listed) and len(listed) == 2
+    # the other way: a state only Redis holds reaches the folder
+    a, data = states[0]
+    (tmp_path / "disk" / f"{a}.upc").unlink()
+    text = runner.invoke(app, ["store", "sync", "--store", url, "--to", "file"])
+    assert text.exit_code == 0 and "copied 1" in text.output
+    assert (tmp_path / "disk" / f"{a}.upc").read_bytes() == data
+    bad = runner.invoke(app, ["store", "sync", "--store", url, "--to", "s3"])
+    assert bad.exit_code == 2 and "--to s3: no such tier" in bad.output
+
+
+def test_states_put_while_the_s3_bucket_was_missing_reach_it_by_sync(s3_service, aws_env, states, tmp_path):
+    from kite.store import sync_store
+
+    name = f"kite-late-{tmp_path.name[-8:].lower().replace('_', '-')}"
+    url = f"file://{tmp_path}/disk,s3://{name}/p?endpoint_url={s3_service.endpoint}"
+    store = _open(url)
+    for _, data in states:
+        assert store.put(data).tiers["s3"].startswith("failed: NoSuchBucket")
+    assert len(store.journal.pending()) == 2
+    s3_service.bucket(name)                                     # the bucket is there now
+    progress = []
+    report = sync_store(_open(url), progress=lambda *a: progress.append(a))
+    assert sorted(c["id"] for c in report.copied) == sorted(a for a, _ in states)
+    assert progress[0] == ("sync", 0, 2) and progress[-1] == ("sync", 2, 2)
+    assert sorted(_open(url).tiers[1].ids()) == sorted(a for a, _ in states)
+    assert _open(url).journal.pending() == [] and sync_store(_open(url)).copied == []

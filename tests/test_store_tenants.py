@@ -258,7 +258,8 @@ def test_kite_store_with_two_tenants(made, tmp_path):
     store = f"file://{tmp_path}/disk"
     a_id, a_path, _ = made["acme"]
     b_id, b_path, _ = made["beta"]
-    assert kite("store", "put", a_path, "--store", store, "--tenant", "acme").exit_code == 0
+    assert kite("store", "put", a_path, "--store", store, "--tenant", "acme").exit_code == 2   # no folder yet
+    assert kite("store", "put", a_path, "--store", store, "--tenant", "acme", "--mkdir").exit_code == 0
     assert kite("store", "put", b_path, "--store", store, "--tenant", "beta").exit_code == 0
     listed = parse_json(kite("store", "ls", "--store", store, "--tenant", "acme", "--json").output)
     assert listed["states"] == [{"id": a_id, "tiers": ["file"]}]
@@ -283,10 +284,68 @@ def test_kite_store_with_two_tenants(made, tmp_path):
     assert stats["tiers"][0]["objects"] == 1
 
 
+def test_reading_a_tenant_that_has_no_folder_yet_creates_none(made, tmp_path):
+    from kite.tenants import tenant_tag
+
+    store = f"file://{tmp_path}/disk"
+    assert kite("store", "put", made["acme"][1], "--store", store, "--tenant", "acme", "--mkdir").exit_code == 0
+    for args in (("ls",), ("stats",), ("gc",), ("sync",)):
+        done = kite("store", *args, "--store", store, "--tenant", "gamma", "--json")
+        assert done.exit_code == 0, done.output
+    assert parse_json(kite("store", "ls", "--store", store, "--tenant", "gamma", "--json").output)["states"] == []
+    assert not (tmp_path / "disk" / "tenants" / tenant_tag("gamma")).exists()
+    missing = kite("store", "ls", "--store", f"file://{tmp_path}/nowhere", "--tenant", "gamma")
+    assert missing.exit_code == 2 and "does not exist" in missing.output
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_kite_store_sync_tenant_copies_within_the_tenant_part(made, tmp_path, monkeypatch):
+    """A write acme's part of the second folder missed is journaled under that part: a sync of no tenant
+    or of beta neither copies nor clears it; `kite store sync --tenant acme` copies it into acme's part."""
+    import kite.store.disk as disk
+    from kite.store import open_store
+    from kite.tenants import tenant_tag
+
+    a_id, a_path, a_data = made["acme"]
+    b_id, b_path, _ = made["beta"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    store = f"file://{first},file://{second}"
+    real = disk.write_bytes
+
+    def second_down(path, data):
+        if str(path).startswith(str(second)):
+            raise OSError(5, "Input/output error")
+        return real(path, data)
+
+    monkeypatch.setattr(disk, "write_bytes", second_down)
+    put = kite("store", "put", a_path, "--store", store, "--tenant", "acme", "--mkdir")
+    assert put.exit_code == 1 and "file2 failed" in put.output
+    monkeypatch.setattr(disk, "write_bytes", real)             # the second folder is back
+    assert kite("store", "put", b_path, "--store", store, "--tenant", "beta").exit_code == 0
+    stats = parse_json(kite("store", "stats", "--store", store, "--tenant", "acme", "--json").output)
+    assert [t["missed"] for t in stats["tiers"]] == [0, 1]
+    [missed] = open_store(store).journal.pending()
+    assert missed.id == a_id and missed.tier.endswith(f" tenant={tenant_tag('acme')}")
+    for other in ((), ("--tenant", "beta")):                  # another part's sync leaves acme's alone
+        done = parse_json(kite("store", "sync", "--store", store, *other, "--json").output)
+        assert done["copied"] == []
+    assert len(open_store(store).journal.pending()) == 1
+    synced = kite("store", "sync", "--store", store, "--tenant", "acme", "--json")
+    assert synced.exit_code == 0, synced.output
+    assert parse_json(synced.output)["copied"] == [{"id": a_id, "from": "file", "to": "file2"}]
+    assert (second / "tenants" / tenant_tag("acme") / f"{a_id}.upc").read_bytes() == a_data
+    assert not (second / f"{a_id}.upc").exists()              # not into the untenanted part
+    assert open_store(store).journal.pending() == []
+    again = parse_json(kite("store", "sync", "--store", store, "--tenant", "acme", "--json").output)
+    assert again["copied"] == [] and again["tiers"]["file2"]["missing"] == 0
+    listed = parse_json(kite("store", "ls", "--store", store, "--tenant", "acme", "--json").output)["states"]
+    assert listed == [{"id": a_id, "tiers": ["file", "file2"]}]
+
+
 def test_the_config_and_its_environment_name_the_tenant(made, tmp_path, monkeypatch):
     store = f"file://{tmp_path}/disk"
     monkeypatch.setenv("KITE_STORE__TENANT", "acme")
-    assert kite("store", "put", made["acme"][1], "--store", store).exit_code == 0
+    assert kite("store", "put", made["acme"][1], "--store", store, "--mkdir").exit_code == 0
     assert made["acme"][0] in kite("store", "ls", "--store", store).output
     # the flag takes the config's place
     assert made["acme"][0] not in kite("store", "ls", "--store", store, "--tenant", "beta").output

@@ -68,12 +68,12 @@ def run_bench_ray(s, *, workers: int | None = None, address: str | None = None, 
 
     from kite.bench import report
     from kite.bench.runner import write_result
-    from kite.bench.thresholds import evaluate, load_thresholds
+    from kite.bench.thresholds import device_class, evaluate, load_thresholds
     from kite.ray_session import connect
 
     if s.concurrency:
         raise BadInput("--concurrency measures one server's batching: not with --ray")
-    thresholds, th_source = load_thresholds(s.thresholds)   # bad input fails before Ray starts
+    thresholds, th_source = load_thresholds(s.thresholds, device_class(s.device))   # bad input fails before Ray starts
     started = connect(address)
     t0 = time.perf_counter()
     try:

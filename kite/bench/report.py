@@ -136,7 +136,7 @@ def threshold_table(result: dict):
     for col in ("metric", "limit", "fused", "result"):
         t.add_column(col)
     for row in result["thresholds"]:
-        t.add_row(row["metric"], f"{'≤' if row['op'] == 'max' else '≥'} {row['limit']:g}",
+        t.add_row(row["metric"], f"{'≤' if row['op'] == 'max' else '≥'} {row['limit']:g} {row.get('unit', '')}".rstrip(),
                   _f(row["value"], ".4g"), "[green]pass[/]" if row["pass"] else "[red]FAIL[/]")
     return t
 

@@ -180,13 +180,13 @@ def run_bench(s: BenchSettings, progress: Progress | None = None,
     from kite.bench.machine import machine_info, memory_peak_gb, reset_peak
     from kite.bench.scoring import exact_match, f1_score, perplexity, reference_logits
     from kite.bench.states import ensure_state
-    from kite.bench.thresholds import evaluate, load_thresholds
+    from kite.bench.thresholds import device_class, evaluate, load_thresholds
     from kite.upcycle import compare_logits, compress_settings, load_upcycle_config, open_pipeline
     from kite.yoco.health import HealthStore
     from kite.yoco.rules import default_rules_path, load_rules
 
     # Everything that can be wrong with the input is checked before the model loads.
-    thresholds, th_source = load_thresholds(s.thresholds)
+    thresholds, th_source = load_thresholds(s.thresholds, device_class(s.device))
     names = check_methods(s.baselines + (["budget"] if s.kv_budget_tokens is not None else []))
     if s.kv_budget_tokens is not None:
         BASELINES["budget"](budget_tokens=s.kv_budget_tokens).check()

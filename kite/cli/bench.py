@@ -42,7 +42,7 @@ def run(
     baselines: Annotated[str, typer.Option(help="Comma list of full,window,kivi,snapkv,state,kvpress,budget (full "
                                            "is always run: it is the reference).")] = "full,window,kivi,snapkv,state,kvpress",
     thresholds: Annotated[Optional[Path], typer.Option(help="bench.yaml with `thresholds:` (default "
-                                                       "configs/bench.yaml, else the seed's table).")] = None,
+                                                       "configs/bench.yaml, else the defaults; the section of the run's device class, cpu or gpu).")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write PNG plots into this folder.")] = None,
     families: Annotated[Optional[str], typer.Option(help="Only these families (summary,multihop,fuzzy,needle,qa).")] = None,
     per_family: Annotated[Optional[int], typer.Option(min=1, help="At most N questions per family per contract.")] = None,

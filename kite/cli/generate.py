@@ -60,7 +60,7 @@ def _from_store(upc: Path, flag: str | None, folder: tempfile.TemporaryDirectory
     from kite.cli.store import open_cli_store, resolve_id
     from kite.errors import KiteError
 
-    tiers = open_cli_store(flag, required=False, tenant=tenant)
+    tiers = open_cli_store(flag, required=False, tenant=tenant, create=False)   # a read: a missing folder is an error
     ref = str(upc)
     if tiers is None or len(ref) < 8 or any(c not in "0123456789abcdef" for c in ref.lower()):
         return upc

@@ -52,7 +52,7 @@ GROUPS = (
     ("gguf", "kite.cli.gguf", "Embed .upc states in a GGUF model file; list and extract them."),
     ("tune", "kite.cli.tune", "Sweep compression, clusters and rule thresholds through the bench; pick the best."),
     ("report", "kite.cli.report", "Reports across bench runs: regenerate rate against hit rate."),
-    ("store", "kite.cli.store", "The tiered state store (memory, disk, Redis, S3): ls, get, put, gc, stats."),
+    ("store", "kite.cli.store", "The tiered state store (memory, disk, Redis, S3): ls, get, put, sync, gc, stats."),
 )
 # (name, module, function, help): single commands.
 COMMANDS = (

@@ -1,4 +1,4 @@
-"""`kite store`: the tiered, content-addressed state store (docs/store.md): ls, get, put, gc, stats."""
+"""`kite store`: the tiered, content-addressed state store (docs/store.md): ls, get, put, sync, gc, stats."""
 
 from __future__ import annotations
 
@@ -41,15 +41,17 @@ def store_url(flag: str | None, required: bool = True) -> str | None:
     return url
 
 
-def open_cli_store(flag: str | None, required: bool = True, tenant: str | None = None):
+def open_cli_store(flag: str | None, required: bool = True, tenant: str | None = None, create: bool = True):
     """The TieredStore of --store / store.url (None when neither is set and not `required`), of the
-    tenant `tenant` (a name already checked by :func:`store_tenant`; None: no tenant)."""
+    tenant `tenant` (a name already checked by :func:`store_tenant`; None: no tenant).
+    ``create`` False (the read commands): a file:// folder that does not exist is one line, exit 2
+    (kite.store.MissingStore), never created (nor a tenant's folder in it)."""
     url = store_url(flag, required)
     if url is None:
         return None
     from kite.store import open_store
 
-    return open_store(url, default_write=user_config().store.write, tenant=tenant)
+    return open_store(url, default_write=user_config().store.write, tenant=tenant, create=create)
 
 
 def resolve_id(store, ref: str) -> str:
@@ -76,7 +78,7 @@ def ls(store: Annotated[str | None, StoreOpt] = None, tenant: Annotated[str | No
 
     Example: kite store ls --store mem://,file:///var/kite/store
     """
-    st = open_cli_store(store, tenant=store_tenant(tenant))
+    st = open_cli_store(store, tenant=store_tenant(tenant), create=False)
     rows = []
     for sid, tiers in st.ids().items():
         rows.append({"id": sid, "tiers": tiers})
@@ -108,7 +110,7 @@ def get(
     from kite.atomic import check_output
 
     check_output(output, mkdir, "--output")
-    st = open_cli_store(store, tenant=store_tenant(tenant))
+    st = open_cli_store(store, tenant=store_tenant(tenant), create=False)
     sid = resolve_id(st, state_id)
     info = st.get_file(sid, output)
     st.close()
@@ -126,6 +128,8 @@ def put(
     files: Annotated[list[Path], typer.Argument(help="The .upc states to store.", show_default=False)],
     store: Annotated[str | None, StoreOpt] = None,
     tenant: Annotated[str | None, TenantOpt] = None,
+    mkdir: bool = typer.Option(False, "--mkdir", help="Create a file:// tier's folder when it does not "
+                               "exist (without it a missing folder is an error)."),
     json_out: bool = JsonOpt,
 ) -> None:
     """Verify each state (its checksums and content address) and store it in every tier under its
@@ -134,11 +138,14 @@ def put(
 
     Example: kite store put contract.upc --store file:///var/kite/store,redis://127.0.0.1:6379/0
     """
-    from kite.store import read_state_file
+    from kite.store import MissingStore, read_state_file
 
     who = store_tenant(tenant)
     loaded = [read_state_file(f) for f in files]   # every file checked before anything is stored
-    st = open_cli_store(store, tenant=who)
+    try:
+        st = open_cli_store(store, tenant=who, create=mkdir)
+    except MissingStore as exc:
+        raise MissingStore(f"{exc} (pass --mkdir to create it)") from None
     for (_, info), f in zip(loaded, files):
         st.check_tenant_of(info, str(f))
     reports = [st.put(data) for data, _ in loaded]
@@ -159,12 +166,54 @@ def put(
         raise KiteError(f"{len(failed)} put(s) failed in a tier (named above)")
 
 
+@app.command("sync")
+def sync(
+    store: Annotated[str | None, StoreOpt] = None,
+    tenant: Annotated[str | None, TenantOpt] = None,
+    to: Annotated[str | None, typer.Option("--to", help="Only these tiers, by name (comma-separated: "
+                                           "file,redis,s3; default every tier but mem).")] = None,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Copy into each tier the states it misses from the tiers that hold them (verified), e.g. after
+    Redis or S3 was down during puts; retries the journal of missed writes. With --tenant: within the
+    tenant's part of each tier only. Idempotent: a second run copies nothing. Exit 1 when a copy failed
+    (each is named).
+
+    Example: kite store sync --store file:///var/kite/store,redis://127.0.0.1:6379/0
+    """
+    from kite.cli._progress import progress_bar
+    from kite.store import sync_store
+
+    st = open_cli_store(store, tenant=store_tenant(tenant), create=False)
+    targets = [t.strip() for t in to.split(",") if t.strip()] if to is not None else None
+    with progress_bar() as progress:
+        report = sync_store(st, targets, progress)
+    st.close()
+    if json_out:
+        emit_json(report.to_dict())
+    else:
+        out = console()
+        for name, row in report.tiers.items():
+            out.print(f"{name:<6} {row['url']}  held {row['held_before']}, missed {row['missing']}: copied "
+                      f"{row['copied']}, failed {row['failed']}, declined {row['declined']}, no good copy "
+                      f"{row['no_copy']}", highlight=False)
+        for name, why in report.unreachable.items():
+            out.print(f"[yellow]warning:[/] tier {name} could not be listed, not synced: {why}", highlight=False)
+        for f in report.failed[:10]:
+            out.print(f"[red]{f['to']} failed[/] for {f['id'][:16]}: {f['why']}", highlight=False)
+    if report.failed or report.unreachable:
+        what = [f"{len(report.failed)} copy(ies) failed"] if report.failed else []
+        if report.unreachable:
+            what.append(f"tier(s) unreachable: {', '.join(report.unreachable)}")
+        raise KiteError(f"{'; '.join(what)}; run kite store sync again once it is back")
+
+
 @app.command("gc")
 def gc(store: Annotated[str | None, StoreOpt] = None, tenant: Annotated[str | None, TenantOpt] = None,
        json_out: bool = JsonOpt) -> None:
     """Evict least recently used states from every bounded tier (max=SIZE) until it is within its bound
     (with --tenant: the tenant's part of each tier, which keeps the tier's bound on its own)."""
-    st = open_cli_store(store, tenant=store_tenant(tenant))
+    st = open_cli_store(store, tenant=store_tenant(tenant), create=False)
     dropped = st.gc()
     if json_out:
         emit_json({"evicted": dropped})
@@ -183,7 +232,7 @@ def stats(store: Annotated[str | None, StoreOpt] = None, tenant: Annotated[str |
 
     A server counts hits, misses and errors over its life: see its /metrics (kite_store_*).
     """
-    st = open_cli_store(store, tenant=store_tenant(tenant))
+    st = open_cli_store(store, tenant=store_tenant(tenant), create=False)
     report = st.stats()
     if json_out:
         emit_json(report)
@@ -193,4 +242,5 @@ def stats(store: Annotated[str | None, StoreOpt] = None, tenant: Annotated[str |
         held = (f"{t['objects']} states, {t['bytes']:,} B" if t["objects"] is not None
                 else f"[red]unreachable[/]: {t['error']}")
         bound = f" of {t['max_bytes']:,} B" if t["max_bytes"] else ""
-        out.print(f"{t['name']:<6} {t['url']}  write-{t['write']}  {held}{bound}", highlight=False)
+        missed = f"  [yellow]{t['missed']} missed write(s)[/]: kite store sync" if t["missed"] else ""
+        out.print(f"{t['name']:<6} {t['url']}  write-{t['write']}  {held}{bound}{missed}", highlight=False)

@@ -166,6 +166,9 @@ def inspect(
     out.print(f"  address {report['address']}" if report["address"] else
               "  address none (unaddressed: made before content addresses, or migrated; docs/store.md)",
               highlight=False)
+    sig = report["signature"]
+    out.print(f"  signed with key {sig['key_id']} ({'checked' if sig['checked'] else 'not checked: no security.state_key'})"
+              if sig else "  unsigned (no keyed digest; docs/upc-format.md)", highlight=False)
     out.print(f"  codec {report['codec']['name']}  created {report['created_at']}", highlight=False)
     for c in report["clusters"]:
         conf = f"{c['confidence']:.2f}" if c["confidence"] is not None else "  - "

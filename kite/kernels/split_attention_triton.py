@@ -26,15 +26,16 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 NUM_WARPS, NUM_STAGES = 8, 2     # the partial kernel's launch configuration
+BY_ROW_BLOCKS_PER_SM = 16
 _SMS: dict[int, int] = {}
 
 
 @triton.jit
-def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr, qk_scale, KL, CHUNK,
-                    sqb, sqh, sqt, skb, skh, skn, svb, svh, svn, smb, smt, smn,
+def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, rows_ptr, lens_ptr, starts_ptr, o_ptr, lse_ptr, qk_scale, KL,
+                    CHUNK, sqb, sqh, sqt, skb, skh, skn, svb, svh, svn, smb, smt, smn,
                     SPLITS, HKV: tl.constexpr, REP: tl.constexpr, QL: tl.constexpr, D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
+                    HAS_MASK: tl.constexpr, HAS_LENS: tl.constexpr, IEEE: tl.constexpr):
     split = tl.program_id(0)
     mt = tl.program_id(1)
     bh = tl.program_id(2)
@@ -48,11 +49,18 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr, qk_scale, KL,
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b.to(tl.int64) * sqb + (g * REP + r)[:, None] * sqh + t[:, None] * sqt + d[None, :],
                 mask=row_ok[:, None], other=0.0)
-    kb = k_ptr + b.to(tl.int64) * skb + g.to(tl.int64) * skh
-    vb = v_ptr + b.to(tl.int64) * svb + g.to(tl.int64) * svh
+    if HAS_LENS:     # per sequence: the buffer row it reads, its visible keys, where its new tokens start
+        kv_b = tl.load(rows_ptr + b).to(tl.int64)
+        kl = tl.load(lens_ptr + b)
+        last = tl.load(starts_ptr + b)              # key j visible to token t iff j < kl and j <= last + t
+    else:
+        kv_b = b.to(tl.int64)
+        kl = KL
+        last = KL - QL                              # causal rule: key j visible to token t iff j <= last + t
+    kb = k_ptr + kv_b * skb + g.to(tl.int64) * skh
+    vb = v_ptr + kv_b * svb + g.to(tl.int64) * svh
     lo = split * CHUNK
-    hi = tl.minimum(lo + CHUNK, KL)
-    last = KL - QL                                  # causal rule: key j visible to token t iff j <= last + t
+    hi = tl.minimum(lo + CHUNK, kl)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -93,9 +101,9 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr, qk_scale, KL,
 
 
 @triton.jit
-def _merge_kernel(o_ptr, lse_ptr, out_ptr, sob, sot, soh, SPLITS,
+def _merge_kernel(o_ptr, lse_ptr, out_ptr, lse_out_ptr, sob, sot, soh, SPLITS,
                   HKV: tl.constexpr, REP: tl.constexpr, QL: tl.constexpr, D: tl.constexpr,
-                  SP: tl.constexpr):
+                  SP: tl.constexpr, HAS_LSE: tl.constexpr):
     # one program per folded row: every split's partial loaded at once ([SP, D]), no serial chain of loads
     row = tl.program_id(0)
     bh = tl.program_id(1)
@@ -116,6 +124,9 @@ def _merge_kernel(o_ptr, lse_ptr, out_ptr, sob, sot, soh, SPLITS,
     r = row // QL
     t = row % QL
     tl.store(out_ptr + b.to(tl.int64) * sob + t * sot + (g * REP + r) * soh + d, out.to(out_ptr.dtype.element_ty))
+    if HAS_LSE:     # [B, Hq, QL], natural log: -inf where the row saw no key
+        lse_all = tl.where(total > 0, (top + tl.log2(tl.where(total > 0, total, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_out_ptr + (b.to(tl.int64) * HKV * REP + g * REP + r) * QL + t, lse_all)
 
 
 def _sms(device: torch.device) -> int:
@@ -138,21 +149,38 @@ def plan(batch: int, hkv: int, rows: int, keys: int, sms: int, block_n: int = 64
 
 def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        mask: torch.Tensor | None = None, scale: float | None = None, *,
-                       splits: int | None = None, block_n: int = 64) -> torch.Tensor:
+                       splits: int | None = None, block_n: int = 64, rows: torch.Tensor | None = None,
+                       lengths: torch.Tensor | None = None, starts: torch.Tensor | None = None,
+                       return_lse: bool = False):
     """Attention of query [B, Hq, q, d] over key / value [B, Hkv, k, d] (Hq a multiple of Hkv, d a power
     of two >= 16): out [B, q, Hq, d] in the query's dtype.
 
     ``mask``: bool [B|1, 1, q, k], True = visible; None = bottom-right causal. A query row that sees no
     key gets zeros. ``splits``: how many chunks the keys are cut into (default: one block per SM, at
     most 128 chunks; on the CPU, as for 4 SMs); ``block_n``: keys a tile.
+
+    Sequences of different lengths in one buffer (a batch cache): ``rows`` [B] int32, the buffer row
+    (first index of key / value, which then may hold more rows than B) sequence b reads; ``lengths``
+    [B] int32, its filled keys (its new tokens' included); ``starts`` [B] int32, the slot of its first
+    new token: key j is visible to its token t iff j < lengths[b] and j <= starts[b] + t (padded
+    tokens past a sequence's own see what its last one sees; a sequence of length 0 gets zeros). No
+    mask then; the chunks are cut for the buffer's capacity, so the launch does not depend on the
+    lengths (a CUDA graph replays it for any). ``return_lse``: also the log-sum-exp of each query
+    row's scores, [B, Hq, q] float32 (natural log; -inf where nothing is visible), for merging with
+    another part (kite.kernels.partials.merge).
     """
     B, Hq, QL, D = query.shape
     Hkv, KL = key.shape[1], key.shape[2]
     rep = Hq // Hkv
     M = rep * QL
     scale = D ** -0.5 if scale is None else scale
+    by_row = lengths is not None
+    if by_row and (mask is not None or rows is None or starts is None):
+        raise ValueError("lengths come with rows and starts, and without a mask")
     sms = _sms(query.device) if query.is_cuda else 4
-    block_m, n_split, chunk = plan(B, Hkv, M, KL, sms, block_n)
+    # rows of a batch cache: blocks for ~16 programs an SM (a graphed decode step of 32 rows x 16K keys on
+    # the H200 took 17.0 ms at the one-a-SM plan, 12.5 ms at 16: benchmarks/batch_step_gpu.py --splits)
+    block_m, n_split, chunk = plan(B, Hkv, M, KL, sms * (BY_ROW_BLOCKS_PER_SM if by_row else 1), block_n)
     if splits is not None:
         chunk = triton.cdiv(triton.cdiv(KL, max(1, splits)), block_n) * block_n
         n_split = triton.cdiv(KL, chunk)
@@ -170,15 +198,19 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         sm = (mk.stride(0) if mk.shape[0] > 1 else 0, mk.stride(2), mk.stride(3))
     else:
         mk, sm = lse_part, (0, 0, 0)     # not read
+    unused = lse_part                    # pointers the kernel does not read
     ieee = query.dtype == torch.float32
     _partial_kernel[(n_split, tiles_m, B * Hkv)](
-        query, key, value, mk, o_part, lse_part, scale * LOG2E, KL, chunk,
+        query, key, value, mk, rows if by_row else unused, lengths if by_row else unused,
+        starts if by_row else unused, o_part, lse_part, scale * LOG2E, KL, chunk,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), *sm, n_split,
         HKV=Hkv, REP=rep, QL=QL, D=D, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_MASK=mask is not None, IEEE=ieee, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        HAS_MASK=mask is not None, HAS_LENS=by_row, IEEE=ieee, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     out = torch.empty(B, QL, Hq, D, dtype=query.dtype, device=query.device)
+    lse = torch.empty(B, Hq, QL, dtype=torch.float32, device=query.device) if return_lse else lse_part
     _merge_kernel[(M, B * Hkv)](
-        o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(2), n_split,
-        HKV=Hkv, REP=rep, QL=QL, D=D, SP=max(2, triton.next_power_of_2(n_split)), num_warps=4)
-    return out
+        o_part, lse_part, out, lse, out.stride(0), out.stride(1), out.stride(2), n_split,
+        HKV=Hkv, REP=rep, QL=QL, D=D, SP=max(2, triton.next_power_of_2(n_split)), HAS_LSE=return_lse,
+        num_warps=4)
+    return (out, lse) if return_lse else out

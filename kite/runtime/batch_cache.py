@@ -231,6 +231,13 @@ class BatchKVCache:
             buf[row, :, start:end - n] = buf[row, :, start + n:end].clone()
         self.lengths[layer, row] = end - n
 
+    def reserve_for(self, slots: int) -> None:
+        """Make the capacity at least ``slots`` before a step whose rows will fill that many (growing
+        within the budget; BatchFull past it)."""
+        if self._step is not None:
+            raise RuntimeError("the buffers change between steps, not during one")
+        self._reserve(self.rows_allocated, slots)
+
     @torch.inference_mode()
     def _reserve(self, rows: int, capacity: int) -> None:
         """Make the buffers at least `rows` × `capacity` (growing by doubling, within the budget)."""
@@ -311,8 +318,12 @@ class BatchKVCache:
         """End the open step; `commit` (after a forward that ran) counts its tokens as filled."""
         step, self._step = self._step, None
         if step is not None and commit:
-            idx = torch.tensor(step.rows, dtype=torch.long)
-            self.lengths[:, idx] += torch.tensor(step.new_tokens, dtype=torch.long)
+            self.advance(step.rows, step.new_tokens)
+
+    @torch.inference_mode()
+    def advance(self, rows: list[int], new_tokens: list[int]) -> None:
+        """Count ``new_tokens[b]`` more filled slots in every layer of row ``rows[b]`` (a forward wrote them)."""
+        self.lengths[:, torch.tensor(rows, dtype=torch.long)] += torch.tensor(new_tokens, dtype=torch.long)
 
     # -- what transformers calls ---------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

@@ -39,6 +39,7 @@ from kite.runtime.resident import ResidentPrefix
 from kite.runtime.decoding import (GenerationResult, SequenceDecode, check_request, nll_bits,
                                    prompt_nll_nats)
 from kite.runtime.generate import cache_kwarg
+from kite.runtime.kernel_step import KernelStep
 from kite.runtime.row_memory import RowMemory
 
 __all__ = ["BatchDecoder", "BatchFull", "BatchKVCache", "forward_rows"]
@@ -109,6 +110,7 @@ class BatchDecoder:
     def __init__(self, lm, max_rows: int = 8, *, max_kv_bytes: int | None = None):
         self.lm = lm
         self.cache = BatchKVCache(lm.model, max_rows, max_bytes=max_kv_bytes)
+        self.kernels = KernelStep.build(lm.model, self.cache)   # a GPU: steps on KITE's kernels, decode graphed
         self._window = _sliding_window(lm.model)
         self._active: dict[int, _Sequence] = {}
         self._done: dict[int, GenerationResult] = {}
@@ -206,7 +208,7 @@ class BatchDecoder:
         whole get their first token."""
         chunks = [s.next_chunk() for s in group]
         with self._reading(group[0].reader) as on:
-            logits = self._forward(group, chunks)
+            logits = self._forward(group, chunks, on)
         whole, whole_logits = [], []
         for seq, chunk, rows in zip(group, chunks, logits):
             ids = seq.prompt_ids
@@ -221,16 +223,19 @@ class BatchDecoder:
         self._advance(whole, whole_logits)
 
     def _decode(self, group: list[_Sequence]) -> None:
-        with self._reading(group[0].reader):
-            logits = self._forward(group, [[s.next_token] for s in group])
+        with self._reading(group[0].reader) as on:
+            logits = self._forward(group, [[s.next_token] for s in group], on)
         for seq in group:
             seq.position += 1
         self._advance(group, logits)
 
-    def _forward(self, group: list[_Sequence], tokens: list[list[int]]) -> list[torch.Tensor]:
-        """One forward of `group` feeding `tokens`; then the rows with a memory offer it their
-        older tokens."""
+    def _forward(self, group: list[_Sequence], tokens: list[list[int]], reader_on: bool = False) -> list[torch.Tensor]:
+        """One forward of `group` feeding `tokens` (on KITE's kernels where they take the step,
+        kite.runtime.kernel_step); then the rows with a memory offer it their older tokens."""
         memories = {b: s.memory for b, s in enumerate(group) if s.memory is not None}
+        if self.kernels is not None and self.kernels.takes(tokens, bool(memories)):
+            beside = {b: self.cache.beside[s.row] for b, s in enumerate(group) if s.row in self.cache.beside}
+            return self.kernels.logits([s.row for s in group], tokens, [s.position for s in group], beside, reader_on)
         logits = forward_rows(self.lm.model, self.cache, [s.row for s in group], tokens,
                               [s.position for s in group], memories)
         for b in memories:
@@ -254,11 +259,15 @@ class BatchDecoder:
         """Sample each sequence's next token from its last logits; the ended ones leave."""
         if not group:
             return
-        last = torch.stack([rows[-1] for rows in logits]).cpu()   # one copy to the host, not one per row
-        for seq, row_logits in zip(group, last):
+        last = torch.stack([rows[-1] for rows in logits])
+        # greedy rows: the argmax where the logits are (B tokens to the host, not B x vocab floats)
+        picks = last.argmax(dim=-1).tolist() if all(s.decode.greedy for s in group) else None
+        if picks is None:
+            last = last.cpu()                     # one copy to the host, not one per row
+        for b, seq in enumerate(group):
             if seq.handle not in self._active:   # cancelled meanwhile (from an on_text callback)
                 continue
-            seq.next_token = seq.decode.take(row_logits)
+            seq.next_token = seq.decode.accept(picks[b]) if picks is not None else seq.decode.take(last[b])
             if seq.next_token is None:
                 self._finish(seq)
 

@@ -132,13 +132,26 @@ class SequenceDecode:
     def done(self) -> bool:
         return self.stop_reason is not None
 
+    @property
+    def greedy(self) -> bool:
+        """Whether the next token is the logits' argmax (temperature 0): a caller may take the
+        argmax where the logits are (:meth:`accept`) instead of handing them over."""
+        return self.temperature <= 0
+
     def take(self, logits: torch.Tensor) -> int | None:
         """Sample the next token from `logits` [vocab]; the token to feed next, or None when the
         sequence ends here (an end token, which is not kept, or the length limit)."""
         if len(self.new) >= self.max_new_tokens:
             self.stop_reason = "length"
             return None
-        token = sample_token(logits.float().cpu(), self.temperature, self.top_p, self.gen)
+        return self.accept(sample_token(logits.float().cpu(), self.temperature, self.top_p, self.gen))
+
+    def accept(self, token: int) -> int | None:
+        """Take ``token`` as the next one (chosen by the caller: the argmax, for a greedy sequence);
+        as :meth:`take` answers."""
+        if len(self.new) >= self.max_new_tokens:
+            self.stop_reason = "length"
+            return None
         if self.t_first is None:
             self.t_first = time.perf_counter()
         if token in self.stop_ids:

@@ -61,6 +61,10 @@ def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sa
     runner = ModelRunner(pipeline, settings, rules, store, health=health, novelty=NoveltyTracker(), sampler=sampler,
                          on_step=metrics.observe_step)
     metrics.bind_rules(rules)
+    from kite.serve.tenants import Tenants
+
+    tenants = Tenants()
+    metrics.bind_quarantine(lambda: [store.quarantine, *tenants.quarantines()])
     if shared is not None:
         metrics.bind_store(shared)
     if sampler is not None:
@@ -86,11 +90,10 @@ def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sa
 
     app = FastAPI(title="KITE", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)
-    from kite.serve.tenants import Tenants
-
-    app.state.kite = ServerState(settings, runner, store, rules, metrics, health, sampler, tenants=Tenants())
+    app.state.kite = ServerState(settings, runner, store, rules, metrics, health, sampler, tenants=tenants)
     for module in (routes_openai, routes_states, routes_admin, routes_ops):
         app.include_router(module.router)
+    app.include_router(routes_admin.states_router)
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=metrics)  # outermost: counts 413s too

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from kite.errors import BadInput, FingerprintMismatch, KiteError
+from kite.serve.quarantine import StateUnusable
 from kite.serve.states import StateExists, StateNotFound
 
 log = logging.getLogger("kite.serve")
@@ -29,7 +30,7 @@ def status_of(exc: KiteError) -> int:
     from kite.yoco.rules import RuleSetError
 
     for cls, status in ((StateNotFound, 404), (StateExists, 409), (FingerprintMismatch, 409),
-                        (RuleSetError, 422), (BadInput, 400)):
+                        (RuleSetError, 422), (StateUnusable, 422), (BadInput, 400)):
         if isinstance(exc, cls):
             return status
     return 500

@@ -88,6 +88,12 @@ class ServerMetrics:
         kite_store_errors_total{tier,op}, kite_store_evictions_total{tier}."""
         self.registry.register(_StoreCollector(store))
 
+    def bind_quarantine(self, quarantines) -> None:
+        """The quarantines' counts (kite.serve.quarantine.Quarantine; ``quarantines``: one, or a
+        function giving the server's and each tenant's) read at scrape time and summed:
+        kite_states_quarantined, kite_state_loads_refused_total{cause}."""
+        self.registry.register(_QuarantineCollector(quarantines if callable(quarantines) else lambda: [quarantines]))
+
     def bind_rules(self, active) -> None:
         self.rules_loaded_at.set_function(lambda: float(active.current.loaded_at))
 
@@ -184,3 +190,30 @@ class _StoreCollector:
         misses = CounterMetricFamily("kite_store_misses", "Reads no tier answered with a good copy.",
                                      value=snap["misses"])
         return [hits, misses, puts, errors, evictions]
+
+
+class _QuarantineCollector:
+    """Reads the quarantine when /metrics is scraped: the states quarantined now, the loads refused."""
+
+    def __init__(self, quarantines):
+        self.quarantines = quarantines   # () -> the Quarantines to sum (the server's, each tenant's)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        from kite.serve.quarantine import REFUSED_CAUSES
+
+        every = self.quarantines()
+        held = GaugeMetricFamily("kite_states_quarantined", "States quarantined: a reader refused the file's "
+                                 "bytes at a load; requests naming them are refused until the file changes.",
+                                 value=sum(len(q.ids()) for q in every))
+        refused = CounterMetricFamily("kite_state_loads_refused", "Loads of a state refused, by cause (unreadable "
+                                      "= a reader refused the file and quarantined it, quarantined = refused "
+                                      "without a read).", labels=["cause"])
+        counts = [q.counts() for q in every]
+        for cause in REFUSED_CAUSES:
+            refused.add_metric([cause], sum(c.get(cause, 0) for c in counts))
+        return [held, refused]

@@ -1,4 +1,5 @@
-"""`/admin/rules`: reload, switch and status of the rule set (admin token required).
+"""`/admin/rules`: reload, switch and status of the rule set; `/admin/states`: lift a state's
+quarantine (admin token required).
 
 Reload compiles the whole file, then swaps; a bad file is refused with every error (422 and the
 rendered report) and the old set keeps serving. Every reload or switch past the token counts once
@@ -23,6 +24,7 @@ from kite.serve.states import StateNotFound
 
 log = logging.getLogger("kite.serve")
 router = APIRouter(prefix="/admin/rules", dependencies=[Depends(require_admin)])
+states_router = APIRouter(prefix="/admin/states", dependencies=[Depends(require_admin)])
 
 
 def rules_file(rules_dir: Path, spec: str) -> Path:
@@ -121,3 +123,19 @@ async def switch(request: Request):
 async def status(request: Request):
     srv = request.app.state.kite
     return {**srv.rules.status(), "rules_dir": str(srv.rules.rules_dir)}
+
+
+@states_router.delete("/{state_id}/quarantine")
+async def lift_quarantine(request: Request, state_id: str, tenant: str | None = None):
+    """End a state's quarantine (kite.serve.quarantine) without replacing its file: the next request
+    naming it reads it again (and quarantines it again if a reader still refuses it). `?tenant=NAME`:
+    the state of that tenant (each tenant's states and quarantine are its own). 404 for an unknown
+    state; `lifted: false` when it was not quarantined."""
+    from kite.serve.tenants import tenant_view
+    from kite.tenants import check_tenant
+
+    srv = tenant_view(request.app.state.kite, check_tenant(tenant, "tenant"))
+    srv.store.existing(state_id)
+    lifted = srv.store.quarantine.lift(state_id, "lifted by an admin")
+    log.info("state %s: quarantine lift asked by an admin (%s)", state_id, "lifted" if lifted else "not quarantined")
+    return {"id": state_id, "lifted": lifted}

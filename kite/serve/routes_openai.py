@@ -43,7 +43,7 @@ async def _prepare(request: Request, body, chat: bool):
             state_id = upcycled.summary.id
         else:
             state_id = body.kite.state
-            srv.store.existing(state_id)  # a bad or unknown id is refused before any work
+            srv.store.usable(state_id)  # a bad, unknown or quarantined id is refused before any work
     limit = srv.settings.max_tokens_limit
     max_new = body.max_completion_tokens or body.max_tokens or srv.settings.default_max_tokens
     if max_new > limit:

@@ -9,13 +9,14 @@ worker threads, which keeps the event loop free for admin, health and metrics.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from kite.errors import BadInput
 from kite.serve.settings import ServeSettings
-from kite.serve.states import StateExists, StateStore, StateSummary
+from kite.serve.states import StateExists, StateNotFound, StateStore, StateSummary
 
 FUSION_OFF_NOTE = "features.upcycle_yoco_fusion is off: nothing was loaded; plain generation ran"
 
@@ -117,7 +118,8 @@ class ModelRunner:
     def upcycle(self, document: str, state_id: str | None = None, name: str = "-",
                 overwrite: bool = False) -> Upcycled:
         """Store `document` as a state. Without an id the id is a hash of the document and the
-        model, and a document already stored is reused rather than upcycled again."""
+        model, and a document already stored is reused rather than upcycled again, unless that
+        state is quarantined (kite.serve.quarantine): then it is upcycled again in its place."""
         if not document.strip():
             raise BadInput("the document is empty")
         explicit = state_id is not None
@@ -134,13 +136,18 @@ class ModelRunner:
         path = self.store.path_for(sid)
         if not explicit and not path.is_file() and self.store.fetch(sid):
             return Upcycled(self.store.summary(sid), created=False)   # another server made it
+
+        def reusable() -> bool:   # the same document's state is there, and not quarantined
+            return path.is_file() and self.store.quarantine.entry(sid) is None
+
         if path.is_file():
-            if not explicit:
+            if not explicit and reusable():
                 return Upcycled(self.store.summary(sid), created=False)
-            if not overwrite:
+            if explicit and not overwrite:
                 raise StateExists(f"state {sid!r} exists (send \"overwrite\": true to replace it)")
+
         def compress():
-            if not explicit and path.is_file():  # the same document, upcycled while we waited
+            if not explicit and reusable():  # the same document, upcycled while we waited
                 return None
             return self.pipeline.compress(document, path, source_name=name, tenant=self.tenant)
 
@@ -148,6 +155,7 @@ class ModelRunner:
         if result is None:
             return Upcycled(self.store.summary(sid), created=False)
         self.store.publish(path)
+        self.store.quarantine.lift(sid, "upcycled again")   # its new version would lift it anyway
         if explicit and overwrite and self.health is not None:
             self.health.reset(sid)  # a new document under an old id: its old record means nothing
         return Upcycled(self.store.summary(sid), created=True, timings_ms=result.timings_ms,
@@ -171,16 +179,20 @@ class ModelRunner:
         a completion without a state joins the batch with its older tokens coded (docs/kv-budget.md)."""
         from kite.yoco.fused import finish, prepare
 
-        path = self.store.existing(state_id) if state_id is not None else None
+        path = self.store.usable(state_id) if state_id is not None else None
         if path is None and self.kv_budget is not None:
             return self._budgeted(prompt_ids, opts)
         prepared, ruleset, wait = None, None, 0.0
         if path is not None:
             ruleset = self.rules.current  # one read: the set that decides this request
-            prepared, wait = self.batcher.call(lambda: prepare(
-                self.lm, self.tagger, ruleset, path, query, health=self.health, novelty=self.novelty,
-                sampler=self.sampler, min_hit_gain=self.settings.min_hit_gain, fusion_enabled=self.settings.fusion,
-                state_id=state_id, loader=self.prefixes.load), since=opts.queued_at)
+
+            def decide_and_load():
+                with self._reading(state_id, path) as (state, load):
+                    return prepare(self.lm, self.tagger, ruleset, state, query, health=self.health,
+                                   novelty=self.novelty, sampler=self.sampler, min_hit_gain=self.settings.min_hit_gain,
+                                   fusion_enabled=self.settings.fusion, state_id=state_id, loader=load)
+
+            prepared, wait = self.batcher.call(decide_and_load, since=opts.queued_at)
             opts.queued_at = time.perf_counter()
         gen, req = self.batcher.generate(prompt_ids, prepared.prefix if prepared else None, opts)
         wait += req.wait_ms
@@ -191,6 +203,29 @@ class ModelRunner:
             "applied": False, "reason": "a state was named: its KV is loaded as the state's own compressed prefix"}
         return Answer(gen, fused, state_id, {"version": ruleset.version, "sha256": ruleset.sha256}, wait_ms=wait,
                       kv_budget=skipped)
+
+    @contextlib.contextmanager
+    def _reading(self, state_id: str, path):
+        """On the model's thread: the state's file opened, and a loader through the prefix cache,
+        both under the quarantine (a reader's refusal quarantines the state: StateUnusable). A state
+        quarantined while this request waited is refused here, unread."""
+        from kite.upcycle import StateFile, path_version
+
+        quarantine = self.store.quarantine
+        quarantine.check(state_id)
+        try:
+            version = path_version(path)
+        except OSError:
+            raise StateNotFound(f"no state {state_id!r} (list them with GET /v1/states)") from None
+        with quarantine.reading(state_id, path, version):
+            state = StateFile(path)
+
+        def load(st, lm, **kwargs):
+            with quarantine.reading(state_id, path, st.version):   # the version this open read
+                return self.prefixes.load(st, lm, **kwargs)
+
+        with state:
+            yield state, load
 
     def _budgeted(self, prompt_ids: list[int], opts: GenOptions) -> Answer:
         """A completion without a state under the KV budget: in the batch like any other, its row

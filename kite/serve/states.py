@@ -7,11 +7,12 @@ import hashlib
 import logging
 import os
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from collections.abc import Mapping
 from pathlib import Path
 
 from kite.errors import BadInput, KiteError
+from kite.serve.quarantine import Quarantine
 from kite.serve.settings import check_state_id
 
 _log = logging.getLogger("kite.serve")
@@ -39,10 +40,14 @@ class StateSummary:
     source: str = ""
     error: str | None = None  # set when the file does not read as a state
     extra: dict = field(default_factory=dict)
+    quarantine: dict | None = None  # set while a load's reader refusal keeps it quarantined (reason, since, refused)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(d.pop("extra"))
+        d["quarantined"] = d["quarantine"] is not None
+        if d["quarantine"] is None:
+            del d["quarantine"]
         return d
 
 
@@ -52,7 +57,10 @@ class StateStore:
 
     `embedded`: the states of the model's GGUF file (`embedded_in`, its name), by id, as the `.upc`
     files `kite.store.cached_states` made of them. They are listed and answered first (a folder file
-    of the same id is not reached) and cannot be replaced or deleted."""
+    of the same id is not reached) and cannot be replaced or deleted.
+
+    `quarantine`: the states a load's reader refused (kite.serve.quarantine); `usable` refuses them,
+    summaries say so."""
 
     def __init__(self, folder: str | os.PathLike[str], embedded: Mapping[str, Path] | None = None,
                  embedded_in: str = "", shared=None):
@@ -63,6 +71,7 @@ class StateStore:
         self.embedded, self.embedded_in = dict(embedded or {}), embedded_in
         self._summaries: dict[str, tuple[tuple, StateSummary]] = {}   # id -> (file version, summary)
         self._lock = threading.Lock()
+        self.quarantine = Quarantine()
 
     def path_for(self, state_id: str) -> Path:
         check_state_id(state_id)
@@ -80,6 +89,12 @@ class StateStore:
         path = self.path_for(state_id)
         if not path.is_file() and not self.fetch(state_id):
             raise StateNotFound(f"no state {state_id!r} (list them with GET /v1/states)")
+        return path
+
+    def usable(self, state_id: str) -> Path:
+        """:meth:`existing`, refused at once (StateQuarantined) while the state is quarantined."""
+        path = self.existing(state_id)
+        self.quarantine.check(state_id)
         return path
 
     def exists(self, state_id: str) -> bool:
@@ -135,13 +150,15 @@ class StateStore:
         with self._lock:
             hit = self._summaries.get(state_id)
         if hit and hit[0] == key:
-            return hit[1]
-        summary = _read_summary(state_id, path, key[3])
-        if state_id in self.embedded:
-            summary.extra["embedded"] = self.embedded_in
-        with self._lock:
-            self._summaries[state_id] = (key, summary)
-        return summary
+            summary = hit[1]
+        else:
+            summary = _read_summary(state_id, path, key[3])
+            if state_id in self.embedded:
+                summary.extra["embedded"] = self.embedded_in
+            with self._lock:
+                self._summaries[state_id] = (key, summary)
+        quarantine = self.quarantine.describe(state_id)
+        return summary if quarantine is None else replace(summary, quarantine=quarantine)
 
     def list(self) -> list[StateSummary]:
         out = []
@@ -159,6 +176,7 @@ class StateStore:
         path.unlink()
         with self._lock:
             self._summaries.pop(state_id, None)
+        self.quarantine.lift(state_id, "deleted")
 
 
 def _read_summary(state_id: str, path: Path, size: int) -> StateSummary:

@@ -12,8 +12,10 @@ request sees:
 - content addresses and document ids made for it (the tag is salted in), so the same document
   uploaded by two tenants is two states, and a tenant asking for another's document computes an
   address of its own and misses as for any new document;
-- its own health records (YOCO's measured gains, keyed by the tenant's tag and the state id) and its
-  own query novelty (how new a query is, against the tenant's recent queries only).
+- its own health records (YOCO's measured gains, keyed by the tenant's tag and the state id), its
+  own query novelty (how new a query is, against the tenant's recent queries only) and its own
+  quarantine of states a reader refused (:mod:`kite.serve.quarantine`; ``/metrics`` counts every
+  tenant's together, and ``DELETE /admin/states/{id}/quarantine?tenant=NAME`` lifts a tenant's).
 
 Another tenant's state is not there for it: listing leaves it out, and naming it is answered as
 for a state nobody made (404, the same message). The model's own embedded states
@@ -34,8 +36,12 @@ from kite.tenants import tenant_tag
 def scoped(request: Request):
     """The server's state (:class:`kite.serve.app.ServerState`) as the request's tenant sees it: its
     runner, folder, store part and health records (the app's own for no tenant)."""
-    root = request.app.state.kite
-    tenant = getattr(request.state, "tenant", None)
+    return tenant_view(request.app.state.kite, getattr(request.state, "tenant", None))
+
+
+def tenant_view(root, tenant: str | None):
+    """The server's state ``root`` as tenant ``tenant`` (a checked name) sees it; ``root`` itself for
+    no tenant."""
     if tenant is None:
         return root
     from kite.serve.workers import model_limiter
@@ -50,6 +56,12 @@ class Tenants:
     def __init__(self):
         self._views: dict[str, object] = {}
         self._lock = threading.Lock()
+
+    def quarantines(self) -> list:
+        """The quarantine (:class:`kite.serve.quarantine.Quarantine`) of each tenant's view made so far:
+        a tenant's quarantined states are its own, counted together on /metrics."""
+        with self._lock:
+            return [view.store.quarantine for view in self._views.values()]
 
     def view(self, root, tenant: str):
         with self._lock:
@@ -70,7 +82,8 @@ class Tenants:
 class TenantStateStore(StateStore):
     """A tenant's folder of states, ``<state_dir>/tenants/<tag>/``, beside the server's; its part of
     the shared store; the model's embedded states as every tenant sees them; document ids salted
-    with its tag."""
+    with its tag; a quarantine of its own (:mod:`kite.serve.quarantine`), so a state a reader refused
+    for one tenant is neither shown nor refused to another."""
 
     def __init__(self, root: StateStore, tenant: str):
         self.tenant_tag = tenant_tag(tenant)

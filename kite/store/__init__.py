@@ -14,6 +14,8 @@ file (`kite gguf embed`), a read-only store shipped with its model. The public f
     gguf        the keys states take in a GGUF; list, read and extract them, offer them to loaders
     gguf_embed  embed states (checked whole and against the file's model) into a copy of a GGUF
     ids    state ids (the names a server's store and a GGUF file give states)
+    journal     missed writes: (tier, id) a tier failed to take, retried when it is back
+    sync        sync_store: copy into each tier the states it misses (kite store sync)
 """
 
 from kite.store.gguf import (EMBED_FORMAT, EMBED_VERSION, META_KEY, STATE_KEY, EmbeddedState, cached_state,
@@ -24,12 +26,14 @@ from kite.store.ids import check_state_id
 from kite.store.compress import StoredCompress, compress_to_store
 from kite.store.counters import StoreCounters
 from kite.store.disk import DiskTier
+from kite.store.journal import Missed, MissedWrites
 from kite.store.memory import MemoryTier
 from kite.store.redis_tier import RedisTier
 from kite.store.s3 import S3Tier
-from kite.store.tier import ObjectStat, Tier, TierError, parse_size, register_tier, tier_schemes
+from kite.store.tier import MissingStore, ObjectStat, Tier, TierError, parse_size, register_tier, tier_schemes
 from kite.store.tiered import PutReport, StoreError, TieredStore
 from kite.store.url import open_store, split_url
+from kite.store.sync import SyncReport, sync_store
 from kite.store.verify import CorruptState, StateInfo, Unaddressed, WrongTenant, read_state_file, verify_state
 from kite.upcycle import is_address
 
@@ -37,7 +41,8 @@ __all__ = [
     "EMBED_FORMAT", "EMBED_VERSION", "META_KEY", "STATE_KEY", "EmbedReport", "EmbeddedState", "cached_state",
     "cached_states", "check_made_by", "check_state_id", "embed_states", "embedded_states", "extract_state",
     "find_state", "gguf_file", "read_state", "state_path",
-    "StoredCompress", "compress_to_store", "CorruptState", "DiskTier", "MemoryTier", "ObjectStat", "PutReport", "RedisTier", "S3Tier", "StateInfo",
+    "StoredCompress", "compress_to_store", "CorruptState", "DiskTier", "MemoryTier", "Missed", "MissedWrites", "MissingStore", "ObjectStat", "PutReport", "RedisTier", "S3Tier", "StateInfo",
     "StoreCounters", "StoreError", "Tier", "TierError", "TieredStore", "Unaddressed", "is_address", "open_store",
-    "parse_size", "read_state_file", "register_tier", "split_url", "tier_schemes", "verify_state", "WrongTenant",
+    "parse_size", "read_state_file", "register_tier", "split_url", "SyncReport", "sync_store", "tier_schemes",
+    "verify_state", "WrongTenant",
 ]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kite.atomic import write_bytes
 from kite.errors import BadInput, KiteError
+from kite.shortid import apart
 from kite.store.tier import ObjectStat, Tier, TierError, TierURL, register_tier
 from kite.upcycle import StateFile, check_address, is_address
 
@@ -28,13 +29,12 @@ class DiskTier(Tier):
     scheme = "file"
 
     def __init__(self, folder: str | os.PathLike[str], name: str = "file", write: str = "through",
-                 max_bytes: int | None = None):
+                 max_bytes: int | None = None, create: bool = True):
         super().__init__(name, write, max_bytes)
         self.folder = Path(folder).expanduser()
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise BadInput(f"store tier {name}: cannot use folder {self.folder}: {exc.strerror}") from None
+        self.create = create   # False: a missing folder is an empty tier, made by the first put
+        if create:
+            self._make_folder(BadInput)
         self._index: dict[str, list] = {}   # id -> [bytes, last use (s), mtime_ns]
         self.rejected: dict[str, str] = {}          # file stem -> why it is not in the index
         self._rejected_at: dict[str, int] = {}      # file stem -> the mtime_ns it was judged at
@@ -43,10 +43,29 @@ class DiskTier(Tier):
 
     @classmethod
     def from_url(cls, name: str, url: TierURL, write: str, max_bytes: int | None) -> "DiskTier":
+        return cls(cls._location(url), name, write, max_bytes)
+
+    @staticmethod
+    def _location(url: TierURL) -> str:
         location = url.netloc + url.path
         if not location:
             raise BadInput(f"store URL {url.text!r}: file:// needs a folder (file:///abs/path or file://~/path)")
-        return cls(location, name, write, max_bytes)
+        return location
+
+    @classmethod
+    def absent(cls, url: TierURL) -> str | None:
+        folder = Path(cls._location(url)).expanduser()
+        if folder.is_dir():
+            return None
+        return f"folder {folder} does not exist" if not folder.exists() else f"{folder} is not a folder"
+
+    def _make_folder(self, error) -> None:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            if error is BadInput:
+                raise BadInput(f"store tier {self.name}: cannot use folder {self.folder}: {exc.strerror}") from None
+            raise TierError(self.name, "put", f"{self.folder}: {exc.strerror or exc}") from None
 
     def _path(self, state_id: str) -> Path:
         if not is_address(state_id):
@@ -57,6 +76,10 @@ class DiskTier(Tier):
         """Bring the index in step with the folder: headers of new files read, gone files dropped."""
         try:
             names = {p.name[:-4]: p for p in self.folder.iterdir() if p.name.endswith(".upc")}
+        except FileNotFoundError as exc:
+            if self.create:
+                raise TierError(self.name, "list", exc.strerror or str(exc)) from None
+            names = {}   # a tenant's folder not made yet (the store was opened to read): no states
         except OSError as exc:
             raise TierError(self.name, "list", exc.strerror or str(exc)) from None
         with self._lock:
@@ -95,7 +118,8 @@ class DiskTier(Tier):
         if addr is None:
             return "an unaddressed state"
         if addr != stem:
-            return f"holds state {addr[:16]}..., not {stem[:16]}..."
+            holds, name = apart(addr, stem, 16)
+            return f"holds state {holds}..., not {name}..."
         return None
 
     def get(self, state_id: str) -> bytes | None:
@@ -122,6 +146,8 @@ class DiskTier(Tier):
             if len(data) > self.max_bytes:
                 return False
             self._make_room(len(data), state_id)
+        if not self.create and not self.folder.is_dir():
+            self._make_folder(TierError)
         try:
             write_bytes(path, bytes(data))
             st = path.stat()
@@ -181,9 +207,10 @@ class DiskTier(Tier):
         return path if path.is_file() else None
 
     def tenant_part(self, tag: str) -> "DiskTier":
-        """The tenant's states in ``<folder>/tenants/<tag>/`` (a folder of their own, bound of its own)."""
-        part = DiskTier(self.folder / "tenants" / tag, self.name, self.write, self.max_bytes)
-        part._evicted = self._evicted
+        """The tenant's states in ``<folder>/tenants/<tag>/`` (a folder of their own, bound of its own;
+        not made before a state is written there when this tier was opened not to create)."""
+        part = DiskTier(self.folder / "tenants" / tag, self.name, self.write, self.max_bytes, self.create)
+        part._evicted, part.tenant = self._evicted, tag
         return part
 
     def usage(self) -> tuple[int, int]:

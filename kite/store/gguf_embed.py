@@ -108,7 +108,8 @@ def check_made_by(meta: dict, fps, path: Path, model: Path) -> None:
     made by the model `fps` are the fingerprints of: the same weights and tokenizer (a state made for
     a reader adapter keeps it: it loads with that adapter on). A state migrated with only the new
     model's combined fingerprint known is compared by that."""
-    from kite.model.fingerprint import PREFIX, short
+    from kite.model.fingerprint import PREFIX
+    from kite.shortid import apart
 
     have = meta.get("fingerprints") or {}
     combined = have.get("combined") or ""
@@ -120,9 +121,10 @@ def check_made_by(meta: dict, fps, path: Path, model: Path) -> None:
         part = next((p for p in ("model", "tokenizer") if have.get(p) != getattr(fps, p)), None)
         if part is None:
             return
-    detail = "" if part == "combined" else (f" ({part} fingerprint {short(have.get(part) or 'none')} ≠ "
-                                            f"{short(getattr(fps, part))})")
+    detail = "" if part == "combined" else (" ({} fingerprint {} ≠ {})".format(
+        part, *apart(have.get(part), getattr(fps, part))))
+    made_by, is_model = apart(combined, fps.combined)
     raise FingerprintMismatch(
-        f"{path}: made by model {short(combined or 'none')}, but {model.name} is model {short(fps.combined)}"
+        f"{path}: made by model {made_by}, but {model.name} is model {is_model}"
         f"{detail}; embed states made with this model (kite upcycle compress --model {model}), or migrate "
         f"them to it (kite upcycle migrate)")

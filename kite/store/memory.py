@@ -100,7 +100,7 @@ class MemoryTier(Tier):
 
     def tenant_part(self, tag: str) -> "MemoryTier":
         part = copy.copy(self)
-        part._ns = f"{tag}/"
+        part._ns, part.tenant = f"{tag}/", tag
         return part
 
     def describe(self) -> str:

@@ -168,7 +168,7 @@ class RedisTier(Tier):
         """The tenant's keys under ``<prefix>:tenant:<tag>`` (its own index, recency and bound), on the
         same connection."""
         part = copy.copy(self)
-        part.prefix = f"{self.prefix}:tenant:{tag}"
+        part.prefix, part.tenant = f"{self.prefix}:tenant:{tag}", tag
         part._index, part._used = f"{part.prefix}:index", f"{part.prefix}:used"
         return part
 

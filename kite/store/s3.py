@@ -110,6 +110,7 @@ class S3Tier(Tier):
         """The tenant's objects under ``<prefix>/tenants/<tag>/`` of the same bucket, on the same client."""
         part = copy.copy(self)
         part.prefix = f"{self.prefix}/tenants/{tag}" if self.prefix else f"tenants/{tag}"
+        part.tenant = tag
         return part
 
     def usage(self) -> tuple[int, int]:

@@ -20,6 +20,10 @@ from kite.errors import BadInput, KiteError
 WRITE_POLICIES = ("through", "back")
 
 
+class MissingStore(BadInput):
+    """A store opened for reading names a place that does not exist (a file:// tier's folder)."""
+
+
 class TierError(KiteError):
     """A tier failed an operation (its backend is down, refused, or the disk is full)."""
 
@@ -53,6 +57,11 @@ class Tier(ABC):
             raise BadInput(f"store tier {name}: write={write!r}, expected one of {', '.join(WRITE_POLICIES)}")
         self.name, self.write, self.max_bytes = name, write, max_bytes
         self._evicted = [0]   # shared with the tier's tenant parts: one count for the operator
+        self.tenant: str | None = None   # the tag of the tenant this part holds (tenant_part); None: none
+        # whether a place this tier misses (a tenant's folder of a file:// tier) is made when the tier
+        # opens (True) or only when a state is written there (False: a store opened to read,
+        # ``open_store(create=False)``); its tenant parts take it on
+        self.create = True
 
     @property
     def evictions(self) -> int:
@@ -89,7 +98,7 @@ class Tier(ABC):
         """This tier's part for the tenant of ``tag`` (:func:`kite.tenants.tenant_tag`): the same
         backend (connection, folder, bucket) with the tenant's states under keys of their own, which
         this tier's own ``get``, ``ids`` and ``stat`` never reach, nor another tenant's part
-        (docs/store.md, "Tenants")."""
+        (docs/store.md, "Tenants"). The part's ``tenant`` is ``tag``; it keeps this tier's ``create``."""
 
     def usage(self) -> tuple[int, int]:
         """(objects, bytes) held now."""
@@ -111,6 +120,13 @@ class Tier(ABC):
                 dropped.append(s.id)
                 self.evictions += 1
         return dropped
+
+    @classmethod
+    def absent(cls, url: "TierURL") -> str | None:
+        """Why the place a URL names for this tier does not exist (a missing folder), in words; None
+        where it does or the tier cannot tell without connecting. A store opened not to create its
+        places (``open_store(create=False)``: the read commands) refuses such a tier."""
+        return None
 
     def describe(self) -> str:
         """The tier as a URL-like line (no secrets)."""

@@ -10,11 +10,15 @@ ever returned. No good copy anywhere: a miss (the caller prefills and compresses
 Writes: a state is verified before any tier sees it. Write-through tiers are written before
 ``put`` returns; write-back tiers get it from a background thread. A tier that fails is counted,
 and named in the :class:`PutReport` (write-back failures in ``failures`` and at ``flush``); a put
-that no tier took raises StoreError.
+that no tier took raises StoreError. A tier's failed put is also recorded in the store's journal of
+missed writes (:mod:`kite.store.journal`); after a later put reaches that tier, the states it missed
+are copied into it from the tiers that hold them (:meth:`TieredStore.retry_missed`).
 
 Tenants: :meth:`TieredStore.for_tenant` is the store of one tenant, every tier's tenant part
 (:meth:`kite.store.Tier.tenant_part`); it takes and returns only states whose address was made for
 that tenant, so a state of another tenant (or of none) is neither listed, found nor stored there.
+It shares the store's journal: a tenant part's missed writes are kept under that part's key
+(:func:`kite.store.journal.journal_key`), so a retry or a sync copies them within the tenant's part.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 from kite.atomic import write_bytes
 from kite.errors import KiteError
 from kite.store.counters import StoreCounters
+from kite.store.journal import MissedWrites, journal_key
 from kite.store.tier import Tier, TierError
 from kite.store.verify import CorruptState, StateInfo, WrongTenant, read_state_file, verify_state
 from kite.tenants import tenant_tag
@@ -59,16 +64,18 @@ class PutReport:
 
 
 class TieredStore:
-    """Tiers in order, fastest first. ``counters``: what was counted (shared with /metrics).
-    ``tenant``: the tag of the tenant this store holds the states of (None: no tenant; see
-    :meth:`for_tenant`)."""
+    """Tiers in order, fastest first. ``counters``: what was counted (shared with /metrics);
+    ``journal``: where missed writes are kept (default: in this process only). ``tenant``: the tag
+    of the tenant this store holds the states of (None: no tenant; see :meth:`for_tenant`)."""
 
-    def __init__(self, tiers: list[Tier], counters: StoreCounters | None = None, *, tenant: str | None = None):
+    def __init__(self, tiers: list[Tier], counters: StoreCounters | None = None,
+                 journal: MissedWrites | None = None, *, tenant: str | None = None):
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names repeat: {names}")
         self.tiers = list(tiers)
         self.counters = counters or StoreCounters()
+        self.journal = journal if journal is not None else MissedWrites(None)
         self.failures: list[dict] = []   # recent write failures, write-back ones included
         self._queue: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
@@ -80,7 +87,7 @@ class TieredStore:
 
     def for_tenant(self, name: str | None) -> "TieredStore":
         """The store of tenant `name` (None: this store without a tenant): the same tiers' tenant parts,
-        the same counters, made once per tenant. BadInput for an empty or malformed name."""
+        the same counters and journal, made once per tenant. BadInput for an empty or malformed name."""
         root = self._root or self
         tag = tenant_tag(name)
         if tag is None:
@@ -88,7 +95,8 @@ class TieredStore:
         with root._lock:
             part = root._parts.get(tag)
             if part is None:
-                part = TieredStore([t.tenant_part(tag) for t in root.tiers], root.counters, tenant=tag)
+                part = TieredStore([t.tenant_part(tag) for t in root.tiers], root.counters, root.journal,
+                                   tenant=tag)
                 part._root, part.tenant_name = root, name
                 root._parts[tag] = part
         return part
@@ -207,8 +215,12 @@ class TieredStore:
         except TierError as exc:
             self.counters.error(tier.name, op)
             self._remember(tier.name, op, state_id, exc.why)
+            if op == "put":
+                self.journal.add(journal_key(tier), state_id, exc.why)
             return f"failed: {exc.why}"
         self.counters.put(tier.name, stored)
+        if op == "put":
+            self.retry_missed(tier, besides=state_id)
         return "stored" if stored else "declined (past the tier's size bound)"
 
     def _remember(self, tier: str, op: str, state_id: str, why: str) -> None:
@@ -234,8 +246,70 @@ class TieredStore:
                     except TierError as exc:
                         self.counters.error(tier.name, op)
                         self._remember(tier.name, op, state_id, exc.why)
+                        if op == "put":
+                            self.journal.add(journal_key(tier), state_id, exc.why)
+                    else:
+                        if op == "put":
+                            self.retry_missed(tier, besides=state_id)
             finally:
                 self._queue.task_done()
+
+    def good_copy(self, state_id: str, besides: Tier | None = None,
+                  unsure: list | None = None) -> tuple[bytes, Tier] | None:
+        """The first copy of the state that verifies, from the tiers but ``besides`` (no promotion);
+        None when none holds one. A bad copy is counted and left for a read to repair. ``unsure``:
+        the names of tiers that failed to answer are appended to it (None may then mean "not
+        known")."""
+        for tier in self.tiers:
+            if tier is besides:
+                continue
+            try:
+                data = tier.get(state_id)
+            except TierError:
+                self.counters.error(tier.name, "get")
+                if unsure is not None:
+                    unsure.append(tier.name)
+                continue
+            if data is None:
+                continue
+            try:
+                self._check(data, state_id, f"{tier.name} {state_id[:16]}")
+            except CorruptState:
+                self.counters.error(tier.name, "verify")
+                continue
+            return data, tier
+        return None
+
+    def retry_missed(self, tier: Tier, besides: str | None = None) -> dict[str, str]:
+        """Copy into ``tier`` the states its journal says it missed (it took a put just now, so it is
+        back), from the tiers that hold them; id -> "stored", "declined (...)", "failed: why" or
+        "no copy" (no other tier holds a good one: the entry is dropped, unless a tier did not
+        answer). ``besides``: an id the caller has just stored there."""
+        url = journal_key(tier)
+        out: dict[str, str] = {}
+        for missed in self.journal.pending(url):
+            sid = missed.id
+            if sid == besides:
+                self.journal.done(url, sid)
+                continue
+            unsure: list[str] = []
+            found = self.good_copy(sid, besides=tier, unsure=unsure)
+            if found is None:
+                if not unsure:   # no tier holds it now (deleted, evicted): nothing to copy
+                    self.journal.done(url, sid)
+                out[sid] = "no copy" + (f" (tiers {', '.join(unsure)} did not answer)" if unsure else "")
+                continue
+            try:
+                stored = tier.put(sid, found[0])
+            except TierError as exc:
+                self.counters.error(tier.name, "put")
+                self.journal.add(url, sid, exc.why)
+                out[sid] = f"failed: {exc.why}"
+                break   # down again: the rest waits for the next put or sync
+            self.counters.put(tier.name, stored)
+            self.journal.done(url, sid)
+            out[sid] = "stored" if stored else "declined (past the tier's size bound)"
+        return out
 
     def flush(self) -> list[dict]:
         """Wait for the write-back queue to empty; the write failures recorded so far."""
@@ -284,7 +358,8 @@ class TieredStore:
         return out
 
     def stats(self) -> dict:
-        """Per tier: URL, write policy, bound, objects and bytes held, hits, puts, errors, evictions;
+        """Per tier: URL, write policy, bound, objects and bytes held, hits, puts, errors, evictions,
+        writes it missed still in the journal;
         and the store's misses. A tier that cannot be reached says so (its usage is null)."""
         snap = self.counters.snapshot()
         tiers = []
@@ -299,6 +374,7 @@ class TieredStore:
                           "max_bytes": tier.max_bytes, "objects": count, "bytes": used, "error": reach,
                           "hits": snap["hits"].get(tier.name, 0), "puts": snap["puts"].get(tier.name, 0),
                           "declined": snap["skipped"].get(tier.name, 0), "evictions": tier.evictions,
+                          "missed": len(self.journal.pending(journal_key(tier))),
                           "errors": {e["op"]: e["count"] for e in snap["errors"] if e["tier"] == tier.name}})
         return {"tiers": tiers, "misses": snap["misses"], "recent_failures": self.failures[-10:]}
 

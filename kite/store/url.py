@@ -14,7 +14,8 @@ from urllib.parse import parse_qsl, urlsplit
 
 from kite.errors import BadInput
 from kite.store import disk, memory, redis_tier, s3  # noqa: F401  (each registers its tier)
-from kite.store.tier import WRITE_POLICIES, Tier, TierURL, parse_size, tier_class, tier_schemes
+from kite.store.tier import WRITE_POLICIES, MissingStore, Tier, TierURL, parse_size, tier_class, tier_schemes
+from kite.store.journal import journal_for
 from kite.store.tiered import TieredStore
 from kite.tenants import check_tenant
 
@@ -46,7 +47,9 @@ def split_url(text: str) -> list[TierURL]:
     return out
 
 
-def open_tier(url: TierURL, name: str, default_write: str = "through") -> Tier:
+def open_tier(url: TierURL, name: str, default_write: str = "through", create: bool = True) -> Tier:
+    """The tier of one URL. ``create`` False: MissingStore (one line) when its place does not exist
+    (a file:// folder), instead of making it."""
     cls = tier_class(url.scheme)
     unknown = set(url.params) - set(COMMON) - set(cls.params)
     if unknown:
@@ -56,12 +59,21 @@ def open_tier(url: TierURL, name: str, default_write: str = "through") -> Tier:
     if write not in WRITE_POLICIES:
         raise BadInput(f"--store: {url.text!r}: write={write!r}, expected through or back")
     max_bytes = parse_size(url.params["max"], f"--store {url.text!r}: max") if "max" in url.params else None
-    return cls.from_url(name, url, write, max_bytes)
+    if not create:
+        why = cls.absent(url)
+        if why is not None:
+            raise MissingStore(f"store tier {name}: {why}")
+    tier = cls.from_url(name, url, write, max_bytes)
+    tier.create = create   # what its tenant parts do with a place they miss (kite.store.Tier.create)
+    return tier
 
 
-def open_store(text: str, default_write: str = "through", tenant: str | None = None) -> TieredStore:
+def open_store(text: str, default_write: str = "through", create: bool = True,
+               tenant: str | None = None) -> TieredStore:
     """The TieredStore a store URL describes. Tier names are the schemes (``mem``, ``file``,
-    ``redis``, ``s3``), numbered from the second of a kind (``file2``). ``tenant``: the store of that
+    ``redis``, ``s3``), numbered from the second of a kind (``file2``). ``create`` False (what reads
+    ask for): MissingStore when a tier's place (a file:// folder) does not exist, nothing created (a
+    tenant's folder in it is made only when a state is written there). ``tenant``: the store of that
     tenant (:meth:`TieredStore.for_tenant`; checked before any tier opens); None: no tenant."""
     check_tenant(tenant)
     urls = split_url(text)
@@ -71,5 +83,5 @@ def open_store(text: str, default_write: str = "through", tenant: str | None = N
     for u in urls:
         kind = tier_class(u.scheme).scheme   # rediss -> redis
         counts[kind] = counts.get(kind, 0) + 1
-        tiers.append(open_tier(u, kind if counts[kind] == 1 else f"{kind}{counts[kind]}", default_write))
-    return TieredStore(tiers).for_tenant(tenant)
+        tiers.append(open_tier(u, kind if counts[kind] == 1 else f"{kind}{counts[kind]}", default_write, create))
+    return TieredStore(tiers, journal=journal_for(tiers)).for_tenant(tenant)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kite.errors import BadInput
+from kite.shortid import apart
 from kite.upcycle import check_address
 from kite.upcycle import format as upc_format
 
@@ -56,7 +57,8 @@ def verify_state(data: bytes, expect_id: str | None = None, where: str = "state"
                           f"addresses, or migrated to another model); compress it again with "
                           f"`kite upcycle compress` to store it")
     if expect_id is not None and address != expect_id:
-        raise CorruptState(f"{where}: filed under {expect_id[:16]}... but holds state {address[:16]}...")
+        filed, holds = apart(expect_id, address, 16)
+        raise CorruptState(f"{where}: filed under {filed}... but holds state {holds}...")
     return StateInfo(address, len(data), int(meta.get("n_tokens", 0)),
                      (meta.get("fingerprints") or {}).get("combined") or "",
                      sorted({c.get("label", "") for c in meta.get("clusters", [])}), meta.get("created_at", ""),

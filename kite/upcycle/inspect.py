@@ -49,6 +49,8 @@ def describe_state(path: str | Path, verify: bool = False) -> dict:
             "tagger": meta.get("tagger"),
             # the content address, recomputed from the header and checked (None: unaddressed)
             "address": check_address(meta, sf.format_version, str(path)),
+            # the keyed digest (None: unsigned); `checked`: this KITE has the key, and the open checked it
+            "signature": _signature(meta),
         }
         if verify:
             status = sf.verify()
@@ -58,3 +60,12 @@ def describe_state(path: str | Path, verify: bool = False) -> dict:
             report["checksums"] = {"ok": len(status) - len(failed), "failed": failed,
                                    "errors": {k: status[k] for k in failed}}
     return report
+
+
+def _signature(meta: dict) -> dict | None:
+    from kite.upcycle.format import signing_policy
+
+    sec = meta.get("signature")
+    if not isinstance(sec, dict):
+        return None
+    return {"scheme": sec.get("scheme"), "key_id": sec.get("key_id"), "checked": signing_policy().key is not None}

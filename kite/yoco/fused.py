@@ -16,6 +16,7 @@ one, while the NLL's sign follows whether the load helped the reference answer.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,9 +147,11 @@ def prepare(lm: LoadedModel, tagger, rules, state_path: str | Path, query: str, 
             min_hit_gain: float = DEFAULT_MIN_HIT_GAIN, fusion_enabled: bool = True,
             state_id: str | None = None, loader=None) -> Prepared:
     """Signals, the rules' decision and the load (nothing loaded with fusion disabled).
+    ``state_path``: the state's file, or a StateFile the caller opened (and closes).
     ``loader``: what loads (``load_prefix``'s signature; a server's prefix cache), default load_prefix."""
     t0 = time.perf_counter()
-    with StateFile(state_path) as state:
+    opened = contextlib.nullcontext(state_path) if isinstance(state_path, StateFile) else StateFile(state_path)
+    with opened as state:
         watermark = sampler.latest().watermark if sampler is not None else None
         parts: dict[str, float] = {}
         signals, plan, q, info = plan_for(lm, tagger, rules, state, query, health=health, novelty=novelty,

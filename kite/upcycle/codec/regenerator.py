@@ -36,6 +36,7 @@ import torch
 
 from kite.errors import BadInput, FingerprintMismatch
 from kite.model.fingerprint import PREFIX, short
+from kite.shortid import apart
 
 if TYPE_CHECKING:
     from kite.model import LoadedModel
@@ -206,9 +207,10 @@ class Regenerator:
         want = self.meta.get("model_fingerprint")
         have = lm.fingerprints.base
         if want != have:
+            made_for, loaded = apart(want, have)
             raise FingerprintMismatch(
-                f"regenerator {short(self.fingerprint)} was made for model {short(want or 'none')}, not the loaded "
-                f"model {short(have)}; run `kite upcycle train` for this model, or migrate the regenerator with "
+                f"regenerator {short(self.fingerprint)} was made for model {made_for}, not the loaded "
+                f"model {loaded}; run `kite upcycle train` for this model, or migrate the regenerator with "
                 f"the states")
 
     def save(self, folder: str | Path) -> Path:
@@ -248,8 +250,9 @@ class Regenerator:
             raise BadInput(f"{folder / TENSORS}: damaged ({exc})") from None
         fp = _fingerprint(data, raw)
         if stored is not None and stored != fp:
+            recorded, now = apart(stored, fp)
             raise BadInput(f"{folder}: the regenerator's files do not match its recorded fingerprint "
-                           f"{short(stored)} (now {short(fp)}): damaged or edited")
+                           f"{recorded} (now {now}): damaged or edited")
         return cls(raw, tensors, fp)
 
 

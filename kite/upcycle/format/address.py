@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kite.errors import BadInput
+from kite.shortid import apart
 from kite.tenants import is_tag
 
 SCHEME = "kite-addr1"
@@ -80,11 +81,13 @@ def check_address(meta: dict, format_version: int, where: str = "state") -> str 
     except (KeyError, TypeError, ValueError) as exc:
         raise AddressMismatch(f"{where}: malformed address section ({exc})") from None
     if sec.get("id") != recomputed:
-        raise AddressMismatch(f"{where}: recorded address {str(sec.get('id'))[:16]}... is not the hash of its "
-                              f"fields ({recomputed[:16]}...)")
+        recorded, computed = apart(str(sec.get("id")), recomputed, 16)
+        raise AddressMismatch(f"{where}: recorded address {recorded}... is not the hash of its "
+                              f"fields ({computed}...)")
     combined = (meta.get("fingerprints") or {}).get("combined")
     if addr.model != combined:
-        raise AddressMismatch(f"{where}: address names model {str(addr.model)[:24]}, the header {str(combined)[:24]}")
+        named, header = apart(str(addr.model), str(combined), 15)
+        raise AddressMismatch(f"{where}: address names model {named}, the header {header}")
     regen = (meta.get("regenerator") or {}).get("fingerprint")
     if addr.regenerator != regen:
         raise AddressMismatch(f"{where}: address names regenerator {addr.regenerator}, the header {regen}")

@@ -30,6 +30,7 @@ from kite.atomic import atomic_writer
 from kite.errors import BadInput
 from kite.upcycle.format.address import check_address
 from kite.upcycle.format.header import check_header, content_digest
+from kite.upcycle.format.signing import check_signature, signed, signing_policy
 from kite.upcycle.format.versions import file_version, record_verified, records_enabled
 
 MAGIC = b"KITEUPC\0"
@@ -131,9 +132,9 @@ class StateWriter:
         for key, data, raw_len, codec in self._blobs:
             index.append(BlobEntry(key, offset, len(data), raw_len, codec, _digest(data)).to_json())
             offset += len(data)
-        meta = _with_content(meta, index)
-        check_header({**meta, "blobs": index}, path)  # never write a state no reader would open
-        header = json.dumps({**meta, "blobs": index}, separators=(",", ":"), ensure_ascii=False).encode()
+        full = _sealed(meta, index)
+        check_header(full, path)  # never write a state no reader would open
+        header = json.dumps(full, separators=(",", ":"), ensure_ascii=False).encode()
         pre = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(header), bytes.fromhex(_digest(header)))
         with atomic_writer(path) as fh:
             fh.write(pre)
@@ -160,35 +161,42 @@ class StateWriter:
         return _PREAMBLE.size + len(header) + offset
 
 
-def _with_content(meta: dict, index: list) -> dict:
-    """``meta`` with its ``content`` section (:func:`.header.content_digest`) for the blob index."""
-    rest = {k: v for k, v in meta.items() if k not in ("content", "blobs")}
-    return {**rest, "content": content_digest(rest, index)}
+def _sealed(meta: dict, index: list) -> dict:
+    """The header a writer stores: ``meta`` with its ``content`` section (:func:`.header.content_digest`)
+    for the blob index ``index``, the index, and its keyed digest when a state key is configured
+    (:func:`.signing.signed`; a stale one dropped)."""
+    rest = {k: v for k, v in meta.items() if k not in ("content", "blobs", "signature")}
+    return signed({**rest, "content": content_digest(rest, index), "blobs": index}, FORMAT_VERSION)
 
 
-def check_meta(meta: dict, version: int, where) -> int:
+def check_meta(meta: dict, version: int, where, policy=None) -> int:
     """Every check of a header every reader makes, in one place: its fields against each other and
     its content digest (:func:`.header.check_header`), its content address recomputed and compared
-    with the fingerprint, regenerator and format version it names (:func:`.address.check_address`).
-    BadInput (one line naming ``where``); returns the bytes its blobs take."""
+    with the fingerprint, regenerator and format version it names (:func:`.address.check_address`),
+    and its keyed digest under the signing policy (:func:`.signing.check_signature`; ``policy``
+    None: the config's). BadInput (one line naming ``where``); returns the bytes its blobs take."""
     data_bytes = check_header(meta, where)
     check_address(meta, version, str(where))
+    check_signature(meta, version, where, policy)
     return data_bytes
 
 
-# Headers already checked in this process, by their checksum and the file's version (the same bytes
-# pass the same check): a state opened on every request pays the check once. -> the bytes of its blobs.
-_CHECKED: dict[tuple[str, int], int] = {}
+# Headers already checked in this process, by their checksum, the file's version and the signing
+# policy (the same bytes pass the same check under the same key): a state opened on every request
+# pays the check once. -> the bytes of its blobs.
+_CHECKED: dict[tuple, int] = {}
 _CHECKED_LIMIT = 1024
 
 
 def _checked_header(meta: dict, header_sum: str, version: int, path) -> int:
-    data_bytes = _CHECKED.get((header_sum, version))
+    policy = signing_policy()
+    key = (header_sum, version, policy.stamp)
+    data_bytes = _CHECKED.get(key)
     if data_bytes is None:
-        data_bytes = check_meta(meta, version, path)
+        data_bytes = check_meta(meta, version, path, policy)
         if len(_CHECKED) >= _CHECKED_LIMIT:
             _CHECKED.clear()
-        _CHECKED[(header_sum, version)] = data_bytes
+        _CHECKED[key] = data_bytes
     return data_bytes
 
 
@@ -362,9 +370,9 @@ def rewrite_header(src: str | os.PathLike[str], dest: str | os.PathLike[str], me
     """Write `src` with a new header `meta` (blobs copied unchanged) to `dest`, atomically."""
     with StateFile(src) as sf:
         index = [e.to_json() for e in sf.index.values()]
-        meta = _with_content(meta, index)
-        check_header({**meta, "blobs": index}, dest)
-        header = json.dumps({**meta, "blobs": index}, separators=(",", ":"), ensure_ascii=False).encode()
+        full = _sealed(meta, index)
+        check_header(full, dest)
+        header = json.dumps(full, separators=(",", ":"), ensure_ascii=False).encode()
         pre = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(header), bytes.fromhex(_digest(header)))
         sf._fh.seek(sf._data_start)
         with atomic_writer(dest) as fh:

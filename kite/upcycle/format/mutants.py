@@ -90,6 +90,29 @@ def without_content(data: bytes) -> bytes:
     return assemble({k: v for k, v in p.meta.items() if k != "content"}, p.blobs, version=p.version)
 
 
+def resealed(data: bytes) -> bytes:
+    """``data`` (a state, perhaps edited) with every digest recomputed that needs no key: the blob
+    index's offsets and checksums, the content digest, the address id and the header checksum. The
+    keyed digest (``signature``) is kept as it was: a forger without the key cannot make it
+    (docs/upc-format.md, "What a reader detects")."""
+    from kite.upcycle.format.address import Address
+    from kite.upcycle.format.header import content_digest
+
+    p = _Parsed(data)
+    meta = copy.deepcopy(p.meta)
+    rows, at = [], 0
+    for key, stored, raw_len, codec in p.blobs:
+        rows.append([key, at, len(stored), raw_len, codec, _digest(stored).hex()])
+        at += len(stored)
+    if "content" in meta:
+        meta["content"] = content_digest(meta, rows)
+    addr = meta.get("address")
+    if isinstance(addr, dict) and "id" in addr:
+        addr["id"] = Address(addr["format_version"], addr["model"], addr["tokens_sha256"], addr["settings"],
+                             addr["regenerator"], addr.get("tenant")).id
+    return assemble(meta, p.blobs, version=p.version, flags=p.flags, index=rows)
+
+
 def mutants(data: bytes, n: int, seed: int = 0, start: int = 0, kinds=MUTANT_KINDS):
     """Mutants ``start`` .. ``n - 1`` of the state ``data``, the kinds taken in turn."""
     parsed = _Parsed(data)
@@ -375,4 +398,4 @@ def _clusters(data: bytes, p: _Parsed, rng) -> tuple[str, bytes]:
 
 _MAKERS = {"damage": _damage, "header": _header, "blob": _blob, "keys": _keys, "clusters": _clusters}
 
-__all__ = ["MUTANT_KINDS", "Mutant", "assemble", "make_mutant", "mutants", "without_content"]
+__all__ = ["MUTANT_KINDS", "Mutant", "assemble", "make_mutant", "mutants", "resealed", "without_content"]

@@ -16,6 +16,7 @@ import torch
 
 from kite.errors import BadInput, FingerprintMismatch
 from kite.model.fingerprint import PREFIX, short
+from kite.shortid import apart
 from kite.runtime.cache import KVPrefix
 from kite.upcycle import codec
 from kite.upcycle.codec.regenerator import resolve
@@ -66,22 +67,25 @@ def check_fingerprints(state: StateFile, lm: LoadedModel) -> None:
         # Migrated knowing only the new model's combined fingerprint (full or short form).
         if want.combined.removeprefix(PREFIX).startswith(have["combined"].removeprefix(PREFIX)):
             return
+        to, loaded = apart(have["combined"], want.combined)
         raise FingerprintMismatch(
-            f"{state.path}: migrated to model {short(have['combined'])}, but the loaded model is "
-            f"{short(want.combined)}; load that model or migrate the state again")
+            f"{state.path}: migrated to model {to}, but the loaded model is "
+            f"{loaded}; load that model or migrate the state again")
     made_for = have.get("adapter")
     if made_for is not None and made_for != want.adapter:
+        theirs, ours = apart(made_for, want.adapter)
         raise FingerprintMismatch(
-            f"{state.path}: made for reader adapter {short(made_for)}, and the loaded model has "
-            f"{'reader adapter ' + short(want.adapter) if want.adapter else 'none'}; load the model with that "
+            f"{state.path}: made for reader adapter {theirs}, and the loaded model has "
+            f"{'reader adapter ' + ours if want.adapter else 'none'}; load the model with that "
             f"adapter (upcycle_config adapter.path, kite generate --adapter DIR), or compress the document again")
     for part in ("model", "tokenizer"):
         a, b = have.get(part), getattr(want, part)
         if a != b:
             old = short(have.get("combined") or "") or "?"
+            made, loaded = apart(a, b)
             raise FingerprintMismatch(
-                f"{state.path}: made with another {part} ({part} fingerprint {short(a or 'none')} ≠ "
-                f"{short(b or 'none')} of the loaded model); re-run `kite upcycle compress`, or if the "
+                f"{state.path}: made with another {part} ({part} fingerprint {made} ≠ "
+                f"{loaded} of the loaded model); re-run `kite upcycle compress`, or if the "
                 f"weights are compatible: kite upcycle migrate --old-model-fingerprint {old} "
                 f"--new-model-fingerprint {short(want.combined)} --upcycle-dir {state.path.parent}")
 

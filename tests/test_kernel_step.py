@@ -1,0 +1,227 @@
+"""The batch engine's steps on KITE's kernels (kite.runtime.kernel_step) decode what transformers'
+forward decodes: on the CPU through Triton's interpreter (eager: a CPU has no CUDA graphs), on a GPU
+eager and replayed from CUDA graphs, with rows after raw states and after states held in lanes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kite.testing.triton_interpreter import run_interpreted
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def tiny_lm(arch: str, device: str, dtype, layers: int = 3, **overrides):
+    """A random tiny Llama-family model (fused forwards installed) as the batch engine takes it."""
+    from transformers import AutoModelForCausalLM
+
+    from kite.model import fused, geometry_from_config
+    from kite.runtime.attention import register
+    from tests.tiny_models import tiny_config, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    config = tiny_config(arch, vocab_size=len(tok), layers=layers)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():   # attention that is not uniform
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)
+    model = model.to(device, dtype).eval()
+    model.config._attn_implementation = register()
+    fused.fuse_forward(model, on_cpu=device == "cpu")
+    return SimpleNamespace(model=model, tokenizer=tok, geometry=geometry_from_config(model.config),
+                           eos_ids=lambda: set())
+
+
+def ids(lm, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, lm.geometry.vocab_size, (n,), generator=g).tolist()
+
+
+def raw_prefix(lm, n: int, seed: int, keep=None, gap: int = 0):
+    """A state of ``n`` random tokens as raw KV (the model's own prefill); layer l keeps ``keep[l]``."""
+    from kite.runtime.cache import KVPrefix, cache_layers, new_cache
+    from kite.runtime.generate import forward_tokens
+
+    cache = new_cache(lm.model)
+    forward_tokens(lm.model, ids(lm, n, seed), cache, 0)
+    layers = cache_layers(cache)
+    keep = keep or [slice(None)] * len(layers)
+    return KVPrefix([k[0][:, s].contiguous() for (k, _), s in zip(layers, keep)],
+                    [v[0][:, s].contiguous() for (_, v), s in zip(layers, keep)], n + gap)
+
+
+def lanes_prefix(lm, prefix):
+    """``prefix`` held in 4-bit lanes (the lanes resident form's coding)."""
+    from kite.runtime.resident import LanesPrefix
+    from kite.upcycle.codec.lanes import encode_layers
+    from kite.upcycle.load.lanes import lanes_for
+
+    d = lm.geometry.head_dim
+    held = [i for i, k in enumerate(prefix.keys) if k.shape[-2] > 0]
+    coded = encode_layers([prefix.keys[i].float() for i in held], [prefix.values[i].float() for i in held],
+                          lanes_for(4, d), lanes_for(4, d), group=64)
+    layers = [None] * prefix.n_layers
+    basis = torch.bfloat16 if prefix.keys[0].is_cuda else torch.float32
+    for i, x in zip(held, coded):
+        layers[i] = x.to(basis_dtype=basis)
+    return LanesPrefix(layers, prefix.next_position)
+
+
+def run(lm, requests, *, kernels: bool, max_rows: int = 3, graphs: bool = True):
+    """Every request (prompt, prefix, max_new_tokens) through one BatchDecoder: the first two at
+    once, the third after two steps, the rest as rows free up, the fourth cancelled after its third
+    token; {request: (token ids, stop reason)} and the engine."""
+    from kite.runtime import kernel_step
+    from kite.runtime.batch_decode import BatchDecoder
+    from kite.runtime.decoding import SequenceDecode
+
+    dec = BatchDecoder(lm, max_rows=max_rows)
+    dec.kernels = kernel_step.KernelStep(lm.model, dec.cache) if kernels else None
+    kept = {}
+    result = SequenceDecode.result
+
+    def with_ids(self, **kw):
+        out = result(self, **kw)
+        out.ids = list(self.new)
+        return out
+
+    SequenceDecode.result = with_ids
+    before, kernel_step.GRAPHS = kernel_step.GRAPHS, graphs
+    try:
+        handles = {}
+        for i in (0, 1):
+            p, x, n = requests[i]
+            handles[dec.add(p, prefix=x, max_new_tokens=n)] = i
+        out = dec.step()
+        out.update(dec.step())
+        p, x, n = requests[2]
+        handles[dec.add(p, prefix=x, max_new_tokens=n)] = 2
+        waiting, steps = list(range(3, len(requests))), 0
+        cancel = None
+        while len(dec) or waiting:
+            while waiting and dec.fits(len(requests[waiting[0]][0]), requests[waiting[0]][1], requests[waiting[0]][2]):
+                i = waiting.pop(0)
+                p, x, n = requests[i]
+                h = dec.add(p, prefix=x, max_new_tokens=n)
+                handles[h] = i
+                if i == 3:
+                    cancel = (h, steps + 3)
+            out.update(dec.step())
+            steps += 1
+            if cancel is not None and steps == cancel[1]:
+                dec.cancel(cancel[0])
+        for h, r in out.items():
+            kept[handles[h]] = (r.ids, r.stop_reason)
+    finally:
+        SequenceDecode.result = result
+        kernel_step.GRAPHS = before
+    return kept, dec
+
+
+def requests_for(lm, lanes: bool = False):
+    n = lm.geometry.n_layers
+    every_other = [slice(None)] + [slice(None, None, 2)] * (n - 2) + [slice(0, 0)]
+    a = raw_prefix(lm, 40, 1, every_other, gap=3)         # layers of different lengths, one empty
+    b = raw_prefix(lm, 70, 2)
+    c = lanes_prefix(lm, raw_prefix(lm, 90, 3)) if lanes else raw_prefix(lm, 25, 3)
+    return [(ids(lm, 6, 10), a, 9), (ids(lm, 3, 11), None, 7), (ids(lm, 9, 12), b, 12),
+            (ids(lm, 4, 13), c, 10), (ids(lm, 1, 14), c, 8), (ids(lm, 5, 15), a, 6)]
+
+
+def check_kernel_steps_in_the_interpreter() -> None:
+    """(Run by run_interpreted.) Tiny Llama, then Qwen2 with a state in lanes, at fp32: the same tokens
+    through the kernels as through transformers' forward, rows with states of different lengths per
+    layer, joining and leaving (a row moved down when a lower one frees), one cancelled."""
+    for arch, lanes in (("llama", False), ("qwen2", True)):
+        lm = tiny_lm(arch, "cpu", torch.float32, layers=2)
+        reqs = requests_for(lm, lanes)
+        want, _ = run(lm, reqs, kernels=False)
+        got, dec = run(lm, reqs, kernels=True)
+        assert got == want, (arch, lanes)
+        assert dec.cache.bytes_in_use() == 0
+        print(f"{arch}, lanes {lanes}: {len(got)} requests, the same tokens")
+
+
+@pytest.mark.slow   # Triton's interpreter on the CPU
+def test_kernel_steps_decode_what_transformers_decodes_on_the_cpu():
+    run_interpreted("tests.test_kernel_step:check_kernel_steps_in_the_interpreter", timeout=600)
+
+
+def test_buckets_cover_every_batch_size():
+    from kite.runtime.kernel_step import buckets
+
+    assert buckets(1) == [1]
+    assert buckets(8) == [1, 2, 4, 8]
+    assert buckets(30) == [1, 2, 4, 8, 16, 24, 30]
+    for n in range(1, 70):
+        assert all(any(b >= k for b in buckets(n)) for k in range(1, n + 1))
+
+
+def test_a_cpu_model_keeps_transformers_forward(tiny_models):
+    from kite.model import load_model
+    from kite.runtime.batch_decode import BatchDecoder
+    from kite.runtime.kernel_step import why_not
+
+    lm = load_model(str(tiny_models["llama"]), device="cpu")
+    assert why_not(lm.model) == "not on a GPU"
+    assert BatchDecoder(lm, max_rows=2).kernels is None
+
+
+# ---- on a GPU (the H200 runs these) ------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gpu_graphed_steps_give_the_eager_steps_tokens_at_fp32(arch):
+    """fp32, head size 64: transformers' forward, the kernels eager and the kernels graphed decode
+    the same tokens; the graphs were captured and replayed."""
+    lm = tiny_lm(arch, "cuda", torch.float32, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    reqs = requests_for(lm)
+    want, _ = run(lm, reqs, kernels=False)
+    eager, _ = run(lm, reqs, kernels=True, graphs=False)
+    graphed, dec = run(lm, reqs, kernels=True, graphs=True)
+    assert eager == want and graphed == want
+    assert dec.kernels.captures >= 1 and dec.kernels.replays > dec.kernels.captures
+
+
+@cuda
+def test_gpu_graphed_steps_at_bf16_stay_within_the_stated_tolerance():
+    """bf16: the graphed step's logits against transformers' forward over the same rows, within 4 %
+    of the largest logit (a batched bf16 matmul rounds differently from transformers' separate
+    products; near-ties may flip a token on random weights, so logits are compared, not tokens)."""
+    from kite.runtime import kernel_step
+    from kite.runtime.batch_decode import BatchKVCache, forward_rows
+
+    lm = tiny_lm("qwen2", "cuda", torch.bfloat16, hidden_size=512, num_attention_heads=8, num_key_value_heads=2)
+    prefixes = [raw_prefix(lm, n, s) for n, s in ((300, 1), (40, 2), (1000, 3))]
+    caches = [BatchKVCache(lm.model, 4) for _ in range(2)]
+    rows = [[c.take(p) for p in prefixes] for c in caches]
+    step = kernel_step.KernelStep(lm.model, caches[1])
+    tokens = [[7], [8], [9]]
+    positions = [p.next_position for p in prefixes]
+    for _ in range(3):    # a few decode steps: the first captures, the rest replay
+        want = forward_rows(lm.model, caches[0], rows[0], tokens, positions)
+        got = step.logits(rows[1], tokens, positions)
+        positions = [p + 1 for p in positions]
+        for w, g in zip(want, got):
+            assert (w - g).abs().max().item() <= 0.04 * w.abs().max().item()
+    assert step.captures == 1 and step.replays == 3
+    assert torch.equal(caches[0].lengths, caches[1].lengths)
+
+
+@cuda
+def test_gpu_rows_in_lanes_decode_in_the_same_step_as_raw_rows():
+    """A batch of raw rows and rows held in lanes: the kernel step equals transformers' forward with
+    the lanes form's attention (fp32 activations, bf16 lane bases)."""
+    lm = tiny_lm("qwen2", "cuda", torch.float32, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    reqs = requests_for(lm, lanes=True)
+    want, _ = run(lm, reqs, kernels=False)
+    got, _ = run(lm, reqs, kernels=True)
+    assert got == want
