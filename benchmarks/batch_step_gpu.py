@@ -174,16 +174,12 @@ def main(argv=None) -> int:
 def budget_rows(res, raw, model, cfg, prefix, budget, args, floor, slot) -> None:
     """Raw rows and lanes rows at one KV budget, each as many as fit, decoding in the graphed / kernel
     step: aggregate tokens/s."""
-    from kite.runtime.resident import LanesPrefix
-    from kite.upcycle.codec.lanes import encode_layers
-    from kite.upcycle.load.lanes import lanes_for
+    from kite.upcycle import lanes_of
 
     T, d = args.tokens, prefix.keys[0].shape[-1]
     live = QUERY + args.steps + 4
     n_raw = int(budget // (slot * (T + live)))
-    k = lanes_for(args.lane_bits, d)
-    coded = encode_layers([x.float() for x in prefix.keys], [x.float() for x in prefix.values], k, k)
-    lanes = LanesPrefix([x.to(basis_dtype=torch.bfloat16) for x in coded], prefix.next_position)
+    lanes = lanes_of(prefix, d, "cuda", lane_bits=(args.lane_bits, args.lane_bits))
     per_lanes = lanes.nbytes() + slot * live
     n_lanes = int(budget // per_lanes)
     out = {"budget_gb": args.kv_budget_gb, "raw_rows": n_raw, "lanes_rows": n_lanes,

@@ -58,20 +58,10 @@ def raw_prefix(lm, n: int, seed: int, keep=None, gap: int = 0):
 
 
 def lanes_prefix(lm, prefix):
-    """``prefix`` held in 4-bit lanes (the lanes resident form's coding)."""
-    from kite.runtime.resident import LanesPrefix
-    from kite.upcycle.codec.lanes import encode_layers
-    from kite.upcycle.load.lanes import lanes_for
+    """``prefix`` held in 4-bit lanes (the lanes resident form's coding), groups of 64 rows."""
+    from kite.upcycle import lanes_of
 
-    d = lm.geometry.head_dim
-    held = [i for i, k in enumerate(prefix.keys) if k.shape[-2] > 0]
-    coded = encode_layers([prefix.keys[i].float() for i in held], [prefix.values[i].float() for i in held],
-                          lanes_for(4, d), lanes_for(4, d), group=64)
-    layers = [None] * prefix.n_layers
-    basis = torch.bfloat16 if prefix.keys[0].is_cuda else torch.float32
-    for i, x in zip(held, coded):
-        layers[i] = x.to(basis_dtype=basis)
-    return LanesPrefix(layers, prefix.next_position)
+    return lanes_of(prefix, lm.geometry.head_dim, prefix.keys[0].device, group=64)
 
 
 def run(lm, requests, *, kernels: bool, max_rows: int = 3, graphs: bool = True):

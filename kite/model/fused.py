@@ -96,6 +96,8 @@ def fuse_forward(model, *, on_cpu: bool = False) -> Fused | None:
             else "past_key_values"
         attn.forward = types.MethodType(_attention_forward, attn)
         mlp.forward = types.MethodType(_mlp_forward, mlp)
+        attn.kite_qkv = types.MethodType(_project_qkv, attn)        # also read by kite.runtime.kernel_step
+        mlp.kite_gate_up = types.MethodType(_project_gate_up, mlp)
         module.forward = types.MethodType(_layer_forward, module)
         module._kite_fused = True
         done.layers += 1
@@ -206,15 +208,7 @@ def _attention_forward(self, hidden_states, *args, **kwargs):
     from kite.kernels.rope_triton import rope_qkv
 
     B, T, _ = hidden_states.shape
-    d = self.head_dim
-    fused = self._kite_qkv
-    if fused is not None and CONCATENATED and _still_views(self, _QKV, fused):
-        weight, bias, (nq, nk, _) = fused
-        qkv = F.linear(hidden_states, weight, bias)
-        q, k, v = (qkv[..., a:b].view(B, T, -1, d) for a, b in ((0, nq), (nq, nq + nk), (nq + nk, qkv.shape[-1])))
-    else:
-        q, k, v = (getattr(self, p)(hidden_states).view(B, T, -1, d) for p in _QKV)
-    q, k, v = rope_qkv(q, k, v, cos, sin)
+    q, k, v = rope_qkv(*self.kite_qkv(hidden_states), cos, sin)
     if cache is not None:   # as the installed transformers' attention calls it
         k, v = (cache.update(k, v, self.layer_idx, kwargs=kwargs) if self._kite_cache_arg == "cache"
                 else cache.update(k, v, self.layer_idx))
@@ -225,16 +219,32 @@ def _attention_forward(self, hidden_states, *args, **kwargs):
     return self.o_proj(out), weights
 
 
+def _project_qkv(self, x):
+    """The attention's q, k, v of ``x`` [B, T, hidden], each [B, T, heads, head_dim]: one product where
+    the projections still view their concatenation, else each projection's module (an adapter, hooks)."""
+    B, T, _ = x.shape
+    d = self.head_dim
+    fused = self._kite_qkv
+    if fused is not None and CONCATENATED and _still_views(self, _QKV, fused):
+        weight, bias, (nq, nk, _) = fused
+        qkv = F.linear(x, weight, bias)
+        return tuple(qkv[..., a:b].view(B, T, -1, d) for a, b in ((0, nq), (nq, nq + nk), (nq + nk, qkv.shape[-1])))
+    return tuple(getattr(self, p)(x).view(B, T, -1, d) for p in _QKV)
+
+
+def _project_gate_up(self, x):
+    """The MLP's gate and up products of ``x``: one product where they still view their concatenation."""
+    fused = self._kite_gate_up
+    if fused is not None and CONCATENATED and _still_views(self, _GATE_UP, fused):
+        weight, bias, (n, _) = fused
+        gu = F.linear(x, weight, bias)
+        return gu[..., :n], gu[..., n:]
+    return self.gate_proj(x), self.up_proj(x)
+
+
 def _mlp_forward(self, x):
     if not _active(x):
         return type(self).forward(self, x)
     from kite.kernels.silu_mul_triton import silu_mul
 
-    fused = self._kite_gate_up
-    if fused is not None and CONCATENATED and _still_views(self, _GATE_UP, fused):
-        weight, bias, (n, _) = fused
-        gu = F.linear(x, weight, bias)
-        gate, up = gu[..., :n], gu[..., n:]
-    else:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-    return self.down_proj(silu_mul(gate, up))
+    return self.down_proj(silu_mul(*self.kite_gate_up(x)))

@@ -4,8 +4,8 @@ The batch engine (kite.runtime.batch_decode) feeds its rows through transformers
 mask per layer and row, built on the host every step; on a GPU that step ran 5.7-12x off its byte
 floor at 32 rows after 16K-token prefixes. Here the same forward of a Llama-family model (Llama,
 Qwen2, Mistral) is written out layer by layer on the kernels `kite generate` uses (one-kernel
-RMSNorm with the residual add, q/k/v and gate/up as one product each, one RoPE kernel, one SiLU
-product) and two batch kernels that read the cache's buffers where they lie:
+RMSNorm with the residual add, q/k/v and gate/up as one product each through the projections the
+fused layers install, kite.model.fused, one RoPE kernel, one SiLU product) and two batch kernels that read the cache's buffers where they lie:
 
 - kite.kernels.kv_store_triton writes each row's new keys and values into its next slots;
 - kite.kernels.split_attention_triton attends each sequence over its own buffer row up to its own
@@ -19,8 +19,9 @@ nothing. A step with rows held beside their slots, or a prefill (several tokens 
 same forward eagerly. A graph is captured again when the cache's buffers are reallocated (they
 grow) and per reader-adapter setting (the adapter is a switch the capture bakes in).
 
-``KernelStep.build`` answers None where this does not apply (CPU, fp32, another family, no Triton,
-a head size the kernels do not take); the engine then keeps transformers' forward.
+``KernelStep.build`` answers None where this does not apply (CPU, fp32, the fused layers not installed:
+another family or no Triton; a head size the kernels do not take); the engine then keeps transformers'
+forward.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from kite.runtime.batch_cache import BatchKVCache
 
@@ -47,8 +47,6 @@ def buckets(max_rows: int) -> list[int]:
 
 def why_not(model) -> str | None:
     """Why the kernel step does not apply to ``model`` (None: it does)."""
-    from kite.model import fused
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     param = next(base.parameters(), None)
@@ -56,18 +54,14 @@ def why_not(model) -> str | None:
         return "not on a GPU"
     if param.dtype not in (torch.float16, torch.bfloat16):
         return f"{param.dtype} weights (the kernels take fp16 / bf16)"
-    if getattr(config, "model_type", None) not in fused.FAMILIES:
-        return f"model type {getattr(config, 'model_type', None)!r} is not one of {', '.join(fused.FAMILIES)}"
-    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
-        return "not a SiLU MLP"
-    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if d not in (32, 64, 128) or config.num_attention_heads % config.num_key_value_heads:
-        return f"head size {d} (the kernels take 32, 64 or 128)"
-    if not fused.available():
-        return "Triton is not installed"
     inner = getattr(base, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "not a decoder stack KITE knows"
+    if not all(getattr(block, "_kite_fused", False) for block in inner.layers):
+        return "the fused layers are not installed (kite.model.fused: a Llama-family model with Triton)"
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if d not in (32, 64, 128) or config.num_attention_heads % config.num_key_value_heads:
+        return f"head size {d} (the kernels take 32, 64 or 128)"
     return None
 
 
@@ -78,9 +72,6 @@ class KernelForward:
         self.model, self.cache = model, cache
         self.lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.inner = self.lm.model
-        config = self.lm.config
-        self.hq, self.hkv = config.num_attention_heads, config.num_key_value_heads
-        self.d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
@@ -96,7 +87,6 @@ class KernelForward:
         from kite.kernels.rope_triton import rope_qkv
         from kite.kernels.silu_mul_triton import silu_mul
         from kite.kernels.split_attention_triton import split_kv_attention
-        from kite.model.fused import _GATE_UP, _QKV, CONCATENATED, _still_views
 
         B, T = ids.shape
         h = self.inner.embed_tokens(ids)
@@ -105,14 +95,7 @@ class KernelForward:
         for layer, block in enumerate(self.inner.layers):
             attn, mlp = block.self_attn, block.mlp
             x = rms_norm(h, block.input_layernorm.weight, block.input_layernorm.variance_epsilon)
-            qkv = getattr(attn, "_kite_qkv", None)
-            if qkv is not None and CONCATENATED and _still_views(attn, _QKV, qkv):
-                weight, bias, (nq, nk, _) = qkv
-                y = F.linear(x, weight, bias)
-                q, k, v = (y[..., a:b].view(B, T, -1, self.d) for a, b in ((0, nq), (nq, nq + nk), (nq + nk, y.shape[-1])))
-            else:
-                q, k, v = (getattr(attn, p)(x).view(B, T, -1, self.d) for p in _QKV)
-            q, k, v = rope_qkv(q, k, v, cos, sin)
+            q, k, v = rope_qkv(*attn.kite_qkv(x), cos, sin)    # the fused layers' projections (kite.model.fused)
             store_kv(k, v, keys[layer], values[layer], rows, starts[layer], counts)
             if beside:
                 out, lse = split_kv_attention(q, keys[layer], values[layer], None, attn.scaling, rows=rows,
@@ -125,14 +108,7 @@ class KernelForward:
             a = attn.o_proj(out.reshape(B, T, -1))
             h, x = rms_norm(a, block.post_attention_layernorm.weight, block.post_attention_layernorm.variance_epsilon,
                             residual=h)
-            gate_up = getattr(mlp, "_kite_gate_up", None)
-            if gate_up is not None and CONCATENATED and _still_views(mlp, _GATE_UP, gate_up):
-                weight, bias, (n, _) = gate_up
-                gu = F.linear(x, weight, bias)
-                g, u = gu[..., :n], gu[..., n:]
-            else:
-                g, u = mlp.gate_proj(x), mlp.up_proj(x)
-            h = h + mlp.down_proj(silu_mul(g, u))
+            h = h + mlp.down_proj(silu_mul(*mlp.kite_gate_up(x)))
         h = rms_norm(h, self.inner.norm.weight, self.inner.norm.variance_epsilon)
         return self.lm.lm_head(h).float()
 

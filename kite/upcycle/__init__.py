@@ -33,7 +33,7 @@ from kite.upcycle.quality import PROBES, EvalResult, check_probe, compare_logits
 from kite.upcycle.format import FORMAT_VERSION, StateFile, StateWriter, path_version
 from kite.upcycle.inspect import describe_state
 from kite.upcycle.load import (LOAD_PRECISIONS, RESIDENT_FORMS, SINK_TOKENS, HotTier, LoadReport, ResidentForm,
-                               check_fingerprints, check_resident, default_tier, lanes_for, load_lanes, load_prefix,
+                               check_fingerprints, check_resident, default_tier, lanes_for, lanes_of, load_lanes, load_prefix,
                                prepare_state, resident_form, select_clusters)
 from kite.upcycle.migration import MigrationReport, migrate, pending_migration, plan_migration, rollback
 from kite.upcycle.label_ratios import FILE_NAME as LABEL_RATIOS_FILE
@@ -53,7 +53,7 @@ __all__ = [
     "TagResult", "UpcycleConfig", "WindowCache", "apply_rope", "budget_cache", "build_tagger", "kv_bytes_per_token", "min_budget", "calibration_set",
     "check_budget", "check_fingerprints", "check_probe", "codec", "codec_settings", "compare_logits", "compress_document",
     "compress_settings", "default_tier", "describe_state", "describe_tagger", "evaluate", "evaluate_queries",
-    "evaluate_tagging", "format", "lanes_for", "load_lanes", "load_prefix", "load_upcycle_config", "migrate", "open_pipeline", "path_version", "pending_migration", "plan_migration",
+    "evaluate_tagging", "format", "lanes_for", "lanes_of", "load_lanes", "load_prefix", "load_upcycle_config", "migrate", "open_pipeline", "path_version", "pending_migration", "plan_migration",
     "Pair", "Regenerator", "RegeneratorFit", "TrainRequest", "read_pairs", "split_pairs", "train_upcycle",
     "LABEL_RATIOS_FILE", "cluster_ratios", "not_recodable", "parse_label_ratio_flags", "read_label_ratios", "recode_clusters",
     "state_ratio",

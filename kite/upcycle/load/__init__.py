@@ -8,7 +8,7 @@ from kite.upcycle.load.hot_tier import HotState, HotTier, default_tier
 from kite.upcycle.load.parts import check_parts
 from kite.upcycle.load.prefix import LOAD_PRECISIONS, LoadReport, check_fingerprints, check_geometry, load_prefix
 from kite.upcycle.load.rebuild import load_staged, rebuild_layer
-from kite.upcycle.load.lanes import lanes_for, load_lanes
+from kite.upcycle.load.lanes import lanes_for, lanes_of, load_lanes
 from kite.upcycle.load.resident_forms import (RESIDENT_FORMS, LanesResident, RawResident, ResidentForm, check_resident,
                                              resident_form)
 from kite.upcycle.load.selection import SINK_TOKENS, Selection, select, select_clusters
@@ -17,5 +17,5 @@ from kite.upcycle.load.tables import forget_tables, tables_dir
 
 __all__ = ["FAR_LAYER_SHARE", "LOAD_PRECISIONS", "RESIDENT_FORMS", "SINK_TOKENS", "HotState", "HotTier", "LanesResident",
            "LoadReport", "RawResident", "ResidentForm", "Selection", "check_fingerprints", "check_parts", "check_resident", "check_geometry", "default_tier", "flush_records", "forget_tables", "forget_verified",
-           "lanes_for", "load_lanes", "load_prefix", "load_staged", "load_warnings", "prepare_state", "rebuild_layer", "resident_form", "select", "select_clusters",
+           "lanes_for", "lanes_of", "load_lanes", "load_prefix", "load_staged", "load_warnings", "prepare_state", "rebuild_layer", "resident_form", "select", "select_clusters",
            "stage_state", "supports_state", "tables_dir"]

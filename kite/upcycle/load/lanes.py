@@ -28,15 +28,26 @@ def load_lanes(state, lm, *, lane_bits: tuple[int, int] = (4, 4), group: int = 5
     """``load_prefix(state, lm, **kwargs)`` held in lanes: (a LanesPrefix: a kite.kernels.lanes.Lanes
     per layer, None where a layer holds nothing; its LoadReport with ``resident`` "lanes" and
     ``resident_bytes`` the lanes' bytes). ``lane_bits``: bits an element for keys and values."""
-    from kite.runtime.resident import LanesPrefix
-    from kite.upcycle.codec.lanes import encode_layers
     from kite.upcycle.load.prefix import load_prefix
 
-    d = lm.geometry.head_dim
-    k_lanes, v_lanes = lanes_for(lane_bits[0], d), lanes_for(lane_bits[1], d)
     prefix, report = load_prefix(state, lm, **kwargs)
     t0 = time.perf_counter()
-    dev = torch.device(lm.device)
+    held = lanes_of(prefix, lm.geometry.head_dim, torch.device(lm.device), lane_bits=lane_bits, group=group,
+                    sinks=sinks)
+    timings = dict(report.timings_ms, lanes=round((time.perf_counter() - t0) * 1e3, 3))
+    return held, replace(report, timings_ms=timings, resident="lanes", resident_bytes=held.nbytes())
+
+
+def lanes_of(prefix, head_dim: int, device, *, lane_bits: tuple[int, int] = (4, 4), group: int = 512,
+             sinks: int = 1):
+    """A KVPrefix coded into nibble lanes on ``device`` (``lane_bits``: bits an element for keys and
+    values; groups of ``group`` rows, the first ``sinks`` tokens exact): a LanesPrefix, None for each
+    layer that holds nothing; the bases bf16 on a GPU, fp32 elsewhere."""
+    from kite.runtime.resident import LanesPrefix
+    from kite.upcycle.codec.lanes import encode_layers
+
+    dev = torch.device(device)
+    k_lanes, v_lanes = lanes_for(lane_bits[0], head_dim), lanes_for(lane_bits[1], head_dim)
     basis = torch.bfloat16 if dev.type == "cuda" else torch.float32
     held_at = [i for i, k in enumerate(prefix.keys) if k.shape[-2] > 0]
     coded = encode_layers([prefix.keys[i].to(dev, torch.float32) for i in held_at],
@@ -47,6 +58,4 @@ def load_lanes(state, lm, *, lane_bits: tuple[int, int] = (4, 4), group: int = 5
         layers[i] = x.to(basis_dtype=basis)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    held = LanesPrefix(layers=layers, next_position=prefix.next_position, reader=prefix.reader)
-    timings = dict(report.timings_ms, lanes=round((time.perf_counter() - t0) * 1e3, 3))
-    return held, replace(report, timings_ms=timings, resident="lanes", resident_bytes=held.nbytes())
+    return LanesPrefix(layers=layers, next_position=prefix.next_position, reader=prefix.reader)
