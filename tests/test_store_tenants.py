@@ -297,6 +297,12 @@ def test_reading_a_tenant_that_has_no_folder_yet_creates_none(made, tmp_path):
     missing = kite("store", "ls", "--store", f"file://{tmp_path}/nowhere", "--tenant", "gamma")
     assert missing.exit_code == 2 and "does not exist" in missing.output
     assert not (tmp_path / "nowhere").exists()
+    # a read that writes (sync) makes the tenant's folder in an existing store folder, when it copies
+    (tmp_path / "other").mkdir()
+    both = f"{store},file://{tmp_path}/other"
+    synced = kite("store", "sync", "--store", both, "--tenant", "acme", "--json")
+    assert synced.exit_code == 0 and len(parse_json(synced.output)["copied"]) == 1
+    assert (tmp_path / "other" / "tenants" / tenant_tag("acme") / f"{made['acme'][0]}.upc").is_file()
 
 
 def test_kite_store_sync_tenant_copies_within_the_tenant_part(made, tmp_path, monkeypatch):
