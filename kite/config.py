@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from kite.atomic import write_text
 from kite.errors import BadInput, KiteError
 from kite.paths import config_path, kite_home
+from kite.tenants import TENANT_RE
 from kite.yaml_model import YamlLoader, parse_yaml_tree, read_utf8
 
 # --------------------------------------------------------------------------- the schema
@@ -83,6 +84,9 @@ class ServerConfig(BaseModel):
     host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(8088, ge=1, le=65535)
     admin_token: str | None = Field(None, min_length=1, json_schema_extra=_SECRET)
+    # API keys of the /v1/ routes and the tenant of each (docs/serving.md, "Tenants"): a YAML file
+    # `key: tenant` (null: no tenant); None: no keys, the routes are open and of no tenant
+    api_keys_file: Path | None = Field(None, strict=False)
     max_body_mb: int = Field(32, ge=1)
     state_dir: Path | None = Field(None, strict=False)  # None: $KITE_HOME/states
     max_batch: int = Field(8, ge=1, le=1024)            # sequences decoding together (continuous batching)
@@ -99,7 +103,7 @@ class ServerConfig(BaseModel):
     route_max_imbalance: int = Field(4, ge=0)           # queued requests a state's holder may exceed the least loaded by
     ray_address: str | None = Field(None, min_length=1)  # None: a local Ray head
 
-    @field_validator("state_dir")
+    @field_validator("state_dir", "api_keys_file")
     @classmethod
     def _expand(cls, v: Path | None) -> Path | None:
         return v.expanduser() if v is not None else None
@@ -140,6 +144,15 @@ class StoreConfig(BaseModel):
     # tier URLs, fastest first, comma-separated (mem://?max=2GB,file:///path,redis://...,s3://...); None: no store
     url: str | None = Field(None, min_length=1)
     write: str = "through"   # a tier URL's default write= (through or back)
+    # the tenant whose states the CLI's store commands file, find and list (kite.tenants); None: no tenant
+    tenant: str | None = Field(None, min_length=1)
+
+    @field_validator("tenant")
+    @classmethod
+    def _check_tenant(cls, v: str | None) -> str | None:
+        if v is not None and not TENANT_RE.fullmatch(v):
+            raise ValueError("a tenant is 1-64 of A-Z a-z 0-9 . _ - starting with a letter or a digit")
+        return v
 
     @field_validator("url")
     @classmethod

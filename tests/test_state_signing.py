@@ -199,3 +199,43 @@ def test_a_bad_key_in_the_config_is_refused_without_showing_it(monkeypatch):
     assert result.exit_code == 2 and "tooshort-secret" not in result.output
     assert ("KITE_SECURITY__STATE_KEY: security.state_key = *** is out of range; allowed: a string of 16 "
             "characters or more, or null") in result.output
+
+
+def test_a_tenant_state_is_signed_over_its_tenant_tag(tiny_models, policy, tmp_path):
+    """The keyed digest covers the address section's tenant tag: a tenant's state signs and verifies
+    (in the tenant's store too), and one moved to another tenant with every unkeyed digest recomputed
+    is refused with the key."""
+    from kite.model import load_model
+    from kite.store import CorruptState, open_store
+    from kite.tenants import tenant_tag
+    from kite.upcycle import open_pipeline
+
+    pipe = open_pipeline(lm=load_model(str(tiny_models["llama"]), device="cpu"), tagger=False, ratio=4, clusters=2)
+    path = tmp_path / "acme.upc"
+    policy(KEY)
+    made = pipe.compress(DOC, path, tenant="acme")
+    data = path.read_bytes()
+    meta = header(data)
+    assert meta["address"]["tenant"] == tenant_tag("acme") and meta["signature"]["key_id"] == KEY.key_id
+    policy(KEY_REQUIRED)
+    info = verify_state(data)
+    assert (info.id, info.tenant) == (made.address, tenant_tag("acme"))
+    acme = open_store("mem://", tenant="acme")
+    assert acme.put(data).tiers == {"mem": "stored"} and acme.get(made.address) == data
+    # the same state claimed for beta: the tag edited, the address id and every checksum recomputed
+    moved = json.loads(json.dumps(meta))
+    moved["address"]["tenant"] = tenant_tag("beta")
+    start = 32 + struct.unpack_from("<I", data, 12)[0]
+    blobs = [[r[0], data[start + r[1]:start + r[1] + r[2]], r[3], r[4]] for r in meta["blobs"]]
+    from kite.upcycle.format import assemble
+
+    forged = resealed(assemble(moved, blobs))
+    assert header(forged)["address"]["id"] != made.address
+    policy(SigningPolicy())
+    assert verify_state(forged).tenant == tenant_tag("beta")   # self-consistent without the key
+    for p in (KEY, KEY_REQUIRED):
+        policy(p)
+        with pytest.raises(BadInput, match="keyed digest does not match"):
+            verify_state(forged)
+        with pytest.raises((BadInput, CorruptState), match="keyed digest does not match"):
+            open_store("mem://", tenant="beta").put(forged)

@@ -11,6 +11,7 @@ import typer
 
 from kite.cli._common import (JsonOpt, KvBudgetBlockOpt, KvBudgetCodecOpt, check_budget_flags, console, emit_json,
                               model_spec)
+from kite.cli.store import TenantOpt
 from kite.errors import BadInput
 
 if TYPE_CHECKING:
@@ -50,15 +51,16 @@ def state_prompt_ids(lm: LoadedModel, text: str, *, chat: bool, system: str | No
                          add_special_tokens=not with_state)
 
 
-def _from_store(upc: Path, flag: str | None, folder: tempfile.TemporaryDirectory) -> Path:
+def _from_store(upc: Path, flag: str | None, folder: tempfile.TemporaryDirectory, tenant: str | None = None) -> Path:
     """--upc as a path, or, when it is no file and a store is set, the state of that address (or
-    unique prefix) fetched and verified from the store into `folder` (exit 1 when no tier holds it)."""
+    unique prefix) fetched and verified from the store (the part of `tenant`, a checked name) into
+    `folder` (exit 1 when no tier holds it)."""
     if upc.exists():
         return upc
     from kite.cli.store import open_cli_store, resolve_id
     from kite.errors import KiteError
 
-    tiers = open_cli_store(flag, required=False, create=False)   # a read: a missing folder is an error
+    tiers = open_cli_store(flag, required=False, tenant=tenant, create=False)   # a read: a missing folder is an error
     ref = str(upc)
     if tiers is None or len(ref) < 8 or any(c not in "0123456789abcdef" for c in ref.lower()):
         return upc
@@ -95,6 +97,7 @@ def generate(
     kv_budget_block: Annotated[int | None, KvBudgetBlockOpt] = None,
     store: Annotated[str | None, typer.Option("--store", help="With --upc ADDRESS: fetch the state from this store "
                                               "(tier URLs, see kite store; default: the config's store.url).")] = None,
+    tenant: Annotated[str | None, TenantOpt] = None,
     json_out: bool = JsonOpt,
 ) -> None:
     """Generate text; streams to the terminal. --json gives text, token counts, ttft_ms, tokens/s.
@@ -112,7 +115,10 @@ def generate(
     # Everything the request names is checked before the model loads (the slow part).
     if upc is None and (clusters or layers or precision):
         raise BadInput("--clusters, --layers and --precision restrict what --upc loads; give --upc")
+    from kite.cli.store import store_tenant
+
     text = read_text_input(prompt, prompt_file)
+    who = store_tenant(tenant)
     model = model_spec(model)
     budget = _budget_settings(kv_budget_tokens, kv_budget_codec, kv_budget_block, upc)
     state = load_kw = None
@@ -124,7 +130,7 @@ def generate(
             raise BadInput(f"--precision {precision}: expected one of {', '.join(LOAD_PRECISIONS)}")
         from kite.store import state_path
 
-        upc = _from_store(upc, store, fetched)
+        upc = _from_store(upc, store, fetched, who)
         # a missing file, wrong magic or a bad header fails here; an id names a state the .gguf embeds
         state = StateFile(state_path(upc, model))
         wanted = parse_clusters(clusters)

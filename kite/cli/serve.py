@@ -126,10 +126,13 @@ def serve(
         out.print(f"[yellow]warning:[/] binding {settings.host}: the API is reachable from other machines",
                   highlight=False)
     admin = "on" if settings.admin_token else "off (no admin token configured)"
+    keys = settings.api_keys
+    api = ("open (no API keys)" if keys is None else
+           f"{len(keys)} API key(s), {len({t for t in keys.values() if t is not None})} tenant(s)")
     store = app.state.kite.store
     embedded = f" + {len(store.embedded)} embedded in {store.embedded_in}" if store.embedded else ""
     out.print(f"[bold green]serving[/] {pipe.lm.source.spec} on http://{settings.host}:{settings.port}  "
-              f"rules {settings.rules_path.name}  fusion {'on' if settings.fusion else 'off'}  admin {admin}  "
+              f"rules {settings.rules_path.name}  fusion {'on' if settings.fusion else 'off'}  admin {admin}  api {api}  "
               f"states {settings.state_dir}{embedded}"
               + (f"  store {', '.join(t.name for t in store.shared.tiers)}" if store.shared is not None else "")
               + (f"  states resident in lanes ({settings.lane_bits} bits)" if settings.resident == "lanes" else "")

@@ -17,6 +17,21 @@ StoreOpt = typer.Option("--store", help="Tier URLs, fastest first, comma-separat
                         "?endpoint_url=http://127.0.0.1:9000 (default: the config's store.url).")
 
 
+TenantOpt = typer.Option("--tenant", help="The tenant whose states these are: salted into content addresses, "
+                         "its own part of every tier; another tenant's states are neither listed nor found "
+                         "(default: the config's store.tenant; none: no tenant, addresses as before tenants).")
+
+
+def store_tenant(flag: str | None) -> str | None:
+    """The tenant a command works for: --tenant, else the config's store.tenant (None: no tenant).
+    BadInput (one line, exit 2) for an empty or malformed name."""
+    from kite.tenants import check_tenant
+
+    if flag is not None:
+        return check_tenant(flag, "--tenant")
+    return check_tenant(user_config().store.tenant, "store.tenant")
+
+
 def store_url(flag: str | None, required: bool = True) -> str | None:
     """The store a command uses: --store, else the config's store.url; BadInput when neither is set
     and the command needs one."""
@@ -26,16 +41,17 @@ def store_url(flag: str | None, required: bool = True) -> str | None:
     return url
 
 
-def open_cli_store(flag: str | None, required: bool = True, create: bool = True):
-    """The TieredStore of --store / store.url (None when neither is set and not `required`).
+def open_cli_store(flag: str | None, required: bool = True, tenant: str | None = None, create: bool = True):
+    """The TieredStore of --store / store.url (None when neither is set and not `required`), of the
+    tenant `tenant` (a name already checked by :func:`store_tenant`; None: no tenant).
     ``create`` False (the read commands): a file:// folder that does not exist is one line, exit 2
-    (kite.store.MissingStore), never created."""
+    (kite.store.MissingStore), never created (nor a tenant's folder in it)."""
     url = store_url(flag, required)
     if url is None:
         return None
     from kite.store import open_store
 
-    return open_store(url, default_write=user_config().store.write, create=create)
+    return open_store(url, default_write=user_config().store.write, tenant=tenant, create=create)
 
 
 def resolve_id(store, ref: str) -> str:
@@ -56,12 +72,13 @@ def resolve_id(store, ref: str) -> str:
 
 
 @app.command("ls")
-def ls(store: Annotated[str | None, StoreOpt] = None, json_out: bool = JsonOpt) -> None:
-    """Every state any tier holds, with the tiers holding it.
+def ls(store: Annotated[str | None, StoreOpt] = None, tenant: Annotated[str | None, TenantOpt] = None,
+       json_out: bool = JsonOpt) -> None:
+    """Every state any tier holds (of the tenant, with --tenant), with the tiers holding it.
 
     Example: kite store ls --store mem://,file:///var/kite/store
     """
-    st = open_cli_store(store, create=False)
+    st = open_cli_store(store, tenant=store_tenant(tenant), create=False)
     rows = []
     for sid, tiers in st.ids().items():
         rows.append({"id": sid, "tiers": tiers})
@@ -81,17 +98,19 @@ def get(
     state_id: Annotated[str, typer.Argument(help="The state's address (or its first 8+ hex digits).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the .upc state.")],
     store: Annotated[str | None, StoreOpt] = None,
+    tenant: Annotated[str | None, TenantOpt] = None,
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
-    """Fetch a state (verified: checksums and address) into a file; exit 1 when no tier has a good copy.
+    """Fetch a state (verified: checksums and address) into a file; exit 1 when no tier has a good copy
+    (another tenant's state is no copy: the same exit and message as a state nobody holds).
 
     Example: kite store get 36f597c14edb48d5 -o contract.upc
     """
     from kite.atomic import check_output
 
     check_output(output, mkdir, "--output")
-    st = open_cli_store(store, create=False)
+    st = open_cli_store(store, tenant=store_tenant(tenant), create=False)
     sid = resolve_id(st, state_id)
     info = st.get_file(sid, output)
     st.close()
@@ -108,22 +127,27 @@ def get(
 def put(
     files: Annotated[list[Path], typer.Argument(help="The .upc states to store.", show_default=False)],
     store: Annotated[str | None, StoreOpt] = None,
+    tenant: Annotated[str | None, TenantOpt] = None,
     mkdir: bool = typer.Option(False, "--mkdir", help="Create a file:// tier's folder when it does not "
                                "exist (without it a missing folder is an error)."),
     json_out: bool = JsonOpt,
 ) -> None:
     """Verify each state (its checksums and content address) and store it in every tier under its
-    address. Exit 1 when a tier failed to take one (each failure is named).
+    address. Exit 1 when a tier failed to take one (each failure is named); exit 2 for a state made
+    for another tenant than --tenant (or for none).
 
     Example: kite store put contract.upc --store file:///var/kite/store,redis://127.0.0.1:6379/0
     """
     from kite.store import MissingStore, read_state_file
 
+    who = store_tenant(tenant)
     loaded = [read_state_file(f) for f in files]   # every file checked before anything is stored
     try:
-        st = open_cli_store(store, create=mkdir)
+        st = open_cli_store(store, tenant=who, create=mkdir)
     except MissingStore as exc:
         raise MissingStore(f"{exc} (pass --mkdir to create it)") from None
+    for (_, info), f in zip(loaded, files):
+        st.check_tenant_of(info, str(f))
     reports = [st.put(data) for data, _ in loaded]
     late = st.flush()   # write-back tiers finish before the command answers
     st.close()
@@ -145,20 +169,22 @@ def put(
 @app.command("sync")
 def sync(
     store: Annotated[str | None, StoreOpt] = None,
+    tenant: Annotated[str | None, TenantOpt] = None,
     to: Annotated[str | None, typer.Option("--to", help="Only these tiers, by name (comma-separated: "
                                            "file,redis,s3; default every tier but mem).")] = None,
     json_out: bool = JsonOpt,
 ) -> None:
     """Copy into each tier the states it misses from the tiers that hold them (verified), e.g. after
-    Redis or S3 was down during puts; retries the journal of missed writes. Idempotent: a second run
-    copies nothing. Exit 1 when a copy failed (each is named).
+    Redis or S3 was down during puts; retries the journal of missed writes. With --tenant: within the
+    tenant's part of each tier only. Idempotent: a second run copies nothing. Exit 1 when a copy failed
+    (each is named).
 
     Example: kite store sync --store file:///var/kite/store,redis://127.0.0.1:6379/0
     """
     from kite.cli._progress import progress_bar
     from kite.store import sync_store
 
-    st = open_cli_store(store, create=False)
+    st = open_cli_store(store, tenant=store_tenant(tenant), create=False)
     targets = [t.strip() for t in to.split(",") if t.strip()] if to is not None else None
     with progress_bar() as progress:
         report = sync_store(st, targets, progress)
@@ -183,9 +209,11 @@ def sync(
 
 
 @app.command("gc")
-def gc(store: Annotated[str | None, StoreOpt] = None, json_out: bool = JsonOpt) -> None:
-    """Evict least recently used states from every bounded tier (max=SIZE) until it is within its bound."""
-    st = open_cli_store(store, create=False)
+def gc(store: Annotated[str | None, StoreOpt] = None, tenant: Annotated[str | None, TenantOpt] = None,
+       json_out: bool = JsonOpt) -> None:
+    """Evict least recently used states from every bounded tier (max=SIZE) until it is within its bound
+    (with --tenant: the tenant's part of each tier, which keeps the tier's bound on its own)."""
+    st = open_cli_store(store, tenant=store_tenant(tenant), create=False)
     dropped = st.gc()
     if json_out:
         emit_json({"evicted": dropped})
@@ -197,12 +225,14 @@ def gc(store: Annotated[str | None, StoreOpt] = None, json_out: bool = JsonOpt) 
 
 
 @app.command("stats")
-def stats(store: Annotated[str | None, StoreOpt] = None, json_out: bool = JsonOpt) -> None:
-    """Per tier: objects and bytes held, its bound and write policy, and this process's counts.
+def stats(store: Annotated[str | None, StoreOpt] = None, tenant: Annotated[str | None, TenantOpt] = None,
+          json_out: bool = JsonOpt) -> None:
+    """Per tier: objects and bytes held (of the tenant, with --tenant), its bound and write policy, and
+    this process's counts.
 
     A server counts hits, misses and errors over its life: see its /metrics (kite_store_*).
     """
-    st = open_cli_store(store, create=False)
+    st = open_cli_store(store, tenant=store_tenant(tenant), create=False)
     report = st.stats()
     if json_out:
         emit_json(report)

@@ -10,7 +10,7 @@ import typer
 
 from kite.cli._common import (JsonOpt, MkdirOpt, console, emit_json, kept_on_interrupt, model_spec, new_app,
                               user_config)
-from kite.cli.store import StoreOpt
+from kite.cli.store import StoreOpt, TenantOpt
 from kite.errors import BadInput
 
 app = new_app("Turn a document's KV cache into a .upc state; inspect, evaluate, migrate, retune.")
@@ -64,22 +64,25 @@ def compress(
         "config's compression.label_ratios).")] = None,
     mkdir: bool = MkdirOpt,
     store: Annotated[str | None, StoreOpt] = None,
+    tenant: Annotated[str | None, TenantOpt] = None,
     json_out: bool = JsonOpt,
 ) -> None:
     """Prefill a document, cluster and tag its spans, compress its KV cache into a .upc state.
 
     With a store (--store or the config's store.url), a document whose state (same model, tokens and
     settings: its content address) a tier holds is fetched instead of compressed again, and a new
-    state is put into every tier.
+    state is put into every tier. With a tenant (--tenant or the config's store.tenant), the content
+    address is made for that tenant and the store is the tenant's part of each tier.
 
     Example: kite upcycle compress --input contract.txt --output contract.upc --ratio 4
     """
     from kite.atomic import check_output
-    from kite.cli.store import open_cli_store
+    from kite.cli.store import open_cli_store, store_tenant
 
     text, name = read_document(input)   # before the heavy imports: a bad --input fails at once
     check_output(output, mkdir, "--output")
-    tiers = open_cli_store(store, required=False)   # a bad URL fails before the model loads
+    who = store_tenant(tenant)
+    tiers = open_cli_store(store, required=False, tenant=who)   # a bad URL fails before the model loads
     from kite.upcycle import parse_label_ratio_flags
 
     label_ratios = parse_label_ratio_flags(label_ratio)
@@ -93,7 +96,7 @@ def compress(
                              kept_fraction=user_config().features.upcycle_compression_ratio, regenerator=regenerator,
                              label_ratios=label_ratios)
         if tiers is None:
-            result = pipe.compress(text, output, source_name=name, progress=progress)
+            result = pipe.compress(text, output, source_name=name, progress=progress, tenant=who)
         else:
             from kite.store import compress_to_store
 

@@ -26,6 +26,7 @@ class ServerState:
     health: object | None
     sampler: object | None
     model_limiter: object | None = None  # anyio.CapacityLimiter, made in the loop (workers.py)
+    tenants: object | None = None   # kite.serve.tenants.Tenants: each API key tenant's view, made on first use
 
 
 def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sampler=None,
@@ -60,7 +61,10 @@ def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sa
     runner = ModelRunner(pipeline, settings, rules, store, health=health, novelty=NoveltyTracker(), sampler=sampler,
                          on_step=metrics.observe_step)
     metrics.bind_rules(rules)
-    metrics.bind_quarantine(store.quarantine)
+    from kite.serve.tenants import Tenants
+
+    tenants = Tenants()
+    metrics.bind_quarantine(lambda: [store.quarantine, *tenants.quarantines()])
     if shared is not None:
         metrics.bind_store(shared)
     if sampler is not None:
@@ -86,7 +90,7 @@ def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sa
 
     app = FastAPI(title="KITE", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)
-    app.state.kite = ServerState(settings, runner, store, rules, metrics, health, sampler)
+    app.state.kite = ServerState(settings, runner, store, rules, metrics, health, sampler, tenants=tenants)
     for module in (routes_openai, routes_states, routes_admin, routes_ops):
         app.include_router(module.router)
     app.include_router(routes_admin.states_router)

@@ -88,10 +88,11 @@ class ServerMetrics:
         kite_store_errors_total{tier,op}, kite_store_evictions_total{tier}."""
         self.registry.register(_StoreCollector(store))
 
-    def bind_quarantine(self, quarantine) -> None:
-        """The quarantine's counts (kite.serve.quarantine.Quarantine) read at scrape time:
+    def bind_quarantine(self, quarantines) -> None:
+        """The quarantines' counts (kite.serve.quarantine.Quarantine; ``quarantines``: one, or a
+        function giving the server's and each tenant's) read at scrape time and summed:
         kite_states_quarantined, kite_state_loads_refused_total{cause}."""
-        self.registry.register(_QuarantineCollector(quarantine))
+        self.registry.register(_QuarantineCollector(quarantines if callable(quarantines) else lambda: [quarantines]))
 
     def bind_rules(self, active) -> None:
         self.rules_loaded_at.set_function(lambda: float(active.current.loaded_at))
@@ -194,8 +195,8 @@ class _StoreCollector:
 class _QuarantineCollector:
     """Reads the quarantine when /metrics is scraped: the states quarantined now, the loads refused."""
 
-    def __init__(self, quarantine):
-        self.quarantine = quarantine
+    def __init__(self, quarantines):
+        self.quarantines = quarantines   # () -> the Quarantines to sum (the server's, each tenant's)
 
     def describe(self):
         return []
@@ -205,13 +206,14 @@ class _QuarantineCollector:
 
         from kite.serve.quarantine import REFUSED_CAUSES
 
+        every = self.quarantines()
         held = GaugeMetricFamily("kite_states_quarantined", "States quarantined: a reader refused the file's "
                                  "bytes at a load; requests naming them are refused until the file changes.",
-                                 value=len(self.quarantine.ids()))
+                                 value=sum(len(q.ids()) for q in every))
         refused = CounterMetricFamily("kite_state_loads_refused", "Loads of a state refused, by cause (unreadable "
                                       "= a reader refused the file and quarantined it, quarantined = refused "
                                       "without a read).", labels=["cause"])
-        counts = self.quarantine.counts()
+        counts = [q.counts() for q in every]
         for cause in REFUSED_CAUSES:
-            refused.add_metric([cause], counts.get(cause, 0))
+            refused.add_metric([cause], sum(c.get(cause, 0) for c in counts))
         return [held, refused]

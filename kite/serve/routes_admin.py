@@ -126,11 +126,15 @@ async def status(request: Request):
 
 
 @states_router.delete("/{state_id}/quarantine")
-async def lift_quarantine(request: Request, state_id: str):
+async def lift_quarantine(request: Request, state_id: str, tenant: str | None = None):
     """End a state's quarantine (kite.serve.quarantine) without replacing its file: the next request
-    naming it reads it again (and quarantines it again if a reader still refuses it). 404 for an
-    unknown state; `lifted: false` when it was not quarantined."""
-    srv = request.app.state.kite
+    naming it reads it again (and quarantines it again if a reader still refuses it). `?tenant=NAME`:
+    the state of that tenant (each tenant's states and quarantine are its own). 404 for an unknown
+    state; `lifted: false` when it was not quarantined."""
+    from kite.serve.tenants import tenant_view
+    from kite.tenants import check_tenant
+
+    srv = tenant_view(request.app.state.kite, check_tenant(tenant, "tenant"))
     srv.store.existing(state_id)
     lifted = srv.store.quarantine.lift(state_id, "lifted by an admin")
     log.info("state %s: quarantine lift asked by an admin (%s)", state_id, "lifted" if lifted else "not quarantined")

@@ -9,7 +9,7 @@ import json
 import time
 import uuid
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from kite.errors import BadInput, KiteError
@@ -17,9 +17,11 @@ from kite.serve.errors import error_response
 from kite.serve.batcher import Leaving
 from kite.serve.runner import GenOptions
 from kite.serve.schemas import ChatRequest, CompletionRequest
+from kite.serve.auth import authenticate
+from kite.serve.tenants import scoped
 from kite.serve.workers import on_model
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(authenticate)])
 
 
 def _apply_stops(text: str, stops: list[str], stop_reason: str) -> tuple[str, str]:
@@ -30,8 +32,9 @@ def _apply_stops(text: str, stops: list[str], stop_reason: str) -> tuple[str, st
 
 
 async def _prepare(request: Request, body, chat: bool):
-    """Resolve the state (upcycling a document first), the prompt's ids and generation options."""
-    srv = request.app.state.kite
+    """Resolve the state (upcycling a document first), the prompt's ids and generation options, in the
+    view of the request's tenant (kite.serve.tenants)."""
+    srv = scoped(request)
     state_id = upcycled = None
     if body.kite is not None:
         if body.kite.document is not None:

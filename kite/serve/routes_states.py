@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from kite.serve.workers import in_worker, on_model
 from kite.serve.schemas import StateUpload
+from kite.serve.auth import authenticate
+from kite.serve.tenants import scoped
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(authenticate)])
 
 
 @router.post("/v1/states")
 async def upload(request: Request, body: StateUpload):
     """Upcycle `document` and store it; 201 with the state's id (200 when the same document was
     already stored under its content id)."""
-    srv = request.app.state.kite
+    srv = scoped(request)
     if body.id is not None:
         srv.store.path_for(body.id)  # refuse a bad id before any work
     up = await on_model(srv, srv.runner.upcycle, body.document, body.id, body.name or "-", body.overwrite)
@@ -25,19 +27,19 @@ async def upload(request: Request, body: StateUpload):
 
 @router.get("/v1/states")
 async def list_states(request: Request):
-    srv = request.app.state.kite
+    srv = scoped(request)
     states = await in_worker(srv.store.list)
     return {"object": "list", "data": [s.to_dict() for s in states]}
 
 
 @router.get("/v1/states/{state_id}")
 async def get_state(request: Request, state_id: str):
-    return request.app.state.kite.store.summary(state_id).to_dict()
+    return scoped(request).store.summary(state_id).to_dict()
 
 
 @router.delete("/v1/states/{state_id}")
 async def delete_state(request: Request, state_id: str):
-    srv = request.app.state.kite
+    srv = scoped(request)
     srv.store.delete(state_id)
     if srv.health is not None:
         srv.health.reset(state_id)

@@ -78,7 +78,10 @@ class Answer:
 
 class ModelRunner:
     """Holds the pipeline (model, tagger, compression settings), the rules, health store, novelty
-    tracker and sampler."""
+    tracker and sampler. ``tenant``: the tenant whose states this runner makes and answers from
+    (a tenant's view of the server, kite.serve.tenants; None: no tenant)."""
+
+    tenant: str | None = None
 
     def __init__(self, pipeline, settings: ServeSettings, rules, store: StateStore, *,
                  health=None, novelty=None, sampler=None, on_step=None):
@@ -123,7 +126,7 @@ class ModelRunner:
         if explicit:
             sid = state_id
         elif self.store.shared is not None:   # with a shared store, the state's content address
-            sid = self.pipeline.address_of(document).id
+            sid = self.pipeline.address_of(document, tenant=self.tenant).id
         else:
             sid = self.store.id_for(document, self.lm.fingerprints.combined)
         if explicit:
@@ -146,7 +149,7 @@ class ModelRunner:
         def compress():
             if not explicit and reusable():  # the same document, upcycled while we waited
                 return None
-            return self.pipeline.compress(document, path, source_name=name)
+            return self.pipeline.compress(document, path, source_name=name, tenant=self.tenant)
 
         result, _ = self.batcher.call(compress)
         if result is None:

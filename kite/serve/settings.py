@@ -46,6 +46,9 @@ class ServeSettings:
     # the shared, tiered state store (kite.store; docs/store.md): tier URLs, None = the folder only
     store_url: str | None = None
     store_write: str = "through"
+    # API key -> tenant name (None: no tenant), from server.api_keys_file (kite.serve.tenants); None: no
+    # keys, every request is of no tenant (the server is open, as before tenants)
+    api_keys: dict[str, str | None] | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -91,6 +94,7 @@ class ServeSettings:
     def from_config(cls, cfg, *, rules: str | Path | None = None, **kw) -> "ServeSettings":
         """From a `KiteConfig` (server.*, features.*, hardware_watermark.*, yoco.rules_file)."""
         from kite.paths import kite_home
+        from kite.serve.auth import read_api_keys
 
         s = cfg.server
         return cls(state_dir=s.state_dir or kite_home() / "states",
@@ -101,7 +105,8 @@ class ServeSettings:
                    spike_threshold_gb=cfg.hardware_watermark.gpu_mem.spike_threshold_gb,
                    max_batch=s.max_batch, batch_kv_gb=s.batch_kv_gb, prefix_cache_gb=s.prefix_cache_gb,
                    resident=s.resident, lane_bits=s.lane_bits,
-                   store_url=cfg.store.url, store_write=cfg.store.write, **kw)
+                   store_url=cfg.store.url, store_write=cfg.store.write,
+                   api_keys=None if s.api_keys_file is None else read_api_keys(s.api_keys_file), **kw)
 
 
 

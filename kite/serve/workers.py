@@ -17,9 +17,14 @@ async def in_worker(fn, *args, **kwargs):
     return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs))
 
 
+def model_limiter(srv) -> anyio.CapacityLimiter:
+    """The limiter of the server's model work, made on first use (a limiter belongs to the running loop)."""
+    if srv.model_limiter is None:
+        srv.model_limiter = anyio.CapacityLimiter(max(2, QUEUED_PER_ROW * srv.settings.max_batch))
+    return srv.model_limiter
+
+
 async def on_model(srv, fn, *args, **kwargs):
     """Model work (`srv`: the app's ServerState): its thread waits here while the batch's thread, the
     model's only one, runs it (kite.serve.batcher)."""
-    if srv.model_limiter is None:  # made on first use: a limiter belongs to the running loop
-        srv.model_limiter = anyio.CapacityLimiter(max(2, QUEUED_PER_ROW * srv.settings.max_batch))
-    return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs), limiter=srv.model_limiter)
+    return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs), limiter=model_limiter(srv))

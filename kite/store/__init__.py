@@ -4,11 +4,12 @@ file (`kite gguf embed`), a read-only store shipped with its model. The public f
 `kite/store/` imports these names.
 
     url         open_store("mem://?max=2GB,file:///path,redis://...,s3://...") -> TieredStore
-    tiered      TieredStore: read top-down, promote hits, write through/back, verify everything
+    tiered      TieredStore: read top-down, promote hits, write through/back, verify everything;
+                for_tenant: one tenant's part of every tier
     tier        the Tier interface, its registry by URL scheme, TierError, sizes
     memory, disk, redis_tier, s3   the tiers
     compress    compress_to_store: a state the store holds is fetched, not compressed again
-    verify      what is checked of every object (container, checksums, content address)
+    verify      what is checked of every object (container, checksums, content address, tenant)
     counters    hits, misses, puts, errors by tier and operation (for /metrics)
     gguf        the keys states take in a GGUF; list, read and extract them, offer them to loaders
     gguf_embed  embed states (checked whole and against the file's model) into a copy of a GGUF
@@ -33,7 +34,7 @@ from kite.store.tier import MissingStore, ObjectStat, Tier, TierError, parse_siz
 from kite.store.tiered import PutReport, StoreError, TieredStore
 from kite.store.url import open_store, split_url
 from kite.store.sync import SyncReport, sync_store
-from kite.store.verify import CorruptState, StateInfo, Unaddressed, read_state_file, verify_state
+from kite.store.verify import CorruptState, StateInfo, Unaddressed, WrongTenant, read_state_file, verify_state
 from kite.upcycle import is_address
 
 __all__ = [
@@ -42,5 +43,6 @@ __all__ = [
     "find_state", "gguf_file", "read_state", "state_path",
     "StoredCompress", "compress_to_store", "CorruptState", "DiskTier", "MemoryTier", "Missed", "MissedWrites", "MissingStore", "ObjectStat", "PutReport", "RedisTier", "S3Tier", "StateInfo",
     "StoreCounters", "StoreError", "Tier", "TierError", "TieredStore", "Unaddressed", "is_address", "open_store",
-    "parse_size", "read_state_file", "register_tier", "split_url", "SyncReport", "sync_store", "tier_schemes", "verify_state",
+    "parse_size", "read_state_file", "register_tier", "split_url", "SyncReport", "sync_store", "tier_schemes",
+    "verify_state", "WrongTenant",
 ]

@@ -28,13 +28,15 @@ class StoredCompress:
 def compress_to_store(pipe, store: TieredStore, text: str, output: str | Path, *, source_name: str = "-",
                       progress=None, ids: list[int] | None = None) -> StoredCompress:
     """Write the state of `text` (or `ids`) to `output`: fetched (verified) from `store` when a tier
-    holds its address, else compressed by `pipe` and then put into every tier (a tier's failure is
-    in ``put``; a put no tier took raises StoreError)."""
-    address = pipe.address_of(text, ids).id
+    holds its address (made for the store's tenant, :meth:`TieredStore.for_tenant`), else compressed
+    by `pipe` and then put into every tier (a tier's failure is in ``put``; a put no tier took
+    raises StoreError)."""
+    address = pipe.address_of(text, ids, tenant=store.tenant_name).id
     fetched = store.fetch_file(address, output) if store.where(address) else None
     if fetched is not None:
         return StoredCompress(address, False, found_in=fetched[1])
-    result = pipe.compress(text, output, source_name=source_name, progress=progress, ids=ids)
+    result = pipe.compress(text, output, source_name=source_name, progress=progress, ids=ids,
+                           tenant=store.tenant_name)
     report = store.put_file(output)
     store.flush()
     return StoredCompress(address, True, result=result, put=report)

@@ -29,13 +29,14 @@ class DiskTier(Tier):
     scheme = "file"
 
     def __init__(self, folder: str | os.PathLike[str], name: str = "file", write: str = "through",
-                 max_bytes: int | None = None):
+                 max_bytes: int | None = None, create: bool = True, tenant: str | None = None):
         super().__init__(name, write, max_bytes)
         self.folder = Path(folder).expanduser()
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise BadInput(f"store tier {name}: cannot use folder {self.folder}: {exc.strerror}") from None
+        # create False (a store opened to read): the tier's own folder is not made here (open_tier
+        # refused a missing one), and a tenant's part whose folder is missing is empty until a put
+        self.create, self.tenant = create, tenant
+        if create:
+            self._make_folder()
         self._index: dict[str, list] = {}   # id -> [bytes, last use (s), mtime_ns]
         self.rejected: dict[str, str] = {}          # file stem -> why it is not in the index
         self._rejected_at: dict[str, int] = {}      # file stem -> the mtime_ns it was judged at
@@ -60,6 +61,24 @@ class DiskTier(Tier):
             return None
         return f"folder {folder} does not exist" if not folder.exists() else f"{folder} is not a folder"
 
+    def _lazy(self) -> bool:
+        """A tenant's part of a store opened to read: its folder is made by the first put, not before."""
+        return not self.create and self.tenant is not None
+
+    def _make_folder(self, lazy: bool = False) -> None:
+        """The tier's folder made (BadInput when it cannot be); ``lazy``: a tenant's folder made by a put,
+        only inside the store's folder that is still there (TierError otherwise)."""
+        try:
+            if lazy:
+                self.folder.parent.mkdir(exist_ok=True)   # <store>/tenants
+                self.folder.mkdir(exist_ok=True)
+            else:
+                self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            if lazy:
+                raise TierError(self.name, "put", f"{self.folder}: {exc.strerror or exc}") from None
+            raise BadInput(f"store tier {self.name}: cannot use folder {self.folder}: {exc.strerror}") from None
+
     def _path(self, state_id: str) -> Path:
         if not is_address(state_id):
             raise BadInput(f"{state_id[:80]!r} is not a state address (64 hex digits)")
@@ -69,6 +88,10 @@ class DiskTier(Tier):
         """Bring the index in step with the folder: headers of new files read, gone files dropped."""
         try:
             names = {p.name[:-4]: p for p in self.folder.iterdir() if p.name.endswith(".upc")}
+        except FileNotFoundError as exc:
+            if not self._lazy():
+                raise TierError(self.name, "list", exc.strerror or str(exc)) from None
+            names = {}   # a tenant's folder not made yet (the store was opened to read): no states
         except OSError as exc:
             raise TierError(self.name, "list", exc.strerror or str(exc)) from None
         with self._lock:
@@ -135,6 +158,8 @@ class DiskTier(Tier):
             if len(data) > self.max_bytes:
                 return False
             self._make_room(len(data), state_id)
+        if self._lazy() and not self.folder.is_dir():
+            self._make_folder(lazy=True)
         try:
             write_bytes(path, bytes(data))
             st = path.stat()
@@ -192,6 +217,13 @@ class DiskTier(Tier):
         """The file holding the state, when this tier holds it (for loaders that read by path)."""
         path = self._path(state_id)
         return path if path.is_file() else None
+
+    def tenant_part(self, tag: str) -> "DiskTier":
+        """The tenant's states in ``<folder>/tenants/<tag>/`` (a folder of their own, bound of its own;
+        not made before a state is written there when this tier was opened not to create)."""
+        part = DiskTier(self.folder / "tenants" / tag, self.name, self.write, self.max_bytes, self.create, tag)
+        part._evicted = self._evicted
+        return part
 
     def usage(self) -> tuple[int, int]:
         with self._lock:

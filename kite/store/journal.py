@@ -6,7 +6,8 @@ tier's entries after a later put reaches that tier, and `kite store sync` retrie
 The journal is a small SQLite file beside the store's first ``file://`` tier (``.kite-missed.sqlite``
 in its folder: the copy a retry reads lives there), else ``$KITE_HOME/store-missed.sqlite``. A
 tier is named by its name in the store and its URL without secrets (:func:`journal_key`), so another
-process of the same store drains what this one recorded. Reads never create the file.
+process of the same store drains what this one recorded; a tenant's part of a tier is named with
+the tenant's tag, in the journal of the store it is part of. Reads never create the file.
 """
 
 from __future__ import annotations
@@ -113,8 +114,11 @@ class MissedWrites:
 
 
 def journal_key(tier) -> str:
-    """How the journal names a tier: its name in the store and its URL without secrets."""
-    return f"{tier.name} {tier.describe()}"
+    """How the journal names a tier: its name in the store and its URL without secrets, and for a
+    tenant's part of a tier (:meth:`kite.store.Tier.tenant_part`) the tenant's tag, so its entries are
+    retried and synced within that part only."""
+    tenant = getattr(tier, "tenant", None)
+    return f"{tier.name} {tier.describe()}" + (f" tenant={tenant}" if tenant else "")
 
 
 def journal_for(tiers) -> MissedWrites:

@@ -10,6 +10,7 @@ index from the stored states' headers if it was lost.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 
@@ -162,6 +163,14 @@ class RedisTier(Tier):
                                                                                         "held": True})))
                 n += 1
         return n
+
+    def tenant_part(self, tag: str) -> "RedisTier":
+        """The tenant's keys under ``<prefix>:tenant:<tag>`` (its own index, recency and bound), on the
+        same connection."""
+        part = copy.copy(self)
+        part.prefix, part.tenant = f"{self.prefix}:tenant:{tag}", tag
+        part._index, part._used = f"{part.prefix}:index", f"{part.prefix}:used"
+        return part
 
     def describe(self) -> str:
         host = self._url.split("@")[-1]   # no password

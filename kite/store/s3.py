@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from kite.errors import BadInput
 from kite.store.tier import ObjectStat, Tier, TierError, TierURL, register_tier
 
@@ -103,6 +105,13 @@ class S3Tier(Tier):
                 return None
             raise self._fail("stat", exc) from None
         return ObjectStat(state_id, int(head["ContentLength"]), head["LastModified"].timestamp())
+
+    def tenant_part(self, tag: str) -> "S3Tier":
+        """The tenant's objects under ``<prefix>/tenants/<tag>/`` of the same bucket, on the same client."""
+        part = copy.copy(self)
+        part.prefix = f"{self.prefix}/tenants/{tag}" if self.prefix else f"tenants/{tag}"
+        part.tenant = tag
+        return part
 
     def usage(self) -> tuple[int, int]:
         objs = self._objects()

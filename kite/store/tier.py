@@ -56,7 +56,22 @@ class Tier(ABC):
         if write not in WRITE_POLICIES:
             raise BadInput(f"store tier {name}: write={write!r}, expected one of {', '.join(WRITE_POLICIES)}")
         self.name, self.write, self.max_bytes = name, write, max_bytes
-        self.evictions = 0   # objects dropped to keep within max_bytes (read by the store's stats)
+        self._evicted = [0]   # shared with the tier's tenant parts: one count for the operator
+        self.tenant: str | None = None   # the tag of the tenant this part holds (tenant_part); None: none
+        # whether a place this tier misses (a tenant's folder of a file:// tier) is made when the tier
+        # opens (True) or only when a state is written there (False: a store opened to read,
+        # ``open_store(create=False)``); its tenant parts take it on
+        self.create = True
+
+    @property
+    def evictions(self) -> int:
+        """Objects dropped to keep within max_bytes, by this tier and its tenant parts (read by the
+        store's stats and /metrics)."""
+        return self._evicted[0]
+
+    @evictions.setter
+    def evictions(self, n: int) -> None:
+        self._evicted[0] = n
 
     @abstractmethod
     def get(self, state_id: str) -> bytes | None:
@@ -77,6 +92,13 @@ class Tier(ABC):
     @abstractmethod
     def stat(self, state_id: str) -> ObjectStat | None:
         """Size (and last use) of one object without reading it; None when not held."""
+
+    @abstractmethod
+    def tenant_part(self, tag: str) -> "Tier":
+        """This tier's part for the tenant of ``tag`` (:func:`kite.tenants.tenant_tag`): the same
+        backend (connection, folder, bucket) with the tenant's states under keys of their own, which
+        this tier's own ``get``, ``ids`` and ``stat`` never reach, nor another tenant's part
+        (docs/store.md, "Tenants"). The part's ``tenant`` is ``tag``; it keeps this tier's ``create``."""
 
     def usage(self) -> tuple[int, int]:
         """(objects, bytes) held now."""

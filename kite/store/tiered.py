@@ -13,6 +13,12 @@ and named in the :class:`PutReport` (write-back failures in ``failures`` and at 
 that no tier took raises StoreError. A tier's failed put is also recorded in the store's journal of
 missed writes (:mod:`kite.store.journal`); after a later put reaches that tier, the states it missed
 are copied into it from the tiers that hold them (:meth:`TieredStore.retry_missed`).
+
+Tenants: :meth:`TieredStore.for_tenant` is the store of one tenant, every tier's tenant part
+(:meth:`kite.store.Tier.tenant_part`); it takes and returns only states whose address was made for
+that tenant, so a state of another tenant (or of none) is neither listed, found nor stored there.
+It shares the store's journal: a tenant part's missed writes are kept under that part's key
+(:func:`kite.store.journal.journal_key`), so a retry or a sync copies them within the tenant's part.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from kite.errors import KiteError
 from kite.store.counters import StoreCounters
 from kite.store.journal import MissedWrites, journal_key
 from kite.store.tier import Tier, TierError
-from kite.store.verify import CorruptState, StateInfo, read_state_file, verify_state
+from kite.store.verify import CorruptState, StateInfo, WrongTenant, read_state_file, verify_state
+from kite.tenants import tenant_tag
 
 _FAILURES_KEPT = 100
 
@@ -58,10 +65,11 @@ class PutReport:
 
 class TieredStore:
     """Tiers in order, fastest first. ``counters``: what was counted (shared with /metrics);
-    ``journal``: where missed writes are kept (default: in this process only)."""
+    ``journal``: where missed writes are kept (default: in this process only). ``tenant``: the tag
+    of the tenant this store holds the states of (None: no tenant; see :meth:`for_tenant`)."""
 
     def __init__(self, tiers: list[Tier], counters: StoreCounters | None = None,
-                 journal: MissedWrites | None = None):
+                 journal: MissedWrites | None = None, *, tenant: str | None = None):
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names repeat: {names}")
@@ -72,6 +80,46 @@ class TieredStore:
         self._queue: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.tenant = tenant
+        self.tenant_name: str | None = None   # the name the tag was made from (set by for_tenant)
+        self._parts: dict[str, TieredStore] = {}   # tag -> the store of that tenant (for_tenant)
+        self._root: TieredStore | None = None
+
+    def for_tenant(self, name: str | None) -> "TieredStore":
+        """The store of tenant `name` (None: this store without a tenant): the same tiers' tenant parts,
+        the same counters and journal, made once per tenant. BadInput for an empty or malformed name."""
+        root = self._root or self
+        tag = tenant_tag(name)
+        if tag is None:
+            return root
+        with root._lock:
+            part = root._parts.get(tag)
+            if part is None:
+                part = TieredStore([t.tenant_part(tag) for t in root.tiers], root.counters, root.journal,
+                                   tenant=tag)
+                part._root, part.tenant_name = root, name
+                root._parts[tag] = part
+        return part
+
+    def _check(self, data: bytes, state_id: str | None, where: str) -> StateInfo:
+        """verify_state, and the state's address made for this store's tenant (CorruptState when read
+        back from a tier, WrongTenant when given to put)."""
+        info = verify_state(data, state_id, where)
+        if state_id is None:
+            self.check_tenant_of(info, where)
+        elif info.tenant != self.tenant:
+            raise CorruptState(f"{where}: holds a state made for "
+                               + ("no tenant" if info.tenant is None else "another tenant"))
+        return info
+
+    def check_tenant_of(self, info: StateInfo, where: str = "state") -> None:
+        """WrongTenant (one line, exit 2) unless the verified state `info` was made for this store's
+        tenant: states are filed per tenant, so another's (or an untenanted one) is not put here."""
+        if info.tenant != self.tenant:
+            whose = "no tenant" if info.tenant is None else "another tenant"
+            mine = "no tenant" if self.tenant is None else f"tenant {self.tenant_name}"
+            raise WrongTenant(f"{where}: state {info.id[:16]}... was made for {whose}, not for {mine}: "
+                              f"compress the document again for this tenant (--tenant)")
 
     # ------------------------------------------------------------------ reads
 
@@ -90,7 +138,7 @@ class TieredStore:
             if data is None:
                 continue
             try:
-                info = verify_state(data, state_id, f"{tier.name} {state_id[:16]}")
+                info = self._check(data, state_id, f"{tier.name} {state_id[:16]}")
             except CorruptState:
                 self.counters.error(tier.name, "verify")
                 self._drop(tier, state_id)
@@ -141,7 +189,7 @@ class TieredStore:
 
     def put(self, data: bytes) -> PutReport:
         """Verify the state, then store it under its address in every tier (see the module doc)."""
-        info = verify_state(data, where="state")
+        info = self._check(data, None, "state")
         report = PutReport(info.id, len(data), already=self.where(info.id))
         for tier in self.tiers:
             if tier.write == "back":
@@ -225,7 +273,7 @@ class TieredStore:
             if data is None:
                 continue
             try:
-                verify_state(data, state_id, f"{tier.name} {state_id[:16]}")
+                self._check(data, state_id, f"{tier.name} {state_id[:16]}")
             except CorruptState:
                 self.counters.error(tier.name, "verify")
                 continue
@@ -268,7 +316,10 @@ class TieredStore:
         if self._writer is not None:
             self._queue.join()
         with self._lock:
-            return list(self.failures)
+            parts = list(self._parts.values())
+        late = [f for part in parts for f in part.flush()]
+        with self._lock:
+            return list(self.failures) + late
 
     # ------------------------------------------------------------------ management
 
@@ -328,7 +379,10 @@ class TieredStore:
         return {"tiers": tiers, "misses": snap["misses"], "recent_failures": self.failures[-10:]}
 
     def close(self) -> None:
-        """Finish queued write-backs, then close the tiers."""
+        """Finish queued write-backs (the tenants' too), then close the tiers (a tenant's store closes
+        nothing: its tiers share their connections with the store it came from)."""
         self.flush()
+        if self._root is not None:
+            return
         for tier in self.tiers:
             tier.close()

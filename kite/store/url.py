@@ -17,6 +17,7 @@ from kite.store import disk, memory, redis_tier, s3  # noqa: F401  (each registe
 from kite.store.tier import WRITE_POLICIES, MissingStore, Tier, TierURL, parse_size, tier_class, tier_schemes
 from kite.store.journal import journal_for
 from kite.store.tiered import TieredStore
+from kite.tenants import check_tenant
 
 COMMON = ("max", "write")
 
@@ -62,13 +63,19 @@ def open_tier(url: TierURL, name: str, default_write: str = "through", create: b
         why = cls.absent(url)
         if why is not None:
             raise MissingStore(f"store tier {name}: {why}")
-    return cls.from_url(name, url, write, max_bytes)
+    tier = cls.from_url(name, url, write, max_bytes)
+    tier.create = create   # what its tenant parts do with a place they miss (kite.store.Tier.create)
+    return tier
 
 
-def open_store(text: str, default_write: str = "through", create: bool = True) -> TieredStore:
+def open_store(text: str, default_write: str = "through", create: bool = True,
+               tenant: str | None = None) -> TieredStore:
     """The TieredStore a store URL describes. Tier names are the schemes (``mem``, ``file``,
     ``redis``, ``s3``), numbered from the second of a kind (``file2``). ``create`` False (what reads
-    ask for): MissingStore when a tier's place (a file:// folder) does not exist, nothing created."""
+    ask for): MissingStore when a tier's place (a file:// folder) does not exist, nothing created (a
+    tenant's folder in it is made only when a state is written there). ``tenant``: the store of that
+    tenant (:meth:`TieredStore.for_tenant`; checked before any tier opens); None: no tenant."""
+    check_tenant(tenant)
     urls = split_url(text)
     if sum(u.scheme == "mem" for u in urls) > 1:
         raise BadInput(f"--store {text!r}: one mem:// tier at most")
@@ -77,4 +84,4 @@ def open_store(text: str, default_write: str = "through", create: bool = True) -
         kind = tier_class(u.scheme).scheme   # rediss -> redis
         counts[kind] = counts.get(kind, 0) + 1
         tiers.append(open_tier(u, kind if counts[kind] == 1 else f"{kind}{counts[kind]}", default_write, create))
-    return TieredStore(tiers, journal=journal_for(tiers))
+    return TieredStore(tiers, journal=journal_for(tiers)).for_tenant(tenant)

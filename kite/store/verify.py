@@ -17,6 +17,10 @@ class CorruptState(BadInput):
     """An object that is not a whole, checksum-clean state of the address it was filed under."""
 
 
+class WrongTenant(BadInput):
+    """A state whose address was made for another tenant (or none) than the store it is put into."""
+
+
 class Unaddressed(BadInput):
     """A state without a content address in its header (written before addresses, or migrated)."""
 
@@ -32,6 +36,7 @@ class StateInfo:
     labels: list[str]
     created_at: str
     source: str
+    tenant: str | None = None   # the tag of the tenant its address was made for (kite.tenants); None: none
 
     def to_dict(self) -> dict:
         return {"id": self.id, "bytes": self.bytes, "n_tokens": self.n_tokens, "model": self.model,
@@ -57,7 +62,7 @@ def verify_state(data: bytes, expect_id: str | None = None, where: str = "state"
     return StateInfo(address, len(data), int(meta.get("n_tokens", 0)),
                      (meta.get("fingerprints") or {}).get("combined") or "",
                      sorted({c.get("label", "") for c in meta.get("clusters", [])}), meta.get("created_at", ""),
-                     (meta.get("source") or {}).get("name", ""))
+                     (meta.get("source") or {}).get("name", ""), meta["address"].get("tenant"))
 
 
 def read_state_file(path: str | Path) -> tuple[bytes, StateInfo]:

@@ -9,6 +9,8 @@ A state's address is sha256 over a canonical JSON encoding (sorted keys, no spac
     settings        what the compression was asked to do: codec settings, clusters, span bounds,
                     prefill chunk, seed, per-label ratios, the tagger (method, layers, labels)
     regenerator     the regenerator's fingerprint, or null
+    tenant          the tag of the tenant the state is made for (kite.tenants); absent without a
+                    tenant, so a state made for no tenant keeps the address it had before tenants
 
 Nothing in it depends on a path, a hostname, the time or PYTHONHASHSEED, so every process and
 machine computes the same id. The state records these fields and the id in its header
@@ -25,6 +27,7 @@ import json
 import struct
 
 from kite.errors import BadInput
+from kite.tenants import tenant_tag
 from kite.upcycle.format.address import (ADDRESS_RE, SCHEME, Address, AddressMismatch, canonical, check_address,
                                          is_address)
 
@@ -59,13 +62,14 @@ def settings_fields(settings, tagger_description: dict | None) -> dict:
 
 
 def address_for(model_fingerprint: str, ids, settings, tagger_description: dict | None,
-                regenerator_fingerprint: str | None) -> Address:
+                regenerator_fingerprint: str | None, tenant: str | None = None) -> Address:
     """The address of the state compressing token ids `ids` with `settings` on the model whose
-    combined fingerprint is `model_fingerprint`."""
+    combined fingerprint is `model_fingerprint`, made for `tenant` (a name; None: no tenant)."""
     from kite.upcycle.format.container import FORMAT_VERSION
 
     fields = json.loads(canonical(settings_fields(settings, tagger_description)))  # plain JSON types
-    return Address(FORMAT_VERSION, model_fingerprint, tokens_digest(ids), fields, regenerator_fingerprint)
+    return Address(FORMAT_VERSION, model_fingerprint, tokens_digest(ids), fields, regenerator_fingerprint,
+                   tenant_tag(tenant))
 
 
 

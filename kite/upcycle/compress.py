@@ -129,13 +129,14 @@ def _ranges(token_idx: list[int]) -> list[list[int]]:
 def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: CompressSettings | None = None, *,
                       tagger=None, source_name: str = "-", progress: Progress | None = None,
                       ids: list[int] | None = None, device: str | torch.device | None = None,
-                      regenerator=None, address: bool = False) -> CompressResult:
+                      regenerator=None, address: bool = False, tenant: str | None = None) -> CompressResult:
     """Turn `text` into a `.upc` state at `output` (written atomically).
 
     `address`: record the state's content address (:mod:`kite.upcycle.address`: the token ids'
     digest, the settings and the id) in its header, so that a store can file and verify it by
     content. The pipeline's states carry it (:meth:`kite.upcycle.Pipeline.compress`); off, the
-    header is as before addresses (unaddressed).
+    header is as before addresses (unaddressed). `tenant`: the tenant the address is made for
+    (:mod:`kite.tenants`; None: no tenant, the address as before tenants).
 
     `regenerator`: a :class:`kite.upcycle.codec.Regenerator` of this model: PCA sides are coded on
     its calibrated bases where that is expected to pay (the state then records its fingerprint and
@@ -267,7 +268,8 @@ def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: 
         meta["regenerator"] = {"fingerprint": regenerator.fingerprint, "sides": regenerated[0]}
     if address:
         meta["address"] = address_for(fps.combined, cap.ids, settings, meta["tagger"],
-                                      None if regenerator is None else regenerator.fingerprint).to_header()
+                                      None if regenerator is None else regenerator.fingerprint,
+                                      tenant).to_header()
     t = time.perf_counter()
     size = writer.write(output, meta)
     timings["write"] = (time.perf_counter() - t) * 1e3

@@ -109,13 +109,14 @@ class Pipeline:
     regenerator: Regenerator | None = None
 
     def compress(self, text: str, output: str | Path, *, source_name: str = "-", progress: Progress | None = None,
-                 ids: list[int] | None = None, settings: CompressSettings | None = None) -> CompressResult:
+                 ids: list[int] | None = None, settings: CompressSettings | None = None,
+                 tenant: str | None = None) -> CompressResult:
         """Write a state of ``text`` (or of the token ids ``ids``) to ``output``, its content address
-        in its header (:meth:`address_of`), and, with the model on a GPU, prepare it for loading there
+        (made for ``tenant``, None: no tenant) in its header (:meth:`address_of`), and, with the model on a GPU, prepare it for loading there
         (:func:`kite.upcycle.load.prepare_state`)."""
         result = compress_document(self.lm, text, output, settings or self.settings, tagger=self.tagger,
                                    source_name=source_name, progress=progress, ids=ids,
-                                   regenerator=self.regenerator, address=True)
+                                   regenerator=self.regenerator, address=True, tenant=tenant)
         if torch.device(self.lm.device).type == "cuda":
             t = time.perf_counter()
             if prepare_state(output):
@@ -123,14 +124,15 @@ class Pipeline:
         return result
 
     def address_of(self, text: str | None = None, ids: list[int] | None = None,
-                   settings: CompressSettings | None = None) -> Address:
-        """The content address :meth:`compress` would give the state of ``text`` (or of ``ids``), computed
-        without compressing (a tokenization): what a store is asked for before the work is done."""
+                   settings: CompressSettings | None = None, tenant: str | None = None) -> Address:
+        """The content address :meth:`compress` would give the state of ``text`` (or of ``ids``) made for
+        ``tenant``, computed without compressing (a tokenization): what a store is asked for before the
+        work is done."""
         if ids is None:
             ids, _ = tokenize_document(self.lm.tokenizer, text)
         regen = None if self.regenerator is None else self.regenerator.fingerprint
         return address_for(self.lm.fingerprints.combined, ids, settings or self.settings,
-                           describe_tagger(self.tagger), regen)
+                           describe_tagger(self.tagger), regen, tenant)
 
     def load_tagger(self, progress=None) -> None:
         """Build (or read from the cache) the tagger the config asks for."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from kite.errors import BadInput
 from kite.shortid import apart
+from kite.tenants import is_tag
 
 SCHEME = "kite-addr1"
 ADDRESS_RE = re.compile(r"[0-9a-f]{64}")
@@ -36,15 +37,24 @@ class Address:
     tokens_sha256: str
     settings: dict
     regenerator: str | None
+    # the tenant's tag (kite.tenants.tenant_tag) the state was made for; None: no tenant, and then the
+    # field is neither hashed nor written, so untenanted addresses and headers are as before tenants
+    tenant: str | None = None
+
+    def fields(self) -> dict:
+        body = asdict(self)
+        if body["tenant"] is None:
+            del body["tenant"]
+        return body
 
     @property
     def id(self) -> str:
-        body = {"scheme": SCHEME, **asdict(self)}
+        body = {"scheme": SCHEME, **self.fields()}
         return hashlib.sha256(canonical(body)).hexdigest()
 
     def to_header(self) -> dict:
         """The header section: the fields, the scheme and the id."""
-        return {"scheme": SCHEME, **asdict(self), "id": self.id}
+        return {"scheme": SCHEME, **self.fields(), "id": self.id}
 
 
 class AddressMismatch(BadInput):
@@ -64,7 +74,9 @@ def check_address(meta: dict, format_version: int, where: str = "state") -> str 
         raise AddressMismatch(f"{where}: address section of unknown scheme {str(scheme)[:40]!r}")
     try:
         addr = Address(sec["format_version"], sec["model"], sec["tokens_sha256"], sec["settings"],
-                       sec["regenerator"])
+                       sec["regenerator"], sec.get("tenant"))
+        if addr.tenant is not None and not is_tag(addr.tenant):
+            raise ValueError(f"tenant {str(addr.tenant)[:40]!r} is not a tenant tag")
         recomputed = addr.id
     except (KeyError, TypeError, ValueError) as exc:
         raise AddressMismatch(f"{where}: malformed address section ({exc})") from None

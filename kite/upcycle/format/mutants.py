@@ -109,7 +109,7 @@ def resealed(data: bytes) -> bytes:
     addr = meta.get("address")
     if isinstance(addr, dict) and "id" in addr:
         addr["id"] = Address(addr["format_version"], addr["model"], addr["tokens_sha256"], addr["settings"],
-                             addr["regenerator"]).id
+                             addr["regenerator"], addr.get("tenant")).id
     return assemble(meta, p.blobs, version=p.version, flags=p.flags, index=rows)
 
 
