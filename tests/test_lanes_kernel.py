@@ -65,6 +65,36 @@ def check_lanes_kernel_in_the_interpreter() -> None:
         print(_check("cpu", torch.float32, splits, 5e-3))
 
 
+def check_several_query_tokens_in_the_interpreter() -> None:
+    """(Run by run_interpreted.) A batch row's question (several tokens) over its state in lanes
+    through the kernel (each token one entry of the plan) equals the torch reference row by row."""
+    from kite.runtime.resident import lanes_kernel_attend
+    from kite.testing.triton_interpreter import bridge_interpreter_gaps
+
+    bridge_interpreter_gaps()
+    states = _states("cpu", separate=True)
+    H, d = states[0].k_codes.shape[1], states[0].k_const.shape[-1]
+    q = torch.randn(2, 3 * H, 4, d, generator=torch.Generator().manual_seed(2)) * 2
+    scale = 1 / math.sqrt(d)
+    plans: dict = {}
+    got, lse = lanes_kernel_attend(q, states, scale, plans, ("rows", 0))
+    want = [L.lanes_partial(q[i:i + 1], x, scale) for i, x in enumerate(states)]
+    wo, wl = torch.cat([w[0] for w in want]), torch.cat([w[1] for w in want])
+    assert got.shape == wo.shape == (2, 3 * H, 4, d) and lse.shape == wl.shape
+    err = float((got - wo).abs().max())
+    assert err <= 5e-3 * float(wo.abs().max()), err
+    assert float((lse - wl).abs().max()) <= 0.25
+    assert ("rows", 0, 4) in plans
+    print(f"4 query tokens a row: max |diff| {err:.3g}")
+
+
+@pytest.mark.slow
+def test_several_query_tokens_a_row_in_the_interpreter():
+    from kite.testing.triton_interpreter import run_interpreted
+
+    print(run_interpreted("tests.test_lanes_kernel:check_several_query_tokens_in_the_interpreter"))
+
+
 @pytest.mark.slow
 def test_lanes_kernel_in_the_interpreter():
     from kite.testing.triton_interpreter import run_interpreted

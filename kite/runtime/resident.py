@@ -149,23 +149,34 @@ class LanesPrefix(ResidentPrefix):
 
     @classmethod
     def attend(cls, q, prefixes, layer, scale, plans):
-        """One decode token per row on a GPU, with lanes of >= 32 a row (head_dim >= 64 at 4 bits):
-        the lanes kernel (kite.kernels.lanes_triton) over a pointer table to the rows' states, made
-        once per layer and set of rows (kept in ``plans``); otherwise the torch reference, row by row."""
+        """On a GPU, with lanes of >= 32 a row (head_dim >= 64 at 4 bits): the lanes kernel
+        (kite.kernels.lanes_triton, :func:`lanes_kernel_attend`) over a pointer table to the rows'
+        states, made once per layer, set of rows and query length (kept in ``plans``); otherwise the
+        torch reference, row by row."""
         from kite.kernels import lanes as L
 
         layers = [p.layers[layer] for p in prefixes]
-        if q.shape[2] == 1 and q.is_cuda and _kernel_reads(layers):
-            from kite.kernels.lanes_triton import LanesPlan, lanes_decode
-
-            key = (cls.__name__, layer, tuple(id(p) for p in prefixes))
-            if key not in plans:
-                plans[key] = LanesPlan(layers)
-            plan = plans[key]
-            o, lse = lanes_decode(q[:, :, 0], plan, scale, plan.raw_k, plan.raw_v)
-            return o[:, :, None], lse[:, :, None]
+        if q.is_cuda and _kernel_reads(layers):
+            return lanes_kernel_attend(q, layers, scale, plans, (cls.__name__, layer, tuple(id(p) for p in prefixes)))
         parts = [L.lanes_partial(q[i:i + 1], x, scale) for i, x in enumerate(layers)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def lanes_kernel_attend(q: torch.Tensor, layers: list, scale: float, plans: dict, key) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lanes kernel's attention of q [n, Hq, T, d] over the states ``layers`` (one kite.kernels.lanes.Lanes
+    a row, sinks included): (out [n, Hq, T, d], lse [n, Hq, T]) float32. The kernel reads one query token
+    a state, so each of a row's T tokens is read as one entry of the plan, its row's state repeated T
+    times (every state token precedes every query token: no mask); the plan is kept in ``plans``
+    under ``key`` and T."""
+    from kite.kernels.lanes_triton import LanesPlan, lanes_decode
+
+    n, Hq, T, d = q.shape
+    key = (*key, T)
+    if key not in plans:
+        plans[key] = LanesPlan([x for x in layers for _ in range(T)])
+    plan = plans[key]
+    o, lse = lanes_decode(q.transpose(1, 2).reshape(n * T, Hq, d), plan, scale, plan.raw_k, plan.raw_v)
+    return o.view(n, T, Hq, d).transpose(1, 2), lse.view(n, T, Hq).transpose(1, 2)
 
 
 def _kernel_reads(layers) -> bool:
