@@ -32,8 +32,8 @@ round's loads come from the hot tier.
 
 Rows per mode and C (x baseline: over ``none`` at the same C): completion tokens/s of all clients
 over the round's wall time; TTFT p50 and p99 as the clients saw them (send to first text); the
-batch step the server reports (kite_batch_step_seconds at the round's most frequent row count: its
-mean, newcomers' prefills included) against its byte floor (weights + each row's KV, or lanes and
+decode step the server reports (kite_batch_step_seconds{kind="decode"} at the round's most frequent
+row count: its mean; steps with newcomers' prefills are counted apart) against its byte floor (weights + each row's KV, or lanes and
 own slots, read once at the GPU's HBM bandwidth), beside the client's inter-token p50; GPU memory
 (torch.cuda.max_memory_allocated in the server since it started, uploads included: /healthz's
 watermark has no per-round peak; beside it the device's used memory through NVML, the most seen
@@ -273,15 +273,18 @@ def quantile(v: list[float], q: float) -> float:
 
 
 def step_histogram(before, after) -> dict[str, dict]:
-    """kite_batch_step_seconds between two scrapes, by its ``rows`` label: {rows: {steps, mean_ms}}."""
+    """kite_batch_step_seconds between two scrapes, by its ``rows`` and ``kind`` labels:
+    {"<rows> <kind>": {rows, kind, steps, mean_ms}} (kind: prefill, decode or mixed)."""
     out = {}
     for labels, count in after.samples.get("kite_batch_step_seconds_count", {}).items():
-        rows = dict(labels).get("rows")
+        got = dict(labels)
         prev = before.samples.get("kite_batch_step_seconds_count", {}).get(labels, 0.0)
         s = after.samples["kite_batch_step_seconds_sum"].get(labels, 0.0) - \
             before.samples.get("kite_batch_step_seconds_sum", {}).get(labels, 0.0)
         if count - prev > 0:
-            out[rows] = {"steps": int(count - prev), "mean_ms": round(s / (count - prev) * 1e3, 3)}
+            out[f"{got.get('rows')} {got.get('kind', 'decode')}"] = {
+                "rows": int(got.get("rows")), "kind": got.get("kind", "decode"), "steps": int(count - prev),
+                "mean_ms": round(s / (count - prev) * 1e3, 3)}
     return out
 
 
@@ -293,7 +296,9 @@ def summarize(recs: list[dict], seen: dict, wall_s: float, steps: dict) -> dict:
     counts: dict[str, int] = {}
     for r in recs:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    busiest = max(steps.items(), key=lambda kv: (kv[1]["steps"], int(kv[0])), default=None)
+    # the decode steps (one token a row) at the round's most frequent row count: newcomers' prefills apart
+    decode = [v for v in steps.values() if v["kind"] == "decode"]
+    busiest = max(decode, key=lambda v: (v["steps"], v["rows"]), default=None)
     resident = [r["kite"]["load"].get("resident_bytes") for r in ok
                 if r.get("kite") and r["kite"].get("load") and r["kite"]["load"].get("resident_bytes")]
     forms = sorted({r["kite"]["load"].get("resident") for r in ok
@@ -307,7 +312,7 @@ def summarize(recs: list[dict], seen: dict, wall_s: float, steps: dict) -> dict:
          "wait_p50_ms": round(quantile(waits, 0.5), 2) if waits else None,
          "wait_max_ms": round(max(waits), 2) if waits else None,
          "steps_by_rows": steps,
-         "step_rows": int(busiest[0]) if busiest else None, "step_mean_ms": busiest[1]["mean_ms"] if busiest else None,
+         "step_rows": busiest["rows"] if busiest else None, "step_mean_ms": busiest["mean_ms"] if busiest else None,
          "without_state": sum(1 for r in ok if r.get("kite") and r["kite"].get("state") and not r["kite"].get("loaded")),
          "loads_from_prefix_cache": sum(1 for r in ok if r.get("kite") and r["kite"].get("load")
                                         and "cached" in (r["kite"]["load"].get("timings_ms") or {})),
@@ -464,7 +469,7 @@ def add_rows(res: Result, modes: list[str], runs: dict, args, info: dict, on_gpu
                 held = "lanes and own slots" if mode == "lanes" else "KV"
                 floor = {"floor": f"weights + {s['step_rows']} rows' {held} read once {hbm_text()}",
                          "floor_value": bytes_ms(fb)} if on_gpu and fb else {}
-                res.row(f"{tag}: batch step, server mean", s["step_mean_ms"], "ms", rows=s["step_rows"], **floor, **extra)
+                res.row(f"{tag}: decode step, server mean", s["step_mean_ms"], "ms", rows=s["step_rows"], **floor, **extra)
             if s["inter_token_p50_ms"] is not None:
                 res.row(f"{tag}: inter-token p50, client", s["inter_token_p50_ms"], "ms", **extra)
             if s["torch_peak_gb"] is not None and on_gpu:

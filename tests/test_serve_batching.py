@@ -131,6 +131,8 @@ def test_fifty_concurrent_mixed_requests_each_match_their_sequential_twin(batche
              for x in f.samples if x.name.endswith("_count")]
     assert sum(x.value for x in timed) == _metric(metrics, "kite_batch_rows_count")
     assert timed and all(int(x.labels["rows"]) >= 1 for x in timed)
+    kinds = {x.labels["kind"] for x in timed}
+    assert "decode" in kinds and kinds <= {"prefill", "decode", "mixed"} and len(kinds) > 1
     # the two states were loaded once each (the twins did it) and read from the prefix cache since
     assert runner.prefixes.misses == 2 and runner.prefixes.hits >= 20
     # and the server goes on answering

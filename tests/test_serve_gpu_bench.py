@@ -34,7 +34,7 @@ def test_the_cpu_smoke_run_serves_both_modes_and_writes_every_row(tmp_path):
             tag = f"{mode}, {clients} clients"
             assert rows[f"{tag}: completion tokens/s"].value > 0
             assert 0 < rows[f"{tag}: TTFT p50"].value <= rows[f"{tag}: TTFT p99"].value
-            assert rows[f"{tag}: batch step, server mean"].value > 0
+            assert rows[f"{tag}: decode step, server mean"].value > 0
             assert rows[f"{tag}: requests refused"].value == 0
             assert rows[f"{tag}: requests not finished by the deadline"].value == 0
     for clients in (1, 4):

@@ -115,6 +115,7 @@ class BatchDecoder:
         self._active: dict[int, _Sequence] = {}
         self._done: dict[int, GenerationResult] = {}
         self._next_handle = 0
+        self.last_step = "decode"   # what the last step ran: "prefill" (newcomers' prompts), "decode" or "mixed"
 
     # -- admission -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -189,6 +190,7 @@ class BatchDecoder:
         returns the sequences that ended since the last step (finished or cancelled), by handle."""
         waiting = [s for s in self._active.values() if not s.prefilled]
         running = [s for s in self._active.values() if s.prefilled]
+        self.last_step = "mixed" if waiting and running else "prefill" if waiting else "decode"
         for group in _by_reader(waiting):
             self._prefill(group)
         for group in _by_reader(running):

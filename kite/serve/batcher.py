@@ -150,9 +150,10 @@ class Leaving:
 class Batcher:
     """The scheduler thread over one model (``lm``), and the only thread that runs it (:meth:`call`).
     ``max_batch``: sequences decoding at once; ``max_kv_bytes``: the batch's KV buffers (None:
-    unbounded). ``on_step(queue_length, rows, cancelled, seconds)`` is called after every step (metrics:
-    the queue left, the sequences the step ran, those it dropped because their clients left, the step's
-    wall time)."""
+    unbounded). ``on_step(queue_length, rows, cancelled, seconds, kind)`` is called after every step
+    (metrics: the queue left, the sequences the step ran, those it dropped because their clients left,
+    the step's wall time, and what it ran: "prefill" for newcomers' prompts only, "decode" for one token
+    a row, "mixed" for both)."""
 
     def __init__(self, lm: LoadedModel, *, max_batch: int = 8, max_kv_bytes: int | None = None, on_step=None):
         if max_batch < 1:
@@ -295,7 +296,7 @@ class Batcher:
                     req.future.set_result(result)
             self.cancelled += cancelled
             if self.on_step is not None:
-                self.on_step(self.queue_length, ran, cancelled, took)
+                self.on_step(self.queue_length, ran, cancelled, took, self.decoder.last_step)
 
     def _admit(self) -> None:
         """Move the queue's head into the batch while it fits (arrival order)."""

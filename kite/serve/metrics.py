@@ -70,7 +70,8 @@ class ServerMetrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.batch_step_seconds = Histogram(
             "kite_batch_step_seconds", "Wall time of each step of the continuous batch (the model's forward for "
-            "every row, prompts included), by the rows it ran.", ["rows"],
+            "every row, prompts included), by the rows it ran and what it ran (prefill: newcomers' prompts only; "
+            "decode: one token a row; mixed: both).", ["rows", "kind"],
             buckets=(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5), registry=r)
         self._lock = threading.Lock()
         self._loads = self._hits = 0
@@ -98,7 +99,7 @@ class ServerMetrics:
         self.rules_loaded_at.set_function(lambda: float(active.current.loaded_at))
 
     def observe_step(self, queue_length: int, batch_size: int, cancelled: int = 0,
-                     seconds: float | None = None) -> None:
+                     seconds: float | None = None, kind: str = "decode") -> None:
         """After a step of the batch (kite.serve.batcher): who waits, who decodes, how long the step took."""
         self.batch_queue.set(queue_length)
         self.batch_size.set(batch_size)
@@ -108,7 +109,7 @@ class ServerMetrics:
         if batch_size:
             self.batch_rows.observe(batch_size)
             if seconds is not None:
-                self.batch_step_seconds.labels(rows=str(batch_size)).observe(seconds)
+                self.batch_step_seconds.labels(rows=str(batch_size), kind=kind).observe(seconds)
 
     def observe_answer(self, answer) -> None:
         g = answer.generation
