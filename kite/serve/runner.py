@@ -9,7 +9,6 @@ worker threads, which keeps the event loop free for admin, health and metrics.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -177,7 +176,7 @@ class ModelRunner:
         """Generate after `prompt_ids` in the batch; with a state, through YOCO's fused loop (decide
         and load first, record the measured gain in the health store after). With the KV budget on,
         a completion without a state joins the batch with its older tokens coded (docs/kv-budget.md)."""
-        from kite.yoco.fused import finish, prepare
+        from kite.yoco.fused import finish
 
         path = self.store.usable(state_id) if state_id is not None else None
         if path is None and self.kv_budget is not None:
@@ -186,21 +185,15 @@ class ModelRunner:
         if path is not None:
             ruleset = self.rules.current  # one read: the set that decides this request
 
-            def decide_and_load(signals):
-                with self._reading(state_id, path) as (state, load):
-                    return prepare(self.lm, self.tagger, ruleset, state, query, health=self.health,
-                                   novelty=self.novelty, sampler=self.sampler, min_hit_gain=self.settings.min_hit_gain,
-                                   fusion_enabled=self.settings.fusion, state_id=state_id, loader=load,
-                                   signals=signals)
-
-            prepared, wait = self.batcher.call_together("decide", (query, decide_and_load), self._decide_together,
-                                                        since=opts.queued_at)
+            prepared, wait = self.batcher.call_together("decide", (query, state_id, path, ruleset),
+                                                        self._decide_together, since=opts.queued_at)
             opts.queued_at = time.perf_counter()
         gen, req = self.batcher.generate(prompt_ids, prepared.prefix if prepared else None, opts)
         wait += req.wait_ms
         if prepared is None:
             return Answer(gen, wait_ms=wait)
-        fused, _ = self.batcher.call(lambda: finish(self.lm, prepared, prompt_ids, gen, health=self.health))
+        fused, _ = self.batcher.call_together(
+            "feedback", lambda: finish(self.lm, prepared, prompt_ids, gen, health=self.health), _each)
         skipped = None if self.kv_budget is None else {
             "applied": False, "reason": "a state was named: its KV is loaded as the state's own compressed prefix"}
         return Answer(gen, fused, state_id, {"version": ruleset.version, "sha256": ruleset.sha256}, wait_ms=wait,
@@ -208,25 +201,26 @@ class ModelRunner:
 
     def _decide_together(self, items: list) -> list:
         """On the model's thread: the model's pass over the queries of every request that arrived
-        since the last step, in one forward (kite.yoco.intent.query_signals), then each request's
-        decision and load in arrival order; a result or the exception for each."""
+        since the last step, in one forward (kite.yoco.intent.query_signals), then for each request in
+        arrival order YOCO's decision and the load it asks for (through the prefix cache); a Prepared
+        or the exception for each (a request's own error, a bad state, fails it alone)."""
         from kite.yoco.intent import query_signals
 
-        signals = query_signals(self.lm, [query for query, _ in items], self.tagger)
+        signals = query_signals(self.lm, [query for query, *_ in items], self.tagger)
         out = []
-        for (_, decide_and_load), q in zip(items, signals):
+        for (query, state_id, path, ruleset), q in zip(items, signals):
             try:
-                out.append(decide_and_load(q))
-            except Exception as exc:  # noqa: BLE001 - a request's own error (a bad state) fails it alone
+                out.append(self._decide_and_load(query, state_id, path, ruleset, q))
+            except Exception as exc:  # noqa: BLE001 - fails its request alone
                 out.append(exc)
         return out
 
-    @contextlib.contextmanager
-    def _reading(self, state_id: str, path):
-        """On the model's thread: the state's file opened, and a loader through the prefix cache,
-        both under the quarantine (a reader's refusal quarantines the state: StateUnusable). A state
-        quarantined while this request waited is refused here, unread."""
+    def _decide_and_load(self, query: str, state_id: str, path, ruleset, signals):
+        """YOCO decides (kite.yoco.fused.decide_request); the engine loads what it chose through the
+        prefix cache. The state is opened and loaded under the quarantine (a reader's refusal
+        quarantines it: StateUnusable); one quarantined while this request waited is refused unread."""
         from kite.upcycle import StateFile, path_version
+        from kite.yoco.fused import decide_request, load_args
 
         quarantine = self.store.quarantine
         quarantine.check(state_id)
@@ -236,13 +230,17 @@ class ModelRunner:
             raise StateNotFound(f"no state {state_id!r} (list them with GET /v1/states)") from None
         with quarantine.reading(state_id, path, version):
             state = StateFile(path)
-
-        def load(st, lm, **kwargs):
-            with quarantine.reading(state_id, path, st.version):   # the version this open read
-                return self.prefixes.load(st, lm, **kwargs)
-
         with state:
-            yield state, load
+            prepared = decide_request(self.lm, self.tagger, ruleset, state, query, health=self.health,
+                                      novelty=self.novelty, sampler=self.sampler,
+                                      min_hit_gain=self.settings.min_hit_gain, state_id=state_id, signals=signals)
+            if prepared.plan.loads and self.settings.fusion:
+                t0 = time.perf_counter()
+                with quarantine.reading(state_id, path, state.version):   # the version this open read
+                    prefix, report = self.prefixes.load(state, self.lm,
+                                                        **load_args(prepared.plan, prepared.query.query_label))
+                prepared.loaded(prefix, report, (time.perf_counter() - t0) * 1e3)
+        return prepared
 
     def _budgeted(self, prompt_ids: list[int], opts: GenOptions) -> Answer:
         """A completion without a state under the KV budget: in the batch like any other, its row
@@ -252,3 +250,15 @@ class ModelRunner:
         memory, _ = self.batcher.call(lambda: BudgetRow(self.lm.model, self.kv_budget))  # tensors: the model's thread
         gen, req = self.batcher.generate(prompt_ids, None, opts, memory)
         return Answer(gen, wait_ms=req.wait_ms, kv_budget={"applied": True, "batched": True, **memory.stats()})
+
+
+def _each(calls: list) -> list:
+    """Run each call in order (the feedback of every request that ended since the last step, in one
+    hand-over to the model's thread); a result or the exception for each."""
+    out = []
+    for call in calls:
+        try:
+            out.append(call())
+        except Exception as exc:  # noqa: BLE001 - a request's own error fails it alone
+            out.append(exc)
+    return out

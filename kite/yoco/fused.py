@@ -143,32 +143,45 @@ class Prepared:
     timings_ms: dict[str, float]
     query: QuerySignals | None = None  # the signals' pass over the query (its token ids and their NLL)
 
+    def loaded(self, prefix, report: LoadReport, ms: float) -> None:
+        """Record the load the plan asked for (its prefix, its report, the ms it took)."""
+        self.prefix, self.load = prefix, report
+        self.timings_ms["load"] = round(ms, 3)
+
+
+def decide_request(lm: LoadedModel, tagger, rules, state: StateFile, query: str, *, health=None, novelty=None,
+                   sampler=None, min_hit_gain: float = DEFAULT_MIN_HIT_GAIN, state_id: str | None = None,
+                   signals: QuerySignals | None = None) -> Prepared:
+    """Signals and the rules' decision for ``query`` against the open ``state``; nothing loaded yet
+    (the caller loads what ``plan`` says, :func:`load_args`, and records it with :meth:`Prepared.loaded`).
+    ``signals``: the model's pass over ``query`` when made already (:func:`plan_for`)."""
+    t0 = time.perf_counter()
+    watermark = sampler.latest().watermark if sampler is not None else None
+    parts: dict[str, float] = {}
+    sig, plan, q, info = plan_for(lm, tagger, rules, state, query, health=health, novelty=novelty,
+                                  watermark=watermark, min_hit_gain=min_hit_gain, state_id=state_id,
+                                  timings=parts, signals=signals)
+    if plan.enable_micro_sampling and sampler is not None:
+        sampler.enable_micro_sampling()
+    return Prepared(sig, plan, info, None, None,
+                    {"signals_and_decision": round((time.perf_counter() - t0) * 1e3, 3), **parts, "load": 0.0}, query=q)
+
 
 def prepare(lm: LoadedModel, tagger, rules, state_path: str | Path, query: str, *, health=None, novelty=None, sampler=None,
             min_hit_gain: float = DEFAULT_MIN_HIT_GAIN, fusion_enabled: bool = True,
-            state_id: str | None = None, loader=None, signals: QuerySignals | None = None) -> Prepared:
-    """Signals, the rules' decision and the load (nothing loaded with fusion disabled).
-    ``state_path``: the state's file, or a StateFile the caller opened (and closes).
-    ``loader``: what loads (``load_prefix``'s signature; a server's prefix cache), default load_prefix.
-    ``signals``: the model's pass over ``query`` when made already (:func:`plan_for`)."""
-    t0 = time.perf_counter()
+            state_id: str | None = None, signals: QuerySignals | None = None) -> Prepared:
+    """Signals, the rules' decision (:func:`decide_request`) and the load through ``load_prefix``
+    (nothing loaded with fusion disabled). ``state_path``: the state's file, or a StateFile the caller
+    opened (and closes)."""
     opened = contextlib.nullcontext(state_path) if isinstance(state_path, StateFile) else StateFile(state_path)
     with opened as state:
-        watermark = sampler.latest().watermark if sampler is not None else None
-        parts: dict[str, float] = {}
-        signals, plan, q, info = plan_for(lm, tagger, rules, state, query, health=health, novelty=novelty,
-                                          watermark=watermark, min_hit_gain=min_hit_gain, state_id=state_id,
-                                          timings=parts, signals=signals)
-        t_decide = time.perf_counter()
-        if plan.enable_micro_sampling and sampler is not None:
-            sampler.enable_micro_sampling()
-        prefix = report = None
-        if plan.loads and fusion_enabled:
-            prefix, report = (loader or load_prefix)(state, lm, **load_args(plan, q.query_label))
-        t_load = time.perf_counter()
-    return Prepared(signals, plan, info, prefix, report, {
-        "signals_and_decision": round((t_decide - t0) * 1e3, 3), **parts, "load": round((t_load - t_decide) * 1e3, 3)},
-        query=q)
+        prepared = decide_request(lm, tagger, rules, state, query, health=health, novelty=novelty, sampler=sampler,
+                                  min_hit_gain=min_hit_gain, state_id=state_id, signals=signals)
+        if prepared.plan.loads and fusion_enabled:
+            t0 = time.perf_counter()
+            prepared.loaded(*load_prefix(state, lm, **load_args(prepared.plan, prepared.query.query_label)),
+                            ms=(time.perf_counter() - t0) * 1e3)
+    return prepared
 
 
 def without_state_nll(lm: LoadedModel, prepared: Prepared, prompt_ids: list[int]) -> float | None:
@@ -212,5 +225,5 @@ def answer(lm: LoadedModel, tagger, rules, state_path: str | Path, query: str, p
     return finish(lm, prepared, prompt_ids, gen, health=health)
 
 
-__all__ = ["FusedAnswer", "Prepared", "answer", "finish", "prepare", "plan_for", "state_info", "build_signals", "load_args", "measured_gain",
+__all__ = ["FusedAnswer", "Prepared", "answer", "decide_request", "finish", "prepare", "plan_for", "state_info", "build_signals", "load_args", "measured_gain",
            "state_id_of", "prompt_nll", "without_state_nll"]
