@@ -11,16 +11,12 @@ from kite.serve.batcher import Batcher
 from kite.serve.runner import GenOptions
 
 from tests.waiting import wait_until
+from tests.tiny_models import load_tiny_llama
 
 
 @pytest.fixture(scope="module")
 def lm(tiny_models):
-    import torch
-
-    from kite.model import load_model
-
-    torch.set_num_threads(1)
-    return load_model(str(tiny_models["llama"]), device="cpu")
+    return load_tiny_llama(tiny_models)
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from kite.serve.monitor import Reading, Unanswered, read_once, reading, watch
 from kite.serve.scrape import Histogram, parse_metrics, scrape
 from tests.conftest import parse_json
 from tests.test_serve import _ask, _settings, _start, _upload
+from tests.tiny_models import load_tiny_llama
 
 CAPTURED = Path(__file__).parent / "data" / "kite_metrics.prom"  # a tiny-model server's /metrics
 runner = CliRunner()
@@ -41,12 +42,7 @@ class FakeClock:
 
 @pytest.fixture(scope="module")
 def lm(tiny_models):
-    import torch
-
-    from kite.model import load_model
-
-    torch.set_num_threads(1)
-    return load_model(str(tiny_models["llama"]), device="cpu")
+    return load_tiny_llama(tiny_models)
 
 
 @pytest.fixture(scope="module")

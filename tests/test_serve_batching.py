@@ -13,18 +13,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_serve import DOC, _settings, _start
 from tests.waiting import wait_until
+from tests.tiny_models import load_tiny_llama
 
 SECOND_DOC = DOC.replace("Shanghai", "Geneva").replace("supplier", "vendor")
 
 
 @pytest.fixture(scope="module")
 def lm(tiny_models):
-    import torch
-
-    from kite.model import load_model
-
-    torch.set_num_threads(1)
-    return load_model(str(tiny_models["llama"]), device="cpu")
+    return load_tiny_llama(tiny_models)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from kite.errors import BadInput, FingerprintMismatch
 from kite.serve.quarantine import Quarantine, StateQuarantined, StateUnusable
 from tests.test_serve import DOC, TOKEN, _settings, _start
 from tests.waiting import wait_until
+from tests.tiny_models import load_tiny_llama
 
 PROMPTS = [" What is the capital of France?", " Payment?", " Who shall deliver the goods?",
            " Confidential information", " Once upon a time"]
@@ -24,12 +25,7 @@ PROMPTS = [" What is the capital of France?", " Payment?", " Who shall deliver t
 
 @pytest.fixture(scope="module")
 def lm(tiny_models):
-    import torch
-
-    from kite.model import load_model
-
-    torch.set_num_threads(1)
-    return load_model(str(tiny_models["llama"]), device="cpu")
+    return load_tiny_llama(tiny_models)
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,14 @@ import pytest
 
 from kite.serve import BackgroundServer, create_app
 from tests.test_serve import DOC, _pipeline, _settings
+from tests.tiny_models import load_tiny_llama
 
 KEYS = {"acme-key-0123456789": "acme", "beta-key-0123456789": "beta", "open-key-0123456789": None}
 
 
 @pytest.fixture(scope="module")
 def lm(tiny_models):
-    import torch
-
-    from kite.model import load_model
-
-    torch.set_num_threads(1)
-    return load_model(str(tiny_models["llama"]), device="cpu")
+    return load_tiny_llama(tiny_models)
 
 
 @pytest.fixture()

@@ -9,16 +9,12 @@ import pytest
 
 from kite.serve import BackgroundServer, create_app
 from tests.test_serve import DOC, _pipeline, _settings
+from tests.tiny_models import load_tiny_llama
 
 
 @pytest.fixture(scope="module")
 def lm(tiny_models):
-    import torch
-
-    from kite.model import load_model
-
-    torch.set_num_threads(1)
-    return load_model(str(tiny_models["llama"]), device="cpu")
+    return load_tiny_llama(tiny_models)
 
 
 def _server(lm, root, store_url):

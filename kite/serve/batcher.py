@@ -178,16 +178,7 @@ class Batcher:
         if threading.current_thread() is self._thread:
             t0 = time.perf_counter()
             return fn(), ((t0 - since) * 1e3 if since is not None else 0.0)
-        task = ModelTask(fn)
-        if since is not None:
-            task.queued_at = since
-        with self._wake:
-            if self._closed:
-                raise RuntimeError("the server is shutting down")
-            self._tasks.append(task)
-            self._wake.notify()
-        result = task.future.result()
-        return result, (task.started_at - task.queued_at) * 1e3
+        return self._hand_over(ModelTask(fn), since)
 
     def call_together(self, key, item, run: Callable[[list], list], since: float | None = None) -> tuple[object, float]:
         """Like :meth:`call`, for work that runs better together: the items of ``key`` handed over
@@ -200,7 +191,10 @@ class Batcher:
             if isinstance(result, BaseException):
                 raise result
             return result, ((t0 - since) * 1e3 if since is not None else 0.0)
-        task = GroupTask(key, item, run)
+        return self._hand_over(GroupTask(key, item, run), since)
+
+    def _hand_over(self, task: ModelTask | GroupTask, since: float | None) -> tuple[object, float]:
+        """Queue ``task`` for the next step boundary and wait: (its result, ms it waited to start)."""
         if since is not None:
             task.queued_at = since
         with self._wake:
