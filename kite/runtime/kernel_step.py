@@ -5,7 +5,8 @@ mask per layer and row, built on the host every step; on a GPU that step ran 5.7
 floor at 32 rows after 16K-token prefixes. Here the same forward of a Llama-family model (Llama,
 Qwen2, Mistral) is written out layer by layer on the kernels `kite generate` uses (one-kernel
 RMSNorm with the residual add, q/k/v and gate/up as one product each through the projections the
-fused layers install, kite.model.fused, one RoPE kernel, one SiLU product) and two batch kernels that read the cache's buffers where they lie:
+fused layers install, kite.model.fused, one RoPE kernel, one SiLU product) and two batch kernels
+that read the cache's buffers where they lie:
 
 - kite.kernels.kv_store_triton writes each row's new keys and values into its next slots;
 - kite.kernels.split_attention_triton attends each sequence over its own buffer row up to its own
@@ -15,9 +16,12 @@ fused layers install, kite.model.fused, one RoPE kernel, one SiLU product) and t
 Rows, lengths and slots are device tensors, so a decode step (one token a row) is the same launches
 whatever the rows hold: :class:`KernelStep` captures it once per bucket of batch sizes (1, 2, 4, 8,
 then steps of 8 ...) and replays it, padding the batch to its bucket with rows that read and write
-nothing. A step with rows held beside their slots, or a prefill (several tokens a row), runs the
-same forward eagerly. A graph is captured again when the cache's buffers are reallocated (they
-grow) and per reader-adapter setting (the adapter is a switch the capture bakes in).
+nothing. A decode step whose rows all hold their states in lanes is captured too: what the lanes
+kernel reads of each row's state is kept in device tables by cache row (:class:`LanesRows`) and
+gathered by the step's rows inside the graph. A prefill (several tokens a row), or a step mixing
+rows in lanes with raw ones, runs the same forward eagerly. A graph is captured again when the
+cache's buffers are reallocated (they grow), when the lanes tables must be read for more groups,
+and per reader-adapter setting (the adapter is a switch the capture bakes in).
 
 ``KernelStep.build`` answers None where this does not apply (CPU, fp32, the fused layers not installed:
 another family or no Triton; a head size the kernels do not take); the engine then keeps transformers'
@@ -121,8 +125,8 @@ class KernelForward:
 
 
 def _merge_lanes(out, lse, o, s) -> torch.Tensor:
-    """Every row's slots (``out`` [B, q, Hq, d], ``lse`` [B, Hq, q]) and its state's part (``o``
-    [B, Hq, q, d], ``s``) in one softmax: [B, q, Hq, d] in ``out``'s dtype."""
+    """Each row's slots (``out`` [B, q, Hq, d], ``lse`` [B, Hq, q]) and the part of its state held
+    beside them (``o`` [B, Hq, q, d], ``s``) in one softmax: [B, q, Hq, d] in ``out``'s dtype."""
     from kite.kernels.partials import merge
 
     merged, _ = merge([(o, s), (out.transpose(1, 2).float(), lse)])
@@ -132,8 +136,6 @@ def _merge_lanes(out, lse, o, s) -> torch.Tensor:
 def _merge_beside(out, lse, q, layer: int, scale: float, beside) -> None:
     """Rows whose state is held beside their slots: ``out[idx]`` [n, q, Hq, d] becomes one softmax over
     the state (its form's ``attend``) and the row's slots (``out``, ``lse`` [B, Hq, q])."""
-    from kite.kernels.partials import merge
-
     for form, idx, prefixes, plans in beside:
         held = [i for i, p in enumerate(prefixes) if p.holds(layer)]
         if not held:
@@ -141,13 +143,12 @@ def _merge_beside(out, lse, q, layer: int, scale: float, beside) -> None:
         if len(held) < len(prefixes):
             idx, prefixes = idx[held], [prefixes[i] for i in held]
         o, s = form.attend(q[idx], prefixes, layer, scale, plans)                     # [n, Hq, q, d], [n, Hq, q]
-        merged, _ = merge([(o, s), (out[idx].transpose(1, 2).float(), lse[idx])])
-        out[idx] = merged.transpose(1, 2).to(out.dtype)
+        out[idx] = _merge_lanes(out[idx], lse[idx], o, s)
 
 
 class KernelStep:
     """Steps of a BatchDecoder on the kernels: :meth:`logits` for any step it takes (see
-    :meth:`takes`), decode steps of rows held in their slots replayed from CUDA graphs."""
+    :meth:`takes`), decode steps replayed from CUDA graphs (rows held in their slots, or all in lanes)."""
 
     def __init__(self, model, cache: BatchKVCache):
         self.forward = KernelForward(model, cache)
