@@ -4,7 +4,9 @@ Teacher-forced over the continuation: PPL after the full context and after the s
 that context, their delta, the mean KL divergence and top-1 agreement of the next-token
 distributions against full context, and every byte of the state against the raw fp16 KV.
 Both paths score continuation tokens 2..N (the first continuation token is predicted by the
-context's last query, which a state does not keep).
+context's last query, which a state does not keep). The task probes (``--probe``: passkeys planted
+at depths, several named keys, QA F1 on held-out contracts) ask questions after a state and after
+the full context and score the greedy answers.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def evaluate(lm: LoadedModel, text: str, *, context_tokens: int = 2048, continua
              settings: CompressSettings | None = None, tagger=None, probe: str | None = None,
              progress=None, regenerator=None) -> EvalResult:
     """The module's measurement of `settings` on `text`; `progress(stage, done, total)` after the
-    full-context pass, each prefill chunk and compressed layer of the state, each passkey depth.
+    full-context pass, each prefill chunk and compressed layer of the state, each probe question asked.
     `regenerator`: code the state on it (:func:`compress_document`). A model with a reader adapter
     reads the state with it on (the state is made for it), as generation would."""
     probes = check_probe(probe)
