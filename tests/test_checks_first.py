@@ -43,7 +43,7 @@ def refused(args: list[str], fragment: str, code: int = 2, report: bool = False)
 def test_eval_unknown_probe(no_model, tmp_path):
     doc = tmp_path / "doc.txt"
     doc.write_text(CORPUS)
-    refused(["upcycle", "eval", "--input", str(doc), "--probe", "nosuch"], "--probe nosuch: expected one of passkey")
+    refused(["upcycle", "eval", "--input", str(doc), "--probe", "nosuch"], "--probe nosuch: expected one of passkey, keys, qa")
 
 
 def test_generate_missing_or_corrupt_state(no_model, tmp_path):

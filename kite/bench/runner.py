@@ -19,6 +19,7 @@ from kite.bench.document import DocumentContext
 from kite.bench.methods import ALL_METHODS, BASELINES, Fused, Method, kvpress_status
 from kite.bench.reuse import BenchReuse, Reference
 from kite.config import DEFAULT_MIN_HIT_GAIN
+from kite.data.answers import answer_text
 from kite.errors import BadInput
 
 if TYPE_CHECKING:
@@ -88,12 +89,6 @@ def prompt_ids(lm: LoadedModel, case: BenchCase, chat: bool = True) -> list[int]
     if wants_chat and not use_chat:
         text = f"\nQuestion: {case.question}\nAnswer:"
     return encode_prompt(lm.tokenizer, text, chat=use_chat, add_special_tokens=False)
-
-
-def answer_text(generated: str) -> str:
-    """The answer scored for F1 / exact match: the generated text up to its first line break
-    (a base-model continuation runs on past the answer; the same cut for every method)."""
-    return generated.strip().split("\n", 1)[0]
 
 
 def check_lengths(lm: LoadedModel, cases: list[BenchCase], max_new_tokens: int, chat: bool) -> dict[str, tuple]:

@@ -196,12 +196,14 @@ def eval_cmd(
     clusters: Annotated[int | None, typer.Option(min=1, help="Number of clusters.")] = None,
     config: Annotated[Path | None, typer.Option(help="upcycle_config.yaml.")] = None,
     regenerator: Annotated[Path | None, RegeneratorOpt] = None,
-    probe: Annotated[str | None, typer.Option(help="'passkey': also retrieve facts planted early in the context.")] = None,
+    probe: Annotated[str | None, typer.Option(help="Also measure tasks on the state at this ratio (a comma list): "
+                                              "'passkey' (one key at 10/30/50/70/90 % depth), 'keys' (3 keys in "
+                                              "one context), 'qa' (F1 on held-out generated contracts).")] = None,
     json_out: bool = JsonOpt,
 ) -> None:
     """What a setting loses on your text: PPL full vs state, delta, KL, top-1 agreement, bytes.
 
-    Example: kite upcycle eval --input /usr/share/common-licenses/GPL-3 --ratio 8 --probe passkey
+    Example: kite upcycle eval --input /usr/share/common-licenses/GPL-3 --ratio 8 --probe passkey,qa
     """
     text, _ = read_document(input)   # before the heavy imports: a bad --input fails at once
     model = model_spec(model)
@@ -226,10 +228,14 @@ def eval_cmd(
               highlight=False)
     out.print(f"  state {result.state_bytes:,} B vs raw fp16 KV {result.raw_kv_bytes:,} B = "
               f"{result.compression_ratio:.2f}× (every byte counted: codecs, scales, header)", highlight=False)
-    if result.probe:
-        p = result.probe
-        out.print(f"  passkey: full context {p['full_accuracy']:.0%} · state {p['state_accuracy']:.0%}",
-                  highlight=False)
+    for name, p in result.probes.items():
+        if name == "qa":
+            out.print(f"  qa: F1 full context {p['full_f1']:.3f} · state {p['state_f1']:.3f} · exact match "
+                      f"{p['full_exact']:.0%} · {p['state_exact']:.0%} ({len(p['cases'])} questions, state "
+                      f"{p['compression_ratio']:.2f}×)", highlight=False)
+        else:
+            out.print(f"  {name}: full context {p['full_accuracy']:.0%} · state {p['state_accuracy']:.0%} "
+                      f"({len(p['cases'])} keys, state {p['compression_ratio']:.2f}×)", highlight=False)
 
 
 @app.command("migrate")

@@ -36,3 +36,9 @@ def f1_score(prediction: str, reference: str) -> float:
         return 0.0
     precision, recall = same / len(p), same / len(r)
     return 2 * precision * recall / (precision + recall)
+
+
+def answer_text(generated: str) -> str:
+    """The answer scored for F1 / exact match: the generated text up to its first line break
+    (a base-model continuation runs on past the answer; the same cut for every method)."""
+    return generated.strip().split("\n", 1)[0]

@@ -29,7 +29,18 @@ from kite.upcycle.codec import CodecSettings, Regenerator, RegeneratorFit
 from kite.upcycle.codec import settings_for as codec_settings
 from kite.upcycle.compress import ClusterInfo, CompressResult, CompressSettings, compress_document
 from kite.upcycle.recode import cluster_ratios, not_recodable, recode_clusters, state_ratio
-from kite.upcycle.quality import PROBES, EvalResult, check_probe, compare_logits, evaluate, split_text
+from kite.upcycle.quality import (
+    PASSKEY_DEPTHS,
+    PROBES,
+    EvalResult,
+    check_probe,
+    compare_logits,
+    evaluate,
+    passkey_probe,
+    qa_probe,
+    run_probe,
+    split_text,
+)
 from kite.upcycle.format import FORMAT_VERSION, StateFile, StateWriter, path_version
 from kite.upcycle.inspect import describe_state
 from kite.upcycle.load import (LOAD_PRECISIONS, RESIDENT_FORMS, SINK_TOKENS, HotTier, LoadReport, ResidentForm,
@@ -48,10 +59,10 @@ from kite.upcycle.tagging import (ClauseTagger, QueryHead, TagResult, build_tagg
 
 __all__ = [
     "DEFAULT_BLOCK_TOKENS", "DEFAULT_CODEC", "FORMAT_VERSION", "LOAD_PRECISIONS", "SINK_TOKENS", "BudgetCache", "BudgetRow",
-    "BudgetSettings", "PROBES", "ClauseTagger", "ClusterInfo", "CodecSettings", "CompressResult", "CompressSettings",
+    "BudgetSettings", "PASSKEY_DEPTHS", "PROBES", "ClauseTagger", "ClusterInfo", "CodecSettings", "CompressResult", "CompressSettings",
     "EvalResult", "HotTier", "LoadReport", "MigrationReport", "Pipeline", "QueryHead", "StateFile", "StateWriter",
     "TagResult", "UpcycleConfig", "WindowCache", "apply_rope", "budget_cache", "build_tagger", "kv_bytes_per_token", "min_budget", "calibration_set",
-    "check_budget", "check_fingerprints", "check_probe", "codec", "codec_settings", "compare_logits", "compress_document",
+    "check_budget", "check_fingerprints", "check_probe", "passkey_probe", "qa_probe", "run_probe", "codec", "codec_settings", "compare_logits", "compress_document",
     "compress_settings", "default_tier", "describe_state", "describe_tagger", "evaluate", "evaluate_queries",
     "evaluate_tagging", "format", "lanes_for", "lanes_of", "load_lanes", "load_prefix", "load_upcycle_config", "migrate", "open_pipeline", "path_version", "pending_migration", "plan_migration",
     "Pair", "Regenerator", "RegeneratorFit", "TrainRequest", "read_pairs", "split_pairs", "train_upcycle",

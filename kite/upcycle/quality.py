@@ -4,13 +4,16 @@ Teacher-forced over the continuation: PPL after the full context and after the s
 that context, their delta, the mean KL divergence and top-1 agreement of the next-token
 distributions against full context, and every byte of the state against the raw fp16 KV.
 Both paths score continuation tokens 2..N (the first continuation token is predicted by the
-context's last query, which a state does not keep).
+context's last query, which a state does not keep). The task probes (``--probe``: passkeys planted
+at depths, several named keys, QA F1 on held-out contracts) ask questions after a state and after
+the full context and score the greedy answers.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import re
 import tempfile
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -43,7 +46,7 @@ class EvalResult:
     state_bytes: int
     raw_kv_bytes: int
     compression_ratio: float
-    probe: dict | None = None
+    probes: dict = field(default_factory=dict)   # probe name -> its result (run_probe)
     timings_ms: dict = field(default_factory=dict)
     spans: dict = field(default_factory=dict)   # the state's spans: count, min_tokens, max_tokens
     regenerator: str | None = None              # the fingerprint of the regenerator the state was coded on
@@ -82,13 +85,18 @@ def split_text(lm: LoadedModel, text: str, context_tokens: int, continuation_tok
     return ids[:context_tokens], ids[context_tokens:need]
 
 
-PROBES = ("passkey",)
+PROBES = ("passkey", "keys", "qa")
 
 
-def check_probe(probe: str | None) -> None:
-    """BadInput unless `probe` is None or a probe :func:`evaluate` knows (checked before any work)."""
-    if probe is not None and probe not in PROBES:
-        raise BadInput(f"--probe {probe}: expected one of {', '.join(PROBES)}")
+def check_probe(probe: str | None) -> tuple[str, ...]:
+    """The probes of `probe` (one name or a comma list, e.g. ``passkey,qa``), each once in the order
+    given; BadInput unless every name is one :func:`evaluate` knows (checked before any work)."""
+    if probe is None:
+        return ()
+    names = [name.strip() for name in probe.split(",")]
+    if not all(name in PROBES for name in names):
+        raise BadInput(f"--probe {probe}: expected one of {', '.join(PROBES)} or a comma list of them")
+    return tuple(dict.fromkeys(names))
 
 
 @torch.inference_mode()
@@ -96,10 +104,10 @@ def evaluate(lm: LoadedModel, text: str, *, context_tokens: int = 2048, continua
              settings: CompressSettings | None = None, tagger=None, probe: str | None = None,
              progress=None, regenerator=None) -> EvalResult:
     """The module's measurement of `settings` on `text`; `progress(stage, done, total)` after the
-    full-context pass, each prefill chunk and compressed layer of the state, each passkey depth.
+    full-context pass, each prefill chunk and compressed layer of the state, each probe question asked.
     `regenerator`: code the state on it (:func:`compress_document`). A model with a reader adapter
     reads the state with it on (the state is made for it), as generation would."""
-    check_probe(probe)
+    probes = check_probe(probe)
     settings = settings or CompressSettings()
     ctx, cont = split_text(lm, text, context_tokens, continuation_tokens)
     targets = torch.tensor(cont[1:])
@@ -127,13 +135,10 @@ def evaluate(lm: LoadedModel, text: str, *, context_tokens: int = 2048, continua
         compression_ratio=round(made.compression_ratio, 3),
         timings_ms={**made.timings_ms, "load": report.load_ms}, spans=made.spans,
         regenerator=regenerator.fingerprint if regenerator is not None else None, reader_adapter=bool(reader_on))
-    if probe == "passkey":
-        result.probe = passkey_probe(lm, text, context_tokens, settings, tagger, progress=progress,
-                                     regenerator=regenerator)
+    for name in probes:
+        result.probes[name] = run_probe(name, lm, text, context_tokens, settings, tagger, progress=progress,
+                                        regenerator=regenerator)
     return result
-
-
-PASSKEY_DEPTHS = (0.05, 0.15, 0.3)
 
 
 @torch.inference_mode()
@@ -141,37 +146,199 @@ def _reading(lm: LoadedModel, prefix):
     return lm.reading(prefix.reader) if hasattr(lm, "reading") else nullcontext(False)
 
 
-def passkey_probe(lm: LoadedModel, text: str, context_tokens: int, settings: CompressSettings, tagger=None,
-                  depths=PASSKEY_DEPTHS, seed: int = 0, progress=None, regenerator=None) -> dict:
-    """Plant a passkey early in the context, compress without the question, ask for it.
+# ---------------------------------------------------------------- task probes
+# Facts stated once in a context, the context compressed without the question, the question asked
+# after the state (and, for the baseline, after the full context), the greedy answer scored.
 
-    Returns retrieval accuracy with full context and from the state (greedy, exact digits).
+PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)   # the single-key form: one context per depth
+KEYS = 3                                     # the several-keys form: this many keys in one context
+KEY_LABELS = ("red", "green", "blue", "yellow", "violet", "orange", "white", "black")
+QA_CONTRACTS = 2
+QA_SEED = 23    # the held-out contracts' seed (kite.upcycle.study.held_out): no calibration or training draws it
+ANSWER_TOKENS = {"passkey": 8, "qa": 16}
+
+
+def key_depths(keys: int) -> tuple[float, ...]:
+    """Where `keys` keys go in one context: the middles of `keys` equal slices of it."""
+    return tuple(round((i + 0.5) / keys, 4) for i in range(keys))
+
+
+def passkey_sentences(label: str | None, key: str) -> tuple[str, str]:
+    """The fact stated in the context and the question asked after it (its answer: `key`)."""
+    name = f"the {label} passkey" if label else "the passkey"
+    return (f"\n{name[0].upper()}{name[1:]} is {key}. Remember it: {key} is {name}.\n",
+            f"\nWhat is {name}? {name[0].upper()}{name[1:]} is")
+
+
+def plant_keys(lm: LoadedModel, ids: list[int], context_tokens: int, depths, labels, rng: random.Random
+               ) -> tuple[list[int], list[dict]]:
+    """A context of `context_tokens` tokens: the first tokens of `ids` with one passkey fact planted at
+    each depth (a fraction of the text around the facts). Returns the context and, per key, its
+    depth, label, passkey, token position and question."""
+    planted = []
+    for depth, label in zip(depths, labels):
+        key = str(rng.randint(10000, 99999))
+        fact, question = passkey_sentences(label, key)
+        planted.append({"depth": depth, "label": label, "passkey": key, "question": question,
+                        "fact_ids": lm.tokenizer(fact, add_special_tokens=False)["input_ids"]})
+    n_body = context_tokens - sum(len(k["fact_ids"]) for k in planted)
+    if n_body < 1:
+        raise BadInput(f"--context-tokens {context_tokens} cannot hold {len(planted)} passkey facts and a text")
+    if len(ids) < n_body:
+        raise BadInput(f"the text has {len(ids)} tokens; a context of {context_tokens} with its passkeys needs {n_body}")
+    body = ids[:n_body]
+    ctx, at = [], 0
+    for k in sorted(planted, key=lambda k: k["depth"]):
+        cut = int(len(body) * k["depth"])
+        ctx += body[at:cut]
+        k["position"] = len(ctx)
+        ctx += k.pop("fact_ids")
+        at = cut
+    return ctx + body[at:], planted
+
+
+def first_number(text: str) -> str | None:
+    m = re.search(r"\d+", text)
+    return m.group(0) if m else None
+
+
+def _state(lm: LoadedModel, ctx: list[int], settings: CompressSettings, tagger, regenerator):
+    """The loaded state of `ctx` and the compression ratio its file reached."""
+    with tempfile.TemporaryDirectory() as tmp:
+        state_path = Path(tmp) / "probe.upc"
+        made = compress_document(lm, lm.tokenizer.decode(ctx), state_path, settings, tagger=tagger, ids=ctx,
+                                 regenerator=regenerator)
+        prefix, _ = load_prefix(state_path, lm, regenerator=regenerator)
+    return prefix, made.compression_ratio
+
+
+def _ask(lm: LoadedModel, ctx: list[int], questions: list[str], settings: CompressSettings, tagger, regenerator,
+         max_new_tokens: int, full: bool, step) -> tuple[list[tuple[str | None, str]], float]:
+    """Greedy answers to each question after the full context (None when not `full`) and after the
+    state of `ctx`; the state's compression ratio."""
+    prefix, ratio = _state(lm, ctx, settings, tagger, regenerator)
+    out = []
+    for q in questions:
+        q_ids = lm.tokenizer(q, add_special_tokens=False)["input_ids"]
+        from_full = generate(lm, ctx + q_ids, max_new_tokens=max_new_tokens, stop_ids=set()).text if full else None
+        out.append((from_full, generate(lm, q_ids, max_new_tokens=max_new_tokens, prefix=prefix,
+                                        stop_ids=set()).text))
+        step()
+    return out, ratio
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def _stepper(progress, stage: str, total: int):
+    done = [0]
+
+    def step():
+        done[0] += 1
+        if progress:
+            progress(stage, done[0], total)
+    return step
+
+
+def passkey_probe(lm: LoadedModel, text: str, context_tokens: int, settings: CompressSettings, tagger=None, *,
+                  keys: int = 1, depths=None, seed: int = 0, full: bool = True, progress=None,
+                  regenerator=None) -> dict:
+    """Passkeys planted in `text`'s first `context_tokens` tokens, the context compressed without the
+    question, each key asked for after the state (and after the full context unless not `full`).
+
+    ``keys=1`` (the form the field reports): one context per depth of `depths` (default
+    :data:`PASSKEY_DEPTHS`), one unnamed key in each. ``keys=N``: one context holding N keys named by
+    colour at `depths` (default :func:`key_depths`), each asked by its name. A key is retrieved when
+    the first number of the greedy answer is the key. Returns the cases and the accuracies.
     """
     rng = random.Random(seed)
     ids, _ = tokenize_document(lm.tokenizer, text)
-    rows = []
-    for depth in depths:
-        key = str(rng.randint(10000, 99999))
-        fact = f"\nThe passkey is {key}. Remember it: {key} is the passkey.\n"
-        fact_ids = lm.tokenizer(fact, add_special_tokens=False)["input_ids"]
-        body = ids[:context_tokens - len(fact_ids)]
-        at = int(len(body) * depth)
-        ctx = body[:at] + fact_ids + body[at:]
-        question = lm.tokenizer("\nWhat is the passkey? The passkey is", add_special_tokens=False)["input_ids"]
-        full = generate(lm, ctx + question, max_new_tokens=8, stop_ids=set())
-        with tempfile.TemporaryDirectory() as tmp:
-            state_path = Path(tmp) / "probe.upc"
-            compress_document(lm, lm.tokenizer.decode(ctx), state_path, settings, tagger=tagger, ids=ctx,
-                              regenerator=regenerator)
-            prefix, _ = load_prefix(state_path, lm, regenerator=regenerator)
-        from_state = generate(lm, question, max_new_tokens=8, prefix=prefix, stop_ids=set())
-        rows.append({"depth": depth, "passkey": key, "full": key in full.text, "state": key in from_state.text,
-                     "full_text": full.text.strip(), "state_text": from_state.text.strip()})
-        if progress:
-            progress("passkey", len(rows), len(depths))
-    return {"kind": "passkey", "cases": rows,
-            "full_accuracy": sum(r["full"] for r in rows) / len(rows),
-            "state_accuracy": sum(r["state"] for r in rows) / len(rows)}
+    if keys < 1 or keys > len(KEY_LABELS):
+        raise BadInput(f"keys {keys}: expected 1 to {len(KEY_LABELS)}")
+    if keys == 1:
+        contexts = [((d,), (None,)) for d in (depths or PASSKEY_DEPTHS)]
+    else:
+        contexts = [(tuple(depths or key_depths(keys)), KEY_LABELS[:keys])]
+    if any(len(d) != keys for d, _ in contexts) or not all(0 <= x <= 1 for d, _ in contexts for x in d):
+        raise BadInput(f"depths {depths}: expected {keys} fractions between 0 and 1")
+    kind = "passkey" if keys == 1 else "keys"
+    step = _stepper(progress, kind, sum(len(d) for d, _ in contexts))
+    rows, ratios = [], []
+    for depth_set, labels in contexts:
+        ctx, planted = plant_keys(lm, ids, context_tokens, depth_set, labels, rng)
+        answers, ratio = _ask(lm, ctx, [k["question"] for k in planted], settings, tagger, regenerator,
+                              ANSWER_TOKENS["passkey"], full, step)
+        ratios.append(ratio)
+        for k, (from_full, from_state) in zip(planted, answers):
+            rows.append({"depth": k["depth"], "label": k["label"], "passkey": k["passkey"],
+                         "position": k["position"], "context_tokens": len(ctx),
+                         "full": None if from_full is None else first_number(from_full) == k["passkey"],
+                         "state": first_number(from_state) == k["passkey"],
+                         "full_text": None if from_full is None else from_full.strip(),
+                         "state_text": from_state.strip()})
+    return {"kind": kind, "keys": keys, "cases": rows,
+            "full_accuracy": _mean(r["full"] for r in rows), "state_accuracy": _mean(r["state"] for r in rows),
+            "compression_ratio": round(sum(ratios) / len(ratios), 3)}
+
+
+def qa_probe(lm: LoadedModel, context_tokens: int, settings: CompressSettings, tagger=None, *,
+             contracts: int = QA_CONTRACTS, seed: int = QA_SEED, records: list[dict] | None = None,
+             full: bool = True, progress=None, regenerator=None) -> dict:
+    """Questions about generated contracts (seed `seed`: by default the held-out contracts), each
+    contract of about `context_tokens` tokens compressed without the questions; each question of
+    the ``qa`` family asked as its completion prompt after the state (and after the full context
+    unless not `full`). Scored as SQuAD: token F1 and exact match of the answer's first line against
+    the contract's fact. `records`: these contract records (``id``, ``text``, ``questions``) instead."""
+    from kite.data.answers import answer_text, exact_match, f1_score
+    from kite.data.contracts import generate_contract
+
+    def n_tokens(s: str) -> int:
+        return len(tokenize_document(lm.tokenizer, s)[0])
+
+    if records is None:
+        records = [generate_contract(i, context_tokens, seed, n_tokens) for i in range(contracts)]
+    per = [[q for q in r["questions"] if q["family"] == "qa"] for r in records]
+    step = _stepper(progress, "qa", sum(len(qs) for qs in per))
+    rows, ratios = [], []
+    for record, questions in zip(records, per):
+        ctx, _ = tokenize_document(lm.tokenizer, record["text"])
+        limit = lm.geometry.context_length
+        if limit and len(ctx) + 64 > limit:
+            raise BadInput(f"--context-tokens {context_tokens}: a contract of {len(ctx)} tokens and its question "
+                           f"exceed the model's context of {limit}")
+        answers, ratio = _ask(lm, ctx, ["\n\n" + q["prompt"] for q in questions], settings, tagger, regenerator,
+                              ANSWER_TOKENS["qa"], full, step)
+        ratios.append(ratio)
+        for q, (from_full, from_state) in zip(questions, answers):
+            ref = q["answer"]
+            a_full = None if from_full is None else answer_text(from_full)
+            a_state = answer_text(from_state)
+            rows.append({"contract": record["id"], "context_tokens": len(ctx), "label": q["label"],
+                         "prompt": q["prompt"], "reference": ref,
+                         "full_answer": a_full, "state_answer": a_state,
+                         "full_f1": None if a_full is None else round(f1_score(a_full, ref), 4),
+                         "state_f1": round(f1_score(a_state, ref), 4),
+                         "full_exact": None if a_full is None else exact_match(a_full, ref),
+                         "state_exact": exact_match(a_state, ref)})
+    return {"kind": "qa", "cases": rows,
+            "full_f1": _mean(r["full_f1"] for r in rows), "state_f1": _mean(r["state_f1"] for r in rows),
+            "full_exact": _mean(r["full_exact"] for r in rows), "state_exact": _mean(r["state_exact"] for r in rows),
+            "compression_ratio": round(sum(ratios) / len(ratios), 3)}
+
+
+def run_probe(name: str, lm: LoadedModel, text: str, context_tokens: int, settings: CompressSettings, tagger=None,
+              **kw) -> dict:
+    """One probe of :data:`PROBES` by name: ``passkey`` (one key, five depths), ``keys``
+    (:data:`KEYS` keys in one context of `text`), ``qa`` (held-out contracts; `text` unused)."""
+    if name == "passkey":
+        return passkey_probe(lm, text, context_tokens, settings, tagger, **kw)
+    if name == "keys":
+        return passkey_probe(lm, text, context_tokens, settings, tagger, keys=KEYS, **kw)
+    if name == "qa":
+        return qa_probe(lm, context_tokens, settings, tagger, **kw)
+    raise BadInput(f"--probe {name}: expected one of {', '.join(PROBES)}")
 
 
 def ppl(x: float) -> float:
