@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # sits `data`: the synthetic contracts and pairs import nothing above them. buildinfo reports the
 # native runtime (kernels), so it sits beside model. `testing` (test support for tests/ and
 # benchmarks/) imports nothing above model, and no product module imports it.
-RANK = {"cli": 6, "serve": 5, "bench": 5, "tune": 5, "store": 4, "yoco": 4, "upcycle": 3, "runtime": 2,
+RANK = {"cli": 6, "integrations": 5, "serve": 5, "bench": 5, "tune": 5, "store": 4, "yoco": 4, "upcycle": 3, "runtime": 2,
         "model": 2, "buildinfo": 2, "testing": 2, "kernels": 1, "data": 0, "config": 0}
 TEST_SUPPORT = "kite.testing"
 
