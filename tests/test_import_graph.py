@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The layers (docs/architecture.md): cli -> serve, bench, tune -> store, yoco -> upcycle -> runtime,
+# The layers (docs/architecture.md): cli -> serve, bench, tune, integrations -> store, yoco -> upcycle -> runtime,
 # model -> kernels -> the bottom. A package may import from its own rank or any lower one, never a
 # higher one. At the bottom (rank 0, beside config, errors, paths and the other top-level modules)
 # sits `data`: the synthetic contracts and pairs import nothing above them. buildinfo reports the
