@@ -118,3 +118,45 @@ def test_a_prompt_matches_a_state_only_when_it_begins_with_the_states_own_tokens
     assert prompt_matches(ids[:-1], addr) == 0                      # shorter than the document
     assert prompt_matches([ids[0] + 1] + ids[1:] + query, addr) == 0   # another first token
     assert prompt_matches(query + ids, addr) == 0                   # the document, but not first
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_tokens_scattered_into_paged_blocks_read_back_at_their_slots(layout):
+    import torch
+
+    from kite.serve.vllm_blocks import scatter_into_blocks
+
+    H, d, bs, n_blocks = 2, 4, 4, 12
+    block_ids = [7, 3, 10, 0]                              # the request's block table
+    positions = list(range(8, 13)) + list(range(0, 8))     # a load's second cluster came first
+    rows = torch.randn(H, len(positions), d, dtype=torch.float32)
+    shape = (n_blocks, bs, H, d) if layout == "NHD" else (n_blocks, H, bs, d)
+    cache = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    assert scatter_into_blocks(cache, rows, positions, block_ids, bs, layout) == len(positions)
+    for t, p in enumerate(positions):
+        flat = slot_mapping(p, p + 1, block_ids, bs)[0]
+        b, s = divmod(flat, bs)
+        got = cache[b, s] if layout == "NHD" else cache[b, :, s]
+        assert torch.equal(got, rows[:, t].to(torch.bfloat16))
+    written = {divmod(slot_mapping(p, p + 1, block_ids, bs)[0], bs) for p in positions}
+    for b in range(n_blocks):                              # nothing else was touched
+        for s in range(bs):
+            if (b, s) not in written:
+                assert torch.isnan((cache[b, s] if layout == "NHD" else cache[b, :, s]).float()).all()
+
+
+def test_a_scatter_refuses_positions_outside_the_table_repeated_or_not_matching_the_rows():
+    import torch
+
+    from kite.serve.vllm_blocks import scatter_into_blocks
+
+    cache = torch.zeros(4, 4, 1, 2)
+    with pytest.raises(BadInput, match="pass the block table"):
+        scatter_into_blocks(cache, torch.zeros(1, 1, 2), [8], [0, 1], 4)
+    with pytest.raises(BadInput, match="repeat"):
+        scatter_into_blocks(cache, torch.zeros(1, 2, 2), [1, 1], [0, 1], 4)
+    with pytest.raises(BadInput, match="need"):
+        scatter_into_blocks(cache, torch.zeros(1, 3, 2), [0, 1], [0, 1], 4)
+    with pytest.raises(BadInput, match="layout"):
+        scatter_into_blocks(cache, torch.zeros(1, 1, 2), [0], [0], 4, layout="LBNHC")
+    assert not cache.any()
