@@ -160,3 +160,42 @@ def test_a_scatter_refuses_positions_outside_the_table_repeated_or_not_matching_
     with pytest.raises(BadInput, match="layout"):
         scatter_into_blocks(cache, torch.zeros(1, 1, 2), [0], [0], 4, layout="LBNHC")
     assert not cache.any()
+
+
+def test_a_whole_state_load_scattered_into_paged_blocks_holds_each_tokens_own_kv(tiny_models, tmp_path):
+    """A state of the tiny Llama (exact codec, clusters whose token ranges interleave), loaded whole
+    by KITE and scattered into a paged buffer in a shuffled block table: the value at each position's slot is the prefill's value
+    there (values carry no RoPE, so they name the token), and the keys land in the same slots."""
+    import torch
+
+    from kite.model import load_model
+    from kite.serve.vllm_blocks import loaded_positions, scatter_into_blocks
+    from kite.upcycle import StateFile, capture_kv, codec, load_prefix
+    from kite.upcycle.compress import CompressSettings, compress_document
+    from tests.tiny_models import CORPUS
+
+    lm = load_model(str(tiny_models["llama"]), device="cpu")
+    doc = CORPUS.replace(". ", ".\n\n", 3)
+    compress_document(lm, doc, tmp_path / "s.upc", CompressSettings(codec=codec.settings_for("exact"), n_clusters=3,
+                                                                    min_span_tokens=8, max_span_tokens=24))
+    with StateFile(tmp_path / "s.upc") as state:
+        clusters, n = state.meta["clusters"], state.meta["n_tokens"]
+    prefix, _ = load_prefix(tmp_path / "s.upc", lm)
+    positions = loaded_positions(clusters)
+    assert positions == list(range(n))
+    assert any(len(c["token_ranges"]) > 1 for c in clusters)              # the clusters interleave
+    reference = capture_kv(lm, doc)
+    bs = 16
+    n_blocks = -(-n // bs)
+    block_ids = list(torch.randperm(n_blocks + 5, generator=torch.Generator().manual_seed(0))[:n_blocks].tolist())
+    for layer in range(len(prefix.values)):
+        H, _, d = prefix.values[layer].shape
+        k_cache = torch.zeros(n_blocks + 5, bs, H, d)
+        v_cache = torch.zeros(n_blocks + 5, bs, H, d)
+        assert scatter_into_blocks(k_cache, prefix.keys[layer], positions, block_ids, bs) == n
+        scatter_into_blocks(v_cache, prefix.values[layer], positions, block_ids, bs)
+        slots = torch.tensor(slot_mapping(0, n, block_ids, bs))
+        v_read = v_cache.reshape(-1, H, d)[slots].permute(1, 0, 2)          # [H, n, d] in document order
+        assert torch.allclose(v_read, reference.values[layer], atol=1e-4)
+        k_read = k_cache.reshape(-1, H, d)[slots].permute(1, 0, 2)
+        assert torch.allclose(k_read.norm(dim=-1), reference.keys_pre[layer].norm(dim=-1), atol=1e-3)  # RoPE keeps norms

@@ -128,6 +128,14 @@ def prompt_matches(prompt_ids: Sequence[int], address: dict) -> int:
     return n if tokens_digest(prompt_ids[:n]) == address["tokens_sha256"] else 0
 
 
+def loaded_positions(clusters: Iterable[dict]) -> list[int]:
+    """The document position of each token of a load of these clusters (a header's ``clusters[]``
+    entries, ``token_ranges``), in the order of the rebuilt prefix's tokens
+    (``kite.upcycle.load_prefix``): ascending, tokens of clusters not loaded absent. What
+    :func:`scatter_into_blocks` needs to put that prefix's rows in their slots."""
+    return sorted({p for c in clusters for a, b in c["token_ranges"] for p in range(int(a), int(b))})
+
+
 def scatter_into_blocks(side_cache, rows, positions: Sequence[int], block_ids: Sequence[int], block_size: int,
                         layout: str = "NHD") -> int:
     """Write one side (K or V) of one layer's tokens into a paged cache, in place: ``rows``
