@@ -9,7 +9,7 @@ KITE    := $(BIN)/kite
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH   := $(if $(HAS_GPU),torch,torch==2.13.0)
 
-.PHONY: install demo test test-fast lint build-runtime clean
+.PHONY: install demo test test-fast lint build-runtime clean vllm-env test-vllm
 
 install: $(STAMP)
 
@@ -74,6 +74,32 @@ redis-server:
 .PHONY: runtime-if-possible
 runtime-if-possible:
 	-@$(MAKE) --no-print-directory build/libkite_runtime.so || echo "native runtime not built: tests use the torch fallback"
+
+# vLLM for the KV connector (kite/integrations/vllm.py, docs/vllm-connector.md): its own venv, never
+# .venv. vLLM's wheel pins a CUDA torch; it goes in with --no-deps over the CPU torch above, plus
+# only the packages its scheduler and connector API import (found by importing them; none pulls
+# CUDA). Its tests (tests_vllm/, outside pytest's testpaths) run with `make test-vllm`.
+VLLM_VENV    ?= .venv-vllm
+VLLM_VERSION ?= 0.33.0
+VLLM_NEEDS   := cbor2==6.3.0 pyzmq==27.3.0 aiohttp openai==3.57.0 openai-harmony==0.0.8 pillow \
+                pybase64==1.5.1 cachetools==8.0.2 msgspec==0.23.0 cloudpickle==3.1.3 uvloop==0.23.0 \
+                py-cpuinfo==9.0.0 prometheus_client fastapi partial-json-parser==0.2.1.1.post7 \
+                llguidance==1.9.1 xgrammar==0.2.9 einops==0.8.2 pytest
+
+vllm-env: $(VLLM_VENV)/.vllm-installed
+
+$(VLLM_VENV)/.vllm-installed: Makefile constraints.txt pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH)"
+	$(VLLM_VENV)/bin/pip install -q -c constraints.txt -e .
+	$(VLLM_VENV)/bin/pip install -q --no-deps vllm==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/pip install -q -c constraints.txt $(VLLM_NEEDS)
+	$(VLLM_VENV)/bin/python -c "import torch, vllm; assert torch.version.cuda is None or '$(HAS_GPU)', torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+test-vllm: vllm-env
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:randomly -p no:cacheprovider tests_vllm
 
 clean:
 	rm -rf build .pytest_cache

@@ -21,13 +21,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The layers (docs/architecture.md): cli -> serve, bench, tune -> store, yoco -> upcycle -> runtime,
+# The layers (docs/architecture.md): cli -> serve, bench, tune, integrations -> store, yoco -> upcycle -> runtime,
 # model -> kernels -> the bottom. A package may import from its own rank or any lower one, never a
 # higher one. At the bottom (rank 0, beside config, errors, paths and the other top-level modules)
 # sits `data`: the synthetic contracts and pairs import nothing above them. buildinfo reports the
 # native runtime (kernels), so it sits beside model. `testing` (test support for tests/ and
 # benchmarks/) imports nothing above model, and no product module imports it.
-RANK = {"cli": 6, "serve": 5, "bench": 5, "tune": 5, "store": 4, "yoco": 4, "upcycle": 3, "runtime": 2,
+RANK = {"cli": 6, "integrations": 5, "serve": 5, "bench": 5, "tune": 5, "store": 4, "yoco": 4, "upcycle": 3, "runtime": 2,
         "model": 2, "buildinfo": 2, "testing": 2, "kernels": 1, "data": 0, "config": 0}
 TEST_SUPPORT = "kite.testing"
 

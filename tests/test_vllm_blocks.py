@@ -118,3 +118,84 @@ def test_a_prompt_matches_a_state_only_when_it_begins_with_the_states_own_tokens
     assert prompt_matches(ids[:-1], addr) == 0                      # shorter than the document
     assert prompt_matches([ids[0] + 1] + ids[1:] + query, addr) == 0   # another first token
     assert prompt_matches(query + ids, addr) == 0                   # the document, but not first
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_tokens_scattered_into_paged_blocks_read_back_at_their_slots(layout):
+    import torch
+
+    from kite.serve.vllm_blocks import scatter_into_blocks
+
+    H, d, bs, n_blocks = 2, 4, 4, 12
+    block_ids = [7, 3, 10, 0]                              # the request's block table
+    positions = list(range(8, 13)) + list(range(0, 8))     # a load's second cluster came first
+    rows = torch.randn(H, len(positions), d, dtype=torch.float32)
+    shape = (n_blocks, bs, H, d) if layout == "NHD" else (n_blocks, H, bs, d)
+    cache = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    assert scatter_into_blocks(cache, rows, positions, block_ids, bs, layout) == len(positions)
+    for t, p in enumerate(positions):
+        flat = slot_mapping(p, p + 1, block_ids, bs)[0]
+        b, s = divmod(flat, bs)
+        got = cache[b, s] if layout == "NHD" else cache[b, :, s]
+        assert torch.equal(got, rows[:, t].to(torch.bfloat16))
+    written = {divmod(slot_mapping(p, p + 1, block_ids, bs)[0], bs) for p in positions}
+    for b in range(n_blocks):                              # nothing else was touched
+        for s in range(bs):
+            if (b, s) not in written:
+                assert torch.isnan((cache[b, s] if layout == "NHD" else cache[b, :, s]).float()).all()
+
+
+def test_a_scatter_refuses_positions_outside_the_table_repeated_or_not_matching_the_rows():
+    import torch
+
+    from kite.serve.vllm_blocks import scatter_into_blocks
+
+    cache = torch.zeros(4, 4, 1, 2)
+    with pytest.raises(BadInput, match="pass the block table"):
+        scatter_into_blocks(cache, torch.zeros(1, 1, 2), [8], [0, 1], 4)
+    with pytest.raises(BadInput, match="repeat"):
+        scatter_into_blocks(cache, torch.zeros(1, 2, 2), [1, 1], [0, 1], 4)
+    with pytest.raises(BadInput, match="need"):
+        scatter_into_blocks(cache, torch.zeros(1, 3, 2), [0, 1], [0, 1], 4)
+    with pytest.raises(BadInput, match="layout"):
+        scatter_into_blocks(cache, torch.zeros(1, 1, 2), [0], [0], 4, layout="LBNHC")
+    assert not cache.any()
+
+
+def test_a_whole_state_load_scattered_into_paged_blocks_holds_each_tokens_own_kv(tiny_models, tmp_path):
+    """A state of the tiny Llama (exact codec, clusters whose token ranges interleave), loaded whole
+    by KITE and scattered into a paged buffer in a shuffled block table: the value at each position's slot is the prefill's value
+    there (values carry no RoPE, so they name the token), and the keys land in the same slots."""
+    import torch
+
+    from kite.model import load_model
+    from kite.serve.vllm_blocks import loaded_positions, scatter_into_blocks
+    from kite.upcycle import StateFile, capture_kv, codec, load_prefix
+    from kite.upcycle.compress import CompressSettings, compress_document
+    from tests.tiny_models import CORPUS
+
+    lm = load_model(str(tiny_models["llama"]), device="cpu")
+    doc = CORPUS.replace(". ", ".\n\n", 3)
+    compress_document(lm, doc, tmp_path / "s.upc", CompressSettings(codec=codec.settings_for("exact"), n_clusters=3,
+                                                                    min_span_tokens=8, max_span_tokens=24))
+    with StateFile(tmp_path / "s.upc") as state:
+        clusters, n = state.meta["clusters"], state.meta["n_tokens"]
+    prefix, _ = load_prefix(tmp_path / "s.upc", lm)
+    positions = loaded_positions(clusters)
+    assert positions == list(range(n))
+    assert any(len(c["token_ranges"]) > 1 for c in clusters)              # the clusters interleave
+    reference = capture_kv(lm, doc)
+    bs = 16
+    n_blocks = -(-n // bs)
+    block_ids = list(torch.randperm(n_blocks + 5, generator=torch.Generator().manual_seed(0))[:n_blocks].tolist())
+    for layer in range(len(prefix.values)):
+        H, _, d = prefix.values[layer].shape
+        k_cache = torch.zeros(n_blocks + 5, bs, H, d)
+        v_cache = torch.zeros(n_blocks + 5, bs, H, d)
+        assert scatter_into_blocks(k_cache, prefix.keys[layer], positions, block_ids, bs) == n
+        scatter_into_blocks(v_cache, prefix.values[layer], positions, block_ids, bs)
+        slots = torch.tensor(slot_mapping(0, n, block_ids, bs))
+        v_read = v_cache.reshape(-1, H, d)[slots].permute(1, 0, 2)          # [H, n, d] in document order
+        assert torch.allclose(v_read, reference.values[layer], atol=1e-4)
+        k_read = k_cache.reshape(-1, H, d)[slots].permute(1, 0, 2)
+        assert torch.allclose(k_read.norm(dim=-1), reference.keys_pre[layer].norm(dim=-1), atol=1e-3)  # RoPE keeps norms

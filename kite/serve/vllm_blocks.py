@@ -126,3 +126,44 @@ def prompt_matches(prompt_ids: Sequence[int], address: dict) -> int:
     if n < 1 or len(prompt_ids) < n:
         return 0
     return n if tokens_digest(prompt_ids[:n]) == address["tokens_sha256"] else 0
+
+
+def loaded_positions(clusters: Iterable[dict]) -> list[int]:
+    """The document position of each token of a load of these clusters (a header's ``clusters[]``
+    entries, ``token_ranges``), in the order of the rebuilt prefix's tokens
+    (``kite.upcycle.load_prefix``): ascending, tokens of clusters not loaded absent. What
+    :func:`scatter_into_blocks` needs to put that prefix's rows in their slots."""
+    return sorted({p for c in clusters for a, b in c["token_ranges"] for p in range(int(a), int(b))})
+
+
+def scatter_into_blocks(side_cache, rows, positions: Sequence[int], block_ids: Sequence[int], block_size: int,
+                        layout: str = "NHD") -> int:
+    """Write one side (K or V) of one layer's tokens into a paged cache, in place: ``rows``
+    ``[H, T, d]`` holds the tokens at document ``positions`` (length T, any order: a load's
+    clusters come one after another); ``side_cache`` is that side's buffer ``[num_blocks,
+    block_size, H, d]`` (``NHD``) or ``[num_blocks, H, block_size, d]`` (``HND``). Position ``p``
+    goes to block ``block_ids[p // block_size]``, slot ``p % block_size``. Cast to the cache's
+    dtype; returns the tokens written."""
+    import torch
+
+    _check_block_size(block_size)
+    if layout not in ("NHD", "HND"):
+        raise BadInput(f"cache layout {layout!r}: NHD or HND")
+    pos = torch.as_tensor(list(positions), dtype=torch.long)
+    if rows.dim() != 3 or rows.shape[1] != pos.numel():
+        raise BadInput(f"rows {tuple(rows.shape)}: need [H, {pos.numel()}, d] for {pos.numel()} positions")
+    if pos.numel() == 0:
+        return 0
+    if int(pos.min()) < 0 or int(pos.max()) >= len(block_ids) * block_size:
+        raise BadInput(f"positions {int(pos.min())}..{int(pos.max())} pass the block table's {len(block_ids)} "
+                       f"blocks of {block_size}")
+    if pos.unique().numel() != pos.numel():
+        raise BadInput("positions repeat: a token has one slot")
+    table = torch.as_tensor([int(b) for b in block_ids], dtype=torch.long)
+    blocks, slots = table[pos // block_size].to(side_cache.device), (pos % block_size).to(side_cache.device)
+    tokens = rows.permute(1, 0, 2).to(device=side_cache.device, dtype=side_cache.dtype)   # [T, H, d]
+    if layout == "NHD":
+        side_cache[blocks, slots] = tokens
+    else:
+        side_cache[blocks, :, slots] = tokens
+    return int(pos.numel())

@@ -1,0 +1,1 @@
+"""KITE inside other engines: vLLM's KV connector (:mod:`kite.integrations.vllm`)."""
