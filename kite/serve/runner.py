@@ -9,6 +9,7 @@ worker threads, which keeps the event loop free for admin, health and metrics.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -207,13 +208,7 @@ class ModelRunner:
         from kite.yoco.intent import query_signals
 
         signals = query_signals(self.lm, [query for query, *_ in items], self.tagger)
-        out = []
-        for (query, state_id, path, ruleset), q in zip(items, signals):
-            try:
-                out.append(self._decide_and_load(query, state_id, path, ruleset, q))
-            except Exception as exc:  # noqa: BLE001 - fails its request alone
-                out.append(exc)
-        return out
+        return _each([functools.partial(self._decide_and_load, *item, q) for item, q in zip(items, signals)])
 
     def _decide_and_load(self, query: str, state_id: str, path, ruleset, signals):
         """YOCO decides (kite.yoco.fused.decide_request); the engine loads what it chose through the
@@ -253,8 +248,8 @@ class ModelRunner:
 
 
 def _each(calls: list) -> list:
-    """Run each call in order (the feedback of every request that ended since the last step, in one
-    hand-over to the model's thread); a result or the exception for each."""
+    """Run each call in order (the work of several requests in one hand-over to the model's thread);
+    a result or the exception for each: a request's own error fails it alone."""
     out = []
     for call in calls:
         try:
