@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kite.runtime.batch import right_padded
+from kite.runtime.kernel_pass import hidden_pass
 from kite.runtime.lowp import bf16_linears
 
 if TYPE_CHECKING:
@@ -152,7 +153,11 @@ def _distinct_signals(lm: LoadedModel, queries: list[str], tagger, batch_size: i
             ids, mask = right_padded([enc[i] for i in idx], pad)
             m = mask.bool()
             targets = _next_tokens(ids, mask)[m]
-            if plain is not None:
+            passed = hidden_pass(lm.model, ids, tuple(layers)) if plain is not None else None
+            if passed is not None:       # a GPU with the fused layers: the pass on KITE's kernels
+                last, hidden_states = passed
+                ent_flat, nll_flat = head_entropy_bits(plain[1], last[m.to(device)], targets=targets)
+            elif plain is not None:
                 decoder, head = plain
                 res = decoder(input_ids=ids.to(device), attention_mask=mask.to(device),
                               output_hidden_states=bool(layers), use_cache=False)

@@ -1,0 +1,70 @@
+"""YOCO's pass over a query on KITE's kernels (kite.runtime.kernel_pass) gives transformers' hidden
+states and the same signals: on the CPU through Triton's interpreter at fp32, on a GPU at bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kite.testing.triton_interpreter import run_interpreted
+from tests.test_kernel_step import tiny_lm
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _prompts(lm, lengths, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded random prompts of ``lengths``: (ids [B, T], mask [B, T])."""
+    from kite.runtime.batch import right_padded
+
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(5, lm.geometry.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    return right_padded(rows, 0)
+
+
+def _compare(lm, atol: float) -> None:
+    from kite.runtime.kernel_pass import kernel_hidden
+
+    ids, mask = _prompts(lm, [7, 3, 5])
+    n = lm.model.config.num_hidden_layers
+    want = lm.model(input_ids=ids.to(lm.model.device), attention_mask=mask.to(lm.model.device),
+                    output_hidden_states=True, use_cache=False).hidden_states
+    last, kept = kernel_hidden(lm.model, ids, (0, 1, n))
+    m = mask.bool()
+    for h in (0, 1, n):
+        err = (kept[h][m].float() - want[h][m].float()).abs().max().item()
+        assert err <= atol, (h, err)
+    assert torch.equal(last, kept[n])
+
+
+def check_the_pass_in_the_interpreter() -> None:
+    """(Run by run_interpreted.) A tiny Llama at fp32: each row's own tokens' hidden states are
+    transformers', padding or not."""
+    _compare(tiny_lm("llama", "cpu", torch.float32, layers=2), atol=1e-4)
+    print("the same hidden states")
+
+
+@pytest.mark.slow   # Triton's interpreter on the CPU
+def test_the_pass_gives_transformers_hidden_states_on_the_cpu():
+    run_interpreted("tests.test_kernel_pass:check_the_pass_in_the_interpreter", timeout=300)
+
+
+@cuda
+def test_gpu_pass_at_bf16_gives_transformers_signals():
+    """The query signals YOCO reads (entropy, NLL) through the kernels and through transformers'
+    forward, on a bf16 model: within 0.05 bits."""
+    from unittest import mock
+
+    from kite.runtime import kernel_pass
+    from kite.yoco.intent import query_signals
+
+    lm = tiny_lm("qwen2", "cuda", torch.bfloat16, layers=3)
+    lm.device = lm.model.device
+    _compare(lm, atol=0.25)
+    queries = ["what is the notice period", "who pays", "is there a limit of liability in section 9"]
+    fast = query_signals(lm, queries)
+    with mock.patch.object(kernel_pass, "applies", lambda model: False):
+        slow = query_signals(lm, queries)
+    for a, b in zip(fast, slow):
+        assert a.tokens == b.tokens
+        assert abs(a.intent_entropy - b.intent_entropy) < 0.05
+        assert abs(a.nll_bits - b.nll_bits) < 0.05
