@@ -187,17 +187,19 @@ class KernelStep:
         before = cache.lengths[:, idx]                                   # [L, B]
         cache.reserve_for(int((before + torch.tensor(counts)[None]).max()))
         graphed = max(counts) == 1 and GRAPHS and self.graphed
+        all_lanes = bool(beside) and len(beside) == len(rows) and self.lanes_rows.takes(beside.values())
+        if all_lanes:       # every row's state read from the tables by cache row (a step's plan is a gather)
+            self.lanes_rows.sync({rows[b]: p for b, p in beside.items()})
         if graphed and not beside:
             out = self._replay(rows, [t[0] for t in tokens], positions, before, reader_on)
-        elif graphed and len(beside) == len(rows) and self.lanes_rows.takes(beside.values()):
-            self.lanes_rows.sync({rows[b]: p for b, p in beside.items()})
+        elif graphed and all_lanes:
             out = self._replay(rows, [t[0] for t in tokens], positions, before, reader_on, lanes=True)
         else:
-            out = self._eager(rows, tokens, positions, before, counts, beside)
+            out = self._eager(rows, tokens, positions, before, counts, None if all_lanes else beside, all_lanes)
         cache.advance(rows, counts)
         return [out[b, :n] for b, n in enumerate(counts)]
 
-    def _eager(self, rows, tokens, positions, before, counts, beside) -> torch.Tensor:
+    def _eager(self, rows, tokens, positions, before, counts, beside, lanes: bool = False) -> torch.Tensor:
         dev = self.device
         T = max(counts)
         ids = torch.zeros(len(rows), T, dtype=torch.long)
@@ -211,9 +213,10 @@ class KernelStep:
             for form in sorted({type(p) for p in beside.values()}, key=lambda t: t.__name__):
                 these = [b for b in sorted(beside) if type(beside[b]) is form]
                 groups.append((form, torch.tensor(these, device=dev), [beside[b] for b in these], self.cache.plans))
+        part = self.lanes_rows.part(torch.tensor(rows, dtype=torch.int64, device=dev)) if lanes else None
         return self.forward(ids.to(dev), pos.to(dev), torch.tensor(rows, dtype=torch.int32, device=dev),
                             (before + n[None]).to(dev, torch.int32), before.to(dev, torch.int32), n.to(dev),
-                            beside=groups, splits=SPLITS)
+                            beside=groups, splits=SPLITS, lanes=part)
 
     # -- CUDA graphs of decode steps -------------------------------------------------------------
     def _replay(self, rows, tokens, positions, before, reader_on, lanes: bool = False) -> torch.Tensor:
@@ -348,18 +351,22 @@ class LanesRows:
         self.version += 1
 
     def part(self, rows: torch.Tensor):
-        """``part(layer, q, scale)`` for a forward: the lanes attention of each row's query (q [B, Hq, 1, d])
-        over its row's state, from the tables gathered by ``rows`` (cache rows, int64 on the device)."""
+        """``part(layer, q, scale)`` for a forward: the lanes attention of each row's queries (q [B, Hq,
+        T, d]; every state token precedes every query token) over its row's state, from the tables
+        gathered by ``rows`` (cache rows, int64 on the device): (out [B, Hq, T, d], lse [B, Hq, T]).
+        The kernel reads one query token an entry, so a row's T tokens are T entries of its state."""
         from kite.kernels.lanes_triton import LanesPlan, lanes_decode
 
         t, like, ngmax = self.tables, self.like, self.ngmax
 
         def lanes(layer: int, q: torch.Tensor, scale: float):
-            pick = {name: v[layer].index_select(0, rows) for name, v in t.items()}
+            B, Hq, T, d = q.shape
+            entries = rows if T == 1 else rows.repeat_interleave(T)
+            pick = {name: v[layer].index_select(0, entries) for name, v in t.items()}
             plan = LanesPlan.gathered(like[layer], pick["ptrs"], pick["ngs"], pick["length"], pick["sinks_k"],
                                       pick["sinks_v"], ngmax)
-            o, lse = lanes_decode(q[:, :, 0], plan, scale, plan.raw_k, plan.raw_v)
-            return o[:, :, None], lse[:, :, None]
+            o, lse = lanes_decode(q.transpose(1, 2).reshape(B * T, Hq, d), plan, scale, plan.raw_k, plan.raw_v)
+            return o.view(B, T, Hq, d).transpose(1, 2), lse.view(B, T, Hq).transpose(1, 2)
 
         return lanes
 
