@@ -75,6 +75,7 @@ from harness.models import random_words, write_random_qwen2  # noqa: E402
 MODES = ("none", "raw", "lanes")
 RUN_ORDER = ("raw", "lanes", "none")   # none, whose every request prefills its document, last: it gets what is left
 QUESTION_WORDS = 16
+RESERVE_QUESTION = 192      # slots a row reserves for its question (the chat template's tokens included)
 RULES = """version: bench
 rules:
   - name: whole_state
@@ -93,7 +94,8 @@ class Server:
     """`kite serve` in a subprocess for one mode; :meth:`start` returns once /healthz answers."""
 
     def __init__(self, mode: str, model: Path, work: Path, max_batch: int, prefix_cache_gb: float,
-                 lane_bits: str | None, threads: int | None, batch_kv_gb: float | None = None):
+                 lane_bits: str | None, threads: int | None, batch_kv_gb: float | None = None,
+                 reserve_tokens: int | None = None):
         self.mode, self.work = mode, work
         self.home = work / f"home-{mode}"            # its own config, health store
         self.home.mkdir(parents=True, exist_ok=True)
@@ -110,6 +112,7 @@ class Server:
                     "--host", "127.0.0.1", "--port", str(self.port), "--state-dir", str(self.states),
                     "--rules", str(self.rules), "--max-batch", str(max_batch), "--log-level", "warning", "--mkdir",
                     *(["--batch-kv-gb", f"{batch_kv_gb:g}"] if batch_kv_gb else []),
+                    *(["--batch-reserve-tokens", str(reserve_tokens)] if reserve_tokens else []),
                     *(["--no-fusion"] if mode == "none" else ["--fusion", "--resident", mode]),
                     *(["--lane-bits", lane_bits] if mode == "lanes" and lane_bits else [])]
         self.env = {**os.environ, "KITE_HOME": str(self.home), "KITE_CACHE": str(work / "cache"),
@@ -394,7 +397,12 @@ def run_mode(mode: str, args, model: Path, work: Path, docs: list[str], info: di
     from kite.serve.scrape import parse_metrics
 
     max_batch = min(args.max_batch, args.none_max_batch) if mode == "none" else args.max_batch
-    srv = Server(mode, model, work, max_batch, args.prefix_cache_gb, args.lane_bits, args.threads, args.batch_kv_gb)
+    # a row's slots: the whole prompt (none), the state and the question (raw), the question alone (lanes:
+    # the state is held beside the slots); reserved at start unless --no-reserve
+    own = RESERVE_QUESTION + args.max_new_tokens
+    reserve = None if args.no_reserve else (own if mode == "lanes" else args.tokens + own)
+    srv = Server(mode, model, work, max_batch, args.prefix_cache_gb, args.lane_bits, args.threads, args.batch_kv_gb,
+                 reserve)
     out["max_batch"] = max_batch
     out["command"] = " ".join(srv.cmd[3:])
     log(f"{mode}: starting kite serve (max batch {max_batch})", t0)
@@ -514,6 +522,8 @@ def main(argv=None) -> int:
                     "every document's raw KV, at most 40)")
     ap.add_argument("--lane-bits", help="--lane-bits of the lanes server (default: the server's, 4)")
     ap.add_argument("--batch-kv-gb", type=float, help="the servers' --batch-kv-gb (default: unbounded)")
+    ap.add_argument("--no-reserve", action="store_true", help="start the servers without --batch-reserve-tokens "
+                    "(the batch's buffers grow, and its graphs are captured, on demand)")
     ap.add_argument("--budget-s", type=float, help="seconds the whole run may take, the model's writing "
                     "included (default 450; --cpu-smoke 900)")
     ap.add_argument("--read-timeout-s", type=float, default=300.0, help="a request's read timeout (default 300)")

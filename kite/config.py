@@ -91,6 +91,7 @@ class ServerConfig(BaseModel):
     state_dir: Path | None = Field(None, strict=False)  # None: $KITE_HOME/states
     max_batch: int = Field(8, ge=1, le=1024)            # sequences decoding together (continuous batching)
     batch_kv_gb: float | None = Field(None, gt=0)       # the batch's KV buffers; None: unbounded
+    batch_reserve_tokens: int | None = Field(None, ge=1)  # slots a row allocated at start; None: grow on demand
     prefix_cache_gb: float = Field(2.0, ge=0)           # loaded states kept for the next request (0: none)
     # the form loaded states are held in for the batch: a registered resident form (kite.upcycle.RESIDENT_FORMS:
     # raw, rebuilt KV; lanes); kite serve checks the name against the registry, which lives above this module

@@ -201,6 +201,21 @@ def test_bad_requests_are_refused(lm, prefixes, one_thread):
         engine.add(_ids(lm, 3, 32))
 
 
+def test_reserved_rows_are_allocated_up_front_within_the_budget(lm, prefixes, one_thread):
+    """BatchDecoder.reserve allocates every row for its tokens at once (requests that fit never regrow
+    the buffers); a reservation past the byte budget is refused."""
+    engine = BatchDecoder(lm, max_rows=3, max_kv_bytes=BatchKVCache(lm.model, max_rows=1).bytes_for(3, 256))
+    engine.reserve(200)
+    buffers = engine.cache.keys[0].data_ptr()
+    assert engine.cache.rows_allocated == 3 and engine.cache.capacity >= 200
+    for n in (30, 50, 20):
+        engine.add(_ids(lm, n, n), prefix=prefixes[0], max_new_tokens=8)
+    assert len(engine.drain()) == 3
+    assert engine.cache.keys[0].data_ptr() == buffers
+    with pytest.raises(BatchFull, match="budget"):
+        engine.reserve(400)
+
+
 def test_the_kv_budget_bounds_what_is_admitted(lm, prefixes, one_thread):
     """A byte budget: the buffers never pass it; a request whose worst case would is refused until
     room frees up."""

@@ -64,16 +64,19 @@ def lanes_prefix(lm, prefix):
     return lanes_of(prefix, lm.geometry.head_dim, prefix.keys[0].device, group=64)
 
 
-def run(lm, requests, *, kernels: bool, max_rows: int = 3, graphs: bool = True):
+def run(lm, requests, *, kernels: bool, max_rows: int = 3, graphs: bool = True, reserve: int | None = None):
     """Every request (prompt, prefix, max_new_tokens) through one BatchDecoder: the first two at
     once, the third after two steps, the rest as rows free up, the fourth cancelled after its third
-    token; {request: (token ids, stop reason)} and the engine."""
+    token; {request: (token ids, stop reason)} and the engine (its rows reserved for ``reserve``
+    tokens first, when given)."""
     from kite.runtime import kernel_step
     from kite.runtime.batch_decode import BatchDecoder
     from kite.runtime.decoding import SequenceDecode
 
     dec = BatchDecoder(lm, max_rows=max_rows)
     dec.kernels = kernel_step.KernelStep(lm.model, dec.cache) if kernels else None
+    if reserve is not None:
+        dec.reserve(reserve)
     kept = {}
     result = SequenceDecode.result
 
@@ -233,3 +236,20 @@ def test_gpu_rows_all_in_lanes_are_replayed_from_a_graph_with_the_eager_tokens()
     assert graphed == want
     assert dec.kernels.captures >= 1 and dec.kernels.replays > dec.kernels.captures
     assert dec.kernels.lanes_rows.held
+
+
+@cuda
+def test_gpu_reserved_rows_capture_every_bucket_before_the_first_request():
+    """BatchDecoder.reserve allocates every row and captures each bucket's step up front; requests that
+    fit then replay those graphs (lanes ones captured together at the first step in lanes) and give the
+    tokens of an engine that grew on demand."""
+    lm = tiny_lm("qwen2", "cuda", torch.float32, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    states = [lanes_prefix(lm, raw_prefix(lm, n, s)) for n, s in ((150, 1), (90, 2), (300, 3))]
+    reqs = [(ids(lm, 4, 20 + i), states[i % 3], 6 + i) for i in range(6)]
+    want, _ = run(lm, reqs, kernels=True)
+    got, dec = run(lm, reqs, kernels=True, reserve=512)
+    assert got == want
+    k = dec.kernels
+    assert dec.cache.rows_allocated == 3 and dec.cache.capacity >= 512
+    assert k.captures == 2 * len(k.buckets)       # every bucket, raw and lanes, once: no regrowth, no recapture
+    assert k.replays > k.captures

@@ -174,6 +174,8 @@ def test_serve_settings_refuse_a_bad_batch(tmp_path):
         _settings(tmp_path, max_batch=0)
     with pytest.raises(BadInput, match="--batch-kv-gb"):
         _settings(tmp_path, batch_kv_gb=0)
+    with pytest.raises(BadInput, match="--batch-reserve-tokens 0"):
+        _settings(tmp_path, batch_reserve_tokens=0)
 
 
 def test_the_prefix_cache_keys_on_the_file_version_and_keeps_within_its_bytes(tiny_contract_state, tmp_path):

@@ -39,6 +39,10 @@ def serve(
                                                   "wait in line (default: config server.max_batch, 8).")] = None,
     batch_kv_gb: Annotated[float | None, typer.Option(help="GB the batch's KV buffers may take (default: config "
                                                       "server.batch_kv_gb, unbounded).")] = None,
+    batch_reserve_tokens: Annotated[int | None, typer.Option(
+        min=1, help="Allocate every row's KV for N tokens at start (within --batch-kv-gb) and, on a GPU, capture "
+        "the decode step of every batch size then, so no request pays a capture or a regrowth (default: config "
+        "server.batch_reserve_tokens; unset: the buffers grow on demand).")] = None,
     resident: Annotated[str | None, typer.Option(help="Form loaded states are held in for the batch: raw "
                                                  "(rebuilt KV) or lanes (coded again into nibble lanes read near "
                                                  "their byte floor; default: config server.resident, raw). "
@@ -68,6 +72,7 @@ def serve(
                                  "server.state_dir": str(state_dir) if state_dir else None,
                                  "features.upcycle_yoco_fusion": fusion, "model.default": model,
                                  "server.max_batch": max_batch, "server.batch_kv_gb": batch_kv_gb,
+                                 "server.batch_reserve_tokens": batch_reserve_tokens,
                                  "server.resident": resident, "server.lane_bits": lane_bits,
                                  "server.replicas": replicas, "server.ray_address": ray_address,
                                  "store.url": store})

@@ -231,6 +231,12 @@ class BatchKVCache:
             buf[row, :, start:end - n] = buf[row, :, start + n:end].clone()
         self.lengths[layer, row] = end - n
 
+    def reserve(self, rows: int, slots: int) -> None:
+        """Make the buffers at least ``rows`` × ``slots`` now (BatchFull past the budget)."""
+        if self._step is not None:
+            raise RuntimeError("the buffers change between steps, not during one")
+        self._reserve(min(rows, self.max_rows), slots)
+
     def reserve_for(self, slots: int) -> None:
         """Make the capacity at least ``slots`` before a step whose rows will fill that many (growing
         within the budget; BatchFull past it)."""

@@ -117,6 +117,14 @@ class BatchDecoder:
         self._next_handle = 0
         self.last_step = "decode"   # what the last step ran: "prefill" (newcomers' prompts), "decode" or "mixed"
 
+    def reserve(self, tokens: int) -> None:
+        """Allocate every row's KV for ``tokens`` tokens now (BatchFull past the budget) and, on a GPU,
+        capture the decode step of every batch size: rows that fit never regrow the buffers, so no
+        request pays a regrowth or a capture."""
+        self.cache.reserve(self.cache.max_rows, tokens)
+        if self.kernels is not None:
+            self.kernels.warm()
+
     # -- admission -----------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._active)

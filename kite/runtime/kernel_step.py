@@ -160,6 +160,8 @@ class KernelStep:
         self.lanes_rows = LanesRows(cache)
         self._pool = None
         self._buffers = None
+        self.warm_all = False        # capture every bucket at once (warm), lanes ones when their tables change
+        self._lanes_warmed = None
         self.captures = 0
         self.replays = 0
 
@@ -219,23 +221,40 @@ class KernelStep:
                             beside=groups, splits=SPLITS, lanes=part)
 
     # -- CUDA graphs of decode steps -------------------------------------------------------------
+    def warm(self, lanes_row: int | None = None) -> None:
+        """Capture the decode step of every bucket now (rows held in their slots; with ``lanes_row``, a
+        cache row whose state the lanes tables hold, rows all in lanes), and from then on whenever the
+        lanes tables change: a server that reserved its buffers pays every capture before its first
+        request, or at its first request in lanes."""
+        self.warm_all = True
+        if self.graphed and GRAPHS:
+            for bucket in self.buckets:
+                self._graph(bucket, False, lanes_row is not None, 0 if lanes_row is None else lanes_row)
+
     def _replay(self, rows, tokens, positions, before, reader_on, lanes: bool = False) -> torch.Tensor:
         B = len(rows)
-        bucket = next(b for b in self.buckets if b >= B)
-        lanes_key = self.lanes_rows.version if lanes else None
+        if lanes and self.warm_all and self._lanes_warmed != self.lanes_rows.version:
+            self._lanes_warmed = self.lanes_rows.version
+            self.warm(lanes_row=rows[0])
+        graph = self._graph(next(b for b in self.buckets if b >= B), reader_on, lanes, rows[0])
+        self.replays += 1
+        return graph.run(rows, tokens, positions, before)
+
+    def _graph(self, bucket: int, reader_on: bool, lanes: bool, pad_row: int) -> _Graph:
+        """The captured step of ``bucket`` rows (captured now if it is not yet, or if the buffers it
+        read were reallocated)."""
         buffers = (self.cache.keys[0].data_ptr(), self.cache.capacity, self.cache.rows_allocated)
         if buffers != self._buffers:          # reallocated: every graph read the old buffers
             self._graphs.clear()
             self._pool = None                 # a pool whose graphs are all gone is not captured into again
             self._buffers = buffers
-        key = (bucket, reader_on, lanes_key)
+        key = (bucket, reader_on, self.lanes_rows.version if lanes else None)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = _Graph(self.forward, bucket, self.cache.n_layers, self.device,
-                                               self._pool_handle(), self.lanes_rows if lanes else None, rows[0])
+                                               self._pool_handle(), self.lanes_rows if lanes else None, pad_row)
             self.captures += 1
-        self.replays += 1
-        return graph.run(rows, tokens, positions, before)
+        return graph
 
     def _pool_handle(self):
         if self._pool is None:
@@ -334,8 +353,8 @@ class LanesRows:
         entry = _row_entry(prefix)
         if self.like is None:
             self._allocate(prefix, entry)
-        if int(entry["ngs"].max()) > self.ngmax:
-            self.ngmax = int(entry["ngs"].max())
+        if int(entry["ngs"].max()) > self.ngmax:     # read up to a power of two: fewer recaptures
+            self.ngmax = max(16, 1 << (int(entry["ngs"].max()) - 1).bit_length())
             self.version += 1
         for name, value in entry.items():
             self.tables[name][:, row] = value

@@ -153,9 +153,11 @@ class Batcher:
     unbounded). ``on_step(queue_length, rows, cancelled, seconds, kind)`` is called after every step
     (metrics: the queue left, the sequences the step ran, those it dropped because their clients left,
     the step's wall time, and what it ran: "prefill" for newcomers' prompts only, "decode" for one token
-    a row, "mixed" for both)."""
+    a row, "mixed" for both). ``reserve_tokens``: every row's KV allocated for that many tokens before
+    the first request (BatchDecoder.reserve), on the model's thread."""
 
-    def __init__(self, lm: LoadedModel, *, max_batch: int = 8, max_kv_bytes: int | None = None, on_step=None):
+    def __init__(self, lm: LoadedModel, *, max_batch: int = 8, max_kv_bytes: int | None = None,
+                 reserve_tokens: int | None = None, on_step=None):
         if max_batch < 1:
             raise BadInput(f"--max-batch {max_batch}: at least 1")
         self.lm, self.on_step = lm, on_step
@@ -169,6 +171,12 @@ class Batcher:
         self.steps = 0
         self.cancelled = 0     # sequences dropped because their clients left (queued or decoding)
         self._thread.start()
+        if reserve_tokens is not None:
+            try:
+                self.call(lambda: self.decoder.reserve(reserve_tokens))
+            except BaseException:
+                self.close()
+                raise
 
     # -- other model work ----------------------------------------------------------------------------
     def call(self, fn: Callable[[], object], since: float | None = None) -> tuple[object, float]:

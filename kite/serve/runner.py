@@ -94,6 +94,7 @@ class ModelRunner:
         self.kv_budget = settings.budget_settings(self.lm.geometry.context_length)
         self.prefixes = PrefixCache(settings.prefix_cache_bytes, settings.resident, settings.lane_bits)   # loaded states, for the next question
         self.batcher = Batcher(self.lm, max_batch=settings.max_batch, max_kv_bytes=settings.batch_kv_bytes,
+                               reserve_tokens=settings.batch_reserve_tokens,
                                on_step=on_step)
 
     def close(self) -> None:

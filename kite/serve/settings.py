@@ -37,6 +37,9 @@ class ServeSettings:
     # budget in GB (None: unbounded)
     max_batch: int = 8
     batch_kv_gb: float | None = None
+    # slots of every row allocated at start (None: the buffers grow on demand). On a GPU the decode
+    # steps of every batch size are captured then too, so no request pays a capture or a regrowth.
+    batch_reserve_tokens: int | None = None
     # loaded states kept for the next request that loads the same (kite.serve.prefixes)
     prefix_cache_gb: float = 2.0
     # the form loaded states are held in for the batch, a registered resident form (kite.upcycle.RESIDENT_FORMS):
@@ -55,6 +58,8 @@ class ServeSettings:
             raise BadInput(f"--max-batch {self.max_batch}: at least 1")
         if self.batch_kv_gb is not None and self.batch_kv_gb <= 0:
             raise BadInput(f"--batch-kv-gb {self.batch_kv_gb:g}: must be > 0")
+        if self.batch_reserve_tokens is not None and self.batch_reserve_tokens < 1:
+            raise BadInput(f"--batch-reserve-tokens {self.batch_reserve_tokens}: at least 1")
         if self.prefix_cache_gb < 0:
             raise BadInput(f"server.prefix_cache_gb {self.prefix_cache_gb:g}: must be ≥ 0 (0: keep none)")
         from kite.upcycle import check_resident
@@ -103,7 +108,8 @@ class ServeSettings:
                    fusion=cfg.features.upcycle_yoco_fusion, min_hit_gain=cfg.features.yoco_min_hit_gain,
                    sampler_interval_ms=cfg.hardware_watermark.gpu_mem.sampling_interval_ms,
                    spike_threshold_gb=cfg.hardware_watermark.gpu_mem.spike_threshold_gb,
-                   max_batch=s.max_batch, batch_kv_gb=s.batch_kv_gb, prefix_cache_gb=s.prefix_cache_gb,
+                   max_batch=s.max_batch, batch_kv_gb=s.batch_kv_gb,
+                   batch_reserve_tokens=s.batch_reserve_tokens, prefix_cache_gb=s.prefix_cache_gb,
                    resident=s.resident, lane_bits=s.lane_bits,
                    store_url=cfg.store.url, store_write=cfg.store.write,
                    api_keys=None if s.api_keys_file is None else read_api_keys(s.api_keys_file), **kw)
