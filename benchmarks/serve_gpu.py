@@ -291,6 +291,20 @@ def step_histogram(before, after) -> dict[str, dict]:
     return out
 
 
+SERVER_PHASES = {"signals_and_decision": "kite_yoco_signals_latency_seconds", "load": "kite_yoco_load_latency_seconds",
+                 "ttft_in_server": "kite_ttft_seconds"}
+
+
+def phase_means(before, after) -> dict[str, float | None]:
+    """The mean ms of each of a request's phases the server times (SERVER_PHASES) between two scrapes."""
+    out = {}
+    for phase, name in SERVER_PHASES.items():
+        n = sum(after.samples.get(f"{name}_count", {}).values()) - sum(before.samples.get(f"{name}_count", {}).values())
+        s = sum(after.samples.get(f"{name}_sum", {}).values()) - sum(before.samples.get(f"{name}_sum", {}).values())
+        out[phase] = round(s / n * 1e3, 3) if n > 0 else None
+    return out
+
+
 def summarize(recs: list[dict], seen: dict, wall_s: float, steps: dict) -> dict:
     ok = [r for r in recs if r["status"] == "ok"]
     ttft = [r["ttft_s"] * 1e3 for r in ok if r.get("ttft_s") is not None]
@@ -437,6 +451,7 @@ def run_mode(mode: str, args, model: Path, work: Path, docs: list[str], info: di
             after = parse_metrics(httpx.get(srv.url + "/metrics", timeout=10).text)
             flat = [r for rs in recs for r in rs]
             s = summarize(flat, seen, wall_s, step_histogram(before, after))
+            s["server_phase_mean_ms"] = phase_means(before, after)
             s["records"] = flat
             out["rounds"][str(clients)] = s
             log(f"{mode}: {clients} clients x {per_client}: {s['ok']}/{s['requests']} ok {s['by_status']}, "
