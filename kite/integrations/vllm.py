@@ -357,6 +357,10 @@ class KiteConnector(KVConnectorBase_V1):
         if cache_dtype != "auto":
             raise BadInput(f"KV cache dtype {cache_dtype}: only the model's own (\"auto\") is written")
         geo = self.facts.geometry
+        fp = self.facts.fingerprints.combined     # hashed once here (cached on disk), not in a step
+        if self.settings.model_fingerprint not in (None, fp):
+            raise BadInput(f"model_fingerprint {self.settings.model_fingerprint[:21]}… is not the served model's "
+                           f"({fp[:21]}…)")
         packing = packing or _backend_packing(self._vllm_config, list(kv_caches))
         out = {}
         for name, view in kv_caches.items():
