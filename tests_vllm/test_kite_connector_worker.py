@@ -135,6 +135,45 @@ def test_a_load_writes_kites_rebuilt_kv_into_vllms_blocks(tiny_llama, doc_state,
     assert all(torch.isnan(k).all() and torch.isnan(v).all() for k, v in rest)
 
 
+@pytest.mark.parametrize("backend,packing,layout", [
+    ("vllm.v1.attention.backends.flash_attn:FlashAttentionBackend", "halves", "LBNHC"),
+    ("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend", "rows", "LBHNC"),
+])
+def test_the_packing_comes_from_the_layers_attention_backend(tiny_llama, doc_state, kite_rebuilt, backend, packing,
+                                                            layout):
+    """As in a worker: the attention layers sit in vLLM's static forward context, each naming its
+    backend class (vLLM's own), and the connector reads the packing from there."""
+    import importlib
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    from kite.integrations.vllm import KiteConnector
+
+    module, cls = backend.split(":")
+    backend_cls = getattr(importlib.import_module(module), cls)
+
+    class Layer(AttentionLayerBase):
+        def get_attn_backend(self):
+            return backend_cls
+
+        def get_kv_cache_spec(self, vllm_config):
+            return None
+
+    folder, ids = doc_state
+    sched, meta = _planned(tiny_llama, folder, ids)
+    [load] = meta.loads
+    sched.vllm_config.compilation_config.static_forward_context.update({name: Layer() for name in NAMES})
+    views = vllm_views(layout)
+    worker = KiteConnector(sched.vllm_config, KVConnectorRole.WORKER, sched.kv_cache_config)
+    worker.register_kv_caches(views)
+    assert run_step(worker, meta) == set()
+    got = read_back(views, packing, range(load.start, load.end), load.block_ids)
+    for (k, v), (k_ref, v_ref) in zip(got, kite_rebuilt):
+        torch.testing.assert_close(k, k_ref[:, load.start:load.end], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(v, v_ref[:, load.start:load.end], rtol=1e-6, atol=1e-6)
+
+
 def test_a_partial_hit_starts_at_the_block_vllm_does_not_hold(tiny_llama, doc_state, kite_rebuilt):
     folder, ids = doc_state
     sched = make_scheduler(tiny_llama, folder, num_blocks=NUM_BLOCKS)

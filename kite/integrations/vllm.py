@@ -184,17 +184,23 @@ class _LoadStep:
         self.done = pool.submit(self._run)
 
     def _run(self) -> None:
-        for layer in range(self.n_layers):
-            for i, op in enumerate(self.opened):
-                if op.failed:
-                    continue
-                try:
-                    k, v = op.rebuild.layer(layer)
-                    self.rows[layer][i] = (k[:, op.keep], v[:, op.keep])
-                except Exception as e:  # noqa: BLE001  reported as load errors: vLLM recomputes
-                    op.failed = True
-                    log.warning("KITE connector: state %s failed at layer %d: %s", op.load.path, layer, e)
-            self.ready[layer].set()
+        try:
+            for layer in range(self.n_layers):
+                for i, op in enumerate(self.opened):
+                    if op.failed:
+                        continue
+                    try:
+                        k, v = op.rebuild.layer(layer)
+                        self.rows[layer][i] = (k[:, op.keep], v[:, op.keep])
+                    except Exception as e:  # noqa: BLE001  reported as load errors: vLLM recomputes
+                        op.failed = True
+                        log.warning("KITE connector: state %s failed at layer %d: %s", op.load.path, layer, e)
+                self.ready[layer].set()
+        finally:
+            for op in self.opened:     # a layer never ready would hang the forward: none is left waiting
+                op.failed = op.failed or not all(e.is_set() for e in self.ready)
+            for e in self.ready:
+                e.set()
 
 
 class KiteConnector(KVConnectorBase_V1):
