@@ -239,17 +239,24 @@ def test_a_worker_serving_another_model_refuses_the_state(tiny_llama, tiny_qwen,
     assert all(torch.isnan(v).all() for v in views.values())
 
 
-def test_a_backend_the_connector_cannot_write_turns_loads_into_errors(tiny_llama, doc_state):
-    folder, ids = doc_state
-    sched, meta = _planned(tiny_llama, folder, ids)
-    [load] = meta.loads
-    views = vllm_views("LBNHC")
+@pytest.mark.parametrize("what", ["unknown backend", "fp8 cache", "tensor parallel heads"])
+def test_a_cache_the_connector_cannot_write_turns_loads_into_errors(tiny_llama, doc_state, what):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kite.integrations.vllm import KiteConnector
 
+    folder, ids = doc_state
+    sched, meta = _planned(tiny_llama, folder, ids)
+    [load] = meta.loads
+    views = vllm_views("LBNHC")
+    packing = {name: None if what == "unknown backend" else "halves" for name in NAMES}
+    if what == "fp8 cache":
+        sched.vllm_config.cache_config.cache_dtype = "fp8"
+    if what == "tensor parallel heads":
+        views = {name: v[:, :1] for name, v in views.items()}        # one of the two KV heads
     worker = KiteConnector(sched.vllm_config, KVConnectorRole.WORKER, sched.kv_cache_config)
-    worker.register_kv_caches(views, packing={name: None for name in NAMES})
+    worker.register_kv_caches(views, packing=packing)
+    assert worker.saver is None
     assert run_step(worker, meta) == load.blocks(BLOCK)
 
 

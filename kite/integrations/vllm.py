@@ -358,10 +358,11 @@ class KiteConnector(KVConnectorBase_V1):
 
     def _paged_layers(self, kv_caches: dict, packing: dict[str, str] | None) -> dict[str, tuple[int, PagedLayer]]:
         from vllm.model_executor.models.utils import extract_layer_index
+        from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
         cache_dtype = self._vllm_config.cache_config.cache_dtype
-        if cache_dtype != "auto":
-            raise BadInput(f"KV cache dtype {cache_dtype}: only the model's own (\"auto\") is written")
+        if is_quantized_kv_cache(cache_dtype):
+            raise BadInput(f"KV cache dtype {cache_dtype}: a quantized cache (with its scales) is not written")
         geo = self.facts.geometry
         fp = self.facts.fingerprints.combined     # hashed once here (cached on disk), not in a step
         if self.settings.model_fingerprint not in (None, fp):
