@@ -322,6 +322,31 @@ def test_a_prompt_prefilled_in_chunks_is_saved_in_the_step_its_prefill_ends(tiny
     assert len(sv.block_ids) == -(-len(ids) // BLOCK)
 
 
+def test_a_prompt_whose_request_ends_before_its_prefill_is_saved_by_the_next(tiny_llama, tmp_path):
+    from vllm.v1.request import RequestStatus
+
+    sched = make_scheduler(tiny_llama, tmp_path / "s", num_blocks=NUM_BLOCKS, max_batched=64, save=True,
+                           save_min_tokens=64)
+    ids = [3 + i % 50 for i in range(150)]
+    sched.add_request(make_request("a", ids))
+    assert sched.schedule().kv_connector_metadata.saves == []
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    sched.add_request(make_request("b", ids))
+    saves = [sv.request_id for _ in range(3) for sv in sched.schedule().kv_connector_metadata.saves]
+    assert saves == ["b"]
+
+
+def test_a_malformed_tenant_gets_nothing_and_is_not_saved(tiny_llama, doc_state, tmp_path):
+    folder, ids = doc_state
+    sched = make_scheduler(tiny_llama, copy_state(next(folder.glob("*.upc")), tmp_path / "s").parent,
+                           num_blocks=NUM_BLOCKS, save=True, save_min_tokens=16)
+    req = make_request("m", ids + QUERY, {"kite_tenant": "no spaces allowed"})
+    assert sched.connector.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.kv_connector_metadata.loads == [] and out.kv_connector_metadata.saves == []
+
+
 def test_a_short_prompt_is_not_saved(tiny_llama, tmp_path):
     sched = make_scheduler(tiny_llama, tmp_path / "s", num_blocks=NUM_BLOCKS, save=True, save_min_tokens=64)
     sched.add_request(make_request("w", list(range(3, 40))))

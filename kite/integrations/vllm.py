@@ -157,6 +157,7 @@ class KiteConnectorMetadata(KVConnectorMetadata):
 class _Saving:
     ids: tuple[int, ...]
     tenant: str | None
+    key: tuple[str, str | None]
     blocks: list[int] = field(default_factory=list)
 
 
@@ -251,7 +252,11 @@ class KiteConnector(KVConnectorBase_V1):
 
         params = kv_transfer_params or {}
         wanted = params.get("kite_state")
-        tenant = tenant_tag(params["kite_tenant"]) if params.get("kite_tenant") else None
+        try:
+            tenant = tenant_tag(params["kite_tenant"]) if params.get("kite_tenant") else None
+        except BadInput as e:
+            log.warning("KITE connector: no state for a request with %s", e)
+            return None
         best = None
         for s in self.states:
             if (wanted and s.address != wanted) or s.tenant != tenant:
@@ -286,21 +291,35 @@ class KiteConnector(KVConnectorBase_V1):
         """Mark ``request``'s prompt (its first ``kite_n_tokens`` tokens when the request says how
         long its document is) for saving, unless it is short, is being saved already, or begins
         with a state's document (the rest is taken for a query) and names no longer document."""
+        from kite.tenants import check_tenant
         from kite.upcycle import tokens_digest
 
         params = getattr(request, "kv_transfer_params", None) or {}
         prompt = list(request.prompt_token_ids or [])
-        n = min(int(params.get("kite_n_tokens") or len(prompt)), len(prompt))
+        try:
+            n = min(int(params.get("kite_n_tokens") or len(prompt)), len(prompt))
+        except (TypeError, ValueError):
+            return
         if n < self.settings.save_min_tokens or request.request_id in self._saving:
             return
         ids = tuple(prompt[:n])
         tenant = params.get("kite_tenant") or None
+        try:
+            check_tenant(tenant, "kite_tenant")
+        except BadInput:
+            return
         have = loaded or self.find(prompt, params)
         key = (tokens_digest(ids), tenant)
         if have is not None and (have.n_tokens >= n or not params.get("kite_n_tokens")) or key in self._save_digests:
             return
         self._save_digests.add(key)
-        self._saving[request.request_id] = _Saving(ids, tenant)
+        self._saving[request.request_id] = _Saving(ids, tenant, key)
+
+    def _forget_save(self, request_id: str) -> None:
+        """A marked prompt whose request ended before its prefill did: another request may save it."""
+        sv = self._saving.pop(request_id, None)
+        if sv is not None:
+            self._save_digests.discard(sv.key)
 
     def build_connector_meta(self, scheduler_output) -> KiteConnectorMetadata:
         meta, self._planned = KiteConnectorMetadata(list(self._planned)), []
@@ -325,12 +344,12 @@ class KiteConnector(KVConnectorBase_V1):
                 due.append(PlannedSave(rid, sv.ids, tuple(int(b) for b in sv.blocks), sv.tenant))
                 del self._saving[rid]
         for rid in out.finished_req_ids:
-            self._saving.pop(rid, None)
+            self._forget_save(rid)
         return due
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._offers.pop(request.request_id, None)
-        self._saving.pop(request.request_id, None)
+        self._forget_save(request.request_id)
         return False, None
 
     # ---- worker side ----
