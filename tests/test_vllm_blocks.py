@@ -199,3 +199,80 @@ def test_a_whole_state_load_scattered_into_paged_blocks_holds_each_tokens_own_kv
         assert torch.allclose(v_read, reference.values[layer], atol=1e-4)
         k_read = k_cache.reshape(-1, H, d)[slots].permute(1, 0, 2)
         assert torch.allclose(k_read.norm(dim=-1), reference.keys_pre[layer].norm(dim=-1), atol=1e-3)  # RoPE keeps norms
+
+
+def test_a_gather_reads_back_what_a_scatter_wrote_in_either_layout():
+    import torch
+
+    from kite.serve.vllm_blocks import gather_from_blocks, scatter_into_blocks
+
+    rows = torch.randn(2, 6, 4)
+    positions, table = [9, 2, 3, 8, 0, 15], [5, 1, 6, 2]
+    for layout, shape in (("NHD", (8, 4, 2, 4)), ("HND", (8, 2, 4, 4))):
+        cache = torch.zeros(shape)
+        scatter_into_blocks(cache, rows, positions, table, 4, layout)
+        assert torch.equal(gather_from_blocks(cache, positions, table, 4, layout), rows)
+    with pytest.raises(BadInput, match="pass the block table"):
+        gather_from_blocks(torch.zeros(8, 4, 2, 4), [16], table, 4)
+
+
+def test_a_kernel_block_table_splits_each_block_in_order():
+    from kite.serve.vllm_blocks import kernel_block_table
+
+    assert kernel_block_table([3, 0], 2) == [6, 7, 0, 1]
+    assert kernel_block_table([3, 0], 1) == [3, 0]
+    with pytest.raises(BadInput, match="ratio"):
+        kernel_block_table([1], 0)
+
+
+def _devices():
+    import torch
+
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("packing", ["halves", "rows"])
+def test_a_paged_layer_writes_k_and_v_where_the_backend_reads_them(packing, device):
+    """vLLM 0.33's per-layer view [B, H, N, 2d]: FlashAttention-style backends read K from the
+    first d of C and V from the rest; the CPU backend reads each (block, head)'s memory as [2N, d],
+    K's N rows first. A PagedLayer's writes (host rows into a cache on ``device``, cast to bf16)
+    land there, and kernel blocks of N/2 map alike."""
+    import torch
+
+    from kite.serve.vllm_blocks import PagedLayer
+
+    B, H, N, d = 6, 2, 4, 3
+    keys, values = torch.randn(H, 7, d).bfloat16().float(), torch.randn(H, 7, d).bfloat16().float()
+    positions, table = [0, 1, 2, 3, 4, 6, 7], [4, 1]
+    for kernel in (N, N // 2):
+        view = torch.full((B * N // kernel, H, kernel, 2 * d), float("nan"), dtype=torch.bfloat16, device=device)
+        layer = PagedLayer.of(view, packing, d, N)
+        assert layer.write(keys, values, positions, table) == 7
+        if packing == "halves":
+            k_cache, v_cache = view[..., :d], view[..., d:]
+        else:
+            k_cache, v_cache = view.view(view.shape[0], H, 2 * kernel, d).chunk(2, dim=2)
+        for t, p in enumerate(positions):
+            kb = table[p // N] * (N // kernel) + (p % N) // kernel
+            assert torch.equal(k_cache[kb, :, p % kernel].float().cpu(), keys[:, t])
+            assert torch.equal(v_cache[kb, :, p % kernel].float().cpu(), values[:, t])
+        assert torch.isnan(k_cache[table[1] * (N // kernel) + (5 % N) // kernel, :, 5 % kernel]).all()  # no token 5
+        k, v = layer.read(positions, table)
+        assert k.device.type == device
+        assert torch.equal(k.float().cpu(), keys) and torch.equal(v.float().cpu(), values)
+
+
+def test_a_paged_layer_refuses_a_view_it_cannot_split():
+    import torch
+
+    from kite.serve.vllm_blocks import PagedLayer
+
+    with pytest.raises(BadInput, match="2·4"):
+        PagedLayer.of(torch.zeros(2, 1, 4, 6), "halves", 4, 4)        # C is not 2·head_size
+    with pytest.raises(BadInput, match="does not divide"):
+        PagedLayer.of(torch.zeros(2, 1, 3, 8), "halves", 4, 4)
+    with pytest.raises(BadInput, match="contiguous"):
+        PagedLayer.of(torch.zeros(2, 4, 2, 8).transpose(1, 2), "rows", 4, 4)
+    with pytest.raises(BadInput, match="halves or rows"):
+        PagedLayer.of(torch.zeros(2, 1, 4, 8), "nhd", 4, 4)

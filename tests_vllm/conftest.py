@@ -14,6 +14,16 @@ vllm = pytest.importorskip("vllm")
 BLOCK = 16
 
 
+@pytest.fixture(autouse=True, scope="session")
+def kite_home(tmp_path_factory):
+    """KITE_HOME of the session's own, and no verification records: nothing read from or written
+    to the user's ~/.kite (and a state corrupted by a test is checked again when read)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KITE_HOME", str(tmp_path_factory.mktemp("kite-home")))
+        mp.setenv("KITE_VERIFY_RECORD", "0")
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     from kite.testing.tiny_models import make_tiny_model
@@ -51,7 +61,7 @@ def doc_state(tiny_llama, tmp_path_factory):
     return folder, ids
 
 
-def make_scheduler(model: Path, states: Path, num_blocks: int = 400, **extra):
+def make_scheduler(model: Path, states: Path, num_blocks: int = 400, max_batched: int = 2048, **extra):
     import torch
     from vllm.config import (AttentionConfig, CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
                              SchedulerConfig, VllmConfig)
@@ -60,7 +70,7 @@ def make_scheduler(model: Path, states: Path, num_blocks: int = 400, **extra):
     from vllm.v1.structured_output import StructuredOutputManager
 
     mc = ModelConfig(model=str(model), dtype="float32", seed=42, skip_tokenizer_init=True)
-    sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=mc.max_model_len,
+    sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=mc.max_model_len,
                          enable_chunked_prefill=True, is_encoder_decoder=False)
     cc = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True)
     kt = KVTransferConfig(kv_connector="KiteConnector", kv_connector_module_path="kite.integrations.vllm",

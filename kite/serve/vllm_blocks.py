@@ -167,3 +167,92 @@ def scatter_into_blocks(side_cache, rows, positions: Sequence[int], block_ids: S
     else:
         side_cache[blocks, :, slots] = tokens
     return int(pos.numel())
+
+
+def _slots_of(side_cache, positions: Sequence[int], block_ids: Sequence[int], block_size: int):
+    import torch
+
+    _check_block_size(block_size)
+    pos = torch.as_tensor(list(positions), dtype=torch.long)
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= len(block_ids) * block_size):
+        raise BadInput(f"positions {int(pos.min())}..{int(pos.max())} pass the block table's {len(block_ids)} "
+                       f"blocks of {block_size}")
+    table = torch.as_tensor([int(b) for b in block_ids], dtype=torch.long)
+    return pos, table[pos // block_size].to(side_cache.device), (pos % block_size).to(side_cache.device)
+
+
+def gather_from_blocks(side_cache, positions: Sequence[int], block_ids: Sequence[int], block_size: int,
+                       layout: str = "NHD"):
+    """The inverse of :func:`scatter_into_blocks`: one side of one layer's tokens at ``positions``
+    read out of a paged buffer, as a new tensor ``[H, T, d]`` on the buffer's device."""
+    if layout not in ("NHD", "HND"):
+        raise BadInput(f"cache layout {layout!r}: NHD or HND")
+    _, blocks, slots = _slots_of(side_cache, positions, block_ids, block_size)
+    tokens = side_cache[blocks, slots] if layout == "NHD" else side_cache[blocks, :, slots]   # [T, H, d]
+    return tokens.permute(1, 0, 2).contiguous()
+
+
+def kernel_block_table(block_ids: Sequence[int], ratio: int) -> list[int]:
+    """A request's block table in kernel blocks when the attention kernel splits each of vLLM's
+    blocks into ``ratio`` equal ones (block ``b`` → kernel blocks ``b·ratio … b·ratio + ratio − 1``,
+    vLLM's ``group_kernel_blocks``)."""
+    if not isinstance(ratio, int) or ratio < 1:
+        raise BadInput(f"kernel block ratio {ratio!r}: a whole number ≥ 1")
+    return [int(b) * ratio + j for b in block_ids for j in range(ratio)]
+
+
+# How the K and V of a token share the content axis C of vLLM 0.33's per-layer cache view
+# [blocks, heads, block_size, C] (docs/vllm-connector.md, "vLLM 0.33's cache"): by backend name.
+# "halves": C = [K (head_size) | V (head_size)]; "rows": the CPU backend's, each (block, head)'s
+# memory read as [2·block_size, head_size], the block's K rows then its V rows.
+KV_PACKING = {"FLASH_ATTN": "halves", "FLASHINFER": "halves", "TRITON_ATTN": "halves", "FLEX_ATTENTION": "halves",
+              "CPU_ATTN": "rows"}
+
+
+@dataclass(frozen=True)
+class PagedLayer:
+    """One attention layer's K and V in vLLM's paged cache: ``k``, ``v`` views ``[kernel blocks,
+    H, kernel_block, d]`` of the same memory as vLLM's per-layer view (writes go into its cache),
+    ``ratio`` kernel blocks per vLLM block."""
+
+    k: object
+    v: object
+    block_size: int
+    ratio: int
+
+    @classmethod
+    def of(cls, view, packing: str, head_size: int, block_size: int) -> "PagedLayer":
+        """Split vLLM's per-layer view ``[B, H, N, C]`` (any strides: the physical order is the
+        KVCacheLayout's) of a backend whose packing is ``packing`` (:data:`KV_PACKING`)."""
+        if packing not in ("halves", "rows"):
+            raise BadInput(f"KV packing {packing!r}: halves or rows")
+        if view.dim() != 4 or view.shape[-1] != 2 * head_size:
+            raise BadInput(f"KV cache view {tuple(view.shape)}: need [blocks, heads, block_size, 2·{head_size}] "
+                           "(K and V of one head size, unquantized)")
+        B, H, N, _ = view.shape
+        _check_block_size(block_size)
+        if block_size % N:
+            raise BadInput(f"kernel block of {N} tokens does not divide vLLM's block of {block_size}")
+        if packing == "halves":
+            k, v = view[..., :head_size], view[..., head_size:]
+        else:
+            if not view.is_contiguous():
+                raise BadInput("the CPU backend's KV packing needs each layer's cache contiguous (layout LBHNC)")
+            k, v = view.view(B, H, 2 * N, head_size).chunk(2, dim=2)
+        return cls(k, v, block_size, block_size // N)
+
+    def _table(self, block_ids: Sequence[int]) -> tuple[list[int], int]:
+        return kernel_block_table(block_ids, self.ratio), self.block_size // self.ratio
+
+    def write(self, keys, values, positions: Sequence[int], block_ids: Sequence[int]) -> int:
+        """Scatter ``keys``, ``values`` [H, T, d] (tokens at ``positions``) into the request's
+        blocks (``block_ids``, vLLM's block table); cast to the cache's dtype."""
+        table, n = self._table(block_ids)
+        scatter_into_blocks(self.k, keys, positions, table, n, "HND")
+        return scatter_into_blocks(self.v, values, positions, table, n, "HND")
+
+    def read(self, positions: Sequence[int], block_ids: Sequence[int]):
+        """(keys, values) [H, T, d] of the tokens at ``positions``, copied out of the cache."""
+        table, n = self._table(block_ids)
+        return (gather_from_blocks(self.k, positions, table, n, "HND"),
+                gather_from_blocks(self.v, positions, table, n, "HND"))

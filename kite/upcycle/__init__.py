@@ -4,9 +4,11 @@ The public face: code outside ``kite/upcycle/`` imports only these names (the su
 and ``format`` included, for benchmarks and tools that work on the codec or the container).
 
     pipeline   open_pipeline, compress_settings: config + flags -> model, tagger, settings
-    compress   compress_document: text -> .upc (capture, spans, clusters, tags, codec, write)
+    compress   compress_document: text -> .upc (capture, spans, clusters, tags, codec, write);
+               compress_capture: the same from KV already captured (a serving engine's)
     address    content addresses of states (sha256 of model, token ids, settings, format version)
-    load       load_prefix: .upc -> KV prefix (fingerprints checked, parts chosen, CPU or GPU rebuild)
+    load       load_prefix: .upc -> KV prefix (fingerprints checked, parts chosen, CPU or GPU rebuild);
+               open_rebuild: the host rebuild one layer at a time, for a model known by its config
     format     the container (StateFile, StateWriter), blob names, codec blob bytes, bit layout
     codec      settings and presets, side coders, per-layer codec, batched encoder, quantizer, and the
                regenerator (calibrated bases), distortion weights and attention probe loads and
@@ -23,11 +25,11 @@ from kite.upcycle import codec, format
 from kite.upcycle.address import Address, AddressMismatch, address_for, check_address, is_address, tokens_digest
 from kite.upcycle.budget import (DEFAULT_BLOCK_TOKENS, DEFAULT_CODEC, BudgetCache, BudgetRow, BudgetSettings, WindowCache,
                                  budget_cache, check_budget, kv_bytes_per_token, min_budget)
-from kite.upcycle.capture import Capture, tokenize_document
+from kite.upcycle.capture import Capture, token_offsets, tokenize_document
 from kite.upcycle.capture import capture as capture_kv
 from kite.upcycle.codec import CodecSettings, Regenerator, RegeneratorFit
 from kite.upcycle.codec import settings_for as codec_settings
-from kite.upcycle.compress import ClusterInfo, CompressResult, CompressSettings, compress_document
+from kite.upcycle.compress import ClusterInfo, CompressResult, CompressSettings, compress_capture, compress_document
 from kite.upcycle.recode import cluster_ratios, not_recodable, recode_clusters, state_ratio
 from kite.upcycle.quality import (
     PASSKEY_DEPTHS,
@@ -43,8 +45,9 @@ from kite.upcycle.quality import (
 )
 from kite.upcycle.format import FORMAT_VERSION, StateFile, StateWriter, path_version
 from kite.upcycle.inspect import describe_state
-from kite.upcycle.load import (LOAD_PRECISIONS, RESIDENT_FORMS, SINK_TOKENS, HotTier, LoadReport, ResidentForm,
+from kite.upcycle.load import (LOAD_PRECISIONS, RESIDENT_FORMS, SINK_TOKENS, HostRebuild, HotTier, LoadReport, ResidentForm,
                                check_fingerprints, check_resident, default_tier, lanes_for, lanes_of, load_lanes, load_prefix,
+                               open_rebuild,
                                prepare_state, resident_form, select_clusters)
 from kite.upcycle.migration import MigrationReport, migrate, pending_migration, plan_migration, rollback
 from kite.upcycle.label_ratios import FILE_NAME as LABEL_RATIOS_FILE
@@ -71,5 +74,5 @@ __all__ = [
     "Address", "AddressMismatch", "address_for", "check_address", "is_address", "tokens_digest",
     "prepare_state", "remove_rope", "rollback", "rope_cos_sin", "select_clusters", "tokenize_document",
     "RESIDENT_FORMS", "ResidentForm", "check_resident", "resident_form",
-    "Capture", "capture_kv", "split_text",
+    "Capture", "capture_kv", "split_text", "HostRebuild", "compress_capture", "open_rebuild", "token_offsets",
 ]

@@ -148,8 +148,19 @@ def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: 
     Settings the batched codec does not take always use the per-layer codec.
     """
     settings = settings or CompressSettings()
-    default_ratio = ratio_of(settings.codec)
-    if settings.label_ratios and default_ratio is None:
+    _check_settings(lm, settings, regenerator)
+    layers_needed = list(tagger.embedding_layers) if _uses_embeddings(tagger) else [lm.geometry.n_layers // 2]
+    probe_rows = PROBE_ROWS if regenerator is not None and regenerator.choice == "probe" else 0
+    cap = capture(lm, text, chunk_tokens=settings.chunk_tokens, hidden_layers=layers_needed,
+                  progress=(lambda d, t: progress("prefill", d, t)) if progress else None, ids=ids,
+                  query_rows=probe_rows)
+    probe = AttentionProbe(lm, cap.query_tail, cap.n_tokens) if probe_rows else None
+    return compress_capture(lm, cap, output, settings, tagger=tagger, source_name=source_name, progress=progress,
+                            device=device, regenerator=regenerator, address=address, tenant=tenant, probe=probe)
+
+
+def _check_settings(lm, settings: CompressSettings, regenerator) -> None:
+    if settings.label_ratios and ratio_of(settings.codec) is None:
         raise BadInput(f"per-label ratios need a compression ratio, not the {settings.codec.name} preset")
     if regenerator is not None:
         regenerator.check_model(lm)
@@ -157,14 +168,24 @@ def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: 
             raise BadInput(f"regenerator {regenerator.fingerprint.removeprefix('kite-fp1:')[:12]} has "
                            f"{'joint-head' if regenerator.joint_heads else 'per-head'} bases; codec "
                            f"{settings.codec.name} codes {'joint heads' if settings.codec.joint_heads else 'per head'}")
-    timings: dict[str, float] = {}
-    layers_needed = list(tagger.embedding_layers) if _uses_embeddings(tagger) else [lm.geometry.n_layers // 2]
-    probe_rows = PROBE_ROWS if regenerator is not None and regenerator.choice == "probe" else 0
-    cap = capture(lm, text, chunk_tokens=settings.chunk_tokens, hidden_layers=layers_needed,
-                  progress=(lambda d, t: progress("prefill", d, t)) if progress else None, ids=ids,
-                  query_rows=probe_rows)
-    probe = AttentionProbe(lm, cap.query_tail, cap.n_tokens) if probe_rows else None
-    timings["prefill"] = cap.prefill_ms
+
+
+def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings: CompressSettings | None = None, *,
+                     tagger=None, source_name: str = "-", progress: Progress | None = None,
+                     device: str | torch.device | None = None, regenerator=None, address: bool = False,
+                     tenant: str | None = None, probe: AttentionProbe | None = None) -> CompressResult:
+    """A captured document → a `.upc` state at `output`: what :func:`compress_document` does after
+    its prefill (spans, clusters, tags, codec, write), for a caller that already holds the
+    document's KV (a serving engine's connector). ``cap``: the token ids, each layer's pre-RoPE
+    keys and values [H, T, d], and the hidden states the spans are clustered on (the tagger's
+    ``embedding_layers``, or any one layer without a tagger). ``lm`` needs ``geometry``,
+    ``fingerprints``, ``source.spec`` and ``device`` (and ``model``, ``tokenizer`` for a tagger
+    that reads span texts, or a regenerator's check). Other arguments as in compress_document;
+    ``probe``: the attention probe of a regenerator that chooses by it."""
+    settings = settings or CompressSettings()
+    _check_settings(lm, settings, regenerator)
+    default_ratio = ratio_of(settings.codec)
+    timings: dict[str, float] = {"prefill": cap.prefill_ms}
 
     text = cap.text
     clusters: list[ClusterInfo] = []

@@ -6,7 +6,8 @@ from kite.upcycle.load.caches import flush_records, forget_verified
 from kite.upcycle.load.fidelity import FAR_LAYER_SHARE, load_warnings
 from kite.upcycle.load.hot_tier import HotState, HotTier, default_tier
 from kite.upcycle.load.parts import check_parts
-from kite.upcycle.load.prefix import LOAD_PRECISIONS, LoadReport, check_fingerprints, check_geometry, load_prefix
+from kite.upcycle.load.prefix import (LOAD_PRECISIONS, HostRebuild, LoadReport, check_fingerprints, check_geometry,
+                                      load_prefix, open_rebuild)
 from kite.upcycle.load.rebuild import load_staged, rebuild_layer
 from kite.upcycle.load.lanes import lanes_for, lanes_of, load_lanes
 from kite.upcycle.load.resident_forms import (RESIDENT_FORMS, LanesResident, RawResident, ResidentForm, check_resident,
@@ -15,7 +16,7 @@ from kite.upcycle.load.selection import SINK_TOKENS, Selection, select, select_c
 from kite.upcycle.load.staging import prepare_state, stage_state, supports_state
 from kite.upcycle.load.tables import forget_tables, tables_dir
 
-__all__ = ["FAR_LAYER_SHARE", "LOAD_PRECISIONS", "RESIDENT_FORMS", "SINK_TOKENS", "HotState", "HotTier", "LanesResident",
+__all__ = ["FAR_LAYER_SHARE", "LOAD_PRECISIONS", "RESIDENT_FORMS", "SINK_TOKENS", "HostRebuild", "HotState", "HotTier", "LanesResident",
            "LoadReport", "RawResident", "ResidentForm", "Selection", "check_fingerprints", "check_parts", "check_resident", "check_geometry", "default_tier", "flush_records", "forget_tables", "forget_verified",
-           "lanes_for", "lanes_of", "load_lanes", "load_prefix", "load_staged", "load_warnings", "prepare_state", "rebuild_layer", "resident_form", "select", "select_clusters",
+           "lanes_for", "lanes_of", "load_lanes", "load_prefix", "load_staged", "load_warnings", "open_rebuild", "prepare_state", "rebuild_layer", "resident_form", "select", "select_clusters",
            "stage_state", "supports_state", "tables_dir"]

@@ -140,44 +140,87 @@ def _at_precision(x: torch.Tensor, precision: str | None) -> torch.Tensor:
     return codec.dequantize(codec.quantize(x, precision, group_size=group, axis=-1))
 
 
+class HostRebuild:
+    """A state's chosen parts rebuilt on the host one layer at a time: each layer's parts read
+    (checksums checked when ``verify``), decoded, put in position order, keys rotated to their
+    positions (RoPE from ``lm.model``: a model, its rotary module or its config) and cast to
+    ``lm.dtype`` on ``lm.device``. What :func:`load_prefix` runs off the GPU, and what a serving
+    engine's connector runs layer by layer into its own cache. Checks are the caller's
+    (:func:`check_fingerprints`, :func:`check_geometry`)."""
+
+    def __init__(self, state: StateFile, lm: LoadedModel, sel: Selection, *, verify: bool = True,
+                 precision: str | None = None, regenerator=None):
+        self.state, self.sel, self.verify, self.precision, self.regenerator = state, sel, verify, precision, regenerator
+        geo = lm.geometry
+        self.H, self.d, self.device, self.dtype = geo.n_kv_heads, geo.head_dim, lm.device, lm.dtype
+        positions, self.order = sel.positions()
+        self.positions = positions[self.order]   # the rebuilt rows' document positions, ascending
+        self.cos, self.sin = rope_cos_sin(lm.model, self.positions, device="cpu")
+        self.bytes_read = 0
+        self.t_read = self.t_decode = 0.0
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of ``layer``, each [H, T, d]: row i is the token at ``positions[i]``."""
+        state, sel, H, d = self.state, self.sel, self.H, self.d
+        t = time.perf_counter()
+        lc, widths = read_layer(state, layer, self.verify, H, d)
+        if self.regenerator is not None:
+            codec.attach_regenerator(lc, {side: self.regenerator.side(layer, side)[2] for side in ("k", "v")})
+        self.bytes_read += state.index[blob_key(None, layer)].length
+        parts = []
+        for (c, _), pos in zip(sel.parts, sel.part_positions):
+            kb, vb = (read_part(state, blob_key(c, layer, side), self.verify, lc, widths, int(pos.numel()), H, d)
+                      for side in ("K", "V"))
+            self.bytes_read += state.index[blob_key(c, layer, "K")].length + state.index[blob_key(c, layer, "V")].length
+            parts.append(codec.EncodedPart(kb, vb))
+        self.t_read += time.perf_counter() - t
+        t = time.perf_counter()
+        decoded = [decode_part(state, lc, p, c, layer) for p, (c, _) in zip(parts, sel.parts)]
+        ks = [k if keep is None else k[:, keep] for (k, _), (_, keep) in zip(decoded, sel.parts)]
+        vs = [v if keep is None else v[:, keep] for (_, v), (_, keep) in zip(decoded, sel.parts)]
+        k = apply_rope(torch.cat(ks, dim=1)[:, self.order], self.cos, self.sin)
+        v = torch.cat(vs, dim=1)[:, self.order]
+        out = (_at_precision(k, self.precision).to(self.device, self.dtype),
+               _at_precision(v, self.precision).to(self.device, self.dtype))
+        self.t_decode += time.perf_counter() - t
+        return out
+
+
 def _load_on_host(state: StateFile, lm: LoadedModel, sel: Selection, layer_set: set[int], verify: bool,
                   precision: str | None, regenerator) -> tuple[list, list, int, dict]:
     geo = lm.geometry
-    positions, order = sel.positions()
-    cos, sin = rope_cos_sin(lm.model, positions[order], device="cpu")
-    H, d = geo.n_kv_heads, geo.head_dim
-    device, dtype = lm.device, lm.dtype
-    empty = torch.zeros(H, 0, d, dtype=dtype, device=device)
+    empty = torch.zeros(geo.n_kv_heads, 0, geo.head_dim, dtype=lm.dtype, device=lm.device)
+    rebuild = HostRebuild(state, lm, sel, verify=verify, precision=precision, regenerator=regenerator)
     keys, values = [], []
-    nbytes = 0
-    t_read = t_decode = 0.0
     for layer in range(geo.n_layers):
         if layer not in layer_set or not sel.chosen:
             keys.append(empty)
             values.append(empty)
             continue
-        t = time.perf_counter()
-        lc, widths = read_layer(state, layer, verify, H, d)
-        if regenerator is not None:
-            codec.attach_regenerator(lc, {side: regenerator.side(layer, side)[2] for side in ("k", "v")})
-        nbytes += state.index[blob_key(None, layer)].length
-        parts = []
-        for (c, _), pos in zip(sel.parts, sel.part_positions):
-            kb, vb = (read_part(state, blob_key(c, layer, side), verify, lc, widths, int(pos.numel()), H, d)
-                      for side in ("K", "V"))
-            nbytes += state.index[blob_key(c, layer, "K")].length + state.index[blob_key(c, layer, "V")].length
-            parts.append(codec.EncodedPart(kb, vb))
-        t_read += time.perf_counter() - t
-        t = time.perf_counter()
-        decoded = [decode_part(state, lc, p, c, layer) for p, (c, _) in zip(parts, sel.parts)]
-        ks = [k if keep is None else k[:, keep] for (k, _), (_, keep) in zip(decoded, sel.parts)]
-        vs = [v if keep is None else v[:, keep] for (_, v), (_, keep) in zip(decoded, sel.parts)]
-        k = apply_rope(torch.cat(ks, dim=1)[:, order], cos, sin)
-        v = torch.cat(vs, dim=1)[:, order]
-        keys.append(_at_precision(k, precision).to(device, dtype))
-        values.append(_at_precision(v, precision).to(device, dtype))
-        t_decode += time.perf_counter() - t
-    return keys, values, nbytes, {"read": round(t_read * 1e3, 3), "decode": round(t_decode * 1e3, 3)}
+        k, v = rebuild.layer(layer)
+        keys.append(k)
+        values.append(v)
+    return keys, values, rebuild.bytes_read, {"read": round(rebuild.t_read * 1e3, 3),
+                                               "decode": round(rebuild.t_decode * 1e3, 3)}
+
+
+def open_rebuild(state: StateFile | str | Path, lm: LoadedModel, *, clusters: list[str] | None = None,
+                 precision: str | None = None, verify: bool = True, regenerator=None) -> HostRebuild:
+    """A :class:`HostRebuild` of ``state`` for ``lm``, checked as :func:`load_prefix` checks a load
+    (fingerprints, geometry, the regenerator the state was coded on) before any part is read.
+    ``lm`` needs only ``fingerprints``, ``geometry``, ``model`` (for RoPE: the model, its rotary
+    module or its config), ``device`` and ``dtype``: no weights. No attention sinks come along
+    (``clusters``: labels or ids, None = all)."""
+    if not isinstance(state, StateFile):
+        state = StateFile(state)
+    if precision is not None and precision not in LOAD_PRECISIONS:
+        raise BadInput(f"--precision {precision}: expected one of {', '.join(LOAD_PRECISIONS)}")
+    check_fingerprints(state, lm)
+    check_geometry(state, lm)
+    regen_fp = (state.meta.get("regenerator") or {}).get("fingerprint")
+    regenerator = resolve(regen_fp, regenerator) if regen_fp else None
+    return HostRebuild(state, lm, select(state, clusters, 0), verify=verify, precision=precision,
+                       regenerator=regenerator)
 
 
 @torch.inference_mode()
