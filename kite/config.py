@@ -184,6 +184,19 @@ class SecurityConfig(BaseModel):
     require_signed: bool = False
 
 
+class VllmConfig(BaseModel):
+    """KITE's KV connector inside vLLM (docs/vllm-connector.md): the defaults of its settings; a key
+    in vLLM's ``kv_connector_extra_config`` takes the place of its twin here."""
+
+    model_config = _STRICT
+    states: str | None = Field(None, min_length=1)      # None: server.state_dir
+    save: bool = False
+    save_ratio: float = Field(4.0, gt=1.0)
+    save_min_tokens: int = Field(256, ge=1)
+    save_clusters: int = Field(8, ge=1)
+    save_queue: int = Field(4, ge=1)
+
+
 class YocoConfig(BaseModel):
     model_config = _STRICT
     rules_file: str = Field("rules/yoco_rules.yaml", min_length=1)
@@ -205,6 +218,7 @@ class KiteConfig(BaseModel):
     model: ModelConfig = Field(default_factory=ModelConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
 
     # dotted key → (layer, origin) for every key a layer above the defaults set
     _sources: dict[str, tuple[str, str]] = PrivateAttr(default_factory=dict)

@@ -276,3 +276,21 @@ def test_a_paged_layer_refuses_a_view_it_cannot_split():
         PagedLayer.of(torch.zeros(2, 4, 2, 8).transpose(1, 2), "rows", 4, 4)
     with pytest.raises(BadInput, match="halves or rows"):
         PagedLayer.of(torch.zeros(2, 1, 4, 8), "nhd", 4, 4)
+
+
+def test_connector_settings_come_from_kites_config_and_vllms_extra_config(tmp_path):
+    """The config's vllm section gives what kv_connector_extra_config leaves out; a key there wins;
+    with neither, the states folder is server.state_dir."""
+    from kite.config import KiteConfig
+    from kite.errors import BadInput
+    from kite.integrations.vllm_settings import ConnectorSettings
+
+    cfg = KiteConfig(vllm={"states": str(tmp_path / "a"), "save": True, "save_min_tokens": 32},
+                     server={"state_dir": str(tmp_path / "srv")})
+    s = ConnectorSettings.from_extra({"save_min_tokens": 64}, cfg)
+    assert (s.states, s.save, s.save_min_tokens, s.save_ratio) == (tmp_path / "a", True, 64, 4.0)
+    (tmp_path / "srv").mkdir()
+    assert ConnectorSettings.from_extra({}, KiteConfig(server={"state_dir": str(tmp_path / "srv")})).states == \
+        tmp_path / "srv"
+    with pytest.raises(BadInput, match="not a folder"):
+        ConnectorSettings.from_extra({"states": str(tmp_path / "none"), "save": False}, cfg)

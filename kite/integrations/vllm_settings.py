@@ -1,4 +1,5 @@
-"""KiteConnector's settings, read from vLLM's ``kv_connector_extra_config`` (docs/vllm-connector.md).
+"""KiteConnector's settings: KITE's config (section ``vllm``), each key overridden by its twin in
+vLLM's ``kv_connector_extra_config`` (docs/vllm-connector.md).
 
 Every key is checked when the connector starts; a wrong one is one BadInput line naming it.
 """
@@ -31,14 +32,21 @@ class ConnectorSettings:
     save_queue: int = 4
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+    def from_extra(cls, extra: dict[str, Any] | None, config=None) -> ConnectorSettings:
+        """``config``: a KiteConfig (default: the user's, kite.config.user_config) whose ``vllm``
+        section gives every key ``extra`` leaves out."""
         extra = dict(extra or {})
         known = ("states", "model_fingerprint", "save", "save_ratio", "save_min_tokens", "save_clusters", "save_queue")
         unknown = sorted(set(extra) - set(known))
         if unknown:
             raise BadInput(f"{_WHERE}: unknown key {unknown[0]!r} (known: {', '.join(known)})")
-        if "states" not in extra:
-            raise BadInput(f"{_WHERE} needs \"states\" (a folder of .upc states)")
+        if config is None:
+            from kite.config import user_config
+
+            config = user_config()
+        section = config.vllm.model_dump()
+        section["states"] = section["states"] or str(config.server.state_dir)
+        extra = {**section, **extra}
         states = extra["states"]
         if not isinstance(states, str) or not states:
             raise BadInput(f"{_WHERE}: \"states\" {states!r}: a folder path")
