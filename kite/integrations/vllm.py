@@ -461,7 +461,7 @@ class KiteConnector(KVConnectorBase_V1):
         layer, paged = self._layers[layer_name]
         for sv in saves:
             k, v = paged.read(range(len(sv.ids)), sv.block_ids)
-            self._gathered.setdefault(sv.request_id, {})[layer] = (k.cpu(), v.cpu())
+            self._gathered.setdefault(sv.request_id, {})[layer] = (_to_host(k), _to_host(v))
 
     def wait_for_save(self) -> None:
         if not self._gathered:
@@ -477,7 +477,14 @@ class KiteConnector(KVConnectorBase_V1):
                 log.warning("KITE connector: prompt of request %s not saved: %d of %d layers seen", rid, len(layers),
                             n_layers)
                 continue
-            self.saver.submit(SaveJob(sv.ids, sv.tenant, tuple(layers[i] for i in range(n_layers))))
+            ready = ()
+            if any(k.is_pinned() for k, _ in layers.values()):   # copies still on their way from the GPU
+                import torch
+
+                event = torch.cuda.Event()
+                event.record()
+                ready = (event,)
+            self.saver.submit(SaveJob(sv.ids, sv.tenant, tuple(layers[i] for i in range(n_layers)), ready))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         step, self._step = self._step, None
@@ -527,3 +534,15 @@ def _model_folder(vllm_config) -> Path:
     except Exception:  # noqa: BLE001
         raise BadInput(f"KiteConnector: model {mc.model} is neither a local folder nor in the Hugging Face cache "
                        "(KITE reads its config, tokenizer and fingerprint)") from None
+
+
+def _to_host(t):
+    """``t`` on the host: from a GPU, into pinned memory without waiting (the copy is ordered on the
+    current stream; a SaveJob's event says when it is done)."""
+    if not t.is_cuda:
+        return t
+    import torch
+
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

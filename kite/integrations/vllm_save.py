@@ -22,11 +22,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class SaveJob:
     """One prompt to save: its token ids, tenant (None: no tenant) and each layer's (keys after
-    RoPE, values), [H, T, d] on the host."""
+    RoPE, values), [H, T, d] on the host; ``ready``: the CUDA events their copies to the host
+    recorded (the saver's thread waits on them, so the forward never does)."""
 
     ids: tuple[int, ...]
     tenant: str | None
     layers: tuple[tuple[object, object], ...]
+    ready: tuple = ()
 
 
 class StateSaver:
@@ -86,6 +88,8 @@ class StateSaver:
 
         from kite.upcycle import Capture, compress_capture, remove_rope, rope_cos_sin, token_offsets
 
+        for event in job.ready:
+            event.synchronize()
         out = self.folder / f"{self.address(job.ids, job.tenant)}.upc"
         if out.exists():
             return out

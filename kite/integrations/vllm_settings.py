@@ -33,7 +33,7 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, config=None) -> ConnectorSettings:
-        """``config``: a KiteConfig (default: the user's, kite.config.user_config) whose ``vllm``
+        """``config``: a KiteConfig (default: the user's: $KITE_HOME/config.yaml and KITE_* variables, kite.config.load_config) whose ``vllm``
         section gives every key ``extra`` leaves out."""
         extra = dict(extra or {})
         known = ("states", "model_fingerprint", "save", "save_ratio", "save_min_tokens", "save_clusters", "save_queue")
@@ -41,9 +41,9 @@ class ConnectorSettings:
         if unknown:
             raise BadInput(f"{_WHERE}: unknown key {unknown[0]!r} (known: {', '.join(known)})")
         if config is None:
-            from kite.config import user_config
+            from kite.config import load_config
 
-            config = user_config()
+            config = load_config()
         section = config.vllm.model_dump()
         section["states"] = section["states"] or str(config.server.state_dir)
         extra = {**section, **extra}
