@@ -294,3 +294,19 @@ def test_connector_settings_come_from_kites_config_and_vllms_extra_config(tmp_pa
         tmp_path / "srv"
     with pytest.raises(BadInput, match="not a folder"):
         ConnectorSettings.from_extra({"states": str(tmp_path / "none"), "save": False}, cfg)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_gpu_layers_go_to_pinned_host_memory_without_waiting():
+    import torch
+
+    from kite.serve.vllm_blocks import to_host
+
+    t = torch.randn(4, 300, 64, device="cuda")
+    host = to_host(t)
+    event = torch.cuda.Event()
+    event.record()
+    event.synchronize()
+    assert host.is_pinned() and not host.is_cuda and torch.equal(host, t.cpu())
+    cpu = torch.ones(2)
+    assert to_host(cpu) is cpu

@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from kite.errors import BadInput
 from kite.integrations.vllm_settings import ConnectorSettings
 from kite.serve.vllm_blocks import (KV_PACKING, PagedLayer, SlotRun, cluster_runs, covered_prefix, loadable_tokens,
-                                    prompt_matches)
+                                    prompt_matches, to_host)
 
 log = logging.getLogger(__name__)
 
@@ -461,7 +461,7 @@ class KiteConnector(KVConnectorBase_V1):
         layer, paged = self._layers[layer_name]
         for sv in saves:
             k, v = paged.read(range(len(sv.ids)), sv.block_ids)
-            self._gathered.setdefault(sv.request_id, {})[layer] = (_to_host(k), _to_host(v))
+            self._gathered.setdefault(sv.request_id, {})[layer] = (to_host(k), to_host(v))
 
     def wait_for_save(self) -> None:
         if not self._gathered:
@@ -535,14 +535,3 @@ def _model_folder(vllm_config) -> Path:
         raise BadInput(f"KiteConnector: model {mc.model} is neither a local folder nor in the Hugging Face cache "
                        "(KITE reads its config, tokenizer and fingerprint)") from None
 
-
-def _to_host(t):
-    """``t`` on the host: from a GPU, into pinned memory without waiting (the copy is ordered on the
-    current stream; a SaveJob's event says when it is done)."""
-    if not t.is_cuda:
-        return t
-    import torch
-
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host

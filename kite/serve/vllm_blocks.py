@@ -256,3 +256,15 @@ class PagedLayer:
         table, n = self._table(block_ids)
         return (gather_from_blocks(self.k, positions, table, n, "HND"),
                 gather_from_blocks(self.v, positions, table, n, "HND"))
+
+
+def to_host(t):
+    """``t`` on the host: from a GPU, into pinned memory without waiting (the copy is ordered on the
+    current stream; record an event after it and wait on that before reading)."""
+    if not t.is_cuda:
+        return t
+    import torch
+
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
