@@ -213,7 +213,10 @@ def test_reserved_rows_are_allocated_up_front_within_the_budget(lm, prefixes, on
     assert len(engine.drain()) == 3
     assert engine.cache.keys[0].data_ptr() == buffers
     with pytest.raises(BatchFull, match="budget"):
-        engine.reserve(400)
+        engine.reserve(1000)                                        # not one row of 1,000 tokens fits
+    fewer = BatchDecoder(lm, max_rows=3, max_kv_bytes=BatchKVCache(lm.model, max_rows=1).bytes_for(2, 256))
+    fewer.reserve(256)                                               # as many rows as the budget holds
+    assert fewer.cache.rows_allocated == 2
 
 
 def test_the_kv_budget_bounds_what_is_admitted(lm, prefixes, one_thread):

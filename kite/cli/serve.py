@@ -40,7 +40,7 @@ def serve(
     batch_kv_gb: Annotated[float | None, typer.Option(help="GB the batch's KV buffers may take (default: config "
                                                       "server.batch_kv_gb, unbounded).")] = None,
     batch_reserve_tokens: Annotated[int | None, typer.Option(
-        min=1, help="Allocate every row's KV for N tokens at start (within --batch-kv-gb) and, on a GPU, capture "
+        min=1, help="Allocate every row's KV for N tokens at start (as many rows as --batch-kv-gb holds) and, on a GPU, capture "
         "the decode step of every batch size then, so no request pays a capture or a regrowth (default: config "
         "server.batch_reserve_tokens; unset: the buffers grow on demand).")] = None,
     resident: Annotated[str | None, typer.Option(help="Form loaded states are held in for the batch: raw "

@@ -118,10 +118,14 @@ class BatchDecoder:
         self.last_step = "decode"   # what the last step ran: "prefill" (newcomers' prompts), "decode" or "mixed"
 
     def reserve(self, tokens: int) -> None:
-        """Allocate every row's KV for ``tokens`` tokens now (BatchFull past the budget) and, on a GPU,
-        capture the decode step of every batch size: rows that fit never regrow the buffers, so no
-        request pays a regrowth or a capture."""
-        self.cache.reserve(self.cache.max_rows, tokens)
+        """Allocate the rows' KV for ``tokens`` tokens each now (every row, or as many as the byte
+        budget holds; BatchFull when not one does) and, on a GPU, capture the decode step of every
+        batch size: rows that fit never regrow the buffers, so no request pays a regrowth or a capture."""
+        cache = self.cache
+        rows = cache.max_rows
+        if cache.max_bytes is not None:
+            rows = max(1, min(rows, cache.max_bytes // cache.bytes_for(1, tokens)))
+        cache.reserve(rows, tokens)
         if self.kernels is not None:
             self.kernels.warm()
 
