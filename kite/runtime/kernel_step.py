@@ -228,7 +228,8 @@ class KernelStep:
         request, or at its first request in lanes."""
         self.warm_all = True
         if self.graphed and GRAPHS:
-            for bucket in self.buckets:
+            rows = self.cache.rows_allocated      # no step runs more rows than are allocated
+            for bucket in self.buckets[:next(i for i, b in enumerate(self.buckets) if b >= rows) + 1]:
                 self._graph(bucket, False, lanes_row is not None, 0 if lanes_row is None else lanes_row)
 
     def _replay(self, rows, tokens, positions, before, reader_on, lanes: bool = False) -> torch.Tensor:
