@@ -93,3 +93,10 @@ def train(
                           f"F1): compress states of this ratio without it (upcycle_config adapter.path unset)",
                           highlight=False)
     out.print("  " + "  ".join(f"{k} {v}" for k, v in report["timings"].items()), highlight=False)
+    for name, st in report["stages"].items():
+        per = f"  ({st['per_unit_s']:.3f} s per {st['unit']})" if st["count"] else ""
+        out.print(f"    {name:<18} {st['seconds']:9.2f} s  {st['count']:>6} × {st['unit']}{per}", highlight=False)
+    sp = report["speed"]
+    per_pair = (f", {sp['seconds_per_pair_epoch']:.3f} s per training pair and epoch"
+                if sp["seconds_per_pair_epoch"] is not None else "")
+    out.print(f"  speed: {sp['seconds_per_state']} s per state{per_pair}", highlight=False)

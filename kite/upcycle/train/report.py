@@ -35,7 +35,10 @@ def _nll(model, cache, start: int, ex: Example) -> float:
 
 @torch.inference_mode()
 def _full_context_nll(model, pairs: list[Pair], examples: list[Example], tokenizer) -> list[float]:
-    """Each pair's response NLL after its full context (each document prefilled once)."""
+    """Each pair's response NLL after its full context: the teacher's when it kept it, else each
+    document prefilled once."""
+    if all(ex.full_logp is not None for ex in examples):
+        return [float(-ex.full_logp.mean()) for ex in examples]
     out: list[float] = [0.0] * len(pairs)
     by_doc: dict[str, list[int]] = {}
     for i, ex in enumerate(examples):

@@ -7,7 +7,8 @@
     DIR/checkpoints/                   the adapter's checkpoints (resume)
     DIR/adapter-r<R>/, DIR/r<R>/checkpoints/
                                        the same per ratio, in a run of several ratios (one adapter each)
-    DIR/train_report.json, loss.png    the run's figures
+    DIR/train_report.json, loss.png    the run's figures (``stages``: each stage's seconds, count and
+                                       seconds per unit; ``speed``: seconds per state and per pair)
 
 Each stage reuses what an earlier (interrupted) run of the same inputs left: a resumed run skips the
 regenerator and the states it finds and continues the adapter from its newest checkpoint.
@@ -32,13 +33,12 @@ from kite.upcycle.capture import capture
 from kite.upcycle.codec.regenerator import Regenerator, RegeneratorFit, install
 from kite.upcycle.codec.settings import settings_for
 from kite.upcycle.codec.weights import model_value_weights
-from kite.upcycle.compress import CompressSettings, compress_document
-from kite.upcycle.load.prefix import load_prefix
 from kite.upcycle.settings import UpcycleConfig
-from kite.upcycle.train.adapter import (AdapterSettings, PrefixCache, attach_lora, auto_settings, teacher_examples,
-                                        train_adapter)
+from kite.upcycle.train.adapter import AdapterSettings, attach_lora, auto_settings, train_adapter
 from kite.upcycle.train.data import Pair, split_pairs
+from kite.upcycle.train.documents import Prepared, prepare_documents
 from kite.upcycle.train.report import held_out_report, loss_plot
+from kite.upcycle.train.stages import StageTimes, summary
 
 if TYPE_CHECKING:
     from kite.model import LoadedModel
@@ -111,22 +111,28 @@ def prepare_output(req: TrainRequest, key: dict) -> None:
     write_text(run, json.dumps(key, indent=1, sort_keys=True))
 
 
-def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progress=None, weighted: bool = False) -> Regenerator:
+def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progress=None, weighted: bool = False,
+                    times: StageTimes | None = None) -> Regenerator:
     """Calibrate on the training documents (each once), in the blocks the codec uses; ``weighted``:
     with attention-aware distortion weights (the documents' queries and the model's ``o_proj``;
     :mod:`kite.upcycle.codec.weights`). Off by default: on SmolLM2's held-out rows the weighted
     regenerator lost more often than it won (docs/PERFORMANCE.md "Training"; measured 2026-12-01 at
-    commit 42c8b7a)."""
+    commit 42c8b7a). ``times``: where the prefills' and the sums' seconds are added."""
+    times = times or StageTimes(lm.device)
     docs = {p.document_key: p for p in train_pairs}
     fit = RegeneratorFit(n_layers=lm.geometry.n_layers, joint_heads=cfg_codec.joint_heads, center=cfg_codec.center)
     for i, p in enumerate(docs.values()):
-        cap = capture(lm, p.context, queries=weighted)
-        fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq if weighted else None)
+        with times.stage("calibrate_capture"):
+            cap = capture(lm, p.context, queries=weighted)
+        with times.stage("calibrate_fit"):
+            fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq if weighted else None)
+        del cap
         if progress:
             progress("regenerator (calibrate)", i + 1, len(docs))
-    return fit.finish({"model_fingerprint": lm.fingerprints.base, "geometry": lm.geometry.to_dict(),
-                       "calibration": {"source": "kite upcycle train"}},
-                      value_weights=model_value_weights(lm) if weighted else None)
+    with times.stage("calibrate_fit", 0):
+        return fit.finish({"model_fingerprint": lm.fingerprints.base, "geometry": lm.geometry.to_dict(),
+                           "calibration": {"source": "kite upcycle train"}},
+                          value_weights=model_value_weights(lm) if weighted else None)
 
 
 def given_regenerator(lm: LoadedModel, req: TrainRequest) -> Regenerator:
@@ -145,11 +151,13 @@ def given_regenerator(lm: LoadedModel, req: TrainRequest) -> Regenerator:
 
 
 def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: TrainRequest, progress=None) -> dict:
-    """Run every stage (see the module doc); returns the report (also written to train_report.json)."""
+    """Run every stage (see the module doc); returns the report (also written to train_report.json),
+    with each stage's seconds (``stages``) and the run's speed per state and per pair (``speed``)."""
     t_start = time.perf_counter()
     train, held = req.check(pairs)
     out = req.output_dir
     prepare_output(req, req.key(pairs, lm.fingerprints.combined, cfg))
+    times = StageTimes(lm.device)
     timings: dict[str, float] = {}
 
     # 1. the regenerator: the one given (checked against the model), or fitted on the training documents
@@ -162,28 +170,16 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
     elif (out / "regenerator" / "regenerator.json").exists():
         reg = Regenerator.load(out / "regenerator")
     else:
-        reg = fit_regenerator(lm, train, codec0, progress)
+        reg = fit_regenerator(lm, train, codec0, progress, times=times)
         reg.save(out / "regenerator")
     install(reg)
     timings["regenerator_s"] = round(time.perf_counter() - t, 1)
 
-    # 2. every document's state at each training ratio
-    t = time.perf_counter()
-    c = cfg.compression
-    docs = {p.document_key: p for p in pairs}
-    states: dict[tuple[str, float], Path] = {}
-    for i, (doc, p) in enumerate(docs.items()):
-        for ratio in req.ratios:
-            path = out / "states" / f"{doc}-r{ratio:g}.upc"
-            if not path.exists():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                settings = CompressSettings(codec=settings_for(ratio), n_clusters=c.cluster_num,
-                                            min_span_tokens=c.min_span_tokens, max_span_tokens=c.max_span_tokens)
-                compress_document(lm, p.context, path, settings, source_name=f"train:{doc}", regenerator=reg)
-            states[(doc, ratio)] = path
-        if progress:
-            progress("states", i + 1, len(docs))
-    timings["states_s"] = round(time.perf_counter() - t, 1)
+    # 2. each document once: its states at every training ratio, their prefixes on the device and
+    #    its pairs' teacher (kite.upcycle.train.documents)
+    prep = prepare_documents(lm, pairs, train, held, reg, cfg, req.ratios, out, times, teacher=req.adapter,
+                             progress=progress)
+    timings["states_s"] = round(times.total("capture", "compress", "load"), 1)
     report: dict = {"kite_upcycle_train": 1, "model": lm.fingerprints.combined, "pairs": len(pairs),
                     "train_pairs": len(train), "held_out_pairs": len(held),
                     "train_documents": len({p.document_key for p in train}),
@@ -192,9 +188,14 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
                                     "calibration": reg.meta.get("calibration")},
                     "ratios": req.ratios, "timings": timings}
     if req.adapter:
-        report.update(_train_adapter(lm, train, held, cfg, req, states, progress, timings))
-    timings["total_s"] = round(time.perf_counter() - t_start, 1)
-    write_text(out / "train_report.json", json.dumps(report, indent=1))
+        timings["teacher_s"] = round(times.total("teacher"), 1)
+        report.update(_train_adapter(lm, train, held, cfg, req, prep, progress, timings, times))
+    with times.stage("write"):
+        timings["total_s"] = round(time.perf_counter() - t_start, 1)
+        report["stages"] = times.to_dict()
+        report["speed"] = summary(times, len(prep.states), len(train) if req.adapter else 0, req.epochs,
+                                  time.perf_counter() - t_start)
+        write_text(out / "train_report.json", json.dumps(report, indent=1))
     return report
 
 
@@ -218,12 +219,8 @@ def _at_ratio(stage: str, key: str) -> str:
     return f"{name} {key}×{sep}{detail}"
 
 
-def _train_adapter(lm: LoadedModel, train, held, cfg, req, states, progress, timings) -> dict:
-    t = time.perf_counter()
-    top_k = 256
-    examples = teacher_examples(lm, train, top_k, progress)
-    held_examples = teacher_examples(lm, held, top_k, progress) if held else []
-    timings["teacher_s"] = round(time.perf_counter() - t, 1)
+def _train_adapter(lm: LoadedModel, train, held, cfg, req, prep: Prepared, progress, timings, times) -> dict:
+    examples, held_examples = prep.examples, prep.held_examples
     train_tokens = sum(len(e.response_ids) for e in examples)
     a = cfg.adapter
     if req.mode == "custom":
@@ -241,23 +238,27 @@ def _train_adapter(lm: LoadedModel, train, held, cfg, req, states, progress, tim
         key = f"{ratio:g}"
         torch.manual_seed(req.seed)   # the LoRA's initial weights (the same for every ratio)
         peft_model = attach_lora(lm, s)
-        prefix_of = PrefixCache(lambda doc, ratio=ratio: load_prefix(states[(doc, ratio)], lm)[0])
+        prefix_of = prep.prefixes[ratio]
         staged = None if progress is None else (
             lambda stage, done, total, key=key: progress(_at_ratio(stage, key), done, total))
         t = time.perf_counter()
         histories[key] = train_adapter(peft_model, examples, prefix_of, s,
                                        _checkpoint_folder(req.output_dir, ratio, req.ratios), seed=req.seed,
-                                       resume=req.resume, progress=staged)
+                                       resume=req.resume, progress=staged, times=times)
         timings["adapter_s"] = round(timings["adapter_s"] + time.perf_counter() - t, 1)
         folders[key] = str(adapter_folder(req.output_dir, ratio, req.ratios))
-        peft_model.save_pretrained(folders[key])
+        with times.stage("write", 0):
+            peft_model.save_pretrained(folders[key])
         t = time.perf_counter()
         if held:
-            held_report.update(held_out_report(lm, peft_model, held, held_examples, {ratio: prefix_of}, staged))
+            with times.stage("report", len(held_examples)):
+                held_report.update(held_out_report(lm, peft_model, held, held_examples, {ratio: prefix_of}, staged))
         timings["report_s"] = round(timings["report_s"] + time.perf_counter() - t, 1)
         lm.model = peft_model.unload()     # the base model again, for the next ratio's LoRA
-    png = loss_plot({f"{k}×": h for k, h in histories.items()}, req.output_dir / "loss.png")
+    with times.stage("write", 0):
+        png = loss_plot({f"{k}×": h for k, h in histories.items()}, req.output_dir / "loss.png")
     return {"adapter": {"folders": folders, "settings": s.to_dict()},
             "training": {k: {n: v for n, v in h.items() if n != "loss"} for k, h in histories.items()},
             "loss": {k: h["loss"] for k, h in histories.items()},
-            "loss_plot": str(png) if png else None, "held_out": held_report}
+            "loss_plot": str(png) if png else None, "held_out": held_report,
+            "prefix_loads": {f"{r:g}": c.loads for r, c in prep.prefixes.items()}}
