@@ -69,7 +69,7 @@ def _top_k(model, cache, start: int, rows: list[tuple[list[int], list[int]]], to
         own = logp.gather(1, torch.tensor(r, device=device)[:, None])[:, 0]
         out.append((top.indices, top.values, own))
     if len(rows) == 1:
-        cache.crop(start)      # back to the document alone
+        cache.crop(-n)         # back to the document alone
     return out
 
 
