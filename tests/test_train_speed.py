@@ -126,3 +126,62 @@ def test_the_prefix_cache_keeps_what_fits_on_the_device_and_loads_the_rest_again
     cache("b")
     cache("a")
     assert asked == ["a", "b", "c", "a"] and cache.loads == 4 and cache.nbytes == 2 * one
+
+
+def _prefix(lm, text):
+    from kite.runtime.cache import cache_layers
+    from kite.upcycle.capture import tokenize_document
+
+    ids = tokenize_document(lm.tokenizer, text)[0]
+    cache = new_cache(lm.model)
+    forward_tokens(lm.model, ids, cache, 0)
+    return KVPrefix([k[0].clone() for k, _ in cache_layers(cache)], [v[0].clone() for _, v in cache_layers(cache)],
+                    len(ids))
+
+
+def test_pairs_read_in_one_padded_forward_get_the_logits_each_gets_alone(tiny_lm):
+    from kite.upcycle.train.adapter import Example, student_batch_logits, student_logits
+
+    words = CORPUS.split()
+    prefixes = [_prefix(tiny_lm, " ".join(words[:n])) for n in (60, 25, 90)]
+    tok = tiny_lm.tokenizer
+    exs = [Example(str(i), tok(f"\nQuestion {i}:" + " more" * i, add_special_tokens=False)["input_ids"],
+                   tok(f" answer {i * 3} now", add_special_tokens=False)["input_ids"], torch.zeros(0), torch.zeros(0))
+           for i in range(3)]
+    batched = student_batch_logits(tiny_lm.model, prefixes, exs)
+    for p, ex, got in zip(prefixes, exs, batched):
+        want = student_logits(tiny_lm.model, p, ex)
+        assert got.shape == want.shape == (len(ex.response_ids), want.shape[-1])
+        assert torch.allclose(got, want, atol=1e-4)
+    torch.stack([g.sum() for g in batched]).sum().backward()       # the rows' grads reach the weights
+    assert tiny_lm.model.model.layers[0].self_attn.q_proj.weight.grad is not None
+    tiny_lm.model.zero_grad(set_to_none=True)
+    cut = KVPrefix([prefixes[0].keys[0][:, :5]] + prefixes[0].keys[1:], prefixes[0].values, 60)
+    with pytest.raises(ValueError, match="whole states"):
+        student_batch_logits(tiny_lm.model, [cut, prefixes[1]], exs[:2])
+
+
+def test_an_epoch_of_pairs_in_batches_takes_a_step_per_batch(tiny_lm, tmp_path):
+    from kite.upcycle.compress import capture_for
+    from kite.upcycle.train.adapter import AdapterSettings, attach_lora, train_adapter
+    from kite.upcycle.train.stages import StageTimes
+    from kite.upcycle.train.teacher import document_examples
+
+    pairs = _pairs(5)
+    cap = capture_for(tiny_lm, pairs[0].context, keep_cache=True)
+    examples = document_examples(tiny_lm, pairs, cap.cache, cap.ids, 16)
+    prefix = _prefix(tiny_lm, pairs[0].context)
+    s = AdapterSettings(target_modules=["q_proj", "o_proj"], r=4, lora_alpha=8, epochs=2, checkpoint_every=4,
+                        pairs_per_step=2)
+    base = tiny_lm.model
+    torch.manual_seed(0)
+    peft_model = attach_lora(tiny_lm, s)
+    times = StageTimes("cpu")
+    try:
+        h = train_adapter(peft_model, examples, lambda doc: prefix, s, tmp_path, seed=0, resume=False, times=times)
+    finally:
+        tiny_lm.model = peft_model.unload()
+    assert tiny_lm.model is base
+    assert h["steps"] == 6 and len(h["loss"]) == 6 and all(v == v and v >= 0 for v in h["loss"])   # 3 a epoch
+    assert h["response_tokens"] == 2 * sum(len(e.response_ids) for e in examples)
+    assert times.counts == {"adapter_steps": 6, "checkpoints": 2}

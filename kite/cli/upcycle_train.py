@@ -33,6 +33,8 @@ def train(
     epochs: Annotated[int, typer.Option(min=1, help="Passes over the training pairs.")] = 2,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Steps between checkpoints (--resume continues "
                                                   "from the newest).")] = 25,
+    pairs_per_step: Annotated[int, typer.Option(min=1, help="Pairs in one step of the adapter (one batched forward "
+                                                "and backward, their mean loss); 1: a step per pair.")] = 1,
     resume: Annotated[bool, typer.Option(help="Continue the run in --output-dir from its newest checkpoint.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Start over in an --output-dir that holds a run.")] = False,
     regenerator_only: Annotated[bool, typer.Option(help="Fit the regenerator only (no adapter).")] = False,
@@ -61,7 +63,7 @@ def train(
     pairs = read_pairs(data_path)
     req = TrainRequest(data_path=str(data_path), output_dir=output_dir, mode=mode, seed=seed,
                        ratios=[float(r) for r in (ratio or [8.0])], eval_fraction=eval_fraction, epochs=epochs,
-                       checkpoint_every=checkpoint_every,
+                       checkpoint_every=checkpoint_every, pairs_per_step=pairs_per_step,
                        resume=resume, overwrite=overwrite, adapter=not regenerator_only, regenerator=regenerator)
     req.check(pairs)     # flags and the split, before the model loads
     from kite.model import load_model

@@ -52,6 +52,7 @@ class AdapterSettings:
     epochs: int = 2
     top_k: int = 256
     checkpoint_every: int = 25
+    pairs_per_step: int = 1      # pairs in one forward, backward and optimizer step (their mean loss)
     chosen_by: str = "custom"
 
     def to_dict(self) -> dict:
@@ -134,6 +135,48 @@ def student_logits(model, prefix: KVPrefix, ex: Example) -> torch.Tensor:
     return out.logits[0, len(ex.prompt_ids) - 1:]
 
 
+def student_batch_logits(model, prefixes: list[KVPrefix], exs: list[Example]) -> list[torch.Tensor]:
+    """Each example's response logits reading its own prefix, every row in one forward (grad through
+    the LoRA): the prefixes left-padded to the longest and the padding masked out, the new tokens
+    right-padded (causal attention keeps a row's tokens from its padding), each row at its own
+    positions. A row's logits are those :func:`student_logits` gives it alone, up to summation order.
+    Prefixes must hold the same tokens in every layer (a whole state's load)."""
+    from transformers import DynamicCache
+
+    if len(prefixes) == 1:
+        return [student_logits(model, prefixes[0], exs[0])]
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    lens = []
+    for p in prefixes:
+        per_layer = set(p.tokens_per_layer())
+        if len(per_layer) != 1:
+            raise ValueError("a batch of pairs reads whole states (the same tokens in every layer)")
+        lens.append(per_layer.pop())
+    B, P = len(exs), max(lens)
+    seqs = [ex.prompt_ids + ex.response_ids[:-1] for ex in exs]
+    n = max(len(q) for q in seqs)
+    ids = torch.zeros(B, n, dtype=torch.long)
+    mask = torch.zeros(B, P + n, dtype=torch.long)
+    pos = torch.zeros(B, n, dtype=torch.long)
+    for i, (q, p) in enumerate(zip(seqs, prefixes)):
+        ids[i, :len(q)] = torch.tensor(q)
+        mask[i, P - lens[i]:P + len(q)] = 1
+        pos[i] = torch.arange(p.next_position, p.next_position + n)
+    cache = DynamicCache(config=base.config)
+    for layer in range(prefixes[0].n_layers):
+        keys, values = (torch.zeros(B, *t[layer].shape[:-2], P, t[layer].shape[-1], device=device, dtype=dtype)
+                        for t in (prefixes[0].keys, prefixes[0].values))
+        for i, p in enumerate(prefixes):
+            keys[i, :, P - lens[i]:] = p.keys[layer]
+            values[i, :, P - lens[i]:] = p.values[layer]
+        cache.update(keys, values, layer)
+    out = model(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=mask.to(device), use_cache=True,
+                **{cache_kwarg(base): cache})
+    return [out.logits[i, len(ex.prompt_ids) - 1:len(q)] for i, (ex, q) in enumerate(zip(exs, seqs))]
+
+
 class PrefixCache:
     """Decoded states by document on the model's device, in the model's dtype, as plain tensors
     (autograd refuses the inference tensors a load returns): all of them while they fit in
@@ -183,6 +226,8 @@ def train_adapter(peft_model, examples: list[Example], prefixes: Callable[[str],
 
     ``resume``: continue from the newest checkpoint in ``out_dir`` (else start over).
     ``stop_after``: return after that many steps in this call (tests of an interrupted run).
+    A step reads ``s.pairs_per_step`` pairs of the epoch's order in one forward
+    (:func:`student_batch_logits`) and steps on their mean loss.
     ``times``: where the steps' and the checkpoints' seconds are added (stages ``adapter_steps``,
     ``checkpoints``). The losses stay on the device until a checkpoint or every ``LOSS_EVERY``
     steps, so the host does not wait for each step before queueing the next.
@@ -190,7 +235,9 @@ def train_adapter(peft_model, examples: list[Example], prefixes: Callable[[str],
     times = times or StageTimes(next(peft_model.parameters()).device)
     params = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(list(params.values()), lr=s.learning_rate, weight_decay=0.0)
-    total = s.epochs * len(examples)
+    per_step = max(1, s.pairs_per_step)
+    steps_per_epoch = -(-len(examples) // per_step)
+    total = s.epochs * steps_per_epoch
     progress_state = {"step": 0, "loss": [], "tokens": 0, "seconds": 0.0}
     torch.manual_seed(seed)
     ck = load_checkpoint(out_dir) if resume else None
@@ -217,13 +264,17 @@ def train_adapter(peft_model, examples: list[Example], prefixes: Callable[[str],
         ran_before = ran
         with times.stage("adapter_steps", 0):
             while step < total:
-                epoch, at = divmod(step, len(examples))
+                epoch, at = divmod(step, steps_per_epoch)
                 if epoch not in orders:
                     orders[epoch] = list(range(len(examples)))
                     random.Random(f"kite-train:{seed}:{epoch}").shuffle(orders[epoch])
-                ex = examples[orders[epoch][at]]
-                logits = student_logits(peft_model, prefixes(ex.doc), ex)
-                loss = distill_loss(logits, ex, s.temperature)
+                batch = [examples[i] for i in orders[epoch][at * per_step:(at + 1) * per_step]]
+                if per_step == 1:
+                    loss = distill_loss(student_logits(peft_model, prefixes(batch[0].doc), batch[0]), batch[0],
+                                        s.temperature)
+                else:
+                    rows = student_batch_logits(peft_model, [prefixes(ex.doc) for ex in batch], batch)
+                    loss = torch.stack([distill_loss(lg, ex, s.temperature) for lg, ex in zip(rows, batch)]).mean()
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -231,7 +282,7 @@ def train_adapter(peft_model, examples: list[Example], prefixes: Callable[[str],
                 ran += 1
                 pending.append(loss.detach())
                 progress_state["step"] = step
-                progress_state["tokens"] += len(ex.response_ids)
+                progress_state["tokens"] += sum(len(ex.response_ids) for ex in batch)
                 checkpoint = step % s.checkpoint_every == 0 or step == total
                 stop = stop_after is not None and ran >= stop_after
                 if len(pending) >= LOSS_EVERY or checkpoint or stop:

@@ -62,6 +62,7 @@ class TrainRequest:
     overwrite: bool = False
     adapter: bool = True                    # train the reader adapter (else the regenerator only)
     regenerator: Path | None = None         # a regenerator folder to code the states with (else one is fitted)
+    pairs_per_step: int = 1                 # the adapter's pairs per optimizer step (one forward, their mean loss)
 
     def check(self, pairs: list[Pair]) -> tuple[list[Pair], list[Pair]]:
         """BadInput for a bad mode or ratio, or pairs too few to split; returns (train, held out)."""
@@ -71,6 +72,8 @@ class TrainRequest:
             raise BadInput("--ratio: each training ratio is > 1 (8 = an eighth of raw fp16 KV)")
         if self.epochs < 1:
             raise BadInput(f"--epochs {self.epochs}: at least 1")
+        if self.pairs_per_step < 1:
+            raise BadInput(f"--pairs-per-step {self.pairs_per_step}: at least 1")
         if self.checkpoint_every < 1:
             raise BadInput(f"--checkpoint-every {self.checkpoint_every}: at least 1")
         if self.regenerator is not None:
@@ -80,10 +83,13 @@ class TrainRequest:
     def key(self, pairs: list[Pair], model_fp: str, cfg: UpcycleConfig) -> dict:
         """What must match for a run to continue in the same folder."""
         data = hashlib.sha256(json.dumps([(p.context, p.prompt, p.response) for p in pairs]).encode()).hexdigest()
-        return {"model": model_fp, "data_sha256": data, "mode": self.mode, "seed": self.seed,
-                "ratios": [float(r) for r in self.ratios], "eval_fraction": self.eval_fraction, "epochs": self.epochs,
-                "adapter": self.adapter, "config": cfg.model_dump(mode="json"),
-                "regenerator": None if self.regenerator is None else Regenerator.load(self.regenerator).fingerprint}
+        key = {"model": model_fp, "data_sha256": data, "mode": self.mode, "seed": self.seed,
+               "ratios": [float(r) for r in self.ratios], "eval_fraction": self.eval_fraction, "epochs": self.epochs,
+               "adapter": self.adapter, "config": cfg.model_dump(mode="json"),
+               "regenerator": None if self.regenerator is None else Regenerator.load(self.regenerator).fingerprint}
+        if self.pairs_per_step != 1:     # (runs of one pair a step keep the key they had before batches)
+            key["pairs_per_step"] = self.pairs_per_step
+        return key
 
 
 def prepare_output(req: TrainRequest, key: dict) -> None:
@@ -227,11 +233,12 @@ def _train_adapter(lm: LoadedModel, train, held, cfg, req, prep: Prepared, progr
         s = AdapterSettings(target_modules=list(a.target_modules), r=a.r, lora_alpha=a.lora_alpha,
                             lora_dropout=a.lora_dropout, temperature=a.temperature,
                             learning_rate=a.learning_rate, epochs=req.epochs,
-                            checkpoint_every=req.checkpoint_every, chosen_by="custom: upcycle_config adapter.*")
+                            checkpoint_every=req.checkpoint_every, pairs_per_step=req.pairs_per_step,
+                            chosen_by="custom: upcycle_config adapter.*")
     else:
         s = auto_settings(lm.model, train_tokens, temperature=a.temperature, learning_rate=a.learning_rate,
-                          epochs=req.epochs,
-                          checkpoint_every=req.checkpoint_every)
+                          epochs=req.epochs, checkpoint_every=req.checkpoint_every,
+                          pairs_per_step=req.pairs_per_step)
     folders, histories, held_report = {}, {}, {}
     timings["adapter_s"] = timings["report_s"] = 0.0
     for ratio in req.ratios:
