@@ -5,8 +5,9 @@ contracts of ~2K tokens (`kite data pairs`' generator, lengths counted with the 
 with the model given, one epoch at one ratio, and records each stage as the run's report gives it
 (`train_report.json` ``stages``: seconds, count, unit) with the two figures the run is judged by:
 
-* seconds per training state (the document's prefill, the codec and the state file, its prefix
-  rebuilt on the device), against the target of 0.2 s for a 2K-token document;
+* seconds per training state (every stage before the teacher over the states made: the documents'
+  prefills, the regenerator's sums and bases, the codec and the state files, the prefixes rebuilt on
+  the device), against the target of 0.2 s for a 2K-token document;
 * seconds per training pair and epoch of the whole run, and from it 2,000 pairs for one epoch
   (in minutes), against the target of 15 minutes.
 

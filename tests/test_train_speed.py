@@ -185,3 +185,25 @@ def test_an_epoch_of_pairs_in_batches_takes_a_step_per_batch(tiny_lm, tmp_path):
     assert h["steps"] == 6 and len(h["loss"]) == 6 and all(v == v and v >= 0 for v in h["loss"])   # 3 a epoch
     assert h["response_tokens"] == 2 * sum(len(e.response_ids) for e in examples)
     assert times.counts == {"adapter_steps": 6, "checkpoints": 2}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the split-KV kernel runs on a GPU)")
+def test_on_a_gpu_the_adapters_query_projections_learn_through_a_long_prefix(tiny_models):
+    """A short query after >= 1,024 cached keys goes to the split-KV kernel on a GPU, which has no
+    backward: while the adapter trains, attention stays on autograd's path so q_proj's LoRA gets grads."""
+    from kite.model import load_model
+    from kite.upcycle.train.adapter import AdapterSettings, Example, attach_lora, student_logits
+
+    lm = load_model(str(tiny_models["llama"]), device="cuda")
+    g = lm.geometry
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    prefix = KVPrefix([torch.randn(g.n_kv_heads, 1100, g.head_dim, device="cuda", generator=gen, dtype=lm.dtype)
+                       for _ in range(g.n_layers)],
+                      [torch.randn(g.n_kv_heads, 1100, g.head_dim, device="cuda", generator=gen, dtype=lm.dtype)
+                       for _ in range(g.n_layers)], 1100)
+    torch.manual_seed(0)
+    peft_model = attach_lora(lm, AdapterSettings(target_modules=["q_proj", "o_proj"], r=4, lora_alpha=8))
+    ex = Example("d", [5, 6, 7], [8, 9, 10], torch.zeros(0), torch.zeros(0))
+    student_logits(peft_model, prefix, ex).float().logsumexp(-1).sum().backward()
+    grads = {n: p.grad for n, p in peft_model.named_parameters() if "q_proj.lora_B" in n}
+    assert len(grads) == g.n_layers and all(v is not None and v.abs().sum() > 0 for v in grads.values())

@@ -97,7 +97,10 @@ def train(
     out.print("  " + "  ".join(f"{k} {v}" for k, v in report["timings"].items()), highlight=False)
     for name, st in report["stages"].items():
         per = f"  ({st['per_unit_s']:.3f} s per {st['unit']})" if st["count"] else ""
-        out.print(f"    {name:<18} {st['seconds']:9.2f} s  {st['count']:>6} × {st['unit']}{per}", highlight=False)
+        detail = ("  [" + ", ".join(f"{k} {v / 1e3:.2f} s" for k, v in st["detail_ms"].items()) + "]"
+                  if st.get("detail_ms") else "")
+        out.print(f"    {name:<18} {st['seconds']:9.2f} s  {st['count']:>6} × {st['unit']}{per}{detail}",
+                  highlight=False)
     sp = report["speed"]
     per_pair = (f", {sp['seconds_per_pair_epoch']:.3f} s per training pair and epoch"
                 if sp["seconds_per_pair_epoch"] is not None else "")

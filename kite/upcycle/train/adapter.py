@@ -200,12 +200,13 @@ class PrefixCache:
         return self.items[doc]
 
 
-def prefix_budget(device) -> int:
-    """Bytes of decoded states a run keeps: half the GPU memory free now, 2 GiB on the host."""
+def memory_budget(device, share: float) -> int:
+    """Bytes a run may keep of something on ``device``: ``share`` of the GPU memory free now, or of
+    4 GiB on the host."""
     device = torch.device(device)
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0] // 2)
-    return 2 << 30
+        return int(torch.cuda.mem_get_info(device)[0] * share)
+    return int((4 << 30) * share)
 
 
 def attach_lora(lm: LoadedModel, s: AdapterSettings):

@@ -34,9 +34,10 @@ from kite.upcycle.codec.regenerator import Regenerator, RegeneratorFit, install
 from kite.upcycle.codec.settings import settings_for
 from kite.upcycle.codec.weights import model_value_weights
 from kite.upcycle.settings import UpcycleConfig
-from kite.upcycle.train.adapter import AdapterSettings, attach_lora, auto_settings, train_adapter
+from kite.upcycle.train.adapter import AdapterSettings, attach_lora, auto_settings, memory_budget, train_adapter
 from kite.upcycle.train.data import Pair, split_pairs
-from kite.upcycle.train.documents import Prepared, prepare_documents
+from kite.upcycle.compress import CompressSettings, capture_for
+from kite.upcycle.train.documents import CaptureStore, Prepared, compress_settings, prepare_documents
 from kite.upcycle.train.report import held_out_report, loss_plot
 from kite.upcycle.train.stages import StageTimes, summary
 
@@ -118,20 +119,26 @@ def prepare_output(req: TrainRequest, key: dict) -> None:
 
 
 def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progress=None, weighted: bool = False,
-                    times: StageTimes | None = None) -> Regenerator:
+                    times: StageTimes | None = None, keep: CaptureStore | None = None,
+                    compress: CompressSettings | None = None) -> Regenerator:
     """Calibrate on the training documents (each once), in the blocks the codec uses; ``weighted``:
     with attention-aware distortion weights (the documents' queries and the model's ``o_proj``;
     :mod:`kite.upcycle.codec.weights`). Off by default: on SmolLM2's held-out rows the weighted
     regenerator lost more often than it won (docs/PERFORMANCE.md "Training"; measured 2026-12-01 at
-    commit 42c8b7a). ``times``: where the prefills' and the sums' seconds are added."""
+    commit 42c8b7a). ``times``: where the prefills' and the sums' seconds are added. ``keep``: the
+    documents' captures are offered to it, made as a compression with ``compress`` makes them (the
+    hidden states its clusters read, the model's cache), for the states and the teacher to reuse."""
     times = times or StageTimes(lm.device)
     docs = {p.document_key: p for p in train_pairs}
     fit = RegeneratorFit(n_layers=lm.geometry.n_layers, joint_heads=cfg_codec.joint_heads, center=cfg_codec.center)
     for i, p in enumerate(docs.values()):
         with times.stage("calibrate_capture"):
-            cap = capture(lm, p.context, queries=weighted)
+            cap = (capture(lm, p.context, queries=weighted) if keep is None or weighted else
+                   capture_for(lm, p.context, compress, keep_cache=True))
         with times.stage("calibrate_fit"):
             fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq if weighted else None)
+        if keep is not None and not weighted:
+            keep.offer(p.document_key, cap)
         del cap
         if progress:
             progress("regenerator (calibrate)", i + 1, len(docs))
@@ -165,6 +172,7 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
     prepare_output(req, req.key(pairs, lm.fingerprints.combined, cfg))
     times = StageTimes(lm.device)
     timings: dict[str, float] = {}
+    kept = CaptureStore(memory_budget(lm.device, 0.25 if torch.device(lm.device).type == "cuda" else 0.5))
 
     # 1. the regenerator: the one given (checked against the model), or fitted on the training documents
     #    (the codec of the first training ratio decides joint heads / centering)
@@ -176,7 +184,8 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
     elif (out / "regenerator" / "regenerator.json").exists():
         reg = Regenerator.load(out / "regenerator")
     else:
-        reg = fit_regenerator(lm, train, codec0, progress, times=times)
+        reg = fit_regenerator(lm, train, codec0, progress, times=times, keep=kept,
+                              compress=compress_settings(cfg, req.ratios[0]))
         reg.save(out / "regenerator")
     install(reg)
     timings["regenerator_s"] = round(time.perf_counter() - t, 1)
@@ -184,8 +193,8 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
     # 2. each document once: its states at every training ratio, their prefixes on the device and
     #    its pairs' teacher (kite.upcycle.train.documents)
     prep = prepare_documents(lm, pairs, train, held, reg, cfg, req.ratios, out, times, teacher=req.adapter,
-                             progress=progress)
-    timings["states_s"] = round(times.total("capture", "compress", "load"), 1)
+                             progress=progress, kept=kept)
+    timings["states_s"] = round(times.total("capture", "compress", "load"), 1)   # after the regenerator
     report: dict = {"kite_upcycle_train": 1, "model": lm.fingerprints.combined, "pairs": len(pairs),
                     "train_pairs": len(train), "held_out_pairs": len(held),
                     "train_documents": len({p.document_key for p in train}),
@@ -199,6 +208,8 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
     with times.stage("write"):
         timings["total_s"] = round(time.perf_counter() - t_start, 1)
         report["stages"] = times.to_dict()
+        if prep.compress_ms:       # within the compress stage, as compress_document times it (ms, all states)
+            report["stages"]["compress"]["detail_ms"] = prep.compress_ms
         report["speed"] = summary(times, len(prep.states), len(train) if req.adapter else 0, req.epochs,
                                   time.perf_counter() - t_start)
         write_text(out / "train_report.json", json.dumps(report, indent=1))

@@ -68,11 +68,15 @@ class StageTimes:
         return sum(self.seconds.get(n, 0.0) for n in names)
 
 
+STATE_STAGES = ("calibrate_capture", "calibrate_fit", "capture", "compress", "load")
+
+
 def summary(times: StageTimes, states: int, pairs: int, epochs: int, total_s: float) -> dict:
-    """The two figures a run's speed is judged by: seconds per training state (its document's
-    prefill shared by its ratios, the codec and file, the prefix rebuilt on the device) and seconds
-    per training pair and epoch of the whole run."""
-    state_s = times.total("capture", "compress", "load")
+    """The two figures a run's speed is judged by: seconds per training state (every stage before
+    the teacher over the states: the documents' prefills, the regenerator's sums and bases, the
+    codec and the files, the prefixes rebuilt on the device) and seconds per training pair and
+    epoch of the whole run."""
+    state_s = times.total(*STATE_STAGES)
     return {"states": states, "seconds_per_state": round(state_s / states, 4) if states else None,
             "pair_epochs": pairs * epochs,
             "seconds_per_pair_epoch": round(total_s / (pairs * epochs), 4) if pairs else None}
