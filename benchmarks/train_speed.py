@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ratio", type=float, default=16.0)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--eval-fraction", type=float, default=0.1)
+    ap.add_argument("--pairs-per-step", type=int, default=1, help="the adapter's pairs per step (default 1)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
     ap.add_argument("--keep", type=Path, help="keep the run folder here (default: a temporary folder)")
     args = parse(ap, argv)
@@ -66,7 +67,8 @@ def main(argv=None) -> int:
     pairs = read_pairs(work / "pairs.jsonl")
     out = args.keep or work / "run"
     req = TrainRequest(data_path=str(work / "pairs.jsonl"), output_dir=out, ratios=[args.ratio],
-                       eval_fraction=args.eval_fraction, epochs=args.epochs, overwrite=True)
+                       eval_fraction=args.eval_fraction, epochs=args.epochs, overwrite=True,
+                       pairs_per_step=args.pairs_per_step)
     report = train_upcycle(lm, pairs, UpcycleConfig(), req)
     docs = sorted({r["context"] for r in records})
     ctx_tokens = [len(tok(d, add_special_tokens=False)["input_ids"]) for d in docs]
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
         "contracts": args.contracts, "pairs": len(records), "train_pairs": report["train_pairs"],
         "held_out_pairs": report["held_out_pairs"], "context_tokens": {"mean": round(mean_tokens, 1),
                                                                        "min": min(ctx_tokens), "max": max(ctx_tokens)},
-        "parameters": n_params, "ratio": args.ratio, "epochs": args.epochs,
+        "parameters": n_params, "ratio": args.ratio, "epochs": args.epochs, "pairs_per_step": args.pairs_per_step,
         "stages": report["stages"], "speed": speed, "timings": report["timings"],
         "training": report.get("training"), "held_out": report.get("held_out"),
         "prefix_loads": report.get("prefix_loads"), "adapter": report.get("adapter", {}).get("settings"),
