@@ -23,6 +23,7 @@ codec work, file writes and Python the run does not count apart), and say so.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -56,6 +57,7 @@ def main(argv=None) -> int:
     from kite.model import load_model
     from kite.upcycle import TrainRequest, UpcycleConfig, read_pairs, train_upcycle
 
+    load_before = os.getloadavg()
     t0 = clock()
     lm = load_model(args.model, device=args.device)
     t_model = clock() - t0
@@ -107,6 +109,9 @@ def main(argv=None) -> int:
         "training": report.get("training"), "held_out": report.get("held_out"),
         "prefix_loads": report.get("prefix_loads"), "adapter": report.get("adapter", {}).get("settings"),
         "targets": {"seconds_per_state": TARGET_STATE_S, "pairs": TARGET_PAIRS, "minutes": TARGET_MIN},
+        # the host's 1/5/15-minute load averages before and after (a shared machine slows the run)
+        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()],
+                         "cpus": os.cpu_count()},
     })
     return finish(res, args)
 
