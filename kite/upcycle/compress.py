@@ -181,7 +181,8 @@ def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: 
         lm, text, settings, tagger=tagger, regenerator=regenerator, ids=ids,
         progress=(lambda d, t: progress("prefill", d, t)) if progress else None)
     probe_rows = PROBE_ROWS if regenerator is not None and regenerator.choice == "probe" else 0
-    if len(cap.query_tail) < probe_rows or any(layer not in cap.hidden for layer in _hidden_layers(lm, tagger)):
+    if (probe_rows and len(cap.query_tail) != lm.geometry.n_layers) or \
+            any(layer not in cap.hidden for layer in _hidden_layers(lm, tagger)):
         raise ValueError("the capture given lacks the hidden states or queries this compression reads "
                          "(make it with capture_for)")
     probe = AttentionProbe(lm, cap.query_tail, cap.n_tokens) if probe_rows else None
