@@ -153,6 +153,9 @@ def test_pairs_read_in_one_padded_forward_get_the_logits_each_gets_alone(tiny_lm
         want = student_logits(tiny_lm.model, p, ex)
         assert got.shape == want.shape == (len(ex.response_ids), want.shape[-1])
         assert torch.allclose(got, want, atol=1e-4)
+    from kite.upcycle.train.report import _state_nll                   # the held-out report's NLLs, batched the same way
+    alone = [_state_nll(tiny_lm.model, [p], [ex])[0] for p, ex in zip(prefixes, exs)]
+    assert _state_nll(tiny_lm.model, prefixes, exs) == pytest.approx(alone, abs=1e-5)
     torch.stack([g.sum() for g in batched]).sum().backward()       # the rows' grads reach the weights
     assert tiny_lm.model.model.layers[0].self_attn.q_proj.weight.grad is not None
     tiny_lm.model.zero_grad(set_to_none=True)
