@@ -48,6 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--eval-fraction", type=float, default=0.1)
     ap.add_argument("--pairs-per-step", type=int, default=1, help="the adapter's pairs per step (default 1)")
+    ap.add_argument("--codec-workers", type=int, default=None,
+                    help="host threads coding the states (default: the run's choice, 8 on a GPU, 0 on the CPU)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
     ap.add_argument("--keep", type=Path, help="keep the run folder here (default: a temporary folder)")
     args = parse(ap, argv)
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
     out = args.keep or work / "run"
     req = TrainRequest(data_path=str(work / "pairs.jsonl"), output_dir=out, ratios=[args.ratio],
                        eval_fraction=args.eval_fraction, epochs=args.epochs, overwrite=True,
-                       pairs_per_step=args.pairs_per_step)
+                       pairs_per_step=args.pairs_per_step, codec_workers=args.codec_workers)
     report = train_upcycle(lm, pairs, UpcycleConfig(), req)
     docs = sorted({r["context"] for r in records})
     ctx_tokens = [len(tok(d, add_special_tokens=False)["input_ids"]) for d in docs]
@@ -105,6 +107,7 @@ def main(argv=None) -> int:
         "held_out_pairs": report["held_out_pairs"], "context_tokens": {"mean": round(mean_tokens, 1),
                                                                        "min": min(ctx_tokens), "max": max(ctx_tokens)},
         "parameters": n_params, "ratio": args.ratio, "epochs": args.epochs, "pairs_per_step": args.pairs_per_step,
+        "codec_workers": report.get("codec_workers"),
         "stages": report["stages"], "speed": speed, "timings": report["timings"],
         "training": report.get("training"), "held_out": report.get("held_out"),
         "prefix_loads": report.get("prefix_loads"), "adapter": report.get("adapter", {}).get("settings"),

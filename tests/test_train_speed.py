@@ -210,3 +210,34 @@ def test_on_a_gpu_the_adapters_query_projections_learn_through_a_long_prefix(tin
     student_logits(peft_model, prefix, ex).float().logsumexp(-1).sum().backward()
     grads = {n: p.grad for n, p in peft_model.named_parameters() if "q_proj.lora_B" in n}
     assert len(grads) == g.n_layers and all(v is not None and v.abs().sum() > 0 for v in grads.values())
+
+
+def test_states_coded_by_host_threads_are_those_coded_in_turn(tiny_lm, regenerator, tmp_path):
+    """On a GPU the run codes states on host threads while the device goes on: the same states and
+    teachers as coded one after the other (here both on the CPU)."""
+    from kite.upcycle.codec.regenerator import install
+    from kite.upcycle.load.prefix import load_prefix
+    from kite.upcycle.settings import UpcycleConfig
+    from kite.upcycle.train.documents import prepare_documents
+    from kite.upcycle.train.stages import StageTimes
+
+    install(regenerator)                 # as the run does: its prefixes load with it
+
+    words = CORPUS.split()
+    pairs = [Pair(" ".join(words[d * 11:d * 11 + 90]), f"\nQ{q}:", f" A{q}.", d * 2 + q + 1)
+             for d in range(3) for q in range(2)]
+    cfg = UpcycleConfig.model_validate({"compression": {"cluster_num": 2, "min_span_tokens": 8, "max_span_tokens": 24}})
+    got, threads = {}, torch.get_num_threads()
+    for workers in (0, 2):
+        times = StageTimes("cpu")
+        prep = prepare_documents(tiny_lm, pairs, pairs[:4], pairs[4:], regenerator, cfg, [8.0], tmp_path / str(workers),
+                                 times, teacher=True, codec_workers=workers)
+        assert prep.made == 3 and times.counts["compress"] == 3 and times.counts["load"] == 3
+        assert torch.get_num_threads() == threads            # the workers' one thread each, given back
+        got[workers] = prep
+    for key, path in got[0].states.items():
+        a, _ = load_prefix(path, tiny_lm, regenerator=regenerator)
+        b, _ = load_prefix(got[2].states[key], tiny_lm, regenerator=regenerator)
+        assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
+    for x, y in zip(got[0].examples + got[0].held_examples, got[2].examples + got[2].held_examples):
+        assert torch.equal(x.teacher_logp, y.teacher_logp) and torch.equal(x.full_logp, y.full_logp)

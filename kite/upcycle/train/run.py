@@ -37,7 +37,8 @@ from kite.upcycle.settings import UpcycleConfig
 from kite.upcycle.train.adapter import AdapterSettings, attach_lora, auto_settings, memory_budget, train_adapter
 from kite.upcycle.train.data import Pair, split_pairs
 from kite.upcycle.compress import CompressSettings, capture_for
-from kite.upcycle.train.documents import CaptureStore, Prepared, compress_settings, prepare_documents
+from kite.upcycle.train.documents import (CaptureStore, Prepared, codec_workers_for, compress_settings,
+                                          prepare_documents)
 from kite.upcycle.train.report import held_out_report, loss_plot
 from kite.upcycle.train.stages import StageTimes, summary
 
@@ -64,6 +65,7 @@ class TrainRequest:
     adapter: bool = True                    # train the reader adapter (else the regenerator only)
     regenerator: Path | None = None         # a regenerator folder to code the states with (else one is fitted)
     pairs_per_step: int = 1                 # the adapter's pairs per optimizer step (one forward, their mean loss)
+    codec_workers: int | None = None        # host threads coding the states (None: 8 on a GPU, 0 on the CPU)
 
     def check(self, pairs: list[Pair]) -> tuple[list[Pair], list[Pair]]:
         """BadInput for a bad mode or ratio, or pairs too few to split; returns (train, held out)."""
@@ -192,8 +194,9 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
 
     # 2. each document once: its states at every training ratio, their prefixes on the device and
     #    its pairs' teacher (kite.upcycle.train.documents)
+    workers = codec_workers_for(lm.device) if req.codec_workers is None else req.codec_workers
     prep = prepare_documents(lm, pairs, train, held, reg, cfg, req.ratios, out, times, teacher=req.adapter,
-                             progress=progress, kept=kept)
+                             progress=progress, kept=kept, codec_workers=workers)
     timings["states_s"] = round(times.total("capture", "compress", "load"), 1)   # after the regenerator
     report: dict = {"kite_upcycle_train": 1, "model": lm.fingerprints.combined, "pairs": len(pairs),
                     "train_pairs": len(train), "held_out_pairs": len(held),
@@ -201,7 +204,7 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
                     "held_out_documents": len({p.document_key for p in held}),
                     "regenerator": {"fingerprint": reg.fingerprint, "folder": str(out / "regenerator"),
                                     "calibration": reg.meta.get("calibration")},
-                    "ratios": req.ratios, "timings": timings}
+                    "ratios": req.ratios, "timings": timings, "codec_workers": workers}
     if req.adapter:
         timings["teacher_s"] = round(times.total("teacher"), 1)
         report.update(_train_adapter(lm, train, held, cfg, req, prep, progress, timings, times))
