@@ -136,6 +136,8 @@ def prepare_documents(lm: LoadedModel, pairs: list[Pair], train: list[Pair], hel
                                         param.device, param.dtype) for r in ratios}
     slots: dict[str, list[Example | None]] = {"train": [None] * len(train), "held": [None] * len(held)}
     settings0 = compress_settings(cfg, ratios[0])
+    if reg.choice == "probe":
+        codec_workers = 0     # the attention probe reads the model where it is: coded in turn, on its device
     pool = ThreadPoolExecutor(codec_workers, thread_name_prefix="kite-codec") if codec_workers > 0 else None
     jobs: list[Future] = []
 
@@ -187,6 +189,7 @@ def prepare_documents(lm: LoadedModel, pairs: list[Pair], train: list[Pair], hel
             with times.stage("compress", len(jobs)):
                 for job in jobs:
                     job.result()
+            torch.set_num_threads(threads)
             if teacher:
                 for doc in docs:
                     for r in ratios:
