@@ -166,7 +166,8 @@ def prepare_documents(lm: LoadedModel, pairs: list[Pair], train: list[Pair], hel
                 with times.stage("capture"):
                     cap = capture_for(lm, first.context, settings0, regenerator=reg, keep_cache=bool(mine))
             if missing and pool is not None:
-                host = on_host(cap)
+                with times.stage("capture", 0):                # its copy to the host, for the codec there
+                    host = on_host(cap)
                 jobs += [pool.submit(compress, doc, first.context, r, host) for r in missing]
             for r in missing if pool is None else []:
                 with times.stage("compress"):
