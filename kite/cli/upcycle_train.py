@@ -97,7 +97,7 @@ def train(
     out.print("  " + "  ".join(f"{k} {v}" for k, v in report["timings"].items()), highlight=False)
     for name, st in report["stages"].items():
         per = f"  ({st['per_unit_s']:.3f} s per {st['unit']})" if st["count"] else ""
-        detail = ("  [" + ", ".join(f"{k} {v / 1e3:.2f} s" for k, v in st["detail_ms"].items()) + "]"
+        detail = ("; of it " + ", ".join(f"{k} {v / 1e3:.2f} s" for k, v in st["detail_ms"].items())
                   if st.get("detail_ms") else "")
         out.print(f"    {name:<18} {st['seconds']:9.2f} s  {st['count']:>6} × {st['unit']}{per}{detail}",
                   highlight=False)

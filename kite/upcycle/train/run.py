@@ -208,14 +208,14 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
     if req.adapter:
         timings["teacher_s"] = round(times.total("teacher"), 1)
         report.update(_train_adapter(lm, train, held, cfg, req, prep, progress, timings, times))
-    with times.stage("write"):
-        timings["total_s"] = round(time.perf_counter() - t_start, 1)
-        report["stages"] = times.to_dict()
-        if prep.compress_ms:       # within the compress stage, as compress_document times it (ms, all states)
-            report["stages"]["compress"]["detail_ms"] = prep.compress_ms
-        report["speed"] = summary(times, len(prep.states), len(train) if req.adapter else 0, req.epochs,
-                                  time.perf_counter() - t_start)
-        write_text(out / "train_report.json", json.dumps(report, indent=1))
+    timings["total_s"] = round(time.perf_counter() - t_start, 1)
+    report["stages"] = times.to_dict()
+    if prep.compress_ms:       # within the compress stage, as compress_document times it (ms, all states)
+        report["stages"]["compress"]["detail_ms"] = prep.compress_ms
+    report["speed"] = summary(times, len(prep.states), len(train) if req.adapter else 0, req.epochs,
+                              time.perf_counter() - t_start)
+    report["speed"]["states_made"] = prep.made       # the rest were in the folder (a resumed run)
+    write_text(out / "train_report.json", json.dumps(report, indent=1))
     return report
 
 
@@ -268,7 +268,7 @@ def _train_adapter(lm: LoadedModel, train, held, cfg, req, prep: Prepared, progr
                                        resume=req.resume, progress=staged, times=times)
         timings["adapter_s"] = round(timings["adapter_s"] + time.perf_counter() - t, 1)
         folders[key] = str(adapter_folder(req.output_dir, ratio, req.ratios))
-        with times.stage("write", 0):
+        with times.stage("write"):
             peft_model.save_pretrained(folders[key])
         t = time.perf_counter()
         if held:
@@ -276,7 +276,7 @@ def _train_adapter(lm: LoadedModel, train, held, cfg, req, prep: Prepared, progr
                 held_report.update(held_out_report(lm, peft_model, held, held_examples, {ratio: prefix_of}, staged))
         timings["report_s"] = round(timings["report_s"] + time.perf_counter() - t, 1)
         lm.model = peft_model.unload()     # the base model again, for the next ratio's LoRA
-    with times.stage("write", 0):
+    with times.stage("write"):
         png = loss_plot({f"{k}×": h for k, h in histories.items()}, req.output_dir / "loss.png")
     return {"adapter": {"folders": folders, "settings": s.to_dict()},
             "training": {k: {n: v for n, v in h.items() if n != "loss"} for k, h in histories.items()},

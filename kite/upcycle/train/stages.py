@@ -24,7 +24,7 @@ UNITS = {
     "adapter_steps": "step",           # forward, backward and optimizer step of the reader adapter
     "checkpoints": "checkpoint",       # the adapter's checkpoints (resume)
     "report": "held-out pair",         # the held-out report (PPL three ways, greedy answers twice)
-    "write": "run",                    # adapter folders, loss plot, train_report.json
+    "write": "file",                   # the adapter folders and the loss plot
 }
 
 
