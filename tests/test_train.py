@@ -290,6 +290,21 @@ def test_train_writes_a_regenerator_a_peft_adapter_and_a_report(tiny_models, tmp
     assert held["adapter_helps"] == adapter_helps(held) and isinstance(held["adapter_helps"], bool)
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "train_report.json").read_text())["regenerator"] == rep["regenerator"]
+    # what each stage cost, counted in what it did: 5 documents (the 4 calibrated on prefilled once, for
+    # everything), one state each, 20 pairs' teacher, 16 steps, one checkpoint (every 25, and the last),
+    # 4 held-out pairs reported
+    st = rep["stages"]
+    assert list(st) == ["calibrate_capture", "calibrate_fit", "capture", "compress", "load", "teacher",
+                        "adapter_steps", "checkpoints", "report", "write"]
+    assert {k: v["count"] for k, v in st.items() if k != "write"} == {
+        "calibrate_capture": 4, "calibrate_fit": 4, "capture": 1, "compress": 5, "load": 5, "teacher": 20,
+        "adapter_steps": 16, "checkpoints": 1, "report": 4}
+    assert st["compress"]["unit"] == "state" and st["teacher"]["unit"] == "pair"
+    assert all(v["per_unit_s"] == pytest.approx(v["seconds"] / v["count"], abs=1e-3) for v in st.values() if v["count"])
+    sp = rep["speed"]
+    assert sp["states"] == 5 and sp["pair_epochs"] == 16
+    assert sp["seconds_per_state"] == pytest.approx(sum(st[k]["seconds"] for k in list(st)[:5]) / 5, rel=1e-2, abs=1e-3)
+    assert rep["prefix_loads"] == {"8": 5}             # each state decoded once, for every step that reads it
     base = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
     PeftModel.from_pretrained(base, out / "adapter")            # the standard peft format
 
@@ -310,6 +325,8 @@ def test_a_run_of_several_ratios_trains_one_adapter_per_ratio_as_a_run_of_that_r
     res = _train(tiny_models, tmp_path, alone, "--epochs", "1", "--ratio", "8", json_out=False)
     assert res.exit_code == 0, res.output
     assert f"at 8x: {alone / 'adapter'}" in " ".join(res.output.split()) and "held out at 8x" in res.output
+    assert "s per state" in res.output and "per training pair and epoch" in res.output
+    assert "adapter_steps" in res.output and "s per step" in res.output
     r4, r8 = (load_file(both / f"adapter-r{r}" / "adapter_model.safetensors") for r in (4, 8))
     a8 = load_file(alone / "adapter" / "adapter_model.safetensors")
     assert r8.keys() == a8.keys() and all(torch.allclose(r8[k], a8[k], atol=1e-6) for k in a8)
@@ -457,6 +474,8 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(tiny_models
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout[res.stdout.index("{"):])
     assert 0 < report["training"]["8"]["resumed_from"] < report["training"]["8"]["steps"] == 6 * 16
+    assert "compress" not in report["stages"] and report["stages"]["capture"]["count"] == 5   # the teacher's only
+    assert report["loss"] == json.loads((whole / "train_report.json").read_text())["loss"]
     a = load_file(whole / "adapter" / "adapter_model.safetensors")
     b = load_file(cut / "adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

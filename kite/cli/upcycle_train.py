@@ -33,6 +33,8 @@ def train(
     epochs: Annotated[int, typer.Option(min=1, help="Passes over the training pairs.")] = 2,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Steps between checkpoints (--resume continues "
                                                   "from the newest).")] = 25,
+    pairs_per_step: Annotated[int, typer.Option(min=1, help="Pairs in one step of the adapter (one batched forward "
+                                                "and backward, their mean loss); 1: a step per pair.")] = 1,
     resume: Annotated[bool, typer.Option(help="Continue the run in --output-dir from its newest checkpoint.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Start over in an --output-dir that holds a run.")] = False,
     regenerator_only: Annotated[bool, typer.Option(help="Fit the regenerator only (no adapter).")] = False,
@@ -61,7 +63,7 @@ def train(
     pairs = read_pairs(data_path)
     req = TrainRequest(data_path=str(data_path), output_dir=output_dir, mode=mode, seed=seed,
                        ratios=[float(r) for r in (ratio or [8.0])], eval_fraction=eval_fraction, epochs=epochs,
-                       checkpoint_every=checkpoint_every,
+                       checkpoint_every=checkpoint_every, pairs_per_step=pairs_per_step,
                        resume=resume, overwrite=overwrite, adapter=not regenerator_only, regenerator=regenerator)
     req.check(pairs)     # flags and the split, before the model loads
     from kite.model import load_model
@@ -93,3 +95,13 @@ def train(
                           f"F1): compress states of this ratio without it (upcycle_config adapter.path unset)",
                           highlight=False)
     out.print("  " + "  ".join(f"{k} {v}" for k, v in report["timings"].items()), highlight=False)
+    for name, st in report["stages"].items():
+        per = f"  ({st['per_unit_s']:.3f} s per {st['unit']})" if st["count"] else ""
+        detail = ("; of it " + ", ".join(f"{k} {v / 1e3:.2f} s" for k, v in st["detail_ms"].items())
+                  if st.get("detail_ms") else "")
+        out.print(f"    {name:<18} {st['seconds']:9.2f} s  {st['count']:>6} × {st['unit']}{per}{detail}",
+                  highlight=False)
+    sp = report["speed"]
+    per_pair = (f", {sp['seconds_per_pair_epoch']:.3f} s per training pair and epoch"
+                if sp["seconds_per_pair_epoch"] is not None else "")
+    out.print(f"  speed: {sp['seconds_per_state']} s per state{per_pair}", highlight=False)

@@ -53,7 +53,10 @@ def kite_attention(module, query, key, value, attention_mask, scaling=None, drop
             # new tokens come last, every cached one before them); its first k_len would give a
             # layer with a shorter prefix a mask with no causal part
             mask = mask[..., -k_len:]
-    if _splits_keys(query, key, mask, dropout):
+    # (never where autograd reaches through the attention, a reader adapter's training: the kernel has
+    # no backward, and the query projections' LoRA would get no gradient)
+    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if not grad and _splits_keys(query, key, mask, dropout):
         # a short query after a long cached prefix on a GPU: the keys split across thread blocks
         from kite.kernels.split_attention_triton import split_kv_attention
 

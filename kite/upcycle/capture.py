@@ -34,6 +34,9 @@ class Capture:
     query_sq: list[torch.Tensor] = field(default_factory=list)
     # with query_rows=N: per layer, the last N tokens' query outputs [N, H_q * d] fp32 (pre-RoPE)
     query_tail: list[torch.Tensor] = field(default_factory=list)
+    # with keep_cache=True: the model's cache after the document (post-RoPE, the model's dtype), for
+    # forwards that continue it (a teacher reading the full context) without a second prefill
+    cache: object = field(default=None, repr=False)
 
     @property
     def n_tokens(self) -> int:
@@ -59,13 +62,15 @@ def token_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]
 @torch.inference_mode()
 def capture(lm: LoadedModel, text: str, *, chunk_tokens: int = 1024, hidden_layers: Sequence[int] = (),
             progress: Callable[[int, int], None] | None = None,
-            ids: list[int] | None = None, queries: bool = False, query_rows: int = 0) -> Capture:
+            ids: list[int] | None = None, queries: bool = False, query_rows: int = 0,
+            keep_cache: bool = False) -> Capture:
     """Prefill `text` in chunks of `chunk_tokens`, keeping K (pre-RoPE), V and some hidden states.
 
     hidden_layers: indices into HF's hidden_states (0 = embeddings, i = after layer i).
     progress(done_tokens, total_tokens) is called after each chunk.
     queries: also sum each layer's squared query outputs over the tokens (``Capture.query_sq``).
     query_rows: also keep the last ``query_rows`` tokens' query outputs per layer (``Capture.query_tail``).
+    keep_cache: also keep the model's cache after the document (``Capture.cache``).
     """
     from kite.errors import BadInput
 
@@ -104,7 +109,8 @@ def capture(lm: LoadedModel, text: str, *, chunk_tokens: int = 1024, hidden_laye
     return Capture(text=text, ids=ids, offsets=offsets, keys_pre=keys_pre, values=values,
                    hidden={l: torch.cat(h) for l, h in hidden.items()}, prefill_ms=prefill_ms,
                    query_sq=[query_sq[i].cpu() for i in sorted(query_sq)],
-                   query_tail=[torch.cat(tail[i])[-query_rows:] for i in sorted(tail)] if query_rows else [])
+                   query_tail=[torch.cat(tail[i])[-query_rows:] for i in sorted(tail)] if query_rows else [],
+                   cache=cache if keep_cache else None)
 
 
 _Q_PROJ = re.compile(r"layers\.(\d+)\.self_attn\.q_proj$")

@@ -126,10 +126,27 @@ def _ranges(token_idx: list[int]) -> list[list[int]]:
     return out
 
 
+def _hidden_layers(lm: LoadedModel, tagger) -> list[int]:
+    return list(tagger.embedding_layers) if _uses_embeddings(tagger) else [lm.geometry.n_layers // 2]
+
+
+def capture_for(lm: LoadedModel, text: str, settings: CompressSettings | None = None, *, tagger=None,
+                regenerator=None, ids: list[int] | None = None, progress: Callable[[int, int], None] | None = None,
+                keep_cache: bool = False) -> Capture:
+    """The capture :func:`compress_document` makes of ``text`` (its hidden states for the spans'
+    clusters, the queries the attention probe reads): made once, it serves several compressions of
+    the document (other ratios) and, with ``keep_cache``, forwards that continue the document."""
+    settings = settings or CompressSettings()
+    probe_rows = PROBE_ROWS if regenerator is not None and regenerator.choice == "probe" else 0
+    return capture(lm, text, chunk_tokens=settings.chunk_tokens, hidden_layers=_hidden_layers(lm, tagger),
+                   progress=progress, ids=ids, query_rows=probe_rows, keep_cache=keep_cache)
+
+
 def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: CompressSettings | None = None, *,
                       tagger=None, source_name: str = "-", progress: Progress | None = None,
                       ids: list[int] | None = None, device: str | torch.device | None = None,
-                      regenerator=None, address: bool = False, tenant: str | None = None) -> CompressResult:
+                      regenerator=None, address: bool = False, tenant: str | None = None,
+                      captured: Capture | None = None) -> CompressResult:
     """Turn `text` into a `.upc` state at `output` (written atomically).
 
     `address`: record the state's content address (:mod:`kite.upcycle.address`: the token ids'
@@ -146,14 +163,19 @@ def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: 
     `device`: where the codec runs batched over layers and parts (`kite.upcycle.codec.encode_state`,
     same bytes); None = batched on the model's GPU when it has one, else the per-layer codec.
     Settings the batched codec does not take always use the per-layer codec.
+    `captured`: the document's capture when the caller already made it (:func:`capture_for`, with
+    the same settings, tagger and regenerator); `text` and `ids` are then ignored.
     """
     settings = settings or CompressSettings()
     _check_settings(lm, settings, regenerator)
-    layers_needed = list(tagger.embedding_layers) if _uses_embeddings(tagger) else [lm.geometry.n_layers // 2]
+    cap = captured if captured is not None else capture_for(
+        lm, text, settings, tagger=tagger, regenerator=regenerator, ids=ids,
+        progress=(lambda d, t: progress("prefill", d, t)) if progress else None)
     probe_rows = PROBE_ROWS if regenerator is not None and regenerator.choice == "probe" else 0
-    cap = capture(lm, text, chunk_tokens=settings.chunk_tokens, hidden_layers=layers_needed,
-                  progress=(lambda d, t: progress("prefill", d, t)) if progress else None, ids=ids,
-                  query_rows=probe_rows)
+    if (probe_rows and len(cap.query_tail) != lm.geometry.n_layers) or \
+            any(layer not in cap.hidden for layer in _hidden_layers(lm, tagger)):
+        raise ValueError("the capture given lacks the hidden states or queries this compression reads "
+                         "(make it with capture_for)")
     probe = AttentionProbe(lm, cap.query_tail, cap.n_tokens) if probe_rows else None
     return compress_capture(lm, cap, output, settings, tagger=tagger, source_name=source_name, progress=progress,
                             device=device, regenerator=regenerator, address=address, tenant=tenant, probe=probe)

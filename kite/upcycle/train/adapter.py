@@ -30,11 +30,13 @@ from kite.runtime.generate import cache_kwarg
 from kite.upcycle.capture import tokenize_document
 from kite.upcycle.train.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from kite.upcycle.train.data import Pair
+from kite.upcycle.train.stages import StageTimes
 
 if TYPE_CHECKING:
     from kite.model import LoadedModel
 
 Progress = Callable[[str, int, int], None]
+LOSS_EVERY = 16     # steps whose losses wait on the device before the host reads them
 
 
 @dataclass
@@ -50,6 +52,7 @@ class AdapterSettings:
     epochs: int = 2
     top_k: int = 256
     checkpoint_every: int = 25
+    pairs_per_step: int = 1      # pairs in one forward, backward and optimizer step (their mean loss)
     chosen_by: str = "custom"
 
     def to_dict(self) -> dict:
@@ -99,57 +102,24 @@ class Example:
     response_ids: list[int]
     teacher_idx: torch.Tensor = field(repr=False)    # [n, k] int64
     teacher_logp: torch.Tensor = field(repr=False)   # [n, k] float32 (log-probabilities, T = 1)
+    # [n] float32: the log-probability of each response token after the full context (None: not computed)
+    full_logp: torch.Tensor | None = field(default=None, repr=False)
 
 
-def tokenize_pair(tokenizer, pair: Pair) -> tuple[list[int], list[int], list[int]]:
-    ctx, _ = tokenize_document(tokenizer, pair.context)
+def tokenize_pair(tokenizer, pair: Pair, ctx: list[int] | None = None) -> tuple[list[int], list[int], list[int]]:
+    """(context, prompt, response) token ids; ``ctx``: the context's ids when the caller has them."""
+    if ctx is None:
+        ctx, _ = tokenize_document(tokenizer, pair.context)
     p = tokenizer(pair.prompt, add_special_tokens=False)["input_ids"]
     r = tokenizer(pair.response, add_special_tokens=False)["input_ids"]
     return ctx, p, r
 
 
-@torch.inference_mode()
-def teacher_examples(lm: LoadedModel, pairs: list[Pair], top_k: int, progress: Progress | None = None) -> list[Example]:
-    """Each pair's teacher: the base model over context + prompt + response (the context prefilled
-    once per document and shared by its pairs)."""
-    from kite.runtime.generate import forward_tokens
-
-    model, out = lm.model, []
-    by_doc: dict[str, list[int]] = {}
-    for i, p in enumerate(pairs):
-        by_doc.setdefault(p.document_key, []).append(i)
-    done = 0
-    limit = lm.geometry.context_length
-    slots: list[Example | None] = [None] * len(pairs)
-    for doc, idx in by_doc.items():
-        ctx = tokenize_pair(lm.tokenizer, pairs[idx[0]])[0]
-        cache = new_cache(model)
-        forward_tokens(model, ctx, cache, 0)
-        for i in idx:
-            _, p, r = tokenize_pair(lm.tokenizer, pairs[i])
-            if not p or not r:
-                raise BadInput(f"pairs line {pairs[i].line}: the prompt and the response must have tokens")
-            if limit and len(ctx) + len(p) + len(r) > limit:
-                raise BadInput(f"pairs line {pairs[i].line}: context + prompt + response are "
-                               f"{len(ctx) + len(p) + len(r)} tokens, past the model's context of {limit}")
-            logits = forward_tokens(model, p + r[:-1], cache, len(ctx))[len(p) - 1:]
-            cache.crop(-(len(p) + len(r) - 1))     # back to the context alone
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            top = torch.topk(logp, min(top_k, logp.shape[-1]), dim=-1)
-            slots[i] = Example(doc, p, r, top.indices, top.values)
-            done += 1
-            if progress:
-                progress("teacher (full context)", done, len(pairs))
-    out = [e for e in slots if e is not None]
-    return out
-
-
 def distill_loss(student_logits: torch.Tensor, ex: Example, temperature: float) -> torch.Tensor:
     """KL(teacher ‖ student) over the teacher's top-k, mean over response tokens, × T²."""
     t = temperature
-    # clones: the teacher's tensors were made under inference mode, which autograd refuses to save
-    q = torch.softmax(ex.teacher_logp.clone() / t, dim=-1)                           # [n, k]
-    logs = torch.log_softmax(student_logits.float() / t, dim=-1).gather(1, ex.teacher_idx.clone())
+    q = torch.softmax(ex.teacher_logp / t, dim=-1)                                   # [n, k]
+    logs = torch.log_softmax(student_logits.float() / t, dim=-1).gather(1, ex.teacher_idx)
     kl = (q * (torch.log(q.clamp_min(1e-12)) - logs)).sum(-1)
     return kl.mean() * t * t
 
@@ -165,21 +135,78 @@ def student_logits(model, prefix: KVPrefix, ex: Example) -> torch.Tensor:
     return out.logits[0, len(ex.prompt_ids) - 1:]
 
 
-class PrefixCache:
-    """Decoded states by document, the most recent ``size`` kept (as plain tensors: autograd
-    refuses the inference tensors a load returns)."""
+def student_batch_logits(model, prefixes: list[KVPrefix], exs: list[Example]) -> list[torch.Tensor]:
+    """Each example's response logits reading its own prefix, every row in one forward (grad through
+    the LoRA): the prefixes left-padded to the longest and the padding masked out, the new tokens
+    right-padded (causal attention keeps a row's tokens from its padding), each row at its own
+    positions. A row's logits are those :func:`student_logits` gives it alone, up to summation order.
+    Prefixes must hold the same tokens in every layer (a whole state's load)."""
+    from transformers import DynamicCache
 
-    def __init__(self, load: Callable[[str], KVPrefix], size: int = 8):
-        self.load, self.size, self.items = load, size, OrderedDict()
+    if len(prefixes) == 1:
+        return [student_logits(model, prefixes[0], exs[0])]
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    lens = []
+    for p in prefixes:
+        per_layer = set(p.tokens_per_layer())
+        if len(per_layer) != 1:
+            raise ValueError("a batch of pairs reads whole states (the same tokens in every layer)")
+        lens.append(per_layer.pop())
+    B, P = len(exs), max(lens)
+    seqs = [ex.prompt_ids + ex.response_ids[:-1] for ex in exs]
+    n = max(len(q) for q in seqs)
+    ids = torch.zeros(B, n, dtype=torch.long)
+    mask = torch.zeros(B, P + n, dtype=torch.long)
+    pos = torch.zeros(B, n, dtype=torch.long)
+    for i, (q, p) in enumerate(zip(seqs, prefixes)):
+        ids[i, :len(q)] = torch.tensor(q)
+        mask[i, P - lens[i]:P + len(q)] = 1
+        pos[i] = torch.arange(p.next_position, p.next_position + n)
+    cache = DynamicCache(config=base.config)
+    for layer in range(prefixes[0].n_layers):
+        keys, values = (torch.zeros(B, *t[layer].shape[:-2], P, t[layer].shape[-1], device=device, dtype=dtype)
+                        for t in (prefixes[0].keys, prefixes[0].values))
+        for i, p in enumerate(prefixes):
+            keys[i, :, P - lens[i]:] = p.keys[layer]
+            values[i, :, P - lens[i]:] = p.values[layer]
+        cache.update(keys, values, layer)
+    out = model(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=mask.to(device), use_cache=True,
+                **{cache_kwarg(base): cache})
+    return [out.logits[i, len(ex.prompt_ids) - 1:len(q)] for i, (ex, q) in enumerate(zip(exs, seqs))]
+
+
+class PrefixCache:
+    """Decoded states by document on the model's device, in the model's dtype, as plain tensors
+    (autograd refuses the inference tensors a load returns): all of them while they fit in
+    ``budget_bytes``, else the most recently used (the rest are loaded again when asked for)."""
+
+    def __init__(self, load: Callable[[str], KVPrefix], budget_bytes: int, device, dtype: torch.dtype):
+        self.load, self.budget, self.device, self.dtype = load, budget_bytes, device, dtype
+        self.items: OrderedDict[str, KVPrefix] = OrderedDict()
+        self.nbytes, self.loads = 0, 0
 
     def __call__(self, doc: str) -> KVPrefix:
         if doc not in self.items:
             p = self.load(doc)
-            self.items[doc] = KVPrefix([k.clone() for k in p.keys], [v.clone() for v in p.values], p.next_position)
-            while len(self.items) > self.size:
-                self.items.popitem(last=False)
+            self.loads += 1
+            self.items[doc] = p = KVPrefix([k.to(self.device, self.dtype).clone() for k in p.keys],
+                                           [v.to(self.device, self.dtype).clone() for v in p.values], p.next_position)
+            self.nbytes += p.nbytes()
+            while len(self.items) > 1 and self.nbytes > self.budget:
+                self.nbytes -= self.items.popitem(last=False)[1].nbytes()
         self.items.move_to_end(doc)
         return self.items[doc]
+
+
+def memory_budget(device, share: float) -> int:
+    """Bytes a run may keep of something on ``device``: ``share`` of the GPU memory free now, or of
+    4 GiB on the host."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0] * share)
+    return int((4 << 30) * share)
 
 
 def attach_lora(lm: LoadedModel, s: AdapterSettings):
@@ -195,15 +222,23 @@ def attach_lora(lm: LoadedModel, s: AdapterSettings):
 
 def train_adapter(peft_model, examples: list[Example], prefixes: Callable[[str], KVPrefix], s: AdapterSettings,
                   out_dir: Path, *, seed: int, resume: bool, progress: Progress | None = None,
-                  stop_after: int | None = None) -> dict:
+                  stop_after: int | None = None, times: StageTimes | None = None) -> dict:
     """Train the LoRA of ``peft_model`` on ``examples``; returns the history (loss per step, tokens/s).
 
     ``resume``: continue from the newest checkpoint in ``out_dir`` (else start over).
     ``stop_after``: return after that many steps in this call (tests of an interrupted run).
+    A step reads ``s.pairs_per_step`` pairs of the epoch's order in one forward
+    (:func:`student_batch_logits`) and steps on their mean loss.
+    ``times``: where the steps' and the checkpoints' seconds are added (stages ``adapter_steps``,
+    ``checkpoints``). The losses stay on the device until a checkpoint or every ``LOSS_EVERY``
+    steps, so the host does not wait for each step before queueing the next.
     """
+    times = times or StageTimes(next(peft_model.parameters()).device)
     params = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(list(params.values()), lr=s.learning_rate, weight_decay=0.0)
-    total = s.epochs * len(examples)
+    per_step = max(1, s.pairs_per_step)
+    steps_per_epoch = -(-len(examples) // per_step)
+    total = s.epochs * steps_per_epoch
     progress_state = {"step": 0, "loss": [], "tokens": 0, "seconds": 0.0}
     torch.manual_seed(seed)
     ck = load_checkpoint(out_dir) if resume else None
@@ -217,32 +252,56 @@ def train_adapter(peft_model, examples: list[Example], prefixes: Callable[[str],
         progress_state = ck.progress
     peft_model.train()
     step, ran = progress_state["step"], 0
+    pending: list[torch.Tensor] = []
+    orders: dict[int, list[int]] = {}
+
+    def flush() -> None:
+        if pending:
+            progress_state["loss"] += [round(v, 6) for v in torch.stack(pending).tolist()]
+            pending.clear()
+
     t0 = time.perf_counter()
     while step < total:
-        epoch, at = divmod(step, len(examples))
-        order = list(range(len(examples)))
-        random.Random(f"kite-train:{seed}:{epoch}").shuffle(order)
-        ex = examples[order[at]]
-        logits = student_logits(peft_model, prefixes(ex.doc), ex)
-        loss = distill_loss(logits, ex, s.temperature)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        step += 1
-        ran += 1
-        progress_state["step"] = step
-        progress_state["loss"].append(round(loss.item(), 6))
-        progress_state["tokens"] += len(ex.response_ids)
-        if progress:
-            tps = progress_state["tokens"] / max(1e-9, progress_state["seconds"] + time.perf_counter() - t0)
-            recent = progress_state["loss"][-20:]
-            progress(f"train adapter · loss {sum(recent) / len(recent):.4f} · {tps:.0f} tok/s", step, total)
-        if step % s.checkpoint_every == 0 or step == total:
+        ran_before = ran
+        with times.stage("adapter_steps", 0):
+            while step < total:
+                epoch, at = divmod(step, steps_per_epoch)
+                if epoch not in orders:
+                    orders[epoch] = list(range(len(examples)))
+                    random.Random(f"kite-train:{seed}:{epoch}").shuffle(orders[epoch])
+                batch = [examples[i] for i in orders[epoch][at * per_step:(at + 1) * per_step]]
+                if per_step == 1:
+                    loss = distill_loss(student_logits(peft_model, prefixes(batch[0].doc), batch[0]), batch[0],
+                                        s.temperature)
+                else:
+                    rows = student_batch_logits(peft_model, [prefixes(ex.doc) for ex in batch], batch)
+                    loss = torch.stack([distill_loss(lg, ex, s.temperature) for lg, ex in zip(rows, batch)]).mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                step += 1
+                ran += 1
+                pending.append(loss.detach())
+                progress_state["step"] = step
+                progress_state["tokens"] += sum(len(ex.response_ids) for ex in batch)
+                checkpoint = step % s.checkpoint_every == 0 or step == total
+                stop = stop_after is not None and ran >= stop_after
+                if len(pending) >= LOSS_EVERY or checkpoint or stop:
+                    flush()
+                if progress and progress_state["loss"]:
+                    tps = progress_state["tokens"] / max(1e-9, progress_state["seconds"] + time.perf_counter() - t0)
+                    recent = progress_state["loss"][-20:]
+                    progress(f"train adapter · loss {sum(recent) / len(recent):.4f} · {tps:.0f} tok/s", step, total)
+                if checkpoint or stop:
+                    break
+        times.counts["adapter_steps"] += ran - ran_before
+        if checkpoint:
             progress_state["seconds"] += time.perf_counter() - t0
+            with times.stage("checkpoints"):
+                save_checkpoint(out_dir, Checkpoint(step, {n: p.detach() for n, p in params.items()},
+                                                    opt.state_dict(), torch.get_rng_state(), progress_state))
             t0 = time.perf_counter()
-            save_checkpoint(out_dir, Checkpoint(step, {n: p.detach() for n, p in params.items()}, opt.state_dict(),
-                                                torch.get_rng_state(), progress_state))
-        if stop_after is not None and ran >= stop_after:
+        if stop:
             break
     peft_model.eval()
     seconds = progress_state["seconds"] + time.perf_counter() - t0

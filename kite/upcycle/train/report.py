@@ -17,7 +17,7 @@ from kite.errors import BadInput
 from kite.runtime.batch_decode import BatchDecoder
 from kite.runtime.cache import KVPrefix, new_cache
 from kite.runtime.generate import forward_tokens, generate
-from kite.upcycle.train.adapter import Example, tokenize_pair
+from kite.upcycle.train.adapter import Example, student_batch_logits, tokenize_pair
 from kite.upcycle.train.data import Pair
 
 if TYPE_CHECKING:
@@ -35,7 +35,10 @@ def _nll(model, cache, start: int, ex: Example) -> float:
 
 @torch.inference_mode()
 def _full_context_nll(model, pairs: list[Pair], examples: list[Example], tokenizer) -> list[float]:
-    """Each pair's response NLL after its full context (each document prefilled once)."""
+    """Each pair's response NLL after its full context: the teacher's when it kept it, else each
+    document prefilled once."""
+    if all(ex.full_logp is not None for ex in examples):
+        return [float(-ex.full_logp.mean()) for ex in examples]
     out: list[float] = [0.0] * len(pairs)
     by_doc: dict[str, list[int]] = {}
     for i, ex in enumerate(examples):
@@ -50,6 +53,25 @@ def _full_context_nll(model, pairs: list[Pair], examples: list[Example], tokeniz
     return out
 
 
+NLL_ROWS = 8      # held-out pairs scored in one forward, each after its own state
+
+
+@torch.inference_mode()
+def _state_nll(model, prefixes: list[KVPrefix], examples: list[Example]) -> list[float]:
+    """Each example's mean response NLL after its state, the rows in one padded forward
+    (:func:`kite.upcycle.train.adapter.student_batch_logits`; a state loaded in part, one at a time)."""
+    if len(examples) > 1 and all(len(set(p.tokens_per_layer())) == 1 for p in prefixes):
+        rows = student_batch_logits(model, prefixes, examples)
+    else:
+        rows = [forward_tokens(model, ex.prompt_ids + ex.response_ids[:-1], new_cache(model, p),
+                               p.next_position)[len(ex.prompt_ids) - 1:] for p, ex in zip(prefixes, examples)]
+    out = []
+    for logits, ex in zip(rows, examples):
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        out.append(float(-logp.gather(1, torch.tensor(ex.response_ids, device=logp.device)[:, None]).mean()))
+    return out
+
+
 def held_out_report(lm: LoadedModel, peft_model, pairs: list[Pair], examples: list[Example],
                     prefixes: dict[float, Callable[[str], KVPrefix]], progress=None) -> dict:
     """Per training ratio: mean PPL (full / state / state + adapter), the share of the gap between
@@ -61,14 +83,13 @@ def held_out_report(lm: LoadedModel, peft_model, pairs: list[Pair], examples: li
         full = _full_context_nll(lm.model, pairs, examples, lm.tokenizer)
     for ratio, prefix_of in prefixes.items():
         nll = {"full": list(full), "state": [], "state_adapter": []}
-        states = []
-        for ex in examples:
-            prefix = prefix_of(ex.doc)
-            states.append(prefix)
+        states = [prefix_of(ex.doc) for ex in examples]
+        for at in range(0, len(examples), NLL_ROWS):
+            rows, exs = states[at:at + NLL_ROWS], examples[at:at + NLL_ROWS]
             with peft_model.disable_adapter():
-                nll["state"].append(_nll(lm.model, new_cache(lm.model, prefix), prefix.next_position, ex))
-            nll["state_adapter"].append(_nll(lm.model, new_cache(lm.model, prefix), prefix.next_position, ex))
-            done += 1
+                nll["state"] += _state_nll(lm.model, rows, exs)
+            nll["state_adapter"] += _state_nll(lm.model, rows, exs)
+            done += len(exs)
             if progress:
                 progress("held-out report", done, total)
         with peft_model.disable_adapter():

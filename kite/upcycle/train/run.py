@@ -7,7 +7,8 @@
     DIR/checkpoints/                   the adapter's checkpoints (resume)
     DIR/adapter-r<R>/, DIR/r<R>/checkpoints/
                                        the same per ratio, in a run of several ratios (one adapter each)
-    DIR/train_report.json, loss.png    the run's figures
+    DIR/train_report.json, loss.png    the run's figures (``stages``: each stage's seconds, count and
+                                       seconds per unit; ``speed``: seconds per state and per pair)
 
 Each stage reuses what an earlier (interrupted) run of the same inputs left: a resumed run skips the
 regenerator and the states it finds and continues the adapter from its newest checkpoint.
@@ -32,13 +33,14 @@ from kite.upcycle.capture import capture
 from kite.upcycle.codec.regenerator import Regenerator, RegeneratorFit, install
 from kite.upcycle.codec.settings import settings_for
 from kite.upcycle.codec.weights import model_value_weights
-from kite.upcycle.compress import CompressSettings, compress_document
-from kite.upcycle.load.prefix import load_prefix
 from kite.upcycle.settings import UpcycleConfig
-from kite.upcycle.train.adapter import (AdapterSettings, PrefixCache, attach_lora, auto_settings, teacher_examples,
-                                        train_adapter)
+from kite.upcycle.train.adapter import AdapterSettings, attach_lora, auto_settings, memory_budget, train_adapter
 from kite.upcycle.train.data import Pair, split_pairs
+from kite.upcycle.compress import CompressSettings, capture_for
+from kite.upcycle.train.documents import (CaptureStore, Prepared, codec_workers_for, compress_settings,
+                                          prepare_documents)
 from kite.upcycle.train.report import held_out_report, loss_plot
+from kite.upcycle.train.stages import StageTimes, summary
 
 if TYPE_CHECKING:
     from kite.model import LoadedModel
@@ -62,6 +64,8 @@ class TrainRequest:
     overwrite: bool = False
     adapter: bool = True                    # train the reader adapter (else the regenerator only)
     regenerator: Path | None = None         # a regenerator folder to code the states with (else one is fitted)
+    pairs_per_step: int = 1                 # the adapter's pairs per optimizer step (one forward, their mean loss)
+    codec_workers: int | None = None        # host threads coding the states (None: 8 on a GPU, 0 on the CPU)
 
     def check(self, pairs: list[Pair]) -> tuple[list[Pair], list[Pair]]:
         """BadInput for a bad mode or ratio, or pairs too few to split; returns (train, held out)."""
@@ -71,6 +75,8 @@ class TrainRequest:
             raise BadInput("--ratio: each training ratio is > 1 (8 = an eighth of raw fp16 KV)")
         if self.epochs < 1:
             raise BadInput(f"--epochs {self.epochs}: at least 1")
+        if self.pairs_per_step < 1:
+            raise BadInput(f"--pairs-per-step {self.pairs_per_step}: at least 1")
         if self.checkpoint_every < 1:
             raise BadInput(f"--checkpoint-every {self.checkpoint_every}: at least 1")
         if self.regenerator is not None:
@@ -80,10 +86,13 @@ class TrainRequest:
     def key(self, pairs: list[Pair], model_fp: str, cfg: UpcycleConfig) -> dict:
         """What must match for a run to continue in the same folder."""
         data = hashlib.sha256(json.dumps([(p.context, p.prompt, p.response) for p in pairs]).encode()).hexdigest()
-        return {"model": model_fp, "data_sha256": data, "mode": self.mode, "seed": self.seed,
-                "ratios": [float(r) for r in self.ratios], "eval_fraction": self.eval_fraction, "epochs": self.epochs,
-                "adapter": self.adapter, "config": cfg.model_dump(mode="json"),
-                "regenerator": None if self.regenerator is None else Regenerator.load(self.regenerator).fingerprint}
+        key = {"model": model_fp, "data_sha256": data, "mode": self.mode, "seed": self.seed,
+               "ratios": [float(r) for r in self.ratios], "eval_fraction": self.eval_fraction, "epochs": self.epochs,
+               "adapter": self.adapter, "config": cfg.model_dump(mode="json"),
+               "regenerator": None if self.regenerator is None else Regenerator.load(self.regenerator).fingerprint}
+        if self.pairs_per_step != 1:     # (runs of one pair a step keep the key they had before batches)
+            key["pairs_per_step"] = self.pairs_per_step
+        return key
 
 
 def prepare_output(req: TrainRequest, key: dict) -> None:
@@ -111,22 +120,34 @@ def prepare_output(req: TrainRequest, key: dict) -> None:
     write_text(run, json.dumps(key, indent=1, sort_keys=True))
 
 
-def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progress=None, weighted: bool = False) -> Regenerator:
+def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progress=None, weighted: bool = False,
+                    times: StageTimes | None = None, keep: CaptureStore | None = None,
+                    compress: CompressSettings | None = None) -> Regenerator:
     """Calibrate on the training documents (each once), in the blocks the codec uses; ``weighted``:
     with attention-aware distortion weights (the documents' queries and the model's ``o_proj``;
     :mod:`kite.upcycle.codec.weights`). Off by default: on SmolLM2's held-out rows the weighted
     regenerator lost more often than it won (docs/PERFORMANCE.md "Training"; measured 2026-12-01 at
-    commit 42c8b7a)."""
+    commit 42c8b7a). ``times``: where the prefills' and the sums' seconds are added. ``keep``: the
+    documents' captures are offered to it, made as a compression with ``compress`` makes them (the
+    hidden states its clusters read, the model's cache), for the states and the teacher to reuse."""
+    times = times or StageTimes(lm.device)
     docs = {p.document_key: p for p in train_pairs}
     fit = RegeneratorFit(n_layers=lm.geometry.n_layers, joint_heads=cfg_codec.joint_heads, center=cfg_codec.center)
     for i, p in enumerate(docs.values()):
-        cap = capture(lm, p.context, queries=weighted)
-        fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq if weighted else None)
+        with times.stage("calibrate_capture"):
+            cap = (capture(lm, p.context, queries=weighted) if keep is None or weighted else
+                   capture_for(lm, p.context, compress, keep_cache=True))
+        with times.stage("calibrate_fit"):
+            fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq if weighted else None)
+        if keep is not None and not weighted:
+            keep.offer(p.document_key, cap)
+        del cap
         if progress:
             progress("regenerator (calibrate)", i + 1, len(docs))
-    return fit.finish({"model_fingerprint": lm.fingerprints.base, "geometry": lm.geometry.to_dict(),
-                       "calibration": {"source": "kite upcycle train"}},
-                      value_weights=model_value_weights(lm) if weighted else None)
+    with times.stage("calibrate_fit", 0):
+        return fit.finish({"model_fingerprint": lm.fingerprints.base, "geometry": lm.geometry.to_dict(),
+                           "calibration": {"source": "kite upcycle train"}},
+                          value_weights=model_value_weights(lm) if weighted else None)
 
 
 def given_regenerator(lm: LoadedModel, req: TrainRequest) -> Regenerator:
@@ -145,12 +166,15 @@ def given_regenerator(lm: LoadedModel, req: TrainRequest) -> Regenerator:
 
 
 def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: TrainRequest, progress=None) -> dict:
-    """Run every stage (see the module doc); returns the report (also written to train_report.json)."""
+    """Run every stage (see the module doc); returns the report (also written to train_report.json),
+    with each stage's seconds (``stages``) and the run's speed per state and per pair (``speed``)."""
     t_start = time.perf_counter()
     train, held = req.check(pairs)
     out = req.output_dir
     prepare_output(req, req.key(pairs, lm.fingerprints.combined, cfg))
+    times = StageTimes(lm.device)
     timings: dict[str, float] = {}
+    kept = CaptureStore(memory_budget(lm.device, 0.25 if torch.device(lm.device).type == "cuda" else 0.5))
 
     # 1. the regenerator: the one given (checked against the model), or fitted on the training documents
     #    (the codec of the first training ratio decides joint heads / centering)
@@ -162,38 +186,35 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
     elif (out / "regenerator" / "regenerator.json").exists():
         reg = Regenerator.load(out / "regenerator")
     else:
-        reg = fit_regenerator(lm, train, codec0, progress)
+        reg = fit_regenerator(lm, train, codec0, progress, times=times, keep=kept,
+                              compress=compress_settings(cfg, req.ratios[0]))
         reg.save(out / "regenerator")
     install(reg)
     timings["regenerator_s"] = round(time.perf_counter() - t, 1)
 
-    # 2. every document's state at each training ratio
-    t = time.perf_counter()
-    c = cfg.compression
-    docs = {p.document_key: p for p in pairs}
-    states: dict[tuple[str, float], Path] = {}
-    for i, (doc, p) in enumerate(docs.items()):
-        for ratio in req.ratios:
-            path = out / "states" / f"{doc}-r{ratio:g}.upc"
-            if not path.exists():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                settings = CompressSettings(codec=settings_for(ratio), n_clusters=c.cluster_num,
-                                            min_span_tokens=c.min_span_tokens, max_span_tokens=c.max_span_tokens)
-                compress_document(lm, p.context, path, settings, source_name=f"train:{doc}", regenerator=reg)
-            states[(doc, ratio)] = path
-        if progress:
-            progress("states", i + 1, len(docs))
-    timings["states_s"] = round(time.perf_counter() - t, 1)
+    # 2. each document once: its states at every training ratio, their prefixes on the device and
+    #    its pairs' teacher (kite.upcycle.train.documents)
+    workers = codec_workers_for(lm.device) if req.codec_workers is None else req.codec_workers
+    prep = prepare_documents(lm, pairs, train, held, reg, cfg, req.ratios, out, times, teacher=req.adapter,
+                             progress=progress, kept=kept, codec_workers=workers)
+    timings["states_s"] = round(times.total("capture", "compress", "load"), 1)   # after the regenerator
     report: dict = {"kite_upcycle_train": 1, "model": lm.fingerprints.combined, "pairs": len(pairs),
                     "train_pairs": len(train), "held_out_pairs": len(held),
                     "train_documents": len({p.document_key for p in train}),
                     "held_out_documents": len({p.document_key for p in held}),
                     "regenerator": {"fingerprint": reg.fingerprint, "folder": str(out / "regenerator"),
                                     "calibration": reg.meta.get("calibration")},
-                    "ratios": req.ratios, "timings": timings}
+                    "ratios": req.ratios, "timings": timings, "codec_workers": workers}
     if req.adapter:
-        report.update(_train_adapter(lm, train, held, cfg, req, states, progress, timings))
+        timings["teacher_s"] = round(times.total("teacher"), 1)
+        report.update(_train_adapter(lm, train, held, cfg, req, prep, progress, timings, times))
     timings["total_s"] = round(time.perf_counter() - t_start, 1)
+    report["stages"] = times.to_dict()
+    if prep.compress_ms:       # within the compress stage, as compress_document times it (ms, all states)
+        report["stages"]["compress"]["detail_ms"] = prep.compress_ms
+    report["speed"] = summary(times, len(prep.states), len(train) if req.adapter else 0, req.epochs,
+                              time.perf_counter() - t_start)
+    report["speed"]["states_made"] = prep.made       # the rest were in the folder (a resumed run)
     write_text(out / "train_report.json", json.dumps(report, indent=1))
     return report
 
@@ -218,46 +239,47 @@ def _at_ratio(stage: str, key: str) -> str:
     return f"{name} {key}×{sep}{detail}"
 
 
-def _train_adapter(lm: LoadedModel, train, held, cfg, req, states, progress, timings) -> dict:
-    t = time.perf_counter()
-    top_k = 256
-    examples = teacher_examples(lm, train, top_k, progress)
-    held_examples = teacher_examples(lm, held, top_k, progress) if held else []
-    timings["teacher_s"] = round(time.perf_counter() - t, 1)
+def _train_adapter(lm: LoadedModel, train, held, cfg, req, prep: Prepared, progress, timings, times) -> dict:
+    examples, held_examples = prep.examples, prep.held_examples
     train_tokens = sum(len(e.response_ids) for e in examples)
     a = cfg.adapter
     if req.mode == "custom":
         s = AdapterSettings(target_modules=list(a.target_modules), r=a.r, lora_alpha=a.lora_alpha,
                             lora_dropout=a.lora_dropout, temperature=a.temperature,
                             learning_rate=a.learning_rate, epochs=req.epochs,
-                            checkpoint_every=req.checkpoint_every, chosen_by="custom: upcycle_config adapter.*")
+                            checkpoint_every=req.checkpoint_every, pairs_per_step=req.pairs_per_step,
+                            chosen_by="custom: upcycle_config adapter.*")
     else:
         s = auto_settings(lm.model, train_tokens, temperature=a.temperature, learning_rate=a.learning_rate,
-                          epochs=req.epochs,
-                          checkpoint_every=req.checkpoint_every)
+                          epochs=req.epochs, checkpoint_every=req.checkpoint_every,
+                          pairs_per_step=req.pairs_per_step)
     folders, histories, held_report = {}, {}, {}
     timings["adapter_s"] = timings["report_s"] = 0.0
     for ratio in req.ratios:
         key = f"{ratio:g}"
         torch.manual_seed(req.seed)   # the LoRA's initial weights (the same for every ratio)
         peft_model = attach_lora(lm, s)
-        prefix_of = PrefixCache(lambda doc, ratio=ratio: load_prefix(states[(doc, ratio)], lm)[0])
+        prefix_of = prep.prefixes[ratio]
         staged = None if progress is None else (
             lambda stage, done, total, key=key: progress(_at_ratio(stage, key), done, total))
         t = time.perf_counter()
         histories[key] = train_adapter(peft_model, examples, prefix_of, s,
                                        _checkpoint_folder(req.output_dir, ratio, req.ratios), seed=req.seed,
-                                       resume=req.resume, progress=staged)
+                                       resume=req.resume, progress=staged, times=times)
         timings["adapter_s"] = round(timings["adapter_s"] + time.perf_counter() - t, 1)
         folders[key] = str(adapter_folder(req.output_dir, ratio, req.ratios))
-        peft_model.save_pretrained(folders[key])
+        with times.stage("write"):
+            peft_model.save_pretrained(folders[key])
         t = time.perf_counter()
         if held:
-            held_report.update(held_out_report(lm, peft_model, held, held_examples, {ratio: prefix_of}, staged))
+            with times.stage("report", len(held_examples)):
+                held_report.update(held_out_report(lm, peft_model, held, held_examples, {ratio: prefix_of}, staged))
         timings["report_s"] = round(timings["report_s"] + time.perf_counter() - t, 1)
         lm.model = peft_model.unload()     # the base model again, for the next ratio's LoRA
-    png = loss_plot({f"{k}×": h for k, h in histories.items()}, req.output_dir / "loss.png")
+    with times.stage("write"):
+        png = loss_plot({f"{k}×": h for k, h in histories.items()}, req.output_dir / "loss.png")
     return {"adapter": {"folders": folders, "settings": s.to_dict()},
             "training": {k: {n: v for n, v in h.items() if n != "loss"} for k, h in histories.items()},
             "loss": {k: h["loss"] for k, h in histories.items()},
-            "loss_plot": str(png) if png else None, "held_out": held_report}
+            "loss_plot": str(png) if png else None, "held_out": held_report,
+            "prefix_loads": {f"{r:g}": c.loads for r, c in prep.prefixes.items()}}
