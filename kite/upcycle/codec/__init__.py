@@ -17,7 +17,8 @@ from kite.upcycle.codec.coders import (CODERS, PcaSide, QuantSide, RawSide, Rege
 from kite.upcycle.codec.lanes import CLIPS as LANE_CLIPS
 from kite.upcycle.codec.lanes import encode_layers as encode_lanes
 from kite.upcycle.codec.lanes import nbytes_for as lanes_nbytes
-from kite.upcycle.codec.layer import batched_pca, decode, encode, fit_layer, fit_layers, weighted_error
+from kite.upcycle.codec.layer import (batched_pca, decode, encode, fit_layer, fit_layers, fit_state, state_budgeted,
+                                     weighted_error)
 from kite.upcycle.codec.quant import FLOAT_FORMATS, INT_FORMATS, QTensor, dequantize, quantize, tensors_nbytes
 from kite.upcycle.codec.part_widths import part_widths
 from kite.upcycle.codec.probe import ROWS as PROBE_ROWS
@@ -30,6 +31,6 @@ __all__ = ["CODERS", "FLOAT_FORMATS", "INT_FORMATS", "LANE_CLIPS", "PRESETS", "P
            "EncodedPart", "EncodedState", "LayerCodec", "PcaSide", "QTensor", "QuantSide", "RawSide", "RegenSide",
            "Regenerator", "RegeneratorFit", "SideCoder", "allocate_bits", "allocate_bits_batched", "at_ratio",
            "attach_regenerator", "batched_pca", "blocks", "coder", "decode", "dequantize", "encode", "encode_lanes",
-           "encode_state", "expected_error", "first_bit_cost", "fit_layer", "fit_layers", "from_bytes", "lanes_nbytes",
+           "encode_state", "expected_error", "first_bit_cost", "fit_layer", "fit_layers", "fit_state", "from_bytes", "lanes_nbytes",
            "layer_budget_bits", "model_value_weights", "nbytes", "part_widths", "quantize", "ratio_of", "register",
-           "settings_for", "supports_batched", "tensors_nbytes", "to_bytes", "weighted_error"]
+           "settings_for", "state_budgeted", "supports_batched", "tensors_nbytes", "to_bytes", "weighted_error"]

@@ -35,7 +35,7 @@ from kite.errors import KiteError
 from kite.kernels.streams import StageClock, host_async, host_sync, join_side_stream, record_event, to_host
 from kite.upcycle.codec.batched_bytes import HostSide, copy_back, layer_blob, part_blob
 from kite.upcycle.codec.batched_encode import encode_side, gather_center, layout, partition
-from kite.upcycle.codec.batched_fit import fit_launch
+from kite.upcycle.codec.batched_fit import fit_launch, solve_launch
 from kite.upcycle.codec.settings import CodecSettings, settings_for
 from kite.upcycle.format.bitlayout import runs_plan
 from kite.upcycle.format.names import blob_key
@@ -104,10 +104,12 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
     if not callable(token_sets):
         sets = partition(token_sets, T)
     clock.lap("move")
-    fits = fit_launch({"k": (K, s.k_bits), "v": (V, s.v_bits)}, s, clock)
+    solved = solve_launch({"k": (K, s.k_bits), "v": (V, s.v_bits)}, s, clock)
     if callable(token_sets):
         sets = partition(token_sets(), T)
         clock.lap("cluster (caller's)")
+    fits = fit_launch(solved, s, clock, sets)
+    del solved
     lay = layout(sets, s, dev)   # host work while the eigensolver runs
     # the tokens gathered and centered while the eigensolver runs on its stream
     gathered = {prefix: gather_center(X, fits[prefix].mean_st, lay, clock) for prefix, X in (("k", K), ("v", V))}

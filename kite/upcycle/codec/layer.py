@@ -16,12 +16,13 @@ from kite.kernels.eigh import batched_pca
 from kite.upcycle.codec.blob import EncodedPart, LayerCodec
 from kite.upcycle.codec.coders import attach_regenerator, blocks, coder
 from kite.upcycle.codec.settings import CodecSettings, settings_for
+from kite.upcycle.codec.state_bits import allocate_state
 
 
 def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | str | float | None = None,
               pca: dict | None = None, budget_tokens: int | None = None,
               regenerator: dict | None = None, weights: dict | None = None,
-              choice: str | None = None, metric=None) -> LayerCodec:
+              choice: str | None = None, metric=None, bits: dict | None = None) -> LayerCodec:
     """Fit the shared per-layer part on the whole document's pre-RoPE keys and values [H, T, d].
 
     ``pca`` may carry precomputed ``{"k": (mean, evals, U), "v": (...)}`` from :func:`fit_layers`'
@@ -45,6 +46,8 @@ def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | st
     ``metric(side, X, X_hat) -> float`` (with a regenerator; implies ``choice="measured"``): what a
     candidate's decoded side costs, in place of the (weighted) squared error -- e.g. the attention
     probe's (:class:`kite.upcycle.codec.probe.AttentionProbe`).
+    ``bits``: ``{"k": [B, D], "v": [B, D]}``, the components' bits as allocated over the whole state
+    (:func:`fit_state`) for ``pca`` sides, in place of the layer's own budget.
     """
     s = settings_for(settings)
     if K_pre.dim() != 3 or K_pre.shape != V.shape:
@@ -66,7 +69,7 @@ def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | st
             _fit_best(side, X, s, tensors, meta, (pca or {}).get(side), regenerator[side], budget_tokens)
         else:
             coder(mode).fit(side, X, s, tensors, meta, pca=(pca or {}).get(side), budget_tokens=budget_tokens,
-                            weights=w)
+                            weights=w, bits=(bits or {}).get(side) if mode == "pca" else None)
     lc = LayerCodec(tensors=tensors, meta=meta)
     if regenerator is not None:
         attach_regenerator(lc, {side: regenerator[side][2] for side in ("k", "v")})
@@ -143,6 +146,39 @@ def fit_layers(KV: list[tuple[torch.Tensor, torch.Tensor]], settings=None) -> li
     return [fit_layer(k, v, s, pca=p) for (k, v), p in zip(KV, pcas)]
 
 
+def state_budgeted(settings) -> bool:
+    """Whether these settings allocate bits over the whole state (:func:`fit_state`): ``budget="state"``
+    with PCA keys and values."""
+    s = settings_for(settings)
+    return s.budget == "state" and s.k_mode == s.v_mode == "pca"
+
+
+def fit_state(keys_pre: list[torch.Tensor], values: list[torch.Tensor], settings, token_sets: list[torch.Tensor], *,
+              overhead_bytes: int | None = None) -> list[LayerCodec]:
+    """Fit every layer (pre-RoPE keys and values [H, T, d] per layer) with each component's bits
+    allocated over the whole state's budget (:mod:`.state_bits`), its costs exact for the parts
+    ``token_sets`` (index sets partitioning range(T)) the state will be coded in. ``overhead_bytes``:
+    the container header's expected size (default: :func:`.state_bits.container_overhead`).
+    Settings whose budget is per layer fit each layer on its own, as :func:`fit_layer` does."""
+    s = settings_for(settings)
+    if not state_budgeted(s):
+        return [fit_layer(k, v, s) for k, v in zip(keys_pre, values)]
+    L = len(keys_pre)
+    H, T, d = keys_pre[0].shape
+    pcas: list[dict] = [dict() for _ in range(L)]
+    evals = {}
+    for side, Xs in (("k", keys_pre), ("v", values)):
+        blocks_ = [blocks(x.float(), s.joint_heads) for x in Xs]
+        mean, ev, U = batched_pca(torch.cat(blocks_, dim=0), center=s.center)
+        B, D = blocks_[0].shape[0], blocks_[0].shape[2]
+        for i in range(L):
+            pcas[i][side] = (mean[i * B:(i + 1) * B], ev[i * B:(i + 1) * B], U[i * B:(i + 1) * B])
+        evals[side] = ev.clamp_min(0).float().reshape(L, B, D)
+    bits = allocate_state(evals, s, H, d, [torch.as_tensor(t).reshape(-1) for t in token_sets], overhead_bytes)
+    return [fit_layer(k, v, s, pca=p, bits={side: bits[side][i] for side in bits})
+            for i, ((k, v), p) in enumerate(zip(zip(keys_pre, values), pcas))]
+
+
 def encode(layer_codec: LayerCodec, K_pre_sub: torch.Tensor, V_sub: torch.Tensor,
            positions=None, widths: dict | None = None) -> EncodedPart:
     """Encode one part (a cluster's tokens of one layer): pre-RoPE keys and values [H, T_sub, d].
@@ -173,4 +209,4 @@ def decode(layer_codec: LayerCodec, part: EncodedPart) -> tuple[torch.Tensor, to
             coder(meta["v"]["mode"]).decode(layer_codec, "v", part.v))
 
 
-__all__ = ["batched_pca", "decode", "encode", "fit_layer", "fit_layers", "weighted_error"]
+__all__ = ["batched_pca", "decode", "encode", "fit_layer", "fit_layers", "fit_state", "state_budgeted", "weighted_error"]

@@ -33,6 +33,10 @@ class CodecSettings:
     joint_heads: bool = False    # one PCA over the concatenated heads of a layer (H*d dims)
     center: bool = True          # subtract the per-head mean before PCA
     range_mode: str = "mse"      # pca coefficients: "mse" (clipped, Gaussian-optimal) | "minmax"
+    even_groups: bool = False    # pca parts: ceil(T / group_size) groups of equal size (else group_size,
+                                 # the last padded with copies of its last token: format.bitlayout)
+    budget: str = "layer"        # pca bits: "layer" (k_bits / v_bits per layer and side) | "state" (one
+                                 # budget for every layer's components, the parts' costs exact: codec.state_bits)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -59,17 +63,19 @@ PRESETS: dict[str, CodecSettings] = {
 }
 
 # ratio R -> the PCA codec's bits per element, all bytes counted (16 = raw fp16): k_bits + v_bits
-# = 32 / R * RATIO_FILL (a margin: short parts cost more headers than budgeted), of which keys get
+# = 32 / R * RATIO_FILL (a margin for per-layer budgets: short parts cost more headers than
+# budgeted; a state-wide budget counts them and takes no margin), of which keys get
 # the share below (values are the more sensitive side).  Chosen by benchmarks/codec_sweep.py and
 # re-tuned through the whole pipeline (`kite upcycle eval`; docs/compression.md and
 # docs/PERFORMANCE.md have the sweeps); shares between tabled ratios interpolate in log-ratio.
 RATIO_FILL = 0.99
 RATIO_K_SHARE: dict[float, float] = {2.0: 0.375, 4.0: 0.375, 8.0: 0.25, 16.0: 0.3, 32.0: 0.3}
-RATIO_DEFAULTS = dict(group_size=512, outliers=0, joint_heads=True, basis_fmt="int6", sink_tokens=1)
+RATIO_DEFAULTS = dict(group_size=512, outliers=0, joint_heads=True, basis_fmt="int6", sink_tokens=1, budget="state",
+                      even_groups=True)
 
 
-def _ratio_bits(ratio: float) -> tuple[float, float]:
-    total = 32.0 / ratio * RATIO_FILL
+def _ratio_bits(ratio: float, fill: float = RATIO_FILL) -> tuple[float, float]:
+    total = 32.0 / ratio * fill
     pts = sorted(RATIO_K_SHARE)
     r = min(max(ratio, pts[0]), pts[-1])
     lo = max(p for p in pts if p <= r)
@@ -84,7 +90,8 @@ def _ratio_bits(ratio: float) -> tuple[float, float]:
 
 def at_ratio(s: CodecSettings, ratio: float) -> CodecSettings:
     """``s`` with the bit budgets (and basis format) of PCA ratio ``ratio`` > 1, its other fields kept."""
-    kb, vb = _ratio_bits(ratio)
+    # a state-wide budget counts every byte exactly (codec.state_bits): no margin
+    kb, vb = _ratio_bits(ratio, 1.0 if s.budget == "state" else RATIO_FILL)
     # a finer basis pays at low ratios, where the coefficients are precise (measured)
     basis = "fp16" if ratio <= 2.5 else ("int8" if ratio <= 5 else "int6")
     return replace(s, name=f"ratio={ratio:g}", k_bits=kb, v_bits=vb, basis_fmt=basis)
