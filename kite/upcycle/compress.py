@@ -222,13 +222,17 @@ def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: 
         fit_ratio = ratio_of(fit_codec)
         t = time.perf_counter()
         # one budget for the whole state: every layer's PCA first, then the allocation over all of them
-        whole = (codec.fit_state(cap.keys_pre, cap.values, fit_codec, token_sets)
-                 if codec.state_budgeted(fit_codec) and regenerator is None and not part_ratios else None)
+        def regenerated_layer(layer: int) -> dict:
+            K, V = cap.keys_pre[layer], cap.values[layer]
+            return regenerator.layer(layer, probe.metric(layer, K, V) if probe else None)
+
+        whole = (codec.fit_state(cap.keys_pre, cap.values, fit_codec, token_sets,
+                                 layer_kwargs=None if regenerator is None else regenerated_layer)
+                 if codec.state_budgeted(fit_codec) and not part_ratios else None)
         for layer in range(n_layers):
             K, V = cap.keys_pre[layer], cap.values[layer]
             lc = whole[layer] if whole is not None else codec.fit_layer(
-                K, V, fit_codec, **({} if regenerator is None else regenerator.layer(
-                    layer, probe.metric(layer, K, V) if probe else None)))
+                K, V, fit_codec, **({} if regenerator is None else regenerated_layer(layer)))
             regenerated[0] += sum(lc.meta[side]["mode"] == "rpca" for side in ("k", "v"))
             writer.add(blob_key(None, layer), codec.to_bytes(lc))
             for c, idx in enumerate(token_sets):

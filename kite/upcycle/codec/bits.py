@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -112,6 +113,25 @@ def allocate_bits(evals: torch.Tensor, budget_bits: float, T: int, d_in: int, s:
             gain = lam * (rel_distortion(cur, s.range_mode) - rel_distortion(cur + 1, s.range_mode)) * T
             heapq.heappush(heap, (-gain / inc, b, j, inc))
     return bits
+
+
+@dataclass(frozen=True)
+class SideBudget:
+    """A side's share of a state-wide budget (:mod:`.state_bits`): the bits its components may take
+    and the token counts of the parts it is coded in (the costs exact)."""
+
+    bits: float
+    parts: tuple[int, ...]
+
+
+def allocation_cost(bits: torch.Tensor, T: int, d_in: int, s: CodecSettings, parts=None,
+                    basis_stored: bool = True) -> float:
+    """Bits an allocation ``bits`` [..., r] takes: each coded component's first bit
+    (:func:`first_bit_cost`) and its later bits' codes."""
+    b = bits.long().cpu()
+    n_coded = int((b > 0).sum())
+    codes = component_costs(T, s, parts)[0]
+    return n_coded * first_bit_cost(T, d_in, s, basis_stored, parts) + float((b - 1).clamp_min(0).sum()) * codes
 
 
 def expected_error(variances: torch.Tensor, bits: torch.Tensor, s: CodecSettings) -> float:

@@ -63,6 +63,8 @@ def layer_settings(meta: dict) -> CodecSettings:
         _whole(getattr(s, name), f"settings.{name}")
     if not 1 <= s.max_bits <= MAX_WIDTH:
         raise ValueError(f"settings.max_bits is {s.max_bits}, expected 1..{MAX_WIDTH}")
+    if isinstance(s.k_weight, bool) or not isinstance(s.k_weight, (int, float)) or not s.k_weight > 0:
+        raise ValueError(f"settings.k_weight is {s.k_weight!r}, expected a positive number")
     for name in ("joint_heads", "even_groups"):
         if not isinstance(getattr(s, name), bool):
             raise ValueError(f"settings.{name} is {getattr(s, name)!r}, expected true or false")

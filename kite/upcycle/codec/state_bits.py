@@ -92,14 +92,17 @@ def state_budget_bits(s: CodecSettings, L: int, H: int, d: int, B: int, D: int, 
     return (s.k_bits + s.v_bits) * L * H * T * d - fixed_bits(s, L, H, d, B, D, sets, overhead_bytes)
 
 
-def priorities(evals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def priorities(evals: dict[str, torch.Tensor], k_weight: float = 1.0) -> dict[str, torch.Tensor]:
     """What the allocation compares, per side [L, B, D]: each component's variance relative to its
-    (layer, side)'s total variance, so that the allocation minimises the sum over layers and sides of
-    each one's relative squared error (a layer's keys and values count the same however large they
-    are; measured against absolute variances and against keys weighted down, which starve whole
-    layers: docs/compression.md)."""
-    return {side: ev.double().clamp_min(0) / ev.double().clamp_min(0).sum(dim=(1, 2), keepdim=True).clamp_min(1e-30)
-            for side, ev in evals.items()}
+    (layer, side)'s total variance, the keys' times ``k_weight``, so that the allocation minimises
+    the sum over layers and sides of each one's (weighted) relative squared error. Absolute
+    variances starve whole layers whose KV is small (measured: PPL deltas several times larger)."""
+    out = {}
+    for side, ev in evals.items():
+        ev = ev.double().clamp_min(0)
+        ev = ev / ev.sum(dim=(1, 2), keepdim=True).clamp_min(1e-30)
+        out[side] = ev * k_weight if side == "k" else ev
+    return out
 
 
 def allocate_state(evals: dict[str, torch.Tensor], s: CodecSettings, H: int, d: int, sets: list[torch.Tensor],
@@ -111,7 +114,7 @@ def allocate_state(evals: dict[str, torch.Tensor], s: CodecSettings, H: int, d: 
     L, B, D = evals[sides[0]].shape
     T = sum(int(t.numel()) for t in sets)
     parts = [int(t.numel()) for t in sets if t.numel()]
-    prio = priorities(evals)
+    prio = priorities(evals, s.k_weight)
     budget = state_budget_bits(s, L, H, d, B, D, sets, overhead_bytes)
     flat = torch.cat([prio[side].reshape(L * B, D) for side in sides])[None]       # [1, sides*L*B, D]
     bits = allocate_bits_batched(flat, [budget], T, D, s, parts=parts)[0]
