@@ -97,6 +97,22 @@ class StateWriter:
     def add_many(self, items, threads: int | None = None) -> list[int]:
         """``add`` for many (key, raw) blobs in order, zstd tried in a thread pool (zstandard releases
         the GIL): the same blobs as ``add`` one by one. Returns their stored sizes."""
+        return self.add_packed(self.pack(items, threads))
+
+    def add_packed(self, packed: list[tuple[str, bytes, int, str]]) -> list[int]:
+        """Add blobs :meth:`pack` made. Returns their stored sizes."""
+        keys = [k for k, *_ in packed]
+        if len(set(keys)) < len(keys) or self._keys.intersection(keys):
+            dup = next(k for i, k in enumerate(keys) if k in self._keys or k in keys[:i])
+            raise ValueError(f"duplicate blob {dup}")
+        for key, data, raw_len, codec in packed:
+            self._blobs.append((key, data, raw_len, codec))
+            self._keys.add(key)
+        return [len(data) for _, data, _, _ in packed]
+
+    def pack(self, items, threads: int | None = None) -> list[tuple[str, bytes, int, str]]:
+        """The blobs (key, raw) as this writer would store them, not added: (key, stored bytes, raw
+        length, codec) each, zstd tried in a thread pool (what a caller measures before it adds)."""
         items = list(items)
         keys = [k for k, _ in items]
         if len(set(keys)) < len(keys) or self._keys.intersection(keys):
@@ -121,10 +137,7 @@ class StateWriter:
 
             with ThreadPoolExecutor(n) as pool:
                 done = list(pool.map(pack, [raw for _, raw in items]))
-        for (key, raw), (data, codec) in zip(items, done):
-            self._blobs.append((key, data, len(raw), codec))
-            self._keys.add(key)
-        return [len(data) for data, _ in done]
+        return [(key, data, len(raw), codec) for (key, raw), (data, codec) in zip(items, done)]
 
     def write(self, path: str | os.PathLike[str], meta: dict[str, Any]) -> int:
         """Write the state to `path`; returns its size in bytes."""
@@ -159,6 +172,18 @@ class StateWriter:
                 finally:
                     os.close(fd)
         return _PREAMBLE.size + len(header) + offset
+
+
+def header_estimate(meta: dict, keys: list[str], state_bytes: float) -> int:
+    """Bytes the preamble and header of a state take: ``meta`` as :meth:`StateWriter.write` would
+    seal it with blobs under ``keys`` in a file of about ``state_bytes`` (each index entry's offset
+    and lengths estimated from it; the content digest's section exact; a signature not counted)."""
+    size = max(1, int(state_bytes))
+    each = max(1, size // max(1, len(keys)))
+    entries = sum(len(json.dumps([k, size, each, each, "zstd", "0" * 32], separators=(",", ":"))) + 1 for k in keys)
+    body = {**{k: v for k, v in meta.items() if k not in ("content", "blobs", "signature")},
+            "content": content_digest({}, []), "blobs": []}
+    return _PREAMBLE.size + len(json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()) + entries
 
 
 def _sealed(meta: dict, index: list) -> dict:
