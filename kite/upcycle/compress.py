@@ -34,8 +34,6 @@ if TYPE_CHECKING:
     from kite.model import LoadedModel
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
-# a state-wide budget codes the state again when the writer's zstd shrinks its blobs by more than this
-ZSTD_SLACK = 0.01
 
 
 @dataclass
@@ -256,18 +254,17 @@ def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: 
     def token_sets_once() -> list[torch.Tensor]:
         if not sets_once:
             sets_once.append(cluster_spans())
-        return sets_once[0]
+        return sets_once[0]   # (called once; a list so the batched codec may call it from its fit)
 
     def regenerated_layer(layer: int) -> dict:
         K, V = cap.keys_pre[layer], cap.values[layer]
         return regenerator.layer(layer, probe.metric(layer, K, V) if probe else None)
 
-    def code(scale: float) -> list[tuple[str, bytes]]:
-        """Every blob of the state under its key, the codec's state-wide budget times ``scale``."""
+    def code() -> list[tuple[str, bytes]]:
+        """Every blob of the state under its key."""
         if batched:
             enc = codec.encode_state(cap.keys_pre, cap.values, sets_once[0] if sets_once else token_sets_once,
-                                     settings.codec, device=device, overhead_bytes=container_bytes,
-                                     budget_scale=scale)
+                                     settings.codec, device=device, overhead_bytes=container_bytes)
             if progress:
                 progress("compress", n_layers, n_layers)
             return enc.items()
@@ -275,7 +272,7 @@ def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: 
         items = []
         # one budget for the whole state: every layer's PCA first, then the allocation over all of them
         whole = (codec.fit_state(cap.keys_pre, cap.values, fit_codec, token_sets,
-                                 overhead_bytes=container_bytes(token_sets), budget_scale=scale,
+                                 overhead_bytes=container_bytes(token_sets),
                                  layer_kwargs=None if regenerator is None else regenerated_layer)
                  if codec.state_budgeted(fit_codec) and not part_ratios else None)
         regenerated[0] = 0
@@ -307,17 +304,12 @@ def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: 
                 fit_codec = at_ratio(settings.codec, min(part_ratios))
         t = time.perf_counter()
     fit_ratio = ratio_of(fit_codec)
-    packed = writer.pack(code(1.0))
-    if codec.state_budgeted(fit_codec) and not part_ratios and fit_ratio:
-        # the budget counts every byte as coded; where the writer's zstd shrinks the state by more
-        # than ZSTD_SLACK of what was asked, code it again once, the shortfall added to the budget
-        # at the rate zstd measured (raw bytes per stored byte)
-        raw, stored = sum(p[2] for p in packed), sum(len(p[1]) for p in packed)
-        target = raw_kv / fit_ratio
-        short = target - stored - container_bytes(sets_once[0])
-        if stored and short > ZSTD_SLACK * target:
-            packed = writer.pack(code(1.0 + short * (raw / stored) / target))
-    writer.add_packed(packed)
+    if codec.state_budgeted(fit_codec) and not part_ratios:
+        # the budget counts every byte as coded, so the blobs are stored as coded: zstd would make the
+        # file smaller than asked by what it happens to save (more on the CPU's writer, which tries it
+        # on every blob, than on the GPU's), and it costs every load its decompression
+        writer = StateWriter(zstd=False)
+    writer.add_many(code())
     # batched: the fit ran while the spans were clustered, so that time is in both figures
     timings["compress"] = (time.perf_counter() - t) * 1e3
 

@@ -79,8 +79,7 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
                  token_sets: list[torch.Tensor] | Callable[[], list[torch.Tensor]],
                  settings: CodecSettings | str | float | None = None, *,
                  device: torch.device | str | None = None, sync_timings: bool = False,
-                 overhead_bytes: int | Callable[[list[torch.Tensor]], int] | None = None,
-                 budget_scale: float = 1.0) -> EncodedState:
+                 overhead_bytes: int | Callable[[list[torch.Tensor]], int] | None = None) -> EncodedState:
     """Fit and encode a whole document: keys (pre-RoPE) and values [L, H, T, d] (or per-layer lists),
     clusters given as token index sets (a partition of range(T), each ascending).
 
@@ -91,8 +90,7 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
     the per-layer ``encode(..., positions)`` does. ``sync_timings`` synchronizes the device between stages so
     ``timings_ms`` splits the time by stage (off: one figure per stage, host-side only).
     ``overhead_bytes``: the container header's expected bytes, or a function of the clusters that
-    gives them (a state-wide budget counts them; default :func:`.state_bits.container_overhead`);
-    ``budget_scale``: a state-wide budget times this (what the writer's zstd is measured to save).
+    gives them (a state-wide budget counts them; default :func:`.state_bits.container_overhead`).
     """
     s = settings_for(settings)
     if not supports(s):
@@ -117,8 +115,7 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
     if callable(token_sets):
         sets = partition(token_sets(), T)
         clock.lap("cluster (caller's)")
-    fits = fit_launch(solved, s, clock, sets, overhead_bytes(sets) if callable(overhead_bytes) else overhead_bytes,
-                      budget_scale)
+    fits = fit_launch(solved, s, clock, sets, overhead_bytes(sets) if callable(overhead_bytes) else overhead_bytes)
     del solved
     lay = layout(sets, s, dev)   # host work while the eigensolver runs
     # the tokens gathered and centered while the eigensolver runs on its stream

@@ -85,12 +85,11 @@ def fixed_bits(s: CodecSettings, L: int, H: int, d: int, B: int, D: int, sets: l
 
 
 def state_budget_bits(s: CodecSettings, L: int, H: int, d: int, B: int, D: int, sets: list[torch.Tensor],
-                      overhead_bytes: int | None = None, scale: float = 1.0) -> float:
+                      overhead_bytes: int | None = None) -> float:
     """Bits the components of every layer and side may take: ``k_bits + v_bits`` per (token, head,
-    dim) of every layer (the state's whole budget) times ``scale`` (> 1 where the writer's zstd is
-    measured to shrink the blobs by that factor), less :func:`fixed_bits`."""
+    dim) of every layer (the state's whole budget), less :func:`fixed_bits`."""
     T = sum(int(t.numel()) for t in sets)
-    return (s.k_bits + s.v_bits) * L * H * T * d * scale - fixed_bits(s, L, H, d, B, D, sets, overhead_bytes)
+    return (s.k_bits + s.v_bits) * L * H * T * d - fixed_bits(s, L, H, d, B, D, sets, overhead_bytes)
 
 
 def priorities(evals: dict[str, torch.Tensor], k_weight: float = 1.0) -> dict[str, torch.Tensor]:
@@ -107,7 +106,7 @@ def priorities(evals: dict[str, torch.Tensor], k_weight: float = 1.0) -> dict[st
 
 
 def allocate_state(evals: dict[str, torch.Tensor], s: CodecSettings, H: int, d: int, sets: list[torch.Tensor],
-                   overhead_bytes: int | None = None, scale: float = 1.0) -> dict[str, torch.Tensor]:
+                   overhead_bytes: int | None = None) -> dict[str, torch.Tensor]:
     """Each component's bits over the whole state: ``evals`` per side [L, B, D] (any device) ->
     int64 bits per side [L, B, D] on the same device. Keys and values share one budget
     (``k_bits + v_bits`` per element; how the settings split it does not matter here)."""
@@ -116,7 +115,7 @@ def allocate_state(evals: dict[str, torch.Tensor], s: CodecSettings, H: int, d: 
     T = sum(int(t.numel()) for t in sets)
     parts = [int(t.numel()) for t in sets if t.numel()]
     prio = priorities(evals, s.k_weight)
-    budget = state_budget_bits(s, L, H, d, B, D, sets, overhead_bytes, scale)
+    budget = state_budget_bits(s, L, H, d, B, D, sets, overhead_bytes)
     flat = torch.cat([prio[side].reshape(L * B, D) for side in sides])[None]       # [1, sides*L*B, D]
     bits = allocate_bits_batched(flat, [budget], T, D, s, parts=parts)[0]
     return {side: bits[i * L * B:(i + 1) * L * B].reshape(L, B, D) for i, side in enumerate(sides)}

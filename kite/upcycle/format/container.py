@@ -76,12 +76,14 @@ class StateWriter:
     A blob is stored zstd-compressed where that saves ≥ ``min_saving`` of its bytes (≥
     ``large_min_saving`` for blobs of ``large_blob`` bytes or more; the default asks the same of
     every blob, ``LARGE_MIN_SAVING`` trades file size for load speed), else raw; either reads back
-    the same. ``register``: record the written file's version as verified (the writer computed
-    every checksum itself), so that loaders in any process skip re-hashing it.
+    the same; ``zstd=False``: every blob raw (a state whose codec counted its bytes exactly).
+    ``register``: record the written file's version as verified (the writer computed every checksum
+    itself), so that loaders in any process skip re-hashing it.
     """
 
     def __init__(self, zstd_level: int = 3, min_saving: float = MIN_SAVING,
-                 large_min_saving: float = MIN_SAVING, large_blob: int = LARGE_BLOB, register: bool = True):
+                 large_min_saving: float = MIN_SAVING, large_blob: int = LARGE_BLOB, register: bool = True,
+                 zstd: bool = True):
         self._blobs: list[tuple[str, bytes, int, str]] = []
         self._keys: set[str] = set()
         self._level = zstd_level
@@ -89,6 +91,7 @@ class StateWriter:
         self._large_min_saving = float(large_min_saving)
         self._large_blob = int(large_blob)
         self._register = register
+        self._zstd = zstd
 
     def add(self, key: str, raw: bytes) -> int:
         """Add a blob; zstd-compressed where that saves enough (see the class). Returns its stored size."""
@@ -97,22 +100,6 @@ class StateWriter:
     def add_many(self, items, threads: int | None = None) -> list[int]:
         """``add`` for many (key, raw) blobs in order, zstd tried in a thread pool (zstandard releases
         the GIL): the same blobs as ``add`` one by one. Returns their stored sizes."""
-        return self.add_packed(self.pack(items, threads))
-
-    def add_packed(self, packed: list[tuple[str, bytes, int, str]]) -> list[int]:
-        """Add blobs :meth:`pack` made. Returns their stored sizes."""
-        keys = [k for k, *_ in packed]
-        if len(set(keys)) < len(keys) or self._keys.intersection(keys):
-            dup = next(k for i, k in enumerate(keys) if k in self._keys or k in keys[:i])
-            raise ValueError(f"duplicate blob {dup}")
-        for key, data, raw_len, codec in packed:
-            self._blobs.append((key, data, raw_len, codec))
-            self._keys.add(key)
-        return [len(data) for _, data, _, _ in packed]
-
-    def pack(self, items, threads: int | None = None) -> list[tuple[str, bytes, int, str]]:
-        """The blobs (key, raw) as this writer would store them, not added: (key, stored bytes, raw
-        length, codec) each, zstd tried in a thread pool (what a caller measures before it adds)."""
         items = list(items)
         keys = [k for k, _ in items]
         if len(set(keys)) < len(keys) or self._keys.intersection(keys):
@@ -123,7 +110,7 @@ class StateWriter:
         level, small, large, big = self._level, self._min_saving, self._large_min_saving, self._large_blob
 
         def pack(raw: bytes) -> tuple[bytes, str]:
-            if not raw:
+            if not raw or not self._zstd:
                 return raw, "raw"
             packed = zstandard.ZstdCompressor(level=level).compress(raw)
             need = large if len(raw) >= big else small
@@ -137,7 +124,10 @@ class StateWriter:
 
             with ThreadPoolExecutor(n) as pool:
                 done = list(pool.map(pack, [raw for _, raw in items]))
-        return [(key, data, len(raw), codec) for (key, raw), (data, codec) in zip(items, done)]
+        for (key, raw), (data, codec) in zip(items, done):
+            self._blobs.append((key, data, len(raw), codec))
+            self._keys.add(key)
+        return [len(data) for data, _ in done]
 
     def write(self, path: str | os.PathLike[str], meta: dict[str, Any]) -> int:
         """Write the state to `path`; returns its size in bytes."""
