@@ -127,3 +127,25 @@ def test_malformed_new_settings_are_refused(field, value):
     raw[field] = value
     with pytest.raises(ValueError, match=field):
         layer_settings({"settings": raw})
+
+
+def test_a_regenerator_state_takes_its_share_of_the_state_budget(lm, tmp_path):
+    """Coded on a regenerator's bases (none stored), each layer side gets the bytes the state-wide
+    allocation gave it: the file is still the ratio asked, and more sides than none take the
+    regenerator's basis (it is free)."""
+    from kite.upcycle.capture import capture
+    from kite.upcycle.codec.regenerator import RegeneratorFit
+
+    fit = RegeneratorFit(n_layers=lm.geometry.n_layers, joint_heads=True, center=True)
+    for text in (CORPUS, CORPUS[len(CORPUS) // 3:] + CORPUS[:len(CORPUS) // 3]):
+        cap = capture(lm, text)
+        fit.add(cap.keys_pre, cap.values, cap.ids)
+    reg = fit.finish({"model_fingerprint": lm.fingerprints.base, "geometry": lm.geometry.to_dict(),
+                      "calibration": {"source": "test"}})
+    st = CompressSettings(codec=codec.settings_for(4), n_clusters=3, min_span_tokens=8, max_span_tokens=48)
+    made = compress_document(lm, CORPUS, tmp_path / "r.upc", st, regenerator=reg)
+    assert abs(made.compression_ratio / 4 - 1) <= 0.03, made.compression_ratio
+    with StateFile(made.path) as sf:
+        assert sf.meta["regenerator"]["sides"] > 0
+    prefix, _ = load_prefix(made.path, lm, regenerator=reg)
+    assert all(bool(torch.isfinite(k).all()) for k in prefix.keys)

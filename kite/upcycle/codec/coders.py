@@ -37,6 +37,7 @@ from kite.upcycle.codec.bits import SideBudget, allocate_bits, expected_error, l
 from kite.upcycle.codec.blob import Blob, LayerCodec
 from kite.upcycle.codec.quant import FLOAT_FORMATS, INT_FORMATS, QTensor, dequantize, quantize
 from kite.upcycle.codec.settings import CodecSettings
+from kite.upcycle.codec.state_bits import basis_header_bits
 from kite.upcycle.format.bitlayout import class_layout, group_shape
 
 
@@ -345,6 +346,8 @@ class RegenSide(PcaSide):
         mean = Xb.mean(dim=1) if s.center else Xb.new_zeros(B, D)
         Xc = Xb - mean[:, None, :]
         avail, parts = _side_budget(budget, side, s, H, T, d, B, D)
+        if budget is not None:   # the budget was made with a stored basis: its header rows are free here
+            avail += basis_header_bits(s, H, d, B, D)
         if weights is not None:
             Xc = Xc * put_weights(tensors, side, weights, B, D).to(Xc.device)[:, None, :]
             avail -= B * D * 16

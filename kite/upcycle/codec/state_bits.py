@@ -39,12 +39,14 @@ def container_overhead(n_blobs: int, n_clusters: int = 0) -> int:
     return HEADER_BASE_BYTES + INDEX_ENTRY_BYTES * n_blobs + CLUSTER_BYTES * n_clusters
 
 
-def _layer_header_bytes(s: CodecSettings, H: int, d: int, T: int, B: int, D: int) -> int:
+def _layer_header_bytes(s: CodecSettings, H: int, d: int, T: int, B: int, D: int, basis: bool = True) -> int:
     meta = {"settings": s.to_json(), "H": H, "d": d, "T_fit": T}
     table = []
     for side in ("k", "v"):
         table.append((f"{side}.mean", "f16", [B, D]))
-        if s.basis_fmt.startswith("int"):
+        if not basis:
+            pass
+        elif s.basis_fmt.startswith("int"):
             table += [(f"{side}.basis.codes", "u8", [D * D]), (f"{side}.basis.scale", "f16", [D]),
                       (f"{side}.basis.min", "f16", [D])]
             meta[f"{side}.basis"] = {"fmt": s.basis_fmt, "shape": [D, D], "group_size": D, "axis": -2,
@@ -54,6 +56,12 @@ def _layer_header_bytes(s: CodecSettings, H: int, d: int, T: int, B: int, D: int
         table.append((f"{side}.bits", "u8", [B, D]))
         meta[side] = {"mode": "pca", "blocks": B, "dim": D, "rank_max": D}
     return codec_blob.PREFIX_BYTES + len(codec_blob.header_bytes(meta, table))
+
+
+def basis_header_bits(s: CodecSettings, H: int, d: int, B: int, D: int) -> int:
+    """Bits a side's stored basis takes in its layer blob's header (its table rows and meta): what a
+    side coded on a regenerator's basis does not store, and may spend on its components."""
+    return 8 * (_layer_header_bytes(s, H, d, 0, B, D) - _layer_header_bytes(s, H, d, 0, B, D, basis=False)) // 2
 
 
 def _part_header_bytes(n: int, D: int, n_sinks: int) -> int:
