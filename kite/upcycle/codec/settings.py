@@ -104,8 +104,13 @@ def at_ratio(s: CodecSettings, ratio: float) -> CodecSettings:
     """``s`` with the bit budgets (and basis format) of PCA ratio ``ratio`` > 1, its other fields kept."""
     # a state-wide budget counts every byte exactly (codec.state_bits): no margin
     kb, vb = _ratio_bits(ratio, 1.0 if s.budget == "state" else RATIO_FILL)
-    # a finer basis pays at low ratios, where the coefficients are precise (measured)
+    # a finer basis pays at low ratios, where the coefficients are precise (measured); above 12x a
+    # state-wide budget takes int5 columns: more components for the bytes (summed PPL delta on
+    # MPL-2.0, LGPL-2.1 and a contract of seed 7, 1,024 tokens, 2026-12-02: int6 / int5 / int4 at 16x
+    # 4.75 / 4.46 / 4.44, at 20x 8.40 / 7.48 / 7.55, at 8x 0.93 / 1.00 / 0.92)
     basis = "fp16" if ratio <= 2.5 else ("int8" if ratio <= 5 else "int6")
+    if s.budget == "state" and ratio > 12:
+        basis = "int5"
     return replace(s, name=f"ratio={ratio:g}", k_bits=kb, v_bits=vb, basis_fmt=basis,
                    k_weight=round(_by_ratio(RATIO_K_WEIGHT, ratio), 4))
 
