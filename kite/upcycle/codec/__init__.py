@@ -1,6 +1,7 @@
 """The KV-cache codec of a `.upc` state (KVTC-style PCA + per-component bit allocation, plain
 quantization, raw casts): settings and presets, the side coders registered per mode, the per-layer
-codec (CPU) and the batched encoder (any device, the GPU's), and the quantizer under them; the
+codec (CPU) and the batched encoder (any device, the GPU's), the bit allocation over a whole state's
+byte budget both share (``fit_state``, :mod:`.state_bits`), and the quantizer under them; the
 regenerator (per-model calibrated bases a state may be coded on), the attention-aware distortion
 weights and the attention probe that choose between bases. Loads read the regenerator from here;
 `kite upcycle train` (kite.upcycle.train) fits it. And the nibble-lanes encoder (`encode_lanes`,

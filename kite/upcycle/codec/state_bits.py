@@ -9,7 +9,9 @@ water-filling of :func:`kite.upcycle.codec.bits.allocate_bits_batched` on their 
 its codes in every part (each part padded to whole groups), a scale and minimum per group and its
 stored basis column; every later bit its codes. The distortion model (variance x the Gaussian
 quantizer's relative error at b bits) is convex in b, so the greedy order is the optimal allocation
-of the whole budget, what a dynamic programme over layers would find.
+of the whole budget (what a dynamic programme over layers would find) up to two edges: a first bit
+costs more than the later ones (a component's bits are taken in order, bits.allocate_bits_batched's
+cummin), and the last increments where the budget runs out.
 
 The per-layer codec (:func:`fit_state`'s callers) and the batched encoder call the same function on
 the same numbers, so their allocations are the same.
