@@ -266,7 +266,7 @@ def test_compress_document_on_the_gpu(lm, tiny_models, tmp_path):
             assert (x - y).norm() <= 0.25 * y.norm()
 
 
-@pytest.mark.parametrize("spec", ["ratio=4", "per-head", "ratio=2", "ratio=16"])   # int8, fp16, int5 bases
+@pytest.mark.parametrize("spec", ["ratio=4", "per-head", "ratio=2", "ratio=16"])   # int8, fp16, int6 bases
 @pytest.mark.parametrize("partial", [False, True])
 def test_gpu_load_matches_host_decode(lm, tmp_path, spec, partial):
     s = codec.settings_for(4, joint_heads=False) if spec == "per-head" else codec.settings_for(spec)

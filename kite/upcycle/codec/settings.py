@@ -104,13 +104,11 @@ def at_ratio(s: CodecSettings, ratio: float) -> CodecSettings:
     """``s`` with the bit budgets (and basis format) of PCA ratio ``ratio`` > 1, its other fields kept."""
     # a state-wide budget counts every byte exactly (codec.state_bits): no margin
     kb, vb = _ratio_bits(ratio, 1.0 if s.budget == "state" else RATIO_FILL)
-    # a finer basis pays at low ratios, where the coefficients are precise (measured); above 12x a
-    # state-wide budget takes int5 columns: more components for the bytes (summed PPL delta on
-    # MPL-2.0, LGPL-2.1 and a contract of seed 7, 1,024 tokens, 2026-12-02: int6 / int5 / int4 at 16x
-    # 4.75 / 4.46 / 4.44, at 20x 8.40 / 7.48 / 7.55, at 8x 0.93 / 1.00 / 0.92)
+    # a finer basis pays at low ratios, where the coefficients are precise (measured). int5 columns
+    # above 12x won on MPL-2.0, LGPL-2.1 and a contract (summed PPL delta 16x 4.75 -> 4.46, 20x
+    # 8.40 -> 7.48) and lost on GPL-3 and Apache-2.0 (20x +4.70 -> +5.80, +1.90 -> +2.79; result
+    # codec_budget_cpu2_20261202_b510f42.json, 2026-12-02): int6 stays
     basis = "fp16" if ratio <= 2.5 else ("int8" if ratio <= 5 else "int6")
-    if s.budget == "state" and ratio > 12:
-        basis = "int5"
     return replace(s, name=f"ratio={ratio:g}", k_bits=kb, v_bits=vb, basis_fmt=basis,
                    k_weight=round(_by_ratio(RATIO_K_WEIGHT, ratio), 4))
 
