@@ -1,6 +1,7 @@
 """The codec's byte budget, before and after it spans the whole state: quality and file ratio at equal asked ratio.
 
-Per held-out document (GPL-3 and Apache-2.0 from /usr/share/common-licenses: no calibration,
+Per held-out document (GPL-3 and Apache-2.0 from /usr/share/common-licenses, and with
+``--contracts N`` the first N held-out generated contracts of kite.upcycle.study: no calibration,
 training or tuning read them) and ratio R, `kite upcycle eval`'s measurement (kite.upcycle.evaluate:
 the first --context-tokens compressed into a state through compress_document, loaded with
 load_prefix, the next --continuation-tokens teacher-forced on it against the full context), once per
@@ -35,7 +36,8 @@ VARIANTS = {"layer": dict(budget="layer", even_groups=False), "state": dict(budg
 def main(argv=None) -> int:
     ap = parser(__doc__, device="cpu")
     ap.add_argument("--model", default=None, help="default: the embedded model")
-    ap.add_argument("--texts", nargs="+", default=list(TEXTS))
+    ap.add_argument("--texts", nargs="*", default=list(TEXTS))
+    ap.add_argument("--contracts", type=int, default=0, help="also this many held-out contracts (default 0)")
     ap.add_argument("--ratios", nargs="+", type=float, default=[4.0, 8.0, 16.0, 20.0])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--context-tokens", type=int, default=1024)
@@ -49,15 +51,18 @@ def main(argv=None) -> int:
     from kite.model import load_model
     from kite.upcycle import CompressSettings, evaluate
     from kite.upcycle import codec
-    from kite.upcycle.study import LICENSES
+    from kite.upcycle.study import LICENSES, held_out_docs
 
     lm = load_model(args.model, device=args.device)
     res = Result("codec_budget", device=lm.device)
     res.raw.update(model=args.model or "embedded", threads=args.threads, context_tokens=args.context_tokens,
                    continuation_tokens=args.continuation_tokens, variants={v: VARIANTS[v] for v in args.variants},
                    cells=[])
-    for name in args.texts:
-        text = (LICENSES / name).read_text()
+    texts = {name: (LICENSES / name).read_text() for name in args.texts}
+    if args.contracts:
+        texts.update(held_out_docs(args.contracts, licenses=()))
+    res.raw["texts"] = list(texts)
+    for name, text in texts.items():
         for ratio in args.ratios:
             for variant in [v for v in VARIANTS if v in args.variants]:   # the baseline first
                 s = codec.at_ratio(codec.settings_for(ratio, **VARIANTS[variant]), ratio)
