@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     if args.contracts:
         texts.update(held_out_docs(args.contracts, licenses=()))
     res.raw["texts"] = list(texts)
+    deltas: dict[tuple, float] = {}
     for name, text in texts.items():
         for ratio in args.ratios:
             for variant in [v for v in VARIANTS if v in args.variants]:   # the baseline first
@@ -69,10 +70,10 @@ def main(argv=None) -> int:
                 r = evaluate(lm, text, context_tokens=args.context_tokens,
                              continuation_tokens=args.continuation_tokens, settings=CompressSettings(codec=s))
                 cell = f"{name} {r.context_tokens} + {r.continuation_tokens}, ratio={ratio:g}, {variant} budget"
-                base = f"{name} {r.context_tokens} + {r.continuation_tokens}, ratio={ratio:g}, layer budget: PPL delta"
-                res.row(f"{cell}: PPL delta", r.ppl_delta, "ppl",
-                        baseline=base if variant != "layer" and "layer" in args.variants else None,
-                        text=name, ratio=ratio, variant=variant, ppl_full=r.ppl_full)
+                deltas[(name, ratio, variant)] = r.ppl_delta
+                # (a PPL delta may be negative: the other variant's goes beside it, not as a baseline)
+                res.row(f"{cell}: PPL delta", r.ppl_delta, "ppl", text=name, ratio=ratio, variant=variant,
+                        ppl_full=r.ppl_full, layer_budget_delta=deltas.get((name, ratio, "layer")))
                 res.row(f"{cell}: KL mean", r.kl_mean, "nats", text=name, ratio=ratio, variant=variant)
                 res.row(f"{cell}: bytes ratio", r.raw_kv_bytes / r.state_bytes, "x raw fp16 KV / state",
                         baseline_value=ratio, baseline=f"the ratio asked, {ratio:g}x", text=name, ratio=ratio,
