@@ -135,7 +135,10 @@ def test_settings_for_names():
     assert C.settings_for("exact").k_fmt == "fp32"
     assert C.settings_for("8").name == C.settings_for("ratio=8").name == C.settings_for(8).name
     s = C.settings_for("ratio=6")
-    assert math.isclose(s.k_bits + s.v_bits, 32 / 6 * RATIO_FILL)
+    assert s.budget == "state" and s.even_groups   # every byte counted exactly: no margin
+    assert math.isclose(s.k_bits + s.v_bits, 32 / 6)
+    per_layer = C.at_ratio(C.settings_for(6, budget="layer"), 6)
+    assert math.isclose(per_layer.k_bits + per_layer.v_bits, 32 / 6 * RATIO_FILL)
     assert C.settings_for("ratio=8", outliers=3).outliers == 3
     with pytest.raises(ValueError):
         C.settings_for("nonsense")

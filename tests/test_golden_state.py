@@ -41,7 +41,10 @@ tests/data/golden/ in two ways:
 
 How the reference was made: `pytest tests/test_golden_state.py --record-golden` on 2026-12-02 (commit
 6da86f2's codec, native runtime, one thread, x86-64 with AVX-512) writes both files; a run with
-KITE_RUNTIME=torch passes against them. Record again only for an intended change of the format or
+KITE_RUNTIME=torch passes against them. Recorded again on 2026-12-02 for the codec's state-wide
+budget (settings ``budget``, ``even_groups``, ``k_weight`` in every header; the ratio states' bits,
+groups and bytes), the same way; states written before load as they did
+(tests/test_codec_budget.py). Record again only for an intended change of the format or
 the codec, and say so in the commit.
 
 The tiny models' weights are set here from a counter-based hash of each tensor's name (not torch's

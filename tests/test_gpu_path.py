@@ -67,8 +67,9 @@ def test_batched_encode_writes_the_codec_bytes(spec):
         or codec.settings_for(spec)
     K, V, sets = _kv()
     enc = codec.encode_state(K, V, sets, s)
+    lcs = codec.fit_state(list(K), list(V), s, sets)   # per layer unless the budget is the whole state's
     for layer in range(K.shape[0]):
-        lc = codec.fit_layer(K[layer], V[layer], s)
+        lc = lcs[layer]
         assert enc.layer_blobs[layer] == codec.to_bytes(lc)
         for c, idx in enumerate(sets):
             part = codec.encode(lc, K[layer][:, idx], V[layer][:, idx], idx)
@@ -85,8 +86,9 @@ def test_batched_encode_mixed_group_sizes_and_sinks(joint):
     rest = torch.randperm(697, generator=g) + 3
     sets = [torch.arange(3), rest[:100].sort().values, rest[100:356].sort().values, rest[356:].sort().values]
     enc = codec.encode_state(K, V, sets[::-1], s)
+    lcs = codec.fit_state(list(K), list(V), s, sets[::-1])
     for layer in range(K.shape[0]):
-        lc = codec.fit_layer(K[layer], V[layer], s)
+        lc = lcs[layer]
         assert enc.layer_blobs[layer] == codec.to_bytes(lc)
         for c, idx in enumerate(sets[::-1]):
             part = codec.encode(lc, K[layer][:, idx], V[layer][:, idx], idx)
@@ -264,7 +266,7 @@ def test_compress_document_on_the_gpu(lm, tiny_models, tmp_path):
             assert (x - y).norm() <= 0.25 * y.norm()
 
 
-@pytest.mark.parametrize("spec", ["ratio=4", "per-head", "ratio=2"])
+@pytest.mark.parametrize("spec", ["ratio=4", "per-head", "ratio=2", "ratio=16"])   # int8, fp16, int6 bases
 @pytest.mark.parametrize("partial", [False, True])
 def test_gpu_load_matches_host_decode(lm, tmp_path, spec, partial):
     s = codec.settings_for(4, joint_heads=False) if spec == "per-head" else codec.settings_for(spec)

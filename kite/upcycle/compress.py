@@ -26,7 +26,7 @@ from kite.upcycle.codec.probe import AttentionProbe
 from kite.upcycle.codec.settings import at_ratio, ratio_of
 from kite.upcycle.cluster import kmeans
 from kite.upcycle.spans import cut_spans
-from kite.upcycle.format.container import LARGE_MIN_SAVING, MIN_SAVING, StateWriter
+from kite.upcycle.format.container import LARGE_MIN_SAVING, MIN_SAVING, StateWriter, header_estimate
 from kite.upcycle.format.names import blob_key
 from kite.upcycle.tagging.build import describe_tagger
 
@@ -239,6 +239,48 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
         timings["cluster_and_tag"] = (time.perf_counter() - t) * 1e3
         return token_sets
 
+    raw_kv = int(lm.geometry.kv_bytes_per_token("fp16") * cap.n_tokens)
+    fps = lm.fingerprints
+
+    def state_meta() -> dict:
+        """The header's metadata (the clusters as cut so far; the blob index is the writer's)."""
+        spans = {"count": n_spans[0], "min_tokens": settings.min_span_tokens, "max_tokens": settings.max_span_tokens}
+        meta = {
+            "format": "kite-upc",
+            "kite_version": __version__,
+            "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "fingerprints": fps.to_dict(),
+            "model": {"spec": lm.source.spec, "geometry": lm.geometry.to_dict()},
+            "source": {"name": source_name, "sha256": hashlib.sha256(text.encode()).hexdigest(),
+                       "chars": len(text), "tokens": cap.n_tokens},
+            "n_tokens": cap.n_tokens,
+            "codec": fit_codec.to_json(),
+            "spans": spans,
+            "clusters": [asdict(c) for c in clusters],
+            "tagger": describe_tagger(tagger),
+            "raw_kv_bytes_fp16": raw_kv,
+        }
+        if part_ratios:
+            # each cluster's own ratio; loaders see the parts' widths (a GPU load decodes on the host)
+            for c, r in zip(meta["clusters"], part_ratios):
+                c["ratio"] = r
+            meta["label_ratios"] = {"default": default_ratio, "labels": dict(sorted(settings.label_ratios.items()))}
+        if regenerator is not None:
+            # sides: how many of the 2 x n_layers (layer, K|V) codecs took the regenerator's basis
+            meta["regenerator"] = {"fingerprint": regenerator.fingerprint, "sides": regenerated[0]}
+        if address:
+            meta["address"] = address_for(fps.combined, cap.ids, settings, meta["tagger"],
+                                          None if regenerator is None else regenerator.fingerprint,
+                                          tenant).to_header()
+        return meta
+
+    def container_bytes(sets) -> int:
+        """What the container will take besides the blobs (the codec's state-wide budget counts it):
+        the header as it will be written for these clusters, its blob index estimated."""
+        keys = [blob_key(c, layer, side) for layer in range(n_layers)
+                for c, side in [(None, None)] + [(c, side) for c in range(len(sets)) for side in "KV"]]
+        return header_estimate(state_meta(), keys, raw_kv / (ratio_of(fit_codec) or 1.0))
+
     t = time.perf_counter()
     n_layers = lm.geometry.n_layers
     if device is None and torch.device(lm.device).type == "cuda":
@@ -248,74 +290,77 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
     writer = StateWriter(large_min_saving=LARGE_MIN_SAVING if gpu else MIN_SAVING)
     part_ratios: list[float] = []
     fit_codec = settings.codec
-    if device is not None and codec.supports_batched(settings.codec) and regenerator is None \
-            and not settings.label_ratios:
-        enc = codec.encode_state(cap.keys_pre, cap.values, cluster_spans, settings.codec, device=device)
-        enc.add_to(writer)
-        if progress:
-            progress("compress", n_layers, n_layers)
-    else:
-        token_sets = cluster_spans()
-        if settings.label_ratios:
-            # the layers are fitted at the lowest ratio in play (every label can reach its own);
-            # a cluster at another ratio gets its own widths on those columns
-            part_ratios = [settings.label_ratios.get(c.label, default_ratio) for c in clusters]
-            if min(part_ratios) < default_ratio:
-                fit_codec = at_ratio(settings.codec, min(part_ratios))
-        fit_ratio = ratio_of(fit_codec)
-        t = time.perf_counter()
+    batched = device is not None and codec.supports_batched(settings.codec) and regenerator is None \
+        and not settings.label_ratios
+    sets_once: list[list[torch.Tensor]] = []
+
+    def token_sets_once() -> list[torch.Tensor]:
+        if not sets_once:
+            sets_once.append(cluster_spans())
+        return sets_once[0]   # (called once; a list so the batched codec may call it from its fit)
+
+    def regenerated_layer(layer: int) -> dict:
+        K, V = cap.keys_pre[layer], cap.values[layer]
+        return regenerator.layer(layer, probe.metric(layer, K, V) if probe else None)
+
+    def code() -> list[tuple[str, bytes]]:
+        """Every blob of the state under its key."""
+        if batched:
+            enc = codec.encode_state(cap.keys_pre, cap.values, sets_once[0] if sets_once else token_sets_once,
+                                     settings.codec, device=device, overhead_bytes=container_bytes)
+            if progress:
+                progress("compress", n_layers, n_layers)
+            return enc.items()
+        token_sets = token_sets_once()
+        items = []
+        # one budget for the whole state: every layer's PCA first, then the allocation over all of them
+        whole = (codec.fit_state(cap.keys_pre, cap.values, fit_codec, token_sets,
+                                 overhead_bytes=container_bytes(token_sets),
+                                 layer_kwargs=None if regenerator is None else regenerated_layer)
+                 if codec.state_budgeted(fit_codec) and not part_ratios else None)
+        regenerated[0] = 0
         for layer in range(n_layers):
             K, V = cap.keys_pre[layer], cap.values[layer]
-            lc = codec.fit_layer(K, V, fit_codec, **({} if regenerator is None else regenerator.layer(
-                layer, probe.metric(layer, K, V) if probe else None)))
+            lc = whole[layer] if whole is not None else codec.fit_layer(
+                K, V, fit_codec, **({} if regenerator is None else regenerated_layer(layer)))
             regenerated[0] += sum(lc.meta[side]["mode"] == "rpca" for side in ("k", "v"))
-            writer.add(blob_key(None, layer), codec.to_bytes(lc))
+            items.append((blob_key(None, layer), codec.to_bytes(lc)))
             for c, idx in enumerate(token_sets):
                 widths = None
                 if part_ratios and part_ratios[c] != fit_ratio:
                     widths = {side: part_widths(lc, side, X[:, idx], part_ratios[c], from_ratio=fit_ratio,
                                                 positions=idx) for side, X in (("k", K), ("v", V))}
                 part = codec.encode(lc, K[:, idx], V[:, idx], idx, widths)
-                writer.add(blob_key(c, layer, "K"), codec.to_bytes(part.k))
-                writer.add(blob_key(c, layer, "V"), codec.to_bytes(part.v))
+                items += [(blob_key(c, layer, "K"), codec.to_bytes(part.k)),
+                          (blob_key(c, layer, "V"), codec.to_bytes(part.v))]
             if progress:
                 progress("compress", layer + 1, n_layers)
+        return items
+
+    if not batched:
+        token_sets_once()
+        if settings.label_ratios:
+            # the layers are fitted at the lowest ratio in play (every label can reach its own);
+            # a cluster at another ratio gets its own widths on those columns
+            part_ratios = [settings.label_ratios.get(c.label, default_ratio) for c in clusters]
+            if min(part_ratios) < default_ratio:
+                fit_codec = at_ratio(settings.codec, min(part_ratios))
+        t = time.perf_counter()
+    fit_ratio = ratio_of(fit_codec)
+    if codec.state_budgeted(fit_codec) and not part_ratios:
+        # the budget counts every byte as coded, so the blobs are stored as coded: zstd would make the
+        # file smaller than asked by what it happens to save (more on the CPU's writer, which tries it
+        # on every blob, than on the GPU's), and it costs every load its decompression
+        writer = StateWriter(zstd=False)
+    writer.add_many(code())
     # batched: the fit ran while the spans were clustered, so that time is in both figures
     timings["compress"] = (time.perf_counter() - t) * 1e3
 
-    raw_kv = int(lm.geometry.kv_bytes_per_token("fp16") * cap.n_tokens)
-    spans = {"count": n_spans[0], "min_tokens": settings.min_span_tokens, "max_tokens": settings.max_span_tokens}
-    fps = lm.fingerprints
-    meta = {
-        "format": "kite-upc",
-        "kite_version": __version__,
-        "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "fingerprints": fps.to_dict(),
-        "model": {"spec": lm.source.spec, "geometry": lm.geometry.to_dict()},
-        "source": {"name": source_name, "sha256": hashlib.sha256(text.encode()).hexdigest(),
-                   "chars": len(text), "tokens": cap.n_tokens},
-        "n_tokens": cap.n_tokens,
-        "codec": fit_codec.to_json(),
-        "spans": spans,
-        "clusters": [asdict(c) for c in clusters],
-        "tagger": describe_tagger(tagger),
-        "raw_kv_bytes_fp16": raw_kv,
-    }
-    if part_ratios:
-        # each cluster's own ratio; loaders see the parts' widths (a GPU load decodes on the host)
-        for c, r in zip(meta["clusters"], part_ratios):
-            c["ratio"] = r
-        meta["label_ratios"] = {"default": default_ratio, "labels": dict(sorted(settings.label_ratios.items()))}
-    if regenerator is not None:
-        # sides: how many of the 2 x n_layers (layer, K|V) codecs took the regenerator's basis
-        meta["regenerator"] = {"fingerprint": regenerator.fingerprint, "sides": regenerated[0]}
-    if address:
-        meta["address"] = address_for(fps.combined, cap.ids, settings, meta["tagger"],
-                                      None if regenerator is None else regenerator.fingerprint,
-                                      tenant).to_header()
+    meta = state_meta()
     t = time.perf_counter()
     size = writer.write(output, meta)
     timings["write"] = (time.perf_counter() - t) * 1e3
     return CompressResult(path=str(output), n_tokens=cap.n_tokens, clusters=clusters, state_bytes=size,
-                          raw_kv_bytes=raw_kv, timings_ms={k: round(v, 1) for k, v in timings.items()}, spans=spans,
+                          raw_kv_bytes=raw_kv, timings_ms={k: round(v, 1) for k, v in timings.items()},
+                          spans=meta["spans"],
                           address=meta["address"]["id"] if address else None)

@@ -1,6 +1,7 @@
 """The KV-cache codec of a `.upc` state (KVTC-style PCA + per-component bit allocation, plain
 quantization, raw casts): settings and presets, the side coders registered per mode, the per-layer
-codec (CPU) and the batched encoder (any device, the GPU's), and the quantizer under them; the
+codec (CPU) and the batched encoder (any device, the GPU's), the bit allocation over a whole state's
+byte budget both share (``fit_state``, :mod:`.state_bits`), and the quantizer under them; the
 regenerator (per-model calibrated bases a state may be coded on), the attention-aware distortion
 weights and the attention probe that choose between bases. Loads read the regenerator from here;
 `kite upcycle train` (kite.upcycle.train) fits it. And the nibble-lanes encoder (`encode_lanes`,
@@ -17,7 +18,8 @@ from kite.upcycle.codec.coders import (CODERS, PcaSide, QuantSide, RawSide, Rege
 from kite.upcycle.codec.lanes import CLIPS as LANE_CLIPS
 from kite.upcycle.codec.lanes import encode_layers as encode_lanes
 from kite.upcycle.codec.lanes import nbytes_for as lanes_nbytes
-from kite.upcycle.codec.layer import batched_pca, decode, encode, fit_layer, fit_layers, weighted_error
+from kite.upcycle.codec.layer import (batched_pca, decode, encode, fit_layer, fit_layers, fit_state, state_budgeted,
+                                     weighted_error)
 from kite.upcycle.codec.quant import FLOAT_FORMATS, INT_FORMATS, QTensor, dequantize, quantize, tensors_nbytes
 from kite.upcycle.codec.part_widths import part_widths
 from kite.upcycle.codec.probe import ROWS as PROBE_ROWS
@@ -30,6 +32,6 @@ __all__ = ["CODERS", "FLOAT_FORMATS", "INT_FORMATS", "LANE_CLIPS", "PRESETS", "P
            "EncodedPart", "EncodedState", "LayerCodec", "PcaSide", "QTensor", "QuantSide", "RawSide", "RegenSide",
            "Regenerator", "RegeneratorFit", "SideCoder", "allocate_bits", "allocate_bits_batched", "at_ratio",
            "attach_regenerator", "batched_pca", "blocks", "coder", "decode", "dequantize", "encode", "encode_lanes",
-           "encode_state", "expected_error", "first_bit_cost", "fit_layer", "fit_layers", "from_bytes", "lanes_nbytes",
+           "encode_state", "expected_error", "first_bit_cost", "fit_layer", "fit_layers", "fit_state", "from_bytes", "lanes_nbytes",
            "layer_budget_bits", "model_value_weights", "nbytes", "part_widths", "quantize", "ratio_of", "register",
-           "settings_for", "supports_batched", "tensors_nbytes", "to_bytes", "weighted_error"]
+           "settings_for", "state_budgeted", "supports_batched", "tensors_nbytes", "to_bytes", "weighted_error"]

@@ -35,7 +35,7 @@ from kite.errors import KiteError
 from kite.kernels.streams import StageClock, host_async, host_sync, join_side_stream, record_event, to_host
 from kite.upcycle.codec.batched_bytes import HostSide, copy_back, layer_blob, part_blob
 from kite.upcycle.codec.batched_encode import encode_side, gather_center, layout, partition
-from kite.upcycle.codec.batched_fit import fit_launch
+from kite.upcycle.codec.batched_fit import fit_launch, solve_launch
 from kite.upcycle.codec.settings import CodecSettings, settings_for
 from kite.upcycle.format.bitlayout import runs_plan
 from kite.upcycle.format.names import blob_key
@@ -58,14 +58,18 @@ class EncodedState:
     timings_ms: dict[str, float] = field(default_factory=dict)
     info: dict = field(default_factory=dict)
 
-    def add_to(self, writer) -> None:
-        """Add every blob to a StateWriter in compress_document's order (zstd tried in a thread pool)."""
+    def items(self) -> list[tuple[str, bytes]]:
+        """Every blob under its key, in compress_document's order."""
         items = []
         for layer, lb in enumerate(self.layer_blobs):
             items.append((blob_key(None, layer), lb))
             for c, (kb, vb) in enumerate(self.part_blobs[layer]):
                 items += [(blob_key(c, layer, "K"), kb), (blob_key(c, layer, "V"), vb)]
-        writer.add_many(items)
+        return items
+
+    def add_to(self, writer) -> None:
+        """Add every blob to a StateWriter in compress_document's order (zstd tried in a thread pool)."""
+        writer.add_many(self.items())
 
     def nbytes(self) -> int:
         return sum(len(b) for b in self.layer_blobs) + sum(len(k) + len(v) for p in self.part_blobs for k, v in p)
@@ -74,7 +78,8 @@ class EncodedState:
 def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tensor | list[torch.Tensor],
                  token_sets: list[torch.Tensor] | Callable[[], list[torch.Tensor]],
                  settings: CodecSettings | str | float | None = None, *,
-                 device: torch.device | str | None = None, sync_timings: bool = False) -> EncodedState:
+                 device: torch.device | str | None = None, sync_timings: bool = False,
+                 overhead_bytes: int | Callable[[list[torch.Tensor]], int] | None = None) -> EncodedState:
     """Fit and encode a whole document: keys (pre-RoPE) and values [L, H, T, d] (or per-layer lists),
     clusters given as token index sets (a partition of range(T), each ascending).
 
@@ -84,6 +89,8 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
     Every part keeps the attention sinks (positions < ``sink_tokens``) in fp16, as
     the per-layer ``encode(..., positions)`` does. ``sync_timings`` synchronizes the device between stages so
     ``timings_ms`` splits the time by stage (off: one figure per stage, host-side only).
+    ``overhead_bytes``: the container header's expected bytes, or a function of the clusters that
+    gives them (a state-wide budget counts them; default :func:`.state_bits.container_overhead`).
     """
     s = settings_for(settings)
     if not supports(s):
@@ -104,10 +111,12 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
     if not callable(token_sets):
         sets = partition(token_sets, T)
     clock.lap("move")
-    fits = fit_launch({"k": (K, s.k_bits), "v": (V, s.v_bits)}, s, clock)
+    solved = solve_launch({"k": (K, s.k_bits), "v": (V, s.v_bits)}, s, clock)
     if callable(token_sets):
         sets = partition(token_sets(), T)
         clock.lap("cluster (caller's)")
+    fits = fit_launch(solved, s, clock, sets, overhead_bytes(sets) if callable(overhead_bytes) else overhead_bytes)
+    del solved
     lay = layout(sets, s, dev)   # host work while the eigensolver runs
     # the tokens gathered and centered while the eigensolver runs on its stream
     gathered = {prefix: gather_center(X, fits[prefix].mean_st, lay, clock) for prefix, X in (("k", K), ("v", V))}

@@ -16,7 +16,7 @@ from kite.kernels.quant import quantize_plan
 from kite.kernels.streams import StageClock, tf32, to_dev
 from kite.upcycle.codec.batched_fit import Fitted
 from kite.upcycle.codec.settings import CodecSettings
-from kite.upcycle.format.bitlayout import RunsPlan
+from kite.upcycle.format.bitlayout import RunsPlan, group_shape
 
 
 
@@ -53,8 +53,7 @@ def layout(sets: list[torch.Tensor], s: CodecSettings, dev: torch.device) -> Lay
         Tc = int(t_set.numel())
         if not Tc:
             continue
-        gs = Tc if s.group_size <= 0 or s.group_size >= Tc else s.group_size
-        padded = -(-Tc // gs) * gs
+        gs, padded = group_shape(Tc, s.group_size, s.even_groups)
         ng[c], gsz[c] = padded // gs, gs
         g = torch.arange(padded // gs)
         groups.append(torch.stack([torch.full_like(g, c), g, P + g * gs, torch.full_like(g, gs)], dim=1))

@@ -19,7 +19,9 @@ from kite.kernels.quant import quantize_plan
 from kite.kernels.streams import StageClock, on_side_stream, tf32, to_dev
 from kite.upcycle.codec.bits import allocate_bits_batched, layer_budget_bits
 from kite.upcycle.codec.quant import FLOAT_FORMATS, INT_FORMATS
+from kite.upcycle.codec.layer import state_budgeted
 from kite.upcycle.codec.settings import CodecSettings
+from kite.upcycle.codec.state_bits import allocate_state
 from kite.upcycle.format.bitlayout import runs_plan
 
 
@@ -79,10 +81,20 @@ def quantize_basis(rows: torch.Tensor, row_bits: torch.Tensor, s: CodecSettings)
     return deq.view(L, B, D, D), {"packed": packed, "scale": scale, "min": mn, "plan": plan}
 
 
-def fit_launch(sides: dict[str, tuple[torch.Tensor, float]], s: CodecSettings, clock: StageClock) -> dict[str, Fitted]:
-    """Queue both sides' fits (X: [L, H, T, d] float32 on the device): the Grams, then on the fit
-    stream one batched eigendecomposition for every block of both sides, the bit allocations, the stored bases
-    and their quantization. Nothing here waits for the device."""
+@dataclass
+class Solved:
+    """Both sides' eigendecompositions, queued on the fit stream (:func:`solve_launch`)."""
+
+    sides: dict                # prefix -> (X, bits per element)
+    shapes: dict               # prefix -> ((L, H, T, d), B, D)
+    mean_st: dict              # prefix -> [L, B, D] the stored means
+    evals: torch.Tensor        # [sum L*B, D] every block of both sides, descending
+    U: torch.Tensor
+
+
+def solve_launch(sides: dict[str, tuple[torch.Tensor, float]], s: CodecSettings, clock: StageClock) -> Solved:
+    """Queue both sides' Grams (X: [L, H, T, d] float32 on the device), then on the fit stream one
+    batched eigendecomposition for every block of both sides. Nothing here waits for the device."""
     means, grams, shapes = {}, [], {}
     with tf32(clock.dev):
         for prefix, (X, _) in sides.items():
@@ -101,23 +113,43 @@ def fit_launch(sides: dict[str, tuple[torch.Tensor, float]], s: CodecSettings, c
     mean_st = {prefix: means[prefix].reshape(-1, B, D).to(mean_fmt) for prefix, (_, B, D) in shapes.items()}
     G_all = torch.cat(grams) if len(grams) > 1 else grams[0]
     del grams
-    out, at = {}, 0
     with on_side_stream(clock.dev) as st:
         if st is not None:
             G_all.record_stream(st)
         evals_all, U_all = eigh_desc(G_all)
         clock.lap("fit: gram + eigh")
-        for prefix, (X, bpe) in sides.items():
-            (L, H, T, d), B, D = shapes[prefix]
-            evals = evals_all[at:at + L * B].clamp_min(0).float()
-            U = U_all[at:at + L * B].float()
+    return Solved(sides, shapes, mean_st, evals_all, U_all)
+
+
+def fit_launch(solved: Solved, s: CodecSettings, clock: StageClock, sets: list[torch.Tensor],
+               overhead_bytes: int | None = None) -> dict[str, Fitted]:
+    """Queue, on the fit stream after the eigendecompositions, the bit allocations (over the whole
+    state for ``budget="state"`` settings, :mod:`.state_bits`, its costs exact for the parts ``sets``;
+    else per layer and side), the stored bases and their quantization. Nothing here waits for the device."""
+    out, at, evals = {}, 0, {}
+    with on_side_stream(clock.dev) as st:
+        for prefix in solved.sides:
+            (L, H, T, d), B, D = solved.shapes[prefix]
+            evals[prefix] = solved.evals[at:at + L * B].clamp_min(0).float()
             at += L * B
-            budget = layer_budget_bits(bpe, H, T, d, B, D, s)
-            bits = allocate_bits_batched(evals.reshape(L, B, D), [budget] * L, T, D, s)   # [L, B, D]
-            solved = torch.isfinite(evals).all(dim=1).reshape(L, B)
+        if state_budgeted(s):
+            (L, H, T, d), B, D = solved.shapes["k"]
+            all_bits = allocate_state({p: e.reshape(L, B, D) for p, e in evals.items()}, s, H, d, sets, overhead_bytes)
+        at = 0
+        for prefix, (X, bpe) in solved.sides.items():
+            (L, H, T, d), B, D = solved.shapes[prefix]
+            ev = evals[prefix]
+            U = solved.U[at:at + L * B].float()
+            at += L * B
+            if state_budgeted(s):
+                bits = all_bits[prefix]
+            else:
+                budget = layer_budget_bits(bpe, H, T, d, B, D, s)
+                bits = allocate_bits_batched(ev.reshape(L, B, D), [budget] * L, T, D, s)   # [L, B, D]
+            ok = torch.isfinite(ev).all(dim=1).reshape(L, B)
             row_bits, rows = stored_basis(U.view(L, B, D, D), bits)
             basis, stored = quantize_basis(rows, row_bits, s)
-            out[prefix] = f = Fitted((L, H, T, d), B, D, mean_st[prefix], bits, solved, row_bits, basis, stored)
+            out[prefix] = f = Fitted((L, H, T, d), B, D, solved.mean_st[prefix], bits, ok, row_bits, basis, stored)
             if st is not None:   # made on the fit stream, used on the caller's after join_side_stream
                 main = torch.cuda.current_stream(clock.dev)
                 for t in [f.bits, f.solved, f.row_bits, f.basis] + [v for v in stored.values() if torch.is_tensor(v)]:

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import heapq
 import math
+from dataclasses import dataclass
 
 import torch
 
 from kite.kernels.streams import const
 from kite.upcycle.codec.quant import INT_FORMATS
 from kite.upcycle.codec.settings import CodecSettings
+from kite.upcycle.format.bitlayout import group_shape
 
 # expected squared error of a b-bit min/max uniform quantizer on ~Gaussian data, relative to the
 # variance (b = 0: the component is dropped).  Range of a group of ~128 samples is ~5.2 sigma.
@@ -37,31 +39,57 @@ def rel_distortion(b: int, range_mode: str = "mse") -> float:
     return min(1.0, (5.2 ** 2 / 12.0) * 4.0 ** (-b))
 
 
-def first_bit_cost(T: int, d_in: int, s: CodecSettings, basis_stored: bool = True) -> float:
-    """Bits the first bit of a component costs: its T codes, a scale and minimum (fp16) per group
-    of every expected part, and its basis column of `d_in` entries (with a scale when int) unless
-    the basis is not stored (a regenerator's)."""
+def part_costs(parts, group_size: int, even: bool = False) -> tuple[int, int]:
+    """(codes, groups) one bit of a component stores over parts of these token counts: each part's
+    tokens padded to whole groups (:func:`kite.upcycle.format.bitlayout.group_shape`), and its groups
+    (an fp16 scale and minimum each, paid by the component's first bit)."""
+    codes = groups = 0
+    for n in parts:
+        gs, padded = group_shape(int(n), group_size, even)
+        codes += padded
+        groups += padded // gs if gs else 0
+    return codes, groups
+
+
+def component_costs(T: int, s: CodecSettings, parts=None) -> tuple[int, int]:
+    """(codes, groups) of one component of a side of T tokens: exact for the parts' token counts
+    ``parts`` (their sum is T), else as expected for parts of ``part_tokens`` (codes = T: no padding)."""
+    if parts is not None:
+        return part_costs(parts, s.group_size, s.even_groups)
     n_parts = max(1, math.ceil(T / max(1, s.part_tokens)))
     per_part = min(T, s.part_tokens)
     gs = s.group_size if 0 < s.group_size < per_part else per_part
-    groups = n_parts * math.ceil(per_part / max(1, gs))
+    return T, n_parts * math.ceil(per_part / max(1, gs))
+
+
+def basis_column_bits(d_in: int, s: CodecSettings) -> float:
+    """Bits a stored basis column of ``d_in`` entries takes (with its scale when int)."""
     if s.basis_fmt in INT_FORMATS:
-        basis_bits = INT_FORMATS[s.basis_fmt] + 32 / d_in
-    else:
-        basis_bits = {"fp32": 32, "fp16": 16, "bf16": 16}[s.basis_fmt]
-    return T + groups * 32 + (d_in * basis_bits if basis_stored else 0)
+        return d_in * (INT_FORMATS[s.basis_fmt] + 32 / d_in)
+    return d_in * {"fp32": 32, "fp16": 16, "bf16": 16}[s.basis_fmt]
+
+
+def first_bit_cost(T: int, d_in: int, s: CodecSettings, basis_stored: bool = True, parts=None) -> float:
+    """Bits the first bit of a component costs: its codes, a scale and minimum (fp16) per group
+    (:func:`component_costs`: of the parts ``parts`` when given, else of the expected parts), and its
+    basis column of `d_in` entries (with a scale when int) unless the basis is not stored (a
+    regenerator's)."""
+    codes, groups = component_costs(T, s, parts)
+    return codes + groups * 32 + (basis_column_bits(d_in, s) if basis_stored else 0)
 
 
 def allocate_bits(evals: torch.Tensor, budget_bits: float, T: int, d_in: int, s: CodecSettings,
-                  basis_stored: bool = True) -> torch.Tensor:
+                  basis_stored: bool = True, parts=None) -> torch.Tensor:
     """Greedy bit allocation over components of several blocks.
 
     evals [B, r] (variances, per block; any order); ``budget_bits``: bits available for the
     whole layer tensor (coefficients + scales + basis columns, unless ``basis_stored`` is False).
+    ``parts``: the token counts of the parts the side is coded in (the costs exact), else expected.
     Returns int bits [B, r].
     """
     B, r = evals.shape
-    first_cost = first_bit_cost(T, d_in, s, basis_stored)
+    first_cost = first_bit_cost(T, d_in, s, basis_stored, parts)
+    inc = float(component_costs(T, s, parts)[0])
     bits = torch.zeros(B, r, dtype=torch.int64)
     ev = evals.double().tolist()
     heap = []
@@ -83,8 +111,27 @@ def allocate_bits(evals: torch.Tensor, budget_bits: float, T: int, d_in: int, s:
         if cur < s.max_bits:
             lam = ev[b][j]
             gain = lam * (rel_distortion(cur, s.range_mode) - rel_distortion(cur + 1, s.range_mode)) * T
-            heapq.heappush(heap, (-gain / T, b, j, T))
+            heapq.heappush(heap, (-gain / inc, b, j, inc))
     return bits
+
+
+@dataclass(frozen=True)
+class SideBudget:
+    """A side's share of a state-wide budget (:mod:`.state_bits`): the bits its components may take
+    and the token counts of the parts it is coded in (the costs exact)."""
+
+    bits: float
+    parts: tuple[int, ...]
+
+
+def allocation_cost(bits: torch.Tensor, T: int, d_in: int, s: CodecSettings, parts=None,
+                    basis_stored: bool = True) -> float:
+    """Bits an allocation ``bits`` [..., r] takes: each coded component's first bit
+    (:func:`first_bit_cost`) and its later bits' codes."""
+    b = bits.long().cpu()
+    n_coded = int((b > 0).sum())
+    codes = component_costs(T, s, parts)[0]
+    return n_coded * first_bit_cost(T, d_in, s, basis_stored, parts) + float((b - 1).clamp_min(0).sum()) * codes
 
 
 def expected_error(variances: torch.Tensor, bits: torch.Tensor, s: CodecSettings) -> float:
@@ -105,7 +152,8 @@ def layer_budget_bits(bits_per_elem: float, H: int, T: int, d: int, B: int, D: i
             - s.sink_tokens * H * d * 16)
 
 
-def allocate_bits_batched(evals: torch.Tensor, budgets, T: int, d_in: int, s: CodecSettings) -> torch.Tensor:
+def allocate_bits_batched(evals: torch.Tensor, budgets, T: int, d_in: int, s: CodecSettings,
+                          basis_stored: bool = True, parts=None) -> torch.Tensor:
     """:func:`allocate_bits` for N layers at once: evals [N, B, r], budgets [N] -> int64 bits [N, B, r].
 
     Same greedy order as the heap (ties aside) and the same skip rules at the budget's edge; runs
@@ -114,10 +162,11 @@ def allocate_bits_batched(evals: torch.Tensor, budgets, T: int, d_in: int, s: Co
     N, B, r = evals.shape
     dev = evals.device
     M = s.max_bits
-    first = first_bit_cost(T, d_in, s)
+    first = first_bit_cost(T, d_in, s, basis_stored, parts)
+    inc = float(component_costs(T, s, parts)[0])
     dist = [rel_distortion(b, s.range_mode) for b in range(M + 1)]
     drop = const([1.0 - dist[1]] + [dist[b] - dist[b + 1] for b in range(1, M)], dev)
-    cost = const([first] + [float(T)] * (M - 1), dev)   # (cost[0] = x on a GPU would wait for the stream)
+    cost = const([first] + [inc] * (M - 1), dev)   # (cost[0] = x on a GPU would wait for the stream)
     lam = evals.double().reshape(N, B * r)
     # the heap's arithmetic: gain = lam * factor * T, priority = gain / cost
     prio = (lam[:, :, None] * drop) * T / cost                          # [N, C, M]

@@ -63,9 +63,12 @@ def layer_settings(meta: dict) -> CodecSettings:
         _whole(getattr(s, name), f"settings.{name}")
     if not 1 <= s.max_bits <= MAX_WIDTH:
         raise ValueError(f"settings.max_bits is {s.max_bits}, expected 1..{MAX_WIDTH}")
-    if not isinstance(s.joint_heads, bool):
-        raise ValueError(f"settings.joint_heads is {s.joint_heads!r}, expected true or false")
-    for name in ("k_fmt", "v_fmt", "basis_fmt", "range_mode"):
+    if isinstance(s.k_weight, bool) or not isinstance(s.k_weight, (int, float)) or not s.k_weight > 0:
+        raise ValueError(f"settings.k_weight is {s.k_weight!r}, expected a positive number")
+    for name in ("joint_heads", "even_groups"):
+        if not isinstance(getattr(s, name), bool):
+            raise ValueError(f"settings.{name} is {getattr(s, name)!r}, expected true or false")
+    for name in ("k_fmt", "v_fmt", "basis_fmt", "range_mode", "budget"):
         if not isinstance(getattr(s, name), str):
             raise ValueError(f"settings.{name} is {getattr(s, name)!r}, expected a string")
     return s
@@ -151,7 +154,7 @@ def check_part(layer_meta: dict, side: str, widths: np.ndarray | None, meta: dic
         cols = np.asarray(own, dtype=np.int64)
     nbytes = ngroups = 0
     for bw in sorted(set(cols.tolist()) - {0}):
-        _, nb, ng = class_layout(T, int((cols == bw).sum()), bw, s.group_size)
+        _, nb, ng = class_layout(T, int((cols == bw).sum()), bw, s.group_size, s.even_groups)
         nbytes, ngroups = nbytes + nb, ngroups + ng
     if nbytes:
         _want(table, "codes", ("u8",), [nbytes])

@@ -33,11 +33,12 @@ from typing import ClassVar
 import torch
 
 from kite.kernels.eigh import batched_pca
-from kite.upcycle.codec.bits import allocate_bits, expected_error, layer_budget_bits
+from kite.upcycle.codec.bits import SideBudget, allocate_bits, expected_error, layer_budget_bits
 from kite.upcycle.codec.blob import Blob, LayerCodec
 from kite.upcycle.codec.quant import FLOAT_FORMATS, INT_FORMATS, QTensor, dequantize, quantize
 from kite.upcycle.codec.settings import CodecSettings
-from kite.upcycle.format.bitlayout import class_layout
+from kite.upcycle.codec.state_bits import basis_header_bits
+from kite.upcycle.format.bitlayout import class_layout, group_shape
 
 
 class SideCoder(ABC):
@@ -47,7 +48,8 @@ class SideCoder(ABC):
     mode: ClassVar[str]
 
     def fit(self, side: str, X: torch.Tensor, s: CodecSettings, tensors: dict, meta: dict, *,
-            pca=None, budget_tokens: int | None = None, weights: torch.Tensor | None = None) -> float | None:
+            pca=None, budget_tokens: int | None = None, weights: torch.Tensor | None = None,
+            bits: torch.Tensor | None = None, budget: SideBudget | None = None) -> float | None:
         """Add the side's shared layer part to ``tensors`` / ``meta`` (X: [H, T, d] of the document).
         Returns the squared error the fit expects to leave where the mode can tell (else None).
         ``weights`` [B, D] (the blocks' dims, > 0): the distortion to minimise is the weighted
@@ -157,10 +159,13 @@ def _store_float(t: torch.Tensor, fmt: str) -> torch.Tensor:
 class PcaSide(SideCoder):
     mode = "pca"
 
-    def fit(self, side, X, s, tensors, meta, *, pca=None, budget_tokens=None, weights=None):
+    def fit(self, side, X, s, tensors, meta, *, pca=None, budget_tokens=None, weights=None, bits=None,
+            budget=None):
         """``weights``: a weighted PCA (the PCA of ``x * sqrt(w)``; stored basis ``U / sqrt(w)``, so
         decoding is unchanged and encoding uses the dual, :meth:`coefficients`); the weights are
-        stored with the side (``{side}.w``, fp16, paid from the budget)."""
+        stored with the side (``{side}.w``, fp16, paid from the budget). ``bits`` [B, D]: each
+        component's bits as allocated over the whole state (:mod:`.state_bits`), in place of the
+        layer's own budget; ``budget``: the side's share of a state-wide budget (allocated here)."""
         H, T, d = X.shape
         T = budget_tokens or T  # the tokens the shared part's bytes are spread over
         Xb = blocks(X.float(), s.joint_heads)
@@ -173,10 +178,12 @@ class PcaSide(SideCoder):
         else:
             mean, evals, U = pca if pca is not None else batched_pca(Xb, center=s.center)
         B, D = evals.shape
-        budget = layer_budget_bits(s.k_bits if side == "k" else s.v_bits, H, T, d, B, D, s)
-        if weights is not None:
-            budget -= B * D * 16
-        bits = allocate_bits(evals, budget, T, D, s)
+        if bits is None:
+            avail, parts = _side_budget(budget, side, s, H, T, d, B, D)
+            if weights is not None:
+                avail -= B * D * 16
+            bits = allocate_bits(evals, avail, T, D, s, parts=parts)
+        bits = bits.long().cpu()
         r = int((bits > 0).sum(dim=1).max().item()) if bits.numel() else 0
         # components with bits are a prefix per block (greedy on desc eigvals mostly is); store the
         # columns that get bits, in order, and the bit vector per block
@@ -274,7 +281,8 @@ class PcaSide(SideCoder):
         codes, scales, mins = [], [], []
         for bw in sorted(set(colbits.tolist()) - {0}):
             sel = torch.nonzero(colbits == bw).flatten()
-            q = quantize(C[:, sel], f"int{bw}", group_size=s.group_size, axis=-2, range_mode=s.range_mode)
+            q = quantize(C[:, sel], f"int{bw}", group_size=group_shape(T, s.group_size, s.even_groups)[0], axis=-2,
+                         range_mode=s.range_mode)
             codes.append(q.tensors["codes"])
             scales.append(q.tensors["scale"])
             mins.append(q.tensors["min"])
@@ -297,7 +305,7 @@ class PcaSide(SideCoder):
         co = go = 0
         for bw in sorted(set(colbits.tolist()) - {0}):
             sel = torch.nonzero(colbits == bw).flatten()
-            qmeta, nb, ng = class_layout(T, sel.numel(), bw, s.group_size)
+            qmeta, nb, ng = class_layout(T, sel.numel(), bw, s.group_size, s.even_groups)
             q = QTensor({"codes": blob.tensors["codes"][co:co + nb], "scale": blob.tensors["scale"][go:go + ng],
                          "min": blob.tensors["min"][go:go + ng]}, qmeta)
             co, go = co + nb, go + ng
@@ -324,7 +332,8 @@ class RegenSide(PcaSide):
 
     mode = "rpca"
 
-    def fit(self, side, X, s, tensors, meta, *, pca=None, budget_tokens=None, weights=None):
+    def fit(self, side, X, s, tensors, meta, *, pca=None, budget_tokens=None, weights=None, bits=None,
+            budget=None):
         """``weights``: the regenerator's own (its basis is then weighted, ``U / sqrt(w)``); stored
         with the side as :class:`PcaSide` does, so a part can be encoded from the state alone."""
         if pca is None:
@@ -336,17 +345,28 @@ class RegenSide(PcaSide):
         B, D = U.shape[0], U.shape[1]
         mean = Xb.mean(dim=1) if s.center else Xb.new_zeros(B, D)
         Xc = Xb - mean[:, None, :]
-        budget = layer_budget_bits(s.k_bits if side == "k" else s.v_bits, H, T, d, B, D, s)
+        avail, parts = _side_budget(budget, side, s, H, T, d, B, D)
+        if budget is not None:   # the budget was made with a stored basis: its header rows are free here
+            avail += basis_header_bits(s, H, d, B, D)
         if weights is not None:
             Xc = Xc * put_weights(tensors, side, weights, B, D).to(Xc.device)[:, None, :]
-            budget -= B * D * 16
+            avail -= B * D * 16
         variances = torch.matmul(Xc, U).pow(2).mean(dim=1)          # [B, D]
-        bits = allocate_bits(variances, budget, T, D, s, basis_stored=False)
+        bits = allocate_bits(variances, avail, T, D, s, basis_stored=False, parts=parts)
         tensors[f"{side}.mean"] = _store_float(mean, "fp32" if s.basis_fmt == "fp32" else "fp16")
         tensors[f"{side}.bits"] = bits.to(torch.uint8).contiguous()
         meta[side] = {"mode": self.mode, "blocks": B, "dim": D,
                       "rank_max": int((bits > 0).sum(dim=1).max().item()) if bits.numel() else 0}
         return expected_error(variances, bits, s)
+
+
+def _side_budget(budget: SideBudget | None, side: str, s: CodecSettings, H: int, T: int, d: int, B: int,
+                 D: int) -> tuple[float, tuple | None]:
+    """(bits the side's components may take, its parts' token counts or None): the state-wide
+    budget's share when given, else the layer's own budget."""
+    if budget is not None:
+        return float(budget.bits), budget.parts
+    return layer_budget_bits(s.k_bits if side == "k" else s.v_bits, H, T, d, B, D, s), None
 
 
 def put_weights(tensors: dict, side: str, weights: torch.Tensor, B: int, D: int) -> torch.Tensor:

@@ -16,12 +16,15 @@ from kite.kernels.eigh import batched_pca
 from kite.upcycle.codec.blob import EncodedPart, LayerCodec
 from kite.upcycle.codec.coders import attach_regenerator, blocks, coder
 from kite.upcycle.codec.settings import CodecSettings, settings_for
+from kite.upcycle.codec.bits import SideBudget, allocation_cost
+from kite.upcycle.codec.state_bits import allocate_state
 
 
 def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | str | float | None = None,
               pca: dict | None = None, budget_tokens: int | None = None,
               regenerator: dict | None = None, weights: dict | None = None,
-              choice: str | None = None, metric=None) -> LayerCodec:
+              choice: str | None = None, metric=None, bits: dict | None = None,
+              budgets: dict | None = None) -> LayerCodec:
     """Fit the shared per-layer part on the whole document's pre-RoPE keys and values [H, T, d].
 
     ``pca`` may carry precomputed ``{"k": (mean, evals, U), "v": (...)}`` from :func:`fit_layers`'
@@ -45,6 +48,10 @@ def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | st
     ``metric(side, X, X_hat) -> float`` (with a regenerator; implies ``choice="measured"``): what a
     candidate's decoded side costs, in place of the (weighted) squared error -- e.g. the attention
     probe's (:class:`kite.upcycle.codec.probe.AttentionProbe`).
+    ``bits``: ``{"k": [B, D], "v": [B, D]}``, the components' bits as allocated over the whole state
+    (:func:`fit_state`) for ``pca`` sides, in place of the layer's own budget; ``budgets``:
+    ``{"k": SideBudget, "v": ...}``, each side's share of a state-wide budget (every candidate is
+    allocated within it).
     """
     s = settings_for(settings)
     if K_pre.dim() != 3 or K_pre.shape != V.shape:
@@ -61,25 +68,27 @@ def fit_layer(K_pre: torch.Tensor, V: torch.Tensor, settings: CodecSettings | st
         w = weights.get(side) if mode == "pca" else None
         if regenerator is not None and mode == "pca" and (w is not None or choice == "measured"):
             _fit_measured(side, X, s, tensors, meta, (pca or {}).get(side), regenerator[side], budget_tokens, w,
-                          metric)
+                          metric, (budgets or {}).get(side))
         elif regenerator is not None and mode == "pca":
-            _fit_best(side, X, s, tensors, meta, (pca or {}).get(side), regenerator[side], budget_tokens)
+            _fit_best(side, X, s, tensors, meta, (pca or {}).get(side), regenerator[side], budget_tokens,
+                      (budgets or {}).get(side))
         else:
             coder(mode).fit(side, X, s, tensors, meta, pca=(pca or {}).get(side), budget_tokens=budget_tokens,
-                            weights=w)
+                            weights=w, bits=(bits or {}).get(side) if mode == "pca" else None,
+                            budget=(budgets or {}).get(side) if mode == "pca" else None)
     lc = LayerCodec(tensors=tensors, meta=meta)
     if regenerator is not None:
         attach_regenerator(lc, {side: regenerator[side][2] for side in ("k", "v")})
     return lc
 
 
-def _fit_best(side, X, s, tensors, meta, pca, regen, budget_tokens) -> None:
+def _fit_best(side, X, s, tensors, meta, pca, regen, budget_tokens, budget=None) -> None:
     """Fit one side both ways (the document's basis, the regenerator's) and keep the one expected
     to leave less squared error at the same byte budget."""
     tried = []
     for mode, given in (("pca", pca), ("rpca", regen)):
         t, m = {}, {}
-        err = coder(mode).fit(side, X, s, t, m, pca=given, budget_tokens=budget_tokens)
+        err = coder(mode).fit(side, X, s, t, m, pca=given, budget_tokens=budget_tokens, budget=budget)
         tried.append((err, mode, t, m))
     _, _, t, m = min(tried, key=lambda x: (x[0], x[1] != "rpca"))
     tensors.update(t)
@@ -102,7 +111,7 @@ def _coded(lc: LayerCodec, side: str, X: torch.Tensor) -> torch.Tensor:
     return c.decode(lc, side, c.encode(lc, side, X, torch.arange(X.shape[1])))
 
 
-def _fit_measured(side, X, s, tensors, meta, pca, regen, budget_tokens, weights, metric=None) -> None:
+def _fit_measured(side, X, s, tensors, meta, pca, regen, budget_tokens, weights, metric=None, budget=None) -> None:
     """Fit one side each way -- the document's weighted basis, its plain basis, the regenerator's
     (weighted with the same weights) -- code the whole document with each and keep the one whose
     measured weighted error is lowest (ties go to the regenerator: no basis stored). ``weights``
@@ -116,7 +125,7 @@ def _fit_measured(side, X, s, tensors, meta, pca, regen, budget_tokens, weights,
         weights = torch.ones(B, D)
     for mode, given, w in cands:
         t, m = {}, {"settings": s.to_json(), "H": H, "d": d}
-        coder(mode).fit(side, X, s, t, m, pca=given, budget_tokens=budget_tokens, weights=w)
+        coder(mode).fit(side, X, s, t, m, pca=given, budget_tokens=budget_tokens, weights=w, budget=budget)
         trial = LayerCodec(tensors=t, meta=m)
         if mode == "rpca":
             attach_regenerator(trial, {side: regen[2]}, sides=(side,))
@@ -141,6 +150,51 @@ def fit_layers(KV: list[tuple[torch.Tensor, torch.Tensor]], settings=None) -> li
             for i in range(len(KV)):
                 pcas[i][side] = (mean[i * B:(i + 1) * B], ev[i * B:(i + 1) * B], U[i * B:(i + 1) * B])
     return [fit_layer(k, v, s, pca=p) for (k, v), p in zip(KV, pcas)]
+
+
+def state_budgeted(settings) -> bool:
+    """Whether these settings allocate bits over the whole state (:func:`fit_state`): ``budget="state"``
+    with PCA keys and values."""
+    s = settings_for(settings)
+    return s.budget == "state" and s.k_mode == s.v_mode == "pca"
+
+
+def fit_state(keys_pre: list[torch.Tensor], values: list[torch.Tensor], settings, token_sets: list[torch.Tensor], *,
+              overhead_bytes: int | None = None, layer_kwargs=None) -> list[LayerCodec]:
+    """Fit every layer (pre-RoPE keys and values [H, T, d] per layer) with each component's bits
+    allocated over the whole state's budget (:mod:`.state_bits`), its costs exact for the parts
+    ``token_sets`` (index sets partitioning range(T)) the state will be coded in. ``overhead_bytes``:
+    the container header's expected size (default: :func:`.state_bits.container_overhead`).
+    Settings whose budget is per layer fit each layer on its own, as :func:`fit_layer` does.
+    ``layer_kwargs(layer) -> dict``: more :func:`fit_layer` arguments per layer (a regenerator's:
+    ``Regenerator.layer``); each layer side then gets the bits the state-wide allocation gave it on
+    the document's own basis as its budget, and its candidates (the regenerator's basis, the
+    document's) are allocated within it."""
+    s = settings_for(settings)
+    if not state_budgeted(s):
+        return [fit_layer(k, v, s, **(layer_kwargs(i) if layer_kwargs else {}))
+                for i, (k, v) in enumerate(zip(keys_pre, values))]
+    L = len(keys_pre)
+    H, T, d = keys_pre[0].shape
+    pcas: list[dict] = [dict() for _ in range(L)]
+    evals = {}
+    for side, Xs in (("k", keys_pre), ("v", values)):
+        blocks_ = [blocks(x.float(), s.joint_heads) for x in Xs]
+        mean, ev, U = batched_pca(torch.cat(blocks_, dim=0), center=s.center)
+        B, D = blocks_[0].shape[0], blocks_[0].shape[2]
+        for i in range(L):
+            pcas[i][side] = (mean[i * B:(i + 1) * B], ev[i * B:(i + 1) * B], U[i * B:(i + 1) * B])
+        evals[side] = ev.clamp_min(0).float().reshape(L, B, D)
+    sets = [torch.as_tensor(t).reshape(-1) for t in token_sets]
+    bits = allocate_state(evals, s, H, d, sets, overhead_bytes)
+    if layer_kwargs is None:
+        return [fit_layer(k, v, s, pca=p, bits={side: bits[side][i] for side in bits})
+                for i, ((k, v), p) in enumerate(zip(zip(keys_pre, values), pcas))]
+    parts = tuple(int(t.numel()) for t in sets if t.numel())
+    B, D = evals["k"].shape[1:]
+    return [fit_layer(k, v, s, pca=p, budgets={side: SideBudget(allocation_cost(bits[side][i], T, D, s, parts), parts)
+                                               for side in bits}, **layer_kwargs(i))
+            for i, ((k, v), p) in enumerate(zip(zip(keys_pre, values), pcas))]
 
 
 def encode(layer_codec: LayerCodec, K_pre_sub: torch.Tensor, V_sub: torch.Tensor,
@@ -173,4 +227,4 @@ def decode(layer_codec: LayerCodec, part: EncodedPart) -> tuple[torch.Tensor, to
             coder(meta["v"]["mode"]).decode(layer_codec, "v", part.v))
 
 
-__all__ = ["batched_pca", "decode", "encode", "fit_layer", "fit_layers", "weighted_error"]
+__all__ = ["batched_pca", "decode", "encode", "fit_layer", "fit_layers", "fit_state", "state_budgeted", "weighted_error"]

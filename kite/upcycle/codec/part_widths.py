@@ -25,10 +25,11 @@ from kite.upcycle.format.bitlayout import group_shape
 PART_HEADER_BITS = 8 * 160   # a part blob's header, about (as the layer budget counts it)
 
 
-def part_cost_bits(widths: torch.Tensor, T: int, group_size: int, n_sinks: int, H: int, d: int) -> float:
+def part_cost_bits(widths: torch.Tensor, T: int, group_size: int, n_sinks: int, H: int, d: int,
+                   even: bool = False) -> float:
     """What a part of T tokens coded at ``widths`` [R] stores, in bits: each coded column's codes
     and its fp16 scale and minimum per group, the blob header and the fp16 sinks."""
-    gs, padded = group_shape(T, group_size)
+    gs, padded = group_shape(T, group_size, even)
     groups = padded // gs if gs else 0
     w = widths[widths > 0].double()
     return float((w * padded + groups * 32).sum()) + PART_HEADER_BITS + n_sinks * H * d * 16
@@ -57,7 +58,7 @@ def part_widths(lc: LayerCodec, side: str, X: torch.Tensor, ratio: float, *, fro
     variances = coded.var(dim=0, unbiased=False)[None, :]            # one block of R columns
     n_sinks = int(sinks.sum())
     fixed = PART_HEADER_BITS + n_sinks * H * d * 16
-    budget = part_cost_bits(cap, T, s.group_size, n_sinks, H, d) * from_ratio / ratio - fixed
+    budget = part_cost_bits(cap, T, s.group_size, n_sinks, H, d, s.even_groups) * from_ratio / ratio - fixed
     # one part of T tokens: its groups are what the allocation's first-bit cost counts
     one_part = replace(s, part_tokens=max(T, 1))
     widths = allocate_bits(variances, budget, T, C.shape[1], one_part, basis_stored=False)[0]

@@ -2,8 +2,8 @@
 
 A part holds the coefficients of ``T`` tokens on ``R`` columns (principal components), column j
 at its own bit width ``col_bits[j]`` (1..8). Tokens are cut into groups of ``gs`` (the codec's
-``group_size``, or ``T`` when that is larger or <= 0); a column's tokens are padded to whole
-groups (``padded`` = ceil(T / gs) * gs) with copies of its last token. Columns of one width form a
+``group_size``, or ``T`` when that is larger or <= 0; with ``even_groups``, ceil(T / group_size)
+groups of equal size); a column's tokens are padded to whole groups (``padded`` = ceil(T / gs) * gs) with copies of its last token. Columns of one width form a
 *class*; classes follow in ascending width, and within a class the columns keep their order. Each
 class's codes are one run of ``ncols * padded`` codes, LSB-first, starting on a byte; each group
 has one fp16 scale and one fp16 minimum, in the same (class, column, group) order.
@@ -25,27 +25,35 @@ import torch
 MAX_WIDTH = 8
 
 
-def group_shape(T: int, group_size: int) -> tuple[int, int]:
-    """(gs, padded): the group size a part of T tokens uses and its tokens padded to whole groups."""
-    gs = T if group_size <= 0 or group_size >= T else group_size
+def group_shape(T: int, group_size: int, even: bool = False) -> tuple[int, int]:
+    """(gs, padded): the group size a part of T tokens uses and its tokens padded to whole groups.
+    ``even`` (the codec's ``even_groups``): ceil(T / group_size) groups of equal size, so a part pads
+    fewer tokens than it has groups; else groups of ``group_size``, the last padded up to it."""
+    if group_size <= 0 or group_size >= T:
+        gs = T
+    elif even:
+        gs = -(-T // -(-T // group_size))
+    else:
+        gs = group_size
     return gs, (-(-T // gs) * gs if T else 0)
 
 
-def class_layout(T: int, ncols: int, bw: int, group_size: int) -> tuple[dict, int, int]:
+def class_layout(T: int, ncols: int, bw: int, group_size: int, even: bool = False) -> tuple[dict, int, int]:
     """One class of a part (``ncols`` columns of width ``bw``): the QTensor meta its codes were
     quantized with, its code bytes and its group count."""
-    gs, padded = group_shape(T, group_size)
+    gs, padded = group_shape(T, group_size, even)
     n = ncols * padded
     groups = n // gs if gs else 0
     meta = {"fmt": f"int{bw}", "shape": [T, ncols], "group_size": gs, "axis": -2, "n": n, "padded_cols": gs}
     return meta, (n * bw + 7) // 8, groups
 
 
-def parts_layout(col_bits: np.ndarray, Ts: list[int], group_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def parts_layout(col_bits: np.ndarray, Ts: list[int], group_size: int,
+                 even: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Column offsets of P parts with the same columns: (bitoff [P, R] of each column's first code
-    in its part's codes, goff [P, R] of its first group, gs [P])."""
+    in its part's codes, goff [P, R] of its first group, gs [P]); ``even``: as :func:`group_shape`."""
     Ta = np.asarray(Ts, dtype=np.int64)
-    gs = np.maximum(np.where((group_size <= 0) | (group_size >= Ta), Ta, group_size), 1)
+    gs = np.maximum(np.array([group_shape(int(t), group_size, even)[0] for t in Ta], dtype=np.int64), 1)
     padded = -(-Ta // gs) * gs
     cb = np.asarray(col_bits, dtype=np.int64)
     widths = np.arange(MAX_WIDTH + 1)

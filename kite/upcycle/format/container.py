@@ -76,12 +76,14 @@ class StateWriter:
     A blob is stored zstd-compressed where that saves ≥ ``min_saving`` of its bytes (≥
     ``large_min_saving`` for blobs of ``large_blob`` bytes or more; the default asks the same of
     every blob, ``LARGE_MIN_SAVING`` trades file size for load speed), else raw; either reads back
-    the same. ``register``: record the written file's version as verified (the writer computed
-    every checksum itself), so that loaders in any process skip re-hashing it.
+    the same; ``zstd=False``: every blob raw (a state whose codec counted its bytes exactly).
+    ``register``: record the written file's version as verified (the writer computed every checksum
+    itself), so that loaders in any process skip re-hashing it.
     """
 
     def __init__(self, zstd_level: int = 3, min_saving: float = MIN_SAVING,
-                 large_min_saving: float = MIN_SAVING, large_blob: int = LARGE_BLOB, register: bool = True):
+                 large_min_saving: float = MIN_SAVING, large_blob: int = LARGE_BLOB, register: bool = True,
+                 zstd: bool = True):
         self._blobs: list[tuple[str, bytes, int, str]] = []
         self._keys: set[str] = set()
         self._level = zstd_level
@@ -89,6 +91,7 @@ class StateWriter:
         self._large_min_saving = float(large_min_saving)
         self._large_blob = int(large_blob)
         self._register = register
+        self._zstd = zstd
 
     def add(self, key: str, raw: bytes) -> int:
         """Add a blob; zstd-compressed where that saves enough (see the class). Returns its stored size."""
@@ -107,7 +110,7 @@ class StateWriter:
         level, small, large, big = self._level, self._min_saving, self._large_min_saving, self._large_blob
 
         def pack(raw: bytes) -> tuple[bytes, str]:
-            if not raw:
+            if not raw or not self._zstd:
                 return raw, "raw"
             packed = zstandard.ZstdCompressor(level=level).compress(raw)
             need = large if len(raw) >= big else small
@@ -159,6 +162,18 @@ class StateWriter:
                 finally:
                     os.close(fd)
         return _PREAMBLE.size + len(header) + offset
+
+
+def header_estimate(meta: dict, keys: list[str], state_bytes: float) -> int:
+    """Bytes the preamble and header of a state take: ``meta`` as :meth:`StateWriter.write` would
+    seal it with blobs under ``keys`` in a file of about ``state_bytes`` (each index entry's offset
+    and lengths estimated from it; the content digest's section exact; a signature not counted)."""
+    size = max(1, int(state_bytes))
+    each = max(1, size // max(1, len(keys)))
+    entries = sum(len(json.dumps([k, size, each, each, "zstd", "0" * 32], separators=(",", ":"))) + 1 for k in keys)
+    body = {**{k: v for k, v in meta.items() if k not in ("content", "blobs", "signature")},
+            "content": content_digest({}, []), "blobs": []}
+    return _PREAMBLE.size + len(json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()) + entries
 
 
 def _sealed(meta: dict, index: list) -> dict:

@@ -115,6 +115,7 @@ def stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region:
     # reads a length or an offset these checks have not bounded), then the tables
     lmeta, lt, parts = _checked_layer(state, view, mv, layer, keys, blob_offs, H, d)
     gsz = int(lmeta["settings"]["group_size"])
+    even = bool(lmeta["settings"].get("even_groups", False))
     cur = tables_at
 
     def put(arr: np.ndarray) -> int:
@@ -172,7 +173,7 @@ def stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region:
                 n = int(pt["out.x"][2][1])
                 ovr += [[row0 + int(t), xoff, n, k] for k, t in enumerate(idx.tolist())]
             row0 += T
-        bitoff, goff, gs = parts_layout(colbits, Ts, gsz)
+        bitoff, goff, gs = parts_layout(colbits, Ts, gsz, even)
         for p in range(len(tab)):
             tab[p][2] = int(gs[p])
         tab_np = np.array(tab, dtype=np.int64).reshape(-1, 6)

@@ -1,0 +1,151 @@
+"""The codec's state-wide byte budget (``budget="state"``, the ``ratio=R`` presets): the file ratio on
+both codec paths, the allocation's cost model against the bytes written, even groups, and states
+written before these settings existed (no ``budget`` / ``even_groups`` / ``k_weight`` fields), which
+must load as they did."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kite.upcycle import codec
+from kite.upcycle.codec.checks import layer_settings
+from kite.upcycle.compress import CompressSettings, compress_document
+from kite.upcycle.format import StateFile, StateWriter
+from kite.upcycle.format.bitlayout import group_shape
+from kite.upcycle.load import load_prefix
+from tests.tiny_models import CORPUS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW_FIELDS = ("budget", "even_groups", "k_weight")
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_models):
+    from kite.model import load_model
+
+    return load_model(str(tiny_models["qwen2"]), device="cpu")
+
+
+@pytest.mark.parametrize("T,gs,even,want", [(610, 512, False, (512, 1024)), (610, 512, True, (305, 610)),
+                                             (611, 512, True, (306, 612)), (100, 512, True, (100, 100)),
+                                             (1030, 512, True, (344, 1032)), (0, 512, True, (0, 0))])
+def test_even_groups_pad_less_than_a_token_per_group(T, gs, even, want):
+    assert group_shape(T, gs, even) == want
+
+
+def _kv(L=3, H=2, T=700, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    K = torch.randn(L, H, T, d, generator=g) * torch.linspace(3, 0.1, d) + 1.0
+    V = torch.randn(L, H, T, d, generator=g) * torch.linspace(2, 0.1, d) * torch.tensor([0.3, 1.0, 3.0])[:, None, None, None]
+    perm = torch.randperm(T, generator=g)
+    return K, V, [perm[:250].sort().values, perm[250:420].sort().values, perm[420:].sort().values]
+
+
+@pytest.mark.parametrize("ratio", [4, 8, 16])
+def test_the_blobs_take_the_budget_they_were_given(ratio):
+    """With no container around them (overhead 0), every blob's bytes come to the state's budget."""
+    K, V, sets = _kv()
+    enc = codec.encode_state(K, V, sets, codec.settings_for(ratio), overhead_bytes=0)
+    raw = K.numel() * 2 * 2
+    assert abs(raw / enc.nbytes() / ratio - 1) <= 0.02, raw / enc.nbytes()
+
+
+def test_keys_weighed_up_get_more_bits():
+    K, V, sets = _kv()
+    bits = {}
+    for w in (0.25, 4.0):
+        lcs = codec.fit_state(list(K), list(V), codec.settings_for(8, k_weight=w), sets)
+        bits[w] = sum(int(lc.tensors["k.bits"].long().sum()) for lc in lcs)
+    assert bits[4.0] > bits[0.25]
+
+
+@pytest.mark.parametrize("ratio", [4, 8])
+def test_compress_writes_the_ratio_asked_on_both_codec_paths(lm, tmp_path, ratio):
+    """The per-layer codec and the batched one (the GPU's, here on the CPU) write the same bytes, within
+    3 % of the ratio asked (zstd included: the writer's savings are measured and spent)."""
+    st = CompressSettings(codec=codec.settings_for(ratio), n_clusters=3, min_span_tokens=8, max_span_tokens=48)
+    a = compress_document(lm, CORPUS, tmp_path / "a.upc", st)
+    b = compress_document(lm, CORPUS, tmp_path / "b.upc", st, device="cpu")
+    assert a.state_bytes == b.state_bytes
+    assert abs(a.compression_ratio / ratio - 1) <= 0.03, a.compression_ratio
+
+
+def _as_written_before(src, dst) -> None:
+    """``src`` as KITE wrote states before the state-wide budget: the same blobs, their settings and the
+    header's codec without the fields added since."""
+    from kite.upcycle.format import codec_blob
+
+    with StateFile(src) as sf:
+        meta = json.loads(json.dumps(sf.meta))
+        blobs = [(key, sf.read(key)) for key in sf.index]
+    writer = StateWriter()
+    for key, data in blobs:
+        if "/" not in key:   # a layer codec
+            m, tensors = codec_blob.decode(data)
+            assert all(f in m["settings"] for f in NEW_FIELDS)
+            for f in NEW_FIELDS:
+                m["settings"].pop(f)
+            data = codec_blob.encode(m, tensors)
+        writer.add(key, data)
+    for f in NEW_FIELDS:
+        meta["codec"].pop(f)
+    writer.write(dst, {k: v for k, v in meta.items() if k not in ("content", "blobs", "signature")})
+
+
+def test_a_state_from_before_the_new_settings_loads_as_it_did(lm, tmp_path):
+    """Parts padded to whole groups (groups of 64 here, so that clusters pad), bits per layer: a state
+    without the new settings' fields reads them as their defaults and decodes to the same cache, on
+    the host and through the GPU path's staging (run on the CPU)."""
+    from tests.test_gpu_path import _staged_load
+
+    s = codec.at_ratio(codec.settings_for(4, budget="layer", even_groups=False, k_weight=1.0, group_size=64), 4)
+    st = CompressSettings(codec=s, n_clusters=3, min_span_tokens=8, max_span_tokens=48)
+    made = compress_document(lm, CORPUS, tmp_path / "now.upc", st)
+    assert any(c.n_tokens % 64 for c in made.clusters)   # some part pads
+    _as_written_before(tmp_path / "now.upc", tmp_path / "old.upc")
+    with StateFile(tmp_path / "old.upc") as sf:
+        lmeta = codec.from_bytes(sf.read("L0")).meta
+        assert not set(NEW_FIELDS) & set(lmeta["settings"])
+        assert layer_settings(lmeta) == replace(s, k_weight=1.0)   # the fields' defaults: as before
+    want, _ = load_prefix(tmp_path / "now.upc", lm)
+    got, _ = load_prefix(tmp_path / "old.upc", lm)
+    _, keys, values = _staged_load(tmp_path / "old.upc", lm)
+    for layer in range(lm.geometry.n_layers):
+        assert torch.equal(got.keys[layer], want.keys[layer]) and torch.equal(got.values[layer], want.values[layer])
+        assert torch.allclose(keys[layer], want.keys[layer], atol=1e-4 * float(want.keys[layer].abs().max()))
+        assert torch.allclose(values[layer], want.values[layer], atol=1e-4 * float(want.values[layer].abs().max()))
+
+
+@pytest.mark.parametrize("field,value", [("k_weight", 0), ("k_weight", "1"), ("even_groups", 1), ("budget", 3)])
+def test_malformed_new_settings_are_refused(field, value):
+    raw = codec.settings_for(8).to_json()
+    raw[field] = value
+    with pytest.raises(ValueError, match=field):
+        layer_settings({"settings": raw})
+
+
+def test_a_regenerator_state_takes_its_share_of_the_state_budget(lm, tmp_path):
+    """Coded on a regenerator's bases (none stored), each layer side gets the bytes the state-wide
+    allocation gave it: the file is still the ratio asked, and more sides than none take the
+    regenerator's basis (it is free)."""
+    from kite.upcycle.capture import capture
+    from kite.upcycle.codec.regenerator import RegeneratorFit
+
+    fit = RegeneratorFit(n_layers=lm.geometry.n_layers, joint_heads=True, center=True)
+    for text in (CORPUS, CORPUS[len(CORPUS) // 3:] + CORPUS[:len(CORPUS) // 3]):
+        cap = capture(lm, text)
+        fit.add(cap.keys_pre, cap.values, cap.ids)
+    reg = fit.finish({"model_fingerprint": lm.fingerprints.base, "geometry": lm.geometry.to_dict(),
+                      "calibration": {"source": "test"}})
+    st = CompressSettings(codec=codec.settings_for(4), n_clusters=3, min_span_tokens=8, max_span_tokens=48)
+    made = compress_document(lm, CORPUS, tmp_path / "r.upc", st, regenerator=reg)
+    assert abs(made.compression_ratio / 4 - 1) <= 0.03, made.compression_ratio
+    with StateFile(made.path) as sf:
+        assert sf.meta["regenerator"]["sides"] > 0
+    prefix, _ = load_prefix(made.path, lm, regenerator=reg)
+    assert all(bool(torch.isfinite(k).all()) for k in prefix.keys)
