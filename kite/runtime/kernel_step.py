@@ -189,8 +189,11 @@ class KernelStep:
         before = cache.lengths[:, idx]                                   # [L, B]
         cache.reserve_for(int((before + torch.tensor(counts)[None]).max()))
         graphed = max(counts) == 1 and GRAPHS and self.graphed
-        all_lanes = bool(beside) and len(beside) == len(rows) and self.lanes_rows.takes(beside.values())
-        if all_lanes:       # every row's state read from the tables by cache row (a step's plan is a gather)
+        # every row's state read from the device tables: decode steps only (a question's several tokens
+        # through the lanes kernel disagreed with the reference on the H200: the form's reference runs them)
+        all_lanes = (max(counts) == 1 and bool(beside) and len(beside) == len(rows)
+                     and self.lanes_rows.takes(beside.values()))
+        if all_lanes:
             self.lanes_rows.sync({rows[b]: p for b, p in beside.items()})
         if graphed and not beside:
             out = self._replay(rows, [t[0] for t in tokens], positions, before, reader_on)
