@@ -75,6 +75,39 @@ def test_compress_writes_the_ratio_asked_on_both_codec_paths(lm, tmp_path, ratio
     assert abs(a.compression_ratio / ratio - 1) <= 0.03, a.compression_ratio
 
 
+def test_the_allocation_does_not_depend_on_where_the_model_lies_or_the_source_name(lm, tiny_models, tmp_path):
+    """The budget counts the header's machine-named fields at fixed widths: the same document, model
+    and settings give the same bits and blob bytes from a model in a folder of another path length,
+    under another source name (a state's bytes moved with the temporary folder's name before)."""
+    import shutil
+
+    from kite.model import load_model
+
+    far = tmp_path / ("a-folder-with-a-much-longer-name-than-the-other" * 2) / "qwen2"
+    shutil.copytree(tiny_models["qwen2"], far)
+    other = load_model(str(far), device="cpu")
+    st = CompressSettings(codec=codec.settings_for(8), n_clusters=3, min_span_tokens=8, max_span_tokens=48)
+    compress_document(lm, CORPUS, tmp_path / "a.upc", st, source_name="a.txt")
+    compress_document(other, CORPUS, tmp_path / "b.upc", st, source_name="a-much-longer-name-of-the-source.txt")
+    with StateFile(tmp_path / "a.upc") as a, StateFile(tmp_path / "b.upc") as b:
+        assert a.meta["model"]["spec"] != b.meta["model"]["spec"]
+        assert sorted(a.index) == sorted(b.index)
+        for key in a.index:
+            assert a.read(key) == b.read(key), key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("ratio", [4, 8, 16])
+def test_a_state_made_on_the_gpu_takes_the_ratio_asked(tiny_models, tmp_path, ratio):
+    """The batched codec on the device (what a GPU compression runs) keeps the byte budget too."""
+    from kite.model import load_model
+
+    gpu = load_model(str(tiny_models["qwen2"]), device="cuda", dtype="fp32")
+    st = CompressSettings(codec=codec.settings_for(ratio), n_clusters=3, min_span_tokens=8, max_span_tokens=48)
+    got = compress_document(gpu, CORPUS, tmp_path / "g.upc", st)
+    assert abs(got.compression_ratio / ratio - 1) <= 0.03, got.compression_ratio
+
+
 def _as_written_before(src, dst) -> None:
     """``src`` as KITE wrote states before the state-wide budget: the same blobs, their settings and the
     header's codec without the fields added since."""

@@ -11,6 +11,7 @@ import re
 import struct
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from kite.cli._common import parse_clusters, parse_layers
@@ -392,6 +393,24 @@ def test_without_a_digest_a_swapped_key_and_value_are_refused_naming_the_part(pc
     with StateFile(bad) as sf:          # the header is consistent: only the parts tell
         with pytest.raises(BadInput, match=r"part c0/L1/[KV] does not decode \(tensor codes has shape"):
             load_prefix(sf, lm)
+
+
+@pytest.mark.xfail(strict=True, reason="without a content digest nothing binds a part to its key: two layers' "
+                                      "parts of the same size and widths swapped load into other KV")
+def test_without_a_digest_twin_parts_of_two_layers_swapped_are_refused(lm, tmp_path):
+    """The limit of a state written before the content digest: int4 parts of one cluster have the same
+    structure in every layer, so a swap is seen by nothing but the digest (the day a check catches
+    it, the xfail must go)."""
+    state = tmp_path / "int4.upc"
+    compress_document(lm, DOC, state, CompressSettings(codec=codec.settings_for("int4"), n_clusters=3,
+                                                       min_span_tokens=8, max_span_tokens=24), address=True)
+    bad = _keys_swapped(state, tmp_path / "twins.upc", "c0/L0/K", "c0/L1/K", content=False)
+    want, _ = load_prefix(str(state), lm)
+    try:
+        got, _ = load_prefix(str(bad), lm)
+    except BadInput:
+        return
+    assert all(torch.equal(a, b) for a, b in zip(got.keys, want.keys))
 
 
 def test_a_part_whose_token_count_is_not_its_clusters_is_refused(pca_state, lm, tmp_path):

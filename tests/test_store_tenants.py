@@ -51,10 +51,15 @@ def made(pipe, tmp_path_factory):
 # ---------------------------------------------------------------- addresses
 
 def _fixed_address(tenant=None):
+    from dataclasses import replace
+
     from kite.upcycle import address_for, codec_settings
     from kite.upcycle.compress import CompressSettings
 
-    settings = CompressSettings(codec=codec_settings(4.0), n_clusters=2, label_ratios={"a": 6.0, "b": 8.0})
+    # ratio 4's codec as it was at that commit (per-layer budgets, 0.99 of the bits, keys 3/8 of them)
+    before = replace(codec_settings(4.0), budget="layer", even_groups=False, k_weight=1.0,
+                     k_bits=32.0 / 4.0 * 0.99 * 0.375, v_bits=32.0 / 4.0 * 0.99 * (1 - 0.375))
+    settings = CompressSettings(codec=before, n_clusters=2, label_ratios={"a": 6.0, "b": 8.0})
     return address_for("kite-fp1:aa", list(range(50)), settings, {"labels": ["x", "y"]}, None, tenant)
 
 

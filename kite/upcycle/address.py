@@ -6,7 +6,8 @@ A state's address is sha256 over a canonical JSON encoding (sorted keys, no spac
     format_version  the .upc container version the state is written in
     model           the combined model fingerprint (weights, tokenizer, adapter)
     tokens_sha256   sha256 of the document's token ids as little-endian uint32
-    settings        what the compression was asked to do: codec settings, clusters, span bounds,
+    settings        what the compression was asked to do: codec settings (fields added since at
+                    their defaults left out, so older states keep their ids), clusters, span bounds,
                     prefill chunk, seed, per-label ratios, the tagger (method, layers, labels)
     regenerator     the regenerator's fingerprint, or null
     tenant          the tag of the tenant the state is made for (kite.tenants); absent without a
@@ -50,7 +51,7 @@ def settings_fields(settings, tagger_description: dict | None) -> dict:
     description, :data:`TAGGER_KEYS` of it), as plain JSON values."""
     tagger = None if tagger_description is None else {k: tagger_description.get(k) for k in TAGGER_KEYS}
     return {
-        "codec": settings.codec.to_json(),
+        "codec": settings.codec.address_json(),
         "n_clusters": settings.n_clusters,
         "min_span_tokens": settings.min_span_tokens,
         "max_span_tokens": settings.max_span_tokens,

@@ -42,6 +42,16 @@ class CodecSettings:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def address_json(self) -> dict:
+        """What a content address covers: :meth:`to_json` less the fields of :data:`ADDED_FIELDS` at
+        their defaults, so a state made with settings that existed before them keeps its address."""
+        return {k: v for k, v in self.to_json().items() if ADDED_FIELDS.get(k, _NONE) != v}
+
+
+_NONE = object()
+# fields added after content addresses existed, at the values that mean what states made before them did
+ADDED_FIELDS = {"even_groups": False, "budget": "layer", "k_weight": 1.0}
+
 
 def _pca(k_bits: float, v_bits: float, name: str, **kw) -> CodecSettings:
     return CodecSettings(name=name, k_mode="pca", v_mode="pca", k_bits=k_bits, v_bits=v_bits, **kw)

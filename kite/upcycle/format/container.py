@@ -164,15 +164,56 @@ class StateWriter:
         return _PREAMBLE.size + len(header) + offset
 
 
+# What the estimate counts for the header's fields that name the machine, the moment or a
+# measurement rather than what was asked for: each at a fixed width (JSON characters), so the same
+# document, model and settings get the same budget, bit allocation and bytes on every machine
+# (a model's path, a release's version, a float the tagger measured in its last digits; a
+# longer value costs the state its excess bytes).
+FIXED_WIDTHS = {"model.spec": 160, "source.name": 64, "kite_version": 16}
+MEASURED_FLOAT_WIDTH = 24       # the tagger's accuracies and temperatures (full repr)
+ROUNDED_FLOAT_WIDTH = 6         # the clusters' confidences and label probabilities (4 places)
+
+
+def _width(n: int) -> str:
+    return "x" * max(0, n - 2)      # a JSON string of n characters, quotes included
+
+
+def _floats_at(value, width: int):
+    if isinstance(value, float):
+        return _width(width)
+    if isinstance(value, dict):
+        return {k: _floats_at(v, width) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_floats_at(v, width) for v in value]
+    return value
+
+
+def _counted(meta: dict) -> dict:
+    """``meta`` as :func:`header_estimate` counts it (:data:`FIXED_WIDTHS`)."""
+    out = {k: v for k, v in meta.items() if k not in ("content", "blobs", "signature")}
+    for dotted, width in FIXED_WIDTHS.items():
+        head, _, leaf = dotted.rpartition(".")
+        if head and isinstance(out.get(head), dict) and leaf in out[head]:
+            out[head] = {**out[head], leaf: _width(width)}
+        elif not head and leaf in out:
+            out[leaf] = _width(width)
+    if "tagger" in out:
+        out["tagger"] = _floats_at(out["tagger"], MEASURED_FLOAT_WIDTH)
+    if "clusters" in out:
+        out["clusters"] = _floats_at(out["clusters"], ROUNDED_FLOAT_WIDTH)
+    return out
+
+
 def header_estimate(meta: dict, keys: list[str], state_bytes: float) -> int:
     """Bytes the preamble and header of a state take: ``meta`` as :meth:`StateWriter.write` would
     seal it with blobs under ``keys`` in a file of about ``state_bytes`` (each index entry's offset
-    and lengths estimated from it; the content digest's section exact; a signature not counted)."""
+    and lengths estimated from it; the content digest's section exact; a signature not counted),
+    the fields of :data:`FIXED_WIDTHS` and the measured floats at fixed widths: the estimate is a
+    function of the document, the model and the settings only."""
     size = max(1, int(state_bytes))
     each = max(1, size // max(1, len(keys)))
     entries = sum(len(json.dumps([k, size, each, each, "zstd", "0" * 32], separators=(",", ":"))) + 1 for k in keys)
-    body = {**{k: v for k, v in meta.items() if k not in ("content", "blobs", "signature")},
-            "content": content_digest({}, []), "blobs": []}
+    body = {**_counted(meta), "content": content_digest({}, []), "blobs": []}
     return _PREAMBLE.size + len(json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()) + entries
 
 
