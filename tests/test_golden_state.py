@@ -44,7 +44,9 @@ How the reference was made: `pytest tests/test_golden_state.py --record-golden` 
 KITE_RUNTIME=torch passes against them. Recorded again on 2026-12-02 for the codec's state-wide
 budget (settings ``budget``, ``even_groups``, ``k_weight`` in every header; the ratio states' bits,
 groups and bytes), the same way; states written before load as they did
-(tests/test_codec_budget.py). Record again only for an intended change of the format or
+(tests/test_codec_budget.py). Recorded again on 2026-12-03 when the budget began counting the
+header's machine-named fields at fixed widths (kite.upcycle.format.container.header_estimate):
+before, the temporary folder's name moved the ratio states' bits. Record again only for an intended change of the format or
 the codec, and say so in the commit.
 
 The tiny models' weights are set here from a counter-based hash of each tensor's name (not torch's
