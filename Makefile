@@ -9,7 +9,7 @@ KITE    := $(BIN)/kite
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH   := $(if $(HAS_GPU),torch,torch==2.13.0)
 
-.PHONY: install demo test test-fast lint build-runtime clean vllm-env test-vllm
+.PHONY: install demo test test-fast lint build-runtime clean vllm-env test-vllm kvpress-env
 
 install: $(STAMP)
 
@@ -96,6 +96,20 @@ $(VLLM_VENV)/.vllm-installed: Makefile constraints.txt pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q --no-deps vllm==$(VLLM_VERSION)
 	$(VLLM_VENV)/bin/pip install -q -c constraints.txt $(VLLM_NEEDS)
 	$(VLLM_VENV)/bin/python -c "import torch, vllm; assert torch.version.cuda is None or '$(HAS_GPU)', torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+# kvpress (NVIDIA's KV-cache compression library) beside KITE's states at equal bytes
+# (benchmarks/kvpress_compare.py): its own venv, never .venv; kvpress 0.5.5 needs transformers < 5.3.
+KVPRESS_VENV ?= .venv-kvpress
+
+kvpress-env: $(KVPRESS_VENV)/.kvpress-installed
+
+$(KVPRESS_VENV)/.kvpress-installed: Makefile
+	test -x $(KVPRESS_VENV)/bin/python || $(PY) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/pip install -q --upgrade pip
+	$(KVPRESS_VENV)/bin/pip install -q "$(TORCH)"
+	$(KVPRESS_VENV)/bin/pip install -q kvpress==0.5.5 "transformers>=4.56,<5.3"
+	$(KVPRESS_VENV)/bin/python -c "import torch, transformers, kvpress; assert torch.version.cuda is None or '$(HAS_GPU)', torch.__version__; print('kvpress 0.5.5, transformers', transformers.__version__, 'torch', torch.__version__)"
 	touch $@
 
 test-vllm: vllm-env

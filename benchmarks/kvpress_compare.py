@@ -1,0 +1,134 @@
+"""KITE's states beside kvpress's presses at equal bytes, on documents no tuning read.
+
+Per held-out document (GPL-3 and Apache-2.0 from /usr/share/common-licenses; ``--contracts N``
+adds the first N held-out generated contracts) and ratio R, one run measures side by side:
+
+* **KITE**: `kite upcycle eval`'s measurement (kite.upcycle.quality.evaluate): the first
+  --context-tokens compressed into a ``ratio=R`` state (every byte counted: 1/R of raw fp16 KV),
+  loaded, the next --continuation-tokens teacher-forced on it against the full context;
+* **kvpress** (NVIDIA's KV-cache compression library, 0.5.5, in its own venv `.venv-kvpress`,
+  `make kvpress-env`, since it needs transformers < 5.3): each press keeps 1/R of the context's
+  tokens at the KV's own precision (1/R of the bytes), the same continuation scored the same way
+  (benchmarks/kvpress_side.py, handed the same token ids and the embedded model's converted folder).
+
+Rows per (document, R): the PPL delta against the full context of KITE and of each press, with the
+press's delta as the baseline of KITE's row (x_baseline < 1: KITE's loss is that fraction of the
+press's). Both sides compute the full-context PPL in their own transformers; the result keeps both
+(they agree to ~1e-4). Mean rows over the documents close the table. No timing rows: nothing here
+has a floor.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness import Result, finish, parse, parser  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXTS = ("GPL-3", "Apache-2.0")
+# query-agnostic presses (a state is made before any question is known) that run on the CPU
+# without downloads; SnapKV scores by the context's own last window
+PRESSES = ("KnormPress", "StreamingLLMPress", "SnapKVPress", "ExpectedAttentionPress", "TOVAPress",
+           "KeyDiffPress", "KVzipPress")
+
+
+def _against(press: str | None, delta: float | None) -> dict:
+    """The best press's delta as a row's baseline, where it is a positive number (a ratio of it means
+    something); else the press and its delta beside the row."""
+    if press is None:
+        return {}
+    if delta > 0:
+        return {"baseline": f"the best press, {press}", "baseline_value": delta}
+    return {"best_press": press, "best_press_delta": delta}
+
+
+def main(argv=None) -> int:
+    ap = parser(__doc__, device="cpu")
+    ap.add_argument("--model", default=None, help="default: the embedded model")
+    ap.add_argument("--texts", nargs="*", default=list(TEXTS))
+    ap.add_argument("--contracts", type=int, default=0, help="also this many held-out contracts (default 0)")
+    ap.add_argument("--ratios", nargs="+", type=float, default=[4.0, 8.0, 16.0, 20.0])
+    ap.add_argument("--presses", nargs="+", default=list(PRESSES))
+    ap.add_argument("--context-tokens", type=int, default=2048)
+    ap.add_argument("--continuation-tokens", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--kvpress-python", default=str(ROOT / ".venv-kvpress" / "bin" / "python"),
+                    help="the python of kvpress's venv (make kvpress-env)")
+    args = parse(ap, argv)
+    if not Path(args.kvpress_python).exists():
+        sys.exit(f"kvpress_compare: {args.kvpress_python} not found: run `make kvpress-env` first")
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from kite.model import load_model
+    from kite.model.convert import converted_gguf_folder
+    from kite.upcycle import CompressSettings, codec, evaluate
+    from kite.upcycle.quality import split_text
+    from kite.upcycle.study import LICENSES, held_out_docs
+
+    lm = load_model(args.model, device=args.device)
+    folder = converted_gguf_folder(lm.source.path) if lm.source.kind in ("embedded", "gguf") else lm.source.path
+    texts = {name: (LICENSES / name).read_text() for name in args.texts}
+    if args.contracts:
+        texts.update(held_out_docs(args.contracts, licenses=()))
+
+    res = Result("kvpress_compare", device=lm.device)
+    res.raw.update(model=args.model or "embedded", threads=args.threads, context_tokens=args.context_tokens,
+                   continuation_tokens=args.continuation_tokens, texts=list(texts), kite=[])
+
+    # kvpress first (its own process), on exactly the token ids KITE scores
+    cases = []
+    for name, text in texts.items():
+        ctx, cont = split_text(lm, text, args.context_tokens, args.continuation_tokens)
+        cases.append({"name": name, "context": ctx, "continuation": cont})
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "in.json", Path(tmp) / "out.json"
+        spec.write_text(json.dumps({"model": str(folder), "cases": cases, "presses": args.presses,
+                                    "ratios": args.ratios, "threads": args.threads}))
+        subprocess.run([args.kvpress_python, str(ROOT / "benchmarks" / "kvpress_side.py"), str(spec), str(out)],
+                       check=True)
+        side = json.loads(out.read_text())
+    res.raw["kvpress"] = side
+    press_delta = {(c["text"], c["ratio"], c["press"]): c["ppl_delta"] for c in side["cells"]}
+    presses = [p for p in args.presses if p not in side["skipped"]]
+
+    kite_delta: dict[tuple, float] = {}
+    for name, text in texts.items():
+        for ratio in args.ratios:
+            r = evaluate(lm, text, context_tokens=args.context_tokens, continuation_tokens=args.continuation_tokens,
+                         settings=CompressSettings(codec=codec.settings_for(ratio)))
+            kite_delta[(name, ratio)] = r.ppl_delta
+            res.raw["kite"].append({"text": name, "ratio": ratio, **r.to_dict()})
+            best = min(presses, key=lambda p: press_delta[(name, ratio, p)]) if presses else None
+            cell = f"{name} {r.context_tokens} + {r.continuation_tokens}, {ratio:g}x"
+            res.row(f"{cell}: KITE PPL delta", r.ppl_delta, "ppl",
+                    **_against(best, None if best is None else press_delta[(name, ratio, best)]), text=name, ratio=ratio, ppl_full=r.ppl_full, bytes_ratio=round(r.raw_kv_bytes / r.state_bytes, 3),
+                    kl_mean=r.kl_mean)
+            for p in presses:
+                c = next(c for c in side["cells"] if (c["text"], c["ratio"], c["press"]) == (name, ratio, p))
+                res.row(f"{cell}: {p} PPL delta", c["ppl_delta"], "ppl", text=name, ratio=ratio, press=p,
+                        ppl_full=c["ppl_full"], kl_mean=c["kl_mean"], bytes_ratio=c["bytes_ratio"])
+            print(f"{cell}: KITE {r.ppl_delta:+.4f} ({r.raw_kv_bytes / r.state_bytes:.2f}x); "
+                  + ", ".join(f"{p} {press_delta[(name, ratio, p)]:+.4f}" for p in presses), flush=True)
+
+    for ratio in args.ratios:
+        mean = sum(kite_delta[(n, ratio)] for n in texts) / len(texts)
+        means = {p: sum(press_delta[(n, ratio, p)] for n in texts) / len(texts) for p in presses}
+        best = min(means, key=means.get) if means else None
+        res.row(f"mean of {len(texts)} documents, {ratio:g}x: KITE PPL delta", round(mean, 4), "ppl",
+                **_against(best, None if best is None else round(means[best], 4)), ratio=ratio)
+        for p, m in means.items():
+            res.row(f"mean of {len(texts)} documents, {ratio:g}x: {p} PPL delta", round(m, 4), "ppl",
+                    ratio=ratio, press=p)
+    return finish(res, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
