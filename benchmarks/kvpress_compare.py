@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    from kite.errors import BadInput
     from kite.model import load_model
     from kite.model.convert import converted_gguf_folder
     from kite.upcycle import CompressSettings, codec, evaluate
@@ -86,7 +87,10 @@ def main(argv=None) -> int:
     # kvpress first (its own process), on exactly the token ids KITE scores
     cases = []
     for name, text in texts.items():
-        ctx, cont = split_text(lm, text, args.context_tokens, args.continuation_tokens)
+        try:
+            ctx, cont = split_text(lm, text, args.context_tokens, args.continuation_tokens)
+        except BadInput as e:
+            sys.exit(f"kvpress_compare: {name}: {e}")
         cases.append({"name": name, "context": ctx, "continuation": cont})
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "in.json", Path(tmp) / "out.json"
