@@ -147,6 +147,32 @@ def test_kernel_steps_decode_what_transformers_decodes_on_the_cpu():
     run_interpreted("tests.test_kernel_step:check_kernel_steps_in_the_interpreter", timeout=600)
 
 
+def check_compiling_the_query_buckets_writes_nothing() -> None:
+    """(Run by run_interpreted.) KernelStep.compile_queries runs a step of every query bucket on a row
+    of count 0: the cache's KV and lengths stay as they were."""
+    from kite.runtime import kernel_step
+    from kite.runtime.batch_decode import BatchDecoder
+
+    lm = tiny_lm("llama", "cpu", torch.float32, layers=2)
+    prompt, prefix, n = requests_for(lm)[2]
+    dec = BatchDecoder(lm, max_rows=3)
+    dec.kernels = k = kernel_step.KernelStep(lm.model, dec.cache)
+    dec.add(prompt, prefix=prefix, max_new_tokens=n)
+    dec.step()                                   # a row holding KV
+    keys = [t.clone() for t in dec.cache.keys]
+    lengths = dec.cache.lengths.clone()
+    k.compile_queries()
+    assert k.prefill_compiled
+    assert all(torch.equal(a, b) for a, b in zip(keys, dec.cache.keys))
+    assert torch.equal(lengths, dec.cache.lengths)
+    print("every query bucket ran; nothing written")
+
+
+@pytest.mark.slow   # Triton's interpreter on the CPU
+def test_compiling_the_query_buckets_writes_nothing():
+    run_interpreted("tests.test_kernel_step:check_compiling_the_query_buckets_writes_nothing", timeout=600)
+
+
 def test_buckets_cover_every_batch_size():
     from kite.runtime.kernel_step import buckets
 
@@ -155,6 +181,14 @@ def test_buckets_cover_every_batch_size():
     assert buckets(30) == [1, 2, 4, 8, 16, 24, 30]
     for n in range(1, 70):
         assert all(any(b >= k for b in buckets(n)) for k in range(1, n + 1))
+
+
+def test_query_lengths_run_at_a_few_buckets():
+    from kite.runtime.kernel_step import MAX_QUERY, QUERY_BUCKETS, query_bucket
+
+    assert QUERY_BUCKETS[-1] == MAX_QUERY
+    assert [query_bucket(n) for n in (1, 2, 3, 5, 9, 17, 33, 64)] == [1, 2, 4, 8, 16, 32, 64, 64]
+    assert all(n <= query_bucket(n) < 2 * n for n in range(1, MAX_QUERY + 1))
 
 
 def test_a_cpu_model_keeps_transformers_forward(tiny_models):
@@ -253,3 +287,4 @@ def test_gpu_reserved_rows_capture_every_bucket_before_the_first_request():
     assert dec.cache.rows_allocated == 3 and dec.cache.capacity >= 512
     assert k.captures == 2 * len(k.buckets)       # every bucket, raw and lanes, once: no regrowth, no recapture
     assert k.replays > k.captures
+    assert k.prefill_compiled                     # every question length's kernels compiled at reserve

@@ -37,9 +37,18 @@ import torch
 from kite.runtime.batch_cache import BatchKVCache
 
 MAX_QUERY = 64        # tokens a row feeds in one step through the kernels (longer prompts: transformers')
+# a step's query length padded up to one of these: the attention kernel is compiled per query length
+# (a constexpr), so each new question length cost a compile in a request's prefill; padded tokens
+# write nothing and are dropped (split_kv_attention: they see what the row's last token sees)
+QUERY_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GRAPHS = True         # False: decode steps run eagerly too (benchmarks compare both)
 SPLITS: int | None = None   # chunks the attention cuts each row's keys into (None: the kernel's plan; benchmarks sweep)
 _log = logging.getLogger("kite.runtime")
+
+
+def query_bucket(tokens: int) -> int:
+    """The query length a step of ``tokens`` tokens a row (at most MAX_QUERY) runs at."""
+    return next(b for b in QUERY_BUCKETS if b >= tokens)
 
 
 def buckets(max_rows: int) -> list[int]:
@@ -164,6 +173,7 @@ class KernelStep:
         self._lanes_warmed = None
         self.captures = 0
         self.replays = 0
+        self.prefill_compiled = False
 
     @classmethod
     def build(cls, model, cache: BatchKVCache) -> KernelStep | None:
@@ -206,7 +216,7 @@ class KernelStep:
 
     def _eager(self, rows, tokens, positions, before, counts, beside, lanes: bool = False) -> torch.Tensor:
         dev = self.device
-        T = max(counts)
+        T = query_bucket(max(counts))
         ids = torch.zeros(len(rows), T, dtype=torch.long)
         for b, t in enumerate(tokens):
             ids[b, :len(t)] = torch.tensor(t)
@@ -234,6 +244,29 @@ class KernelStep:
             rows = self.cache.rows_allocated      # no step runs more rows than are allocated
             for bucket in self.buckets[:next(i for i, b in enumerate(self.buckets) if b >= rows) + 1]:
                 self._graph(bucket, False, lanes_row is not None, 0 if lanes_row is None else lanes_row)
+        if self.graphed and lanes_row is None:
+            self.compile_queries()
+
+    @torch.inference_mode()
+    def compile_queries(self) -> None:
+        """Run one eager step of each query bucket on a row that writes and reads nothing (count 0): the
+        kernels of every question length compile now, not in a request's prefill. Both attention
+        variants: rows held in their slots, and rows whose state is held beside them (with the lse)."""
+        from kite.kernels.split_attention_triton import split_kv_attention
+
+        dev, L = self.device, self.cache.n_layers
+        zero = torch.zeros(L, 1, dtype=torch.int32, device=dev)
+        row = torch.zeros(1, dtype=torch.int32, device=dev)
+        for T in QUERY_BUCKETS[1:]:
+            ids = torch.zeros(1, T, dtype=torch.long, device=dev)
+            pos = torch.arange(T, device=dev)[None]
+            self.forward(ids, pos, row, zero, zero, row, splits=SPLITS)
+            keys = self.cache.keys[0]
+            q = torch.zeros(1, self.forward.inner.config.num_attention_heads, T, keys.shape[-1],
+                            dtype=keys.dtype, device=dev)
+            split_kv_attention(q, keys, self.cache.values[0], None, 1.0, rows=row, lengths=zero[0],
+                               starts=zero[0], splits=SPLITS, return_lse=True)
+        self.prefill_compiled = True
 
     def _replay(self, rows, tokens, positions, before, reader_on, lanes: bool = False) -> torch.Tensor:
         B = len(rows)
