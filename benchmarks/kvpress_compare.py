@@ -11,6 +11,13 @@ adds the first N held-out generated contracts) and ratio R, one run measures sid
   tokens at the KV's own precision (1/R of the bytes), the same continuation scored the same way
   (benchmarks/kvpress_side.py, handed the same token ids and the embedded model's converted folder).
 
+Task probes (``--probes passkey qa``), kite.upcycle.quality's, asked the same way on both sides:
+the single-key passkey at 10/30/50/70/90 % depth of --passkey-tokens of GPL-3 (retrieved when the
+first number of the greedy answer is the key) and QA token F1 on --qa-contracts held-out contracts;
+each context compressed once without its questions, each question asked after it at its true
+positions. Rows: KITE's score and each press's, against the full context's (the kvpress side's
+full-context score beside it: the two transformers agree).
+
 Rows per (document, R): the PPL delta against the full context of KITE and of each press, with the
 press's delta as the baseline of KITE's row (x_baseline < 1: KITE's loss is that fraction of the
 press's). Both sides compute the full-context PPL in their own transformers; the result keeps both
@@ -48,6 +55,79 @@ def _against(press: str | None, delta: float | None) -> dict:
     return {"best_press": press, "best_press_delta": delta}
 
 
+def _asks(lm, args) -> list[dict]:
+    """The task probes' contexts and questions (kite.upcycle.quality's), with how each answer scores."""
+    from kite.upcycle.quality import ANSWER_TOKENS, passkey_contexts, qa_contexts, qa_question
+    from kite.upcycle.study import LICENSES
+
+    def ids(q: str) -> list[int]:
+        return lm.tokenizer(q, add_special_tokens=False)["input_ids"]
+
+    asks = []
+    if "passkey" in args.probes:
+        text = (LICENSES / args.passkey_text).read_text()
+        for i, (ctx, planted) in enumerate(passkey_contexts(lm, text, args.passkey_tokens)):
+            asks.append({"spec": {"probe": "passkey", "case": i, "context": ctx, "max_new_tokens": ANSWER_TOKENS["passkey"],
+                                  "questions": [ids(k["question"]) for k in planted]},
+                         "references": [k["passkey"] for k in planted]})
+    if "qa" in args.probes:
+        for record, ctx, questions in qa_contexts(lm, args.qa_tokens, contracts=args.qa_contracts):
+            asks.append({"spec": {"probe": "qa", "case": record["id"], "context": ctx,
+                                  "max_new_tokens": ANSWER_TOKENS["qa"],
+                                  "questions": [ids(qa_question(q)) for q in questions]},
+                         "references": [q["answer"] for q in questions]})
+    return asks
+
+
+def _score(probe: str, text: str, reference: str) -> float:
+    from kite.data.answers import answer_text, f1_score
+    from kite.upcycle.quality import first_number
+
+    return float(first_number(text) == reference) if probe == "passkey" else f1_score(answer_text(text), reference)
+
+
+def _task_rows(res, lm, args, asks, side, presses) -> None:
+    """Per task probe and ratio: KITE's score from its state, each press's, against the full context's."""
+    from kite.upcycle import CompressSettings, codec, passkey_probe, qa_probe
+
+    text = None
+    for probe in [p for p in ("passkey", "qa") if p in args.probes]:
+        mine = [a for a in asks if a["spec"]["probe"] == probe]
+        metric, unit = ("accuracy", "fraction retrieved") if probe == "passkey" else ("F1", "token F1")
+        cell = (f"passkey, 1 key at 5 depths of {args.passkey_tokens} tokens of {args.passkey_text}" if probe == "passkey"
+                else f"qa, {args.qa_contracts} held-out contracts of ~{args.qa_tokens} tokens")
+
+        def press_score(press, ratio) -> float:
+            scores = []
+            for a in mine:
+                got = next(x for x in side["answers"] if (x["probe"], x["case"], x["press"], x["ratio"])
+                           == (probe, a["spec"]["case"], press, ratio))
+                scores += [_score(probe, lm.tokenizer.decode(ids), ref) for ids, ref in zip(got["answers"], a["references"])]
+            return round(sum(scores) / len(scores), 4)
+
+        full = None
+        for i, ratio in enumerate(args.ratios):
+            settings = CompressSettings(codec=codec.settings_for(ratio))
+            if probe == "passkey":
+                text = text or (Path("/usr/share/common-licenses") / args.passkey_text).read_text()
+                out = passkey_probe(lm, text, args.passkey_tokens, settings, full=i == 0)
+                state, full_value = out["state_accuracy"], out["full_accuracy"]
+            else:
+                out = qa_probe(lm, args.qa_tokens, settings, contracts=args.qa_contracts, full=i == 0)
+                state, full_value = out["state_f1"], out["full_f1"]
+            if i == 0:
+                full = res.row(f"{cell}: {metric} from the full context", full_value, unit, probe=probe,
+                               kvpress_env_full=press_score(None, None))
+            base = {"baseline": full["name"]} if full["value"] > 0 else {}
+            res.row(f"{cell}, {ratio:g}x: {metric}, KITE", state, unit, probe=probe, ratio=ratio,
+                    bytes_ratio=out["compression_ratio"], **base)
+            scores = {p: press_score(p, ratio) for p in presses}
+            for p, v in scores.items():
+                res.row(f"{cell}, {ratio:g}x: {metric}, {p}", v, unit, probe=probe, ratio=ratio, press=p, **base)
+            res.raw.setdefault("tasks", []).append({"probe": probe, "ratio": ratio, "kite": out, "presses": scores})
+            print(f"{cell}, {ratio:g}x: KITE {state}; " + ", ".join(f"{p} {v}" for p, v in scores.items()), flush=True)
+
+
 def main(argv=None) -> int:
     ap = parser(__doc__, device="cpu")
     ap.add_argument("--model", default=None, help="default: the embedded model")
@@ -57,6 +137,11 @@ def main(argv=None) -> int:
     ap.add_argument("--presses", nargs="+", default=list(PRESSES))
     ap.add_argument("--context-tokens", type=int, default=2048)
     ap.add_argument("--continuation-tokens", type=int, default=512)
+    ap.add_argument("--probes", nargs="+", default=["ppl", "passkey", "qa"], choices=["ppl", "passkey", "qa"])
+    ap.add_argument("--passkey-text", default="GPL-3", help="the passkeys' text, under /usr/share/common-licenses")
+    ap.add_argument("--passkey-tokens", type=int, default=1024, help="context of the passkey probe")
+    ap.add_argument("--qa-tokens", type=int, default=1024, help="about this many tokens per QA contract")
+    ap.add_argument("--qa-contracts", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--kvpress-python", default=str(ROOT / ".venv-kvpress" / "bin" / "python"),
                     help="the python of kvpress's venv (make kvpress-env)")
@@ -85,8 +170,8 @@ def main(argv=None) -> int:
                    continuation_tokens=args.continuation_tokens, texts=list(texts), kite=[])
 
     # kvpress first (its own process), on exactly the token ids KITE scores
-    cases = []
-    for name, text in texts.items():
+    cases, asks = [], _asks(lm, args)
+    for name, text in texts.items() if "ppl" in args.probes else ():
         try:
             ctx, cont = split_text(lm, text, args.context_tokens, args.continuation_tokens)
         except BadInput as e:
@@ -94,8 +179,8 @@ def main(argv=None) -> int:
         cases.append({"name": name, "context": ctx, "continuation": cont})
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "in.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"model": str(folder), "cases": cases, "presses": args.presses,
-                                    "ratios": args.ratios, "threads": args.threads}))
+        spec.write_text(json.dumps({"model": str(folder), "cases": cases, "asks": [a["spec"] for a in asks],
+                                    "presses": args.presses, "ratios": args.ratios, "threads": args.threads}))
         subprocess.run([args.kvpress_python, str(ROOT / "benchmarks" / "kvpress_side.py"), str(spec), str(out)],
                        check=True)
         side = json.loads(out.read_text())
@@ -103,6 +188,9 @@ def main(argv=None) -> int:
     press_delta = {(c["text"], c["ratio"], c["press"]): c["ppl_delta"] for c in side["cells"]}
     presses = [p for p in args.presses if p not in side["skipped"]]
 
+    _task_rows(res, lm, args, asks, side, presses)
+    if "ppl" not in args.probes:
+        return finish(res, args)
     kite_delta: dict[tuple, float] = {}
     for name, text in texts.items():
         for ratio in args.ratios:

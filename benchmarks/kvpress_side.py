@@ -56,6 +56,26 @@ def _kept_entries(model, cache) -> int:
     return total
 
 
+def _greedy(model, cache, question: list[int], position: int, max_new_tokens: int) -> list[int]:
+    """Greedy answer ids to ``question`` asked after the cached context (as kvpress's pipeline asks:
+    the question at its true positions), no stop token (kite.upcycle.quality asks the same way); the
+    answer's tokens are dropped from the cache after."""
+    import torch
+
+    lengths = [layer.keys.shape[2] for layer in cache.layers]
+    pos = torch.arange(position, position + len(question))[None]
+    logits = model(input_ids=torch.tensor([question]), past_key_values=cache, position_ids=pos).logits
+    out = [int(logits[0, -1].argmax())]
+    nxt = position + len(question)
+    for i in range(max_new_tokens - 1):
+        logits = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache,
+                       position_ids=torch.tensor([[nxt + i]])).logits
+        out.append(int(logits[0, -1].argmax()))
+    for layer, n in zip(cache.layers, lengths):
+        layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
+    return out
+
+
 def main(argv: list[str]) -> int:
     import contextlib
 
@@ -99,6 +119,20 @@ def main(argv: list[str]) -> int:
                                          **_compare(full, got, targets)})
                     print(f"{case['name']} {name} {ratio:g}x: kept {kept}/{entries} entries, "
                           f"delta {out['cells'][-1]['ppl_delta']:+.4f}", flush=True)
+        # task probes: each context compressed once per press and ratio, its questions asked after it
+        out["answers"] = []
+        for ask in spec.get("asks", []):
+            ctx = ask["context"]
+            for name in [None] + [p for p in spec["presses"] if p not in out["skipped"]]:
+                for ratio in [None] if name is None else spec["ratios"]:
+                    press = None if name is None else getattr(kvpress, name)(compression_ratio=1.0 - 1.0 / ratio)
+                    cache = DynamicCache()
+                    with press(model) if press is not None else contextlib.nullcontext():
+                        model.model(input_ids=torch.tensor([ctx]), past_key_values=cache)
+                    answers = [_greedy(model, cache, q, len(ctx), ask["max_new_tokens"]) for q in ask["questions"]]
+                    out["answers"].append({"probe": ask["probe"], "case": ask["case"], "press": name,
+                                           "ratio": ratio, "answers": answers})
+                print(f"{ask['probe']} {ask['case']} {name}: asked", flush=True)
     open(argv[1], "w").write(json.dumps(out, indent=1))
     return 0
 

@@ -242,6 +242,22 @@ def _stepper(progress, stage: str, total: int):
     return step
 
 
+def passkey_contexts(lm: LoadedModel, text: str, context_tokens: int, *, keys: int = 1, depths=None,
+                     seed: int = 0) -> list[tuple[list[int], list[dict]]]:
+    """The contexts :func:`passkey_probe` asks about: (context ids, its planted keys) per context."""
+    rng = random.Random(seed)
+    ids, _ = tokenize_document(lm.tokenizer, text)
+    if keys < 1 or keys > len(KEY_LABELS):
+        raise BadInput(f"keys {keys}: expected 1 to {len(KEY_LABELS)}")
+    if keys == 1:
+        contexts = [((d,), (None,)) for d in (depths or PASSKEY_DEPTHS)]
+    else:
+        contexts = [(tuple(depths or key_depths(keys)), KEY_LABELS[:keys])]
+    if any(len(d) != keys for d, _ in contexts) or not all(0 <= x <= 1 for d, _ in contexts for x in d):
+        raise BadInput(f"depths {depths}: expected {keys} fractions between 0 and 1")
+    return [plant_keys(lm, ids, context_tokens, depth_set, labels, rng) for depth_set, labels in contexts]
+
+
 def passkey_probe(lm: LoadedModel, text: str, context_tokens: int, settings: CompressSettings, tagger=None, *,
                   keys: int = 1, depths=None, seed: int = 0, full: bool = True, progress=None,
                   regenerator=None) -> dict:
@@ -253,21 +269,11 @@ def passkey_probe(lm: LoadedModel, text: str, context_tokens: int, settings: Com
     colour at `depths` (default :func:`key_depths`), each asked by its name. A key is retrieved when
     the first number of the greedy answer is the key. Returns the cases and the accuracies.
     """
-    rng = random.Random(seed)
-    ids, _ = tokenize_document(lm.tokenizer, text)
-    if keys < 1 or keys > len(KEY_LABELS):
-        raise BadInput(f"keys {keys}: expected 1 to {len(KEY_LABELS)}")
-    if keys == 1:
-        contexts = [((d,), (None,)) for d in (depths or PASSKEY_DEPTHS)]
-    else:
-        contexts = [(tuple(depths or key_depths(keys)), KEY_LABELS[:keys])]
-    if any(len(d) != keys for d, _ in contexts) or not all(0 <= x <= 1 for d, _ in contexts for x in d):
-        raise BadInput(f"depths {depths}: expected {keys} fractions between 0 and 1")
     kind = "passkey" if keys == 1 else "keys"
-    step = _stepper(progress, kind, sum(len(d) for d, _ in contexts))
+    cases = passkey_contexts(lm, text, context_tokens, keys=keys, depths=depths, seed=seed)
+    step = _stepper(progress, kind, sum(len(planted) for _, planted in cases))
     rows, ratios = [], []
-    for depth_set, labels in contexts:
-        ctx, planted = plant_keys(lm, ids, context_tokens, depth_set, labels, rng)
+    for ctx, planted in cases:
         answers, ratio = _ask(lm, ctx, [k["question"] for k in planted], settings, tagger, regenerator,
                               ANSWER_TOKENS["passkey"], full, step)
         ratios.append(ratio)
@@ -283,6 +289,32 @@ def passkey_probe(lm: LoadedModel, text: str, context_tokens: int, settings: Com
             "compression_ratio": round(sum(ratios) / len(ratios), 3)}
 
 
+def qa_question(q: dict) -> str:
+    """The text asked after a contract for its question record ``q``."""
+    return "\n\n" + q["prompt"]
+
+
+def qa_contexts(lm: LoadedModel, context_tokens: int, *, contracts: int = QA_CONTRACTS, seed: int = QA_SEED,
+                records: list[dict] | None = None) -> list[tuple[dict, list[int], list[dict]]]:
+    """What :func:`qa_probe` asks about: (contract record, its token ids, its ``qa`` questions) each."""
+    from kite.data.contracts import generate_contract
+
+    def n_tokens(s: str) -> int:
+        return len(tokenize_document(lm.tokenizer, s)[0])
+
+    if records is None:
+        records = [generate_contract(i, context_tokens, seed, n_tokens) for i in range(contracts)]
+    out = []
+    for record in records:
+        ctx, _ = tokenize_document(lm.tokenizer, record["text"])
+        limit = lm.geometry.context_length
+        if limit and len(ctx) + 64 > limit:
+            raise BadInput(f"--context-tokens {context_tokens}: a contract of {len(ctx)} tokens and its question "
+                           f"exceed the model's context of {limit}")
+        out.append((record, ctx, [q for q in record["questions"] if q["family"] == "qa"]))
+    return out
+
+
 def qa_probe(lm: LoadedModel, context_tokens: int, settings: CompressSettings, tagger=None, *,
              contracts: int = QA_CONTRACTS, seed: int = QA_SEED, records: list[dict] | None = None,
              full: bool = True, progress=None, regenerator=None) -> dict:
@@ -292,23 +324,12 @@ def qa_probe(lm: LoadedModel, context_tokens: int, settings: CompressSettings, t
     unless not `full`). Scored as SQuAD: token F1 and exact match of the answer's first line against
     the contract's fact. `records`: these contract records (``id``, ``text``, ``questions``) instead."""
     from kite.data.answers import answer_text, exact_match, f1_score
-    from kite.data.contracts import generate_contract
 
-    def n_tokens(s: str) -> int:
-        return len(tokenize_document(lm.tokenizer, s)[0])
-
-    if records is None:
-        records = [generate_contract(i, context_tokens, seed, n_tokens) for i in range(contracts)]
-    per = [[q for q in r["questions"] if q["family"] == "qa"] for r in records]
-    step = _stepper(progress, "qa", sum(len(qs) for qs in per))
+    cases = qa_contexts(lm, context_tokens, contracts=contracts, seed=seed, records=records)
+    step = _stepper(progress, "qa", sum(len(qs) for _, _, qs in cases))
     rows, ratios = [], []
-    for record, questions in zip(records, per):
-        ctx, _ = tokenize_document(lm.tokenizer, record["text"])
-        limit = lm.geometry.context_length
-        if limit and len(ctx) + 64 > limit:
-            raise BadInput(f"--context-tokens {context_tokens}: a contract of {len(ctx)} tokens and its question "
-                           f"exceed the model's context of {limit}")
-        answers, ratio = _ask(lm, ctx, ["\n\n" + q["prompt"] for q in questions], settings, tagger, regenerator,
+    for record, ctx, questions in cases:
+        answers, ratio = _ask(lm, ctx, [qa_question(q) for q in questions], settings, tagger, regenerator,
                               ANSWER_TOKENS["qa"], full, step)
         ratios.append(ratio)
         for q, (from_full, from_state) in zip(questions, answers):
