@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 
 def _score(logits, targets):
@@ -106,16 +105,14 @@ def main(argv: list[str]) -> int:
                 for ratio in spec["ratios"]:
                     try:
                         press = getattr(kvpress, name)(compression_ratio=1.0 - 1.0 / ratio)
-                        t = time.perf_counter()
                         got, kept, _ = run(press)
-                        seconds = time.perf_counter() - t
                     except Exception as e:   # a press this model or version does not take: say which and why
                         out["skipped"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                         break
                     entries = len(ctx) * sum(layer.keys.shape[1] for layer in full_cache.layers)
                     out["cells"].append({"text": case["name"], "press": name, "ratio": ratio,
                                          "context_tokens": len(ctx), "kept_entries": kept, "entries": entries,
-                                         "bytes_ratio": round(entries / max(kept, 1), 4), "seconds": round(seconds, 2),
+                                         "bytes_ratio": round(entries / max(kept, 1), 4),
                                          **_compare(full, got, targets)})
                     print(f"{case['name']} {name} {ratio:g}x: kept {kept}/{entries} entries, "
                           f"delta {out['cells'][-1]['ppl_delta']:+.4f}", flush=True)
