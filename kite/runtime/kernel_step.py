@@ -255,17 +255,18 @@ class KernelStep:
         from kite.kernels.split_attention_triton import split_kv_attention
 
         dev, L = self.device, self.cache.n_layers
-        zero = torch.zeros(L, 1, dtype=torch.int32, device=dev)
-        row = torch.zeros(1, dtype=torch.int32, device=dev)
+        row = torch.zeros(1, dtype=torch.int32, device=dev)            # buffer row 0
+        nothing = torch.zeros(L, 1, dtype=torch.int32, device=dev)     # lengths and starts 0 in every layer
+        count = torch.zeros(1, dtype=torch.int32, device=dev)          # no token written
+        keys, values = self.cache.keys[0], self.cache.values[0]
         for T in QUERY_BUCKETS[1:]:
             ids = torch.zeros(1, T, dtype=torch.long, device=dev)
             pos = torch.arange(T, device=dev)[None]
-            self.forward(ids, pos, row, zero, zero, row, splits=SPLITS)
-            keys = self.cache.keys[0]
+            self.forward(ids, pos, row, nothing, nothing, count, splits=SPLITS)
             q = torch.zeros(1, self.forward.inner.config.num_attention_heads, T, keys.shape[-1],
                             dtype=keys.dtype, device=dev)
-            split_kv_attention(q, keys, self.cache.values[0], None, 1.0, rows=row, lengths=zero[0],
-                               starts=zero[0], splits=SPLITS, return_lse=True)
+            split_kv_attention(q, keys, values, None, 1.0, rows=row, lengths=nothing[0], starts=nothing[0],
+                               splits=SPLITS, return_lse=True)
         self.prefill_compiled = True
 
     def _replay(self, rows, tokens, positions, before, reader_on, lanes: bool = False) -> torch.Tensor:
