@@ -57,7 +57,7 @@ def _against(press: str | None, delta: float | None) -> dict:
 
 def _asks(lm, args) -> list[dict]:
     """The task probes' contexts and questions (kite.upcycle.quality's), with how each answer scores."""
-    from kite.upcycle.quality import ANSWER_TOKENS, passkey_contexts, qa_contexts, qa_question
+    from kite.upcycle import ANSWER_TOKENS, passkey_contexts, qa_contexts, qa_question
     from kite.upcycle.study import LICENSES
 
     def ids(q: str) -> list[int]:
@@ -81,7 +81,7 @@ def _asks(lm, args) -> list[dict]:
 
 def _score(probe: str, text: str, reference: str) -> float:
     from kite.data.answers import answer_text, f1_score
-    from kite.upcycle.quality import first_number
+    from kite.upcycle import first_number
 
     return float(first_number(text) == reference) if probe == "passkey" else f1_score(answer_text(text), reference)
 
@@ -155,8 +155,7 @@ def main(argv=None) -> int:
     from kite.errors import BadInput
     from kite.model import load_model
     from kite.model.convert import converted_gguf_folder
-    from kite.upcycle import CompressSettings, codec, evaluate
-    from kite.upcycle.quality import split_text
+    from kite.upcycle import CompressSettings, codec, evaluate, split_text
     from kite.upcycle.study import LICENSES, held_out_docs
 
     lm = load_model(args.model, device=args.device)

@@ -32,14 +32,19 @@ from kite.upcycle.codec import settings_for as codec_settings
 from kite.upcycle.compress import ClusterInfo, CompressResult, CompressSettings, compress_capture, compress_document
 from kite.upcycle.recode import cluster_ratios, not_recodable, recode_clusters, state_ratio
 from kite.upcycle.quality import (
+    ANSWER_TOKENS,
     PASSKEY_DEPTHS,
     PROBES,
     EvalResult,
     check_probe,
     compare_logits,
     evaluate,
+    first_number,
+    passkey_contexts,
     passkey_probe,
+    qa_contexts,
     qa_probe,
+    qa_question,
     run_probe,
     split_text,
 )
@@ -61,11 +66,11 @@ from kite.upcycle.tagging import (ClauseTagger, QueryHead, TagResult, build_tagg
                                   describe_tagger, evaluate_queries, evaluate_tagging)
 
 __all__ = [
-    "DEFAULT_BLOCK_TOKENS", "DEFAULT_CODEC", "FORMAT_VERSION", "LOAD_PRECISIONS", "SINK_TOKENS", "BudgetCache", "BudgetRow",
+    "ANSWER_TOKENS", "DEFAULT_BLOCK_TOKENS", "DEFAULT_CODEC", "FORMAT_VERSION", "LOAD_PRECISIONS", "SINK_TOKENS", "BudgetCache", "BudgetRow",
     "BudgetSettings", "PASSKEY_DEPTHS", "PROBES", "ClauseTagger", "ClusterInfo", "CodecSettings", "CompressResult", "CompressSettings",
     "EvalResult", "HotTier", "LoadReport", "MigrationReport", "Pipeline", "QueryHead", "StateFile", "StateWriter",
     "TagResult", "UpcycleConfig", "WindowCache", "apply_rope", "budget_cache", "build_tagger", "kv_bytes_per_token", "min_budget", "calibration_set",
-    "check_budget", "check_fingerprints", "check_probe", "passkey_probe", "qa_probe", "run_probe", "codec", "codec_settings", "compare_logits", "compress_document",
+    "check_budget", "check_fingerprints", "check_probe", "first_number", "passkey_contexts", "passkey_probe", "qa_contexts", "qa_probe", "qa_question", "run_probe", "codec", "codec_settings", "compare_logits", "compress_document",
     "compress_settings", "default_tier", "describe_state", "describe_tagger", "evaluate", "evaluate_queries",
     "evaluate_tagging", "format", "lanes_for", "lanes_of", "load_lanes", "load_prefix", "load_upcycle_config", "migrate", "open_pipeline", "path_version", "pending_migration", "plan_migration",
     "Pair", "Regenerator", "RegeneratorFit", "TrainRequest", "read_pairs", "split_pairs", "train_upcycle",
