@@ -182,3 +182,93 @@ def test_a_regenerator_state_takes_its_share_of_the_state_budget(lm, tmp_path):
         assert sf.meta["regenerator"]["sides"] > 0
     prefix, _ = load_prefix(made.path, lm, regenerator=reg)
     assert all(bool(torch.isfinite(k).all()) for k in prefix.keys)
+
+
+def _regenerator(lm):
+    from kite.upcycle.capture import capture
+    from kite.upcycle.codec.regenerator import RegeneratorFit
+
+    fit = RegeneratorFit(n_layers=lm.geometry.n_layers, joint_heads=True, center=True)
+    for text in (CORPUS, CORPUS[len(CORPUS) // 3:] + CORPUS[:len(CORPUS) // 3]):
+        cap = capture(lm, text)
+        fit.add(cap.keys_pre, cap.values, cap.ids)
+    return fit.finish({"model_fingerprint": lm.fingerprints.base, "geometry": lm.geometry.to_dict(),
+                       "calibration": {"source": "test"}})
+
+
+@pytest.mark.parametrize("ratio", [4, 16])
+def test_the_batched_codec_on_a_regenerator_writes_the_per_layer_codecs_bytes(lm, tmp_path, ratio, monkeypatch):
+    """The batched codec (the GPU's, here on the CPU) takes a regenerator: each layer side on the
+    regenerator's basis or the document's as the per-layer codec chooses, blob for blob the same bytes."""
+    reg = _regenerator(lm)
+    st = CompressSettings(codec=codec.settings_for(ratio), n_clusters=3, min_span_tokens=8, max_span_tokens=48)
+    a = compress_document(lm, CORPUS, tmp_path / "a.upc", st, regenerator=reg)
+    calls, batched = [], codec.encode_state
+    monkeypatch.setattr(codec, "encode_state", lambda *a, **k: calls.append(k) or batched(*a, **k))
+    b = compress_document(lm, CORPUS, tmp_path / "b.upc", st, regenerator=reg, device="cpu")
+    assert [k["regenerator"] for k in calls] == [reg]
+    with StateFile(a.path) as fa, StateFile(b.path) as fb:
+        assert fb.meta["regenerator"] == fa.meta["regenerator"]
+        assert 0 < fa.meta["regenerator"]["sides"] <= 2 * lm.geometry.n_layers
+        assert sorted(fa.index) == sorted(fb.index)
+        for key in fa.index:
+            assert fa.read(key) == fb.read(key), key
+    prefix, _ = load_prefix(b.path, lm, regenerator=reg)
+    assert all(bool(torch.isfinite(k).all()) for k in prefix.keys)
+
+
+def test_a_regenerator_the_batched_codec_does_not_take_goes_through_the_per_layer_codec(lm):
+    reg = _regenerator(lm)
+    s = codec.settings_for(8)
+    assert codec.batched_takes_regenerator(reg, s)
+    assert not codec.batched_takes_regenerator(replace(reg, choice="measured"), s)
+    assert not codec.batched_takes_regenerator(reg, codec.settings_for(8, budget="layer"))
+    K, V, sets = _kv(L=lm.geometry.n_layers)
+    with pytest.raises(ValueError, match="regenerator"):
+        codec.encode_state(K, V, sets, s, regenerator=replace(reg, choice="measured"))
+
+
+def test_the_batched_codec_keeps_the_documents_basis_where_the_per_layer_codec_does():
+    """Where a regenerator's basis is poor (a random rotation) the document's own pays for its bytes:
+    the batched codec picks each layer side as the per-layer codec does and writes its bytes."""
+    from kite.upcycle.codec.regenerator import RegeneratorFit
+
+    K, V, sets = _kv()
+    s = codec.settings_for(8)
+    fit = RegeneratorFit(n_layers=K.shape[0], joint_heads=True, center=True)
+    K1, V1, _ = _kv(seed=1)
+    fit.add(list(K1), list(V1))
+    reg = fit.finish({"model_fingerprint": "test", "calibration": {"source": "test"}})
+    for name in ("L1.k.basis", "L2.v.basis"):
+        reg.tensors[name] = torch.linalg.qr(torch.randn(reg.tensors[name].shape,
+                                                        generator=torch.Generator().manual_seed(0)))[0]
+    lcs = codec.fit_state(list(K), list(V), s, sets, overhead_bytes=0, layer_kwargs=reg.layer)
+    modes = [[lc.meta[side]["mode"] for side in ("k", "v")] for lc in lcs]
+    assert modes == [["rpca", "rpca"], ["pca", "rpca"], ["rpca", "pca"]]
+    want = []
+    for layer, lc in enumerate(lcs):
+        want.append(codec.to_bytes(lc))
+        for idx in sets:
+            part = codec.encode(lc, K[layer][:, idx], V[layer][:, idx], idx)
+            want += [codec.to_bytes(part.k), codec.to_bytes(part.v)]
+    enc = codec.encode_state(K, V, sets, s, overhead_bytes=0, regenerator=reg)
+    assert enc.info["regenerated_sides"] == 4
+    assert [b for _, b in enc.items()] == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_state_made_on_the_gpu_on_a_regenerator_is_batched_and_takes_the_ratio_asked(tiny_models, tmp_path, monkeypatch):
+    from kite.model import load_model
+
+    gpu = load_model(str(tiny_models["qwen2"]), device="cuda", dtype="fp32")
+    reg = _regenerator(gpu)
+    calls, batched = [], codec.encode_state
+    monkeypatch.setattr(codec, "encode_state", lambda *a, **k: calls.append(k) or batched(*a, **k))
+    st = CompressSettings(codec=codec.settings_for(16), n_clusters=3, min_span_tokens=8, max_span_tokens=48)
+    got = compress_document(gpu, CORPUS, tmp_path / "g.upc", st, regenerator=reg)
+    assert len(calls) == 1
+    assert abs(got.compression_ratio / 16 - 1) <= 0.03, got.compression_ratio
+    with StateFile(got.path) as sf:
+        assert sf.meta["regenerator"]["sides"] > 0
+    prefix, _ = load_prefix(got.path, gpu, regenerator=reg)
+    assert all(bool(torch.isfinite(k).all()) for k in prefix.keys)

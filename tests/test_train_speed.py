@@ -241,3 +241,14 @@ def test_states_coded_by_host_threads_are_those_coded_in_turn(tiny_lm, regenerat
         assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
     for x, y in zip(got[0].examples + got[0].held_examples, got[2].examples + got[2].held_examples):
         assert torch.equal(x.teacher_logp, y.teacher_logp) and torch.equal(x.full_logp, y.full_logp)
+
+
+def test_on_a_gpu_the_states_go_to_host_threads_only_when_the_batched_codec_cannot_take_the_regenerator(regenerator):
+    from dataclasses import replace
+
+    from kite.upcycle.train.documents import codec_workers_for
+
+    assert codec_workers_for("cpu", regenerator, [8.0]) == 0
+    assert codec_workers_for("cuda", regenerator, [8.0, 16.0]) == 0          # coded on the device, batched
+    assert codec_workers_for("cuda", replace(regenerator, choice="measured"), [8.0]) >= 1
+    assert codec_workers_for("cuda", None, [8.0]) >= 1

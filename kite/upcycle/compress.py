@@ -157,7 +157,8 @@ def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: 
 
     `regenerator`: a :class:`kite.upcycle.codec.Regenerator` of this model: PCA sides are coded on
     its calibrated bases where that is expected to pay (the state then records its fingerprint and
-    loads only with it); the per-layer codec runs.
+    loads only with it). The batched codec takes an unweighted one that chooses by the expected error
+    (:func:`kite.upcycle.codec.batched_takes_regenerator`, same bytes); others run the per-layer codec.
     `ids`: the document's token ids when the caller already has them (what the state will be
     reused after); `text` is then ignored and rebuilt from the ids' pieces.
     `device`: where the codec runs batched over layers and parts (`kite.upcycle.codec.encode_state`,
@@ -290,8 +291,8 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
     writer = StateWriter(large_min_saving=LARGE_MIN_SAVING if gpu else MIN_SAVING)
     part_ratios: list[float] = []
     fit_codec = settings.codec
-    batched = device is not None and codec.supports_batched(settings.codec) and regenerator is None \
-        and not settings.label_ratios
+    batched = device is not None and codec.supports_batched(settings.codec) and not settings.label_ratios \
+        and (regenerator is None or codec.batched_takes_regenerator(regenerator, settings.codec))
     sets_once: list[list[torch.Tensor]] = []
 
     def token_sets_once() -> list[torch.Tensor]:
@@ -307,7 +308,9 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
         """Every blob of the state under its key."""
         if batched:
             enc = codec.encode_state(cap.keys_pre, cap.values, sets_once[0] if sets_once else token_sets_once,
-                                     settings.codec, device=device, overhead_bytes=container_bytes)
+                                     settings.codec, device=device, overhead_bytes=container_bytes,
+                                     regenerator=regenerator)
+            regenerated[0] = enc.info["regenerated_sides"]
             if progress:
                 progress("compress", n_layers, n_layers)
             return enc.items()

@@ -10,6 +10,7 @@ kite.kernels.lanes)."""
 
 from kite.upcycle.codec.batched import EncodedState, encode_state
 from kite.upcycle.codec.batched import supports as supports_batched
+from kite.upcycle.codec.batched_regen import takes as batched_takes_regenerator
 from kite.upcycle.codec.bits import (allocate_bits, allocate_bits_batched, expected_error, first_bit_cost,
                                     layer_budget_bits)
 from kite.upcycle.codec.blob import Blob, EncodedPart, LayerCodec, from_bytes, nbytes, to_bytes
@@ -34,4 +35,4 @@ __all__ = ["CODERS", "FLOAT_FORMATS", "INT_FORMATS", "LANE_CLIPS", "PRESETS", "P
            "attach_regenerator", "batched_pca", "blocks", "coder", "decode", "dequantize", "encode", "encode_lanes",
            "encode_state", "expected_error", "first_bit_cost", "fit_layer", "fit_layers", "fit_state", "from_bytes", "lanes_nbytes",
            "layer_budget_bits", "model_value_weights", "nbytes", "part_widths", "quantize", "ratio_of", "register",
-           "settings_for", "state_budgeted", "supports_batched", "tensors_nbytes", "to_bytes", "weighted_error"]
+           "settings_for", "state_budgeted", "supports_batched", "batched_takes_regenerator", "tensors_nbytes", "to_bytes", "weighted_error"]

@@ -17,10 +17,12 @@ it runs on a GPU without host round trips until the blobs are serialized.
 Nothing between the eigensolver and the codes waits for the host. The blobs are the per-layer
 codec's bytes (:mod:`kite.upcycle.format.codec_blob`); results match it up to floating-point
 summation order (the eigendecomposition on a GPU is float32; a coefficient near a quantization
-boundary may land on the next code). On the CPU with the same kernels they are identical.
+boundary may land on the next code). On the CPU with the same kernels they are identical but for a rare
+last-place difference of a group's fp16 scale or minimum where the two projections round apart.
 
 Supported: ``k_mode == v_mode == "pca"`` with ``outliers == 0`` (the ``ratio=R`` presets);
-:func:`supports` says so, and the caller uses the per-layer codec otherwise.
+:func:`supports` says so, and the caller uses the per-layer codec otherwise. A regenerator's bases
+(:mod:`.batched_regen`): an unweighted one choosing by the expected error, with a state-wide budget.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from kite.kernels.streams import StageClock, host_async, host_sync, join_side_st
 from kite.upcycle.codec.batched_bytes import HostSide, copy_back, layer_blob, part_blob
 from kite.upcycle.codec.batched_encode import encode_side, gather_center, layout, partition
 from kite.upcycle.codec.batched_fit import fit_launch, solve_launch
+from kite.upcycle.codec.batched_regen import takes
 from kite.upcycle.codec.settings import CodecSettings, settings_for
 from kite.upcycle.format.bitlayout import runs_plan
 from kite.upcycle.format.names import blob_key
@@ -79,7 +82,8 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
                  token_sets: list[torch.Tensor] | Callable[[], list[torch.Tensor]],
                  settings: CodecSettings | str | float | None = None, *,
                  device: torch.device | str | None = None, sync_timings: bool = False,
-                 overhead_bytes: int | Callable[[list[torch.Tensor]], int] | None = None) -> EncodedState:
+                 overhead_bytes: int | Callable[[list[torch.Tensor]], int] | None = None,
+                 regenerator=None) -> EncodedState:
     """Fit and encode a whole document: keys (pre-RoPE) and values [L, H, T, d] (or per-layer lists),
     clusters given as token index sets (a partition of range(T), each ascending).
 
@@ -91,10 +95,16 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
     ``timings_ms`` splits the time by stage (off: one figure per stage, host-side only).
     ``overhead_bytes``: the container header's expected bytes, or a function of the clusters that
     gives them (a state-wide budget counts them; default :func:`.state_bits.container_overhead`).
+    ``regenerator``: a :class:`kite.upcycle.codec.Regenerator` of the model that :func:`.batched_regen.takes`:
+    each layer side is coded on its basis or the document's, as the per-layer codec chooses
+    (``info["regenerated_sides"]`` counts those on its basis).
     """
     s = settings_for(settings)
     if not supports(s):
         raise ValueError(f"the batched codec takes pca keys and values without outliers, not {s.name}")
+    if regenerator is not None and not takes(regenerator, s):
+        raise ValueError("the batched codec takes an unweighted regenerator choosing by the expected error, "
+                         "with a state-wide budget")
     if isinstance(keys_pre, (list, tuple)):
         dev0 = keys_pre[0].device
     else:
@@ -115,7 +125,8 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
     if callable(token_sets):
         sets = partition(token_sets(), T)
         clock.lap("cluster (caller's)")
-    fits = fit_launch(solved, s, clock, sets, overhead_bytes(sets) if callable(overhead_bytes) else overhead_bytes)
+    fits = fit_launch(solved, s, clock, sets, overhead_bytes(sets) if callable(overhead_bytes) else overhead_bytes,
+                      regenerator)
     del solved
     lay = layout(sets, s, dev)   # host work while the eigensolver runs
     # the tokens gathered and centered while the eigensolver runs on its stream
@@ -127,6 +138,8 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
         small += [f.bits, f.solved, f.row_bits, plans[prefix].tables]
         if "plan" in f.stored:
             small.append(f.stored["plan"].tables)
+        if f.regen is not None:
+            small.append(f.regen)
     *small_h, tables_ready = host_async(*small)
     clock.lap("encode: plan")
     # the side with more bits first: its codes go to the host while the other side is encoded
@@ -148,7 +161,8 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
             raise KiteError(f"the eigensolver did not converge on the {prefix} Gram of layer(s) {bad} "
                             "(non-finite KV values?)")
         host[prefix] = HostSide(f.B, f.D, bits_h, row_bits_h, tables_h,
-                                 next(small_h) if "plan" in f.stored else None)
+                                 next(small_h) if "plan" in f.stored else None,
+                                 regen=next(small_h) if f.regen is not None else None)
     for prefix, _ in order:   # the copy stream runs in order: first done, first copied
         copy_back(fits[prefix], coded[prefix], host[prefix], done[prefix])
     xs = list(out_x.items())
@@ -163,5 +177,6 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
                    for c, t_set in enumerate(sets)] for layer in range(L)]
     clock.lap("serialize")
     info = {f"R_{prefix}": [hs.rank(layer) for layer in range(L)] for prefix, hs in host.items()}
+    info["regenerated_sides"] = sum(int(hs.regen.sum()) for hs in host.values() if hs.regen is not None)
     return EncodedState(layer_blobs=layer_blobs, part_blobs=part_blobs,
                         timings_ms={k: round(v, 3) for k, v in clock.times.items()}, info=info)

@@ -33,6 +33,7 @@ class HostSide:
     mean: np.ndarray = None   # [L, bytes]
     codes: tuple = ()         # (packed, scale, min) as uint8
     basis: tuple = ()         # int formats: (packed, scale, min) as uint8; float formats: (rows,)
+    regen: np.ndarray | None = None   # [L] bool: the layer is coded on a regenerator's basis (none stored)
 
     def rank(self, layer: int) -> int:
         return int((self.row_bits[layer] > 0).sum())
@@ -61,7 +62,10 @@ def layer_blob(layer: int, sides: dict[str, HostSide], s: CodecSettings, H: int,
     for prefix, hs in sides.items():
         B, D, R = hs.B, hs.D, hs.rank(layer)
         table.append((f"{prefix}.mean", "f32" if s.basis_fmt == "fp32" else "f16", [B, D], hs.mean[layer]))
-        if hs.basis_tables is not None:
+        mode = "pca"
+        if hs.regen is not None and hs.regen[layer]:   # RegenSide: the mean, the bits, no basis
+            mode = "rpca"
+        elif hs.basis_tables is not None:
             first, nbytes, first_sc, nsc = hs.basis_tables[:, layer, 0, INT_FORMATS[s.basis_fmt]]
             packed, scale, mn = hs.basis
             table += [(f"{prefix}.basis.codes", "u8", [int(nbytes)], packed[first:first + nbytes]),
@@ -76,7 +80,7 @@ def layer_blob(layer: int, sides: dict[str, HostSide], s: CodecSettings, H: int,
                           np.ascontiguousarray(rows.transpose(1, 0, 2)).tobytes()))
         b = hs.bits[layer]
         table.append((f"{prefix}.bits", "u8", [B, D], b.astype(np.uint8).tobytes()))
-        meta[prefix] = {"mode": "pca", "blocks": B, "dim": D, "rank_max": int((b > 0).sum(axis=1).max()) if b.size else 0}
+        meta[prefix] = {"mode": mode, "blocks": B, "dim": D, "rank_max": int((b > 0).sum(axis=1).max()) if b.size else 0}
     return codec_blob.encode_rows(meta, table)
 
 

@@ -17,6 +17,7 @@ import torch
 from kite.kernels.eigh import centered_gram, eigh_desc
 from kite.kernels.quant import quantize_plan
 from kite.kernels.streams import StageClock, on_side_stream, tf32, to_dev
+from kite.upcycle.codec.batched_regen import choose
 from kite.upcycle.codec.bits import allocate_bits_batched, layer_budget_bits
 from kite.upcycle.codec.quant import FLOAT_FORMATS, INT_FORMATS
 from kite.upcycle.codec.layer import state_budgeted
@@ -46,6 +47,7 @@ class Fitted:
     row_bits: torch.Tensor     # [L, B*D] int64: bits of the stored column in each basis row (0: none)
     basis: torch.Tensor        # [L, B, D, D] float32: row (l, b, j) = block b's j-th stored column, as decoded
     stored: dict               # the basis as stored: int formats {"packed", "scale", "min", "plan"}, else {"rows"}
+    regen: torch.Tensor | None = None   # [L] bool: the layer is coded on the regenerator's basis (none stored)
 
 
 def stored_basis(U: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,10 +124,12 @@ def solve_launch(sides: dict[str, tuple[torch.Tensor, float]], s: CodecSettings,
 
 
 def fit_launch(solved: Solved, s: CodecSettings, clock: StageClock, sets: list[torch.Tensor],
-               overhead_bytes: int | None = None) -> dict[str, Fitted]:
+               overhead_bytes: int | None = None, regenerator=None) -> dict[str, Fitted]:
     """Queue, on the fit stream after the eigendecompositions, the bit allocations (over the whole
     state for ``budget="state"`` settings, :mod:`.state_bits`, its costs exact for the parts ``sets``;
-    else per layer and side), the stored bases and their quantization. Nothing here waits for the device."""
+    else per layer and side), the stored bases and their quantization. Nothing here waits for the
+    device, except with a ``regenerator`` (:mod:`.batched_regen`: each layer side's choice between its
+    basis and the document's is made on the host)."""
     out, at, evals = {}, 0, {}
     with on_side_stream(clock.dev) as st:
         for prefix in solved.sides:
@@ -141,18 +145,26 @@ def fit_launch(solved: Solved, s: CodecSettings, clock: StageClock, sets: list[t
             ev = evals[prefix]
             U = solved.U[at:at + L * B].float()
             at += L * B
+            mean_st, U, regen = solved.mean_st[prefix], U.view(L, B, D, D), None
             if state_budgeted(s):
                 bits = all_bits[prefix]
             else:
                 budget = layer_budget_bits(bpe, H, T, d, B, D, s)
                 bits = allocate_bits_batched(ev.reshape(L, B, D), [budget] * L, T, D, s)   # [L, B, D]
+            if regenerator is not None:
+                picked = choose(prefix, X, ev.reshape(L, B, D), U, mean_st, bits, regenerator, s, sets)
+                bits, U, mean_st, regen = picked.bits, picked.U, picked.mean_st, picked.regen
             ok = torch.isfinite(ev).all(dim=1).reshape(L, B)
-            row_bits, rows = stored_basis(U.view(L, B, D, D), bits)
-            basis, stored = quantize_basis(rows, row_bits, s)
-            out[prefix] = f = Fitted((L, H, T, d), B, D, solved.mean_st[prefix], bits, ok, row_bits, basis, stored)
+            row_bits, rows = stored_basis(U, bits)
+            if regen is None:
+                basis, stored = quantize_basis(rows, row_bits, s)
+            else:   # the regenerator's columns are not stored: coded on as they are (fp32)
+                basis, stored = quantize_basis(rows, torch.where(regen[:, None], 0, row_bits), s)
+                basis = torch.where(regen[:, None, None, None], rows, basis)
+            out[prefix] = f = Fitted((L, H, T, d), B, D, mean_st, bits, ok, row_bits, basis, stored, regen)
             if st is not None:   # made on the fit stream, used on the caller's after join_side_stream
                 main = torch.cuda.current_stream(clock.dev)
-                for t in [f.bits, f.solved, f.row_bits, f.basis] + [v for v in stored.values() if torch.is_tensor(v)]:
+                for t in [f.bits, f.solved, f.row_bits, f.basis, f.mean_st] + [v for v in stored.values() if torch.is_tensor(v)]:
                     t.record_stream(main)
         clock.lap("fit: bits + basis")
     return out

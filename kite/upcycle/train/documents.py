@@ -8,12 +8,14 @@ in the run folder (a resumed run) is not made again. The states are the files th
 is loaded from its file once (the load a user's state goes through) and kept decoded on the device
 (:class:`~kite.upcycle.train.adapter.PrefixCache`) for every step and epoch that reads it.
 
-With a GPU the states are coded on the host, by a few threads, while the GPU prefills the next
-documents and computes their teachers: a state coded on a regenerator goes through the per-layer
-codec (the batched encoder takes no regenerator), whose many small operations run faster on a host
-core than as GPU launches: 9 s per 2K-token state of the embedded model on the H200's device, 2.8 s
-on one core of the dev CPU (both 2026-12-02, 16x). The bytes are the host codec's, as a CPU run
-writes them.
+With a GPU the states are coded on the device by the batched codec
+(:func:`kite.upcycle.codec.encode_state`), which takes an unweighted regenerator choosing by the
+expected error and writes the per-layer codec's bytes. A regenerator it does not take (weighted, or
+choosing by measured error or the attention probe) goes through the per-layer codec, whose many small
+operations run faster on a host core than as GPU launches (9 s per 2K-token state of the embedded
+model on the H200's device, 2.8 s on one core of the dev CPU, both 2026-12-02, 16x): those states are
+coded on the host, by a few threads, while the GPU prefills the next documents and computes their
+teachers.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 
 from kite.runtime.cache import cache_layers
 from kite.upcycle.capture import Capture
+from kite.upcycle.codec import batched_takes_regenerator
 from kite.upcycle.codec.settings import settings_for
 from kite.upcycle.compress import CompressSettings, capture_for, compress_document
 from kite.upcycle.load.prefix import load_prefix
@@ -103,10 +106,14 @@ def on_host(cap: Capture) -> Capture:
                                query_tail=[q.cpu() for q in cap.query_tail], cache=None)
 
 
-def codec_workers_for(device) -> int:
-    """Host threads that code states while the device goes on: on a GPU, up to 8 (half the cores);
-    on the CPU none (the model's own forwards need the cores)."""
+def codec_workers_for(device, regenerator=None, ratios=()) -> int:
+    """Host threads that code states while the device goes on: on the CPU none (the model's own
+    forwards need the cores); on a GPU none when the batched codec takes the regenerator at every
+    training ratio (the states are coded on the device, in turn), else up to 8 (half the cores)."""
     if torch.device(device).type != "cuda":
+        return 0
+    if regenerator is not None and ratios and all(batched_takes_regenerator(regenerator, settings_for(r))
+                                                  for r in ratios):
         return 0
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 

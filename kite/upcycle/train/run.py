@@ -65,7 +65,7 @@ class TrainRequest:
     adapter: bool = True                    # train the reader adapter (else the regenerator only)
     regenerator: Path | None = None         # a regenerator folder to code the states with (else one is fitted)
     pairs_per_step: int = 1                 # the adapter's pairs per optimizer step (one forward, their mean loss)
-    codec_workers: int | None = None        # host threads coding the states (None: 8 on a GPU, 0 on the CPU)
+    codec_workers: int | None = None        # host threads coding the states (None: codec_workers_for's choice)
 
     def check(self, pairs: list[Pair]) -> tuple[list[Pair], list[Pair]]:
         """BadInput for a bad mode or ratio, or pairs too few to split; returns (train, held out)."""
@@ -194,7 +194,7 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
 
     # 2. each document once: its states at every training ratio, their prefixes on the device and
     #    its pairs' teacher (kite.upcycle.train.documents)
-    workers = codec_workers_for(lm.device) if req.codec_workers is None else req.codec_workers
+    workers = codec_workers_for(lm.device, reg, req.ratios) if req.codec_workers is None else req.codec_workers
     prep = prepare_documents(lm, pairs, train, held, reg, cfg, req.ratios, out, times, teacher=req.adapter,
                              progress=progress, kept=kept, codec_workers=workers)
     timings["states_s"] = round(times.total("capture", "compress", "load"), 1)   # after the regenerator
