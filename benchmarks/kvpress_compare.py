@@ -23,6 +23,10 @@ press's delta as the baseline of KITE's row (x_baseline < 1: KITE's loss is that
 press's). Both sides compute the full-context PPL in their own transformers; the result keeps both
 (they agree to ~1e-4). Mean rows over the documents close the table. No timing rows: nothing here
 has a floor.
+
+``--regenerator DIR`` codes KITE's states on a regenerator (its calibrated bases: what a user who ran
+`kite upcycle train` compresses with); its rows are named "KITE (regenerator)" and the result keeps
+its fingerprint and calibration.
 """
 
 from __future__ import annotations
@@ -86,7 +90,12 @@ def _score(probe: str, text: str, reference: str) -> float:
     return float(first_number(text) == reference) if probe == "passkey" else f1_score(answer_text(text), reference)
 
 
-def _task_rows(res, lm, args, asks, side, presses) -> None:
+def _kite(regen) -> str:
+    """KITE's rows' name: its states coded on a regenerator are named so."""
+    return "KITE" if regen is None else "KITE (regenerator)"
+
+
+def _task_rows(res, lm, args, asks, side, presses, regen) -> None:
     """Per task probe and ratio: KITE's score from its state, each press's, against the full context's."""
     from kite.upcycle import CompressSettings, codec, passkey_probe, qa_probe
 
@@ -110,16 +119,16 @@ def _task_rows(res, lm, args, asks, side, presses) -> None:
             settings = CompressSettings(codec=codec.settings_for(ratio))
             if probe == "passkey":
                 text = text or (Path("/usr/share/common-licenses") / args.passkey_text).read_text()
-                out = passkey_probe(lm, text, args.passkey_tokens, settings, full=i == 0)
+                out = passkey_probe(lm, text, args.passkey_tokens, settings, full=i == 0, regenerator=regen)
                 state, full_value = out["state_accuracy"], out["full_accuracy"]
             else:
-                out = qa_probe(lm, args.qa_tokens, settings, contracts=args.qa_contracts, full=i == 0)
+                out = qa_probe(lm, args.qa_tokens, settings, contracts=args.qa_contracts, full=i == 0, regenerator=regen)
                 state, full_value = out["state_f1"], out["full_f1"]
             if i == 0:
                 full = res.row(f"{cell}: {metric} from the full context", full_value, unit, probe=probe,
                                kvpress_env_full=press_score(None, None))
             base = {"baseline": full["name"]} if full["value"] > 0 else {}
-            res.row(f"{cell}, {ratio:g}x: {metric}, KITE", state, unit, probe=probe, ratio=ratio,
+            res.row(f"{cell}, {ratio:g}x: {metric}, {_kite(regen)}", state, unit, probe=probe, ratio=ratio,
                     bytes_ratio=out["compression_ratio"], **base)
             scores = {p: press_score(p, ratio) for p in presses}
             for p, v in scores.items():
@@ -143,6 +152,9 @@ def main(argv=None) -> int:
     ap.add_argument("--qa-tokens", type=int, default=1024, help="about this many tokens per QA contract")
     ap.add_argument("--qa-contracts", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--regenerator", type=Path,
+                    help="code KITE's states on this regenerator folder (`kite upcycle train` makes one; its "
+                         "calibration must not have read the documents measured here)")
     ap.add_argument("--kvpress-python", default=str(ROOT / ".venv-kvpress" / "bin" / "python"),
                     help="the python of kvpress's venv (make kvpress-env)")
     args = parse(ap, argv)
@@ -155,10 +167,11 @@ def main(argv=None) -> int:
     from kite.errors import BadInput
     from kite.model import load_model
     from kite.model.convert import converted_gguf_folder
-    from kite.upcycle import CompressSettings, codec, evaluate, split_text
+    from kite.upcycle import CompressSettings, Regenerator, codec, evaluate, split_text
     from kite.upcycle.study import LICENSES, held_out_docs
 
     lm = load_model(args.model, device=args.device)
+    regen = Regenerator.load(args.regenerator) if args.regenerator else None
     folder = converted_gguf_folder(lm.source.path) if lm.source.kind in ("embedded", "gguf") else lm.source.path
     texts = {name: (LICENSES / name).read_text() for name in args.texts}
     if args.contracts:
@@ -166,7 +179,8 @@ def main(argv=None) -> int:
 
     res = Result("kvpress_compare", device=lm.device)
     res.raw.update(model=args.model or "embedded", threads=args.threads, context_tokens=args.context_tokens,
-                   continuation_tokens=args.continuation_tokens, texts=list(texts), kite=[])
+                   continuation_tokens=args.continuation_tokens, texts=list(texts), kite=[],
+                   regenerator=None if regen is None else {"fingerprint": regen.fingerprint, "meta": regen.meta})
 
     # kvpress first (its own process), on exactly the token ids KITE scores
     cases, asks = [], _asks(lm, args)
@@ -187,19 +201,19 @@ def main(argv=None) -> int:
     press_delta = {(c["text"], c["ratio"], c["press"]): c["ppl_delta"] for c in side["cells"]}
     presses = [p for p in args.presses if p not in side["skipped"]]
 
-    _task_rows(res, lm, args, asks, side, presses)
+    _task_rows(res, lm, args, asks, side, presses, regen)
     if "ppl" not in args.probes:
         return finish(res, args)
     kite_delta: dict[tuple, float] = {}
     for name, text in texts.items():
         for ratio in args.ratios:
             r = evaluate(lm, text, context_tokens=args.context_tokens, continuation_tokens=args.continuation_tokens,
-                         settings=CompressSettings(codec=codec.settings_for(ratio)))
+                         settings=CompressSettings(codec=codec.settings_for(ratio)), regenerator=regen)
             kite_delta[(name, ratio)] = r.ppl_delta
             res.raw["kite"].append({"text": name, "ratio": ratio, **r.to_dict()})
             best = min(presses, key=lambda p: press_delta[(name, ratio, p)]) if presses else None
             cell = f"{name} {r.context_tokens} + {r.continuation_tokens}, {ratio:g}x"
-            res.row(f"{cell}: KITE PPL delta", r.ppl_delta, "ppl",
+            res.row(f"{cell}: {_kite(regen)} PPL delta", r.ppl_delta, "ppl",
                     **_against(best, None if best is None else press_delta[(name, ratio, best)]), text=name, ratio=ratio, ppl_full=r.ppl_full, bytes_ratio=round(r.raw_kv_bytes / r.state_bytes, 3),
                     kl_mean=r.kl_mean)
             for p in presses:
@@ -213,7 +227,7 @@ def main(argv=None) -> int:
         mean = sum(kite_delta[(n, ratio)] for n in texts) / len(texts)
         means = {p: sum(press_delta[(n, ratio, p)] for n in texts) / len(texts) for p in presses}
         best = min(means, key=means.get) if means else None
-        res.row(f"mean of {len(texts)} documents, {ratio:g}x: KITE PPL delta", round(mean, 4), "ppl",
+        res.row(f"mean of {len(texts)} documents, {ratio:g}x: {_kite(regen)} PPL delta", round(mean, 4), "ppl",
                 **_against(best, None if best is None else round(means[best], 4)), ratio=ratio)
         for p, m in means.items():
             res.row(f"mean of {len(texts)} documents, {ratio:g}x: {p} PPL delta", round(m, 4), "ppl",
