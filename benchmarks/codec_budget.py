@@ -27,22 +27,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import Result, finish, parse, parser  # noqa: E402
+from harness import Result, finish, held_out_flags, held_out_texts, parse, parser  # noqa: E402
 
-TEXTS = ("GPL-3", "Apache-2.0")
 VARIANTS = {"layer": dict(budget="layer", even_groups=False), "state": dict(budget="state", even_groups=True)}
 
 
 def main(argv=None) -> int:
     ap = parser(__doc__, device="cpu")
-    ap.add_argument("--model", default=None, help="default: the embedded model")
-    ap.add_argument("--texts", nargs="*", default=list(TEXTS))
-    ap.add_argument("--contracts", type=int, default=0, help="also this many held-out contracts (default 0)")
-    ap.add_argument("--ratios", nargs="+", type=float, default=[4.0, 8.0, 16.0, 20.0])
+    held_out_flags(ap, context_tokens=1024, continuation_tokens=256)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--context-tokens", type=int, default=1024)
-    ap.add_argument("--continuation-tokens", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = parse(ap, argv)
 
     import torch
@@ -51,16 +44,13 @@ def main(argv=None) -> int:
     from kite.model import load_model
     from kite.upcycle import CompressSettings, evaluate
     from kite.upcycle import codec
-    from kite.upcycle.study import LICENSES, held_out_docs
 
     lm = load_model(args.model, device=args.device)
     res = Result("codec_budget", device=lm.device)
     res.raw.update(model=args.model or "embedded", threads=args.threads, context_tokens=args.context_tokens,
                    continuation_tokens=args.continuation_tokens, variants={v: VARIANTS[v] for v in args.variants},
                    cells=[])
-    texts = {name: (LICENSES / name).read_text() for name in args.texts}
-    if args.contracts:
-        texts.update(held_out_docs(args.contracts, licenses=()))
+    texts = held_out_texts(args)
     res.raw["texts"] = list(texts)
     deltas: dict[tuple, float] = {}
     for name, text in texts.items():

@@ -39,10 +39,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import Result, finish, parse, parser  # noqa: E402
+from harness import Result, finish, held_out_flags, held_out_texts, parse, parser  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXTS = ("GPL-3", "Apache-2.0")
 # query-agnostic presses (a state is made before any question is known) that run on the CPU
 # without downloads; SnapKV scores by the context's own last window
 PRESSES = ("KnormPress", "StreamingLLMPress", "SnapKVPress", "ExpectedAttentionPress", "TOVAPress",
@@ -139,19 +138,13 @@ def _task_rows(res, lm, args, asks, side, presses, regen) -> None:
 
 def main(argv=None) -> int:
     ap = parser(__doc__, device="cpu")
-    ap.add_argument("--model", default=None, help="default: the embedded model")
-    ap.add_argument("--texts", nargs="*", default=list(TEXTS))
-    ap.add_argument("--contracts", type=int, default=0, help="also this many held-out contracts (default 0)")
-    ap.add_argument("--ratios", nargs="+", type=float, default=[4.0, 8.0, 16.0, 20.0])
+    held_out_flags(ap, context_tokens=2048, continuation_tokens=512)
     ap.add_argument("--presses", nargs="+", default=list(PRESSES))
-    ap.add_argument("--context-tokens", type=int, default=2048)
-    ap.add_argument("--continuation-tokens", type=int, default=512)
     ap.add_argument("--probes", nargs="+", default=["ppl", "passkey", "qa"], choices=["ppl", "passkey", "qa"])
     ap.add_argument("--passkey-text", default="GPL-3", help="the passkeys' text, under /usr/share/common-licenses")
     ap.add_argument("--passkey-tokens", type=int, default=1024, help="context of the passkey probe")
     ap.add_argument("--qa-tokens", type=int, default=1024, help="about this many tokens per QA contract")
     ap.add_argument("--qa-contracts", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--regenerator", type=Path,
                     help="code KITE's states on this regenerator folder (`kite upcycle train` makes one; its "
                          "calibration must not have read the documents measured here)")
@@ -168,14 +161,11 @@ def main(argv=None) -> int:
     from kite.model import load_model
     from kite.model.convert import converted_gguf_folder
     from kite.upcycle import CompressSettings, Regenerator, codec, evaluate, split_text
-    from kite.upcycle.study import LICENSES, held_out_docs
 
     lm = load_model(args.model, device=args.device)
     regen = Regenerator.load(args.regenerator) if args.regenerator else None
     folder = converted_gguf_folder(lm.source.path) if lm.source.kind in ("embedded", "gguf") else lm.source.path
-    texts = {name: (LICENSES / name).read_text() for name in args.texts}
-    if args.contracts:
-        texts.update(held_out_docs(args.contracts, licenses=()))
+    texts = held_out_texts(args)
 
     res = Result("kvpress_compare", device=lm.device)
     res.raw.update(model=args.model or "embedded", threads=args.threads, context_tokens=args.context_tokens,

@@ -22,12 +22,12 @@ A benchmark script::
         return finish(res, args)                          # prints the rows, writes benchmarks/results/...
 """
 
-from .flags import parse, parser
+from .flags import held_out_flags, held_out_texts, parse, parser
 from .floors import (bytes_ms, cpu_bytes_ms, cpu_floor, cpu_flops_ms, cpu_forward_floor, cpu_fp32_text, cpu_limits,
                      cpu_mem_text, flops_ms, gpu_limits, host_link_ms)
 from .results import Result, finish
 from .timing import Timing, clock, time_ms, wall
 
 __all__ = ["Result", "Timing", "bytes_ms", "clock", "cpu_bytes_ms", "cpu_floor", "cpu_flops_ms", "cpu_forward_floor",
-           "cpu_fp32_text", "cpu_limits", "cpu_mem_text", "finish", "flops_ms", "gpu_limits", "host_link_ms", "parse", "parser",
+           "cpu_fp32_text", "cpu_limits", "cpu_mem_text", "finish", "flops_ms", "gpu_limits", "held_out_flags", "held_out_texts", "host_link_ms", "parse", "parser",
            "time_ms", "wall"]

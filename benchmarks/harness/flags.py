@@ -33,6 +33,28 @@ def parser(doc: str | None, timing: bool = False, repeat: int = 20, warmup: int 
     return ap
 
 
+def held_out_flags(ap: argparse.ArgumentParser, context_tokens: int, continuation_tokens: int) -> None:
+    """The flags of a benchmark measured on documents no tuning read (kite.upcycle.study's held-out
+    licenses and contracts): ``--model``, ``--texts``, ``--contracts``, ``--ratios``,
+    ``--context-tokens``, ``--continuation-tokens``, ``--threads``; :func:`held_out_texts` reads them."""
+    from kite.upcycle.study import HELD_OUT
+
+    ap.add_argument("--model", default=None, help="default: the embedded model")
+    ap.add_argument("--texts", nargs="*", default=list(HELD_OUT), help="licenses under /usr/share/common-licenses")
+    ap.add_argument("--contracts", type=int, default=0, help="also this many held-out contracts (default 0)")
+    ap.add_argument("--ratios", nargs="+", type=float, default=[4.0, 8.0, 16.0, 20.0])
+    ap.add_argument("--context-tokens", type=int, default=context_tokens)
+    ap.add_argument("--continuation-tokens", type=int, default=continuation_tokens)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+
+
+def held_out_texts(args: argparse.Namespace) -> dict[str, str]:
+    """The documents :func:`held_out_flags` named: the licenses, then the held-out contracts."""
+    from kite.upcycle.study import held_out_docs
+
+    return held_out_docs(args.contracts, licenses=args.texts)
+
+
 def parse(ap: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """Parse, resolve ``--device auto``, seed the generators; a bad --repeat / --warmup is an argparse
     error. With ``--json`` the script's own prints go to stderr until :func:`~.results.finish` puts
