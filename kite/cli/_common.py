@@ -332,3 +332,24 @@ def parse_clusters(spec: str | None) -> list[str] | None:
         raise BadInput(f"--clusters {spec!r}: no cluster named; give labels or ids (comma-separated), or leave "
                        f"--clusters out to load every cluster")
     return names
+
+
+def read_document(path: str) -> tuple[str, str]:
+    """(text, name) from a file path or '-' (stdin). Non-UTF-8 and empty input are BadInput."""
+    if path == "-":
+        data, name = sys.stdin.buffer.read(), "stdin"
+    else:
+        try:
+            data, name = Path(path).read_bytes(), Path(path).name
+        except FileNotFoundError:
+            raise BadInput(f"--input {path}: no such file")
+        except IsADirectoryError:
+            raise BadInput(f"--input {path}: is a folder, expected a text file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise BadInput(f"--input {path}:{line}: not UTF-8 text (byte {exc.start})")
+    if not text.strip():
+        raise BadInput(f"--input {path}: the document is empty")
+    return text, name

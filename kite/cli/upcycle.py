@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from kite.cli._common import (JsonOpt, MkdirOpt, console, emit_json, kept_on_interrupt, model_spec, new_app,
-                              user_config)
+                              read_document, user_config)
 from kite.cli.store import StoreOpt, TenantOpt
 from kite.errors import BadInput
 
@@ -18,28 +17,10 @@ app = new_app("Turn a document's KV cache into a .upc state; inspect, evaluate, 
 RegeneratorOpt = typer.Option("--regenerator", help="A regenerator folder (`kite upcycle train` makes DIR/regenerator): "
                               "code the state on its calibrated bases where that pays (default: upcycle_config "
                               "regenerator:).")
+LayerWeightsOpt = typer.Option("--layer-weights", help="A layer weights file (`kite upcycle weigh` makes one): the "
+                               "bit allocation weighs each layer's keys and values by it (default: upcycle_config "
+                               "layer_weights:).")
 ModelOpt = typer.Option("--model", "-m", help="HF folder, .gguf file or embedded name (default: config model.default).")
-
-
-def read_document(path: str) -> tuple[str, str]:
-    """(text, name) from a file path or '-' (stdin). Non-UTF-8 and empty input are BadInput."""
-    if path == "-":
-        data, name = sys.stdin.buffer.read(), "stdin"
-    else:
-        try:
-            data, name = Path(path).read_bytes(), Path(path).name
-        except FileNotFoundError:
-            raise BadInput(f"--input {path}: no such file")
-        except IsADirectoryError:
-            raise BadInput(f"--input {path}: is a folder, expected a text file")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[:exc.start].count(b"\n") + 1
-        raise BadInput(f"--input {path}:{line}: not UTF-8 text (byte {exc.start})")
-    if not text.strip():
-        raise BadInput(f"--input {path}: the document is empty")
-    return text, name
 
 
 # Every preset `--precision` accepts (kite.upcycle.codec.PRESETS, which a test holds this list to;
@@ -59,6 +40,7 @@ def compress(
     precision: Annotated[str | None, PrecisionOpt] = None,
     clusters: Annotated[int | None, typer.Option(min=1, help="Number of clusters (compression.cluster_num).")] = None,
     regenerator: Annotated[Path | None, RegeneratorOpt] = None,
+    layer_weights: Annotated[Path | None, LayerWeightsOpt] = None,
     label_ratio: Annotated[list[str] | None, typer.Option(
         "--label-ratio", help="LABEL=R: the clusters of that clause label at ratio R (repeatable; over the "
         "config's compression.label_ratios).")] = None,
@@ -94,7 +76,7 @@ def compress(
     with kept_on_interrupt(kept), progress_bar() as progress:   # config and flags checked before the model loads
         pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress,
                              kept_fraction=user_config().features.upcycle_compression_ratio, regenerator=regenerator,
-                             label_ratios=label_ratios)
+                             label_ratios=label_ratios, layer_weights=layer_weights)
         if tiers is None:
             result = pipe.compress(text, output, source_name=name, progress=progress, tenant=who)
         else:
@@ -196,6 +178,7 @@ def eval_cmd(
     clusters: Annotated[int | None, typer.Option(min=1, help="Number of clusters.")] = None,
     config: Annotated[Path | None, typer.Option(help="upcycle_config.yaml.")] = None,
     regenerator: Annotated[Path | None, RegeneratorOpt] = None,
+    layer_weights: Annotated[Path | None, LayerWeightsOpt] = None,
     probe: Annotated[str | None, typer.Option(help="Also measure tasks on the state at this ratio (a comma list): "
                                               "'passkey' (one key at 10/30/50/70/90 % depth), 'keys' (3 keys in "
                                               "one context), 'qa' (F1 on held-out generated contracts).")] = None,
@@ -213,7 +196,8 @@ def eval_cmd(
     check_probe(probe)
     with progress_bar() as progress:   # the config and the flags are checked before the model loads
         pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress,
-                             kept_fraction=user_config().features.upcycle_compression_ratio, regenerator=regenerator)
+                             kept_fraction=user_config().features.upcycle_compression_ratio, regenerator=regenerator,
+                             layer_weights=layer_weights)
         result = evaluate(pipe.lm, text, context_tokens=context_tokens, continuation_tokens=continuation_tokens,
                           settings=pipe.settings, tagger=pipe.tagger, probe=probe, progress=progress,
                           regenerator=pipe.regenerator)
@@ -414,3 +398,12 @@ def _register_train() -> None:
 
 
 _register_train()
+
+
+def _register_weigh() -> None:
+    from kite.cli.upcycle_weigh import weigh
+
+    app.command("weigh", help="Measure a model's layer weights for the state-wide bit allocation.")(weigh)
+
+
+_register_weigh()

@@ -60,6 +60,7 @@ from kite.upcycle.label_ratios import parse_label_ratio_flags, read_label_ratios
 from kite.upcycle.pipeline import Pipeline, compress_settings, open_pipeline
 from kite.upcycle.rope import apply_rope, remove_rope, rope_cos_sin
 from kite.upcycle.settings import UpcycleConfig, load_upcycle_config
+from kite.upcycle.weigh import measure_layer_weights
 from kite.upcycle.train import Pair, read_pairs, split_pairs
 from kite.upcycle.train.run import TrainRequest, train_upcycle
 from kite.upcycle.tagging import (ClauseTagger, QueryHead, TagResult, build_tagger, calibration_set,
@@ -72,7 +73,7 @@ __all__ = [
     "TagResult", "UpcycleConfig", "WindowCache", "apply_rope", "budget_cache", "build_tagger", "kv_bytes_per_token", "min_budget", "calibration_set",
     "check_budget", "check_fingerprints", "check_probe", "first_number", "passkey_contexts", "passkey_probe", "qa_contexts", "qa_probe", "qa_question", "run_probe", "codec", "codec_settings", "compare_logits", "compress_document",
     "compress_settings", "default_tier", "describe_state", "describe_tagger", "evaluate", "evaluate_queries",
-    "evaluate_tagging", "format", "lanes_for", "lanes_of", "load_lanes", "load_prefix", "load_upcycle_config", "migrate", "open_pipeline", "path_version", "pending_migration", "plan_migration",
+    "evaluate_tagging", "format", "lanes_for", "lanes_of", "load_lanes", "load_prefix", "load_upcycle_config", "measure_layer_weights", "migrate", "open_pipeline", "path_version", "pending_migration", "plan_migration",
     "Pair", "Regenerator", "RegeneratorFit", "TrainRequest", "read_pairs", "split_pairs", "train_upcycle",
     "LABEL_RATIOS_FILE", "cluster_ratios", "not_recodable", "parse_label_ratio_flags", "read_label_ratios", "recode_clusters",
     "state_ratio",

@@ -46,6 +46,9 @@ class CompressSettings:
     seed: int = 0
     # per clause label, its clusters' own ratio (kite.upcycle.label_ratios); others take the codec's
     label_ratios: dict[str, float] = field(default_factory=dict)
+    # each (layer, side)'s weight in the state-wide bit allocation, measured for the model
+    # (kite.upcycle.codec.LayerWeights, `kite upcycle weigh`); None: keys' k_weight, values 1
+    layer_weights: codec.LayerWeights | None = None
 
 
 @dataclass
@@ -185,6 +188,8 @@ def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: 
 def _check_settings(lm, settings: CompressSettings, regenerator) -> None:
     if settings.label_ratios and ratio_of(settings.codec) is None:
         raise BadInput(f"per-label ratios need a compression ratio, not the {settings.codec.name} preset")
+    if settings.layer_weights is not None:
+        settings.layer_weights.check(lm.geometry.n_layers, lm.fingerprints.base)
     if regenerator is not None:
         regenerator.check_model(lm)
         if regenerator.joint_heads != settings.codec.joint_heads:
@@ -269,6 +274,8 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
         if regenerator is not None:
             # sides: how many of the 2 x n_layers (layer, K|V) codecs took the regenerator's basis
             meta["regenerator"] = {"fingerprint": regenerator.fingerprint, "sides": regenerated[0]}
+        if settings.layer_weights is not None:   # (they weigh a state-wide budget; ratio=R's is one)
+            meta["layer_weights"] = {"fingerprint": settings.layer_weights.fingerprint}
         if address:
             meta["address"] = address_for(fps.combined, cap.ids, settings, meta["tagger"],
                                           None if regenerator is None else regenerator.fingerprint,
@@ -309,7 +316,7 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
         if batched:
             enc = codec.encode_state(cap.keys_pre, cap.values, sets_once[0] if sets_once else token_sets_once,
                                      settings.codec, device=device, overhead_bytes=container_bytes,
-                                     regenerator=regenerator)
+                                     regenerator=regenerator, layer_weights=settings.layer_weights)
             regenerated[0] = enc.info["regenerated_sides"]
             if progress:
                 progress("compress", n_layers, n_layers)
@@ -319,7 +326,8 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
         # one budget for the whole state: every layer's PCA first, then the allocation over all of them
         whole = (codec.fit_state(cap.keys_pre, cap.values, fit_codec, token_sets,
                                  overhead_bytes=container_bytes(token_sets),
-                                 layer_kwargs=None if regenerator is None else regenerated_layer)
+                                 layer_kwargs=None if regenerator is None else regenerated_layer,
+                                 layer_weights=settings.layer_weights)
                  if codec.state_budgeted(fit_codec) and not part_ratios else None)
         regenerated[0] = 0
         for layer in range(n_layers):

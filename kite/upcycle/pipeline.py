@@ -29,6 +29,7 @@ import torch
 from kite.errors import BadInput
 from kite.upcycle.address import Address, address_for
 from kite.upcycle.capture import tokenize_document
+from kite.upcycle.codec.layer_weights import LayerWeights
 from kite.upcycle.codec.regenerator import Regenerator, install
 from kite.upcycle.codec.settings import PRESETS, ratio_of, settings_for
 from kite.upcycle.compress import CompressResult, CompressSettings, Progress, compress_document
@@ -144,7 +145,7 @@ def open_pipeline(model: str | None = None,
                   ratio: float | None = None, precision: str | None = None, clusters: int | None = None,
                   kept_fraction: float | None = None, device: str | None = None, lm: LoadedModel=None, tagger: bool = True,
                   regenerator: str | Path | None = None, label_ratios: dict[str, float] | None = None,
-                  progress=None) -> Pipeline:
+                  layer_weights: str | Path | None = None, progress=None) -> Pipeline:
     """Config → settings (checked before anything slow) → model (``lm`` when given, else ``model``
     loaded with the config's adapter on ``device``) → the config's tagger (``tagger=False``: none).
     ``ratio``, ``precision``, ``clusters``, ``kept_fraction`` and ``label_ratios``: see
@@ -153,7 +154,9 @@ def open_pipeline(model: str | None = None,
     ``upcycle_config``: a path; None for ``configs/upcycle_config.yaml`` (else the defaults); a loaded
     config; or the (config, path) pair :func:`kite.upcycle.load_upcycle_config` returns (the path
     resolves the config's relative example files). ``regenerator``: a regenerator folder (default:
-    the config's ``regenerator:``), read and checked against the model.
+    the config's ``regenerator:``), read and checked against the model. ``layer_weights``: a layer
+    weights file (`kite upcycle weigh`; default: the config's ``layer_weights:``), read and checked
+    against the model: the state-wide bit allocation weighs each layer side by it.
     """
     if isinstance(upcycle_config, UpcycleConfig):
         cfg, cfg_path = upcycle_config, None
@@ -165,10 +168,15 @@ def open_pipeline(model: str | None = None,
                                  kept_fraction=kept_fraction, label_ratios=label_ratios, config_path=cfg_path)
     regen_dir = Path(regenerator) if regenerator is not None else cfg.resolve(cfg.regenerator, cfg_path)
     regen = Regenerator.load(regen_dir) if regen_dir is not None else None   # a bad folder fails before the model
+    weights_file = Path(layer_weights) if layer_weights is not None else cfg.resolve(cfg.layer_weights, cfg_path)
+    if weights_file is not None:
+        settings = replace(settings, layer_weights=LayerWeights.load(weights_file))   # (a bad file, before the model)
     if lm is None:
         from kite.model import load_model
 
         lm = load_model(model, adapter=cfg.resolve(cfg.adapter.path, cfg_path), device=device)
+    if settings.layer_weights is not None:
+        settings.layer_weights.check(lm.geometry.n_layers, lm.fingerprints.base)
     if regen is not None:
         regen.check_model(lm)
         install(regen)

@@ -80,6 +80,9 @@ class UpcycleConfig(_Strict):
     # A regenerator folder (`kite upcycle train` writes DIR/regenerator), relative to the config
     # file: states are then coded on its calibrated bases where that pays.
     regenerator: str | None = None
+    # A layer weights file (`kite upcycle weigh` writes one), relative to the config file: the
+    # state-wide bit allocation weighs each layer's keys and values by how much their errors cost.
+    layer_weights: str | None = None
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     semantic_tagging: TaggingConfig = Field(default_factory=TaggingConfig)
 
@@ -92,7 +95,7 @@ class UpcycleConfig(_Strict):
         return data
 
     def resolve(self, value: str | None, base: Path | None) -> Path | None:
-        """A path of this config (adapter.path, regenerator) made absolute against its file's folder."""
+        """A path of this config (adapter.path, regenerator, layer_weights) made absolute against its file's folder."""
         if value is None:
             return None
         p = Path(value).expanduser()

@@ -83,7 +83,7 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
                  settings: CodecSettings | str | float | None = None, *,
                  device: torch.device | str | None = None, sync_timings: bool = False,
                  overhead_bytes: int | Callable[[list[torch.Tensor]], int] | None = None,
-                 regenerator=None) -> EncodedState:
+                 regenerator=None, layer_weights=None) -> EncodedState:
     """Fit and encode a whole document: keys (pre-RoPE) and values [L, H, T, d] (or per-layer lists),
     clusters given as token index sets (a partition of range(T), each ascending).
 
@@ -97,7 +97,8 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
     gives them (a state-wide budget counts them; default :func:`.state_bits.container_overhead`).
     ``regenerator``: a :class:`kite.upcycle.codec.Regenerator` of the model that :func:`.batched_regen.takes`:
     each layer side is coded on its basis or the document's, as the per-layer codec chooses
-    (``info["regenerated_sides"]`` counts those on its basis).
+    (``info["regenerated_sides"]`` counts those on its basis). ``layer_weights``: each (layer, side)'s
+    weight in the state-wide allocation (:class:`.layer_weights.LayerWeights`).
     """
     s = settings_for(settings)
     if not supports(s):
@@ -126,7 +127,7 @@ def encode_state(keys_pre: torch.Tensor | list[torch.Tensor], values: torch.Tens
         sets = partition(token_sets(), T)
         clock.lap("cluster (caller's)")
     fits = fit_launch(solved, s, clock, sets, overhead_bytes(sets) if callable(overhead_bytes) else overhead_bytes,
-                      regenerator)
+                      regenerator, layer_weights)
     del solved
     lay = layout(sets, s, dev)   # host work while the eigensolver runs
     # the tokens gathered and centered while the eigensolver runs on its stream

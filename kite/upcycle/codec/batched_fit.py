@@ -124,7 +124,7 @@ def solve_launch(sides: dict[str, tuple[torch.Tensor, float]], s: CodecSettings,
 
 
 def fit_launch(solved: Solved, s: CodecSettings, clock: StageClock, sets: list[torch.Tensor],
-               overhead_bytes: int | None = None, regenerator=None) -> dict[str, Fitted]:
+               overhead_bytes: int | None = None, regenerator=None, layer_weights=None) -> dict[str, Fitted]:
     """Queue, on the fit stream after the eigendecompositions, the bit allocations (over the whole
     state for ``budget="state"`` settings, :mod:`.state_bits`, its costs exact for the parts ``sets``;
     else per layer and side), the stored bases and their quantization. Nothing here waits for the
@@ -138,7 +138,8 @@ def fit_launch(solved: Solved, s: CodecSettings, clock: StageClock, sets: list[t
             at += L * B
         if state_budgeted(s):
             (L, H, T, d), B, D = solved.shapes["k"]
-            all_bits = allocate_state({p: e.reshape(L, B, D) for p, e in evals.items()}, s, H, d, sets, overhead_bytes)
+            all_bits = allocate_state({p: e.reshape(L, B, D) for p, e in evals.items()}, s, H, d, sets, overhead_bytes,
+                                      layer_weights)
         at = 0
         for prefix, (X, bpe) in solved.sides.items():
             (L, H, T, d), B, D = solved.shapes[prefix]

@@ -160,7 +160,7 @@ def state_budgeted(settings) -> bool:
 
 
 def fit_state(keys_pre: list[torch.Tensor], values: list[torch.Tensor], settings, token_sets: list[torch.Tensor], *,
-              overhead_bytes: int | None = None, layer_kwargs=None) -> list[LayerCodec]:
+              overhead_bytes: int | None = None, layer_kwargs=None, layer_weights=None) -> list[LayerCodec]:
     """Fit every layer (pre-RoPE keys and values [H, T, d] per layer) with each component's bits
     allocated over the whole state's budget (:mod:`.state_bits`), its costs exact for the parts
     ``token_sets`` (index sets partitioning range(T)) the state will be coded in. ``overhead_bytes``:
@@ -169,7 +169,8 @@ def fit_state(keys_pre: list[torch.Tensor], values: list[torch.Tensor], settings
     ``layer_kwargs(layer) -> dict``: more :func:`fit_layer` arguments per layer (a regenerator's:
     ``Regenerator.layer``); each layer side then gets the bits the state-wide allocation gave it on
     the document's own basis as its budget, and its candidates (the regenerator's basis, the
-    document's) are allocated within it."""
+    document's) are allocated within it. ``layer_weights``: each (layer, side)'s weight in the
+    state-wide allocation (:class:`.layer_weights.LayerWeights`; None: keys' ``k_weight``)."""
     s = settings_for(settings)
     if not state_budgeted(s):
         return [fit_layer(k, v, s, **(layer_kwargs(i) if layer_kwargs else {}))
@@ -186,7 +187,7 @@ def fit_state(keys_pre: list[torch.Tensor], values: list[torch.Tensor], settings
             pcas[i][side] = (mean[i * B:(i + 1) * B], ev[i * B:(i + 1) * B], U[i * B:(i + 1) * B])
         evals[side] = ev.clamp_min(0).float().reshape(L, B, D)
     sets = [torch.as_tensor(t).reshape(-1) for t in token_sets]
-    bits = allocate_state(evals, s, H, d, sets, overhead_bytes)
+    bits = allocate_state(evals, s, H, d, sets, overhead_bytes, layer_weights)
     if layer_kwargs is None:
         return [fit_layer(k, v, s, pca=p, bits={side: bits[side][i] for side in bits})
                 for i, ((k, v), p) in enumerate(zip(zip(keys_pre, values), pcas))]

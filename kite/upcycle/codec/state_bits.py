@@ -102,29 +102,37 @@ def state_budget_bits(s: CodecSettings, L: int, H: int, d: int, B: int, D: int, 
     return (s.k_bits + s.v_bits) * L * H * T * d - fixed_bits(s, L, H, d, B, D, sets, overhead_bytes)
 
 
-def priorities(evals: dict[str, torch.Tensor], k_weight: float = 1.0) -> dict[str, torch.Tensor]:
+def priorities(evals: dict[str, torch.Tensor], k_weight: float = 1.0, layer_weights=None) -> dict[str, torch.Tensor]:
     """What the allocation compares, per side [L, B, D]: each component's variance relative to its
-    (layer, side)'s total variance, the keys' times ``k_weight``, so that the allocation minimises
-    the sum over layers and sides of each one's (weighted) relative squared error. Absolute
-    variances starve whole layers whose KV is small (measured: PPL deltas several times larger)."""
+    (layer, side)'s total variance, times the (layer, side)'s weight, so that the allocation
+    minimises the sum over layers and sides of each one's weighted relative squared error. The
+    weight: ``layer_weights``' (:class:`.layer_weights.LayerWeights`, measured per model) when given,
+    else 1 for values and ``k_weight`` for keys. Absolute variances starve whole layers whose KV is
+    small (measured: PPL deltas several times larger)."""
     out = {}
     for side, ev in evals.items():
         ev = ev.double().clamp_min(0)
         ev = ev / ev.sum(dim=(1, 2), keepdim=True).clamp_min(1e-30)
-        out[side] = ev * k_weight if side == "k" else ev
+        if layer_weights is not None:
+            out[side] = ev * layer_weights.side(side).to(ev.device)[:, None, None]
+        else:
+            out[side] = ev * k_weight if side == "k" else ev
     return out
 
 
 def allocate_state(evals: dict[str, torch.Tensor], s: CodecSettings, H: int, d: int, sets: list[torch.Tensor],
-                   overhead_bytes: int | None = None) -> dict[str, torch.Tensor]:
+                   overhead_bytes: int | None = None, layer_weights=None) -> dict[str, torch.Tensor]:
     """Each component's bits over the whole state: ``evals`` per side [L, B, D] (any device) ->
     int64 bits per side [L, B, D] on the same device. Keys and values share one budget
-    (``k_bits + v_bits`` per element; how the settings split it does not matter here)."""
+    (``k_bits + v_bits`` per element; how the settings split it does not matter here).
+    ``layer_weights``: each (layer, side)'s weight in :func:`priorities`."""
     sides = list(evals)
     L, B, D = evals[sides[0]].shape
     T = sum(int(t.numel()) for t in sets)
     parts = [int(t.numel()) for t in sets if t.numel()]
-    prio = priorities(evals, s.k_weight)
+    if layer_weights is not None and layer_weights.n_layers != L:
+        raise ValueError(f"layer weights for {layer_weights.n_layers} layers, the state has {L}")
+    prio = priorities(evals, s.k_weight, layer_weights)
     budget = state_budget_bits(s, L, H, d, B, D, sets, overhead_bytes)
     flat = torch.cat([prio[side].reshape(L * B, D) for side in sides])[None]       # [1, sides*L*B, D]
     bits = allocate_bits_batched(flat, [budget], T, D, s, parts=parts)[0]

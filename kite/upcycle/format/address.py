@@ -91,6 +91,11 @@ def check_address(meta: dict, format_version: int, where: str = "state") -> str 
     regen = (meta.get("regenerator") or {}).get("fingerprint")
     if addr.regenerator != regen:
         raise AddressMismatch(f"{where}: address names regenerator {addr.regenerator}, the header {regen}")
+    weights = meta.get("layer_weights")
+    weights = weights.get("fingerprint") if isinstance(weights, dict) else weights
+    named = addr.settings.get("layer_weights") if isinstance(addr.settings, dict) else None
+    if named != weights:
+        raise AddressMismatch(f"{where}: address names layer weights {str(named)[:80]}, the header {str(weights)[:80]}")
     if addr.format_version != format_version:
         raise AddressMismatch(f"{where}: address names format version {addr.format_version}, the file is "
                               f"{format_version}")

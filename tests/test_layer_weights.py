@@ -1,0 +1,98 @@
+"""Layer weights (kite.upcycle.codec.LayerWeights): measured per model, they weigh each layer side in
+the state-wide bit allocation; states made with them name them in their header and address, decode
+without them, and the two codec paths write the same bytes with them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kite.errors import BadInput
+from kite.upcycle import codec, measure_layer_weights
+from kite.upcycle.compress import CompressSettings, compress_document
+from kite.upcycle.format import StateFile
+from kite.upcycle.load import load_prefix
+from tests.tiny_models import CORPUS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_models):
+    from kite.model import load_model
+
+    return load_model(str(tiny_models["qwen2"]), device="cpu")
+
+
+def _weights(L, heavy=0, side="v"):
+    k, v = [1.0] * L, [1.0] * L
+    (v if side == "v" else k)[heavy] = 8.0
+    return codec.LayerWeights(tuple(k), tuple(v))
+
+
+def test_a_heavier_layer_side_gets_more_bits():
+    g = torch.Generator().manual_seed(0)
+    K = torch.randn(3, 2, 600, 16, generator=g) * torch.linspace(3, 0.1, 16)
+    V = torch.randn(3, 2, 600, 16, generator=g) * torch.linspace(2, 0.1, 16)
+    sets = list(torch.arange(600).chunk(3))
+    s = codec.settings_for(16)
+    plain = codec.fit_state(list(K), list(V), s, sets, overhead_bytes=0)
+    heavy = codec.fit_state(list(K), list(V), s, sets, overhead_bytes=0, layer_weights=_weights(3, heavy=1))
+    bits = lambda lcs: [int(lc.tensors["v.bits"].long().sum()) for lc in lcs]   # noqa: E731
+    assert bits(heavy)[1] > bits(plain)[1]
+    assert sum(bits(heavy)) - bits(heavy)[1] < sum(bits(plain)) - bits(plain)[1]
+
+
+def test_states_made_with_weights_name_them_decode_and_match_on_both_codec_paths(lm, tmp_path):
+    w = _weights(lm.geometry.n_layers, heavy=1, side="k")
+    st = CompressSettings(codec=codec.settings_for(8), n_clusters=3, min_span_tokens=8, max_span_tokens=48,
+                          layer_weights=w)
+    a = compress_document(lm, CORPUS, tmp_path / "a.upc", st, address=True)
+    b = compress_document(lm, CORPUS, tmp_path / "b.upc", st, address=True, device="cpu")
+    plain = compress_document(lm, CORPUS, tmp_path / "p.upc", CompressSettings(
+        codec=codec.settings_for(8), n_clusters=3, min_span_tokens=8, max_span_tokens=48), address=True)
+    with StateFile(a.path) as fa, StateFile(b.path) as fb, StateFile(plain.path) as fp:
+        assert fa.meta["layer_weights"] == {"fingerprint": w.fingerprint}
+        assert "layer_weights" not in fp.meta
+        assert fa.meta["address"]["id"] == fb.meta["address"]["id"] != fp.meta["address"]["id"]
+        for key in fa.index:
+            assert fa.read(key) == fb.read(key), key
+    assert abs(a.compression_ratio / 8 - 1) <= 0.03
+    prefix, _ = load_prefix(a.path, lm)
+    assert all(bool(torch.isfinite(k).all()) for k in prefix.keys)
+
+
+def test_weights_for_another_model_or_malformed_are_one_line_of_bad_input(lm, tmp_path):
+    st = CompressSettings(codec=codec.settings_for(8), layer_weights=_weights(lm.geometry.n_layers + 1))
+    with pytest.raises(BadInput, match="layers"):
+        compress_document(lm, CORPUS, tmp_path / "x.upc", st)
+    other = codec.LayerWeights((1.0,) * lm.geometry.n_layers, (1.0,) * lm.geometry.n_layers,
+                               {"model_fingerprint": "kite-fp1:" + "0" * 64})
+    with pytest.raises(BadInput, match="another model"):
+        compress_document(lm, CORPUS, tmp_path / "x.upc", CompressSettings(codec=codec.settings_for(8), layer_weights=other))
+    with pytest.raises(BadInput, match="positive"):
+        codec.LayerWeights((1.0, -1.0), (1.0, 1.0))
+    for body in ("not json", json.dumps({"format": "other"}), json.dumps({"format": "kite-layer-weights", "version": 1})):
+        (tmp_path / "w.json").write_text(body)
+        with pytest.raises(BadInput, match="layer weights"):
+            codec.LayerWeights.load(tmp_path / "w.json")
+    with pytest.raises(BadInput, match="no such file"):
+        codec.LayerWeights.load(tmp_path / "missing.json")
+
+
+def test_weights_round_trip_through_their_file(tmp_path):
+    w = codec.LayerWeights((0.5, 1.5), (1.25, 0.75), {"ratio": 16.0})
+    back = codec.LayerWeights.load(w.save(tmp_path / "w.json"))
+    assert back == w and back.fingerprint == w.fingerprint and back.meta == {"ratio": 16.0}
+
+
+def test_measured_weights_favour_the_layer_sides_whose_errors_cost_most(lm):
+    """measure() on the tiny model: a weight per layer side, positive, mean 1, recorded how."""
+    w = measure_layer_weights(lm, {"a": CORPUS}, 16, context_tokens=200, continuation_tokens=40, parts=2)
+    assert w.n_layers == lm.geometry.n_layers
+    allw = list(w.k) + list(w.v)
+    assert all(x > 0 for x in allw) and abs(sum(allw) / len(allw) - 1) < 1e-4
+    assert w.meta["model_fingerprint"] == lm.fingerprints.base and w.meta["documents"] == ["a"]
+    w.check(lm.geometry.n_layers, lm.fingerprints.base)
