@@ -96,3 +96,35 @@ def test_measured_weights_favour_the_layer_sides_whose_errors_cost_most(lm):
     assert all(x > 0 for x in allw) and abs(sum(allw) / len(allw) - 1) < 1e-4
     assert w.meta["model_fingerprint"] == lm.fingerprints.base and w.meta["documents"] == ["a"]
     w.check(lm.geometry.n_layers, lm.fingerprints.base)
+
+
+def test_weigh_writes_weights_that_compress_and_eval_take_from_the_command_line(tiny_models, tmp_path):
+    from typer.testing import CliRunner
+
+    from kite.cli.main import app
+    from tests.conftest import parse_json
+
+    runner = CliRunner()
+    doc = tmp_path / "doc.txt"
+    doc.write_text(CORPUS)
+    model, weights = str(tiny_models["qwen2"]), tmp_path / "w.json"
+    cfg = tmp_path / "upcycle.yaml"
+    cfg.write_text("compression:\n  cluster_num: 3\n  min_span_tokens: 8\n  max_span_tokens: 48\n"
+                   "semantic_tagging:\n  generated_examples_per_label: 2\n")
+    got = runner.invoke(app, ["upcycle", "weigh", "--model", model, "--input", str(doc), "--output", str(weights),
+                              "--context-tokens", "200", "--continuation-tokens", "40", "--json"])
+    assert got.exit_code == 0, got.output
+    made = parse_json(got.stdout)
+    assert made["path"] == str(weights) and len(made["k"]) == len(made["v"]) == 3
+    out = tmp_path / "doc.upc"
+    got = runner.invoke(app, ["upcycle", "compress", "--model", model, "--input", str(doc), "--output", str(out),
+                              "--config", str(cfg), "--ratio", "8", "--layer-weights", str(weights), "--json"])
+    assert got.exit_code == 0, got.output
+    with StateFile(out) as sf:
+        assert sf.meta["layer_weights"]["fingerprint"] == made["fingerprint"]
+    (tmp_path / "bad.json").write_text("{}")
+    got = runner.invoke(app, ["upcycle", "eval", "--model", model, "--input", str(doc), "--config", str(cfg),
+                              "--ratio", "8", "--layer-weights", str(tmp_path / "bad.json")])
+    assert got.exit_code == 2 and "layer weights" in got.output
+    got = runner.invoke(app, ["upcycle", "weigh", "--model", model, "--output", str(tmp_path / "no" / "w.json")])
+    assert got.exit_code == 2
