@@ -6,7 +6,8 @@ calibration seed) or read from ``--weights FILE``; then, per held-out document (
 and ``--contracts N`` held-out contracts) and ratio, `kite upcycle eval`'s measurement of the
 ``ratio=R`` state with and without them, side by side in one run: PPL delta and KL against the full
 context (the state without weights is each row's baseline), and the file ratio. Mean rows over the
-documents close the table. Quality figures: no floor.
+documents close the table. Quality figures: no floor. ``--regenerator DIR``: every state coded on
+that regenerator's bases, with and without the weights.
 
     .venv/bin/python benchmarks/layer_weights.py --contracts 2 --context-tokens 1536 --continuation-tokens 512
 """
@@ -30,6 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration-contracts", type=int, default=1)
     ap.add_argument("--weigh-ratio", type=float, default=16.0)
     ap.add_argument("--alpha", type=float, default=0.5)
+    ap.add_argument("--regenerator", type=Path, help="code every state (with and without the weights) on this "
+                    "regenerator folder; its calibration must not have read the held-out documents")
     args = parse(ap, argv)
 
     import torch
@@ -37,12 +40,13 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from kite.data.contracts import generate_contracts
     from kite.model import load_model
-    from kite.upcycle import CompressSettings, codec, evaluate, measure_layer_weights
+    from kite.upcycle import CompressSettings, Regenerator, codec, evaluate, measure_layer_weights
     from kite.upcycle.study import HELD_OUT, LICENSES
 
     if set(args.calibration) & set(HELD_OUT) or set(args.calibration) & set(args.texts):
         sys.exit("layer_weights: a calibration license is a held-out document")
     lm = load_model(args.model, device=args.device)
+    regen = Regenerator.load(args.regenerator) if args.regenerator else None
     res = Result("layer_weights", device=lm.device)
     t0 = clock()
     if args.weights:
@@ -56,7 +60,8 @@ def main(argv=None) -> int:
     texts = held_out_texts(args)
     res.raw.update(model=args.model or "embedded", threads=args.threads, context_tokens=args.context_tokens,
                    continuation_tokens=args.continuation_tokens, texts=list(texts), weights=weights.to_json(),
-                   weights_fingerprint=weights.fingerprint, weigh_seconds=round(weigh_s, 1), cells=[])
+                   weights_fingerprint=weights.fingerprint, weigh_seconds=round(weigh_s, 1), cells=[],
+                   regenerator=None if regen is None else {"fingerprint": regen.fingerprint, "meta": regen.meta})
     deltas: dict[tuple, float] = {}
     kls: dict[tuple, float] = {}
     for name, text in texts.items():
@@ -64,7 +69,8 @@ def main(argv=None) -> int:
             got = {}
             for how, w in (("plain", None), ("weighted", weights)):
                 r = evaluate(lm, text, context_tokens=args.context_tokens, continuation_tokens=args.continuation_tokens,
-                             settings=CompressSettings(codec=codec.settings_for(ratio), layer_weights=w))
+                             settings=CompressSettings(codec=codec.settings_for(ratio), layer_weights=w),
+                             regenerator=regen)
                 got[how] = r
                 deltas[(name, ratio, how)], kls[(name, ratio, how)] = r.ppl_delta, r.kl_mean
                 res.raw["cells"].append({"text": name, "ratio": ratio, "how": how, **r.to_dict()})
