@@ -19,7 +19,8 @@ def weigh(
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the layer weights (JSON).")],
     input: Annotated[Optional[list[str]], typer.Option(
         "--input", "-i", help="A calibration document (repeatable; never one you will judge the weights on). "
-        "Default: the licenses the regenerator's studies calibrate on and a generated contract.")] = None,
+        "Default: MPL-2.0 and LGPL-2.1 (calibration licenses, never held out) and a generated contract "
+        "of the calibration seed.")] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="HF folder, .gguf file or embedded name "
                                                  "(default: config model.default).")] = None,
     ratio: Annotated[float, typer.Option(min=2, help="The ratio the codec's error is measured at.")] = 16.0,
@@ -33,7 +34,7 @@ def weigh(
     """Measure how much each layer's keys' and values' errors cost the model at --ratio, and write the
     weights the state-wide bit allocation gives them (use with --layer-weights, or layer_weights: in
     upcycle_config.yaml). Each calibration document is coded and decoded, each layer side in turn put
-    back exact, the continuation's KL gained per unit of its relative error measured (two forwards a
+    back exact, the continuation's KL gained per unit of its relative error measured (one forward a
     layer side: minutes on a CPU).
 
     Example: kite upcycle weigh --output smollm2.weights.json && kite upcycle compress -i doc.txt -o doc.upc --ratio 16 --layer-weights smollm2.weights.json
@@ -59,7 +60,7 @@ def weigh(
     with kept_on_interrupt(f"nothing written to {output}"), progress_bar() as progress:
         lm = load_model(model)
         weights = measure_layer_weights(lm, texts, ratio, context_tokens=context_tokens,
-                                              continuation_tokens=continuation_tokens, alpha=alpha, progress=progress)
+                                        continuation_tokens=continuation_tokens, alpha=alpha, progress=progress)
         weights.save(output)
     if json_out:
         emit_json({"path": str(output), "fingerprint": weights.fingerprint, **weights.to_json()})
