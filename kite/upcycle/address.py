@@ -60,8 +60,7 @@ def settings_fields(settings, tagger_description: dict | None) -> dict:
         "label_ratios": dict(sorted(settings.label_ratios.items())),
         "tagger": tagger,
         # (only when set: states made without layer weights keep their addresses)
-        **({"layer_weights": settings.layer_weights.fingerprint}
-           if getattr(settings, "layer_weights", None) is not None else {}),
+        **({"layer_weights": settings.layer_weights.fingerprint} if settings.layer_weights is not None else {}),
     }
 
 

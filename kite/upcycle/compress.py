@@ -274,7 +274,7 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
         if regenerator is not None:
             # sides: how many of the 2 x n_layers (layer, K|V) codecs took the regenerator's basis
             meta["regenerator"] = {"fingerprint": regenerator.fingerprint, "sides": regenerated[0]}
-        if settings.layer_weights is not None:   # (they weigh a state-wide budget; ratio=R's is one)
+        if settings.layer_weights is not None:   # named as the address names them (they weigh only a state-wide budget)
             meta["layer_weights"] = {"fingerprint": settings.layer_weights.fingerprint}
         if address:
             meta["address"] = address_for(fps.combined, cap.ids, settings, meta["tagger"],

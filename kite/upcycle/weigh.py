@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from kite.errors import BadInput
-from kite.runtime.cache import new_cache
+from kite.runtime.cache import KVPrefix, new_cache
 from kite.runtime.generate import forward_tokens
 from kite.upcycle.capture import capture
 from kite.upcycle.codec.layer import decode, encode, fit_state
@@ -23,7 +23,6 @@ __all__ = ["measure_layer_weights"]
 
 def _decoded(keys_pre: list[torch.Tensor], values: list[torch.Tensor], settings, parts: int):
     """Every layer coded at ``settings`` in ``parts`` contiguous parts and decoded (pre-RoPE keys, values)."""
-
     T = keys_pre[0].shape[1]
     sets = list(torch.arange(T).chunk(parts))
     K, V = [], []
@@ -39,8 +38,8 @@ def _decoded(keys_pre: list[torch.Tensor], values: list[torch.Tensor], settings,
 
 @torch.inference_mode()
 def measure_layer_weights(lm, texts: dict[str, str], ratio: float = 16.0, *, context_tokens: int = 1536,
-            continuation_tokens: int = 256, alpha: float = ALPHA, floor: float = FLOOR, parts: int = 8,
-            progress: Callable[[str, int, int], None] | None = None) -> LayerWeights:
+                          continuation_tokens: int = 256, alpha: float = ALPHA, floor: float = FLOOR, parts: int = 8,
+                          progress: Callable[[str, int, int], None] | None = None) -> LayerWeights:
     """The layer weights of ``lm`` measured on ``texts`` (calibration documents: never the ones the
     weights are judged on) at ``ratio``: per document, its first ``context_tokens`` coded (``parts``
     contiguous parts) and decoded, then each layer side alone put back exact; the KL of the next
@@ -52,13 +51,10 @@ def measure_layer_weights(lm, texts: dict[str, str], ratio: float = 16.0, *, con
         raise BadInput(f"layer weights: alpha and floor must be > 0, got {alpha} and {floor}")
     s = settings_for(ratio)
     L = lm.geometry.n_layers
-    dev = next(lm.model.parameters()).device
 
     def score(keys_post, values, cont, start):
-        cache = new_cache(lm.model)
-        for i, (k, v) in enumerate(zip(keys_post, values)):
-            cache.update(k[None].to(dev), v[None].to(dev), i)
-        return forward_tokens(lm.model, cont, cache, start)[:-1].cpu()
+        prefix = KVPrefix(keys=list(keys_post), values=list(values), next_position=start)
+        return forward_tokens(lm.model, cont, new_cache(lm.model, prefix), start)[:-1].cpu()
 
     per_unit = {"k": torch.zeros(L, dtype=torch.float64), "v": torch.zeros(L, dtype=torch.float64)}
     kl_base = {}
