@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kite.data.contracts import generate_contracts  # noqa: E402
-from kite.serve.server import free_port  # noqa: E402
+from kite.serve.server import quiet_port  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from harness import Result, clock, finish, parse, parser, time_ms  # noqa: E402
@@ -58,7 +58,7 @@ def env_for(args) -> dict:
 
 
 def start_plain(args, state_dir: Path, cfg: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+    port = quiet_port()
     cmd = [str(ROOT / ".venv/bin/kite"), "serve", "--port", str(port), "--state-dir", str(state_dir),
            "--upcycle-config", str(cfg), "--log-level", "warning", "--mkdir"]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env_for(args), cwd=ROOT)
@@ -80,7 +80,7 @@ def start_ray(args, n: int, state_dir: Path, cfg: Path):
     settings.rules_path = settings.rules_path.resolve()
     ucfg, cfg_path = load_upcycle_config(cfg)
     spec = ReplicaSpec(kcfg.model.default, settings, str(cfg_path.resolve()), tagger=True)
-    return start(spec, ScaleSettings.from_config(kcfg, replicas=n), port=free_port(), num_cpus=2, timeout_s=900)
+    return start(spec, ScaleSettings.from_config(kcfg, replicas=n), port=quiet_port(), num_cpus=2, timeout_s=900)
 
 
 def complete(url: str, sid: str, q: str, max_tokens: int) -> dict:

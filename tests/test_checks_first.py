@@ -100,5 +100,32 @@ def test_serve_on_a_busy_port_fails_before_the_model_loads(no_model):
     assert f"127.0.0.1:{port}" in line
 
 
+def test_serve_replicas_on_a_busy_port_fails_before_ray_starts(no_model, monkeypatch):
+    pytest.importorskip("ray.serve")
+    import kite.ray_session
+
+    def connect(*a, **k):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(kite.ray_session, "connect", connect)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = refused(["serve", "--replicas", "2", "--port", str(port)], "the port is in use", code=1)
+    assert "Ray was started" not in line and f"127.0.0.1:{port}" in line
+
+
+def test_a_quiet_port_is_free_and_outside_the_ranges_the_kernel_and_ray_hand_out():
+    from kite.serve.server import quiet_port
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for _ in range(5):
+        port = quiet_port()
+        assert 20000 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
 def test_serve_on_an_address_this_machine_lacks(no_model):
     refused(["serve", "--host", "192.0.2.1", "--port", "8088"], "not an address of this machine")

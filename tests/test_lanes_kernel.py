@@ -65,27 +65,34 @@ def check_lanes_kernel_in_the_interpreter() -> None:
         print(_check("cpu", torch.float32, splits, 5e-3))
 
 
-def check_several_query_tokens_in_the_interpreter() -> None:
-    """(Run by run_interpreted.) A batch row's question (several tokens) over its state in lanes
-    through the kernel (each token one entry of the plan) equals the torch reference row by row."""
+def _check_several_query_tokens(device: str, dtype: torch.dtype, T: int, **shape) -> str:
+    """A batch row's question (T tokens) over its state in lanes through the kernel (each token one
+    entry of the plan) against the torch reference row by row."""
     from kite.runtime.resident import lanes_kernel_attend
-    from kite.testing.triton_interpreter import bridge_interpreter_gaps
 
-    bridge_interpreter_gaps()
-    states = _states("cpu", separate=True)
+    states = _states(device, separate=True, **shape)
     H, d = states[0].k_codes.shape[1], states[0].k_const.shape[-1]
-    q = torch.randn(2, 3 * H, 4, d, generator=torch.Generator().manual_seed(2)) * 2
+    n = len(states)
+    q = (torch.randn(n, 3 * H, T, d, generator=torch.Generator().manual_seed(2)) * 2).to(device, dtype)
     scale = 1 / math.sqrt(d)
     plans: dict = {}
     got, lse = lanes_kernel_attend(q, states, scale, plans, ("rows", 0))
-    want = [L.lanes_partial(q[i:i + 1], x, scale) for i, x in enumerate(states)]
+    want = [L.lanes_partial(q[i:i + 1].float().cpu(), x.to("cpu"), scale) for i, x in enumerate(states)]
     wo, wl = torch.cat([w[0] for w in want]), torch.cat([w[1] for w in want])
-    assert got.shape == wo.shape == (2, 3 * H, 4, d) and lse.shape == wl.shape
-    err = float((got - wo).abs().max())
-    assert err <= 5e-3 * float(wo.abs().max()), err
-    assert float((lse - wl).abs().max()) <= 0.25
-    assert ("rows", 0, 4) in plans
-    print(f"4 query tokens a row: max |diff| {err:.3g}")
+    assert got.shape == wo.shape == (n, 3 * H, T, d) and lse.shape == wl.shape
+    err = float((got.cpu() - wo).abs().max())
+    assert err <= 5e-3 * float(wo.abs().max()), f"{dtype}, {T} query tokens a row: max |diff| {err:.3g}"
+    assert float((lse.cpu() - wl).abs().max()) <= 0.25
+    assert ("rows", 0, T) in plans
+    return f"{dtype}, {T} query tokens a row: max |diff| {err:.3g} / max |out| {float(wo.abs().max()):.3g}"
+
+
+def check_several_query_tokens_in_the_interpreter() -> None:
+    """(Run by run_interpreted.) Four query tokens a row, on the CPU."""
+    from kite.testing.triton_interpreter import bridge_interpreter_gaps
+
+    bridge_interpreter_gaps()
+    print(_check_several_query_tokens("cpu", torch.float32, 4))
 
 
 @pytest.mark.slow
@@ -164,6 +171,17 @@ def test_lanes_kernel_matches_the_reference_on_the_gpu(dtype, splits):
     pytest.importorskip("triton")
     print(_check("cuda", dtype, splits, 5e-3, d=128, k_lanes=128, v_lanes=64, group=256, lengths=(2000, 700, 256)))
     print(_check("cuda", dtype, splits, 5e-3))
+
+
+@cuda
+@pytest.mark.parametrize("T", [2, 4, 9])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_several_query_tokens_a_row_match_the_reference_on_the_gpu(dtype, T):
+    """A question's tokens through the kernel, compiled, at head_dim 128 (lanes 128 and 64) and 64."""
+    pytest.importorskip("triton")
+    print(_check_several_query_tokens("cuda", dtype, T, d=128, k_lanes=128, v_lanes=64, group=256,
+                                      lengths=(2000, 700, 256)))
+    print(_check_several_query_tokens("cuda", dtype, T))
 
 
 # -- the GPU ------------------------------------------------------------------------------------------

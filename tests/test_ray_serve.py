@@ -17,7 +17,7 @@ pytestmark = pytest.mark.ray
 
 from kite.serve import BackgroundServer, ServeSettings, create_app  # noqa: E402
 from kite.serve.scale import ReplicaSpec, ScaleSettings  # noqa: E402
-from kite.serve.server import free_port  # noqa: E402
+from kite.serve.server import quiet_port  # noqa: E402
 from tests.tiny_models import CORPUS  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
 
@@ -47,7 +47,7 @@ class Cluster:
 
     def __init__(self, model, root, monkeypatch):
         self.spec = ReplicaSpec(str(model), _settings(root), UPCYCLE, tagger=False)
-        self.root, self.port = root, free_port()
+        self.root, self.port = root, quiet_port()
         monkeypatch.setenv("KITE_HOME", str(root / "home"))
         self.cluster = None
 
@@ -260,7 +260,7 @@ def test_kite_serve_replicas_autoscaled_from_the_command_line_serves_and_stops_o
     cfg = tmp_path / "upcycle.yaml"
     cfg.write_text("compression: {precision: exact, cluster_num: 3, min_span_tokens: 8, max_span_tokens: 24}\n"
                    "semantic_tagging: {labels: [], generated_examples_per_label: 0}\n")
-    port = free_port()
+    port = quiet_port()
     # autoscaled between 2 and 3 replicas (Ray Serve's autoscaler with the config's bounds), starting at 2
     env = {**os.environ, "KITE_HOME": str(tmp_path / "home"), "KITE_FEATURES__UPCYCLE_YOCO_FUSION": "true",
            "KITE_SERVER__MIN_REPLICAS": "2", "KITE_SERVER__MAX_REPLICAS": "3"}

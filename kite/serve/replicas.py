@@ -122,8 +122,19 @@ def start(spec: ReplicaSpec, scale: ScaleSettings, *, host: str = "127.0.0.1", p
     from kite.ray_session import connect
     from kite.serve.ray_router import StateAwareRouter
 
+    from kite.serve.server import bind_socket
+
+    bind_socket(host, port).close()     # a busy port fails here, before Ray starts, in KITE's words
     started = connect(address, num_cpus)
-    serve.start(http_options={"host": host, "port": port})
+    try:
+        serve.start(http_options={"host": host, "port": port})
+    except Exception as exc:  # noqa: BLE001 - Ray wraps the proxy's failure in its task error
+        if "Failed to bind" not in str(exc):
+            raise
+        if started:
+            ray.shutdown()
+        raise KiteError(f"kite serve --replicas: Ray Serve's proxy could not listen on {host}:{port}: the port "
+                        "was taken while Ray started; choose another with --port or server.port") from None
     try:
         directory()
     except ValueError:

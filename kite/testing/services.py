@@ -21,15 +21,11 @@ import time
 import uuid
 from pathlib import Path
 
+from kite.serve.server import free_port
+
 
 class ServiceMissing(RuntimeError):
     """The program a service runs is not installed."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 20.0) -> None:
