@@ -175,6 +175,22 @@ def test_the_debug_hint_only_when_debug_is_off(monkeypatch):
     assert "set KITE_DEBUG=1" not in res.stderr
 
 
+def test_an_error_message_is_printed_as_written_not_as_markup():
+    from kite.cli._common import new_app
+    from kite.errors import KiteError
+
+    app_ = new_app("test")
+
+    @app_.command("boom")
+    def boom() -> None:
+        raise KiteError("kite serve needs fastapi: pip install 'kite[serve]' ([bold]not bold[/])")
+
+    app_.command("noop")(lambda: None)
+    res = runner.invoke(app_, ["boom"])
+    assert res.exit_code == 1
+    assert "pip install 'kite[serve]' ([bold]not bold[/])" in res.stderr
+
+
 def _listed(help_text: str, option: str) -> list[str]:
     """The `a|b|c` list an option's help gives."""
     flat = " ".join(help_text.replace("│", " ").split())

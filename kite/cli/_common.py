@@ -169,7 +169,10 @@ def report_error(exc: BaseException) -> int:
     else:
         text, code = f"{type(exc).__name__}: {exc}" + ("" if debug else " (set KITE_DEBUG=1 for the traceback)"), 1
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    err_console().print(f"[bold red]error:[/] {first}", highlight=False, markup=True, soft_wrap=True)
+    from rich.markup import escape
+
+    # the message is text, not markup: "pip install 'kite[serve]'" keeps its brackets
+    err_console().print(f"[bold red]error:[/] {escape(first)}", highlight=False, markup=True, soft_wrap=True)
     return code
 
 
