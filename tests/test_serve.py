@@ -161,6 +161,26 @@ def test_completion_using_an_uploaded_state(live):
     assert {rec.cluster for rec in live["health"].records(sid)} == set(k["load"]["labels"])
 
 
+def test_the_timings_count_the_models_pass_over_the_query(live, monkeypatch):
+    """The pass over the queries that arrived together runs once, before each request's decision:
+    each request's model_signals and signals_and_decision count it (a request waited for it)."""
+    import time
+
+    import kite.yoco.intent as intent
+
+    real = intent.query_signals
+
+    def slow(*a, **k):
+        time.sleep(0.05)
+        return real(*a, **k)
+
+    monkeypatch.setattr(intent, "query_signals", slow)
+    c = live["client"]
+    sid = c.post("/v1/states", json={"document": DOC}).json()["id"]
+    t = _ask(c, sid).json()["kite"]["timings_ms"]
+    assert t["model_signals"] >= 50 and t["signals_and_decision"] >= t["model_signals"] + t["decide"]
+
+
 def test_chat_completion_with_a_document_and_without_state(live):
     c = live["client"]
     doc = DOC + "\n\nPayment is due within thirty days."

@@ -208,10 +208,12 @@ class ModelRunner:
         or the exception for each (a request's own error, a bad state, fails it alone)."""
         from kite.yoco.intent import query_signals
 
+        t0 = time.perf_counter()
         signals = query_signals(self.lm, [query for query, *_ in items], self.tagger)
-        return _each([functools.partial(self._decide_and_load, *item, q) for item, q in zip(items, signals)])
+        ms = (time.perf_counter() - t0) * 1e3     # each request waited for the whole pass
+        return _each([functools.partial(self._decide_and_load, *item, q, ms) for item, q in zip(items, signals)])
 
-    def _decide_and_load(self, query: str, state_id: str, path, ruleset, signals):
+    def _decide_and_load(self, query: str, state_id: str, path, ruleset, signals, signals_ms: float = 0.0):
         """YOCO decides (kite.yoco.fused.decide_request); the engine loads what it chose through the
         prefix cache. The state is opened and loaded under the quarantine (a reader's refusal
         quarantines it: StateUnusable); one quarantined while this request waited is refused unread."""
@@ -229,7 +231,8 @@ class ModelRunner:
         with state:
             prepared = decide_request(self.lm, self.tagger, ruleset, state, query, health=self.health,
                                       novelty=self.novelty, sampler=self.sampler,
-                                      min_hit_gain=self.settings.min_hit_gain, state_id=state_id, signals=signals)
+                                      min_hit_gain=self.settings.min_hit_gain, state_id=state_id, signals=signals,
+                                      signals_ms=signals_ms)
             if prepared.plan.loads and self.settings.fusion:
                 t0 = time.perf_counter()
                 with quarantine.reading(state_id, path, state.version):   # the version this open read

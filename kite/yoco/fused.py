@@ -111,10 +111,12 @@ class FusedAnswer:
 def plan_for(lm: LoadedModel, tagger, rules, state: StateFile, query: str, *, health=None, novelty=None,
              watermark: HardwareWatermark | None = None, min_hit_gain: float = DEFAULT_MIN_HIT_GAIN,
              state_id: str | None = None, timings: dict | None = None,
-             signals: QuerySignals | None = None) -> tuple[Signals, LoadPlan, QuerySignals, StateInfo]:
+             signals: QuerySignals | None = None, signals_ms: float = 0.0
+             ) -> tuple[Signals, LoadPlan, QuerySignals, StateInfo]:
     """Signals and the rules' decision for `query` against `state` (no loading). `timings`, when
     given, receives `model_signals` (the model's pass over the query) and `decide` (the rules), ms.
-    ``signals``: the model's pass over `query` made already (several queries' in one forward)."""
+    ``signals``: the model's pass over `query` made already (several queries' in one forward), in
+    ``signals_ms``."""
     t0 = time.perf_counter()
     q = signals if signals is not None else query_signals(lm, [query], tagger)[0]
     t1 = time.perf_counter()
@@ -126,7 +128,7 @@ def plan_for(lm: LoadedModel, tagger, rules, state: StateFile, query: str, *, he
     t2 = time.perf_counter()
     plan = decide(rules, signals, info, min_hit_gain)
     if timings is not None:
-        timings["model_signals"] = round((t1 - t0) * 1e3, 3)
+        timings["model_signals"] = round((t1 - t0) * 1e3 + signals_ms, 3)
         timings["decide"] = round((time.perf_counter() - t2) * 1e3, 4)
     return signals, plan, q, info
 
@@ -151,16 +153,18 @@ class Prepared:
 
 def decide_request(lm: LoadedModel, tagger, rules, state: StateFile, query: str, *, health=None, novelty=None,
                    sampler=None, min_hit_gain: float = DEFAULT_MIN_HIT_GAIN, state_id: str | None = None,
-                   signals: QuerySignals | None = None) -> Prepared:
+                   signals: QuerySignals | None = None, signals_ms: float = 0.0) -> Prepared:
     """Signals and the rules' decision for ``query`` against the open ``state``; nothing loaded yet
     (the caller loads what ``plan`` says, :func:`load_args`, and records it with :meth:`Prepared.loaded`).
-    ``signals``: the model's pass over ``query`` when made already (:func:`plan_for`)."""
-    t0 = time.perf_counter()
+    ``signals``: the model's pass over ``query`` when made already (:func:`plan_for`), in
+    ``signals_ms`` (counted in ``model_signals`` and ``signals_and_decision``: a pass shared by the
+    queries of several requests took that long for each of them)."""
+    t0 = time.perf_counter() - signals_ms / 1e3
     watermark = sampler.latest().watermark if sampler is not None else None
     parts: dict[str, float] = {}
     sig, plan, q, info = plan_for(lm, tagger, rules, state, query, health=health, novelty=novelty,
                                   watermark=watermark, min_hit_gain=min_hit_gain, state_id=state_id,
-                                  timings=parts, signals=signals)
+                                  timings=parts, signals=signals, signals_ms=signals_ms)
     if plan.enable_micro_sampling and sampler is not None:
         sampler.enable_micro_sampling()
     return Prepared(sig, plan, info, None, None,
