@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from kite.bench.concurrency import percentiles_ms  # noqa: E402
 from kite.data.contracts import generate_contracts  # noqa: E402
-from kite.serve.server import free_port  # noqa: E402
+from kite.ports import free_port  # noqa: E402
 from harness import Result, clock, finish, parse, parser  # noqa: E402
 from harness.floors import cpu_forward_floor, model_shape  # noqa: E402
 

@@ -104,7 +104,7 @@ class Server:
         self.rules = work / "rules.yaml"
         self.rules.write_text(RULES, encoding="utf-8")
         self.log_path = work / f"serve-{mode}.log"
-        from kite.serve.server import free_port
+        from kite.ports import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

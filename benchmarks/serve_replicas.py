@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kite.data.contracts import generate_contracts  # noqa: E402
-from kite.serve.server import quiet_port  # noqa: E402
+from kite.ports import quiet_port  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from harness import Result, clock, finish, parse, parser, time_ms  # noqa: E402

@@ -117,7 +117,7 @@ def test_serve_replicas_on_a_busy_port_fails_before_ray_starts(no_model, monkeyp
 
 
 def test_a_quiet_port_is_free_and_outside_the_ranges_the_kernel_and_ray_hand_out():
-    from kite.serve.server import quiet_port
+    from kite.ports import quiet_port
 
     low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
     for _ in range(5):

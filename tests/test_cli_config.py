@@ -106,7 +106,7 @@ def test_version_answers_and_says_the_config_is_broken(clean_env):
 
 def _model_commands(tmp: Path, state: Path) -> dict[str, list[str]]:
     """Every command that takes a model, with the least input that reaches the model."""
-    from kite.serve.server import free_port
+    from kite.ports import free_port
 
     doc = tmp / "doc.txt"
     doc.write_text("A short document.\n\nIt has two paragraphs.\n")

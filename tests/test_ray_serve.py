@@ -17,7 +17,7 @@ pytestmark = pytest.mark.ray
 
 from kite.serve import BackgroundServer, ServeSettings, create_app  # noqa: E402
 from kite.serve.scale import ReplicaSpec, ScaleSettings  # noqa: E402
-from kite.serve.server import quiet_port  # noqa: E402
+from kite.ports import quiet_port  # noqa: E402
 from tests.tiny_models import CORPUS  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
 

@@ -21,7 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
-from kite.serve.server import free_port
+from kite.ports import free_port
 
 
 class ServiceMissing(RuntimeError):
