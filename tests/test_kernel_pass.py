@@ -57,8 +57,10 @@ def test_gpu_pass_at_bf16_gives_transformers_signals():
     from kite.runtime import kernel_pass
     from kite.yoco.intent import query_signals
 
-    lm = tiny_lm("qwen2", "cuda", torch.bfloat16, layers=3)
+    lm = tiny_lm("qwen2", "cuda", torch.bfloat16, layers=3, hidden_size=256, num_attention_heads=4,
+                 num_key_value_heads=2)    # head size 64: the kernels take it (16 they do not)
     lm.device = lm.model.device
+    assert kernel_pass.applies(lm.model)
     _compare(lm, atol=0.25)
     queries = ["what is the notice period", "who pays", "is there a limit of liability in section 9"]
     fast = query_signals(lm, queries)
@@ -68,3 +70,30 @@ def test_gpu_pass_at_bf16_gives_transformers_signals():
         assert a.tokens == b.tokens
         assert abs(a.intent_entropy - b.intent_entropy) < 0.05
         assert abs(a.nll_bits - b.nll_bits) < 0.05
+
+
+@cuda
+def test_gpu_short_queries_replay_a_captured_pass():
+    """A few short queries replay a CUDA graph of the pass (captured once per bucket of rows and
+    length): the hidden states of the eager pass over the same ids, within bf16 rounding (a padded
+    product may round differently), for every wanted layer; a longer batch runs eagerly."""
+    from kite.runtime import kernel_pass
+
+    lm = tiny_lm("qwen2", "cuda", torch.bfloat16, layers=3, hidden_size=256, num_attention_heads=4,
+                 num_key_value_heads=2)
+    assert kernel_pass.applies(lm.model)
+    g = torch.Generator().manual_seed(0)
+    for B, T in ((1, 5), (3, 11), (1, 7)):
+        ids = torch.randint(5, lm.geometry.vocab_size, (B, T), generator=g)
+        last, kept = kernel_pass.hidden_pass(lm.model, ids, (0, 2))
+        want_last, want_kept = kernel_pass.kernel_hidden(lm.model, ids, (0, 2))
+        assert last.shape == want_last.shape == (B, T, want_last.shape[-1])
+        scale = want_last.float().abs().max().item()
+        assert (last.float() - want_last.float()).abs().max().item() <= 0.02 * scale
+        for k in (0, 2):
+            assert (kept[k].float() - want_kept[k].float()).abs().max().item() <= 0.02 * want_kept[k].float().abs().max().item()
+    graphs = lm.model.__dict__["_kite_pass_graphs"]
+    assert set(graphs) == {(1, 8, (0, 2)), (4, 16, (0, 2))}      # (1, 5) and (1, 7) share one
+    long = torch.randint(5, lm.geometry.vocab_size, (8, 100), generator=g)   # 8 x 128 > GRAPH_TOKENS
+    kernel_pass.hidden_pass(lm.model, long, (0, 2))
+    assert len(graphs) == 2

@@ -10,6 +10,12 @@ a row's own tokens never see its padding).
 
 :func:`hidden_pass` answers None where it does not apply (CPU, fp32, the fused layers not installed:
 kite.runtime.kernel_step.why_not); the caller then runs transformers' forward.
+
+Launched layer by layer, the pass still spends most of its time in Python. A few short queries (at
+most GRAPH_TOKENS tokens once padded to a bucket of rows and of length) replay a CUDA graph of the
+pass instead, captured the first time their buckets come (kept on the model, one memory pool): the
+queries fill the first rows and columns of its static input, the rest is padding no row's own tokens
+see (right padding, causal attention; padding rows are rows of their own).
 """
 
 from __future__ import annotations
@@ -18,6 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from kite.runtime.kernel_step import why_not
+
+GRAPHS = True          # False: every pass runs eagerly (benchmarks and tests compare both)
+GRAPH_TOKENS = 512     # rows x length at most, once padded to their buckets, for a pass from a graph
+ROW_BUCKETS = (1, 2, 4, 8)
+LENGTH_BUCKETS = (8, 16, 32, 64, 128)
 
 
 def applies(model) -> bool:
@@ -33,7 +44,57 @@ def hidden_pass(model, ids: torch.Tensor, wanted: tuple[int, ...] = ()) -> tuple
     prompts ``ids`` [B, T], numbered as transformers' ``hidden_states``: 0 the embeddings, ``i`` the
     input of decoder layer ``i``, the number of layers the final normed output. None where the pass
     does not apply (:func:`applies`)."""
-    return kernel_hidden(model, ids, wanted) if applies(model) else None
+    if not applies(model):
+        return None
+    shape = _buckets(*ids.shape)
+    if GRAPHS and shape is not None:
+        return _graph(model, *shape, tuple(sorted(wanted))).run(ids)
+    return kernel_hidden(model, ids, wanted)
+
+
+def _buckets(B: int, T: int) -> tuple[int, int] | None:
+    """The (rows, length) buckets a pass of B rows of T tokens replays at, or None (eager)."""
+    rows = next((b for b in ROW_BUCKETS if b >= B), None)
+    length = next((t for t in LENGTH_BUCKETS if t >= T), None)
+    if rows is None or length is None or rows * length > GRAPH_TOKENS:
+        return None
+    return rows, length
+
+
+def _graph(model, B: int, T: int, wanted: tuple[int, ...]) -> _PassGraph:
+    graphs = model.__dict__.setdefault("_kite_pass_graphs", {})
+    graph = graphs.get((B, T, wanted))
+    if graph is None:
+        pool = model.__dict__.setdefault("_kite_pass_pool", torch.cuda.graph_pool_handle())
+        graph = graphs[(B, T, wanted)] = _PassGraph(model, B, T, wanted, pool)
+    return graph
+
+
+class _PassGraph:
+    """The pass over B rows of T tokens, captured; :meth:`run` copies the ids in and replays it."""
+
+    @torch.inference_mode()
+    def __init__(self, model, B: int, T: int, wanted: tuple[int, ...], pool):
+        device = next(model.parameters()).device
+        self.ids = torch.zeros(B, T, dtype=torch.long, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            kernel_hidden(model, self.ids, wanted)        # compiles the kernels outside the capture
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.last, self.kept = kernel_hidden(model, self.ids, wanted)
+
+    @torch.inference_mode()
+    def run(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The pass over ``ids`` [b, t] (b, t within the graph's): views of the graph's outputs, valid
+        until its next replay."""
+        b, t = ids.shape
+        self.ids.zero_()
+        self.ids[:b, :t].copy_(ids, non_blocking=True)
+        self.graph.replay()
+        return self.last[:b, :t], {k: v[:b, :t] for k, v in self.kept.items()}
 
 
 @torch.inference_mode()

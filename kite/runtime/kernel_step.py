@@ -18,8 +18,10 @@ whatever the rows hold: :class:`KernelStep` captures it once per bucket of batch
 then steps of 8 ...) and replays it, padding the batch to its bucket with rows that read and write
 nothing. A decode step whose rows all hold their states in lanes is captured too: what the lanes
 kernel reads of each row's state is kept in device tables by cache row (:class:`LanesRows`) and
-gathered by the step's rows inside the graph. A prefill (several tokens a row), or a step mixing
-rows in lanes with raw ones, runs the same forward eagerly. A graph is captured again when the
+gathered by the step's rows inside the graph. A prefill of a few rows held in their slots (at most
+PREFILL_ROWS, a question a row) is captured per bucket of rows and of query length, up to the final
+hidden states (the head runs after the replay: a graph keeps no [rows, tokens, vocab] logits); larger
+prefills, and steps mixing rows in lanes with raw ones, run the same forward eagerly. A graph is captured again when the
 cache's buffers are reallocated (they grow), when the lanes tables must be read for more groups,
 and per reader-adapter setting (the adapter is a switch the capture bakes in).
 
@@ -42,6 +44,7 @@ MAX_QUERY = 64        # tokens a row feeds in one step through the kernels (long
 # write nothing and are dropped (split_kv_attention: they see what the row's last token sees)
 QUERY_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GRAPHS = True         # False: decode steps run eagerly too (benchmarks compare both)
+PREFILL_ROWS = 4      # prefills of at most this many rows (held in their slots) replay graphs: what one client waits for
 SPLITS: int | None = None   # chunks the attention cuts each row's keys into (None: the kernel's plan; benchmarks sweep)
 _log = logging.getLogger("kite.runtime")
 
@@ -89,8 +92,9 @@ class KernelForward:
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
                  starts: torch.Tensor, counts: torch.Tensor, beside: dict | None = None,
-                 splits: int | None = None, lanes=None) -> torch.Tensor:
-        """Logits [B, q, vocab] (fp32) of ``ids`` [B, q] at positions ``pos`` [B, q]; sequence b feeds
+                 splits: int | None = None, lanes=None, head: bool = True) -> torch.Tensor:
+        """Logits [B, q, vocab] (fp32) of ``ids`` [B, q] at positions ``pos`` [B, q] (``head`` False:
+        the final normed hidden states [B, q, D], for :meth:`logits_of`); sequence b feeds
         ``counts[b]`` real tokens into buffer row ``rows[b]``, layer l's from slot ``starts[l, b]`` on,
         and attends its first ``lens[l, b]`` slots (int32 device tensors: rows, counts [B]; lens,
         starts [layers, B]). ``beside``: (form, batch indices on the device, their prefixes, plans) of
@@ -130,6 +134,9 @@ class KernelForward:
                             residual=h)
             h = h + mlp.down_proj(silu_mul(*mlp.kite_gate_up(x)))
         h = rms_norm(h, self.inner.norm.weight, self.inner.norm.variance_epsilon)
+        return self.logits_of(h) if head else h
+
+    def logits_of(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm.lm_head(h).float()
 
 
@@ -199,14 +206,17 @@ class KernelStep:
         before = cache.lengths[:, idx]                                   # [L, B]
         cache.reserve_for(int((before + torch.tensor(counts)[None]).max()))
         graphed = max(counts) == 1 and GRAPHS and self.graphed
-        # every row's state read from the device tables: decode steps only (a question's several tokens
-        # through the lanes kernel disagreed with the reference on the H200: the form's reference runs them)
-        all_lanes = (max(counts) == 1 and bool(beside) and len(beside) == len(rows)
-                     and self.lanes_rows.takes(beside.values()))
+        prefill_graphed = (GRAPHS and self.graphed and max(counts) > 1 and len(rows) <= PREFILL_ROWS
+                           and not beside)
+        # every row's state read from the device tables by cache row, a question's tokens too (each an
+        # entry of its row's state)
+        all_lanes = bool(beside) and len(beside) == len(rows) and self.lanes_rows.takes(beside.values())
         if all_lanes:
             self.lanes_rows.sync({rows[b]: p for b, p in beside.items()})
         if graphed and not beside:
             out = self._replay(rows, [t[0] for t in tokens], positions, before, reader_on)
+        elif prefill_graphed:
+            out = self._replay(rows, tokens, positions, before, reader_on, T=query_bucket(max(counts)))
         elif graphed and all_lanes:
             out = self._replay(rows, [t[0] for t in tokens], positions, before, reader_on, lanes=True)
         else:
@@ -244,8 +254,17 @@ class KernelStep:
             rows = self.cache.rows_allocated      # no step runs more rows than are allocated
             for bucket in self.buckets[:next(i for i, b in enumerate(self.buckets) if b >= rows) + 1]:
                 self._graph(bucket, False, lanes_row is not None, 0 if lanes_row is None else lanes_row)
+            if lanes_row is None:                 # the prefills one client's question runs
+                for bucket in self.prefill_buckets():
+                    for T in QUERY_BUCKETS[1:]:
+                        self._graph(bucket, False, False, 0, T)
         if self.graphed and lanes_row is None:
             self.compile_queries()
+
+    def prefill_buckets(self) -> list[int]:
+        """Row buckets a prefill graph is captured for (:data:`PREFILL_ROWS` rows at most)."""
+        limit = min(PREFILL_ROWS, self.cache.rows_allocated or PREFILL_ROWS)
+        return [b for b in self.buckets if b < limit] + [next(b for b in self.buckets if b >= limit)]
 
     @torch.inference_mode()
     def compile_queries(self) -> None:
@@ -269,28 +288,31 @@ class KernelStep:
                                splits=SPLITS, return_lse=True)
         self.prefill_compiled = True
 
-    def _replay(self, rows, tokens, positions, before, reader_on, lanes: bool = False) -> torch.Tensor:
+    def _replay(self, rows, tokens, positions, before, reader_on, lanes: bool = False, T: int = 1) -> torch.Tensor:
+        """A captured step's logits: one token a row (``tokens`` ints), or a prefill at query length
+        ``T`` (``tokens`` lists, each at most T)."""
         B = len(rows)
         if lanes and self.warm_all and self._lanes_warmed != self.lanes_rows.version:
             self._lanes_warmed = self.lanes_rows.version
             self.warm(lanes_row=rows[0])
-        graph = self._graph(next(b for b in self.buckets if b >= B), reader_on, lanes, rows[0])
+        graph = self._graph(next(b for b in self.buckets if b >= B), reader_on, lanes, rows[0], T)
         self.replays += 1
-        return graph.run(rows, tokens, positions, before)
+        out = graph.run(rows, tokens, positions, before)
+        return out if T == 1 else self.forward.logits_of(out)
 
-    def _graph(self, bucket: int, reader_on: bool, lanes: bool, pad_row: int) -> _Graph:
-        """The captured step of ``bucket`` rows (captured now if it is not yet, or if the buffers it
-        read were reallocated)."""
+    def _graph(self, bucket: int, reader_on: bool, lanes: bool, pad_row: int, T: int = 1) -> _Graph:
+        """The captured step of ``bucket`` rows feeding ``T`` tokens each (captured now if it is not
+        yet, or if the buffers it read were reallocated)."""
         buffers = (self.cache.keys[0].data_ptr(), self.cache.capacity, self.cache.rows_allocated)
         if buffers != self._buffers:          # reallocated: every graph read the old buffers
             self._graphs.clear()
             self._pool = None                 # a pool whose graphs are all gone is not captured into again
             self._buffers = buffers
-        key = (bucket, reader_on, self.lanes_rows.version if lanes else None)
+        key = (bucket, T, reader_on, self.lanes_rows.version if lanes else None)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = _Graph(self.forward, bucket, self.cache.n_layers, self.device,
-                                               self._pool_handle(), self.lanes_rows if lanes else None, pad_row)
+                                               self._pool_handle(), self.lanes_rows if lanes else None, pad_row, T)
             self.captures += 1
         return graph
 
@@ -301,28 +323,30 @@ class KernelStep:
 
 
 class _Graph:
-    """One decode step of ``bucket`` rows captured: static inputs, copied in before each replay."""
+    """One step of ``bucket`` rows feeding ``T`` tokens each, captured: static inputs, copied in before
+    each replay. T 1 (a decode step) gives logits; a prefill (T > 1) the final hidden states."""
 
     def __init__(self, forward: KernelForward, bucket: int, n_layers: int, device, pool,
-                 lanes: LanesRows | None = None, pad_row: int = 0):
-        self.bucket = bucket
-        self.host = torch.zeros(4 + 2 * n_layers, bucket, dtype=torch.int64).pin_memory()
-        self.inputs = torch.zeros(4 + 2 * n_layers, bucket, dtype=torch.int64, device=device)
-        ids, pos = self.inputs[0:1].T, self.inputs[1:2].T                # [bucket, 1] views
-        self.rows32 = torch.zeros(bucket, dtype=torch.int32, device=device)
-        self.small = torch.zeros(1 + 2 * n_layers, bucket, dtype=torch.int32, device=device)   # counts, lens, starts
+                 lanes: LanesRows | None = None, pad_row: int = 0, T: int = 1):
+        self.bucket, self.T = bucket, T
         L = n_layers
-
-        part = None if lanes is None else lanes.part(self.inputs[2])
+        # rows of the inputs: T of token ids, T of positions, the cache rows, then (int32 on the device)
+        # the counts, L of lengths, L of starts
+        self.host = torch.zeros(2 * T + 2 + 2 * L, bucket, dtype=torch.int64).pin_memory()
+        self.inputs = torch.zeros(2 * T + 2 + 2 * L, bucket, dtype=torch.int64, device=device)
+        ids, pos = self.inputs[0:T].T, self.inputs[T:2 * T].T            # [bucket, T] views
+        self.rows32 = torch.zeros(bucket, dtype=torch.int32, device=device)
+        self.small = torch.zeros(1 + 2 * L, bucket, dtype=torch.int32, device=device)   # counts, lens, starts
+        part = None if lanes is None else lanes.part(self.inputs[2 * T])
 
         def step():
-            self.rows32.copy_(self.inputs[2])
-            self.small.copy_(self.inputs[3:])
+            self.rows32.copy_(self.inputs[2 * T])
+            self.small.copy_(self.inputs[2 * T + 1:])
             return forward(ids, pos, self.rows32, self.small[1:1 + L], self.small[1 + L:], self.small[0], splits=SPLITS,
-                           lanes=part)
+                           lanes=part, head=T == 1)
 
         self.inputs.zero_()      # counts 0: a row that writes and reads nothing (capture writes no KV)
-        self.inputs[2].fill_(pad_row)   # a row whose tables (lanes) hold a state: what the warm-up reads
+        self.inputs[2 * T].fill_(pad_row)   # a row whose tables (lanes) hold a state: what the warm-up reads
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -333,16 +357,25 @@ class _Graph:
             self.out = step()
 
     def run(self, rows, tokens, positions, before) -> torch.Tensor:
-        B, L = len(rows), before.shape[0]
+        """Replay for ``rows`` feeding ``tokens`` (one int a row at T 1, else a list of at most T) at
+        ``positions``, each row's layers filled to ``before`` [L, B]: the output's first len(rows) rows."""
+        B, L, T = len(rows), before.shape[0], self.T
         h = self.host
         h.zero_()
-        h[0, :B] = torch.tensor(tokens)
-        h[1, :B] = torch.tensor(positions)
-        h[2, :B] = torch.tensor(rows)
-        h[2, B:] = rows[0]       # padding reads a real row's tables (lanes) and, with count 0, none of its slots
-        h[3, :B] = 1
-        h[4:4 + L, :B] = before + 1
-        h[4 + L:, :B] = before
+        counts = [1] * B if T == 1 else [len(t) for t in tokens]
+        if T == 1:
+            h[0, :B] = torch.tensor(tokens)
+            h[1, :B] = torch.tensor(positions)
+        else:
+            for b, t in enumerate(tokens):
+                h[:len(t), b] = torch.tensor(t)
+            h[T:2 * T, :B] = torch.tensor(positions)[None] + torch.arange(T)[:, None]
+        h[2 * T, :B] = torch.tensor(rows)
+        h[2 * T, B:] = rows[0]   # padding reads a real row's tables (lanes) and, with count 0, none of its slots
+        n = torch.tensor(counts)
+        h[2 * T + 1, :B] = n
+        h[2 * T + 2:2 * T + 2 + L, :B] = before + n[None]
+        h[2 * T + 2 + L:, :B] = before
         self.inputs.copy_(h, non_blocking=True)
         self.graph.replay()
         return self.out[:B]

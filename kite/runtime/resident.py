@@ -149,15 +149,14 @@ class LanesPrefix(ResidentPrefix):
 
     @classmethod
     def attend(cls, q, prefixes, layer, scale, plans):
-        """On a GPU, one query token a row, with lanes of >= 32 a row (head_dim >= 64 at 4 bits): the lanes kernel
+        """On a GPU, with lanes of >= 32 a row (head_dim >= 64 at 4 bits): the lanes kernel
         (kite.kernels.lanes_triton, :func:`lanes_kernel_attend`) over a pointer table to the rows'
-        states, made once per layer, set of rows and query length (kept in ``plans``); otherwise (a
-        question's several tokens among them: through the kernel they disagreed with the reference on
-        the H200, 2026-12-03) the torch reference, row by row."""
+        states, made once per layer, set of rows and query length (kept in ``plans``); otherwise the
+        torch reference, row by row."""
         from kite.kernels import lanes as L
 
         layers = [p.layers[layer] for p in prefixes]
-        if q.is_cuda and q.shape[2] == 1 and _kernel_reads(layers):   # one token a row (see kernel_step)
+        if q.is_cuda and _kernel_reads(layers):
             return lanes_kernel_attend(q, layers, scale, plans, (cls.__name__, layer, tuple(id(p) for p in prefixes)))
         parts = [L.lanes_partial(q[i:i + 1], x, scale) for i, x in enumerate(layers)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
