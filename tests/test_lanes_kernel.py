@@ -66,8 +66,22 @@ def check_lanes_kernel_in_the_interpreter() -> None:
 
 
 def _check_several_query_tokens(device: str, dtype: torch.dtype, T: int, **shape) -> str:
-    """A batch row's question (T tokens) over its state in lanes through the kernel (each token one
-    entry of the plan) against the torch reference row by row."""
+    """A batch row's question (T tokens) over its state in lanes through the kernel (the tokens folded
+    into the query heads, a few a launch) against the torch reference row by row."""
+    from kite.kernels import lanes_triton
+
+    out = []
+    for folded in (lanes_triton.FOLDED_ROWS, 8):      # the default, and chunks of 2 tokens (3 heads a KV head)
+        lanes_triton.FOLDED_ROWS, kept = folded, lanes_triton.FOLDED_ROWS
+        try:
+            out.append(_several_query_tokens(device, dtype, T, **shape))
+        finally:
+            lanes_triton.FOLDED_ROWS = kept
+    return "; ".join(out)
+
+
+def _several_query_tokens(device: str, dtype: torch.dtype, T: int, **shape) -> str:
+    from kite.kernels import lanes_triton
     from kite.runtime.resident import lanes_kernel_attend
 
     states = _states(device, separate=True, **shape)
@@ -83,7 +97,8 @@ def _check_several_query_tokens(device: str, dtype: torch.dtype, T: int, **shape
     err = float((got.cpu() - wo).abs().max())
     assert err <= 5e-3 * float(wo.abs().max()), f"{dtype}, {T} query tokens a row: max |diff| {err:.3g}"
     assert float((lse.cpu() - wl).abs().max()) <= 0.25
-    assert ("rows", 0, T) in plans
+    per, chunks = lanes_triton.token_chunks(T, 3)
+    assert list(plans) == [("rows", 0, chunks)]
     return f"{dtype}, {T} query tokens a row: max |diff| {err:.3g} / max |out| {float(wo.abs().max()):.3g}"
 
 

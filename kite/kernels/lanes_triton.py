@@ -283,6 +283,12 @@ MIN_LANES = 32     # lanes a row the kernel reads (each half a tensor-core produ
 # benchmarks/results/lanes_decode_h200_20261201_dbb5a4f_run5.json): one-warp programs of 64-row tiles
 # (a tile divides the group size), 3 stages.
 BLOCK, NUM_WARPS, NUM_STAGES = 64, 1, 3
+# A question's several tokens (a prefill) are folded into the query heads of their state: every state
+# row precedes every query token, so token t of head g is one more row of the KV head's products. Up to
+# this many folded rows a program (GP), with a warp per 16 of them (the registers a thread holds stay
+# those of the one-warp decode program): the state is read once per chunk of tokens, not per token.
+# 16: the decode program's own shape (7 query heads a KV head fill 16 rows with 2 tokens).
+FOLDED_ROWS = 16
 
 
 def kernel_reads(lanes: Lanes | list[Lanes]) -> bool:
@@ -384,6 +390,7 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
                          "(kite.kernels.lanes.lanes_partial_torch reads any)")
     G = Hq // H
     GP = max(16, triton.next_power_of_2(G))
+    warps = max(NUM_WARPS, GP // 16)
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
         splits = max(1, min(NG, math.ceil(40 * sms / (N * H))))
@@ -399,7 +406,7 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
     gm, gs = torch.empty(N, H, NG, GP, **f32), torch.empty(N, H, NG, GP, **f32)
     _lanes_kernel[(N * H, splits)](qk, cq, plan.ptrs, plan.ngs, plan.length, m, lsum, acc, gm, gs, H=H, G=G,
                                    GP=GP, NGMAX=NG, GROUP=group, RK=RK, RV=RV, BT=BLOCK, SPLITS=splits,
-                                   PTX=_ptx(q), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                                   PTX=_ptx(q), num_warps=warps, num_stages=NUM_STAGES)
     if extra_k is None or extra_k.shape[2] == 0:
         extra_k = extra_v = torch.zeros(N, H, 0, D, device=dev, dtype=q.dtype)
     E = extra_k.shape[2]
@@ -408,3 +415,30 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
                              extra_v.contiguous(), out, lse, qscale, E, H=H, G=G, GP=GP, NGMAX=NG, GROUP=group,
                              RV=RV, D=D, SPLITS=splits, BASIS=plan.basis_type)
     return out, lse
+
+
+def token_chunks(T: int, G: int) -> tuple[int, int]:
+    """(tokens a chunk, chunks) of a question of T tokens a state, its tokens folded into the G query
+    heads of each KV head, at most :data:`FOLDED_ROWS` rows a chunk."""
+    per = max(1, min(T, FOLDED_ROWS // G))
+    return per, -(-T // per)
+
+
+def lanes_attend_tokens(q: torch.Tensor, plan_for, scale: float, H: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [N, Hq, T, d] (T tokens a state, every state row before every token: no mask) over
+    N states of H KV heads and their sinks: (out [N, Hq, T, d], lse [N, Hq, T]) float32. The tokens are
+    folded into the query heads of their state, a chunk of them an entry of the kernel's plan
+    (:func:`token_chunks`), all in one launch: ``plan_for(C)`` gives the plan of the N states each
+    repeated C times in a row, so a state is read once a chunk, not once a token."""
+    N, Hq, T, d = q.shape
+    G = Hq // H
+    per, C = token_chunks(T, G)
+    plan = plan_for(C)
+    if C * per > T:
+        q = torch.nn.functional.pad(q, (0, 0, 0, C * per - T))
+    # [N, H, G, C, per, d] -> entries (n, c), rows (h, g, t)
+    folded = q.reshape(N, H, G, C, per, d).permute(0, 3, 1, 2, 4, 5).reshape(N * C, H * G * per, d)
+    o, lse = lanes_decode(folded, plan, scale, plan.raw_k, plan.raw_v)
+    o = o.view(N, C, H, G, per, d).permute(0, 2, 3, 1, 4, 5).reshape(N, Hq, C * per, d)
+    lse = lse.view(N, C, H, G, per).permute(0, 2, 3, 1, 4).reshape(N, Hq, C * per)
+    return o[:, :, :T], lse[:, :, :T]

@@ -444,19 +444,20 @@ class LanesRows:
         """``part(layer, q, scale)`` for a forward: the lanes attention of each row's queries (q [B, Hq,
         T, d]; every state token precedes every query token) over its row's state, from the tables
         gathered by ``rows`` (cache rows, int64 on the device): (out [B, Hq, T, d], lse [B, Hq, T]).
-        The kernel reads one query token an entry, so a row's T tokens are T entries of its state."""
-        from kite.kernels.lanes_triton import LanesPlan, lanes_decode
+        A row's T tokens are read as more query heads of its state, a chunk of them an entry
+        (lanes_attend_tokens)."""
+        from kite.kernels.lanes_triton import LanesPlan, lanes_attend_tokens
 
         t, like, ngmax = self.tables, self.like, self.ngmax
 
         def lanes(layer: int, q: torch.Tensor, scale: float):
-            B, Hq, T, d = q.shape
-            entries = rows if T == 1 else rows.repeat_interleave(T)
-            pick = {name: v[layer].index_select(0, entries) for name, v in t.items()}
-            plan = LanesPlan.gathered(like[layer], pick["ptrs"], pick["ngs"], pick["length"], pick["sinks_k"],
-                                      pick["sinks_v"], ngmax)
-            o, lse = lanes_decode(q.transpose(1, 2).reshape(B * T, Hq, d), plan, scale, plan.raw_k, plan.raw_v)
-            return o.view(B, T, Hq, d).transpose(1, 2), lse.view(B, T, Hq).transpose(1, 2)
+            def plan_for(chunks: int):
+                entries = rows if chunks == 1 else rows.repeat_interleave(chunks)
+                pick = {name: v[layer].index_select(0, entries) for name, v in t.items()}
+                return LanesPlan.gathered(like[layer], pick["ptrs"], pick["ngs"], pick["length"], pick["sinks_k"],
+                                          pick["sinks_v"], ngmax)
+
+            return lanes_attend_tokens(q, plan_for, scale, like[layer].H)
 
         return lanes
 

@@ -164,19 +164,18 @@ class LanesPrefix(ResidentPrefix):
 
 def lanes_kernel_attend(q: torch.Tensor, layers: list, scale: float, plans: dict, key) -> tuple[torch.Tensor, torch.Tensor]:
     """The lanes kernel's attention of q [n, Hq, T, d] over the states ``layers`` (one kite.kernels.lanes.Lanes
-    a row, sinks included): (out [n, Hq, T, d], lse [n, Hq, T]) float32. The kernel reads one query token
-    a state, so each of a row's T tokens is read as one entry of the plan, its row's state repeated T
-    times (every state token precedes every query token: no mask); the plan is kept in ``plans``
-    under ``key`` and T."""
-    from kite.kernels.lanes_triton import LanesPlan, lanes_decode
+    a row, sinks included): (out [n, Hq, T, d], lse [n, Hq, T]) float32. Every state token precedes every
+    query token (no mask): a row's T tokens are read as more query heads of its state, a chunk of them
+    an entry of the plan (kite.kernels.lanes_triton.lanes_attend_tokens); the plans are kept in
+    ``plans`` under ``key`` and the chunks a state."""
+    from kite.kernels.lanes_triton import LanesPlan, lanes_attend_tokens
 
-    n, Hq, T, d = q.shape
-    key = (*key, T)
-    if key not in plans:
-        plans[key] = LanesPlan([x for x in layers for _ in range(T)])
-    plan = plans[key]
-    o, lse = lanes_decode(q.transpose(1, 2).reshape(n * T, Hq, d), plan, scale, plan.raw_k, plan.raw_v)
-    return o.view(n, T, Hq, d).transpose(1, 2), lse.view(n, T, Hq).transpose(1, 2)
+    def plan_for(chunks: int):
+        if (*key, chunks) not in plans:
+            plans[(*key, chunks)] = LanesPlan([x for x in layers for _ in range(chunks)])
+        return plans[(*key, chunks)]
+
+    return lanes_attend_tokens(q, plan_for, scale, layers[0].k_codes.shape[1])
 
 
 def _kernel_reads(layers) -> bool:
