@@ -89,14 +89,21 @@ def _score(probe: str, text: str, reference: str) -> float:
     return float(first_number(text) == reference) if probe == "passkey" else f1_score(answer_text(text), reference)
 
 
-def _kite(regen) -> str:
-    """KITE's rows' name: its states coded on a regenerator are named so."""
-    return "KITE" if regen is None else "KITE (regenerator)"
+def _kite(regen, weights=None) -> str:
+    """KITE's rows' name: its states coded on a regenerator, or with layer weights, are named so."""
+    how = [w for w, on in (("regenerator", regen is not None), ("layer weights", weights is not None)) if on]
+    return "KITE" if not how else f"KITE ({', '.join(how)})"
 
 
-def _task_rows(res, lm, args, asks, side, presses, regen) -> None:
+def _settings(ratio: float, weights):
+    from kite.upcycle import CompressSettings, codec
+
+    return CompressSettings(codec=codec.settings_for(ratio), layer_weights=weights)
+
+
+def _task_rows(res, lm, args, asks, side, presses, regen, weights) -> None:
     """Per task probe and ratio: KITE's score from its state, each press's, against the full context's."""
-    from kite.upcycle import CompressSettings, codec, passkey_probe, qa_probe
+    from kite.upcycle import passkey_probe, qa_probe
 
     text = None
     for probe in [p for p in ("passkey", "qa") if p in args.probes]:
@@ -115,7 +122,7 @@ def _task_rows(res, lm, args, asks, side, presses, regen) -> None:
 
         full = None
         for i, ratio in enumerate(args.ratios):
-            settings = CompressSettings(codec=codec.settings_for(ratio))
+            settings = _settings(ratio, weights)
             if probe == "passkey":
                 text = text or (Path("/usr/share/common-licenses") / args.passkey_text).read_text()
                 out = passkey_probe(lm, text, args.passkey_tokens, settings, full=i == 0, regenerator=regen)
@@ -127,7 +134,7 @@ def _task_rows(res, lm, args, asks, side, presses, regen) -> None:
                 full = res.row(f"{cell}: {metric} from the full context", full_value, unit, probe=probe,
                                kvpress_env_full=press_score(None, None))
             base = {"baseline": full["name"]} if full["value"] > 0 else {}
-            res.row(f"{cell}, {ratio:g}x: {metric}, {_kite(regen)}", state, unit, probe=probe, ratio=ratio,
+            res.row(f"{cell}, {ratio:g}x: {metric}, {_kite(regen, weights)}", state, unit, probe=probe, ratio=ratio,
                     bytes_ratio=out["compression_ratio"], **base)
             scores = {p: press_score(p, ratio) for p in presses}
             for p, v in scores.items():
@@ -145,6 +152,8 @@ def main(argv=None) -> int:
     ap.add_argument("--passkey-tokens", type=int, default=1024, help="context of the passkey probe")
     ap.add_argument("--qa-tokens", type=int, default=1024, help="about this many tokens per QA contract")
     ap.add_argument("--qa-contracts", type=int, default=2)
+    ap.add_argument("--layer-weights", type=Path, help="a layer weights file (`kite upcycle weigh`): KITE's states "
+                    "allocate their bits by it; its rows are named so")
     ap.add_argument("--regenerator", type=Path,
                     help="code KITE's states on this regenerator folder (`kite upcycle train` makes one; its "
                          "calibration must not have read the documents measured here)")
@@ -160,17 +169,21 @@ def main(argv=None) -> int:
     from kite.errors import BadInput
     from kite.model import load_model
     from kite.model.convert import converted_gguf_folder
-    from kite.upcycle import CompressSettings, Regenerator, codec, evaluate, split_text
+    from kite.upcycle import Regenerator, evaluate, split_text
+    from kite.upcycle.codec import LayerWeights
 
     lm = load_model(args.model, device=args.device)
     regen = Regenerator.load(args.regenerator) if args.regenerator else None
+    weights = LayerWeights.load(args.layer_weights) if args.layer_weights else None
     folder = converted_gguf_folder(lm.source.path) if lm.source.kind in ("embedded", "gguf") else lm.source.path
     texts = held_out_texts(args)
 
     res = Result("kvpress_compare", device=lm.device)
     res.raw.update(model=args.model or "embedded", threads=args.threads, context_tokens=args.context_tokens,
                    continuation_tokens=args.continuation_tokens, texts=list(texts), kite=[],
-                   regenerator=None if regen is None else {"fingerprint": regen.fingerprint, "meta": regen.meta})
+                   regenerator=None if regen is None else {"fingerprint": regen.fingerprint, "meta": regen.meta},
+                   layer_weights=None if weights is None else {"file": str(args.layer_weights), "meta": weights.meta,
+                                                               "fingerprint": weights.fingerprint})
 
     # kvpress first (its own process), on exactly the token ids KITE scores
     cases, asks = [], _asks(lm, args)
@@ -191,19 +204,19 @@ def main(argv=None) -> int:
     press_delta = {(c["text"], c["ratio"], c["press"]): c["ppl_delta"] for c in side["cells"]}
     presses = [p for p in args.presses if p not in side["skipped"]]
 
-    _task_rows(res, lm, args, asks, side, presses, regen)
+    _task_rows(res, lm, args, asks, side, presses, regen, weights)
     if "ppl" not in args.probes:
         return finish(res, args)
     kite_delta: dict[tuple, float] = {}
     for name, text in texts.items():
         for ratio in args.ratios:
             r = evaluate(lm, text, context_tokens=args.context_tokens, continuation_tokens=args.continuation_tokens,
-                         settings=CompressSettings(codec=codec.settings_for(ratio)), regenerator=regen)
+                         settings=_settings(ratio, weights), regenerator=regen)
             kite_delta[(name, ratio)] = r.ppl_delta
             res.raw["kite"].append({"text": name, "ratio": ratio, **r.to_dict()})
             best = min(presses, key=lambda p: press_delta[(name, ratio, p)]) if presses else None
             cell = f"{name} {r.context_tokens} + {r.continuation_tokens}, {ratio:g}x"
-            res.row(f"{cell}: {_kite(regen)} PPL delta", r.ppl_delta, "ppl",
+            res.row(f"{cell}: {_kite(regen, weights)} PPL delta", r.ppl_delta, "ppl",
                     **_against(best, None if best is None else press_delta[(name, ratio, best)]), text=name, ratio=ratio, ppl_full=r.ppl_full, bytes_ratio=round(r.raw_kv_bytes / r.state_bytes, 3),
                     kl_mean=r.kl_mean)
             for p in presses:
