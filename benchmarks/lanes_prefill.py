@@ -51,14 +51,14 @@ def main(argv=None) -> int:
 
     from kite.kernels import lanes_triton
     from kite.kernels.lanes_triton import LanesPlan, lanes_attend_tokens, lanes_decode
-    from kite.upcycle.codec import lanes as E
+    from kite.upcycle.codec import encode_lanes
 
     H, G, d, N, T = 4, 7, 128, args.states, args.query
     gen = torch.Generator().manual_seed(0)
     A = torch.randn(H, d, d, generator=gen) * (0.97 ** torch.arange(d))[None, :, None]
     k = (torch.randn(H, args.tokens, d, generator=gen) @ A + 1.0).to(dev)
     v = (torch.randn(H, args.tokens, d, generator=gen) @ A).to(dev)
-    one = E.encode(k, v, 128, 64, group=512, sinks=1)
+    (one,) = encode_lanes([k], [v], 128, 64, group=512, sinks=1)
     states = [dataclasses.replace(one, **{f.name: getattr(one, f.name).clone() for f in dataclasses.fields(one)
                                           if isinstance(getattr(one, f.name), torch.Tensor)}) for _ in range(N)]
     q = torch.randn(N, H * G, T, d, generator=gen).to(dev, torch.bfloat16 if dev != "cpu" else torch.float32)
