@@ -122,9 +122,44 @@ def test_weigh_writes_weights_that_compress_and_eval_take_from_the_command_line(
     assert got.exit_code == 0, got.output
     with StateFile(out) as sf:
         assert sf.meta["layer_weights"]["fingerprint"] == made["fingerprint"]
+    shown = runner.invoke(app, ["upcycle", "inspect", str(out)])
+    assert f"layer weights {made['fingerprint'].removeprefix('kite-fp1:')[:12]}" in shown.output
+    got = runner.invoke(app, ["upcycle", "compress", "--model", model, "--input", str(doc), "--output",
+                              str(tmp_path / "plain.upc"), "--config", str(cfg), "--ratio", "8", "--layer-weights",
+                              "none"])
+    assert got.exit_code == 0, got.output
+    assert "layer weights none" in runner.invoke(app, ["upcycle", "inspect", str(tmp_path / "plain.upc")]).output
     (tmp_path / "bad.json").write_text("{}")
     got = runner.invoke(app, ["upcycle", "eval", "--model", model, "--input", str(doc), "--config", str(cfg),
                               "--ratio", "8", "--layer-weights", str(tmp_path / "bad.json")])
     assert got.exit_code == 2 and "layer weights" in got.output
     got = runner.invoke(app, ["upcycle", "weigh", "--model", model, "--output", str(tmp_path / "no" / "w.json")])
     assert got.exit_code == 2
+
+
+def test_a_model_without_shipped_weights_allocates_plainly_and_a_named_file_or_none_wins(lm, tmp_path):
+    from kite.upcycle import UpcycleConfig, open_pipeline
+
+    assert codec.shipped_for(lm.fingerprints.base) is None
+    assert open_pipeline(lm=lm, tagger=False, upcycle_config=UpcycleConfig()).settings.layer_weights is None
+    w = _weights(lm.geometry.n_layers)
+    w.save(tmp_path / "w.json")
+    named = open_pipeline(lm=lm, tagger=False, upcycle_config=UpcycleConfig(), layer_weights=tmp_path / "w.json")
+    assert named.settings.layer_weights == w
+    cfg = UpcycleConfig(layer_weights="none")
+    assert open_pipeline(lm=lm, tagger=False, upcycle_config=cfg).settings.layer_weights is None
+
+
+@pytest.mark.slow
+def test_the_embedded_model_compresses_with_the_weights_kite_ships_for_it_unless_told_none(embedded):
+    """kite/data/layer_weights/ holds the embedded model's weights (`kite upcycle weigh`'s defaults):
+    found by the model's fingerprint, they are the CLI's and the server's default (open_pipeline);
+    --layer-weights none (or layer_weights: none) allocates without them."""
+    from kite.upcycle import UpcycleConfig, open_pipeline
+
+    shipped = codec.shipped_for(embedded.fingerprints.base)
+    assert shipped is not None and shipped.meta["ratio"] == 16.0
+    shipped.check(embedded.geometry.n_layers, embedded.fingerprints.base)
+    assert open_pipeline(lm=embedded, tagger=False, upcycle_config=UpcycleConfig()).settings.layer_weights == shipped
+    assert open_pipeline(lm=embedded, tagger=False, upcycle_config=UpcycleConfig(),
+                         layer_weights="none").settings.layer_weights is None

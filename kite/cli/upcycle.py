@@ -19,7 +19,8 @@ RegeneratorOpt = typer.Option("--regenerator", help="A regenerator folder (`kite
                               "regenerator:).")
 LayerWeightsOpt = typer.Option("--layer-weights", help="A layer weights file (`kite upcycle weigh` makes one): the "
                                "bit allocation weighs each layer's keys and values by it (default: upcycle_config "
-                               "layer_weights:).")
+                               "layer_weights:, else the weights KITE ships for the model, as for the embedded one; "
+                               "'none': without).")
 ModelOpt = typer.Option("--model", "-m", help="HF folder, .gguf file or embedded name (default: config model.default).")
 
 
@@ -151,7 +152,9 @@ def inspect(
     sig = report["signature"]
     out.print(f"  signed with key {sig['key_id']} ({'checked' if sig['checked'] else 'not checked: no security.state_key'})"
               if sig else "  unsigned (no keyed digest; docs/upc-format.md)", highlight=False)
-    out.print(f"  codec {report['codec']['name']}  created {report['created_at']}", highlight=False)
+    lw = report["layer_weights"]
+    out.print(f"  codec {report['codec']['name']}  layer weights "
+              f"{lw.removeprefix('kite-fp1:')[:12] if lw else 'none'}  created {report['created_at']}", highlight=False)
     for c in report["clusters"]:
         conf = f"{c['confidence']:.2f}" if c["confidence"] is not None else "  - "
         out.print(f"  cluster {c['id']:>2}  {c['label']:<22} conf {conf}  {c['n_tokens']:>6} tokens  "

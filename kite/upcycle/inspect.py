@@ -38,6 +38,8 @@ def describe_state(path: str | Path, verify: bool = False) -> dict:
             "geometry": meta["model"]["geometry"],
             "source": meta.get("source"),
             "codec": meta["codec"],
+            # the layer weights the bit allocation used (their fingerprint; None: every layer side alike)
+            "layer_weights": (meta.get("layer_weights") or {}).get("fingerprint"),
             "raw_kv_bytes_fp16": raw,
             "compression_ratio": raw / sf.file_size if raw is not None else None,
             "clusters": [{"id": c["id"], "label": c["label"], "confidence": c.get("confidence"),

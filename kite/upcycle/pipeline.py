@@ -29,7 +29,8 @@ import torch
 from kite.errors import BadInput
 from kite.upcycle.address import Address, address_for
 from kite.upcycle.capture import tokenize_document
-from kite.upcycle.codec.layer_weights import LayerWeights
+from kite.upcycle.codec.layer_weights import OFF as layer_weights_off
+from kite.upcycle.codec.layer_weights import LayerWeights, shipped_for
 from kite.upcycle.codec.regenerator import Regenerator, install
 from kite.upcycle.codec.settings import PRESETS, ratio_of, settings_for
 from kite.upcycle.compress import CompressResult, CompressSettings, Progress, compress_document
@@ -155,8 +156,9 @@ def open_pipeline(model: str | None = None,
     config; or the (config, path) pair :func:`kite.upcycle.load_upcycle_config` returns (the path
     resolves the config's relative example files). ``regenerator``: a regenerator folder (default:
     the config's ``regenerator:``), read and checked against the model. ``layer_weights``: a layer
-    weights file (`kite upcycle weigh`; default: the config's ``layer_weights:``), read and checked
-    against the model: the state-wide bit allocation weighs each layer side by it.
+    weights file (`kite upcycle weigh`; default: the config's ``layer_weights:``, else the weights KITE
+    ships for the model, if any; ``"none"``: none), read and checked against the model: the state-wide
+    bit allocation weighs each layer side by it.
     """
     if isinstance(upcycle_config, UpcycleConfig):
         cfg, cfg_path = upcycle_config, None
@@ -168,13 +170,17 @@ def open_pipeline(model: str | None = None,
                                  kept_fraction=kept_fraction, label_ratios=label_ratios, config_path=cfg_path)
     regen_dir = Path(regenerator) if regenerator is not None else cfg.resolve(cfg.regenerator, cfg_path)
     regen = Regenerator.load(regen_dir) if regen_dir is not None else None   # a bad folder fails before the model
-    weights_file = Path(layer_weights) if layer_weights is not None else cfg.resolve(cfg.layer_weights, cfg_path)
-    if weights_file is not None:
+    named = str(layer_weights) if layer_weights is not None else cfg.layer_weights
+    off = named is not None and named.strip().lower() == layer_weights_off
+    if named is not None and not off:
+        weights_file = Path(layer_weights) if layer_weights is not None else cfg.resolve(cfg.layer_weights, cfg_path)
         settings = replace(settings, layer_weights=LayerWeights.load(weights_file))   # (a bad file, before the model)
     if lm is None:
         from kite.model import load_model
 
         lm = load_model(model, adapter=cfg.resolve(cfg.adapter.path, cfg_path), device=device)
+    if named is None:       # none named: the weights KITE ships for this model, if any
+        settings = replace(settings, layer_weights=shipped_for(lm.fingerprints.base))
     if settings.layer_weights is not None:
         settings.layer_weights.check(lm.geometry.n_layers, lm.fingerprints.base)
     if regen is not None:

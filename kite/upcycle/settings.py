@@ -82,6 +82,7 @@ class UpcycleConfig(_Strict):
     regenerator: str | None = None
     # A layer weights file (`kite upcycle weigh` writes one), relative to the config file: the
     # state-wide bit allocation weighs each layer's keys and values by how much their errors cost.
+    # Unset: the weights KITE ships for the model (the embedded one's), if any; "none": without.
     layer_weights: str | None = None
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     semantic_tagging: TaggingConfig = Field(default_factory=TaggingConfig)

@@ -11,7 +11,7 @@ kite.kernels.lanes)."""
 from kite.upcycle.codec.batched import EncodedState, encode_state
 from kite.upcycle.codec.batched import supports as supports_batched
 from kite.upcycle.codec.batched_regen import takes as batched_takes_regenerator
-from kite.upcycle.codec.layer_weights import LayerWeights
+from kite.upcycle.codec.layer_weights import LayerWeights, shipped_for
 from kite.upcycle.codec.bits import (allocate_bits, allocate_bits_batched, expected_error, first_bit_cost,
                                     layer_budget_bits)
 from kite.upcycle.codec.blob import Blob, EncodedPart, LayerCodec, from_bytes, nbytes, to_bytes
@@ -31,7 +31,7 @@ from kite.upcycle.codec.settings import PRESETS, CodecSettings, at_ratio, ratio_
 from kite.upcycle.codec.weights import model_value_weights
 
 __all__ = ["CODERS", "FLOAT_FORMATS", "INT_FORMATS", "LANE_CLIPS", "PRESETS", "PROBE_ROWS", "AttentionProbe", "Blob", "CodecSettings",
-           "EncodedPart", "EncodedState", "LayerCodec", "LayerWeights", "PcaSide", "QTensor", "QuantSide", "RawSide", "RegenSide",
+           "EncodedPart", "EncodedState", "LayerCodec", "LayerWeights", "shipped_for", "PcaSide", "QTensor", "QuantSide", "RawSide", "RegenSide",
            "Regenerator", "RegeneratorFit", "SideCoder", "allocate_bits", "allocate_bits_batched", "at_ratio",
            "attach_regenerator", "batched_pca", "blocks", "coder", "decode", "dequantize", "encode", "encode_lanes",
            "encode_state", "expected_error", "first_bit_cost", "fit_layer", "fit_layers", "fit_state", "from_bytes", "lanes_nbytes",

@@ -13,6 +13,9 @@ over the documents, floored, raised to ``alpha`` and normalised to a mean of 1.
 A state's bytes depend on the weights (its header names their fingerprint, and so does its address);
 a state decodes without them (they only move bits between layers). On disk: one JSON file
 (``{"format": "kite-layer-weights", "version": 1, "k": [...], "v": [...], "meta": {...}}``).
+
+KITE ships the weights of the embedded model (kite/data/layer_weights/, measured by `kite upcycle
+weigh` with its defaults); :func:`shipped_for` finds the file made for a model by its fingerprint.
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ VERSION = 1
 ALPHA = 0.5       # the measured KL per unit relative error, to this power (1: the first-order optimum)
 FLOOR = 0.05      # a layer side whose exact values won nothing still gets this share of the mean
 
-__all__ = ["ALPHA", "FLOOR", "LayerWeights"]
+SHIPPED = Path(__file__).resolve().parents[2] / "data" / "layer_weights"   # kite/data/layer_weights
+OFF = "none"      # what a config or flag names to allocate without weights (no shipped ones either)
+
+__all__ = ["ALPHA", "FLOOR", "OFF", "LayerWeights", "shipped_for"]
 
 
 @dataclass(frozen=True)
@@ -98,3 +104,12 @@ class LayerWeights:
             return cls(tuple(float(x) for x in data["k"]), tuple(float(x) for x in data["v"]), dict(data.get("meta") or {}))
         except (KeyError, TypeError, ValueError) as e:
             raise BadInput(f"layer weights {path}: {e}") from None
+
+
+def shipped_for(model_fingerprint: str) -> LayerWeights | None:
+    """The weights KITE ships for the model of this fingerprint (its base weights'), or None."""
+    for path in sorted(SHIPPED.glob("*.json")):
+        weights = LayerWeights.load(path)
+        if weights.meta.get("model_fingerprint") == model_fingerprint:
+            return weights
+    return None
