@@ -153,14 +153,15 @@ def test_alias_scripts_run_their_commands_under_the_one_error_boundary(monkeypat
     assert code == 0 and parse_json(out)["version"]
 
 
-def _failing_app():
+def _failing_app(error: BaseException | None = None):
+    """An app whose `boom` raises ``error`` (default: RuntimeError("kaput"))."""
     from kite.cli._common import new_app
 
     failing = new_app("test")
 
     @failing.command("boom")
     def boom() -> None:
-        raise RuntimeError("kaput")
+        raise error or RuntimeError("kaput")
 
     failing.command("noop")(lambda: None)
     return failing
@@ -176,17 +177,10 @@ def test_the_debug_hint_only_when_debug_is_off(monkeypatch):
 
 
 def test_an_error_message_is_printed_as_written_not_as_markup():
-    from kite.cli._common import new_app
     from kite.errors import KiteError
 
-    app_ = new_app("test")
-
-    @app_.command("boom")
-    def boom() -> None:
-        raise KiteError("kite serve needs fastapi: pip install 'kite[serve]' ([bold]not bold[/])")
-
-    app_.command("noop")(lambda: None)
-    res = runner.invoke(app_, ["boom"])
+    res = runner.invoke(_failing_app(KiteError("kite serve needs fastapi: pip install 'kite[serve]' ([bold]not "
+                                               "bold[/])")), ["boom"])
     assert res.exit_code == 1
     assert "pip install 'kite[serve]' ([bold]not bold[/])" in res.stderr
 
