@@ -173,6 +173,30 @@ def test_compiling_the_query_buckets_writes_nothing():
     run_interpreted("tests.test_kernel_step:check_compiling_the_query_buckets_writes_nothing", timeout=600)
 
 
+def test_the_compile_at_start_covers_every_attention_variant_a_batch_can_plan():
+    """compile_queries runs the attention at one batch size of each variant (the merge kernel's power of
+    two of chunks, Triton's int specialisations of the chunk count) a batch of up to the allocated rows
+    plans: every batch size's variant is among them, at far fewer sizes than rows."""
+    from kite.kernels.split_attention_triton import row_splits
+    from kite.runtime.batch_cache import BatchKVCache
+    from kite.runtime.kernel_step import QUERY_BUCKETS, KernelStep
+
+    lm = tiny_lm("llama", "cpu", torch.float32, layers=1, hidden_size=256, num_attention_heads=4,
+                 num_key_value_heads=2)
+    cache = BatchKVCache(lm.model, 64)
+    cache.reserve(64, 4096)
+    step = KernelStep(lm.model, cache)
+
+    def variant(B, T):
+        n = row_splits(B, 4, 2, T, cache.keys[0].shape[2], cache.keys[0].device)
+        return max(2, 1 << (n - 1).bit_length()), n == 1, n % 16 == 0
+
+    for T in QUERY_BUCKETS[1:]:
+        warmed = step.attention_batches(T)
+        assert warmed[0] == 1 and len(warmed) < 16
+        assert {variant(B, T) for B in warmed} == {variant(B, T) for B in range(1, 65)}
+
+
 def test_buckets_cover_every_batch_size():
     from kite.runtime.kernel_step import buckets
 

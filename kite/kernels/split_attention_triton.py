@@ -147,6 +147,16 @@ def plan(batch: int, hkv: int, rows: int, keys: int, sms: int, block_n: int = 64
     return block_m, triton.cdiv(keys, chunk), chunk
 
 
+def row_splits(batch: int, q_heads: int, kv_heads: int, query_len: int, keys: int, device: torch.device,
+               block_n: int = 64) -> int:
+    """The chunks a by-row call (``lengths`` given, no ``splits``) cuts ``keys`` into for ``batch``
+    sequences: the merge kernel is compiled per power of two of it (its ``SP``), so a batch of a new
+    size can cost a compile where it lands in a new one."""
+    sms = _sms(device) if device.type == "cuda" else 4
+    _, n_split, _ = plan(batch, kv_heads, (q_heads // kv_heads) * query_len, keys, sms * BY_ROW_BLOCKS_PER_SM, block_n)
+    return n_split
+
+
 def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        mask: torch.Tensor | None = None, scale: float | None = None, *,
                        splits: int | None = None, block_n: int = 64, rows: torch.Tensor | None = None,
