@@ -30,7 +30,7 @@ def main(argv=None) -> int:
                     help="calibration licenses the weights are measured on")
     ap.add_argument("--calibration-contracts", type=int, default=1)
     ap.add_argument("--weigh-ratio", type=float, default=16.0)
-    ap.add_argument("--alpha", type=float, default=0.5)
+    ap.add_argument("--alpha", type=float, default=None, help="default: kite upcycle weigh's")
     ap.add_argument("--regenerator", type=Path, help="code every state (with and without the weights) on this "
                     "regenerator folder; its calibration must not have read the held-out documents")
     args = parse(ap, argv)
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     else:
         cal = {name: (LICENSES / name).read_text() for name in args.calibration}
         cal.update({r["id"]: r["text"] for r in generate_contracts(args.calibration_contracts, tokens=2700, seed=1000)})
-        weights = measure_layer_weights(lm, cal, args.weigh_ratio, alpha=args.alpha,
+        weights = measure_layer_weights(lm, cal, args.weigh_ratio, **({} if args.alpha is None else {"alpha": args.alpha}),
                                               progress=lambda doc, i, n: print(f"weigh {doc} {i}/{n}", file=sys.stderr))
     weigh_s = clock() - t0
     texts = held_out_texts(args)

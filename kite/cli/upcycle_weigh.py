@@ -26,8 +26,8 @@ def weigh(
     ratio: Annotated[float, typer.Option(min=2, help="The ratio the codec's error is measured at.")] = 16.0,
     context_tokens: Annotated[int, typer.Option(min=64, help="Tokens of each document coded.")] = 1536,
     continuation_tokens: Annotated[int, typer.Option(min=16, help="Tokens scored after them.")] = 256,
-    alpha: Annotated[float, typer.Option(min=0.01, max=2.0, help="The measured cost per unit error, to this power "
-                                         "(1: first order; lower: gentler).")] = 0.5,
+    alpha: Annotated[Optional[float], typer.Option(min=0.01, max=2.0, help="The measured cost per unit error, to this "
+                                                   "power (1: first order; lower: gentler; default 0.75, KITE's).")] = None,
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
@@ -60,7 +60,8 @@ def weigh(
     with kept_on_interrupt(f"nothing written to {output}"), progress_bar() as progress:
         lm = load_model(model)
         weights = measure_layer_weights(lm, texts, ratio, context_tokens=context_tokens,
-                                        continuation_tokens=continuation_tokens, alpha=alpha, progress=progress)
+                                        continuation_tokens=continuation_tokens, progress=progress,
+                                        **({} if alpha is None else {"alpha": alpha}))
         weights.save(output)
     if json_out:
         emit_json({"path": str(output), "fingerprint": weights.fingerprint, **weights.to_json()})
