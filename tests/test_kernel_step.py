@@ -177,7 +177,7 @@ def test_the_compile_at_start_covers_every_attention_variant_a_batch_can_plan():
     """compile_queries runs the attention at one batch size of each variant (the merge kernel's power of
     two of chunks, Triton's int specialisations of the chunk count) a batch of up to the allocated rows
     plans: every batch size's variant is among them, at far fewer sizes than rows."""
-    from kite.kernels.split_attention_triton import row_splits
+    from kite.kernels.split_attention_triton import compile_variant, row_splits
     from kite.runtime.batch_cache import BatchKVCache
     from kite.runtime.kernel_step import QUERY_BUCKETS, KernelStep
 
@@ -188,8 +188,7 @@ def test_the_compile_at_start_covers_every_attention_variant_a_batch_can_plan():
     step = KernelStep(lm.model, cache)
 
     def variant(B, T):
-        n = row_splits(B, 4, 2, T, cache.keys[0].shape[2], cache.keys[0].device)
-        return max(2, 1 << (n - 1).bit_length()), n == 1, n % 16 == 0
+        return compile_variant(row_splits(B, 4, 2, T, cache.keys[0].shape[2], cache.keys[0].device))
 
     for T in QUERY_BUCKETS[1:]:
         warmed = step.attention_batches(T)

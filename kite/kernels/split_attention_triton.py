@@ -147,11 +147,20 @@ def plan(batch: int, hkv: int, rows: int, keys: int, sms: int, block_n: int = 64
     return block_m, triton.cdiv(keys, chunk), chunk
 
 
+def compile_variant(n_split: int) -> tuple[int, bool, bool]:
+    """What a call that cuts its keys into ``n_split`` chunks is compiled for, beyond its shapes: the
+    merge kernel's power of two of chunks (``SP``) and Triton's int specialisations of the count."""
+    return _merge_width(n_split), n_split == 1, n_split % 16 == 0
+
+
+def _merge_width(n_split: int) -> int:
+    return max(2, triton.next_power_of_2(n_split))
+
+
 def row_splits(batch: int, q_heads: int, kv_heads: int, query_len: int, keys: int, device: torch.device,
                block_n: int = 64) -> int:
     """The chunks a by-row call (``lengths`` given, no ``splits``) cuts ``keys`` into for ``batch``
-    sequences: the merge kernel is compiled per power of two of it (its ``SP``), so a batch of a new
-    size can cost a compile where it lands in a new one."""
+    sequences: a batch of a new size costs a compile where it lands in a new :func:`compile_variant`."""
     sms = _sms(device) if device.type == "cuda" else 4
     _, n_split, _ = plan(batch, kv_heads, (q_heads // kv_heads) * query_len, keys, sms * BY_ROW_BLOCKS_PER_SM, block_n)
     return n_split
@@ -221,6 +230,6 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     lse = torch.empty(B, Hq, QL, dtype=torch.float32, device=query.device) if return_lse else lse_part
     _merge_kernel[(M, B * Hkv)](
         o_part, lse_part, out, lse, out.stride(0), out.stride(1), out.stride(2), n_split,
-        HKV=Hkv, REP=rep, QL=QL, D=D, SP=max(2, triton.next_power_of_2(n_split)), HAS_LSE=return_lse,
+        HKV=Hkv, REP=rep, QL=QL, D=D, SP=_merge_width(n_split), HAS_LSE=return_lse,
         num_warps=4)
     return (out, lse) if return_lse else out

@@ -298,14 +298,14 @@ class KernelStep:
     def attention_batches(self, T: int) -> list[int]:
         """The smallest batch size of each chunk count the attention plans for a step of ``T`` tokens a row
         (up to the rows allocated): one of each is what compiles every variant of its kernels."""
-        from kite.kernels.split_attention_triton import row_splits
+        from kite.kernels.split_attention_triton import compile_variant, row_splits
 
         config = self.forward.inner.config
         keys = self.cache.keys[0]
         seen, out = set(), []
         for B in range(1, max(1, self.cache.rows_allocated) + 1):
-            n = SPLITS or row_splits(B, config.num_attention_heads, keys.shape[1], T, keys.shape[2], keys.device)
-            variant = (max(2, 1 << (n - 1).bit_length()), n == 1, n % 16 == 0)   # SP; Triton's int specialisations
+            variant = compile_variant(SPLITS or row_splits(B, config.num_attention_heads, keys.shape[1], T,
+                                                           keys.shape[2], keys.device))
             if variant not in seen:
                 seen.add(variant)
                 out.append(B)
