@@ -163,3 +163,13 @@ def test_the_embedded_model_compresses_with_the_weights_kite_ships_for_it_unless
     assert open_pipeline(lm=embedded, tagger=False, upcycle_config=UpcycleConfig()).settings.layer_weights == shipped
     assert open_pipeline(lm=embedded, tagger=False, upcycle_config=UpcycleConfig(),
                          layer_weights="none").settings.layer_weights is None
+
+
+def test_weighs_help_names_the_alpha_it_defaults_to():
+    from typer.testing import CliRunner
+
+    from kite.cli.main import app
+    from kite.upcycle.codec.layer_weights import ALPHA
+
+    shown = " ".join(CliRunner().invoke(app, ["upcycle", "weigh", "--help"]).output.replace("│", " ").split())
+    assert f"default {ALPHA:g}, KITE's" in shown

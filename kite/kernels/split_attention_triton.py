@@ -157,13 +157,20 @@ def _merge_width(n_split: int) -> int:
     return max(2, triton.next_power_of_2(n_split))
 
 
+def _call_plan(batch: int, hkv: int, rows: int, keys: int, device: torch.device, by_row: bool,
+               block_n: int) -> tuple[int, int, int]:
+    """:func:`plan` as :func:`split_kv_attention` makes it on ``device``: rows of a batch cache get blocks
+    for ~16 programs an SM (a graphed decode step of 32 rows x 16K keys on the H200 took 17.0 ms at the
+    one-a-SM plan, 12.5 ms at 16: benchmarks/batch_step_gpu.py --splits)."""
+    sms = _sms(device) if device.type == "cuda" else 4
+    return plan(batch, hkv, rows, keys, sms * (BY_ROW_BLOCKS_PER_SM if by_row else 1), block_n)
+
+
 def row_splits(batch: int, q_heads: int, kv_heads: int, query_len: int, keys: int, device: torch.device,
                block_n: int = 64) -> int:
     """The chunks a by-row call (``lengths`` given, no ``splits``) cuts ``keys`` into for ``batch``
     sequences: a batch of a new size costs a compile where it lands in a new :func:`compile_variant`."""
-    sms = _sms(device) if device.type == "cuda" else 4
-    _, n_split, _ = plan(batch, kv_heads, (q_heads // kv_heads) * query_len, keys, sms * BY_ROW_BLOCKS_PER_SM, block_n)
-    return n_split
+    return _call_plan(batch, kv_heads, (q_heads // kv_heads) * query_len, keys, device, True, block_n)[1]
 
 
 def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -196,10 +203,7 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     by_row = lengths is not None
     if by_row and (mask is not None or rows is None or starts is None):
         raise ValueError("lengths come with rows and starts, and without a mask")
-    sms = _sms(query.device) if query.is_cuda else 4
-    # rows of a batch cache: blocks for ~16 programs an SM (a graphed decode step of 32 rows x 16K keys on
-    # the H200 took 17.0 ms at the one-a-SM plan, 12.5 ms at 16: benchmarks/batch_step_gpu.py --splits)
-    block_m, n_split, chunk = plan(B, Hkv, M, KL, sms * (BY_ROW_BLOCKS_PER_SM if by_row else 1), block_n)
+    block_m, n_split, chunk = _call_plan(B, Hkv, M, KL, query.device, by_row, block_n)
     if splits is not None:
         chunk = triton.cdiv(triton.cdiv(KL, max(1, splits)), block_n) * block_n
         n_split = triton.cdiv(KL, chunk)

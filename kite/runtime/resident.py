@@ -151,8 +151,8 @@ class LanesPrefix(ResidentPrefix):
     def attend(cls, q, prefixes, layer, scale, plans):
         """On a GPU, with lanes of >= 32 a row (head_dim >= 64 at 4 bits): the lanes kernel
         (kite.kernels.lanes_triton, :func:`lanes_kernel_attend`) over a pointer table to the rows'
-        states, made once per layer, set of rows and query length (kept in ``plans``); otherwise the
-        torch reference, row by row."""
+        states, made once per layer, set of rows and chunks of query tokens a row (kept in ``plans``);
+        otherwise the torch reference, row by row."""
         from kite.kernels import lanes as L
 
         layers = [p.layers[layer] for p in prefixes]

@@ -121,7 +121,6 @@ def start(spec: ReplicaSpec, scale: ScaleSettings, *, host: str = "127.0.0.1", p
 
     from kite.ray_session import connect
     from kite.serve.ray_router import StateAwareRouter
-
     from kite.serve.server import bind_socket
 
     bind_socket(host, port).close()     # a busy port fails here, before Ray starts, in KITE's words
