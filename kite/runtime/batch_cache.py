@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kite.errors import KiteError
@@ -326,10 +327,10 @@ class BatchKVCache:
         if step is not None and commit:
             self.advance(step.rows, step.new_tokens)
 
-    @torch.inference_mode()
-    def advance(self, rows: list[int], new_tokens: list[int]) -> None:
-        """Count ``new_tokens[b]`` more filled slots in every layer of row ``rows[b]`` (a forward wrote them)."""
-        self.lengths[:, torch.tensor(rows, dtype=torch.long)] += torch.tensor(new_tokens, dtype=torch.long)
+    def advance(self, rows: list[int], new_tokens) -> None:
+        """Count ``new_tokens[b]`` more filled slots in every layer of row ``rows[b]`` (a forward wrote
+        them). In numpy on the lengths' memory: no torch call (kite.runtime.kernel_step, KernelStep.logits)."""
+        self.lengths.numpy()[:, np.asarray(rows)] += np.asarray(new_tokens, dtype=np.int64)
 
     # -- what transformers calls ---------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

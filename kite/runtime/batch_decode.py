@@ -21,6 +21,12 @@ them coded and gives them back to each attention.
 
 Time to first token and total time count from `add`: the wait for the next step is part of what
 a client sees.
+
+Streamed text goes out in one hand-over a step (``deliver``: every row's piece at once). A decode
+step's pieces go out while the next decode step runs on the GPU (its launch returns at once), so the
+detokenizing and the handing-over of many rows overlap the device's work instead of following it;
+a prefill's first tokens go out at once (time to first token), and so does everything left when no
+decode step follows (``flush_text``).
 """
 
 from __future__ import annotations
@@ -115,6 +121,8 @@ class BatchDecoder:
         self._active: dict[int, _Sequence] = {}
         self._done: dict[int, GenerationResult] = {}
         self._next_handle = 0
+        self._unstreamed: list[SequenceDecode] = []   # accepted tokens whose text has not gone out
+        self.deliver: Callable[[list[tuple[Callable[[str], None], str]]], None] = deliver_each
         self.last_step = "decode"   # what the last step ran: "prefill" (newcomers' prompts), "decode" or "mixed"
 
     def reserve(self, tokens: int) -> None:
@@ -207,6 +215,8 @@ class BatchDecoder:
             self._prefill(group)
         for group in _by_reader(running):
             self._decode(group)
+        if not self._active:
+            self.flush_text()
         done, self._done = self._done, {}
         return done
 
@@ -217,12 +227,22 @@ class BatchDecoder:
             results.update(self.step())
         return results
 
+    def flush_text(self) -> None:
+        """Hand the text of every token accepted since the last flush to its sequence's ``on_text``, all
+        in one call of ``deliver``."""
+        pending, self._unstreamed = self._unstreamed, []
+        pieces = [p for p in (d.pending_text() for d in pending) if p is not None]
+        if pieces:
+            self.deliver(pieces)
+
     def _prefill(self, group: list[_Sequence]) -> None:
         """Feed each waiting sequence its prompt (or its next chunk); those whose prompt is then
-        whole get their first token."""
+        whole get their first token (its text goes out at once)."""
         chunks = [s.next_chunk() for s in group]
         with self._reading(group[0].reader) as on:
             logits = self._forward(group, chunks, on)
+        if torch.is_tensor(logits):
+            logits = [logits[b, :len(c)] for b, c in enumerate(chunks)]
         whole, whole_logits = [], []
         for seq, chunk, rows in zip(group, chunks, logits):
             ids = seq.prompt_ids
@@ -233,19 +253,25 @@ class BatchDecoder:
                 seq.prompt_nll_bits = nll_bits(seq.prompt_nll_nats, len(ids))
                 seq.reader_on, seq.prefilled = bool(on), True
                 whole.append(seq)
-                whole_logits.append(rows)
-        self._advance(whole, whole_logits)
+                whole_logits.append(rows[-1])
+        if whole:
+            self._advance(whole, torch.stack(whole_logits))
+        self.flush_text()
 
     def _decode(self, group: list[_Sequence]) -> None:
         with self._reading(group[0].reader) as on:
-            logits = self._forward(group, [[s.next_token] for s in group], on)
+            out = self._forward(group, [[s.next_token] for s in group], on)
         for seq in group:
             seq.position += 1
-        self._advance(group, logits)
+        # the last step's text goes out while this one runs (a GPU step is launched, not yet done)
+        self.flush_text()
+        self._advance(group, out[:, 0] if torch.is_tensor(out) else torch.stack([rows[-1] for rows in out]))
 
-    def _forward(self, group: list[_Sequence], tokens: list[list[int]], reader_on: bool = False) -> list[torch.Tensor]:
+    def _forward(self, group: list[_Sequence], tokens: list[list[int]],
+                 reader_on: bool = False) -> torch.Tensor | list[torch.Tensor]:
         """One forward of `group` feeding `tokens` (on KITE's kernels where they take the step,
-        kite.runtime.kernel_step); then the rows with a memory offer it their older tokens."""
+        kite.runtime.kernel_step: logits [B, T, vocab], row b's first len(tokens[b]) its own; else a
+        list, each row's [len(tokens[b]), vocab]); then the rows with a memory offer it their older tokens."""
         memories = {b: s.memory for b, s in enumerate(group) if s.memory is not None}
         if self.kernels is not None and self.kernels.takes(tokens, bool(memories)):
             beside = {b: self.cache.beside[s.row] for b, s in enumerate(group) if s.row in self.cache.beside}
@@ -269,11 +295,9 @@ class BatchDecoder:
         memory.observe(seen=seq.position + fed, raw_tokens=lengths,
                        held_raw_bytes=sum(lengths) * cache.slot_bytes // cache.n_layers)
 
-    def _advance(self, group: list[_Sequence], logits: list[torch.Tensor]) -> None:
-        """Sample each sequence's next token from its last logits; the ended ones leave."""
-        if not group:
-            return
-        last = torch.stack([rows[-1] for rows in logits])
+    def _advance(self, group: list[_Sequence], last: torch.Tensor) -> None:
+        """Sample each sequence's next token from its last logits (``last`` [B, vocab]); the ended ones
+        leave. The tokens' text waits for :meth:`flush_text`."""
         # greedy rows: the argmax where the logits are (B tokens to the host, not B x vocab floats)
         picks = last.argmax(dim=-1).tolist() if all(s.decode.greedy for s in group) else None
         if picks is None:
@@ -281,9 +305,12 @@ class BatchDecoder:
         for b, seq in enumerate(group):
             if seq.handle not in self._active:   # cancelled meanwhile (from an on_text callback)
                 continue
-            seq.next_token = seq.decode.accept(picks[b]) if picks is not None else seq.decode.take(last[b])
+            d = seq.decode
+            seq.next_token = d.accept(picks[b], stream=False) if picks is not None else d.take(last[b], stream=False)
             if seq.next_token is None:
                 self._finish(seq)
+            else:
+                self._unstreamed.append(d)
 
     def _finish(self, seq: _Sequence) -> None:
         del self._active[seq.handle]
@@ -296,6 +323,12 @@ class BatchDecoder:
 
     def _reading(self, on: bool):
         return self.lm.reading(on) if hasattr(self.lm, "reading") else nullcontext(False)
+
+
+def deliver_each(pieces: list[tuple[Callable[[str], None], str]]) -> None:
+    """BatchDecoder.deliver's default: each piece to its on_text, in order."""
+    for on_text, piece in pieces:
+        on_text(piece)
 
 
 def _by_reader(seqs: list[_Sequence]) -> list[list[_Sequence]]:

@@ -86,25 +86,45 @@ def prefix_tokens(prefix: KVPrefix | None) -> int:
 
 class TextStream:
     """Hands each new piece of decoded text to `on_text` once it is whole (a multi-byte character
-    split across tokens waits for its last byte)."""
+    split across tokens waits for its last byte).
+
+    A piece is decoded from the tokens since the last piece with the few before them as context (a
+    tokenizer may space a token by what precedes it), the way vLLM detokenizes incrementally: a
+    step costs the same however long the answer has grown, not a decode of the whole answer."""
 
     def __init__(self, tokenizer, on_text: Callable[[str], None] | None):
         self.tokenizer, self.on_text, self.emitted = tokenizer, on_text, ""
+        self.context = 0    # first token decoded as context before the new ones
+        self.start = 0      # first token whose text has not gone out
+        self.finished = False
+
+    def piece(self, tokens: list[int]) -> str | None:
+        """The text of ``tokens`` (every token so far) not yet handed out, once whole; None when there
+        is none (or nobody listens). Counted as handed out."""
+        if self.on_text is None or self.finished or len(tokens) <= self.start:
+            return None
+        decode = self.tokenizer.decode
+        before = decode(tokens[self.context:self.start], skip_special_tokens=True) if self.start > self.context else ""
+        text = decode(tokens[self.context:], skip_special_tokens=True)
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            return None
+        self.context, self.start = self.start, len(tokens)
+        piece = text[len(before):]
+        self.emitted += piece
+        return piece
 
     def push(self, tokens: list[int]) -> None:
-        if self.on_text is None:
-            return
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        if len(text) > len(self.emitted) and not text.endswith("\ufffd"):
-            self.on_text(text[len(self.emitted):])
-            self.emitted = text
+        piece = self.piece(tokens)
+        if piece is not None:
+            self.on_text(piece)
 
     def finish(self, tokens: list[int]) -> str:
         """The whole text of `tokens`; whatever `on_text` has not had yet goes out now."""
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        if self.on_text is not None and len(text) > len(self.emitted):
+        if self.on_text is not None and not self.finished and len(text) > len(self.emitted):
             self.on_text(text[len(self.emitted):])
             self.emitted = text
+        self.finished = True
         return text
 
 
@@ -138,15 +158,16 @@ class SequenceDecode:
         argmax where the logits are (:meth:`accept`) instead of handing them over."""
         return self.temperature <= 0
 
-    def take(self, logits: torch.Tensor) -> int | None:
+    def take(self, logits: torch.Tensor, *, stream: bool = True) -> int | None:
         """Sample the next token from `logits` [vocab]; the token to feed next, or None when the
-        sequence ends here (an end token, which is not kept, or the length limit)."""
+        sequence ends here (an end token, which is not kept, or the length limit). ``stream`` False:
+        its text waits for :meth:`pending_text` (a batch hands out a step's text all at once)."""
         if len(self.new) >= self.max_new_tokens:
             self.stop_reason = "length"
             return None
-        return self.accept(sample_token(logits.float().cpu(), self.temperature, self.top_p, self.gen))
+        return self.accept(sample_token(logits.float().cpu(), self.temperature, self.top_p, self.gen), stream=stream)
 
-    def accept(self, token: int) -> int | None:
+    def accept(self, token: int, *, stream: bool = True) -> int | None:
         """Take ``token`` as the next one (chosen by the caller: the argmax, for a greedy sequence);
         as :meth:`take` answers."""
         if len(self.new) >= self.max_new_tokens:
@@ -158,11 +179,18 @@ class SequenceDecode:
             self.stop_reason = "eos"
             return None
         self.new.append(token)
-        self.stream.push(self.new)
+        if stream:
+            self.stream.push(self.new)
         if len(self.new) == self.max_new_tokens:
             self.stop_reason = "length"
             return None
         return token
+
+    def pending_text(self) -> tuple[Callable[[str], None], str] | None:
+        """(on_text, the text of the tokens accepted with ``stream`` False since it was last asked),
+        or None when there is none yet (or nobody listens, or the sequence has reported)."""
+        piece = self.stream.piece(self.new)
+        return None if piece is None else (self.stream.on_text, piece)
 
     def cancel(self) -> None:
         if not self.done:

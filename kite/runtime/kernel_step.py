@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from kite.runtime.batch_cache import BatchKVCache
@@ -197,17 +198,21 @@ class KernelStep:
 
     @torch.inference_mode()
     def logits(self, rows: list[int], tokens: list[list[int]], positions: list[int],
-               beside: dict | None = None, reader_on: bool = False) -> list[torch.Tensor]:
-        """Feed row rows[b] its tokens[b] at positions[b]…; each row's logits [len(tokens[b]), vocab]
-        (fp32), as kite.runtime.batch_decode.forward_rows gives them; the cache's lengths advance."""
+               beside: dict | None = None, reader_on: bool = False) -> torch.Tensor:
+        """Feed row rows[b] its tokens[b] at positions[b]…; the logits [B, T, vocab] (fp32), row b's
+        first len(tokens[b]) its own (kite.runtime.batch_decode.forward_rows gives them as a list);
+        the cache's lengths advance.
+
+        The host's part of a step is kept to a few torch calls, its bookkeeping in numpy: every
+        torch call lets go of the GIL, and with a server's event loop busy on the other thread each
+        one could wait a thread switch (5 ms by default) to get it back."""
         cache = self.cache
-        counts = [len(t) for t in tokens]
-        idx = torch.tensor(rows, dtype=torch.long)
-        before = cache.lengths[:, idx]                                   # [L, B]
-        cache.reserve_for(int((before + torch.tensor(counts)[None]).max()))
-        graphed = max(counts) == 1 and GRAPHS and self.graphed
-        prefill_graphed = (GRAPHS and self.graphed and max(counts) > 1 and len(rows) <= PREFILL_ROWS
-                           and not beside)
+        counts = np.asarray([len(t) for t in tokens])
+        before = np.ascontiguousarray(cache.lengths.numpy()[:, np.asarray(rows)])    # [L, B], a copy
+        cache.reserve_for(int((before + counts).max()))
+        most = int(counts.max())
+        graphed = most == 1 and GRAPHS and self.graphed
+        prefill_graphed = GRAPHS and self.graphed and most > 1 and len(rows) <= PREFILL_ROWS and not beside
         # every row's state read from the device tables by cache row, a question's tokens too (each an
         # entry of its row's state)
         all_lanes = bool(beside) and len(beside) == len(rows) and self.lanes_rows.takes(beside.values())
@@ -216,20 +221,22 @@ class KernelStep:
         if graphed and not beside:
             out = self._replay(rows, [t[0] for t in tokens], positions, before, reader_on)
         elif prefill_graphed:
-            out = self._replay(rows, tokens, positions, before, reader_on, T=query_bucket(max(counts)))
+            out = self._replay(rows, tokens, positions, before, reader_on, T=query_bucket(most))
         elif graphed and all_lanes:
             out = self._replay(rows, [t[0] for t in tokens], positions, before, reader_on, lanes=True)
         else:
-            out = self._eager(rows, tokens, positions, before, counts, None if all_lanes else beside, all_lanes)
+            out = self._eager(rows, tokens, positions, torch.from_numpy(before), counts.tolist(),
+                              None if all_lanes else beside, all_lanes)
         cache.advance(rows, counts)
-        return [out[b, :n] for b, n in enumerate(counts)]
+        return out
 
     def _eager(self, rows, tokens, positions, before, counts, beside, lanes: bool = False) -> torch.Tensor:
         dev = self.device
         T = query_bucket(max(counts))
-        ids = torch.zeros(len(rows), T, dtype=torch.long)
+        ids = np.zeros((len(rows), T), dtype=np.int64)
         for b, t in enumerate(tokens):
-            ids[b, :len(t)] = torch.tensor(t)
+            ids[b, :len(t)] = t
+        ids = torch.from_numpy(ids)
         pos = torch.tensor(positions, dtype=torch.long)[:, None] + torch.arange(T)[None]
         n = torch.tensor(counts, dtype=torch.int32)
         groups = None
@@ -356,6 +363,7 @@ class _Graph:
         # rows of the inputs: T of token ids, T of positions, the cache rows, then (int32 on the device)
         # the counts, L of lengths, L of starts
         self.host = torch.zeros(2 * T + 2 + 2 * L, bucket, dtype=torch.int64).pin_memory()
+        self.host_np = self.host.numpy()
         self.inputs = torch.zeros(2 * T + 2 + 2 * L, bucket, dtype=torch.int64, device=device)
         ids, pos = self.inputs[0:T].T, self.inputs[T:2 * T].T            # [bucket, T] views
         self.rows32 = torch.zeros(bucket, dtype=torch.int32, device=device)
@@ -379,27 +387,28 @@ class _Graph:
         with torch.cuda.graph(self.graph, pool=pool):
             self.out = step()
 
-    def run(self, rows, tokens, positions, before) -> torch.Tensor:
+    def run(self, rows, tokens, positions, before: np.ndarray) -> torch.Tensor:
         """Replay for ``rows`` feeding ``tokens`` (one int a row at T 1, else a list of at most T) at
-        ``positions``, each row's layers filled to ``before`` [L, B]: the output's first len(rows) rows."""
+        ``positions``, each row's layers filled to ``before`` [L, B]: the output's first len(rows) rows.
+        The inputs are written in numpy into pinned memory: one torch call copies them over."""
         B, L, T = len(rows), before.shape[0], self.T
-        h = self.host
-        h.zero_()
-        counts = [1] * B if T == 1 else [len(t) for t in tokens]
+        h = self.host_np
+        h.fill(0)
         if T == 1:
-            h[0, :B] = torch.tensor(tokens)
-            h[1, :B] = torch.tensor(positions)
+            counts = 1
+            h[0, :B] = tokens
+            h[1, :B] = positions
         else:
+            counts = np.asarray([len(t) for t in tokens])
             for b, t in enumerate(tokens):
-                h[:len(t), b] = torch.tensor(t)
-            h[T:2 * T, :B] = torch.tensor(positions)[None] + torch.arange(T)[:, None]
-        h[2 * T, :B] = torch.tensor(rows)
+                h[:len(t), b] = t
+            h[T:2 * T, :B] = np.asarray(positions)[None] + np.arange(T)[:, None]
+        h[2 * T, :B] = rows
         h[2 * T, B:] = rows[0]   # padding reads a real row's tables (lanes) and, with count 0, none of its slots
-        n = torch.tensor(counts)
-        h[2 * T + 1, :B] = n
-        h[2 * T + 2:2 * T + 2 + L, :B] = before + n[None]
+        h[2 * T + 1, :B] = counts
+        h[2 * T + 2:2 * T + 2 + L, :B] = before + counts
         h[2 * T + 2 + L:, :B] = before
-        self.inputs.copy_(h, non_blocking=True)
+        self.inputs.copy_(self.host, non_blocking=True)
         self.graph.replay()
         return self.out[:B]
 
@@ -423,17 +432,11 @@ class LanesRows:
 
     def takes(self, prefixes) -> bool:
         """Whether these rows' states can be read from the tables: lanes the kernel reads, every layer
-        held, and (once the tables exist) the same shape as theirs."""
-        from kite.runtime.resident import LanesPrefix
-
-        try:
-            from kite.kernels.lanes_triton import kernel_reads
-        except ImportError:
-            return False
+        held, and (once the tables exist) the same shape as theirs. (Asked every step: what a prefix
+        answers is kept on it.)"""
         for p in prefixes:
-            if not isinstance(p, LanesPrefix) or any(x is None for x in p.layers) or not kernel_reads(p.layers):
-                return False
-            if self.like is not None and _lanes_shape(p) != self._shape:
+            shape = _kernel_shape(p)
+            if shape is None or (self.like is not None and shape != self._shape):
                 return False
         return True
 
@@ -458,7 +461,7 @@ class LanesRows:
     def _allocate(self, prefix, entry) -> None:
         R = self.cache.max_rows
         self.like = prefix._kernel_plans
-        self._shape = _lanes_shape(prefix)
+        self._shape = _kernel_shape(prefix)
         self.tables = {name: torch.zeros((v.shape[0], R, *v.shape[1:]), dtype=v.dtype, device=v.device)
                        for name, v in entry.items()}
         self.version += 1
@@ -485,10 +488,25 @@ class LanesRows:
         return lanes
 
 
-def _lanes_shape(prefix) -> tuple:
-    x = prefix.layers[0]
-    return (x.k_codes.shape[1], x.k_weight.shape[-1], x.v_weight.shape[-1], x.group, x.k_basis.dtype,
-            tuple(x.raw_k.shape[1:]), x.raw_k.dtype, len(prefix.layers))
+def _kernel_shape(prefix) -> tuple | None:
+    """What must match for a state to share the lanes tables (None: the lanes kernel does not read
+    it: another form, a layer not held, lanes it does not take); kept on the prefix."""
+    shape = getattr(prefix, "_kernel_shape", False)
+    if shape is not False:
+        return shape
+    from kite.runtime.resident import LanesPrefix
+
+    try:
+        from kite.kernels.lanes_triton import kernel_reads
+    except ImportError:
+        return None
+    shape = None
+    if isinstance(prefix, LanesPrefix) and not any(x is None for x in prefix.layers) and kernel_reads(prefix.layers):
+        x = prefix.layers[0]
+        shape = (x.k_codes.shape[1], x.k_weight.shape[-1], x.v_weight.shape[-1], x.group, x.k_basis.dtype,
+                 tuple(x.raw_k.shape[1:]), x.raw_k.dtype, len(prefix.layers))
+        prefix._kernel_shape = shape
+    return shape
 
 
 def _row_entry(prefix) -> dict[str, torch.Tensor]:

@@ -124,6 +124,42 @@ def run_tasks(tasks: list) -> None:
                 t.future.set_result(r)
 
 
+class LoopText:
+    """A request's ``on_text`` that puts each piece on an asyncio queue of ``loop`` from the model's
+    thread. :func:`deliver_to_loops` hands a step's pieces for one loop over in one call (one wake-up
+    of the loop, one hand-over of the GIL) instead of one a row."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop, queue):
+        self.loop, self.queue = loop, queue
+
+    def __call__(self, piece: str) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, piece)
+
+
+def deliver_to_loops(pieces: list[tuple[Callable[[str], None], str]]) -> None:
+    """The batch's ``deliver`` in a server: the pieces for :class:`LoopText` receivers in one
+    ``call_soon_threadsafe`` per event loop (in order), any other receiver called as it is. A loop
+    that has closed (its server is stopping) gets nothing."""
+    by_loop: dict = {}
+    for on_text, piece in pieces:
+        if isinstance(on_text, LoopText):
+            by_loop.setdefault(on_text.loop, []).append((on_text.queue, piece))
+        else:
+            on_text(piece)
+    for loop, puts in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, puts)
+        except RuntimeError:   # the loop is closed
+            pass
+
+
+def _put_all(puts: list) -> None:
+    for queue, piece in puts:
+        queue.put_nowait(piece)
+
+
 class Leaving:
     """A client that may leave before its request joins the batch: :meth:`leave` cancels it
     whenever that happens (pass :meth:`attach` as ``GenOptions.on_request``)."""
@@ -162,6 +198,7 @@ class Batcher:
             raise BadInput(f"--max-batch {max_batch}: at least 1")
         self.lm, self.on_step = lm, on_step
         self.decoder = BatchDecoder(lm, max_batch, max_kv_bytes=max_kv_bytes)
+        self.decoder.deliver = deliver_to_loops
         self._queue: deque[BatchRequest] = deque()
         self._tasks: deque[ModelTask | GroupTask] = deque()
         self._running: dict[int, BatchRequest] = {}
@@ -275,6 +312,8 @@ class Batcher:
                     return
                 tasks = list(self._tasks)   # what was handed over before this step boundary
                 self._tasks.clear()
+            if tasks:
+                self.decoder.flush_text()   # the last step's text does not wait for this work
             run_tasks(tasks)
             with self._wake:
                 if not self._queue and not self._running:

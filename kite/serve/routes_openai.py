@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from kite.errors import BadInput, KiteError
 from kite.serve.errors import error_response
-from kite.serve.batcher import Leaving
+from kite.serve.batcher import Leaving, LoopText
 from kite.serve.runner import GenOptions
 from kite.serve.schemas import ChatRequest, CompletionRequest
 from kite.serve.auth import authenticate
@@ -120,7 +120,7 @@ async def _stream(srv, head, chat, prompt_ids, query, state_id, opts, upcycled):
     to a stream: the text has already gone out.)"""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    opts.on_text = lambda piece: loop.call_soon_threadsafe(queue.put_nowait, piece)
+    opts.on_text = LoopText(loop, queue)
     leaving = Leaving(srv.runner.batcher)   # a client that goes away is cancelled at the next step
     opts.on_request = leaving.attach
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -136,6 +136,12 @@ async def _stream(srv, head, chat, prompt_ids, query, state_id, opts, upcycled):
             piece = await queue.get()
             if piece is None:
                 break
+            while not queue.empty():   # pieces that came while the last one was sent go out as one
+                more = queue.get_nowait()
+                if more is None:
+                    queue.put_nowait(None)
+                    break
+                piece += more
             if chat:
                 delta = {"role": "assistant", "content": piece} if first else {"content": piece}
                 yield event({"index": 0, "delta": delta, "finish_reason": None})

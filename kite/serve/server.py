@@ -9,6 +9,12 @@ import time
 
 from kite.ports import free_port
 
+# How long a thread may hold the GIL while another waits for it (Python's default: 5 ms). The model's
+# thread lets go of it at each torch call and its device waits; with the event loop busy streaming
+# to many clients, each took up to a whole interval to get it back, and a step of many rows paid
+# that several times over. A foreground server runs with this instead.
+SWITCH_INTERVAL_S = 0.0005
+
 
 def uvicorn_config(app, host: str, port: int, log_level: str = "warning", kite_logs: bool = False):
     """uvicorn's settings for one app. `kite_logs`: also set up KITE's server logs (`log_config`),
@@ -40,7 +46,11 @@ def log_config(level: str) -> dict:
 def run(app, host: str = "127.0.0.1", port: int = 8088, log_level: str = "info",
         sock: socket.socket | None = None) -> None:
     """Serve `app` in the foreground; on `sock` (from :func:`bind_socket`) when given."""
+    import sys
+
     import uvicorn
+
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     uvicorn.Server(uvicorn_config(app, host, port, log_level, kite_logs=True)).run(sockets=[sock] if sock else None)
 
