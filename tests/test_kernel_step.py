@@ -282,7 +282,7 @@ def test_gpu_rows_in_lanes_decode_in_the_same_step_as_raw_rows():
 @cuda
 def test_gpu_rows_all_in_lanes_are_replayed_from_a_graph_with_the_eager_tokens():
     """Every row held in lanes (states of different lengths, rows joining, leaving and cancelled):
-    the graphed step reads each row's state through the tables kept by cache row and gives the
+    the graphed steps (decode, and the questions' prefills) read each row's state through the tables kept by cache row and gives the
     tokens of the eager step and of transformers' forward with the lanes form's attention."""
     lm = tiny_lm("qwen2", "cuda", torch.float32, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
     states = [lanes_prefix(lm, raw_prefix(lm, n, s)) for n, s in ((150, 1), (90, 2), (300, 3))]
@@ -294,6 +294,8 @@ def test_gpu_rows_all_in_lanes_are_replayed_from_a_graph_with_the_eager_tokens()
     assert graphed == want
     assert dec.kernels.captures >= 1 and dec.kernels.replays > dec.kernels.captures
     assert dec.kernels.lanes_rows.held
+    # the questions' prefills (rows all in lanes) replayed graphs too
+    assert any(T > 1 and version is not None for _, T, _, version in dec.kernels._graphs)
 
 
 def _check_lanes_tables(device: str, dtype, T: int) -> str:

@@ -78,9 +78,9 @@ def _nibbles(codes, ASM: tl.constexpr, SRC: tl.constexpr, SHIFT: tl.constexpr, P
 
 
 @triton.jit
-def _share(n_items, split, SPLITS: tl.constexpr):
-    """Split `split`'s share [lo, hi) of a state's n_items groups cut into SPLITS."""
-    per = tl.cdiv(n_items, SPLITS)
+def _share(n_items, split, splits):
+    """Split `split`'s share [lo, hi) of a state's n_items groups cut into ``splits``."""
+    per = tl.cdiv(n_items, splits)
     lo = split * per
     return lo, tl.minimum(lo + per, n_items)
 
@@ -129,9 +129,9 @@ def _query_kernel(q_ptr, ptrs, ng_ptr, qk_out, cq_out, qscale, H: tl.constexpr, 
 
 @triton.jit
 def _finish_kernel(q_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gs_ptr, ptrs, ng_ptr, len_ptr, ek_ptr, ev_ptr,
-                   out_ptr, lse_ptr, qscale, E, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                   out_ptr, lse_ptr, qscale, E, splits, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                    NGMAX: tl.constexpr, GROUP: tl.constexpr, RV: tl.constexpr, D: tl.constexpr,
-                   SPLITS: tl.constexpr, BASIS: tl.constexpr):
+                   BASIS: tl.constexpr):
     """After the stream kernel, per KV head of a state: its splits' parts and the ``E`` rows kept raw
     (``ek`` / ``ev`` [E, D]: sinks, decoded tokens) in one softmax (base 2), the groups' value
     constants by their masses, the merged lane sums projected back to d (fp32, tf32x3): the
@@ -147,15 +147,15 @@ def _finish_kernel(q_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gs_ptr, ptrs, ng_ptr, l
     q = tl.load(q_ptr + (pair * G + g)[:, None] * D + dd[None, :], mask=gm_[:, None], other=0.0)
     q = q.to(tl.float32) * qscale
     top = tl.full([GP], -1.0e30, tl.float32)
-    for s in range(SPLITS):
-        top = tl.maximum(top, tl.load(m_ptr + (pair * SPLITS + s) * GP + g))
+    for s in range(splits):
+        top = tl.maximum(top, tl.load(m_ptr + (pair * splits + s) * GP + g))
     for e in range(E):
         k = tl.load(ek_ptr + (pair * E + e) * D + dd).to(tl.float32)
         top = tl.maximum(top, tl.sum(q * k[None, :], 1))
     total = tl.zeros([GP], tl.float32)
     lane = tl.zeros([GP, RV], tl.float32)
-    for s in range(SPLITS):
-        part = pair * SPLITS + s
+    for s in range(splits):
+        part = pair * splits + s
         w = tl.exp2(tl.load(m_ptr + part * GP + g) - top)
         total += w * tl.load(l_ptr + part * GP + g)
         lane += w[:, None] * tl.load(acc_ptr + (part * GP + g)[:, None] * RV + j[None, :])
@@ -180,10 +180,9 @@ def _finish_kernel(q_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gs_ptr, ptrs, ng_ptr, l
 
 
 @triton.jit
-def _lanes_kernel(qk_ptr, cq_ptr, ptrs, ng_ptr, len_ptr, m_out, l_out, acc_out, gm_out, gs_out,
+def _lanes_kernel(qk_ptr, cq_ptr, ptrs, ng_ptr, len_ptr, m_out, l_out, acc_out, gm_out, gs_out, splits,
                   H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, NGMAX: tl.constexpr, GROUP: tl.constexpr,
-                  RK: tl.constexpr, RV: tl.constexpr, BT: tl.constexpr, SPLITS: tl.constexpr,
-                  PTX: tl.constexpr):
+                  RK: tl.constexpr, RV: tl.constexpr, BT: tl.constexpr, PTX: tl.constexpr):
     pair = tl.program_id(0)
     split = tl.program_id(1)
     n = pair // H
@@ -191,7 +190,7 @@ def _lanes_kernel(qk_ptr, cq_ptr, ptrs, ng_ptr, len_ptr, m_out, l_out, acc_out, 
     ng = tl.load(ng_ptr + n)
     length = tl.load(len_ptr + n)
     live_groups = tl.minimum(tl.cdiv(length, GROUP), ng)
-    g_lo, g_hi = _share(ng, split, SPLITS)
+    g_lo, g_hi = _share(ng, split, splits)
     g_hi = tl.minimum(g_hi, live_groups)
 
     g = tl.arange(0, GP)
@@ -263,7 +262,7 @@ def _lanes_kernel(qk_ptr, cq_ptr, ptrs, ng_ptr, len_ptr, m_out, l_out, acc_out, 
         tl.store(gm_out + (pair * NGMAX + gi) * GP + g, m)
         tl.store(gs_out + (pair * NGMAX + gi) * GP + g, gsum)
 
-    out = pair * SPLITS + split
+    out = pair * splits + split
     tl.store(m_out + out * GP + g, m)
     tl.store(l_out + out * GP + g, lsum)
     arow = acc_out + (out * GP + g)[:, None] * RV
@@ -404,16 +403,17 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
     m, lsum = torch.empty(N, H, splits, GP, **f32), torch.empty(N, H, splits, GP, **f32)
     acc = torch.empty(N, H, splits, GP, RV, **f32)
     gm, gs = torch.empty(N, H, NG, GP, **f32), torch.empty(N, H, NG, GP, **f32)
-    _lanes_kernel[(N * H, splits)](qk, cq, plan.ptrs, plan.ngs, plan.length, m, lsum, acc, gm, gs, H=H, G=G,
-                                   GP=GP, NGMAX=NG, GROUP=group, RK=RK, RV=RV, BT=BLOCK, SPLITS=splits,
+    # the splits are an argument, not a constant: a batch of another size compiles nothing new
+    _lanes_kernel[(N * H, splits)](qk, cq, plan.ptrs, plan.ngs, plan.length, m, lsum, acc, gm, gs, splits, H=H,
+                                   G=G, GP=GP, NGMAX=NG, GROUP=group, RK=RK, RV=RV, BT=BLOCK,
                                    PTX=_ptx(q), num_warps=warps, num_stages=NUM_STAGES)
     if extra_k is None or extra_k.shape[2] == 0:
         extra_k = extra_v = torch.zeros(N, H, 0, D, device=dev, dtype=q.dtype)
     E = extra_k.shape[2]
     out, lse = torch.empty(N, Hq, D, **f32), torch.empty(N, Hq, **f32)
     _finish_kernel[(N * H,)](qc, m, lsum, acc, gm, gs, plan.ptrs, plan.ngs, plan.length, extra_k.contiguous(),
-                             extra_v.contiguous(), out, lse, qscale, E, H=H, G=G, GP=GP, NGMAX=NG, GROUP=group,
-                             RV=RV, D=D, SPLITS=splits, BASIS=plan.basis_type)
+                             extra_v.contiguous(), out, lse, qscale, E, splits, H=H, G=G, GP=GP, NGMAX=NG,
+                             GROUP=group, RV=RV, D=D, BASIS=plan.basis_type)
     return out, lse
 
 

@@ -18,10 +18,11 @@ whatever the rows hold: :class:`KernelStep` captures it once per bucket of batch
 then steps of 8 ...) and replays it, padding the batch to its bucket with rows that read and write
 nothing. A decode step whose rows all hold their states in lanes is captured too: what the lanes
 kernel reads of each row's state is kept in device tables by cache row (:class:`LanesRows`) and
-gathered by the step's rows inside the graph. A prefill of a few rows held in their slots (at most
-PREFILL_ROWS, a question a row) is captured per bucket of rows and of query length, up to the final
-hidden states (the head runs after the replay: a graph keeps no [rows, tokens, vocab] logits); larger
-prefills, and steps mixing rows in lanes with raw ones, run the same forward eagerly. A graph is captured again when the
+gathered by the step's rows inside the graph. A prefill of a few rows (at most PREFILL_ROWS, a
+question a row), held in their slots or all in lanes, is captured per bucket of rows and of query
+length, up to the final hidden states (the head runs after the replay: a graph keeps no [rows,
+tokens, vocab] logits); larger prefills, and steps mixing rows in lanes with raw ones, run the same
+forward eagerly. A graph is captured again when the
 cache's buffers are reallocated (they grow), when the lanes tables must be read for more groups,
 and per reader-adapter setting (the adapter is a switch the capture bakes in).
 
@@ -212,18 +213,16 @@ class KernelStep:
         cache.reserve_for(int((before + counts).max()))
         most = int(counts.max())
         graphed = most == 1 and GRAPHS and self.graphed
-        prefill_graphed = GRAPHS and self.graphed and most > 1 and len(rows) <= PREFILL_ROWS and not beside
+        prefill_graphed = GRAPHS and self.graphed and most > 1 and len(rows) <= PREFILL_ROWS
         # every row's state read from the device tables by cache row, a question's tokens too (each an
         # entry of its row's state)
         all_lanes = bool(beside) and len(beside) == len(rows) and self.lanes_rows.takes(beside.values())
         if all_lanes:
             self.lanes_rows.sync({rows[b]: p for b, p in beside.items()})
-        if graphed and not beside:
-            out = self._replay(rows, [t[0] for t in tokens], positions, before, reader_on)
-        elif prefill_graphed:
-            out = self._replay(rows, tokens, positions, before, reader_on, T=query_bucket(most))
-        elif graphed and all_lanes:
-            out = self._replay(rows, [t[0] for t in tokens], positions, before, reader_on, lanes=True)
+        if graphed and (not beside or all_lanes):
+            out = self._replay(rows, [t[0] for t in tokens], positions, before, reader_on, lanes=all_lanes)
+        elif prefill_graphed and (not beside or all_lanes):
+            out = self._replay(rows, tokens, positions, before, reader_on, lanes=all_lanes, T=query_bucket(most))
         else:
             out = self._eager(rows, tokens, positions, torch.from_numpy(before), counts.tolist(),
                               None if all_lanes else beside, all_lanes)
@@ -252,19 +251,19 @@ class KernelStep:
 
     # -- CUDA graphs of decode steps -------------------------------------------------------------
     def warm(self, lanes_row: int | None = None) -> None:
-        """Capture the decode step of every bucket now (rows held in their slots; with ``lanes_row``, a
-        cache row whose state the lanes tables hold, rows all in lanes), and from then on whenever the
-        lanes tables change: a server that reserved its buffers pays every capture before its first
-        request, or at its first request in lanes."""
+        """Capture the decode step of every bucket and the few-row prefills now (rows held in their
+        slots; with ``lanes_row``, a cache row whose state the lanes tables hold, rows all in lanes),
+        and from then on whenever the lanes tables change: a server that reserved its buffers pays
+        every capture before its first request, or at its first request in lanes."""
         self.warm_all = True
         if self.graphed and GRAPHS:
             rows = self.cache.rows_allocated      # no step runs more rows than are allocated
+            lanes, pad = lanes_row is not None, 0 if lanes_row is None else lanes_row
             for bucket in self.buckets[:next(i for i, b in enumerate(self.buckets) if b >= rows) + 1]:
-                self._graph(bucket, False, lanes_row is not None, 0 if lanes_row is None else lanes_row)
-            if lanes_row is None:                 # the prefills one client's question runs
-                for bucket in self.prefill_buckets():
-                    for T in QUERY_BUCKETS[1:]:
-                        self._graph(bucket, False, False, 0, T)
+                self._graph(bucket, False, lanes, pad)
+            for bucket in self.prefill_buckets():     # the prefills one client's question runs
+                for T in QUERY_BUCKETS[1:]:
+                    self._graph(bucket, False, lanes, pad, T)
         if self.graphed and lanes_row is None:
             self.compile_queries()
 
@@ -478,7 +477,9 @@ class LanesRows:
 
         def lanes(layer: int, q: torch.Tensor, scale: float):
             def plan_for(chunks: int):
-                entries = rows if chunks == 1 else rows.repeat_interleave(chunks)
+                # each row `chunks` times in a row (expand, not repeat_interleave: no device sync, so a
+                # captured prefill can take it)
+                entries = rows if chunks == 1 else rows[:, None].expand(-1, chunks).reshape(-1)
                 pick = {name: v[layer].index_select(0, entries) for name, v in t.items()}
                 return LanesPlan.gathered(like[layer], pick["ptrs"], pick["ngs"], pick["length"], pick["sinks_k"],
                                           pick["sinks_v"], ngmax)

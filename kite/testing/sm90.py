@@ -17,8 +17,8 @@ def compile_sm90(ptx: bool = True, block: int = 64, stages: int = 3, maxnreg: in
 
     from kite.kernels.lanes_triton import STREAM_KERNEL as fn
 
-    types = {"ptrs": "*i64", "ng_ptr": "*i32", "len_ptr": "*i32"}
-    consts = dict(H=4, G=7, GP=16, NGMAX=32, GROUP=512, RK=128, RV=128, BT=block, SPLITS=4, PTX=ptx)
+    types = {"ptrs": "*i64", "ng_ptr": "*i32", "len_ptr": "*i32", "splits": "i32"}
+    consts = dict(H=4, G=7, GP=16, NGMAX=32, GROUP=512, RK=128, RV=128, BT=block, PTX=ptx)
     sig = {name: types.get(name, "*fp32" if name.endswith(("_ptr", "_out")) else "constexpr")
            for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if sig[name].startswith("*")}
