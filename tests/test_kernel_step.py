@@ -353,7 +353,7 @@ def test_gpu_the_lanes_tables_give_each_rows_tokens_its_own_state(dtype, T):
 @cuda
 def test_gpu_reserved_rows_capture_every_bucket_before_the_first_request():
     """BatchDecoder.reserve allocates every row and captures each bucket's step up front; requests that
-    fit then replay those graphs (lanes ones captured together at the first step in lanes) and give the
+    fit then replay those graphs (lanes ones captured together at the first step in lanes, prefills too) and give the
     tokens of an engine that grew on demand."""
     from kite.runtime import kernel_step
 
@@ -365,7 +365,7 @@ def test_gpu_reserved_rows_capture_every_bucket_before_the_first_request():
     assert got == want
     k = dec.kernels
     assert dec.cache.rows_allocated == 3 and dec.cache.capacity >= 512
-    # every bucket, raw and lanes, once, and the few-row prefills at every query length: no regrowth, no recapture
-    assert k.captures == 2 * len(k.buckets) + len(k.prefill_buckets()) * (len(kernel_step.QUERY_BUCKETS) - 1)
+    # every bucket and the few-row prefills at every query length, raw and lanes, once: no regrowth, no recapture
+    assert k.captures == 2 * (len(k.buckets) + len(k.prefill_buckets()) * (len(kernel_step.QUERY_BUCKETS) - 1))
     assert k.replays > 0
     assert k.prefill_compiled                     # every question length's kernels compiled at reserve
