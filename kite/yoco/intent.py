@@ -66,19 +66,22 @@ def nll_bits_of_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return torch.where(targets.to(got.device) >= 0, got, torch.full_like(got, math.nan))
 
 
-def head_entropy_bits(head: torch.nn.Module, hidden: torch.Tensor, chunk: int = 64,
+def head_entropy_bits(head: torch.nn.Module, hidden: torch.Tensor, chunk: int | None = None,
                       targets: torch.Tensor | None = None):
     """Entropy (bits) of the next-token distribution for each row of `hidden` [N, D], running
-    `head` (the LM head) `chunk` rows at a time so the logits stay small enough for the cache.
-    With `targets` [N] (each row's next token id, −1 for none): (entropies, NLL bits of the targets)."""
-    out = torch.empty(hidden.shape[0], dtype=torch.float32)
-    nll = torch.empty(hidden.shape[0], dtype=torch.float32) if targets is not None else None
+    `head` (the LM head) `chunk` rows at a time (default: 64 on a CPU, so the logits stay small
+    enough for the cache; 512 on a GPU, a few hundred MB of logits); the results cross to the host
+    once. With `targets` [N] (each row's next token id, −1 for none): (entropies, NLL bits of the targets)."""
+    if chunk is None:
+        chunk = 512 if hidden.is_cuda else 64
+    ents, nlls = [torch.empty(0)], [torch.empty(0)]
     for s in range(0, hidden.shape[0], chunk):
         logits = head(hidden[s:s + chunk])
-        out[s:s + chunk] = entropy_bits_of_logits(logits).cpu()
-        if nll is not None:
-            nll[s:s + chunk] = nll_bits_of_logits(logits, targets[s:s + chunk]).cpu()
-    return out if nll is None else (out, nll)
+        ents.append(entropy_bits_of_logits(logits))
+        if targets is not None:
+            nlls.append(nll_bits_of_logits(logits, targets[s:s + chunk]))
+    out = torch.cat([e.float().cpu() for e in ents])
+    return out if targets is None else (out, torch.cat([n.float().cpu() for n in nlls]))
 
 
 def _next_tokens(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -118,16 +121,20 @@ def _batches(lengths: list[int], batch_size: int, batch_tokens: int) -> list[lis
 
 
 @torch.inference_mode()
-def query_signals(lm: LoadedModel, queries: list[str], tagger=None, batch_size: int = 64,
-                  max_tokens: int = 128, *, batch_tokens: int = 1024, precision: str = "fp32",
+def query_signals(lm: LoadedModel, queries: list[str], tagger=None, batch_size: int | None = None,
+                  max_tokens: int = 128, *, batch_tokens: int | None = None, precision: str = "fp32",
                   progress: Callable[[int, int], None] | None = None) -> list[QuerySignals]:
     """Signals for each query, in order (right-padded batches, so each query's own tokens are
-    unaffected by the others). `precision`: fp32 (exact) or bf16 (the matmuls on bf16 weights, fp32
+    unaffected by the others; by default at most 64 rows and 1,024 padded tokens a batch on a CPU,
+    256 and 8,192 on a GPU, where a server's burst of questions is one pass, not several). `precision`: fp32 (exact) or bf16 (the matmuls on bf16 weights, fp32
     between them: faster on AVX512-BF16 CPUs, entropies off by a little; measured by
     benchmarks/yoco_analyze.py, docs/rules-dsl.md). Repeated texts are computed once.
     `progress(done, total)` after each batch, in distinct texts."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    gpu = torch.device(lm.device).type == "cuda"
+    batch_size = batch_size or (256 if gpu else 64)
+    batch_tokens = batch_tokens or (8192 if gpu else 1024)
     # Each distinct text runs once (traffic repeats itself: "hi", the same question twice).
     slot: dict[str, int] = {}
     which = [slot.setdefault(q, len(slot)) for q in queries]
