@@ -34,7 +34,9 @@ Rows per mode and C (x baseline: over ``none`` at the same C): completion tokens
 over the round's wall time; TTFT p50 and p99 as the clients saw them (send to first text); the
 decode step the server reports (kite_batch_step_seconds{kind="decode"} at the round's most frequent
 row count: its mean; steps with newcomers' prefills are counted apart) against its byte floor (weights + each row's KV, or lanes and
-own slots, read once at the GPU's HBM bandwidth), beside the client's inter-token p50; GPU memory
+own slots, read once at the GPU's HBM bandwidth) and the decode tokens/s it gives (rows / step; lanes'
+against raw's largest batch, the round whose steps ran the most raw rows; lanes' completion tokens/s
+against that round's too), beside the client's inter-token p50; GPU memory
 (torch.cuda.max_memory_allocated in the server since it started, uploads included: /healthz's
 watermark has no per-round peak; beside it the device's used memory through NVML, the most seen
 during the round, when the server has pynvml); requests refused (an HTTP error or
@@ -467,7 +469,16 @@ def run_mode(mode: str, args, model: Path, work: Path, docs: list[str], info: di
         log(f"{mode}: server stopped", t0)
 
 
+def raw_largest_batch(runs: dict, clients: list[int]) -> int | None:
+    """The client count of raw's round whose decode steps ran the most rows (raw's largest batch:
+    lanes' decode rate is measured against it)."""
+    rounds = [(s["step_rows"], c) for c in clients
+              if (s := runs.get("raw", {}).get("rounds", {}).get(str(c))) and "skipped" not in s and s.get("step_rows")]
+    return max(rounds)[1] if rounds else None
+
+
 def add_rows(res: Result, modes: list[str], runs: dict, args, info: dict, on_gpu: bool) -> None:
+    top = raw_largest_batch(runs, args.clients)
     for mode in sorted(modes, key=lambda m: m != "none"):    # the baselines' rows first
         for clients in args.clients:
             s = runs.get(mode, {}).get("rounds", {}).get(str(clients))
@@ -493,6 +504,14 @@ def add_rows(res: Result, modes: list[str], runs: dict, args, info: dict, on_gpu
                 floor = {"floor": f"weights + {s['step_rows']} rows' {held} read once {hbm_text()}",
                          "floor_value": bytes_ms(fb)} if on_gpu and fb else {}
                 res.row(f"{tag}: decode step, server mean", s["step_mean_ms"], "ms", rows=s["step_rows"], **floor, **extra)
+                # the rows' tokens a second while they decode (rows / step): lanes against raw's largest batch
+                against = ({"baseline": f"raw, {top} clients: decode tokens/s, server"}
+                           if mode == "lanes" and top is not None else {})
+                res.row(f"{tag}: decode tokens/s, server", round(s["step_rows"] * 1e3 / s["step_mean_ms"], 1),
+                        "tokens/s", rows=s["step_rows"], **against, **extra)
+            if mode == "lanes" and top is not None:
+                res.row(f"{tag}: completion tokens/s against raw's largest batch", s["tokens_per_s"], "tokens/s",
+                        baseline=f"raw, {top} clients: completion tokens/s", **extra)
             if s["inter_token_p50_ms"] is not None:
                 res.row(f"{tag}: inter-token p50, client", s["inter_token_p50_ms"], "ms", **extra)
             if s["torch_peak_gb"] is not None and on_gpu:
