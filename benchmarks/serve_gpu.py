@@ -1,6 +1,6 @@
 """`kite serve` on a GPU through HTTP: concurrent clients asking about long documents, with and without KITE.
 
-    python benchmarks/serve_gpu.py                      # H200: Qwen2-7B geometry, 8 x 16K-token documents
+    make build-runtime; python benchmarks/serve_gpu.py  # H200: Qwen2-7B geometry, 8 x 16K-token documents
     python benchmarks/serve_gpu.py --docs 64 --clients 1,8,32,64 --budget-s 480
     python benchmarks/serve_gpu.py --cpu-smoke          # the tiny geometry on the CPU: the script runs
 
@@ -600,6 +600,10 @@ def main(argv=None) -> int:
     print(f"modes {', '.join(modes)}; clients {args.clients}; {args.docs} documents of {args.tokens} tokens; "
           f"{args.max_new_tokens} new tokens; at least {args.requests} requests a round; budget {args.budget_s:g} s",
           flush=True)
+    from kite.kernels.locate import runtime_status
+
+    runtime = runtime_status()     # uploads compress on its CUDA kernels: without them, ~150x slower on an H200
+    print(f"native runtime: {runtime}", flush=True)
     res = Result("serve_gpu", device=args.device)
     runs: dict = {}
     with tempfile.TemporaryDirectory(prefix="kite-serve-gpu-") as tmp:
@@ -622,7 +626,7 @@ def main(argv=None) -> int:
                 runs[mode]["failed"] = f"{type(exc).__name__}: {exc}"[:2000]
                 log(f"{mode}: failed: {runs[mode]['failed']}", t0)
     add_rows(res, modes, runs, args, info, on_gpu)
-    res.raw.update({"settings": {k: v for k, v in vars(args).items() if k not in ("stdout", "out")},
+    res.raw.update({"runtime": runtime, "settings": {k: v for k, v in vars(args).items() if k not in ("stdout", "out")},
                     "modes": modes, "model": info, "runs": runs, "total_s": round(clock() - t0, 1)})
     log("done", t0)
     finish(res, args)
