@@ -22,9 +22,9 @@ gathered by the step's rows inside the graph. A prefill of a few rows (at most P
 question a row), held in their slots or all in lanes, is captured per bucket of rows and of query
 length, up to the final hidden states (the head runs after the replay: a graph keeps no [rows,
 tokens, vocab] logits); larger prefills, and steps mixing rows in lanes with raw ones, run the same
-forward eagerly. A graph is captured again when the
-cache's buffers are reallocated (they grow), when the lanes tables must be read for more groups,
-and per reader-adapter setting (the adapter is a switch the capture bakes in).
+forward eagerly. A graph is captured again when the cache's buffers are reallocated (they grow),
+when the lanes tables must be read for more groups, and per reader-adapter setting (the adapter is
+a switch the capture bakes in).
 
 ``KernelStep.build`` answers None where this does not apply (CPU, fp32, the fused layers not installed:
 another family or no Triton; a head size the kernels do not take); the engine then keeps transformers'
