@@ -61,14 +61,43 @@ def test_a_batch_hands_out_a_steps_pieces_at_once_and_a_decode_steps_while_the_n
     assert events[0][0] == "forward" and events[0][2] > 1
     assert events[1][0] == "deliver" and len(events[1][1]) == 3     # first tokens: at once, all rows
     # the first decode step has nothing to hand out; each later one is launched, and only then the
-    # last step's pieces go out (every row's); the last step's text comes with the results
+    # last step's pieces go out (every row's); the ended rows' last text goes out in one hand-over too
     assert events[2][0] == "forward" and events[2][2] == 1
     rest = events[3:]
-    assert [e[0] for e in rest] == ["forward", "deliver"] * 4
-    assert all(e[2] == 1 for e in rest[0::2]) and all(len(e[1]) == 3 for e in rest[1::2])
-    # the texts joined are the answers (the last pieces come with the results)
+    assert [e[0] for e in rest] == ["forward", "deliver"] * 4 + ["deliver"]
+    assert all(e[2] == 1 for e in rest[:-1:2]) and all(len(e[1]) == 3 for e in rest[1::2])
     for h in handles:
         assert results[h].new_tokens == 6 and results[h].text
+
+
+def test_the_ended_rows_last_text_goes_out_before_the_step_reports_them(embedded, one_thread):
+    from kite.runtime.generate import encode_prompt
+
+    engine = BatchDecoder(embedded, max_rows=3)
+    got: dict[int, list[str]] = {}
+    calls = []
+
+    def deliver(pieces):
+        calls.append(len(pieces))
+        for on_text, piece in pieces:
+            on_text(piece)
+
+    engine.deliver = deliver
+    prompts = [encode_prompt(embedded.tokenizer, q, chat=True) for q in ("Name a fruit.", "Name a city.", "Hi!")]
+    handles = [engine.add(p, max_new_tokens=5 + i, on_text=got.setdefault(i, []).append) for i, p in enumerate(prompts)]
+    results = {}
+    while len(engine):
+        for h, r in engine.step().items():       # whatever a step reports has had all its text
+            i = handles.index(h)
+            assert "".join(got[i]) == r.text
+            results[h] = r
+    assert len(results) == 3
+    cancelled = engine.add(prompts[0], max_new_tokens=20, on_text=got.setdefault(9, []).append)
+    engine.step()
+    engine.step()
+    assert engine.cancel(cancelled)
+    r = engine.step()[cancelled]                 # a cancelled row's text too
+    assert r.stop_reason == "cancelled" and "".join(got[9]) == r.text
 
 
 def test_batched_text_streams_the_same_pieces_as_the_answer(embedded, one_thread):

@@ -26,7 +26,8 @@ Streamed text goes out in one hand-over a step (``deliver``: every row's piece a
 step's pieces go out while the next decode step runs on the GPU (its launch returns at once), so the
 detokenizing and the handing-over of many rows overlap the device's work instead of following it;
 a prefill's first tokens go out at once (time to first token), and so does everything left when no
-decode step follows (``flush_text``).
+decode step follows (``flush_text``); the last text of the sequences that ended goes out in one
+hand-over before the step that reports them returns.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class BatchDecoder:
         self._done: dict[int, GenerationResult] = {}
         self._next_handle = 0
         self._unstreamed: list[SequenceDecode] = []   # accepted tokens whose text has not gone out
+        self._ends: list[tuple[Callable[[str], None], str]] = []   # ended sequences' last text
         self.deliver: Callable[[list[tuple[Callable[[str], None], str]]], None] = deliver_each
         self.last_step = "decode"   # what the last step ran: "prefill" (newcomers' prompts), "decode" or "mixed"
 
@@ -217,6 +219,7 @@ class BatchDecoder:
             self._decode(group)
         if not self._active:
             self.flush_text()
+        self._hand_out_ends()
         done, self._done = self._done, {}
         return done
 
@@ -234,6 +237,13 @@ class BatchDecoder:
         pieces = [p for p in (d.pending_text() for d in pending) if p is not None]
         if pieces:
             self.deliver(pieces)
+
+    def _hand_out_ends(self) -> None:
+        """The last text of the sequences that ended since the last step, in one call of ``deliver``
+        (before the step reports them)."""
+        ends, self._ends = self._ends, []
+        if ends:
+            self.deliver(ends)
 
     def _prefill(self, group: list[_Sequence]) -> None:
         """Feed each waiting sequence its prompt (or its next chunk); those whose prompt is then
@@ -319,7 +329,10 @@ class BatchDecoder:
             next(s for s in self._active.values() if s.row == moved).row = seq.row
         self._done[seq.handle] = seq.decode.result(prompt_tokens=len(seq.prompt_ids), prefix=seq.prefix,
                                                    prompt_nll_bits=seq.prompt_nll_bits,
-                                                   reader_adapter=seq.reader_on)
+                                                   reader_adapter=seq.reader_on, stream=False)
+        end = seq.decode.final_text()
+        if end is not None:
+            self._ends.append(end)
 
     def _reading(self, on: bool):
         return self.lm.reading(on) if hasattr(self.lm, "reading") else nullcontext(False)

@@ -97,6 +97,7 @@ class TextStream:
         self.context = 0    # first token decoded as context before the new ones
         self.start = 0      # first token whose text has not gone out
         self.finished = False
+        self.left: str | None = None   # the end of the text, kept back by finish(emit=False)
 
     def piece(self, tokens: list[int]) -> str | None:
         """The text of ``tokens`` (every token so far) not yet handed out, once whole; None when there
@@ -118,14 +119,23 @@ class TextStream:
         if piece is not None:
             self.on_text(piece)
 
-    def finish(self, tokens: list[int]) -> str:
-        """The whole text of `tokens`; whatever `on_text` has not had yet goes out now."""
+    def finish(self, tokens: list[int], emit: bool = True) -> str:
+        """The whole text of `tokens`; whatever `on_text` has not had yet goes out now (``emit``
+        False: it waits for :meth:`take_left`)."""
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         if self.on_text is not None and not self.finished and len(text) > len(self.emitted):
-            self.on_text(text[len(self.emitted):])
-            self.emitted = text
+            rest, self.emitted = text[len(self.emitted):], text
+            if emit:
+                self.on_text(rest)
+            else:
+                self.left = rest
         self.finished = True
         return text
+
+    def take_left(self) -> str | None:
+        """What :meth:`finish` kept back for the caller to hand out (once)."""
+        left, self.left = self.left, None
+        return left
 
 
 class SequenceDecode:
@@ -192,16 +202,22 @@ class SequenceDecode:
         piece = self.stream.piece(self.new)
         return None if piece is None else (self.stream.on_text, piece)
 
+    def final_text(self) -> tuple[Callable[[str], None], str] | None:
+        """(on_text, the end of the text) that :meth:`result` kept back with ``stream`` False, once."""
+        left = self.stream.take_left()
+        return None if left is None else (self.stream.on_text, left)
+
     def cancel(self) -> None:
         if not self.done:
             self.stop_reason = "cancelled"
 
     def result(self, *, prompt_tokens: int, prefix: KVPrefix | None, prompt_nll_bits: float | None,
-               reader_adapter: bool = False) -> GenerationResult:
-        """The finished sequence's report (its remaining text goes to `on_text` first)."""
+               reader_adapter: bool = False, stream: bool = True) -> GenerationResult:
+        """The finished sequence's report (its remaining text goes to `on_text` first; ``stream``
+        False: to :meth:`final_text`)."""
         end = time.perf_counter()
         total = (end - self.t0) * 1e3
-        text = self.stream.finish(self.new)
+        text = self.stream.finish(self.new, emit=stream)
         t_first = self.t_first if self.t_first is not None else self.t0
         ttft = (t_first - self.t0) * 1e3 if self.t_first is not None else total
         decode_s = time.perf_counter() - t_first
