@@ -41,7 +41,7 @@ from kite.upcycle import (CompressSettings, Regenerator, RegeneratorFit, codec_s
 from kite.upcycle import capture_kv as capture  # noqa: E402
 from kite.upcycle.study import (CALIBRATION_LICENSES, CONTINUATION, HELD_OUT, LICENSES,  # noqa: E402
                                    context_tokens, held_out_docs)
-from kite.upcycle.codec import model_value_weights  # noqa: E402
+from kite.upcycle.codec import LayerWeights, model_value_weights  # noqa: E402
 from harness import Result, clock, finish, parse, parser  # noqa: E402
 
 
@@ -95,6 +95,9 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
     ap.add_argument("--choice", choices=["measured", "expected", "probe"],
                     help="how each side picks the regenerator's basis or the document's (default: the codec's)")
     ap.add_argument("--save-regenerator", type=Path, help="keep the fitted regenerator in this folder")
+    ap.add_argument("--layer-weights", type=Path, help="a layer weights file (`kite upcycle weigh`; the embedded "
+                    "model's ships in kite/data/layer_weights): every method's states allocate their bits by it "
+                    "(default: the plain allocation)")
     args = parse(ap, argv)      # --seed: with --calibration-pairs, the run's
     torch.set_num_threads(args.threads)
     t0 = clock()
@@ -111,6 +114,7 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
     print(f"regenerator {reg.fingerprint[:21]} weighted={reg.weighted} ({clock() - t0:.0f} s)",
           file=sys.stderr, flush=True)
     reader = load_model(None, adapter=args.adapter) if args.adapter else None
+    weights = LayerWeights.load(args.layer_weights) if args.layer_weights else None
     only = {(o.rsplit(":", 1)[0], float(o.rsplit(":", 1)[1])) for o in args.only} if args.only else None
     rows = []
     if set(args.licenses) & set(CALIBRATION_LICENSES):
@@ -121,7 +125,7 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
         for ratio in args.ratios:
             if only is not None and (name, float(ratio)) not in only:
                 continue
-            s = CompressSettings(codec=codec_settings(ratio), n_clusters=args.clusters)
+            s = CompressSettings(codec=codec_settings(ratio), n_clusters=args.clusters, layer_weights=weights)
             row = {"document": name, "context_tokens": ctx, "ratio": ratio}
             for label, model, regen in (("doc", lm, None), ("regen", lm, reg),
                                         *((("regen+adapter", reader, reg),) if reader else ())):
@@ -141,7 +145,9 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
                                                                   "weighted": reg.weighted, "choice": reg.choice,
                                                                   "calibration": reg.meta.get("calibration")},
               "argv": list(argv if argv is not None else sys.argv[1:]),
-              "adapter": str(args.adapter) if args.adapter else None, "rows": rows,
+              "adapter": str(args.adapter) if args.adapter else None,
+              "layer_weights": None if weights is None else {"file": str(args.layer_weights), "meta": weights.meta},
+              "rows": rows,
               "seconds": round(clock() - t0, 1)}
     print(table(result), file=sys.stderr if args.json else sys.stdout)
     res = Result(benchmark, device="cpu")
