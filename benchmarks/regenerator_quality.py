@@ -20,7 +20,8 @@ contracts of seeds the calibration never drew.
 The regenerator fitted here is unweighted, as `kite upcycle train` fits it, unless ``--weighted``
 (attention-aware distortion, :mod:`kite.upcycle.train.weights`); ``--only DOC:RATIO ...`` and ``--methods`` pick rows and columns,
 ``--calibration-pairs`` fits on a training run's documents instead. Rows: each document, ratio and
-method's continuation PPL, the full context's the baseline (quality figures, no floor).
+method's continuation PPL, the full context's the baseline (quality figures, no floor); then per ratio
+and method the mean PPL delta over the documents (with the largest, and the mean KL).
 """
 
 from __future__ import annotations
@@ -161,6 +162,17 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
             if k in r:
                 res.row(f"{at} {k}: PPL", r[k]["ppl_state"], "PPL", baseline=f"{at} full context: PPL",
                         **{m: v for m, v in r[k].items() if m != "ppl_state"})
+    for ratio in sorted({r["ratio"] for r in rows}):
+        at = [r for r in rows if r["ratio"] == ratio]
+        for k in ("doc", "regen", "regen+adapter"):
+            got = [r[k] for r in at if k in r]
+            if not got:
+                continue
+            deltas = [g["ppl_delta"] for g in got]
+            mean = sum(deltas) / len(deltas)
+            res.row(f"mean of {len(got)} documents, {ratio:g}x: {k} PPL delta", round(mean, 4), "ppl",
+                    largest=round(max(deltas), 4), within_twice_the_mean=bool(max(deltas) <= 2 * abs(mean)),
+                    kl=round(sum(g["kl"] for g in got) / len(got), 5))
     res.raw.update(result)
     return finish(res, args)
 
