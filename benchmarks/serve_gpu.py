@@ -45,7 +45,8 @@ kite_batch_queue_length showed. Every request's record is under ``raw``.
 
 Bounded: --budget-s for the whole run, the model's writing included (the modes run in the order raw,
 lanes, none, each with an equal share of what is left when it starts, so what one leaves goes to the
-next; a round past its mode's deadline sends nothing more and cancels what is in flight), every
+next; a mode whose setup took its whole share gets an equal part, with the modes after it, of what
+is left for its rounds; a round past its mode's deadline sends nothing more and cancels what is in flight), every
 request a read timeout. Random weights say nothing about answers, only about speed.
 """
 
@@ -408,8 +409,17 @@ def warm(url: str, bodies: list[dict], timeout_s: float) -> list[dict]:
 
 
 def run_mode(mode: str, args, model: Path, work: Path, docs: list[str], info: dict, deadline: float,
-             t0: float, out: dict) -> None:
-    """Start the mode's server, upload or find the states, warm it, run every round until ``deadline``."""
+             t0: float, out: dict, run_deadline: float | None = None, later: int = 0) -> None:
+    """Start the mode's server, upload or find the states, warm it, run every round until ``deadline``.
+    A mode whose server's start, uploads and warm-up took its whole share still runs its rounds: until
+    an equal part, with the ``later`` modes after it, of what is left before ``run_deadline``."""
+    def within(deadline: float) -> float:
+        if run_deadline is None or clock() < deadline:
+            return deadline
+        extended = clock() + max(0.0, run_deadline - clock()) / (later + 1)
+        log(f"{mode}: its setup took its share of --budget-s; its rounds get {max(0.0, extended - clock()):.0f} s", t0)
+        return extended
+
     from kite.serve.scrape import parse_metrics
 
     max_batch = min(args.max_batch, args.none_max_batch) if mode == "none" else args.max_batch
@@ -427,6 +437,7 @@ def run_mode(mode: str, args, model: Path, work: Path, docs: list[str], info: di
         out["start_s"] = round(clock() - t0, 1)
         log(f"{mode}: serving on {srv.url}", t0)
         state_ids = None
+        deadline = within(deadline)
         if clock() >= deadline:
             raise RuntimeError("its server started after this mode's share of --budget-s had passed")
         if mode != "none":
@@ -437,6 +448,7 @@ def run_mode(mode: str, args, model: Path, work: Path, docs: list[str], info: di
         out["warm"] = {"requests": len(w), "by_status": {s: sum(1 for r in w if r["status"] == s)
                                                         for s in {r["status"] for r in w}}}
         log(f"{mode}: warmed with {len(w)} requests ({out['warm']['by_status']})", t0)
+        deadline = within(deadline)
         out["rounds"] = {}
         for ci, clients in enumerate(args.clients):
             if clock() >= deadline:
@@ -621,7 +633,8 @@ def main(argv=None) -> int:
             share = max(0.0, deadline - clock()) / (len(modes) - i)
             runs[mode] = {}
             try:
-                run_mode(mode, args, work / "model", work, docs, info, clock() + share, t0, runs[mode])
+                run_mode(mode, args, work / "model", work, docs, info, clock() + share, t0, runs[mode],
+                         run_deadline=deadline, later=len(modes) - i - 1)
             except (RuntimeError, httpx.HTTPError) as exc:
                 runs[mode]["failed"] = f"{type(exc).__name__}: {exc}"[:2000]
                 log(f"{mode}: failed: {runs[mode]['failed']}", t0)
