@@ -74,14 +74,18 @@ def head_entropy_bits(head: torch.nn.Module, hidden: torch.Tensor, chunk: int | 
     once. With `targets` [N] (each row's next token id, −1 for none): (entropies, NLL bits of the targets)."""
     if chunk is None:
         chunk = 512 if hidden.is_cuda else 64
-    ents, nlls = [torch.empty(0)], [torch.empty(0)]
+    ents, nlls = [], []
     for s in range(0, hidden.shape[0], chunk):
         logits = head(hidden[s:s + chunk])
-        ents.append(entropy_bits_of_logits(logits))
+        ents.append(entropy_bits_of_logits(logits).float())
         if targets is not None:
-            nlls.append(nll_bits_of_logits(logits, targets[s:s + chunk]))
-    out = torch.cat([e.float().cpu() for e in ents])
-    return out if targets is None else (out, torch.cat([n.float().cpu() for n in nlls]))
+            nlls.append(nll_bits_of_logits(logits, targets[s:s + chunk]).float())
+
+    def on_host(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts).cpu() if parts else torch.empty(0)
+
+    out = on_host(ents)
+    return out if targets is None else (out, on_host(nlls))
 
 
 def _next_tokens(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
