@@ -74,6 +74,7 @@ def fit_on_pairs(lm, path: Path, eval_fraction: float, seed: int, weighted: bool
 
 def main(argv=None, benchmark: str = "regenerator_quality") -> int:
     ap = parser(__doc__, device="cpu")
+    ap.add_argument("--model", help="HF folder or .gguf file (default: the embedded model)")
     ap.add_argument("--ratios", type=float, nargs="*", default=[4, 8, 16])
     ap.add_argument("--regenerator", type=Path, help="a regenerator folder (default: fit one here)")
     ap.add_argument("--adapter", type=Path, help="a reader adapter folder: also measure regen+adapter")
@@ -102,19 +103,21 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
     args = parse(ap, argv)      # --seed: with --calibration-pairs, the run's
     torch.set_num_threads(args.threads)
     t0 = clock()
-    lm = load_model(None)
-    if args.regenerator:
-        reg = Regenerator.load(args.regenerator)
-    elif args.calibration_pairs:
-        reg = fit_on_pairs(lm, args.calibration_pairs, args.eval_fraction, args.seed, args.weighted)
-    else:
-        reg = fit_regenerator(lm, args.calibration_contracts, weighted=args.weighted)
-    if args.save_regenerator:
-        reg.save(args.save_regenerator)
-    reg.choice = args.choice
-    print(f"regenerator {reg.fingerprint[:21]} weighted={reg.weighted} ({clock() - t0:.0f} s)",
-          file=sys.stderr, flush=True)
-    reader = load_model(None, adapter=args.adapter) if args.adapter else None
+    lm = load_model(args.model, device=args.device)
+    reg = None
+    if {"regen", "regen+adapter"} & set(args.methods):     # the doc column alone needs none
+        if args.regenerator:
+            reg = Regenerator.load(args.regenerator)
+        elif args.calibration_pairs:
+            reg = fit_on_pairs(lm, args.calibration_pairs, args.eval_fraction, args.seed, args.weighted)
+        else:
+            reg = fit_regenerator(lm, args.calibration_contracts, weighted=args.weighted)
+        if args.save_regenerator:
+            reg.save(args.save_regenerator)
+        reg.choice = args.choice
+        print(f"regenerator {reg.fingerprint[:21]} weighted={reg.weighted} ({clock() - t0:.0f} s)",
+              file=sys.stderr, flush=True)
+    reader = load_model(args.model, device=args.device, adapter=args.adapter) if args.adapter else None
     weights = LayerWeights.load(args.layer_weights) if args.layer_weights else None
     only = {(o.rsplit(":", 1)[0], float(o.rsplit(":", 1)[1])) for o in args.only} if args.only else None
     rows = []
@@ -141,17 +144,18 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
                               "seconds": round(clock() - t1, 1)}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
-    result = {"platform": platform.platform(), "threads": args.threads,
-              "model": lm.fingerprints.combined, "regenerator": {"fingerprint": reg.fingerprint,
-                                                                  "weighted": reg.weighted, "choice": reg.choice,
-                                                                  "calibration": reg.meta.get("calibration")},
+    result = {"platform": platform.platform(), "threads": args.threads, "device": str(lm.device),
+              "model": lm.fingerprints.combined,
+              "regenerator": None if reg is None else {"fingerprint": reg.fingerprint, "weighted": reg.weighted,
+                                                       "choice": reg.choice,
+                                                       "calibration": reg.meta.get("calibration")},
               "argv": list(argv if argv is not None else sys.argv[1:]),
               "adapter": str(args.adapter) if args.adapter else None,
               "layer_weights": None if weights is None else {"file": str(args.layer_weights), "meta": weights.meta},
               "rows": rows,
               "seconds": round(clock() - t0, 1)}
     print(table(result), file=sys.stderr if args.json else sys.stdout)
-    res = Result(benchmark, device="cpu")
+    res = Result(benchmark, device=str(lm.device))
     for r in rows:
         at = f"{r['document']} {r['ratio']:g}x"
         full = next((r[k]["ppl_full"] for k in ("doc", "regen", "regen+adapter") if k in r), None)

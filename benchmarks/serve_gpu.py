@@ -31,7 +31,8 @@ every document (--prefix-cache-gb), and every document is asked about once befor
 round's loads come from the hot tier.
 
 Rows per mode and C (x baseline: over ``none`` at the same C): completion tokens/s of all clients
-over the round's wall time; TTFT p50 and p99 as the clients saw them (send to first text); the
+over the round's wall time; TTFT p50 and p99 as the clients saw them (send to first text; ``none``'s p50
+against its document's prefill at the GPU's bf16 rate, the least a request without KITE waits); the
 decode step the server reports (kite_batch_step_seconds{kind="decode"} at the round's most frequent
 row count: its mean; steps with newcomers' prefills are counted apart) against its byte floor (weights + each row's KV, or lanes and
 own slots, read once at the GPU's HBM bandwidth) and the decode tokens/s it gives (rows / step; lanes'
@@ -72,7 +73,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from harness import Result, bytes_ms, clock, finish, parse, parser  # noqa: E402
-from harness.floors import hbm_text  # noqa: E402
+from harness.floors import bf16_text, flops_ms, hbm_text  # noqa: E402
 from harness.models import random_words, write_random_qwen2  # noqa: E402
 
 MODES = ("none", "raw", "lanes")
@@ -481,6 +482,13 @@ def run_mode(mode: str, args, model: Path, work: Path, docs: list[str], info: di
         log(f"{mode}: server stopped", t0)
 
 
+def prefill_floor(info: dict, tokens: int) -> dict:
+    """A document's prefill at the GPU's dense bf16 rate: 2 x parameters x tokens, plus causal
+    attention's 2 x layers x tokens^2 x hidden (QK^T and PV over half the square)."""
+    flops = 2 * info["params"] * tokens + 2 * info["layers"] * tokens ** 2 * info["hidden"]
+    return {"floor": f"the document's prefill: {flops:.3g} FLOPs {bf16_text()}", "floor_value": flops_ms(flops)}
+
+
 def raw_largest_batch(runs: dict, clients: list[int]) -> int | None:
     """The client count of raw's round whose decode steps ran the most rows (raw's largest batch:
     lanes' decode rate is measured against it)."""
@@ -500,15 +508,17 @@ def add_rows(res: Result, modes: list[str], runs: dict, args, info: dict, on_gpu
             tag = f"{mode}, {clients} clients"
             extra = {"mode": mode, "clients": clients}
 
-            def rel(metric: str, unit: str, name: str, value):
+            def rel(metric: str, unit: str, name: str, value, **more):
                 if value is None:
                     return
                 b = base and base.get(metric)
-                res.row(f"{tag}: {name}", value, unit, **extra,
+                res.row(f"{tag}: {name}", value, unit, **extra, **more,
                         **({"baseline": f"none, {clients} clients: {name}"} if b else {}))
 
             rel("tokens_per_s", "tokens/s", "completion tokens/s", s["tokens_per_s"])
-            rel("ttft_p50_ms", "ms", "TTFT p50", s["ttft_p50_ms"])
+            # without KITE a request waits at least its document's prefill: the baseline's own floor
+            rel("ttft_p50_ms", "ms", "TTFT p50", s["ttft_p50_ms"],
+                **(prefill_floor(info, args.tokens) if mode == "none" and on_gpu else {}))
             rel("ttft_p99_ms", "ms", "TTFT p99", s["ttft_p99_ms"])
             if s["step_mean_ms"] is not None:
                 fb = step_floor_bytes(mode, s, info, args.tokens, args.max_new_tokens)

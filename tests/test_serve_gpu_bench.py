@@ -62,3 +62,16 @@ def test_a_bad_flag_fails_before_any_model_is_written(tmp_path, flags, says):
     assert run.returncode == 2 and says in run.stderr, run.stderr[-2000:]
     assert "writing a random-weight" not in run.stdout
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_baselines_ttft_floor_is_its_documents_prefill_at_the_gpus_rate():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from harness.floors import flops_ms
+    from serve_gpu import prefill_floor
+
+    info = {"params": 7_615_616_512, "layers": 28, "hidden": 3584}
+    floor = prefill_floor(info, 16384)
+    flops = 2 * 7_615_616_512 * 16384 + 2 * 28 * 16384 ** 2 * 3584     # weights' products + causal attention
+    assert floor["floor_value"] == pytest.approx(flops_ms(flops))
+    assert 250 < floor["floor_value"] < 600        # ~3e14 FLOPs: a few hundred ms on an H200-class GPU
+    assert f"{flops:.3g} FLOPs" in floor["floor"]

@@ -101,5 +101,5 @@ def write_random_qwen2(folder: Path, device, small: bool = False, seed: int = 0)
     d = cfg.hidden_size // cfg.num_attention_heads
     return {"params": n_params, "weights_read_bytes": (n_params - n_embed) * 2,
             "kv_bytes_per_token": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * d * 2,
-            "vocab_size": cfg.vocab_size, "layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads,
+            "vocab_size": cfg.vocab_size, "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads,
             "head_dim": d, "tokenizer": "byte-level BPE of a generated contract + <tN> added tokens, written beside the weights"}
