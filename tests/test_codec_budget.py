@@ -258,6 +258,29 @@ def test_the_batched_codec_keeps_the_documents_basis_where_the_per_layer_codec_d
     assert [b for _, b in enc.items()] == want
 
 
+@pytest.mark.parametrize("ratio", [4, 8, 20])
+def test_the_choice_made_for_every_layer_at_once_is_the_host_ones(ratio, monkeypatch):
+    """A GPU chooses each layer side's basis for all layers at once on the device; forced on the CPU,
+    it picks the sides the host's layer-by-layer choice picks and the state is the same bytes."""
+    from kite.upcycle.codec import batched_fit
+    from kite.upcycle.codec.regenerator import RegeneratorFit
+
+    K, V, sets = _kv()
+    s = codec.settings_for(ratio)
+    fit = RegeneratorFit(n_layers=K.shape[0], joint_heads=True, center=True)
+    K1, V1, _ = _kv(seed=1)
+    fit.add(list(K1), list(V1))
+    reg = fit.finish({"model_fingerprint": "test", "calibration": {"source": "test"}})
+    reg.tensors["L1.k.basis"] = torch.linalg.qr(torch.randn(reg.tensors["L1.k.basis"].shape,
+                                                            generator=torch.Generator().manual_seed(0)))[0]
+    host = codec.encode_state(K, V, sets, s, overhead_bytes=0, regenerator=reg)
+    choose = batched_fit.choose
+    monkeypatch.setattr(batched_fit, "choose", lambda *a, **k: choose(*a, **k, batched=True))
+    at_once = codec.encode_state(K, V, sets, s, overhead_bytes=0, regenerator=reg)
+    assert at_once.info["regenerated_sides"] == host.info["regenerated_sides"] > 0
+    assert [b for _, b in at_once.items()] == [b for _, b in host.items()]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_state_made_on_the_gpu_on_a_regenerator_is_batched_and_takes_the_ratio_asked(tiny_models, tmp_path, monkeypatch):
     from kite.model import load_model

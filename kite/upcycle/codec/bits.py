@@ -154,7 +154,8 @@ def layer_budget_bits(bits_per_elem: float, H: int, T: int, d: int, B: int, D: i
 
 def allocate_bits_batched(evals: torch.Tensor, budgets, T: int, d_in: int, s: CodecSettings,
                           basis_stored: bool = True, parts=None) -> torch.Tensor:
-    """:func:`allocate_bits` for N layers at once: evals [N, B, r], budgets [N] -> int64 bits [N, B, r].
+    """:func:`allocate_bits` for N layers at once: evals [N, B, r], budgets [N] (a list, or a tensor
+    that may be on the device) -> int64 bits [N, B, r].
 
     Same greedy order as the heap (ties aside) and the same skip rules at the budget's edge; runs
     on ``evals``' device.
@@ -178,7 +179,7 @@ def allocate_bits_batched(evals: torch.Tensor, budgets, T: int, d_in: int, s: Co
     comp_of = order // M
     ok_item = torch.gather(valid.reshape(N, -1), 1, order)
     c_sorted = cost[bit_of]
-    budgets = const(budgets, dev).reshape(N, 1)
+    budgets = (budgets.to(dev, torch.float64) if torch.is_tensor(budgets) else const(budgets, dev)).reshape(N, 1)
     cum = torch.cumsum(c_sorted, dim=1)
     fits = (cum <= budgets) & ok_item
     n_items = fits.shape[1]

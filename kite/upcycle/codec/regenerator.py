@@ -158,6 +158,7 @@ class Regenerator:
     # ("expected", "measured"; None: its default) or "probe" (measured by the attention probe,
     # kite.upcycle.codec.probe, which the compressor builds). A setting of the coder, not saved.
     choice: str | None = field(default=None, compare=False)
+    _on_device: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def fingerprint(self) -> str:
@@ -177,6 +178,16 @@ class Regenerator:
         except KeyError:
             raise BadInput(f"regenerator {short(self.fingerprint)} has no layer {layer} "
                            f"(it has {self.meta.get('n_layers')})") from None
+
+    def bases(self, side: str, device) -> torch.Tensor:
+        """Every layer's basis of ``side`` stacked, [L, B, D, D] float32 on ``device`` (kept there: a
+        training run codes many states on it)."""
+        key = (side, str(device))
+        if key not in self._on_device:
+            L = int(self.meta["n_layers"])
+            self._on_device[key] = torch.stack([self.side(layer, side)[2] for layer in range(L)]).to(device,
+                                                                                                   torch.float32)
+        return self._on_device[key]
 
     @property
     def weighted(self) -> bool:
