@@ -58,7 +58,7 @@ def load_spec(path: str | Path) -> dict[str, list[DocRow]]:
 
 def _num(v: float, unit: str) -> str:
     if unit == "x":
-        return f"{v:#.3g}×"
+        return _times(v)
     if isinstance(v, int) or float(v).is_integer() and abs(v) >= 100:
         text = f"{int(v):,}"
     elif abs(v) >= 1000:
@@ -79,7 +79,12 @@ def _x_baseline(x: float | None, unit: str) -> str:
         return "—"
     if unit in TIMES and 0 < x < 1:
         return f"{x:.3f} ({1 / x:.1f}× faster)"
-    return f"{x:#.3g}×"
+    return _times(x)
+
+
+def _times(x: float) -> str:
+    """A multiple in three significant figures (2.50×, 12.0×), whole from 100 on (105×, not 105.×)."""
+    return f"{x:,.0f}×" if abs(x) >= 100 else f"{x:#.3g}×"
 
 
 def _cell(text: str) -> str:
