@@ -98,7 +98,7 @@ def render_row(row: DocRow, result: Result) -> str:
     command = result.command or row.command
     return "| " + " | ".join([
         _cell(what), _num(r.value, r.unit), _x_baseline(r.x_baseline, r.unit),
-        "—" if r.x_floor is None else f"{r.x_floor:#.3g}×",
+        "—" if r.x_floor is None else _times(r.x_floor),
         f"`{_cell(command)}`" if command else "—", _cell(result.machine["name"]), result.date,
         f"[{row.result}](../benchmarks/results/{row.result})"]) + " |"
 
