@@ -13,9 +13,8 @@ stopped after) and lets C clients (asyncio + httpx, streamed /v1/completions, gr
 questions (16 random tokens) about one of the documents, for every C of --clients:
 
 * ``none``: no KITE: the document is inside the prompt, so every request prefills it (raw KV, no
-  --kv-budget-tokens). The server's prefill of a prompt keeps the logits of every prompt position
-  (16K x 152,064 fp32 = 10 GB a row), so this mode's server decodes at most --none-max-batch rows
-  at once; the other requests wait in its queue (counted).
+  --kv-budget-tokens); its server takes --none-max-batch rows at once (default --max-batch, within
+  --batch-kv-gb), the other requests wait in its queue (counted).
 * ``raw``: the documents uploaded once as states (POST /v1/states: the server upcycles them), each
   request names one (``kite.state``); `kite serve --fusion --resident raw`.
 * ``lanes``: the same states, `--resident lanes` (coded again into nibble lanes at load); a GPU
@@ -572,8 +571,8 @@ def main(argv=None) -> int:
                     "ceil(N / clients) one after another (default 8; --cpu-smoke 4)")
     ap.add_argument("--max-new-tokens", type=int, help="tokens each answer (default 64; --cpu-smoke 8)")
     ap.add_argument("--max-batch", type=int, help="the servers' --max-batch (default: the largest of --clients)")
-    ap.add_argument("--none-max-batch", type=int, default=4, help="--max-batch of the `none` server, at most "
-                    "--max-batch: the rows whose 16K-token prompts it prefills at once (default 4)")
+    ap.add_argument("--none-max-batch", type=int, help="--max-batch of the `none` server, at most --max-batch "
+                    "(default --max-batch)")
     ap.add_argument("--prefix-cache-gb", type=float, help="the state servers' server.prefix_cache_gb (default: "
                     "every document's raw KV, at most 40)")
     ap.add_argument("--lane-bits", help="--lane-bits of the lanes server (default: the server's, 4)")
@@ -601,6 +600,7 @@ def main(argv=None) -> int:
     args.requests = pick(8, 4, args.requests)
     args.max_new_tokens = pick(64, 8, args.max_new_tokens)
     args.max_batch = pick(max(args.clients), max(args.clients), args.max_batch)
+    args.none_max_batch = args.max_batch if args.none_max_batch is None else args.none_max_batch
     args.budget_s = pick(450.0, 900.0, args.budget_s)
     args.threads = pick(None, 2, args.threads)
     for flag in ("tokens", "docs", "requests", "max_new_tokens", "max_batch", "none_max_batch"):

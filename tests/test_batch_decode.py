@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kite.errors import BadInput
-from kite.runtime.batch_decode import BatchDecoder, BatchFull, BatchKVCache, forward_rows
+from kite.runtime.batch_decode import BatchDecoder, BatchFull, BatchKVCache, forward_prompt_rows, forward_rows
 from kite.runtime.cache import KVPrefix, cache_layers, new_cache
 from kite.runtime.decoding import SequenceDecode
 from kite.runtime.generate import forward_tokens, generate
@@ -64,10 +64,15 @@ def prefixes(lm):
     return a, b
 
 
-def test_one_forward_of_mixed_rows_equals_each_row_alone(lm, prefixes, one_thread):
+@pytest.mark.parametrize("causal_rows", [False, True], ids=["masks", "a row at a time"])
+def test_one_forward_of_mixed_rows_equals_each_row_alone(lm, prefixes, one_thread, causal_rows, monkeypatch):
     """forward_rows: a row prefilling 7 tokens after a state, a row decoding 1, a row prefilling 3
     with another state, in one padded forward over rows that are not consecutive: each row's
-    logits equal its own forward alone."""
+    logits equal its own forward alone, through the per-row masks or (a prompt's prefill) a row at
+    a time causal from the bottom-right corner."""
+    from kite.runtime import attention
+
+    monkeypatch.setattr(attention, "CAUSAL_ROWS_MIN_QUERY", 1 if causal_rows else 10**9)
     a, b = prefixes
     cache = BatchKVCache(lm.model, max_rows=4)
     rows = [cache.take(a), cache.take(None), cache.take(None), cache.take(b)]
@@ -89,6 +94,28 @@ def test_one_forward_of_mixed_rows_equals_each_row_alone(lm, prefixes, one_threa
     assert cache.row_lengths(rows[0]) == [p + 7 for p in a.tokens_per_layer()]
     assert cache.row_lengths(rows[1]) == [6] * lm.geometry.n_layers
     assert cache.bytes_in_use() == sum(sum(cache.row_lengths(r)) for r in rows) * cache.slot_bytes // cache.n_layers
+
+
+def test_a_prefill_keeps_only_each_rows_last_logits_and_its_prompts_nll(lm, prefixes, one_thread, monkeypatch):
+    """forward_prompt_rows: the head runs over the final hidden states a few positions at a time; each
+    row's last logits and summed NLL are what the whole logits give (two caches fed alike)."""
+    from kite.runtime import batch_decode
+    from kite.runtime.decoding import prompt_nll_nats
+
+    monkeypatch.setattr(batch_decode, "HEAD_CHUNK", 3)
+    a, _ = prefixes
+    tokens = [_ids(lm, 9, 11), _ids(lm, 4, 12)]
+    targets = [tokens[0][1:] + [7], tokens[1][1:]]          # a chunk whose last token has a target, and a whole prompt
+    caches = [BatchKVCache(lm.model, max_rows=2) for _ in range(2)]
+    rows = [[c.take(a), c.take(None)] for c in caches]
+    positions = [a.next_position, 0]
+    whole = forward_rows(lm.model, caches[0], rows[0], tokens, positions)
+    last, nll = forward_prompt_rows(lm.model, caches[1], rows[1], tokens, positions, targets)
+    assert last.shape == (2, lm.geometry.vocab_size) and last.dtype == torch.float32
+    for b in range(2):
+        assert (last[b] - whole[b][-1]).abs().max() <= 1e-4
+        assert nll[b] == pytest.approx(prompt_nll_nats(whole[b], targets[b]), rel=1e-5, abs=1e-4)
+    assert caches[0].row_lengths(rows[0][0]) == caches[1].row_lengths(rows[1][0])
 
 
 def test_a_freed_row_takes_the_highest_rows_sequence_so_taken_rows_stay_packed(lm, prefixes, one_thread):

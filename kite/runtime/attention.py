@@ -14,6 +14,10 @@ Batched decoding (kite.runtime.batch_decode) goes further: every row of the batc
 state, so the visible slots differ per row and per layer. Its forward passes a
 `kite.runtime.batch_cache.BatchStep` under the keyword BATCH_KWARG, which transformers hands on to
 this function untouched; the step's per-(row, layer) mask replaces whatever mask came with the call.
+A step feeding a row a prompt (CAUSAL_ROWS_MIN_QUERY tokens or more, no row keeping tokens apart or
+a state beside its slots) attends a row at a time, causal from the bottom-right corner, with no mask
+(flash attention on a GPU): a 16K-token prompt's masks took 7.5 GB for Qwen2-7B's 28 layers, and
+its prefill through them 2.8 s on an H200, 9.3x the prefill's floor.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ BATCH_KWARG = "kite_batch"   # the model forward's keyword for a BatchStep
 # the split-KV kernel on a GPU; False keeps the fused sdpa path everywhere (benchmarks compare both).
 SPLIT_KV = True
 SPLIT_MIN_KEYS = 1024
+# a batch step feeding at least this many tokens to a row (a prompt's prefill) attends a row at a time,
+# causal from the bottom-right corner (flash attention on a GPU), instead of through a mask per row
+CAUSAL_ROWS_MIN_QUERY = 128
 _registered = False
 _triton: bool | None = None
 
@@ -37,6 +44,8 @@ def kite_attention(module, query, key, value, attention_mask, scaling=None, drop
     """query [B, Hq, q, d], key/value [B, Hkv, k, d] → ([B, q, Hq, d], None)."""
     batch = kwargs.get(BATCH_KWARG)
     if batch is not None:
+        if query.shape[-2] >= CAUSAL_ROWS_MIN_QUERY and batch.causal_rows():
+            return causal_rows(query, key, value, batch, module.layer_idx, scaling), None
         held = batch.held(module.layer_idx, key.dtype, key.device) if batch.memories else None
         mask = batch.mask(module.layer_idx, key.shape[-2])
         out, _ = batch_attention(query, key, value, mask, scaling, held)
@@ -103,6 +112,24 @@ def batch_attention(query, key, value, mask, scaling=None, held=None):
                                 torch.cat([seen, mask[b:b + 1]], dim=-1), scaling)
         out[b] = row[0]
     return out, None
+
+
+def causal_rows(query, key, value, batch, layer: int, scaling=None) -> torch.Tensor:
+    """A batch step's attention a row at a time: row b's ``n_b`` new tokens over its ``lengths[layer, b]``
+    slots before them and each other, causal from the bottom-right corner (torch's lower-right causal
+    bias: flash attention where it runs, no mask built); query [B, Hq, q, d], key/value [B, Hkv, k, d]
+    → [B, q, Hq, d]. A padded position's output is zero: its keys are not written and its logits dropped."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    B, hq, q, d = query.shape
+    out = query.new_zeros(B, q, hq, d)
+    gqa = key.shape[1] != hq
+    for b, n in enumerate(batch.new_tokens):
+        k = int(batch.lengths[layer, b]) + n
+        o = F.scaled_dot_product_attention(query[b:b + 1, :, :n], key[b:b + 1, :, :k], value[b:b + 1, :, :k],
+                                           attn_mask=causal_lower_right(n, k), scale=scaling, enable_gqa=gqa)
+        out[b, :n] = o[0].transpose(0, 1)
+    return out
 
 
 def beside_rows(out, query, key, value, mask, scaling, batch, layer: int) -> None:

@@ -10,8 +10,9 @@ capacity grow on demand up to `max_rows` and a KV byte budget, which a scheduler
 The HF model takes this object as its cache: inside a forward opened with `open_step`, each
 attention layer calls `update(k, v, layer_idx)`, which writes each row's new keys and values into
 that row's own next slots of the layer and hands back the rows' buffers. Which slot each new token
-may see differs per row and per layer; the `BatchStep` that `open_step` returns holds those masks,
-and the forward passes it to KITE's attention (kite.runtime.attention.BATCH_KWARG).
+may see differs per row and per layer; the `BatchStep` that `open_step` returns says which (each
+new token's limit, a mask made per layer when the attention needs one), and the forward passes it to
+KITE's attention (kite.runtime.attention.BATCH_KWARG).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class BatchStep:
     new_tokens: list[int]
     lengths: torch.Tensor        # [layers, B] filled slots before the step (CPU, int64)
     kv_lengths: list[int]        # per layer: the slots the attention reads (longest row after the step)
-    masks: torch.Tensor          # [layers, B, 1, q, max kv_length] bool, True = visible
+    limits: torch.Tensor         # [layers, B, q] on the device: new token j of row b sees the slots below limits[l, b, j]
     row_index: torch.Tensor      # [B] `rows` on the device
     write_rows: torch.Tensor     # [N] cache row of each real new token (N = sum(new_tokens))
     write_slots: torch.Tensor    # [layers, N] its slot in each layer
@@ -73,19 +74,27 @@ class BatchStep:
 
     @property
     def query_length(self) -> int:
-        return int(self.masks.shape[-2])
+        return int(self.limits.shape[-1])
 
     def mask(self, layer: int, kv_length: int) -> torch.Tensor:
         """[B, 1, q, kv_length] bool: slot k of row b is visible to its new token j iff
-        k < lengths[layer, b] + j + 1 (a padded j sees what the row's last real token sees)."""
-        return self.masks[layer, ..., :kv_length]
+        k < lengths[layer, b] + j + 1 (a padded j sees what the row's last real token sees); made
+        for the layer when asked (a 16K-token prompt's masks of every layer at once took gigabytes)."""
+        slots = torch.arange(kv_length, device=self.limits.device)
+        return (slots[None, None, None, :] < self.limits[layer][:, None, :, None])
+
+    def causal_rows(self) -> bool:
+        """Whether each row's new tokens see exactly the row's own slots before them and each other
+        causally (no row keeps tokens apart or holds its state beside its slots): attention then runs
+        a row at a time, causal from the bottom-right corner, with no mask built."""
+        return not self.memories and not self.beside
 
     def placeholder_mask(self) -> torch.Tensor:
         """A 4-D attention_mask for the model's forward: transformers hands a 4-D mask on as it is
         instead of building its own causal one (which assumes every row and layer has the same
         length); KITE's attention ignores it and takes `mask(layer)` instead."""
         return torch.zeros((len(self.rows), 1, self.query_length, 0), dtype=torch.bool,
-                           device=self.masks.device)
+                           device=self.limits.device)
 
 
 class BatchKVCache:
@@ -300,15 +309,13 @@ class BatchKVCache:
         # a padded position j ≥ n_b sees what the row's last real token sees: no empty softmax row
         seen = torch.minimum(j[None, :], n[:, None] - 1)                 # [B, q]
         limit = before[:, :, None] + seen[None] + 1                      # [L, B, q]
-        width = int(after.max())
-        masks = torch.arange(width)[None, None, None, :] < limit[..., None]
         real = j[None, :] < n[:, None]                                   # [B, q]
         slots = (before[:, :, None] + j[None, None, :])[:, real]         # [L, N]
         first, end = rows[0], rows[-1] + 1
         step = BatchStep(
             rows=list(rows), new_tokens=list(new_tokens), lengths=before,
             kv_lengths=after.max(dim=1).values.tolist(),
-            masks=masks.unsqueeze(2).to(self.device),
+            limits=limit.to(self.device),
             row_index=idx.to(self.device),
             write_rows=idx[:, None].expand(-1, q)[real].to(self.device),
             write_slots=slots.to(self.device),

@@ -63,21 +63,62 @@ def forward_rows(model, cache: BatchKVCache, rows: list[int], tokens: list[list[
     layer, what its row's memory holds (`memories`, by batch index) and the row's new tokens up to
     itself, nothing else.
     """
-    device = next(model.parameters()).device
     counts = [len(t) for t in tokens]
+    logits = _model_step(model, cache, rows, tokens, positions, memories).logits
+    return [logits[b, :n].float() for b, n in enumerate(counts)]
+
+
+def _model_step(model, cache: BatchKVCache, rows, tokens, positions, memories, **kwargs):
+    """The model's forward over `rows` of `cache` feeding `tokens` (right-padded) inside an open step."""
+    device = next(model.parameters()).device
     ids, _ = right_padded(tokens, pad=0)
     pos = torch.as_tensor(positions, dtype=torch.long)[:, None] + torch.arange(ids.shape[1])[None, :]
-    step = cache.open_step(rows, counts, memories)
+    step = cache.open_step(rows, [len(t) for t in tokens], memories)
     try:
         out = model(input_ids=ids.to(device), position_ids=pos.to(device),
                     attention_mask=step.placeholder_mask(), use_cache=True,
-                    **{cache_kwarg(model): cache, BATCH_KWARG: step})
+                    **{cache_kwarg(model): cache, BATCH_KWARG: step}, **kwargs)
     except BaseException:
         cache.close_step(commit=False)
         raise
     cache.close_step()
-    logits = out.logits
-    return [logits[b, :n].float() for b, n in enumerate(counts)]
+    return out
+
+
+HEAD_CHUNK = 2048     # prompt positions a long prompt's NLL makes logits for at once
+
+
+@torch.inference_mode()
+def forward_prompt_rows(model, cache: BatchKVCache, rows: list[int], tokens: list[list[int]],
+                        positions: list[int], targets: list[list[int]],
+                        memories: dict[int, RowMemory] | None = None) -> tuple[torch.Tensor, list[float]]:
+    """A prefill's forward (:func:`forward_rows`) that keeps no logits beyond what it needs: each row's
+    last position's logits [B, vocab] (fp32) and the summed NLL (nats) of ``targets[b]`` (the tokens
+    row b's positions predict, at most len(tokens[b])), the head run over the final hidden states
+    HEAD_CHUNK positions at a time. A 16K-token prompt's logits would be 10 GB in fp32 (Qwen2's
+    152K vocabulary). Models without a final norm to read (not Llama-family) get forward_rows'."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    norm = getattr(getattr(base, "model", None), "norm", None)
+    if norm is None:
+        logits = forward_rows(model, cache, rows, tokens, positions, memories)
+        return (torch.stack([lg[-1] for lg in logits]),
+                [prompt_nll_nats(lg, t) for lg, t in zip(logits, targets)])
+    seen = []
+    hook = norm.register_forward_hook(lambda _m, _i, out: seen.append(out))
+    try:
+        out = _model_step(model, cache, rows, tokens, positions, memories, logits_to_keep=1)
+    finally:
+        hook.remove()
+    hidden, head = seen[-1], base.get_output_embeddings()
+    last = torch.stack([head(hidden[b, len(t) - 1]) for b, t in enumerate(tokens)]).float()
+    nll = []
+    for b, want in enumerate(targets):
+        total = 0.0
+        for at in range(0, len(want), HEAD_CHUNK):
+            total += prompt_nll_nats(head(hidden[b, at:at + HEAD_CHUNK]), want[at:at + HEAD_CHUNK])
+        nll.append(total)
+    del out
+    return last, nll
 
 
 @dataclass
@@ -249,24 +290,36 @@ class BatchDecoder:
         """Feed each waiting sequence its prompt (or its next chunk); those whose prompt is then
         whole get their first token (its text goes out at once)."""
         chunks = [s.next_chunk() for s in group]
+        targets = [s.prompt_ids[s.fed + 1:s.fed + len(c) + 1] for s, c in zip(group, chunks)]
         with self._reading(group[0].reader) as on:
-            logits = self._forward(group, chunks, on)
-        if torch.is_tensor(logits):
-            logits = [logits[b, :len(c)] for b, c in enumerate(chunks)]
+            last, nll = self._forward_prompt(group, chunks, targets, on)
         whole, whole_logits = [], []
-        for seq, chunk, rows in zip(group, chunks, logits):
-            ids = seq.prompt_ids
-            seq.prompt_nll_nats += prompt_nll_nats(rows, ids[seq.fed + 1:seq.fed + len(chunk) + 1])
+        for b, (seq, chunk) in enumerate(zip(group, chunks)):
+            seq.prompt_nll_nats += nll[b]
             seq.fed += len(chunk)
             seq.position += len(chunk)
-            if seq.fed == len(ids):
-                seq.prompt_nll_bits = nll_bits(seq.prompt_nll_nats, len(ids))
+            if seq.fed == len(seq.prompt_ids):
+                seq.prompt_nll_bits = nll_bits(seq.prompt_nll_nats, len(seq.prompt_ids))
                 seq.reader_on, seq.prefilled = bool(on), True
                 whole.append(seq)
-                whole_logits.append(rows[-1])
+                whole_logits.append(last[b])
         if whole:
             self._advance(whole, torch.stack(whole_logits))
         self.flush_text()
+
+    def _forward_prompt(self, group: list[_Sequence], chunks: list[list[int]], targets: list[list[int]],
+                        reader_on: bool) -> tuple[torch.Tensor, list[float]]:
+        """A prefill's forward: each row's last logits [B, vocab] and the summed NLL of its targets."""
+        if self.kernels is not None and self.kernels.takes(chunks, any(s.memory is not None for s in group)):
+            logits = self._forward(group, chunks, reader_on)       # [B, T, vocab]: at most MAX_QUERY tokens a row
+            return (torch.stack([logits[b, len(c) - 1] for b, c in enumerate(chunks)]),
+                    [prompt_nll_nats(logits[b], t) for b, t in enumerate(targets)])
+        memories = {b: s.memory for b, s in enumerate(group) if s.memory is not None}
+        out = forward_prompt_rows(self.lm.model, self.cache, [s.row for s in group], chunks,
+                                  [s.position for s in group], targets, memories)
+        for b in memories:
+            self._offer(group[b], len(chunks[b]))
+        return out
 
     def _decode(self, group: list[_Sequence]) -> None:
         with self._reading(group[0].reader) as on:
