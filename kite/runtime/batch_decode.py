@@ -106,7 +106,7 @@ def forward_prompt_rows(model, cache: BatchKVCache, rows: list[int], tokens: lis
     seen = []
     hook = norm.register_forward_hook(lambda _m, _i, out: seen.append(out))
     try:
-        out = _model_step(model, cache, rows, tokens, positions, memories, logits_to_keep=1)
+        _model_step(model, cache, rows, tokens, positions, memories, logits_to_keep=1)
     finally:
         hook.remove()
     hidden, head = seen[-1], base.get_output_embeddings()
@@ -117,7 +117,6 @@ def forward_prompt_rows(model, cache: BatchKVCache, rows: list[int], tokens: lis
         for at in range(0, len(want), HEAD_CHUNK):
             total += prompt_nll_nats(head(hidden[b, at:at + HEAD_CHUNK]), want[at:at + HEAD_CHUNK])
         nll.append(total)
-    del out
     return last, nll
 
 
