@@ -22,7 +22,7 @@ import torch
 
 from kite.errors import KiteError
 from kite.upcycle.codec.bits import (SideBudget, allocate_bits, allocate_bits_batched, allocation_cost,
-                                     component_costs, expected_error, first_bit_cost, rel_distortion)
+                                     allocation_costs, expected_error, expected_errors)
 from kite.upcycle.codec.coders import blocks
 from kite.upcycle.codec.layer import state_budgeted
 from kite.upcycle.codec.settings import CodecSettings
@@ -100,20 +100,11 @@ def _choose_batched(side: str, X: torch.Tensor, evals: torch.Tensor, U: torch.Te
     B, D = evals.shape[1:]
     dev = X.device
     parts = tuple(int(t.numel()) for t in sets if t.numel())
-    table = torch.tensor([rel_distortion(b, s.range_mode) for b in range(s.max_bits + 1)], dtype=torch.float64,
-                         device=dev)
-
-    def error(variances: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:          # [L]
-        return (variances.double().clamp_min(0) * table[bits.clamp(0, s.max_bits)]).sum(dim=(1, 2))
-
-    # each layer side's budget: what the state-wide allocation spent on it (allocation_cost, batched)
-    codes = component_costs(T, s, parts)[0]
-    n_coded = (state_bits > 0).sum(dim=(1, 2)).double()
-    later = (state_bits - 1).clamp_min(0).sum(dim=(1, 2)).double()
-    budgets = n_coded * first_bit_cost(T, D, s, True, parts) + later * codes
+    # each layer side's budget: what the state-wide allocation spent on it
+    budgets = allocation_costs(state_bits, T, D, s, parts)
     ev = evals.float()
     doc_bits = allocate_bits_batched(ev, budgets, T, D, s, parts=parts)
-    doc_err = error(ev, doc_bits)
+    doc_err = expected_errors(ev, doc_bits, s)
     # the regenerator's basis: the document's variances along it; its header rows are free
     Xb = X.permute(0, 2, 1, 3).reshape(L, 1, T, H * d) if s.joint_heads else X             # [L, B, T, D]
     mean = Xb.mean(dim=2) if s.center else Xb.new_zeros(L, B, D)
@@ -121,7 +112,7 @@ def _choose_batched(side: str, X: torch.Tensor, evals: torch.Tensor, U: torch.Te
     variances = torch.matmul(Xb - mean[:, :, None, :], Ur).pow(2).mean(dim=2)             # [L, B, D]
     reg_bits = allocate_bits_batched(variances, budgets + basis_header_bits(s, H, d, B, D), T, D, s,
                                      basis_stored=False, parts=parts)
-    regen = error(variances, reg_bits) <= doc_err                                         # a tie: no basis stored
+    regen = expected_errors(variances, reg_bits, s) <= doc_err                            # a tie: no basis stored
     return RegenSides(torch.where(regen[:, None, None], reg_bits, doc_bits),
                       torch.where(regen[:, None, None, None], Ur, U.float()),
                       torch.where(regen[:, None, None], mean.to(mean_st.dtype), mean_st), regen)

@@ -128,18 +128,31 @@ def allocation_cost(bits: torch.Tensor, T: int, d_in: int, s: CodecSettings, par
                     basis_stored: bool = True) -> float:
     """Bits an allocation ``bits`` [..., r] takes: each coded component's first bit
     (:func:`first_bit_cost`) and its later bits' codes."""
-    b = bits.long().cpu()
-    n_coded = int((b > 0).sum())
-    codes = component_costs(T, s, parts)[0]
-    return n_coded * first_bit_cost(T, d_in, s, basis_stored, parts) + float((b - 1).clamp_min(0).sum()) * codes
+    return float(allocation_costs(bits.cpu().reshape(1, -1), T, d_in, s, parts, basis_stored)[0])
+
+
+def allocation_costs(bits: torch.Tensor, T: int, d_in: int, s: CodecSettings, parts=None,
+                     basis_stored: bool = True) -> torch.Tensor:
+    """:func:`allocation_cost` of each of N allocations, ``bits`` [N, ...] -> [N] float64 on bits' device."""
+    b = bits.long().flatten(1)
+    n_coded = (b > 0).sum(dim=1).double()
+    later = (b - 1).clamp_min(0).sum(dim=1).double()
+    return n_coded * first_bit_cost(T, d_in, s, basis_stored, parts) + later * component_costs(T, s, parts)[0]
 
 
 def expected_error(variances: torch.Tensor, bits: torch.Tensor, s: CodecSettings) -> float:
     """The squared error an allocation is expected to leave, summed over components (variance x
     relative distortion of its bits; a dropped component leaves its whole variance)."""
-    table = torch.tensor([rel_distortion(b, s.range_mode) for b in range(s.max_bits + 1)], dtype=torch.float64)
-    v, b = variances.detach().double().cpu().clamp_min(0), bits.detach().long().cpu().clamp(0, s.max_bits)
-    return float((v * table[b]).sum())
+    return float(expected_errors(variances.detach().cpu().reshape(1, -1), bits.detach().cpu().reshape(1, -1), s)[0])
+
+
+def expected_errors(variances: torch.Tensor, bits: torch.Tensor, s: CodecSettings) -> torch.Tensor:
+    """:func:`expected_error` of each of N allocations, ``variances`` and ``bits`` [N, ...] -> [N]
+    float64 on their device."""
+    table = torch.tensor([rel_distortion(b, s.range_mode) for b in range(s.max_bits + 1)], dtype=torch.float64,
+                         device=variances.device)
+    v, b = variances.double().clamp_min(0).flatten(1), bits.long().clamp(0, s.max_bits).flatten(1)
+    return (v * table[b]).sum(dim=1)
 
 
 def layer_budget_bits(bits_per_elem: float, H: int, T: int, d: int, B: int, D: int, s: CodecSettings) -> float:
