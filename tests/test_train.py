@@ -564,3 +564,31 @@ def test_compress_and_eval_take_a_regenerator_folder(tiny_models, tiny_lm, tiny_
     res = run(app, ["upcycle", "compress", *base, "--output", str(tmp_path / "e.upc"), "--regenerator",
                     str(tmp_path / "nope")])
     assert res.exit_code == 2 and "not a regenerator" in res.output
+
+
+def test_training_states_are_coded_with_the_layer_weights_states_of_the_model_get_outside_training(tiny_models,
+                                                                                                tmp_path):
+    """The adapter learns to read the states it will meet: a run's states take the layer weights the
+    config names (else those KITE ships for the model; this one has none), the report and the run's
+    key say which, and a folder made with other weights is another run."""
+    from kite.upcycle import codec
+    from kite.upcycle.format import StateFile
+    from tests.conftest import parse_json
+
+    n_layers = json.loads((Path(tiny_models["llama"]) / "config.json").read_text())["num_hidden_layers"]
+    w = codec.LayerWeights((1.0,) * n_layers, (2.0,) + (1.0,) * (n_layers - 1))
+    w.save(tmp_path / "w.json")
+    cfg = tmp_path / "u.yaml"
+    cfg.write_text(f"layer_weights: {tmp_path / 'w.json'}\n")
+    for out, extra, want in ((tmp_path / "plain", [], None),
+                             (tmp_path / "weighted", ["--config", str(cfg)], w.fingerprint)):
+        res = _train(tiny_models, tmp_path, out, "--regenerator-only", *extra)
+        assert res.exit_code == 0, res.output
+        assert parse_json(res.output)["layer_weights"] == want
+        states = sorted((out / "states").glob("*.upc"))
+        assert len(states) == 5
+        for path in states:
+            with StateFile(path) as sf:
+                assert (sf.meta.get("layer_weights") or {}).get("fingerprint") == want
+    res = _train(tiny_models, tmp_path, tmp_path / "plain", "--regenerator-only", "--config", str(cfg), "--resume")
+    assert res.exit_code != 0 and "holds another run" in res.output

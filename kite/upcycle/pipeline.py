@@ -141,6 +141,29 @@ class Pipeline:
         self.tagger = build_tagger(self.lm, self.config, self.config_path, progress=progress)
 
 
+def named_layer_weights(cfg: UpcycleConfig, cfg_path: Path | None = None,
+                        layer_weights: str | Path | None = None) -> tuple[bool, LayerWeights | None]:
+    """Whether layer weights were named (``layer_weights``, else the config's ``layer_weights:``; a
+    file, or ``none``), and the named file's weights (None for ``none``)."""
+    named = str(layer_weights) if layer_weights is not None else cfg.layer_weights
+    if named is None:
+        return False, None
+    if named.strip().lower() == layer_weights_off:
+        return True, None
+    return True, LayerWeights.load(Path(layer_weights) if layer_weights is not None
+                                   else cfg.resolve(cfg.layer_weights, cfg_path))
+
+
+def layer_weights_for(lm: LoadedModel, named: bool, weights: LayerWeights | None) -> LayerWeights | None:
+    """The layer weights states of ``lm`` are coded with: those named (:func:`named_layer_weights`),
+    checked against the model, else the ones KITE ships for it, if any."""
+    if not named:
+        weights = shipped_for(lm.fingerprints.base)
+    if weights is not None:
+        weights.check(lm.geometry.n_layers, lm.fingerprints.base)
+    return weights
+
+
 def open_pipeline(model: str | None = None,
                   upcycle_config: str | Path | UpcycleConfig | tuple[UpcycleConfig, Path | None] | None = None, *,
                   ratio: float | None = None, precision: str | None = None, clusters: int | None = None,
@@ -170,19 +193,12 @@ def open_pipeline(model: str | None = None,
                                  kept_fraction=kept_fraction, label_ratios=label_ratios, config_path=cfg_path)
     regen_dir = Path(regenerator) if regenerator is not None else cfg.resolve(cfg.regenerator, cfg_path)
     regen = Regenerator.load(regen_dir) if regen_dir is not None else None   # a bad folder fails before the model
-    named = str(layer_weights) if layer_weights is not None else cfg.layer_weights
-    off = named is not None and named.strip().lower() == layer_weights_off
-    if named is not None and not off:
-        weights_file = Path(layer_weights) if layer_weights is not None else cfg.resolve(cfg.layer_weights, cfg_path)
-        settings = replace(settings, layer_weights=LayerWeights.load(weights_file))   # (a bad file, before the model)
+    named, weights = named_layer_weights(cfg, cfg_path, layer_weights)   # (a bad file, before the model)
     if lm is None:
         from kite.model import load_model
 
         lm = load_model(model, adapter=cfg.resolve(cfg.adapter.path, cfg_path), device=device)
-    if named is None:       # none named: the weights KITE ships for this model, if any
-        settings = replace(settings, layer_weights=shipped_for(lm.fingerprints.base))
-    if settings.layer_weights is not None:
-        settings.layer_weights.check(lm.geometry.n_layers, lm.fingerprints.base)
+    settings = replace(settings, layer_weights=layer_weights_for(lm, named, weights))
     if regen is not None:
         regen.check_model(lm)
         install(regen)

@@ -92,10 +92,13 @@ def state_path(out: Path, doc: str, ratio: float) -> Path:
     return out / "states" / f"{doc}-r{ratio:g}.upc"
 
 
-def compress_settings(cfg, ratio: float) -> CompressSettings:
+def compress_settings(cfg, ratio: float, layer_weights=None) -> CompressSettings:
+    """A training state's settings: the config's clusters and spans, ``ratio``'s codec, and the layer
+    weights the run codes with (kite.upcycle.pipeline.layer_weights_for: what states of the model are
+    coded with outside training, so the adapter learns to read the states it will meet)."""
     c = cfg.compression
     return CompressSettings(codec=settings_for(ratio), n_clusters=c.cluster_num, min_span_tokens=c.min_span_tokens,
-                            max_span_tokens=c.max_span_tokens)
+                            max_span_tokens=c.max_span_tokens, layer_weights=layer_weights)
 
 
 def on_host(cap: Capture) -> Capture:
@@ -121,13 +124,14 @@ def codec_workers_for(device, regenerator=None, ratios=()) -> int:
 def prepare_documents(lm: LoadedModel, pairs: list[Pair], train: list[Pair], held: list[Pair], reg, cfg,
                       ratios: list[float], out: Path, times: StageTimes, *, teacher: bool, top_k: int = 256,
                       rows: int = TEACHER_ROWS, progress=None, kept: CaptureStore | None = None,
-                      codec_workers: int = 0) -> Prepared:
+                      codec_workers: int = 0, layer_weights=None) -> Prepared:
     """Every document's states (made where missing) and, with ``teacher``, its prefixes and its pairs'
     teacher examples (``train`` and ``held`` in their own orders). ``kept``: captures made already
     (:func:`capture_for` with the cache kept, e.g. by the regenerator's calibration), used instead
     of prefilling those documents again. ``codec_workers`` > 0: the states are coded on the host by
     that many threads (each capture copied there) while the device prefills the next documents and
-    computes the teachers; the prefixes are loaded once every state is written."""
+    computes the teachers; the prefixes are loaded once every state is written. ``layer_weights``:
+    what the states' bit allocations weigh layers by (:func:`compress_settings`)."""
     docs: dict[str, Pair] = {}
     for p in pairs:
         docs.setdefault(p.document_key, p)
@@ -142,14 +146,14 @@ def prepare_documents(lm: LoadedModel, pairs: list[Pair], train: list[Pair], hel
         prep.prefixes = {r: PrefixCache(lambda doc, r=r: load_prefix(prep.states[(doc, r)], lm)[0], budget,
                                         param.device, param.dtype) for r in ratios}
     slots: dict[str, list[Example | None]] = {"train": [None] * len(train), "held": [None] * len(held)}
-    settings0 = compress_settings(cfg, ratios[0])
+    settings0 = compress_settings(cfg, ratios[0], layer_weights)
     if reg.choice == "probe":
         codec_workers = 0     # the attention probe reads the model where it is: coded in turn, on its device
     pool = ThreadPoolExecutor(codec_workers, thread_name_prefix="kite-codec") if codec_workers > 0 else None
     jobs: list[Future] = []
 
     def compress(doc: str, text: str, ratio: float, cap: Capture) -> None:
-        made = compress_document(lm, text, prep.states[(doc, ratio)], compress_settings(cfg, ratio),
+        made = compress_document(lm, text, prep.states[(doc, ratio)], compress_settings(cfg, ratio, layer_weights),
                                  source_name=f"train:{doc}", regenerator=reg, captured=cap)
         with lock:
             prep.made += 1

@@ -37,6 +37,7 @@ from kite.upcycle.settings import UpcycleConfig
 from kite.upcycle.train.adapter import AdapterSettings, attach_lora, auto_settings, memory_budget, train_adapter
 from kite.upcycle.train.data import Pair, split_pairs
 from kite.upcycle.compress import CompressSettings, capture_for
+from kite.upcycle.pipeline import layer_weights_for, named_layer_weights
 from kite.upcycle.train.documents import (CaptureStore, Prepared, codec_workers_for, compress_settings,
                                           prepare_documents)
 from kite.upcycle.train.report import held_out_report, loss_plot
@@ -83,8 +84,9 @@ class TrainRequest:
             Regenerator.load(self.regenerator)      # BadInput for a missing or damaged folder
         return split_pairs(pairs, self.eval_fraction, self.seed)
 
-    def key(self, pairs: list[Pair], model_fp: str, cfg: UpcycleConfig) -> dict:
-        """What must match for a run to continue in the same folder."""
+    def key(self, pairs: list[Pair], model_fp: str, cfg: UpcycleConfig, layer_weights=None) -> dict:
+        """What must match for a run to continue in the same folder (``layer_weights``: those the
+        states are coded with)."""
         data = hashlib.sha256(json.dumps([(p.context, p.prompt, p.response) for p in pairs]).encode()).hexdigest()
         key = {"model": model_fp, "data_sha256": data, "mode": self.mode, "seed": self.seed,
                "ratios": [float(r) for r in self.ratios], "eval_fraction": self.eval_fraction, "epochs": self.epochs,
@@ -92,6 +94,8 @@ class TrainRequest:
                "regenerator": None if self.regenerator is None else Regenerator.load(self.regenerator).fingerprint}
         if self.pairs_per_step != 1:     # (runs of one pair a step keep the key they had before batches)
             key["pairs_per_step"] = self.pairs_per_step
+        if layer_weights is not None:
+            key["layer_weights"] = layer_weights.fingerprint
         return key
 
 
@@ -171,7 +175,8 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
     t_start = time.perf_counter()
     train, held = req.check(pairs)
     out = req.output_dir
-    prepare_output(req, req.key(pairs, lm.fingerprints.combined, cfg))
+    weights = layer_weights_for(lm, *named_layer_weights(cfg))    # the states coded as outside training
+    prepare_output(req, req.key(pairs, lm.fingerprints.combined, cfg, weights))
     times = StageTimes(lm.device)
     timings: dict[str, float] = {}
     kept = CaptureStore(memory_budget(lm.device, 0.25 if torch.device(lm.device).type == "cuda" else 0.5))
@@ -187,7 +192,7 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
         reg = Regenerator.load(out / "regenerator")
     else:
         reg = fit_regenerator(lm, train, codec0, progress, times=times, keep=kept,
-                              compress=compress_settings(cfg, req.ratios[0]))
+                              compress=compress_settings(cfg, req.ratios[0], weights))
         reg.save(out / "regenerator")
     install(reg)
     timings["regenerator_s"] = round(time.perf_counter() - t, 1)
@@ -196,7 +201,7 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
     #    its pairs' teacher (kite.upcycle.train.documents)
     workers = codec_workers_for(lm.device, reg, req.ratios) if req.codec_workers is None else req.codec_workers
     prep = prepare_documents(lm, pairs, train, held, reg, cfg, req.ratios, out, times, teacher=req.adapter,
-                             progress=progress, kept=kept, codec_workers=workers)
+                             progress=progress, kept=kept, codec_workers=workers, layer_weights=weights)
     timings["states_s"] = round(times.total("capture", "compress", "load"), 1)   # after the regenerator
     report: dict = {"kite_upcycle_train": 1, "model": lm.fingerprints.combined, "pairs": len(pairs),
                     "train_pairs": len(train), "held_out_pairs": len(held),
@@ -204,7 +209,8 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
                     "held_out_documents": len({p.document_key for p in held}),
                     "regenerator": {"fingerprint": reg.fingerprint, "folder": str(out / "regenerator"),
                                     "calibration": reg.meta.get("calibration")},
-                    "ratios": req.ratios, "timings": timings, "codec_workers": workers}
+                    "ratios": req.ratios, "timings": timings, "codec_workers": workers,
+                    "layer_weights": None if weights is None else weights.fingerprint}
     if req.adapter:
         timings["teacher_s"] = round(times.total("teacher"), 1)
         report.update(_train_adapter(lm, train, held, cfg, req, prep, progress, timings, times))
