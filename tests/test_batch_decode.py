@@ -367,3 +367,26 @@ def test_a_row_with_a_memory_cannot_start_from_a_state(lm, prefixes, one_thread)
     with pytest.raises(ValueError, match="not both"):
         engine.add(_ids(lm, 5, 1), prefix=prefixes[0],
                    memory=BudgetRow(lm.model, BudgetSettings(budget_tokens=48, block_tokens=16)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_on_a_gpu_a_prompt_after_a_state_attends_a_row_at_a_time_as_it_would_alone(tiny_models, model, monkeypatch):
+    """The lower-right causal path on a GPU (flash attention where it runs, GQA for qwen2): a prompt
+    after a state, one on an empty row and a padded shorter one give each row's logits alone (fp32)."""
+    from kite.model import load_model
+    from kite.runtime import attention
+
+    monkeypatch.setattr(attention, "CAUSAL_ROWS_MIN_QUERY", 1)
+    gpu = load_model(str(tiny_models[model]), device="cuda", dtype="fp32")
+    doc = _ids(gpu, 40, 200)
+    a = _document_prefix(gpu, doc, [slice(None)] * gpu.geometry.n_layers)
+    cache = BatchKVCache(gpu.model, max_rows=3)
+    rows = [cache.take(a), cache.take(None), cache.take(None)]
+    tokens = [_ids(gpu, 33, 201), _ids(gpu, 40, 202), _ids(gpu, 9, 203)]
+    got = forward_rows(gpu.model, cache, rows, tokens, [a.next_position, 0, 0])
+    want = [forward_tokens(gpu.model, tokens[0], new_cache(gpu.model, a), a.next_position),
+            forward_tokens(gpu.model, tokens[1], new_cache(gpu.model), 0),
+            forward_tokens(gpu.model, tokens[2], new_cache(gpu.model), 0)]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and (g - w).abs().max() <= 1e-3
