@@ -390,3 +390,27 @@ def test_on_a_gpu_a_prompt_after_a_state_attends_a_row_at_a_time_as_it_would_alo
             forward_tokens(gpu.model, tokens[2], new_cache(gpu.model), 0)]
     for g, w in zip(got, want):
         assert g.shape == w.shape and (g - w).abs().max() <= 1e-3
+
+
+def test_a_burst_of_long_prompts_is_prefilled_in_forwards_within_the_token_budget(lm, prefixes, one_thread,
+                                                                                   monkeypatch):
+    """With PREFILL_TOKENS of 24: prompts of 20, 3, 11 and 9 tokens (one after a state) are prefilled in
+    the same step by forwards of rows x longest ≤ 24 (the 20 alone), and each answer is generate()'s."""
+    from kite.runtime import batch_decode
+
+    monkeypatch.setattr(batch_decode, "PREFILL_TOKENS", 24)
+    a, _ = prefixes
+    requests = [(_ids(lm, 20, 30), None), (_ids(lm, 3, 31), a), (_ids(lm, 11, 32), None), (_ids(lm, 9, 33), None)]
+    alone = [generate(lm, p, prefix=x, max_new_tokens=5, stop_ids=set()) for p, x in requests]
+    engine = BatchDecoder(lm, max_rows=4)
+    fed = []
+    prefill = engine._prefill
+    engine._prefill = lambda group: fed.append(sorted(len(s.prompt_ids) for s in group)) or prefill(group)
+    handles = [engine.add(p, prefix=x, max_new_tokens=5, stop_ids=set()) for p, x in requests]
+    first = engine.step()
+    assert fed == [[3, 9], [11], [20]] and not first       # one step: three forwards, every row prefilled
+    assert all(s.prefilled for s in engine._active.values())
+    results = {**first, **engine.drain()}
+    for h, want in zip(handles, alone):
+        assert results[h].ids == want.ids
+        assert results[h].prompt_nll_bits == pytest.approx(want.prompt_nll_bits, abs=1e-4)

@@ -9,7 +9,8 @@ the same seed: each sequence samples through its own `SequenceDecode`).
 
 A step runs up to four forwards: the prompts of the requests added since the last step, together,
 right-padded to the longest (their prefill gives each its first token), then one token for every
-sequence that was already decoding. Prefill and decode are kept apart because a decode row padded
+sequence that was already decoding. A burst of long prompts is prefilled in several forwards of the
+same step, each at most PREFILL_TOKENS padded tokens. Prefill and decode are kept apart because a decode row padded
 to a prompt's length would cost as much as a prefill. Each of the two runs once with the model's
 reader adapter off and once with it on, for the sequences whose state was made for it (the adapter
 is a switch on the whole model, so one forward cannot mix them); a group with no sequence is
@@ -254,7 +255,8 @@ class BatchDecoder:
         running = [s for s in self._active.values() if s.prefilled]
         self.last_step = "mixed" if waiting and running else "prefill" if waiting else "decode"
         for group in _by_reader(waiting):
-            self._prefill(group)
+            for part in _prefill_parts(group, PREFILL_TOKENS):
+                self._prefill(part)
         for group in _by_reader(running):
             self._decode(group)
         if not self._active:
@@ -394,6 +396,24 @@ def deliver_each(pieces: list[tuple[Callable[[str], None], str]]) -> None:
     """BatchDecoder.deliver's default: each piece to its on_text, in order."""
     for on_text, piece in pieces:
         on_text(piece)
+
+
+PREFILL_TOKENS = 32768   # padded prompt tokens (rows x the longest) one prefill forward takes
+
+
+def _prefill_parts(group: list[_Sequence], budget: int) -> list[list[_Sequence]]:
+    """The prefill forwards of ``group``: its rows in order of their next chunk's length, as many a
+    forward as keep rows x the longest within ``budget`` tokens (always one). A burst of long prompts
+    runs as several forwards in the same step, not one whose activations grow with every row (64
+    prompts of 16K tokens: about 80 GB for one of Qwen2-7B's MLP products); short ones stay one forward."""
+    parts: list[list[_Sequence]] = []
+    for seq in sorted(group, key=lambda s: len(s.next_chunk())):
+        n = len(seq.next_chunk())       # the longest of the part so far: rows are in ascending order
+        if parts and (len(parts[-1]) + 1) * n <= budget:
+            parts[-1].append(seq)
+        else:
+            parts.append([seq])
+    return [sorted(part, key=lambda s: s.row) for part in parts]
 
 
 def _by_reader(seqs: list[_Sequence]) -> list[list[_Sequence]]:
