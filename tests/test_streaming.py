@@ -45,17 +45,13 @@ def test_a_batch_hands_out_a_steps_pieces_at_once_and_a_decode_steps_while_the_n
 
     engine = BatchDecoder(embedded, max_rows=3)
     events: list = []
-    forward, prompt = engine._forward, engine._forward_prompt
+    forward = engine._forward
 
-    def recorded_forward(group, tokens, reader_on=False):
+    def recorded_forward(group, tokens, reader_on=False, targets=None):
         events.append(("forward", len(group), max(len(t) for t in tokens)))
-        return forward(group, tokens, reader_on)
+        return forward(group, tokens, reader_on, targets)
 
-    def recorded_prompt(group, tokens, targets, reader_on=False):      # a prefill off the kernels
-        events.append(("forward", len(group), max(len(t) for t in tokens)))
-        return prompt(group, tokens, targets, reader_on)
-
-    engine._forward, engine._forward_prompt = recorded_forward, recorded_prompt
+    engine._forward = recorded_forward
     engine.deliver = lambda pieces: events.append(("deliver", [p for _, p in pieces]))
     prompts = [encode_prompt(embedded.tokenizer, q, chat=True) for q in
                ("What is the capital of France?", "Name a colour.", "Count to five.")]

@@ -111,7 +111,8 @@ def forward_prompt_rows(model, cache: BatchKVCache, rows: list[int], tokens: lis
     finally:
         hook.remove()
     hidden, head = seen[-1], base.get_output_embeddings()
-    last = torch.stack([head(hidden[b, len(t) - 1]) for b, t in enumerate(tokens)]).float()
+    ends = torch.tensor([len(t) - 1 for t in tokens], device=hidden.device)
+    last = head(hidden[torch.arange(len(tokens), device=hidden.device), ends]).float()
     nll = []
     for b, want in enumerate(targets):
         total = 0.0
@@ -293,7 +294,7 @@ class BatchDecoder:
         chunks = [s.next_chunk() for s in group]
         targets = [s.prompt_ids[s.fed + 1:s.fed + len(c) + 1] for s, c in zip(group, chunks)]
         with self._reading(group[0].reader) as on:
-            last, nll = self._forward_prompt(group, chunks, targets, on)
+            last, nll = self._forward(group, chunks, on, targets)
         whole, whole_logits = [], []
         for b, (seq, chunk) in enumerate(zip(group, chunks)):
             seq.prompt_nll_nats += nll[b]
@@ -308,20 +309,6 @@ class BatchDecoder:
             self._advance(whole, torch.stack(whole_logits))
         self.flush_text()
 
-    def _forward_prompt(self, group: list[_Sequence], chunks: list[list[int]], targets: list[list[int]],
-                        reader_on: bool) -> tuple[torch.Tensor, list[float]]:
-        """A prefill's forward: each row's last logits [B, vocab] and the summed NLL of its targets."""
-        if self.kernels is not None and self.kernels.takes(chunks, any(s.memory is not None for s in group)):
-            logits = self._forward(group, chunks, reader_on)       # [B, T, vocab]: at most MAX_QUERY tokens a row
-            return (torch.stack([logits[b, len(c) - 1] for b, c in enumerate(chunks)]),
-                    [prompt_nll_nats(logits[b], t) for b, t in enumerate(targets)])
-        memories = {b: s.memory for b, s in enumerate(group) if s.memory is not None}
-        out = forward_prompt_rows(self.lm.model, self.cache, [s.row for s in group], chunks,
-                                  [s.position for s in group], targets, memories)
-        for b in memories:
-            self._offer(group[b], len(chunks[b]))
-        return out
-
     def _decode(self, group: list[_Sequence]) -> None:
         with self._reading(group[0].reader) as on:
             out = self._forward(group, [[s.next_token] for s in group], on)
@@ -331,20 +318,28 @@ class BatchDecoder:
         self.flush_text()
         self._advance(group, out[:, 0] if torch.is_tensor(out) else torch.stack([rows[-1] for rows in out]))
 
-    def _forward(self, group: list[_Sequence], tokens: list[list[int]],
-                 reader_on: bool = False) -> torch.Tensor | list[torch.Tensor]:
+    def _forward(self, group: list[_Sequence], tokens: list[list[int]], reader_on: bool = False,
+                 targets: list[list[int]] | None = None):
         """One forward of `group` feeding `tokens` (on KITE's kernels where they take the step,
         kite.runtime.kernel_step: logits [B, T, vocab], row b's first len(tokens[b]) its own; else a
-        list, each row's [len(tokens[b]), vocab]); then the rows with a memory offer it their older tokens."""
+        list, each row's [len(tokens[b]), vocab]); then the rows with a memory offer it their older tokens.
+        With ``targets`` (a prefill: the tokens each row's positions predict), each row's last logits
+        [B, vocab] and the summed NLL of its targets instead of the logits (:func:`forward_prompt_rows`)."""
         memories = {b: s.memory for b, s in enumerate(group) if s.memory is not None}
         if self.kernels is not None and self.kernels.takes(tokens, bool(memories)):
             beside = {b: self.cache.beside[s.row] for b, s in enumerate(group) if s.row in self.cache.beside}
-            return self.kernels.logits([s.row for s in group], tokens, [s.position for s in group], beside, reader_on)
-        logits = forward_rows(self.lm.model, self.cache, [s.row for s in group], tokens,
-                              [s.position for s in group], memories)
+            logits = self.kernels.logits([s.row for s in group], tokens, [s.position for s in group], beside,
+                                         reader_on)
+            if targets is None:
+                return logits
+            return (torch.stack([logits[b, len(t) - 1] for b, t in enumerate(tokens)]),   # at most MAX_QUERY a row
+                    [prompt_nll_nats(logits[b], t) for b, t in enumerate(targets)])
+        rows, positions = [s.row for s in group], [s.position for s in group]
+        out = (forward_rows(self.lm.model, self.cache, rows, tokens, positions, memories) if targets is None else
+               forward_prompt_rows(self.lm.model, self.cache, rows, tokens, positions, targets, memories))
         for b in memories:
             self._offer(group[b], len(tokens[b]))
-        return logits
+        return out
 
     def _offer(self, seq: _Sequence, fed: int) -> None:
         """Hand each layer's slots past the sinks to the sequence's memory; what it takes leaves."""
