@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kite.upcycle.study import CONTINUATION, LICENSES, context_tokens, window_pairs  # noqa: E402
+from kite.data.texts import window_pairs  # noqa: E402
+from kite.upcycle.study import CONTINUATION, LICENSES, context_tokens  # noqa: E402
 from harness import parse, parser  # noqa: E402
 
 

@@ -13,8 +13,10 @@ with the model given, one epoch at one ratio, and records each stage as the run'
 
     python benchmarks/train_speed.py --model /root/model/smollm2.gguf --device cuda --contracts 167
     python benchmarks/train_speed.py --model smollm2-135m --device cpu --threads 2 --contracts 3
+    python benchmarks/train_speed.py --model /root/model/smollm2.gguf --device cuda --pairs pairs.jsonl --keep run
 
-(167 contracts give ~2,000 training pairs after the held-out tenth.) Floors: the per-state row's is
+(167 contracts give ~2,000 training pairs after the held-out tenth; ``--pairs`` trains on a pairs
+file of any kind instead, e.g. `kite data pairs --texts`' continuation pairs of real documents.) Floors: the per-state row's is
 its document's prefill alone (2 x parameters x tokens FLOPs at the device's rate: the GPU table's bf16
 rate, or this CPU's measured fp32 matmul rate); the stages' rows have none (each mixes forwards,
 codec work, file writes and Python the run does not count apart), and say so.
@@ -22,8 +24,10 @@ codec work, file writes and Python the run does not count apart), and say so.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from collections import Counter
 import sys
 import tempfile
 from pathlib import Path
@@ -43,6 +47,8 @@ def main(argv=None) -> int:
     ap = parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m", help="HF folder, .gguf file or embedded name")
     ap.add_argument("--contracts", type=int, default=8)
+    ap.add_argument("--pairs", type=Path, help="train on this pairs file (`kite data pairs`) instead of --contracts "
+                    "generated contracts")
     ap.add_argument("--tokens", type=int, default=2000, help="tokens per contract (default 2000)")
     ap.add_argument("--ratio", type=float, default=16.0)
     ap.add_argument("--epochs", type=int, default=1)
@@ -64,13 +70,16 @@ def main(argv=None) -> int:
     lm = load_model(args.model, device=args.device)
     t_model = clock() - t0
     tok = lm.tokenizer
-    records = contract_pairs(args.contracts, tokens=args.tokens, seed=args.seed,
-                             count_tokens=lambda s: len(tok(s, add_special_tokens=False)["input_ids"]))
     work = Path(tempfile.mkdtemp(prefix="kite-train-speed-"))
-    (work / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    pairs = read_pairs(work / "pairs.jsonl")
+    data = args.pairs or work / "pairs.jsonl"
+    if not args.pairs:
+        records = contract_pairs(args.contracts, tokens=args.tokens, seed=args.seed,
+                                 count_tokens=lambda s: len(tok(s, add_special_tokens=False)["input_ids"]))
+        data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    records = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+    pairs = read_pairs(data)
     out = args.keep or work / "run"
-    req = TrainRequest(data_path=str(work / "pairs.jsonl"), output_dir=out, ratios=[args.ratio],
+    req = TrainRequest(data_path=str(data), output_dir=out, ratios=[args.ratio],
                        eval_fraction=args.eval_fraction, epochs=args.epochs, overwrite=True,
                        pairs_per_step=args.pairs_per_step, codec_workers=args.codec_workers)
     report = train_upcycle(lm, pairs, UpcycleConfig(), req)
@@ -103,7 +112,10 @@ def main(argv=None) -> int:
     res.row("model load", t_model, "s", no_floor="reading and converting the weights: file and Python work")
     res.raw.update({
         "model": args.model, "device": str(lm.device), "dtype": str(lm.dtype), "torch_threads": torch.get_num_threads(),
-        "contracts": args.contracts, "pairs": len(records), "train_pairs": report["train_pairs"],
+        "contracts": None if args.pairs else args.contracts, "pairs": len(records),
+        "pairs_file": {"path": str(args.pairs), "sha256": hashlib.sha256(args.pairs.read_bytes()).hexdigest(),
+                       "families": dict(Counter(r.get("meta", {}).get("family", "?") for r in records))}
+        if args.pairs else None, "train_pairs": report["train_pairs"],
         "held_out_pairs": report["held_out_pairs"], "context_tokens": {"mean": round(mean_tokens, 1),
                                                                        "min": min(ctx_tokens), "max": max(ctx_tokens)},
         "parameters": n_params, "ratio": args.ratio, "epochs": args.epochs, "pairs_per_step": args.pairs_per_step,

@@ -1,8 +1,9 @@
-"""kite.upcycle.held_out: the in-document adapter's training pairs (benchmarks/adapter_oracle.py) come
+"""kite.data.texts: the in-document adapter's training pairs (benchmarks/adapter_oracle.py) come
 from windows of the text after the scored region, each pair's prompt right after its window and its
 response right after the prompt."""
 
-from kite.upcycle.study import CONTINUATION, context_tokens, window_pairs
+from kite.data.texts import window_pairs
+from kite.upcycle.study import CONTINUATION, context_tokens
 
 
 def decode(ids):

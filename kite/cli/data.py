@@ -1,4 +1,4 @@
-"""`kite data`: synthetic contracts with ground truth (the bench cases)."""
+"""`kite data`: synthetic contracts with ground truth (the bench cases), and training pairs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kite.cli._common import JsonOpt, MkdirOpt, console, emit_json, new_app
+from kite.cli._common import JsonOpt, MkdirOpt, console, emit_json, model_spec, new_app
 from kite.errors import BadInput
 
 app = new_app("Synthetic contracts and benchmark cases.")
@@ -108,13 +108,35 @@ def traffic(
 @app.command(
     "pairs",
     help="Generate deterministic training pairs for `kite upcycle train` (JSONL, one {\"context\", \"prompt\", "
-    "\"response\"} a line): every question with a one-fact answer of N synthetic contracts.\n\n"
-    "Example: [cyan]kite data pairs --n 6 --tokens 2000 --seed 0 --out pairs.jsonl[/]",
+    "\"response\"} a line): every question with a one-fact answer of N synthetic contracts, and with --texts "
+    "continuation pairs of real documents (a window of a text as the context, the text after it as the "
+    "responses).\n\n"
+    "Example: [cyan]kite data pairs --n 6 --tokens 2000 --seed 0 --out pairs.jsonl[/]\n\n"
+    "Example: [cyan]kite data pairs --n 20 --texts /usr/share/doc --exclude held_out.txt --out pairs.jsonl[/]",
 )
 def pairs(
-    n: Annotated[int, typer.Option("--n", help="Number of contracts (about 16 pairs each).")] = 6,
+    n: Annotated[Optional[int], typer.Option("--n", help="Number of contracts (about 16 pairs each; default 6, "
+                                             "0 with --texts).")] = None,
     tokens: Annotated[int, typer.Option("--tokens", help="Target length of each contract, in tokens.")] = 2000,
     seed: Annotated[int, typer.Option("--seed", help="Same seed, byte-identical output.")] = 0,
+    texts: Annotated[Optional[list[str]], typer.Option(
+        "--texts", help="A text file or a folder of them (recursive; .gz read; not UTF-8: skipped); repeatable.")] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option(
+        "--exclude", help="A text the pairs must not contain (a document a measurement holds out): a window "
+        "with over 1% of its 13-word runs in one is dropped; repeatable.")] = None,
+    window_tokens: Annotated[int, typer.Option("--window-tokens", help="With --texts: the context's tokens.")] = 2048,
+    pairs_per_window: Annotated[int, typer.Option("--pairs-per-window", help="With --texts: pairs after each "
+                                                  "window, one after the other.")] = 4,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="With --texts: each pair's prompt.")] = 8,
+    response_tokens: Annotated[int, typer.Option("--response-tokens", help="With --texts: each pair's "
+                                                 "response.")] = 120,
+    windows_per_text: Annotated[int, typer.Option("--windows-per-text", help="With --texts: at most this many "
+                                                  "windows of one text (drawn by --seed).")] = 2,
+    max_windows: Annotated[Optional[int], typer.Option("--max-windows", help="With --texts: at most this many "
+                                                       "windows in all (drawn by --seed).")] = None,
+    model: Annotated[Optional[str], typer.Option(
+        "--model", help="The tokenizer that counts tokens (HF folder, .gguf or embedded name; default: the "
+        "config's model.default).")] = None,
     out: Annotated[str, typer.Option("--out", help="Output JSONL file; '-' for stdout.")] = "-",
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
@@ -122,8 +144,28 @@ def pairs(
     from kite.data.contracts import to_jsonl
     from kite.data.pairs import contract_pairs
 
-    _check_out(n, "contract", out, json_out, mkdir, "pairs")
-    records = contract_pairs(n, tokens, seed)
+    n = (0 if texts else 6) if n is None else n
+    if n < 0 or (n == 0 and not texts):
+        raise BadInput(f"--n {n}: need at least one contract (or --texts)")
+    _check_out(max(n, 1), "contract", out, json_out, mkdir, "pairs")
+    made = None
+    if texts:
+        from kite.data.texts import read_texts, text_pairs
+
+        docs = read_texts(texts, "--texts")
+        held = [text for _, text in read_texts(exclude or [], "--exclude")]
+        if exclude and not held:
+            raise BadInput(f"--exclude {exclude[0]}: no text read (a file under 2,000 characters, or not UTF-8)")
+        tok = _tokenizer(model_spec(model))
+        made = text_pairs(docs, lambda t: tok(t, add_special_tokens=False)["input_ids"], tok.decode,
+                          window_tokens=window_tokens, pairs_per_window=pairs_per_window,
+                          prompt_tokens=prompt_tokens, response_tokens=response_tokens,
+                          windows_per_text=windows_per_text, max_windows=max_windows, exclude=held, seed=seed)
+        if not made.records:
+            raise BadInput(f"--texts: no window of {window_tokens} tokens and its pairs in {made.texts} texts "
+                           f"({made.too_short} too short, {made.excluded} windows excluded)")
+    records = contract_pairs(n, tokens, seed) if n else []
+    records += made.records if made else []
     data = to_jsonl(records)
     if _write(out, data):
         return
@@ -131,11 +173,18 @@ def pairs(
     summary = {"out": out, "contracts": n, "seed": seed, "pairs": len(records),
                "pairs_per_family": dict(sorted(families.items())), "bytes": len(data.encode("utf-8")),
                "sha256": hashlib.sha256(data.encode("utf-8")).hexdigest()}
+    if made:
+        summary["texts"] = made.summary()
     if json_out:
         emit_json(summary)
         return
-    console().print(f"wrote [bold]{len(records)}[/] pairs of {n} contracts to {out} "
-                    f"({', '.join(f'{k} {v}' for k, v in summary['pairs_per_family'].items())})", highlight=False)
+    line = f"wrote [bold]{len(records)}[/] pairs to {out} ("
+    line += ", ".join(f"{k} {v}" for k, v in summary["pairs_per_family"].items()) + ")"
+    if made:
+        t = made.summary()
+        line += (f"; texts: {t['windows']} windows of {t['texts']} texts, {t['too_short']} too short, "
+                 f"{t['excluded_windows']} windows excluded")
+    console().print(line, highlight=False)
 
 
 def _check_out(n: int, unit: str, out: str, json_out: bool, mkdir: bool, what: str) -> None:
@@ -162,11 +211,16 @@ def _write(out: str, data: str) -> bool:
     return False
 
 
-def _token_counter(spec: str):
-    """Tokens of a text under `spec`'s tokenizer (no special tokens)."""
+def _tokenizer(spec: str):
+    """`spec`'s tokenizer (HF folder, .gguf or embedded name), without its weights."""
     from transformers import AutoTokenizer
 
     from kite.model.sources import hf_folder, resolve
 
-    tok = AutoTokenizer.from_pretrained(hf_folder(resolve(spec)))
+    return AutoTokenizer.from_pretrained(hf_folder(resolve(spec)))
+
+
+def _token_counter(spec: str):
+    """Tokens of a text under `spec`'s tokenizer (no special tokens)."""
+    tok = _tokenizer(spec)
     return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])

@@ -93,19 +93,3 @@ def prepare_document(lm, name: str, text: str, continuation: int = 512, context:
     return Document(lm=lm, name=name, n_ctx=n_ctx, cont=cont, targets=torch.tensor(cont[1:]), full=full, cap=cap,
                     cos=cos, sin=sin, keys_post=[apply_rope(k, cos, sin) for k in cap.keys_pre])
 
-
-def window_pairs(ids: list[int], decode, window_tokens: int, stride: int, pairs: int, prompt_tokens: int,
-                 response_tokens: int, name: str) -> list[dict]:
-    """Continuation pairs of windows of ``ids`` starting every ``stride`` tokens: a window's first
-    ``window_tokens`` are the context; pair i's prompt runs from its end to (i + 1) x prompt +
-    i x response tokens after it, its response is the next ``response_tokens``."""
-    out, step = [], prompt_tokens + response_tokens
-    for start in range(0, len(ids) - window_tokens - pairs * step + 1, stride):
-        end = start + window_tokens
-        context = decode(ids[start:end])
-        for i in range(pairs):
-            p_end = end + prompt_tokens + i * step
-            out.append({"id": f"{name}@{start}/{i}", "context": context, "prompt": decode(ids[end:p_end]),
-                        "response": decode(ids[p_end:p_end + response_tokens]),
-                        "meta": {"family": "in-document"}})
-    return out
