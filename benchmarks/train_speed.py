@@ -109,6 +109,11 @@ def main(argv=None) -> int:
                 baseline_value=TARGET_MIN * 60 / TARGET_PAIRS, no_floor=why)
         res.row(f"{TARGET_PAIRS:,} pairs for one epoch, at this run's rate", per_pair * TARGET_PAIRS / 60, "min",
                 baseline="target", baseline_value=TARGET_MIN, no_floor=why)
+    for ratio, h in (report.get("held_out") or {}).items():
+        if h.get("gap_recovered") is not None:
+            res.row(f"held-out pairs, {ratio}x: share of the state's PPL gap the adapter recovers", h["gap_recovered"],
+                    "share", no_floor="a share of a gap", pairs=h["pairs"], ppl_full=h["ppl_full"], ppl_state=h["ppl_state"],
+                    ppl_state_adapter=h["ppl_state_adapter"])
     res.row("model load", t_model, "s", no_floor="reading and converting the weights: file and Python work")
     res.raw.update({
         "model": args.model, "device": str(lm.device), "dtype": str(lm.dtype), "torch_threads": torch.get_num_threads(),
