@@ -88,8 +88,10 @@ def test_texts_are_read_from_files_and_folders_gzip_too_each_text_once(tmp_path)
     (tmp_path / "sub" / "tiny.txt").write_text("too short")
     (tmp_path / "sub" / "blob.bin").write_bytes(bytes(range(256)) * 20)
     (tmp_path / "sub" / "broken.gz").write_bytes(b"\x1f\x8b not gzip" * 300)
-    names = [n for n, _ in read_texts([tmp_path])]
+    seen = []
+    names = [n for n, _ in read_texts([tmp_path], progress=lambda *a: seen.append(a))]
     assert names == [str(tmp_path / "a.txt"), str(tmp_path / "sub" / "b.gz")]
+    assert seen == [("texts", i, 6) for i in range(1, 7)]       # every file, read or skipped
     assert list(read_texts([tmp_path / "a.txt"]))[0][1] == prose(0, 600)
     with pytest.raises(BadInput, match="nope: no such file"):
         read_texts([tmp_path / "a.txt", tmp_path / "nope"])
@@ -108,6 +110,7 @@ def test_cli_writes_continuation_pairs_beside_contract_pairs_and_says_what_it_le
     res = CliRunner().invoke(app, [*args, "--json"])
     assert res.exit_code == 0, res.output
     s = json.loads(res.stdout)
+    assert "texts 3/3" in res.stderr                 # progress on stderr, a file at a time
     assert s["contracts"] == 0 and s["pairs_per_family"] == {"continuation": 8}
     assert s["texts"] == {"texts": 3, "too_short": 0, "windows": 4, "excluded_windows": 2, "pairs": 8}
     recs = read_jsonl(out)

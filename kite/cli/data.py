@@ -152,15 +152,19 @@ def pairs(
     if texts:
         from kite.data.texts import read_texts, text_pairs
 
-        docs = read_texts(texts, "--texts")
+        from kite.cli._progress import progress_bar
+
+        read_texts(texts, "--texts")               # every path checked before any work
         held = [text for _, text in read_texts(exclude or [], "--exclude")]
         if exclude and not held:
             raise BadInput(f"--exclude {exclude[0]}: no text read (a file under 2,000 characters, or not UTF-8)")
         tok = _tokenizer(model_spec(model))
-        made = text_pairs(docs, lambda t: tok(t, add_special_tokens=False)["input_ids"], tok.decode,
-                          window_tokens=window_tokens, pairs_per_window=pairs_per_window,
-                          prompt_tokens=prompt_tokens, response_tokens=response_tokens,
-                          windows_per_text=windows_per_text, max_windows=max_windows, exclude=held, seed=seed)
+        with progress_bar() as progress:
+            made = text_pairs(read_texts(texts, "--texts", progress),
+                              lambda t: tok(t, add_special_tokens=False)["input_ids"], tok.decode,
+                              window_tokens=window_tokens, pairs_per_window=pairs_per_window,
+                              prompt_tokens=prompt_tokens, response_tokens=response_tokens,
+                              windows_per_text=windows_per_text, max_windows=max_windows, exclude=held, seed=seed)
         if not made.records:
             raise BadInput(f"--texts: no window of {window_tokens} tokens and its pairs in {made.texts} texts "
                            f"({made.too_short} too short, {made.excluded} windows excluded)")

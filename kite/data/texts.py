@@ -28,29 +28,31 @@ MIN_CHARS = 2000            # shorter files are not read (they cannot hold a win
 _WORD = re.compile(r"\w+")
 
 
-def read_texts(paths: Iterable[str | Path], what: str = "text path") -> Iterator[tuple[str, str]]:
+def read_texts(paths: Iterable[str | Path], what: str = "text path",
+               progress: Callable[[str, int, int], None] | None = None) -> Iterator[tuple[str, str]]:
     """(name, text) of every readable text file under ``paths`` (files, or folders read recursively
     in sorted order; ``.gz`` decompressed), each distinct text once, read as it is asked for.
-    BadInput naming ``what`` for a path that does not exist (before any text is read)."""
-    roots = [Path(p) for p in paths]
-    for root in roots:
+    BadInput naming ``what`` for a path that does not exist (before any text is read).
+    ``progress(stage, files done, files)`` after each file."""
+    files = []
+    for root in (Path(p) for p in paths):
         if not root.exists():
             raise BadInput(f"{what} {root}: no such file or folder")
-    return _texts(roots)
+        files += [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+    return _texts(files, progress)
 
 
-def _texts(roots: list[Path]) -> Iterator[tuple[str, str]]:
+def _texts(files: list[Path], progress) -> Iterator[tuple[str, str]]:
     seen = set()
-    for root in roots:
-        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
-        for f in files:
-            text = _read_text(f)
-            if text is None or len(text) < MIN_CHARS:
-                continue
+    for i, f in enumerate(files):
+        text = _read_text(f)
+        if text is not None and len(text) >= MIN_CHARS:
             digest = hashlib.sha256(text.encode()).digest()
             if digest not in seen:
                 seen.add(digest)
                 yield str(f), text
+        if progress is not None:
+            progress("texts", i + 1, len(files))
 
 
 def _read_text(path: Path) -> str | None:
