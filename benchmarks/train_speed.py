@@ -27,9 +27,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections import Counter
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import torch

@@ -60,6 +60,8 @@ def test_the_draw_follows_the_seed_and_max_windows_caps_the_whole():
     assert word_pairs(texts, seed=2, **kw).records != a.records
     capped = word_pairs(texts, seed=1, max_windows=4, **kw)
     assert capped.windows == 4 and {r["id"] for r in capped.records} <= {r["id"] for r in a.records}
+    with pytest.raises(BadInput, match="windows in all: 0"):
+        word_pairs(texts, max_windows=0, **kw)
 
 
 def test_a_text_shorter_than_a_window_and_its_pairs_is_counted_not_used():

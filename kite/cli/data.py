@@ -150,9 +150,8 @@ def pairs(
     _check_out(max(n, 1), "contract", out, json_out, mkdir, "pairs")
     made = None
     if texts:
-        from kite.data.texts import read_texts, text_pairs
-
         from kite.cli._progress import progress_bar
+        from kite.data.texts import read_texts, text_pairs
 
         read_texts(texts, "--texts")               # every path checked before any work
         held = [text for _, text in read_texts(exclude or [], "--exclude")]

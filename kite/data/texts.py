@@ -126,7 +126,7 @@ def text_pairs(texts: Iterable[tuple[str, str]], tokenize: Callable[[str], list[
     this many windows in all, drawn by ``seed`` among those kept."""
     for name, v in (("window tokens", window_tokens), ("pairs a window", pairs_per_window),
                     ("prompt tokens", prompt_tokens), ("response tokens", response_tokens),
-                    ("windows a text", windows_per_text), ("windows in all", max_windows or 1)):
+                    ("windows a text", windows_per_text), ("windows in all", 1 if max_windows is None else max_windows)):
         if v < 1:
             raise BadInput(f"{name}: {v}, expected at least 1")
     banned: set[int] = set()
