@@ -98,6 +98,17 @@ def test_measured_weights_favour_the_layer_sides_whose_errors_cost_most(lm):
     w.check(lm.geometry.n_layers, lm.fingerprints.base)
 
 
+def test_a_document_too_short_is_named_before_any_document_is_measured(lm, monkeypatch):
+    from kite.upcycle import weigh
+
+    measured = []
+    monkeypatch.setattr(weigh, "capture", lambda *a, **k: measured.append(1) or 1 / 0)
+    with pytest.raises(BadInput, match="short: .* tokens"):
+        measure_layer_weights(lm, {"long": CORPUS, "short": " ".join(CORPUS.split()[:30])}, 16, context_tokens=200,
+                              continuation_tokens=40, parts=2)
+    assert not measured
+
+
 def test_weigh_writes_weights_that_compress_and_eval_take_from_the_command_line(tiny_models, tmp_path):
     from typer.testing import CliRunner
 

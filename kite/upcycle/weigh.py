@@ -56,10 +56,15 @@ def measure_layer_weights(lm, texts: dict[str, str], ratio: float = 16.0, *, con
         prefix = KVPrefix(keys=list(keys_post), values=list(values), next_position=start)
         return forward_tokens(lm.model, cont, new_cache(lm.model, prefix), start)[:-1].cpu()
 
+    splits = {}
+    for name, text in texts.items():            # every document long enough before any slow work
+        try:
+            splits[name] = split_text(lm, text, context_tokens, continuation_tokens)
+        except BadInput as e:
+            raise BadInput(f"{name}: {e}") from None
     per_unit = {"k": torch.zeros(L, dtype=torch.float64), "v": torch.zeros(L, dtype=torch.float64)}
     kl_base = {}
-    for name, text in texts.items():
-        ctx, cont = split_text(lm, text, context_tokens, continuation_tokens)
+    for name, (ctx, cont) in splits.items():
         targets = torch.tensor(cont[1:])
         cap = capture(lm, "", ids=ctx)
         keys_pre = [k.cpu().float() for k in cap.keys_pre]
