@@ -15,7 +15,17 @@ Rows: per side and share, the mean over layers and documents of each layer's rel
 error (error energy / the layer's centred energy), × baseline = against the calibrated per-layer
 bases. Energy is not PPL: this says where coefficients can go, not what the model reads.
 
-    python benchmarks/cross_layer_bases.py --groups 1 2 3 5 --shares 0.1 0.2 0.3
+``--ratios``: then what the model reads. Each held-out document's context coded at R× and read back
+(kite.upcycle.study's scoring: the next 512 tokens teacher-forced against the full context), its
+coefficients on each basis quantized with the same bits: the codec's key and value bits per element
+at R× (``settings_for(R)``), allocated over the whole side of the state by the codec's
+``allocate_bits`` (on the document's own variance along each calibrated component, no basis bytes:
+the bases are calibrated), each component quantized in groups of the codec's tokens (MSE ranges),
+token 0 exact. Not a state file (no clusters, means, headers or layer weights): a comparison of
+bases at equal coefficient bits. Rows: the mean PPL delta over the documents per basis, × baseline =
+against the calibrated per-layer bases.
+
+    python benchmarks/cross_layer_bases.py --groups 1 2 3 5 --shares 0.1 0.2 0.3 --ratios 16 20
 """
 
 from __future__ import annotations
@@ -30,7 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kite.data.contracts import generate_contracts  # noqa: E402
 from kite.model import load_model  # noqa: E402
 from kite.upcycle.capture import capture, tokenize_document  # noqa: E402
-from kite.upcycle.study import CALIBRATION_LICENSES, CONTINUATION, LICENSES, context_tokens, held_out_docs  # noqa: E402
+from kite.upcycle.codec.bits import allocate_bits  # noqa: E402
+from kite.upcycle.codec.quant import dequantize, quantize  # noqa: E402
+from kite.upcycle.codec.settings import settings_for  # noqa: E402
+from kite.upcycle.rope import apply_rope  # noqa: E402
+from kite.upcycle.study import (CALIBRATION_LICENSES, CONTINUATION, LICENSES, context_tokens, held_out_docs,  # noqa: E402
+                                prepare_document)
 from harness import Result, clock, finish, parse, parser  # noqa: E402
 
 WHY = "a share of a document's own energy, not a time"
@@ -91,11 +106,64 @@ def state_errors(docs: dict, si: int, scale: list, g: int, fitted, share: float,
     return out
 
 
+def coded_side(rows: list[torch.Tensor], scale: list, g: int, bases: dict, bits_per_element: float, s) -> list:
+    """One side of a document ([T, H*d] per layer) coded on groups of ``g`` layers' bases at
+    ``bits_per_element`` (the state-wide allocation, each component quantized in token groups),
+    token 0 exact; decoded, per layer [T, H*d]."""
+    T, W, n_layers = rows[0].shape[0], rows[0].shape[1], len(rows)
+    coefs, blocks = [], []
+    for start in range(0, n_layers, g):
+        mu, _, u = bases[(g, start)]
+        x = torch.cat([rows[j][1:] / scale[j] for j in range(start, start + g)], 1).double()
+        coefs.append((x - mu) @ u)
+        blocks.append((start, mu, u))
+    evals = torch.stack([y.var(0) for y in coefs])         # the document's own variance per component
+    bits = allocate_bits(evals, bits_per_element * (T - 1) * W * n_layers, T - 1, g * W, s, basis_stored=False)
+    out = [None] * n_layers
+    for (start, mu, u), y, b in zip(blocks, coefs, bits):
+        yq = torch.zeros_like(y)
+        for width in sorted(set(b.tolist()) - {0}):
+            idx = (b == width).nonzero()[:, 0]
+            yq[:, idx] = dequantize(quantize(y[:, idx].float(), f"int{width}", group_size=s.group_size, axis=0,
+                                             range_mode="mse")).double()
+        x = yq @ u.T + mu
+        for i, j in enumerate(range(start, start + g)):
+            out[j] = torch.cat([rows[j][:1], (x[:, i * W:(i + 1) * W] * scale[j]).float()])
+    return out
+
+
+def ppl_rows(lm, res: Result, raw: dict, texts: dict, ratios: list[float], groups: list[int], scales: dict,
+             bases: dict) -> None:
+    """Per ratio and basis, the mean PPL delta of the held-out documents coded as :func:`coded_side` codes."""
+    deltas: dict[tuple[float, int], list[float]] = {}
+    for name, text in texts.items():
+        doc = prepare_document(lm, name, text)
+        H, T, d = doc.cap.keys_pre[0].shape
+        sides = [[x.permute(1, 0, 2).reshape(T, H * d) for x in xs] for xs in (doc.cap.keys_pre, doc.cap.values)]
+        for ratio in ratios:
+            s = settings_for(ratio)
+            for g in groups:
+                k, v = (coded_side(sides[si], scales[si], g, bases[si], b, s) for si, b in enumerate((s.k_bits, s.v_bits)))
+                keys = [apply_rope(x.reshape(T, H, d).permute(1, 0, 2), doc.cos, doc.sin) for x in k]
+                m = doc.score(keys, [x.reshape(T, H, d).permute(1, 0, 2).contiguous() for x in v])
+                deltas.setdefault((ratio, g), []).append(m["ppl_other"] - m["ppl_full"])
+                raw["ppl"].append({"document": name, "ratio": ratio, "group": g, "ppl_delta": m["ppl_other"] - m["ppl_full"]})
+    for ratio in ratios:
+        base = f"{ratio:g}x, equal coefficient bits: mean PPL delta, calibrated basis per layer"
+        for g in sorted(groups):
+            got = deltas[(ratio, g)]
+            name = base if g == 1 else f"{ratio:g}x, equal coefficient bits: mean PPL delta, calibrated basis over {g} layers"
+            extra = {} if g == 1 or 1 not in groups else {"baseline": base}
+            res.row(name, sum(got) / len(got), "ppl", no_floor="a quality figure", largest=max(got), **extra)
+
+
 def main(argv=None) -> int:
     ap = parser(__doc__, device="cpu")
     ap.add_argument("--groups", type=int, nargs="*", default=[1, 2, 3, 5], help="layers a shared basis spans")
     ap.add_argument("--shares", type=float, nargs="*", default=[0.1, 0.2, 0.3],
                     help="components kept, as a share of a layer's H*d")
+    ap.add_argument("--ratios", type=float, nargs="*", default=[],
+                    help="also code the held-out documents at these ratios and score them (PPL)")
     ap.add_argument("--threads", type=int, default=2)
     args = parse(ap, argv)
     torch.set_num_threads(args.threads)
@@ -110,12 +178,14 @@ def main(argv=None) -> int:
     cal = [rows_of(lm, t) for t in cal_texts]
     held = {name: rows_of(lm, t) for name, t in held_out_docs(2).items()}
     res = Result("cross_layer_bases", device="cpu")
-    raw = {"calibration_documents": len(cal), "held_out": list(held), "cells": []}
+    raw = {"calibration_documents": len(cal), "held_out": list(held), "cells": [], "ppl": []}
+    scales, all_bases = {}, {}
     for si, side in enumerate("kv"):
         width = cal[0][si][0].shape[1]
-        scale = [torch.cat([c[si][layer] for c in cal]).std() for layer in range(n_layers)]
-        bases = {(g, start): fit([torch.cat([c[si][j] / scale[j] for j in range(start, start + g)], 1) for c in cal])
-                 for g in args.groups for start in range(0, n_layers, g)}
+        scale = scales[si] = [torch.cat([c[si][layer] for c in cal]).std() for layer in range(n_layers)]
+        bases = all_bases[si] = {(g, start): fit([torch.cat([c[si][j] / scale[j] for j in range(start, start + g)], 1)
+                                                  for c in cal])
+                                 for g in args.groups for start in range(0, n_layers, g)}
         for share in args.shares:
             cells = {"own": state_errors(held, si, scale, 1, lambda doc, start: fit([doc[si][start] / scale[start]]),
                                          share, width)}
@@ -131,6 +201,8 @@ def main(argv=None) -> int:
                 else:
                     res.row(name, mean, "rel sq error", baseline=base, no_floor=WHY)
                 raw["cells"].append({"side": side, "share": share, "basis": str(what), "mean": mean})
+    if args.ratios:
+        ppl_rows(lm, res, raw, held_out_docs(2), args.ratios, args.groups, scales, all_bases)
     raw["seconds"] = round(clock() - t0, 1)
     res.raw.update(raw)
     return finish(res, args)
