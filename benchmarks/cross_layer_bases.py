@@ -39,11 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kite.data.contracts import generate_contracts  # noqa: E402
 from kite.model import load_model  # noqa: E402
-from kite.upcycle.capture import capture, tokenize_document  # noqa: E402
-from kite.upcycle.codec.bits import allocate_bits  # noqa: E402
-from kite.upcycle.codec.quant import dequantize, quantize  # noqa: E402
-from kite.upcycle.codec.settings import settings_for  # noqa: E402
-from kite.upcycle.rope import apply_rope  # noqa: E402
+from kite.upcycle import apply_rope, tokenize_document  # noqa: E402
+from kite.upcycle import capture_kv as capture  # noqa: E402
+from kite.upcycle.codec import allocate_bits, dequantize, quantize, settings_for  # noqa: E402
 from kite.upcycle.study import (CALIBRATION_LICENSES, CONTINUATION, LICENSES, context_tokens, held_out_docs,  # noqa: E402
                                 prepare_document)
 from harness import Result, clock, finish, parse, parser  # noqa: E402
