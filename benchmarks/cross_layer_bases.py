@@ -26,6 +26,10 @@ bases at equal coefficient bits. Rows: the mean PPL delta over the documents per
 against the calibrated per-layer bases.
 
     python benchmarks/cross_layer_bases.py --groups 1 2 3 5 --shares 0.1 0.2 0.3 --ratios 16 20
+    python benchmarks/cross_layer_bases.py --judge tuning --groups 1 5 6 10 15 30 --shares 0.2 --ratios 16
+
+``--judge tuning`` measures documents neither calibrating nor held out instead, to choose a group
+size on.
 """
 
 from __future__ import annotations
@@ -155,6 +159,13 @@ def ppl_rows(lm, res: Result, raw: dict, texts: dict, ratios: list[float], group
             res.row(name, sum(got) / len(got), "ppl", no_floor="a quality figure", largest=max(got), **extra)
 
 
+def tuning_docs() -> dict[str, str]:
+    """Documents to choose settings on: neither the calibration's nor held out."""
+    docs = {name: (LICENSES / name).read_text() for name in ("GPL-2", "LGPL-3")}
+    docs.update({r["id"]: r["text"] for r in generate_contracts(2, tokens=2700, seed=2000)})
+    return docs
+
+
 def main(argv=None) -> int:
     ap = parser(__doc__, device="cpu")
     ap.add_argument("--groups", type=int, nargs="*", default=[1, 2, 3, 5], help="layers a shared basis spans")
@@ -162,6 +173,9 @@ def main(argv=None) -> int:
                     help="components kept, as a share of a layer's H*d")
     ap.add_argument("--ratios", type=float, nargs="*", default=[],
                     help="also code the held-out documents at these ratios and score them (PPL)")
+    ap.add_argument("--judge", choices=["held-out", "tuning"], default="held-out",
+                    help="the documents measured: the held-out set, or tuning documents to choose a group size on "
+                         "(GPL-2, LGPL-3, two contracts of seed 2000: neither calibrating nor held out)")
     ap.add_argument("--threads", type=int, default=2)
     args = parse(ap, argv)
     torch.set_num_threads(args.threads)
@@ -174,9 +188,10 @@ def main(argv=None) -> int:
     cal_texts = [t for t in cal_texts if len(tokenize_document(lm.tokenizer, t)[0]) >= 2048 + CONTINUATION]
     cal_texts += [r["text"] for r in generate_contracts(2, tokens=2700, seed=1000)]
     cal = [rows_of(lm, t) for t in cal_texts]
-    held = {name: rows_of(lm, t) for name, t in held_out_docs(2).items()}
+    judged = held_out_docs(2) if args.judge == "held-out" else tuning_docs()
+    held = {name: rows_of(lm, t) for name, t in judged.items()}
     res = Result("cross_layer_bases", device="cpu")
-    raw = {"calibration_documents": len(cal), "held_out": list(held), "cells": [], "ppl": []}
+    raw = {"calibration_documents": len(cal), "judged": args.judge, "documents": list(held), "cells": [], "ppl": []}
     scales, all_bases = {}, {}
     for si, side in enumerate("kv"):
         width = cal[0][si][0].shape[1]
@@ -200,7 +215,7 @@ def main(argv=None) -> int:
                     res.row(name, mean, "rel sq error", baseline=base, no_floor=WHY)
                 raw["cells"].append({"side": side, "share": share, "basis": str(what), "mean": mean})
     if args.ratios:
-        ppl_rows(lm, res, raw, held_out_docs(2), args.ratios, args.groups, scales, all_bases)
+        ppl_rows(lm, res, raw, judged, args.ratios, args.groups, scales, all_bases)
     raw["seconds"] = round(clock() - t0, 1)
     res.raw.update(raw)
     return finish(res, args)
