@@ -209,10 +209,8 @@ def main(argv=None) -> int:
                 name = (base if what == 1 else f"{side}, {share:.0%} of coefficients: the document's own basis per layer"
                         if what == "own" else f"{side}, {share:.0%} of coefficients: calibrated basis over {what} layers")
                 mean = sum(errs) / len(errs)
-                if what == 1:
-                    res.row(name, mean, "rel sq error", no_floor=WHY)
-                else:
-                    res.row(name, mean, "rel sq error", baseline=base, no_floor=WHY)
+                extra = {} if what == 1 or 1 not in args.groups else {"baseline": base}
+                res.row(name, mean, "rel sq error", no_floor=WHY, **extra)
                 raw["cells"].append({"side": side, "share": share, "basis": str(what), "mean": mean})
     if args.ratios:
         ppl_rows(lm, res, raw, judged, args.ratios, args.groups, scales, all_bases)
