@@ -136,7 +136,7 @@ def coded_side(rows: list[torch.Tensor], scale: list, g: int, bases: dict, bits_
 
 def ppl_rows(lm, res: Result, raw: dict, texts: dict, ratios: list[float], groups: list[int], scales: dict,
              bases: dict) -> None:
-    """Per ratio and basis, the mean PPL delta of the held-out documents coded as :func:`coded_side` codes."""
+    """Per ratio and basis, the mean PPL delta of the documents ``texts`` coded as :func:`coded_side` codes."""
     deltas: dict[tuple[float, int], list[float]] = {}
     for name, text in texts.items():
         doc = prepare_document(lm, name, text)
@@ -189,9 +189,9 @@ def main(argv=None) -> int:
     cal_texts += [r["text"] for r in generate_contracts(2, tokens=2700, seed=1000)]
     cal = [rows_of(lm, t) for t in cal_texts]
     judged = held_out_docs(2) if args.judge == "held-out" else tuning_docs()
-    held = {name: rows_of(lm, t) for name, t in judged.items()}
+    measured = {name: rows_of(lm, t) for name, t in judged.items()}
     res = Result("cross_layer_bases", device="cpu")
-    raw = {"calibration_documents": len(cal), "judged": args.judge, "documents": list(held), "cells": [], "ppl": []}
+    raw = {"calibration_documents": len(cal), "judged": args.judge, "documents": list(measured), "cells": [], "ppl": []}
     scales, all_bases = {}, {}
     for si, side in enumerate("kv"):
         width = cal[0][si][0].shape[1]
@@ -200,10 +200,10 @@ def main(argv=None) -> int:
                                                   for c in cal])
                                  for g in args.groups for start in range(0, n_layers, g)}
         for share in args.shares:
-            cells = {"own": state_errors(held, si, scale, 1, lambda doc, start: fit([doc[si][start] / scale[start]]),
+            cells = {"own": state_errors(measured, si, scale, 1, lambda doc, start: fit([doc[si][start] / scale[start]]),
                                          share, width)}
             for g in args.groups:
-                cells[g] = state_errors(held, si, scale, g, lambda doc, start: bases[(g, start)], share, width)
+                cells[g] = state_errors(measured, si, scale, g, lambda doc, start: bases[(g, start)], share, width)
             base = f"{side}, {share:.0%} of coefficients: calibrated basis per layer"
             for what, errs in sorted(cells.items(), key=lambda kv: (kv[0] != 1, str(kv[0]))):
                 name = (base if what == 1 else f"{side}, {share:.0%} of coefficients: the document's own basis per layer"

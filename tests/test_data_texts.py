@@ -137,4 +137,6 @@ def test_cli_refuses_bad_texts_in_one_line(tmp_path, tiny_models):
     assert res.exit_code == 2 and "windows a text: 0" in res.output
     res = runner.invoke(app, ["pairs", "--n", "0", "--out", str(tmp_path / "p.jsonl")])
     assert res.exit_code == 2 and "--n 0" in res.output
+    res = runner.invoke(app, ["pairs", "--n", "-1", "--texts", str(tmp_path), "--out", str(tmp_path / "p.jsonl")])
+    assert res.exit_code == 2 and "--n -1: need at least 0 contracts" in res.output
     assert not (tmp_path / "p.jsonl").exists()

@@ -145,22 +145,19 @@ def pairs(
     from kite.data.pairs import contract_pairs
 
     n = (0 if texts else 6) if n is None else n
-    if n < 0 or (n == 0 and not texts):
-        raise BadInput(f"--n {n}: need at least one contract (or --texts)")
-    _check_out(max(n, 1), "contract", out, json_out, mkdir, "pairs")
+    _check_out(n, "contract", out, json_out, mkdir, "pairs", least=0 if texts else 1)   # with --texts, 0 is fine
     made = None
     if texts:
         from kite.cli._progress import progress_bar
         from kite.data.texts import read_texts, text_pairs
 
-        read_texts(texts, "--texts")               # every path checked before any work
-        held = [text for _, text in read_texts(exclude or [], "--exclude")]
-        if exclude and not held:
-            raise BadInput(f"--exclude {exclude[0]}: no text read (a file under 2,000 characters, or not UTF-8)")
-        tok = _tokenizer(model_spec(model))
         with progress_bar() as progress:
-            made = text_pairs(read_texts(texts, "--texts", progress),
-                              lambda t: tok(t, add_special_tokens=False)["input_ids"], tok.decode,
+            docs = read_texts(texts, "--texts", progress)     # the paths checked now, the texts read as used
+            held = [text for _, text in read_texts(exclude or [], "--exclude")]
+            if exclude and not held:
+                raise BadInput(f"--exclude {exclude[0]}: no text read (a file under 2,000 characters, or not UTF-8)")
+            tok = _tokenizer(model_spec(model))
+            made = text_pairs(docs, lambda t: tok(t, add_special_tokens=False)["input_ids"], tok.decode,
                               window_tokens=window_tokens, pairs_per_window=pairs_per_window,
                               prompt_tokens=prompt_tokens, response_tokens=response_tokens,
                               windows_per_text=windows_per_text, max_windows=max_windows, exclude=held, seed=seed)
@@ -190,12 +187,13 @@ def pairs(
     console().print(line, highlight=False)
 
 
-def _check_out(n: int, unit: str, out: str, json_out: bool, mkdir: bool, what: str) -> None:
-    """The checks every generator runs before it generates: a count, and where the records go."""
+def _check_out(n: int, unit: str, out: str, json_out: bool, mkdir: bool, what: str, least: int = 1) -> None:
+    """The checks every generator runs before it generates: a count (at least ``least``), and where
+    the records go."""
     from kite.atomic import check_output
 
-    if n < 1:
-        raise BadInput(f"--n {n}: need at least one {unit}")
+    if n < least:
+        raise BadInput(f"--n {n}: need at least {'one ' + unit if least == 1 else f'{least} {unit}s'}")
     if out == "-" and json_out:
         raise BadInput(f"--json with --out -: both would go to stdout; write the {what} to a file")
     if out != "-":
