@@ -46,10 +46,10 @@ from kite.upcycle.codec import LayerWeights, model_value_weights  # noqa: E402
 from harness import Result, clock, finish, parse, parser  # noqa: E402
 
 
-def fit_regenerator(lm, n_contracts: int, weighted: bool = False) -> Regenerator:
+def fit_regenerator(lm, n_contracts: int, weighted: bool = False, layer_group: int = 1) -> Regenerator:
     texts = [(LICENSES / n).read_text() for n in CALIBRATION_LICENSES]
     texts += [r["text"] for r in generate_contracts(n_contracts, tokens=2000, seed=1000)]
-    fit = RegeneratorFit(n_layers=lm.geometry.n_layers)
+    fit = RegeneratorFit(n_layers=lm.geometry.n_layers, layer_group=layer_group)
     for i, t in enumerate(texts):
         ids, _ = tokenize_document(lm.tokenizer, t)
         cap = capture(lm, "", ids=ids[:2048], queries=weighted)
@@ -58,7 +58,7 @@ def fit_regenerator(lm, n_contracts: int, weighted: bool = False) -> Regenerator
     return fit.finish({"model_fingerprint": lm.fingerprints.base, "geometry": lm.geometry.to_dict(),
                        "calibration": {"source": "benchmarks/regenerator_quality.py",
                                        "licenses": list(CALIBRATION_LICENSES), "contracts_seed": 1000,
-                                       "contracts": n_contracts}},
+                                       "contracts": n_contracts, "layer_group": layer_group}},
                       value_weights=model_value_weights(lm) if weighted else None)
 
 
@@ -96,6 +96,9 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
                     choices=["doc", "regen", "regen+adapter"])
     ap.add_argument("--choice", choices=["measured", "expected", "probe"],
                     help="how each side picks the regenerator's basis or the document's (default: the codec's)")
+    ap.add_argument("--layer-group", type=int, default=1,
+                    help="fit bases over groups of this many adjacent layers (default 1: per layer; the model's "
+                         "layer count: one basis for the whole state)")
     ap.add_argument("--save-regenerator", type=Path, help="keep the fitted regenerator in this folder")
     ap.add_argument("--layer-weights", type=Path, help="a layer weights file (`kite upcycle weigh`; the embedded "
                     "model's ships in kite/data/layer_weights): every method's states allocate their bits by it "
@@ -111,7 +114,7 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
         elif args.calibration_pairs:
             reg = fit_on_pairs(lm, args.calibration_pairs, args.eval_fraction, args.seed, args.weighted)
         else:
-            reg = fit_regenerator(lm, args.calibration_contracts, weighted=args.weighted)
+            reg = fit_regenerator(lm, args.calibration_contracts, weighted=args.weighted, layer_group=args.layer_group)
         if args.save_regenerator:
             reg.save(args.save_regenerator)
         reg.choice = args.choice
@@ -129,12 +132,14 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
         for ratio in args.ratios:
             if only is not None and (name, float(ratio)) not in only:
                 continue
-            s = CompressSettings(codec=codec_settings(ratio), n_clusters=args.clusters, layer_weights=weights)
             row = {"document": name, "context_tokens": ctx, "ratio": ratio}
             for label, model, regen in (("doc", lm, None), ("regen", lm, reg),
                                         *((("regen+adapter", reader, reg),) if reader else ())):
                 if label not in args.methods:
                     continue
+                # a regenerator with bases across layers weighs its layers itself
+                s = CompressSettings(codec=codec_settings(ratio), n_clusters=args.clusters,
+                                     layer_weights=None if regen is not None and regen.grouped else weights)
                 t1 = clock()
                 r = evaluate(model, text, context_tokens=ctx, continuation_tokens=CONTINUATION, settings=s,
                              regenerator=regen)
@@ -147,6 +152,7 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
     result = {"platform": platform.platform(), "threads": args.threads, "device": str(lm.device),
               "model": lm.fingerprints.combined,
               "regenerator": None if reg is None else {"fingerprint": reg.fingerprint, "weighted": reg.weighted,
+                                                       "layer_groups": reg.meta.get("layer_groups"),
                                                        "choice": reg.choice,
                                                        "calibration": reg.meta.get("calibration")},
               "argv": list(argv if argv is not None else sys.argv[1:]),

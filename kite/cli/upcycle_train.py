@@ -41,6 +41,9 @@ def train(
     regenerator: Annotated[Optional[Path], typer.Option(
         help="A regenerator folder of this model to code the training states with, instead of fitting one: the "
         "adapter learns to read the states it will be used with.")] = None,
+    layer_group: Annotated[int, typer.Option(
+        min=1, help="Layers one calibrated basis spans (their keys, or values, coded together; a divisor of the "
+        "model's layers, e.g. all of them for one basis over the whole state). 1: a basis per layer.")] = 1,
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
@@ -55,6 +58,8 @@ def train(
 
     if resume and overwrite:
         raise BadInput("--resume --overwrite: use one of them")
+    if regenerator is not None and layer_group != 1:
+        raise BadInput("--regenerator --layer-group: a given regenerator's layer groups are its own")
     if regenerator_only and regenerator is not None:
         raise BadInput("--regenerator-only --regenerator: a given regenerator leaves only the adapter to train")
     model = model_spec(model_path)
@@ -64,7 +69,8 @@ def train(
     req = TrainRequest(data_path=str(data_path), output_dir=output_dir, mode=mode, seed=seed,
                        ratios=[float(r) for r in (ratio or [8.0])], eval_fraction=eval_fraction, epochs=epochs,
                        checkpoint_every=checkpoint_every, pairs_per_step=pairs_per_step,
-                       resume=resume, overwrite=overwrite, adapter=not regenerator_only, regenerator=regenerator)
+                       resume=resume, overwrite=overwrite, adapter=not regenerator_only, regenerator=regenerator,
+                       layer_group=layer_group)
     req.check(pairs)     # flags and the split, before the model loads
     from kite.model import load_model
 

@@ -20,6 +20,7 @@ from kite.errors import BadInput
 from kite.upcycle import codec
 from kite.upcycle.address import address_for
 from kite.upcycle.capture import Capture, capture
+from kite.upcycle.codec import groups
 from kite.upcycle.codec.part_widths import part_widths
 from kite.upcycle.codec.probe import ROWS as PROBE_ROWS
 from kite.upcycle.codec.probe import AttentionProbe
@@ -192,6 +193,14 @@ def _check_settings(lm, settings: CompressSettings, regenerator) -> None:
         settings.layer_weights.check(lm.geometry.n_layers, lm.fingerprints.base)
     if regenerator is not None:
         regenerator.check_model(lm)
+        if regenerator.grouped:
+            if not codec.state_budgeted(settings.codec) or settings.label_ratios or regenerator.choice == "probe":
+                raise BadInput(f"regenerator {regenerator.fingerprint.removeprefix('kite-fp1:')[:12]} has bases across "
+                               f"layers: it codes states at one ratio (--ratio R), without per-label ratios or the "
+                               f"attention probe")
+            if settings.layer_weights is not None:
+                raise BadInput("layer weights weigh per-layer bases; a regenerator with bases across layers weighs "
+                               "its layers itself (drop --layer-weights)")
         if regenerator.joint_heads != settings.codec.joint_heads:
             raise BadInput(f"regenerator {regenerator.fingerprint.removeprefix('kite-fp1:')[:12]} has "
                            f"{'joint-head' if regenerator.joint_heads else 'per-head'} bases; codec "
@@ -272,8 +281,10 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
                 c["ratio"] = r
             meta["label_ratios"] = {"default": default_ratio, "labels": dict(sorted(settings.label_ratios.items()))}
         if regenerator is not None:
-            # sides: how many of the 2 x n_layers (layer, K|V) codecs took the regenerator's basis
+            # sides: how many of the (layer or group, K|V) codecs took the regenerator's basis
             meta["regenerator"] = {"fingerprint": regenerator.fingerprint, "sides": regenerated[0]}
+            if regenerator.grouped:   # one codec and one part per (cluster, group, side), under its first layer
+                meta["layer_groups"] = [list(g) for g in regenerator.layer_groups]
         if settings.layer_weights is not None:   # named as the address names them (they weigh only a state-wide budget)
             meta["layer_weights"] = {"fingerprint": settings.layer_weights.fingerprint}
         if address:
@@ -285,12 +296,14 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
     def container_bytes(sets) -> int:
         """What the container will take besides the blobs (the codec's state-wide budget counts it):
         the header as it will be written for these clusters, its blob index estimated."""
-        keys = [blob_key(c, layer, side) for layer in range(n_layers)
+        keys = [blob_key(c, layer, side) for layer in leads
                 for c, side in [(None, None)] + [(c, side) for c in range(len(sets)) for side in "KV"]]
         return header_estimate(state_meta(), keys, raw_kv / (ratio_of(fit_codec) or 1.0))
 
     t = time.perf_counter()
     n_layers = lm.geometry.n_layers
+    grouped = regenerator is not None and regenerator.grouped
+    leads = [a for a, _ in regenerator.layer_groups] if grouped else list(range(n_layers))
     if device is None and torch.device(lm.device).type == "cuda":
         device = lm.device
     # a state made on a GPU is served from one: big blobs stay raw unless zstd saves a lot (load speed)
@@ -322,6 +335,8 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
                 progress("compress", n_layers, n_layers)
             return enc.items()
         token_sets = token_sets_once()
+        if grouped:
+            return code_groups(token_sets)
         items = []
         # one budget for the whole state: every layer's PCA first, then the allocation over all of them
         whole = (codec.fit_state(cap.keys_pre, cap.values, fit_codec, token_sets,
@@ -346,6 +361,22 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
                           (blob_key(c, layer, "V"), codec.to_bytes(part.v))]
             if progress:
                 progress("compress", layer + 1, n_layers)
+        return items
+
+    def code_groups(token_sets) -> list[tuple[str, bytes]]:
+        """Every blob of a state coded on bases across layers: per group its codec and parts."""
+        items = []
+        lcs = groups.fit_groups(cap.keys_pre, cap.values, fit_codec, token_sets, regenerator,
+                                overhead_bytes=container_bytes(token_sets))
+        regenerated[0] = 2 * len(lcs)
+        for lc in lcs:
+            a, b = lc.meta["layers"]
+            items.append((blob_key(None, a), codec.to_bytes(lc)))
+            for c, idx in enumerate(token_sets):
+                part = groups.encode_group(lc, cap.keys_pre, cap.values, idx)
+                items += [(blob_key(c, a, "K"), codec.to_bytes(part.k)), (blob_key(c, a, "V"), codec.to_bytes(part.v))]
+            if progress:
+                progress("compress", b, n_layers)
         return items
 
     if not batched:

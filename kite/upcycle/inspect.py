@@ -38,6 +38,8 @@ def describe_state(path: str | Path, verify: bool = False) -> dict:
             "geometry": meta["model"]["geometry"],
             "source": meta.get("source"),
             "codec": meta["codec"],
+            # groups of layers coded on one basis each (None: a codec per layer)
+            "layer_groups": meta.get("layer_groups"),
             # the layer weights the bit allocation used (their fingerprint; None: every layer side alike)
             "layer_weights": (meta.get("layer_weights") or {}).get("fingerprint"),
             "raw_kv_bytes_fp16": raw,

@@ -20,7 +20,7 @@ from kite.upcycle.codec.part_widths import part_widths
 from kite.upcycle.codec.regenerator import resolve
 from kite.upcycle.codec.settings import ratio_of
 from kite.upcycle.format.container import StateFile, StateWriter
-from kite.upcycle.format.names import blob_key
+from kite.upcycle.format.names import blob_key, group_leads
 from kite.upcycle.load.selection import cluster_positions
 
 
@@ -67,7 +67,8 @@ def recode_clusters(path: str | Path, targets: dict[int, float], *, regenerator=
         n_layers = int(meta["model"]["geometry"]["n_layers"])
         positions = {i: cluster_positions(state, meta["clusters"][i]["id"]) for i in targets}
         recoded: dict[str, bytes] = {}
-        for layer in range(n_layers):
+        leads = group_leads(meta, n_layers)
+        for done, layer in enumerate(leads):
             lc = codec.from_bytes(state.read(blob_key(None, layer)), codec.LayerCodec)
             if regen is not None:
                 codec.attach_regenerator(lc, {s: regen.side(layer, s)[2] for s in ("k", "v")})
@@ -81,7 +82,7 @@ def recode_clusters(path: str | Path, targets: dict[int, float], *, regenerator=
                 part = codec.encode(lc, K, V, positions[i], widths)
                 recoded[kb], recoded[vb] = codec.to_bytes(part.k), codec.to_bytes(part.v)
             if progress:
-                progress(layer + 1, n_layers)
+                progress(done + 1, len(leads))
         writer = StateWriter()
         for key in state.index:
             writer.add(key, recoded[key] if key in recoded else state.read(key))

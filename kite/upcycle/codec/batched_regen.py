@@ -33,7 +33,7 @@ __all__ = ["RegenSides", "choose", "takes"]
 
 def takes(regenerator, settings: CodecSettings) -> bool:
     """Whether the batched encoder codes on this regenerator (else the per-layer codec does)."""
-    return (not regenerator.weighted and regenerator.choice in (None, "expected")
+    return (not regenerator.weighted and not regenerator.grouped and regenerator.choice in (None, "expected")
             and state_budgeted(settings))
 
 

@@ -335,14 +335,15 @@ class RegenSide(PcaSide):
     def fit(self, side, X, s, tensors, meta, *, pca=None, budget_tokens=None, weights=None, bits=None,
             budget=None):
         """``weights``: the regenerator's own (its basis is then weighted, ``U / sqrt(w)``); stored
-        with the side as :class:`PcaSide` does, so a part can be encoded from the state alone."""
+        with the side as :class:`PcaSide` does, so a part can be encoded from the state alone.
+        ``bits`` [B, D]: each component's bits as allocated over the whole state on these same
+        components (:mod:`.groups`), in place of an allocation here (nothing is expected then)."""
         if pca is None:
             raise ValueError("rpca needs the regenerator's (mean, variances, basis) for this layer and side")
         H, T, d = X.shape
         T = budget_tokens or T
         Xb = blocks(X.float(), s.joint_heads)                       # [B, T, D]
-        U = pca[2].to(Xb.device, torch.float32)                      # [B, D, D]
-        B, D = U.shape[0], U.shape[1]
+        B, D = pca[2].shape[0], pca[2].shape[1]
         mean = Xb.mean(dim=1) if s.center else Xb.new_zeros(B, D)
         Xc = Xb - mean[:, None, :]
         avail, parts = _side_budget(budget, side, s, H, T, d, B, D)
@@ -351,13 +352,17 @@ class RegenSide(PcaSide):
         if weights is not None:
             Xc = Xc * put_weights(tensors, side, weights, B, D).to(Xc.device)[:, None, :]
             avail -= B * D * 16
-        variances = torch.matmul(Xc, U).pow(2).mean(dim=1)          # [B, D]
-        bits = allocate_bits(variances, avail, T, D, s, basis_stored=False, parts=parts)
+        variances = None
+        if bits is None:
+            U = pca[2].to(Xb.device, torch.float32)                  # [B, D, D]
+            variances = torch.matmul(Xc, U).pow(2).mean(dim=1)      # [B, D]
+            bits = allocate_bits(variances, avail, T, D, s, basis_stored=False, parts=parts)
+        bits = bits.long().cpu()
         tensors[f"{side}.mean"] = _store_float(mean, "fp32" if s.basis_fmt == "fp32" else "fp16")
         tensors[f"{side}.bits"] = bits.to(torch.uint8).contiguous()
         meta[side] = {"mode": self.mode, "blocks": B, "dim": D,
                       "rank_max": int((bits > 0).sum(dim=1).max().item()) if bits.numel() else 0}
-        return expected_error(variances, bits, s)
+        return None if variances is None else expected_error(variances, bits, s)
 
 
 def _side_budget(budget: SideBudget | None, side: str, s: CodecSettings, H: int, T: int, d: int, B: int,

@@ -17,6 +17,16 @@ against it keep, per side, whichever of the regenerator's basis and the document
 lower *measured* weighted error (:func:`kite.upcycle.codec.fit_layer` with ``weights``). Version 1
 regenerators (plain PCA, no weights) load and code as before.
 
+A **grouped** regenerator (format version 3, ``RegeneratorFit(layer_group=g)``) has one basis per
+group of ``g`` adjacent layers (joint heads), over the group's ``g*H*d`` features together (KVTC's
+PCA over heads and layers; measured: at 16x a basis over every layer leaves a fraction of the
+per-layer bases' loss). Each layer's features are weighed by the inverse of its calibration variance
+(``L{start}.{side}.weight``, so no layer's scale rules the group's basis), the basis is the weighted
+PCA's as above, and its tensors are named by the group's first layer (``L{start}.{side}.*``, ``D =
+g*H*d``; the basis in fp16). ``layer_groups`` in the metadata lists the groups as [start, stop].
+States coded on it keep one layer codec and one part per (cluster, group, side)
+(:mod:`kite.upcycle.codec.groups`).
+
 On disk, in a folder: ``regenerator.safetensors`` (float32 tensors ``L{l}.{k|v}.{mean|basis|evals}``,
 and ``.weight`` when weighted) and ``regenerator.json`` (what it was made for and from). Its fingerprint (``kite-fp1:`` + sha256 of
 the tensors' file and the canonical JSON) is what a state records; a state is never decoded with
@@ -42,7 +52,7 @@ if TYPE_CHECKING:
     from kite.model import LoadedModel
 
 FORMAT = "kite-regenerator"
-VERSION = 2          # the newest this reads; version 1 = unweighted (written when no weights are given)
+VERSION = 3          # the newest this reads; 1 = unweighted, 2 = weighted, 3 = bases over groups of layers
 TENSORS = "regenerator.safetensors"
 META = "regenerator.json"
 
@@ -69,6 +79,20 @@ class RegeneratorFit:
     digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)
     query_sq: list | None = None                  # per layer [H_q * d] float64, while every document has them
     shape: tuple[int, int] | None = None          # (H, d) of the KV added
+    layer_group: int = 1                          # layers a basis spans (> 1: joint heads, dividing n_layers)
+
+    def __post_init__(self) -> None:
+        g = self.layer_group
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1 or self.n_layers % g:
+            raise BadInput(f"--layer-group {g}: expected a whole number that divides the model's {self.n_layers} "
+                           f"layers")
+        if g > 1 and not self.joint_heads:
+            raise BadInput("bases across layers are over the joint heads of each layer (joint_heads)")
+
+    @property
+    def groups(self) -> list[tuple[int, int]]:
+        """[start, stop) of each group of layers one basis spans."""
+        return [(a, a + self.layer_group) for a in range(0, self.n_layers, self.layer_group)]
 
     def add(self, keys_pre: list[torch.Tensor], values: list[torch.Tensor], ids: list[int] | None = None,
             query_sq: list[torch.Tensor] | None = None) -> None:
@@ -86,11 +110,11 @@ class RegeneratorFit:
             self.query_sq = [q.double().cpu().clone() for q in query_sq]
         else:
             self.query_sq = [a + q.double().cpu() for a, q in zip(self.query_sq, query_sq)]
-        for layer in range(self.n_layers):
-            for side, X in (("k", keys_pre[layer]), ("v", values[layer])):
-                Xb = _blocks(X.double(), self.joint_heads)                    # [B, T, D]
+        for a, b in self.groups:
+            for side, Xs in (("k", keys_pre), ("v", values)):
+                Xb = torch.cat([_blocks(X.double(), self.joint_heads) for X in Xs[a:b]], dim=2)   # [B, T, D]
                 s, g = Xb.sum(dim=1), Xb.transpose(1, 2) @ Xb
-                key = (layer, side)
+                key = (a, side)
                 if key in self.sums:
                     self.sums[key] += s
                     self.grams[key] += g
@@ -110,7 +134,8 @@ class RegeneratorFit:
 
         if not self.tokens:
             raise BadInput("no calibration tokens: the regenerator needs at least one document")
-        weighted = value_weights is not None and self.query_sq is not None
+        grouped = self.layer_group > 1
+        weighted = value_weights is not None and self.query_sq is not None and not grouped
         if value_weights is not None and len(value_weights) != self.n_layers:
             raise ValueError(f"expected value weights of {self.n_layers} layers, got {len(value_weights)}")
         tensors: dict[str, torch.Tensor] = {}
@@ -119,7 +144,12 @@ class RegeneratorFit:
             mean = s / n if self.center else torch.zeros_like(s)
             cov = self.grams[(layer, side)] / n - mean[:, :, None] * mean[:, None, :]
             root = None
-            if weighted:
+            if grouped:
+                w = _layer_scales(cov, self.layer_group)
+                tensors[f"L{layer}.{side}.weight"] = w.float().contiguous()
+                root = w.double().sqrt()
+                cov = cov * root[:, :, None] * root[:, None, :]
+            elif weighted:
                 H, d = self.shape
                 w = (W.key_weights(self.query_sq[layer], H, d) if side == "k" else value_weights[layer])
                 w = W.as_blocks(w, self.joint_heads)
@@ -134,16 +164,30 @@ class RegeneratorFit:
             if root is not None:
                 U = U / root[:, :, None]             # the weighted basis: decode c @ U^T / sqrt(w) + mean
             tensors[f"L{layer}.{side}.mean"] = mean.float().cpu().contiguous()
-            tensors[f"L{layer}.{side}.basis"] = U.float().cpu().contiguous()
+            tensors[f"L{layer}.{side}.basis"] = (U.half() if grouped else U.float()).cpu().contiguous()
             tensors[f"L{layer}.{side}.evals"] = evals.float().cpu().contiguous()
         extra = {"weights": {"k": "query energy per RoPE pair, summed over the KV head's query heads",
                              "v": "o_proj column energy, summed over the KV head's query heads",
                              "floor": W.FLOOR}} if weighted else {}
-        full = {"format": FORMAT, "version": 2 if weighted else 1, **meta, **extra, "n_layers": self.n_layers,
+        if grouped:
+            extra = {"layer_groups": [list(g) for g in self.groups],
+                     "weights": {"k": "1 / the layer's calibration variance", "v": "1 / the layer's calibration variance"}}
+        full = {"format": FORMAT, "version": 3 if grouped else 2 if weighted else 1, **meta, **extra,
+                "n_layers": self.n_layers,
                 "joint_heads": self.joint_heads, "center": self.center,
                 "calibration": {**meta.get("calibration", {}), "documents": self.documents, "tokens": self.tokens,
                                 "ids_sha256": self.digest.hexdigest()}}
         return Regenerator(full, tensors)
+
+
+def _layer_scales(cov: torch.Tensor, g: int) -> torch.Tensor:
+    """[B, D] weights of a group's features (D = g layers' dims): 1 / each layer's mean calibration
+    variance, as a state stores them (fp16), so every layer's relative error counts alike."""
+    diag = cov.diagonal(dim1=1, dim2=2).clamp_min(0)                      # [B, D]
+    B, D = diag.shape
+    var = diag.reshape(B, g, D // g).mean(dim=2, keepdim=True).clamp_min(1e-12)
+    w = (1.0 / var).expand(B, g, D // g).reshape(B, D)
+    return w.to(torch.float16).clamp_min(torch.finfo(torch.float16).tiny).double()
 
 
 @dataclass
@@ -170,6 +214,19 @@ class Regenerator:
     def joint_heads(self) -> bool:
         return bool(self.meta["joint_heads"])
 
+    @property
+    def layer_groups(self) -> list[tuple[int, int]]:
+        """[start, stop) of each group of layers a basis spans (one per layer unless grouped)."""
+        groups = self.meta.get("layer_groups")
+        if groups is None:
+            return [(layer, layer + 1) for layer in range(int(self.meta["n_layers"]))]
+        return [(int(a), int(b)) for a, b in groups]
+
+    @property
+    def grouped(self) -> bool:
+        """Whether its bases span groups of layers (states coded on it: kite.upcycle.codec.groups)."""
+        return "layer_groups" in self.meta
+
     def side(self, layer: int, side: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(mean [B, D], variances [B, D] descending, basis [B, D, D], column j = component j)."""
         p = f"L{layer}.{side}"
@@ -182,6 +239,7 @@ class Regenerator:
     def bases(self, side: str, device) -> torch.Tensor:
         """Every layer's basis of ``side`` stacked, [L, B, D, D] float32 on ``device`` (kept there: a
         training run codes many states on it)."""
+        self._per_layer("the batched encoder")
         key = (side, str(device))
         if key not in self._on_device:
             L = int(self.meta["n_layers"])
@@ -189,14 +247,29 @@ class Regenerator:
                                                                                                    torch.float32)
         return self._on_device[key]
 
+    def _per_layer(self, what: str) -> None:
+        if self.grouped:
+            raise ValueError(f"regenerator {short(self.fingerprint)} has bases across layers; {what} takes "
+                             f"per-layer bases (kite.upcycle.codec.groups codes on these)")
+
+    def basis_on(self, layer: int, side: str, device) -> torch.Tensor:
+        """The basis of ``layer`` (a grouped one's: of the group starting there) as float32 on
+        ``device``, kept there (a training run codes many states on it)."""
+        key = (layer, side, str(device))
+        if key not in self._on_device:
+            self._on_device[key] = self.side(layer, side)[2].to(device, torch.float32)
+        return self._on_device[key]
+
     @property
     def weighted(self) -> bool:
-        return "L0.k.weight" in self.tensors
+        """Whether its bases are attention-weighted (version 2); a grouped one's weights scale layers."""
+        return "L0.k.weight" in self.tensors and not self.grouped
 
     def weights(self, layer: int) -> dict[str, torch.Tensor] | None:
         """A weighted regenerator's distortion weights of ``layer``: ``{"k": [B, D], "v": [B, D]}``
-        (what :func:`kite.upcycle.codec.fit_layer` takes); None for an unweighted one."""
-        if not self.weighted:
+        (what :func:`kite.upcycle.codec.fit_layer` takes); a grouped one's layer scales of the group
+        starting at ``layer``; None for an unweighted one."""
+        if not self.weighted and not self.grouped:
             return None
         self.side(layer, "k")      # BadInput naming the layer when it has none
         return {side: self.tensors[f"L{layer}.{side}.weight"] for side in ("k", "v")}
@@ -205,6 +278,7 @@ class Regenerator:
         """What :func:`kite.upcycle.codec.fit_layer` takes for ``layer``: ``regenerator=`` (each
         side's mean, variances, basis), ``weights=`` (None when unweighted), ``choice=`` and
         ``metric=`` (the attention probe's for this layer when :attr:`choice` is ``"probe"``)."""
+        self._per_layer("the per-layer codec")
         if self.choice == "probe" and metric is None:
             raise ValueError("choice 'probe' needs the attention probe's metric for the layer")
         return {"regenerator": {side: self.side(layer, side) for side in ("k", "v")}, "weights": self.weights(layer),

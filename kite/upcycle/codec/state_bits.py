@@ -121,11 +121,13 @@ def priorities(evals: dict[str, torch.Tensor], k_weight: float = 1.0, layer_weig
 
 
 def allocate_state(evals: dict[str, torch.Tensor], s: CodecSettings, H: int, d: int, sets: list[torch.Tensor],
-                   overhead_bytes: int | None = None, layer_weights=None) -> dict[str, torch.Tensor]:
+                   overhead_bytes: int | None = None, layer_weights=None,
+                   basis_stored: bool = True) -> dict[str, torch.Tensor]:
     """Each component's bits over the whole state: ``evals`` per side [L, B, D] (any device) ->
     int64 bits per side [L, B, D] on the same device. Keys and values share one budget
     (``k_bits + v_bits`` per element; how the settings split it does not matter here).
-    ``layer_weights``: each (layer, side)'s weight in :func:`priorities`."""
+    ``layer_weights``: each (layer, side)'s weight in :func:`priorities`. ``basis_stored`` False:
+    the components are a regenerator's (no basis column to pay for)."""
     sides = list(evals)
     L, B, D = evals[sides[0]].shape
     T = sum(int(t.numel()) for t in sets)
@@ -135,7 +137,7 @@ def allocate_state(evals: dict[str, torch.Tensor], s: CodecSettings, H: int, d: 
     prio = priorities(evals, s.k_weight, layer_weights)
     budget = state_budget_bits(s, L, H, d, B, D, sets, overhead_bytes)
     flat = torch.cat([prio[side].reshape(L * B, D) for side in sides])[None]       # [1, sides*L*B, D]
-    bits = allocate_bits_batched(flat, [budget], T, D, s, parts=parts)[0]
+    bits = allocate_bits_batched(flat, [budget], T, D, s, basis_stored=basis_stored, parts=parts)[0]
     return {side: bits[i * L * B:(i + 1) * L * B].reshape(L, B, D) for i, side in enumerate(sides)}
 
 

@@ -18,7 +18,7 @@ import operator
 import re
 
 from kite.errors import BadInput
-from kite.upcycle.format.names import blob_key
+from kite.upcycle.format.names import blob_key, group_leads
 
 # The side coders' modes a version-1 file may name (kite.upcycle.codec registers one coder per mode;
 # a test keeps the two lists equal: a new mode is a new thing a file can say, so readers learn it here).
@@ -75,7 +75,11 @@ def _check(meta) -> int:
     if "raw_kv_bytes_fp16" in meta:
         _int(meta["raw_kv_bytes_fp16"], "raw_kv_bytes_fp16", 0)
     ids = _clusters(meta.get("clusters"), n_tokens)
-    size = _blobs(meta.get("blobs"), n_layers, ids)
+    try:
+        leads = group_leads(meta, n_layers)
+    except BadInput as exc:
+        raise _Bad(str(exc)) from None
+    size = _blobs(meta.get("blobs"), leads, ids, n_layers)
     if "content" in meta:
         content = meta["content"]
         if not isinstance(content, dict) or content.get("scheme") != CONTENT_SCHEME:
@@ -216,7 +220,10 @@ def _explain_partition(clusters: list, n_tokens: int):
     raise _Bad(f"tokens {at}-{n_tokens - 1} are in no cluster; the clusters must cover every token")
 
 
-def _blobs(rows, n_layers: int, ids: list[int]) -> int:
+def _blobs(rows, leads: list[int], ids: list[int], layers: int) -> int:
+    """The blob index checked against the parts the layers (or groups: ``leads``, the layers their
+    blobs are under) and clusters call for; returns the bytes the blobs take."""
+    n_layers = len(leads)
     if not isinstance(rows, list):
         raise _Bad(f"blobs is {_show(rows)}, expected the blob index (a list)")
     if not rows:
@@ -235,13 +242,13 @@ def _blobs(rows, n_layers: int, ids: list[int]) -> int:
     if n_layers * (1 + 2 * len(ids)) > 4 * len(keys):   # never build a set of keys far larger than the index
         raise _Bad(f"the blob index has {len(keys)} parts; {n_layers} layers and {len(ids)} clusters call for "
                    f"{n_layers * (1 + 2 * len(ids))}")
-    want = {blob_key(None, layer) for layer in range(n_layers)}
+    want = {blob_key(None, layer) for layer in leads}
     for c in ids:
-        for layer in range(n_layers):
+        for layer in leads:
             want.add(blob_key(c, layer, "K"))
             want.add(blob_key(c, layer, "V"))
     if set(keys) != want:
-        _explain_keys(set(keys), n_layers, ids)
+        _explain_keys(set(keys), leads, ids, layers)
     return ends[-1]
 
 
@@ -272,15 +279,16 @@ def _explain_blobs(rows: list):
     raise _Bad("the blob index is malformed")
 
 
-def _explain_keys(keys: set, n_layers: int, ids: list[int]):
-    want = {blob_key(None, layer) for layer in range(n_layers)}
-    want.update(blob_key(c, layer, side) for c in ids for layer in range(n_layers) for side in ("K", "V"))
+def _explain_keys(keys: set, leads: list[int], ids: list[int], n_layers: int):
+    layers = f"{n_layers} layers" if len(leads) == n_layers else f"{len(leads)} layer groups"
+    want = {blob_key(None, layer) for layer in leads}
+    want.update(blob_key(c, layer, side) for c in ids for layer in leads for side in ("K", "V"))
     missing = sorted(want - keys, key=_key_order)
     if missing:
         raise _Bad(f"the blob index has no part {missing[0]} ({len(missing)} missing for "
-                   f"{n_layers} layers and {len(ids)} clusters)")
+                   f"{layers} and {len(ids)} clusters)")
     extra = sorted(keys - want, key=_key_order)
-    raise _Bad(f"the blob index has a part {extra[0]} that {n_layers} layers and clusters "
+    raise _Bad(f"the blob index has a part {extra[0]} that {layers} and clusters "
                f"{_id_list(ids)} do not call for")
 
 

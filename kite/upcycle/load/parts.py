@@ -8,7 +8,8 @@ from kite.errors import BadInput
 from kite.upcycle import codec
 from kite.upcycle.codec.checks import check_layer, check_part, table_of
 from kite.upcycle.format.container import StateFile
-from kite.upcycle.format.names import blob_key
+from kite.upcycle.codec.groups import group_geometry
+from kite.upcycle.format.names import blob_key, groups_of
 
 
 def _bad_part(state: StateFile, key: str, exc: BaseException) -> BadInput:
@@ -51,14 +52,16 @@ def decode_part(state: StateFile, lc, part, cluster: int, layer: int):
 
 
 def check_parts(state: StateFile, verify: bool = True) -> dict[str, str]:
-    """Every layer codec and part of ``state`` read and checked as a load checks them, without
+    """Every layer (or group) codec and part of ``state`` read and checked as a load checks them, without
     decoding: {key: what is wrong} for those that fail (a part of a layer whose codec fails is not
     checked)."""
     geo = state.meta["model"]["geometry"]
     H, d = int(geo["n_kv_heads"]), int(geo["head_dim"])
     tokens = {c["id"]: c["n_tokens"] for c in state.meta["clusters"]}
     failed: dict[str, str] = {}
-    for layer in range(int(geo["n_layers"])):
+    for a, b in groups_of(state.meta, int(geo["n_layers"])):
+        layer = a
+        H, d = group_geometry((a, b), int(geo["n_kv_heads"]), int(geo["head_dim"])) if b - a > 1 else (H, d)
         try:
             lc, widths = read_layer(state, layer, verify, H, d)
         except BadInput as exc:

@@ -21,7 +21,8 @@ from kite.runtime.cache import KVPrefix
 from kite.upcycle import codec
 from kite.upcycle.codec.regenerator import resolve
 from kite.upcycle.format.container import StateFile
-from kite.upcycle.format.names import blob_key
+from kite.upcycle.codec.groups import group_geometry, split_group
+from kite.upcycle.format.names import blob_key, group_of, groups_of
 from kite.upcycle.load.fidelity import load_warnings
 from kite.upcycle.load.hot_tier import HotTier, default_tier
 from kite.upcycle.load.parts import decode_part, read_layer, read_part
@@ -158,24 +159,22 @@ class HostRebuild:
         self.cos, self.sin = rope_cos_sin(lm.model, self.positions, device="cpu")
         self.bytes_read = 0
         self.t_read = self.t_decode = 0.0
+        self.groups = groups_of(state.meta, geo.n_layers)
+        self._group: tuple[int, list] | None = None
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys, values) of ``layer``, each [H, T, d]: row i is the token at ``positions[i]``."""
-        state, sel, H, d = self.state, self.sel, self.H, self.d
+        """(keys, values) of ``layer``, each [H, T, d]: row i is the token at ``positions[i]``. A
+        layer of a state coded on bases across layers decodes its group (kept for the group's
+        next layer)."""
+        sel, H, d = self.sel, self.H, self.d
+        a, b = group_of(self.groups, layer)
+        if self._group is None or self._group[0] != a:
+            self._group = None     # (the group before is let go first)
+            self._group = (a, self._decoded(a, *(group_geometry((a, b), H, d) if b - a > 1 else (H, d))))
         t = time.perf_counter()
-        lc, widths = read_layer(state, layer, self.verify, H, d)
-        if self.regenerator is not None:
-            codec.attach_regenerator(lc, {side: self.regenerator.side(layer, side)[2] for side in ("k", "v")})
-        self.bytes_read += state.index[blob_key(None, layer)].length
-        parts = []
-        for (c, _), pos in zip(sel.parts, sel.part_positions):
-            kb, vb = (read_part(state, blob_key(c, layer, side), self.verify, lc, widths, int(pos.numel()), H, d)
-                      for side in ("K", "V"))
-            self.bytes_read += state.index[blob_key(c, layer, "K")].length + state.index[blob_key(c, layer, "V")].length
-            parts.append(codec.EncodedPart(kb, vb))
-        self.t_read += time.perf_counter() - t
-        t = time.perf_counter()
-        decoded = [decode_part(state, lc, p, c, layer) for p, (c, _) in zip(parts, sel.parts)]
+        decoded = self._group[1]
+        if b - a > 1:
+            decoded = [(split_group(k, H, d)[layer - a], split_group(v, H, d)[layer - a]) for k, v in decoded]
         ks = [k if keep is None else k[:, keep] for (k, _), (_, keep) in zip(decoded, sel.parts)]
         vs = [v if keep is None else v[:, keep] for (_, v), (_, keep) in zip(decoded, sel.parts)]
         k = apply_rope(torch.cat(ks, dim=1)[:, self.order], self.cos, self.sin)
@@ -184,6 +183,27 @@ class HostRebuild:
                _at_precision(v, self.precision).to(self.device, self.dtype))
         self.t_decode += time.perf_counter() - t
         return out
+
+    def _decoded(self, lead: int, H: int, d: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The chosen parts of the layer (or group) whose blobs are under ``lead``, read and decoded:
+        per part (keys, values) [H, T_part, d] in the codec's geometry."""
+        state, sel = self.state, self.sel
+        t = time.perf_counter()
+        lc, widths = read_layer(state, lead, self.verify, H, d)
+        if self.regenerator is not None:
+            codec.attach_regenerator(lc, {side: self.regenerator.side(lead, side)[2] for side in ("k", "v")})
+        self.bytes_read += state.index[blob_key(None, lead)].length
+        parts = []
+        for (c, _), pos in zip(sel.parts, sel.part_positions):
+            kb, vb = (read_part(state, blob_key(c, lead, side), self.verify, lc, widths, int(pos.numel()), H, d)
+                      for side in ("K", "V"))
+            self.bytes_read += state.index[blob_key(c, lead, "K")].length + state.index[blob_key(c, lead, "V")].length
+            parts.append(codec.EncodedPart(kb, vb))
+        self.t_read += time.perf_counter() - t
+        t = time.perf_counter()
+        decoded = [decode_part(state, lc, p, c, lead) for p, (c, _) in zip(parts, sel.parts)]
+        self.t_decode += time.perf_counter() - t
+        return decoded
 
 
 def _load_on_host(state: StateFile, lm: LoadedModel, sel: Selection, layer_set: set[int], verify: bool,

@@ -34,9 +34,11 @@ from kite.upcycle.load.tables import (ALIGN, LayerPlan, SidePlan, load_tables, r
 
 def supports_state(state: StateFile) -> bool:
     """Whether the GPU path decodes this state: PCA keys and values, every part at its layer's widths
-    (a state with per-label ratios decodes on the host; its parts have widths of their own)."""
+    (a state with per-label ratios decodes on the host; its parts have widths of their own), one
+    codec per layer (a state coded on bases across layers decodes its groups on the host)."""
     c = state.meta.get("codec") or {}
-    return c.get("k_mode") == "pca" and c.get("v_mode") == "pca" and "label_ratios" not in state.meta
+    return c.get("k_mode") == "pca" and c.get("v_mode") == "pca" and "label_ratios" not in state.meta \
+        and "layer_groups" not in state.meta
 
 
 def _preadv_all(fd: int, bufs: list[tuple[str, memoryview]], pos: int, path) -> None:

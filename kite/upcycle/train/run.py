@@ -67,6 +67,7 @@ class TrainRequest:
     regenerator: Path | None = None         # a regenerator folder to code the states with (else one is fitted)
     pairs_per_step: int = 1                 # the adapter's pairs per optimizer step (one forward, their mean loss)
     codec_workers: int | None = None        # host threads coding the states (None: codec_workers_for's choice)
+    layer_group: int = 1                    # layers a fitted regenerator's basis spans (kite.upcycle.codec.groups)
 
     def check(self, pairs: list[Pair]) -> tuple[list[Pair], list[Pair]]:
         """BadInput for a bad mode or ratio, or pairs too few to split; returns (train, held out)."""
@@ -80,6 +81,8 @@ class TrainRequest:
             raise BadInput(f"--pairs-per-step {self.pairs_per_step}: at least 1")
         if self.checkpoint_every < 1:
             raise BadInput(f"--checkpoint-every {self.checkpoint_every}: at least 1")
+        if isinstance(self.layer_group, bool) or not isinstance(self.layer_group, int) or self.layer_group < 1:
+            raise BadInput(f"--layer-group {self.layer_group}: a whole number of layers, at least 1")
         if self.regenerator is not None:
             Regenerator.load(self.regenerator)      # BadInput for a missing or damaged folder
         return split_pairs(pairs, self.eval_fraction, self.seed)
@@ -92,6 +95,8 @@ class TrainRequest:
                "ratios": [float(r) for r in self.ratios], "eval_fraction": self.eval_fraction, "epochs": self.epochs,
                "adapter": self.adapter, "config": cfg.model_dump(mode="json"),
                "regenerator": None if self.regenerator is None else Regenerator.load(self.regenerator).fingerprint}
+        if self.layer_group != 1:        # (runs of per-layer bases keep the key they had before groups)
+            key["layer_group"] = self.layer_group
         if self.pairs_per_step != 1:     # (runs of one pair a step keep the key they had before batches)
             key["pairs_per_step"] = self.pairs_per_step
         if layer_weights is not None:
@@ -126,17 +131,22 @@ def prepare_output(req: TrainRequest, key: dict) -> None:
 
 def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progress=None, weighted: bool = False,
                     times: StageTimes | None = None, keep: CaptureStore | None = None,
-                    compress: CompressSettings | None = None) -> Regenerator:
+                    compress: CompressSettings | None = None, layer_group: int = 1) -> Regenerator:
     """Calibrate on the training documents (each once), in the blocks the codec uses; ``weighted``:
     with attention-aware distortion weights (the documents' queries and the model's ``o_proj``;
     :mod:`kite.upcycle.codec.weights`). Off by default: on SmolLM2's held-out rows the weighted
     regenerator lost more often than it won (docs/PERFORMANCE.md "Training"; measured 2026-12-01 at
     commit 42c8b7a). ``times``: where the prefills' and the sums' seconds are added. ``keep``: the
     documents' captures are offered to it, made as a compression with ``compress`` makes them (the
-    hidden states its clusters read, the model's cache), for the states and the teacher to reuse."""
+    hidden states its clusters read, the model's cache), for the states and the teacher to reuse.
+    ``layer_group``: layers one basis spans (:mod:`kite.upcycle.codec.groups`; not weighted)."""
     times = times or StageTimes(lm.device)
     docs = {p.document_key: p for p in train_pairs}
-    fit = RegeneratorFit(n_layers=lm.geometry.n_layers, joint_heads=cfg_codec.joint_heads, center=cfg_codec.center)
+    if layer_group > 1 and weighted:
+        raise BadInput("a regenerator with bases across layers weighs its layers by their variance; it is not "
+                       "also attention-weighted")
+    fit = RegeneratorFit(n_layers=lm.geometry.n_layers, joint_heads=cfg_codec.joint_heads, center=cfg_codec.center,
+                         layer_group=layer_group)
     for i, p in enumerate(docs.values()):
         with times.stage("calibrate_capture"):
             cap = (capture(lm, p.context, queries=weighted) if keep is None or weighted else
@@ -176,6 +186,8 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
     train, held = req.check(pairs)
     out = req.output_dir
     weights = layer_weights_for(lm, *named_layer_weights(cfg))    # the states coded as outside training
+    if req.layer_group > 1 or (req.regenerator is not None and Regenerator.load(req.regenerator).grouped):
+        weights = None        # bases across layers weigh their layers themselves
     prepare_output(req, req.key(pairs, lm.fingerprints.combined, cfg, weights))
     times = StageTimes(lm.device)
     timings: dict[str, float] = {}
@@ -192,7 +204,7 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
         reg = Regenerator.load(out / "regenerator")
     else:
         reg = fit_regenerator(lm, train, codec0, progress, times=times, keep=kept,
-                              compress=compress_settings(cfg, req.ratios[0], weights))
+                              compress=compress_settings(cfg, req.ratios[0], weights), layer_group=req.layer_group)
         reg.save(out / "regenerator")
     install(reg)
     timings["regenerator_s"] = round(time.perf_counter() - t, 1)

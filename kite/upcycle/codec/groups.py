@@ -1,0 +1,104 @@
+"""States coded on bases shared across layers: a grouped regenerator's (``kite upcycle train
+--layer-group G``, :class:`kite.upcycle.codec.Regenerator`).
+
+A group of ``g`` adjacent layers is coded as one layer of ``g*H*d`` features (each token's keys,
+or values, of those layers side by side, heads joint): one layer codec per (group, side) -- the
+document's mean, the layer scales, the bits of each of the regenerator's components -- and one
+part per (cluster, group, side) holding the coefficients. The layer codec is an ordinary ``rpca``
+one whose geometry is ``H = 1, d = g*H*d`` (:func:`group_geometry`), so the coders, the checks and
+the blob format are the per-layer codec's. Its blobs are stored under the group's first layer
+(``L{start}``, ``c{c}/L{start}/K``); the state's header lists the groups (``layer_groups``).
+
+The bits are allocated over the whole state at once (:func:`kite.upcycle.codec.state_bits.allocate_state`,
+no basis column to pay for), on the document's variance along each calibrated component, in the
+regenerator's weighted space (each layer's features over its calibration variance), so that a bit
+goes where it removes the most relative error of any layer. Decoding a layer decodes its group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kite.errors import BadInput
+from kite.upcycle.codec.blob import LayerCodec
+from kite.upcycle.codec.coders import attach_regenerator, blocks, coder
+from kite.upcycle.codec.layer import encode, state_budgeted
+from kite.upcycle.codec.settings import CodecSettings, settings_for
+from kite.upcycle.codec.state_bits import allocate_state
+from kite.upcycle.format.names import group_of, groups_of
+
+__all__ = ["encode_group", "fit_groups", "group_blocks", "group_geometry", "group_of", "groups_of", "split_group"]
+
+
+def group_geometry(group: tuple[int, int], H: int, d: int) -> tuple[int, int]:
+    """(H, d) of a group's layer codec: one head of every layer's features side by side."""
+    return 1, (group[1] - group[0]) * H * d
+
+
+def group_blocks(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Layers' [H, T, d] -> the group's [1, T, g*H*d] (a token's layers side by side, heads joint)."""
+    return torch.cat([blocks(x.float(), True) for x in xs], dim=2)
+
+
+def split_group(Y: torch.Tensor, H: int, d: int) -> list[torch.Tensor]:
+    """A group's decoded [1, T, g*H*d] -> each layer's [H, T, d] (views)."""
+    T, W = Y.shape[1], H * d
+    return [Y[0, :, i * W:(i + 1) * W].reshape(T, H, d).permute(1, 0, 2) for i in range(Y.shape[2] // W)]
+
+
+def fit_groups(keys_pre: list[torch.Tensor], values: list[torch.Tensor], settings: CodecSettings | str | float,
+               token_sets: list[torch.Tensor], regenerator, overhead_bytes: int | None = None) -> list[LayerCodec]:
+    """One layer codec per group of ``regenerator.layer_groups`` (pre-RoPE keys and values [H, T, d]
+    per layer), every component's bits allocated over the whole state's budget, exact for the parts
+    ``token_sets``; each codec's regenerator columns attached. ``overhead_bytes``: the container
+    header's expected size (the layer scales each (group, side) stores are added here)."""
+    s = settings_for(settings)
+    if not state_budgeted(s) or not s.joint_heads:
+        raise BadInput(f"codec {s.name}: a regenerator with bases across layers codes states at a ratio "
+                       f"(PCA keys and values, joint heads, a state-wide budget)")
+    groups = regenerator.layer_groups
+    if groups[-1][1] != len(keys_pre):
+        raise BadInput(f"the regenerator's groups cover {groups[-1][1]} layers, the document has {len(keys_pre)}")
+    H, T, d = keys_pre[0].shape
+    _, D = group_geometry(groups[0], H, d)
+    if any(group_geometry(g, H, d)[1] != D for g in groups):
+        raise BadInput("the regenerator's layer groups are not all of one size")
+    Xs, evals = {}, {}
+    for side, layers in (("k", keys_pre), ("v", values)):
+        ev = []
+        for a, b in groups:
+            Xg = group_blocks(layers[a:b])                                            # [1, T, D]
+            U = regenerator.basis_on(a, side, Xg.device)
+            w = regenerator.weights(a)[side].to(Xg.device, torch.float32)
+            mean = Xg.mean(dim=1, keepdim=True) if s.center else torch.zeros_like(Xg[:, :1])
+            # the stored mean is fp16: the variances are those the parts will be coded with
+            mean = mean.to(torch.float16).float() if s.basis_fmt != "fp32" else mean
+            ev.append(((Xg - mean) * w[:, None, :]).matmul(U).pow(2).mean(dim=1))
+            Xs[(a, side)] = Xg
+        evals[side] = torch.stack(ev)                                                 # [G, 1, D]
+    sets = [torch.as_tensor(t).reshape(-1) for t in token_sets]
+    # the layer scales each (group, side) stores ({side}.w, fp16), paid like the header
+    scales = 2 * len(groups) * D * 2
+    overhead = None if overhead_bytes is None else overhead_bytes + scales
+    if overhead is None:
+        from kite.upcycle.codec.state_bits import container_overhead
+        overhead = container_overhead(len(groups) * (1 + 2 * len(sets)), len(sets)) + scales
+    bits = allocate_state(evals, s, 1, D, sets, overhead, basis_stored=False)
+    out = []
+    for gi, (a, b) in enumerate(groups):
+        tensors: dict = {}
+        meta: dict = {"settings": s.to_json(), "H": 1, "d": D, "T_fit": T, "layers": [a, b]}
+        for side in ("k", "v"):
+            coder("rpca").fit(side, Xs[(a, side)], s, tensors, meta, pca=regenerator.side(a, side),
+                              weights=regenerator.weights(a)[side], bits=bits[side][gi].cpu())
+        lc = LayerCodec(tensors=tensors, meta=meta)
+        out.append(attach_regenerator(lc, {side: regenerator.side(a, side)[2] for side in ("k", "v")}))
+    return out
+
+
+def encode_group(lc: LayerCodec, keys_pre: list[torch.Tensor], values: list[torch.Tensor], idx: torch.Tensor):
+    """One cluster's part of a group (the cluster's token indices ``idx``; the group's layers' keys
+    and values [H, T, d]): an :class:`kite.upcycle.codec.EncodedPart` of the group's codec."""
+    a, b = lc.meta["layers"]
+    return encode(lc, group_blocks([k[:, idx] for k in keys_pre[a:b]]), group_blocks([v[:, idx] for v in values[a:b]]),
+                  idx)

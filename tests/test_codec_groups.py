@@ -1,0 +1,190 @@
+"""States coded on bases shared across layers (a grouped regenerator, kite.upcycle.codec.groups):
+the regenerator's fit, the state's layout and header, loads of all or some layers, the checks a
+load makes, and the settings such a regenerator refuses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kite.errors import BadInput
+from kite.upcycle import CompressSettings, StateFile, codec_settings, compress_document, load_prefix
+from kite.upcycle.capture import capture
+from kite.upcycle.codec.regenerator import Regenerator, RegeneratorFit
+from tests.tiny_models import CORPUS
+
+DOC = CORPUS.replace(". ", ".\n\n", 5)
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_models):
+    from kite.model import load_model
+
+    return load_model(str(tiny_models["llama"]), device="cpu")
+
+
+def _fit(lm, group: int) -> Regenerator:
+    fit = RegeneratorFit(n_layers=lm.geometry.n_layers, layer_group=group)
+    for i in range(3):
+        cap = capture(lm, CORPUS[i * 97:] + CORPUS[:i * 97])
+        fit.add(cap.keys_pre, cap.values, cap.ids)
+    return fit.finish({"model_fingerprint": lm.fingerprints.base})
+
+
+@pytest.fixture(scope="module")
+def grouped(tiny_lm):
+    return _fit(tiny_lm, tiny_lm.geometry.n_layers)
+
+
+def _compress(lm, reg, out, ratio=8.0, **kw):
+    return compress_document(lm, DOC, out, CompressSettings(codec=codec_settings(ratio), n_clusters=3, min_span_tokens=8,
+                                                            max_span_tokens=24, **kw), regenerator=reg)
+
+
+def test_a_grouped_regenerator_is_the_weighted_pca_of_its_layers_side_by_side(tiny_lm, grouped, tmp_path):
+    geo = tiny_lm.geometry
+    L, W = geo.n_layers, geo.n_kv_heads * geo.head_dim
+    assert grouped.grouped and grouped.meta["version"] == 3 and grouped.layer_groups == [(0, L)]
+    assert not grouped.weighted          # its weights scale layers; it is not attention-weighted
+    mean, evals, U = grouped.side(0, "k")
+    w = grouped.weights(0)["k"]
+    assert U.dtype == torch.float16 and tuple(U.shape) == (1, L * W, L * W) and tuple(w.shape) == (1, L * W)
+    # each layer's features weigh 1 / its calibration variance, alike across its dims
+    assert all(len(set(w[0, i * W:(i + 1) * W].tolist())) == 1 for i in range(L))
+    # the stored basis is U / sqrt(w) of an orthonormal U: U^T diag(w) U = I (to fp16)
+    Uf = U[0].double()
+    gram = Uf.T @ (w[0].double()[:, None] * Uf)
+    assert torch.allclose(gram, torch.eye(L * W, dtype=torch.float64), atol=2e-2)
+    assert bool((evals[0][:-1] >= evals[0][1:]).all())
+    grouped.save(tmp_path / "r")
+    back = Regenerator.load(tmp_path / "r")
+    assert back.fingerprint == grouped.fingerprint and back.layer_groups == grouped.layer_groups
+    with pytest.raises(ValueError, match="bases across layers"):
+        grouped.layer(0)                 # the per-layer codec never codes on it
+
+
+@pytest.mark.parametrize("group, joint, message", [(2, True, "divides the model's 3 layers"),
+                                                   (0, True, "whole number"),
+                                                   (3, False, "joint heads")])
+def test_a_layer_group_must_divide_the_layers_over_joint_heads(group, joint, message):
+    with pytest.raises(BadInput, match=message):
+        RegeneratorFit(n_layers=3, layer_group=group, joint_heads=joint)
+
+
+def test_a_grouped_state_keeps_a_codec_and_parts_per_group_and_loads_every_layer(tiny_lm, grouped, tmp_path):
+    geo = tiny_lm.geometry
+    made = _compress(tiny_lm, grouped, tmp_path / "s.upc", ratio=4)
+    with StateFile(made.path) as sf:
+        assert sf.meta["layer_groups"] == [[0, geo.n_layers]]
+        assert sf.meta["regenerator"] == {"fingerprint": grouped.fingerprint, "sides": 2}
+        n = len(sf.meta["clusters"])
+        assert sorted(sf.index) == sorted(["L0"] + [f"c{c}/L0/{s}" for c in range(n) for s in "KV"])
+    assert made.compression_ratio == pytest.approx(4.0, rel=0.05)
+    full = capture(tiny_lm, DOC)
+    prefix, report = load_prefix(made.path, tiny_lm, regenerator=grouped)
+    assert report.layers == list(range(geo.n_layers))
+    for layer in range(geo.n_layers):
+        for want, got in ((full.values[layer], prefix.values[layer]),):
+            err = (want - got.float()).pow(2).sum() / (want - want.mean(1, keepdim=True)).pow(2).sum()
+            assert float(err) < 0.02, layer           # 4x keeps each layer's values to a few percent
+    # a load of one layer decodes its group and keeps that layer: the same rows as the full load
+    one, report = load_prefix(made.path, tiny_lm, regenerator=grouped, layers=[1])
+    assert torch.equal(one.keys[1], prefix.keys[1]) and torch.equal(one.values[1], prefix.values[1])
+    assert one.keys[0].shape[1] == 0 and report.bytes_read > 0
+
+
+def test_more_compression_costs_more_error(tiny_lm, grouped, tmp_path):
+    full = capture(tiny_lm, DOC)
+    errs = []
+    for ratio in (4, 16):
+        made = _compress(tiny_lm, grouped, tmp_path / f"s{ratio}.upc", ratio=ratio)
+        prefix, _ = load_prefix(made.path, tiny_lm, regenerator=grouped)
+        errs.append(sum(float((v - p.float()).pow(2).sum()) for v, p in zip(full.values, prefix.values)))
+        assert made.compression_ratio > 0.9 * ratio
+    assert errs[0] < errs[1]
+
+
+def test_a_grouped_state_passes_verify_and_a_missing_group_part_is_named(tiny_lm, grouped, tmp_path):
+    from kite.upcycle.format.container import StateWriter
+    from kite.upcycle.inspect import describe_state
+
+    made = _compress(tiny_lm, grouped, tmp_path / "s.upc")
+    report = describe_state(made.path, verify=True)
+    assert report["layer_groups"] == [[0, tiny_lm.geometry.n_layers]]
+    assert report["checksums"]["failed"] == [] and report["checksums"]["ok"] == 1 + 2 * len(report["clusters"])
+    with StateFile(made.path) as sf:
+        meta = {k: v for k, v in sf.meta.items() if k not in ("blobs", "content")}
+        blobs = {k: sf.read(k) for k in sf.index}
+    # a blob of a layer that is not a group's first is not called for
+    # (the writer checks the header as a reader would: such a state is never written)
+    w = StateWriter(zstd=False)
+    w.add_many([*blobs.items(), ("L1", blobs["L0"])])
+    with pytest.raises(BadInput, match="a part L1 that 1 layer groups and clusters"):
+        w.write(tmp_path / "extra.upc", meta)
+    # groups that do not cover the layers are a corrupt header
+    w = StateWriter(zstd=False)
+    w.add_many(blobs.items())
+    with pytest.raises(BadInput, match="does not cover the state's 3 layers"):
+        w.write(tmp_path / "groups.upc", {**meta, "layer_groups": [[0, 1]]})
+    # and a state whose groups are dropped calls for every layer's parts
+    w = StateWriter(zstd=False)
+    w.add_many(blobs.items())
+    with pytest.raises(BadInput, match="no part L1"):
+        w.write(tmp_path / "ungrouped.upc", {k: v for k, v in meta.items() if k != "layer_groups"})
+
+
+def test_a_damaged_group_part_is_named_by_the_load(tiny_lm, grouped, tmp_path):
+    from kite.upcycle.format.container import StateWriter
+
+    made = _compress(tiny_lm, grouped, tmp_path / "s.upc")
+    with StateFile(made.path) as sf:
+        meta = {k: v for k, v in sf.meta.items() if k not in ("blobs", "content")}
+        blobs = {k: sf.read(k) for k in sf.index}
+    from kite.upcycle import codec
+
+    part = codec.from_bytes(blobs["c0/L0/V"])
+    part.meta["T"] += 1                                   # a token count its cluster does not have
+    blobs["c0/L0/V"] = codec.to_bytes(part)
+    w = StateWriter(zstd=False)
+    w.add_many(blobs.items())
+    w.write(tmp_path / "bad.upc", meta)
+    with pytest.raises(BadInput, match="part c0/L0/V does not decode"):
+        load_prefix(tmp_path / "bad.upc", tiny_lm, regenerator=grouped)
+
+
+@pytest.mark.parametrize("how, message", [
+    ({"ratio": None}, "one ratio"),
+    ({"label_ratios": {"payment": 16.0}}, "per-label ratios"),
+])
+def test_a_grouped_regenerator_codes_at_one_ratio_only(tiny_lm, grouped, tmp_path, how, message):
+    if how.get("ratio", 1) is None:
+        s = CompressSettings(codec=codec_settings("int4"), n_clusters=3)
+    else:
+        s = CompressSettings(codec=codec_settings(8.0), n_clusters=3, **how)
+    with pytest.raises(BadInput, match=message):
+        compress_document(tiny_lm, DOC, tmp_path / "s.upc", s, regenerator=grouped)
+
+
+def test_a_grouped_state_does_not_load_without_its_regenerator(tiny_lm, grouped, tmp_path, monkeypatch):
+    from kite.errors import FingerprintMismatch
+    from kite.upcycle.codec import regenerator as R
+
+    made = _compress(tiny_lm, grouped, tmp_path / "s.upc")
+    monkeypatch.setattr(R, "_LOADED", {})
+    with pytest.raises(FingerprintMismatch, match=grouped.fingerprint[9:21]):
+        load_prefix(made.path, tiny_lm)
+
+
+def test_train_takes_a_layer_group_and_names_a_bad_one(tmp_path):
+    from typer.testing import CliRunner
+
+    from kite.cli.main import app
+
+    pairs = tmp_path / "p.jsonl"
+    pairs.write_text("".join(json.dumps({"context": f"doc {i} " * 30, "prompt": "q", "response": "a"}) + "\n"
+                             for i in range(4)))
+    res = CliRunner().invoke(app, ["upcycle", "train", "--data-path", str(pairs), "--output-dir", str(tmp_path / "o"),
+                                   "--layer-group", "0"])
+    assert res.exit_code != 0 and "layer-group" in res.output
