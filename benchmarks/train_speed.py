@@ -56,6 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs-per-step", type=int, default=1, help="the adapter's pairs per step (default 1)")
     ap.add_argument("--codec-workers", type=int, default=None,
                     help="host threads coding the states (default: the run's choice, 8 on a GPU, 0 on the CPU)")
+    ap.add_argument("--layer-group", type=int, default=1,
+                    help="the regenerator's bases span this many layers (`kite upcycle train --layer-group`)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
     ap.add_argument("--keep", type=Path, help="keep the run folder here (default: a temporary folder)")
     args = parse(ap, argv)
@@ -81,7 +83,8 @@ def main(argv=None) -> int:
     out = args.keep or work / "run"
     req = TrainRequest(data_path=str(data), output_dir=out, ratios=[args.ratio],
                        eval_fraction=args.eval_fraction, epochs=args.epochs, overwrite=True,
-                       pairs_per_step=args.pairs_per_step, codec_workers=args.codec_workers)
+                       pairs_per_step=args.pairs_per_step, codec_workers=args.codec_workers,
+                       layer_group=args.layer_group)
     report = train_upcycle(lm, pairs, UpcycleConfig(), req)
     docs = sorted({r["context"] for r in records})
     ctx_tokens = [len(tok(d, add_special_tokens=False)["input_ids"]) for d in docs]

@@ -252,3 +252,6 @@ def test_on_a_gpu_the_states_go_to_host_threads_only_when_the_batched_codec_cann
     assert codec_workers_for("cuda", regenerator, [8.0, 16.0]) == 0          # coded on the device, batched
     assert codec_workers_for("cuda", replace(regenerator, choice="measured"), [8.0]) >= 1
     assert codec_workers_for("cuda", None, [8.0]) >= 1
+    # bases across layers: their products are the device's work, coded there in turn
+    grouped = replace(regenerator, meta={**regenerator.meta, "layer_groups": [[0, regenerator.meta["n_layers"]]]})
+    assert codec_workers_for("cuda", grouped, [8.0]) == 0

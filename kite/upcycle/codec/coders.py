@@ -293,11 +293,14 @@ class PcaSide(SideCoder):
         return Blob(tensors, meta)
 
     def decode(self, lc, side, blob):
+        """The part as float32 [H, T, d], on the device of the layer codec's basis (the product with
+        the basis runs there: a regenerator's columns attached on a GPU decode there)."""
         s = lc.settings
         H, d = lc.meta["H"], lc.meta["d"]
         T = blob.meta["T"]
-        mean = lc.tensors[f"{side}.mean"].float()
         basis = self.basis(lc, side)
+        dev = basis.device
+        mean = lc.tensors[f"{side}.mean"].float().to(dev)
         bits = lc.tensors[f"{side}.bits"].long()
         B, D = bits.shape
         colbits = self.part_widths(lc, side, blob)
@@ -310,7 +313,8 @@ class PcaSide(SideCoder):
                          "min": blob.tensors["min"][go:go + ng]}, qmeta)
             co, go = co + nb, go + ng
             C[:, sel] = dequantize(q, torch.float32)
-        Y = torch.empty(B, T, D)
+        C = C.to(dev)
+        Y = torch.empty(B, T, D, device=dev)
         off = 0
         for b in range(B):
             r = int((bits[b] > 0).sum())
@@ -318,9 +322,9 @@ class PcaSide(SideCoder):
             off += r
         X = unblocks(Y, s.joint_heads, H, d)
         if "out.idx" in blob.tensors:
-            idx = blob.tensors["out.idx"].long()
+            idx = blob.tensors["out.idx"].long().to(dev)
             X = X.clone()
-            X[:, idx, :] = blob.tensors["out.x"].float()
+            X[:, idx, :] = blob.tensors["out.x"].float().to(dev)
         return X
 
 

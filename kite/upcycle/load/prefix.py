@@ -190,8 +190,12 @@ class HostRebuild:
         state, sel = self.state, self.sel
         t = time.perf_counter()
         lc, widths = read_layer(state, lead, self.verify, H, d)
+        group = lc.meta.get("layers") is not None
         if self.regenerator is not None:
             codec.attach_regenerator(lc, {side: self.regenerator.side(lead, side)[2] for side in ("k", "v")})
+            if group and torch.device(self.device).type == "cuda":
+                # a group's product with its basis (every layer's features) runs on the model's GPU
+                lc.decoded = {key: cols.to(self.device) for key, cols in lc.decoded.items()}
         self.bytes_read += state.index[blob_key(None, lead)].length
         parts = []
         for (c, _), pos in zip(sel.parts, sel.part_positions):
@@ -201,7 +205,7 @@ class HostRebuild:
             parts.append(codec.EncodedPart(kb, vb))
         self.t_read += time.perf_counter() - t
         t = time.perf_counter()
-        decoded = [decode_part(state, lc, p, c, lead) for p, (c, _) in zip(parts, sel.parts)]
+        decoded = [tuple(x.cpu() for x in decode_part(state, lc, p, c, lead)) for p, (c, _) in zip(parts, sel.parts)]
         self.t_decode += time.perf_counter() - t
         return decoded
 

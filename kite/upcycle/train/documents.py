@@ -112,11 +112,12 @@ def on_host(cap: Capture) -> Capture:
 def codec_workers_for(device, regenerator=None, ratios=()) -> int:
     """Host threads that code states while the device goes on: on the CPU none (the model's own
     forwards need the cores); on a GPU none when the batched codec takes the regenerator at every
-    training ratio (the states are coded on the device, in turn), else up to 8 (half the cores)."""
+    training ratio, or the regenerator's bases span layers (their products are the device's work: the
+    states are coded on the device, in turn), else up to 8 (half the cores)."""
     if torch.device(device).type != "cuda":
         return 0
-    if regenerator is not None and ratios and all(batched_takes_regenerator(regenerator, settings_for(r))
-                                                  for r in ratios):
+    if regenerator is not None and (regenerator.grouped or ratios and all(
+            batched_takes_regenerator(regenerator, settings_for(r)) for r in ratios)):
         return 0
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
