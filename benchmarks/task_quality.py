@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keys", type=int, default=3)
     ap.add_argument("--qa-tokens", type=int, default=2048, help="about this many tokens per contract")
     ap.add_argument("--contracts", type=int, default=2)
+    ap.add_argument("--regenerator", type=Path, help="code the states on this regenerator folder (`kite upcycle "
+                    "train` makes one; its calibration must not have read the texts measured here)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parse(ap, argv)
 
@@ -54,7 +56,8 @@ def main(argv=None) -> int:
     res = Result("task_quality", device=lm.device)
     res.raw.update(model=getattr(lm, "spec", None) or args.model or "embedded", threads=torch.get_num_threads(),
                    text=args.text, passkey_tokens=args.passkey_tokens, depths=list(depths), keys=args.keys,
-                   qa_tokens=args.qa_tokens, contracts=args.contracts, cells=[])
+                   qa_tokens=args.qa_tokens, contracts=args.contracts, cells=[],
+                   regenerator=str(args.regenerator) if args.regenerator else None)
 
     def run(probe: str, settings, tagger, regenerator, full: bool) -> dict:
         kw = dict(tagger=tagger, regenerator=regenerator, full=full)
@@ -72,7 +75,7 @@ def main(argv=None) -> int:
                    "token F1")}
     full_rows = {}
     for i, ratio in enumerate(args.ratios):
-        pipe = open_pipeline(None, None, ratio=ratio, lm=lm)
+        pipe = open_pipeline(None, None, ratio=ratio, lm=lm, regenerator=args.regenerator)
         for probe in args.probes:
             out = run(probe, pipe.settings, pipe.tagger, pipe.regenerator, full=i == 0)
             cell, metric, state_key, full_key, unit = what[probe]

@@ -188,3 +188,58 @@ def test_train_takes_a_layer_group_and_names_a_bad_one(tmp_path):
     res = CliRunner().invoke(app, ["upcycle", "train", "--data-path", str(pairs), "--output-dir", str(tmp_path / "o"),
                                    "--layer-group", "0"])
     assert res.exit_code != 0 and "layer-group" in res.output
+
+
+def test_a_grouped_states_cluster_is_recoded_at_a_higher_ratio_on_its_group(tiny_lm, grouped, tmp_path):
+    from kite.upcycle import cluster_ratios, recode_clusters
+
+    made = _compress(tiny_lm, grouped, tmp_path / "s.upc", ratio=4)
+    before, _ = load_prefix(made.path, tiny_lm, regenerator=grouped)
+    size = recode_clusters(made.path, {0: 16.0}, regenerator=grouped)
+    assert size < made.state_bytes
+    with StateFile(made.path) as sf:
+        assert cluster_ratios(sf.meta)[0] == 16.0 and sf.meta["layer_groups"] == [[0, tiny_lm.geometry.n_layers]]
+        rows0 = [t for s, e in sf.meta["clusters"][0]["token_ranges"] for t in range(s, e)]
+    after, _ = load_prefix(made.path, tiny_lm, regenerator=grouped)
+    full = capture(tiny_lm, DOC)
+    others = sorted(set(range(full.n_tokens)) - set(rows0))
+    err = {}
+    for name, p in (("before", before), ("after", after)):
+        for which, rows in (("recoded", rows0), ("others", others)):
+            err[(name, which)] = sum(float((v[:, rows] - x.float()[:, rows]).pow(2).sum())
+                                     for v, x in zip(full.values, p.values))
+    assert err[("after", "recoded")] > err[("before", "recoded")]          # the recoded cluster lost bits
+    assert err[("after", "others")] == pytest.approx(err[("before", "others")])   # the others are as they were
+
+
+@pytest.mark.parametrize("T, even", [(700, True), (700, False), (512, True), (37, False)])
+def test_a_parts_classes_in_one_plan_are_the_bytes_of_the_class_by_class_quantizer(T, even):
+    """The one-launch quantizer a part's coefficients take on a GPU (kite.kernels.quant.quantize_plan)
+    lays out the bytes the class-by-class quantizer writes: run here on the host's reference."""
+    from kite.upcycle.codec import coders
+    from kite.upcycle.codec.settings import settings_for
+
+    s = settings_for(16.0, even_groups=even)
+    g = torch.Generator().manual_seed(T)
+    C = torch.randn(T, 40, generator=g) * torch.linspace(4, 0.1, 40)
+    colbits = torch.tensor([8, 1, 3, 3, 0, 2, 5, 4] * 5)
+    want = coders._classes(C, colbits, T, s)
+    got = coders._classes_on_device(C, colbits, T, s)
+    for a, b in zip(want, got):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert coders._classes_on_device(C, torch.zeros(40, dtype=torch.long), T, s) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_a_parts_classes_are_the_hosts_bytes():
+    from kite.upcycle.codec import coders
+    from kite.upcycle.codec.settings import settings_for
+
+    s = settings_for(16.0)
+    g = torch.Generator().manual_seed(5)
+    C = torch.randn(700, 40, generator=g) * torch.linspace(4, 0.1, 40)
+    colbits = torch.tensor([8, 1, 3, 3, 0, 2, 5, 4] * 5)
+    want = coders._classes(C, colbits, 700, s)
+    got = coders._classes_on_device(C.cuda(), colbits, 700, s)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b.cpu())

@@ -154,9 +154,17 @@ def named_layer_weights(cfg: UpcycleConfig, cfg_path: Path | None = None,
                                    else cfg.resolve(cfg.layer_weights, cfg_path))
 
 
-def layer_weights_for(lm: LoadedModel, named: bool, weights: LayerWeights | None) -> LayerWeights | None:
+def layer_weights_for(lm: LoadedModel, named: bool, weights: LayerWeights | None,
+                      grouped: bool = False) -> LayerWeights | None:
     """The layer weights states of ``lm`` are coded with: those named (:func:`named_layer_weights`),
-    checked against the model, else the ones KITE ships for it, if any."""
+    checked against the model, else the ones KITE ships for it, if any. ``grouped``: the states are
+    coded on a regenerator whose bases span layers, which weighs its layers itself: none (BadInput
+    when some were named)."""
+    if grouped:
+        if weights is not None:
+            raise BadInput("layer weights weigh per-layer bases; a regenerator with bases across layers weighs its "
+                           "layers itself (set layer_weights: none, or drop --layer-weights)")
+        return None
     if not named:
         weights = shipped_for(lm.fingerprints.base)
     if weights is not None:
@@ -198,7 +206,8 @@ def open_pipeline(model: str | None = None,
         from kite.model import load_model
 
         lm = load_model(model, adapter=cfg.resolve(cfg.adapter.path, cfg_path), device=device)
-    settings = replace(settings, layer_weights=layer_weights_for(lm, named, weights))
+    settings = replace(settings, layer_weights=layer_weights_for(lm, named, weights,
+                                                                 grouped=regen is not None and regen.grouped))
     if regen is not None:
         regen.check_model(lm)
         install(regen)

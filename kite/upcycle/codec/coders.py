@@ -278,18 +278,9 @@ class PcaSide(SideCoder):
             if keep.any():
                 C[idx] = C[keep].mean(dim=0)  # neutral value: does not widen any group's range
         # one codes / scale / min tensor for all bit classes (the layout: format.bitlayout)
-        codes, scales, mins = [], [], []
-        for bw in sorted(set(colbits.tolist()) - {0}):
-            sel = torch.nonzero(colbits == bw).flatten()
-            q = quantize(C[:, sel], f"int{bw}", group_size=group_shape(T, s.group_size, s.even_groups)[0], axis=-2,
-                         range_mode=s.range_mode)
-            codes.append(q.tensors["codes"])
-            scales.append(q.tensors["scale"])
-            mins.append(q.tensors["min"])
-        if codes:
-            tensors["codes"] = torch.cat(codes)
-            tensors["scale"] = torch.cat(scales)
-            tensors["min"] = torch.cat(mins)
+        coded = (_classes_on_device if C.is_cuda else _classes)(C, colbits.cpu(), T, s)
+        if coded is not None:
+            tensors["codes"], tensors["scale"], tensors["min"] = coded
         return Blob(tensors, meta)
 
     def decode(self, lc, side, blob):
@@ -326,6 +317,54 @@ class PcaSide(SideCoder):
             X = X.clone()
             X[:, idx, :] = blob.tensors["out.x"].float().to(dev)
         return X
+
+
+def _classes(C: torch.Tensor, colbits: torch.Tensor, T: int, s: CodecSettings):
+    """A part's coefficients C [T, R] quantized class by class (the columns of each width, widths
+    ascending, each column in groups of the part's group size): (codes, scale, min) or None."""
+    codes, scales, mins = [], [], []
+    for bw in sorted(set(colbits.tolist()) - {0}):
+        sel = torch.nonzero(colbits == bw).flatten()
+        q = quantize(C[:, sel.to(C.device)], f"int{bw}", group_size=group_shape(T, s.group_size, s.even_groups)[0],
+                     axis=-2, range_mode=s.range_mode)
+        codes.append(q.tensors["codes"])
+        scales.append(q.tensors["scale"])
+        mins.append(q.tensors["min"])
+    return (torch.cat(codes), torch.cat(scales), torch.cat(mins)) if codes else None
+
+
+def _classes_on_device(C: torch.Tensor, colbits: torch.Tensor, T: int, s: CodecSettings):
+    """:func:`_classes` in one launch on C's device (:func:`kite.kernels.quant.quantize_plan`, the
+    batched encoder's kernel), the same bytes: each column a row of the plan, its tokens padded to
+    whole groups with its last one, laid out class after class as :func:`_classes` concatenates them."""
+    from kite.kernels.quant import quantize_plan
+
+    widths = sorted(set(colbits.tolist()) - {0})
+    if not widths or T == 0:
+        return None
+    gs, padded = group_shape(T, s.group_size, s.even_groups)
+    ng = padded // gs
+    rows = torch.cat([torch.nonzero(colbits == bw).flatten() for bw in widths])     # class order
+    row_bits = colbits[rows]
+    base_bit = torch.zeros(rows.numel(), 1, dtype=torch.int64)
+    base_sc = torch.zeros(rows.numel(), 1, dtype=torch.int64)
+    at_byte = at_sc = i = 0
+    for bw in widths:
+        n = int((row_bits == bw).sum())
+        k = torch.arange(n, dtype=torch.int64)
+        base_bit[i:i + n, 0] = at_byte * 8 + k * (padded * bw)
+        base_sc[i:i + n, 0] = at_sc + k * ng
+        at_byte += (n * padded * bw + 7) // 8
+        at_sc += n * ng
+        i += n
+    src = C[:, rows.to(C.device)].t().float()                                     # [R, T]
+    if padded > T:
+        src = torch.cat([src, src[:, -1:].expand(-1, padded - T)], dim=1)
+    groups = torch.tensor([[0, g, g * gs, gs] for g in range(ng)], dtype=torch.int64)
+    dev = C.device
+    codes, scale, mn = quantize_plan(src.contiguous(), row_bits.to(dev), base_bit.to(dev), base_sc.to(dev),
+                                     groups.to(dev), s.range_mode, at_byte, at_sc, whole_bytes=False)
+    return codes, scale, mn
 
 
 @register
@@ -396,13 +435,14 @@ def regen_columns(basis: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return torch.cat(cols, dim=1).float().contiguous() if cols else basis.new_zeros(basis.shape[1], 0)
 
 
-def attach_regenerator(lc: LayerCodec, bases: dict[str, torch.Tensor], sides=("k", "v")) -> LayerCodec:
+def attach_regenerator(lc: LayerCodec, bases: dict[str, torch.Tensor], sides=("k", "v"), device=None) -> LayerCodec:
     """Give the ``rpca`` sides of a layer codec their regenerator columns (``bases``: side -> the
-    regenerator's basis [B, D, D] of this layer). Sides of other modes are left alone."""
+    regenerator's basis [B, D, D] of this layer), on ``device`` (default: where the codec's mean
+    is; decoding multiplies by them there). Sides of other modes are left alone."""
     for side in sides:
         if lc.meta[side]["mode"] == RegenSide.mode:
             cols = regen_columns(bases[side], lc.tensors[f"{side}.bits"].long().cpu())
-            lc.decoded[f"{side}.basis"] = cols.to(lc.tensors[f"{side}.mean"].device)
+            lc.decoded[f"{side}.basis"] = cols.to(device if device is not None else lc.tensors[f"{side}.mean"].device)
     return lc
 
 

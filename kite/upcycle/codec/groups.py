@@ -40,10 +40,12 @@ def group_blocks(xs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([blocks(x.float(), True) for x in xs], dim=2)
 
 
-def split_group(Y: torch.Tensor, H: int, d: int) -> list[torch.Tensor]:
-    """A group's decoded [1, T, g*H*d] -> each layer's [H, T, d] (views)."""
+def split_group(Y: torch.Tensor, H: int, d: int, i: int | None = None) -> list[torch.Tensor] | torch.Tensor:
+    """A group's decoded [1, T, g*H*d] -> each layer's [H, T, d] (views); ``i``: its i-th layer's only."""
     T, W = Y.shape[1], H * d
-    return [Y[0, :, i * W:(i + 1) * W].reshape(T, H, d).permute(1, 0, 2) for i in range(Y.shape[2] // W)]
+    if i is not None:
+        return Y[0, :, i * W:(i + 1) * W].reshape(T, H, d).permute(1, 0, 2)
+    return [split_group(Y, H, d, j) for j in range(Y.shape[2] // W)]
 
 
 def fit_groups(keys_pre: list[torch.Tensor], values: list[torch.Tensor], settings: CodecSettings | str | float,
@@ -92,7 +94,9 @@ def fit_groups(keys_pre: list[torch.Tensor], values: list[torch.Tensor], setting
             coder("rpca").fit(side, Xs[(a, side)], s, tensors, meta, pca=regenerator.side(a, side),
                               weights=regenerator.weights(a)[side], bits=bits[side][gi].cpu())
         lc = LayerCodec(tensors=tensors, meta=meta)
-        out.append(attach_regenerator(lc, {side: regenerator.side(a, side)[2] for side in ("k", "v")}))
+        # the columns gathered where the document is (a GPU's copy of the basis is kept there)
+        out.append(attach_regenerator(lc, {side: regenerator.basis_on(a, side, Xs[(a, side)].device)
+                                           for side in ("k", "v")}))
     return out
 
 

@@ -254,7 +254,10 @@ class Regenerator:
 
     def basis_on(self, layer: int, side: str, device) -> torch.Tensor:
         """The basis of ``layer`` (a grouped one's: of the group starting there) as float32 on
-        ``device``, kept there (a training run codes many states on it)."""
+        ``device``, kept there when that is a GPU (a training run codes and loads many states on
+        it; on the host the float32 copy is made each time, not kept beside the stored one)."""
+        if torch.device(device).type == "cpu":
+            return self.side(layer, side)[2].float()
         key = (layer, side, str(device))
         if key not in self._on_device:
             self._on_device[key] = self.side(layer, side)[2].to(device, torch.float32)

@@ -161,6 +161,7 @@ class HostRebuild:
         self.t_read = self.t_decode = 0.0
         self.groups = groups_of(state.meta, geo.n_layers)
         self._group: tuple[int, list] | None = None
+        self._rope_dev: tuple | None = None
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) of ``layer``, each [H, T, d]: row i is the token at ``positions[i]``. A
@@ -174,15 +175,24 @@ class HostRebuild:
         t = time.perf_counter()
         decoded = self._group[1]
         if b - a > 1:
-            decoded = [(split_group(k, H, d)[layer - a], split_group(v, H, d)[layer - a]) for k, v in decoded]
+            decoded = [(split_group(k, H, d, layer - a), split_group(v, H, d, layer - a)) for k, v in decoded]
         ks = [k if keep is None else k[:, keep] for (k, _), (_, keep) in zip(decoded, sel.parts)]
         vs = [v if keep is None else v[:, keep] for (_, v), (_, keep) in zip(decoded, sel.parts)]
-        k = apply_rope(torch.cat(ks, dim=1)[:, self.order], self.cos, self.sin)
-        v = torch.cat(vs, dim=1)[:, self.order]
+        order, cos, sin = self._rope_on(ks[0].device)
+        k = apply_rope(torch.cat(ks, dim=1)[:, order], cos, sin)
+        v = torch.cat(vs, dim=1)[:, order]
         out = (_at_precision(k, self.precision).to(self.device, self.dtype),
                _at_precision(v, self.precision).to(self.device, self.dtype))
         self.t_decode += time.perf_counter() - t
         return out
+
+    def _rope_on(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' order and RoPE tables on ``device`` (copied there once)."""
+        if torch.device(device).type == "cpu":
+            return self.order, self.cos, self.sin
+        if self._rope_dev is None:
+            self._rope_dev = tuple(t.to(device) for t in (self.order, self.cos, self.sin))
+        return self._rope_dev
 
     def _decoded(self, lead: int, H: int, d: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The chosen parts of the layer (or group) whose blobs are under ``lead``, read and decoded:
@@ -190,12 +200,13 @@ class HostRebuild:
         state, sel = self.state, self.sel
         t = time.perf_counter()
         lc, widths = read_layer(state, lead, self.verify, H, d)
-        group = lc.meta.get("layers") is not None
+        # a group's product with its basis (every layer's features) runs on the model's GPU, and its
+        # layers stay there (RoPE applied there too)
+        where = self.device if lc.meta.get("layers") is not None and torch.device(self.device).type == "cuda" \
+            else "cpu"
         if self.regenerator is not None:
-            codec.attach_regenerator(lc, {side: self.regenerator.side(lead, side)[2] for side in ("k", "v")})
-            if group and torch.device(self.device).type == "cuda":
-                # a group's product with its basis (every layer's features) runs on the model's GPU
-                lc.decoded = {key: cols.to(self.device) for key, cols in lc.decoded.items()}
+            codec.attach_regenerator(lc, {side: self.regenerator.basis_on(lead, side, where) for side in ("k", "v")},
+                                     device=where)
         self.bytes_read += state.index[blob_key(None, lead)].length
         parts = []
         for (c, _), pos in zip(sel.parts, sel.part_positions):
@@ -205,7 +216,7 @@ class HostRebuild:
             parts.append(codec.EncodedPart(kb, vb))
         self.t_read += time.perf_counter() - t
         t = time.perf_counter()
-        decoded = [tuple(x.cpu() for x in decode_part(state, lc, p, c, lead)) for p, (c, _) in zip(parts, sel.parts)]
+        decoded = [decode_part(state, lc, p, c, lead) for p, (c, _) in zip(parts, sel.parts)]
         self.t_decode += time.perf_counter() - t
         return decoded
 

@@ -185,9 +185,8 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
     t_start = time.perf_counter()
     train, held = req.check(pairs)
     out = req.output_dir
-    weights = layer_weights_for(lm, *named_layer_weights(cfg))    # the states coded as outside training
-    if req.layer_group > 1 or (req.regenerator is not None and Regenerator.load(req.regenerator).grouped):
-        weights = None        # bases across layers weigh their layers themselves
+    grouped = req.layer_group > 1 or (req.regenerator is not None and Regenerator.load(req.regenerator).grouped)
+    weights = layer_weights_for(lm, *named_layer_weights(cfg), grouped=grouped)   # the states coded as outside training
     prepare_output(req, req.key(pairs, lm.fingerprints.combined, cfg, weights))
     times = StageTimes(lm.device)
     timings: dict[str, float] = {}
