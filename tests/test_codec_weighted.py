@@ -152,9 +152,9 @@ def test_a_weighted_regenerator_is_version_2_and_an_unweighted_one_loads_as_befo
     old.save(tmp_path / "old")
     assert Regenerator.load(tmp_path / "old").fingerprint == old.fingerprint
     meta = json.loads((tmp_path / "w" / "regenerator.json").read_text())
-    meta["version"] = 3
+    meta["version"] = 4
     (tmp_path / "w" / "regenerator.json").write_text(json.dumps(meta))
-    with pytest.raises(BadInput, match="format 3 is newer"):
+    with pytest.raises(BadInput, match="format 4 is newer"):
         Regenerator.load(tmp_path / "w")
 
 

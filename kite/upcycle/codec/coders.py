@@ -294,8 +294,8 @@ class PcaSide(SideCoder):
         mean = lc.tensors[f"{side}.mean"].float().to(dev)
         bits = lc.tensors[f"{side}.bits"].long()
         B, D = bits.shape
-        colbits = self.part_widths(lc, side, blob)
-        C = torch.zeros(T, colbits.numel())   # a column the part does not code stays 0: the mean
+        colbits = self.part_widths(lc, side, blob).cpu()
+        Ct = torch.zeros(colbits.numel(), T)   # a column the part does not code stays 0: the mean
         co = go = 0
         for bw in sorted(set(colbits.tolist()) - {0}):
             sel = torch.nonzero(colbits == bw).flatten()
@@ -303,8 +303,8 @@ class PcaSide(SideCoder):
             q = QTensor({"codes": blob.tensors["codes"][co:co + nb], "scale": blob.tensors["scale"][go:go + ng],
                          "min": blob.tensors["min"][go:go + ng]}, qmeta)
             co, go = co + nb, go + ng
-            C[:, sel] = dequantize(q, torch.float32)
-        C = C.to(dev)
+            Ct[sel] = dequantize(q, torch.float32).t()      # whole rows: [n, T] as the codes lie
+        C = Ct.to(dev).t().contiguous()
         Y = torch.empty(B, T, D, device=dev)
         off = 0
         for b in range(B):

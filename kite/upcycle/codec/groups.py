@@ -24,10 +24,9 @@ from kite.upcycle.codec.blob import LayerCodec
 from kite.upcycle.codec.coders import attach_regenerator, blocks, coder
 from kite.upcycle.codec.layer import encode, state_budgeted
 from kite.upcycle.codec.settings import CodecSettings, settings_for
-from kite.upcycle.codec.state_bits import allocate_state
-from kite.upcycle.format.names import group_of, groups_of
+from kite.upcycle.codec.state_bits import allocate_state, container_overhead
 
-__all__ = ["encode_group", "fit_groups", "group_blocks", "group_geometry", "group_of", "groups_of", "split_group"]
+__all__ = ["encode_group", "fit_groups", "group_blocks", "group_geometry", "split_group"]
 
 
 def group_geometry(group: tuple[int, int], H: int, d: int) -> tuple[int, int]:
@@ -79,13 +78,10 @@ def fit_groups(keys_pre: list[torch.Tensor], values: list[torch.Tensor], setting
             Xs[(a, side)] = Xg
         evals[side] = torch.stack(ev)                                                 # [G, 1, D]
     sets = [torch.as_tensor(t).reshape(-1) for t in token_sets]
-    # the layer scales each (group, side) stores ({side}.w, fp16), paid like the header
-    scales = 2 * len(groups) * D * 2
-    overhead = None if overhead_bytes is None else overhead_bytes + scales
-    if overhead is None:
-        from kite.upcycle.codec.state_bits import container_overhead
-        overhead = container_overhead(len(groups) * (1 + 2 * len(sets)), len(sets)) + scales
-    bits = allocate_state(evals, s, 1, D, sets, overhead, basis_stored=False)
+    if overhead_bytes is None:
+        overhead_bytes = container_overhead(len(groups) * (1 + 2 * len(sets)), len(sets))
+    # the layer scales each (group, side) stores ({side}.w, fp16) are paid like the header
+    bits = allocate_state(evals, s, 1, D, sets, overhead_bytes + 2 * len(groups) * D * 2, basis_stored=False)
     out = []
     for gi, (a, b) in enumerate(groups):
         tensors: dict = {}

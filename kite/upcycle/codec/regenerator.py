@@ -28,7 +28,7 @@ States coded on it keep one layer codec and one part per (cluster, group, side)
 (:mod:`kite.upcycle.codec.groups`).
 
 On disk, in a folder: ``regenerator.safetensors`` (float32 tensors ``L{l}.{k|v}.{mean|basis|evals}``,
-and ``.weight`` when weighted) and ``regenerator.json`` (what it was made for and from). Its fingerprint (``kite-fp1:`` + sha256 of
+and ``.weight`` when weighted or grouped; a grouped one's bases fp16) and ``regenerator.json`` (what it was made for and from). Its fingerprint (``kite-fp1:`` + sha256 of
 the tensors' file and the canonical JSON) is what a state records; a state is never decoded with
 another regenerator (invariant 3). Fitting streams: each document's Gram is added to a float64 sum,
 so the calibration set never has to fit in memory.
