@@ -243,3 +243,27 @@ def test_on_a_gpu_a_parts_classes_are_the_hosts_bytes():
     got = coders._classes_on_device(C.cuda(), colbits, 700, s)
     for a, b in zip(want, got):
         assert torch.equal(a, b.cpu())
+
+
+def test_two_groups_of_two_layers_keep_their_parts_apart_and_load_alike(tmp_path):
+    from kite.model import load_model
+    from kite.testing.tiny_models import make_tiny_model
+
+    lm = load_model(str(make_tiny_model(tmp_path / "m4", "llama", layers=4)), device="cpu")
+    reg = _fit(lm, 2)
+    assert reg.layer_groups == [(0, 2), (2, 4)]
+    made = _compress(lm, reg, tmp_path / "s.upc", ratio=4)
+    with StateFile(made.path) as sf:
+        assert sf.meta["layer_groups"] == [[0, 2], [2, 4]]
+        n = len(sf.meta["clusters"])
+        # in file order, each group's codec then its parts
+        assert list(sf.index) == [k for a in (0, 2) for k in [f"L{a}"] + [f"c{c}/L{a}/{s}" for c in range(n) for s in "KV"]]
+    assert made.compression_ratio == pytest.approx(4.0, rel=0.05)
+    full = capture(lm, DOC)
+    prefix, _ = load_prefix(made.path, lm, regenerator=reg)
+    for layer in range(4):
+        want, got = full.values[layer], prefix.values[layer].float()
+        assert float((want - got).pow(2).sum() / (want - want.mean(1, keepdim=True)).pow(2).sum()) < 0.02, layer
+    some, report = load_prefix(made.path, lm, regenerator=reg, layers=[0, 3])
+    assert [some.keys[layer].shape[1] > 0 for layer in range(4)] == [True, False, False, True]
+    assert torch.equal(some.keys[3], prefix.keys[3]) and torch.equal(some.values[0], prefix.values[0])

@@ -365,18 +365,17 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
 
     def code_groups(token_sets) -> list[tuple[str, bytes]]:
         """Every blob of a state coded on bases across layers: per group its codec and parts."""
-        items = []
         lcs = groups.fit_groups(cap.keys_pre, cap.values, fit_codec, token_sets, regenerator,
                                 overhead_bytes=container_bytes(token_sets))
         regenerated[0] = 2 * len(lcs)
-        for lc in lcs:
-            a, b = lc.meta["layers"]
-            items.append((blob_key(None, a), codec.to_bytes(lc)))
-            for c, idx in enumerate(token_sets):
-                part = groups.encode_group(lc, cap.keys_pre, cap.values, idx)
-                items += [(blob_key(c, a, "K"), codec.to_bytes(part.k)), (blob_key(c, a, "V"), codec.to_bytes(part.v))]
-            if progress:
-                progress("compress", b, n_layers)
+        layer_blobs = {lc.meta["layers"][0]: codec.to_bytes(lc) for lc in lcs}
+        items = []
+        for a, c, part in groups.encode_groups(lcs, cap.keys_pre, cap.values, token_sets):
+            if c == 0:      # in file order, a group's codec then its parts (as a layer's)
+                items.append((blob_key(None, a), layer_blobs[a]))
+            items += [(blob_key(c, a, "K"), codec.to_bytes(part.k)), (blob_key(c, a, "V"), codec.to_bytes(part.v))]
+        if progress:
+            progress("compress", n_layers, n_layers)
         return items
 
     if not batched:

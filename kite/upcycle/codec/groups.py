@@ -26,7 +26,7 @@ from kite.upcycle.codec.layer import encode, state_budgeted
 from kite.upcycle.codec.settings import CodecSettings, settings_for
 from kite.upcycle.codec.state_bits import allocate_state, container_overhead
 
-__all__ = ["encode_group", "fit_groups", "group_blocks", "group_geometry", "split_group"]
+__all__ = ["encode_groups", "fit_groups", "group_blocks", "group_geometry", "split_group"]
 
 
 def group_geometry(group: tuple[int, int], H: int, d: int) -> tuple[int, int]:
@@ -96,9 +96,14 @@ def fit_groups(keys_pre: list[torch.Tensor], values: list[torch.Tensor], setting
     return out
 
 
-def encode_group(lc: LayerCodec, keys_pre: list[torch.Tensor], values: list[torch.Tensor], idx: torch.Tensor):
-    """One cluster's part of a group (the cluster's token indices ``idx``; the group's layers' keys
-    and values [H, T, d]): an :class:`kite.upcycle.codec.EncodedPart` of the group's codec."""
-    a, b = lc.meta["layers"]
-    return encode(lc, group_blocks([k[:, idx] for k in keys_pre[a:b]]), group_blocks([v[:, idx] for v in values[a:b]]),
-                  idx)
+def encode_groups(lcs: list[LayerCodec], keys_pre: list[torch.Tensor], values: list[torch.Tensor],
+                  token_sets: list[torch.Tensor]):
+    """Every part of every group: yields (group's first layer, cluster, :class:`kite.upcycle.codec.EncodedPart`)
+    for the codecs ``lcs`` (:func:`fit_groups`) and the clusters' token indices ``token_sets`` (each
+    group's features gathered once, each cluster's tokens taken from them)."""
+    for lc in lcs:
+        a, b = lc.meta["layers"]
+        K, V = group_blocks(keys_pre[a:b]), group_blocks(values[a:b])
+        for c, idx in enumerate(token_sets):
+            at = torch.as_tensor(idx, dtype=torch.long)
+            yield a, c, encode(lc, K[:, at.to(K.device)], V[:, at.to(V.device)], at)
