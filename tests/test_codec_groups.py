@@ -4,7 +4,6 @@ load makes, and the settings such a regenerator refuses."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -177,17 +176,35 @@ def test_a_grouped_state_does_not_load_without_its_regenerator(tiny_lm, grouped,
         load_prefix(made.path, tiny_lm)
 
 
-def test_train_takes_a_layer_group_and_names_a_bad_one(tmp_path):
+def test_train_fits_a_grouped_regenerator_and_codes_its_states_on_it(tiny_models, tmp_path):
     from typer.testing import CliRunner
 
     from kite.cli.main import app
+    from tests.conftest import parse_json
+    from tests.test_train import _pairs_file
 
-    pairs = tmp_path / "p.jsonl"
-    pairs.write_text("".join(json.dumps({"context": f"doc {i} " * 30, "prompt": "q", "response": "a"}) + "\n"
-                             for i in range(4)))
-    res = CliRunner().invoke(app, ["upcycle", "train", "--data-path", str(pairs), "--output-dir", str(tmp_path / "o"),
-                                   "--layer-group", "0"])
-    assert res.exit_code != 0 and "layer-group" in res.output
+    def train(out, *extra):
+        return CliRunner().invoke(app, ["upcycle", "train", "--model", str(tiny_models["llama"]), "--data-path",
+                                        str(_pairs_file(tmp_path)), "--output-dir", str(out), "--eval-fraction", "0.2",
+                                        "--regenerator-only", "--json", *extra])
+
+    res = train(tmp_path / "bad", "--layer-group", "2")          # the tiny model has 3 layers
+    assert res.exit_code == 2 and "--layer-group 2: expected a whole number that divides the model's 3 layers" \
+        in res.output, res.output
+    assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())   # nothing written
+    res = train(tmp_path / "zero", "--layer-group", "0")
+    assert res.exit_code == 2 and "--layer-group" in res.output
+    res = train(tmp_path / "run", "--layer-group", "3")
+    assert res.exit_code == 0, res.output
+    rep = parse_json(res.output)
+    reg = Regenerator.load(tmp_path / "run" / "regenerator")
+    assert reg.layer_groups == [(0, 3)] and reg.fingerprint == rep["regenerator"]["fingerprint"]
+    assert rep["layer_weights"] is None
+    states = sorted((tmp_path / "run" / "states").rglob("*.upc"))
+    assert states
+    for path in states:
+        with StateFile(path) as sf:
+            assert sf.meta["layer_groups"] == [[0, 3]] and sf.meta["regenerator"]["fingerprint"] == reg.fingerprint
 
 
 def test_a_grouped_states_cluster_is_recoded_at_a_higher_ratio_on_its_group(tiny_lm, grouped, tmp_path):

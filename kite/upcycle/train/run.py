@@ -184,6 +184,9 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
     with each stage's seconds (``stages``) and the run's speed per state and per pair (``speed``)."""
     t_start = time.perf_counter()
     train, held = req.check(pairs)
+    if lm.geometry.n_layers % req.layer_group:
+        raise BadInput(f"--layer-group {req.layer_group}: expected a whole number that divides the model's "
+                       f"{lm.geometry.n_layers} layers")
     out = req.output_dir
     grouped = req.layer_group > 1 or (req.regenerator is not None and Regenerator.load(req.regenerator).grouped)
     weights = layer_weights_for(lm, *named_layer_weights(cfg), grouped=grouped)   # the states coded as outside training
