@@ -4,7 +4,6 @@ load makes, and the settings such a regenerator refuses."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
