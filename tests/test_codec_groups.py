@@ -283,3 +283,61 @@ def test_two_groups_of_two_layers_keep_their_parts_apart_and_load_alike(tmp_path
     some, report = load_prefix(made.path, lm, regenerator=reg, layers=[0, 3])
     assert [some.keys[layer].shape[1] > 0 for layer in range(4)] == [True, False, False, True]
     assert torch.equal(some.keys[3], prefix.keys[3]) and torch.equal(some.values[0], prefix.values[0])
+
+
+def _staged(lm, path, reg, layers):
+    from kite.upcycle import load, rope_cos_sin
+
+    geo = lm.geometry
+    with StateFile(path) as state:
+        assert load.supports_state(state)
+        sel = load.select(state, None)
+        hot = load.stage_state(state, sel.parts, sel.part_positions, layers, n_layers=geo.n_layers,
+                               H=geo.n_kv_heads, d=geo.head_dim, threads=1, regenerator=reg)
+    cos, sin = rope_cos_sin(lm.model, hot.positions)
+    return load.load_staged(hot, device="cpu", dtype=torch.float32, cos=cos, sin=sin, n_layers=geo.n_layers)
+
+
+@pytest.mark.parametrize("layers, group", [(4, 2), (3, 3)])
+def test_the_staged_load_of_a_grouped_state_is_the_host_decode(tmp_path, layers, group):
+    """The GPU path's staging and rebuild (here their torch fallbacks): one product per group, each
+    member layer's slice finished into its rows (its sink row too), the layers not asked left out."""
+    from kite.model import load_model
+    from kite.testing.tiny_models import make_tiny_model
+
+    lm = load_model(str(make_tiny_model(tmp_path / "m", "llama", layers=layers)), device="cpu")
+    reg = _fit(lm, group)
+    made = _compress(lm, reg, tmp_path / "s.upc", ratio=8)
+    ref, _ = load_prefix(made.path, lm, regenerator=reg)
+    asked = [0, layers - 1]
+    keys, values = _staged(lm, made.path, reg, asked)
+    for layer in range(layers):
+        if layer not in asked:
+            assert keys[layer] is None and values[layer] is None
+            continue
+        for got, want in ((keys[layer], ref.keys[layer]), (values[layer], ref.values[layer])):
+            assert torch.allclose(got, want, atol=1e-4 * float(want.abs().max()), rtol=1e-4), layer
+        assert torch.equal(values[layer][:, 0], ref.values[layer][:, 0])     # the sink row, exact
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_a_grouped_state_loads_staged_and_from_graphs_as_the_host_decodes(tmp_path):
+    from kite.model import load_model
+    from kite.testing.tiny_models import make_tiny_model
+    from kite.upcycle.load import HotTier
+
+    folder = make_tiny_model(tmp_path / "m", "llama", layers=4)
+    lm = load_model(str(folder), device="cpu")
+    reg = _fit(lm, 2)
+    made = _compress(lm, reg, tmp_path / "s.upc", ratio=8)
+    ref, _ = load_prefix(made.path, lm, regenerator=reg)
+    gpu = load_model(str(folder), device="cuda")
+    tier = HotTier(pin=True)
+    for _ in range(3):        # staged, staged from the hot tier (graphs marked), replayed graphs
+        got, report = load_prefix(made.path, gpu, regenerator=reg, tier=tier, layers=[0, 1, 3])
+        assert "gpu_load" in report.timings_ms
+        assert got.keys[2].shape[1] == 0
+        for layer in (0, 1, 3):
+            for a, b in ((got.keys[layer], ref.keys[layer]), (got.values[layer], ref.values[layer])):
+                tol = (1e-4 if gpu.dtype == torch.float32 else 2e-2) * float(b.abs().max())
+                assert torch.allclose(a.float().cpu(), b, atol=tol, rtol=0), layer

@@ -35,6 +35,11 @@ class HotState:
     graphs: dict = field(default_factory=dict)   # rebuild graphs per (buffers) on a GPU
     dest_dev: dict = field(default_factory=dict)  # device -> (host dest, device copy)
     cached_tables: bool = False                # True when the tables came from the plan cache
+    # a state coded on bases across layers: the staged groups ({first layer: (start, stop)}), the
+    # layers asked (a group's others are not rebuilt) and the regenerator whose columns it gathers
+    groups: dict | None = None
+    wanted: list[int] | None = None
+    regenerator: object = None
 
     @property
     def nbytes(self) -> int:

@@ -75,6 +75,7 @@ def load_staged(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor 
         plan = hot.wait(layer)
         if plan is None:
             continue
+        group = (hot.groups or {}).get(layer)
         region = staging[plan.off:plan.off + plan.size]
         if cuda:
             with torch.cuda.stream(copy_stream):
@@ -82,12 +83,17 @@ def load_staged(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor 
                 ev = torch.cuda.Event()
                 ev.record(copy_stream)
             main.wait_event(ev)
-        if out is not None:
-            k_out, v_out = out[layer]
-        else:
-            k_out, v_out = alloc[0, layer], alloc[1, layer]
+        members = [layer] if group is None else [m for m in range(*group) if m in hot.wanted]
+        outs = [(m, *(out[m] if out is not None else (alloc[0, m], alloc[1, m]))) for m in members]
         args = dict(dest=dest, cos=cos, sin=sin, H=H, d=d, rows=T, compute_dtype=cdt)
-        gkey = (layer, region.data_ptr(), k_out.data_ptr(), v_out.data_ptr(),
+        if group is None:
+            _, k_out, v_out = outs[0]
+            rebuild = (lambda r=region, p=plan, k=k_out, v=v_out, a=args: rebuild_layer(r, p, k, v, **a))
+        else:
+            bases = {side: hot.regenerator.basis_on(layer, side, dev) for side in ("k", "v")}
+            rebuild = (lambda r=region, p=plan, o=outs, g=group, b=bases, a=args:
+                       rebuild_group(r, p, [(m - g[0], k, v) for m, k, v in o], g[1] - g[0], bases=b, **a))
+        gkey = (layer, region.data_ptr(), *(t.data_ptr() for _, k, v in outs for t in (k, v)),
                 None if cos is None else cos.data_ptr(), cdt)
         if cuda and use_graphs and gkey in hot.graphs:
             # the same launches again for these buffers: replay a captured graph (the eager launches
@@ -95,20 +101,20 @@ def load_staged(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor 
             # marks the buffers: capturing a graph per layer costs more than one load saves.
             g = hot.graphs[gkey]
             if g is None:
-                rebuild_layer(region, plan, k_out, v_out, **args)     # warm-up (and this load's result)
+                rebuild()     # warm-up (and this load's result)
                 g = torch.cuda.CUDAGraph()
                 # one memory pool for every rebuild graph: their temporaries die inside the capture
                 with torch.cuda.graph(g, pool=_GRAPH_POOLS.get(dev)):
-                    rebuild_layer(region, plan, k_out, v_out, **args)
+                    rebuild()
                 _GRAPH_POOLS.setdefault(dev, g.pool())
                 hot.graphs[gkey] = g
             g.replay()
         else:
             if cuda and use_graphs:
                 hot.graphs[gkey] = None   # seen once: captured on the next load into these buffers
-            rebuild_layer(region, plan, k_out, v_out, **args)
-        keys[layer] = k_out if out is not None else alloc[0, layer]
-        values[layer] = v_out if out is not None else alloc[1, layer]
+            rebuild()
+        for m, k_out, v_out in outs:
+            keys[m], values[m] = k_out, v_out
     return keys, values
 
 
@@ -116,39 +122,70 @@ def rebuild_layer(region: torch.Tensor, plan: LayerPlan, k_out: torch.Tensor, v_
                   dest: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, H: int, d: int, rows: int,
                   compute_dtype: torch.dtype) -> None:
     """One staged layer (``region``: its bytes, on the output's device) -> keys / values rows."""
-    dev, cdt, T = k_out.device, compute_dtype, rows
     v = _Views(region)
     for side, dst in (("k", k_out), ("v", v_out)):
         sp = plan.sides[side]
-        R, B, D = sp.R, sp.B, sp.D
-        P = len(sp.parts_tab_host)
-        if sp.basis_kind == "int":
-            btab, bbits, bbitoff, bgoff, btab_host = sp.basis
-            Bt = torch.empty(R, D, dtype=cdt, device=dev)
-            pca_coefs(region, v.t(btab, torch.int64, 6).view(1, 6), D, v.t(bbits, torch.uint8, R),
-                      v.t(bbitoff, torch.int64, R).view(1, R), v.t(bgoff, torch.int64, R).view(1, R), Bt,
-                      tab_host=btab_host)
-        else:
-            off, dt, Dn, Rn = sp.basis
-            tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dt]
-            Bt = v.t(off, tdt, Dn * Rn).view(Dn, Rn).t().to(cdt)
-        Ct = torch.empty(R, T, dtype=cdt, device=dev)
-        pca_coefs(region, v.t(sp.parts_tab, torch.int64, 6 * P).view(P, 6), sp.max_T,
-                  v.t(sp.col_bits, torch.uint8, R), v.t(sp.col_bitoff, torch.int64, P * R).view(P, R),
-                  v.t(sp.col_goff, torch.int64, P * R).view(P, R), Ct, tab_host=sp.parts_tab_host)
-        if B == 1:
-            Y = Ct.t() @ Bt if R else torch.zeros(T, D, dtype=cdt, device=dev)
-        else:
-            Y = torch.zeros(B, T, D, dtype=cdt, device=dev)
-            for b in range(B):
-                lo, hi = sp.blk_off[b], sp.blk_off[b + 1]
-                if hi > lo:
-                    torch.mm(Ct[lo:hi].t(), Bt[lo:hi], out=Y[b])
+        Y = _product(v, sp, rows, compute_dtype, dst.device)
         mean = v.t(sp.mean, torch.float32, H * d)
         ovr = v.t(sp.ovr, torch.int64, 4 * sp.n_ovr).view(-1, 4) if sp.n_ovr else None
         rope = side == "k" and cos is not None
-        pca_finish(dst, Y, mean, D, dest=dest, ovr=ovr, ovr_host=sp.ovr_host, base=region,
+        pca_finish(dst, Y, mean, sp.D, dest=dest, ovr=ovr, ovr_host=sp.ovr_host, base=region,
                    cos=cos if rope else None, sin=sin if rope else None)
+
+
+def rebuild_group(region: torch.Tensor, plan: LayerPlan, outs: list[tuple[int, torch.Tensor, torch.Tensor]],
+                  size: int, *, bases: dict[str, torch.Tensor], dest: torch.Tensor, cos: torch.Tensor | None,
+                  sin: torch.Tensor | None, H: int, d: int, rows: int, compute_dtype: torch.dtype) -> None:
+    """One staged group of ``size`` layers coded together (kite.upcycle.codec.groups) -> the keys /
+    values rows of the member layers ``outs`` ((index in the group, keys, values)): one product per
+    side over the group's features, then each member's slice finished into its rows. ``bases``: the
+    regenerator's basis of the group per side [1, D, D], on the device."""
+    v = _Views(region)
+    W = H * d
+    for si, side in enumerate(("k", "v")):
+        sp = plan.sides[side]
+        Y = _product(v, sp, rows, compute_dtype, outs[0][1].device, bases[side])          # [T, size*W]
+        mean = v.t(sp.mean, torch.float32, size * W)
+        per = sp.n_ovr // size                       # each member's sink rows (the tables hold one set each)
+        for i, k_out, v_out in outs:
+            ovr = v.t(sp.ovr + i * per * 32, torch.int64, 4 * per).view(-1, 4) if per else None
+            rope = side == "k" and cos is not None
+            pca_finish((k_out, v_out)[si], Y[:, i * W:(i + 1) * W], mean[i * W:(i + 1) * W], W, dest=dest, ovr=ovr,
+                       ovr_host=sp.ovr_host[i * per:(i + 1) * per], base=region,
+                       cos=cos if rope else None, sin=sin if rope else None)
+
+
+def _product(v: _Views, sp, T: int, cdt: torch.dtype, dev, regen: torch.Tensor | None = None) -> torch.Tensor:
+    """A side's coefficients dequantized and multiplied by its basis: Y [T, D] (one block) or [B, T, D],
+    before the mean. ``regen``: the regenerator's basis [1, D, D] on the device, for a side whose
+    columns are staged as indices (basis kind ``regen``)."""
+    region = v.r
+    R, B, D = sp.R, sp.B, sp.D
+    P = len(sp.parts_tab_host)
+    if sp.basis_kind == "regen":
+        Bt = regen[0].index_select(1, v.t(sp.basis[0], torch.int64, R)).t().to(cdt)           # [R, D]
+    elif sp.basis_kind == "int":
+        btab, bbits, bbitoff, bgoff, btab_host = sp.basis
+        Bt = torch.empty(R, D, dtype=cdt, device=dev)
+        pca_coefs(region, v.t(btab, torch.int64, 6).view(1, 6), D, v.t(bbits, torch.uint8, R),
+                  v.t(bbitoff, torch.int64, R).view(1, R), v.t(bgoff, torch.int64, R).view(1, R), Bt,
+                  tab_host=btab_host)
+    else:
+        off, dt, Dn, Rn = sp.basis
+        tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dt]
+        Bt = v.t(off, tdt, Dn * Rn).view(Dn, Rn).t().to(cdt)
+    Ct = torch.empty(R, T, dtype=cdt, device=dev)
+    pca_coefs(region, v.t(sp.parts_tab, torch.int64, 6 * P).view(P, 6), sp.max_T,
+              v.t(sp.col_bits, torch.uint8, R), v.t(sp.col_bitoff, torch.int64, P * R).view(P, R),
+              v.t(sp.col_goff, torch.int64, P * R).view(P, R), Ct, tab_host=sp.parts_tab_host)
+    if B == 1:
+        return Ct.t() @ Bt if R else torch.zeros(T, D, dtype=cdt, device=dev)
+    Y = torch.zeros(B, T, D, dtype=cdt, device=dev)
+    for b in range(B):
+        lo, hi = sp.blk_off[b], sp.blk_off[b + 1]
+        if hi > lo:
+            torch.mm(Ct[lo:hi].t(), Bt[lo:hi], out=Y[b])
+    return Y
 
 
 _STREAMS: dict = {}

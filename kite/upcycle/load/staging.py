@@ -23,7 +23,8 @@ from kite.upcycle.codec.regenerator import resolve
 from kite.upcycle.format import codec_blob
 from kite.upcycle.format.bitlayout import parts_layout
 from kite.upcycle.format.container import StateFile
-from kite.upcycle.format.names import layer_keys
+from kite.upcycle.codec.groups import group_geometry
+from kite.upcycle.format.names import group_of, groups_of, layer_keys
 from kite.upcycle.format.versions import record_verified, records_enabled, same_version, verified_record
 from kite.upcycle.load import caches
 from kite.upcycle.load.hot_tier import HotState, HotTier
@@ -34,11 +35,13 @@ from kite.upcycle.load.tables import (ALIGN, LayerPlan, SidePlan, load_tables, r
 
 def supports_state(state: StateFile) -> bool:
     """Whether the GPU path decodes this state: PCA keys and values, every part at its layer's widths
-    (a state with per-label ratios decodes on the host; its parts have widths of their own), one
-    codec per layer (a state coded on bases across layers decodes its groups on the host)."""
+    (a state with per-label ratios decodes on the host; its parts have widths of their own); a state
+    coded on bases across layers when each part keeps at most one sink row (the ``ratio=R`` presets':
+    a group's sink row is sliced per layer)."""
     c = state.meta.get("codec") or {}
-    return c.get("k_mode") == "pca" and c.get("v_mode") == "pca" and "label_ratios" not in state.meta \
-        and "layer_groups" not in state.meta
+    grouped_ok = "layer_groups" not in state.meta or (int(c.get("outliers", 0)) == 0
+                                                      and int(c.get("sink_tokens", 1)) <= 1)
+    return c.get("k_mode") == "pca" and c.get("v_mode") == "pca" and "label_ratios" not in state.meta and grouped_ok
 
 
 def _preadv_all(fd: int, bufs: list[tuple[str, memoryview]], pos: int, path) -> None:
@@ -142,7 +145,12 @@ def stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region:
         blk_off = np.concatenate([[0], np.cumsum((bits > 0).sum(axis=1))]).astype(np.int64).tolist()
         mean = codec_blob.numpy_at(view, lt[f"{side}.mean"]).astype(np.float32).reshape(-1)
         mean_at = put(mean)
-        if info["mode"] == "rpca":   # the regenerator's columns, as a float basis [D, R]
+        if info["mode"] == "rpca" and lmeta.get("layers") is not None:
+            # a group's: the columns are gathered from the regenerator's basis on the device at the
+            # rebuild (a copy here would be g*H*d x R floats per load); only their indices are staged
+            basis = (put(np.nonzero(bits.reshape(-1) > 0)[0].astype(np.int64)), R)
+            kind = "regen"
+        elif info["mode"] == "rpca":   # the regenerator's columns, as a float basis [D, R]
             cols = regen_columns(regenerator.side(layer, side)[2], torch.from_numpy(bits))
             basis = (put(cols.numpy()), "f32", int(cols.shape[0]), int(cols.shape[1]))
             kind = "float"
@@ -179,6 +187,15 @@ def stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region:
         for p in range(len(tab)):
             tab[p][2] = int(gs[p])
         tab_np = np.array(tab, dtype=np.int64).reshape(-1, 6)
+        members = lmeta.get("layers")
+        if members is not None and ovr:
+            # a group's sink rows are [1, 1, g*H*d]: member layer i's are the i-th slice of H*d, so
+            # its table is the group's with each row's offset moved by i*H*d fp16 values (one sink a
+            # part: supports_state)
+            if any(n != 1 for _, _, n, _ in ovr):
+                raise BadInput(f"{state.path}: layer {layer}: a part of a layer group keeps more than one sink row")
+            W = D // (members[1] - members[0])
+            ovr = [[t, off + i * W * 2, n, k] for i in range(members[1] - members[0]) for t, off, n, k in ovr]
         sides[side] = SidePlan(
             R=R, B=B, D=D, blk_off=blk_off, mean=mean_at, basis_kind=kind, basis=basis,
             parts_tab=put(tab_np), parts_tab_host=tab_np.tolist(), col_bits=put(colbits.astype(np.uint8)),
@@ -228,10 +245,12 @@ class StagingRun:
     made on."""
 
     def __init__(self, state: StateFile, fd: int, view: np.ndarray, *, ckey: tuple, entry, verified: set[str] | None,
-                 layers: list[int], H: int, d: int, verify: bool, regenerator, header_sum) -> None:
+                 layers: list[int], H: int, d: int, verify: bool, regenerator, header_sum,
+                 geometry: dict[int, tuple[int, int]] | None = None) -> None:
         self.state, self.fd, self.view = state, fd, view
         self.ckey, self.entry, self.verified = ckey, entry, verified
         self.layers, self.H, self.d = layers, H, d
+        self.geometry = geometry or {}     # a layer group's (H, d), under its first layer
         self.verify, self.regenerator, self.header_sum = verify, regenerator, header_sum
         self.version = state.version
         self.left = len(layers)        # layers still to stage; -1 once one failed (nothing is recorded)
@@ -240,8 +259,9 @@ class StagingRun:
 
     def stage(self, layer: int, region: int, keys: list[str], offs: list[int], tables_at: int, cap: int) -> LayerPlan:
         try:
+            H, d = self.geometry.get(layer, (self.H, self.d))
             plan, tbytes, checked = stage_layer(self.state, self.fd, self.view, layer, region, keys, offs, tables_at,
-                                                cap, self.H, self.d, self.verify, self.verified,
+                                                cap, H, d, self.verify, self.verified,
                                                 self.entry.layers.get(layer), self.regenerator)
         except BaseException:
             with caches.LOCK:
@@ -295,16 +315,23 @@ def stage_state(state: StateFile, selection: list[tuple[int, torch.Tensor | None
     rank[order] = torch.arange(order.numel())
     dest = torch.full((pos_all.numel(),), -1, dtype=torch.long)
     dest[kept] = rank
-    # regions
-    layer_set = sorted(set(layers))
+    # regions: one per layer, or per group of layers coded together (under its first layer)
+    groups = groups_of(state.meta, n_layers)
+    wanted = sorted(set(layers))
+    layer_set = sorted({group_of(groups, layer)[0] for layer in wanted})
+    geometry = {a: (group_geometry((a, b), H, d) if b - a > 1 else (H, d)) for a, b in groups if a in layer_set}
     plans: list = [None] * n_layers
     jobs = []
     cur = 0
     regen_fp = (state.meta.get("regenerator") or {}).get("fingerprint")
     if regen_fp is not None:
         regenerator = resolve(regen_fp, regenerator)
-    bound = table_bound(H, d, len(selection), s, regenerated=regen_fp is not None)
     for layer in layer_set:
+        Hs, ds = geometry[layer]
+        grouped = (Hs, ds) != (H, d)
+        # (a group's rpca basis is not copied into its tables; its sink tables are one per member)
+        bound = table_bound(Hs, ds, len(selection), s, regenerated=regen_fp is not None and not grouped) \
+            + (2 * 32 * (ds // (H * d)) * int(s.get("sink_tokens", 1)) if grouped else 0)
         keys = layer_keys(layer, [c for c, _ in selection])
         for k in keys:
             if k not in state.index:
@@ -346,9 +373,11 @@ def stage_state(state: StateFile, selection: list[tuple[int, torch.Tensor | None
     hot = HotState(key=key or (), buffer=buf, H=H, d=d, rows=int(pos_all.numel()), dest=dest,
                    positions=kept_pos[order], layers=plans, bytes_read=nread,
                    graphs=entry.graphs, dest_dev=entry.dest_dev,
-                   cached_tables=all(layer in entry.layers for layer in layer_set))
+                   cached_tables=all(layer in entry.layers for layer in layer_set),
+                   groups={a: (a, b) for a, b in groups if b - a > 1 and a in layer_set} or None,
+                   wanted=wanted, regenerator=regenerator if len(groups) < n_layers else None)
     run = StagingRun(state, fd, view, ckey=ckey, entry=entry, verified=verified, layers=layer_set, H=H, d=d,
-                     verify=verify, regenerator=regenerator, header_sum=header_sum)
+                     verify=verify, regenerator=regenerator, header_sum=header_sum, geometry=geometry)
     if threads <= 1:
         for job in jobs:
             plans[job[0]] = run.stage(*job)

@@ -39,8 +39,9 @@ class SidePlan:
     D: int
     blk_off: list[int]
     mean: int                   # float32 [H*d] (table offset in the region)
-    basis_kind: str             # "int" | "float"
-    basis: tuple                # int: (tab, bits, bitoff, goff) offsets; float: (off, dtype, D, R)
+    basis_kind: str             # "int" | "float" | "regen"
+    basis: tuple                # int: (tab, bits, bitoff, goff) offsets; float: (off, dtype, D, R);
+                                # regen (a layer group's): (int64 [R] column indices, R)
     parts_tab: int              # int64 [P, 6]
     parts_tab_host: list
     col_bits: int               # uint8 [R]
