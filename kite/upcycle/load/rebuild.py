@@ -4,6 +4,9 @@ side (K, V) four launches: dequantize the basis, dequantize the coefficients of 
 (``pca_finish``: mean, fp16 sinks, RoPE at each token's position, written into the cache rows),
 pipelined with the next layer's copy. On a GPU the launches of a layer are captured as a CUDA graph
 on the second load into the same buffers and replayed after; on the CPU the torch fallbacks run.
+A group of layers coded on one basis (kite.upcycle.codec.groups) is rebuilt as one unit: one product
+per side over the group's features, then each asked layer's slice finished into its rows
+(:func:`rebuild_group`), one graph per group.
 """
 
 from __future__ import annotations

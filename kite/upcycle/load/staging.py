@@ -6,6 +6,9 @@ followed by the small aligned tables the rebuild reads (:mod:`.tables`). Checksu
 per file version and remembered (:mod:`.caches`, and across processes through
 :mod:`kite.upcycle.format.versions`); the tables are reused the same way. ``verify=False`` records
 nothing. Supported: states whose keys and values are PCA-coded, at their layers' widths (:func:`supports_state`).
+A state coded on bases across layers has one region per group of layers (its codec and parts, under
+its first layer), staged in geometry ``H = 1, d = g*H*d``; its regenerator columns are staged as
+indices into the regenerator's basis, which the rebuild gathers on the device.
 """
 
 from __future__ import annotations
@@ -300,7 +303,8 @@ def stage_state(state: StateFile, selection: list[tuple[int, torch.Tensor | None
 
     ``part_positions[i]``: the document positions of selection i's tokens (all of them, ascending).
     Layers are read in a thread pool; ``wait=False`` returns at once and :meth:`HotState.wait`
-    blocks per layer (the GPU load starts on layer 0 while the rest is still being read).
+    blocks per layer (the GPU load starts on layer 0 while the rest is still being read). A layer of
+    a layer group stages its group (under the group's first layer); the rebuild writes the layers asked.
     """
     tier = tier or HotTier(pin=False)
     s = state.meta.get("codec") or {}
