@@ -341,3 +341,13 @@ def test_on_a_gpu_a_grouped_state_loads_staged_and_from_graphs_as_the_host_decod
             for a, b in ((got.keys[layer], ref.keys[layer]), (got.values[layer], ref.values[layer])):
                 tol = (1e-4 if gpu.dtype == torch.float32 else 2e-2) * float(b.abs().max())
                 assert torch.allclose(a.float().cpu(), b, atol=tol, rtol=0), layer
+
+
+def test_layer_weights_are_not_applied_to_states_on_bases_across_layers():
+    """The weights KITE ships for a model are left out of such states; weights a user names are
+    refused in one line (the regenerator weighs its layers itself)."""
+    from kite.upcycle.pipeline import layer_weights_for
+
+    assert layer_weights_for(None, False, None, grouped=True) is None
+    with pytest.raises(BadInput, match="weighs its layers itself"):
+        layer_weights_for(None, True, object(), grouped=True)
