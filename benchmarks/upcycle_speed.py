@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--settings", nargs="+", default=["ratio=4", "ratio=8", "int4"])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--regenerator", type=Path, help="also code each ratio setting on this regenerator folder (rows "
+                    "named '... on the regenerator'), side by side")
     args = parse(ap, argv)
 
     import torch
@@ -42,7 +44,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     from kite.model import load_model
     from kite.runtime.generate import generate
-    from kite.upcycle import CompressSettings, codec_settings, compress_document, load_prefix, tokenize_document
+    from kite.upcycle import (CompressSettings, Regenerator, codec_settings, compress_document, load_prefix,
+                              tokenize_document)
 
     lm = load_model(args.model, device=args.device)
     texts = [Path("/usr/share/common-licenses/GPL-3").read_text(), Path("/usr/share/common-licenses/Apache-2.0").read_text()]
@@ -83,23 +86,31 @@ def main(argv=None) -> int:
                  flops_ms(2 * n_params * len(doc))) if on_gpu else cpu_forward_floor(lm, len(doc), what="the document's forward")
     t, _ = best(lambda: generate(lm, doc + question, max_new_tokens=1, stop_ids=set()), args.repeat)
     res.timing(prefill, t, floor=floor[0], floor_value=floor[1])
+    reg = Regenerator.load(args.regenerator) if args.regenerator else None
+    runs = [(spec, None) for spec in args.settings]
+    if reg is not None:
+        runs += [(f"{spec} on the regenerator", spec) for spec in args.settings if spec.startswith("ratio=")]
     with tempfile.TemporaryDirectory() as tmp:
-        for spec in args.settings:
-            path = Path(tmp) / f"{spec}.upc"
-            settings = CompressSettings(codec=codec_settings(spec))
-            t, made = best(lambda: compress_document(lm, "", path, settings, ids=doc), 1)
+        for spec, on in runs:
+            path = Path(tmp) / f"{len(list(Path(tmp).iterdir()))}.upc"
+            settings = CompressSettings(codec=codec_settings(on or spec))
+            regen = reg if on else None
+            t, made = best(lambda: compress_document(lm, "", path, settings, ids=doc, regenerator=regen), 1)
             res.timing(f"{spec}: compress", t, baseline=prefill, floor=f"holds {doc_floor[0]}",
                        floor_value=doc_floor[1], state_bytes=made.state_bytes,
                        compression_ratio=round(made.compression_ratio, 3), parts=made.timings_ms)
-            t, _ = best(lambda: load_prefix(path, lm), args.repeat)
+            t, _ = best(lambda: load_prefix(path, lm, regenerator=regen), args.repeat)
             res.timing(f"{spec}: load state (read + decode + RoPE)", t, baseline=prefill, **state_floor(path, False))
-            t, gen = best(lambda: generate(lm, question, max_new_tokens=1, prefix=load_prefix(path, lm)[0],
-                                           stop_ids=set()), args.repeat)
+            t, gen = best(lambda: generate(lm, question, max_new_tokens=1,
+                                           prefix=load_prefix(path, lm, regenerator=regen)[0], stop_ids=set()),
+                          args.repeat)
             q_floor = {} if on_gpu else dict(zip(("floor", "floor_value"), cpu_forward_floor(
                 lm, len(question), len(doc), what="the question's forward")))
             res.row(f"{spec}: question forward after the state", gen.ttft_ms, "ms", baseline=prefill, **q_floor)
             res.timing(f"{spec}: time to first token from the state", t, baseline=prefill, **state_floor(path, True))
     report = {"model": lm.source.spec, "tokens": len(doc), "question_tokens": len(question),
+              "regenerator": None if reg is None else {"fingerprint": reg.fingerprint,
+                                                       "layer_groups": reg.meta.get("layer_groups")},
               "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
               "cpus": os.cpu_count(), "load_average": os.getloadavg()}
     res.raw.update(report)
