@@ -171,7 +171,8 @@ class HostRebuild:
         a, b = group_of(self.groups, layer)
         if self._group is None or self._group[0] != a:
             self._group = None     # (the group before is let go first)
-            self._group = (a, self._decoded(a, *(group_geometry((a, b), H, d) if b - a > 1 else (H, d))))
+            self._group = (a, self._decoded(a, *(group_geometry((a, b), H, d) if b - a > 1 else (H, d)),
+                                            grouped=b - a > 1))
         t = time.perf_counter()
         decoded = self._group[1]
         if b - a > 1:
@@ -194,16 +195,15 @@ class HostRebuild:
             self._rope_dev = tuple(t.to(device) for t in (self.order, self.cos, self.sin))
         return self._rope_dev
 
-    def _decoded(self, lead: int, H: int, d: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The chosen parts of the layer (or group) whose blobs are under ``lead``, read and decoded:
-        per part (keys, values) [H, T_part, d] in the codec's geometry."""
+    def _decoded(self, lead: int, H: int, d: int, grouped: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The chosen parts of the layer (or the header's group: ``grouped``) whose blobs are under
+        ``lead``, read and decoded: per part (keys, values) [H, T_part, d] in the codec's geometry."""
         state, sel = self.state, self.sel
         t = time.perf_counter()
         lc, widths = read_layer(state, lead, self.verify, H, d)
         # a group's product with its basis (every layer's features) runs on the model's GPU, and its
         # layers stay there (RoPE applied there too)
-        where = self.device if lc.meta.get("layers") is not None and torch.device(self.device).type == "cuda" \
-            else "cpu"
+        where = self.device if grouped and torch.device(self.device).type == "cuda" else "cpu"
         if self.regenerator is not None:
             codec.attach_regenerator(lc, {side: self.regenerator.basis_on(lead, side, where) for side in ("k", "v")},
                                      device=where)

@@ -67,13 +67,14 @@ def _preadv_all(fd: int, bufs: list[tuple[str, memoryview]], pos: int, path) -> 
 def stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region: int, keys: list[str],
                  blob_offs: list[int], tables_at: int, table_cap: int, H: int, d: int, verify: bool,
                  verified: set[str] | None = None, cached: tuple[LayerPlan, np.ndarray] | None = None,
-                 regenerator=None) -> tuple[LayerPlan, np.ndarray | None, list[str]]:
+                 regenerator=None, members: int = 1) -> tuple[LayerPlan, np.ndarray | None, list[str]]:
     """Read one layer's blobs into its region and lay out its tables.
 
     Returns (plan, table bytes when built here, blob keys whose checksum was checked here).
     ``verified``: keys already checked for this file version (not hashed again); ``cached``: the
     plan and table bytes of an earlier staging of the same version, copied instead of rebuilt.
     ``regenerator``: the state's regenerator (its ``rpca`` sides' basis columns go into the tables).
+    ``members``: the layers of the header's group staged here (``H``, ``d``: the group's geometry).
     """
     # 1. blobs: raw ones read straight into the buffer (one preadv per run of blobs that lie back to
     # back in the file: each call hands the GIL back once, not once per blob), zstd ones decompressed
@@ -148,7 +149,7 @@ def stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region:
         blk_off = np.concatenate([[0], np.cumsum((bits > 0).sum(axis=1))]).astype(np.int64).tolist()
         mean = codec_blob.numpy_at(view, lt[f"{side}.mean"]).astype(np.float32).reshape(-1)
         mean_at = put(mean)
-        if info["mode"] == "rpca" and lmeta.get("layers") is not None:
+        if info["mode"] == "rpca" and members > 1:
             # a group's: the columns are gathered from the regenerator's basis on the device at the
             # rebuild (a copy here would be g*H*d x R floats per load); only their indices are staged
             basis = (put(np.nonzero(bits.reshape(-1) > 0)[0].astype(np.int64)), R)
@@ -190,15 +191,14 @@ def stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region:
         for p in range(len(tab)):
             tab[p][2] = int(gs[p])
         tab_np = np.array(tab, dtype=np.int64).reshape(-1, 6)
-        members = lmeta.get("layers")
-        if members is not None and ovr:
+        if members > 1 and ovr:
             # a group's sink rows are [1, 1, g*H*d]: member layer i's are the i-th slice of H*d, so
             # its table is the group's with each row's offset moved by i*H*d fp16 values (one sink a
-            # part: supports_state)
+            # part: supports_state; the header's group size, D checked against it above)
             if any(n != 1 for _, _, n, _ in ovr):
                 raise BadInput(f"{state.path}: layer {layer}: a part of a layer group keeps more than one sink row")
-            W = D // (members[1] - members[0])
-            ovr = [[t, off + i * W * 2, n, k] for i in range(members[1] - members[0]) for t, off, n, k in ovr]
+            W = D // members
+            ovr = [[t, off + i * W * 2, n, k] for i in range(members) for t, off, n, k in ovr]
         sides[side] = SidePlan(
             R=R, B=B, D=D, blk_off=blk_off, mean=mean_at, basis_kind=kind, basis=basis,
             parts_tab=put(tab_np), parts_tab_host=tab_np.tolist(), col_bits=put(colbits.astype(np.uint8)),
@@ -265,7 +265,8 @@ class StagingRun:
             H, d = self.geometry.get(layer, (self.H, self.d))
             plan, tbytes, checked = stage_layer(self.state, self.fd, self.view, layer, region, keys, offs, tables_at,
                                                 cap, H, d, self.verify, self.verified,
-                                                self.entry.layers.get(layer), self.regenerator)
+                                                self.entry.layers.get(layer), self.regenerator,
+                                                members=(H * d) // (self.H * self.d))
         except BaseException:
             with caches.LOCK:
                 self.left = -1
