@@ -351,3 +351,24 @@ def test_layer_weights_are_not_applied_to_states_on_bases_across_layers():
     assert layer_weights_for(None, False, None, grouped=True) is None
     with pytest.raises(BadInput, match="weighs its layers itself"):
         layer_weights_for(None, True, object(), grouped=True)
+
+
+def test_a_grouped_state_whose_header_drops_its_regenerator_is_refused_in_one_line(tiny_lm, grouped, tmp_path):
+    from kite.upcycle import load
+    from kite.upcycle.format.container import StateWriter
+
+    made = _compress(tiny_lm, grouped, tmp_path / "s.upc")
+    with StateFile(made.path) as sf:
+        meta = {k: v for k, v in sf.meta.items() if k not in ("blobs", "content", "regenerator")}
+        blobs = {k: sf.read(k) for k in sf.index}
+    w = StateWriter(zstd=False)
+    w.add_many(blobs.items())
+    w.write(tmp_path / "bare.upc", meta)
+    with pytest.raises(BadInput, match="does not decode"):
+        load_prefix(tmp_path / "bare.upc", tiny_lm)                        # the host decode
+    geo = tiny_lm.geometry
+    with StateFile(tmp_path / "bare.upc") as state, \
+            pytest.raises(BadInput, match="coded on a regenerator's basis, and the header names none"):
+        sel = load.select(state, None)
+        load.stage_state(state, sel.parts, sel.part_positions, [0], n_layers=geo.n_layers, H=geo.n_kv_heads,
+                         d=geo.head_dim, threads=1)                         # the GPU path's staging

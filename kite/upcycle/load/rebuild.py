@@ -93,7 +93,8 @@ def load_staged(hot: HotState, *, device, dtype: torch.dtype, cos: torch.Tensor 
             _, k_out, v_out = outs[0]
             rebuild = (lambda r=region, p=plan, k=k_out, v=v_out, a=args: rebuild_layer(r, p, k, v, **a))
         else:
-            bases = {side: hot.regenerator.basis_on(layer, side, dev) for side in ("k", "v")}
+            bases = {side: hot.regenerator.basis_on(layer, side, dev) for side in ("k", "v")} \
+                if hot.regenerator is not None else {}
             rebuild = (lambda r=region, p=plan, o=outs, g=group, b=bases, a=args:
                        rebuild_group(r, p, [(m - g[0], k, v) for m, k, v in o], g[1] - g[0], bases=b, **a))
         gkey = (layer, region.data_ptr(), *(t.data_ptr() for _, k, v in outs for t in (k, v)),
@@ -147,7 +148,7 @@ def rebuild_group(region: torch.Tensor, plan: LayerPlan, outs: list[tuple[int, t
     W = H * d
     for si, side in enumerate(("k", "v")):
         sp = plan.sides[side]
-        Y = _product(v, sp, rows, compute_dtype, outs[0][1].device, bases[side])          # [T, size*W]
+        Y = _product(v, sp, rows, compute_dtype, outs[0][1].device, bases.get(side))      # [T, size*W]
         mean = v.t(sp.mean, torch.float32, size * W)
         per = sp.n_ovr // size                       # each member's sink rows (the tables hold one set each)
         for i, k_out, v_out in outs:

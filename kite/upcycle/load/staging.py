@@ -149,6 +149,8 @@ def stage_layer(state: StateFile, fd: int, view: np.ndarray, layer: int, region:
         blk_off = np.concatenate([[0], np.cumsum((bits > 0).sum(axis=1))]).astype(np.int64).tolist()
         mean = codec_blob.numpy_at(view, lt[f"{side}.mean"]).astype(np.float32).reshape(-1)
         mean_at = put(mean)
+        if info["mode"] == "rpca" and regenerator is None:
+            raise BadInput(f"{state.path}: part {keys[0]} is coded on a regenerator's basis, and the header names none")
         if info["mode"] == "rpca" and members > 1:
             # a group's: the columns are gathered from the regenerator's basis on the device at the
             # rebuild (a copy here would be g*H*d x R floats per load); only their indices are staged
