@@ -365,12 +365,12 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
 
     def code_groups(token_sets) -> list[tuple[str, bytes]]:
         """Every blob of a state coded on bases across layers: per group its codec and parts."""
-        lcs = groups.fit_groups(cap.keys_pre, cap.values, fit_codec, token_sets, regenerator,
-                                overhead_bytes=container_bytes(token_sets))
-        regenerated[0] = 2 * len(lcs)
-        layer_blobs = {lc.meta["layers"][0]: codec.to_bytes(lc) for lc in lcs}
+        fits = groups.fit_groups(cap.keys_pre, cap.values, fit_codec, token_sets, regenerator,
+                                 overhead_bytes=container_bytes(token_sets))
+        regenerated[0] = 2 * len(fits)
+        layer_blobs = {fit.lead: codec.to_bytes(fit.codec) for fit in fits}
         items = []
-        for a, c, part in groups.encode_groups(lcs, cap.keys_pre, cap.values, token_sets):
+        for a, c, part in groups.encode_groups(fits, token_sets):
             if c == 0:      # in file order, a group's codec then its parts (as a layer's)
                 items.append((blob_key(None, a), layer_blobs[a]))
             items += [(blob_key(c, a, "K"), codec.to_bytes(part.k)), (blob_key(c, a, "V"), codec.to_bytes(part.v))]

@@ -244,15 +244,16 @@ class PcaSide(SideCoder):
             return cls.layer_widths(lc, side)
         return torch.tensor(own, dtype=torch.long, device=lc.tensors[f"{side}.bits"].device)
 
-    def encode(self, lc, side, X, positions, widths=None):
+    def encode(self, lc, side, X, positions, widths=None, *, coefficients=None):
         """``widths`` [R] (0..max_bits per stored column, 0 = the column is not coded in this part):
         the part's own allocation (a per-label ratio), recorded in its meta as ``bits``; None codes
-        it at its layer's widths."""
+        it at its layer's widths. ``coefficients`` [T, R]: the tokens' coefficients on the stored
+        columns when the caller has them (:meth:`coefficients` of X; a layer group's projection)."""
         s = lc.settings
         H, T, d = X.shape
         tensors: dict[str, torch.Tensor] = {}
         meta: dict = {"T": T}
-        C = self.coefficients(lc, side, X)                  # [T, R]
+        C = self.coefficients(lc, side, X) if coefficients is None else coefficients.float()   # [T, R]
         colbits = self.layer_widths(lc, side)
         if widths is not None:
             widths = torch.as_tensor(widths, dtype=torch.long).reshape(-1)

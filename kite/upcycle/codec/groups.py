@@ -17,16 +17,18 @@ goes where it removes the most relative error of any layer. Decoding a layer dec
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kite.errors import BadInput
-from kite.upcycle.codec.blob import LayerCodec
+from kite.upcycle.codec.blob import EncodedPart, LayerCodec
 from kite.upcycle.codec.coders import attach_regenerator, blocks, coder
-from kite.upcycle.codec.layer import encode, state_budgeted
+from kite.upcycle.codec.layer import state_budgeted
 from kite.upcycle.codec.settings import CodecSettings, settings_for
 from kite.upcycle.codec.state_bits import allocate_state, container_overhead
 
-__all__ = ["encode_groups", "fit_groups", "group_blocks", "group_geometry", "split_group"]
+__all__ = ["GroupFit", "encode_groups", "fit_groups", "group_blocks", "group_geometry", "split_group"]
 
 
 def group_geometry(group: tuple[int, int], H: int, d: int) -> tuple[int, int]:
@@ -47,8 +49,24 @@ def split_group(Y: torch.Tensor, H: int, d: int, i: int | None = None) -> list[t
     return [split_group(Y, H, d, j) for j in range(Y.shape[2] // W)]
 
 
+@dataclass
+class GroupFit:
+    """One group's layer codec and what its parts are coded from: the group's keys and values
+    [1, T, D] (for the sink rows) and every token's coefficients on each side's stored columns
+    [T, R] (the projection the bit allocation measured, reused for the parts)."""
+
+    codec: LayerCodec
+    blocks: dict[str, torch.Tensor]
+    coefficients: dict[str, torch.Tensor]
+
+    @property
+    def lead(self) -> int:
+        """The layer the group's blobs are stored under (its first)."""
+        return int(self.codec.meta["layers"][0])
+
+
 def fit_groups(keys_pre: list[torch.Tensor], values: list[torch.Tensor], settings: CodecSettings | str | float,
-               token_sets: list[torch.Tensor], regenerator, overhead_bytes: int | None = None) -> list[LayerCodec]:
+               token_sets: list[torch.Tensor], regenerator, overhead_bytes: int | None = None) -> list[GroupFit]:
     """One layer codec per group of ``regenerator.layer_groups`` (pre-RoPE keys and values [H, T, d]
     per layer), every component's bits allocated over the whole state's budget, exact for the parts
     ``token_sets``; each codec's regenerator columns attached. ``overhead_bytes``: the container
@@ -64,7 +82,7 @@ def fit_groups(keys_pre: list[torch.Tensor], values: list[torch.Tensor], setting
     _, D = group_geometry(groups[0], H, d)
     if any(group_geometry(g, H, d)[1] != D for g in groups):
         raise BadInput("the regenerator's layer groups are not all of one size")
-    Xs, evals = {}, {}
+    Xs, projected, evals = {}, {}, {}
     for side, layers in (("k", keys_pre), ("v", values)):
         ev = []
         for a, b in groups:
@@ -72,10 +90,11 @@ def fit_groups(keys_pre: list[torch.Tensor], values: list[torch.Tensor], setting
             U = regenerator.basis_on(a, side, Xg.device)
             w = regenerator.weights(a)[side].to(Xg.device, torch.float32)
             mean = Xg.mean(dim=1, keepdim=True) if s.center else torch.zeros_like(Xg[:, :1])
-            # the stored mean is fp16: the variances are those the parts will be coded with
+            # the mean and weights as the state stores them (fp16): the coefficients the parts hold
             mean = mean.to(torch.float16).float() if s.basis_fmt != "fp32" else mean
-            ev.append(((Xg - mean) * w[:, None, :]).matmul(U).pow(2).mean(dim=1))
-            Xs[(a, side)] = Xg
+            P = ((Xg - mean) * w[:, None, :]).matmul(U)[0]                               # [T, D]
+            ev.append(P.pow(2).mean(dim=0, keepdim=True))
+            Xs[(a, side)], projected[(a, side)] = Xg, P
         evals[side] = torch.stack(ev)                                                 # [G, 1, D]
     sets = [torch.as_tensor(t).reshape(-1) for t in token_sets]
     if overhead_bytes is None:
@@ -86,24 +105,29 @@ def fit_groups(keys_pre: list[torch.Tensor], values: list[torch.Tensor], setting
     for gi, (a, b) in enumerate(groups):
         tensors: dict = {}
         meta: dict = {"settings": s.to_json(), "H": 1, "d": D, "T_fit": T, "layers": [a, b]}
+        coefs = {}
         for side in ("k", "v"):
+            side_bits = bits[side][gi].cpu()
             coder("rpca").fit(side, Xs[(a, side)], s, tensors, meta, pca=regenerator.side(a, side),
-                              weights=regenerator.weights(a)[side], bits=bits[side][gi].cpu())
+                              weights=regenerator.weights(a)[side], bits=side_bits)
+            P = projected.pop((a, side))
+            coefs[side] = P[:, torch.nonzero(side_bits.reshape(-1) > 0).flatten().to(P.device)]   # [T, R]
         lc = LayerCodec(tensors=tensors, meta=meta)
         # the columns gathered where the document is (a GPU's copy of the basis is kept there)
-        out.append(attach_regenerator(lc, {side: regenerator.basis_on(a, side, Xs[(a, side)].device)
-                                           for side in ("k", "v")}))
+        attach_regenerator(lc, {side: regenerator.basis_on(a, side, Xs[(a, side)].device) for side in ("k", "v")})
+        out.append(GroupFit(lc, {side: Xs[(a, side)] for side in ("k", "v")}, coefs))
     return out
 
 
-def encode_groups(lcs: list[LayerCodec], keys_pre: list[torch.Tensor], values: list[torch.Tensor],
-                  token_sets: list[torch.Tensor]):
-    """Every part of every group: yields (group's first layer, cluster, :class:`kite.upcycle.codec.EncodedPart`)
-    for the codecs ``lcs`` (:func:`fit_groups`) and the clusters' token indices ``token_sets`` (each
-    group's features gathered once, each cluster's tokens taken from them)."""
-    for lc in lcs:
-        a, b = lc.meta["layers"]
-        K, V = group_blocks(keys_pre[a:b]), group_blocks(values[a:b])
+def encode_groups(fits: list[GroupFit], token_sets: list[torch.Tensor]):
+    """Every part of every group (:func:`fit_groups`): yields (group's first layer, cluster,
+    :class:`kite.upcycle.codec.EncodedPart`) for the clusters' token indices ``token_sets``, each
+    part's coefficients taken from the group's projection (none computed again)."""
+    pca = coder("rpca")
+    for fit in fits:
         for c, idx in enumerate(token_sets):
-            at = torch.as_tensor(idx, dtype=torch.long)
-            yield a, c, encode(lc, K[:, at.to(K.device)], V[:, at.to(V.device)], at)
+            at = torch.as_tensor(idx, dtype=torch.long).reshape(-1)
+            on = at.to(fit.codec.tensors["k.mean"].device)
+            yield fit.lead, c, EncodedPart(
+                *(pca.encode(fit.codec, side, fit.blocks[side][:, on], at, coefficients=fit.coefficients[side][on])
+                  for side in ("k", "v")))
