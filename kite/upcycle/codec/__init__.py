@@ -2,8 +2,8 @@
 quantization, raw casts): settings and presets, the side coders registered per mode, the per-layer
 codec (CPU) and the batched encoder (any device, the GPU's), the bit allocation over a whole state's
 byte budget both share (``fit_state``, :mod:`.state_bits`), and the quantizer under them; the
-regenerator (per-model calibrated bases a state may be coded on), the attention-aware distortion
-weights and the attention probe that choose between bases. Loads read the regenerator from here;
+regenerator (per-model calibrated bases a state may be coded on; over groups of layers, the states
+of :mod:`.groups`), the attention-aware distortion weights and the attention probe that choose between bases. Loads read the regenerator from here;
 `kite upcycle train` (kite.upcycle.train) fits it. And the nibble-lanes encoder (`encode_lanes`,
 `lanes_nbytes`, `LANE_CLIPS`: a loaded state coded again into the form the lanes decode kernel reads,
 kite.kernels.lanes)."""

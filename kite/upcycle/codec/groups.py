@@ -2,7 +2,7 @@
 --layer-group G``, :class:`kite.upcycle.codec.Regenerator`).
 
 A group of ``g`` adjacent layers is coded as one layer of ``g*H*d`` features (each token's keys,
-or values, of those layers side by side, heads joint): one layer codec per (group, side) -- the
+or values, of those layers side by side, heads joint): one layer codec per group -- per side the
 document's mean, the layer scales, the bits of each of the regenerator's components -- and one
 part per (cluster, group, side) holding the coefficients. The layer codec is an ordinary ``rpca``
 one whose geometry is ``H = 1, d = g*H*d`` (:func:`group_geometry`), so the coders, the checks and
@@ -12,7 +12,8 @@ the blob format are the per-layer codec's. Its blobs are stored under the group'
 The bits are allocated over the whole state at once (:func:`kite.upcycle.codec.state_bits.allocate_state`,
 no basis column to pay for), on the document's variance along each calibrated component, in the
 regenerator's weighted space (each layer's features over its calibration variance), so that a bit
-goes where it removes the most relative error of any layer. Decoding a layer decodes its group.
+goes where it removes the most relative error of any layer; the parts are coded from that same
+projection (:class:`GroupFit`). Decoding a layer decodes its group.
 """
 
 from __future__ import annotations
