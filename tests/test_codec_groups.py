@@ -198,6 +198,7 @@ def test_train_fits_a_grouped_regenerator_and_codes_its_states_on_it(tiny_models
     rep = parse_json(res.output)
     reg = Regenerator.load(tmp_path / "run" / "regenerator")
     assert reg.layer_groups == [(0, 3)] and reg.fingerprint == rep["regenerator"]["fingerprint"]
+    assert rep["regenerator"]["layer_groups"] == [[0, 3]]
     assert rep["layer_weights"] is None
     states = sorted((tmp_path / "run" / "states").rglob("*.upc"))
     assert states

@@ -84,7 +84,9 @@ def train(
     reg = report["regenerator"]
     out.print(f"[bold green]trained[/] {output_dir}: {report['train_pairs']} pairs of {report['train_documents']} "
               f"documents ({report['held_out_pairs']} held out)", highlight=False)
-    out.print(f"  regenerator {reg['fingerprint'][9:21]}  ({reg['calibration']['tokens']:,} calibration tokens)  "
+    spans = reg.get("layer_groups")
+    bases = f", one basis per {spans[0][1] - spans[0][0]} layers" if spans else ""
+    out.print(f"  regenerator {reg['fingerprint'][9:21]}  ({reg['calibration']['tokens']:,} calibration tokens{bases})  "
               f"{reg['folder']}", highlight=False)
     if "adapter" in report:
         s = report["adapter"]["settings"]

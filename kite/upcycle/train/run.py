@@ -222,7 +222,8 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
                     "train_documents": len({p.document_key for p in train}),
                     "held_out_documents": len({p.document_key for p in held}),
                     "regenerator": {"fingerprint": reg.fingerprint, "folder": str(out / "regenerator"),
-                                    "calibration": reg.meta.get("calibration")},
+                                    "calibration": reg.meta.get("calibration"),
+                                    "layer_groups": reg.meta.get("layer_groups")},
                     "ratios": req.ratios, "timings": timings, "codec_workers": workers,
                     "layer_weights": None if weights is None else weights.fingerprint}
     if req.adapter:
