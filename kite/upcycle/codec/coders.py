@@ -38,7 +38,7 @@ from kite.upcycle.codec.blob import Blob, LayerCodec
 from kite.upcycle.codec.quant import FLOAT_FORMATS, INT_FORMATS, QTensor, dequantize, quantize
 from kite.upcycle.codec.settings import CodecSettings
 from kite.upcycle.codec.state_bits import basis_header_bits
-from kite.upcycle.format.bitlayout import class_layout, group_shape
+from kite.upcycle.format.bitlayout import class_layout, group_shape, parts_layout
 
 
 class SideCoder(ABC):
@@ -336,36 +336,29 @@ def _classes(C: torch.Tensor, colbits: torch.Tensor, T: int, s: CodecSettings):
 
 def _classes_on_device(C: torch.Tensor, colbits: torch.Tensor, T: int, s: CodecSettings):
     """:func:`_classes` in one launch on C's device (:func:`kite.kernels.quant.quantize_plan`, the
-    batched encoder's kernel), the same bytes: each column a row of the plan, its tokens padded to
-    whole groups with its last one, laid out class after class as :func:`_classes` concatenates them."""
+    batched encoder's kernel), the same bytes: each coded column a row of the plan, its tokens padded
+    to whole groups with its last one, at the offsets the loaders read them from
+    (:func:`kite.upcycle.format.bitlayout.parts_layout`)."""
     from kite.kernels.quant import quantize_plan
 
-    widths = sorted(set(colbits.tolist()) - {0})
-    if not widths or T == 0:
+    cols = torch.nonzero(colbits > 0).flatten()
+    if not cols.numel() or T == 0:
         return None
-    gs, padded = group_shape(T, s.group_size, s.even_groups)
-    ng = padded // gs
-    rows = torch.cat([torch.nonzero(colbits == bw).flatten() for bw in widths])     # class order
-    row_bits = colbits[rows]
-    base_bit = torch.zeros(rows.numel(), 1, dtype=torch.int64)
-    base_sc = torch.zeros(rows.numel(), 1, dtype=torch.int64)
-    at_byte = at_sc = i = 0
-    for bw in widths:
-        n = int((row_bits == bw).sum())
-        k = torch.arange(n, dtype=torch.int64)
-        base_bit[i:i + n, 0] = at_byte * 8 + k * (padded * bw)
-        base_sc[i:i + n, 0] = at_sc + k * ng
-        at_byte += (n * padded * bw + 7) // 8
-        at_sc += n * ng
-        i += n
-    src = C[:, rows.to(C.device)].t().float()                                     # [R, T]
+    row_bits = colbits[cols]
+    bitoff, goff, gs = parts_layout(row_bits.numpy(), [T], s.group_size, s.even_groups)
+    gs = int(gs[0])
+    padded = -(-T // gs) * gs
+    counts = torch.bincount(row_bits, minlength=s.max_bits + 1)
+    n_bytes = sum((int(n) * padded * w + 7) // 8 for w, n in enumerate(counts.tolist()))
+    n_scales = int(counts.sum()) * (padded // gs)
+    src = C[:, cols.to(C.device)].t().float()                                      # [R, T]
     if padded > T:
         src = torch.cat([src, src[:, -1:].expand(-1, padded - T)], dim=1)
-    groups = torch.tensor([[0, g, g * gs, gs] for g in range(ng)], dtype=torch.int64)
+    groups = torch.tensor([[0, g, g * gs, gs] for g in range(padded // gs)], dtype=torch.int64)
     dev = C.device
-    codes, scale, mn = quantize_plan(src.contiguous(), row_bits.to(dev), base_bit.to(dev), base_sc.to(dev),
-                                     groups.to(dev), s.range_mode, at_byte, at_sc, whole_bytes=False)
-    return codes, scale, mn
+    return quantize_plan(src.contiguous(), row_bits.to(dev), torch.from_numpy(bitoff).t().contiguous().to(dev),
+                         torch.from_numpy(goff).t().contiguous().to(dev), groups.to(dev), s.range_mode, n_bytes,
+                         n_scales, whole_bytes=False)
 
 
 @register
