@@ -83,12 +83,12 @@ def fit_groups(keys_pre: list[torch.Tensor], values: list[torch.Tensor], setting
     _, D = group_geometry(groups[0], H, d)
     if any(group_geometry(g, H, d)[1] != D for g in groups):
         raise BadInput("the regenerator's layer groups are not all of one size")
-    Xs, projected, evals = {}, {}, {}
+    Xs, projected, bases, evals = {}, {}, {}, {}
     for side, layers in (("k", keys_pre), ("v", values)):
         ev = []
         for a, b in groups:
             Xg = group_blocks(layers[a:b])                                            # [1, T, D]
-            U = regenerator.basis_on(a, side, Xg.device)
+            U = bases[(a, side)] = regenerator.basis_on(a, side, Xg.device)
             w = regenerator.weights(a)[side].to(Xg.device, torch.float32)
             mean = Xg.mean(dim=1, keepdim=True) if s.center else torch.zeros_like(Xg[:, :1])
             # the mean and weights as the state stores them (fp16): the coefficients the parts hold
@@ -115,7 +115,7 @@ def fit_groups(keys_pre: list[torch.Tensor], values: list[torch.Tensor], setting
             coefs[side] = P[:, torch.nonzero(side_bits.reshape(-1) > 0).flatten().to(P.device)]   # [T, R]
         lc = LayerCodec(tensors=tensors, meta=meta)
         # the columns gathered where the document is (a GPU's copy of the basis is kept there)
-        attach_regenerator(lc, {side: regenerator.basis_on(a, side, Xs[(a, side)].device) for side in ("k", "v")})
+        attach_regenerator(lc, {side: bases.pop((a, side)) for side in ("k", "v")})
         out.append(GroupFit(lc, {side: Xs[(a, side)] for side in ("k", "v")}, coefs))
     return out
 
