@@ -91,6 +91,11 @@ def main(argv=None) -> int:
     ap.add_argument("--lane-bits", type=int, default=4)
     ap.add_argument("--splits", default="", help="also time the graphed step with the attention's keys cut into "
                     "these numbers of chunks, e.g. 0,2,4,8 (0: the kernel's plan)")
+    ap.add_argument("--attention-configs", default="", help="also time the graphed step with the attention kernel's "
+                    "launch by row set to these 'keys a tile,warps,stages,blocks an SM' configurations, space-separated, "
+                    "e.g. '64,8,2,16 128,4,3,16'")
+    ap.add_argument("--profile", action="store_true", help="also record the GPU kernels of a few eager steps (the "
+                    "rows' question prefill and decode steps, raw at --rows and lanes at 1 row): time per step by kernel")
     ap.add_argument("--small", action="store_true", help="the tiny geometry (a quick run of the script)")
     args = parse(ap, argv)
     if args.device != "cuda":
@@ -163,11 +168,131 @@ def main(argv=None) -> int:
             dec = None
         kernel_step.SPLITS = None
         raw["splits_sweep_ms"] = sweep
+    if args.attention_configs:
+        raw["attention_configs_ms"] = attention_sweep(model, cfg, prefix, args)
+    if args.profile:
+        raw["profile"] = profiles(model, cfg, prefix, args)
     if args.kv_budget_gb > 0:
         budget = args.kv_budget_gb * 1e9
         budget_rows(res, raw, model, cfg, prefix, budget, args, floor, slot)
     res.raw.update(raw)
     return finish(res, args)
+
+
+def attention_sweep(model, cfg, prefix, args) -> dict:
+    """The graphed step at --rows with the attention kernel's by-row launch set to each configuration
+    (keys a tile, warps, stages, blocks an SM): median step ms by configuration."""
+    from kite.kernels import split_attention_triton as sa
+
+    default = (sa.ROW_BLOCK_N, sa.ROW_WARPS, sa.ROW_STAGES, sa.BY_ROW_BLOCKS_PER_SM)
+    out = {}
+    try:
+        for text in args.attention_configs.split():
+            sa.ROW_BLOCK_N, sa.ROW_WARPS, sa.ROW_STAGES, sa.BY_ROW_BLOCKS_PER_SM = map(int, text.split(","))
+            torch.cuda.empty_cache()
+            dec = engine(model, cfg, args.rows, "kernels, graphed")
+            decode(dec, prefix, args.rows, 2)
+            out[text] = Timing.of(decode(dec, prefix, args.rows, args.steps)["steps_ms"]).median_ms
+            print(f"graphed, attention {text}: step {out[text]:.2f} ms", flush=True)
+            dec = None
+    finally:
+        sa.ROW_BLOCK_N, sa.ROW_WARPS, sa.ROW_STAGES, sa.BY_ROW_BLOCKS_PER_SM = default
+    return out
+
+
+def kernel_table(prof, steps: int, top: int = 14) -> dict:
+    """GPU time per step by kernel (ms, the ``top`` largest and the rest), from a torch profile of ``steps`` steps."""
+    times: dict[str, list] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        if us is None:
+            us = getattr(e, "cuda_time_total", 0.0)
+        if not us or e.key.startswith(("ProfilerStep", "cudaGraphLaunch")) or getattr(e, "device_type", None) is None:
+            continue
+        if str(e.device_type).endswith("CPU"):
+            continue
+        times[e.key[:90]] = [us / 1e3 / steps, e.count / steps]
+    ranked = sorted(times.items(), key=lambda kv: -kv[1][0])
+    table = {k: {"ms": round(v[0], 4), "launches": round(v[1], 2)} for k, v in ranked[:top]}
+    table["(the rest)"] = {"ms": round(sum(v[0] for _, v in ranked[top:]), 4),
+                           "launches": round(sum(v[1] for _, v in ranked[top:]), 2)}
+    table["(all kernels)"] = {"ms": round(sum(v[0] for v in times.values()), 4),
+                              "launches": round(sum(v[1] for v in times.values()), 2)}
+    return table
+
+
+def profiles(model, cfg, prefix, args) -> dict:
+    """The GPU kernels of eager kernel steps: a 16-token question's prefill and decode steps, raw rows at
+    --rows and a row held in lanes (kite.kernels.lanes) alone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kite.upcycle import lanes_of
+
+    d = prefix.keys[0].shape[-1]
+    lanes = lanes_of(prefix, d, "cuda", lane_bits=(args.lane_bits, args.lane_bits))
+    out = {}
+    for name, pre, rows in (("raw", prefix, args.rows), ("lanes", lanes, 1)):
+        torch.cuda.empty_cache()
+        dec = engine(model, cfg, rows, "kernels, eager")
+        decode(dec, pre, rows, 2)                      # compiled, buffers grown
+        g = torch.Generator().manual_seed(3)
+        for _ in range(rows):
+            dec.add(torch.randint(cfg.vocab_size, (QUERY,), generator=g).tolist(), prefix=pre, max_new_tokens=12)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            dec.step()
+            torch.cuda.synchronize()
+        first = kernel_table(prof, 1)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                dec.step()
+            torch.cuda.synchronize()
+        out[f"{name}, {rows} rows"] = {"question prefill": first, "decode step": kernel_table(prof, 5)}
+        dec.drain()
+        for part, table in out[f"{name}, {rows} rows"].items():
+            print(f"{name}, {rows} rows, {part}:", flush=True)
+            for k, v in table.items():
+                print(f"  {v['ms']:8.3f} ms  x{v['launches']:<6g} {k}", flush=True)
+        dec = None
+    from kite.runtime import kernel_step
+    kernel_step.GRAPHS = True
+    out["query pass"] = query_pass_profile(model, cfg)
+    return out
+
+
+def query_pass_profile(model, cfg, counts=(1, 64, 158), length: int = 16) -> dict:
+    """YOCO's pass over N queries of ``length`` tokens alone (kite.runtime.kernel_pass.hidden_pass and the
+    head's entropies and NLL, kite.yoco.intent.head_entropy_bits), as the server's decision runs it: wall ms
+    (median of 5 after a warm-up) and the GPU kernels of one pass."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kite.runtime.kernel_pass import hidden_pass
+    from kite.yoco.intent import head_entropy_bits
+
+    head = model.get_output_embeddings()
+    out = {}
+    for n in counts:
+        ids = torch.randint(cfg.vocab_size, (n, length))
+        targets = torch.randint(cfg.vocab_size, (n * length,))
+
+        def one():
+            last, _ = hidden_pass(model, ids)
+            return head_entropy_bits(head, last.reshape(n * length, -1), targets=targets)
+        one()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            t0 = clock()
+            one()
+            times.append((clock() - t0) * 1e3)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            one()
+            torch.cuda.synchronize()
+        out[f"{n} queries"] = {"wall_ms": round(sorted(times)[2], 3), "kernels": kernel_table(prof, 1)}
+        print(f"query pass, {n} queries of {length} tokens: {out[f'{n} queries']['wall_ms']} ms", flush=True)
+        for k, v in out[f"{n} queries"]["kernels"].items():
+            print(f"  {v['ms']:8.3f} ms  x{v['launches']:<6g} {k}", flush=True)
+    return out
 
 
 def budget_rows(res, raw, model, cfg, prefix, budget, args, floor, slot) -> None:

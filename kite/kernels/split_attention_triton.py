@@ -26,6 +26,8 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 NUM_WARPS, NUM_STAGES = 8, 2     # the partial kernel's launch configuration
+# ... for calls by row (a batch cache's decode steps and prefills): keys a tile, warps, stages
+ROW_BLOCK_N, ROW_WARPS, ROW_STAGES = 64, 8, 2
 BY_ROW_BLOCKS_PER_SM = 16
 _SMS: dict[int, int] = {}
 
@@ -167,15 +169,16 @@ def _call_plan(batch: int, hkv: int, rows: int, keys: int, device: torch.device,
 
 
 def row_splits(batch: int, q_heads: int, kv_heads: int, query_len: int, keys: int, device: torch.device,
-               block_n: int = 64) -> int:
+               block_n: int | None = None) -> int:
     """The chunks a by-row call (``lengths`` given, no ``splits``) cuts ``keys`` into for ``batch``
     sequences: a batch of a new size costs a compile where it lands in a new :func:`compile_variant`."""
-    return _call_plan(batch, kv_heads, (q_heads // kv_heads) * query_len, keys, device, True, block_n)[1]
+    return _call_plan(batch, kv_heads, (q_heads // kv_heads) * query_len, keys, device, True,
+                      block_n or ROW_BLOCK_N)[1]
 
 
 def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        mask: torch.Tensor | None = None, scale: float | None = None, *,
-                       splits: int | None = None, block_n: int = 64, rows: torch.Tensor | None = None,
+                       splits: int | None = None, block_n: int | None = None, rows: torch.Tensor | None = None,
                        lengths: torch.Tensor | None = None, starts: torch.Tensor | None = None,
                        return_lse: bool = False):
     """Attention of query [B, Hq, q, d] over key / value [B, Hkv, k, d] (Hq a multiple of Hkv, d a power
@@ -183,7 +186,8 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
     ``mask``: bool [B|1, 1, q, k], True = visible; None = bottom-right causal. A query row that sees no
     key gets zeros. ``splits``: how many chunks the keys are cut into (default: one block per SM, at
-    most 128 chunks; on the CPU, as for 4 SMs); ``block_n``: keys a tile.
+    most 128 chunks; on the CPU, as for 4 SMs); ``block_n``: keys a tile (default 64; by row,
+    ``ROW_BLOCK_N``, launched with ``ROW_WARPS`` warps and ``ROW_STAGES`` stages).
 
     Sequences of different lengths in one buffer (a batch cache): ``rows`` [B] int32, the buffer row
     (first index of key / value, which then may hold more rows than B) sequence b reads; ``lengths``
@@ -203,6 +207,9 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     by_row = lengths is not None
     if by_row and (mask is not None or rows is None or starts is None):
         raise ValueError("lengths come with rows and starts, and without a mask")
+    warps, stages = (ROW_WARPS, ROW_STAGES) if by_row else (NUM_WARPS, NUM_STAGES)
+    if block_n is None:
+        block_n = ROW_BLOCK_N if by_row else 64
     block_m, n_split, chunk = _call_plan(B, Hkv, M, KL, query.device, by_row, block_n)
     if splits is not None:
         chunk = triton.cdiv(triton.cdiv(KL, max(1, splits)), block_n) * block_n
@@ -229,7 +236,7 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), *sm, n_split,
         HKV=Hkv, REP=rep, QL=QL, D=D, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_MASK=mask is not None, HAS_LENS=by_row, IEEE=ieee, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        HAS_MASK=mask is not None, HAS_LENS=by_row, IEEE=ieee, num_warps=warps, num_stages=stages)
     out = torch.empty(B, QL, Hq, D, dtype=query.dtype, device=query.device)
     lse = torch.empty(B, Hq, QL, dtype=torch.float32, device=query.device) if return_lse else lse_part
     _merge_kernel[(M, B * Hkv)](
