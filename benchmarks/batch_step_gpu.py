@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", default="", help="also time the graphed step with the attention's keys cut into "
                     "these numbers of chunks, e.g. 0,2,4,8 (0: the kernel's plan)")
     ap.add_argument("--attention-configs", default="", help="also time the graphed step with the attention kernel's "
-                    "launch by row set to these 'keys a tile,warps,stages,blocks an SM' configurations, space-separated, "
+                    "launch by row at one tile of 16 query rows (a decode step) set to these 'keys a tile,warps,stages,blocks an SM' configurations, space-separated, "
                     "e.g. '64,8,2,16 128,4,3,16'")
     ap.add_argument("--profile", action="store_true", help="also record the GPU kernels of a few eager steps (the "
                     "rows' question prefill and decode steps, raw at --rows and lanes at 1 row): time per step by kernel")
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
 
 
 def attention_sweep(model, cfg, prefix, args) -> dict:
-    """The graphed step at --rows with the attention kernel's by-row launch set to each configuration
+    """The graphed step at --rows with the attention kernel's decode launch set to each configuration
     (keys a tile, warps, stages, blocks an SM): median step ms by configuration."""
     from kite.kernels import split_attention_triton as sa
 
@@ -275,6 +275,7 @@ def query_pass_profile(model, cfg, counts=(1, 64, 158), length: int = 16) -> dic
         ids = torch.randint(cfg.vocab_size, (n, length))
         targets = torch.randint(cfg.vocab_size, (n * length,))
 
+        @torch.inference_mode()
         def one():
             last, _ = hidden_pass(model, ids)
             return head_entropy_bits(head, last.reshape(n * length, -1), targets=targets)

@@ -105,9 +105,11 @@ def _table(ptrs, n, i: tl.constexpr, ty: tl.constexpr):
 
 @triton.jit
 def _query_kernel(q_ptr, ptrs, ng_ptr, qk_out, cq_out, qscale, H: tl.constexpr, G: tl.constexpr,
-                  GP: tl.constexpr, NGMAX: tl.constexpr, RK: tl.constexpr, D: tl.constexpr, BASIS: tl.constexpr):
+                  GP: tl.constexpr, NGMAX: tl.constexpr, RK: tl.constexpr, D: tl.constexpr, BASIS: tl.constexpr,
+                  GB: tl.constexpr):
     """Before the stream kernel, per KV head of a state: its query rows (times ``qscale``) on the key
-    lanes' basis, [GP, RK] in fp32 (tf32x3), and the score constants κ_g · q of every group [NG, GP]."""
+    lanes' basis, [GP, RK] in fp32 (tf32x3), and the score constants κ_g · q of every group [NG, GP],
+    ``GB`` groups a product (tf32x3)."""
     pair = tl.program_id(0)
     n = pair // H
     h = pair % H
@@ -122,20 +124,25 @@ def _query_kernel(q_ptr, ptrs, ng_ptr, qk_out, cq_out, qscale, H: tl.constexpr, 
     qk = tl.dot(q, tl.trans(basis), input_precision="tf32x3")
     tl.store(qk_out + (pair * GP + g)[:, None] * RK + j[None, :], qk)
     kk = _table(ptrs, n, 2, tl.float32) + h * ng * D
-    for gi in range(ng):
-        kappa = tl.load(kk + gi * D + dd)
-        tl.store(cq_out + (pair * NGMAX + gi) * GP + g, tl.sum(q * kappa[None, :], 1))
+    b = tl.arange(0, GB)
+    for g0 in range(0, ng, GB):
+        gi = g0 + b
+        live = gi < ng
+        kappa = tl.load(kk + gi[:, None] * D + dd[None, :], mask=live[:, None], other=0.0)       # [GB, D]
+        cq = tl.dot(kappa, tl.trans(q), input_precision="tf32x3")                              # [GB, GP]
+        tl.store(cq_out + (pair * NGMAX + gi)[:, None] * GP + g[None, :], cq, mask=live[:, None])
 
 
 @triton.jit
 def _finish_kernel(q_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gs_ptr, ptrs, ng_ptr, len_ptr, ek_ptr, ev_ptr,
                    out_ptr, lse_ptr, qscale, E, splits, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                    NGMAX: tl.constexpr, GROUP: tl.constexpr, RV: tl.constexpr, D: tl.constexpr,
-                   BASIS: tl.constexpr):
+                   BASIS: tl.constexpr, SB: tl.constexpr, GB: tl.constexpr):
     """After the stream kernel, per KV head of a state: its splits' parts and the ``E`` rows kept raw
     (``ek`` / ``ev`` [E, D]: sinks, decoded tokens) in one softmax (base 2), the groups' value
     constants by their masses, the merged lane sums projected back to d (fp32, tf32x3): the
-    normalized output [G, D] and the log-sum-exp (natural) [G]."""
+    normalized output [G, D] and the log-sum-exp (natural) [G]. The splits are read ``SB`` at a time,
+    the groups' constants ``GB`` a product (tf32x3), not one by one."""
     pair = tl.program_id(0)
     n = pair // H
     h = pair % H
@@ -144,30 +151,41 @@ def _finish_kernel(q_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gs_ptr, ptrs, ng_ptr, l
     gm_ = g < G
     j = tl.arange(0, RV)
     dd = tl.arange(0, D)
+    sb = tl.arange(0, SB)
     q = tl.load(q_ptr + (pair * G + g)[:, None] * D + dd[None, :], mask=gm_[:, None], other=0.0)
     q = q.to(tl.float32) * qscale
     top = tl.full([GP], -1.0e30, tl.float32)
-    for s in range(splits):
-        top = tl.maximum(top, tl.load(m_ptr + (pair * splits + s) * GP + g))
+    for s0 in range(0, splits, SB):
+        part = pair * splits + s0 + sb
+        m = tl.load(m_ptr + part[:, None] * GP + g[None, :], mask=(s0 + sb < splits)[:, None], other=-1.0e30)
+        top = tl.maximum(top, tl.max(m, 0))
     for e in range(E):
         k = tl.load(ek_ptr + (pair * E + e) * D + dd).to(tl.float32)
         top = tl.maximum(top, tl.sum(q * k[None, :], 1))
     total = tl.zeros([GP], tl.float32)
     lane = tl.zeros([GP, RV], tl.float32)
-    for s in range(splits):
-        part = pair * splits + s
-        w = tl.exp2(tl.load(m_ptr + part * GP + g) - top)
-        total += w * tl.load(l_ptr + part * GP + g)
-        lane += w[:, None] * tl.load(acc_ptr + (part * GP + g)[:, None] * RV + j[None, :])
+    for s0 in range(0, splits, SB):
+        part = pair * splits + s0 + sb
+        ok = (s0 + sb < splits)[:, None]
+        w = tl.exp2(tl.load(m_ptr + part[:, None] * GP + g[None, :], mask=ok, other=-1.0e30) - top[None, :])
+        total += tl.sum(w * tl.load(l_ptr + part[:, None] * GP + g[None, :], mask=ok, other=0.0), 0)
+        a = tl.load(acc_ptr + ((part[:, None] * GP + g[None, :]) * RV)[:, :, None] + j[None, None, :],
+                    mask=ok[:, :, None], other=0.0)                                        # [SB, GP, RV]
+        lane += tl.sum(w[:, :, None] * a, 0)
     vb = _table(ptrs, n, 7, BASIS) + h * (RV * D)
     basis = tl.load(vb + j[:, None] * D + dd[None, :]).to(tl.float32)
     o = tl.dot(lane, basis, input_precision="tf32x3")
     vk = _table(ptrs, n, 6, tl.float32) + h * ng * D
     live = tl.minimum(tl.cdiv(tl.load(len_ptr + n), GROUP), ng)
-    for gi in range(live):
+    b = tl.arange(0, GB)
+    for g0 in range(0, live, GB):
+        gi = g0 + b
+        ok = (gi < live)[:, None]
         grp = pair * NGMAX + gi
-        mass = tl.load(gs_ptr + grp * GP + g) * tl.exp2(tl.load(gm_ptr + grp * GP + g) - top)
-        o += mass[:, None] * tl.load(vk + gi * D + dd)[None, :]
+        mass = tl.load(gs_ptr + grp[:, None] * GP + g[None, :], mask=ok, other=0.0) * \
+            tl.exp2(tl.load(gm_ptr + grp[:, None] * GP + g[None, :], mask=ok, other=-1.0e30) - top[None, :])  # [GB, GP]
+        const = tl.load(vk + gi[:, None] * D + dd[None, :], mask=ok, other=0.0)              # [GB, D]
+        o += tl.dot(tl.trans(mass), const, input_precision="tf32x3")
     for e in range(E):
         k = tl.load(ek_ptr + (pair * E + e) * D + dd).to(tl.float32)
         p = tl.exp2(tl.sum(q * k[None, :], 1) - top)
@@ -288,6 +306,10 @@ BLOCK, NUM_WARPS, NUM_STAGES = 64, 1, 3
 # those of the one-warp decode program): the state is read once per chunk of tokens, not per token.
 # 16: the decode program's own shape (7 query heads a KV head fill 16 rows with 2 tokens).
 FOLDED_ROWS = 16
+# The small kernels around it read the groups' constants GROUPS_A_PRODUCT at a time (one tensor-core
+# product, not a chain of dependent loads) and the splits' parts up to SPLITS_A_LOAD at a time (fewer
+# where a split's lane sums are wide: 8K values a load).
+GROUPS_A_PRODUCT, SPLITS_A_LOAD = 16, 8
 
 
 def kernel_reads(lanes: Lanes | list[Lanes]) -> bool:
@@ -399,7 +421,7 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
     qscale = scale * LOG2E
     qk, cq = torch.empty(N, H, GP, RK, **f32), torch.empty(N, H, NG, GP, **f32)
     _query_kernel[(N * H,)](qc, plan.ptrs, plan.ngs, qk, cq, qscale, H=H, G=G, GP=GP, NGMAX=NG, RK=RK, D=D,
-                            BASIS=plan.basis_type)
+                            BASIS=plan.basis_type, GB=GROUPS_A_PRODUCT)
     m, lsum = torch.empty(N, H, splits, GP, **f32), torch.empty(N, H, splits, GP, **f32)
     acc = torch.empty(N, H, splits, GP, RV, **f32)
     gm, gs = torch.empty(N, H, NG, GP, **f32), torch.empty(N, H, NG, GP, **f32)
@@ -413,7 +435,8 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
     out, lse = torch.empty(N, Hq, D, **f32), torch.empty(N, Hq, **f32)
     _finish_kernel[(N * H,)](qc, m, lsum, acc, gm, gs, plan.ptrs, plan.ngs, plan.length, extra_k.contiguous(),
                              extra_v.contiguous(), out, lse, qscale, E, splits, H=H, G=G, GP=GP, NGMAX=NG,
-                             GROUP=group, RV=RV, D=D, BASIS=plan.basis_type)
+                             GROUP=group, RV=RV, D=D, BASIS=plan.basis_type,
+                             SB=max(1, min(SPLITS_A_LOAD, 8192 // (GP * RV))), GB=GROUPS_A_PRODUCT)
     return out, lse
 
 

@@ -26,8 +26,12 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 NUM_WARPS, NUM_STAGES = 8, 2     # the partial kernel's launch configuration
-# ... for calls by row (a batch cache's decode steps and prefills): keys a tile, warps, stages
-ROW_BLOCK_N, ROW_WARPS, ROW_STAGES = 64, 8, 2
+# ... for calls by row (a batch cache's steps) whose folded query rows fill one tile of 16 (a decode
+# step, a question of 2 tokens at Qwen2-7B's 7:1 grouping): keys a tile, warps, stages. On the H200 a
+# graphed step of 32 rows x 16K keys took 11.87 ms at (128, 4, 2) against 12.42 ms at the (64, 8, 2) of
+# wider tiles (benchmarks/batch_step_gpu.py --attention-configs). Wider tiles (a question's prefill) keep
+# (64, NUM_WARPS, NUM_STAGES).
+ROW_BLOCK_N, ROW_WARPS, ROW_STAGES = 128, 4, 2
 BY_ROW_BLOCKS_PER_SM = 16
 _SMS: dict[int, int] = {}
 
@@ -141,7 +145,7 @@ def _sms(device: torch.device) -> int:
 def plan(batch: int, hkv: int, rows: int, keys: int, sms: int, block_n: int = 64) -> tuple[int, int, int]:
     """(BLOCK_M, splits, keys per split): enough blocks for one block per SM, each split at least two
     key tiles long and a whole number of tiles; all the folded rows in one tile (up to 128)."""
-    block_m = max(16, min(128, triton.next_power_of_2(rows)))
+    block_m = _block_m(rows)
     tiles_m = triton.cdiv(rows, block_m)
     want = max(1, sms // (batch * hkv * tiles_m))
     splits = max(1, min(want, 128, keys // (2 * block_n)))
@@ -159,6 +163,18 @@ def _merge_width(n_split: int) -> int:
     return max(2, triton.next_power_of_2(n_split))
 
 
+def launch(rows: int, by_row: bool) -> tuple[int, int, int]:
+    """(keys a tile, warps, stages) of a call whose query heads of a KV head and tokens fold into
+    ``rows`` rows: ROW_* by row at one tile of 16 rows, else 64 keys at NUM_WARPS, NUM_STAGES."""
+    if by_row and _block_m(rows) == 16:
+        return ROW_BLOCK_N, ROW_WARPS, ROW_STAGES
+    return 64, NUM_WARPS, NUM_STAGES
+
+
+def _block_m(rows: int) -> int:
+    return max(16, min(128, triton.next_power_of_2(rows)))
+
+
 def _call_plan(batch: int, hkv: int, rows: int, keys: int, device: torch.device, by_row: bool,
                block_n: int) -> tuple[int, int, int]:
     """:func:`plan` as :func:`split_kv_attention` makes it on ``device``: rows of a batch cache get blocks
@@ -168,12 +184,11 @@ def _call_plan(batch: int, hkv: int, rows: int, keys: int, device: torch.device,
     return plan(batch, hkv, rows, keys, sms * (BY_ROW_BLOCKS_PER_SM if by_row else 1), block_n)
 
 
-def row_splits(batch: int, q_heads: int, kv_heads: int, query_len: int, keys: int, device: torch.device,
-               block_n: int | None = None) -> int:
+def row_splits(batch: int, q_heads: int, kv_heads: int, query_len: int, keys: int, device: torch.device) -> int:
     """The chunks a by-row call (``lengths`` given, no ``splits``) cuts ``keys`` into for ``batch``
     sequences: a batch of a new size costs a compile where it lands in a new :func:`compile_variant`."""
-    return _call_plan(batch, kv_heads, (q_heads // kv_heads) * query_len, keys, device, True,
-                      block_n or ROW_BLOCK_N)[1]
+    rows = (q_heads // kv_heads) * query_len
+    return _call_plan(batch, kv_heads, rows, keys, device, True, launch(rows, True)[0])[1]
 
 
 def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -186,8 +201,7 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
     ``mask``: bool [B|1, 1, q, k], True = visible; None = bottom-right causal. A query row that sees no
     key gets zeros. ``splits``: how many chunks the keys are cut into (default: one block per SM, at
-    most 128 chunks; on the CPU, as for 4 SMs); ``block_n``: keys a tile (default 64; by row,
-    ``ROW_BLOCK_N``, launched with ``ROW_WARPS`` warps and ``ROW_STAGES`` stages).
+    most 128 chunks; on the CPU, as for 4 SMs); ``block_n``: keys a tile (default: :func:`launch`'s).
 
     Sequences of different lengths in one buffer (a batch cache): ``rows`` [B] int32, the buffer row
     (first index of key / value, which then may hold more rows than B) sequence b reads; ``lengths``
@@ -207,9 +221,8 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     by_row = lengths is not None
     if by_row and (mask is not None or rows is None or starts is None):
         raise ValueError("lengths come with rows and starts, and without a mask")
-    warps, stages = (ROW_WARPS, ROW_STAGES) if by_row else (NUM_WARPS, NUM_STAGES)
-    if block_n is None:
-        block_n = ROW_BLOCK_N if by_row else 64
+    tile, warps, stages = launch(M, by_row)
+    block_n = block_n or tile
     block_m, n_split, chunk = _call_plan(B, Hkv, M, KL, query.device, by_row, block_n)
     if splits is not None:
         chunk = triton.cdiv(triton.cdiv(KL, max(1, splits)), block_n) * block_n

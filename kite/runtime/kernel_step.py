@@ -144,11 +144,11 @@ class KernelForward:
 
 def _merge_lanes(out, lse, o, s) -> torch.Tensor:
     """Each row's slots (``out`` [B, q, Hq, d], ``lse`` [B, Hq, q]) and the part of its state held
-    beside them (``o`` [B, Hq, q, d], ``s``) in one softmax: [B, q, Hq, d] in ``out``'s dtype."""
-    from kite.kernels.partials import merge
+    beside them (``o`` [B, Hq, q, d], ``s``) in one softmax, written into ``out`` (one kernel:
+    kite.kernels.merge_triton)."""
+    from kite.kernels.merge_triton import merge_into
 
-    merged, _ = merge([(o, s), (out.transpose(1, 2).float(), lse)])
-    return merged.transpose(1, 2).to(out.dtype)
+    return merge_into(out, lse, o.float(), s.float())
 
 
 def _merge_beside(out, lse, q, layer: int, scale: float, beside) -> None:
@@ -474,13 +474,16 @@ class LanesRows:
         from kite.kernels.lanes_triton import LanesPlan, lanes_attend_tokens
 
         t, like, ngmax = self.tables, self.like, self.ngmax
+        gathered: dict[int, dict] = {}    # chunks a row -> every layer's entries, gathered once a forward
 
         def lanes(layer: int, q: torch.Tensor, scale: float):
             def plan_for(chunks: int):
-                # each row `chunks` times in a row (expand, not repeat_interleave: no device sync, so a
-                # captured prefill can take it)
-                entries = rows if chunks == 1 else rows[:, None].expand(-1, chunks).reshape(-1)
-                pick = {name: v[layer].index_select(0, entries) for name, v in t.items()}
+                if chunks not in gathered:
+                    # each row `chunks` times in a row (expand, not repeat_interleave: no device sync, so a
+                    # captured prefill can take it)
+                    entries = rows if chunks == 1 else rows[:, None].expand(-1, chunks).reshape(-1)
+                    gathered[chunks] = {name: v.index_select(1, entries) for name, v in t.items()}
+                pick = {name: v[layer] for name, v in gathered[chunks].items()}
                 return LanesPlan.gathered(like[layer], pick["ptrs"], pick["ngs"], pick["length"], pick["sinks_k"],
                                           pick["sinks_v"], ngmax)
 
