@@ -53,7 +53,6 @@ request a read timeout. Random weights say nothing about answers, only about spe
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import random
@@ -73,11 +72,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from harness import Result, bytes_ms, clock, finish, parse, parser  # noqa: E402
 from harness.floors import bf16_text, flops_ms, hbm_text  # noqa: E402
+from harness.http_clients import ClientProcesses, stream_one  # noqa: E402
 from harness.models import random_words, write_random_qwen2  # noqa: E402
 
 MODES = ("none", "raw", "lanes")
 RUN_ORDER = ("raw", "lanes", "none")   # none, whose every request prefills its document, last: it gets what is left
 QUESTION_WORDS = 16
+CLIENTS_A_PROCESS = 16      # clients one client process drives (harness.http_clients)
 RESERVE_QUESTION = 192      # slots a row reserves for its question (the chat template's tokens included)
 RULES = """version: bench
 rules:
@@ -177,36 +178,6 @@ def alias_states(folder: Path, per_client: list[list[dict]], state_ids: list[str
 
 
 # -- the clients --------------------------------------------------------------------------------
-async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
-    """One streamed completion: status, send-to-first-text and the time of every text event (s from
-    the send), completion tokens, the last event's `kite` object, or the error."""
-    t0 = clock()
-    rec: dict = {"status": "ok", "ttft_s": None, "times_s": [], "tokens": 0, "kite": None, "error": None}
-    async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
-        if r.status_code != 200:
-            text = (await r.aread()).decode("utf-8", "replace")
-            rec.update(status=f"http {r.status_code}", error=text[:300])
-            return rec
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                rec.update(status="error event", error=str(ev["error"])[:300])
-                continue
-            if ev.get("choices") and ev["choices"][0].get("text"):
-                now = clock() - t0
-                rec["times_s"].append(round(now, 5))
-                if rec["ttft_s"] is None:
-                    rec["ttft_s"] = now
-            if "usage" in ev:
-                rec["tokens"] = ev["usage"].get("completion_tokens", 0)
-            if "kite" in ev:
-                rec["kite"] = ev["kite"]
-    rec["total_s"] = clock() - t0
-    return rec
-
-
 async def sample_server(url: str, out: dict, every_s: float = 0.5) -> None:
     """Until cancelled: the longest batch queue, the most device memory NVML saw, the server's torch
     peak, from /metrics and /healthz."""
@@ -231,42 +202,35 @@ async def sample_server(url: str, out: dict, every_s: float = 0.5) -> None:
             await asyncio.sleep(every_s)
 
 
-async def run_round(url: str, per_client: list[list[dict]], deadline: float, read_timeout_s: float) -> tuple[list, dict, float]:
-    """Every client sends its bodies one after another; (records in send order per client, what the
-    sampler saw, wall s). Past ``deadline`` nothing more is sent and what is in flight is cancelled."""
+async def run_round(url: str, per_client: list[list[dict]], deadline: float, read_timeout_s: float,
+                    procs: int) -> tuple[list, dict, float]:
+    """Every client sends its bodies one after another, the clients driven by ``procs`` processes
+    (harness.http_clients: each warms its connections before the clock starts); (every record, by
+    client and send order, what the sampler saw, wall s from the start signal to the last client's end).
+    Past ``deadline`` nothing more is sent and what is in flight is cancelled."""
     seen: dict = {}
-    limits = httpx.Limits(max_connections=len(per_client) + 4, max_keepalive_connections=len(per_client) + 4)
-    timeout = httpx.Timeout(read_timeout_s, connect=30.0)
-    t0 = clock()
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        async def one(ci: int, bodies: list[dict]) -> list[dict]:
-            recs = []
-            for bi, body in enumerate(bodies):
-                left = deadline - clock()
-                base = {"client": ci, "nth": bi, "doc": body.get("_doc")}
-                send = {k: v for k, v in body.items() if not k.startswith("_")}
-                if left <= 0:
-                    recs.append({**base, "status": "not sent"})
-                    continue
-                try:
-                    rec = await asyncio.wait_for(stream_one(client, url, send), timeout=left)
-                except asyncio.TimeoutError:
-                    rec = {"status": "cut at deadline"}
-                except httpx.HTTPError as exc:
-                    rec = {"status": "transport error", "error": f"{type(exc).__name__}: {exc}"[:300]}
-                recs.append({**base, **rec})
-            return recs
-
+    loop = asyncio.get_running_loop()
+    clients = ClientProcesses(url, per_client, deadline, read_timeout_s, procs)
+    try:
+        await loop.run_in_executor(None, clients.start)
         sampler = asyncio.create_task(sample_server(url, seen))
         try:
-            out = await asyncio.gather(*(one(i, b) for i, b in enumerate(per_client)))
+            t0 = clients.go()
+            recs, end = await loop.run_in_executor(None, clients.results)
         finally:
             sampler.cancel()
             try:
                 await sampler
             except asyncio.CancelledError:
                 pass
-    return out, seen, clock() - t0
+    finally:
+        clients.stop()
+    return recs, seen, max(0.0, end - t0)
+
+
+def client_processes(clients: int) -> int:
+    """Processes that drive ``clients`` clients: one per CLIENTS_A_PROCESS, at most half the cores."""
+    return max(1, min(max(1, (os.cpu_count() or 2) // 2), math.ceil(clients / CLIENTS_A_PROCESS)))
 
 
 # -- figures ------------------------------------------------------------------------------------
@@ -461,9 +425,10 @@ def run_mode(mode: str, args, model: Path, work: Path, docs: list[str], info: di
             if state_ids:
                 alias_states(srv.states, bodies, state_ids)
             before = parse_metrics(httpx.get(srv.url + "/metrics", timeout=10).text)
-            recs, seen, wall_s = asyncio.run(run_round(srv.url, bodies, deadline, args.read_timeout_s))
+            recs, seen, wall_s = asyncio.run(run_round(srv.url, bodies, deadline, args.read_timeout_s,
+                                                       client_processes(clients)))
             after = parse_metrics(httpx.get(srv.url + "/metrics", timeout=10).text)
-            flat = [r for rs in recs for r in rs]
+            flat = recs
             s = summarize(flat, seen, wall_s, step_histogram(before, after))
             s["server_phase_mean_ms"] = phase_means(before, after)
             s["records"] = flat

@@ -141,8 +141,8 @@ def _finish_kernel(q_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gs_ptr, ptrs, ng_ptr, l
     """After the stream kernel, per KV head of a state: its splits' parts and the ``E`` rows kept raw
     (``ek`` / ``ev`` [E, D]: sinks, decoded tokens) in one softmax (base 2), the groups' value
     constants by their masses, the merged lane sums projected back to d (fp32, tf32x3): the
-    normalized output [G, D] and the log-sum-exp (natural) [G]. The splits are read ``SB`` at a time,
-    the groups' constants ``GB`` a product (tf32x3), not one by one."""
+    normalized output [G, D] and the log-sum-exp (natural) [G]. The splits' maxima are read ``SB`` at a
+    time, the groups' constants ``GB`` a product (tf32x3), not one by one."""
     pair = tl.program_id(0)
     n = pair // H
     h = pair % H
@@ -164,14 +164,11 @@ def _finish_kernel(q_ptr, m_ptr, l_ptr, acc_ptr, gm_ptr, gs_ptr, ptrs, ng_ptr, l
         top = tl.maximum(top, tl.sum(q * k[None, :], 1))
     total = tl.zeros([GP], tl.float32)
     lane = tl.zeros([GP, RV], tl.float32)
-    for s0 in range(0, splits, SB):
-        part = pair * splits + s0 + sb
-        ok = (s0 + sb < splits)[:, None]
-        w = tl.exp2(tl.load(m_ptr + part[:, None] * GP + g[None, :], mask=ok, other=-1.0e30) - top[None, :])
-        total += tl.sum(w * tl.load(l_ptr + part[:, None] * GP + g[None, :], mask=ok, other=0.0), 0)
-        a = tl.load(acc_ptr + ((part[:, None] * GP + g[None, :]) * RV)[:, :, None] + j[None, None, :],
-                    mask=ok[:, :, None], other=0.0)                                        # [SB, GP, RV]
-        lane += tl.sum(w[:, :, None] * a, 0)
+    for s in range(splits):     # (a split's lane sums [GP, RV] a load: a 3-D tile of several was slower on the H200)
+        part = pair * splits + s
+        w = tl.exp2(tl.load(m_ptr + part * GP + g) - top)
+        total += w * tl.load(l_ptr + part * GP + g)
+        lane += w[:, None] * tl.load(acc_ptr + (part * GP + g)[:, None] * RV + j[None, :])
     vb = _table(ptrs, n, 7, BASIS) + h * (RV * D)
     basis = tl.load(vb + j[:, None] * D + dd[None, :]).to(tl.float32)
     o = tl.dot(lane, basis, input_precision="tf32x3")
@@ -307,8 +304,7 @@ BLOCK, NUM_WARPS, NUM_STAGES = 64, 1, 3
 # 16: the decode program's own shape (7 query heads a KV head fill 16 rows with 2 tokens).
 FOLDED_ROWS = 16
 # The small kernels around it read the groups' constants GROUPS_A_PRODUCT at a time (one tensor-core
-# product, not a chain of dependent loads) and the splits' parts up to SPLITS_A_LOAD at a time (fewer
-# where a split's lane sums are wide: 8K values a load).
+# product, not a chain of dependent loads) and the splits' maxima SPLITS_A_LOAD at a time.
 GROUPS_A_PRODUCT, SPLITS_A_LOAD = 16, 8
 
 
@@ -436,7 +432,7 @@ def lanes_decode(q: torch.Tensor, lanes: Lanes | LanesPlan, scale: float, extra_
     _finish_kernel[(N * H,)](qc, m, lsum, acc, gm, gs, plan.ptrs, plan.ngs, plan.length, extra_k.contiguous(),
                              extra_v.contiguous(), out, lse, qscale, E, splits, H=H, G=G, GP=GP, NGMAX=NG,
                              GROUP=group, RV=RV, D=D, BASIS=plan.basis_type,
-                             SB=max(1, min(SPLITS_A_LOAD, 8192 // (GP * RV))), GB=GROUPS_A_PRODUCT)
+                             SB=SPLITS_A_LOAD, GB=GROUPS_A_PRODUCT)
     return out, lse
 
 
