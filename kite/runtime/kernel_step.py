@@ -474,9 +474,14 @@ class LanesRows:
         from kite.kernels.lanes_triton import LanesPlan, lanes_attend_tokens
 
         t, like, ngmax = self.tables, self.like, self.ngmax
-        gathered: dict[int, dict] = {}    # chunks a row -> every layer's entries, gathered once a forward
+        # chunks a row -> every layer's entries, gathered once a forward: at its first layer, since a
+        # captured step calls this again for every replay's rows (and its capture runs it twice)
+        gathered: dict[int, dict] = {}
 
         def lanes(layer: int, q: torch.Tensor, scale: float):
+            if layer == 0:
+                gathered.clear()
+
             def plan_for(chunks: int):
                 if chunks not in gathered:
                     # each row `chunks` times in a row (expand, not repeat_interleave: no device sync, so a
