@@ -160,12 +160,8 @@ def main(argv=None) -> int:
         sweep = {}
         for n in [int(x) for x in args.splits.split(",")]:
             kernel_step.SPLITS = n or None
-            torch.cuda.empty_cache()
-            dec = engine(model, cfg, args.rows, "kernels, graphed")
-            decode(dec, prefix, args.rows, 2)
-            sweep[n] = Timing.of(decode(dec, prefix, args.rows, args.steps)["steps_ms"]).median_ms
+            sweep[n] = graphed_step_ms(model, cfg, prefix, args)
             print(f"graphed, splits {n or 'planned'}: step {sweep[n]:.2f} ms", flush=True)
-            dec = None
         kernel_step.SPLITS = None
         raw["splits_sweep_ms"] = sweep
     if args.attention_configs:
@@ -179,6 +175,14 @@ def main(argv=None) -> int:
     return finish(res, args)
 
 
+def graphed_step_ms(model, cfg, prefix, args) -> float:
+    """The median graphed step of --rows rows after ``prefix`` on a new engine (its graphs captured first)."""
+    torch.cuda.empty_cache()
+    dec = engine(model, cfg, args.rows, "kernels, graphed")
+    decode(dec, prefix, args.rows, 2)
+    return Timing.of(decode(dec, prefix, args.rows, args.steps)["steps_ms"]).median_ms
+
+
 def attention_sweep(model, cfg, prefix, args) -> dict:
     """The graphed step at --rows with the attention kernel's decode launch set to each configuration
     (keys a tile, warps, stages, blocks an SM): median step ms by configuration."""
@@ -189,12 +193,8 @@ def attention_sweep(model, cfg, prefix, args) -> dict:
     try:
         for text in args.attention_configs.split():
             sa.ROW_BLOCK_N, sa.ROW_WARPS, sa.ROW_STAGES, sa.BY_ROW_BLOCKS_PER_SM = map(int, text.split(","))
-            torch.cuda.empty_cache()
-            dec = engine(model, cfg, args.rows, "kernels, graphed")
-            decode(dec, prefix, args.rows, 2)
-            out[text] = Timing.of(decode(dec, prefix, args.rows, args.steps)["steps_ms"]).median_ms
+            out[text] = graphed_step_ms(model, cfg, prefix, args)
             print(f"graphed, attention {text}: step {out[text]:.2f} ms", flush=True)
-            dec = None
     finally:
         sa.ROW_BLOCK_N, sa.ROW_WARPS, sa.ROW_STAGES, sa.BY_ROW_BLOCKS_PER_SM = default
     return out

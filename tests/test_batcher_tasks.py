@@ -99,16 +99,31 @@ def test_a_closed_batcher_refuses_work(lm):
         b.call(lambda: 1)
 
 
-def test_work_handed_over_together_runs_in_one_call_with_a_result_or_error_each(batcher):
-    """Items of one key handed over before the same step boundary run in one call, in arrival order;
-    each caller gets its own result or exception; other work keeps its place; from the model's thread
-    an item runs alone, at once."""
+def test_requests_are_prepared_together_and_finished_on_the_batch_thread(batcher, lm):
+    """Requests whose preparations wait at the same step boundary are prepared in one call, in arrival
+    order, and join the batch after their results' prefixes; a request whose preparation fails gets
+    its own error and the others go on; ``finish`` runs on the batch's thread with the generation and
+    the preparation, its result on the request (its error fails the request alone)."""
+    from types import SimpleNamespace
+
+    from kite.serve.batcher import Preparation
+
     release = threading.Event()
     calls: list[list] = []
+    where: list = []
+    ids = lm.tokenizer("Once upon a time", add_special_tokens=True)["input_ids"]
+    alone, _ = batcher.generate(ids, None, GenOptions(max_new_tokens=6))
 
     def together(items):
         calls.append(list(items))
-        return [ValueError(f"bad {i}") if i == 2 else i * 10 for i in items]
+        where.append(threading.current_thread())
+        return [ValueError(f"bad {i}") if i == 2 else SimpleNamespace(prefix=None, i=i) for i in items]
+
+    def finish(result, prepared):
+        where.append(threading.current_thread())
+        if prepared.i == 3:
+            raise RuntimeError("feedback failed")
+        return (prepared.i, result.new_tokens)
 
     blocker = threading.Thread(target=lambda: batcher.call(release.wait))
     blocker.start()
@@ -117,26 +132,26 @@ def test_work_handed_over_together_runs_in_one_call_with_a_result_or_error_each(
 
     def ask(i):
         try:
-            results[i] = batcher.call_together("k", i, together)[0]
-        except ValueError as exc:
+            gen, req = batcher.generate(ids, None, GenOptions(max_new_tokens=6),
+                                        prepare=Preparation("k", i, together), finish=finish)
+            results[i] = (gen.text, req.finished, req.prepared.i)
+        except (ValueError, RuntimeError) as exc:
             results[i] = str(exc)
 
     askers = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
-    for t in askers:
+    for n, t in enumerate(askers, 1):
         t.start()
-        wait_until(lambda n=askers.index(t) + 1: len(batcher._tasks) == n, what="the item to be queued")
+        wait_until(lambda n=n: batcher.queue_length == n, what="the request to be queued")
     release.set()
     for t in askers + [blocker]:
-        t.join(timeout=30)
+        t.join(timeout=60)
     assert calls == [[0, 1, 2, 3]]
-    assert results == {0: 0, 1: 10, 2: "bad 2", 3: 30}
-    # from the model's thread: alone, at once
-    assert batcher.call(lambda: batcher.call_together("k", 5, together)[0])[0] == 50
-    assert calls[-1] == [5]
+    assert results == {0: (alone.text, (0, 6), 0), 1: (alone.text, (1, 6), 1), 2: "bad 2", 3: "feedback failed"}
+    assert set(where) == {batcher._thread}
 
     def broken(items):
         raise RuntimeError("the whole group failed")
 
     with pytest.raises(RuntimeError, match="the whole group failed"):
-        batcher.call_together("other", 1, broken)
+        batcher.generate(ids, None, GenOptions(max_new_tokens=2), prepare=Preparation("other", 1, broken))
     assert batcher.call(lambda: "still here")[0] == "still here"

@@ -8,11 +8,13 @@ one token, streamed text goes out through each request's ``on_text``. A sequence
 its row at once. Strict arrival order: a head that does not fit yet waits for rooms to free up, and
 one that can never fit (alone it would pass the KV budget) is refused.
 
-The scheduler's thread is the model's only thread. Everything else that runs the model (an
-upload's upcycle, YOCO's decision and the state's load before a generation, the measured gain after
-it) is handed to it with :meth:`Batcher.call` and runs between two steps, in arrival order; work
-that runs better together (YOCO's pass over the queries of every request that arrived since the last
-step: one forward, not one each) with :meth:`Batcher.call_together`. One
+The scheduler's thread is the model's only thread. A request is one object through it: the work it
+needs before joining (a :class:`Preparation`: YOCO's decision and the state's load, run together for
+every request that arrived since the last step — YOCO's pass over their queries is one forward, not
+one each — then admitted at the same boundary), its rows' steps, and the work after it ends (its
+``finish``: the measured gain), with no hand-back to the request's own thread in between. Other
+model work (an upload's upcycle) is handed over with :meth:`Batcher.call` and runs between two
+steps, in arrival order. One
 thread keeps one OpenMP team: a second thread that runs torch work starts a second team, and
 libgomp, seeing more of its threads than cores, stops letting idle workers spin, so every parallel
 region of every step waits for a worker to wake (on the 2-core dev box a 6-row step in `kite serve` went
@@ -40,22 +42,45 @@ if TYPE_CHECKING:
 
 
 @dataclass(eq=False)
+class Preparation:
+    """Model work a request needs before it joins the batch: the preparations of one ``key`` waiting
+    at a step boundary run in one ``run(items)`` on the model's thread, which gives one result or
+    exception per item, in order; the request joins the batch after the result's ``prefix`` at that
+    same boundary (an exception fails it alone)."""
+
+    key: object
+    item: object
+    run: Callable[[list], list]
+
+
+@dataclass(eq=False)
 class BatchRequest:
-    """One request's way through the batch; ``future`` gets its GenerationResult (or the error)."""
+    """One request's way through the batch; ``future`` gets its GenerationResult (or the error).
+    ``prepare``: its work before it joins (its result in ``prepared``); ``finish(result, prepared)``:
+    its work after its sequence ends, on the model's thread before the future is set (its result in
+    ``finished``)."""
 
     prompt_ids: list[int]
     prefix: ResidentPrefix | None
     opts: object                      # kite.serve.runner.GenOptions
     memory: RowMemory | None = None   # a budgeted request's older tokens (kite.upcycle.BudgetRow)
+    prepare: Preparation | None = None
+    finish: Callable[[object, object], object] | None = None
     future: Future = field(default_factory=Future)
     queued_at: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     handle: int | None = None
     cancelled: bool = False
+    ready: bool = True                # prepared (or nothing to prepare): may join
+    prepared: object = None
+    finished: object = None
+
+    def __post_init__(self) -> None:
+        self.ready = self.prepare is None
 
     @property
     def wait_ms(self) -> float:
-        """Time in the queue before it joined the batch (so far, while it waits)."""
+        """Time from its arrival to joining the batch, its preparation included (so far, while it waits)."""
         end = self.admitted_at if self.admitted_at is not None else time.perf_counter()
         return (end - self.queued_at) * 1e3
 
@@ -79,49 +104,10 @@ class ModelTask:
             self.future.set_exception(exc)
 
 
-@dataclass(eq=False)
-class GroupTask:
-    """One item of work the model's thread runs together with the others of its ``key`` handed over
-    before the same step boundary (:meth:`Batcher.call_together`): ``run(items)`` gives one result or
-    exception per item, in order."""
-
-    key: object
-    item: object
-    run: Callable[[list], list]
-    future: Future = field(default_factory=Future)
-    queued_at: float = field(default_factory=time.perf_counter)
-    started_at: float | None = None
-
-
-def run_tasks(tasks: list) -> None:
-    """Run the work handed over before a step boundary, in arrival order; the items of one group run
-    in one call where the group's first item stands."""
-    done: set = set()
+def run_tasks(tasks: list[ModelTask]) -> None:
+    """Run the work handed over before a step boundary, in arrival order."""
     for task in tasks:
-        if isinstance(task, ModelTask):
-            task.run()
-            continue
-        if task.key in done:
-            continue
-        done.add(task.key)
-        members = [t for t in tasks if isinstance(t, GroupTask) and t.key == task.key
-                   and t.future.set_running_or_notify_cancel()]
-        if not members:
-            continue
-        now = time.perf_counter()
-        for t in members:
-            t.started_at = now
-        try:
-            results = task.run([t.item for t in members])
-            if len(results) != len(members):
-                raise RuntimeError(f"{len(results)} results for {len(members)} items of {task.key!r}")
-        except BaseException as exc:  # noqa: BLE001 - every member gets it
-            results = [exc] * len(members)
-        for t, r in zip(members, results):
-            if isinstance(r, BaseException):
-                t.future.set_exception(r)
-            else:
-                t.future.set_result(r)
+        task.run()
 
 
 class LoopText:
@@ -200,7 +186,7 @@ class Batcher:
         self.decoder = BatchDecoder(lm, max_batch, max_kv_bytes=max_kv_bytes)
         self.decoder.deliver = deliver_to_loops
         self._queue: deque[BatchRequest] = deque()
-        self._tasks: deque[ModelTask | GroupTask] = deque()
+        self._tasks: deque[ModelTask] = deque()
         self._running: dict[int, BatchRequest] = {}
         self._wake = threading.Condition()
         self._closed = False
@@ -225,20 +211,7 @@ class Batcher:
             return fn(), ((t0 - since) * 1e3 if since is not None else 0.0)
         return self._hand_over(ModelTask(fn), since)
 
-    def call_together(self, key, item, run: Callable[[list], list], since: float | None = None) -> tuple[object, float]:
-        """Like :meth:`call`, for work that runs better together: the items of ``key`` handed over
-        before the same step boundary run in one ``run(items)`` (one result or exception per item, in
-        order), e.g. one forward over every newly arrived query instead of one each. (Its result, ms it
-        waited to start.) Called from the model's thread, it runs alone, at once."""
-        if threading.current_thread() is self._thread:
-            t0 = time.perf_counter()
-            (result,) = run([item])
-            if isinstance(result, BaseException):
-                raise result
-            return result, ((t0 - since) * 1e3 if since is not None else 0.0)
-        return self._hand_over(GroupTask(key, item, run), since)
-
-    def _hand_over(self, task: ModelTask | GroupTask, since: float | None) -> tuple[object, float]:
+    def _hand_over(self, task: ModelTask, since: float | None) -> tuple[object, float]:
         """Queue ``task`` for the next step boundary and wait: (its result, ms it waited to start)."""
         if since is not None:
             task.queued_at = since
@@ -252,10 +225,13 @@ class Batcher:
 
     # -- requests ----------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], prefix: ResidentPrefix | None, opts,
-               memory: RowMemory | None = None) -> BatchRequest:
-        """Queue a request; it joins the batch at the next step boundary it fits. ``memory``: where
-        its older tokens go (a memory-budgeted completion: its prompt is fed a chunk a step)."""
-        req = BatchRequest(list(prompt_ids), prefix, opts, memory)
+               memory: RowMemory | None = None, prepare: Preparation | None = None,
+               finish: Callable[[object, object], object] | None = None) -> BatchRequest:
+        """Queue a request; it joins the batch at the next step boundary it fits (its ``prepare`` run
+        first, at that boundary, with the others waiting for theirs). ``memory``: where its older tokens
+        go (a memory-budgeted completion: its prompt is fed a chunk a step). ``finish(result,
+        prepared)``: run on the model's thread when its sequence ends (see :class:`BatchRequest`)."""
+        req = BatchRequest(list(prompt_ids), prefix, opts, memory, prepare, finish)
         if opts.queued_at is not None:
             req.queued_at = opts.queued_at
         with self._wake:
@@ -266,11 +242,13 @@ class Batcher:
         return req
 
     def generate(self, prompt_ids: list[int], prefix: ResidentPrefix | None, opts,
-                 memory: RowMemory | None = None) -> tuple[object, BatchRequest]:
-        """Submit and wait: (GenerationResult, the request). ``opts.on_request(req)``, when set, gets
-        the request first (to :meth:`cancel` it). Cancelled in the batch: stop_reason "cancelled";
-        still queued: concurrent.futures.CancelledError."""
-        req = self.submit(prompt_ids, prefix, opts, memory)
+                 memory: RowMemory | None = None, prepare: Preparation | None = None,
+                 finish: Callable[[object, object], object] | None = None) -> tuple[object, BatchRequest]:
+        """Submit and wait: (GenerationResult, the request: its ``prepared`` and ``finished``).
+        ``opts.on_request(req)``, when set, gets the request first (to :meth:`cancel` it). Cancelled in
+        the batch: stop_reason "cancelled"; still queued: concurrent.futures.CancelledError; its
+        preparation's or finish's error is raised here."""
+        req = self.submit(prompt_ids, prefix, opts, memory, prepare, finish)
         if getattr(opts, "on_request", None) is not None:
             opts.on_request(req)
         return req.future.result(), req
@@ -315,6 +293,7 @@ class Batcher:
             if tasks:
                 self.decoder.flush_text()   # the last step's text does not wait for this work
             run_tasks(tasks)
+            self._prepare_arrivals()
             with self._wake:
                 if not self._queue and not self._running:
                     continue
@@ -334,16 +313,53 @@ class Batcher:
                 cancelled += result.stop_reason == "cancelled"
                 req = self._running.pop(handle, None)
                 if req is not None and not req.future.done():
-                    req.future.set_result(result)
+                    self._finish(req, result)
             self.cancelled += cancelled
             if self.on_step is not None:
                 self.on_step(self.queue_length, ran, cancelled, took, self.decoder.last_step)
 
+    def _prepare_arrivals(self) -> None:
+        """Run the preparations of every queued request that has not had its own, one ``run`` per key
+        (in order of each key's first request); a request whose preparation failed leaves the queue
+        with its error."""
+        with self._wake:
+            todo = [r for r in self._queue if not r.ready]
+        groups: dict = {}
+        for r in todo:
+            groups.setdefault(r.prepare.key, []).append(r)
+        for reqs in groups.values():
+            try:
+                results = reqs[0].prepare.run([r.prepare.item for r in reqs])
+                if len(results) != len(reqs):
+                    raise RuntimeError(f"{len(results)} results for {len(reqs)} preparations")
+            except BaseException as exc:  # noqa: BLE001 - every member gets it
+                results = [exc] * len(reqs)
+            for r, result in zip(reqs, results):
+                if isinstance(result, BaseException):
+                    with self._wake:
+                        if r in self._queue:
+                            self._queue.remove(r)
+                    if not r.future.done():
+                        r.future.set_exception(result)
+                    continue
+                r.prepared, r.prefix, r.ready = result, getattr(result, "prefix", None), True
+
+    def _finish(self, req: BatchRequest, result) -> None:
+        """A request whose sequence ended: its ``finish`` (the error fails it), then its result."""
+        if req.finish is not None:
+            try:
+                req.finished = req.finish(result, req.prepared)
+            except Exception as exc:  # noqa: BLE001 - the request gets it
+                req.future.set_exception(exc)
+                return
+        req.future.set_result(result)
+
     def _admit(self) -> None:
-        """Move the queue's head into the batch while it fits (arrival order)."""
+        """Move the queue's head into the batch while it fits (arrival order); a head whose preparation
+        has not run yet waits for the next boundary."""
         while True:
             with self._wake:
-                if not self._queue:
+                if not self._queue or not self._queue[0].ready:
                     return
                 req = self._queue[0]
                 o = req.opts

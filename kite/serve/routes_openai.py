@@ -32,10 +32,10 @@ def _apply_stops(text: str, stops: list[str], stop_reason: str) -> tuple[str, st
 
 
 async def _prepare(request: Request, body, chat: bool):
-    """Resolve the state (upcycling a document first), the prompt's ids and generation options, in the
-    view of the request's tenant (kite.serve.tenants)."""
+    """Resolve the state (upcycling a document first) to its file, the prompt's ids and generation
+    options, in the view of the request's tenant (kite.serve.tenants)."""
     srv = scoped(request)
-    state_id = upcycled = None
+    state_id = upcycled = path = None
     if body.kite is not None:
         if body.kite.document is not None:
             upcycled = await on_model(srv, srv.runner.upcycle, body.kite.document, None, body.kite.name or "-")
@@ -43,7 +43,7 @@ async def _prepare(request: Request, body, chat: bool):
             state_id = upcycled.summary.id
         else:
             state_id = body.kite.state
-            srv.store.usable(state_id)  # a bad, unknown or quarantined id is refused before any work
+        path = srv.store.usable(state_id)  # a bad, unknown or quarantined id is refused before any work
     limit = srv.settings.max_tokens_limit
     max_new = body.max_completion_tokens or body.max_tokens or srv.settings.default_max_tokens
     if max_new > limit:
@@ -61,7 +61,7 @@ async def _prepare(request: Request, body, chat: bool):
         raise BadInput("the prompt is empty")
     opts = GenOptions(max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                       queued_at=time.perf_counter())
-    return srv, state_id, upcycled, prompt_ids, query, opts
+    return srv, (state_id, path), upcycled, prompt_ids, query, opts
 
 
 def _usage(answer) -> dict:
@@ -99,14 +99,14 @@ async def _respond(request: Request, body, chat: bool):
     refusal = _unknown_model(request.app.state.kite, body.model)
     if refusal is not None:
         return refusal
-    srv, state_id, upcycled, prompt_ids, query, opts = await _prepare(request, body, chat)
+    srv, (state_id, path), upcycled, prompt_ids, query, opts = await _prepare(request, body, chat)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": srv.runner.model_name}
     if body.stream:
-        return StreamingResponse(_stream(srv, head, chat, prompt_ids, query, state_id, opts, upcycled),
+        return StreamingResponse(_stream(srv, head, chat, prompt_ids, query, state_id, path, opts, upcycled),
                                  media_type="text/event-stream", headers={"cache-control": "no-cache"})
-    answer = await on_model(srv, srv.runner.answer, prompt_ids, query, state_id, opts)
+    answer = await on_model(srv, srv.runner.answer, prompt_ids, query, state_id, opts, path)
     srv.metrics.observe_answer(answer)
     text, finish = _apply_stops(answer.generation.text, body.stops, answer.generation.stop_reason)
     kite = _kite(srv, answer, upcycled)
@@ -114,7 +114,7 @@ async def _respond(request: Request, body, chat: bool):
     return {**head, "choices": [_choice(chat, text, finish)], "usage": _usage(answer), "kite": kite}
 
 
-async def _stream(srv, head, chat, prompt_ids, query, state_id, opts, upcycled):
+async def _stream(srv, head, chat, prompt_ids, query, state_id, path, opts, upcycled):
     """Server-sent events: one chunk per piece of decoded text, then a last chunk with the finish
     reason, usage and the `kite` object, then `data: [DONE]`. (`stop` strings are not applied
     to a stream: the text has already gone out.)"""
@@ -124,7 +124,7 @@ async def _stream(srv, head, chat, prompt_ids, query, state_id, opts, upcycled):
     leaving = Leaving(srv.runner.batcher)   # a client that goes away is cancelled at the next step
     opts.on_request = leaving.attach
     obj = "chat.completion.chunk" if chat else "text_completion"
-    task = asyncio.ensure_future(on_model(srv, srv.runner.answer, prompt_ids, query, state_id, opts))
+    task = asyncio.ensure_future(on_model(srv, srv.runner.answer, prompt_ids, query, state_id, opts, path))
     task.add_done_callback(lambda _: loop.call_soon(queue.put_nowait, None))
 
     def event(choice: dict, **extra) -> str:

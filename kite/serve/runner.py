@@ -1,10 +1,11 @@
 """The one model a server runs, and everything that touches it: upcycling uploads and answering.
 
 Generations decode together in the continuous batch (:mod:`kite.serve.batcher`), whose thread is
-the model's only thread: everything else that runs the model (an upload's upcycle, YOCO's decision
-and the state's load before a generation, the measured gain after it) is handed to that thread
-(``Batcher.call``) and runs between two steps, first come, first served. Routes call these from
-worker threads, which keeps the event loop free for admin, health and metrics.
+the model's only thread. A completion about a state is one request there: YOCO's decision and the
+state's load (its Preparation, with every request that arrived since the last step), its steps, and
+the measured gain when it ends (its finish). Other model work (an upload's upcycle) is handed to that
+thread (``Batcher.call``) and runs between two steps, first come, first served. Routes call these
+from worker threads, which keeps the event loop free for admin, health and metrics.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from kite.errors import BadInput
@@ -109,8 +111,6 @@ class ModelRunner:
     def model_names(self) -> tuple[str, ...]:
         """The names a request's `model` may give: the model as `--model` named it, and its short
         name (the folder's name, the .gguf file's stem, the embedded model's name)."""
-        from pathlib import Path
-
         spec = self.model_name
         short = Path(spec).stem if spec.endswith(".gguf") else Path(spec).name
         return tuple(dict.fromkeys(n for n in (spec, short) if n))
@@ -174,38 +174,41 @@ class ModelRunner:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    def answer(self, prompt_ids: list[int], query: str, state_id: str | None, opts: GenOptions) -> Answer:
-        """Generate after `prompt_ids` in the batch; with a state, through YOCO's fused loop (decide
-        and load first, record the measured gain in the health store after). With the KV budget on,
-        a completion without a state joins the batch with its older tokens coded (docs/kv-budget.md)."""
+    def answer(self, prompt_ids: list[int], query: str, state_id: str | None, opts: GenOptions,
+               path: Path | None = None) -> Answer:
+        """Generate after `prompt_ids` in the batch; with a state, through YOCO's fused loop as one
+        request on the batch's thread: decided and loaded at the step boundary it joins at (with every
+        request that arrived since the last step), the measured gain recorded in the health store when
+        it ends. ``path``: the state's file when the caller resolved ``state_id`` already
+        (StateStore.usable). With the KV budget on, a completion without a state joins the batch with
+        its older tokens coded (docs/kv-budget.md)."""
+        from kite.serve.batcher import Preparation
         from kite.yoco.fused import finish
 
-        path = self.store.usable(state_id) if state_id is not None else None
-        if path is None and self.kv_budget is not None:
-            return self._budgeted(prompt_ids, opts)
-        prepared, ruleset, wait = None, None, 0.0
-        if path is not None:
-            ruleset = self.rules.current  # one read: the set that decides this request
-
-            prepared, wait = self.batcher.call_together("decide", (query, state_id, path, ruleset),
-                                                        self._decide_together, since=opts.queued_at)
-            opts.queued_at = time.perf_counter()
-        gen, req = self.batcher.generate(prompt_ids, prepared.prefix if prepared else None, opts)
-        wait += req.wait_ms
-        if prepared is None:
-            return Answer(gen, wait_ms=wait)
-        fused, _ = self.batcher.call_together(
-            "feedback", lambda: finish(self.lm, prepared, prompt_ids, gen, health=self.health), _each)
+        if path is None and state_id is not None:
+            path = self.store.usable(state_id)
+        if path is None:
+            if self.kv_budget is not None:
+                return self._budgeted(prompt_ids, opts)
+            gen, req = self.batcher.generate(prompt_ids, None, opts)
+            return Answer(gen, wait_ms=req.wait_ms)
+        ruleset = self.rules.current  # one read: the set that decides this request
+        gen, req = self.batcher.generate(
+            prompt_ids, None, opts, prepare=Preparation("decide", (query, state_id, path, ruleset), self._decide_together),
+            finish=lambda result, prepared: finish(self.lm, prepared, prompt_ids, result, health=self.health))
+        fused = req.finished
+        own = fused.timings_ms.get("signals_and_decision", 0.0) + fused.timings_ms.get("load", 0.0)
         skipped = None if self.kv_budget is None else {
             "applied": False, "reason": "a state was named: its KV is loaded as the state's own compressed prefix"}
-        return Answer(gen, fused, state_id, {"version": ruleset.version, "sha256": ruleset.sha256}, wait_ms=wait,
-                      kv_budget=skipped)
+        return Answer(gen, fused, state_id, {"version": ruleset.version, "sha256": ruleset.sha256},
+                      wait_ms=max(0.0, req.wait_ms - own), kv_budget=skipped)
 
     def _decide_together(self, items: list) -> list:
-        """On the model's thread: the model's pass over the queries of every request that arrived
-        since the last step, in one forward (kite.yoco.intent.query_signals), then for each request in
-        arrival order YOCO's decision and the load it asks for (through the prefix cache); a Prepared
-        or the exception for each (a request's own error, a bad state, fails it alone)."""
+        """On the model's thread (a request's Preparation): the model's pass over the queries of every
+        request that arrived since the last step, in one forward (kite.yoco.intent.query_signals), then
+        for each request in arrival order YOCO's decision and the load it asks for (through the prefix
+        cache); a Prepared (its ``prefix`` what the request joins the batch after) or the exception for
+        each (a request's own error, a bad state, fails it alone)."""
         from kite.yoco.intent import query_signals
 
         t0 = time.perf_counter()
