@@ -155,3 +155,44 @@ def test_requests_are_prepared_together_and_finished_on_the_batch_thread(batcher
     with pytest.raises(RuntimeError, match="the whole group failed"):
         batcher.generate(ids, None, GenOptions(max_new_tokens=2), prepare=Preparation("other", 1, broken))
     assert batcher.call(lambda: "still here")[0] == "still here"
+
+
+def test_a_step_that_fails_beyond_repair_stops_the_thread_and_fails_every_request_in_one_line(lm):
+    """A step fails and so does its clean-up (as on a GPU whose context an illegal memory access
+    broke): the request in the batch, the ones queued and handed-over work all get ModelStopped
+    instead of waiting forever, and so does everything after."""
+    from kite.serve.batcher import ModelStopped
+
+    b = Batcher(lm, max_batch=1)
+    try:
+        ids = lm.tokenizer("Once upon a time", add_special_tokens=True)["input_ids"]
+
+        def broken(*a, **k):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore detail")
+
+        b.decoder.step = broken
+        b.decoder.cancel = broken
+        errors: dict = {}
+
+        def ask(i):
+            try:
+                b.generate(ids, None, GenOptions(max_new_tokens=4))
+            except ModelStopped as exc:
+                errors[i] = str(exc)
+
+        askers = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+        for t in askers:
+            t.start()
+        for t in askers:
+            t.join(timeout=30)
+        assert not any(t.is_alive() for t in askers)
+        assert len(errors) == 3
+        msg = errors[0]
+        assert "\n" not in msg and "RuntimeError: CUDA error: an illegal memory access" in msg and "restart" in msg
+        with pytest.raises(ModelStopped, match="illegal memory access"):
+            b.generate(ids, None, GenOptions(max_new_tokens=2))
+        with pytest.raises(ModelStopped):
+            b.call(lambda: 1)
+        assert b.stopped is not None
+    finally:
+        b.close()

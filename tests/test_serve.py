@@ -390,6 +390,34 @@ def test_metrics_and_healthz(live):
     assert loads >= 1
 
 
+def test_a_model_thread_that_stops_answers_503_in_one_line_and_healthz_says_so(lm, tmp_path):
+    """A step that fails beyond repair (its clean-up fails too, as after a GPU's illegal memory access)
+    stops the model's thread: the request in flight gets a 503 naming the error, later ones too (a
+    stream is refused before its status line), and /healthz answers 503 with it, so whatever watches
+    the server restarts it."""
+    server, app, _ = _start(lm, _settings(tmp_path, fusion=True), tmp_path)
+    try:
+        c = httpx.Client(base_url=server.url, timeout=60)
+        assert c.get("/healthz").status_code == 200
+        decoder = app.state.kite.runner.batcher.decoder
+
+        def broken(*a, **k):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        decoder.step = decoder.cancel = broken
+        r = c.post("/v1/completions", json={"prompt": " Hello", "max_tokens": 2})
+        assert r.status_code == 503, r.text
+        assert "illegal memory access" in r.json()["error"]["message"]
+        assert "\n" not in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": " Hello again", "max_tokens": 2, "stream": True})
+        assert r.status_code == 503 and "model's thread stopped" in r.json()["error"]["message"]
+        h = c.get("/healthz")
+        assert h.status_code == 503 and h.json()["ok"] is False and "illegal memory access" in h.json()["error"]
+        c.close()
+    finally:
+        server.stop()
+
+
 def _metric(client, name: str, **labels) -> float:
     """One sample of /metrics (0 when the series does not exist yet)."""
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))  # the exposition sorts labels

@@ -25,6 +25,7 @@ row is one contiguous block per layer (docs/serving.md).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -32,13 +33,21 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from kite.errors import BadInput
+from kite.errors import BadInput, KiteError
 from kite.runtime.batch_decode import BatchDecoder
 from kite.runtime.resident import ResidentPrefix
 from kite.runtime.row_memory import RowMemory
 
 if TYPE_CHECKING:
     from kite.model import LoadedModel
+
+_log = logging.getLogger("kite.serve")
+
+
+class ModelStopped(KiteError):
+    """The model's thread stopped on an error it could not recover from (a failed step whose clean-up
+    failed too, e.g. a GPU whose context an illegal memory access broke): every request waiting on it
+    and every later one gets this, and the server's /healthz answers 503, until it is restarted."""
 
 
 @dataclass(eq=False)
@@ -190,6 +199,7 @@ class Batcher:
         self._running: dict[int, BatchRequest] = {}
         self._wake = threading.Condition()
         self._closed = False
+        self.stopped: ModelStopped | None = None    # set when the model's thread could not go on
         self._thread = threading.Thread(target=self._loop, name="kite-batcher", daemon=True)
         self.steps = 0
         self.cancelled = 0     # sequences dropped because their clients left (queued or decoding)
@@ -216,6 +226,8 @@ class Batcher:
         if since is not None:
             task.queued_at = since
         with self._wake:
+            if self.stopped is not None:
+                raise ModelStopped(str(self.stopped))
             if self._closed:
                 raise RuntimeError("the server is shutting down")
             self._tasks.append(task)
@@ -235,6 +247,8 @@ class Batcher:
         if opts.queued_at is not None:
             req.queued_at = opts.queued_at
         with self._wake:
+            if self.stopped is not None:
+                raise ModelStopped(str(self.stopped))
             if self._closed:
                 raise RuntimeError("the batcher is closed")
             self._queue.append(req)
@@ -282,6 +296,28 @@ class Batcher:
 
     # -- the scheduler -----------------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._schedule()
+        except BaseException as exc:  # noqa: BLE001 - the thread cannot go on: nobody may wait on it
+            self._stop(exc)
+
+    def _stop(self, exc: BaseException) -> None:
+        """The model's thread ends on ``exc``: every queued, running and handed-over request fails with
+        :class:`ModelStopped` (one line naming the error), and so does every later one."""
+        first = (str(exc).strip().splitlines() or [""])[0]
+        err = ModelStopped(f"the model's thread stopped on {type(exc).__name__}: {first} (restart the server)")
+        _log.error("the model's thread stopped", exc_info=exc)
+        with self._wake:
+            self.stopped, self._closed = err, True
+            pending = list(self._queue) + list(self._running.values()) + list(self._tasks)
+            self._queue.clear()
+            self._tasks.clear()
+            self._running.clear()
+        for req in pending:
+            if not req.future.done():
+                req.future.set_exception(ModelStopped(str(err)))
+
+    def _schedule(self) -> None:
         while True:
             with self._wake:
                 while not self._closed and not self._queue and not self._running and not self._tasks:
@@ -389,7 +425,8 @@ class Batcher:
                 self.decoder.cancel(handle)
 
     def _fail_running(self, exc: BaseException) -> None:
-        """A step failed: every request in the batch gets the error, their rows are freed."""
+        """A step failed: every request in the batch gets the error, their rows are freed. (When this
+        fails too, the thread stops: :meth:`_stop`.)"""
         for handle, req in list(self._running.items()):
             self.decoder.cancel(handle)
             if not req.future.done():

@@ -17,7 +17,7 @@ log = logging.getLogger("kite.serve")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 409: "conflict_error", 413: "request_too_large", 422: "unprocessable_entity",
-          500: "server_error"}
+          500: "server_error", 503: "service_unavailable"}
 
 
 def error_response(status: int, message: str, headers: dict | None = None, **extra) -> JSONResponse:
@@ -27,10 +27,11 @@ def error_response(status: int, message: str, headers: dict | None = None, **ext
 
 def status_of(exc: KiteError) -> int:
     """The HTTP status a KITE error maps to."""
+    from kite.serve.batcher import ModelStopped
     from kite.yoco.rules import RuleSetError
 
     for cls, status in ((StateNotFound, 404), (StateExists, 409), (FingerprintMismatch, 409),
-                        (RuleSetError, 422), (StateUnusable, 422), (BadInput, 400)):
+                        (RuleSetError, 422), (StateUnusable, 422), (BadInput, 400), (ModelStopped, 503)):
         if isinstance(exc, cls):
             return status
     return 500
