@@ -9,8 +9,10 @@ gpu_speed.py) with a tokenizer written beside it (no hub download: a small byte-
 on generated contracts plus ``<tN>`` tokens up to the vocabulary; a document is T random ``<tN>``,
 exactly T tokens) to a temporary folder. Then, for each mode, it
 starts `kite serve` on it in a subprocess (127.0.0.1, a free port, /healthz polled until it answers,
-stopped after) and lets C clients (asyncio + httpx, streamed /v1/completions, greedy) each ask new
-questions (16 random tokens) about one of the documents, for every C of --clients:
+stopped after) and lets C clients (asyncio + httpx, streamed /v1/completions, greedy; driven by
+processes of up to 16 clients each, their connections opened before the clock starts:
+harness/http_clients.py) each ask new questions (16 random tokens) about one of the documents, for
+every C of --clients:
 
 * ``none``: no KITE: the document is inside the prompt, so every request prefills it (raw KV, no
   --kv-budget-tokens); its server takes --none-max-batch rows at once (default --max-batch, within
