@@ -274,9 +274,23 @@ def phase_means(before, after) -> dict[str, float | None]:
     return out
 
 
+def server_ttft_ms(rec: dict) -> float | None:
+    """A request's TTFT inside the server, from the route's arrival stamp to its first token: its wait
+    (arrival to joining the batch, less its own signals and load), its signals and load, and the
+    generation's TTFT from joining (the response's `kite` object); None without one."""
+    k = rec.get("kite") or {}
+    g = k.get("generation") or {}
+    if k.get("wait_ms") is None or g.get("ttft_ms") is None:
+        return None
+    t = k.get("timings_ms") or {}
+    return k["wait_ms"] + t.get("signals_and_decision", 0.0) + t.get("load", 0.0) + g["ttft_ms"]
+
+
 def summarize(recs: list[dict], seen: dict, wall_s: float, steps: dict) -> dict:
     ok = [r for r in recs if r["status"] == "ok"]
     ttft = [r["ttft_s"] * 1e3 for r in ok if r.get("ttft_s") is not None]
+    inside = [(r["ttft_s"] * 1e3, server_ttft_ms(r)) for r in ok if r.get("ttft_s") is not None]
+    inside = [(client, server) for client, server in inside if server is not None]
     gaps = [(b - a) * 1e3 for r in ok for a, b in zip(r["times_s"], r["times_s"][1:])]
     waits = [r["kite"]["wait_ms"] for r in ok if r.get("kite") and r["kite"].get("wait_ms") is not None]
     counts: dict[str, int] = {}
@@ -294,6 +308,10 @@ def summarize(recs: list[dict], seen: dict, wall_s: float, steps: dict) -> dict:
          "tokens_per_s": round(sum(r["tokens"] for r in ok) / wall_s, 2) if ok and wall_s > 0 else None,
          "ttft_p50_ms": round(quantile(ttft, 0.5), 2) if ttft else None,
          "ttft_p99_ms": round(quantile(ttft, 0.99), 2) if ttft else None,
+         # the same TTFT split: inside the server (arrival to first token) and outside it (the HTTP
+         # request's way in, the first text's way out, the client)
+         "ttft_in_server_p50_ms": round(quantile([s for _, s in inside], 0.5), 2) if inside else None,
+         "ttft_outside_server_p50_ms": round(quantile([c - s for c, s in inside], 0.5), 2) if inside else None,
          "inter_token_p50_ms": round(quantile(gaps, 0.5), 3) if gaps else None,
          "wait_p50_ms": round(quantile(waits, 0.5), 2) if waits else None,
          "wait_max_ms": round(max(waits), 2) if waits else None,
@@ -436,7 +454,8 @@ def run_mode(mode: str, args, model: Path, work: Path, docs: list[str], info: di
             s["records"] = flat
             out["rounds"][str(clients)] = s
             log(f"{mode}: {clients} clients x {per_client}: {s['ok']}/{s['requests']} ok {s['by_status']}, "
-                f"{s['tokens_per_s']} tok/s, TTFT p50 {s['ttft_p50_ms']} ms p99 {s['ttft_p99_ms']} ms, "
+                f"{s['tokens_per_s']} tok/s, TTFT p50 {s['ttft_p50_ms']} ms p99 {s['ttft_p99_ms']} ms "
+                f"(p50 in the server {s['ttft_in_server_p50_ms']} ms, outside {s['ttft_outside_server_p50_ms']} ms), "
                 f"step {s['step_mean_ms']} ms at {s['step_rows']} rows, {wall_s:.1f} s", t0)
             bad = [r for r in flat if r["status"] not in ("ok", "not sent", "cut at deadline")]
             if bad:
