@@ -50,6 +50,14 @@ def test_the_cpu_smoke_run_serves_both_modes_and_writes_every_row(tmp_path):
     assert runs["raw"]["rounds"]["4"]["loads_from_prefix_cache"] == 4     # every document asked about once before
     assert [s["tokens"] for s in runs["raw"]["states"]] == [256, 256]
     assert {r["doc"] for r in recs} == {0, 1}
+    # every request's TTFT splits into the server's part and the rest, which the client's part bounds
+    for r in recs:
+        k = r["kite"]
+        inside = k["wait_ms"] + k["timings_ms"]["signals_and_decision"] + k["timings_ms"]["load"] + \
+            k["generation"]["ttft_ms"]
+        assert 0 < inside <= r["ttft_s"] * 1e3
+    round4 = runs["raw"]["rounds"]["4"]
+    assert 0 < round4["ttft_in_server_p50_ms"] and round4["ttft_outside_server_p50_ms"] >= 0
 
 
 @pytest.mark.parametrize("flags, says", [(["--modes", "vllm"], "--modes 'vllm'"),
