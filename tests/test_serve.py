@@ -271,6 +271,29 @@ def test_delete_state(live):
     assert _ask(c, sid).status_code == 404
 
 
+def test_a_states_file_is_opened_once_per_version_and_forgotten_when_it_goes(live):
+    """Questions about an unchanged state reuse its open file (its header parsed once); a state
+    uploaded again under its id (a new file) is opened again and answers from the new one; a deleted
+    one is refused (404) and its file no longer kept."""
+    c = live["client"]
+    kept = live["app"].state.kite.runner.open_states
+    sid = _upload(c, DOC + " Payment is due monthly.", id="kept-open")
+    assert _ask(c, sid).status_code == 200
+    opened, reused = kept.opened, kept.reused
+    for _ in range(3):
+        assert _ask(c, sid).status_code == 200
+    assert (kept.opened, kept.reused) == (opened, reused + 3)
+    r = c.post("/v1/states", json={"document": DOC + " Rent rises yearly by two percent.", "id": sid, "overwrite": True})
+    assert r.status_code in (200, 201), r.text
+    tokens = r.json()["tokens"]
+    answer = _ask(c, sid)
+    assert answer.status_code == 200 and kept.opened == opened + 1
+    assert answer.json()["kite"]["load"]["tokens"] == tokens     # read from the new file
+    assert c.delete(f"/v1/states/{sid}").status_code == 200
+    assert _ask(c, sid).status_code == 404
+    assert not any(sid in k for k in kept._open)
+
+
 # -- admin -------------------------------------------------------------------------------------
 
 def test_bad_reload_is_refused_while_requests_keep_succeeding(live):

@@ -40,7 +40,7 @@ async def get_state(request: Request, state_id: str):
 @router.delete("/v1/states/{state_id}")
 async def delete_state(request: Request, state_id: str):
     srv = scoped(request)
-    srv.store.delete(state_id)
+    await on_model(srv, srv.runner.delete, state_id)
     if srv.health is not None:
         srv.health.reset(state_id)
     return {"id": state_id, "deleted": True}

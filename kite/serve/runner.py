@@ -94,14 +94,19 @@ class ModelRunner:
         self.settings, self.rules, self.store = settings, rules, store
         self.health, self.novelty, self.sampler = health, novelty, sampler
         self.kv_budget = settings.budget_settings(self.lm.geometry.context_length)
+        from kite.serve.open_states import OpenStates
+
         self.prefixes = PrefixCache(settings.prefix_cache_bytes, settings.resident, settings.lane_bits)   # loaded states, for the next question
+        self.open_states = OpenStates()   # their files, open once per version
         self.batcher = Batcher(self.lm, max_batch=settings.max_batch, max_kv_bytes=settings.batch_kv_bytes,
                                reserve_tokens=settings.batch_reserve_tokens,
                                on_step=on_step)
 
     def close(self) -> None:
-        """Stop the batch's scheduler (requests still in it fail with a shutdown error)."""
+        """Stop the batch's scheduler (requests still in it fail with a shutdown error), then close the
+        state files kept open."""
         self.batcher.close()
+        self.open_states.close()
 
     @property
     def model_name(self) -> str:
@@ -150,7 +155,9 @@ class ModelRunner:
         def compress():
             if not explicit and reusable():  # the same document, upcycled while we waited
                 return None
-            return self.pipeline.compress(document, path, source_name=name, tenant=self.tenant)
+            result = self.pipeline.compress(document, path, source_name=name, tenant=self.tenant)
+            self.open_states.forget(path)   # a file replaced under its path: its old one is let go now
+            return result
 
         result, _ = self.batcher.call(compress)
         if result is None:
@@ -161,6 +168,13 @@ class ModelRunner:
             self.health.reset(sid)  # a new document under an old id: its old record means nothing
         return Upcycled(self.store.summary(sid), created=True, timings_ms=result.timings_ms,
                         raw_kv_bytes=result.raw_kv_bytes)
+
+    def delete(self, state_id: str) -> None:
+        """Delete a state's file, and close it where it is kept open (on the model's thread, which
+        reads it; an unlinked file kept open would hold its disk space)."""
+        path = self.store.existing(state_id)
+        self.store.delete(state_id)
+        self.batcher.call(lambda: self.open_states.forget(path))
 
     # -- answering --------------------------------------------------------------------------
     def encode(self, prompt: str, after_state: bool) -> list[int]:
@@ -218,8 +232,10 @@ class ModelRunner:
 
     def _decide_and_load(self, query: str, state_id: str, path, ruleset, signals, signals_ms: float = 0.0):
         """YOCO decides (kite.yoco.fused.decide_request); the engine loads what it chose through the
-        prefix cache. The state is opened and loaded under the quarantine (a reader's refusal
-        quarantines it: StateUnusable); one quarantined while this request waited is refused unread."""
+        prefix cache. The state's file is opened under the quarantine once per version of it
+        (kite.serve.open_states: the next request about an unchanged file reuses its header) and loaded
+        under it (a reader's refusal quarantines it: StateUnusable); one quarantined while this request
+        waited is refused unread."""
         from kite.upcycle import StateFile, path_version
         from kite.yoco.fused import decide_request, load_args
 
@@ -228,10 +244,15 @@ class ModelRunner:
         try:
             version = path_version(path)
         except OSError:
+            self.open_states.forget(path)
             raise StateNotFound(f"no state {state_id!r} (list them with GET /v1/states)") from None
-        with quarantine.reading(state_id, path, version):
-            state = StateFile(path)
-        with state:
+
+        def opened():
+            with quarantine.reading(state_id, path, version):
+                return StateFile(path)
+
+        state = self.open_states.get(path, version, opened)
+        try:
             prepared = decide_request(self.lm, self.tagger, ruleset, state, query, health=self.health,
                                       novelty=self.novelty, sampler=self.sampler,
                                       min_hit_gain=self.settings.min_hit_gain, state_id=state_id, signals=signals,
@@ -242,6 +263,9 @@ class ModelRunner:
                     prefix, report = self.prefixes.load(state, self.lm,
                                                         **load_args(prepared.plan, prepared.query.query_label))
                 prepared.loaded(prefix, report, (time.perf_counter() - t0) * 1e3)
+        except Exception:
+            self.open_states.forget(path)   # a state that failed is opened afresh next time
+            raise
         return prepared
 
     def _budgeted(self, prompt_ids: list[int], opts: GenOptions) -> Answer:
