@@ -1,7 +1,8 @@
 """What every script under benchmarks/ shares: one timer (:mod:`.timing`), one flag parser base
 (:mod:`.flags`), the hardware floors (:mod:`.floors`: the library's GPU table, this CPU measured) and the result
 writer (:mod:`.results`: one JSON envelope per run under benchmarks/results/, an index line, every
-row printed with its ratio to its baseline and to its floor).
+row printed with its ratio to its baseline and to its floor); a serving benchmark's many streaming
+clients in several processes (:mod:`.http_clients`, run as a script by its parent: no torch).
 
 A benchmark script::
 
