@@ -1,8 +1,8 @@
 """Many streaming clients of a server for a serving benchmark, driven by several processes.
 
 One Python event loop driving a hundred streamed completions through httpx is itself the bottleneck:
-on the dev box the first burst of 158 requests on fresh connections took 0.8 s just to send, and the
-clients' share of a round's TTFT grows with their number. So a round's clients are split over
+a first burst of that many requests on fresh connections takes it a large part of a second just to
+send, and the clients' share of a round's TTFT grows with their number. So a round's clients are split over
 processes (this file run as a script: it imports httpx, not torch), each with its own event loop and
 its own connections, opened and used twice (GET /healthz) before the round's clock starts; they all
 start on one signal, and every request is timed from its own send.

@@ -29,8 +29,9 @@ NUM_WARPS, NUM_STAGES = 8, 2     # the partial kernel's launch configuration
 # ... for calls by row (a batch cache's steps) whose folded query rows fill one tile of 16 (a decode
 # step, a question of 2 tokens at Qwen2-7B's 7:1 grouping): keys a tile, warps, stages. On the H200 a
 # graphed step of 32 rows x 16K keys took 11.87 ms at (128, 4, 2) against 12.42 ms at the (64, 8, 2) of
-# wider tiles (benchmarks/batch_step_gpu.py --attention-configs). Wider tiles (a question's prefill) keep
-# (64, NUM_WARPS, NUM_STAGES).
+# wider tiles in one sweep (benchmarks/batch_step_gpu.py --attention-configs; that run's log, its result
+# file was not written), 12.24 ms in batch_step_gpu_h200_20261203_fb9441f.json. Wider tiles (a
+# question's prefill) keep (64, NUM_WARPS, NUM_STAGES).
 ROW_BLOCK_N, ROW_WARPS, ROW_STAGES = 128, 4, 2
 BY_ROW_BLOCKS_PER_SM = 16
 _SMS: dict[int, int] = {}

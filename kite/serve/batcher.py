@@ -221,13 +221,17 @@ class Batcher:
             return fn(), ((t0 - since) * 1e3 if since is not None else 0.0)
         return self._hand_over(ModelTask(fn), since)
 
+    def check_running(self) -> None:
+        """ModelStopped (a fresh one, naming the error) once the model's thread has stopped."""
+        if self.stopped is not None:
+            raise ModelStopped(str(self.stopped))
+
     def _hand_over(self, task: ModelTask, since: float | None) -> tuple[object, float]:
         """Queue ``task`` for the next step boundary and wait: (its result, ms it waited to start)."""
         if since is not None:
             task.queued_at = since
         with self._wake:
-            if self.stopped is not None:
-                raise ModelStopped(str(self.stopped))
+            self.check_running()
             if self._closed:
                 raise RuntimeError("the server is shutting down")
             self._tasks.append(task)
@@ -247,8 +251,7 @@ class Batcher:
         if opts.queued_at is not None:
             req.queued_at = opts.queued_at
         with self._wake:
-            if self.stopped is not None:
-                raise ModelStopped(str(self.stopped))
+            self.check_running()
             if self._closed:
                 raise RuntimeError("the batcher is closed")
             self._queue.append(req)

@@ -2,9 +2,8 @@
 
 Every request about a state needs its header (YOCO's decision reads its clusters; the prefix cache
 keys its load on the file's version). A 16K-token state of a 7B model has ~450 parts, a header of
-tens of KB: opening and parsing it took 1.3 ms on the dev box (a 28-layer, 8-cluster state of 476
-parts), once per request and, in a burst, one after another on the model's thread before any of the
-burst joins the batch. Here a state's file is opened once per version (the version its path has now:
+tens of KB, parsed once per request and, in a burst, one after another on the model's thread before
+any of the burst joins the batch. Here a state's file is opened once per version (the version its path has now:
 ``kite.upcycle.format.versions.path_version``) and kept open; a file replaced under its path is
 opened again, a file gone is forgotten. At most ``size`` files are open; the least recently asked
 is closed first. Only the model's thread uses it (the loaders read by ``os.pread``, so sharing an

@@ -99,9 +99,8 @@ async def _respond(request: Request, body, chat: bool):
     refusal = _unknown_model(request.app.state.kite, body.model)
     if refusal is not None:
         return refusal
-    stopped = request.app.state.kite.runner.batcher.stopped
-    if stopped is not None:     # refused with its status line, before a stream would have sent 200
-        raise type(stopped)(str(stopped))
+    # a stopped model is refused with its status line, before a stream would have sent 200
+    request.app.state.kite.runner.batcher.check_running()
     srv, (state_id, path), upcycled, prompt_ids, query, opts = await _prepare(request, body, chat)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),

@@ -172,8 +172,7 @@ class ModelRunner:
     def delete(self, state_id: str) -> None:
         """Delete a state's file, and close it where it is kept open (on the model's thread, which
         reads it; an unlinked file kept open would hold its disk space)."""
-        path = self.store.existing(state_id)
-        self.store.delete(state_id)
+        path = self.store.delete(state_id)
         self.batcher.call(lambda: self.open_states.forget(path))
 
     # -- answering --------------------------------------------------------------------------

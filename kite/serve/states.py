@@ -170,13 +170,15 @@ class StateStore:
                 continue  # a name that is not a valid id (placed by hand) or gone meanwhile
         return out
 
-    def delete(self, state_id: str) -> None:
+    def delete(self, state_id: str) -> Path:
+        """Remove a state's file (its path returned); StateNotFound when there is none."""
         self.check_writable(state_id)
         path = self.existing(state_id)
         path.unlink()
         with self._lock:
             self._summaries.pop(state_id, None)
         self.quarantine.lift(state_id, "deleted")
+        return path
 
 
 def _read_summary(state_id: str, path: Path, size: int) -> StateSummary:
