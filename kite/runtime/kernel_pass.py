@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kite.runtime.kernel_step import why_not
+from kite.runtime.kernel_step import norm_input, why_not
 
 GRAPHS = True          # False: every pass runs eagerly (benchmarks and tests compare both)
 GRAPH_TOKENS = 512     # rows x length at most, once padded to their buckets, for a pass from a graph
@@ -114,19 +114,20 @@ def kernel_hidden(model, ids: torch.Tensor, wanted: tuple[int, ...] = ()) -> tup
     cos, sin = inner.rotary_emb(h, pos)
     n_layers = len(inner.layers)
     kept: dict[int, torch.Tensor] = {}
+    mlp_out = None     # joins the residual stream inside the next norm (kite.runtime.kernel_step)
     for layer, block in enumerate(inner.layers):
+        attn, mlp = block.self_attn, block.mlp
+        h, x = norm_input(h, mlp_out, block.input_layernorm)
         if layer in wanted:
             kept[layer] = h
-        attn, mlp = block.self_attn, block.mlp
-        x = rms_norm(h, block.input_layernorm.weight, block.input_layernorm.variance_epsilon)
         q, k, v = rope_qkv(*attn.kite_qkv(x), cos, sin)              # [B, H, T, d] each
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling,
                                              enable_gqa=q.shape[1] != k.shape[1])
         a = attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
         h, x = rms_norm(a, block.post_attention_layernorm.weight, block.post_attention_layernorm.variance_epsilon,
                         residual=h)
-        h = h + mlp.down_proj(silu_mul(*mlp.kite_gate_up(x)))
-    h = rms_norm(h, inner.norm.weight, inner.norm.variance_epsilon)
+        mlp_out = mlp.down_proj(silu_mul(*mlp.kite_gate_up(x)))
+    _, h = norm_input(h, mlp_out, inner.norm)
     if n_layers in wanted:
         kept[n_layers] = h
     return h, kept

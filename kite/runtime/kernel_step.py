@@ -113,9 +113,10 @@ class KernelForward:
         h = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(h, pos)
         keys, values = self.cache.keys, self.cache.values
+        mlp_out = None     # the last layer's MLP output: added to the residual by the next norm's kernel
         for layer, block in enumerate(self.inner.layers):
             attn, mlp = block.self_attn, block.mlp
-            x = rms_norm(h, block.input_layernorm.weight, block.input_layernorm.variance_epsilon)
+            h, x = norm_input(h, mlp_out, block.input_layernorm)
             q, k, v = rope_qkv(*attn.kite_qkv(x), cos, sin)    # the fused layers' projections (kite.model.fused)
             store_kv(k, v, keys[layer], values[layer], rows, starts[layer], counts)
             if lanes is not None:
@@ -134,12 +135,23 @@ class KernelForward:
             a = attn.o_proj(out.reshape(B, T, -1))
             h, x = rms_norm(a, block.post_attention_layernorm.weight, block.post_attention_layernorm.variance_epsilon,
                             residual=h)
-            h = h + mlp.down_proj(silu_mul(*mlp.kite_gate_up(x)))
-        h = rms_norm(h, self.inner.norm.weight, self.inner.norm.variance_epsilon)
+            mlp_out = mlp.down_proj(silu_mul(*mlp.kite_gate_up(x)))
+        _, h = norm_input(h, mlp_out, self.inner.norm)
         return self.logits_of(h) if head else h
 
     def logits_of(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm.lm_head(h).float()
+
+
+def norm_input(h: torch.Tensor, delta: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the residual stream ``h + delta``, its RMSNorm by ``norm``): one kernel (the previous layer's
+    MLP output joins the stream inside the next norm, not in an add of its own); ``delta`` None: the
+    embeddings, normed as they are."""
+    from kite.kernels.fused_norm_triton import rms_norm
+
+    if delta is None:
+        return h, rms_norm(h, norm.weight, norm.variance_epsilon)
+    return rms_norm(delta, norm.weight, norm.variance_epsilon, residual=h)
 
 
 def _merge_lanes(out, lse, o, s) -> torch.Tensor:

@@ -81,11 +81,17 @@ def head_entropy_bits(head: torch.nn.Module, hidden: torch.Tensor, chunk: int | 
         if targets is not None:
             nlls.append(nll_bits_of_logits(logits, targets[s:s + chunk]).float())
 
-    def on_host(parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts).cpu() if parts else torch.empty(0)
+    if not ents:
+        return torch.empty(0) if targets is None else (torch.empty(0), torch.empty(0))
+    if targets is None:
+        return torch.cat(ents).cpu()
+    both = torch.cat(ents + nlls).cpu()      # one transfer (one wait for the device), then split
+    return both[:both.shape[0] // 2], both[both.shape[0] // 2:]
 
-    out = on_host(ents)
-    return out if targets is None else (out, on_host(nlls))
+
+def _flat_rows(hidden: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Rows ``real`` (flat indices over [B, T]) of ``hidden`` [B, T, D]: [N, D]."""
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, real)
 
 
 def _next_tokens(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -163,16 +169,19 @@ def _distinct_signals(lm: LoadedModel, queries: list[str], tagger, batch_size: i
         for idx in _batches([len(e) for e in enc], batch_size, batch_tokens):
             ids, mask = right_padded([enc[i] for i in idx], pad)
             m = mask.bool()
-            targets = _next_tokens(ids, mask)[m]
+            # the real positions, flat, picked by index on the device (a boolean mask there would
+            # wait for the device to count them), and their next tokens: on the device before the pass
+            real = m.flatten().nonzero().squeeze(1).to(device, non_blocking=True)
+            targets = _next_tokens(ids, mask)[m].to(device, non_blocking=True)
             passed = hidden_pass(lm.model, ids, tuple(layers)) if plain is not None else None
             if passed is not None:       # a GPU with the fused layers: the pass on KITE's kernels
                 last, hidden_states = passed
-                ent_flat, nll_flat = head_entropy_bits(plain[1], last[m.to(device)], targets=targets)
+                ent_flat, nll_flat = head_entropy_bits(plain[1], _flat_rows(last, real), targets=targets)
             elif plain is not None:
                 decoder, head = plain
                 res = decoder(input_ids=ids.to(device), attention_mask=mask.to(device),
                               output_hidden_states=bool(layers), use_cache=False)
-                ent_flat, nll_flat = head_entropy_bits(head, res.last_hidden_state[m.to(device)], targets=targets)
+                ent_flat, nll_flat = head_entropy_bits(head, _flat_rows(res.last_hidden_state, real), targets=targets)
                 hidden_states = res.hidden_states
             else:
                 res = lm.model(input_ids=ids.to(device), attention_mask=mask.to(device),
@@ -190,9 +199,9 @@ def _distinct_signals(lm: LoadedModel, queries: list[str], tagger, batch_size: i
             nll_sums = torch.zeros(len(idx)).index_add_(0, row_of[known], nll_flat[known])
             nll_counts = torch.zeros(len(idx)).index_add_(0, row_of[known], torch.ones(int(known.sum())))
             tags = None
-            if layers:
-                mf = mask[..., None].float()
-                emb = torch.cat([(hidden_states[h].float().cpu() * mf).sum(1) / mf.sum(1) for h in layers], dim=-1)
+            if layers:     # each row's mean over its own tokens at the tagger's layers, one transfer
+                mf = mask[..., None].to(hidden_states[layers[0]].device, torch.float32)
+                emb = torch.cat([(hidden_states[h].float() * mf).sum(1) / mf.sum(1) for h in layers], dim=-1).cpu()
                 tags = tagger.predict_queries(emb)
             for row, i in enumerate(idx):
                 probs = tags[row].probs if tags else {}
