@@ -45,6 +45,8 @@ from kite.upcycle.study import (CALIBRATION_LICENSES, CONTINUATION, HELD_OUT, LI
 from kite.upcycle.codec import LayerWeights, model_value_weights  # noqa: E402
 from harness import Result, clock, finish, parse, parser  # noqa: E402
 
+METHODS = ("doc", "regen", "regen+adapter", "doc+entropy", "regen+entropy")
+
 
 def fit_regenerator(lm, n_contracts: int, weighted: bool = False, layer_group: int = 1) -> Regenerator:
     texts = [(LICENSES / n).read_text() for n in CALIBRATION_LICENSES]
@@ -93,7 +95,8 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
     ap.add_argument("--only", nargs="*", metavar="DOC:RATIO",
                     help="measure only these rows (e.g. GPL-3:4 Apache-2.0:16)")
     ap.add_argument("--methods", nargs="*", default=["doc", "regen", "regen+adapter"],
-                    choices=["doc", "regen", "regen+adapter"])
+                    choices=list(METHODS), help="doc+entropy, regen+entropy: the same states with their codes "
+                    "entropy coded (compression.entropy_coding), at the same file ratio")
     ap.add_argument("--choice", choices=["measured", "expected", "probe"],
                     help="how each side picks the regenerator's basis or the document's (default: the codec's)")
     ap.add_argument("--layer-group", type=int, default=1,
@@ -108,7 +111,7 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
     t0 = clock()
     lm = load_model(args.model, device=args.device)
     reg = None
-    if {"regen", "regen+adapter"} & set(args.methods):     # the doc column alone needs none
+    if {"regen", "regen+adapter", "regen+entropy"} & set(args.methods):     # the doc columns alone need none
         if args.regenerator:
             reg = Regenerator.load(args.regenerator)
         elif args.calibration_pairs:
@@ -134,12 +137,14 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
                 continue
             row = {"document": name, "context_tokens": ctx, "ratio": ratio}
             for label, model, regen in (("doc", lm, None), ("regen", lm, reg),
-                                        *((("regen+adapter", reader, reg),) if reader else ())):
+                                        *((("regen+adapter", reader, reg),) if reader else ()),
+                                        ("doc+entropy", lm, None), ("regen+entropy", lm, reg)):
                 if label not in args.methods:
                     continue
                 # a regenerator with bases across layers weighs its layers itself
                 s = CompressSettings(codec=codec_settings(ratio), n_clusters=args.clusters,
-                                     layer_weights=None if regen is not None and regen.grouped else weights)
+                                     layer_weights=None if regen is not None and regen.grouped else weights,
+                                     entropy_coding=label.endswith("+entropy"))
                 t1 = clock()
                 r = evaluate(model, text, context_tokens=ctx, continuation_tokens=CONTINUATION, settings=s,
                              regenerator=regen)
@@ -164,17 +169,17 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
     res = Result(benchmark, device=str(lm.device))
     for r in rows:
         at = f"{r['document']} {r['ratio']:g}x"
-        full = next((r[k]["ppl_full"] for k in ("doc", "regen", "regen+adapter") if k in r), None)
+        full = next((r[k]["ppl_full"] for k in METHODS if k in r), None)
         if full is None:
             continue
         res.row(f"{at} full context: PPL", full, "PPL", context_tokens=r["context_tokens"])
-        for k in ("doc", "regen", "regen+adapter"):
+        for k in METHODS:
             if k in r:
                 res.row(f"{at} {k}: PPL", r[k]["ppl_state"], "PPL", baseline=f"{at} full context: PPL",
                         **{m: v for m, v in r[k].items() if m != "ppl_state"})
     for ratio in sorted({r["ratio"] for r in rows}):
         at = [r for r in rows if r["ratio"] == ratio]
-        for k in ("doc", "regen", "regen+adapter"):
+        for k in METHODS:
             got = [r[k] for r in at if k in r]
             if not got:
                 continue
@@ -188,7 +193,7 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
 
 
 def table(result: dict) -> str:
-    kinds = [k for k in ("doc", "regen", "regen+adapter") if any(k in r for r in result["rows"])]
+    kinds = [k for k in METHODS if any(k in r for r in result["rows"])]
     head = "| document | ratio | " + " | ".join(f"{k} ratio · ΔPPL · KL" for k in kinds) + " |"
     lines = [head, "|---" * (2 + len(kinds)) + "|"]
     for r in result["rows"]:

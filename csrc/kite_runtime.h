@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define KITE_RUNTIME_ABI 1
+#define KITE_RUNTIME_ABI 2
 
 const char* kite_runtime_version(void);  // "kite-runtime <abi>.<rev> (cpu, openmp N threads)"
 int kite_runtime_abi(void);
@@ -23,6 +23,15 @@ int kite_quantize_groups(const float* g, int64_t G, int64_t gs, int bits, int mo
 // out [G, gs] = min + scale * code, float32.
 int kite_dequantize_groups(const uint8_t* packed, int64_t G, int64_t gs, int bits,
                            const uint16_t* scale16, const uint16_t* min16, float* out);
+
+// ---- rANS (kite/upcycle/format/rans.py: the same bytes as its numpy coder) -----------------------
+// codes [n] over K interleaved streams, freq [nsym] summing to 2^scale. Out: the final states [K], the
+// words per stream [K] and the words (cap at least n), each stream's in decoding order, stream by stream.
+int kite_rans_encode(const uint8_t* codes, int64_t n, const int32_t* freq, int nsym, int scale, int64_t K,
+                     uint32_t* states, int64_t* counts, uint16_t* words, int64_t cap);
+// The n codes back (out [n]); 0, or 4 / 5 / 6: a stream ran out of words / left words / ended off 2^16.
+int kite_rans_decode(const uint32_t* states, const int64_t* counts, const uint16_t* words, int64_t K,
+                     const int32_t* freq, int nsym, int scale, int64_t n, uint8_t* out);
 
 // ---- k-means (cosine, Lloyd iterations of kite/upcycle/cluster.py) ----------------------------
 // x: [n, D] L2-normalised rows; C: [k, D] initial centroids, overwritten with the final ones;

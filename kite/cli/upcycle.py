@@ -45,6 +45,9 @@ def compress(
     label_ratio: Annotated[list[str] | None, typer.Option(
         "--label-ratio", help="LABEL=R: the clusters of that clause label at ratio R (repeatable; over the "
         "config's compression.label_ratios).")] = None,
+    entropy_coding: Annotated[bool | None, typer.Option(
+        "--entropy-coding/--no-entropy-coding", help="Entropy-code the quantized coefficients: at a ratio, the "
+        "bits saved are spent on more components (default: the config's compression.entropy_coding).")] = None,
     mkdir: bool = MkdirOpt,
     store: Annotated[str | None, StoreOpt] = None,
     tenant: Annotated[str | None, TenantOpt] = None,
@@ -77,7 +80,7 @@ def compress(
     with kept_on_interrupt(kept), progress_bar() as progress:   # config and flags checked before the model loads
         pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress,
                              kept_fraction=user_config().features.upcycle_compression_ratio, regenerator=regenerator,
-                             label_ratios=label_ratios, layer_weights=layer_weights)
+                             label_ratios=label_ratios, layer_weights=layer_weights, entropy_coding=entropy_coding)
         if tiers is None:
             result = pipe.compress(text, output, source_name=name, progress=progress, tenant=who)
         else:

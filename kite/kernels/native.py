@@ -26,6 +26,8 @@ _CPU_SIGNATURES = {
     "kite_dequantize_groups": (c_int, [P, c_int64, c_int64, c_int, P, P, P]),
     "kite_kmeans_cosine": (c_int, [P, c_int64, c_int64, P, c_int64, c_int, P]),
     "kite_eigh_batched": (c_int, [P, c_int64, c_int64, P, P]),
+    "kite_rans_encode": (c_int, [P, c_int64, P, c_int, c_int, c_int64, P, P, P, c_int64]),
+    "kite_rans_decode": (c_int, [P, P, P, c_int64, P, c_int, c_int, c_int64, P]),
 }
 _CUDA_SIGNATURES = {
     "kite_cuda_version": (c_char_p, []),
@@ -38,7 +40,7 @@ _CUDA_SIGNATURES = {
     "kite_cuda_pca_finish": (c_int, [c_int64] * 4 + [P, c_int, c_int64, c_int64, P, P, c_int64, c_int64, P, P, P,
                                                       P, P, c_int, P]),
 }
-ABI = 1
+ABI = 2
 
 
 class NativeError(RuntimeError):

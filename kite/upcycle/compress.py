@@ -20,7 +20,7 @@ from kite.errors import BadInput
 from kite.upcycle import codec
 from kite.upcycle.address import address_for
 from kite.upcycle.capture import Capture, capture
-from kite.upcycle.codec import groups
+from kite.upcycle.codec import entropy, groups
 from kite.upcycle.codec.part_widths import part_widths
 from kite.upcycle.codec.probe import ROWS as PROBE_ROWS
 from kite.upcycle.codec.probe import AttentionProbe
@@ -50,6 +50,9 @@ class CompressSettings:
     # each (layer, side)'s weight in the state-wide bit allocation, measured for the model
     # (kite.upcycle.codec.LayerWeights, `kite upcycle weigh`); None: keys' k_weight, values 1
     layer_weights: codec.LayerWeights | None = None
+    # the codes of every PCA-coded part entropy coded (kite.upcycle.codec.entropy): at a ratio the
+    # bits it saves go back into the allocation, so the file stays the size asked
+    entropy_coding: bool = False
 
 
 @dataclass
@@ -285,6 +288,8 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
             meta["regenerator"] = {"fingerprint": regenerator.fingerprint, "sides": regenerated[0]}
             if regenerator.grouped:   # one codec and one part per (cluster, group, side), under its first layer
                 meta["layer_groups"] = [list(g) for g in regenerator.layer_groups]
+        if entropy_tables[0] is not None:   # the tables of its entropy-coded parts (the blob index says which)
+            meta["entropy"] = entropy_tables[0]
         if settings.layer_weights is not None:   # named as the address names them (they weigh only a state-wide budget)
             meta["layer_weights"] = {"fingerprint": settings.layer_weights.fingerprint}
         if address:
@@ -324,11 +329,15 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
         K, V = cap.keys_pre[layer], cap.values[layer]
         return regenerator.layer(layer, probe.metric(layer, K, V) if probe else None)
 
-    def code() -> list[tuple[str, bytes]]:
-        """Every blob of the state under its key."""
+    def code(bonus: int = 0) -> list[tuple[str, bytes]]:
+        """Every blob of the state under its key. ``bonus``: bytes the state-wide budget may spend
+        beyond the ratio's (what the entropy coding of an earlier pass saved)."""
+        def overhead(sets) -> int:
+            return container_bytes(sets) - bonus
+
         if batched:
             enc = codec.encode_state(cap.keys_pre, cap.values, sets_once[0] if sets_once else token_sets_once,
-                                     settings.codec, device=device, overhead_bytes=container_bytes,
+                                     settings.codec, device=device, overhead_bytes=overhead,
                                      regenerator=regenerator, layer_weights=settings.layer_weights)
             regenerated[0] = enc.info["regenerated_sides"]
             if progress:
@@ -336,11 +345,11 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
             return enc.items()
         token_sets = token_sets_once()
         if grouped:
-            return code_groups(token_sets)
+            return code_groups(token_sets, overhead(token_sets))
         items = []
         # one budget for the whole state: every layer's PCA first, then the allocation over all of them
         whole = (codec.fit_state(cap.keys_pre, cap.values, fit_codec, token_sets,
-                                 overhead_bytes=container_bytes(token_sets),
+                                 overhead_bytes=overhead(token_sets),
                                  layer_kwargs=None if regenerator is None else regenerated_layer,
                                  layer_weights=settings.layer_weights)
                  if codec.state_budgeted(fit_codec) and not part_ratios else None)
@@ -363,10 +372,10 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
                 progress("compress", layer + 1, n_layers)
         return items
 
-    def code_groups(token_sets) -> list[tuple[str, bytes]]:
+    def code_groups(token_sets, overhead_bytes: int) -> list[tuple[str, bytes]]:
         """Every blob of a state coded on bases across layers: per group its codec and parts."""
         fits = groups.fit_groups(cap.keys_pre, cap.values, fit_codec, token_sets, regenerator,
-                                 overhead_bytes=container_bytes(token_sets))
+                                 overhead_bytes=overhead_bytes)
         regenerated[0] = 2 * len(fits)
         layer_blobs = {fit.lead: codec.to_bytes(fit.codec) for fit in fits}
         items = []
@@ -378,6 +387,7 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
             progress("compress", n_layers, n_layers)
         return items
 
+    entropy_tables: list[dict | None] = [None]
     if not batched:
         token_sets_once()
         if settings.label_ratios:
@@ -393,7 +403,13 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
         # file smaller than asked by what it happens to save (more on the CPU's writer, which tries it
         # on every blob, than on the GPU's), and it costs every load its decompression
         writer = StateWriter(zstd=False)
-    writer.add_many(code())
+    if settings.entropy_coding:
+        budget = ((lambda: raw_kv / fit_ratio - container_bytes(token_sets_once()))
+                  if codec.state_budgeted(fit_codec) and not part_ratios and fit_ratio else None)
+        stored, entropy_tables[0], timings["entropy"] = entropy.coded_within(code, budget)
+        writer.add_stored(stored)
+    else:
+        writer.add_many(code())
     # batched: the fit ran while the spans were clustered, so that time is in both figures
     timings["compress"] = (time.perf_counter() - t) * 1e3
 

@@ -45,13 +45,15 @@ if TYPE_CHECKING:
 
 def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precision: str | None = None,
                       clusters: int | None = None, kept_fraction: float | None = None,
-                      label_ratios: dict[str, float] | None = None, config_path: Path | None = None) -> CompressSettings:
+                      label_ratios: dict[str, float] | None = None, config_path: Path | None = None,
+                      entropy_coding: bool | None = None) -> CompressSettings:
     """The compression settings of an upcycle config and a command's flags (see the module doc).
 
     ``kept_fraction``: the user's default of ``ratio`` in the seed's spelling (the KITE config's
     ``features.upcycle_compression_ratio``, 0-1); None leaves the upcycle config's settings.
     ``label_ratios``: per-label ratios from the command line, over the config's
-    ``compression.label_ratios`` (a map, or a file relative to ``config_path``).
+    ``compression.label_ratios`` (a map, or a file relative to ``config_path``). ``entropy_coding``:
+    the command's choice over the config's ``compression.entropy_coding``.
     BadInput for both ``ratio`` and ``precision``, a ratio below 1, a fraction outside (0, 1], a
     precision that is not a preset, or label ratios with a preset.
     """
@@ -95,7 +97,8 @@ def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precisi
                        f"not the {spec.name} preset")
     return CompressSettings(codec=spec, n_clusters=clusters or c.cluster_num,
                             min_span_tokens=c.min_span_tokens, max_span_tokens=c.max_span_tokens,
-                            label_ratios=ratios)
+                            label_ratios=ratios,
+                            entropy_coding=c.entropy_coding if entropy_coding is None else entropy_coding)
 
 
 @dataclass
@@ -177,10 +180,11 @@ def open_pipeline(model: str | None = None,
                   ratio: float | None = None, precision: str | None = None, clusters: int | None = None,
                   kept_fraction: float | None = None, device: str | None = None, lm: LoadedModel=None, tagger: bool = True,
                   regenerator: str | Path | None = None, label_ratios: dict[str, float] | None = None,
-                  layer_weights: str | Path | None = None, progress=None) -> Pipeline:
+                  layer_weights: str | Path | None = None, progress=None,
+                  entropy_coding: bool | None = None) -> Pipeline:
     """Config → settings (checked before anything slow) → model (``lm`` when given, else ``model``
     loaded with the config's adapter on ``device``) → the config's tagger (``tagger=False``: none).
-    ``ratio``, ``precision``, ``clusters``, ``kept_fraction`` and ``label_ratios``: see
+    ``ratio``, ``precision``, ``clusters``, ``kept_fraction``, ``label_ratios`` and ``entropy_coding``: see
     :func:`compress_settings`.
 
     ``upcycle_config``: a path; None for ``configs/upcycle_config.yaml`` (else the defaults); a loaded
@@ -198,7 +202,8 @@ def open_pipeline(model: str | None = None,
     else:
         cfg, cfg_path = load_upcycle_config(upcycle_config)
     settings = compress_settings(cfg, ratio=ratio, precision=precision, clusters=clusters,
-                                 kept_fraction=kept_fraction, label_ratios=label_ratios, config_path=cfg_path)
+                                 kept_fraction=kept_fraction, label_ratios=label_ratios, config_path=cfg_path,
+                                 entropy_coding=entropy_coding)
     regen_dir = Path(regenerator) if regenerator is not None else cfg.resolve(cfg.regenerator, cfg_path)
     regen = Regenerator.load(regen_dir) if regen_dir is not None else None   # a bad folder fails before the model
     named, weights = named_layer_weights(cfg, cfg_path, layer_weights)   # (a bad file, before the model)

@@ -34,6 +34,10 @@ class CompressionConfig(_Strict):
     # A ratio's PCA bases: one over a layer's heads together (true: the most quality per byte) or one
     # per KV head (false). Presets ignore it.
     joint_heads: bool = True
+    # The codes of every PCA-coded part entropy coded (the codec's last stage, docs/compression.md):
+    # at a ratio the bits it saves are spent again on the components, the file the size asked.
+    # Compressing codes the state up to three times; loads decode the parts on the host.
+    entropy_coding: bool = False
 
     @field_validator("precision")
     @classmethod

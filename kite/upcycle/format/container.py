@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 from kite.atomic import atomic_writer
 from kite.errors import BadInput
 from kite.upcycle.format.address import check_address
-from kite.upcycle.format.header import check_header, content_digest
+from kite.upcycle.format.header import BLOB_CODECS, check_header, content_digest
 from kite.upcycle.format.signing import check_signature, signed, signing_policy
 from kite.upcycle.format.versions import file_version, record_verified, records_enabled
 
@@ -128,6 +128,21 @@ class StateWriter:
             self._blobs.append((key, data, len(raw), codec))
             self._keys.add(key)
         return [len(data) for data, _ in done]
+
+    def add_stored(self, items) -> list[int]:
+        """Add blobs already in their stored form: (key, stored bytes, raw length, codec) in order
+        (``rans``: a part with its codes entropy coded, kite.upcycle.codec.entropy). Returns their sizes."""
+        items = list(items)
+        keys = [k for k, *_ in items]
+        if len(set(keys)) < len(keys) or self._keys.intersection(keys):
+            dup = next(k for i, k in enumerate(keys) if k in self._keys or k in keys[:i])
+            raise ValueError(f"duplicate blob {dup}")
+        for key, data, raw_len, codec in items:
+            if codec not in BLOB_CODECS or (codec == "raw" and raw_len != len(data)):
+                raise ValueError(f"blob {key}: codec {codec!r} with {len(data)} stored bytes of {raw_len}")
+            self._blobs.append((key, data, raw_len, codec))
+            self._keys.add(key)
+        return [len(d) for _, d, *_ in items]
 
     def write(self, path: str | os.PathLike[str], meta: dict[str, Any]) -> int:
         """Write the state to `path`; returns its size in bytes."""
@@ -343,14 +358,22 @@ class StateFile:
             raise BadInput(f"{self.path}: truncated .upc state (part {key} is cut off)")
         if verify:
             self.check_blob(key, data)
-        return self.inflate(key, data) if entry.codec == "zstd" else data
+        return self.inflate(key, data) if entry.codec != "raw" else data
 
     def inflate(self, key: str, data: bytes) -> bytes:
-        """A zstd blob's raw bytes, never more than its index says (BadInput naming the part when it
-        does not decompress or comes out another length)."""
+        """A stored blob's raw bytes (zstd-compressed, or a part whose codes are entropy coded), never
+        more than its index says (BadInput naming the part when it does not decode or comes out
+        another length)."""
         import zstandard
 
         raw_length = self.index[key].raw_length
+        if self.index[key].codec == "rans":
+            from kite.upcycle.format import entropy_blob
+
+            try:
+                return entropy_blob.unpack(data, raw_length, self.entropy_tables())
+            except ValueError as exc:
+                raise BadInput(f"{self.path}: corrupt .upc state (part {key}: {exc})") from None
         try:
             raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_length)
         except zstandard.ZstdError as exc:
@@ -359,6 +382,15 @@ class StateFile:
             raise BadInput(f"{self.path}: corrupt .upc state (part {key} decompresses to {len(raw):,} bytes, "
                            f"its index says {raw_length:,})")
         return raw
+
+    def entropy_tables(self) -> dict:
+        """The tables of its entropy-coded parts (the header's ``entropy`` section), read once."""
+        tables = getattr(self, "_entropy_tables", None)
+        if tables is None:
+            from kite.upcycle.format import entropy_blob
+
+            tables = self._entropy_tables = entropy_blob.tables_from(self.meta.get("entropy"))
+        return tables
 
     def check_blob(self, key: str, stored) -> None:
         """BadInput unless `stored` (part `key`'s bytes as stored) matches the index's checksum."""

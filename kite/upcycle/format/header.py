@@ -25,6 +25,10 @@ from kite.upcycle.format.names import blob_key, group_leads
 CODEC_MODES = ("pca", "quant", "raw", "rpca")
 _HEX = re.compile(r"[0-9a-f]*")
 
+# how a blob may be stored: as it is, zstd-compressed, or a part with its codes entropy coded
+# (kite.upcycle.format.entropy_blob)
+BLOB_CODECS = frozenset({"raw", "zstd", "rans"})
+
 
 CONTENT_SCHEME = "kite-content1"
 
@@ -236,7 +240,7 @@ def _blobs(rows, leads: list[int], ids: list[int], layers: int) -> int:
     ends = list(itertools.accumulate(lengths))
     if (set(map(type, keys)) != {str} or len(set(keys)) != len(keys) or ints != {int}
             or min(lengths) < 0 or min(raws) < 0 or offsets[0] != 0 or list(offsets[1:]) != ends[:-1]
-            or not set(codecs) <= {"raw", "zstd"} or ("raw", False) in set(zip(codecs, map(operator.eq, raws, lengths)))
+            or not set(codecs) <= BLOB_CODECS or ("raw", False) in set(zip(codecs, map(operator.eq, raws, lengths)))
             or set(map(type, sums)) != {str} or set(map(len, sums)) != {32} or not _HEX.fullmatch("".join(sums))):
         _explain_blobs(rows)
     if n_layers * (1 + 2 * len(ids)) > 4 * len(keys):   # never build a set of keys far larger than the index
@@ -269,8 +273,8 @@ def _explain_blobs(rows: list):
         if offset != at:
             raise _Bad(f"part {key} starts at offset {offset}, expected {at} (parts lie back to back in "
                        f"index order)")
-        if codec != "raw" and codec != "zstd":
-            raise _Bad(f"part {key}'s codec is {_show(codec)}, expected raw or zstd")
+        if codec not in BLOB_CODECS:
+            raise _Bad(f"part {key}'s codec is {_show(codec)}, expected raw, zstd or rans")
         if codec == "raw" and raw_length != length:
             raise _Bad(f"part {key} is stored raw but its raw length {raw_length} is not its length {length}")
         if type(checksum) is not str or len(checksum) != 32 or not _HEX.fullmatch(checksum):

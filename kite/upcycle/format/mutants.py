@@ -67,6 +67,10 @@ class _Parsed:
             import zstandard
 
             return zstandard.ZstdDecompressor().decompress(stored)
+        if codec == "rans":
+            from kite.upcycle.format import entropy_blob
+
+            return entropy_blob.unpack(stored, self.blobs[i][2], entropy_blob.tables_from(self.meta.get("entropy")))
         return stored
 
 

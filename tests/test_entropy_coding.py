@@ -1,0 +1,185 @@
+"""Entropy coding of a state's quantized coefficients (``compression.entropy_coding``,
+``kite upcycle compress --entropy-coding``): parts stored with their codes entropy coded read back
+as the very blobs the codec wrote, a state at a ratio keeps its size and spends the saved bits on
+its components, and a damaged coded part is named in one line."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from kite.errors import BadInput
+from kite.upcycle import codec
+from kite.upcycle.codec import entropy
+from kite.upcycle.codec.entropy import entropy_code, part_runs
+from kite.upcycle.compress import CompressSettings, compress_document
+from kite.upcycle.format import StateFile, codec_blob, entropy_blob
+from kite.upcycle.load import load_prefix
+from tests.tiny_models import CORPUS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TEXT = " ".join([CORPUS] * 3)    # ~1,300 tokens: parts of a few thousand codes, as real states have
+
+
+@pytest.fixture(scope="module")
+def lm(embedded):
+    """The embedded model: a tiny model's parts are too small for coding to pay (they stay raw)."""
+    return embedded
+
+
+def _settings(ratio: float, coded: bool) -> CompressSettings:
+    return CompressSettings(codec=codec.settings_for(ratio), n_clusters=3, min_span_tokens=8, max_span_tokens=48,
+                            entropy_coding=coded)
+
+
+def _blobs(path) -> dict[str, bytes]:
+    with StateFile(path) as st:
+        return {key: st.read(key) for key in st.index}
+
+
+def _bits(blobs: dict[str, bytes]) -> int:
+    """Every component bit the layer codecs allocated (both sides of every layer)."""
+    total = 0
+    for key, data in blobs.items():
+        if "/" in key:
+            continue
+        _, table, _ = codec_blob.read_table(data)
+        for name, dt, shape, off in table:
+            if name.endswith(".bits"):
+                total += int(codec_blob.numpy_at(np.frombuffer(data, dtype=np.uint8), (off, dt, shape)).sum())
+    return total
+
+
+@pytest.fixture(scope="module")
+def plain(lm, tmp_path_factory):
+    path = tmp_path_factory.mktemp("plain") / "p.upc"
+    made = compress_document(lm, TEXT, path, _settings(8, False))
+    return made, _blobs(path)
+
+
+def test_every_part_comes_back_as_the_blob_the_codec_wrote(plain):
+    _, blobs = plain
+    stored, section = entropy_code(list(blobs.items()))
+    tables = entropy_blob.tables_from(section)
+    coded = [(key, data, raw) for key, data, raw, how in stored if how == entropy_blob.CODEC]
+    # a part of a few hundred codes stays raw (its runs' headers would cost what coding saves)
+    assert len(coded) >= len([k for k in blobs if "/" in k]) // 4
+    for key, data, raw in coded:
+        assert raw == len(blobs[key]) and len(data) < raw
+        assert entropy_blob.unpack(data, raw, tables) == blobs[key], key
+    assert all(how == "raw" for key, _, _, how in stored if "/" not in key)   # layer codecs stay as they are
+
+
+def test_a_parts_runs_are_its_codes_bit_classes(plain):
+    _, blobs = plain
+    (offset, length), runs = part_runs(blobs["L0"], blobs["c0/L0/K"], "k")
+    _, table, _ = codec_blob.read_table(blobs["c0/L0/K"])
+    codes = next((off, shape) for name, _, shape, off in table if name == "codes")
+    assert (offset, length) == (codes[0], codes[1][0])
+    widths = [bw for bw, _ in runs]
+    assert widths == sorted(set(widths)) and all(1 <= bw <= 8 for bw in widths)
+
+
+@pytest.mark.parametrize("ratio", [8, 16])
+def test_a_coded_state_is_the_ratio_asked_and_spends_what_coding_saved(lm, plain, tmp_path, ratio):
+    base = plain if ratio == 8 else (compress_document(lm, TEXT, tmp_path / "p.upc", _settings(ratio, False)),
+                                     _blobs(tmp_path / "p.upc"))
+    made = compress_document(lm, TEXT, tmp_path / "e.upc", _settings(ratio, True))
+    assert abs(made.compression_ratio / ratio - 1) <= 0.03, made.compression_ratio
+    assert "entropy" in made.timings_ms
+    with StateFile(tmp_path / "e.upc") as st:
+        assert set(entropy_blob.tables_from(st.meta["entropy"])) <= set(range(1, 9))
+        assert {e.codec for key, e in st.index.items() if "/" in key} >= {entropy_blob.CODEC}
+    assert _bits(_blobs(tmp_path / "e.upc")) > _bits(base[1])    # the saved bytes went to more bits
+
+
+def test_a_coded_state_loads_as_its_blobs_say(lm, tmp_path):
+    compress_document(lm, TEXT, tmp_path / "e.upc", _settings(8, True))
+    prefix, report = load_prefix(tmp_path / "e.upc", lm)
+    assert report.tokens > 0 and prefix is not None
+    with StateFile(tmp_path / "e.upc") as st:
+        assert st.verify()
+
+
+def test_without_a_budget_coding_only_shrinks_the_file(plain):
+    _, blobs = plain
+    calls = []
+
+    def code(bonus):
+        calls.append(bonus)
+        return list(blobs.items())
+
+    stored, section, ms = entropy.coded_within(code, None)
+    assert calls == [0] and ms >= 0 and section is not None
+    assert sum(len(d) for _, d, _, _ in stored) < sum(len(b) for b in blobs.values())
+
+
+def test_the_budget_is_refilled_until_the_blobs_take_it(plain):
+    _, blobs = plain
+    items = list(blobs.items())
+    plain_bytes = sum(len(b) for b in blobs.values())
+    calls = []
+
+    def code(bonus):   # a stand-in whose blobs grow with the bonus, as the allocation's do
+        calls.append(bonus)
+        return items
+
+    entropy.coded_within(code, lambda: plain_bytes)
+    assert calls[0] == 0 and len(calls) == entropy.PASSES and calls[1] > 0   # never converges: stops at PASSES
+
+
+def test_a_damaged_coded_part_is_one_line_naming_it(lm, tmp_path):
+    from kite.upcycle.format.mutants import resealed
+
+    compress_document(lm, TEXT, tmp_path / "e.upc", _settings(8, True))
+    with StateFile(tmp_path / "e.upc") as st:
+        key, e = next((k, e) for k, e in st.index.items() if e.codec == entropy_blob.CODEC)
+        start = st.data_start + e.offset
+    data = bytearray((tmp_path / "e.upc").read_bytes())
+    _, offset, _, nruns = struct.unpack_from("<3sIIB", data, start)
+    first_run = start + 12 + 9 * nruns + offset
+    data[first_run:first_run + 16] = bytes(16)      # its first run's coder header and states zeroed;
+    #                                                 every checksum made again
+    (tmp_path / "bad.upc").write_bytes(resealed(bytes(data)))
+    with StateFile(tmp_path / "bad.upc") as st, pytest.raises(BadInput) as err:
+        st.read(key)
+    assert f"part {key}" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(BadInput):
+        load_prefix(tmp_path / "bad.upc", lm)
+
+
+@pytest.mark.parametrize("damage", ["magic", "runs", "length", "table"])
+def test_entropy_blob_refuses_what_it_cannot_read(plain, damage):
+    _, blobs = plain
+    stored, section = entropy_code(list(blobs.items()))
+    tables = entropy_blob.tables_from(section)
+    key, data, raw, _ = next(row for row in stored if row[3] == entropy_blob.CODEC)
+    if damage == "magic":
+        data = b"XXX" + data[3:]
+    elif damage == "runs":
+        data = data[:11] + bytes([255]) + data[12:]      # more runs than the part holds
+    elif damage == "length":
+        data = data[:-1]
+    else:
+        tables = {}
+    with pytest.raises(ValueError):
+        entropy_blob.unpack(data, raw, tables)
+
+
+@pytest.mark.parametrize("section", [None, {}, {"scale": 12, "tables": {"3": [1, 2]}},
+                                     {"scale": 12, "tables": {"9": [4096]}}, {"scale": 11, "tables": {}}])
+def test_a_damaged_table_section_is_refused(section):
+    with pytest.raises(ValueError):
+        entropy_blob.tables_from(section)
+
+
+def test_codes_pack_and_unpack_at_every_width():
+    rng = np.random.default_rng(0)
+    for bw in range(1, 9):
+        codes = rng.integers(0, 1 << bw, size=101).astype(np.uint8)
+        nbytes = (101 * bw + 7) // 8
+        packed = entropy_blob.pack_codes(codes, bw, nbytes)
+        assert len(packed) == nbytes
+        assert np.array_equal(entropy_blob.unpack_codes(packed, bw, 101), codes)
