@@ -90,6 +90,7 @@ def recode_clusters(path: str | Path, targets: dict[int, float], *, regenerator=
     lr = dict(meta.get("label_ratios") or {"default": state_ratio(meta), "labels": {}})
     lr["labels"] = dict(sorted({**lr["labels"], **{clusters[i]["label"]: w for i, w in targets.items()}}.items()))
     meta.update(clusters=clusters, label_ratios=lr)
+    meta.pop("entropy", None)     # every part is written plain (a part of its own widths is not entropy coded)
     meta["retuned"] = list(meta.get("retuned", [])) + [{
         "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "clusters": {str(i): [now[i], w] for i, w in sorted(targets.items())}}]
