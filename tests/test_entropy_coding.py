@@ -19,7 +19,8 @@ from kite.upcycle.format import StateFile, codec_blob, entropy_blob
 from kite.upcycle.load import load_prefix
 from tests.tiny_models import CORPUS
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# the embedded model: states of real sizes (a tiny model's parts are too small for coding to pay)
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 TEXT = " ".join([CORPUS] * 3)    # ~1,300 tokens: parts of a few thousand codes, as real states have
 
 
@@ -168,18 +169,22 @@ def test_entropy_blob_refuses_what_it_cannot_read(plain, damage):
         entropy_blob.unpack(data, raw, tables)
 
 
-@pytest.mark.parametrize("section", [None, {}, {"scale": 12, "tables": {"3": [1, 2]}},
-                                     {"scale": 12, "tables": {"9": [4096]}}, {"scale": 11, "tables": {}}])
-def test_a_damaged_table_section_is_refused(section):
-    with pytest.raises(ValueError):
-        entropy_blob.tables_from(section)
+def test_the_compress_command_codes_a_state_when_asked(tmp_path):
+    import json
 
+    from typer.testing import CliRunner
 
-def test_codes_pack_and_unpack_at_every_width():
-    rng = np.random.default_rng(0)
-    for bw in range(1, 9):
-        codes = rng.integers(0, 1 << bw, size=101).astype(np.uint8)
-        nbytes = (101 * bw + 7) // 8
-        packed = entropy_blob.pack_codes(codes, bw, nbytes)
-        assert len(packed) == nbytes
-        assert np.array_equal(entropy_blob.unpack_codes(packed, bw, 101), codes)
+    from kite.cli.main import app
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(TEXT)
+    args = ["upcycle", "compress", "--model", "smollm2-135m", "--input", str(doc), "--ratio", "8", "--json"]
+    plain = CliRunner().invoke(app, args + ["--output", str(tmp_path / "p.upc")])
+    coded = CliRunner().invoke(app, args + ["--output", str(tmp_path / "e.upc"), "--entropy-coding"])
+    assert plain.exit_code == 0 and coded.exit_code == 0, coded.output
+    with StateFile(tmp_path / "e.upc") as st:
+        assert any(e.codec == entropy_blob.CODEC for e in st.index.values()) and "entropy" in st.meta
+    with StateFile(tmp_path / "p.upc") as st:
+        assert all(e.codec == "raw" for e in st.index.values()) and "entropy" not in st.meta
+    ratio = json.loads(coded.stdout[coded.stdout.index("{"):])["compression_ratio"]
+    assert abs(ratio / 8 - 1) <= 0.03

@@ -4,7 +4,7 @@ blob layout, and damaged blobs and bad arguments refused with ValueError."""
 import numpy as np
 import pytest
 
-from kite.upcycle.format import rans
+from kite.upcycle.format import entropy_blob, rans
 
 DAMAGED = "entropy-coded block is damaged"
 
@@ -251,3 +251,20 @@ def test_a_shared_table_must_give_every_present_code_a_slot():
         rans.encode(codes, 2, table)
     with pytest.raises(ValueError, match="summing"):
         rans.encode(codes, 2, np.array([1, 1, 1, 1]))
+
+
+@pytest.mark.parametrize("section", [None, {}, {"scale": 12, "tables": {"3": [1, 2]}},
+                                     {"scale": 12, "tables": {"9": [4096]}}, {"scale": 11, "tables": {}}])
+def test_a_damaged_table_section_is_refused(section):
+    with pytest.raises(ValueError):
+        entropy_blob.tables_from(section)
+
+
+def test_codes_pack_and_unpack_at_every_width():
+    rng = np.random.default_rng(0)
+    for bw in range(1, 9):
+        codes = rng.integers(0, 1 << bw, size=101).astype(np.uint8)
+        nbytes = (101 * bw + 7) // 8
+        packed = entropy_blob.pack_codes(codes, bw, nbytes)
+        assert len(packed) == nbytes
+        assert np.array_equal(entropy_blob.unpack_codes(packed, bw, 101), codes)
