@@ -96,12 +96,29 @@ def test_a_coded_state_is_the_ratio_asked_and_spends_what_coding_saved(lm, plain
     assert _bits(_blobs(tmp_path / "e.upc")) > _bits(base[1])    # the saved bytes went to more bits
 
 
-def test_a_coded_state_loads_as_its_blobs_say(lm, tmp_path):
+def test_a_coded_state_loads_on_both_paths_as_its_blobs_say(lm, tmp_path):
+    """The host load and the GPU path's staging (run on the CPU) read a coded state as the same
+    state stored plain: its blobs decoded, rewritten raw."""
+    import torch
+
+    from kite.upcycle.format import StateWriter
+    from tests.test_gpu_path import _staged_load
+
     compress_document(lm, TEXT, tmp_path / "e.upc", _settings(8, True))
-    prefix, report = load_prefix(tmp_path / "e.upc", lm)
-    assert report.tokens > 0 and prefix is not None
     with StateFile(tmp_path / "e.upc") as st:
         assert st.verify()
+        writer = StateWriter(zstd=False)
+        writer.add_many([(key, st.read(key)) for key in st.index])
+        writer.write(tmp_path / "plain.upc", {k: v for k, v in st.meta.items()
+                                              if k not in ("content", "signature", "entropy")})
+    want, _ = load_prefix(tmp_path / "plain.upc", lm)
+    got, report = load_prefix(tmp_path / "e.upc", lm)
+    _, keys, values = _staged_load(tmp_path / "e.upc", lm)
+    assert report.tokens > 0
+    for layer in range(lm.geometry.n_layers):
+        assert torch.equal(got.keys[layer], want.keys[layer]) and torch.equal(got.values[layer], want.values[layer])
+        assert torch.allclose(keys[layer], want.keys[layer], atol=1e-4 * float(want.keys[layer].abs().max()))
+        assert torch.allclose(values[layer], want.values[layer], atol=1e-4 * float(want.values[layer].abs().max()))
 
 
 def test_without_a_budget_coding_only_shrinks_the_file(plain):
