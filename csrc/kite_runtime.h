@@ -32,6 +32,8 @@ int kite_rans_encode(const uint8_t* codes, int64_t n, const int32_t* freq, int n
 // The n codes back (out [n]); 0, or 4 / 5 / 6: a stream ran out of words / left words / ended off 2^16.
 int kite_rans_decode(const uint32_t* states, const int64_t* counts, const uint16_t* words, int64_t K,
                      const int32_t* freq, int nsym, int scale, int64_t n, uint8_t* out);
+// codes [n] packed LSB-first at bw bits into out [nbytes], zero bits after the last (format/bitlayout.py).
+int kite_pack_codes(const uint8_t* codes, int64_t n, int bw, uint8_t* out, int64_t nbytes);
 
 // ---- k-means (cosine, Lloyd iterations of kite/upcycle/cluster.py) ----------------------------
 // x: [n, D] L2-normalised rows; C: [k, D] initial centroids, overwritten with the final ones;

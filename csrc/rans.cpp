@@ -74,3 +74,23 @@ extern "C" int kite_rans_decode(const uint32_t* states, const int64_t* counts, c
   }
   return 0;
 }
+
+// codes [n] (each < 2^bw) packed LSB-first at bw bits into out [nbytes] (zero bits after the last).
+extern "C" int kite_pack_codes(const uint8_t* codes, int64_t n, int bw, uint8_t* out, int64_t nbytes) {
+  if (bw < 1 || bw > 8 || n < 0 || (n * bw + 7) / 8 > nbytes) return -1;
+  for (int64_t i = 0; i < nbytes; ++i) out[i] = 0;
+  uint64_t acc = 0;
+  int have = 0;
+  int64_t at = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    acc |= (uint64_t)codes[i] << have;
+    have += bw;
+    while (have >= 8) {
+      out[at++] = (uint8_t)(acc & 0xff);
+      acc >>= 8;
+      have -= 8;
+    }
+  }
+  if (have > 0) out[at] = (uint8_t)(acc & 0xff);
+  return 0;
+}

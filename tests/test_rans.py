@@ -268,3 +268,18 @@ def test_codes_pack_and_unpack_at_every_width():
         packed = entropy_blob.pack_codes(codes, bw, nbytes)
         assert len(packed) == nbytes
         assert np.array_equal(entropy_blob.unpack_codes(packed, bw, 101), codes)
+
+
+def test_the_native_coder_and_packer_give_numpys_bytes(monkeypatch):
+    from kite.kernels import native
+
+    if native.cpu() is None:
+        pytest.skip("native runtime not built (make build-runtime)")
+    rng = np.random.default_rng(5)
+    cases = [(bw, rng.integers(0, 1 << bw, size=n).astype(np.uint8)) for bw in range(1, 9) for n in (0, 1, 9, 5000)]
+    cases.append((3, np.clip(np.rint(rng.normal(3.5, 1.0, 300_000)), 0, 7).astype(np.uint8)))   # several streams
+    fast = [(rans.encode(c, bw), entropy_blob.pack_codes(c, bw, (c.size * bw + 7) // 8 + 1)) for bw, c in cases]
+    monkeypatch.setattr(native, "cpu", lambda: None)
+    for (bw, c), (blob, packed) in zip(cases, fast):
+        assert rans.encode(c, bw) == blob and entropy_blob.pack_codes(c, bw, (c.size * bw + 7) // 8 + 1) == packed
+        assert np.array_equal(rans.decode(blob, c.size, bw), c)

@@ -28,6 +28,7 @@ _CPU_SIGNATURES = {
     "kite_eigh_batched": (c_int, [P, c_int64, c_int64, P, P]),
     "kite_rans_encode": (c_int, [P, c_int64, P, c_int, c_int, c_int64, P, P, P, c_int64]),
     "kite_rans_decode": (c_int, [P, P, P, c_int64, P, c_int, c_int, c_int64, P]),
+    "kite_pack_codes": (c_int, [P, c_int64, c_int, P, c_int64]),
 }
 _CUDA_SIGNATURES = {
     "kite_cuda_version": (c_char_p, []),

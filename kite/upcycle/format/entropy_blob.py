@@ -50,6 +50,14 @@ def unpack_codes(data: bytes | memoryview | np.ndarray, bw: int, nsym: int) -> n
 
 def pack_codes(codes: np.ndarray, bw: int, nbytes: int) -> bytes:
     """``codes`` packed LSB-first at ``bw`` bits into ``nbytes`` bytes (zero bits after the last)."""
+    from kite.kernels import native
+
+    lib = native.cpu()
+    if lib is not None:
+        codes = np.ascontiguousarray(codes, dtype=np.uint8)
+        out = np.empty(nbytes, dtype=np.uint8)
+        native.check(lib.kite_pack_codes(codes.ctypes.data, codes.size, bw, out.ctypes.data, nbytes), "pack_codes")
+        return out.tobytes()
     bits = ((codes[:, None].astype(np.uint16) >> np.arange(bw, dtype=np.uint16)) & 1).astype(np.uint8).reshape(-1)
     out = np.zeros(nbytes * 8, dtype=np.uint8)
     out[:bits.size] = bits
