@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--regenerator", type=Path, help="also code each ratio setting on this regenerator folder (rows "
                     "named '... on the regenerator'), side by side")
+    ap.add_argument("--entropy-coding", action="store_true", help="also code each setting with its codes entropy "
+                    "coded (compression.entropy_coding; rows named '..., entropy coded'), side by side")
     args = parse(ap, argv)
 
     import torch
@@ -90,11 +92,13 @@ def main(argv=None) -> int:
     runs = [(spec, None) for spec in args.settings]
     if reg is not None:
         runs += [(f"{spec} on the regenerator", spec) for spec in args.settings if spec.startswith("ratio=")]
+    if args.entropy_coding:
+        runs += [(f"{label}, entropy coded", on or label) for label, on in runs]
     with tempfile.TemporaryDirectory() as tmp:
         for spec, on in runs:
             path = Path(tmp) / f"{len(list(Path(tmp).iterdir()))}.upc"
-            settings = CompressSettings(codec=codec_settings(on or spec))
-            regen = reg if on else None
+            settings = CompressSettings(codec=codec_settings(on or spec), entropy_coding=spec.endswith("entropy coded"))
+            regen = reg if on is not None and "on the regenerator" in spec else None
             t, made = best(lambda: compress_document(lm, "", path, settings, ids=doc, regenerator=regen), 1)
             res.timing(f"{spec}: compress", t, baseline=prefill, floor=f"holds {doc_floor[0]}",
                        floor_value=doc_floor[1], state_bytes=made.state_bytes,
