@@ -205,3 +205,21 @@ def test_the_compress_command_codes_a_state_when_asked(tmp_path):
         assert all(e.codec == "raw" for e in st.index.values()) and "entropy" not in st.meta
     ratio = json.loads(coded.stdout[coded.stdout.index("{"):])["compression_ratio"]
     assert abs(ratio / 8 - 1) <= 0.03
+
+
+def test_a_coded_part_claiming_a_huge_plain_length_is_refused_when_the_state_opens(lm, tmp_path):
+    import json as js
+
+    from kite.upcycle.format.mutants import resealed
+
+    compress_document(lm, TEXT, tmp_path / "e.upc", _settings(8, True))
+    data = bytearray((tmp_path / "e.upc").read_bytes())
+    hlen = struct.unpack_from("<I", data, 12)[0]
+    meta = js.loads(bytes(data[32:32 + hlen]))
+    row = next(r for r in meta["blobs"] if r[4] == entropy_blob.CODEC)
+    row[3] = 1 << 40                     # a terabyte from a few kilobytes
+    header = js.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
+    bad = bytes(data[:12]) + struct.pack("<I", len(header)) + bytes(data[16:32]) + header + bytes(data[32 + hlen:])
+    (tmp_path / "bad.upc").write_bytes(resealed(bad))
+    with pytest.raises(BadInput, match="entropy coded in"):
+        StateFile(tmp_path / "bad.upc")

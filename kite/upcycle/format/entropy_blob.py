@@ -146,8 +146,8 @@ def tables_from(meta: dict | None) -> dict[int, np.ndarray]:
     """Each width's table from a state header's ``entropy`` section; ValueError where it is not one
     :func:`tables_json` writes (a width outside 1..8, a table not of 2**bw frequencies summing to
     2**scale)."""
-    sec = meta or {}
-    tables = sec.get("tables") if isinstance(sec, dict) else None
+    sec = meta if isinstance(meta, dict) else {}
+    tables = sec.get("tables")
     if sec.get("scale") != rans.SCALE_BITS or not isinstance(tables, dict):
         raise ValueError("the state's entropy tables are missing or damaged")
     out = {}

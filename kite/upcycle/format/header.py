@@ -28,6 +28,9 @@ _HEX = re.compile(r"[0-9a-f]*")
 # how a blob may be stored: as it is, zstd-compressed, or a part with its codes entropy coded
 # (kite.upcycle.format.entropy_blob)
 BLOB_CODECS = frozenset({"raw", "zstd", "rans"})
+# an entropy-coded part gives back at most this many times its stored bytes (+ RANS_SLACK): a part's
+# group scales and minimums stay as they are, so even codes that vanish leave a fifth of it or more
+RANS_EXPANSION, RANS_SLACK = 64, 4096
 
 
 CONTENT_SCHEME = "kite-content1"
@@ -241,6 +244,7 @@ def _blobs(rows, leads: list[int], ids: list[int], layers: int) -> int:
     if (set(map(type, keys)) != {str} or len(set(keys)) != len(keys) or ints != {int}
             or min(lengths) < 0 or min(raws) < 0 or offsets[0] != 0 or list(offsets[1:]) != ends[:-1]
             or not set(codecs) <= BLOB_CODECS or ("raw", False) in set(zip(codecs, map(operator.eq, raws, lengths)))
+            or any(c == "rans" and r > RANS_EXPANSION * n + RANS_SLACK for c, r, n in zip(codecs, raws, lengths))
             or set(map(type, sums)) != {str} or set(map(len, sums)) != {32} or not _HEX.fullmatch("".join(sums))):
         _explain_blobs(rows)
     if n_layers * (1 + 2 * len(ids)) > 4 * len(keys):   # never build a set of keys far larger than the index
@@ -277,6 +281,8 @@ def _explain_blobs(rows: list):
             raise _Bad(f"part {key}'s codec is {_show(codec)}, expected raw, zstd or rans")
         if codec == "raw" and raw_length != length:
             raise _Bad(f"part {key} is stored raw but its raw length {raw_length} is not its length {length}")
+        if codec == "rans" and raw_length > RANS_EXPANSION * length + RANS_SLACK:
+            raise _Bad(f"part {key} is entropy coded in {length} bytes but its raw length is {raw_length}")
         if type(checksum) is not str or len(checksum) != 32 or not _HEX.fullmatch(checksum):
             raise _Bad(f"part {key}'s checksum is {_show(checksum)}, expected 32 hex digits")
         at += length
