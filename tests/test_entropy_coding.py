@@ -205,6 +205,11 @@ def test_the_compress_command_codes_a_state_when_asked(tmp_path):
         assert all(e.codec == "raw" for e in st.index.values()) and "entropy" not in st.meta
     ratio = json.loads(coded.stdout[coded.stdout.index("{"):])["compression_ratio"]
     assert abs(ratio / 8 - 1) <= 0.03
+    seen = CliRunner().invoke(app, ["upcycle", "inspect", str(tmp_path / "e.upc"), "--json"])
+    ec = json.loads(seen.stdout[seen.stdout.index("{"):])["entropy_coded"]
+    assert 0 < ec["parts"] <= ec["of_parts"] and ec["bytes_saved"] > 0
+    seen = CliRunner().invoke(app, ["upcycle", "inspect", str(tmp_path / "p.upc"), "--json"])
+    assert json.loads(seen.stdout[seen.stdout.index("{"):])["entropy_coded"] is None
 
 
 def test_a_coded_part_claiming_a_huge_plain_length_is_refused_when_the_state_opens(lm, tmp_path):

@@ -164,6 +164,9 @@ def inspect(
                   f"{c['bytes']:>10,} B  [dim]{c['preview'][:50]}[/]", highlight=False)
     out.print(f"  shared per-layer codecs {report['bytes']['layer_codecs']:,} B, header {report['bytes']['header']:,} B",
               highlight=False)
+    if report["entropy_coded"]:
+        ec = report["entropy_coded"]
+        out.print(f"  entropy coded: {ec['parts']} of {ec['of_parts']} parts, {ec['bytes_saved']:,} B saved", highlight=False)
     if verify:
         ck = report["checksums"]
         colour = "green" if not ck["failed"] else "red"

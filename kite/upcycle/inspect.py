@@ -22,6 +22,7 @@ def describe_state(path: str | Path, verify: bool = False) -> dict:
             else:
                 layer_codecs += entry.length
         data_bytes = sum(e.length for e in sf.index.values())
+        coded = [e for e in sf.index.values() if e.codec == "rans"]
         fps = meta.get("fingerprints") or {}
         raw = meta.get("raw_kv_bytes_fp16")
         report = {
@@ -50,6 +51,9 @@ def describe_state(path: str | Path, verify: bool = False) -> dict:
                          for c in meta["clusters"]],
             "bytes": {"header": sf.file_size - data_bytes, "layer_codecs": layer_codecs,
                       "clusters": sum(per_cluster.values())},
+            # parts stored with their codes entropy coded (compression.entropy_coding; None: none)
+            "entropy_coded": {"parts": len(coded), "of_parts": sum(1 for k in sf.index if k.startswith("c")),
+                              "bytes_saved": sum(e.raw_length - e.length for e in coded)} if coded else None,
             "tagger": meta.get("tagger"),
             # the content address, recomputed from the header and checked (None: unaddressed)
             "address": check_address(meta, sf.format_version, str(path)),
