@@ -373,3 +373,24 @@ def test_a_grouped_state_whose_header_drops_its_regenerator_is_refused_in_one_li
         sel = load.select(state, None)
         load.stage_state(state, sel.parts, sel.part_positions, [0], n_layers=geo.n_layers, H=geo.n_kv_heads,
                          d=geo.head_dim, threads=1)                         # the GPU path's staging
+
+
+def test_a_grouped_state_entropy_coded_loads_as_it_does_plain(tiny_lm, grouped, tmp_path):
+    """A group's parts (every layer of a cluster in one part) are large enough to code; the coded
+    state is the ratio asked and its host load and staging give what its blobs, stored plain, give."""
+    from kite.upcycle import StateWriter
+
+    made = _compress(tiny_lm, grouped, tmp_path / "e.upc", entropy_coding=True)
+    assert abs(made.compression_ratio / 8 - 1) <= 0.03, made.compression_ratio
+    with StateFile(tmp_path / "e.upc") as st:
+        assert any(e.codec == "rans" for e in st.index.values())
+        writer = StateWriter(zstd=False)
+        writer.add_many([(key, st.read(key)) for key in st.index])
+        writer.write(tmp_path / "plain.upc", {k: v for k, v in st.meta.items()
+                                              if k not in ("content", "signature", "entropy")})
+    want, _ = load_prefix(tmp_path / "plain.upc", tiny_lm, regenerator=grouped)
+    got, _ = load_prefix(tmp_path / "e.upc", tiny_lm, regenerator=grouped)
+    staged = _staged(tiny_lm, tmp_path / "e.upc", grouped, list(range(tiny_lm.geometry.n_layers)))
+    for layer in range(tiny_lm.geometry.n_layers):
+        assert torch.equal(got.keys[layer], want.keys[layer]) and torch.equal(got.values[layer], want.values[layer])
+        assert torch.allclose(staged[0][layer], want.keys[layer], atol=1e-4 * float(want.keys[layer].abs().max()))
