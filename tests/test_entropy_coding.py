@@ -228,3 +228,19 @@ def test_a_coded_part_claiming_a_huge_plain_length_is_refused_when_the_state_ope
     (tmp_path / "bad.upc").write_bytes(resealed(bad))
     with pytest.raises(BadInput, match="entropy coded in"):
         StateFile(tmp_path / "bad.upc")
+
+
+def test_the_eval_command_measures_a_coded_state(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kite.cli.main import app
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(TEXT)
+    r = CliRunner().invoke(app, ["upcycle", "eval", "--model", "smollm2-135m", "--input", str(doc), "--ratio", "8",
+                                 "--context-tokens", "768", "--continuation-tokens", "64", "--entropy-coding", "--json"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout[r.stdout.index("{"):])
+    assert abs(got["compression_ratio"] / 8 - 1) <= 0.03 and got["ppl_state"] > 0

@@ -28,6 +28,9 @@ ModelOpt = typer.Option("--model", "-m", help="HF folder, .gguf file or embedded
 # written out so that listing commands does not import the codec).
 PRECISION_PRESETS = ("exact", "fp32", "fp16", "bf16", "fp8", "int8", "int4", "int3", "int2")
 PrecisionOpt = typer.Option(help="A precision preset instead of --ratio: " + "|".join(PRECISION_PRESETS) + ".")
+EntropyOpt = typer.Option("--entropy-coding/--no-entropy-coding", help="Entropy-code the quantized coefficients: at "
+                          "a ratio, the bits saved are spent on more components (default: the config's "
+                          "compression.entropy_coding).")
 
 @app.command("compress")
 def compress(
@@ -45,9 +48,7 @@ def compress(
     label_ratio: Annotated[list[str] | None, typer.Option(
         "--label-ratio", help="LABEL=R: the clusters of that clause label at ratio R (repeatable; over the "
         "config's compression.label_ratios).")] = None,
-    entropy_coding: Annotated[bool | None, typer.Option(
-        "--entropy-coding/--no-entropy-coding", help="Entropy-code the quantized coefficients: at a ratio, the "
-        "bits saved are spent on more components (default: the config's compression.entropy_coding).")] = None,
+    entropy_coding: Annotated[bool | None, EntropyOpt] = None,
     mkdir: bool = MkdirOpt,
     store: Annotated[str | None, StoreOpt] = None,
     tenant: Annotated[str | None, TenantOpt] = None,
@@ -188,6 +189,7 @@ def eval_cmd(
     config: Annotated[Path | None, typer.Option(help="upcycle_config.yaml.")] = None,
     regenerator: Annotated[Path | None, RegeneratorOpt] = None,
     layer_weights: Annotated[Path | None, LayerWeightsOpt] = None,
+    entropy_coding: Annotated[bool | None, EntropyOpt] = None,
     probe: Annotated[str | None, typer.Option(help="Also measure tasks on the state at this ratio (a comma list): "
                                               "'passkey' (one key at 10/30/50/70/90 % depth), 'keys' (3 keys in "
                                               "one context), 'qa' (F1 on held-out generated contracts).")] = None,
@@ -206,7 +208,7 @@ def eval_cmd(
     with progress_bar() as progress:   # the config and the flags are checked before the model loads
         pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress,
                              kept_fraction=user_config().features.upcycle_compression_ratio, regenerator=regenerator,
-                             layer_weights=layer_weights)
+                             layer_weights=layer_weights, entropy_coding=entropy_coding)
         result = evaluate(pipe.lm, text, context_tokens=context_tokens, continuation_tokens=continuation_tokens,
                           settings=pipe.settings, tagger=pipe.tagger, probe=probe, progress=progress,
                           regenerator=pipe.regenerator)
