@@ -244,3 +244,32 @@ def test_the_eval_command_measures_a_coded_state(tmp_path):
     assert r.exit_code == 0, r.output
     got = json.loads(r.stdout[r.stdout.index("{"):])
     assert abs(got["compression_ratio"] / 8 - 1) <= 0.03 and got["ppl_state"] > 0
+
+
+def test_a_server_whose_config_asks_for_it_stores_coded_states_and_answers_from_them(lm, tmp_path):
+    import httpx
+
+    from kite.serve import BackgroundServer, create_app
+    from kite.upcycle import Pipeline, UpcycleConfig, compress_settings
+    from kite.yoco.health import HealthStore
+    from tests.test_serve import _settings
+
+    cfg = UpcycleConfig.model_validate({"compression": {"svd_ratio": 0.125, "cluster_num": 3, "min_span_tokens": 8,
+                                                        "max_span_tokens": 48, "entropy_coding": True}})
+    pipe = Pipeline(lm=lm, tagger=None, settings=compress_settings(cfg), config=cfg, config_path=None)
+    settings = _settings(tmp_path, fusion=True)
+    server = BackgroundServer(create_app(pipe, settings, health=HealthStore(tmp_path / "health.sqlite")))
+    server.start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            r = c.post("/v1/states", json={"document": TEXT})
+            assert r.status_code in (200, 201), r.text
+            sid = r.json()["id"]
+            with StateFile(next((tmp_path / "states").rglob("*.upc"))) as st:
+                assert any(e.codec == entropy_blob.CODEC for e in st.index.values())
+            r = c.post("/v1/completions", json={"prompt": " Who pays the fees?", "max_tokens": 2,
+                                                "kite": {"state": sid}})
+            assert r.status_code == 200, r.text
+            assert r.json()["kite"]["loaded"] is True
+    finally:
+        server.stop()
