@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kite.errors import BadInput
+from kite.runtime.attention import ragged_rows as _ragged_rows   # the real one, under the tests' spy
 from kite.runtime.batch_decode import BatchDecoder, BatchFull, BatchKVCache, forward_prompt_rows, forward_rows
 from kite.runtime.cache import KVPrefix, cache_layers, new_cache
 from kite.runtime.decoding import SequenceDecode
@@ -64,15 +65,19 @@ def prefixes(lm):
     return a, b
 
 
-@pytest.mark.parametrize("causal_rows", [False, True], ids=["masks", "a row at a time"])
-def test_one_forward_of_mixed_rows_equals_each_row_alone(lm, prefixes, one_thread, causal_rows, monkeypatch):
+@pytest.mark.parametrize("how", ["masks", "ragged", "causal"], ids=["masks", "each row's keys", "a row at a time"])
+def test_one_forward_of_mixed_rows_equals_each_row_alone(lm, prefixes, one_thread, how, monkeypatch):
     """forward_rows: a row prefilling 7 tokens after a state, a row decoding 1, a row prefilling 3
     with another state, in one padded forward over rows that are not consecutive: each row's
-    logits equal its own forward alone, through the per-row masks or (a prompt's prefill) a row at
-    a time causal from the bottom-right corner."""
+    logits equal its own forward alone, through the per-row masks, each row over its own keys only
+    (rows of unlike lengths on a CPU), or (a prompt's prefill) a row at a time causal from the
+    bottom-right corner."""
     from kite.runtime import attention
 
-    monkeypatch.setattr(attention, "CAUSAL_ROWS_MIN_QUERY", 1 if causal_rows else 10**9)
+    monkeypatch.setattr(attention, "CAUSAL_ROWS_MIN_QUERY", 1 if how == "causal" else 10**9)
+    monkeypatch.setattr(attention, "RAGGED_SAVING", 0.0 if how == "ragged" else 2.0)
+    calls = []
+    monkeypatch.setattr(attention, "ragged_rows", lambda *a, **k: calls.append(1) or _ragged_rows(*a, **k))
     a, b = prefixes
     cache = BatchKVCache(lm.model, max_rows=4)
     rows = [cache.take(a), cache.take(None), cache.take(None), cache.take(b)]
@@ -90,6 +95,7 @@ def test_one_forward_of_mixed_rows_equals_each_row_alone(lm, prefixes, one_threa
             forward_tokens(lm.model, tokens[2], new_cache(lm.model, b), b.next_position)]
     for g, w in zip(got, want):
         assert g.shape == w.shape and (g - w).abs().max() <= 1e-4
+    assert bool(calls) == (how == "ragged")
     # the padded positions wrote nothing: each row holds its prefix and its real tokens only
     assert cache.row_lengths(rows[0]) == [p + 7 for p in a.tokens_per_layer()]
     assert cache.row_lengths(rows[1]) == [6] * lm.geometry.n_layers

@@ -36,6 +36,9 @@ SPLIT_MIN_KEYS = 1024
 # a batch step feeding at least this many tokens to a row (a prompt's prefill) attends a row at a time,
 # causal from the bottom-right corner (flash attention on a GPU), instead of through a mask per row
 CAUSAL_ROWS_MIN_QUERY = 128
+# on a CPU, a step whose rows' own keys are at most (1 - this) of the padded batch's attends a row at
+# a time over its own keys only (ragged_rows: rows after a long state beside short prompts)
+RAGGED_SAVING = 0.25
 _registered = False
 _triton: bool | None = None
 
@@ -48,6 +51,9 @@ def kite_attention(module, query, key, value, attention_mask, scaling=None, drop
             return causal_rows(query, key, value, batch, module.layer_idx, scaling), None
         held = batch.held(module.layer_idx, key.dtype, key.device) if batch.memories else None
         mask = batch.mask(module.layer_idx, key.shape[-2])
+        need = _ragged(query, key, batch, module.layer_idx)
+        if need is not None:
+            return ragged_rows(query, key, value, mask, need, scaling), None
         out, _ = batch_attention(query, key, value, mask, scaling, held)
         if batch.beside:
             beside_rows(out, query, key, value, mask, scaling, batch, module.layer_idx)
@@ -112,6 +118,29 @@ def batch_attention(query, key, value, mask, scaling=None, held=None):
                                 torch.cat([seen, mask[b:b + 1]], dim=-1), scaling)
         out[b] = row[0]
     return out, None
+
+
+def _ragged(query, key, batch, layer: int) -> list[int] | None:
+    """On a CPU, each row's keys to read (its last new token's visible slots) when reading only those,
+    a row at a time, skips at least RAGGED_SAVING of the batch's padded keys: rows after a long state
+    beside rows of a short prompt. None: one batched call reads them all (a GPU, rows of like
+    lengths, rows that keep tokens apart or hold their state beside their slots)."""
+    if query.is_cuda or not batch.causal_rows() or query.shape[0] < 2:
+        return None
+    need = batch.limits[layer].amax(dim=1).tolist()
+    return need if sum(need) <= (1.0 - RAGGED_SAVING) * len(need) * key.shape[-2] else None
+
+
+def ragged_rows(query, key, value, mask, need: list[int], scaling=None) -> torch.Tensor:
+    """A batch step's attention a row at a time, row b over its first ``need[b]`` slots only (``mask``
+    [B, 1, q, k] as for :func:`batch_attention`; the same result, the padding not read) → [B, q, Hq, d]."""
+    B, hq, q, d = query.shape
+    out = query.new_empty(B, q, hq, d)
+    for b, n in enumerate(need):
+        n = max(1, int(n))
+        out[b] = _folded_attention(query[b:b + 1], key[b:b + 1, :, :n], value[b:b + 1, :, :n],
+                                   mask[b:b + 1, ..., :n], scaling)[0]
+    return out
 
 
 def causal_rows(query, key, value, batch, layer: int, scaling=None) -> torch.Tensor:
