@@ -138,8 +138,9 @@ def ragged_rows(query, key, value, mask, need: list[int], scaling=None) -> torch
     out = query.new_empty(B, q, hq, d)
     for b, n in enumerate(need):
         n = max(1, int(n))
+        # one new token a row (a decode step) sees every one of its first n slots: no mask to build
         out[b] = _folded_attention(query[b:b + 1], key[b:b + 1, :, :n], value[b:b + 1, :, :n],
-                                   mask[b:b + 1, ..., :n], scaling)[0]
+                                   None if q == 1 else mask[b:b + 1, ..., :n], scaling)[0]
     return out
 
 
@@ -211,7 +212,7 @@ def _folded_attention(query, key, value, mask, scaling=None) -> torch.Tensor:
     rep = hq // hkv
     if rep > 1:
         query = query.reshape(b, hkv, rep * q, d)   # head h = g·rep + r → group g, row r·q + j
-        mask = mask.repeat(1, 1, rep, 1)
+        mask = mask.repeat(1, 1, rep, 1) if mask is not None else None
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(b, hq, q, d).transpose(1, 2).contiguous()
 
