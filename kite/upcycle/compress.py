@@ -335,13 +335,15 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
         def overhead(sets) -> int:
             return container_bytes(sets) - bonus
 
+        stage[0] = "compress" if not bonus else "compress again (the entropy coding's bytes spent)"
+
         if batched:
             enc = codec.encode_state(cap.keys_pre, cap.values, sets_once[0] if sets_once else token_sets_once,
                                      settings.codec, device=device, overhead_bytes=overhead,
                                      regenerator=regenerator, layer_weights=settings.layer_weights)
             regenerated[0] = enc.info["regenerated_sides"]
             if progress:
-                progress("compress", n_layers, n_layers)
+                progress(stage[0], n_layers, n_layers)
             return enc.items()
         token_sets = token_sets_once()
         if grouped:
@@ -369,7 +371,7 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
                 items += [(blob_key(c, layer, "K"), codec.to_bytes(part.k)),
                           (blob_key(c, layer, "V"), codec.to_bytes(part.v))]
             if progress:
-                progress("compress", layer + 1, n_layers)
+                progress(stage[0], layer + 1, n_layers)
         return items
 
     def code_groups(token_sets, overhead_bytes: int) -> list[tuple[str, bytes]]:
@@ -384,10 +386,11 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
                 items.append((blob_key(None, a), layer_blobs[a]))
             items += [(blob_key(c, a, "K"), codec.to_bytes(part.k)), (blob_key(c, a, "V"), codec.to_bytes(part.v))]
         if progress:
-            progress("compress", n_layers, n_layers)
+            progress(stage[0], n_layers, n_layers)
         return items
 
     entropy_tables: list[dict | None] = [None]
+    stage = ["compress"]      # the progress stage: a pass that spends the entropy coding's bytes says so
     if not batched:
         token_sets_once()
         if settings.label_ratios:
