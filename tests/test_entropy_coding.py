@@ -273,3 +273,18 @@ def test_a_server_whose_config_asks_for_it_stores_coded_states_and_answers_from_
             assert r.json()["kite"]["loaded"] is True
     finally:
         server.stop()
+
+
+def test_a_setting_that_is_not_true_or_false_is_refused_before_anything_runs(tmp_path):
+    from typer.testing import CliRunner
+
+    from kite.cli.main import app
+
+    cfg = tmp_path / "upcycle.yaml"
+    cfg.write_text("compression:\n  entropy_coding: sometimes\n")
+    doc = tmp_path / "doc.txt"
+    doc.write_text(TEXT)
+    r = CliRunner().invoke(app, ["upcycle", "compress", "--model", "smollm2-135m", "--input", str(doc),
+                                 "--output", str(tmp_path / "e.upc"), "--config", str(cfg)])
+    assert r.exit_code == 2 and "entropy_coding" in r.output, r.output
+    assert not (tmp_path / "e.upc").exists()

@@ -335,7 +335,7 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
         def overhead(sets) -> int:
             return container_bytes(sets) - bonus
 
-        stage[0] = "compress" if not bonus else "compress again (the entropy coding's bytes spent)"
+        stage = "compress" if not bonus else "compress again (the entropy coding's bytes spent)"   # progress
 
         if batched:
             enc = codec.encode_state(cap.keys_pre, cap.values, sets_once[0] if sets_once else token_sets_once,
@@ -343,11 +343,11 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
                                      regenerator=regenerator, layer_weights=settings.layer_weights)
             regenerated[0] = enc.info["regenerated_sides"]
             if progress:
-                progress(stage[0], n_layers, n_layers)
+                progress(stage, n_layers, n_layers)
             return enc.items()
         token_sets = token_sets_once()
         if grouped:
-            return code_groups(token_sets, overhead(token_sets))
+            return code_groups(token_sets, overhead(token_sets), stage)
         items = []
         # one budget for the whole state: every layer's PCA first, then the allocation over all of them
         whole = (codec.fit_state(cap.keys_pre, cap.values, fit_codec, token_sets,
@@ -371,10 +371,10 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
                 items += [(blob_key(c, layer, "K"), codec.to_bytes(part.k)),
                           (blob_key(c, layer, "V"), codec.to_bytes(part.v))]
             if progress:
-                progress(stage[0], layer + 1, n_layers)
+                progress(stage, layer + 1, n_layers)
         return items
 
-    def code_groups(token_sets, overhead_bytes: int) -> list[tuple[str, bytes]]:
+    def code_groups(token_sets, overhead_bytes: int, stage: str) -> list[tuple[str, bytes]]:
         """Every blob of a state coded on bases across layers: per group its codec and parts."""
         fits = groups.fit_groups(cap.keys_pre, cap.values, fit_codec, token_sets, regenerator,
                                  overhead_bytes=overhead_bytes)
@@ -386,11 +386,10 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
                 items.append((blob_key(None, a), layer_blobs[a]))
             items += [(blob_key(c, a, "K"), codec.to_bytes(part.k)), (blob_key(c, a, "V"), codec.to_bytes(part.v))]
         if progress:
-            progress(stage[0], n_layers, n_layers)
+            progress(stage, n_layers, n_layers)
         return items
 
     entropy_tables: list[dict | None] = [None]
-    stage = ["compress"]      # the progress stage: a pass that spends the entropy coding's bytes says so
     if not batched:
         token_sets_once()
         if settings.label_ratios:

@@ -31,10 +31,12 @@ TOLERANCE = 0.01      # of the blobs' budget: close enough to stop
 _PART = re.compile(r"^c(\d+)/L(\d+)/([KV])$")
 
 
-def part_runs(layer_blob: bytes, part_blob: bytes, side: str) -> tuple[tuple[int, int], list[tuple[int, int]]] | None:
+def part_runs(layer_blob: bytes, part_blob: bytes, side: str,
+              layer_table: tuple | None = None) -> tuple[tuple[int, int], list[tuple[int, int]]] | None:
     """Where a part's codes lie in its blob and their runs: ((offset, length), [(bw, nbytes), ...]);
-    None where the side is not PCA-coded or the part has no codes."""
-    lmeta, ltable, _ = codec_blob.read_table(layer_blob)
+    None where the side is not PCA-coded or the part has no codes. ``layer_table``: the layer blob's
+    ``codec_blob.read_table`` when the caller has it (a layer's parts read it once)."""
+    lmeta, ltable, _ = layer_table or codec_blob.read_table(layer_blob)
     if (lmeta.get(side) or {}).get("mode") not in CODED_MODES:
         return None
     pmeta, ptable, _ = codec_blob.read_table(part_blob)
@@ -70,21 +72,21 @@ def entropy_code(items: list[tuple[str, bytes]]) -> tuple[list[tuple[str, bytes,
     per width, made from every coded part's codes; None when no part is coded). A part's layer
     codec is the blob of its layer (of its group's first layer, for a state coded on bases across
     layers), earlier in ``items``."""
-    layers: dict[int, bytes] = {}
-    found: dict[str, tuple] = {}
+    layers: dict[int, tuple[bytes, tuple]] = {}     # layer -> its blob and its parsed table
+    found: dict[str, tuple] = {}                     # part -> (where its codes lie, its runs, its codes)
     counts: dict[int, np.ndarray] = {}
     for key, data in items:
         m = _PART.match(key)
         if m is None:
             if key.startswith("L") and key[1:].isdigit():
-                layers[int(key[1:])] = data
+                layers[int(key[1:])] = (data, codec_blob.read_table(data))
             continue
         layer, side = int(m.group(2)), m.group(3).lower()
-        where = part_runs(layers[layer], data, side) if layer in layers else None
+        where = part_runs(layers[layer][0], data, side, layers[layer][1]) if layer in layers else None
         codes = entropy_blob.run_codes(data, *where) if where is not None else None
         if codes is None:
             continue
-        found[key] = where
+        found[key] = (*where, codes)
         for (bw, _), c in zip(where[1], codes):
             counts[bw] = counts.get(bw, 0) + np.bincount(c, minlength=1 << bw)
     tables = {bw: rans.quantize_frequencies(c) for bw, c in counts.items()}

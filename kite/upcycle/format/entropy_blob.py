@@ -83,11 +83,13 @@ def run_codes(plain: bytes, at: tuple[int, int], runs: list[tuple[int, int]]) ->
     return out
 
 
-def pack(plain: bytes, at: tuple[int, int], runs: list[tuple[int, int]], tables: dict[int, np.ndarray]) -> bytes | None:
+def pack(plain: bytes, at: tuple[int, int], runs: list[tuple[int, int]], codes: list[np.ndarray] | None,
+         tables: dict[int, np.ndarray]) -> bytes | None:
     """The stored form of ``plain`` whose codes lie at ``at`` = (offset, length) as ``runs`` of (bw,
     nbytes), each run coded on ``tables[bw]`` (the state's table of its width: kept by the caller,
-    not in the part); None where it would not be smaller or :func:`run_codes` finds no codes."""
-    codes = run_codes(plain, at, runs)
+    not in the part); ``codes``: :func:`run_codes` of them when the caller has it. None where it
+    would not be smaller or :func:`run_codes` finds no codes."""
+    codes = codes if codes is not None else run_codes(plain, at, runs)
     if codes is None:
         return None
     offset, length = at
