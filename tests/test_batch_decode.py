@@ -143,6 +143,53 @@ def test_a_freed_row_takes_the_highest_rows_sequence_so_taken_rows_stay_packed(l
     assert cache.taken == [True, True, False, False]
 
 
+def test_rows_that_leave_together_free_at_once_and_only_rows_that_stay_move(lm, prefixes, one_thread):
+    """Six rows, rows 0, 2 and 5 leave in one call: the two rows that stay above the packed three
+    (4, 3) move into the freed rows below (1 stays), the highest into the lowest, each with its
+    slots; a row that leaves is never copied."""
+    a, b = prefixes
+    cache = BatchKVCache(lm.model, max_rows=6)
+    seeds = [None, a, None, b, a, None]
+    rows = [cache.take(x) for x in seeds]
+    forward_rows(lm.model, cache, rows, [_ids(lm, 2 + r, 20 + r) for r in rows],
+                 [0 if x is None else x.next_position for x in seeds])
+    want = {r: (cache.row_lengths(r), [(cache.keys[layer][r].clone(), cache.values[layer][r].clone())
+                                       for layer in range(cache.n_layers)]) for r in (1, 3, 4)}
+    assert cache.free_many([5, 0, 2]) == {4: 0, 3: 2}
+    assert cache.taken == [True, True, True, False, False, False]
+    assert [cache.row_lengths(r) == [0] * cache.n_layers for r in (3, 4, 5)] == [True] * 3
+    for new, old in ((0, 4), (1, 1), (2, 3)):
+        lengths, kv = want[old]
+        assert cache.row_lengths(new) == lengths
+        for layer, (k, v) in enumerate(kv):
+            n = lengths[layer]
+            assert torch.equal(cache.keys[layer][new, :, :n], k[:, :n])
+            assert torch.equal(cache.values[layer][new, :, :n], v[:, :n])
+    with pytest.raises(ValueError, match="row 4 is not taken"):
+        cache.free_many([4])
+    assert cache.free_many([0, 1, 2]) == {} and cache.taken == [False] * 6
+
+
+def test_sequences_that_end_in_one_step_leave_the_others_decoding_where_they_moved(lm, prefixes, one_thread):
+    """Rows 0, 2 and 3 end in the same step; the rows that stay (one of them moved down) go on to
+    generate()'s tokens."""
+    a, b = prefixes
+    requests = [(_ids(lm, 4, 30), None, 3), (_ids(lm, 5, 31), a, 9), (_ids(lm, 3, 32), b, 3),
+                (_ids(lm, 6, 33), None, 3), (_ids(lm, 2, 34), b, 7)]
+    alone = [generate(lm, p, prefix=x, max_new_tokens=n, stop_ids=set()) for p, x, n in requests]
+    engine = BatchDecoder(lm, max_rows=5)
+    handles = [engine.add(p, prefix=x, max_new_tokens=n, stop_ids=set()) for p, x, n in requests]
+    ended_at, results, steps = {}, {}, 0
+    while len(engine):
+        steps += 1
+        ended = engine.step()
+        results.update(ended)
+        ended_at.update({h: steps for h in ended})
+    assert len({ended_at[handles[i]] for i in (0, 2, 3)}) == 1 < ended_at[handles[4]] < ended_at[handles[1]]
+    for h, want in zip(handles, alone):
+        assert results[h].ids == want.ids
+
+
 def test_batch_equals_one_at_a_time(lm, prefixes, one_thread):
     """Six requests through three rows: joining at different steps, with and without states, one
     ended by an end token, one cancelled mid-way (its row reused), different lengths: every

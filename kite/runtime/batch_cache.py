@@ -194,38 +194,58 @@ class BatchKVCache:
 
     @torch.inference_mode()
     def free(self, row: int) -> int | None:
-        """The sequence in `row` left: the row is free for the next one (its slots are not cleared:
-        lengths say what is filled, and a new sequence overwrites them).
+        """The sequence in `row` left: :meth:`free_many` of that row; the old index of the row that
+        moved into it (None when none did)."""
+        moved = self.free_many([row])
+        return next(iter(moved), None)
 
-        The taken rows stay packed at the bottom: the highest taken row above `row` moves down into
-        it (its filled slots copied once), and its old index is returned (None when nothing moved), for
-        the caller to follow its sequence there. Packed rows make a step's rows one slice of the
-        buffers; rows with gaps would be gathered, a copy of every row's keys and values in every layer
-        of every step (21-34 ms a step for 8 rows of ~870 slots of the embedded model on 2 cores:
-        benchmarks/batch_step_threads.py), where a move copies one row once."""
+    @torch.inference_mode()
+    def free_many(self, rows: list[int]) -> dict[int, int]:
+        """The sequences in `rows` left (in one step, as a batch's often do): their rows are free for
+        the next ones (slots not cleared: lengths say what is filled, and a new sequence overwrites them).
+
+        The taken rows stay packed at the bottom: each remaining row above the packed ones moves down
+        into a freed row below them, the highest into the lowest (its filled slots copied once, every
+        move of a layer in one copy); {old index: new index} of the rows that moved, for the caller to
+        follow their sequences there. A row that leaves never moves. Packed rows make a step's rows one
+        slice of the buffers; rows with gaps would be gathered, a copy of every row's keys and values
+        in every layer of every step (21-34 ms a step for 8 rows of ~870 slots of the embedded model
+        on 2 cores: benchmarks/batch_step_threads.py), where a move copies one row once."""
         if self._step is not None:
             raise RuntimeError("rows change between steps, not during one")
-        if not self.taken[row]:
-            raise ValueError(f"row {row} is not taken")
-        self.taken[row] = False
-        self.lengths[:, row] = 0
-        moved = None
-        last = max((r for r, taken in enumerate(self.taken) if taken), default=-1)
-        if last > row:
-            n = int(self.lengths[:, last].max())
-            for store in (self.keys, self.values):
-                for buf in store:
-                    buf[row, :, :n] = buf[last, :, :n]
-            self.lengths[:, row] = self.lengths[:, last]
-            self.lengths[:, last] = 0
-            self.taken[row], self.taken[last] = True, False
-            moved = last
-        held = self.beside.pop(row, None) is not None
-        if moved is not None and moved in self.beside:
-            self.beside[row] = self.beside.pop(moved)
-        if held or moved is not None:
+        gone = set(rows)
+        for row in gone:
+            if not self.taken[row]:
+                raise ValueError(f"row {row} is not taken")
+        for row in gone:
+            self.taken[row] = False
+        self.lengths[:, sorted(gone)] = 0
+        kept = [r for r, taken in enumerate(self.taken) if taken]
+        holes = [r for r in range(len(kept)) if not self.taken[r]]          # ascending
+        movers = [r for r in reversed(kept) if r >= len(kept)]               # descending
+        moves = dict(zip(movers, holes))
+        if moves:
+            src, dst = list(moves), list(moves.values())
+            n = int(self.lengths[:, src].max())
+            if n:
+                s = torch.tensor(src, device=self.device)
+                d = torch.tensor(dst, device=self.device)
+                for store in (self.keys, self.values):
+                    for buf in store:
+                        buf[d, :, :n] = buf[s, :, :n]
+            self.lengths[:, dst] = self.lengths[:, src]
+            self.lengths[:, src] = 0
+            for old, new in moves.items():
+                self.taken[new], self.taken[old] = True, False
+        held = False
+        for row in gone:
+            held |= self.beside.pop(row, None) is not None
+        for old, new in moves.items():
+            if old in self.beside:
+                self.beside[new] = self.beside.pop(old)
+        if held or moves:
             self.plans.clear()
-        return moved
+        return moves
 
     @torch.inference_mode()
     def drop_slots(self, row: int, layer: int, start: int, n: int) -> None:

@@ -361,27 +361,36 @@ class BatchDecoder:
         picks = last.argmax(dim=-1).tolist() if all(s.decode.greedy for s in group) else None
         if picks is None:
             last = last.cpu()                     # one copy to the host, not one per row
+        ended = []
         for b, seq in enumerate(group):
             if seq.handle not in self._active:   # cancelled meanwhile (from an on_text callback)
                 continue
             d = seq.decode
             seq.next_token = d.accept(picks[b], stream=False) if picks is not None else d.take(last[b], stream=False)
             if seq.next_token is None:
-                self._finish(seq)
+                ended.append(seq)
             else:
                 self._unstreamed.append(d)
+        if ended:
+            self._finish(*ended)
 
-    def _finish(self, seq: _Sequence) -> None:
-        del self._active[seq.handle]
-        moved = self.cache.free(seq.row)
-        if moved is not None:   # the highest row's sequence now sits in the freed one
-            next(s for s in self._active.values() if s.row == moved).row = seq.row
-        self._done[seq.handle] = seq.decode.result(prompt_tokens=len(seq.prompt_ids), prefix=seq.prefix,
-                                                   prompt_nll_bits=seq.prompt_nll_bits,
-                                                   reader_adapter=seq.reader_on, stream=False)
-        end = seq.decode.final_text()
-        if end is not None:
-            self._ends.append(end)
+    def _finish(self, *seqs: _Sequence) -> None:
+        """These sequences ended: their rows freed together (the rows that stay move down once), their
+        results and last text kept for the step's report."""
+        for seq in seqs:
+            del self._active[seq.handle]
+        moved = self.cache.free_many([seq.row for seq in seqs])
+        if moved:         # the rows above the packed ones now sit in freed ones
+            for s in self._active.values():
+                if s.row in moved:
+                    s.row = moved[s.row]
+        for seq in seqs:
+            self._done[seq.handle] = seq.decode.result(prompt_tokens=len(seq.prompt_ids), prefix=seq.prefix,
+                                                       prompt_nll_bits=seq.prompt_nll_bits,
+                                                       reader_adapter=seq.reader_on, stream=False)
+            end = seq.decode.final_text()
+            if end is not None:
+                self._ends.append(end)
 
     def _reading(self, on: bool):
         return self.lm.reading(on) if hasattr(self.lm, "reading") else nullcontext(False)
