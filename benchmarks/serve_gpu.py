@@ -260,6 +260,19 @@ def step_histogram(before, after) -> dict[str, dict]:
     return out
 
 
+def gc_pauses(before, after) -> dict[str, dict]:
+    """Python's cyclic collections in the server between two scrapes (every thread waits while one
+    runs), by generation: {"<generation>": {count, total_ms}}, the generations that ran."""
+    out = {}
+    for labels, count in after.samples.get("kite_gc_pauses_total", {}).items():
+        n = count - before.samples.get("kite_gc_pauses_total", {}).get(labels, 0.0)
+        ms = (after.samples.get("kite_gc_pause_seconds_total", {}).get(labels, 0.0) -
+              before.samples.get("kite_gc_pause_seconds_total", {}).get(labels, 0.0)) * 1e3
+        if n > 0:
+            out[dict(labels).get("generation", "?")] = {"count": int(n), "total_ms": round(ms, 2)}
+    return out
+
+
 SERVER_PHASES = {"signals_and_decision": "kite_yoco_signals_latency_seconds", "load": "kite_yoco_load_latency_seconds",
                  "ttft_in_server": "kite_ttft_seconds"}
 
@@ -451,12 +464,13 @@ def run_mode(mode: str, args, model: Path, work: Path, docs: list[str], info: di
             flat = recs
             s = summarize(flat, seen, wall_s, step_histogram(before, after))
             s["server_phase_mean_ms"] = phase_means(before, after)
+            s["gc_pauses"] = gc_pauses(before, after)
             s["records"] = flat
             out["rounds"][str(clients)] = s
             log(f"{mode}: {clients} clients x {per_client}: {s['ok']}/{s['requests']} ok {s['by_status']}, "
                 f"{s['tokens_per_s']} tok/s, TTFT p50 {s['ttft_p50_ms']} ms p99 {s['ttft_p99_ms']} ms "
                 f"(p50 in the server {s['ttft_in_server_p50_ms']} ms, outside {s['ttft_outside_server_p50_ms']} ms), "
-                f"step {s['step_mean_ms']} ms at {s['step_rows']} rows, {wall_s:.1f} s", t0)
+                f"step {s['step_mean_ms']} ms at {s['step_rows']} rows, {wall_s:.1f} s, collections {s['gc_pauses']}", t0)
             bad = [r for r in flat if r["status"] not in ("ok", "not sent", "cut at deadline")]
             if bad:
                 log(f"{mode}: first failure: {bad[0]['status']}: {bad[0].get('error')}", t0)

@@ -58,6 +58,10 @@ def test_the_cpu_smoke_run_serves_both_modes_and_writes_every_row(tmp_path):
         assert 0 < inside <= r["ttft_s"] * 1e3
     round4 = runs["raw"]["rounds"]["4"]
     assert 0 < round4["ttft_in_server_p50_ms"] and round4["ttft_outside_server_p50_ms"] >= 0
+    # the collector's pauses in the server during the round (the generations that ran; the young one
+    # runs every few hundred allocations)
+    pauses = round4["gc_pauses"]
+    assert pauses["0"]["count"] >= 1 and all(p["count"] >= 1 and p["total_ms"] >= 0 for p in pauses.values())
 
 
 @pytest.mark.parametrize("flags, says", [(["--modes", "vllm"], "--modes 'vllm'"),

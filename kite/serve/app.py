@@ -74,9 +74,11 @@ def create_app(pipeline, settings: ServeSettings, *, rules=None, health=None, sa
     async def lifespan(app: FastAPI):
         if sampler is not None and start_sampler:
             sampler.start()
+        metrics.gc.start()
         try:
             yield
         finally:
+            metrics.gc.stop()
             runner.close()
             if sampler is not None and start_sampler:
                 sampler.stop()

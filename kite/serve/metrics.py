@@ -7,6 +7,8 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kite.serve.heap import GcPauses
+
 # Decisions (signals + rules) and loads are fast; requests on a CPU are slow: separate buckets.
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _DECISION = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)  # the target is p99 <= 50 us
@@ -73,6 +75,8 @@ class ServerMetrics:
             "every row, prompts included), by the rows it ran and what it ran (prefill: newcomers' prompts only; "
             "decode: one token a row; mixed: both).", ["rows", "kind"],
             buckets=(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5), registry=r)
+        self.gc = GcPauses()        # counted between the app's start-up and shutdown (its lifespan)
+        r.register(self.gc)
         self._lock = threading.Lock()
         self._loads = self._hits = 0
         self._up_bytes = self._up_tokens = self._raw_bytes = 0

@@ -45,12 +45,17 @@ def log_config(level: str) -> dict:
 
 def run(app, host: str = "127.0.0.1", port: int = 8088, log_level: str = "info",
         sock: socket.socket | None = None) -> None:
-    """Serve `app` in the foreground; on `sock` (from :func:`bind_socket`) when given."""
+    """Serve `app` in the foreground; on `sock` (from :func:`bind_socket`) when given. What start-up
+    made (the model, its captured steps, the web stack) is frozen out of Python's collector first
+    (kite.serve.heap): a full collection then walks only what requests made."""
     import sys
 
     import uvicorn
 
+    from kite.serve.heap import freeze_startup_heap
+
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    freeze_startup_heap()
 
     uvicorn.Server(uvicorn_config(app, host, port, log_level, kite_logs=True)).run(sockets=[sock] if sock else None)
 
