@@ -394,3 +394,31 @@ def test_a_grouped_state_entropy_coded_loads_as_it_does_plain(tiny_lm, grouped, 
     for layer in range(tiny_lm.geometry.n_layers):
         assert torch.equal(got.keys[layer], want.keys[layer]) and torch.equal(got.values[layer], want.values[layer])
         assert torch.allclose(staged[0][layer], want.keys[layer], atol=1e-4 * float(want.keys[layer].abs().max()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_an_entropy_coded_state_loads_staged_and_from_graphs_as_its_plain_twin(tiny_models, grouped,
+                                                                                        tmp_path):
+    """The GPU path inflates a coded part on the host before its staging: a coded state on the
+    device (staged, from the hot tier, replayed graphs) is its plain twin on the device."""
+    from kite.model import load_model
+    from kite.upcycle import StateWriter
+    from kite.upcycle.load import HotTier
+
+    lm = load_model(str(tiny_models["llama"]), device="cpu")
+    made = _compress(lm, grouped, tmp_path / "e.upc", entropy_coding=True)
+    with StateFile(made.path) as st:
+        assert any(e.codec == "rans" for e in st.index.values())
+        writer = StateWriter(zstd=False)
+        writer.add_many([(key, st.read(key)) for key in st.index])
+        writer.write(tmp_path / "plain.upc", {k: v for k, v in st.meta.items()
+                                              if k not in ("content", "signature", "entropy")})
+    gpu = load_model(str(tiny_models["llama"]), device="cuda")
+    tiers = HotTier(pin=True), HotTier(pin=True)
+    for _ in range(3):        # staged, staged from the hot tier, replayed graphs
+        want, _ = load_prefix(tmp_path / "plain.upc", gpu, regenerator=grouped, tier=tiers[0])
+        got, report = load_prefix(made.path, gpu, regenerator=grouped, tier=tiers[1])
+        assert "gpu_load" in report.timings_ms
+        for layer in range(gpu.geometry.n_layers):
+            assert torch.equal(got.keys[layer], want.keys[layer]), layer
+            assert torch.equal(got.values[layer], want.values[layer]), layer
