@@ -265,3 +265,18 @@ def test_encode_layers_is_encode_of_each_layer():
             assert torch.equal(a, b) if torch.is_tensor(a) else a == b, f.name
     with pytest.raises(ValueError, match="2 layers of keys and 1 of values"):
         E.encode_layers([layers[0][0], layers[1][0]], [layers[0][1]], 8)
+
+
+def test_a_lanes_prefix_counts_its_tokens_per_layer_as_its_decode_holds_them():
+    """Layers of different lengths and one that holds nothing: the counts are what ``as_kv`` decodes
+    (asked at every sequence's end in a batch, so kept; a caller's copy cannot change them)."""
+    from kite.runtime.cache import KVPrefix
+    from kite.upcycle import lanes_of
+
+    kvs = [_kv(T=t, seed=t) for t in (300, 70)]
+    empty = torch.zeros(2, 0, 16)
+    prefix = KVPrefix([kvs[0][0], empty, kvs[1][0]], [kvs[0][1], empty, kvs[1][1]], 300)
+    held = lanes_of(prefix, 16, "cpu", group=64)
+    assert held.tokens_per_layer() == [300, 0, 70] == [k.shape[1] for k in held.as_kv().keys]
+    held.tokens_per_layer().append(5)
+    assert held.tokens_per_layer() == [300, 0, 70] and held.holds(2) and not held.holds(1)

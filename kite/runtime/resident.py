@@ -22,7 +22,7 @@ kernel on a GPU and by its torch reference elsewhere.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import torch
@@ -117,6 +117,7 @@ class LanesPrefix(ResidentPrefix):
     layers: list                 # list[Lanes | None]
     next_position: int
     reader: bool = False
+    _tokens: list[int] | None = field(default=None, init=False, repr=False, compare=False)
 
     beside: ClassVar[bool] = True
 
@@ -125,7 +126,13 @@ class LanesPrefix(ResidentPrefix):
         return len(self.layers)
 
     def tokens_per_layer(self) -> list[int]:
-        return [0 if x is None else int(x.length[0]) + int(x.raw_k.shape[2]) for x in self.layers]
+        """(Counted once: a layer's coded length lives on its device, and each read of it waits for
+        the device; a batch asks at every sequence's end, a server's step ended 152 at once.)"""
+        if self._tokens is None:
+            lengths = [x.length[:1] for x in self.layers if x is not None]
+            coded = iter(torch.cat(lengths).tolist() if lengths else [])      # one transfer, not one a layer
+            self._tokens = [0 if x is None else int(next(coded)) + int(x.raw_k.shape[2]) for x in self.layers]
+        return list(self._tokens)
 
     def holds(self, layer: int) -> bool:
         return self.layers[layer] is not None
