@@ -199,3 +199,19 @@ def test_gpu_kernel_a_models_forward_over_a_cached_prefix_is_unchanged(dtype):
         attention.SPLIT_KV = True
     diff = (logits[True] - logits[False]).abs().max().item()
     assert diff <= 0.02 * logits[False].abs().max().item(), diff
+
+
+@cuda
+def test_on_a_gpu_a_masked_prefill_chunk_runs_without_cudnn_and_as_the_fp32_path():
+    """A document's second chunk (1,024 tokens after 1,024, bottom-right causal, query heads folded):
+    KITE's attention leaves cuDNN's fused kernel out (its host time per call dwarfed the work) and
+    gives the fp32 path's answer at bf16."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, 64, device="cuda", generator=g).bfloat16()
+               for h, n in ((9, 1024), (3, 2048), (3, 2048)))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out, _ = kite_attention(None, q, k, v, None, scaling=0.125)
+        torch.cuda.synchronize()
+    assert not [e.key for e in prof.key_averages() if "cudnn" in e.key.lower()]
+    want = reference(q, k, v, None, 0.125)
+    assert torch.allclose(out.float(), want, atol=2e-2, rtol=0)
