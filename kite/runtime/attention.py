@@ -44,11 +44,12 @@ _triton: bool | None = None
 _GPU_BACKENDS: list | None = None
 
 
-def sdpa(query, key, value, **kw) -> torch.Tensor:
-    """``F.scaled_dot_product_attention``; on a GPU with cuDNN's fused attention left out: it chose
-    cuDNN for the masked prefills of a document's chunks on the H200 (torch 2.11), and those calls
-    took 100 ms of host time in 180 calls for 7.4 ms of GPU work (a profile of a training state's
-    stages, 2026-12-04), where flash and memory-efficient attention launch in microseconds."""
+def masked_sdpa(query, key, value, **kw) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with a boolean mask (or none); on a GPU with cuDNN's fused attention
+    left out. torch 2.11 chose cuDNN for the masked prefills of a document's chunks on the H200, and
+    those calls took 100 ms of host time in 180 calls for 7.4 ms of GPU work (a profile of a training
+    state's stages, 2026-12-04); memory-efficient attention took the same calls in 37 ms of host time
+    for 15 ms of GPU work. (Unmasked and causal calls keep torch's choice: not measured.)"""
     global _GPU_BACKENDS
     if not query.is_cuda:
         return F.scaled_dot_product_attention(query, key, value, **kw)
@@ -112,7 +113,8 @@ def kite_attention(module, query, key, value, attention_mask, scaling=None, drop
         rep = query.shape[1] // key.shape[1]
         key = key.repeat_interleave(rep, dim=1)
         value = value.repeat_interleave(rep, dim=1)
-    out = sdpa(query, key, value, attn_mask=mask, is_causal=is_causal, dropout_p=dropout, scale=scaling)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal,
+                                         dropout_p=dropout, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -172,8 +174,8 @@ def causal_rows(query, key, value, batch, layer: int, scaling=None) -> torch.Ten
     gqa = key.shape[1] != hq
     for b, n in enumerate(batch.new_tokens):
         k = int(batch.lengths[layer, b]) + n
-        o = sdpa(query[b:b + 1, :, :n], key[b:b + 1, :, :k], value[b:b + 1, :, :k],
-                 attn_mask=causal_lower_right(n, k), scale=scaling, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(query[b:b + 1, :, :n], key[b:b + 1, :, :k], value[b:b + 1, :, :k],
+                                           attn_mask=causal_lower_right(n, k), scale=scaling, enable_gqa=gqa)
         out[b, :n] = o[0].transpose(0, 1)
     return out
 
@@ -229,7 +231,7 @@ def _folded_attention(query, key, value, mask, scaling=None) -> torch.Tensor:
     if rep > 1:
         query = query.reshape(b, hkv, rep * q, d)   # head h = g·rep + r → group g, row r·q + j
         mask = mask.repeat(1, 1, rep, 1) if mask is not None else None
-    out = sdpa(query, key, value, attn_mask=mask, scale=scaling)
+    out = masked_sdpa(query, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(b, hq, q, d).transpose(1, 2).contiguous()
 
 

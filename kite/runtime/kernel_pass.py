@@ -21,8 +21,8 @@ see (right padding, causal attention; padding rows are rows of their own).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from kite.runtime.attention import sdpa
 from kite.runtime.kernel_step import norm_input, why_not
 
 GRAPHS = True          # False: every pass runs eagerly (benchmarks and tests compare both)
@@ -121,7 +121,8 @@ def kernel_hidden(model, ids: torch.Tensor, wanted: tuple[int, ...] = ()) -> tup
         if layer in wanted:
             kept[layer] = h
         q, k, v = rope_qkv(*attn.kite_qkv(x), cos, sin)              # [B, H, T, d] each
-        out = sdpa(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling,
+                                             enable_gqa=q.shape[1] != k.shape[1])
         a = attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
         h, x = rms_norm(a, block.post_attention_layernorm.weight, block.post_attention_layernorm.variance_epsilon,
                         residual=h)
