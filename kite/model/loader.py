@@ -12,6 +12,7 @@ from typing import Any
 
 from kite.errors import BadInput
 from kite.model.fingerprint import Fingerprints, fingerprints
+from kite.model.cpu_products import install_cpu_products
 from kite.model.fused import fuse_forward
 from kite.model.geometry import Geometry, geometry_from_config
 from kite.model.sources import ModelSource, hf_folder, resolve
@@ -121,8 +122,10 @@ def load_model(spec: str | None = None, *, adapter: str | Path | None = None, dt
         model.base_model.disable_adapter_layers()
     model.to(device).eval()
     # on a GPU: fewer, fused kernels in the forward (one-kernel RMSNorm and RoPE, q/k/v and gate/up as
-    # one product each); the CPU keeps transformers' forward
+    # one product each); on the CPU: a decode step's products of a few rows at the memory's speed
     fuse_forward(model)
+    if torch.device(device).type == "cpu":
+        install_cpu_products(model)
     geometry = geometry_from_config(model.config)
     return LoadedModel(model=model, tokenizer=tokenizer, source=source, folder=folder,
                        geometry=geometry, adapter_dir=adapter_dir,

@@ -1,0 +1,62 @@
+"""A CPU model's products of a few rows (a decode step: one row a sequence) at the speed of its
+memory.
+
+A decode step multiplies each weight by one row a sequence. torch's ``linear`` sends one row to a
+matrix-vector product that ran on one core of the 2-core dev CPU, and a few rows to a matrix product
+tuned for many: the embedded model's projections of one row read their weights at ~21 GB/s, of
+eight rows at ~16 GB/s. The same product taken the other way round, the weight times the rows
+transposed, reads them at ~40 GB/s for two to four rows (both cores). So
+:func:`install_cpu_products` gives every plain fp32 ``nn.Linear`` of a CPU model a forward that, for
+at most :data:`SMALL_ROWS` rows and without autograd, computes ``(W @ x.T).T`` on chunks of
+:data:`CHUNK` rows (one row is sent as two: the copy is free beside the weight it reads); longer
+inputs (a prompt's prefill), training and other dtypes keep ``linear``. Figures: the module's
+microbenchmark in docs/PERFORMANCE.md ("CPU decode products"), `benchmarks/cpu_products.py`.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SMALL_ROWS = 8   # inputs of at most this many rows take the transposed product
+CHUNK = 4        # rows a product takes at once (more ran the slow kernel again)
+ENABLED = True   # False: every product is torch's linear (side-by-side benchmarks)
+
+
+def small_rows_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [..., in] of at most SMALL_ROWS rows: the weight times the
+    rows transposed, CHUNK rows a product."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    if n == 1:
+        out = (weight @ torch.cat([rows, rows]).T)[:, :1].T     # (a broadcast view took the slow kernel)
+    else:
+        out = torch.cat([(weight @ rows[i:i + CHUNK].T).T for i in range(0, n, CHUNK)])
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if (ENABLED and x.dim() >= 1 and x.numel() <= SMALL_ROWS * x.shape[-1] and x.dtype == torch.float32
+            and x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+        return small_rows_product(self.weight, self.bias, x)
+    return F.linear(x, self.weight, self.bias)
+
+
+def install_cpu_products(model: nn.Module) -> int:
+    """Give each plain fp32 ``nn.Linear`` of ``model`` on the CPU the small-rows forward (idempotent);
+    the number of layers that have it. Subclasses (an adapter's wrapped layers) keep theirs: the base
+    layer inside them gets it."""
+    done = 0
+    for module in model.modules():
+        if type(module) is not nn.Linear or module.weight.device.type != "cpu" or module.weight.dtype != torch.float32:
+            continue
+        if not getattr(module, "_kite_small_rows", False):
+            module.forward = types.MethodType(_forward, module)
+            module._kite_small_rows = True
+        done += 1
+    return done

@@ -1,0 +1,64 @@
+"""A CPU model's products of a few rows (kite.model.cpu_products): the weight times the rows
+transposed, CHUNK rows at a time, giving linear's answer; longer inputs, autograd and other dtypes
+keep linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kite.model import cpu_products
+from kite.model.cpu_products import install_cpu_products, small_rows_product
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_few_rows_give_linears_answer(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(1, rows, 40, generator=g)
+    got = small_rows_product(w, b, x)
+    assert got.shape == (1, rows, 96)
+    assert torch.allclose(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(40, 96), nn.ReLU(), nn.Linear(96, 10, bias=False))
+
+
+def test_an_installed_model_answers_as_before_and_only_its_short_inputs_take_the_product(monkeypatch):
+    model, ref = _model(), _model()
+    assert install_cpu_products(model) == 2 == install_cpu_products(model)     # idempotent
+    calls = []
+    real = cpu_products.small_rows_product
+    monkeypatch.setattr(cpu_products, "small_rows_product", lambda *a: calls.append(a[2].shape) or real(*a))
+    with torch.inference_mode():
+        for rows in (1, 8, 9, 64):
+            x = torch.randn(rows, 40)
+            assert torch.allclose(model(x), ref(x), atol=1e-5, rtol=1e-5)
+    assert calls == [(1, 40), (1, 96), (8, 40), (8, 96)]       # a prefill's many rows keep linear
+    calls.clear()
+    x = torch.randn(2, 40, requires_grad=True)
+    model(x).sum().backward()                                   # training keeps linear (autograd)
+    assert calls == [] and x.grad is not None
+
+
+def test_only_plain_fp32_linears_on_the_cpu_are_given_it():
+    class Wrapped(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(4, 4), Wrapped(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
+    assert install_cpu_products(model) == 1
+    assert getattr(model[0], "_kite_small_rows", False) and not getattr(model[1], "_kite_small_rows", False)
+
+
+def test_a_loaded_cpu_model_has_it(tiny_models):
+    from kite.model import load_model
+
+    lm = load_model(str(tiny_models["llama"]), device="cpu")
+    linears = [m for m in lm.model.modules() if type(m) is nn.Linear]
+    assert linears and all(getattr(m, "_kite_small_rows", False) for m in linears)
