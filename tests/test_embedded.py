@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kite.model import cpu_products
+
 pytestmark = pytest.mark.slow
 
 
@@ -22,7 +24,7 @@ def test_embedded_geometry(embedded):
     assert (g.n_layers, g.n_kv_heads, g.head_dim, g.context_length) == (30, 3, 64, 8192)
 
 
-def test_gguf_and_cached_folder_give_identical_logits(embedded):
+def test_gguf_and_cached_folder_give_identical_logits(embedded, monkeypatch):
     """transformers reading the GGUF directly and KITE's converted safetensors folder agree."""
     from transformers import AutoModelForCausalLM
 
@@ -30,6 +32,8 @@ def test_gguf_and_cached_folder_give_identical_logits(embedded):
     direct = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                   attn_implementation="sdpa").eval()
     ids = torch.tensor([embedded.tokenizer("The parties agree that the supplier shall")["input_ids"]])
+    # the same weights, to the last bit: KITE's few-row CPU products (another rounding) set aside
+    monkeypatch.setattr(cpu_products, "ENABLED", False)
     with torch.no_grad():
         a = direct(ids).logits
         b = embedded.model(ids).logits

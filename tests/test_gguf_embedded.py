@@ -11,6 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from kite.cli.main import app
+from kite.model import cpu_products
 from tests.conftest import parse_json
 
 pytestmark = pytest.mark.slow
@@ -73,6 +74,8 @@ def test_the_output_loads_in_transformers_as_the_same_model(embedded, embedded_o
                                                  attn_implementation="sdpa").eval()
     ids = torch.tensor([embedded.tokenizer(PROMPT)["input_ids"]])
     assert tok(PROMPT)["input_ids"] == ids[0].tolist()
+    # the same weights, to the last bit: KITE's few-row CPU products (another rounding) set aside
+    monkeypatch.setattr(cpu_products, "ENABLED", False)
     with torch.no_grad():
         a, b = model(ids).logits, embedded.model(ids).logits
     assert torch.equal(a, b) or (a - b).abs().max() < 1e-5
