@@ -1,5 +1,5 @@
 """A CPU model's products of a few rows (kite.model.cpu_products): the weight times the rows
-transposed, CHUNK rows at a time, giving linear's answer; longer inputs, autograd and other dtypes
+transposed (one product, or two halves past ONE_PRODUCT rows), giving linear's answer; longer inputs, autograd and other dtypes
 keep linear."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from kite.model import cpu_products
 from kite.model.cpu_products import install_cpu_products, small_rows_product
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_few_rows_give_linears_answer(rows, bias):
     g = torch.Generator().manual_seed(rows)

@@ -7,8 +7,9 @@ tuned for many: the embedded model's projections of one row read their weights a
 eight rows at ~16 GB/s. The same product taken the other way round, the weight times the rows
 transposed, reads them at ~40 GB/s for two to four rows (both cores). So
 :func:`install_cpu_products` gives every plain fp32 ``nn.Linear`` of a CPU model a forward that, for
-at most :data:`SMALL_ROWS` rows and without autograd, computes ``(W @ x.T).T`` on chunks of
-:data:`CHUNK` rows (one row is sent as two: the copy is free beside the weight it reads); longer
+at most :data:`SMALL_ROWS` rows and without autograd, computes ``(W @ x.T).T`` (up to
+:data:`ONE_PRODUCT` rows in one product, more in two; one row is sent as two: the copy is free
+beside the weight it reads); longer
 inputs (a prompt's prefill), training and other dtypes keep ``linear``. Figures: the module's
 microbenchmark in docs/PERFORMANCE.md ("CPU decode products"), `benchmarks/cpu_products.py`.
 """
@@ -22,19 +23,23 @@ import torch.nn.functional as F
 from torch import nn
 
 SMALL_ROWS = 8   # inputs of at most this many rows take the transposed product
-CHUNK = 4        # rows a product takes at once (more ran the slow kernel again)
+ONE_PRODUCT = 6  # rows one product takes; 7 or 8 go as two halves (one product of them ran slower)
 ENABLED = True   # False: every product is torch's linear (side-by-side benchmarks)
 
 
 def small_rows_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [..., in] of at most SMALL_ROWS rows: the weight times the
-    rows transposed, CHUNK rows a product."""
+    rows transposed, in one product of up to ONE_PRODUCT rows or two halves; a single row is sent as
+    two (one column took the matrix-vector kernel again)."""
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
     if n == 1:
-        out = (weight @ torch.cat([rows, rows]).T)[:, :1].T     # (a broadcast view took the slow kernel)
+        out = (weight @ torch.cat([rows, rows]).T)[:, :1].T     # (a broadcast view took the slow kernel too)
+    elif n <= ONE_PRODUCT:
+        out = (weight @ rows.T).T
     else:
-        out = torch.cat([(weight @ rows[i:i + CHUNK].T).T for i in range(0, n, CHUNK)])
+        half = (n + 1) // 2
+        out = torch.cat([(weight @ rows[:half].T).T, (weight @ rows[half:].T).T])
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
