@@ -5,13 +5,13 @@ A decode step multiplies each weight by one row a sequence. torch's ``linear`` s
 matrix-vector product that ran on one core of the 2-core dev CPU, and a few rows to a matrix product
 tuned for many: the embedded model's projections of one row read their weights at ~21 GB/s, of
 eight rows at ~16 GB/s. The same product taken the other way round, the weight times the rows
-transposed, reads them at ~40 GB/s for two to four rows (both cores). So
-:func:`install_cpu_products` gives every plain fp32 ``nn.Linear`` of a CPU model a forward that, for
-at most :data:`SMALL_ROWS` rows and without autograd, computes ``(W @ x.T).T`` (up to
-:data:`ONE_PRODUCT` rows in one product, more in two; one row is sent as two: the copy is free
-beside the weight it reads); longer
-inputs (a prompt's prefill), training and other dtypes keep ``linear``. Figures: the module's
-microbenchmark in docs/PERFORMANCE.md ("CPU decode products"), `benchmarks/cpu_products.py`.
+transposed, reads them at ~40 GB/s for two to four rows, ~25-30 GB/s for five or six (both cores).
+So :func:`install_cpu_products` gives every plain fp32 ``nn.Linear`` of a CPU model a forward that,
+for at most :data:`SMALL_ROWS` rows and without autograd, computes ``(W @ x.T).T`` (up to
+:data:`ONE_PRODUCT` rows in one product, more in two; one row is sent as two: the copy is free beside
+the weight it reads); longer inputs (a prompt's prefill), training and other dtypes keep ``linear``.
+The decode step side by side: `benchmarks/cpu_products.py` (docs/PERFORMANCE.md, "Continuous
+batching").
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ def small_rows_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if (ENABLED and x.dim() >= 1 and x.numel() <= SMALL_ROWS * x.shape[-1] and x.dtype == torch.float32
-            and x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+    grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+    if (ENABLED and not grad and x.dim() >= 1 and x.numel() <= SMALL_ROWS * x.shape[-1]
+            and x.dtype == torch.float32 and x.device.type == "cpu"):
         return small_rows_product(self.weight, self.bias, x)
     return F.linear(x, self.weight, self.bias)
 

@@ -45,8 +45,8 @@ _GPU_BACKENDS: list | None = None
 
 
 def masked_sdpa(query, key, value, **kw) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` with a boolean mask (or none); on a GPU with cuDNN's fused attention
-    left out. torch 2.11 chose cuDNN for the masked prefills of a document's chunks on the H200, and
+    """``F.scaled_dot_product_attention`` with a boolean mask (or none); on a GPU with cuDNN's fused
+    attention left out. torch 2.11 chose cuDNN for the masked prefills of a document's chunks on the H200, and
     those calls took 100 ms of host time in 180 calls for 7.4 ms of GPU work (a profile of a training
     state's stages, 2026-12-04); memory-efficient attention took the same calls in 37 ms of host time
     for 15 ms of GPU work. (Unmasked and causal calls keep torch's choice: not measured.)"""
