@@ -448,7 +448,8 @@ def test_on_a_gpu_a_prompt_after_a_state_attends_a_row_at_a_time_as_it_would_alo
 def test_a_burst_of_long_prompts_is_prefilled_in_forwards_within_the_token_budget(lm, prefixes, one_thread,
                                                                                    monkeypatch):
     """With PREFILL_TOKENS of 24: prompts of 20, 3, 11 and 9 tokens (one after a state) are prefilled in
-    the same step by forwards of rows x longest ≤ 24 (the 20 alone), and each answer is generate()'s."""
+    the same step by forwards of rows x longest ≤ 24 (the 20 alone) and, on the CPU, of at most 25 %
+    padding (the 3 alone), and each answer is generate()'s."""
     from kite.runtime import batch_decode
 
     monkeypatch.setattr(batch_decode, "PREFILL_TOKENS", 24)
@@ -461,9 +462,28 @@ def test_a_burst_of_long_prompts_is_prefilled_in_forwards_within_the_token_budge
     engine._prefill = lambda group: fed.append(sorted(len(s.prompt_ids) for s in group)) or prefill(group)
     handles = [engine.add(p, prefix=x, max_new_tokens=5, stop_ids=set()) for p, x in requests]
     first = engine.step()
-    assert fed == [[3, 9], [11], [20]] and not first       # one step: three forwards, every row prefilled
+    assert fed == [[3], [9, 11], [20]] and not first       # one step: three forwards, every row prefilled
     assert all(s.prefilled for s in engine._active.values())
     results = {**first, **engine.drain()}
     for h, want in zip(handles, alone):
         assert results[h].ids == want.ids
         assert results[h].prompt_nll_bits == pytest.approx(want.prompt_nll_bits, abs=1e-4)
+
+
+def test_a_cpu_prefill_splits_prompts_of_unlike_lengths_rather_than_pad_them():
+    """Prompts of 25-31 and 80 tokens: one forward padded to 80 would compute 640 token rows for 431
+    of their own; within 25 % padding they go as two forwards (the budget still cuts first)."""
+    from kite.runtime.batch_decode import _prefill_parts
+
+    class Row:
+        def __init__(self, row, n):
+            self.row, self.n = row, n
+
+        def next_chunk(self):
+            return [0] * self.n
+
+    rows = [Row(i, n) for i, n in enumerate([80, 25, 80, 31, 25, 80, 30, 80])]
+    lengths = [[r.n for r in part] for part in _prefill_parts(rows, 32768, 0.25)]
+    assert lengths == [[25, 31, 25, 30], [80, 80, 80, 80]]                # each part in row order
+    assert [len(p) for p in _prefill_parts(rows, 32768)] == [8]          # a GPU pads: one forward
+    assert [len(p) for p in _prefill_parts(rows, 200, 0.25)] == [4, 2, 2]   # the budget cuts first

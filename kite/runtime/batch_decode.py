@@ -255,8 +255,9 @@ class BatchDecoder:
         waiting = [s for s in self._active.values() if not s.prefilled]
         running = [s for s in self._active.values() if s.prefilled]
         self.last_step = "mixed" if waiting and running else "prefill" if waiting else "decode"
+        padding = PREFILL_PADDING_CPU if self.cache.device.type == "cpu" else None
         for group in _by_reader(waiting):
-            for part in _prefill_parts(group, PREFILL_TOKENS):
+            for part in _prefill_parts(group, PREFILL_TOKENS, padding):
                 self._prefill(part)
         for group in _by_reader(running):
             self._decode(group)
@@ -403,20 +404,27 @@ def deliver_each(pieces: list[tuple[Callable[[str], None], str]]) -> None:
 
 
 PREFILL_TOKENS = 32768   # padded prompt tokens (rows x the longest) one prefill forward takes
+PREFILL_PADDING_CPU = 0.25   # on a CPU, a prefill forward's padded tokens at most 1.25 x its own
 
 
-def _prefill_parts(group: list[_Sequence], budget: int) -> list[list[_Sequence]]:
+def _prefill_parts(group: list[_Sequence], budget: int, padding: float | None = None) -> list[list[_Sequence]]:
     """The prefill forwards of ``group``: its rows in order of their next chunk's length, as many a
     forward as keep rows x the longest within ``budget`` tokens (always one). A burst of long prompts
     runs as several forwards in the same step, not one whose activations grow with every row (64
-    prompts of 16K tokens: about 80 GB for one of Qwen2-7B's MLP products); short ones stay one forward."""
+    prompts of 16K tokens: about 80 GB for one of Qwen2-7B's MLP products); short ones stay one forward.
+    ``padding``: also no more padded tokens than (1 + padding) x the forward's own (on a CPU, where a
+    prefill's cost is its padded tokens' products: prompts of 25 and 80 tokens go as two forwards)."""
     parts: list[list[_Sequence]] = []
+    real = 0                            # the last part's own tokens
     for seq in sorted(group, key=lambda s: len(s.next_chunk())):
         n = len(seq.next_chunk())       # the longest of the part so far: rows are in ascending order
-        if parts and (len(parts[-1]) + 1) * n <= budget:
+        padded = (len(parts[-1]) + 1) * n if parts else 0
+        if parts and padded <= budget and (padding is None or padded <= (1 + padding) * (real + n)):
             parts[-1].append(seq)
+            real += n
         else:
             parts.append([seq])
+            real = n
     return [sorted(part, key=lambda s: s.row) for part in parts]
 
 
