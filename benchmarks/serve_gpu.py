@@ -263,14 +263,12 @@ def step_histogram(before, after) -> dict[str, dict]:
 def gc_pauses(before, after) -> dict[str, dict]:
     """Python's cyclic collections in the server between two scrapes (every thread waits while one
     runs), by generation: {"<generation>": {count, total_ms}}, the generations that ran."""
-    out = {}
-    for labels, count in after.samples.get("kite_gc_pauses_total", {}).items():
-        n = count - before.samples.get("kite_gc_pauses_total", {}).get(labels, 0.0)
-        ms = (after.samples.get("kite_gc_pause_seconds_total", {}).get(labels, 0.0) -
-              before.samples.get("kite_gc_pause_seconds_total", {}).get(labels, 0.0)) * 1e3
-        if n > 0:
-            out[dict(labels).get("generation", "?")] = {"count": int(n), "total_ms": round(ms, 2)}
-    return out
+    def grew(name: str, g: str) -> float:
+        return (after.value(name, generation=g) or 0.0) - (before.value(name, generation=g) or 0.0)
+
+    return {g: {"count": int(grew("kite_gc_pauses_total", g)),
+                "total_ms": round(grew("kite_gc_pause_seconds_total", g) * 1e3, 2)}
+            for g in ("0", "1", "2") if grew("kite_gc_pauses_total", g) > 0}
 
 
 SERVER_PHASES = {"signals_and_decision": "kite_yoco_signals_latency_seconds", "load": "kite_yoco_load_latency_seconds",

@@ -133,13 +133,13 @@ def test_a_freed_row_takes_the_highest_rows_sequence_so_taken_rows_stay_packed(l
     want_len = cache.row_lengths(3)
     want = [(cache.keys[layer][3, :, :n].clone(), cache.values[layer][3, :, :n].clone())
             for layer, n in enumerate(want_len)]
-    assert cache.free(1) == 3                      # row 3's sequence now sits in row 1
+    assert cache.free_many([1]) == {3: 1}          # row 3's sequence now sits in row 1
     assert cache.taken == [True, True, True, False] and cache.row_lengths(3) == [0] * cache.n_layers
     assert cache.row_lengths(1) == want_len
     for layer, (k, v) in enumerate(want):
         n = want_len[layer]
         assert torch.equal(cache.keys[layer][1, :, :n], k) and torch.equal(cache.values[layer][1, :, :n], v)
-    assert cache.free(2) is None                   # the highest taken row: nothing to move
+    assert cache.free_many([2]) == {}              # the highest taken row: nothing to move
     assert cache.taken == [True, True, False, False]
 
 

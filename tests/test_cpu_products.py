@@ -62,3 +62,16 @@ def test_a_loaded_cpu_model_has_it(tiny_models):
     lm = load_model(str(tiny_models["llama"]), device="cpu")
     linears = [m for m in lm.model.modules() if type(m) is nn.Linear]
     assert linears and all(getattr(m, "_kite_small_rows", False) for m in linears)
+
+
+@pytest.mark.parametrize("rows", ["0", "1,x"])
+def test_the_benchmark_refuses_bad_row_counts_in_one_line_before_loading_a_model(rows):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "cpu_products.py"), "--rows", rows],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and f"--rows {rows!r}: expected whole numbers" in run.stderr
+    assert "Traceback" not in run.stderr

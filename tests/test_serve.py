@@ -413,24 +413,22 @@ def test_metrics_and_healthz(live):
     assert loads >= 1
 
 
-def _sample(text: str, name: str) -> float:
-    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
-                or line.startswith(name + "{") and line.split()[0].endswith('generation="2"}'))
-
-
 def test_metrics_count_the_collectors_pauses(live):
     """Every thread waits while Python's cyclic collector runs: /metrics counts its collections and
     their seconds by generation, from the app's start-up on."""
     import gc
 
+    from kite.serve.scrape import parse_metrics
+
     c = live["client"]
-    before = c.get("/metrics").text
+    before = parse_metrics(c.get("/metrics").text)
     gc.collect()
     gc.collect()
-    after = c.get("/metrics").text
-    assert _sample(after, "kite_gc_pauses_total") >= _sample(before, "kite_gc_pauses_total") + 2
-    assert _sample(after, "kite_gc_pause_seconds_total") > _sample(before, "kite_gc_pause_seconds_total")
-    assert 0 < _sample(after, "kite_gc_pause_max_seconds") <= _sample(after, "kite_gc_pause_seconds_total")
+    after = parse_metrics(c.get("/metrics").text)
+    full = {"generation": "2"}
+    assert after.value("kite_gc_pauses_total", **full) >= before.value("kite_gc_pauses_total", **full) + 2
+    assert after.value("kite_gc_pause_seconds_total", **full) > before.value("kite_gc_pause_seconds_total", **full)
+    assert 0 < after.value("kite_gc_pause_max_seconds", **full) <= after.value("kite_gc_pause_seconds_total", **full)
 
 
 def test_a_serving_process_freezes_its_startup_heap_out_of_the_collector():
@@ -442,7 +440,7 @@ def test_a_serving_process_freezes_its_startup_heap_out_of_the_collector():
         pass
 
     a = Cycle()
-    a.me = a                           # garbage a collection would walk
+    a.me = a                           # a cycle: an object the collector walks
     try:
         frozen = freeze_startup_heap()
         assert frozen > 1000 and gc.get_freeze_count() > 1000

@@ -47,7 +47,7 @@ def small_rows_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-    if (ENABLED and not grad and x.dim() >= 1 and x.numel() <= SMALL_ROWS * x.shape[-1]
+    if (ENABLED and not grad and x.numel() <= SMALL_ROWS * x.shape[-1]
             and x.dtype == torch.float32 and x.device.type == "cpu"):
         return small_rows_product(self.weight, self.bias, x)
     return F.linear(x, self.weight, self.bias)

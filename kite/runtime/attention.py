@@ -26,6 +26,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 NAME = "kite"
 BATCH_KWARG = "kite_batch"   # the model forward's keyword for a BatchStep
@@ -41,7 +42,7 @@ CAUSAL_ROWS_MIN_QUERY = 128
 RAGGED_SAVING = 0.25
 _registered = False
 _triton: bool | None = None
-_GPU_BACKENDS: list | None = None
+_NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def masked_sdpa(query, key, value, **kw) -> torch.Tensor:
@@ -50,14 +51,9 @@ def masked_sdpa(query, key, value, **kw) -> torch.Tensor:
     those calls took 100 ms of host time in 180 calls for 7.4 ms of GPU work (a profile of a training
     state's stages, 2026-12-04); memory-efficient attention took the same calls in 37 ms of host time
     for 15 ms of GPU work. (Unmasked and causal calls keep torch's choice: not measured.)"""
-    global _GPU_BACKENDS
     if not query.is_cuda:
         return F.scaled_dot_product_attention(query, key, value, **kw)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if _GPU_BACKENDS is None:
-        _GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    with sdpa_kernel(_GPU_BACKENDS):
+    with sdpa_kernel(_NOT_CUDNN):
         return F.scaled_dot_product_attention(query, key, value, **kw)
 
 

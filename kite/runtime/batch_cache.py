@@ -193,13 +193,6 @@ class BatchKVCache:
         return row
 
     @torch.inference_mode()
-    def free(self, row: int) -> int | None:
-        """The sequence in `row` left: :meth:`free_many` of that row; the old index of the row that
-        moved into it (None when none did)."""
-        moved = self.free_many([row])
-        return next(iter(moved), None)
-
-    @torch.inference_mode()
     def free_many(self, rows: list[int]) -> dict[int, int]:
         """The sequences in `rows` left (in one step, as a batch's often do): their rows are free for
         the next ones (slots not cleared: lengths say what is filled, and a new sequence overwrites them).
