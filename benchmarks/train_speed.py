@@ -50,6 +50,12 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", type=Path, help="train on this pairs file (`kite data pairs`) instead of --contracts "
                     "generated contracts")
     ap.add_argument("--tokens", type=int, default=2000, help="tokens per contract (default 2000)")
+    ap.add_argument("--pairs-per-document", type=int, default=0,
+                    help="keep this many pairs of each document (default 0: all); the states' figures do not "
+                    "depend on it, the teacher's and the adapter's work do")
+    ap.add_argument("--capture-batch-tokens", type=int, default=None,
+                    help="padded tokens a forward of several documents' prefills may hold on this device "
+                    "(default: kite.upcycle.capture.BATCH_TOKENS; 0: one document a forward)")
     ap.add_argument("--ratio", type=float, default=16.0)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--eval-fraction", type=float, default=0.1)
@@ -61,6 +67,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
     ap.add_argument("--keep", type=Path, help="keep the run folder here (default: a temporary folder)")
     args = parse(ap, argv)
+    if args.pairs_per_document < 0 or (args.capture_batch_tokens or 0) < 0:
+        ap.error("--pairs-per-document and --capture-batch-tokens take a number >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
     from kite.data.pairs import contract_pairs
@@ -71,6 +79,11 @@ def main(argv=None) -> int:
     t0 = clock()
     lm = load_model(args.model, device=args.device)
     t_model = clock() - t0
+    from kite.upcycle import capture as capture_mod
+
+    if args.capture_batch_tokens is not None:
+        capture_mod.BATCH_TOKENS[torch.device(lm.device).type] = args.capture_batch_tokens
+    batch_tokens = capture_mod.BATCH_TOKENS.get(torch.device(lm.device).type, 0)
     tok = lm.tokenizer
     work = Path(tempfile.mkdtemp(prefix="kite-train-speed-"))
     data = args.pairs or work / "pairs.jsonl"
@@ -79,6 +92,16 @@ def main(argv=None) -> int:
                                  count_tokens=lambda s: len(tok(s, add_special_tokens=False)["input_ids"]))
         data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     records = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+    if args.pairs_per_document:
+        seen: Counter = Counter()
+        kept = []
+        for r in records:
+            seen[r["context"]] += 1
+            if seen[r["context"]] <= args.pairs_per_document:
+                kept.append(r)
+        records = kept
+        data = work / "pairs-kept.jsonl"
+        data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     pairs = read_pairs(data)
     out = args.keep or work / "run"
     req = TrainRequest(data_path=str(data), output_dir=out, ratios=[args.ratio],
@@ -126,7 +149,8 @@ def main(argv=None) -> int:
         if args.pairs else None, "train_pairs": report["train_pairs"],
         "held_out_pairs": report["held_out_pairs"], "context_tokens": {"mean": round(mean_tokens, 1),
                                                                        "min": min(ctx_tokens), "max": max(ctx_tokens)},
-        "parameters": n_params, "ratio": args.ratio, "epochs": args.epochs, "pairs_per_step": args.pairs_per_step,
+        "parameters": n_params, "capture_batch_tokens": batch_tokens,
+        "pairs_per_document": args.pairs_per_document or None, "ratio": args.ratio, "epochs": args.epochs, "pairs_per_step": args.pairs_per_step,
         "codec_workers": report.get("codec_workers"),
         "stages": report["stages"], "speed": speed, "timings": report["timings"],
         "training": report.get("training"), "held_out": report.get("held_out"),

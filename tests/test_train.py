@@ -334,6 +334,45 @@ def test_a_run_of_several_ratios_trains_one_adapter_per_ratio_as_a_run_of_that_r
     assert json.loads((alone / "train_report.json").read_text())["held_out"]["8"] == rep["held_out"]["8"]
 
 
+def test_a_run_that_captures_documents_together_trains_as_one_that_captures_each_alone(tiny_models, tiny_lm,
+                                                                                      tmp_path, monkeypatch):
+    """On a GPU the run prefills several documents a forward (kite.upcycle.capture.BATCH_TOKENS); given a
+    budget on the CPU here, the run counts the same stages and makes the same states and adapter."""
+    from safetensors.torch import load_file
+
+    from kite.upcycle import capture as capture_mod
+    from kite.upcycle.load.prefix import load_prefix
+    from tests.conftest import parse_json
+
+    batches = []
+    real = capture_mod._prefill
+
+    def counting(lm, docs, *args):
+        batches.append(len(docs))
+        return real(lm, docs, *args)
+
+    monkeypatch.setattr(capture_mod, "_prefill", counting)
+    alone, together = tmp_path / "alone", tmp_path / "together"
+    res = _train(tiny_models, tmp_path, alone, "--epochs", "1")
+    assert res.exit_code == 0, res.output
+    assert set(batches) == {1}
+    batches.clear()
+    monkeypatch.setitem(capture_mod.BATCH_TOKENS, "cpu", 4096)
+    res = _train(tiny_models, tmp_path, together, "--epochs", "1")
+    assert res.exit_code == 0, res.output
+    assert batches == [4, 1]          # the 4 training documents calibrated together, the held-out one alone
+    a, b = parse_json(res.output), json.loads((alone / "train_report.json").read_text())
+    assert {k: v["count"] for k, v in a["stages"].items()} == {k: v["count"] for k, v in b["stages"].items()}
+    regs = [Regenerator.load(run / "regenerator") for run in (alone, together)]
+    assert all(torch.allclose(regs[0].tensors[k], regs[1].tensors[k], atol=1e-5) for k in regs[0].tensors)
+    for state in sorted((alone / "states").iterdir()):
+        p, q = (load_prefix(run / "states" / state.name, tiny_lm, regenerator=reg)[0]
+                for run, reg in zip((alone, together), regs))
+        assert all(torch.allclose(u, v, atol=1e-4) for u, v in zip(p.keys + p.values, q.keys + q.values)), state.name
+    x, y = (load_file(run / "adapter" / "adapter_model.safetensors") for run in (together, alone))
+    assert x.keys() == y.keys() and all(torch.allclose(x[k], y[k], atol=1e-5) for k in y)
+
+
 @pytest.mark.parametrize("gap, f1_off, f1_on, helps", [
     (0.5, 0.20, 0.21, True),       # recovers half the gap, answers no worse
     (0.5, 0.19, 0.16, False),      # lower PPL, worse answers

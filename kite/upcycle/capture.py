@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -59,6 +59,44 @@ def token_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]
     return "".join(pieces), offsets
 
 
+# Padded tokens one forward of several documents may hold, by device type (:func:`capture_groups`).
+# A device not named here captures one document at a time: a CPU pays for every token's products,
+# padding included, where a GPU's prefill of a 2K-token document is bound by the host's launches.
+BATCH_TOKENS = {"cuda": 16384}
+
+
+def capture_groups(lengths: Sequence[int], device) -> list[list[int]]:
+    """Consecutive documents (their indices) that :func:`capture_many` prefills together on
+    ``device``: as many as keep the group's count times its longest within ``BATCH_TOKENS``, one
+    document at a time where the device has no budget."""
+    budget = BATCH_TOKENS.get(torch.device(device).type, 0)
+    groups: list[list[int]] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if groups and (len(groups[-1]) + 1) * max(longest, n) <= budget:
+            groups[-1].append(i)
+            longest = max(longest, n)
+        else:
+            groups.append([i])
+            longest = n
+    return groups
+
+
+def _document(lm: LoadedModel, text: str, ids: list[int] | None) -> tuple[str, list[int], list[tuple[int, int]]]:
+    from kite.errors import BadInput
+
+    if ids is None:
+        ids, offsets = tokenize_document(lm.tokenizer, text)
+    else:
+        text, offsets = token_offsets(lm.tokenizer, ids)
+    if not ids:
+        raise BadInput("the document is empty")
+    limit = lm.geometry.context_length
+    if limit and len(ids) > limit:
+        raise BadInput(f"the document has {len(ids)} tokens, past the model's context of {limit}")
+    return text, ids, offsets
+
+
 @torch.inference_mode()
 def capture(lm: LoadedModel, text: str, *, chunk_tokens: int = 1024, hidden_layers: Sequence[int] = (),
             progress: Callable[[int, int], None] | None = None,
@@ -72,45 +110,101 @@ def capture(lm: LoadedModel, text: str, *, chunk_tokens: int = 1024, hidden_laye
     query_rows: also keep the last ``query_rows`` tokens' query outputs per layer (``Capture.query_tail``).
     keep_cache: also keep the model's cache after the document (``Capture.cache``).
     """
-    from kite.errors import BadInput
-
-    if ids is None:
-        ids, offsets = tokenize_document(lm.tokenizer, text)
-    else:
-        text, offsets = token_offsets(lm.tokenizer, ids)
-    if not ids:
-        raise BadInput("the document is empty")
-    limit = lm.geometry.context_length
-    if limit and len(ids) > limit:
-        raise BadInput(f"the document has {len(ids)} tokens, past the model's context of {limit}")
-    model = lm.model
-    device = lm.device
-    cache = new_cache(model)
-    hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in hidden_layers}
     query_sq: dict[int, torch.Tensor] = {}
     tail: dict[int, list[torch.Tensor]] = {}
-    hooks = _query_hooks(model, query_sq if queries else None, tail, query_rows) if queries or query_rows else []
-    t0 = time.perf_counter()
+    hooks = _query_hooks(lm.model, query_sq if queries else None, tail, query_rows) if queries or query_rows else []
     try:
-        _prefill(model, ids, chunk_tokens, device, cache, hidden, hidden_layers, progress)
+        (cap,) = _prefill(lm, [_document(lm, text, ids)], chunk_tokens, hidden_layers, progress, keep_cache)
     finally:
         for h in hooks:
             h.remove()
-    prefill_ms = (time.perf_counter() - t0) * 1e3
     for found in ([query_sq] if queries else []) + ([tail] if query_rows else []):
         if sorted(found) != list(range(lm.geometry.n_layers)):
             raise ValueError(f"found the query projections of layers {sorted(found)}, not of all "
                              f"{lm.geometry.n_layers}")
-    cos, sin = rope_cos_sin(model, torch.arange(len(ids)), device=device)
-    keys_pre, values = [], []
-    for k, v in cache_layers(cache):
-        keys_pre.append(remove_rope(k[0].float(), cos, sin))
-        values.append(v[0].float())
-    return Capture(text=text, ids=ids, offsets=offsets, keys_pre=keys_pre, values=values,
-                   hidden={l: torch.cat(h) for l, h in hidden.items()}, prefill_ms=prefill_ms,
-                   query_sq=[query_sq[i].cpu() for i in sorted(query_sq)],
-                   query_tail=[torch.cat(tail[i])[-query_rows:] for i in sorted(tail)] if query_rows else [],
-                   cache=cache if keep_cache else None)
+    cap.query_sq = [query_sq[i].cpu() for i in sorted(query_sq)]
+    cap.query_tail = [torch.cat(tail[i])[-query_rows:] for i in sorted(tail)] if query_rows else []
+    return cap
+
+
+def capture_many(lm: LoadedModel, texts: Sequence[str], *, chunk_tokens: int = 1024,
+                 hidden_layers: Sequence[int] = (), progress: Callable[[int, int], None] | None = None,
+                 ids: Sequence[list[int] | None] | None = None, keep_cache: bool = False) -> list[Capture]:
+    """:func:`capture` of several documents in one batch: each document's tokens from position 0,
+    the shorter ones padded at their end, every chunk one forward of the whole batch at the same
+    positions (the chunks' bounds are each document's own). No token sees a padding one (the padding
+    comes after it and the attention is causal), so each capture is what :func:`capture` makes of its
+    document alone, to the rounding of the batch's products. ``progress`` counts the documents' own
+    tokens; each capture's ``prefill_ms`` is its share of the batch's, by tokens. (The queries'
+    sums and rows are per document: :func:`capture` alone.) Group the documents with
+    :func:`capture_groups`."""
+    ids = list(ids) if ids is not None else [None] * len(texts)
+    if len(ids) != len(texts):
+        raise ValueError(f"{len(texts)} texts and {len(ids)} id lists")
+    docs = [_document(lm, text, doc_ids) for text, doc_ids in zip(texts, ids)]
+    return _prefill(lm, docs, chunk_tokens, hidden_layers, progress, keep_cache) if docs else []
+
+
+def iter_captures(lm: LoadedModel, texts: Sequence[str], *, chunk_tokens: int = 1024,
+                  hidden_layers: Sequence[int] = (), keep_cache: bool = False) -> Iterator[Capture]:
+    """The capture of each text in order, the documents prefilled together in :func:`capture_groups`
+    (:func:`capture_many`); a group is prefilled when its first capture is asked for, so at most one
+    group's captures are held here. Every text is tokenized and checked first."""
+    docs = [_document(lm, text, None) for text in texts]
+    for group in capture_groups([len(doc_ids) for _, doc_ids, _ in docs], lm.device):
+        yield from _prefill(lm, [docs[i] for i in group], chunk_tokens, hidden_layers, None, keep_cache)
+
+
+@torch.inference_mode()
+def _prefill(lm: LoadedModel, docs: list[tuple[str, list[int], list[tuple[int, int]]]], chunk_tokens: int,
+             hidden_layers: Sequence[int], progress, keep_cache: bool) -> list[Capture]:
+    model, device = lm.model, lm.device
+    lengths = [len(doc_ids) for _, doc_ids, _ in docs]
+    n, total = max(lengths), sum(lengths)
+    batch = torch.zeros(len(docs), n, dtype=torch.long)
+    for row, (_, doc_ids, _) in enumerate(docs):
+        batch[row, :len(doc_ids)] = torch.tensor(doc_ids)
+    batch = batch.to(device)
+    cache = new_cache(model)
+    hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in hidden_layers}
+    t0 = time.perf_counter()
+    for start in range(0, n, chunk_tokens):
+        chunk = batch[:, start:start + chunk_tokens]
+        pos = torch.arange(start, start + chunk.shape[1], device=device).expand(len(docs), -1)
+        out = model(input_ids=chunk, position_ids=pos, use_cache=True,
+                    output_hidden_states=bool(hidden_layers), logits_to_keep=1,
+                    **{cache_kwarg(model): cache})
+        for layer in hidden_layers:
+            hidden[layer].append(out.hidden_states[layer].float())
+        if progress:
+            progress(sum(min(start + chunk_tokens, length) for length in lengths), total)
+    prefill_ms = (time.perf_counter() - t0) * 1e3
+    cos, sin = rope_cos_sin(model, torch.arange(n), device=device)
+    layers = [(remove_rope(k.float(), cos, sin), v.float()) for k, v in cache_layers(cache)]
+    hidden_all = {layer: torch.cat(h, dim=1) for layer, h in hidden.items()}
+    if len(docs) == 1:
+        (text, ids, offsets), = docs
+        return [Capture(text=text, ids=ids, offsets=offsets, keys_pre=[k[0] for k, _ in layers],
+                        values=[v[0] for _, v in layers], hidden={l: h[0] for l, h in hidden_all.items()},
+                        prefill_ms=prefill_ms, cache=cache if keep_cache else None)]
+
+    def own(t: torch.Tensor, row: int, length: int) -> torch.Tensor:
+        # the row's tokens, copied out of the batch's tensor (a capture kept does not hold the batch)
+        return t[row, ..., :length, :].clone(memory_format=torch.contiguous_format)
+
+    caps = []
+    for row, (text, ids, offsets) in enumerate(docs):
+        length = len(ids)
+        doc_cache = None
+        if keep_cache:
+            doc_cache = new_cache(model)
+            for layer, (k, v) in enumerate(cache_layers(cache)):
+                doc_cache.update(own(k, row, length)[None], own(v, row, length)[None], layer)
+        caps.append(Capture(text=text, ids=ids, offsets=offsets, keys_pre=[own(k, row, length) for k, _ in layers],
+                            values=[own(v, row, length) for _, v in layers],
+                            hidden={l: own(h, row, length) for l, h in hidden_all.items()},
+                            prefill_ms=prefill_ms * length / total, cache=doc_cache))
+    return caps
 
 
 _Q_PROJ = re.compile(r"layers\.(\d+)\.self_attn\.q_proj$")
@@ -139,16 +233,3 @@ def _query_hooks(model, sums: dict[int, torch.Tensor] | None, tail: dict[int, li
 
         handles.append(module.register_forward_hook(hook))
     return handles
-
-
-def _prefill(model, ids, chunk_tokens, device, cache, hidden, hidden_layers, progress) -> None:
-    for start in range(0, len(ids), chunk_tokens):
-        chunk = torch.tensor([ids[start:start + chunk_tokens]], device=device)
-        pos = torch.arange(start, start + chunk.shape[1], device=device).unsqueeze(0)
-        out = model(input_ids=chunk, position_ids=pos, use_cache=True,
-                    output_hidden_states=bool(hidden_layers), logits_to_keep=1,
-                    **{cache_kwarg(model): cache})
-        for layer in hidden_layers:
-            hidden[layer].append(out.hidden_states[layer][0].float())
-        if progress:
-            progress(min(start + chunk_tokens, len(ids)), len(ids))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +19,7 @@ from kite import __version__
 from kite.errors import BadInput
 from kite.upcycle import codec
 from kite.upcycle.address import address_for
-from kite.upcycle.capture import Capture, capture
+from kite.upcycle.capture import Capture, capture, iter_captures
 from kite.upcycle.codec import entropy, groups
 from kite.upcycle.codec.part_widths import part_widths
 from kite.upcycle.codec.probe import ROWS as PROBE_ROWS
@@ -147,6 +147,20 @@ def capture_for(lm: LoadedModel, text: str, settings: CompressSettings | None = 
     probe_rows = PROBE_ROWS if regenerator is not None and regenerator.choice == "probe" else 0
     return capture(lm, text, chunk_tokens=settings.chunk_tokens, hidden_layers=_hidden_layers(lm, tagger),
                    progress=progress, ids=ids, query_rows=probe_rows, keep_cache=keep_cache)
+
+
+def captures_for(lm: LoadedModel, texts: Sequence[str], settings: CompressSettings | None = None, *, tagger=None,
+                 regenerator=None, keep_cache: bool = False) -> Iterator[Capture]:
+    """:func:`capture_for` of each text, in order: on a GPU several documents a forward
+    (:func:`kite.upcycle.capture.iter_captures`: the same captures to the rounding of the batch's
+    products); with the attention probe's regenerator one at a time (its queries are a document's)."""
+    settings = settings or CompressSettings()
+    if regenerator is not None and regenerator.choice == "probe":
+        for text in texts:
+            yield capture_for(lm, text, settings, tagger=tagger, regenerator=regenerator, keep_cache=keep_cache)
+        return
+    yield from iter_captures(lm, texts, chunk_tokens=settings.chunk_tokens, hidden_layers=_hidden_layers(lm, tagger),
+                             keep_cache=keep_cache)
 
 
 def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: CompressSettings | None = None, *,

@@ -1,8 +1,9 @@
 """Each document of a training run once: one prefill, its states at every training ratio, their
 prefixes rebuilt on the model's device, and its pairs' teacher.
 
-The document's capture (:func:`kite.upcycle.compress.capture_for`, with the model's cache kept; for
-a training document, the regenerator's calibration's when it fit in memory: :class:`CaptureStore`)
+The document's capture (:func:`kite.upcycle.compress.captures_for`, with the model's cache kept: on a
+GPU several documents a forward; for a training document, the regenerator's calibration's when it
+fit in memory: :class:`CaptureStore`)
 serves every ratio's compression and the teacher, which continues the same cache; a state already
 in the run folder (a resumed run) is not made again. The states are the files the run keeps; each
 is loaded from its file once (the load a user's state goes through) and kept decoded on the device
@@ -34,7 +35,7 @@ from kite.runtime.cache import cache_layers
 from kite.upcycle.capture import Capture
 from kite.upcycle.codec import batched_takes_regenerator
 from kite.upcycle.codec.settings import settings_for
-from kite.upcycle.compress import CompressSettings, capture_for, compress_document
+from kite.upcycle.compress import CompressSettings, captures_for, compress_document
 from kite.upcycle.load.prefix import load_prefix
 from kite.upcycle.train.adapter import Example, PrefixCache, memory_budget
 from kite.upcycle.train.data import Pair
@@ -65,6 +66,9 @@ class CaptureStore:
         if self.nbytes + n <= self.budget:
             self.items[doc] = (cap, n)
             self.nbytes += n
+
+    def __contains__(self, doc: str) -> bool:
+        return doc in self.items
 
     def take(self, doc: str) -> Capture | None:
         cap, n = self.items.pop(doc, (None, 0))
@@ -128,7 +132,7 @@ def prepare_documents(lm: LoadedModel, pairs: list[Pair], train: list[Pair], hel
                       codec_workers: int = 0, layer_weights=None) -> Prepared:
     """Every document's states (made where missing) and, with ``teacher``, its prefixes and its pairs'
     teacher examples (``train`` and ``held`` in their own orders). ``kept``: captures made already
-    (:func:`capture_for` with the cache kept, e.g. by the regenerator's calibration), used instead
+    (:func:`captures_for` with the cache kept, e.g. by the regenerator's calibration), used instead
     of prefilling those documents again. ``codec_workers`` > 0: the states are coded on the host by
     that many threads (each capture copied there) while the device prefills the next documents and
     computes the teachers; the prefixes are loaded once every state is written. ``layer_weights``:
@@ -167,16 +171,22 @@ def prepare_documents(lm: LoadedModel, pairs: list[Pair], train: list[Pair], hel
     threads = torch.get_num_threads()
     if pool is not None:
         torch.set_num_threads(1)       # the codec's ops are small: one thread each, the workers in parallel
+    # per document: the ratios whose states are missing, its pairs for the teacher; and the documents
+    # whose capture is made here (none kept, or kept without the probe's queries), several a forward
+    plan = {doc: ([r for r in ratios if not prep.states[(doc, r)].exists()], by_doc.get(doc, []) if teacher else [])
+            for doc in docs}
+    fresh = [doc for doc, (missing, mine) in plan.items()
+             if (missing or mine) and (kept is None or doc not in kept or reg.choice == "probe")]
+    made = captures_for(lm, [docs[doc].context for doc in fresh], settings0, regenerator=reg, keep_cache=teacher)
     try:
         for n, (doc, first) in enumerate(docs.items()):
-            missing = [r for r in ratios if not prep.states[(doc, r)].exists()]
-            mine = by_doc.get(doc, []) if teacher else []
+            missing, mine = plan[doc]
             cap = kept.take(doc) if kept is not None else None
             if cap is not None and reg.choice == "probe":
                 cap = None                                     # made without the probe's queries
             if (missing or mine) and cap is None:
-                with times.stage("capture"):
-                    cap = capture_for(lm, first.context, settings0, regenerator=reg, keep_cache=bool(mine))
+                with times.stage("capture"):                   # a batch of documents' prefill falls to its first
+                    cap = next(made)
             if missing and pool is not None:
                 with times.stage("capture", 0):                # its copy to the host, for the codec there
                     host = on_host(cap)

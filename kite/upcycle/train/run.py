@@ -29,14 +29,14 @@ import torch
 from kite.atomic import write_text
 from kite.errors import BadInput
 from kite.model.fingerprint import short
-from kite.upcycle.capture import capture
+from kite.upcycle.capture import capture, iter_captures
 from kite.upcycle.codec.regenerator import Regenerator, RegeneratorFit, install
 from kite.upcycle.codec.settings import settings_for
 from kite.upcycle.codec.weights import model_value_weights
 from kite.upcycle.settings import UpcycleConfig
 from kite.upcycle.train.adapter import AdapterSettings, attach_lora, auto_settings, memory_budget, train_adapter
 from kite.upcycle.train.data import Pair, split_pairs
-from kite.upcycle.compress import CompressSettings, capture_for
+from kite.upcycle.compress import CompressSettings, captures_for
 from kite.upcycle.pipeline import layer_weights_for, named_layer_weights
 from kite.upcycle.train.documents import (CaptureStore, Prepared, codec_workers_for, compress_settings,
                                           prepare_documents)
@@ -147,10 +147,12 @@ def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progres
                        "also attention-weighted")
     fit = RegeneratorFit(n_layers=lm.geometry.n_layers, joint_heads=cfg_codec.joint_heads, center=cfg_codec.center,
                          layer_group=layer_group)
+    texts = [p.context for p in docs.values()]
+    caps = ((capture(lm, text, queries=True) for text in texts) if weighted else iter_captures(lm, texts)
+            if keep is None else captures_for(lm, texts, compress, keep_cache=True))
     for i, p in enumerate(docs.values()):
-        with times.stage("calibrate_capture"):
-            cap = (capture(lm, p.context, queries=weighted) if keep is None or weighted else
-                   capture_for(lm, p.context, compress, keep_cache=True))
+        with times.stage("calibrate_capture"):     # a batch of documents' prefill falls to its first
+            cap = next(caps)
         with times.stage("calibrate_fit"):
             fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq if weighted else None)
         if keep is not None and not weighted:
