@@ -1,8 +1,9 @@
 """A CPU decode step with torch's linear against KITE's products of a few rows (kite.model.cpu_products).
 
 The embedded model on this CPU, a BatchDecoder of 1, 2, 4 and 8 rows (plain prompts of ~40
-tokens), its decode steps timed with the products on and off in turn (``--repeat`` rounds, each
-round both ways, the median step of each kept): side by side, in one run.
+tokens), its decode steps timed three ways in turn: torch's linear, the products through BLAS (the
+weight times the rows transposed) and through the native runtime's kernel where it is built
+(``--repeat`` rounds, each round every way, the median step of each kept): side by side, in one run.
 
     .venv/bin/python benchmarks/cpu_products.py --threads 2
 
@@ -64,22 +65,25 @@ def main(argv=None) -> int:
     from kite.model import cpu_products, load_model
 
     lm = load_model(args.model, device="cpu")
+    ways = {"torch's linear": (False, False), "small-rows products (BLAS, transposed)": (True, False)}
+    if cpu_products._runtime() is not None:
+        ways["small-rows products (native runtime)"] = (True, True)
     res = Result("cpu_products", device="cpu")
     for rows in counts:
-        times: dict[bool, list[float]] = {False: [], True: []}
+        times: dict[str, list[float]] = {way: [] for way in ways}
         for _ in range(args.repeat):
-            for on in (False, True):
-                cpu_products.ENABLED = on
+            for way, (cpu_products.ENABLED, cpu_products.NATIVE) in ways.items():
                 ms, kv = steps_ms(lm, rows, args.steps)
-                times[on] += ms
-        cpu_products.ENABLED = True
+                times[way] += ms
+        cpu_products.ENABLED = cpu_products.NATIVE = True
         text, floor_ms = cpu_forward_floor(lm, tokens=rows, kv_tokens=kv, what=f"a decode step of {rows} rows")
-        base = res.row(f"decode step, {rows} rows: torch's linear", statistics.median(times[False]), "ms",
-                       floor=text, floor_value=floor_ms)
-        res.row(f"decode step, {rows} rows: small-rows products", statistics.median(times[True]), "ms",
-                baseline=base["name"], floor=text, floor_value=floor_ms)
+        base = None
+        for way, ms in times.items():
+            row = res.row(f"decode step, {rows} rows: {way}", statistics.median(ms), "ms", floor=text,
+                          floor_value=floor_ms, **({"baseline": base["name"]} if base else {}))
+            base = base or row
     res.raw.update({"model": args.model, "threads": torch.get_num_threads(), "steps": args.steps,
-                    "rounds": args.repeat})
+                    "rounds": args.repeat, "ways": list(ways)})
     return finish(res, args)
 
 

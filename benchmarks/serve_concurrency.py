@@ -3,14 +3,16 @@
 Starts `kite serve` twice on the embedded model (this CPU), `--max-batch N` and `--max-batch 1`,
 uploads one generated contract as a state, then lets ``--clients`` clients each send
 ``--requests`` streamed greedy completions (alternately about the contract's state and plain
-prompts of ~100 tokens), all at once. Per server: aggregate completion tokens/s (all tokens over
-the wall time of the whole burst), each request's time to first token as its client saw it (p50,
-p95), and every answer's text, which must be the same on both servers.
+prompts of ~100 tokens), all at once, twice: the first burst after the server starts (its batch's
+buffers grow to the burst's rows, the state is loaded for the first time), then the same burst again
+(the server as it stays). Per server and burst: aggregate completion tokens/s (all tokens over the
+wall time of the whole burst), each request's time to first token as its client saw it (p50, p95),
+and every answer's text, which must be the same on both servers and in both bursts.
 
     .venv/bin/python benchmarks/serve_concurrency.py
 
-Rows: tokens/s and TTFT p50 / p95 of the batched server, the one-at-a-time server's the baseline, and
-the burst's wall. Floors (this CPU's measured limits, harness.floors.cpu_forward_floor): a TTFT's is the
+Rows: per burst, tokens/s and TTFT p50 / p95 of the batched server, the one-at-a-time server's the
+baseline, and the burst's wall. Floors (this CPU's measured limits, harness.floors.cpu_forward_floor): a TTFT's is the
 forward of the shortest prompt (its first token cannot come sooner); the burst's, its decode steps':
 one at a time, a one-row step per completion token; batched, the completion tokens over the batch's
 rows in steps of that many rows. Exit 1 when the answers differ.
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     args = parse(ap, argv)
     bodies, contract = burst_bodies(args.clients, args.requests, args.max_tokens)
-    runs = {}
+    runs: dict[int, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for max_batch in (args.clients, 1):
             proc, url = start_server(max_batch, Path(tmp) / f"states{max_batch}", args.threads,
@@ -147,40 +149,48 @@ def main(argv=None) -> int:
                 r = httpx.post(url + "/v1/states", json={"document": contract["text"], "id": "contract"}, timeout=600)
                 r.raise_for_status()
                 stream(url, bodies[0])   # warm-up
-                runs[max_batch] = burst(url, bodies, args.clients)
-                runs[max_batch]["state_tokens"] = r.json()["tokens"]
+                # the first burst after start grows the batch's buffers to its rows and loads the state
+                # for the first time; the second meets the server as it stays
+                runs[max_batch] = [burst(url, bodies, args.clients) for _ in range(2)]
+                for run in runs[max_batch]:
+                    run["state_tokens"] = r.json()["tokens"]
             finally:
                 proc.terminate()
                 proc.wait(timeout=30)
-    batched, single = runs[args.clients], runs[1]
-    same = batched["texts"] == single["texts"]
+    texts = [run["texts"] for runs_ in runs.values() for run in runs_]
+    same = all(t == texts[0] for t in texts)
     result = {
         "platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
         "model": "smollm2-135m (embedded)", "clients": args.clients, "requests": len(bodies),
         "max_tokens": args.max_tokens,
-        "batched": {k: v for k, v in batched.items() if k != "texts"},
-        "one_at_a_time": {k: v for k, v in single.items() if k != "texts"},
-        "throughput_ratio": round(batched["tokens_per_s"] / single["tokens_per_s"], 2),
         "identical_answers": same,
-        "differing": [i for i, (a, b) in enumerate(zip(batched["texts"], single["texts"])) if a != b]}
+        "differing": sorted({i for t in texts for i, (a, b) in enumerate(zip(t, texts[0])) if a != b})}
+    for n, burst_name in enumerate(("first", "second")):
+        batched, single = runs[args.clients][n], runs[1][n]
+        result[burst_name] = {"batched": {k: v for k, v in batched.items() if k != "texts"},
+                              "one_at_a_time": {k: v for k, v in single.items() if k != "texts"},
+                              "throughput_ratio": round(batched["tokens_per_s"] / single["tokens_per_s"], 2)}
     res = Result("serve_concurrency", device="cpu")
     shape = model_shape(None)
     shortest = min(len(shape.tokenizer(b["prompt"])["input_ids"]) for b in bodies)
     ttft_floor = cpu_forward_floor(shape, shortest, what=f"the shortest prompt's forward ({shortest} tokens)")
-    for label, r in (("one at a time", single), (f"max batch {args.clients}", batched)):
-        first = r is single
-        rows = 1 if first else args.clients
-        steps = -(-r["tokens"] // rows)
-        step_text, step_ms = cpu_forward_floor(shape, rows, what=f"a step of {rows} row{'s' * (rows > 1)}")
-        res.row(f"{label}: completion tokens/s", r["tokens_per_s"], "tokens/s",
-                baseline=None if first else "one at a time: completion tokens/s", wall_s=r["wall_s"])
-        res.row(f"{label}: burst wall", r["wall_s"], "s", baseline=None if first else "one at a time: burst wall",
-                floor=f"{steps} decode steps ({r['tokens']} tokens / {rows} rows), each {step_text}",
-                floor_value=steps * step_ms / 1e3)
-        for q in ("p50", "p95"):
-            res.row(f"{label}: TTFT {q}", r[f"ttft_{q}_ms"], "ms",
-                    baseline=None if first else f"one at a time: TTFT {q}", floor=ttft_floor[0],
-                    floor_value=ttft_floor[1])
+    for n, burst_name in enumerate(("", ", second burst")):
+        for label, r in ((f"one at a time{burst_name}", runs[1][n]), (f"max batch {args.clients}{burst_name}",
+                                                                     runs[args.clients][n])):
+            first = r is runs[1][n]
+            base = f"one at a time{burst_name}"
+            rows = 1 if first else args.clients
+            steps = -(-r["tokens"] // rows)
+            step_text, step_ms = cpu_forward_floor(shape, rows, what=f"a step of {rows} row{'s' * (rows > 1)}")
+            res.row(f"{label}: completion tokens/s", r["tokens_per_s"], "tokens/s",
+                    baseline=None if first else f"{base}: completion tokens/s", wall_s=r["wall_s"])
+            res.row(f"{label}: burst wall", r["wall_s"], "s", baseline=None if first else f"{base}: burst wall",
+                    floor=f"{steps} decode steps ({r['tokens']} tokens / {rows} rows), each {step_text}",
+                    floor_value=steps * step_ms / 1e3)
+            for q in ("p50", "p95"):
+                res.row(f"{label}: TTFT {q}", r[f"ttft_{q}_ms"], "ms",
+                        baseline=None if first else f"{base}: TTFT {q}", floor=ttft_floor[0],
+                        floor_value=ttft_floor[1])
     res.raw.update(result)
     finish(res, args)
     return 0 if same else 1

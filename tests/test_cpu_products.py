@@ -1,6 +1,7 @@
-"""A CPU model's products of a few rows (kite.model.cpu_products): the weight times the rows
-transposed (one product, or two halves past ONE_PRODUCT rows), giving linear's answer; longer inputs, autograd and other dtypes
-keep linear."""
+"""A CPU model's products of a few rows (kite.model.cpu_products): the native runtime's product where
+it is built (a row's sums the same whatever rows are beside it), else the weight times the rows
+transposed (one product, or two halves past ONE_PRODUCT rows); either gives linear's answer. Longer
+inputs, autograd and other dtypes keep linear."""
 
 from __future__ import annotations
 
@@ -13,16 +14,45 @@ from kite.model import cpu_products
 from kite.model.cpu_products import install_cpu_products, small_rows_product
 
 
+NATIVE = pytest.param(True, marks=pytest.mark.skipif(cpu_products._runtime() is None,
+                                                      reason="the native runtime is not built (make build-runtime)"))
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_few_rows_give_linears_answer(rows, bias):
+@pytest.mark.parametrize("native", [NATIVE, False])
+def test_a_few_rows_give_linears_answer(rows, bias, native, monkeypatch):
+    monkeypatch.setattr(cpu_products, "NATIVE", native)
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(96, 40, generator=g)
-    b = torch.randn(96, generator=g) if bias else None
-    x = torch.randn(1, rows, 40, generator=g)
+    w = torch.randn(97, 43, generator=g)    # an odd output and inputs past a whole number of vectors
+    b = torch.randn(97, generator=g) if bias else None
+    x = torch.randn(1, rows, 43, generator=g)
     got = small_rows_product(w, b, x)
-    assert got.shape == (1, rows, 96)
+    assert got.shape == (1, rows, 97)
+    assert got.is_contiguous()        # as linear's: a transposed view sends the attention after it to a slow kernel
     assert torch.allclose(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(cpu_products._runtime() is None, reason="the native runtime is not built (make build-runtime)")
+def test_the_native_product_gives_a_row_the_same_sums_whatever_rows_are_beside_it():
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(1536, 576, generator=g)
+    x = torch.randn(8, 576, generator=g)
+    every = small_rows_product(w, None, x)
+    for n in range(1, 8):
+        assert torch.equal(small_rows_product(w, None, x[:n]), every[:n]), n
+    assert torch.equal(small_rows_product(w, None, x[3:4]), every[3:4])
+
+
+@pytest.mark.skipif(cpu_products._runtime() is None, reason="the native runtime is not built (make build-runtime)")
+def test_the_native_product_refuses_bad_arguments():
+    lib = cpu_products._runtime()
+    w, x, out = torch.zeros(4, 16), torch.zeros(9, 16), torch.zeros(9, 4)
+    args = [w.data_ptr(), 16, x.data_ptr(), 16, None, out.data_ptr(), 4]
+    assert lib.kite_rows_product(*args, 9, 4, 16, 1) == -1          # more rows than a step's
+    assert lib.kite_rows_product(*args, 1, 4, 17, 1) == -1          # rows shorter than the inputs
+    assert lib.kite_rows_product(*args, 1, 4, 16, 0) == -1          # no thread
+    assert lib.kite_rows_product(*args, 2, 4, 16, 2) == 0
 
 
 def _model():

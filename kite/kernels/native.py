@@ -29,6 +29,8 @@ _CPU_SIGNATURES = {
     "kite_rans_encode": (c_int, [P, c_int64, P, c_int, c_int, c_int64, P, P, P, c_int64]),
     "kite_rans_decode": (c_int, [P, P, P, c_int64, P, c_int, c_int, c_int64, P]),
     "kite_pack_codes": (c_int, [P, c_int64, c_int, P, c_int64]),
+    "kite_rows_product_width": (c_int, []),
+    "kite_rows_product": (c_int, [P, c_int64, P, c_int64, P, P, c_int64, c_int64, c_int64, c_int64, c_int]),
 }
 _CUDA_SIGNATURES = {
     "kite_cuda_version": (c_char_p, []),
@@ -41,7 +43,7 @@ _CUDA_SIGNATURES = {
     "kite_cuda_pca_finish": (c_int, [c_int64] * 4 + [P, c_int, c_int64, c_int64, P, P, c_int64, c_int64, P, P, P,
                                                       P, P, c_int, P]),
 }
-ABI = 2
+ABI = 3
 
 
 class NativeError(RuntimeError):

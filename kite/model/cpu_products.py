@@ -1,17 +1,19 @@
-"""A CPU model's products of a few rows (a decode step: one row a sequence) at the speed of its
+"""A CPU model's products of a few rows (a decode step: one row a sequence) near the speed of its
 memory.
 
 A decode step multiplies each weight by one row a sequence. torch's ``linear`` sends one row to a
 matrix-vector product that ran on one core of the 2-core dev CPU, and a few rows to a matrix product
 tuned for many: the embedded model's projections of one row read their weights at ~21 GB/s, of
-eight rows at ~16 GB/s. The same product taken the other way round, the weight times the rows
-transposed, reads them at ~40 GB/s for two to four rows, ~25-30 GB/s for five or six (both cores).
-So :func:`install_cpu_products` gives every plain fp32 ``nn.Linear`` of a CPU model a forward that,
-for at most :data:`SMALL_ROWS` rows and without autograd, computes ``(W @ x.T).T`` (up to
-:data:`ONE_PRODUCT` rows in one product, more in two; one row is sent as two: the copy is free beside
-the weight it reads); longer inputs (a prompt's prefill), training and other dtypes keep ``linear``.
-The decode step side by side: `benchmarks/cpu_products.py` (docs/PERFORMANCE.md, "Continuous
-batching").
+eight rows at ~16 GB/s. So :func:`install_cpu_products` gives every plain fp32 ``nn.Linear`` of a CPU
+model a forward that, for at most :data:`SMALL_ROWS` rows and without autograd, takes
+:func:`small_rows_product`: the native runtime's ``kite_rows_product`` where it is built (each
+weight row read once for every row of the step, the next rows prefetched: ~35 GB/s for one to eight
+rows on the dev CPU's two cores; a row's sums do not depend on the rows beside it, so a batch decodes
+what each sequence decodes alone), else BLAS the other way round, the weight times the rows
+transposed (~40 GB/s for two to four rows, ~25-30 GB/s for five or six; up to :data:`ONE_PRODUCT`
+rows in one product, more in two; one row sent as two). Longer inputs (a prompt's prefill),
+training and other dtypes keep ``linear``. The decode step side by side: `benchmarks/cpu_products.py`
+(docs/PERFORMANCE.md, "Continuous batching").
 """
 
 from __future__ import annotations
@@ -22,21 +24,45 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kite.kernels import native
+
 SMALL_ROWS = 8   # inputs of at most this many rows take the transposed product
 ONE_PRODUCT = 6  # rows one product takes; 7 or 8 go as two halves (one product of them ran slower)
 ENABLED = True   # False: every product is torch's linear (side-by-side benchmarks)
+NATIVE = True    # False: BLAS's transposed product even where the native runtime is built (benchmarks)
+
+
+def _runtime():
+    """The native runtime when it is built with a vector path for these products, else None."""
+    if not NATIVE:
+        return None
+    lib = native.cpu()
+    return lib if lib is not None and lib.kite_rows_product_width() > 0 else None
 
 
 def small_rows_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [..., in] of at most SMALL_ROWS rows: the weight times the
-    rows transposed, in one product of up to ONE_PRODUCT rows or two halves; a single row is sent as
-    two (one column took the matrix-vector kernel again)."""
+    """``F.linear(x, weight, bias)`` for x [..., in] of at most SMALL_ROWS rows: the native runtime's
+    product where it is built, else the weight times the rows transposed, in one product of up to
+    ONE_PRODUCT rows or two halves; a single row is sent as two (one column took the matrix-vector
+    kernel again)."""
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
+    lib = _runtime()
+    if lib is not None and weight.stride(-1) == 1 and (bias is None or bias.is_contiguous()):
+        rows = rows.contiguous()
+        out = torch.empty(n, weight.shape[0], dtype=torch.float32)
+        native.check(lib.kite_rows_product(weight.data_ptr(), weight.stride(0), rows.data_ptr(), rows.stride(0),
+                                           None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+                                           n, weight.shape[0], weight.shape[1], torch.get_num_threads()),
+                     "rows_product")
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+    # the product's [out, n] back to [n, out] as a copy (n · out floats beside the weight it read): a
+    # transposed view sent the attention after the projections to torch's slowest kernel (the query's
+    # last dimension not contiguous) and slowed the elementwise work between them
     if n == 1:
-        out = (weight @ torch.cat([rows, rows]).T)[:, :1].T     # (a broadcast view took the slow kernel too)
+        out = (weight @ torch.cat([rows, rows]).T)[:, :1].T.contiguous()   # (a broadcast view took the slow kernel too)
     elif n <= ONE_PRODUCT:
-        out = (weight @ rows.T).T
+        out = (weight @ rows.T).T.contiguous()
     else:
         half = (n + 1) // 2
         out = torch.cat([(weight @ rows[:half].T).T, (weight @ rows[half:].T).T])
