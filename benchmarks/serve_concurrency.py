@@ -3,9 +3,10 @@
 Starts `kite serve` twice on the embedded model (this CPU), `--max-batch N` and `--max-batch 1`,
 uploads one generated contract as a state, then lets ``--clients`` clients each send
 ``--requests`` streamed greedy completions (alternately about the contract's state and plain
-prompts of ~100 tokens), all at once, twice: the first burst after the server starts (its batch's
-buffers grow to the burst's rows, the state is loaded for the first time), then the same burst again
-(the server as it stays). Per server and burst: aggregate completion tokens/s (all tokens over the
+prompts of ~100 tokens), all at once, twice: the first burst after the server starts (the state is
+loaded for the first time), then the same burst again (the server as it stays). Both servers
+allocate their rows' KV at start for the longest request (``--batch-reserve-tokens``, as
+serve_gpu.py does); ``--no-reserve`` leaves the buffers to grow during the first burst. Per server and burst: aggregate completion tokens/s (all tokens over the
 wall time of the whole burst), each request's time to first token as its client saw it (p50, p95),
 and every answer's text, which must be the same on both servers and in both bursts.
 
@@ -41,6 +42,8 @@ from kite.ports import free_port  # noqa: E402
 from harness import Result, clock, finish, parse, parser  # noqa: E402
 from harness.floors import cpu_forward_floor, model_shape  # noqa: E402
 
+RESERVE_MARGIN = 64   # slots past the longest request's own (a chat template's tokens, the tokenizer's count)
+
 PROMPTS = [
     "The following is a short report about the shipping industry and the way ports handle containers. ",
     "Write a detailed description of a small mountain village, its people, their work and their food. ",
@@ -49,11 +52,13 @@ PROMPTS = [
 ]
 
 
-def start_server(max_batch: int, state_dir: Path, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(max_batch: int, state_dir: Path, threads: int, log: Path,
+                 reserve_tokens: int | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "KITE_LOG_LEVEL": "warning"}
     cmd = [str(ROOT / ".venv/bin/kite"), "serve", "--port", str(port), "--max-batch", str(max_batch),
-           "--state-dir", str(state_dir), "--fusion", "--log-level", "warning", "--mkdir"]
+           "--state-dir", str(state_dir), "--fusion", "--log-level", "warning", "--mkdir",
+           *(["--batch-reserve-tokens", str(reserve_tokens)] if reserve_tokens else [])]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     return proc, wait_until_serving(proc, f"http://127.0.0.1:{port}", log, 300)
 
@@ -138,13 +143,21 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=2, help="per client")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-reserve", action="store_true",
+                    help="start the servers without --batch-reserve-tokens: the first burst grows the batch's buffers")
     args = parse(ap, argv)
     bodies, contract = burst_bodies(args.clients, args.requests, args.max_tokens)
+    # every row's KV allocated at start for the longest request (the state, the longest prompt, its
+    # answer), as a server set up for its traffic runs (serve_gpu.py reserves the same way)
+    tokenizer = model_shape(None).tokenizer
+    reserve = None if args.no_reserve else (
+        len(tokenizer(contract["text"], add_special_tokens=False)["input_ids"])
+        + max(len(tokenizer(b["prompt"])["input_ids"]) for b in bodies) + args.max_tokens + RESERVE_MARGIN)
     runs: dict[int, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for max_batch in (args.clients, 1):
             proc, url = start_server(max_batch, Path(tmp) / f"states{max_batch}", args.threads,
-                                     Path(tmp) / f"serve{max_batch}.log")
+                                     Path(tmp) / f"serve{max_batch}.log", reserve)
             try:
                 r = httpx.post(url + "/v1/states", json={"document": contract["text"], "id": "contract"}, timeout=600)
                 r.raise_for_status()
@@ -162,7 +175,7 @@ def main(argv=None) -> int:
     result = {
         "platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
         "model": "smollm2-135m (embedded)", "clients": args.clients, "requests": len(bodies),
-        "max_tokens": args.max_tokens,
+        "max_tokens": args.max_tokens, "reserve_tokens": reserve,
         "identical_answers": same,
         "differing": sorted({i for t in texts for i, (a, b) in enumerate(zip(t, texts[0])) if a != b})}
     for n, burst_name in enumerate(("first", "second")):

@@ -45,6 +45,15 @@ int kite_rows_product_width(void);
 int kite_rows_product(const float* w, int64_t ldw, const float* x, int64_t ldx, const float* bias, float* out,
                       int64_t ldo, int64_t rows, int64_t n_out, int64_t n_in, int threads);
 
+// ---- a CPU batch's decode attention (kite/runtime/attention.py: decode_rows) --------------------
+// q [rows, q_heads, dim] (one new token a row), K and V of row b, KV head g, slot t at
+// k + b * k_row + g * k_head + t * k_slot (the same for v), float32, dim contiguous; row b attends over
+// its first lens[b] >= 1 slots; out [rows, q_heads, dim]. Query head h reads KV head h / (q_heads / kv_heads).
+int kite_decode_attention(const float* q, const float* k, const float* v, int64_t k_row, int64_t k_head,
+                          int64_t k_slot, int64_t v_row, int64_t v_head, int64_t v_slot, const int64_t* lens,
+                          float* out, int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t dim, float scale,
+                          int threads);
+
 // ---- k-means (cosine, Lloyd iterations of kite/upcycle/cluster.py) ----------------------------
 // x: [n, D] L2-normalised rows; C: [k, D] initial centroids, overwritten with the final ones;
 // assign: [n] int64 out. Returns the number of iterations run (>= 1) or < 0.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from ctypes import c_char_p, c_int, c_int64, c_void_p
+from ctypes import c_char_p, c_float, c_int, c_int64, c_void_p
 
 import torch
 
@@ -31,6 +31,7 @@ _CPU_SIGNATURES = {
     "kite_pack_codes": (c_int, [P, c_int64, c_int, P, c_int64]),
     "kite_rows_product_width": (c_int, []),
     "kite_rows_product": (c_int, [P, c_int64, P, c_int64, P, P, c_int64, c_int64, c_int64, c_int64, c_int]),
+    "kite_decode_attention": (c_int, [P, P, P] + [c_int64] * 6 + [P, P] + [c_int64] * 4 + [c_float, c_int]),
 }
 _CUDA_SIGNATURES = {
     "kite_cuda_version": (c_char_p, []),

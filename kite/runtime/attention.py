@@ -63,6 +63,10 @@ def kite_attention(module, query, key, value, attention_mask, scaling=None, drop
     if batch is not None:
         if query.shape[-2] >= CAUSAL_ROWS_MIN_QUERY and batch.causal_rows():
             return causal_rows(query, key, value, batch, module.layer_idx, scaling), None
+        if query.shape[-2] == 1 and not query.is_cuda and batch.causal_rows():
+            out = decode_rows(query, key, value, batch.limits[module.layer_idx][:, 0], scaling)
+            if out is not None:
+                return out, None
         held = batch.held(module.layer_idx, key.dtype, key.device) if batch.memories else None
         mask = batch.mask(module.layer_idx, key.shape[-2])
         need = _ragged(query, key, batch, module.layer_idx)
@@ -143,6 +147,29 @@ def _ragged(query, key, batch, layer: int) -> list[int] | None:
         return None
     need = batch.limits[layer].amax(dim=1).tolist()
     return need if sum(need) <= (1.0 - RAGGED_SAVING) * len(need) * key.shape[-2] else None
+
+
+def decode_rows(query, key, value, visible: torch.Tensor, scaling=None) -> torch.Tensor | None:
+    """A CPU batch's decode step (one new token a row) through the native runtime: row b over its first
+    ``visible[b]`` slots of ``key``/``value`` [B, Hkv, k, d] (views of the batch cache), every (row, KV
+    head) one task of the thread team, a row's sums the same whatever rows are beside it → [B, 1, Hq, d];
+    None where the runtime is not built or the tensors are not float32 with contiguous head dimensions
+    (the caller then attends as before)."""
+    from kite.kernels import native
+
+    lib = native.cpu()
+    if (lib is None or query.dtype != torch.float32 or key.dtype != torch.float32 or value.dtype != torch.float32
+            or key.stride(-1) != 1 or value.stride(-1) != 1):
+        return None
+    B, hq, _, d = query.shape
+    q = query.reshape(B, hq, d).contiguous()
+    lens = visible.to(torch.int64).contiguous()
+    out = torch.empty(B, hq, d, dtype=torch.float32)
+    scale = d ** -0.5 if scaling is None else scaling
+    native.check(lib.kite_decode_attention(q.data_ptr(), key.data_ptr(), value.data_ptr(), *key.stride()[:3],
+                                           *value.stride()[:3], lens.data_ptr(), out.data_ptr(), B, hq, key.shape[1],
+                                           d, scale, torch.get_num_threads()), "decode_attention")
+    return out.view(B, 1, hq, d)
 
 
 def ragged_rows(query, key, value, mask, need: list[int], scaling=None) -> torch.Tensor:
