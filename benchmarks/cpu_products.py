@@ -66,7 +66,7 @@ def main(argv=None) -> int:
 
     lm = load_model(args.model, device="cpu")
     ways = {"torch's linear": (False, False), "small-rows products (BLAS, transposed)": (True, False)}
-    if cpu_products._runtime() is not None:
+    if cpu_products.native_available():
         ways["small-rows products (native runtime)"] = (True, True)
     res = Result("cpu_products", device="cpu")
     for rows in counts:

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
                     "depend on it, the teacher's and the adapter's work do")
     ap.add_argument("--capture-batch-tokens", type=int, default=None,
                     help="padded tokens a forward of several documents' prefills may hold on this device "
-                    "(default: kite.upcycle.capture.BATCH_TOKENS; 0: one document a forward)")
+                    "(default: kite.upcycle.CAPTURE_BATCH_TOKENS; 0: one document a forward)")
     ap.add_argument("--ratio", type=float, default=16.0)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--eval-fraction", type=float, default=0.1)
@@ -79,11 +79,11 @@ def main(argv=None) -> int:
     t0 = clock()
     lm = load_model(args.model, device=args.device)
     t_model = clock() - t0
-    from kite.upcycle import capture as capture_mod
+    from kite.upcycle import CAPTURE_BATCH_TOKENS
 
     if args.capture_batch_tokens is not None:
-        capture_mod.BATCH_TOKENS[torch.device(lm.device).type] = args.capture_batch_tokens
-    batch_tokens = capture_mod.BATCH_TOKENS.get(torch.device(lm.device).type, 0)
+        CAPTURE_BATCH_TOKENS[torch.device(lm.device).type] = args.capture_batch_tokens
+    batch_tokens = CAPTURE_BATCH_TOKENS.get(torch.device(lm.device).type, 0)
     tok = lm.tokenizer
     work = Path(tempfile.mkdtemp(prefix="kite-train-speed-"))
     data = args.pairs or work / "pairs.jsonl"

@@ -14,7 +14,7 @@ from kite.model import cpu_products
 from kite.model.cpu_products import install_cpu_products, small_rows_product
 
 
-NATIVE = pytest.param(True, marks=pytest.mark.skipif(cpu_products._runtime() is None,
+NATIVE = pytest.param(True, marks=pytest.mark.skipif(not cpu_products.native_available(),
                                                       reason="the native runtime is not built (make build-runtime)"))
 
 
@@ -33,7 +33,7 @@ def test_a_few_rows_give_linears_answer(rows, bias, native, monkeypatch):
     assert torch.allclose(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(cpu_products._runtime() is None, reason="the native runtime is not built (make build-runtime)")
+@pytest.mark.skipif(not cpu_products.native_available(), reason="the native runtime is not built (make build-runtime)")
 def test_the_native_product_gives_a_row_the_same_sums_whatever_rows_are_beside_it():
     g = torch.Generator().manual_seed(7)
     w = torch.randn(1536, 576, generator=g)
@@ -44,9 +44,11 @@ def test_the_native_product_gives_a_row_the_same_sums_whatever_rows_are_beside_i
     assert torch.equal(small_rows_product(w, None, x[3:4]), every[3:4])
 
 
-@pytest.mark.skipif(cpu_products._runtime() is None, reason="the native runtime is not built (make build-runtime)")
+@pytest.mark.skipif(not cpu_products.native_available(), reason="the native runtime is not built (make build-runtime)")
 def test_the_native_product_refuses_bad_arguments():
-    lib = cpu_products._runtime()
+    from kite.kernels import native
+
+    lib = native.cpu()
     w, x, out = torch.zeros(4, 16), torch.zeros(9, 16), torch.zeros(9, 4)
     args = [w.data_ptr(), 16, x.data_ptr(), 16, None, out.data_ptr(), 4]
     assert lib.kite_rows_product(*args, 9, 4, 16, 1) == -1          # more rows than a step's

@@ -40,6 +40,12 @@ def _runtime():
     return lib if lib is not None and lib.kite_rows_product_width() > 0 else None
 
 
+def native_available() -> bool:
+    """Whether the products run through the native runtime here (built, with a vector path, not
+    switched off by :data:`NATIVE` or ``KITE_RUNTIME=torch``)."""
+    return _runtime() is not None
+
+
 def small_rows_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [..., in] of at most SMALL_ROWS rows: the native runtime's
     product where it is built, else the weight times the rows transposed, in one product of up to

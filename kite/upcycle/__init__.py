@@ -25,6 +25,7 @@ from kite.upcycle import codec, format
 from kite.upcycle.address import Address, AddressMismatch, address_for, check_address, is_address, tokens_digest
 from kite.upcycle.budget import (DEFAULT_BLOCK_TOKENS, DEFAULT_CODEC, BudgetCache, BudgetRow, BudgetSettings, WindowCache,
                                  budget_cache, check_budget, kv_bytes_per_token, min_budget)
+from kite.upcycle.capture import BATCH_TOKENS as CAPTURE_BATCH_TOKENS
 from kite.upcycle.capture import Capture, token_offsets, tokenize_document
 from kite.upcycle.capture import capture as capture_kv
 from kite.upcycle.codec import CodecSettings, Regenerator, RegeneratorFit
@@ -80,5 +81,5 @@ __all__ = [
     "Address", "AddressMismatch", "address_for", "check_address", "is_address", "tokens_digest",
     "prepare_state", "remove_rope", "rollback", "rope_cos_sin", "select_clusters", "tokenize_document",
     "RESIDENT_FORMS", "ResidentForm", "check_resident", "resident_form",
-    "Capture", "capture_kv", "split_text", "HostRebuild", "compress_capture", "open_rebuild", "token_offsets",
+    "CAPTURE_BATCH_TOKENS", "Capture", "capture_kv", "split_text", "HostRebuild", "compress_capture", "open_rebuild", "token_offsets",
 ]
