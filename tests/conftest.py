@@ -94,6 +94,22 @@ def rule_compiles(monkeypatch) -> list[str]:
     return seen
 
 
+@pytest.fixture
+def capture_batches(monkeypatch) -> list[int]:
+    """The documents in each prefill batch kite.upcycle.capture makes while the test runs, in order."""
+    from kite.upcycle import capture as capture_mod
+
+    batches: list[int] = []
+    real = capture_mod._prefill
+
+    def counting(lm, docs, *args):
+        batches.append(len(docs))
+        return real(lm, docs, *args)
+
+    monkeypatch.setattr(capture_mod, "_prefill", counting)
+    return batches
+
+
 def parse_json(output: str):
     """The JSON document a `--json` command printed (ignores any lines before it)."""
     start = output.index("{") if "{" in output else output.index("[")

@@ -86,16 +86,9 @@ def test_documents_go_together_within_the_devices_token_budget():
     assert capture_groups([], "cuda") == []
 
 
-def test_iterated_captures_prefill_a_group_at_a_time_in_order(tiny_lm, monkeypatch):
+def test_iterated_captures_prefill_a_group_at_a_time_in_order(tiny_lm, monkeypatch, capture_batches):
     texts = _texts() * 2
-    batches = []
-    real = capture_mod._prefill
-
-    def counting(lm, docs, *args):
-        batches.append(len(docs))
-        return real(lm, docs, *args)
-
-    monkeypatch.setattr(capture_mod, "_prefill", counting)
+    batches = capture_batches
     longest = max(len(tiny_lm.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
     monkeypatch.setitem(capture_mod.BATCH_TOKENS, "cpu", 3 * longest)     # three documents a forward
     caps = iter_captures(tiny_lm, texts, chunk_tokens=64)

@@ -335,7 +335,8 @@ def test_a_run_of_several_ratios_trains_one_adapter_per_ratio_as_a_run_of_that_r
 
 
 def test_a_run_that_captures_documents_together_trains_as_one_that_captures_each_alone(tiny_models, tiny_lm,
-                                                                                      tmp_path, monkeypatch):
+                                                                                      tmp_path, monkeypatch,
+                                                                                      capture_batches):
     """On a GPU the run prefills several documents a forward (kite.upcycle.capture.BATCH_TOKENS); given a
     budget on the CPU here, the run counts the same stages and makes the same states and adapter."""
     from safetensors.torch import load_file
@@ -344,14 +345,7 @@ def test_a_run_that_captures_documents_together_trains_as_one_that_captures_each
     from kite.upcycle.load.prefix import load_prefix
     from tests.conftest import parse_json
 
-    batches = []
-    real = capture_mod._prefill
-
-    def counting(lm, docs, *args):
-        batches.append(len(docs))
-        return real(lm, docs, *args)
-
-    monkeypatch.setattr(capture_mod, "_prefill", counting)
+    batches = capture_batches
     alone, together = tmp_path / "alone", tmp_path / "together"
     res = _train(tiny_models, tmp_path, alone, "--epochs", "1")
     assert res.exit_code == 0, res.output

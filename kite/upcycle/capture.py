@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kite.runtime.batch import right_padded
 from kite.runtime.cache import cache_layers, new_cache
 from kite.runtime.generate import cache_kwarg
 from kite.upcycle.rope import remove_rope, rope_cos_sin
@@ -161,10 +162,7 @@ def _prefill(lm: LoadedModel, docs: list[tuple[str, list[int], list[tuple[int, i
     model, device = lm.model, lm.device
     lengths = [len(doc_ids) for _, doc_ids, _ in docs]
     n, total = max(lengths), sum(lengths)
-    batch = torch.zeros(len(docs), n, dtype=torch.long)
-    for row, (_, doc_ids, _) in enumerate(docs):
-        batch[row, :len(doc_ids)] = torch.tensor(doc_ids)
-    batch = batch.to(device)
+    batch = right_padded([doc_ids for _, doc_ids, _ in docs], pad=0)[0].to(device)
     cache = new_cache(model)
     hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in hidden_layers}
     t0 = time.perf_counter()
