@@ -56,6 +56,8 @@ def test_what_it_does_not_take_is_left_to_the_caller_and_bad_lengths_are_refused
     assert decode_rows(q, k.transpose(-1, -2), v, visible) is None             # head dimension not contiguous
     with pytest.raises(native.NativeError, match="bad arguments"):
         decode_rows(q, k, v, torch.tensor([1, 0, 3, 4, 5]))                    # a row that sees no slot
+    with pytest.raises(ValueError, match="sees 301 slots of the 300"):
+        decode_rows(q, k, v, torch.tensor([1, 2, 301, 4, 5]))                  # past the keys given: never read
 
 
 def test_a_cpu_batch_decodes_through_it_as_each_sequence_alone(tiny_models, monkeypatch):

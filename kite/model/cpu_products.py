@@ -6,14 +6,18 @@ matrix-vector product that ran on one core of the 2-core dev CPU, and a few rows
 tuned for many: the embedded model's projections of one row read their weights at ~21 GB/s, of
 eight rows at ~16 GB/s. So :func:`install_cpu_products` gives every plain fp32 ``nn.Linear`` of a CPU
 model a forward that, for at most :data:`SMALL_ROWS` rows and without autograd, takes
-:func:`small_rows_product`: the native runtime's ``kite_rows_product`` where it is built (each
-weight row read once for every row of the step, the next rows prefetched: ~32-36 GB/s of weights
-for one to eight rows on the dev CPU's two cores, a script not kept; a row's sums do not depend on
-the rows beside it, so a batch decodes what each sequence decodes alone), else BLAS the other way
-round, the weight times the rows transposed (~40 GB/s for two to four rows, ~25-30 GB/s for five or
-six; up to :data:`ONE_PRODUCT` rows in one product, more in two; one row sent as two). Longer inputs (a prompt's prefill),
-training and other dtypes keep ``linear``. The decode step side by side: `benchmarks/cpu_products.py`
-(docs/PERFORMANCE.md, "Continuous batching").
+:func:`small_rows_product`:
+
+* the native runtime's ``kite_rows_product`` where it is built: each weight row read once for every
+  row of the step, the next rows prefetched (~32-36 GB/s of weights for one to eight rows on the dev
+  CPU's two cores, a script not kept); a row's sums do not depend on the rows beside it, so a batch
+  decodes what each sequence decodes alone;
+* else BLAS the other way round, the weight times the rows transposed (~40 GB/s for two to four rows,
+  ~25-30 GB/s for five or six; up to :data:`ONE_PRODUCT` rows in one product, more in two; one row
+  sent as two).
+
+Longer inputs (a prompt's prefill), training and other dtypes keep ``linear``. The decode step three
+ways side by side: `benchmarks/cpu_products.py` (docs/PERFORMANCE.md, "Continuous batching").
 """
 
 from __future__ import annotations

@@ -162,8 +162,10 @@ def decode_rows(query, key, value, visible: torch.Tensor, scaling=None) -> torch
             or key.stride(-1) != 1 or value.stride(-1) != 1):
         return None
     B, hq, _, d = query.shape
-    q = query.reshape(B, hq, d).contiguous()
     lens = visible.to(torch.int64).contiguous()
+    if int(lens.max()) > min(key.shape[-2], value.shape[-2]):
+        raise ValueError(f"a row sees {int(lens.max())} slots of the {key.shape[-2]} given")
+    q = query.reshape(B, hq, d).contiguous()
     out = torch.empty(B, hq, d, dtype=torch.float32)
     scale = d ** -0.5 if scaling is None else scaling
     native.check(lib.kite_decode_attention(q.data_ptr(), key.data_ptr(), value.data_ptr(), *key.stride()[:3],

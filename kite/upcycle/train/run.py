@@ -148,8 +148,12 @@ def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progres
     fit = RegeneratorFit(n_layers=lm.geometry.n_layers, joint_heads=cfg_codec.joint_heads, center=cfg_codec.center,
                          layer_group=layer_group)
     texts = [p.context for p in docs.values()]
-    caps = ((capture(lm, text, queries=True) for text in texts) if weighted else iter_captures(lm, texts)
-            if keep is None else captures_for(lm, texts, compress, keep_cache=True))
+    if weighted:
+        caps = (capture(lm, text, queries=True) for text in texts)   # each document's queries: one at a time
+    elif keep is None:
+        caps = iter_captures(lm, texts)
+    else:
+        caps = captures_for(lm, texts, compress, keep_cache=True)
     for i, p in enumerate(docs.values()):
         with times.stage("calibrate_capture"):     # a batch of documents' prefill falls to its first
             cap = next(caps)
