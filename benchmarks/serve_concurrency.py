@@ -6,17 +6,18 @@ uploads one generated contract as a state, then lets ``--clients`` clients each 
 prompts of ~100 tokens), all at once, twice: the first burst after the server starts (the state is
 loaded for the first time), then the same burst again (the server as it stays). Both servers
 allocate their rows' KV at start for the longest request (``--batch-reserve-tokens``, as
-serve_gpu.py does); ``--no-reserve`` leaves the buffers to grow during the first burst. Per server and burst: aggregate completion tokens/s (all tokens over the
-wall time of the whole burst), each request's time to first token as its client saw it (p50, p95),
-and every answer's text, which must be the same on both servers and in both bursts.
+serve_gpu.py does); ``--no-reserve`` leaves the buffers to grow during the first burst. Per server
+and burst: aggregate completion tokens/s (all tokens over the wall time of the whole burst), each
+request's time to first token as its client saw it (p50, p95), and every answer's text, which must
+be the same on both servers and in both bursts.
 
     .venv/bin/python benchmarks/serve_concurrency.py
 
 Rows: per burst, tokens/s and TTFT p50 / p95 of the batched server, the one-at-a-time server's the
-baseline, and the burst's wall. Floors (this CPU's measured limits, harness.floors.cpu_forward_floor): a TTFT's is the
-forward of the shortest prompt (its first token cannot come sooner); the burst's, its decode steps':
-one at a time, a one-row step per completion token; batched, the completion tokens over the batch's
-rows in steps of that many rows. Exit 1 when the answers differ.
+baseline, and the burst's wall. Floors (this CPU's measured limits, harness.floors.cpu_forward_floor):
+a TTFT's is the forward of the shortest prompt (its first token cannot come sooner); the burst's, its
+decode steps': one at a time, a one-row step per completion token; batched, the completion tokens
+over the batch's rows in steps of that many rows. Exit 1 when the answers differ.
 """
 
 from __future__ import annotations
@@ -162,8 +163,8 @@ def main(argv=None) -> int:
                 r = httpx.post(url + "/v1/states", json={"document": contract["text"], "id": "contract"}, timeout=600)
                 r.raise_for_status()
                 stream(url, bodies[0])   # warm-up
-                # the first burst after start grows the batch's buffers to its rows and loads the state
-                # for the first time; the second meets the server as it stays
+                # the first burst after start loads the state for the first time (and, with
+                # --no-reserve, grows the batch's buffers); the second meets the server as it stays
                 runs[max_batch] = [burst(url, bodies, args.clients) for _ in range(2)]
                 for run in runs[max_batch]:
                     run["state_tokens"] = r.json()["tokens"]
@@ -190,19 +191,19 @@ def main(argv=None) -> int:
     for n, burst_name in enumerate(("", ", second burst")):
         for label, r in ((f"one at a time{burst_name}", runs[1][n]), (f"max batch {args.clients}{burst_name}",
                                                                      runs[args.clients][n])):
-            first = r is runs[1][n]
+            alone = r is runs[1][n]
             base = f"one at a time{burst_name}"
-            rows = 1 if first else args.clients
+            rows = 1 if alone else args.clients
             steps = -(-r["tokens"] // rows)
             step_text, step_ms = cpu_forward_floor(shape, rows, what=f"a step of {rows} row{'s' * (rows > 1)}")
             res.row(f"{label}: completion tokens/s", r["tokens_per_s"], "tokens/s",
-                    baseline=None if first else f"{base}: completion tokens/s", wall_s=r["wall_s"])
-            res.row(f"{label}: burst wall", r["wall_s"], "s", baseline=None if first else f"{base}: burst wall",
+                    baseline=None if alone else f"{base}: completion tokens/s", wall_s=r["wall_s"])
+            res.row(f"{label}: burst wall", r["wall_s"], "s", baseline=None if alone else f"{base}: burst wall",
                     floor=f"{steps} decode steps ({r['tokens']} tokens / {rows} rows), each {step_text}",
                     floor_value=steps * step_ms / 1e3)
             for q in ("p50", "p95"):
                 res.row(f"{label}: TTFT {q}", r[f"ttft_{q}_ms"], "ms",
-                        baseline=None if first else f"{base}: TTFT {q}", floor=ttft_floor[0],
+                        baseline=None if alone else f"{base}: TTFT {q}", floor=ttft_floor[0],
                         floor_value=ttft_floor[1])
     res.raw.update(result)
     finish(res, args)
