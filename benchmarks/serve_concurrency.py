@@ -150,7 +150,8 @@ def main(argv=None) -> int:
     bodies, contract = burst_bodies(args.clients, args.requests, args.max_tokens)
     # every row's KV allocated at start for the longest request (the state, the longest prompt, its
     # answer), as a server set up for its traffic runs (serve_gpu.py reserves the same way)
-    tokenizer = model_shape(None).tokenizer
+    shape = model_shape(None)
+    tokenizer = shape.tokenizer
     reserve = None if args.no_reserve else (
         len(tokenizer(contract["text"], add_special_tokens=False)["input_ids"])
         + max(len(tokenizer(b["prompt"])["input_ids"]) for b in bodies) + args.max_tokens + RESERVE_MARGIN)
@@ -185,7 +186,6 @@ def main(argv=None) -> int:
                               "one_at_a_time": {k: v for k, v in single.items() if k != "texts"},
                               "throughput_ratio": round(batched["tokens_per_s"] / single["tokens_per_s"], 2)}
     res = Result("serve_concurrency", device="cpu")
-    shape = model_shape(None)
     shortest = min(len(shape.tokenizer(b["prompt"])["input_ids"]) for b in bodies)
     ttft_floor = cpu_forward_floor(shape, shortest, what=f"the shortest prompt's forward ({shortest} tokens)")
     for n, burst_name in enumerate(("", ", second burst")):

@@ -36,7 +36,7 @@ extern "C" int kite_decode_attention(const float* q, const float* k, const float
       const float* vb = v + b * v_row + g * v_head;
       const float* qb = q + (b * q_heads + g * rep) * dim;
       float* ob = out + (b * q_heads + g * rep) * dim;
-      p.assign(rep * n, 0.0f);
+      p.resize(rep * n);   // every entry is written below
       // scores, each query head's row of n
       for (int64_t t = 0; t < n; ++t) {
         const float* kt = kb + t * k_slot;

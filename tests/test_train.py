@@ -625,3 +625,15 @@ def test_training_states_are_coded_with_the_layer_weights_states_of_the_model_ge
                 assert (sf.meta.get("layer_weights") or {}).get("fingerprint") == want
     res = _train(tiny_models, tmp_path, tmp_path / "plain", "--regenerator-only", "--config", str(cfg), "--resume")
     assert res.exit_code != 0 and "holds another run" in res.output
+
+
+@pytest.mark.parametrize("flag", ["--pairs-per-document", "--capture-batch-tokens"])
+def test_the_speed_benchmark_refuses_a_negative_count_in_one_line_before_loading_a_model(flag):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "train_speed.py"), flag, "-1"],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "take a number >= 0" in run.stderr
+    assert "Traceback" not in run.stderr
