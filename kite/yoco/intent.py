@@ -199,9 +199,9 @@ def _distinct_signals(lm: LoadedModel, queries: list[str], tagger, batch_size: i
             nll_sums = torch.zeros(len(idx)).index_add_(0, row_of[known], nll_flat[known])
             nll_counts = torch.zeros(len(idx)).index_add_(0, row_of[known], torch.ones(int(known.sum())))
             tags = None
-            if layers:     # each row's mean over its own tokens at the tagger's layers, one transfer
+            if layers:     # each row's mean over its own tokens at the tagger's layers, scored where they are
                 mf = mask[..., None].to(hidden_states[layers[0]].device, torch.float32)
-                emb = torch.cat([(hidden_states[h].float() * mf).sum(1) / mf.sum(1) for h in layers], dim=-1).cpu()
+                emb = torch.cat([(hidden_states[h].float() * mf).sum(1) / mf.sum(1) for h in layers], dim=-1)
                 tags = tagger.predict_queries(emb)
             for row, i in enumerate(idx):
                 probs = tags[row].probs if tags else {}

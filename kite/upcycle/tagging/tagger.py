@@ -36,6 +36,17 @@ EMBEDDING_METHODS = ("ridge", "centroid")
 PROMPT_MIN_PARAMS = 1_000_000_000
 
 
+def linear_scores(E: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, weights: torch.Tensor,
+                  bias: torch.Tensor) -> torch.Tensor:
+    """A fitted head's scores ``zscore(E) @ weights + bias`` [n, C] in float32, on ``E``'s device: a
+    query pooled on a GPU is scored there (its few scores come back, not its embedding), so a GPU
+    server's request path never wakes the CPU's BLAS threads for a product of a few rows (on a
+    many-core host their spinning made YOCO's pass two to four times slower)."""
+    E = E.detach().float()
+    mean, scale, weights, bias = (t.to(E.device) for t in (mean, scale, weights, bias))
+    return zscore(E, mean, scale) @ weights + bias
+
+
 @dataclass(frozen=True, slots=True)
 class TagResult:
     """One prediction: the label, its calibrated probability, and every label's probability."""
@@ -256,9 +267,8 @@ class ClauseTagger:
         head = self.query_head
         if head is None:
             return self.predict_embeddings(E)
-        E = E.detach().float().cpu()
-        scores = zscore(E, head.mean, head.scale) @ head.weights + head.bias
-        raw = torch.softmax(scores / head.temperature, dim=-1)
+        scores = linear_scores(E, head.mean, head.scale, head.weights, head.bias)
+        raw = torch.softmax(scores / head.temperature, dim=-1).cpu()
         C = len(self.labels)
         out = []
         for row in raw:
@@ -317,9 +327,7 @@ class ClauseTagger:
         """Label, calibrated confidence and per-label probabilities for each row of `E`."""
         if self.method == "prompt":
             raise _no_embedding_head()
-        E = E.detach().float().cpu()  # pooled from a GPU prefill, perhaps in bf16
-        scores = zscore(E, self.mean, self.scale) @ self.weights + self.bias
-        return self._results(scores)
+        return self._results(linear_scores(E, self.mean, self.scale, self.weights, self.bias).cpu())
 
     def tag_texts(self, model, tokenizer, texts: Sequence[str],
                   batch_size: int = 8) -> list[TagResult]:
