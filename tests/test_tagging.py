@@ -248,3 +248,41 @@ def test_eval_tagging_summary_says_none_wrong_when_all_are_right():
              confusion={"payment": {"payment": 0, "breach": 2}})
     line = mode_summary("standalone", r)
     assert "None" not in line and "none right, 0.4 wrong; most confused: payment→breach ×2" in line
+
+
+def _random_tagger(dim: int = 12, labels: tuple[str, ...] = ("a", "b", "c")) -> ClauseTagger:
+    from kite.upcycle.tagging.tagger import QueryHead
+
+    g = torch.Generator().manual_seed(5)
+    C = len(labels)
+    head = QueryHead(layers=[1], temperature=0.7, lam=1.0, mean=torch.randn(dim, generator=g),
+                     scale=torch.rand(dim, generator=g) + 0.5, weights=torch.randn(dim, C + 1, generator=g),
+                     bias=torch.randn(C + 1, generator=g))
+    return ClauseTagger(labels=list(labels), method="ridge", embedding_layers=[1], temperature=1.3,
+                        mean=torch.randn(dim, generator=g), scale=torch.rand(dim, generator=g) + 0.5,
+                        weights=torch.randn(dim, C, generator=g), bias=torch.randn(C, generator=g), query_head=head)
+
+
+def test_heads_score_embeddings_of_any_float_dtype_as_float32():
+    from kite.upcycle.tagging.tagger import linear_scores
+
+    tagger = _random_tagger()
+    head = tagger.query_head
+    E = torch.randn(4, 12, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    expected = (E.float() - head.mean) / head.scale @ head.weights + head.bias
+    got = linear_scores(E, head.mean, head.scale, head.weights, head.bias)
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
+    # a bf16 embedding is read as float32, as a float64 one is
+    assert [r.probs for r in tagger.predict_queries(E.bfloat16())] == \
+        [r.probs for r in tagger.predict_queries(E.bfloat16().double())]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_heads_score_a_gpu_embedding_on_the_gpu_as_the_cpu_does():
+    tagger = _random_tagger()
+    E = torch.randn(6, 12, generator=torch.Generator().manual_seed(2))
+    for predict in (tagger.predict_queries, tagger.predict_embeddings):
+        cpu, gpu = predict(E), predict(E.cuda())
+        assert [r.label for r in gpu] == [r.label for r in cpu]
+        for a, b in zip(cpu, gpu):
+            assert all(abs(a.probs[k] - b.probs[k]) < 1e-5 for k in a.probs)
