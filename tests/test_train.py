@@ -637,3 +637,15 @@ def test_the_speed_benchmark_refuses_a_negative_count_in_one_line_before_loading
                          cwd=root, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "take a number >= 0" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("flag", ["--epochs", "--tokens", "--correction-lr"])
+def test_the_recovery_study_refuses_a_setting_of_zero_in_one_line_before_loading_a_model(flag):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "restore_tokens.py"), flag, "0"],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and f"{flag} must be positive" in run.stderr
+    assert "Traceback" not in run.stderr and "regenerator" not in run.stderr
