@@ -10,7 +10,8 @@ calibrated bases (``--layer-group``: 30 is one basis for the whole state, the em
 as `kite upcycle` makes them.
 
 Training documents: generated contracts of seed 3000 (neither the regenerator's calibration, seed
-1000, nor the held-out ones, seed 23, draw it) and the calibration licenses. Held out, never trained
+1000, nor the held-out ones, seed 23, draw it), the calibration licenses and, with ``--texts``,
+windows of other texts. Held out, never trained
 or calibrated on: GPL-3, Apache-2.0 and ``--held-out-contracts`` generated contracts, each scored as
 `kite upcycle eval` scores it (its context, then 512 continuation tokens, tokens 2..N; PPL delta
 against the full context, KL). Recovery = 1 - the mean delta with the form / the mean delta
@@ -155,6 +156,25 @@ def train_form(lm, form: str, train: list[Sample], args) -> tuple[Recovery, list
     return rec, log, clock() - t0
 
 
+def text_windows(lm, args, held_out) -> list[tuple[str, list[int], list[int]]]:
+    """(name, context ids, continuation ids) of up to ``--max-windows`` windows of the ``--texts`` (one a
+    text, `kite data pairs --texts`' windows: 2,048 tokens and the ``--train-continuation`` after them),
+    a window sharing over 1 % of its 13-word runs with a held-out document dropped."""
+    if not args.texts:
+        return []
+    from kite.data.texts import read_texts, text_pairs
+
+    def tokenize(text: str) -> list[int]:
+        return lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    made = text_pairs(read_texts(args.texts, "--texts"), tokenize, lm.tokenizer.decode, window_tokens=2048,
+                      pairs_per_window=1, prompt_tokens=8, response_tokens=args.train_continuation - 8,
+                      windows_per_text=1, max_windows=args.max_windows, exclude=list(held_out), seed=args.seed)
+    print(f"--texts: {made.windows} windows of {made.texts} texts ({made.too_short} too short, {made.excluded} "
+          "sharing a held-out document's text)", file=sys.stderr, flush=True)
+    return [(r["id"], tokenize(r["context"]), tokenize(r["prompt"] + r["response"])) for r in made.records]
+
+
 def main(argv=None) -> int:
     ap = parser(__doc__, device="cpu")
     ap.add_argument("--model", help="HF folder or .gguf file (default: the embedded model)")
@@ -165,13 +185,16 @@ def main(argv=None) -> int:
     ap.add_argument("--train-contracts", type=int, default=24)
     ap.add_argument("--train-continuation", type=int, default=256, help="continuation tokens a training document")
     ap.add_argument("--held-out-contracts", type=int, default=2)
+    ap.add_argument("--texts", nargs="*", help="also train on windows of these texts (files or folders, as `kite "
+                    "data pairs --texts`; windows sharing a held-out document's text are dropped)")
+    ap.add_argument("--max-windows", type=int, default=64, help="with --texts: at most this many windows")
     ap.add_argument("--tokens", type=int, default=8, help="restore tokens a layer (default 8)")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-2, help="the restore tokens' learning rate (default 1e-2)")
     ap.add_argument("--correction-lr", type=float, default=5e-4, help="the correction's (default 5e-4)")
     ap.add_argument("--threads", type=int, default=2)
     args = parse(ap, argv)
-    for name in ("ratio", "layer_group", "train_contracts", "train_continuation", "tokens", "epochs", "lr", "correction_lr"):
+    for name in ("ratio", "layer_group", "train_contracts", "train_continuation", "tokens", "epochs", "lr", "correction_lr", "max_windows"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     torch.set_num_threads(args.threads)
@@ -186,13 +209,16 @@ def main(argv=None) -> int:
     texts = [(f"contract {r['id']}", r["text"]) for r in
              generate_contracts(args.train_contracts, tokens=2048 + args.train_continuation + 200, seed=TRAIN_SEED)]
     texts += [(n, (LICENSES / n).read_text()) for n in CALIBRATION_LICENSES]
+    held_texts = held_out_docs(args.held_out_contracts)
     train = []
     for name, text in texts:
         ids, _ = tokenize_document(lm.tokenizer, text)
         if len(ids) >= 2048 + args.train_continuation:
             train.append(Sample(lm, name, ids, 2048, args.train_continuation, settings, reg))
+    for name, ctx, cont in text_windows(lm, args, held_texts.values()):
+        train.append(Sample(lm, name, ctx + cont, len(ctx), len(cont), settings, reg))
     held = []
-    for name, text in held_out_docs(args.held_out_contracts).items():
+    for name, text in held_texts.items():
         ids, _ = tokenize_document(lm.tokenizer, text)
         held.append(Sample(lm, name, ids, context_tokens(len(ids)), CONTINUATION, settings, reg))
     print(f"{len(train)} training and {len(held)} held-out states ({clock() - t0:.0f} s)", file=sys.stderr, flush=True)
