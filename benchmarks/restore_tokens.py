@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kite.data.contracts import generate_contracts  # noqa: E402
 from kite.model import load_model  # noqa: E402
 from kite.runtime.generate import cache_kwarg  # noqa: E402
-from kite.upcycle import CompressSettings, codec_settings, tokenize_document  # noqa: E402
-from kite.upcycle.quality import compare_logits  # noqa: E402
+from kite.upcycle import (CompressSettings, codec_settings, compare_logits, compress_document, load_prefix,  # noqa: E402
+                          tokenize_document)
 from kite.upcycle.study import CALIBRATION_LICENSES, CONTINUATION, LICENSES, context_tokens, held_out_docs  # noqa: E402
 from harness import Result, clock, finish, parse, parser  # noqa: E402
 from regenerator_quality import fit_regenerator  # noqa: E402
@@ -93,8 +93,6 @@ class Sample:
 
         from kite.runtime.cache import new_cache
         from kite.runtime.generate import forward_tokens
-        from kite.upcycle.compress import compress_document
-        from kite.upcycle.load import load_prefix
 
         self.name = name
         self.ctx, self.cont = ids[:ctx_len], ids[ctx_len:ctx_len + cont_len]
