@@ -86,7 +86,7 @@ class Recovery:
 
 
 class Sample:
-    """One document: its context's loaded state, its continuation ids and the full context's log-probs."""
+    """One document: its context's loaded state, its continuation ids and the full context's logits over it."""
 
     def __init__(self, lm, name: str, ids: list[int], ctx_len: int, cont_len: int, settings, reg):
         import tempfile
@@ -195,6 +195,8 @@ def main(argv=None) -> int:
     for name in ("ratio", "layer_group", "train_contracts", "train_continuation", "tokens", "epochs", "lr", "correction_lr", "max_windows"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.train_continuation < 16:
+        ap.error("--train-continuation must be at least 16 (a window's 8 prompt tokens and its response)")
     torch.set_num_threads(args.threads)
     t0 = clock()
     lm = load_model(args.model, device=args.device)
