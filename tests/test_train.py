@@ -649,6 +649,13 @@ def test_the_recovery_study_refuses_a_setting_of_zero_in_one_line_before_loading
                          cwd=root, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and f"{flag} must be positive" in run.stderr
     assert "Traceback" not in run.stderr and "regenerator" not in run.stderr
+
+
+def test_the_recovery_study_refuses_a_continuation_too_short_for_a_window():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
     run = subprocess.run([sys.executable, str(root / "benchmarks" / "restore_tokens.py"), "--train-continuation", "8"],
                          cwd=root, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "--train-continuation must be at least 16" in run.stderr
