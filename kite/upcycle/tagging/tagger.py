@@ -41,7 +41,7 @@ def linear_scores(E: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, weig
     """A fitted head's scores ``zscore(E) @ weights + bias`` [n, C] in float32, on ``E``'s device: a
     query pooled on a GPU is scored there (its few scores come back, not its embedding), so a GPU
     server's request path never wakes the CPU's BLAS threads for a product of a few rows (on a
-    many-core host their spinning made YOCO's pass two to four times slower)."""
+    many-core host their spinning held YOCO's pass at two to five times its time)."""
     E = E.detach().float()
     mean, scale, weights, bias = (t.to(E.device) for t in (mean, scale, weights, bias))
     return zscore(E, mean, scale) @ weights + bias
