@@ -17,8 +17,11 @@ contracts of seeds the calibration never drew.
     .venv/bin/python benchmarks/regenerator_quality.py
     .venv/bin/python benchmarks/regenerator_quality.py --regenerator RUN/regenerator --adapter RUN/adapter
 
-The regenerator fitted here is unweighted, as `kite upcycle train` fits it, unless ``--weighted``
-(attention-aware distortion, :mod:`kite.upcycle.train.weights`); ``--only DOC:RATIO ...`` and ``--methods`` pick rows and columns,
+The per-layer regenerator fitted here is unweighted, as `kite upcycle train` fits it, unless
+``--weighted`` (attention-aware distortion, :mod:`kite.upcycle.codec.weights`); one with bases across
+layers (``--layer-group``) is always attention-weighted inside each layer and weighs its layers by
+``--layer-weights`` when given, as `kite upcycle train --layer-group` fits it with the model's layer
+weights. ``--only DOC:RATIO ...`` and ``--methods`` pick rows and columns,
 ``--calibration-pairs`` fits on a training run's documents instead. Rows: each document, ratio and
 method's continuation PPL, the full context's the baseline (quality figures, no floor); then per ratio
 and method the mean PPL delta over the documents (with the largest, and the mean KL).
@@ -48,20 +51,26 @@ from harness import Result, clock, finish, parse, parser  # noqa: E402
 METHODS = ("doc", "regen", "regen+adapter", "doc+entropy", "regen+entropy")
 
 
-def fit_regenerator(lm, n_contracts: int, weighted: bool = False, layer_group: int = 1) -> Regenerator:
+def fit_regenerator(lm, n_contracts: int, weighted: bool = False, layer_group: int = 1,
+                    layer_weights: LayerWeights | None = None) -> Regenerator:
+    """Per-layer bases (attention-weighted with ``weighted``), or bases across ``layer_group`` layers,
+    which weigh each layer's features by what attention feels of them and each layer by
+    ``layer_weights`` when given, as `kite upcycle train --layer-group` fits them."""
+    queries = weighted or layer_group > 1
     texts = [(LICENSES / n).read_text() for n in CALIBRATION_LICENSES]
     texts += [r["text"] for r in generate_contracts(n_contracts, tokens=2000, seed=1000)]
     fit = RegeneratorFit(n_layers=lm.geometry.n_layers, layer_group=layer_group)
     for i, t in enumerate(texts):
         ids, _ = tokenize_document(lm.tokenizer, t)
-        cap = capture(lm, "", ids=ids[:2048], queries=weighted)
-        fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq if weighted else None)
+        cap = capture(lm, "", ids=ids[:2048], queries=queries)
+        fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq if queries else None)
         print(f"calibration {i + 1}/{len(texts)}", file=sys.stderr, flush=True)
     return fit.finish({"model_fingerprint": lm.fingerprints.base, "geometry": lm.geometry.to_dict(),
                        "calibration": {"source": "benchmarks/regenerator_quality.py",
                                        "licenses": list(CALIBRATION_LICENSES), "contracts_seed": 1000,
                                        "contracts": n_contracts, "layer_group": layer_group}},
-                      value_weights=model_value_weights(lm) if weighted else None)
+                      value_weights=model_value_weights(lm) if queries else None,
+                      layer_weights=layer_weights if layer_group > 1 else None)
 
 
 def fit_on_pairs(lm, path: Path, eval_fraction: float, seed: int, weighted: bool) -> Regenerator:
@@ -104,9 +113,13 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
                          "layer count: one basis for the whole state)")
     ap.add_argument("--save-regenerator", type=Path, help="keep the fitted regenerator in this folder")
     ap.add_argument("--layer-weights", type=Path, help="a layer weights file (`kite upcycle weigh`; the embedded "
-                    "model's ships in kite/data/layer_weights): every method's states allocate their bits by it "
+                    "model's ships in kite/data/layer_weights): every method's states allocate their bits by it, "
+                    "and bases across layers fitted here weigh their layers by it "
                     "(default: the plain allocation)")
     args = parse(ap, argv)      # --seed: with --calibration-pairs, the run's
+    if args.weighted and args.layer_group > 1:
+        ap.error("--weighted: bases across layers are always attention-weighted (it is for per-layer bases)")
+    weights = LayerWeights.load(args.layer_weights) if args.layer_weights else None
     torch.set_num_threads(args.threads)
     t0 = clock()
     lm = load_model(args.model, device=args.device)
@@ -117,14 +130,14 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
         elif args.calibration_pairs:
             reg = fit_on_pairs(lm, args.calibration_pairs, args.eval_fraction, args.seed, args.weighted)
         else:
-            reg = fit_regenerator(lm, args.calibration_contracts, weighted=args.weighted, layer_group=args.layer_group)
+            reg = fit_regenerator(lm, args.calibration_contracts, weighted=args.weighted, layer_group=args.layer_group,
+                                  layer_weights=weights)
         if args.save_regenerator:
             reg.save(args.save_regenerator)
         reg.choice = args.choice
         print(f"regenerator {reg.fingerprint[:21]} weighted={reg.weighted} ({clock() - t0:.0f} s)",
               file=sys.stderr, flush=True)
     reader = load_model(args.model, device=args.device, adapter=args.adapter) if args.adapter else None
-    weights = LayerWeights.load(args.layer_weights) if args.layer_weights else None
     only = {(o.rsplit(":", 1)[0], float(o.rsplit(":", 1)[1])) for o in args.only} if args.only else None
     rows = []
     if set(args.licenses) & set(CALIBRATION_LICENSES):
@@ -158,6 +171,8 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
               "model": lm.fingerprints.combined,
               "regenerator": None if reg is None else {"fingerprint": reg.fingerprint, "weighted": reg.weighted,
                                                        "layer_groups": reg.meta.get("layer_groups"),
+                                                       "weights": reg.meta.get("weights"),
+                                                       "layer_weights": reg.meta.get("layer_weights"),
                                                        "choice": reg.choice,
                                                        "calibration": reg.meta.get("calibration")},
               "argv": list(argv if argv is not None else sys.argv[1:]),

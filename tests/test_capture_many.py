@@ -69,6 +69,17 @@ def _together_as_alone(tiny_lm):
         assert _close(a, b)
 
 
+def test_each_documents_query_sums_are_its_own_tokens_without_the_padding(tiny_lm):
+    texts = _texts()
+    together = capture_many(tiny_lm, texts, chunk_tokens=64, queries=True)
+    # the shorter documents are padded in the batch: their sums equal their own alone only without it
+    for got, text in zip(together, texts):
+        want = capture(tiny_lm, text, chunk_tokens=64, queries=True)
+        assert len(got.query_sq) == len(want.query_sq) == tiny_lm.geometry.n_layers
+        assert all(x.dtype == torch.float64 and _close(x, y) for x, y in zip(got.query_sq, want.query_sq))
+    assert capture_many(tiny_lm, texts[:1], chunk_tokens=64)[0].query_sq == []
+
+
 def test_one_document_alone_is_captured_as_before(tiny_lm):
     text = _texts()[1]
     (got,) = capture_many(tiny_lm, [text], chunk_tokens=64)

@@ -63,6 +63,53 @@ def test_a_grouped_regenerator_is_the_weighted_pca_of_its_layers_side_by_side(ti
         grouped.layer(0)                 # the per-layer codec never codes on it
 
 
+def test_a_grouped_regenerator_weighs_each_layers_features_by_attention_and_each_layer_by_its_weight(tiny_lm,
+                                                                                                   tmp_path):
+    """With the documents' queries, the model's o_proj and layer weights, a feature's weight is 1 / its
+    layer's calibration variance, times its attention weight in the layer (its RoPE pair's query
+    energy, or its o_proj columns' energy; mean 1 in the layer), times its layer side's weight; the
+    basis is the PCA in that metric; states coded on it load every layer."""
+    from kite.upcycle.codec import LayerWeights, model_value_weights
+    from kite.upcycle.codec import weights as W
+
+    geo = tiny_lm.geometry
+    L, H, d = geo.n_layers, geo.n_kv_heads, geo.head_dim
+    fit = RegeneratorFit(n_layers=L, layer_group=L)
+    plain = RegeneratorFit(n_layers=L, layer_group=L)
+    for i in range(3):
+        cap = capture(tiny_lm, CORPUS[i * 97:] + CORPUS[:i * 97], queries=True)
+        fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq)
+        plain.add(cap.keys_pre, cap.values, cap.ids)
+    lw = LayerWeights((1.0, 4.0, 0.5), (0.25, 2.0, 1.0))
+    vw = model_value_weights(tiny_lm)
+    reg = fit.finish({"model_fingerprint": tiny_lm.fingerprints.base}, value_weights=vw, layer_weights=lw)
+    base = plain.finish({"model_fingerprint": tiny_lm.fingerprints.base}).weights(0)
+    assert reg.grouped and not reg.weighted and reg.meta["layer_weights"] == lw.fingerprint
+    assert "query energy" in reg.meta["weights"]["k"] and "keys' weight" in reg.meta["weights"]["k"]
+    assert "o_proj" in reg.meta["weights"]["v"] and "values' weight" in reg.meta["weights"]["v"]
+    for side in ("k", "v"):
+        inside = torch.cat([W.as_blocks(W.key_weights(fit.query_sq[i], H, d) if side == "k" else vw[i], True)
+                            for i in range(L)], dim=1).double()
+        across = lw.side(side).repeat_interleave(H * d)[None]
+        want = (base[side].double() * inside * across).to(torch.float16).double()
+        assert torch.allclose(reg.weights(0)[side].double(), want, rtol=2e-3)
+        assert len(set(reg.weights(0)[side][0, :H * d].tolist())) > 1       # not alike inside a layer
+        _, _, U = reg.side(0, side)
+        w = reg.weights(0)[side][0].double()
+        assert torch.allclose(U[0].double().T @ (w[:, None] * U[0].double()), torch.eye(L * H * d, dtype=torch.float64),
+                              atol=2e-2)
+    res = _compress(tiny_lm, reg, tmp_path / "s.upc", ratio=8.0)
+    assert abs(res.compression_ratio - 8.0) / 8.0 < 0.03
+    prefix, _ = load_prefix(tmp_path / "s.upc", tiny_lm, regenerator=reg)
+    assert len(prefix.keys) == L and all(torch.isfinite(k).all() for k in prefix.keys)
+    with pytest.raises(ValueError, match="grouped regenerator only"):
+        plain_layers = RegeneratorFit(n_layers=L)
+        plain_layers.add(cap.keys_pre, cap.values, cap.ids)
+        plain_layers.finish({}, layer_weights=lw)
+    with pytest.raises(BadInput, match="are for 2 layers, the model has 3"):
+        fit.finish({}, value_weights=vw, layer_weights=LayerWeights((1.0,) * 2, (1.0,) * 2))
+
+
 @pytest.mark.parametrize("group, joint, message", [(2, True, "divides the model's 3 layers"),
                                                    (0, True, "whole number"),
                                                    (3, False, "joint heads")])
@@ -199,12 +246,45 @@ def test_train_fits_a_grouped_regenerator_and_codes_its_states_on_it(tiny_models
     reg = Regenerator.load(tmp_path / "run" / "regenerator")
     assert reg.layer_groups == [(0, 3)] and reg.fingerprint == rep["regenerator"]["fingerprint"]
     assert rep["regenerator"]["layer_groups"] == [[0, 3]]
-    assert rep["layer_weights"] is None
+    assert rep["layer_weights"] is None and rep["regenerator"]["layer_weights"] is None   # none ship for it
+    assert "query energy" in reg.meta["weights"]["k"]             # attention-weighted inside each layer
     states = sorted((tmp_path / "run" / "states").rglob("*.upc"))
     assert states
     for path in states:
         with StateFile(path) as sf:
             assert sf.meta["layer_groups"] == [[0, 3]] and sf.meta["regenerator"]["fingerprint"] == reg.fingerprint
+
+
+def test_train_fits_the_layer_weights_it_is_given_into_its_bases_across_layers(tiny_models, tmp_path):
+    """Named layer weights go into a grouped regenerator's bases (its states are coded without them);
+    the report and the run's key name them."""
+    from typer.testing import CliRunner
+
+    from kite.cli.main import app
+    from kite.upcycle.codec import LayerWeights
+    from tests.conftest import parse_json
+    from tests.test_train import _pairs_file
+
+    w = LayerWeights((1.0, 3.0, 0.5), (0.5, 2.0, 1.0))
+    w.save(tmp_path / "w.json")
+    (tmp_path / "u.yaml").write_text(f"layer_weights: {tmp_path / 'w.json'}\n")
+
+    def train(out, *extra):
+        return CliRunner().invoke(app, ["upcycle", "train", "--model", str(tiny_models["llama"]), "--data-path",
+                                        str(_pairs_file(tmp_path)), "--output-dir", str(out), "--eval-fraction", "0.2",
+                                        "--regenerator-only", "--layer-group", "3", "--json", *extra])
+
+    res = train(tmp_path / "run", "--config", str(tmp_path / "u.yaml"))
+    assert res.exit_code == 0, res.output
+    rep = parse_json(res.output)
+    reg = Regenerator.load(tmp_path / "run" / "regenerator")
+    assert reg.meta["layer_weights"] == w.fingerprint == rep["regenerator"]["layer_weights"]
+    assert rep["layer_weights"] is None
+    for path in sorted((tmp_path / "run" / "states").rglob("*.upc")):
+        with StateFile(path) as sf:
+            assert sf.meta.get("layer_weights") is None and sf.meta["regenerator"]["fingerprint"] == reg.fingerprint
+    res = train(tmp_path / "run", "--resume")                  # fitted with other weights: another run
+    assert res.exit_code != 0 and "holds another run" in res.output
 
 
 def test_a_grouped_states_cluster_is_recoded_at_a_higher_ratio_on_its_group(tiny_lm, grouped, tmp_path):

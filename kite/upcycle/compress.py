@@ -139,28 +139,31 @@ def _hidden_layers(lm: LoadedModel, tagger) -> list[int]:
 
 def capture_for(lm: LoadedModel, text: str, settings: CompressSettings | None = None, *, tagger=None,
                 regenerator=None, ids: list[int] | None = None, progress: Callable[[int, int], None] | None = None,
-                keep_cache: bool = False) -> Capture:
+                keep_cache: bool = False, queries: bool = False) -> Capture:
     """The capture :func:`compress_document` makes of ``text`` (its hidden states for the spans'
     clusters, the queries the attention probe reads): made once, it serves several compressions of
-    the document (other ratios) and, with ``keep_cache``, forwards that continue the document."""
+    the document (other ratios) and, with ``keep_cache``, forwards that continue the document.
+    ``queries``: it also sums its tokens' squared queries (``Capture.query_sq``)."""
     settings = settings or CompressSettings()
     probe_rows = PROBE_ROWS if regenerator is not None and regenerator.choice == "probe" else 0
     return capture(lm, text, chunk_tokens=settings.chunk_tokens, hidden_layers=_hidden_layers(lm, tagger),
-                   progress=progress, ids=ids, query_rows=probe_rows, keep_cache=keep_cache)
+                   progress=progress, ids=ids, query_rows=probe_rows, keep_cache=keep_cache, queries=queries)
 
 
 def captures_for(lm: LoadedModel, texts: Sequence[str], settings: CompressSettings | None = None, *, tagger=None,
-                 regenerator=None, keep_cache: bool = False) -> Iterator[Capture]:
+                 regenerator=None, keep_cache: bool = False, queries: bool = False) -> Iterator[Capture]:
     """:func:`capture_for` of each text, in order: on a GPU several documents a forward
     (:func:`kite.upcycle.capture.iter_captures`: the same captures to the rounding of the batch's
-    products); with the attention probe's regenerator one at a time (its queries are a document's)."""
+    products); with the attention probe's regenerator one at a time (its queries are a document's).
+    ``queries``: each capture also sums its tokens' squared queries (``Capture.query_sq``)."""
     settings = settings or CompressSettings()
     if regenerator is not None and regenerator.choice == "probe":
         for text in texts:
-            yield capture_for(lm, text, settings, tagger=tagger, regenerator=regenerator, keep_cache=keep_cache)
+            yield capture_for(lm, text, settings, tagger=tagger, regenerator=regenerator, keep_cache=keep_cache,
+                              queries=queries)
         return
     yield from iter_captures(lm, texts, chunk_tokens=settings.chunk_tokens, hidden_layers=_hidden_layers(lm, tagger),
-                             keep_cache=keep_cache)
+                             keep_cache=keep_cache, queries=queries)
 
 
 def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: CompressSettings | None = None, *,

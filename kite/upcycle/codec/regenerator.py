@@ -50,6 +50,7 @@ from kite.shortid import apart
 
 if TYPE_CHECKING:
     from kite.model import LoadedModel
+    from kite.upcycle.codec.layer_weights import LayerWeights
 
 FORMAT = "kite-regenerator"
 VERSION = 3          # the newest this reads; 1 = unweighted, 2 = weighted, 3 = bases over groups of layers
@@ -125,19 +126,28 @@ class RegeneratorFit:
         if ids is not None:
             self.digest.update(json.dumps(ids).encode())
 
-    def finish(self, meta: dict, value_weights: list[torch.Tensor] | None = None) -> "Regenerator":
+    def finish(self, meta: dict, value_weights: list[torch.Tensor] | None = None,
+               layer_weights: LayerWeights | None = None) -> "Regenerator":
         """The regenerator of everything added (``meta``: what it is made for; see :class:`Regenerator`).
 
         ``value_weights``: per layer [H, d] (:func:`kite.upcycle.codec.weights.model_value_weights`).
-        With them, and queries added with every document, the regenerator is weighted (version 2)."""
+        With them, and queries added with every document, the regenerator is weighted (version 2); a
+        grouped one weighs each layer's features by them inside the layer. ``layer_weights``: a grouped
+        one also weighs each layer side by its weight (:class:`kite.upcycle.codec.LayerWeights`)."""
         from kite.upcycle.codec import weights as W
 
         if not self.tokens:
             raise BadInput("no calibration tokens: the regenerator needs at least one document")
         grouped = self.layer_group > 1
-        weighted = value_weights is not None and self.query_sq is not None and not grouped
+        attention = value_weights is not None and self.query_sq is not None
+        weighted = attention and not grouped
         if value_weights is not None and len(value_weights) != self.n_layers:
             raise ValueError(f"expected value weights of {self.n_layers} layers, got {len(value_weights)}")
+        if layer_weights is not None and not grouped:
+            raise ValueError("layer weights go into the bases of a grouped regenerator only (a per-layer one's "
+                             "states allocate by them)")
+        if layer_weights is not None:
+            layer_weights.check(self.n_layers)
         tensors: dict[str, torch.Tensor] = {}
         n = float(self.tokens)
         for (layer, side), s in sorted(self.sums.items()):
@@ -145,7 +155,14 @@ class RegeneratorFit:
             cov = self.grams[(layer, side)] / n - mean[:, :, None] * mean[:, None, :]
             root = None
             if grouped:
-                w = _layer_scales(cov, self.layer_group)
+                span = range(layer, layer + self.layer_group)
+                inside = None
+                if attention:
+                    H, d = self.shape
+                    inside = torch.cat([W.as_blocks(W.key_weights(self.query_sq[i], H, d) if side == "k"
+                                                    else value_weights[i], True) for i in span], dim=1)
+                across = layer_weights.side(side)[list(span)] if layer_weights is not None else None
+                w = _group_weights(cov, self.layer_group, inside, across)
                 tensors[f"L{layer}.{side}.weight"] = w.float().contiguous()
                 root = w.double().sqrt()
                 cov = cov * root[:, :, None] * root[:, None, :]
@@ -170,8 +187,17 @@ class RegeneratorFit:
                              "v": "o_proj column energy, summed over the KV head's query heads",
                              "floor": W.FLOOR}} if weighted else {}
         if grouped:
+            per_layer = "1 / the layer's calibration variance"
+            in_layer = {"k": " x the query energy of its RoPE pair, summed over the KV head's query heads",
+                        "v": " x the energy of its o_proj columns, summed over the KV head's query heads"}
+            of_layer = {"k": " x the layer's keys' weight", "v": " x the layer's values' weight"}
             extra = {"layer_groups": [list(g) for g in self.groups],
-                     "weights": {"k": "1 / the layer's calibration variance", "v": "1 / the layer's calibration variance"}}
+                     "weights": {side: per_layer + (in_layer[side] if attention else "")
+                                 + (of_layer[side] if layer_weights is not None else "") for side in ("k", "v")}}
+            if attention:
+                extra["weights"]["floor"] = W.FLOOR
+            if layer_weights is not None:
+                extra["layer_weights"] = layer_weights.fingerprint
         full = {"format": FORMAT, "version": 3 if grouped else 2 if weighted else 1, **meta, **extra,
                 "n_layers": self.n_layers,
                 "joint_heads": self.joint_heads, "center": self.center,
@@ -180,13 +206,21 @@ class RegeneratorFit:
         return Regenerator(full, tensors)
 
 
-def _layer_scales(cov: torch.Tensor, g: int) -> torch.Tensor:
-    """[B, D] weights of a group's features (D = g layers' dims): 1 / each layer's mean calibration
-    variance, as a state stores them (fp16), so every layer's relative error counts alike."""
+def _group_weights(cov: torch.Tensor, g: int, inside: torch.Tensor | None = None,
+                   across: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, D] weights of a group's features (D = g layers' dims), as a state stores them (fp16): 1 /
+    each layer's mean calibration variance, so every layer's relative error counts alike; times
+    ``inside`` [B, D] (each layer's attention weights, mean 1 in the layer) and ``across`` [g] (each
+    layer's weight) when given."""
     diag = cov.diagonal(dim1=1, dim2=2).clamp_min(0)                      # [B, D]
     B, D = diag.shape
     var = diag.reshape(B, g, D // g).mean(dim=2, keepdim=True).clamp_min(1e-12)
-    w = (1.0 / var).expand(B, g, D // g).reshape(B, D)
+    w = 1.0 / var
+    if across is not None:
+        w = w * across.double().reshape(1, g, 1)
+    w = w.expand(B, g, D // g).reshape(B, D)
+    if inside is not None:
+        w = w * inside.double()
     return w.to(torch.float16).clamp_min(torch.finfo(torch.float16).tiny).double()
 
 

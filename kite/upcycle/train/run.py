@@ -29,7 +29,8 @@ import torch
 from kite.atomic import write_text
 from kite.errors import BadInput
 from kite.model.fingerprint import short
-from kite.upcycle.capture import capture, iter_captures
+from kite.upcycle.capture import iter_captures
+from kite.upcycle.codec.layer_weights import LayerWeights
 from kite.upcycle.codec.regenerator import Regenerator, RegeneratorFit, install
 from kite.upcycle.codec.settings import settings_for
 from kite.upcycle.codec.weights import model_value_weights
@@ -89,7 +90,7 @@ class TrainRequest:
 
     def key(self, pairs: list[Pair], model_fp: str, cfg: UpcycleConfig, layer_weights=None) -> dict:
         """What must match for a run to continue in the same folder (``layer_weights``: those the
-        states are coded with)."""
+        states are coded with, or those the run's bases across layers are fitted with)."""
         data = hashlib.sha256(json.dumps([(p.context, p.prompt, p.response) for p in pairs]).encode()).hexdigest()
         key = {"model": model_fp, "data_sha256": data, "mode": self.mode, "seed": self.seed,
                "ratios": [float(r) for r in self.ratios], "eval_fraction": self.eval_fraction, "epochs": self.epochs,
@@ -131,35 +132,37 @@ def prepare_output(req: TrainRequest, key: dict) -> None:
 
 def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progress=None, weighted: bool = False,
                     times: StageTimes | None = None, keep: CaptureStore | None = None,
-                    compress: CompressSettings | None = None, layer_group: int = 1) -> Regenerator:
+                    compress: CompressSettings | None = None, layer_group: int = 1,
+                    layer_weights: LayerWeights | None = None) -> Regenerator:
     """Calibrate on the training documents (each once), in the blocks the codec uses; ``weighted``:
-    with attention-aware distortion weights (the documents' queries and the model's ``o_proj``;
-    :mod:`kite.upcycle.codec.weights`). Off by default: on SmolLM2's held-out rows the weighted
-    regenerator lost more often than it won (docs/PERFORMANCE.md "Training"; measured 2026-12-01 at
-    commit 42c8b7a). ``times``: where the prefills' and the sums' seconds are added. ``keep``: the
-    documents' captures are offered to it, made as a compression with ``compress`` makes them (the
-    hidden states its clusters read, the model's cache), for the states and the teacher to reuse.
-    ``layer_group``: layers one basis spans (:mod:`kite.upcycle.codec.groups`; not weighted)."""
+    per-layer bases with attention-aware distortion weights (the documents' queries and the model's
+    ``o_proj``; :mod:`kite.upcycle.codec.weights`). Off by default: on SmolLM2's held-out rows the
+    weighted per-layer regenerator lost more often than it won (docs/PERFORMANCE.md "Training";
+    measured 2026-12-01 at commit 42c8b7a). ``times``: where the prefills' and the sums' seconds are
+    added. ``keep``: the documents' captures are offered to it, made as a compression with
+    ``compress`` makes them (the hidden states its clusters read, the model's cache), for the states
+    and the teacher to reuse. ``layer_group``: layers one basis spans (:mod:`kite.upcycle.codec.groups`);
+    such bases always weigh each layer's features by what attention feels of them, and each layer
+    by ``layer_weights`` when given (docs/compression.md "Bases across layers")."""
     times = times or StageTimes(lm.device)
     docs = {p.document_key: p for p in train_pairs}
     if layer_group > 1 and weighted:
-        raise BadInput("a regenerator with bases across layers weighs its layers by their variance; it is not "
-                       "also attention-weighted")
+        raise BadInput("a regenerator with bases across layers is always attention-weighted; --weighted is for "
+                       "per-layer bases")
+    queries = weighted or layer_group > 1
     fit = RegeneratorFit(n_layers=lm.geometry.n_layers, joint_heads=cfg_codec.joint_heads, center=cfg_codec.center,
                          layer_group=layer_group)
     texts = [p.context for p in docs.values()]
-    if weighted:
-        caps = (capture(lm, text, queries=True) for text in texts)   # each document's queries: one at a time
-    elif keep is None:
-        caps = iter_captures(lm, texts)
+    if keep is None:
+        caps = iter_captures(lm, texts, queries=queries)
     else:
-        caps = captures_for(lm, texts, compress, keep_cache=True)
+        caps = captures_for(lm, texts, compress, keep_cache=True, queries=queries)
     for i, p in enumerate(docs.values()):
         with times.stage("calibrate_capture"):     # a batch of documents' prefill falls to its first
             cap = next(caps)
         with times.stage("calibrate_fit"):
-            fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq if weighted else None)
-        if keep is not None and not weighted:
+            fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq if queries else None)
+        if keep is not None:
             keep.offer(p.document_key, cap)
         del cap
         if progress:
@@ -167,7 +170,8 @@ def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progres
     with times.stage("calibrate_fit", 0):
         return fit.finish({"model_fingerprint": lm.fingerprints.base, "geometry": lm.geometry.to_dict(),
                            "calibration": {"source": "kite upcycle train"}},
-                          value_weights=model_value_weights(lm) if weighted else None)
+                          value_weights=model_value_weights(lm) if queries else None,
+                          layer_weights=layer_weights if layer_group > 1 else None)
 
 
 def given_regenerator(lm: LoadedModel, req: TrainRequest) -> Regenerator:
@@ -194,9 +198,14 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
         raise BadInput(f"--layer-group {req.layer_group}: expected a whole number that divides the model's "
                        f"{lm.geometry.n_layers} layers")
     out = req.output_dir
-    grouped = req.layer_group > 1 or (req.regenerator is not None and Regenerator.load(req.regenerator).grouped)
-    weights = layer_weights_for(lm, *named_layer_weights(cfg), grouped=grouped)   # the states coded as outside training
-    prepare_output(req, req.key(pairs, lm.fingerprints.combined, cfg, weights))
+    named = named_layer_weights(cfg)
+    if req.layer_group > 1:
+        # bases across layers fitted here take the layer weights into the bases; their states are coded without
+        fit_weights, weights = layer_weights_for(lm, *named), None
+    else:
+        given_grouped = req.regenerator is not None and Regenerator.load(req.regenerator).grouped
+        fit_weights, weights = None, layer_weights_for(lm, *named, grouped=given_grouped)  # states as outside training
+    prepare_output(req, req.key(pairs, lm.fingerprints.combined, cfg, weights or fit_weights))
     times = StageTimes(lm.device)
     timings: dict[str, float] = {}
     kept = CaptureStore(memory_budget(lm.device, 0.25 if torch.device(lm.device).type == "cuda" else 0.5))
@@ -212,7 +221,8 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
         reg = Regenerator.load(out / "regenerator")
     else:
         reg = fit_regenerator(lm, train, codec0, progress, times=times, keep=kept,
-                              compress=compress_settings(cfg, req.ratios[0], weights), layer_group=req.layer_group)
+                              compress=compress_settings(cfg, req.ratios[0], weights), layer_group=req.layer_group,
+                              layer_weights=fit_weights)
         reg.save(out / "regenerator")
     install(reg)
     timings["regenerator_s"] = round(time.perf_counter() - t, 1)
@@ -229,7 +239,8 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
                     "held_out_documents": len({p.document_key for p in held}),
                     "regenerator": {"fingerprint": reg.fingerprint, "folder": str(out / "regenerator"),
                                     "calibration": reg.meta.get("calibration"),
-                                    "layer_groups": reg.meta.get("layer_groups")},
+                                    "layer_groups": reg.meta.get("layer_groups"),
+                                    "layer_weights": reg.meta.get("layer_weights")},
                     "ratios": req.ratios, "timings": timings, "codec_workers": workers,
                     "layer_weights": None if weights is None else weights.fingerprint}
     if req.adapter:
