@@ -43,7 +43,8 @@ def train(
         "adapter learns to read the states it will be used with.")] = None,
     layer_group: Annotated[int, typer.Option(
         min=1, help="Layers one calibrated basis spans (their keys, or values, coded together; a divisor of the "
-        "model's layers, e.g. all of them for one basis over the whole state). 1: a basis per layer.")] = 1,
+        "model's layers, e.g. all of them for one basis over the whole state). 1: a basis per layer. Such bases "
+        "weigh each layer's features by what attention feels of them and each layer by the layer weights.")] = 1,
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
