@@ -110,6 +110,24 @@ def test_a_grouped_regenerator_weighs_each_layers_features_by_attention_and_each
         fit.finish({}, value_weights=vw, layer_weights=LayerWeights((1.0,) * 2, (1.0,) * 2))
 
 
+def test_a_grouped_regenerator_of_kv_that_varies_little_keeps_its_weights_in_fp16_on_one_scale(tiny_lm):
+    """1 / a small variance would pass fp16's largest number: every group's and side's weights are
+    scaled by one power of two, so their ratios (all the state-wide allocation compares) are kept."""
+    L = tiny_lm.geometry.n_layers
+    fits = {scale: RegeneratorFit(n_layers=L, layer_group=L) for scale in (1.0, 1e-4)}
+    for i in range(2):
+        cap = capture(tiny_lm, CORPUS[i * 97:] + CORPUS[:i * 97])
+        for scale, fit in fits.items():
+            fit.add([k * scale for k in cap.keys_pre], [v * scale for v in cap.values], cap.ids)
+    big, small = (fits[s].finish({"model_fingerprint": tiny_lm.fingerprints.base}).weights(0) for s in (1.0, 1e-4))
+    for side in ("k", "v"):
+        assert torch.isfinite(small[side]).all() and float(small[side].max()) <= 2 ** 14
+    ratio = small["k"].double() / big["k"].double()
+    assert torch.allclose(ratio, ratio[0, :1].expand_as(ratio), rtol=2e-3)         # one scale for every feature
+    assert torch.allclose(small["v"].double() / big["v"].double(), ratio, rtol=2e-3)   # and both sides
+    assert float(big["v"].max()) * 1e8 > 65504          # unscaled, 1 / the small KV's variance would not fit fp16
+
+
 @pytest.mark.parametrize("group, joint, message", [(2, True, "divides the model's 3 layers"),
                                                    (0, True, "whole number"),
                                                    (3, False, "joint heads")])

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -150,19 +151,23 @@ class RegeneratorFit:
             layer_weights.check(self.n_layers)
         tensors: dict[str, torch.Tensor] = {}
         n = float(self.tokens)
-        for (layer, side), s in sorted(self.sums.items()):
-            mean = s / n if self.center else torch.zeros_like(s)
+        means = {key: s / n if self.center else torch.zeros_like(s) for key, s in self.sums.items()}
+        if grouped:       # every group's and side's weights first: they are stored on one scale
+            H, d = self.shape
+            group_w = {}
+            for (layer, side), mean in means.items():
+                var = self.grams[(layer, side)].diagonal(dim1=1, dim2=2) / n - mean ** 2
+                span = range(layer, layer + self.layer_group)
+                inside = torch.cat([W.as_blocks(W.key_weights(self.query_sq[i], H, d) if side == "k"
+                                                else value_weights[i], True) for i in span], dim=1) if attention else None
+                across = layer_weights.side(side)[list(span)] if layer_weights is not None else None
+                group_w[(layer, side)] = _group_weights(var, self.layer_group, inside, across)
+            group_w = _in_half(group_w)
+        for (layer, side), mean in sorted(means.items()):
             cov = self.grams[(layer, side)] / n - mean[:, :, None] * mean[:, None, :]
             root = None
             if grouped:
-                span = range(layer, layer + self.layer_group)
-                inside = None
-                if attention:
-                    H, d = self.shape
-                    inside = torch.cat([W.as_blocks(W.key_weights(self.query_sq[i], H, d) if side == "k"
-                                                    else value_weights[i], True) for i in span], dim=1)
-                across = layer_weights.side(side)[list(span)] if layer_weights is not None else None
-                w = _group_weights(cov, self.layer_group, inside, across)
+                w = group_w[(layer, side)]
                 tensors[f"L{layer}.{side}.weight"] = w.float().contiguous()
                 root = w.double().sqrt()
                 cov = cov * root[:, :, None] * root[:, None, :]
@@ -206,22 +211,33 @@ class RegeneratorFit:
         return Regenerator(full, tensors)
 
 
-def _group_weights(cov: torch.Tensor, g: int, inside: torch.Tensor | None = None,
+def _group_weights(var: torch.Tensor, g: int, inside: torch.Tensor | None = None,
                    across: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, D] weights of a group's features (D = g layers' dims), as a state stores them (fp16): 1 /
-    each layer's mean calibration variance, so every layer's relative error counts alike; times
-    ``inside`` [B, D] (each layer's attention weights, mean 1 in the layer) and ``across`` [g] (each
-    layer's weight) when given."""
-    diag = cov.diagonal(dim1=1, dim2=2).clamp_min(0)                      # [B, D]
+    """[B, D] float64 weights of a group's features (D = g layers' dims; ``var`` [B, D] their
+    calibration variances): 1 / each layer's mean calibration variance, so every layer's relative error
+    counts alike; times ``inside`` [B, D] (each layer's attention weights, mean 1 in the layer) and
+    ``across`` [g] (each layer's weight) when given."""
+    diag = var.clamp_min(0)
     B, D = diag.shape
     var = diag.reshape(B, g, D // g).mean(dim=2, keepdim=True).clamp_min(1e-12)
     w = 1.0 / var
     if across is not None:
         w = w * across.double().reshape(1, g, 1)
     w = w.expand(B, g, D // g).reshape(B, D)
-    if inside is not None:
-        w = w * inside.double()
-    return w.to(torch.float16).clamp_min(torch.finfo(torch.float16).tiny).double()
+    return w * inside.double() if inside is not None else w
+
+
+HALF_TOP = 2.0 ** 14     # the largest weight a grouped regenerator stores (fp16 holds up to 65,504)
+
+
+def _in_half(weights: dict) -> dict:
+    """Every group's and side's weights as a state stores them (fp16), all scaled by one power of two
+    when the largest would pass ``HALF_TOP``: one state-wide budget compares them, so only their ratios
+    count, and a model whose KV varies little would overflow fp16 with 1 / its variance."""
+    top = max(float(w.max()) for w in weights.values())
+    scale = 2.0 ** -max(0, math.ceil(math.log2(top / HALF_TOP))) if top > 0 else 1.0
+    tiny = torch.finfo(torch.float16).tiny
+    return {key: (w * scale).to(torch.float16).clamp_min(tiny).double() for key, w in weights.items()}
 
 
 @dataclass
