@@ -173,7 +173,8 @@ def _prefill(lm: LoadedModel, docs: list[tuple[str, list[int], list[tuple[int, i
         for start in range(0, n, chunk_tokens):
             chunk = batch[:, start:start + chunk_tokens]
             positions = torch.arange(start, start + chunk.shape[1], device=device)
-            own_rows[:] = [positions[None, :] < torch.tensor(lengths, device=device)[:, None]]
+            if queries:
+                own_rows[:] = [positions[None, :] < torch.tensor(lengths, device=device)[:, None]]
             out = model(input_ids=chunk, position_ids=positions.expand(len(docs), -1), use_cache=True,
                         output_hidden_states=bool(hidden_layers), logits_to_keep=1,
                         **{cache_kwarg(model): cache})
@@ -222,6 +223,7 @@ _Q_PROJ = re.compile(r"layers\.(\d+)\.self_attn\.q_proj$")
 
 
 def _all_layers(lm: LoadedModel, found: dict) -> None:
+    """Refuse a capture whose hooks did not find every layer's query projection (``found``: by layer)."""
     if sorted(found) != list(range(lm.geometry.n_layers)):
         raise ValueError(f"found the query projections of layers {sorted(found)}, not of all {lm.geometry.n_layers}")
 

@@ -205,7 +205,7 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
     else:
         given_grouped = req.regenerator is not None and Regenerator.load(req.regenerator).grouped
         fit_weights, weights = None, layer_weights_for(lm, *named, grouped=given_grouped)  # states as outside training
-    prepare_output(req, req.key(pairs, lm.fingerprints.combined, cfg, weights or fit_weights))
+    prepare_output(req, req.key(pairs, lm.fingerprints.combined, cfg, weights if weights is not None else fit_weights))
     times = StageTimes(lm.device)
     timings: dict[str, float] = {}
     kept = CaptureStore(memory_budget(lm.device, 0.25 if torch.device(lm.device).type == "cuda" else 0.5))
