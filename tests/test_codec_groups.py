@@ -520,3 +520,16 @@ def test_on_a_gpu_an_entropy_coded_state_loads_staged_and_from_graphs_as_its_pla
         for layer in range(gpu.geometry.n_layers):
             assert torch.equal(got.keys[layer], want.keys[layer]), layer
             assert torch.equal(got.values[layer], want.values[layer]), layer
+
+
+def test_the_quality_benchmark_refuses_weighted_per_layer_bases_across_layers_before_a_model_loads():
+    """`--weighted` is for per-layer bases; bases across layers are always attention-weighted."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "regenerator_quality.py"), "--weighted",
+                          "--layer-group", "30"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "bases across layers are always attention-weighted" in run.stderr
+    assert "Traceback" not in run.stderr and "calibration 1/" not in run.stderr     # nothing fitted
