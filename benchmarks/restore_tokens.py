@@ -6,8 +6,9 @@ values (a scale per rotary pair and head on the keys, a linear map per head adde
 Both are shared by every document and trained so that the continuation read after the state
 matches the full context's next-token distributions (the mean KL over the continuation, the model
 frozen). The states are the codec's at ``--ratio`` on the regenerator's
-calibrated bases (``--layer-group``: 30 is one basis for the whole state, the embedded model's best),
-as `kite upcycle` makes them.
+calibrated bases (``--layer-group``: 30 is one basis for the whole state, the embedded model's best;
+such bases weigh their features by attention and their layers by the layer weights KITE ships for
+the model), as `kite upcycle train` makes them.
 
 Training documents: generated contracts of seed 3000 (neither the regenerator's calibration, seed
 1000, nor the held-out ones, seed 23, draw it), the calibration licenses and, with ``--texts``,
@@ -39,6 +40,7 @@ from kite.runtime.generate import cache_kwarg  # noqa: E402
 from kite.upcycle import (CompressSettings, codec_settings, compare_logits, compress_document, load_prefix,  # noqa: E402
                           tokenize_document)
 from kite.upcycle.study import CALIBRATION_LICENSES, CONTINUATION, LICENSES, context_tokens, held_out_docs  # noqa: E402
+from kite.upcycle.codec import shipped_for  # noqa: E402
 from harness import Result, clock, finish, parse, parser  # noqa: E402
 from regenerator_quality import fit_regenerator  # noqa: E402
 
@@ -202,7 +204,8 @@ def main(argv=None) -> int:
     lm = load_model(args.model, device=args.device)
     for p in lm.model.parameters():
         p.requires_grad_(False)
-    reg = fit_regenerator(lm, args.calibration_contracts, layer_group=args.layer_group)
+    reg = fit_regenerator(lm, args.calibration_contracts, layer_group=args.layer_group,
+                          layer_weights=shipped_for(lm.fingerprints.base))     # as kite upcycle train fits them
     settings = CompressSettings(codec=codec_settings(args.ratio), n_clusters=8)
     print(f"regenerator fitted ({clock() - t0:.0f} s)", file=sys.stderr, flush=True)
 
@@ -254,7 +257,8 @@ def main(argv=None) -> int:
         trained[form].pop("recovery")
     res.raw.update({"train_documents": [s.name for s in train], "held_out": [s.name for s in held],
                     "train_kl_before": round(start_kl, 5), "forms": trained, "seconds": round(clock() - t0, 1),
-                    "regenerator": {"fingerprint": reg.fingerprint, "layer_group": args.layer_group}})
+                    "regenerator": {"fingerprint": reg.fingerprint, "layer_group": args.layer_group,
+                                    "weights": reg.meta.get("weights"), "layer_weights": reg.meta.get("layer_weights")}})
     return finish(res, args)
 
 
