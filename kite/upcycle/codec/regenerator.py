@@ -152,14 +152,18 @@ class RegeneratorFit:
         tensors: dict[str, torch.Tensor] = {}
         n = float(self.tokens)
         means = {key: s / n if self.center else torch.zeros_like(s) for key, s in self.sums.items()}
+        H, d = self.shape
+
+        def attention_weights(layer: int, side: str) -> torch.Tensor:      # [1, H*d], mean 1 in the layer
+            return W.as_blocks(W.key_weights(self.query_sq[layer], H, d) if side == "k" else value_weights[layer],
+                               self.joint_heads)
+
         if grouped:       # every group's and side's weights first: they are stored on one scale
-            H, d = self.shape
             group_w = {}
             for (layer, side), mean in means.items():
                 var = self.grams[(layer, side)].diagonal(dim1=1, dim2=2) / n - mean ** 2
                 span = range(layer, layer + self.layer_group)
-                inside = torch.cat([W.as_blocks(W.key_weights(self.query_sq[i], H, d) if side == "k"
-                                                else value_weights[i], True) for i in span], dim=1) if attention else None
+                inside = torch.cat([attention_weights(i, side) for i in span], dim=1) if attention else None
                 across = layer_weights.side(side)[list(span)] if layer_weights is not None else None
                 group_w[(layer, side)] = _group_weights(var, self.layer_group, inside, across)
             group_w = _in_half(group_w)
@@ -172,10 +176,7 @@ class RegeneratorFit:
                 root = w.double().sqrt()
                 cov = cov * root[:, :, None] * root[:, None, :]
             elif weighted:
-                H, d = self.shape
-                w = (W.key_weights(self.query_sq[layer], H, d) if side == "k" else value_weights[layer])
-                w = W.as_blocks(w, self.joint_heads)
-                w = w.to(torch.float16).float()      # as a state stores them (kite.upcycle.codec.put_weights)
+                w = attention_weights(layer, side).to(torch.float16).float()   # as a state stores them (put_weights)
                 tensors[f"L{layer}.{side}.weight"] = w.contiguous()
                 root = w.double().sqrt()
                 cov = cov * root[:, :, None] * root[:, None, :]
@@ -211,16 +212,15 @@ class RegeneratorFit:
         return Regenerator(full, tensors)
 
 
-def _group_weights(var: torch.Tensor, g: int, inside: torch.Tensor | None = None,
+def _group_weights(variances: torch.Tensor, g: int, inside: torch.Tensor | None = None,
                    across: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, D] float64 weights of a group's features (D = g layers' dims; ``var`` [B, D] their
+    """[B, D] float64 weights of a group's features (D = g layers' dims; ``variances`` [B, D] their
     calibration variances): 1 / each layer's mean calibration variance, so every layer's relative error
     counts alike; times ``inside`` [B, D] (each layer's attention weights, mean 1 in the layer) and
     ``across`` [g] (each layer's weight) when given."""
-    diag = var.clamp_min(0)
-    B, D = diag.shape
-    var = diag.reshape(B, g, D // g).mean(dim=2, keepdim=True).clamp_min(1e-12)
-    w = 1.0 / var
+    B, D = variances.shape
+    per_layer = variances.clamp_min(0).reshape(B, g, D // g).mean(dim=2, keepdim=True).clamp_min(1e-12)
+    w = 1.0 / per_layer
     if across is not None:
         w = w * across.double().reshape(1, g, 1)
     w = w.expand(B, g, D // g).reshape(B, D)
