@@ -165,6 +165,65 @@ def test_eval_reports_each_probe_asked_in_json(tiny_models, tmp_path, one_thread
     assert 0 <= probes["passkey"]["state_accuracy"] <= 1
 
 
+def _eval_args(tiny_models, tmp_path) -> list[str]:
+    doc = tmp_path / "doc.txt"
+    doc.write_text(CORPUS.replace(". ", ".\n\n"))
+    cfg = tmp_path / "upcycle.yaml"
+    cfg.write_text("compression: {svd_ratio: 0.25, cluster_num: 2, min_span_tokens: 6, max_span_tokens: 14}\n"
+                   "semantic_tagging: {generated_examples_per_label: 0}\n")
+    return ["upcycle", "eval", "--model", str(tiny_models["llama"]), "--input", str(doc), "--config", str(cfg),
+            "--context-tokens", "300", "--continuation-tokens", "20"]
+
+
+def test_eval_asks_qa_about_as_many_held_out_contracts_as_given(tiny_models, tmp_path, one_thread, monkeypatch):
+    # the tiny model's context (512) cannot hold a contract: the contracts' records stand in for them
+    import kite.upcycle.quality as quality
+
+    def contexts(lm, context_tokens, *, contracts=quality.QA_CONTRACTS, **kw):
+        return [({"id": f"contract-{i}"}, [], []) for i in range(contracts)]
+
+    asked = []
+
+    def probe(lm, context_tokens, settings, tagger=None, *, records=None, **kw):
+        asked.append([r["id"] for r in records])
+        return {"kind": "qa", "cases": []}
+
+    monkeypatch.setattr(quality, "qa_contexts", contexts)
+    monkeypatch.setattr(quality, "qa_probe", probe)
+    for extra in ([], ["--qa-contracts", "6"]):
+        r = runner.invoke(app, _eval_args(tiny_models, tmp_path) + ["--probe", "qa", "--json", *extra])
+        assert r.exit_code == 0, r.output
+    assert asked == [[f"contract-{i}" for i in range(quality.QA_CONTRACTS)], [f"contract-{i}" for i in range(6)]]
+
+
+def test_eval_refuses_qa_on_a_model_too_short_for_a_contract_before_any_work(tiny_models, tmp_path, one_thread):
+    r = runner.invoke(app, _eval_args(tiny_models, tmp_path) + ["--probe", "passkey,qa"])
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: --probe qa: a held-out contract of "), r.output
+    assert "exceed the model's context of 512" in lines[-1]
+    assert "prefill" not in r.output and "compress" not in r.output    # refused before the document's state
+
+
+@pytest.mark.parametrize("args, said", [(["--qa-contracts", "3"], "--qa-contracts: only with --probe qa"),
+                                        (["--probe", "passkey", "--qa-contracts", "3"], "--qa-contracts: only with --probe qa")])
+def test_eval_refuses_qa_contracts_without_the_qa_probe_before_the_model_loads(monkeypatch, tmp_path, args, said):
+    import kite.model
+    import kite.model.loader
+
+    def loaded(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    for module in (kite.model, kite.model.loader):
+        monkeypatch.setattr(module, "load_model", loaded)
+    doc = tmp_path / "doc.txt"
+    doc.write_text(CORPUS)
+    r = runner.invoke(app, ["upcycle", "eval", "--input", str(doc), *args])
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and said in lines[0], r.output
+
+
 @pytest.mark.parametrize("value", ["nosuch", "passkey,nosuch", "passkey,"])
 def test_eval_refuses_an_unknown_probe_in_one_line_before_the_model_loads(monkeypatch, tmp_path, value):
     import kite.model

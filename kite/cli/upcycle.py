@@ -193,6 +193,9 @@ def eval_cmd(
     probe: Annotated[str | None, typer.Option(help="Also measure tasks on the state at this ratio (a comma list): "
                                               "'passkey' (one key at 10/30/50/70/90 % depth), 'keys' (3 keys in "
                                               "one context), 'qa' (F1 on held-out generated contracts).")] = None,
+    qa_contracts: Annotated[int | None, typer.Option(min=1, help="With --probe qa: the held-out contracts asked "
+                                                     "about, 8 questions each (default 2; one answer then moves F1 by "
+                                                     "0.05-0.08: ask 6 or more to compare settings).")] = None,
     json_out: bool = JsonOpt,
 ) -> None:
     """What a setting loses on your text: PPL full vs state, delta, KL, top-1 agreement, bytes.
@@ -204,14 +207,16 @@ def eval_cmd(
     from kite.cli._progress import progress_bar
     from kite.upcycle import check_probe, evaluate, open_pipeline
 
-    check_probe(probe)
+    if "qa" not in check_probe(probe) and qa_contracts is not None:
+        raise BadInput("--qa-contracts: only with --probe qa")
     with progress_bar() as progress:   # the config and the flags are checked before the model loads
         pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress,
                              kept_fraction=user_config().features.upcycle_compression_ratio, regenerator=regenerator,
                              layer_weights=layer_weights, entropy_coding=entropy_coding)
         result = evaluate(pipe.lm, text, context_tokens=context_tokens, continuation_tokens=continuation_tokens,
                           settings=pipe.settings, tagger=pipe.tagger, probe=probe, progress=progress,
-                          regenerator=pipe.regenerator)
+                          regenerator=pipe.regenerator,
+                          **({} if qa_contracts is None else {"qa_contracts": qa_contracts}))
     if json_out:
         emit_json(result.to_dict())
         return

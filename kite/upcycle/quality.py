@@ -86,6 +86,7 @@ def split_text(lm: LoadedModel, text: str, context_tokens: int, continuation_tok
 
 
 PROBES = ("passkey", "keys", "qa")
+QA_CONTRACTS = 2    # the held-out contracts the qa probe asks about by default (8 questions each)
 
 
 def check_probe(probe: str | None) -> tuple[str, ...]:
@@ -102,14 +103,19 @@ def check_probe(probe: str | None) -> tuple[str, ...]:
 @torch.inference_mode()
 def evaluate(lm: LoadedModel, text: str, *, context_tokens: int = 2048, continuation_tokens: int = 512,
              settings: CompressSettings | None = None, tagger=None, probe: str | None = None,
-             progress=None, regenerator=None) -> EvalResult:
+             progress=None, regenerator=None, qa_contracts: int = QA_CONTRACTS) -> EvalResult:
     """The module's measurement of `settings` on `text`; `progress(stage, done, total)` after the
     full-context pass, each prefill chunk and compressed layer of the state, each probe question asked.
     `regenerator`: code the state on it (:func:`compress_document`). A model with a reader adapter
-    reads the state with it on (the state is made for it), as generation would."""
+    reads the state with it on (the state is made for it), as generation would. `qa_contracts`: the
+    held-out contracts the ``qa`` probe asks about (8 questions each)."""
     probes = check_probe(probe)
+    if qa_contracts < 1:
+        raise BadInput(f"--qa-contracts {qa_contracts}: expected at least 1")
     settings = settings or CompressSettings()
     ctx, cont = split_text(lm, text, context_tokens, continuation_tokens)
+    # the qa probe's contracts made (and a contract the model cannot hold refused) before any work
+    qa = {"records": [r for r, _, _ in qa_contexts(lm, context_tokens, contracts=qa_contracts)]} if "qa" in probes else {}
     targets = torch.tensor(cont[1:])
     if progress:
         progress("full context", 0, 1)
@@ -137,7 +143,7 @@ def evaluate(lm: LoadedModel, text: str, *, context_tokens: int = 2048, continua
         regenerator=regenerator.fingerprint if regenerator is not None else None, reader_adapter=bool(reader_on))
     for name in probes:
         result.probes[name] = run_probe(name, lm, text, context_tokens, settings, tagger, progress=progress,
-                                        regenerator=regenerator)
+                                        regenerator=regenerator, **(qa if name == "qa" else {}))
     return result
 
 
@@ -153,7 +159,6 @@ def _reading(lm: LoadedModel, prefix):
 PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)   # the single-key form: one context per depth
 KEYS = 3                                     # the several-keys form: this many keys in one context
 KEY_LABELS = ("red", "green", "blue", "yellow", "violet", "orange", "white", "black")
-QA_CONTRACTS = 2
 QA_SEED = 23    # the held-out contracts' seed (kite.upcycle.study.held_out): no calibration or training draws it
 ANSWER_TOKENS = {"passkey": 8, "qa": 16}
 
@@ -309,8 +314,8 @@ def qa_contexts(lm: LoadedModel, context_tokens: int, *, contracts: int = QA_CON
         ctx, _ = tokenize_document(lm.tokenizer, record["text"])
         limit = lm.geometry.context_length
         if limit and len(ctx) + 64 > limit:
-            raise BadInput(f"--context-tokens {context_tokens}: a contract of {len(ctx)} tokens and its question "
-                           f"exceed the model's context of {limit}")
+            raise BadInput(f"--probe qa: a held-out contract of {len(ctx)} tokens (for --context-tokens "
+                           f"{context_tokens}) and its question exceed the model's context of {limit}")
         out.append((record, ctx, [q for q in record["questions"] if q["family"] == "qa"]))
     return out
 
