@@ -62,8 +62,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs-per-step", type=int, default=1, help="the adapter's pairs per step (default 1)")
     ap.add_argument("--codec-workers", type=int, default=None,
                     help="host threads coding the states (default: the run's choice, 8 on a GPU, 0 on the CPU)")
-    ap.add_argument("--layer-group", type=int, default=1,
-                    help="the regenerator's bases span this many layers (`kite upcycle train --layer-group`)")
+    ap.add_argument("--layer-group", type=lambda v: v if v == "auto" else int(v), default=1,
+                    help="the regenerator's bases span this many layers, or auto: measured (`kite upcycle train "
+                    "--layer-group`; default 1)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
     ap.add_argument("--keep", type=Path, help="keep the run folder here (default: a temporary folder)")
     args = parse(ap, argv)
@@ -151,7 +152,8 @@ def main(argv=None) -> int:
                                                                        "min": min(ctx_tokens), "max": max(ctx_tokens)},
         "parameters": n_params, "capture_batch_tokens": batch_tokens,
         "pairs_per_document": args.pairs_per_document or None, "ratio": args.ratio, "epochs": args.epochs, "pairs_per_step": args.pairs_per_step,
-        "codec_workers": report.get("codec_workers"),
+        "codec_workers": report.get("codec_workers"), "layer_group": args.layer_group,
+        "regenerator": report["regenerator"],
         "stages": report["stages"], "speed": speed, "timings": report["timings"],
         "training": report.get("training"), "held_out": report.get("held_out"),
         "prefix_loads": report.get("prefix_loads"), "adapter": report.get("adapter", {}).get("settings"),

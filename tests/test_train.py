@@ -291,19 +291,20 @@ def test_train_writes_a_regenerator_a_peft_adapter_and_a_report(tiny_models, tmp
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "train_report.json").read_text())["regenerator"] == rep["regenerator"]
     # what each stage cost, counted in what it did: 5 documents (the 4 calibrated on prefilled once, for
-    # everything), one state each, 20 pairs' teacher, 16 steps, one checkpoint (every 25, and the last),
-    # 4 held-out pairs reported
+    # everything), the two layer groupings of the tiny model's 3 layers measured, one state each, 20 pairs'
+    # teacher, 16 steps, one checkpoint (every 25, and the last), 4 held-out pairs reported
     st = rep["stages"]
-    assert list(st) == ["calibrate_capture", "calibrate_fit", "capture", "compress", "load", "teacher",
-                        "adapter_steps", "checkpoints", "report", "write"]
+    assert list(st) == ["calibrate_capture", "calibrate_fit", "calibrate_choose", "capture", "compress", "load",
+                        "teacher", "adapter_steps", "checkpoints", "report", "write"]
     assert {k: v["count"] for k, v in st.items() if k != "write"} == {
-        "calibrate_capture": 4, "calibrate_fit": 4, "capture": 1, "compress": 5, "load": 5, "teacher": 20,
-        "adapter_steps": 16, "checkpoints": 1, "report": 4}
+        "calibrate_capture": 4, "calibrate_fit": 4, "calibrate_choose": 2, "capture": 1, "compress": 5, "load": 5,
+        "teacher": 20, "adapter_steps": 16, "checkpoints": 1, "report": 4}
+    assert [r["layer_group"] for r in rep["regenerator"]["layer_group_choice"]["candidates"]] == [1, 3]
     assert st["compress"]["unit"] == "state" and st["teacher"]["unit"] == "pair"
     assert all(v["per_unit_s"] == pytest.approx(v["seconds"] / v["count"], abs=1e-3) for v in st.values() if v["count"])
     sp = rep["speed"]
     assert sp["states"] == 5 and sp["pair_epochs"] == 16
-    assert sp["seconds_per_state"] == pytest.approx(sum(st[k]["seconds"] for k in list(st)[:5]) / 5, rel=1e-2, abs=1e-3)
+    assert sp["seconds_per_state"] == pytest.approx(sum(st[k]["seconds"] for k in list(st)[:6]) / 5, rel=1e-2, abs=1e-3)
     assert rep["prefix_loads"] == {"8": 5}             # each state decoded once, for every step that reads it
     base = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
     PeftModel.from_pretrained(base, out / "adapter")            # the standard peft format
@@ -347,12 +348,12 @@ def test_a_run_that_captures_documents_together_trains_as_one_that_captures_each
 
     batches = capture_batches
     alone, together = tmp_path / "alone", tmp_path / "together"
-    res = _train(tiny_models, tmp_path, alone, "--epochs", "1")
+    res = _train(tiny_models, tmp_path, alone, "--epochs", "1", "--layer-group", "1")
     assert res.exit_code == 0, res.output
     assert set(batches) == {1}
     batches.clear()
     monkeypatch.setitem(capture_mod.BATCH_TOKENS, "cpu", 4096)
-    res = _train(tiny_models, tmp_path, together, "--epochs", "1")
+    res = _train(tiny_models, tmp_path, together, "--epochs", "1", "--layer-group", "1")
     assert res.exit_code == 0, res.output
     assert batches == [4, 1]          # the 4 training documents calibrated together, the held-out one alone
     a, b = parse_json(res.output), json.loads((alone / "train_report.json").read_text())
@@ -615,7 +616,7 @@ def test_training_states_are_coded_with_the_layer_weights_states_of_the_model_ge
     cfg.write_text(f"layer_weights: {tmp_path / 'w.json'}\n")
     for out, extra, want in ((tmp_path / "plain", [], None),
                              (tmp_path / "weighted", ["--config", str(cfg)], w.fingerprint)):
-        res = _train(tiny_models, tmp_path, out, "--regenerator-only", *extra)
+        res = _train(tiny_models, tmp_path, out, "--regenerator-only", "--layer-group", "1", *extra)
         assert res.exit_code == 0, res.output
         assert parse_json(res.output)["layer_weights"] == want
         states = sorted((out / "states").glob("*.upc"))

@@ -41,10 +41,12 @@ def train(
     regenerator: Annotated[Optional[Path], typer.Option(
         help="A regenerator folder of this model to code the training states with, instead of fitting one: the "
         "adapter learns to read the states it will be used with.")] = None,
-    layer_group: Annotated[int, typer.Option(
-        min=1, help="Layers one calibrated basis spans (their keys, or values, coded together; a divisor of the "
-        "model's layers, e.g. all of them for one basis over the whole state). 1: a basis per layer. Such bases "
-        "weigh each layer's features by what attention feels of them and each layer by the layer weights.")] = 1,
+    layer_group: Annotated[Optional[str], typer.Option(
+        help="Layers one calibrated basis spans (their keys, or values, coded together; a divisor of the "
+        "model's layers, e.g. all of them for one basis over the whole state; 1: a basis per layer). Bases across "
+        "layers weigh each layer's features by what attention feels of them and each layer by the layer weights. "
+        "auto: every grouping measured on training documents the first calibration leaves out (KL of their "
+        "continuations at the training ratios) and the best kept (the default when no --regenerator is given).")] = None,
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
@@ -59,8 +61,11 @@ def train(
 
     if resume and overwrite:
         raise BadInput("--resume --overwrite: use one of them")
-    if regenerator is not None and layer_group != 1:
-        raise BadInput("--regenerator --layer-group: a given regenerator's layer groups are its own")
+    # a whole number or "auto"; anything else TrainRequest.check refuses, naming the flag
+    if layer_group is None:
+        group = 1 if regenerator is not None else "auto"
+    else:
+        group = int(layer_group) if layer_group.strip().lstrip("-").isdigit() else layer_group.strip()
     if regenerator_only and regenerator is not None:
         raise BadInput("--regenerator-only --regenerator: a given regenerator leaves only the adapter to train")
     model = model_spec(model_path)
@@ -71,7 +76,7 @@ def train(
                        ratios=[float(r) for r in (ratio or [8.0])], eval_fraction=eval_fraction, epochs=epochs,
                        checkpoint_every=checkpoint_every, pairs_per_step=pairs_per_step,
                        resume=resume, overwrite=overwrite, adapter=not regenerator_only, regenerator=regenerator,
-                       layer_group=layer_group)
+                       layer_group=group)
     req.check(pairs)     # flags and the split, before the model loads
     from kite.model import load_model
 
@@ -87,6 +92,10 @@ def train(
               f"documents ({report['held_out_pairs']} held out)", highlight=False)
     spans = reg.get("layer_groups")
     bases = f", one basis per {spans[0][1] - spans[0][0]} layers" if spans else ""
+    if reg.get("layer_group_choice"):
+        c = reg["layer_group_choice"]
+        bases += (" chosen of " + ", ".join(f"{r['layer_group']}: KL {r['kl']:.4f}" for r in c["candidates"])
+                  + f" on {c['documents']} documents" + ("" if spans else "; a basis per layer"))
     out.print(f"  regenerator {reg['fingerprint'][9:21]}  ({reg['calibration']['tokens']:,} calibration tokens{bases})  "
               f"{reg['folder']}", highlight=False)
     if "adapter" in report:

@@ -119,19 +119,11 @@ def evaluate(lm: LoadedModel, text: str, *, context_tokens: int = 2048, continua
     targets = torch.tensor(cont[1:])
     if progress:
         progress("full context", 0, 1)
-    full_cache = new_cache(lm.model)
-    forward_tokens(lm.model, ctx, full_cache, 0)
-    full = forward_tokens(lm.model, cont, full_cache, len(ctx))[:-1]
+    full = full_logits(lm, ctx, cont)
     if progress:
         progress("full context", 1, 1)
-    ctx_text = lm.tokenizer.decode(ctx)
-    with tempfile.TemporaryDirectory() as tmp:
-        state_path = Path(tmp) / "eval.upc"
-        made = compress_document(lm, ctx_text, state_path, settings, tagger=tagger, progress=progress,
-                                 ids=ctx, regenerator=regenerator)
-        prefix, report = load_prefix(state_path, lm, regenerator=regenerator)
-    with _reading(lm, prefix) as reader_on:
-        got = forward_tokens(lm.model, cont, new_cache(lm.model, prefix), prefix.next_position)[:-1]
+    got, made, report, reader_on = state_logits(lm, ctx, cont, settings, tagger=tagger, progress=progress,
+                                                regenerator=regenerator)
     m = compare_logits(full, got, targets)
     result = EvalResult(
         context_tokens=len(ctx), continuation_tokens=len(cont), codec=settings.codec.name,
@@ -145,6 +137,31 @@ def evaluate(lm: LoadedModel, text: str, *, context_tokens: int = 2048, continua
         result.probes[name] = run_probe(name, lm, text, context_tokens, settings, tagger, progress=progress,
                                         regenerator=regenerator, **(qa if name == "qa" else {}))
     return result
+
+
+@torch.inference_mode()
+def full_logits(lm: LoadedModel, ctx: list[int], cont: list[int]) -> torch.Tensor:
+    """The logits of ``cont`` (but its last token) after the full context ``ctx``: the baseline a
+    state's continuation is compared with."""
+    cache = new_cache(lm.model)
+    forward_tokens(lm.model, ctx, cache, 0)
+    return forward_tokens(lm.model, cont, cache, len(ctx))[:-1]
+
+
+@torch.inference_mode()
+def state_logits(lm: LoadedModel, ctx: list[int], cont: list[int], settings: CompressSettings, *, tagger=None,
+                 progress=None, regenerator=None):
+    """``ctx`` compressed into a state by ``settings`` (a temporary file), loaded, and ``cont`` read
+    after it: (the logits of ``cont`` but its last token, compress_document's result, the load's
+    report, whether a reader adapter read it)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        state_path = Path(tmp) / "eval.upc"
+        made = compress_document(lm, lm.tokenizer.decode(ctx), state_path, settings, tagger=tagger,
+                                 progress=progress, ids=ctx, regenerator=regenerator)
+        prefix, report = load_prefix(state_path, lm, regenerator=regenerator)
+    with _reading(lm, prefix) as reader_on:
+        got = forward_tokens(lm.model, cont, new_cache(lm.model, prefix), prefix.next_position)[:-1]
+    return got, made, report, reader_on
 
 
 @torch.inference_mode()

@@ -127,6 +127,24 @@ class RegeneratorFit:
         if ids is not None:
             self.digest.update(json.dumps(ids).encode())
 
+    def regroup(self, layer_group: int) -> "RegeneratorFit":
+        """The sums of the same calibration over groups of ``layer_group`` layers (a divisor of this
+        fit's): each finer group's sums and Gram are a slice of its coarser group's, so one pass over
+        the calibration set can finish bases of every grouping that nests in it (1: per layer)."""
+        g, G = layer_group, self.layer_group
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1 or G % g:
+            raise ValueError(f"layer group {g} does not divide this fit's {G}")
+        out = RegeneratorFit(n_layers=self.n_layers, joint_heads=self.joint_heads, center=self.center,
+                             tokens=self.tokens, documents=self.documents, digest=self.digest.copy(),
+                             query_sq=self.query_sq, shape=self.shape, layer_group=g)
+        width = self.sums[(0, "k")].shape[1] // G                 # one layer's features in a block
+        for (lead, side), s in self.sums.items():
+            for i in range(0, G, g):
+                cut = slice(i * width, (i + g) * width)
+                out.sums[(lead + i, side)] = s[:, cut]
+                out.grams[(lead + i, side)] = self.grams[(lead, side)][:, cut, cut]
+        return out
+
     def finish(self, meta: dict, value_weights: list[torch.Tensor] | None = None,
                layer_weights: LayerWeights | None = None) -> "Regenerator":
         """The regenerator of everything added (``meta``: what it is made for; see :class:`Regenerator`).

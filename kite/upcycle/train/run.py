@@ -20,6 +20,7 @@ import hashlib
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,8 +36,10 @@ from kite.upcycle.codec.regenerator import Regenerator, RegeneratorFit, install
 from kite.upcycle.codec.settings import settings_for
 from kite.upcycle.codec.weights import model_value_weights
 from kite.upcycle.settings import UpcycleConfig
-from kite.upcycle.train.adapter import AdapterSettings, attach_lora, auto_settings, memory_budget, train_adapter
+from kite.upcycle.train.adapter import (AdapterSettings, attach_lora, auto_settings, memory_budget, tokenize_pair,
+                                        train_adapter)
 from kite.upcycle.train.data import Pair, split_pairs
+from kite.upcycle.train.layer_group import candidate_groups, choose_layer_group, validation_documents
 from kite.upcycle.compress import CompressSettings, captures_for
 from kite.upcycle.pipeline import layer_weights_for, named_layer_weights
 from kite.upcycle.train.documents import (CaptureStore, Prepared, codec_workers_for, compress_settings,
@@ -68,7 +71,8 @@ class TrainRequest:
     regenerator: Path | None = None         # a regenerator folder to code the states with (else one is fitted)
     pairs_per_step: int = 1                 # the adapter's pairs per optimizer step (one forward, their mean loss)
     codec_workers: int | None = None        # host threads coding the states (None: codec_workers_for's choice)
-    layer_group: int = 1                    # layers a fitted regenerator's basis spans (kite.upcycle.codec.groups)
+    layer_group: int | str = 1              # layers a fitted regenerator's basis spans (kite.upcycle.codec.groups);
+                                            # "auto": chosen by measured error (kite.upcycle.train.layer_group)
 
     def check(self, pairs: list[Pair]) -> tuple[list[Pair], list[Pair]]:
         """BadInput for a bad mode or ratio, or pairs too few to split; returns (train, held out)."""
@@ -82,8 +86,11 @@ class TrainRequest:
             raise BadInput(f"--pairs-per-step {self.pairs_per_step}: at least 1")
         if self.checkpoint_every < 1:
             raise BadInput(f"--checkpoint-every {self.checkpoint_every}: at least 1")
-        if isinstance(self.layer_group, bool) or not isinstance(self.layer_group, int) or self.layer_group < 1:
-            raise BadInput(f"--layer-group {self.layer_group}: a whole number of layers, at least 1")
+        g = self.layer_group
+        if g != "auto" and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+            raise BadInput(f"--layer-group {g}: a whole number of layers, at least 1, or auto")
+        if g != 1 and self.regenerator is not None:
+            raise BadInput("--regenerator --layer-group: a given regenerator's layer groups are its own")
         if self.regenerator is not None:
             Regenerator.load(self.regenerator)      # BadInput for a missing or damaged folder
         return split_pairs(pairs, self.eval_fraction, self.seed)
@@ -132,8 +139,8 @@ def prepare_output(req: TrainRequest, key: dict) -> None:
 
 def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progress=None, weighted: bool = False,
                     times: StageTimes | None = None, keep: CaptureStore | None = None,
-                    compress: CompressSettings | None = None, layer_group: int = 1,
-                    layer_weights: LayerWeights | None = None) -> Regenerator:
+                    compress: CompressSettings | None = None, layer_group: int | str = 1,
+                    layer_weights: LayerWeights | None = None, search: GroupSearch | None = None) -> Regenerator:
     """Calibrate on the training documents (each once), in the blocks the codec uses; ``weighted``:
     per-layer bases with attention-aware distortion weights (the documents' queries and the model's
     ``o_proj``; :mod:`kite.upcycle.codec.weights`). Off by default: on SmolLM2's held-out rows the
@@ -143,35 +150,78 @@ def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progres
     ``compress`` makes them (the hidden states its clusters read, the model's cache), for the states
     and the teacher to reuse. ``layer_group``: layers one basis spans (:mod:`kite.upcycle.codec.groups`);
     such bases always weigh each layer's features by what attention feels of them, and each layer
-    by ``layer_weights`` when given (docs/compression.md "Bases across layers")."""
+    by ``layer_weights`` when given (docs/compression.md "Bases across layers"). ``"auto"``: measured
+    (:mod:`kite.upcycle.train.layer_group`, with ``search``); the regenerator's ``layer_group_choice``
+    says what was measured."""
     times = times or StageTimes(lm.device)
     docs = {p.document_key: p for p in train_pairs}
+    auto = layer_group == "auto"
+    if auto:       # the widest grouping's sums: every candidate's are slices of them
+        if search is None:
+            raise ValueError("--layer-group auto measures its candidates with a GroupSearch")
+        geo = lm.geometry
+        candidates = candidate_groups(geo.n_layers, geo.n_kv_heads * geo.head_dim)
+        layer_group = candidates[-1]
+        auto = len(candidates) > 1        # a layer too wide for any group: per layer, nothing to measure
     if layer_group > 1 and weighted:
         raise BadInput("a regenerator with bases across layers is always attention-weighted; --weighted is for "
                        "per-layer bases")
     queries = weighted or layer_group > 1
     fit = RegeneratorFit(n_layers=lm.geometry.n_layers, joint_heads=cfg_codec.joint_heads, center=cfg_codec.center,
                          layer_group=layer_group)
-    texts = [p.context for p in docs.values()]
-    if keep is None:
-        caps = iter_captures(lm, texts, queries=queries)
-    else:
-        caps = captures_for(lm, texts, compress, keep_cache=True, queries=queries)
-    for i, p in enumerate(docs.values()):
-        with times.stage("calibrate_capture"):     # a batch of documents' prefill falls to its first
-            cap = next(caps)
-        with times.stage("calibrate_fit"):
-            fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq if queries else None)
-        if keep is not None:
-            keep.offer(p.document_key, cap)
-        del cap
-        if progress:
-            progress("regenerator (calibrate)", i + 1, len(docs))
+    held_back = validation_documents(list(docs), search.seed) if auto else []
+    value_weights = model_value_weights(lm) if queries else None
+
+    def calibrate(keys: list[str], stage: str) -> None:
+        texts = [docs[k].context for k in keys]
+        if keep is None:
+            caps = iter_captures(lm, texts, queries=queries)
+        else:
+            caps = captures_for(lm, texts, compress, keep_cache=True, queries=queries)
+        for i, key in enumerate(keys):
+            with times.stage("calibrate_capture"):     # a batch of documents' prefill falls to its first
+                cap = next(caps)
+            with times.stage("calibrate_fit"):
+                fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq if queries else None)
+            if keep is not None:
+                keep.offer(key, cap)
+            del cap
+            if progress:
+                progress(stage, i + 1, len(keys))
+
+    def finish(f: RegeneratorFit) -> Regenerator:
+        meta = {"model_fingerprint": lm.fingerprints.base, "geometry": lm.geometry.to_dict(),
+                "calibration": {"source": "kite upcycle train"}}
+        grouped = f.layer_group > 1
+        return f.finish(meta, value_weights=value_weights if grouped or weighted else None,
+                        layer_weights=layer_weights if grouped else None)
+
+    calibrate([k for k in docs if k not in held_back], "regenerator (calibrate)")
+    if not auto:
+        with times.stage("calibrate_fit", 0):
+            return finish(fit)
+    with times.stage("calibrate_choose", len(candidates)):
+        measured = []
+        for key in held_back:
+            ctx, prompt, response = tokenize_pair(lm.tokenizer, docs[key])
+            measured.append((ctx, prompt + response))
+        choice = choose_layer_group(lm, fit, measured, search.ratios, finish, search.settings, progress)
+    calibrate(held_back, "regenerator (calibrate the measured documents)")
     with times.stage("calibrate_fit", 0):
-        return fit.finish({"model_fingerprint": lm.fingerprints.base, "geometry": lm.geometry.to_dict(),
-                           "calibration": {"source": "kite upcycle train"}},
-                          value_weights=model_value_weights(lm) if queries else None,
-                          layer_weights=layer_weights if layer_group > 1 else None)
+        reg = finish(fit.regroup(choice.chosen))
+    reg.meta["layer_group_choice"] = choice.to_dict()     # (before its fingerprint is first taken)
+    return reg
+
+
+@dataclass
+class GroupSearch:
+    """How ``--layer-group auto`` measures its candidates: the training ratios, each candidate's
+    compression settings ``settings(layer group, ratio)`` (as the run codes its states) and the
+    seed that draws the documents it measures on."""
+
+    ratios: list[float]
+    settings: Callable[[int, float], CompressSettings]
+    seed: int = 0
 
 
 def given_regenerator(lm: LoadedModel, req: TrainRequest) -> Regenerator:
@@ -194,12 +244,16 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
     with each stage's seconds (``stages``) and the run's speed per state and per pair (``speed``)."""
     t_start = time.perf_counter()
     train, held = req.check(pairs)
-    if lm.geometry.n_layers % req.layer_group:
+    auto = req.layer_group == "auto"
+    if not auto and lm.geometry.n_layers % req.layer_group:
         raise BadInput(f"--layer-group {req.layer_group}: expected a whole number that divides the model's "
                        f"{lm.geometry.n_layers} layers")
     out = req.output_dir
     named = named_layer_weights(cfg)
-    if req.layer_group > 1:
+    if auto:
+        # the layer weights go into bases across layers, or weigh per-layer states: which, once measured
+        fit_weights = weights = layer_weights_for(lm, *named)
+    elif req.layer_group > 1:
         # bases across layers fitted here take the layer weights into the bases; their states are coded without
         fit_weights, weights = layer_weights_for(lm, *named), None
     else:
@@ -220,10 +274,14 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
     elif (out / "regenerator" / "regenerator.json").exists():
         reg = Regenerator.load(out / "regenerator")
     else:
+        search = GroupSearch(req.ratios, lambda g, ratio: compress_settings(cfg, ratio, weights if g == 1 else None),
+                             req.seed) if auto else None
         reg = fit_regenerator(lm, train, codec0, progress, times=times, keep=kept,
                               compress=compress_settings(cfg, req.ratios[0], weights), layer_group=req.layer_group,
-                              layer_weights=fit_weights)
+                              layer_weights=fit_weights, search=search)
         reg.save(out / "regenerator")
+    if auto and reg.grouped:
+        weights = None          # its bases weigh the layers; its states are coded without weights
     install(reg)
     timings["regenerator_s"] = round(time.perf_counter() - t, 1)
 
@@ -240,7 +298,8 @@ def train_upcycle(lm: LoadedModel, pairs: list[Pair], cfg: UpcycleConfig, req: T
                     "regenerator": {"fingerprint": reg.fingerprint, "folder": str(out / "regenerator"),
                                     "calibration": reg.meta.get("calibration"),
                                     "layer_groups": reg.meta.get("layer_groups"),
-                                    "layer_weights": reg.meta.get("layer_weights")},
+                                    "layer_weights": reg.meta.get("layer_weights"),
+                                    "layer_group_choice": reg.meta.get("layer_group_choice")},
                     "ratios": req.ratios, "timings": timings, "codec_workers": workers,
                     "layer_weights": None if weights is None else weights.fingerprint}
     if req.adapter:

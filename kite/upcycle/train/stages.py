@@ -17,6 +17,7 @@ import torch
 UNITS = {
     "calibrate_capture": "document",   # prefill of a training document for the regenerator's sums
     "calibrate_fit": "document",       # adding its KV to the sums, and the eigendecompositions at the end
+    "calibrate_choose": "layer grouping",   # --layer-group auto: a candidate's bases, its states measured
     "capture": "document",             # prefill of a document whose states or teacher the run needs
     "compress": "state",               # the codec and the state file, per document and ratio
     "load": "state",                   # the state's prefix decoded from its file onto the model's device
@@ -68,7 +69,7 @@ class StageTimes:
         return sum(self.seconds.get(n, 0.0) for n in names)
 
 
-STATE_STAGES = ("calibrate_capture", "calibrate_fit", "capture", "compress", "load")
+STATE_STAGES = ("calibrate_capture", "calibrate_fit", "calibrate_choose", "capture", "compress", "load")
 
 
 def summary(times: StageTimes, states: int, pairs: int, epochs: int, total_s: float) -> dict:

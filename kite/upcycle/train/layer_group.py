@@ -1,0 +1,99 @@
+"""`kite upcycle train --layer-group auto`: how many adjacent layers one calibrated basis spans,
+chosen by measured error at equal bytes.
+
+Bases across more layers see how the layers' KV move together (KVTC's PCA over heads and layers)
+and cost more to fit, store and apply; which grouping pays differs by model and ratio. The run
+measures it: the calibration's sums are taken once over the widest group (:data:`MAX_WIDTH`
+features at most), every grouping that divides it is a slice of those sums
+(:meth:`kite.upcycle.codec.RegeneratorFit.regroup`), and each candidate's bases code a few training
+documents the calibration left out, at every training ratio (so at the same bytes), as the run would
+code its states. The candidate whose states leave the lowest mean KL of the model's next-token
+distributions against the full context's, over those documents' continuations, is kept; the
+documents are then added to the calibration and its bases fitted on all of them.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kite.errors import BadInput
+from kite.upcycle.codec.regenerator import Regenerator, RegeneratorFit
+from kite.upcycle.compress import CompressSettings
+from kite.upcycle.quality import compare_logits, full_logits, state_logits
+
+MAX_WIDTH = 16384       # features one basis may span (a float64 Gram of 2 GiB a side while fitting)
+MAX_DOCUMENTS = 4       # training documents the choice is measured on
+
+
+def candidate_groups(n_layers: int, layer_width: int, max_width: int = MAX_WIDTH) -> list[int]:
+    """The groupings measured: every divisor of the widest group of at most ``max_width`` features
+    (``layer_width``: one layer's keys, or values, of every head) that divides the model's layers,
+    1 (a basis per layer) first."""
+    widest = max(g for g in range(1, n_layers + 1) if n_layers % g == 0 and (g == 1 or g * layer_width <= max_width))
+    return [g for g in range(1, widest + 1) if widest % g == 0]
+
+
+def validation_documents(keys: list[str], seed: int) -> list[str]:
+    """The training documents (their keys) the choice is measured on and the first calibration
+    leaves out: a seeded draw of about a fifth of them, 1 to :data:`MAX_DOCUMENTS`, at least one
+    left to calibrate on. BadInput for fewer than two."""
+    if len(keys) < 2:
+        raise BadInput(f"--layer-group auto: {len(keys)} training document; the choice is measured on documents "
+                       "the calibration leaves out, so it needs at least 2 (or give --layer-group N)")
+    n = min(MAX_DOCUMENTS, max(1, len(keys) // 5))
+    return sorted(random.Random(f"kite-layer-group:{seed}").sample(sorted(keys), n))
+
+
+@dataclass
+class GroupChoice:
+    """What ``--layer-group auto`` measured: each candidate's mean KL (and per document and ratio)."""
+
+    chosen: int
+    candidates: list[dict] = field(default_factory=list)   # {"layer_group", "kl", "kl_by_document", "seconds"}
+    documents: int = 0
+    ratios: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"chosen": self.chosen, "measured": "mean KL of the continuation against the full context, states "
+                "at each training ratio", "documents": self.documents, "ratios": self.ratios,
+                "candidates": self.candidates}
+
+
+def choose_layer_group(lm, fit: RegeneratorFit, documents: list[tuple[list[int], list[int]]], ratios: list[float],
+                       finish: Callable[[RegeneratorFit], Regenerator],
+                       settings: Callable[[int, float], CompressSettings], progress=None) -> GroupChoice:
+    """Measure every grouping that divides ``fit``'s (:func:`candidate_groups`): its bases
+    (``finish(fit.regroup(g))``) code each of ``documents`` ((context ids, continuation ids), none
+    calibrated on) at each of ``ratios`` with ``settings(g, ratio)``; the lowest mean KL wins (the
+    smaller group on a tie). ``progress(stage, done, total)`` after each candidate."""
+    if not documents:
+        raise ValueError("no documents to measure the layer groups on")
+    groups = [g for g in range(1, fit.layer_group + 1) if fit.layer_group % g == 0]
+    full = [full_logits(lm, ctx, cont) for ctx, cont in documents]
+    rows = []
+    for i, g in enumerate(groups):
+        t = time.perf_counter()
+        reg = finish(fit.regroup(g))
+        by_doc = []
+        for (ctx, cont), base in zip(documents, full):
+            targets = torch.tensor(cont[1:])
+            kls = [compare_logits(base, state_logits(lm, ctx, cont, settings(g, r), regenerator=reg)[0],
+                                  targets)["kl_mean"] for r in ratios]
+            by_doc.append(round(sum(kls) / len(kls), 6))
+        rows.append({"layer_group": g, "kl": round(sum(by_doc) / len(by_doc), 6), "kl_by_document": by_doc,
+                     "seconds": round(time.perf_counter() - t, 1)})
+        del reg
+        if progress:
+            progress("regenerator (layer groups)", i + 1, len(groups))
+    best = min(rows, key=lambda r: (r["kl"], r["layer_group"]))
+    return GroupChoice(chosen=best["layer_group"], candidates=rows, documents=len(documents),
+                       ratios=[float(r) for r in ratios])
+
+
+__all__ = ["GroupChoice", "MAX_DOCUMENTS", "MAX_WIDTH", "candidate_groups", "choose_layer_group",
+           "validation_documents"]

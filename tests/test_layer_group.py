@@ -1,0 +1,164 @@
+"""`kite upcycle train --layer-group auto`: the groupings a run measures, the sums they share, the
+choice following the measured error, and what the run reports and codes with what it chose."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kite.errors import BadInput
+from kite.upcycle import CompressSettings, StateFile, codec_settings
+from kite.upcycle.capture import capture
+from kite.upcycle.codec.regenerator import Regenerator, RegeneratorFit
+from kite.upcycle.train.layer_group import candidate_groups, choose_layer_group, validation_documents
+from tests.tiny_models import CORPUS
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_models):
+    from kite.model import load_model
+
+    return load_model(str(tiny_models["llama"]), device="cpu")
+
+
+def _fits(lm, groups: tuple[int, ...]) -> dict[int, RegeneratorFit]:
+    L = lm.geometry.n_layers
+    fits = {g: RegeneratorFit(n_layers=L, layer_group=g) for g in groups}
+    for i in range(3):
+        cap = capture(lm, CORPUS[i * 97:] + CORPUS[:i * 97], queries=True)
+        for fit in fits.values():
+            fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq)
+    return fits
+
+
+def test_a_finer_grouping_of_the_sums_finishes_as_a_fit_of_its_own(tiny_lm):
+    """Each group's sums and Gram are a slice of a coarser group's: the bases are those a fit made
+    at the finer grouping would have."""
+    from kite.upcycle.codec import model_value_weights
+
+    fits = _fits(tiny_lm, (1, 3))
+    vw = model_value_weights(tiny_lm)
+    meta = {"model_fingerprint": tiny_lm.fingerprints.base}
+    per_layer = fits[3].regroup(1)
+    assert per_layer.layer_group == 1 and per_layer.tokens == fits[1].tokens and per_layer.documents == 3
+    assert per_layer.digest.hexdigest() == fits[1].digest.hexdigest()
+    for plain in (True, False):
+        a = per_layer.finish(meta, value_weights=None if plain else vw)
+        b = fits[1].finish(meta, value_weights=None if plain else vw)
+        assert a.grouped is b.grouped is False and a.weighted is b.weighted is (not plain)
+        assert set(a.tensors) == set(b.tensors)
+        for name, t in a.tensors.items():
+            if name.endswith(".basis"):      # eigenvectors up to sign: compare the projectors of the top components
+                t, u = t[0, :, :8].double(), b.tensors[name][0, :, :8].double()
+                assert torch.allclose(t @ t.T, u @ u.T, atol=1e-6), name
+            else:
+                assert torch.allclose(t, b.tensors[name], rtol=1e-5, atol=1e-6), name
+    same = fits[3].regroup(3).finish(meta, value_weights=vw)
+    assert same.fingerprint == fits[3].finish(meta, value_weights=vw).fingerprint
+    with pytest.raises(ValueError, match="layer group 2 does not divide this fit's 3"):
+        fits[3].regroup(2)
+
+
+@pytest.mark.parametrize("layers, width, want", [(30, 192, [1, 2, 3, 5, 6, 10, 15, 30]),   # SmolLM2-135M
+                                                 (28, 512, [1, 2, 4, 7, 14, 28]),           # Qwen2-7B: 14,336 wide
+                                                 (32, 1024, [1, 2, 4, 8, 16]),              # 32 x 1,024 > 16,384
+                                                 (7, 4096, [1, 2, 4][:1])])                 # no group fits: per layer
+def test_the_candidates_are_the_divisors_of_the_widest_group_that_fits(layers, width, want):
+    assert candidate_groups(layers, width) == want
+
+
+def test_the_measured_documents_are_a_seeded_fifth_of_the_training_documents():
+    keys = [f"d{i:02d}" for i in range(23)]
+    got = validation_documents(keys, seed=0)
+    assert len(got) == 4 and set(got) <= set(keys) and got == validation_documents(list(reversed(keys)), seed=0)
+    assert got != validation_documents(keys, seed=1)
+    assert len(validation_documents(keys[:9], 0)) == 1 and len(validation_documents(keys[:2], 0)) == 1
+    with pytest.raises(BadInput, match="--layer-group auto: 1 training document"):
+        validation_documents(keys[:1], 0)
+
+
+def test_the_choice_follows_the_measured_error(tiny_lm):
+    """Each candidate's states are measured as the settings code them: the grouping coded at the
+    lower ratio (less error) wins, whichever it is."""
+    fit = _fits(tiny_lm, (3,))[3]
+    ids = tiny_lm.tokenizer(CORPUS[500:] + CORPUS, add_special_tokens=False)["input_ids"]
+    docs = [(ids[:200], ids[200:240])]
+
+    def finish(f):
+        return f.finish({"model_fingerprint": tiny_lm.fingerprints.base})
+
+    for easy in (1, 3):
+        def settings(g, ratio, easy=easy):
+            return CompressSettings(codec=codec_settings(2.0 if g == easy else 24.0), n_clusters=2, min_span_tokens=8,
+                                    max_span_tokens=24)
+
+        got = choose_layer_group(tiny_lm, fit, docs, [8.0], finish, settings)
+        assert got.chosen == easy and [r["layer_group"] for r in got.candidates] == [1, 3]
+        kl = {r["layer_group"]: r["kl"] for r in got.candidates}
+        assert kl[easy] < kl[4 - easy] and all(len(r["kl_by_document"]) == 1 for r in got.candidates)
+    assert got.to_dict()["chosen"] == 3 and got.to_dict()["documents"] == 1
+
+
+def _train(tiny_models, tmp_path, out, *extra, docs=5):
+    from typer.testing import CliRunner
+
+    from kite.cli.main import app
+    from tests.test_train import _pairs_file
+
+    folder = tmp_path / f"pairs{docs}"
+    folder.mkdir(exist_ok=True)
+    return CliRunner().invoke(app, ["upcycle", "train", "--model", str(tiny_models["llama"]), "--data-path",
+                                    str(_pairs_file(folder, docs=docs)), "--output-dir", str(out), "--eval-fraction",
+                                    "0.2", "--regenerator-only", "--json", *extra])
+
+
+def test_train_measures_every_grouping_and_codes_its_states_with_the_one_it_keeps(tiny_models, tmp_path):
+    from tests.conftest import parse_json
+
+    res = _train(tiny_models, tmp_path, tmp_path / "run", "--layer-group", "auto", "--ratio", "8")
+    assert res.exit_code == 0, res.output
+    rep = parse_json(res.output)
+    choice = rep["regenerator"]["layer_group_choice"]
+    assert [r["layer_group"] for r in choice["candidates"]] == [1, 3] and choice["documents"] == 1
+    assert choice["chosen"] == min(choice["candidates"], key=lambda r: (r["kl"], r["layer_group"]))["layer_group"]
+    assert all(r["kl"] >= 0 and len(r["kl_by_document"]) == 1 for r in choice["candidates"])
+    reg = Regenerator.load(tmp_path / "run" / "regenerator")
+    assert reg.meta["layer_group_choice"] == choice
+    assert reg.grouped is (choice["chosen"] == 3)
+    assert reg.meta["calibration"]["documents"] == rep["train_documents"] == 4    # the measured one added back
+    assert rep["stages"]["calibrate_choose"]["count"] == 2
+    assert rep["stages"]["calibrate_capture"]["count"] == 4
+    for path in sorted((tmp_path / "run" / "states").rglob("*.upc")):
+        with StateFile(path) as sf:
+            assert sf.meta["regenerator"]["fingerprint"] == reg.fingerprint
+            assert (sf.meta.get("layer_groups") is not None) is reg.grouped
+    again = _train(tiny_models, tmp_path, tmp_path / "run", "--layer-group", "auto", "--ratio", "8", "--resume")
+    assert again.exit_code == 0, again.output
+    assert parse_json(again.output)["regenerator"]["fingerprint"] == reg.fingerprint
+    other = _train(tiny_models, tmp_path, tmp_path / "run", "--layer-group", "3", "--ratio", "8", "--resume")
+    assert other.exit_code != 0 and "holds another run" in other.output
+
+
+@pytest.mark.parametrize("value, docs, said", [
+    ("two", 5, "--layer-group two: a whole number of layers, at least 1, or auto"),
+    ("0", 5, "--layer-group 0: a whole number of layers, at least 1, or auto"),
+    ("auto", 2, "--layer-group auto: 1 training document; the choice is measured on documents the calibration "
+                "leaves out, so it needs at least 2"),
+])
+def test_train_refuses_a_bad_layer_group_in_one_line(tiny_models, tmp_path, value, docs, said):
+    res = _train(tiny_models, tmp_path, tmp_path / "run", "--layer-group", value, docs=docs)
+    assert res.exit_code == 2, res.output
+    lines = [line for line in res.output.splitlines() if line.strip() and not line.startswith("[")]
+    assert len(lines) == 1 and said in lines[0], res.output
+
+
+@pytest.mark.parametrize("value", ["auto", "3"])
+def test_a_given_regenerator_refuses_a_layer_group(tiny_models, tmp_path, tiny_lm, value):
+    from tests.test_train import _train as train_adapter
+
+    fit = _fits(tiny_lm, (1,))[1]
+    fit.finish({"model_fingerprint": tiny_lm.fingerprints.base}).save(tmp_path / "reg")
+    res = train_adapter(tiny_models, tmp_path, tmp_path / "run", "--layer-group", value, "--regenerator",
+                        str(tmp_path / "reg"))
+    assert res.exit_code == 2 and "--regenerator --layer-group: a given regenerator's layer groups are its own" \
+        in res.output, res.output
