@@ -276,3 +276,30 @@ def test_a_stage_detail_keeps_one_line_rhythm_and_shows_the_latest_detail(capsys
     lines = capsys.readouterr().err.splitlines()
     assert [ln.split("] ", 1)[1] for ln in lines] == ["train · loss 1.000 1/10", "train · loss 0.167 6/10",
                                                       "train · loss 0.100 10/10"]
+
+
+@pytest.mark.parametrize("ratio, hinted", [("4", False), ("16", True)])
+def test_compress_at_a_high_ratio_without_a_regenerator_points_to_one(tiny_models, tmp_path, upcycle_cfg, doc,
+                                                                      one_thread, ratio, hinted):
+    r = runner.invoke(app, ["upcycle", "compress", "--model", str(tiny_models["llama"]), "--input", str(doc),
+                            "--output", str(tmp_path / "d.upc"), "--config", str(upcycle_cfg), "--ratio", ratio])
+    assert r.exit_code == 0, r.output
+    assert ("kite upcycle train --regenerator-only" in r.stdout) is hinted, r.stdout
+
+
+def test_compress_at_a_high_ratio_on_a_regenerator_gives_no_hint(tiny_models, tmp_path, upcycle_cfg, doc, one_thread):
+    from kite.model import load_model
+    from kite.upcycle.capture import capture
+    from kite.upcycle.codec.regenerator import RegeneratorFit
+
+    lm = load_model(str(tiny_models["llama"]), device="cpu")
+    fit = RegeneratorFit(n_layers=lm.geometry.n_layers, layer_group=lm.geometry.n_layers)
+    for i in range(3):
+        cap = capture(lm, CORPUS[i * 97:] + CORPUS[:i * 97])
+        fit.add(cap.keys_pre, cap.values, cap.ids)
+    fit.finish({"model_fingerprint": lm.fingerprints.base}).save(tmp_path / "reg")
+    r = runner.invoke(app, ["upcycle", "compress", "--model", str(tiny_models["llama"]), "--input", str(doc),
+                            "--output", str(tmp_path / "d.upc"), "--config", str(upcycle_cfg), "--ratio", "16",
+                            "--regenerator", str(tmp_path / "reg")])
+    assert r.exit_code == 0, r.output
+    assert "16" in r.stdout and "regenerator-only" not in r.stdout, r.stdout

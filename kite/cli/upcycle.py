@@ -109,10 +109,17 @@ def compress(
         out.print(f"  cluster {c.id:>2}  {c.label:<22} conf {c.confidence:.2f}  {c.n_tokens:>6} tokens  "
                   f"[dim]{c.preview[:60]}[/]", highlight=False)
     out.print("  " + "  ".join(f"{k} {v:.0f} ms" for k, v in result.timings_ms.items()), highlight=False)
+    if pipe.regenerator is None and result.compression_ratio >= HIGH_RATIO:
+        out.print(f"  [dim]at {result.compression_ratio:.0f}× a state that stores its own bases keeps far less than one "
+                  "coded on a regenerator fitted to the model: `kite upcycle train --regenerator-only` fits one from "
+                  "documents like yours (docs/training.md)[/]", highlight=False)
     if tiers is not None:
         out.print(f"  stored as {stored.address}: " + "  ".join(f"{t} {s}" for t, s in stored.put.tiers.items()),
                   highlight=False)
         _fail_on_put(stored)
+
+
+HIGH_RATIO = 12     # from here on a state's own bases take a share of its bytes that a regenerator saves
 
 
 def _fail_on_put(stored) -> None:
