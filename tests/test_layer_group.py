@@ -162,3 +162,26 @@ def test_a_given_regenerator_refuses_a_layer_group(tiny_models, tmp_path, tiny_l
                         str(tmp_path / "reg"))
     assert res.exit_code == 2 and "--regenerator --layer-group: a given regenerator's layer groups are its own" \
         in res.output, res.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_train_measures_the_groupings_and_codes_its_states_as_on_the_host(tiny_models, tmp_path):
+    """The measurement runs where the model is: on a GPU the candidates' states are coded by the GPU's
+    encoders, the choice and its figures come back, and the states the run keeps load."""
+    from kite.model import load_model
+    from kite.upcycle import TrainRequest, UpcycleConfig, load_prefix, read_pairs, train_upcycle
+    from tests.test_train import _pairs_file
+
+    lm = load_model(str(tiny_models["llama"]), device="cuda")
+    pairs = read_pairs(_pairs_file(tmp_path, docs=6))
+    req = TrainRequest(data_path="pairs", output_dir=tmp_path / "run", ratios=[8.0], eval_fraction=0.2,
+                       adapter=False, layer_group="auto")
+    rep = train_upcycle(lm, pairs, UpcycleConfig(), req)
+    choice = rep["regenerator"]["layer_group_choice"]
+    assert [r["layer_group"] for r in choice["candidates"]] == [1, 3] and choice["documents"] == 1
+    assert all(r["kl"] >= 0 for r in choice["candidates"])
+    reg = Regenerator.load(tmp_path / "run" / "regenerator")
+    assert reg.grouped is (choice["chosen"] == 3)
+    for path in sorted((tmp_path / "run" / "states").rglob("*.upc")):
+        prefix, _ = load_prefix(path, lm, regenerator=reg)
+        assert all(torch.isfinite(k).all() for k in prefix.keys)
