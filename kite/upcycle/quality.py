@@ -150,14 +150,15 @@ def full_logits(lm: LoadedModel, ctx: list[int], cont: list[int]) -> torch.Tenso
 
 @torch.inference_mode()
 def state_logits(lm: LoadedModel, ctx: list[int], cont: list[int], settings: CompressSettings, *, tagger=None,
-                 progress=None, regenerator=None):
+                 progress=None, regenerator=None, captured=None):
     """``ctx`` compressed into a state by ``settings`` (a temporary file), loaded, and ``cont`` read
     after it: (the logits of ``cont`` but its last token, compress_document's result, the load's
-    report, whether a reader adapter read it)."""
+    report, whether a reader adapter read it). ``captured``: ``ctx``'s capture, when the caller codes
+    it more than once (:func:`kite.upcycle.compress.capture_for`)."""
     with tempfile.TemporaryDirectory() as tmp:
         state_path = Path(tmp) / "eval.upc"
         made = compress_document(lm, lm.tokenizer.decode(ctx), state_path, settings, tagger=tagger,
-                                 progress=progress, ids=ctx, regenerator=regenerator)
+                                 progress=progress, ids=ctx, regenerator=regenerator, captured=captured)
         prefix, report = load_prefix(state_path, lm, regenerator=regenerator)
     with _reading(lm, prefix) as reader_on:
         got = forward_tokens(lm.model, cont, new_cache(lm.model, prefix), prefix.next_position)[:-1]

@@ -23,7 +23,7 @@ import torch
 
 from kite.errors import BadInput
 from kite.upcycle.codec.regenerator import Regenerator, RegeneratorFit
-from kite.upcycle.compress import CompressSettings
+from kite.upcycle.compress import CompressSettings, capture_for
 from kite.upcycle.quality import compare_logits, full_logits, state_logits
 
 MAX_WIDTH = 16384       # features one basis may span (a float64 Gram of 2 GiB a side while fitting)
@@ -75,14 +75,16 @@ def choose_layer_group(lm, fit: RegeneratorFit, documents: list[tuple[list[int],
         raise ValueError("no documents to measure the layer groups on")
     groups = [g for g in range(1, fit.layer_group + 1) if fit.layer_group % g == 0]
     full = [full_logits(lm, ctx, cont) for ctx, cont in documents]
+    # each document prefilled once: every candidate and ratio codes the same capture
+    caps = [capture_for(lm, "", settings(groups[0], ratios[0]), ids=ctx) for ctx, _ in documents]
     rows = []
     for i, g in enumerate(groups):
         t = time.perf_counter()
         reg = finish(fit.regroup(g))
         by_doc = []
-        for (ctx, cont), base in zip(documents, full):
+        for (ctx, cont), base, cap in zip(documents, full, caps):
             targets = torch.tensor(cont[1:])
-            kls = [compare_logits(base, state_logits(lm, ctx, cont, settings(g, r), regenerator=reg)[0],
+            kls = [compare_logits(base, state_logits(lm, ctx, cont, settings(g, r), regenerator=reg, captured=cap)[0],
                                   targets)["kl_mean"] for r in ratios]
             by_doc.append(round(sum(kls) / len(kls), 6))
         rows.append({"layer_group": g, "kl": round(sum(by_doc) / len(by_doc), 6), "kl_by_document": by_doc,
