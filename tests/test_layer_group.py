@@ -139,6 +139,20 @@ def test_train_measures_every_grouping_and_codes_its_states_with_the_one_it_keep
     assert other.exit_code != 0 and "holds another run" in other.output
 
 
+def test_train_says_what_each_grouping_measured(tiny_models, tmp_path):
+    from typer.testing import CliRunner
+
+    from kite.cli.main import app
+    from tests.test_train import _pairs_file
+
+    res = CliRunner().invoke(app, ["upcycle", "train", "--model", str(tiny_models["llama"]), "--data-path",
+                                   str(_pairs_file(tmp_path)), "--output-dir", str(tmp_path / "run"),
+                                   "--eval-fraction", "0.2", "--regenerator-only"])      # auto: the default
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.stdout.splitlines() if x.strip().startswith("regenerator "))
+    assert "(KL on 1 measured document: 1 layer 0." in line and ", 3 layers 0." in line, line
+
+
 @pytest.mark.parametrize("value, docs, said", [
     ("two", 5, "--layer-group two: a whole number of layers, at least 1, or auto"),
     ("0", 5, "--layer-group 0: a whole number of layers, at least 1, or auto"),

@@ -93,9 +93,9 @@ def train(
     spans = reg.get("layer_groups")
     bases = f", one basis per {spans[0][1] - spans[0][0]} layers" if spans else ""
     if reg.get("layer_group_choice"):
-        c = reg["layer_group_choice"]
-        bases += (" chosen of " + ", ".join(f"{r['layer_group']}: KL {r['kl']:.4f}" for r in c["candidates"])
-                  + f" on {c['documents']} documents" + ("" if spans else "; a basis per layer"))
+        c, n = reg["layer_group_choice"], reg["layer_group_choice"]["documents"]
+        bases = (bases or ", a basis per layer") + f" (KL on {n} measured document{'s' * (n != 1)}: " + ", ".join(
+            f"{r['layer_group']} layer{'s' * (r['layer_group'] != 1)} {r['kl']:.4f}" for r in c["candidates"]) + ")"
     out.print(f"  regenerator {reg['fingerprint'][9:21]}  ({reg['calibration']['tokens']:,} calibration tokens{bases})  "
               f"{reg['folder']}", highlight=False)
     if "adapter" in report:
