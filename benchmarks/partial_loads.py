@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     from kite.model import load_cached
     from kite.runtime.cache import new_cache
     from kite.runtime.generate import forward_tokens
-    from kite.upcycle import CompressSettings, codec_settings, compress_document, load_prefix, tokenize_document
+    from kite.upcycle import CompressSettings, codec_settings, compress_document, full_logits, load_prefix, tokenize_document
 
     lm = load_cached(args.model)
     L = lm.geometry.n_layers
@@ -58,9 +58,7 @@ def main(argv=None) -> int:
         return math.exp(float(nll.mean()))
 
     with torch.inference_mode():
-        cache = new_cache(lm.model)
-        forward_tokens(lm.model, ctx, cache, 0)
-        logits = forward_tokens(lm.model, cont, cache, len(ctx))[:-1]
+        logits = full_logits(lm, ctx, cont)
         full = math.exp(float(-torch.log_softmax(logits.float(), -1).gather(1, targets[:, None]).mean()))
         none = ppl()
     rows = [{"state": "-", "load": "full-context prefill", "layers": L, "ppl": full},

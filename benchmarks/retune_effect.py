@@ -36,7 +36,7 @@ from kite.runtime.cache import new_cache  # noqa: E402
 from kite.runtime.generate import forward_tokens  # noqa: E402
 from kite.upcycle import (LABEL_RATIOS_FILE, StateFile, compare_logits, load_prefix, open_pipeline,  # noqa: E402
                           read_label_ratios)
-from kite.upcycle import split_text  # noqa: E402
+from kite.upcycle import full_logits, split_text  # noqa: E402
 from kite.yoco.flywheel import RetunePolicy, retune  # noqa: E402
 from kite.yoco.fused import measured_gain, prompt_nll  # noqa: E402
 from kite.yoco.health import HealthStore  # noqa: E402
@@ -97,9 +97,7 @@ def main(argv=None) -> int:
     for rec in generate_contracts(args.contracts, tokens=2000, seed=41):
         n = len(lm.tokenizer(rec["text"])["input_ids"])
         ctx, cont = split_text(lm, rec["text"], n - 384, 384)
-        cache = new_cache(lm.model)
-        forward_tokens(lm.model, ctx, cache, 0)
-        full = forward_tokens(lm.model, cont, cache, len(ctx))[:-1]
+        full = full_logits(lm, ctx, cont)
         docs.append({"id": rec["id"], "ctx": ctx, "cont": cont, "full": full, "questions": questions(rec)})
     with tempfile.TemporaryDirectory() as tmp:
         folder, again = Path(tmp) / "states", Path(tmp) / "again"

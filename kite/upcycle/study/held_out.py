@@ -18,7 +18,7 @@ from kite.data.contracts import generate_contracts
 from kite.runtime.cache import KVPrefix, new_cache
 from kite.runtime.generate import forward_tokens
 from kite.upcycle.capture import capture, tokenize_document
-from kite.upcycle.quality import compare_logits
+from kite.upcycle.quality import compare_logits, full_logits
 from kite.upcycle.rope import apply_rope, rope_cos_sin
 
 LICENSES = Path("/usr/share/common-licenses")
@@ -85,9 +85,7 @@ def prepare_document(lm, name: str, text: str, continuation: int = 512, context:
     ids, _ = tokenize_document(lm.tokenizer, text)
     n_ctx = min(context, len(ids) - continuation)
     ctx, cont = ids[:n_ctx], ids[n_ctx:n_ctx + continuation]
-    full_cache = new_cache(lm.model)
-    forward_tokens(lm.model, ctx, full_cache, 0)
-    full = forward_tokens(lm.model, cont, full_cache, n_ctx)[:-1]
+    full = full_logits(lm, ctx, cont)
     cap = capture(lm, "", ids=ctx)
     cos, sin = rope_cos_sin(lm.model, torch.arange(n_ctx))
     return Document(lm=lm, name=name, n_ctx=n_ctx, cont=cont, targets=torch.tensor(cont[1:]), full=full, cap=cap,
