@@ -136,7 +136,7 @@ def test_train_measures_every_grouping_and_codes_its_states_with_the_one_it_keep
     assert again.exit_code == 0, again.output
     assert parse_json(again.output)["regenerator"]["fingerprint"] == reg.fingerprint
     other = _train(tiny_models, tmp_path, tmp_path / "run", "--layer-group", "3", "--ratio", "8", "--resume")
-    assert other.exit_code != 0 and "holds another run" in other.output
+    assert other.exit_code != 0 and "holds another run (its layer-group differs)" in other.output
 
 
 def test_train_says_what_each_grouping_measured(tiny_models, tmp_path):

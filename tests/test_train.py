@@ -385,7 +385,7 @@ def test_a_folder_holding_a_run_is_refused_unless_resumed_or_overwritten(tiny_mo
     again = _train(tiny_models, tmp_path, out, "--regenerator-only")
     assert again.exit_code == 2 and "holds this run already" in again.output
     other = _train(tiny_models, tmp_path, out, "--regenerator-only", "--seed", "5")
-    assert other.exit_code == 2 and "holds another run" in other.output
+    assert other.exit_code == 2 and "holds another run (its seed differs)" in other.output
     assert _train(tiny_models, tmp_path, out, "--regenerator-only", "--seed", "5", "--overwrite").exit_code == 0
 
 
@@ -624,8 +624,9 @@ def test_training_states_are_coded_with_the_layer_weights_states_of_the_model_ge
         for path in states:
             with StateFile(path) as sf:
                 assert (sf.meta.get("layer_weights") or {}).get("fingerprint") == want
-    res = _train(tiny_models, tmp_path, tmp_path / "plain", "--regenerator-only", "--config", str(cfg), "--resume")
-    assert res.exit_code != 0 and "holds another run" in res.output
+    res = _train(tiny_models, tmp_path, tmp_path / "plain", "--regenerator-only", "--layer-group", "1", "--config",
+                 str(cfg), "--resume")
+    assert res.exit_code != 0 and "holds another run (its config, layer-weights differ)" in res.output
 
 
 @pytest.mark.parametrize("flag", ["--pairs-per-document", "--capture-batch-tokens"])

@@ -126,8 +126,8 @@ def prepare_output(req: TrainRequest, key: dict) -> None:
                          *(p.name for p in out.glob("r*") if (p / "checkpoints").is_dir())):
                 shutil.rmtree(out / name, ignore_errors=True)
         elif old != key:
-            raise BadInput(f"--output-dir {out}: holds another run (other data, model or settings); "
-                           "use another folder, or --overwrite")
+            raise BadInput(f"--output-dir {out}: holds another run ({_differs(old, key)}); use another folder, or "
+                           "--overwrite")
         elif not req.resume:
             raise BadInput(f"--output-dir {out}: holds this run already; --resume continues it, --overwrite "
                            "starts it again")
@@ -135,6 +135,14 @@ def prepare_output(req: TrainRequest, key: dict) -> None:
         raise BadInput(f"--output-dir {out}: not empty and not a training run; use an empty or new folder")
     out.mkdir(parents=True, exist_ok=True)
     write_text(run, json.dumps(key, indent=1, sort_keys=True))
+
+
+def _differs(old, key: dict) -> str:
+    """What a folder's run key and this run's do not share, named as the flags and inputs are."""
+    if not isinstance(old, dict):
+        return "its run.json is unreadable"
+    names = [k.removesuffix("_sha256").replace("_", "-") for k in sorted(set(old) | set(key)) if old.get(k) != key.get(k)]
+    return f"its {', '.join(names)} differ{'s' if len(names) == 1 else ''}"
 
 
 def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progress=None, weighted: bool = False,
