@@ -159,11 +159,21 @@ def test_train_says_what_each_grouping_measured(tiny_models, tmp_path):
     ("auto", 2, "--layer-group auto: 1 training document; the choice is measured on documents the calibration "
                 "leaves out, so it needs at least 2"),
 ])
-def test_train_refuses_a_bad_layer_group_in_one_line(tiny_models, tmp_path, value, docs, said):
+def test_train_refuses_a_bad_layer_group_in_one_line_before_the_model_loads(tiny_models, tmp_path, value, docs, said,
+                                                                           monkeypatch):
+    import kite.model
+    import kite.model.loader
+
+    def loaded(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    for module in (kite.model, kite.model.loader):
+        monkeypatch.setattr(module, "load_model", loaded)
     res = _train(tiny_models, tmp_path, tmp_path / "run", "--layer-group", value, docs=docs)
     assert res.exit_code == 2, res.output
     lines = [line for line in res.output.splitlines() if line.strip() and not line.startswith("[")]
     assert len(lines) == 1 and said in lines[0], res.output
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("value", ["auto", "3"])

@@ -93,7 +93,10 @@ class TrainRequest:
             raise BadInput("--regenerator --layer-group: a given regenerator's layer groups are its own")
         if self.regenerator is not None:
             Regenerator.load(self.regenerator)      # BadInput for a missing or damaged folder
-        return split_pairs(pairs, self.eval_fraction, self.seed)
+        train, held = split_pairs(pairs, self.eval_fraction, self.seed)
+        if g == "auto":
+            validation_documents(sorted({p.document_key for p in train}), self.seed)   # BadInput for too few
+        return train, held
 
     def key(self, pairs: list[Pair], model_fp: str, cfg: UpcycleConfig, layer_weights=None) -> dict:
         """What must match for a run to continue in the same folder (``layer_weights``: those the
