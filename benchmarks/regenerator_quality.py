@@ -51,24 +51,41 @@ from harness import Result, clock, finish, parse, parser  # noqa: E402
 METHODS = ("doc", "regen", "regen+adapter", "doc+entropy", "regen+entropy")
 
 
+WINDOW = 2048       # tokens of a calibration window
+
+
+def calibration_windows(lm, n_contracts: int, license_windows: str = "first") -> list[list[int]]:
+    """Token ids of each calibration window: the first 2,048 tokens of each calibration license (or,
+    with ``license_windows="all"``, each of its 2,048-token windows, a last one of at least 1,024), then
+    of ``n_contracts`` generated contracts of seed 1000."""
+    out = []
+    for name in CALIBRATION_LICENSES:
+        ids, _ = tokenize_document(lm.tokenizer, (LICENSES / name).read_text())
+        starts = range(0, max(1, len(ids) - WINDOW // 2), WINDOW) if license_windows == "all" else [0]
+        out += [ids[a:a + WINDOW] for a in starts]
+    for rec in generate_contracts(n_contracts, tokens=2000, seed=1000):
+        out.append(tokenize_document(lm.tokenizer, rec["text"])[0][:WINDOW])
+    return out
+
+
 def fit_regenerator(lm, n_contracts: int, weighted: bool = False, layer_group: int = 1,
-                    layer_weights: LayerWeights | None = None) -> Regenerator:
+                    layer_weights: LayerWeights | None = None, license_windows: str = "first") -> Regenerator:
     """Per-layer bases (attention-weighted with ``weighted``), or bases across ``layer_group`` layers,
     which weigh each layer's features by what attention feels of them and each layer by
     ``layer_weights`` when given, as `kite upcycle train --layer-group` fits them."""
     queries = weighted or layer_group > 1
-    texts = [(LICENSES / n).read_text() for n in CALIBRATION_LICENSES]
-    texts += [r["text"] for r in generate_contracts(n_contracts, tokens=2000, seed=1000)]
+    windows = calibration_windows(lm, n_contracts, license_windows)
     fit = RegeneratorFit(n_layers=lm.geometry.n_layers, layer_group=layer_group)
-    for i, t in enumerate(texts):
-        ids, _ = tokenize_document(lm.tokenizer, t)
-        cap = capture(lm, "", ids=ids[:2048], queries=queries)
+    for i, ids in enumerate(windows):
+        cap = capture(lm, "", ids=ids, queries=queries)
         fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq if queries else None)
-        print(f"calibration {i + 1}/{len(texts)}", file=sys.stderr, flush=True)
+        print(f"calibration {i + 1}/{len(windows)}", file=sys.stderr, flush=True)
     return fit.finish({"model_fingerprint": lm.fingerprints.base, "geometry": lm.geometry.to_dict(),
                        "calibration": {"source": "benchmarks/regenerator_quality.py",
                                        "licenses": list(CALIBRATION_LICENSES), "contracts_seed": 1000,
-                                       "contracts": n_contracts, "layer_group": layer_group}},
+                                       "contracts": n_contracts, "layer_group": layer_group,
+                                       **({"license_windows": "all", "windows": len(windows)}
+                                          if license_windows == "all" else {})}},
                       value_weights=model_value_weights(lm) if queries else None,
                       layer_weights=layer_weights if layer_group > 1 else None)
 
@@ -111,6 +128,9 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
     ap.add_argument("--layer-group", type=int, default=1,
                     help="fit bases over groups of this many adjacent layers (default 1: per layer; the model's "
                          "layer count: one basis for the whole state)")
+    ap.add_argument("--license-windows", choices=["first", "all"], default="first",
+                    help="calibrate on each calibration license's first 2,048 tokens (default) or on all its "
+                    "2,048-token windows")
     ap.add_argument("--save-regenerator", type=Path, help="keep the fitted regenerator in this folder")
     ap.add_argument("--layer-weights", type=Path, help="a layer weights file (`kite upcycle weigh`; the embedded "
                     "model's ships in kite/data/layer_weights): every method's states allocate their bits by it, "
@@ -131,7 +151,7 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
             reg = fit_on_pairs(lm, args.calibration_pairs, args.eval_fraction, args.seed, args.weighted)
         else:
             reg = fit_regenerator(lm, args.calibration_contracts, weighted=args.weighted, layer_group=args.layer_group,
-                                  layer_weights=weights)
+                                  layer_weights=weights, license_windows=args.license_windows)
         if args.save_regenerator:
             reg.save(args.save_regenerator)
         reg.choice = args.choice
