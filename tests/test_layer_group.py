@@ -128,7 +128,9 @@ def test_train_measures_every_grouping_and_codes_its_states_with_the_one_it_keep
     assert reg.meta["calibration"]["documents"] == rep["train_documents"] == 4    # the measured one added back
     assert rep["stages"]["calibrate_choose"]["count"] == 2
     assert rep["stages"]["calibrate_capture"]["count"] == 4
-    for path in sorted((tmp_path / "run" / "states").rglob("*.upc")):
+    states = sorted((tmp_path / "run" / "states").rglob("*.upc"))
+    assert len(states) == 5                  # every document's, the measured and the held-out one too
+    for path in states:
         with StateFile(path) as sf:
             assert sf.meta["regenerator"]["fingerprint"] == reg.fingerprint
             assert (sf.meta.get("layer_groups") is not None) is reg.grouped
@@ -206,6 +208,8 @@ def test_on_a_gpu_train_measures_the_groupings_and_codes_its_states_as_on_the_ho
     assert all(r["kl"] >= 0 for r in choice["candidates"])
     reg = Regenerator.load(tmp_path / "run" / "regenerator")
     assert reg.grouped is (choice["chosen"] == 3)
-    for path in sorted((tmp_path / "run" / "states").rglob("*.upc")):
+    states = sorted((tmp_path / "run" / "states").rglob("*.upc"))
+    assert len(states) == 6
+    for path in states:
         prefix, _ = load_prefix(path, lm, regenerator=reg)
         assert all(torch.isfinite(k).all() for k in prefix.keys)
