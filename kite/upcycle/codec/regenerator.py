@@ -240,9 +240,9 @@ def _group_weights(variances: torch.Tensor, g: int, inside: torch.Tensor | None 
     per_layer = variances.clamp_min(0).reshape(B, g, D // g).mean(dim=2, keepdim=True).clamp_min(1e-12)
     w = 1.0 / per_layer
     if across is not None:
-        w = w * across.double().reshape(1, g, 1)
+        w = w * across.double().to(w.device).reshape(1, g, 1)
     w = w.expand(B, g, D // g).reshape(B, D)
-    return w * inside.double() if inside is not None else w
+    return w * inside.double().to(w.device) if inside is not None else w
 
 
 HALF_TOP = 2.0 ** 14     # the largest weight a grouped regenerator stores (fp16 holds up to 65,504)
