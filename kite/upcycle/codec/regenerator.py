@@ -171,10 +171,11 @@ class RegeneratorFit:
         n = float(self.tokens)
         means = {key: s / n if self.center else torch.zeros_like(s) for key, s in self.sums.items()}
         H, d = self.shape
+        device = next(iter(self.grams.values())).device      # the sums' (a GPU's in a GPU run); queries are on the host
 
         def attention_weights(layer: int, side: str) -> torch.Tensor:      # [1, H*d], mean 1 in the layer
             return W.as_blocks(W.key_weights(self.query_sq[layer], H, d) if side == "k" else value_weights[layer],
-                               self.joint_heads)
+                               self.joint_heads).to(device)
 
         if grouped:       # every group's and side's weights first: they are stored on one scale
             group_w = {}
@@ -242,7 +243,7 @@ def _group_weights(variances: torch.Tensor, g: int, inside: torch.Tensor | None 
     if across is not None:
         w = w * across.double().to(w.device).reshape(1, g, 1)
     w = w.expand(B, g, D // g).reshape(B, D)
-    return w * inside.double().to(w.device) if inside is not None else w
+    return w * inside.double() if inside is not None else w
 
 
 HALF_TOP = 2.0 ** 14     # the largest weight a grouped regenerator stores (fp16 holds up to 65,504)
