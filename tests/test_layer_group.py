@@ -10,7 +10,7 @@ from kite.errors import BadInput
 from kite.upcycle import CompressSettings, StateFile, codec_settings
 from kite.upcycle.capture import capture
 from kite.upcycle.codec.regenerator import Regenerator, RegeneratorFit
-from kite.upcycle.train.layer_group import candidate_groups, choose_layer_group, validation_documents
+from kite.upcycle.train.layer_group import candidate_groups, choose_layer_group, descend, validation_documents
 from tests.tiny_models import CORPUS
 
 
@@ -77,6 +77,35 @@ def test_the_measured_documents_are_a_seeded_fifth_of_the_training_documents():
         validation_documents(keys[:1], 0)
 
 
+# KL by layers per basis as the H200 measured them on SmolLM2 at 16x (train_speed_h200_20261205_e72f431_auto.json)
+MEASURED = {1: 0.093364, 2: 0.033558, 3: 0.021923, 5: 0.018048, 6: 0.011999, 10: 0.010056, 15: 0.005962,
+            30: 0.004319}
+
+
+@pytest.mark.parametrize("errors, want_measured, want", [
+    (MEASURED, [30, 15], 30),                                         # falls with the span: two measured
+    ({g: 1 / e for g, e in MEASURED.items()}, sorted(MEASURED, reverse=True), 1),   # rises: all of them
+    ({**MEASURED, 15: 0.004, 10: 0.003, 6: 0.0035}, [30, 15, 10, 6], 10),   # falling below the widest: followed
+    ({**MEASURED, 10: 0.004}, [30, 15], 30),                          # a dip behind a worse grouping: not seen
+    ({**MEASURED, 15: 0.004319}, [30, 15], 15),                       # a tie: the smaller group, then stop
+])
+def test_the_search_measures_widest_first_and_stops_at_the_first_no_better(errors, want_measured, want):
+    seen = []
+    got, best = descend(list(errors), lambda g: seen.append(g) or errors[g])
+    assert seen == want_measured and list(got) == want_measured and best == want
+
+
+def test_the_text_names_what_was_measured_and_what_the_search_left():
+    from kite.cli.upcycle_train import choice_text
+
+    rows = [{"layer_group": g, "kl": MEASURED[g]} for g in (15, 30)]
+    said = choice_text({"documents": 4, "candidates": rows, "not_measured": [1, 2, 3, 5, 6, 10]})
+    assert said == ("KL on 4 measured documents: 15 layers 0.0060, 30 layers 0.0043; 1, 2, 3, 5, 6, 10 not "
+                    "measured, 15 being no better")
+    assert choice_text({"documents": 1, "candidates": rows[:1], "not_measured": []}) == \
+        "KL on 1 measured document: 15 layers 0.0060"
+
+
 def test_the_choice_follows_the_measured_error(tiny_lm):
     """Each candidate's states are measured as the settings code them: the grouping coded at the
     lower ratio (less error) wins, whichever it is."""
@@ -93,7 +122,7 @@ def test_the_choice_follows_the_measured_error(tiny_lm):
                                     max_span_tokens=24)
 
         got = choose_layer_group(tiny_lm, fit, docs, [8.0], finish, settings)
-        assert got.chosen == easy and [r["layer_group"] for r in got.candidates] == [1, 3]
+        assert got.chosen == easy and [r["layer_group"] for r in got.candidates] == [1, 3] and not got.not_measured
         kl = {r["layer_group"]: r["kl"] for r in got.candidates}
         assert kl[easy] < kl[4 - easy] and all(len(r["kl_by_document"]) == 1 for r in got.candidates)
     assert got.to_dict()["chosen"] == 3 and got.to_dict()["documents"] == 1

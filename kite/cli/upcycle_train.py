@@ -93,9 +93,7 @@ def train(
     spans = reg.get("layer_groups")
     bases = f", one basis per {spans[0][1] - spans[0][0]} layers" if spans else ""
     if reg.get("layer_group_choice"):
-        c, n = reg["layer_group_choice"], reg["layer_group_choice"]["documents"]
-        bases = (bases or ", a basis per layer") + f" (KL on {n} measured document{'s' * (n != 1)}: " + ", ".join(
-            f"{r['layer_group']} layer{'s' * (r['layer_group'] != 1)} {r['kl']:.4f}" for r in c["candidates"]) + ")"
+        bases = (bases or ", a basis per layer") + f" ({choice_text(reg['layer_group_choice'])})"
     out.print(f"  regenerator {reg['fingerprint'][9:21]}  ({reg['calibration']['tokens']:,} calibration tokens{bases})  "
               f"{reg['folder']}", highlight=False)
     if "adapter" in report:
@@ -123,3 +121,14 @@ def train(
     per_pair = (f", {sp['seconds_per_pair_epoch']:.3f} s per training pair and epoch"
                 if sp["seconds_per_pair_epoch"] is not None else "")
     out.print(f"  speed: {sp['seconds_per_state']} s per state{per_pair}", highlight=False)
+
+
+def choice_text(choice: dict) -> str:
+    """``--layer-group auto``'s measurement in words: each grouping's KL, and those not measured."""
+    n = choice["documents"]
+    text = f"KL on {n} measured document{'s' * (n != 1)}: " + ", ".join(
+        f"{r['layer_group']} layer{'s' * (r['layer_group'] != 1)} {r['kl']:.4f}" for r in choice["candidates"])
+    if choice.get("not_measured"):
+        last = min(r["layer_group"] for r in choice["candidates"])
+        text += f"; {', '.join(map(str, choice['not_measured']))} not measured, {last} being no better"
+    return text

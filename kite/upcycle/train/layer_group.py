@@ -10,6 +10,11 @@ documents the calibration left out, at every training ratio (so at the same byte
 code its states. The candidate whose states leave the lowest mean KL of the model's next-token
 distributions against the full context's, over those documents' continuations, is kept; the
 documents are then added to the calibration and its bases fitted on all of them.
+
+The candidates are measured widest first, and the search stops at the first that is no better than
+the best so far (:func:`descend`): on the models and ratios measured, the error falls with the span
+(SmolLM2 at 16x: KL 0.093 per layer down to 0.0043 over all 30 layers, docs/training.md), so a run
+usually measures two groupings, not every divisor; where narrower bases win, it goes on down.
 """
 
 from __future__ import annotations
@@ -57,28 +62,44 @@ class GroupChoice:
     candidates: list[dict] = field(default_factory=list)   # {"layer_group", "kl", "kl_by_document", "seconds"}
     documents: int = 0
     ratios: list[float] = field(default_factory=list)
+    not_measured: list[int] = field(default_factory=list)   # narrower groupings the search stopped before
 
     def to_dict(self) -> dict:
         return {"chosen": self.chosen, "measured": "mean KL of the continuation against the full context, states "
-                "at each training ratio", "documents": self.documents, "ratios": self.ratios,
-                "candidates": self.candidates}
+                "at each training ratio", "search": "widest first, stopping at the first grouping no better than "
+                "the best so far", "documents": self.documents, "ratios": self.ratios,
+                "candidates": self.candidates, "not_measured": self.not_measured}
+
+
+def descend(groups: list[int], measure: Callable[[int], float]) -> tuple[dict[int, float], int]:
+    """``measure`` each of ``groups`` widest first until one is no better than the best so far:
+    ({group: error} of those measured, the best; the smaller group on a tie)."""
+    errors: dict[int, float] = {}
+    for g in sorted(groups, reverse=True):
+        best = min(errors.values(), default=None)
+        errors[g] = measure(g)
+        if best is not None and errors[g] >= best:
+            break
+    return errors, min(errors, key=lambda g: (errors[g], g))
 
 
 def choose_layer_group(lm, fit: RegeneratorFit, documents: list[tuple[list[int], list[int]]], ratios: list[float],
                        finish: Callable[[RegeneratorFit], Regenerator],
                        settings: Callable[[int, float], CompressSettings], progress=None) -> GroupChoice:
-    """Measure every grouping that divides ``fit``'s (:func:`candidate_groups`): its bases
-    (``finish(fit.regroup(g))``) code each of ``documents`` ((context ids, continuation ids), none
-    calibrated on) at each of ``ratios`` with ``settings(g, ratio)``; the lowest mean KL wins (the
-    smaller group on a tie). ``progress(stage, done, total)`` after each candidate."""
+    """Measure the groupings that divide ``fit``'s (:func:`candidate_groups`), widest first
+    (:func:`descend`): a grouping's bases (``finish(fit.regroup(g))``) code each of ``documents``
+    ((context ids, continuation ids), none calibrated on) at each of ``ratios`` with
+    ``settings(g, ratio)``; the lowest mean KL wins (the smaller group on a tie).
+    ``progress(stage, done, total)`` after each candidate measured."""
     if not documents:
         raise ValueError("no documents to measure the layer groups on")
     groups = [g for g in range(1, fit.layer_group + 1) if fit.layer_group % g == 0]
     full = [full_logits(lm, ctx, cont) for ctx, cont in documents]
     # each document prefilled once: every candidate and ratio codes the same capture
     caps = [capture_for(lm, "", settings(groups[0], ratios[0]), ids=ctx) for ctx, _ in documents]
-    rows = []
-    for i, g in enumerate(groups):
+    rows = {}
+
+    def measure(g: int) -> float:
         t = time.perf_counter()
         reg = finish(fit.regroup(g))
         by_doc = []
@@ -87,15 +108,17 @@ def choose_layer_group(lm, fit: RegeneratorFit, documents: list[tuple[list[int],
             kls = [compare_logits(base, state_logits(lm, ctx, cont, settings(g, r), regenerator=reg, captured=cap)[0],
                                   targets)["kl_mean"] for r in ratios]
             by_doc.append(round(sum(kls) / len(kls), 6))
-        rows.append({"layer_group": g, "kl": round(sum(by_doc) / len(by_doc), 6), "kl_by_document": by_doc,
-                     "seconds": round(time.perf_counter() - t, 1)})
+        rows[g] = {"layer_group": g, "kl": round(sum(by_doc) / len(by_doc), 6), "kl_by_document": by_doc,
+                   "seconds": round(time.perf_counter() - t, 1)}
         del reg
         if progress:
-            progress("regenerator (layer groups)", i + 1, len(groups))
-    best = min(rows, key=lambda r: (r["kl"], r["layer_group"]))
-    return GroupChoice(chosen=best["layer_group"], candidates=rows, documents=len(documents),
-                       ratios=[float(r) for r in ratios])
+            progress("regenerator (layer groups)", len(rows), len(groups))
+        return rows[g]["kl"]
+
+    _, chosen = descend(groups, measure)
+    return GroupChoice(chosen=chosen, candidates=[rows[g] for g in sorted(rows)], documents=len(documents),
+                       ratios=[float(r) for r in ratios], not_measured=[g for g in groups if g not in rows])
 
 
-__all__ = ["GroupChoice", "MAX_DOCUMENTS", "MAX_WIDTH", "candidate_groups", "choose_layer_group",
+__all__ = ["GroupChoice", "MAX_DOCUMENTS", "MAX_WIDTH", "candidate_groups", "choose_layer_group", "descend",
            "validation_documents"]

@@ -211,12 +211,13 @@ def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progres
     if not auto:
         with times.stage("calibrate_fit", 0):
             return finish(fit)
-    with times.stage("calibrate_choose", len(candidates)):
+    with times.stage("calibrate_choose", 0):
         measured = []
         for key in held_back:
             ctx, prompt, response = tokenize_pair(lm.tokenizer, docs[key])
             measured.append((ctx, prompt + response))
         choice = choose_layer_group(lm, fit, measured, search.ratios, finish, search.settings, progress)
+    times.add_count("calibrate_choose", len(choice.candidates))      # the groupings measured
     calibrate(held_back, "regenerator (calibrate the measured documents)")
     with times.stage("calibrate_fit", 0):
         reg = finish(fit.regroup(choice.chosen))

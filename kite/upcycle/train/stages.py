@@ -55,6 +55,10 @@ class StageTimes:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
             self.counts[name] = self.counts.get(name, 0) + count
 
+    def add_count(self, name: str, count: int) -> None:
+        """Units a timed stage did, known only after it ran (``stage(name, 0)`` then this)."""
+        self.counts[name] = self.counts.get(name, 0) + count
+
     def to_dict(self) -> dict[str, dict]:
         """Per stage run: seconds, count, unit and seconds per unit (the stages in run order)."""
         out = {}
