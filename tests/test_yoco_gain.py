@@ -148,3 +148,30 @@ def test_a_prompt_that_is_the_query_costs_no_second_forward_for_its_gain(setup, 
     monkeypatch.setattr(fused, "prompt_nll", no_forward)
     out = fused.answer(lm, tagger, parse_rules(RULES), state, query, ids, max_new_tokens=2, min_hit_gain=-1.0)
     assert out.load is not None and out.gain == pytest.approx(want, abs=1e-5)
+
+
+def test_a_decision_reads_its_querys_novelty_once_and_remembers_the_query(setup):
+    """The novelty a decision reads is the query's against the queries before it, computed once (a
+    server decides a burst's requests one after another on the batch thread), and the query is then
+    one of the recent ones."""
+    from kite.yoco.fused import answer
+    from kite.yoco.novelty import NoveltyTracker, similarity
+    from kite.yoco.rules import parse_rules
+
+    class Counting(NoveltyTracker):
+        computed = 0
+
+        def _novelty(self, q, h):
+            self.computed += 1
+            return super()._novelty(q, h)
+
+    lm, tagger, state = setup
+    tracker = Counting()
+    before, query = "Which court settles a breach?", "Which court settles a breach of contract?"
+    tracker.observe(before)
+    ids = lm.tokenizer(query, add_special_tokens=False)["input_ids"]
+    out = answer(lm, tagger, parse_rules(RULES), state, query, ids, novelty=tracker, max_new_tokens=1,
+                 min_hit_gain=-1.0)
+    assert tracker.computed == 2 and len(tracker) == 2
+    assert out.signals.query_novelty == pytest.approx(1 - similarity(before, query))
+    assert tracker.novelty(query) == 0.0

@@ -106,3 +106,19 @@ def test_two_processes_write_without_losing_records(tmp_path):
 def test_bad_gain_rejected(tmp_path):
     with HealthStore(tmp_path / "h.sqlite") as store, pytest.raises(ValueError):
         store.record("s", "a", float("nan"))
+
+
+def test_a_loads_labels_are_recorded_together_as_one_by_one(tmp_path):
+    """A load's labels take one gain in one transaction: the same records as one call a label (a
+    label named twice counts once), and a bad gain writes none of them."""
+    clock = Clock()
+    with HealthStore(tmp_path / "one.sqlite", clock=clock) as one, \
+            HealthStore(tmp_path / "all.sqlite", clock=clock) as together:
+        for gain in (-0.02, 0.03, 0.01):
+            want = {label: one.record("s", label, gain) for label in ("a", "b", "c")}
+            assert together.record_clusters("s", ["a", "b", "c", "a"], gain) == pytest.approx(want)
+        assert [(r.cluster, r.mean_gain, r.loads, r.hits) for r in together.records("s")] == \
+            [(r.cluster, r.mean_gain, r.loads, r.hits) for r in one.records("s")]
+        with pytest.raises(ValueError):
+            together.record_clusters("t", ["a", "b"], float("inf"))
+        assert together.records("t") == []

@@ -112,6 +112,9 @@ class TenantHealth:
     def record(self, state_id: str, cluster: str, gain: float) -> float:
         return self._health.record(self._key(state_id), cluster, gain)
 
+    def record_clusters(self, state_id: str, clusters, gain: float) -> dict[str, float]:
+        return self._health.record_clusters(self._key(state_id), clusters, gain)
+
     def score(self, state_id: str, cluster: str) -> float:
         return self._health.score(self._key(state_id), cluster)
 

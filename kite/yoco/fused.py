@@ -120,9 +120,7 @@ def plan_for(lm: LoadedModel, tagger, rules, state: StateFile, query: str, *, he
     t0 = time.perf_counter()
     q = signals if signals is not None else query_signals(lm, [query], tagger)[0]
     t1 = time.perf_counter()
-    nov = novelty.novelty(query) if novelty is not None else 1.0
-    if novelty is not None:
-        novelty.observe(query)
+    nov = novelty.observe(query) if novelty is not None else 1.0     # its novelty, then it is remembered
     info = state_info(state, health, state_id)
     signals = build_signals(q, nov, info, watermark)
     t2 = time.perf_counter()
@@ -208,8 +206,7 @@ def finish(lm: LoadedModel, prepared: Prepared, prompt_ids: list[int], gen: Gene
         gain = measured_gain(without_state_nll(lm, prepared, prompt_ids), gen.prompt_nll_bits)
         extra["gain"] = round((time.perf_counter() - t_gain) * 1e3, 3)
         if health is not None and gain is not None:
-            for label in sorted(set(prepared.load.labels)):
-                health.record(prepared.info.state_id, label, gain)
+            health.record_clusters(prepared.info.state_id, sorted(set(prepared.load.labels)), gain)
     return FusedAnswer(prepared.signals, prepared.plan, prepared.load, gen, gain,
                        timings_ms={**prepared.timings_ms, "generate": gen.total_ms, **extra})
 

@@ -113,30 +113,38 @@ class HealthStore:
 
     def record(self, state_id: str, cluster: str, gain: float) -> float:
         """Add one measured gain; return the cluster's new health."""
+        return self.record_clusters(state_id, [cluster], gain)[cluster]
+
+    def record_clusters(self, state_id: str, clusters, gain: float) -> dict[str, float]:
+        """Add one measured gain to each of a state's ``clusters`` (a load's labels), in one
+        transaction; return each one's new health."""
         if not math.isfinite(gain):
             raise ValueError(f"gain must be finite, got {gain!r}")
         now = self.clock()
+        out = {}
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")  # take the write lock before reading
             try:
-                row = self._db.execute(
-                    "SELECT mean_gain, weight, loads, hits, updated_at FROM cluster_health "
-                    "WHERE state_id = ? AND cluster = ?", (state_id, cluster)).fetchone()
-                if row is None:
-                    mean, weight, loads, hits = self.prior_gain, 0.0, 0, 0
-                else:
-                    mean, weight = self._decay(row[0], row[1], row[4], now)
-                    loads, hits = row[2], row[3]
-                a = max(self.alpha, 1.0 / (weight + 2.0))
-                mean += a * (gain - mean)
-                self._db.execute(
-                    "INSERT OR REPLACE INTO cluster_health VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (state_id, cluster, mean, weight + 1.0, loads + 1, hits + (gain > 0), now))
+                for cluster in dict.fromkeys(clusters):
+                    row = self._db.execute(
+                        "SELECT mean_gain, weight, loads, hits, updated_at FROM cluster_health "
+                        "WHERE state_id = ? AND cluster = ?", (state_id, cluster)).fetchone()
+                    if row is None:
+                        mean, weight, loads, hits = self.prior_gain, 0.0, 0, 0
+                    else:
+                        mean, weight = self._decay(row[0], row[1], row[4], now)
+                        loads, hits = row[2], row[3]
+                    a = max(self.alpha, 1.0 / (weight + 2.0))
+                    mean += a * (gain - mean)
+                    self._db.execute(
+                        "INSERT OR REPLACE INTO cluster_health VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (state_id, cluster, mean, weight + 1.0, loads + 1, hits + (gain > 0), now))
+                    out[cluster] = health_from_gain(mean, self.gain_scale)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-        return health_from_gain(mean, self.gain_scale)
+        return out
 
     def score(self, state_id: str, cluster: str) -> float:
         """Health in [0, 1] now; the prior's health for a cluster never loaded."""
