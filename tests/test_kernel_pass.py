@@ -3,6 +3,8 @@ states and the same signals: on the CPU through Triton's interpreter at fp32, on
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -94,6 +96,29 @@ def test_gpu_short_queries_replay_a_captured_pass():
             assert (kept[k].float() - want_kept[k].float()).abs().max().item() <= 0.02 * want_kept[k].float().abs().max().item()
     graphs = lm.model.__dict__["_kite_pass_graphs"]
     assert set(graphs) == {(1, 8, (0, 2)), (4, 16, (0, 2))}      # (1, 5) and (1, 7) share one
-    long = torch.randint(5, lm.geometry.vocab_size, (8, 100), generator=g)   # 8 x 128 > GRAPH_TOKENS
+    long = torch.randint(5, lm.geometry.vocab_size, (32, 100), generator=g)   # 32 x 128 > GRAPH_TOKENS
     kernel_pass.hidden_pass(lm.model, long, (0, 2))
     assert len(graphs) == 2
+
+
+@cuda
+def test_gpu_warm_captures_every_bucket_and_a_burst_replays_one():
+    """:func:`warm` captures the pass of every bucket a graph holds (a server's, before its first
+    request); a burst of 15 questions then replays the 16-row graph (no new capture), within bf16
+    rounding of the eager pass."""
+    from kite.runtime import kernel_pass
+
+    lm = tiny_lm("qwen2", "cuda", torch.bfloat16, layers=3, hidden_size=256, num_attention_heads=4,
+                 num_key_value_heads=2)
+    made = kernel_pass.warm(lm.model, (2, 0))
+    graphs = lm.model.__dict__["_kite_pass_graphs"]
+    want = {(B, T, (0, 2)) for B in kernel_pass.ROW_BUCKETS for T in kernel_pass.LENGTH_BUCKETS
+            if B * T <= kernel_pass.GRAPH_TOKENS}
+    assert made == len(want) == len(graphs) and set(graphs) == want and (16, 32, (0, 2)) in want
+    ids = torch.randint(5, lm.geometry.vocab_size, (15, 21), generator=torch.Generator().manual_seed(1))
+    last, _ = kernel_pass.hidden_pass(lm.model, ids, (0, 2))
+    want_last, _ = kernel_pass.kernel_hidden(lm.model, ids, (0, 2))
+    assert len(graphs) == len(want)
+    assert (last.float() - want_last.float()).abs().max().item() <= 0.02 * want_last.float().abs().max().item()
+    with mock.patch.object(kernel_pass, "GRAPHS", False):
+        assert kernel_pass.warm(lm.model, (0, 2)) == 0

@@ -11,11 +11,13 @@ a row's own tokens never see its padding).
 :func:`hidden_pass` answers None where it does not apply (CPU, fp32, the fused layers not installed:
 kite.runtime.kernel_step.why_not); the caller then runs transformers' forward.
 
-Launched layer by layer, the pass still spends most of its time in Python. A few short queries (at
-most GRAPH_TOKENS tokens once padded to a bucket of rows and of length) replay a CUDA graph of the
-pass instead, captured the first time their buckets come (kept on the model, one memory pool): the
-queries fill the first rows and columns of its static input, the rest is padding no row's own tokens
-see (right padding, causal attention; padding rows are rows of their own).
+Launched layer by layer, the pass still spends most of its time in Python, and in a server the batch
+thread's every kernel launch waits for the GIL behind the HTTP side: a burst's pass over 15 questions
+took 130 ms on the H200 where alone it takes a few. Queries of at most GRAPH_TOKENS tokens once padded
+to a bucket of rows and of length (up to 64 questions of 32 tokens) replay a CUDA graph of the pass
+instead, captured the first time their buckets come or all at once by :func:`warm` (kept on the model,
+one memory pool): the queries fill the first rows and columns of its static input, the rest is
+padding no row's own tokens see (right padding, causal attention; padding rows are rows of their own).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import torch.nn.functional as F
 from kite.runtime.kernel_step import norm_input, why_not
 
 GRAPHS = True          # False: every pass runs eagerly (benchmarks and tests compare both)
-GRAPH_TOKENS = 512     # rows x length at most, once padded to their buckets, for a pass from a graph
-ROW_BUCKETS = (1, 2, 4, 8)
+GRAPH_TOKENS = 2048    # rows x length at most, once padded to their buckets, for a pass from a graph
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LENGTH_BUCKETS = (8, 16, 32, 64, 128)
 
 
@@ -50,6 +52,19 @@ def hidden_pass(model, ids: torch.Tensor, wanted: tuple[int, ...] = ()) -> tuple
     if GRAPHS and shape is not None:
         return _graph(model, *shape, tuple(sorted(wanted))).run(ids)
     return kernel_hidden(model, ids, wanted)
+
+
+def warm(model, wanted: tuple[int, ...] = ()) -> int:
+    """Capture the pass of every bucket of rows and length a graph holds, keeping ``wanted`` layers,
+    now rather than in a request's decision; how many graphs the model holds for them (0 where the
+    pass does not apply or graphs are off)."""
+    if not (GRAPHS and applies(model)):
+        return 0
+    key = tuple(sorted(wanted))
+    shapes = [(B, T) for B in ROW_BUCKETS for T in LENGTH_BUCKETS if B * T <= GRAPH_TOKENS]
+    for B, T in shapes:
+        _graph(model, B, T, key)
+    return len(shapes)
 
 
 def _buckets(B: int, T: int) -> tuple[int, int] | None:

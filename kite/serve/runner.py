@@ -101,6 +101,14 @@ class ModelRunner:
         self.batcher = Batcher(self.lm, max_batch=settings.max_batch, max_kv_bytes=settings.batch_kv_bytes,
                                reserve_tokens=settings.batch_reserve_tokens,
                                on_step=on_step)
+        if settings.batch_reserve_tokens is not None:     # its captures before the first request, as the steps'
+            from kite.yoco.intent import warm_query_signals
+
+            try:
+                self.batcher.call(lambda: warm_query_signals(self.lm, self.tagger))
+            except BaseException:
+                self.batcher.close()
+                raise
 
     def close(self) -> None:
         """Stop the batch's scheduler (requests still in it fail with a shutdown error), then close the

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kite.runtime.batch import right_padded
+from kite.runtime import kernel_pass
 from kite.runtime.kernel_pass import hidden_pass
 from kite.runtime.lowp import bf16_linears
 
@@ -151,6 +152,15 @@ def query_signals(lm: LoadedModel, queries: list[str], tagger=None, batch_size: 
     distinct = _distinct_signals(lm, list(slot), tagger, batch_size, max_tokens, batch_tokens, precision,
                                  progress)
     return [replace(distinct[k], label_probs=dict(distinct[k].label_probs)) for k in which]
+
+
+def warm_query_signals(lm: LoadedModel, tagger=None) -> int:
+    """On a GPU with the fused layers: capture the pass :func:`query_signals` makes for every bucket of
+    a few short queries now (kite.runtime.kernel_pass.warm), keeping the layers ``tagger`` reads, so a
+    server's first bursts replay it; how many graphs that is (0 elsewhere)."""
+    if _plain_head(lm.model) is None:
+        return 0
+    return kernel_pass.warm(lm.model, tuple(tagger.query_layers) if tagger is not None else ())
 
 
 def _distinct_signals(lm: LoadedModel, queries: list[str], tagger, batch_size: int, max_tokens: int, batch_tokens: int,
