@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kite.runtime.batch import right_padded
-from kite.runtime import kernel_pass
 from kite.runtime.kernel_pass import hidden_pass
+from kite.runtime.kernel_pass import warm as warm_pass
 from kite.runtime.lowp import bf16_linears
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ def warm_query_signals(lm: LoadedModel, tagger=None) -> int:
     server's first bursts replay it; how many graphs that is (0 elsewhere)."""
     if _plain_head(lm.model) is None:
         return 0
-    return kernel_pass.warm(lm.model, tuple(tagger.query_layers) if tagger is not None else ())
+    return warm_pass(lm.model, tuple(tagger.query_layers) if tagger is not None else ())
 
 
 def _distinct_signals(lm: LoadedModel, queries: list[str], tagger, batch_size: int, max_tokens: int, batch_tokens: int,
