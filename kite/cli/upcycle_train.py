@@ -45,8 +45,9 @@ def train(
         help="Layers one calibrated basis spans (their keys, or values, coded together; a divisor of the "
         "model's layers, e.g. all of them for one basis over the whole state; 1: a basis per layer). Bases across "
         "layers weigh each layer's features by what attention feels of them and each layer by the layer weights. "
-        "auto: every grouping measured on training documents the first calibration leaves out (KL of their "
-        "continuations at the training ratios) and the best kept (the default when no --regenerator is given).")] = None,
+        "auto: the groupings measured, widest first until one is no better, on training documents the first "
+        "calibration leaves out (KL of their continuations at the training ratios) and the best kept (the default "
+        "when no --regenerator is given).")] = None,
     mkdir: bool = MkdirOpt,
     json_out: bool = JsonOpt,
 ) -> None:
