@@ -73,6 +73,30 @@ def kernels_vs_modules(device: str, dtypes, places: float, exact: float, rope_ex
                 close(qo, qr, "rope q", exact=rope_exact)
                 close(ko, kr, "rope k", exact=rope_exact)
                 assert torch.equal(vo, v.transpose(1, 2)) and qo.stride() == qr.stride()
+                rope_into_slots(q, k, v, cos, sin, qo, ko, vo)
+
+
+def rope_into_slots(q, k, v, cos, sin, qo, ko, vo) -> None:
+    """rope_store gives rope_qkv's q and writes its k and v into a batch cache's slots: token t <
+    counts[b] of sequence b at slot starts[b] + t of row rows[b], every head; nothing else written."""
+    from kite.kernels.rope_triton import rope_store
+
+    B, T, _, d = q.shape
+    hkv = k.shape[2]
+    keys = torch.full((B + 2, hkv, T + 6, d), -7.0, dtype=q.dtype, device=q.device)
+    values = keys.clone()
+    rows = torch.tensor([B + 1 - b for b in range(B)], dtype=torch.int32, device=q.device)
+    starts = torch.tensor([2 + b for b in range(B)], dtype=torch.int32, device=q.device)
+    counts = torch.tensor([T - b % 2 for b in range(B)], dtype=torch.int32, device=q.device)   # padding too
+    got_q = rope_store(q, k, v, cos, sin, keys, values, rows, starts, counts)
+    assert torch.equal(got_q, qo) and got_q.stride() == qo.stride()
+    want_k, want_v = keys.clone(), values.clone()
+    want_k[:], want_v[:] = -7.0, -7.0
+    for b in range(B):
+        n, r, s0 = int(counts[b]), int(rows[b]), int(starts[b])
+        want_k[r, :, s0:s0 + n] = ko[b, :, :n]
+        want_v[r, :, s0:s0 + n] = vo[b, :, :n]
+    assert torch.equal(keys, want_k) and torch.equal(values, want_v)
 
 
 def fused_vs_unfused_models() -> None:

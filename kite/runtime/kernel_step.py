@@ -5,10 +5,11 @@ mask per layer and row, built on the host every step; on a GPU that step ran 5.7
 floor at 32 rows after 16K-token prefixes. Here the same forward of a Llama-family model (Llama,
 Qwen2, Mistral) is written out layer by layer on the kernels `kite generate` uses (one-kernel
 RMSNorm with the residual add, q/k/v and gate/up as one product each through the projections the
-fused layers install, kite.model.fused, one RoPE kernel, one SiLU product) and two batch kernels
-that read the cache's buffers where they lie:
+fused layers install, kite.model.fused, one SiLU product) and two batch kernels that use the
+cache's buffers where they lie:
 
-- kite.kernels.kv_store_triton writes each row's new keys and values into its next slots;
+- kite.kernels.rope_triton.rope_store rotates the queries and keys and writes each row's new keys
+  and values into its next slots;
 - kite.kernels.split_attention_triton attends each sequence over its own buffer row up to its own
   length in each layer, the keys split across thread blocks; a row whose state is held beside its
   slots (kite.runtime.resident, e.g. lanes) gets that state's part merged in one softmax.
@@ -104,8 +105,7 @@ class KernelForward:
         beside its slots, read through ``lanes(layer, q)`` -> (out [B, Hq, 1, d], lse [B, Hq, 1]) (a
         captured step's :class:`LanesRows`)."""
         from kite.kernels.fused_norm_triton import rms_norm
-        from kite.kernels.kv_store_triton import store_kv
-        from kite.kernels.rope_triton import rope_qkv
+        from kite.kernels.rope_triton import rope_store
         from kite.kernels.silu_mul_triton import silu_mul
         from kite.kernels.split_attention_triton import split_kv_attention
 
@@ -117,8 +117,8 @@ class KernelForward:
         for layer, block in enumerate(self.inner.layers):
             attn, mlp = block.self_attn, block.mlp
             h, x = norm_input(h, mlp_out, block.input_layernorm)
-            q, k, v = rope_qkv(*attn.kite_qkv(x), cos, sin)    # the fused layers' projections (kite.model.fused)
-            store_kv(k, v, keys[layer], values[layer], rows, starts[layer], counts)
+            # the fused layers' projections (kite.model.fused); the new keys and values go to their slots
+            q = rope_store(*attn.kite_qkv(x), cos, sin, keys[layer], values[layer], rows, starts[layer], counts)
             if lanes is not None:
                 out, lse = split_kv_attention(q, keys[layer], values[layer], None, attn.scaling, rows=rows,
                                               lengths=lens[layer], starts=starts[layer], splits=splits,
