@@ -15,7 +15,10 @@ any strides); without a mask, the bottom-right causal rule: key j is visible to 
 j <= k - q + t (every cached token precedes the query, which is causal within itself).
 
 Both kernels are plain launches with shapes fixed by the inputs, so a forward that calls them can be
-captured in a CUDA graph. Triton's interpreter (TRITON_INTERPRET=1) runs them on the CPU.
+captured in a CUDA graph. The query's length is an argument, not a compile-time constant (only the
+folded rows' tile is): a continuation of a new length after a state would otherwise compile both
+kernels anew, ~1-2 s a length on the H200 (a training run's held-back documents and held-out pairs
+each paid it). Triton's interpreter (TRITON_INTERPRET=1) runs them on the CPU.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ _SMS: dict[int, int] = {}
 @triton.jit
 def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, rows_ptr, lens_ptr, starts_ptr, o_ptr, lse_ptr, qk_scale, KL,
                     CHUNK, sqb, sqh, sqt, skb, skh, skn, svb, svh, svn, smb, smt, smn,
-                    SPLITS, HKV: tl.constexpr, REP: tl.constexpr, QL: tl.constexpr, D: tl.constexpr,
+                    SPLITS, QL, HKV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     HAS_MASK: tl.constexpr, HAS_LENS: tl.constexpr, IEEE: tl.constexpr):
     split = tl.program_id(0)
@@ -48,7 +51,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, rows_ptr, lens_ptr, starts_pt
     bh = tl.program_id(2)
     b = bh // HKV
     g = bh % HKV
-    M: tl.constexpr = REP * QL
+    M = REP * QL
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)     # folded row r*QL + t: query head g*REP + r, token t
     row_ok = rows < M
     r = rows // QL
@@ -108,15 +111,15 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, rows_ptr, lens_ptr, starts_pt
 
 
 @triton.jit
-def _merge_kernel(o_ptr, lse_ptr, out_ptr, lse_out_ptr, sob, sot, soh, SPLITS,
-                  HKV: tl.constexpr, REP: tl.constexpr, QL: tl.constexpr, D: tl.constexpr,
+def _merge_kernel(o_ptr, lse_ptr, out_ptr, lse_out_ptr, sob, sot, soh, SPLITS, QL,
+                  HKV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr,
                   SP: tl.constexpr, HAS_LSE: tl.constexpr):
     # one program per folded row: every split's partial loaded at once ([SP, D]), no serial chain of loads
     row = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
     g = bh % HKV
-    M: tl.constexpr = REP * QL
+    M = REP * QL
     s = tl.arange(0, SP)
     s_ok = s < SPLITS
     d = tl.arange(0, D)
@@ -248,13 +251,13 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         query, key, value, mk, rows if by_row else unused, lengths if by_row else unused,
         starts if by_row else unused, o_part, lse_part, scale * LOG2E, KL, chunk,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2), *sm, n_split,
-        HKV=Hkv, REP=rep, QL=QL, D=D, BLOCK_M=block_m, BLOCK_N=block_n,
+        value.stride(0), value.stride(1), value.stride(2), *sm, n_split, QL,
+        HKV=Hkv, REP=rep, D=D, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=mask is not None, HAS_LENS=by_row, IEEE=ieee, num_warps=warps, num_stages=stages)
     out = torch.empty(B, QL, Hq, D, dtype=query.dtype, device=query.device)
     lse = torch.empty(B, Hq, QL, dtype=torch.float32, device=query.device) if return_lse else lse_part
     _merge_kernel[(M, B * Hkv)](
-        o_part, lse_part, out, lse, out.stride(0), out.stride(1), out.stride(2), n_split,
-        HKV=Hkv, REP=rep, QL=QL, D=D, SP=_merge_width(n_split), HAS_LSE=return_lse,
+        o_part, lse_part, out, lse, out.stride(0), out.stride(1), out.stride(2), n_split, QL,
+        HKV=Hkv, REP=rep, D=D, SP=_merge_width(n_split), HAS_LSE=return_lse,
         num_warps=4)
     return (out, lse) if return_lse else out

@@ -42,8 +42,8 @@ import torch
 from kite.runtime.batch_cache import BatchKVCache
 
 MAX_QUERY = 64        # tokens a row feeds in one step through the kernels (longer prompts: transformers')
-# a step's query length padded up to one of these: the attention kernel is compiled per query length
-# (a constexpr), so each new question length cost a compile in a request's prefill; padded tokens
+# a step's query length padded up to one of these: a step is captured per bucket, and the attention's
+# folded rows take a tile per power of two of them, so a few lengths stand for all; padded tokens
 # write nothing and are dropped (split_kv_attention: they see what the row's last token sees)
 QUERY_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GRAPHS = True         # False: decode steps run eagerly too (benchmarks compare both)
