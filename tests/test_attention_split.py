@@ -152,6 +152,30 @@ def test_gpu_kernel_split_kv_matches_the_fused_path(shape, dtype, use_mask):
 
 
 @cuda
+def test_gpu_queries_of_new_lengths_compile_no_new_kernels():
+    """Continuations of 3, 5 and 6 tokens after a state (their folded rows one tile) run the kernels
+    compiled for the first: the query's length is an argument, not a constant compiled in; each
+    matches the reference."""
+    from kite.kernels import split_attention_triton as sa
+
+    k, v = (torch.randn(1, 4, 3000, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def compiled() -> int:
+        caches = getattr(sa._partial_kernel, "device_caches", None)
+        if caches is None:
+            pytest.skip("this Triton keeps its compiled kernels elsewhere")
+        return sum(len(c[0]) for c in caches.values()) + sum(len(c[0]) for c in sa._merge_kernel.device_caches.values())
+
+    counts = []
+    for QL in (3, 5, 6):
+        q = torch.randn(1, 8, QL, 64, device="cuda", dtype=torch.bfloat16)
+        out = sa.split_kv_attention(q, k, v)
+        assert (out.float() - reference(q, k, v, None, 64 ** -0.5)).abs().max().item() < 2e-2
+        counts.append(compiled())
+    assert counts[0] == counts[1] == counts[2], counts
+
+
+@cuda
 def test_gpu_kernel_split_kv_replays_in_a_cuda_graph():
     from kite.kernels.split_attention_triton import split_kv_attention
 
