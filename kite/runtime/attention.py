@@ -99,10 +99,12 @@ def kite_attention(module, query, key, value, attention_mask, scaling=None, drop
         if q_len == k_len:
             is_causal = True
         else:
+            # bottom-right causal, shaped [1, 1, q, k] as a model's own masks are: GQA queries fold
+            # below (no copies of the KV heads, and cuDNN's fused kernel left out)
             offset = k_len - q_len
             rows = torch.arange(q_len, device=query.device).unsqueeze(1)
             cols = torch.arange(k_len, device=query.device).unsqueeze(0)
-            mask = cols <= rows + offset
+            mask = (cols <= rows + offset)[None, None]
     if (mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1 and not dropout
             and key.shape[1] != query.shape[1]):
         # a query after cached tokens (a loaded state): the query heads of a KV head folded into the
