@@ -16,9 +16,9 @@ j <= k - q + t (every cached token precedes the query, which is causal within it
 
 Both kernels are plain launches with shapes fixed by the inputs, so a forward that calls them can be
 captured in a CUDA graph. The query's length is an argument, not a compile-time constant (only the
-folded rows' tile is): a continuation of a new length after a state would otherwise compile both
-kernels anew, ~1-2 s a length on the H200 (a training run's held-back documents and held-out pairs
-each paid it). Triton's interpreter (TRITON_INTERPRET=1) runs them on the CPU.
+folded rows' tile is): as a constant, each new length of a continuation after a state compiled both
+kernels anew, and a training run's held-back documents and held-out pairs come in many lengths.
+Triton's interpreter (TRITON_INTERPRET=1) runs them on the CPU.
 """
 
 from __future__ import annotations
