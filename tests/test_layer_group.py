@@ -128,6 +128,28 @@ def test_the_choice_follows_the_measured_error(tiny_lm):
     assert got.to_dict()["chosen"] == 3 and got.to_dict()["documents"] == 1
 
 
+def test_the_search_stops_where_a_narrower_grouping_is_no_better(tmp_path):
+    """A 4-layer model: the whole-state bases (coded at a low ratio) beat 2 layers a basis, so the
+    search stops there; 1 layer a basis is not measured, and the progress bar ends full."""
+    from kite.model import load_model
+    from kite.testing.tiny_models import make_tiny_model
+
+    lm = load_model(str(make_tiny_model(tmp_path / "four", "llama", layers=4)), device="cpu")
+    fit = _fits(lm, (4,))[4]
+    ids = lm.tokenizer(CORPUS[500:] + CORPUS, add_special_tokens=False)["input_ids"]
+
+    def settings(g, ratio):
+        return CompressSettings(codec=codec_settings(2.0 if g == 4 else 24.0), n_clusters=2, min_span_tokens=8,
+                                max_span_tokens=24)
+
+    calls = []
+    got = choose_layer_group(lm, fit, [(ids[:200], ids[200:240])], [8.0],
+                             lambda f: f.finish({"model_fingerprint": lm.fingerprints.base}), settings,
+                             lambda stage, done, total: calls.append((done, total)))
+    assert got.chosen == 4 and [r["layer_group"] for r in got.candidates] == [2, 4] and got.not_measured == [1]
+    assert calls == [(1, 3), (2, 3), (2, 2)]
+
+
 def _train(tiny_models, tmp_path, out, *extra, docs=5):
     from typer.testing import CliRunner
 

@@ -120,6 +120,8 @@ def choose_layer_group(lm, fit: RegeneratorFit, documents: list[tuple[list[int],
         return rows[g]["kl"]
 
     _, chosen = descend(groups, measure)
+    if progress and len(rows) < len(groups):
+        progress("regenerator (layer groups)", len(rows), len(rows))     # the search stopped: the bar ends full
     return GroupChoice(chosen=chosen, candidates=[rows[g] for g in sorted(rows)], documents=len(documents),
                        ratios=[float(r) for r in ratios], not_measured=[g for g in groups if g not in rows],
                        baseline_seconds=round(baseline_s, 1))
