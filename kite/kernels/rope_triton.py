@@ -50,9 +50,12 @@ def _copy_into(src, dst, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, vo_ptr,
-                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, T,
-                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr):
+def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, vo_ptr, rows_ptr, starts_ptr, counts_ptr,
+                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sbr, sbh, sbn, T,
+                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, SLOTS: tl.constexpr):
+    # program (token, sequence, head): q heads, then k heads, then v heads. SLOTS: k and v go to their
+    # cache slots (row rows[b], slot starts[b] + t; none for a padded token t >= counts[b]), else to
+    # [B, T, H, d] outputs like q's
     t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2)
@@ -60,32 +63,20 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, vo_ptr,
     sn = sin_ptr + b * scb + t * sct
     if h < HQ:
         _rotate_into(q_ptr + b * sqb + t * sqt + h * sqh, qo_ptr + ((b * T + t) * HQ + h) * (2 * HALF), cs, sn, HALF)
-    elif h < HQ + HKV:
-        _rotate_into(k_ptr + b * skb + t * skt + (h - HQ) * skh, ko_ptr + ((b * T + t) * HKV + (h - HQ)) * (2 * HALF),
-                     cs, sn, HALF)
     else:
-        hv = h - HQ - HKV
-        _copy_into(v_ptr + b * svb + t * svt + hv * svh, vo_ptr + ((b * T + t) * HKV + hv) * (2 * HALF), HALF)
-
-
-@triton.jit
-def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kb_ptr, vb_ptr, rows_ptr, starts_ptr, counts_ptr,
-                       sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sbr, sbh, sbn, T,
-                       HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr):
-    t = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2)
-    cs = cos_ptr + b * scb + t * sct
-    sn = sin_ptr + b * scb + t * sct
-    if h < HQ:
-        _rotate_into(q_ptr + b * sqb + t * sqt + h * sqh, qo_ptr + ((b * T + t) * HQ + h) * (2 * HALF), cs, sn, HALF)
-    elif t < tl.load(counts_ptr + b):       # a padded token writes nothing
-        slot = tl.load(rows_ptr + b).to(tl.int64) * sbr + (tl.load(starts_ptr + b) + t).to(tl.int64) * sbn
-        if h < HQ + HKV:
-            _rotate_into(k_ptr + b * skb + t * skt + (h - HQ) * skh, kb_ptr + slot + (h - HQ) * sbh, cs, sn, HALF)
+        hk = (h - HQ) % HKV
+        if SLOTS:
+            keep = t < tl.load(counts_ptr + b)
+            dst = tl.load(rows_ptr + b).to(tl.int64) * sbr + (tl.load(starts_ptr + b) + t).to(tl.int64) * sbn \
+                + hk * sbh
         else:
-            hv = h - HQ - HKV
-            _copy_into(v_ptr + b * svb + t * svt + hv * svh, vb_ptr + slot + hv * sbh, HALF)
+            keep = t < T
+            dst = ((b * T + t) * HKV + hk) * (2 * HALF)
+        if keep:
+            if h < HQ + HKV:
+                _rotate_into(k_ptr + b * skb + t * skt + hk * skh, ko_ptr + dst, cs, sn, HALF)
+            else:
+                _copy_into(v_ptr + b * svb + t * svt + hk * svh, vo_ptr + dst, HALF)
 
 
 def rope_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -102,9 +93,9 @@ def rope_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tenso
         cos, sin = cos.contiguous(), sin.contiguous()
     scb = 0 if cos.shape[0] == 1 else cos.stride(0)
     _rope_kernel[(T, B, HQ + 2 * HKV)](
-        q, k, v, cos, sin, qo, ko, vo, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        k.stride(2), v.stride(0), v.stride(1), v.stride(2), scb, cos.stride(1), T,
-        HQ=HQ, HKV=HKV, HALF=D // 2, num_warps=1)
+        q, k, v, cos, sin, qo, ko, vo, qo, qo, qo, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), scb, cos.stride(1), 0, 0, 0, T,
+        HQ=HQ, HKV=HKV, HALF=D // 2, SLOTS=False, num_warps=1)      # (rows, starts, counts: not read)
     return qo.transpose(1, 2), ko.transpose(1, 2), vo.transpose(1, 2)
 
 
@@ -124,8 +115,9 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     if cos.stride(-1) != 1:
         cos, sin = cos.contiguous(), sin.contiguous()
     scb = 0 if cos.shape[0] == 1 else cos.stride(0)
-    _rope_store_kernel[(T, B, HQ + 2 * HKV)](
+    _rope_kernel[(T, B, HQ + 2 * HKV)](
         q, k, v, cos, sin, qo, key_buf, value_buf, rows, starts, counts, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), scb, cos.stride(1),
-        key_buf.stride(0), key_buf.stride(1), key_buf.stride(2), T, HQ=HQ, HKV=HKV, HALF=D // 2, num_warps=1)
+        key_buf.stride(0), key_buf.stride(1), key_buf.stride(2), T, HQ=HQ, HKV=HKV, HALF=D // 2, SLOTS=True,
+        num_warps=1)
     return qo.transpose(1, 2)
