@@ -287,7 +287,7 @@ class KernelStep:
     @torch.inference_mode()
     def compile_queries(self) -> None:
         """Run one eager step of each query bucket on a row that writes and reads nothing (count 0): the
-        kernels of every question length compile now, not in a request's prefill. The attention of
+        kernels a question of each bucket's length runs compile now, not in a request's prefill. The attention of
         both variants (rows held in their slots, and rows whose state is held beside them, with the
         lse) also runs at one batch size of each chunk count a batch of these rows can plan
         (:meth:`attention_batches`): the merge kernel compiles per power of two of it, and a prefill
