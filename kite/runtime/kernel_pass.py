@@ -13,7 +13,8 @@ kite.runtime.kernel_step.why_not); the caller then runs transformers' forward.
 
 Launched layer by layer, the pass still spends most of its time in Python, and in a server the batch
 thread's every kernel launch waits for the GIL behind the HTTP side: a burst's pass over 15 questions
-took 130 ms on the H200 where alone it takes a few. Queries of at most GRAPH_TOKENS tokens once padded
+took 130 ms on the H200, where 64 questions alone take 29 ms eagerly (benchmarks/batch_step_gpu.py's
+query-pass profile). Queries of at most GRAPH_TOKENS tokens once padded
 to a bucket of rows and of length (up to 64 questions of 32 tokens) replay a CUDA graph of the pass
 instead, captured the first time their buckets come or all at once by :func:`warm` (kept on the model,
 one memory pool): the queries fill the first rows and columns of its static input, the rest is
