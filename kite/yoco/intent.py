@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kite.runtime.batch import right_padded
-from kite.runtime.kernel_pass import hidden_pass
-from kite.runtime.kernel_pass import warm as warm_pass
+from kite.runtime.kernel_pass import hidden_pass, warm as warm_pass
 from kite.runtime.lowp import bf16_linears
 
 if TYPE_CHECKING:
