@@ -50,6 +50,25 @@ def test_the_pass_gives_transformers_hidden_states_on_the_cpu():
     run_interpreted("tests.test_kernel_pass:check_the_pass_in_the_interpreter", timeout=300)
 
 
+def test_a_pass_replays_graphs_chunk_by_chunk_of_rows_and_long_queries_run_eagerly():
+    """Rows beyond what one graph of the length's bucket holds go to further replays, each at a
+    bucket warm captures; a query longer than every length bucket has no graph."""
+    from kite.runtime.kernel_pass import GRAPH_TOKENS, LENGTH_BUCKETS, ROW_BUCKETS, _chunks
+
+    assert _chunks(15, 21) == [((0, 15), (16, 32))]
+    assert _chunks(106, 30) == [((0, 64), (64, 32)), ((64, 106), (64, 32))]
+    assert _chunks(32, 100) == [((0, 16), (16, 128)), ((16, 32), (16, 128))]
+    assert _chunks(65, 8) == [((0, 64), (64, 8)), ((64, 65), (1, 8))]
+    assert _chunks(3, LENGTH_BUCKETS[-1] + 1) is None
+    for B in range(1, 200):
+        for T in (1, 9, 32, 33, 64, 65, 128):
+            chunks = _chunks(B, T)
+            assert [a for (a, _), _ in chunks] == list(range(0, B, chunks[0][0][1]))
+            assert chunks[-1][0][1] == B
+            for (a, b), (rows, length) in chunks:
+                assert rows in ROW_BUCKETS and b - a <= rows and T <= length and rows * length <= GRAPH_TOKENS
+
+
 @cuda
 def test_gpu_pass_at_bf16_gives_transformers_signals():
     """The query signals YOCO reads (entropy, NLL) through the kernels and through transformers'
@@ -78,7 +97,8 @@ def test_gpu_pass_at_bf16_gives_transformers_signals():
 def test_gpu_short_queries_replay_a_captured_pass():
     """A few short queries replay a CUDA graph of the pass (captured once per bucket of rows and
     length): the hidden states of the eager pass over the same ids, within bf16 rounding (a padded
-    product may round differently), for every wanted layer; a longer batch runs eagerly."""
+    product may round differently), for every wanted layer; queries longer than every length bucket
+    run eagerly."""
     from kite.runtime import kernel_pass
 
     lm = tiny_lm("qwen2", "cuda", torch.bfloat16, layers=3, hidden_size=256, num_attention_heads=4,
@@ -96,9 +116,27 @@ def test_gpu_short_queries_replay_a_captured_pass():
             assert (kept[k].float() - want_kept[k].float()).abs().max().item() <= 0.02 * want_kept[k].float().abs().max().item()
     graphs = lm.model.__dict__["_kite_pass_graphs"]
     assert set(graphs) == {(1, 8, (0, 2)), (4, 16, (0, 2))}      # (1, 5) and (1, 7) share one
-    long = torch.randint(5, lm.geometry.vocab_size, (32, 100), generator=g)   # 32 x 128 > GRAPH_TOKENS
+    long = torch.randint(5, lm.geometry.vocab_size, (2, 200), generator=g)    # longer than every length bucket
     kernel_pass.hidden_pass(lm.model, long, (0, 2))
     assert len(graphs) == 2
+
+
+@cuda
+def test_gpu_more_questions_than_a_graph_holds_replay_it_chunk_by_chunk():
+    """70 questions of up to 32 tokens: two replays of the 64-row graph (the second chunk's output
+    must not overwrite the first's), within bf16 rounding of the eager pass row by row."""
+    from kite.runtime import kernel_pass
+
+    lm = tiny_lm("qwen2", "cuda", torch.bfloat16, layers=3, hidden_size=256, num_attention_heads=4,
+                 num_key_value_heads=2)
+    ids = torch.randint(5, lm.geometry.vocab_size, (70, 19), generator=torch.Generator().manual_seed(2))
+    last, kept = kernel_pass.hidden_pass(lm.model, ids, (1,))
+    want_last, want_kept = kernel_pass.kernel_hidden(lm.model, ids, (1,))
+    assert set(lm.model.__dict__["_kite_pass_graphs"]) == {(64, 32, (1,))}
+    assert last.shape == want_last.shape == (70, 19, want_last.shape[-1])
+    for got, want in ((last, want_last), (kept[1], want_kept[1])):
+        err = (got.float() - want.float()).abs().amax(dim=(1, 2))
+        assert bool((err <= 0.02 * want.float().abs().amax(dim=(1, 2))).all()), err
 
 
 @cuda

@@ -19,6 +19,8 @@ to a bucket of rows and of length (up to 64 questions of 32 tokens) replay a CUD
 instead, captured the first time their buckets come or all at once by :func:`warm` (kept on the model,
 one memory pool): the queries fill the first rows and columns of its static input, the rest is
 padding no row's own tokens see (right padding, causal attention; padding rows are rows of their own).
+More questions than one graph holds replay graphs chunk by chunk of rows (a burst of 106 questions of
+up to 32 tokens: two replays); only queries longer than the longest length bucket run eagerly.
 """
 
 from __future__ import annotations
@@ -49,10 +51,20 @@ def hidden_pass(model, ids: torch.Tensor, wanted: tuple[int, ...] = ()) -> tuple
     does not apply (:func:`applies`)."""
     if not applies(model):
         return None
-    shape = _buckets(*ids.shape)
-    if GRAPHS and shape is not None:
-        return _graph(model, *shape, tuple(sorted(wanted))).run(ids)
-    return kernel_hidden(model, ids, wanted)
+    chunks = _chunks(*ids.shape) if GRAPHS else None
+    if chunks is None:
+        return kernel_hidden(model, ids, wanted)
+    key = tuple(sorted(wanted))
+    if len(chunks) == 1:
+        return _graph(model, *chunks[0][1], key).run(ids)
+    # more rows than one graph holds: a replay per chunk of rows, each copied out before the next
+    # replay (a chunk may replay the same graph), then joined
+    lasts, kepts = [], []
+    for (a, b), shape in chunks:
+        last, kept = _graph(model, *shape, key).run(ids[a:b])
+        lasts.append(last.clone())
+        kepts.append({k: v.clone() for k, v in kept.items()})
+    return torch.cat(lasts), {k: torch.cat([kept[k] for kept in kepts]) for k in kepts[0]}
 
 
 def warm(model, wanted: tuple[int, ...] = ()) -> int:
@@ -68,13 +80,16 @@ def warm(model, wanted: tuple[int, ...] = ()) -> int:
     return len(shapes)
 
 
-def _buckets(B: int, T: int) -> tuple[int, int] | None:
-    """The (rows, length) buckets a pass of B rows of T tokens replays at, or None (eager)."""
-    rows = next((b for b in ROW_BUCKETS if b >= B), None)
+def _chunks(B: int, T: int) -> list[tuple[tuple[int, int], tuple[int, int]]] | None:
+    """How a pass of B rows of T tokens replays: [((first row, end row), (rows, length) buckets)],
+    B cut into runs of as many rows as one graph of T's length bucket holds; None (eager) where no
+    length bucket takes T."""
     length = next((t for t in LENGTH_BUCKETS if t >= T), None)
-    if rows is None or length is None or rows * length > GRAPH_TOKENS:
+    most = max((b for b in ROW_BUCKETS if length is not None and b * length <= GRAPH_TOKENS), default=None)
+    if most is None or B < 1:
         return None
-    return rows, length
+    return [((a, min(a + most, B)), (next(b for b in ROW_BUCKETS if b >= min(most, B - a)), length))
+            for a in range(0, B, most)]
 
 
 def _graph(model, B: int, T: int, wanted: tuple[int, ...]) -> _PassGraph:
