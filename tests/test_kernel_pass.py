@@ -69,6 +69,33 @@ def test_a_pass_replays_graphs_chunk_by_chunk_of_rows_and_long_queries_run_eager
                 assert rows in ROW_BUCKETS and b - a <= rows and T <= length and rows * length <= GRAPH_TOKENS
 
 
+def test_chunk_by_chunk_each_replay_is_copied_out_before_the_next():
+    """A replay's outputs are views of its graph's static buffers, which the next replay of the same
+    graph overwrites: 120 rows (two replays of the 64-row graph) come back each with its own values,
+    in order, for the final states and every kept layer."""
+    from kite.runtime import kernel_pass
+
+    class Graph:    # a captured pass's static outputs, rewritten at every replay
+        def __init__(self, B, T):
+            self.last, self.kept = torch.zeros(B, T, 2), {0: torch.zeros(B, T, 2)}
+
+        def run(self, ids):
+            b, t = ids.shape
+            self.last.zero_()
+            self.kept[0].zero_()
+            self.last[:b, :t, 0] = ids
+            self.kept[0][:b, :t, 1] = -ids
+            return self.last[:b, :t], {k: v[:b, :t] for k, v in self.kept.items()}
+
+    graphs = {}
+    ids = torch.arange(120 * 19, dtype=torch.float32).reshape(120, 19)
+    with mock.patch.object(kernel_pass, "applies", lambda model: True), \
+            mock.patch.object(kernel_pass, "_graph", lambda model, B, T, w: graphs.setdefault((B, T, w), Graph(B, T))):
+        last, kept = kernel_pass.hidden_pass(object(), ids, (0,))
+    assert set(graphs) == {(64, 32, (0,))}
+    assert torch.equal(last[..., 0], ids) and torch.equal(kept[0][..., 1], -ids)
+
+
 @cuda
 def test_gpu_pass_at_bf16_gives_transformers_signals():
     """The query signals YOCO reads (entropy, NLL) through the kernels and through transformers'
@@ -123,17 +150,17 @@ def test_gpu_short_queries_replay_a_captured_pass():
 
 @cuda
 def test_gpu_more_questions_than_a_graph_holds_replay_it_chunk_by_chunk():
-    """70 questions of up to 32 tokens: two replays of the 64-row graph (the second chunk's output
+    """120 questions of up to 32 tokens: two replays of the 64-row graph (the second chunk's output
     must not overwrite the first's), within bf16 rounding of the eager pass row by row."""
     from kite.runtime import kernel_pass
 
     lm = tiny_lm("qwen2", "cuda", torch.bfloat16, layers=3, hidden_size=256, num_attention_heads=4,
                  num_key_value_heads=2)
-    ids = torch.randint(5, lm.geometry.vocab_size, (70, 19), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(5, lm.geometry.vocab_size, (120, 19), generator=torch.Generator().manual_seed(2))
     last, kept = kernel_pass.hidden_pass(lm.model, ids, (1,))
     want_last, want_kept = kernel_pass.kernel_hidden(lm.model, ids, (1,))
     assert set(lm.model.__dict__["_kite_pass_graphs"]) == {(64, 32, (1,))}
-    assert last.shape == want_last.shape == (70, 19, want_last.shape[-1])
+    assert last.shape == want_last.shape == (120, 19, want_last.shape[-1])
     for got, want in ((last, want_last), (kept[1], want_kept[1])):
         err = (got.float() - want.float()).abs().amax(dim=(1, 2))
         assert bool((err <= 0.02 * want.float().abs().amax(dim=(1, 2))).all()), err
