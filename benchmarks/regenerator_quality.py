@@ -23,8 +23,10 @@ layers (``--layer-group``) is always attention-weighted inside each layer and we
 ``--layer-weights`` when given, as `kite upcycle train --layer-group` fits it with the model's layer
 weights. ``--only DOC:RATIO ...`` and ``--methods`` pick rows and columns,
 ``--calibration-pairs`` fits on a training run's documents instead. Rows: each document, ratio and
-method's continuation PPL, the full context's the baseline (quality figures, no floor); then per ratio
-and method the mean PPL delta over the documents (with the largest, and the mean KL).
+method's continuation PPL, the full context's the baseline (quality figures, no floor), with the PPL
+delta's 95 % interval over resamples of the continuation; then per ratio and method the mean PPL
+delta over the documents (with the largest, how many documents lie above twice the mean with their
+whole interval, and the mean KL).
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
                 r = evaluate(model, text, context_tokens=ctx, continuation_tokens=CONTINUATION, settings=s,
                              regenerator=regen)
                 row[label] = {"ppl_full": r.ppl_full, "ppl_state": r.ppl_state, "ppl_delta": r.ppl_delta,
-                              "kl": r.kl_mean, "top1": r.top1_agreement, "compression_ratio": r.compression_ratio,
+                              "ppl_delta_interval": r.ppl_delta_interval, "kl": r.kl_mean, "top1": r.top1_agreement, "compression_ratio": r.compression_ratio,
                               "state_bytes": r.state_bytes, "reader_adapter": r.reader_adapter,
                               "seconds": round(clock() - t1, 1)}
             rows.append(row)
@@ -220,8 +222,10 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
                 continue
             deltas = [g["ppl_delta"] for g in got]
             mean = sum(deltas) / len(deltas)
+            # a document above twice the mean whose whole interval is too: not the continuation's noise
             res.row(f"mean of {len(got)} documents, {ratio:g}x: {k} PPL delta", round(mean, 4), "ppl",
                     largest=round(max(deltas), 4), within_twice_the_mean=bool(max(deltas) <= 2 * abs(mean)),
+                    above_twice_the_mean_beyond_noise=sum(g["ppl_delta_interval"][0] > 2 * abs(mean) for g in got),
                     kl=round(sum(g["kl"] for g in got) / len(got), 5))
     res.raw.update(result)
     return finish(res, args)
@@ -229,11 +233,11 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
 
 def table(result: dict) -> str:
     kinds = [k for k in METHODS if any(k in r for r in result["rows"])]
-    head = "| document | ratio | " + " | ".join(f"{k} ratio · ΔPPL · KL" for k in kinds) + " |"
+    head = "| document | ratio | " + " | ".join(f"{k} ratio · ΔPPL [95 % interval] · KL" for k in kinds) + " |"
     lines = [head, "|---" * (2 + len(kinds)) + "|"]
     for r in result["rows"]:
-        cells = [f"{r[k]['compression_ratio']:.2f}× · {r[k]['ppl_delta']:+.3f} · {r[k]['kl']:.4f}" if k in r else ""
-                 for k in kinds]
+        cells = [f"{r[k]['compression_ratio']:.2f}× · {r[k]['ppl_delta']:+.3f} [{r[k]['ppl_delta_interval'][0]:+.3f}, "
+                 f"{r[k]['ppl_delta_interval'][1]:+.3f}] · {r[k]['kl']:.4f}" if k in r else "" for k in kinds]
         lines.append(f"| {r['document']} ({r['context_tokens']}) | {r['ratio']:g}× | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -101,10 +101,20 @@ def test_eval_reports_its_full_context_pass_and_passkey_depths(tiny_models, upcy
                             "--config", str(upcycle_cfg), "--context-tokens", "120", "--continuation-tokens", "20",
                             "--probe", "passkey", "--json"])
     assert r.exit_code == 0, r.output
-    json.loads(r.stdout)
+    got = json.loads(r.stdout)
+    lo, hi = got["ppl_delta_interval"]
+    assert lo <= got["ppl_delta"] <= hi
     lines = _progress(r.stderr)
     assert ("full context", 1, 1) in lines and ("passkey", 5, 5) in lines
     assert {"prefill", "compress"} <= {stage for stage, _, _ in lines}
+
+
+def test_eval_says_how_far_its_delta_moves_with_the_continuation(tiny_models, upcycle_cfg, doc, one_thread):
+    r = runner.invoke(app, ["upcycle", "eval", "--model", str(tiny_models["llama"]), "--input", str(doc),
+                            "--config", str(upcycle_cfg), "--context-tokens", "120", "--continuation-tokens", "80"])
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.stdout.splitlines() if "PPL full" in x)
+    assert "95 % of resamples of the continuation:" in line, line
 
 
 def test_eval_tagging_reports_every_step(tiny_models, tmp_path, one_thread):

@@ -230,9 +230,10 @@ def eval_cmd(
     out = console()
     out.print(f"[bold]{result.codec}[/] on {result.context_tokens} context + {result.continuation_tokens} "
               f"continuation tokens", highlight=False)
+    lo, hi = result.ppl_delta_interval
     out.print(f"  PPL full {result.ppl_full:.3f} · state {result.ppl_state:.3f} · delta "
-              f"{result.ppl_delta:+.3f} · KL {result.kl_mean:.4f} · top-1 {result.top1_agreement:.1%}",
-              highlight=False)
+              f"{result.ppl_delta:+.3f} (95 % of resamples of the continuation: {lo:+.3f} to {hi:+.3f}) · KL "
+              f"{result.kl_mean:.4f} · top-1 {result.top1_agreement:.1%}", highlight=False)
     out.print(f"  state {result.state_bytes:,} B vs raw fp16 KV {result.raw_kv_bytes:,} B = "
               f"{result.compression_ratio:.2f}× (every byte counted: codecs, scales, header)", highlight=False)
     for name, p in result.probes.items():

@@ -51,24 +51,51 @@ class EvalResult:
     spans: dict = field(default_factory=dict)   # the state's spans: count, min_tokens, max_tokens
     regenerator: str | None = None              # the fingerprint of the regenerator the state was coded on
     reader_adapter: bool = False                # the model read the state with its reader adapter on
+    ppl_delta_interval: list[float] | None = None   # 95 % of the delta's resamples fall in it (delta_interval)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _score(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:
+def _score(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each target's NLL [n], the log-probabilities [n, vocab])."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    nll = -logp.gather(1, targets.to(logp.device)[:, None]).squeeze(1)
-    return float(torch.exp(nll.mean())), logp
+    return -logp.gather(1, targets.to(logp.device)[:, None]).squeeze(1), logp
+
+
+INTERVAL_BLOCK = 32        # tokens a resampled block of the continuation holds
+INTERVAL_SAMPLES = 2000
+
+
+def delta_interval(nll_full: torch.Tensor, nll_other: torch.Tensor, level: float = 0.95,
+                   block: int = INTERVAL_BLOCK, samples: int = INTERVAL_SAMPLES) -> tuple[float, float]:
+    """How far the PPL delta exp(mean ``nll_other``) − exp(mean ``nll_full``) moves with the text
+    it is measured on: the central ``level`` of its values over ``samples`` resamples of the
+    continuation (the same positions for both, in blocks of ``block`` consecutive tokens, since a
+    token's loss tells of its neighbours'), seeded, so the same NLLs give the same interval.
+    An interval that holds zero: this continuation cannot tell the two apart."""
+    a, b = nll_full.double().cpu(), nll_other.double().cpu()
+    n = a.numel()
+    if n != b.numel() or n == 0:
+        raise ValueError(f"two NLLs of one continuation expected, got {n} and {b.numel()} tokens")
+    size = min(block, n)
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, n - size + 1, (samples, -(-n // size)), generator=g)
+    idx = (starts[:, :, None] + torch.arange(size)).reshape(samples, -1)[:, :n]
+    deltas = b[idx].mean(1).exp() - a[idx].mean(1).exp()
+    lo, hi = torch.quantile(deltas, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
+    return float(lo), float(hi)
 
 
 def compare_logits(full: torch.Tensor, other: torch.Tensor, targets: torch.Tensor) -> dict:
-    """PPLs, KL(full‖other) per token and top-1 agreement of two [n, vocab] logit sets."""
-    ppl_full, lp_full = _score(full, targets)
-    ppl_other, lp_other = _score(other, targets)
+    """PPLs, KL(full‖other) per token and top-1 agreement of two [n, vocab] logit sets, and the PPL
+    delta's 95 % interval over resamples of the continuation (:func:`delta_interval`)."""
+    nll_full, lp_full = _score(full, targets)
+    nll_other, lp_other = _score(other, targets)
     kl = (lp_full.exp() * (lp_full - lp_other)).sum(-1).mean()
     top1 = (full.argmax(-1) == other.argmax(-1)).float().mean()
-    return {"ppl_full": ppl_full, "ppl_other": ppl_other, "kl_mean": float(kl), "top1": float(top1)}
+    return {"ppl_full": float(nll_full.mean().exp()), "ppl_other": float(nll_other.mean().exp()),
+            "kl_mean": float(kl), "top1": float(top1), "ppl_delta_interval": delta_interval(nll_full, nll_other)}
 
 
 def split_text(lm: LoadedModel, text: str, context_tokens: int, continuation_tokens: int) -> tuple[list[int], list[int]]:
@@ -132,7 +159,8 @@ def evaluate(lm: LoadedModel, text: str, *, context_tokens: int = 2048, continua
         top1_agreement=round(m["top1"], 4), state_bytes=made.state_bytes, raw_kv_bytes=made.raw_kv_bytes,
         compression_ratio=round(made.compression_ratio, 3),
         timings_ms={**made.timings_ms, "load": report.load_ms}, spans=made.spans,
-        regenerator=regenerator.fingerprint if regenerator is not None else None, reader_adapter=bool(reader_on))
+        regenerator=regenerator.fingerprint if regenerator is not None else None, reader_adapter=bool(reader_on),
+        ppl_delta_interval=[round(x, 4) for x in m["ppl_delta_interval"]])
     for name in probes:
         result.probes[name] = run_probe(name, lm, text, context_tokens, settings, tagger, progress=progress,
                                         regenerator=regenerator, **(qa if name == "qa" else {}))

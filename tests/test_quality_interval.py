@@ -1,0 +1,60 @@
+"""The PPL delta's interval over resamples of the continuation (kite.upcycle.quality.delta_interval):
+what a reader of `kite upcycle eval` and the quality benchmarks needs to tell a state's loss from the
+text's noise."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kite.upcycle.quality import compare_logits, delta_interval
+
+
+def _nll(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed)) * 4
+
+
+def test_the_same_losses_give_a_zero_interval():
+    nll = _nll(511)
+    assert delta_interval(nll, nll.clone()) == (0.0, 0.0)
+
+
+def test_a_loss_higher_at_every_token_lies_wholly_above_zero_and_holds_the_delta():
+    full = _nll(511)
+    other = full + 0.05
+    lo, hi = delta_interval(full, other)
+    delta = math.exp(other.double().mean()) - math.exp(full.double().mean())
+    assert 0 < lo <= delta <= hi
+
+
+def test_noise_of_mean_zero_gives_an_interval_across_zero_and_wider_with_more_noise():
+    full = _nll(511)
+    noise = torch.randn(511, generator=torch.Generator().manual_seed(1))
+    narrow = delta_interval(full, full + 0.1 * (noise - noise.mean()))
+    wide = delta_interval(full, full + 0.5 * (noise - noise.mean()))
+    assert narrow[0] < 0 < narrow[1] and wide[0] < narrow[0] and wide[1] > narrow[1]
+
+
+def test_the_interval_is_reproducible_and_takes_a_continuation_shorter_than_a_block():
+    full, other = _nll(511), _nll(511, seed=2)
+    assert delta_interval(full, other) == delta_interval(full, other)
+    lo, hi = delta_interval(full[:5], other[:5])
+    assert lo <= hi
+
+
+@pytest.mark.parametrize("a, b", [(3, 4), (0, 0)])
+def test_losses_of_two_lengths_or_none_are_refused(a, b):
+    with pytest.raises(ValueError, match="two NLLs of one continuation"):
+        delta_interval(_nll(a), _nll(b))
+
+
+def test_compare_logits_reports_the_interval_around_its_delta():
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(200, 50, generator=g)
+    other = full + 0.3 * torch.randn(200, 50, generator=g)
+    targets = torch.randint(50, (200,), generator=g)
+    m = compare_logits(full, other, targets)
+    lo, hi = m["ppl_delta_interval"]
+    assert lo <= m["ppl_other"] - m["ppl_full"] <= hi
