@@ -55,12 +55,3 @@ def cut_spans(text: str, offsets: list[tuple[int, int]], min_tokens: int = 32,
             out[-2:] = [(a, e)]
     return out
 
-
-def span_label(span_chars: tuple[int, int], gold: list[dict]) -> str | None:
-    """The gold label overlapping the char range most (gold: [{start, end, label}])."""
-    best, best_overlap = None, 0
-    for g in gold:
-        overlap = min(span_chars[1], g["end"]) - max(span_chars[0], g["start"])
-        if overlap > best_overlap:
-            best, best_overlap = g["label"], overlap
-    return best
