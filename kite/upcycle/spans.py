@@ -54,4 +54,3 @@ def cut_spans(text: str, offsets: list[tuple[int, int]], min_tokens: int = 32,
         if e - a <= max_tokens:
             out[-2:] = [(a, e)]
     return out
-
