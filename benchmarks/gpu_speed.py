@@ -79,12 +79,6 @@ def wait(ev) -> None:
         torch.cuda.current_stream().wait_event(ev)
 
 
-def on_stream(st):
-    import contextlib
-
-    return torch.cuda.stream(st) if DEV == "cuda" else contextlib.nullcontext()
-
-
 def capture(fn):
     """fn() run twice on a side stream (warm-up), then captured as a CUDA graph: (graph, its output)."""
     side = torch.cuda.Stream()
