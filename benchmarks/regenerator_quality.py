@@ -184,7 +184,8 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
                 r = evaluate(model, text, context_tokens=ctx, continuation_tokens=CONTINUATION, settings=s,
                              regenerator=regen)
                 row[label] = {"ppl_full": r.ppl_full, "ppl_state": r.ppl_state, "ppl_delta": r.ppl_delta,
-                              "ppl_delta_interval": r.ppl_delta_interval, "kl": r.kl_mean, "top1": r.top1_agreement, "compression_ratio": r.compression_ratio,
+                              "ppl_delta_interval": r.ppl_delta_interval, "kl": r.kl_mean,
+                              "top1": r.top1_agreement, "compression_ratio": r.compression_ratio,
                               "state_bytes": r.state_bytes, "reader_adapter": r.reader_adapter,
                               "seconds": round(clock() - t1, 1)}
             rows.append(row)

@@ -50,11 +50,12 @@ def test_losses_of_two_lengths_or_none_are_refused(a, b):
         delta_interval(_nll(a), _nll(b))
 
 
-def test_compare_logits_reports_the_interval_around_its_delta():
+def test_compare_logits_reports_the_interval_around_its_delta_when_asked():
     g = torch.Generator().manual_seed(3)
     full = torch.randn(200, 50, generator=g)
     other = full + 0.3 * torch.randn(200, 50, generator=g)
     targets = torch.randint(50, (200,), generator=g)
-    m = compare_logits(full, other, targets)
+    m = compare_logits(full, other, targets, interval=True)
     lo, hi = m["ppl_delta_interval"]
     assert lo <= m["ppl_other"] - m["ppl_full"] <= hi
+    assert "ppl_delta_interval" not in compare_logits(full, other, targets)

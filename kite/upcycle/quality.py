@@ -87,15 +87,20 @@ def delta_interval(nll_full: torch.Tensor, nll_other: torch.Tensor, level: float
     return float(lo), float(hi)
 
 
-def compare_logits(full: torch.Tensor, other: torch.Tensor, targets: torch.Tensor) -> dict:
-    """PPLs, KL(full‖other) per token and top-1 agreement of two [n, vocab] logit sets, and the PPL
-    delta's 95 % interval over resamples of the continuation (:func:`delta_interval`)."""
+def compare_logits(full: torch.Tensor, other: torch.Tensor, targets: torch.Tensor, *,
+                   interval: bool = False) -> dict:
+    """PPLs, KL(full‖other) per token and top-1 agreement of two [n, vocab] logit sets; with
+    ``interval``, also the PPL delta's 95 % interval over resamples of the continuation
+    (``ppl_delta_interval``, :func:`delta_interval`)."""
     nll_full, lp_full = _score(full, targets)
     nll_other, lp_other = _score(other, targets)
     kl = (lp_full.exp() * (lp_full - lp_other)).sum(-1).mean()
     top1 = (full.argmax(-1) == other.argmax(-1)).float().mean()
-    return {"ppl_full": float(nll_full.mean().exp()), "ppl_other": float(nll_other.mean().exp()),
-            "kl_mean": float(kl), "top1": float(top1), "ppl_delta_interval": delta_interval(nll_full, nll_other)}
+    out = {"ppl_full": float(nll_full.mean().exp()), "ppl_other": float(nll_other.mean().exp()),
+           "kl_mean": float(kl), "top1": float(top1)}
+    if interval:
+        out["ppl_delta_interval"] = delta_interval(nll_full, nll_other)
+    return out
 
 
 def split_text(lm: LoadedModel, text: str, context_tokens: int, continuation_tokens: int) -> tuple[list[int], list[int]]:
@@ -151,7 +156,7 @@ def evaluate(lm: LoadedModel, text: str, *, context_tokens: int = 2048, continua
         progress("full context", 1, 1)
     got, made, report, reader_on = state_logits(lm, ctx, cont, settings, tagger=tagger, progress=progress,
                                                 regenerator=regenerator)
-    m = compare_logits(full, got, targets)
+    m = compare_logits(full, got, targets, interval=True)
     result = EvalResult(
         context_tokens=len(ctx), continuation_tokens=len(cont), codec=settings.codec.name,
         ppl_full=round(m["ppl_full"], 4), ppl_state=round(m["ppl_other"], 4),
