@@ -85,9 +85,9 @@ def _chunks(B: int, T: int) -> list[tuple[tuple[int, int], tuple[int, int]]] | N
     B cut into runs of as many rows as one graph of T's length bucket holds; None (eager) where no
     length bucket takes T."""
     length = next((t for t in LENGTH_BUCKETS if t >= T), None)
-    most = max((b for b in ROW_BUCKETS if length is not None and b * length <= GRAPH_TOKENS), default=None)
-    if most is None or B < 1:
+    if length is None or B < 1:
         return None
+    most = max(b for b in ROW_BUCKETS if b * length <= GRAPH_TOKENS)      # rows one graph of that length holds
     return [((a, min(a + most, B)), (next(b for b in ROW_BUCKETS if b >= min(most, B - a)), length))
             for a in range(0, B, most)]
 
