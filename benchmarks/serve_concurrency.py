@@ -138,6 +138,14 @@ def burst_bodies(clients: int, requests: int, max_tokens: int) -> tuple[list[dic
     return bodies, contract
 
 
+def reserve_tokens(tokenizer, contract: dict, bodies: list[dict], max_tokens: int) -> int:
+    """Slots every row's KV is allocated for at start (``--batch-reserve-tokens``): the longest request's
+    (the state, the longest prompt, its answer), as a server set up for its traffic runs (serve_gpu.py
+    reserves the same way)."""
+    return (len(tokenizer(contract["text"], add_special_tokens=False)["input_ids"])
+            + max(len(tokenizer(b["prompt"])["input_ids"]) for b in bodies) + max_tokens + RESERVE_MARGIN)
+
+
 def main(argv=None) -> int:
     ap = parser(__doc__, device="cpu")
     ap.add_argument("--clients", type=int, default=8)
@@ -148,13 +156,8 @@ def main(argv=None) -> int:
                     help="start the servers without --batch-reserve-tokens: the first burst grows the batch's buffers")
     args = parse(ap, argv)
     bodies, contract = burst_bodies(args.clients, args.requests, args.max_tokens)
-    # every row's KV allocated at start for the longest request (the state, the longest prompt, its
-    # answer), as a server set up for its traffic runs (serve_gpu.py reserves the same way)
     shape = model_shape(None)
-    tokenizer = shape.tokenizer
-    reserve = None if args.no_reserve else (
-        len(tokenizer(contract["text"], add_special_tokens=False)["input_ids"])
-        + max(len(tokenizer(b["prompt"])["input_ids"]) for b in bodies) + args.max_tokens + RESERVE_MARGIN)
+    reserve = None if args.no_reserve else reserve_tokens(shape.tokenizer, contract, bodies, args.max_tokens)
     runs: dict[int, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for max_batch in (args.clients, 1):

@@ -1,19 +1,22 @@
 """Where a burst's time goes in `kite serve`: the serve_concurrency burst, one line per request.
 
-Starts `kite serve --max-batch N` on the embedded model (as benchmarks/serve_concurrency.py does),
-uploads the contract, and lets 8 clients each stream two completions; prints per request its client,
-send time, first token and end (seconds from the burst's start), tokens, whether it named a state,
-and the server's own `kite` timings (wait for the model, YOCO's signals, load, generate, gain, ms);
-then the batch's steps from the server's /metrics (`kite_batch_step_seconds`): per row count, how many
-steps and their mean wall time, and the time all steps took against the burst's wall.
+Starts `kite serve --max-batch N` on the embedded model as benchmarks/serve_concurrency.py does (rows
+reserved at start unless ``--no-reserve``), uploads the contract, warms up, and lets 8 clients each
+stream two completions; prints per request its client, send time, first token and end (seconds from
+the burst's start), tokens, whether it named a state, and the server's own `kite` timings (wait for
+the model, YOCO's signals, load, generate, gain, ms). The batch's steps are read from the server's
+/metrics (`kite_batch_step_seconds`) before and after the burst, so only the burst's count: per kind
+(decode; a step that prefills newcomers, with or without decoding rows beside them) and row count,
+how many steps and their mean wall time.
 
     .venv/bin/python benchmarks/serve_timeline.py --max-batch 8
 
-Rows: the burst's wall, the time its batch steps took (the wall the baseline: the share of the burst
-the model worked) and each row count's mean step; every request's line under ``raw``. A step of n
-rows has as its floor the larger of the weights read once at this CPU's measured memory bandwidth
-and 2 x parameters x n FLOPs at its measured fp32 rate (harness.floors.cpu_forward_floor; the KV
-left out: the server does not say what each step read); the burst's and all steps', every step's.
+Rows: the burst's wall; the time its decode steps took, and its prefilling steps, each against the
+wall (the share of the burst they hold); the rest of the wall (what the batch's thread did between
+steps -- YOCO's passes over the arrivals, loads, admission -- and any time it waited); each kind and
+row count's mean step. A decode step of n rows has as its floor the larger of the weights read once
+at this CPU's measured memory bandwidth and 2 x parameters x n FLOPs at its measured fp32 rate
+(harness.floors.cpu_forward_floor; the KV left out: the server does not say what each step read).
 """
 
 from __future__ import annotations
@@ -38,24 +41,34 @@ def server_ms(kite: dict) -> dict:
     return {"wait": kite.get("wait_ms"), **(kite.get("timings_ms") or {}), "ttft_gen": kite["generation"]["ttft_ms"]}
 
 
-def step_times(metrics: str) -> dict:
-    """Per row count, the batch's steps since the server started (warm-up included): count, total and
-    mean wall time, from the Prometheus text of `kite_batch_step_seconds`."""
+def step_times(metrics: str) -> dict[tuple[str, int], dict]:
+    """Per (kind, row count), the batch's steps since the server started: count and total wall time,
+    from the Prometheus text of `kite_batch_step_seconds`."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict[str, dict] = {}
+    out: dict[tuple[str, int], dict] = {}
     for family in text_string_to_metric_families(metrics):
         if family.name != "kite_batch_step_seconds":
             continue
         for sample in family.samples:
-            rows = out.setdefault(sample.labels["rows"], {})
+            key = (sample.labels["kind"], int(sample.labels["rows"]))
             if sample.name.endswith("_count"):
-                rows["count"] = int(sample.value)
+                out.setdefault(key, {})["count"] = int(sample.value)
             elif sample.name.endswith("_sum"):
-                rows["total_s"] = round(sample.value, 3)
-    for rows in out.values():
-        rows["mean_ms"] = round(rows["total_s"] / rows["count"] * 1e3, 1) if rows.get("count") else None
-    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+                out.setdefault(key, {})["total_s"] = sample.value
+    return out
+
+
+def steps_between(before: dict, after: dict) -> dict[tuple[str, int], dict]:
+    """The steps of ``after`` that ``before`` did not count: per (kind, rows) count, total and mean."""
+    out = {}
+    for key, st in sorted(after.items()):
+        prev = before.get(key, {})
+        count = st.get("count", 0) - prev.get("count", 0)
+        if count > 0:
+            total = st.get("total_s", 0.0) - prev.get("total_s", 0.0)
+            out[key] = {"count": count, "total_s": round(total, 3), "mean_ms": round(total / count * 1e3, 1)}
+    return out
 
 
 def main(argv=None) -> int:
@@ -63,16 +76,21 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--no-reserve", action="store_true",
+                    help="start the server without --batch-reserve-tokens: the burst grows the batch's buffers")
     args = parse(ap, argv)
     res = Result("serve_timeline", device="cpu")
     requests = []
     bodies, contract = sc.burst_bodies(args.clients, 2, args.max_tokens)
+    shape = model_shape(None)
+    reserve = None if args.no_reserve else sc.reserve_tokens(shape.tokenizer, contract, bodies, args.max_tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = sc.start_server(args.max_batch, Path(tmp) / "states", 2, Path(tmp) / "serve.log")
+        proc, url = sc.start_server(args.max_batch, Path(tmp) / "states", 2, Path(tmp) / "serve.log", reserve)
         try:
             httpx.post(url + "/v1/states", json={"document": contract["text"], "id": "contract"},
                        timeout=600).raise_for_status()
             sc.stream(url, bodies[0])   # warm-up
+            before = step_times(httpx.get(url + "/metrics", timeout=30).text)
             t0 = clock()
 
             def client(i):
@@ -91,23 +109,28 @@ def main(argv=None) -> int:
                         print(json.dumps(row), file=sys.stderr)
                         requests.append(row)
             wall = clock() - t0
-            steps = step_times(httpx.get(url + "/metrics", timeout=30).text)
+            steps = steps_between(before, step_times(httpx.get(url + "/metrics", timeout=30).text))
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-    shape = model_shape(None)
-    step_floor = {n: cpu_forward_floor(shape, int(n), what=f"a step of {n} rows") for n in steps}
-    all_steps = {"no_floor": "the server reported no batch steps"} if not steps else {
-        "floor": f"its {sum(st.get('count') or 0 for st in steps.values())} steps' floors (the largest: "
-                 f"{step_floor[max(steps, key=int)][0]})",
-        "floor_value": sum((st.get("count") or 0) * step_floor[n][1] for n, st in steps.items()) / 1e3}
-    res.row("burst wall", wall, "s", requests=len(requests), **all_steps)
-    res.row("batch steps, all", sum(s["total_s"] for s in steps.values()), "s", baseline="burst wall", **all_steps)
-    for n, st in steps.items():
-        if st.get("mean_ms") is not None:
-            res.row(f"batch step of {n} rows, mean", st["mean_ms"], "ms", steps=st["count"], floor=step_floor[n][0],
-                    floor_value=step_floor[n][1])
-    res.raw.update(requests=requests, steps=steps, max_batch=args.max_batch, clients=args.clients)
+    decode = {rows: st for (kind, rows), st in steps.items() if kind == "decode"}
+    floor = {rows: cpu_forward_floor(shape, rows, what=f"a step of {rows} row{'s' * (rows > 1)}") for rows in decode}
+    decode_floor = {"no_floor": "the burst ran no decode steps"} if not decode else {
+        "floor": f"its {sum(st['count'] for st in decode.values())} decode steps' floors (the largest: "
+                 f"{floor[max(decode)][0]})",
+        "floor_value": sum(st["count"] * floor[rows][1] for rows, st in decode.items()) / 1e3}
+    res.row("burst wall", wall, "s", requests=len(requests), reserve_tokens=reserve)
+    decode_s = sum(st["total_s"] for st in decode.values())
+    prefill_s = sum(st["total_s"] for (kind, _), st in steps.items() if kind != "decode")
+    res.row("decode steps", decode_s, "s", baseline="burst wall", **decode_floor)
+    res.row("steps that prefill newcomers", prefill_s, "s", baseline="burst wall")
+    res.row("the rest: between steps (YOCO's passes, loads, admission) and idle", wall - decode_s - prefill_s, "s",
+            baseline="burst wall")
+    for (kind, rows), st in steps.items():
+        extra = {"floor": floor[rows][0], "floor_value": floor[rows][1]} if kind == "decode" else {}
+        res.row(f"{kind} step of {rows} row{'s' * (rows > 1)}, mean", st["mean_ms"], "ms", steps=st["count"], **extra)
+    res.raw.update(requests=requests, steps={f"{kind}/{rows}": st for (kind, rows), st in steps.items()},
+                   max_batch=args.max_batch, clients=args.clients, reserve_tokens=reserve)
     return finish(res, args)
 
 

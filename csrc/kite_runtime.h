@@ -36,11 +36,12 @@ int kite_rans_decode(const uint32_t* states, const int64_t* counts, const uint16
 int kite_pack_codes(const uint8_t* codes, int64_t n, int bw, uint8_t* out, int64_t nbytes);
 
 // ---- a few rows' projections (kite/model/cpu_products.py) ---------------------------------------
-// out[r, o] = sum_i x[r, i] * w[o, i] (+ bias[o], optional) for r < rows <= KITE_ROWS_MAX: w [n_out, n_in]
-// (leading dimension ldw), x [rows, n_in] (ldx), out [rows, n_out] (ldo), float32, on `threads` threads.
-// A row's sums do not depend on the rows beside it. -3 where the build has no vector path
-// (kite_rows_product_width() is then 0; else the floats a vector holds).
-#define KITE_ROWS_MAX 8
+// out[r, o] = sum_i x[r, i] * w[o, i] (+ bias[o], optional) for r < rows: w [n_out, n_in] (leading
+// dimension ldw), x [rows, n_in] (ldx), out [rows, n_out] (ldo), float32, on `threads` threads; the rows
+// are summed KITE_ROWS_BLOCK at a time against each pair of weight rows. A row's sums do not depend on
+// the rows beside it. -3 where the build has no vector path (kite_rows_product_width() is then 0; else
+// the floats a vector holds).
+#define KITE_ROWS_BLOCK 8
 int kite_rows_product_width(void);
 int kite_rows_product(const float* w, int64_t ldw, const float* x, int64_t ldx, const float* bias, float* out,
                       int64_t ldo, int64_t rows, int64_t n_out, int64_t n_in, int threads);

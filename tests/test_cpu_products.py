@@ -1,7 +1,7 @@
 """A CPU model's products of a few rows (kite.model.cpu_products): the native runtime's product where
-it is built (a row's sums the same whatever rows are beside it), else the weight times the rows
-transposed (one product, or two halves past ONE_PRODUCT rows); either gives linear's answer. Longer
-inputs, autograd and other dtypes keep linear."""
+it is built, up to NATIVE_ROWS rows (a row's sums the same whatever rows are beside it), else the
+weight times the rows transposed up to SMALL_ROWS (one product, or two halves past ONE_PRODUCT rows);
+either gives linear's answer. Longer inputs, autograd and other dtypes keep linear."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ NATIVE = pytest.param(True, marks=pytest.mark.skipif(not cpu_products.native_ava
                                                       reason="the native runtime is not built (make build-runtime)"))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("rows, native", [(r, n) for r in range(1, 9) for n in (NATIVE, False)]
+                         + [(r, NATIVE) for r in (9, 15, 16, 17, 40, 192)])   # a short prompt: blocks of 8 and a tail
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("native", [NATIVE, False])
 def test_a_few_rows_give_linears_answer(rows, bias, native, monkeypatch):
     monkeypatch.setattr(cpu_products, "NATIVE", native)
     g = torch.Generator().manual_seed(rows)
@@ -36,12 +36,13 @@ def test_a_few_rows_give_linears_answer(rows, bias, native, monkeypatch):
 @pytest.mark.skipif(not cpu_products.native_available(), reason="the native runtime is not built (make build-runtime)")
 def test_the_native_product_gives_a_row_the_same_sums_whatever_rows_are_beside_it():
     g = torch.Generator().manual_seed(7)
-    w = torch.randn(1536, 576, generator=g)
-    x = torch.randn(8, 576, generator=g)
+    w = torch.randn(1537, 576, generator=g)      # an odd output: the last one summed alone
+    x = torch.randn(45, 576, generator=g)        # a prompt's tokens: five blocks of rows and a tail
     every = small_rows_product(w, None, x)
-    for n in range(1, 8):
+    for n in (1, 2, 7, 8, 9, 16, 17, 44):
         assert torch.equal(small_rows_product(w, None, x[:n]), every[:n]), n
     assert torch.equal(small_rows_product(w, None, x[3:4]), every[3:4])
+    assert torch.equal(small_rows_product(w, None, x[13:30]), every[13:30])
 
 
 @pytest.mark.skipif(not cpu_products.native_available(), reason="the native runtime is not built (make build-runtime)")
@@ -51,10 +52,11 @@ def test_the_native_product_refuses_bad_arguments():
     lib = native.cpu()
     w, x, out = torch.zeros(4, 16), torch.zeros(9, 16), torch.zeros(9, 4)
     args = [w.data_ptr(), 16, x.data_ptr(), 16, None, out.data_ptr(), 4]
-    assert lib.kite_rows_product(*args, 9, 4, 16, 1) == -1          # more rows than a step's
+    assert lib.kite_rows_product(*args, 0, 4, 16, 1) == -1          # no row
     assert lib.kite_rows_product(*args, 1, 4, 17, 1) == -1          # rows shorter than the inputs
+    assert lib.kite_rows_product(*args, 1, 5, 16, 1) == -1          # outputs wider than out's rows
     assert lib.kite_rows_product(*args, 1, 4, 16, 0) == -1          # no thread
-    assert lib.kite_rows_product(*args, 2, 4, 16, 2) == 0
+    assert lib.kite_rows_product(*args, 9, 4, 16, 2) == 0
 
 
 def _model():
@@ -68,11 +70,13 @@ def test_an_installed_model_answers_as_before_and_only_its_short_inputs_take_the
     calls = []
     real = cpu_products.small_rows_product
     monkeypatch.setattr(cpu_products, "small_rows_product", lambda *a: calls.append(a[2].shape) or real(*a))
+    most = cpu_products.NATIVE_ROWS if cpu_products.native_available() else cpu_products.SMALL_ROWS
+    inputs = (1, 8, 9, 64, most, most + 1)
     with torch.inference_mode():
-        for rows in (1, 8, 9, 64):
+        for rows in inputs:
             x = torch.randn(rows, 40)
             assert torch.allclose(model(x), ref(x), atol=1e-5, rtol=1e-5)
-    assert calls == [(1, 40), (1, 96), (8, 40), (8, 96)]       # a prefill's many rows keep linear
+    assert calls == [(n, k) for n in inputs if n <= most for k in (40, 96)]    # a long prompt's rows keep linear
     calls.clear()
     x = torch.randn(2, 40, requires_grad=True)
     model(x).sum().backward()                                   # training keeps linear (autograd)

@@ -365,7 +365,9 @@ def test_a_run_that_captures_documents_together_trains_as_one_that_captures_each
                 for run, reg in zip((alone, together), regs))
         assert all(torch.allclose(u, v, atol=1e-4) for u, v in zip(p.keys + p.values, q.keys + q.values)), state.name
     x, y = (load_file(run / "adapter" / "adapter_model.safetensors") for run in (together, alone))
-    assert x.keys() == y.keys() and all(torch.allclose(x[k], y[k], atol=1e-5) for k in y)
+    # the same to the rounding of the products: a forward of one document and one of four may take
+    # different products (kite.model.cpu_products), and training carries their last bits along
+    assert x.keys() == y.keys() and all(torch.allclose(x[k], y[k], atol=1e-4) for k in y)
 
 
 @pytest.mark.parametrize("gap, f1_off, f1_on, helps", [

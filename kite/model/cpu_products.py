@@ -1,23 +1,26 @@
-"""A CPU model's products of a few rows (a decode step: one row a sequence) near the speed of its
-memory.
+"""A CPU model's products of a few rows (a decode step: one row a sequence; a short prompt: one row a
+token) near the speed of its memory.
 
 A decode step multiplies each weight by one row a sequence. torch's ``linear`` sends one row to a
 matrix-vector product that ran on one core of the 2-core dev CPU, and a few rows to a matrix product
 tuned for many: the embedded model's projections of one row read their weights at ~21 GB/s, of
 eight rows at ~16 GB/s. So :func:`install_cpu_products` gives every plain fp32 ``nn.Linear`` of a CPU
-model a forward that, for at most :data:`SMALL_ROWS` rows and without autograd, takes
-:func:`small_rows_product`:
+model a forward that, without autograd, takes :func:`small_rows_product`:
 
-* the native runtime's ``kite_rows_product`` where it is built: each weight row read once for every
-  row of the step, the next rows prefetched (~32-36 GB/s of weights for one to eight rows on the dev
-  CPU's two cores, a script not kept); a row's sums do not depend on the rows beside it, so a batch
-  decodes what each sequence decodes alone;
-* else BLAS the other way round, the weight times the rows transposed (~40 GB/s for two to four rows,
-  ~25-30 GB/s for five or six; up to :data:`ONE_PRODUCT` rows in one product, more in two; one row
-  sent as two).
+* the native runtime's ``kite_rows_product`` where it is built, for up to :data:`NATIVE_ROWS` rows:
+  each pair of weight rows read once and summed against every block of 8 rows while it is in the
+  core's cache, the next pair prefetched (~32-36 GB/s of weights for one to eight rows on the dev
+  CPU's two cores); a row's sums do not depend on the rows beside it, so a batch decodes what each
+  sequence decodes alone. A short prompt's forward takes it too: on the dev CPU the embedded model's
+  forward of 12 / 25 / 45 / 100 / 160 tokens took 1.26-2.43x less time than through ``linear``
+  (BLAS's product of many rows), and the same from ~256 tokens;
+* else, for up to :data:`SMALL_ROWS` rows, BLAS the other way round, the weight times the rows
+  transposed (~40 GB/s for two to four rows, ~25-30 GB/s for five or six; up to :data:`ONE_PRODUCT`
+  rows in one product, more in two; one row sent as two).
 
-Longer inputs (a prompt's prefill), training and other dtypes keep ``linear``. The decode step three
-ways side by side: `benchmarks/cpu_products.py` (docs/PERFORMANCE.md, "Continuous batching").
+Longer inputs (a long prompt's prefill), training and other dtypes keep ``linear``. The decode step
+and a prompt's forward, side by side: `benchmarks/cpu_products.py` (docs/PERFORMANCE.md, "Continuous
+batching").
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch import nn
 from kite.kernels import native
 
 SMALL_ROWS = 8   # inputs of at most this many rows take the transposed product
+NATIVE_ROWS = 192  # ... or, where the native runtime is built, its product (BLAS is as fast from ~256)
 ONE_PRODUCT = 6  # rows one product takes; 7 or 8 go as two halves (one product of them ran slower)
 ENABLED = True   # False: every product is torch's linear (side-by-side benchmarks)
 NATIVE = True    # False: BLAS's transposed product even where the native runtime is built (benchmarks)
@@ -51,10 +55,10 @@ def native_available() -> bool:
 
 
 def small_rows_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [..., in] of at most SMALL_ROWS rows: the native runtime's
-    product where it is built, else the weight times the rows transposed, in one product of up to
-    ONE_PRODUCT rows or two halves; a single row is sent as two (one column took the matrix-vector
-    kernel again)."""
+    """``F.linear(x, weight, bias)`` for x [..., in]: the native runtime's product where it is built
+    (any number of rows; :func:`install_cpu_products`'s forward sends it up to NATIVE_ROWS), else, for
+    at most SMALL_ROWS rows, the weight times the rows transposed, in one product of up to ONE_PRODUCT
+    rows or two halves; a single row is sent as two (one column took the matrix-vector kernel again)."""
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
     lib = _runtime()
@@ -83,8 +87,8 @@ def small_rows_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-    if (ENABLED and not grad and x.numel() <= SMALL_ROWS * x.shape[-1]
-            and x.dtype == torch.float32 and x.device.type == "cpu"):
+    if (ENABLED and not grad and x.dtype == torch.float32 and x.device.type == "cpu"
+            and x.numel() <= (NATIVE_ROWS if _runtime() is not None else SMALL_ROWS) * x.shape[-1]):
         return small_rows_product(self.weight, self.bias, x)
     return F.linear(x, self.weight, self.bias)
 
