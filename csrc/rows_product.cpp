@@ -108,55 +108,77 @@ inline void two_outputs(const float* w0, const float* w1, const float* x, int64_
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// Two outputs against the R = rows (1..KITE_ROWS_BLOCK) rows of x from x's row r0, into out.
-inline void two_outputs_block(int64_t rows, const float* w0, const float* w1, const float* x, int64_t ldx,
-                              int64_t n_in, float* s0, float* s1, int64_t ahead) {
-  switch (rows) {
-    case 1: two_outputs<1>(w0, w1, x, ldx, n_in, s0, s1, ahead); break;
-    case 2: two_outputs<2>(w0, w1, x, ldx, n_in, s0, s1, ahead); break;
-    case 3: two_outputs<3>(w0, w1, x, ldx, n_in, s0, s1, ahead); break;
-    case 4: two_outputs<4>(w0, w1, x, ldx, n_in, s0, s1, ahead); break;
-    case 5: two_outputs<5>(w0, w1, x, ldx, n_in, s0, s1, ahead); break;
-    case 6: two_outputs<6>(w0, w1, x, ldx, n_in, s0, s1, ahead); break;
-    case 7: two_outputs<7>(w0, w1, x, ldx, n_in, s0, s1, ahead); break;
-    default: two_outputs<8>(w0, w1, x, ldx, n_in, s0, s1, ahead); break;
-  }
-}
-
-inline void one_output_block(int64_t rows, const float* w0, const float* x, int64_t ldx, int64_t n_in, float* s0) {
-  float unused[KITE_ROWS_BLOCK];
-  two_outputs_block(rows, w0, w0, x, ldx, n_in, s0, unused, 0);
-}
-
+// A step's rows (R <= KITE_ROWS_BLOCK), R known when compiled: the decode step's path.
+template <int R>
 void product(const float* w, int64_t ldw, const float* x, int64_t ldx, const float* bias, float* out, int64_t ldo,
-             int64_t rows, int64_t n_out, int64_t n_in, int threads) {
+             int64_t n_out, int64_t n_in, int threads) {
   const int64_t pairs = n_out / 2;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t p = 0; p < pairs; ++p) {
     const int64_t o = 2 * p;
-    const float* w0 = w + o * ldw;
-    const float* w1 = w0 + ldw;
+    float s0[R], s1[R];
+    // the next pair's weight rows asked for while this pair's are summed: the hardware's prefetch alone
+    // read the weights at ~18 GB/s with 8 rows on the dev CPU (2 threads), ~32 GB/s with this
+    two_outputs<R>(w + o * ldw, w + (o + 1) * ldw, x, ldx, n_in, s0, s1, p + 1 < pairs ? 2 * ldw : 0);
     const float b0 = bias ? bias[o] : 0.0f, b1 = bias ? bias[o + 1] : 0.0f;
-    for (int64_t r0 = 0; r0 < rows; r0 += KITE_ROWS_BLOCK) {
-      const int64_t n = rows - r0 < KITE_ROWS_BLOCK ? rows - r0 : KITE_ROWS_BLOCK;
-      float s0[KITE_ROWS_BLOCK], s1[KITE_ROWS_BLOCK];
-      // the next pair's weight rows asked for while this pair's are summed (once: the later blocks
-      // find them in the cache): the hardware's prefetch alone read the weights at ~18 GB/s with 8
-      // rows on the dev CPU (2 threads), ~32 GB/s with this
-      two_outputs_block(n, w0, w1, x + r0 * ldx, ldx, n_in, s0, s1, r0 == 0 && p + 1 < pairs ? 2 * ldw : 0);
-      for (int64_t r = 0; r < n; ++r) {
-        out[(r0 + r) * ldo + o] = bias ? s0[r] + b0 : s0[r];
-        out[(r0 + r) * ldo + o + 1] = bias ? s1[r] + b1 : s1[r];
-      }
+    for (int r = 0; r < R; ++r) {
+      out[r * ldo + o] = bias ? s0[r] + b0 : s0[r];
+      out[r * ldo + o + 1] = bias ? s1[r] + b1 : s1[r];
     }
   }
   if (n_out % 2) {
     const int64_t o = n_out - 1;
-    for (int64_t r0 = 0; r0 < rows; r0 += KITE_ROWS_BLOCK) {
-      const int64_t n = rows - r0 < KITE_ROWS_BLOCK ? rows - r0 : KITE_ROWS_BLOCK;
-      float s0[KITE_ROWS_BLOCK];
-      one_output_block(n, w + o * ldw, x + r0 * ldx, ldx, n_in, s0);
-      for (int64_t r = 0; r < n; ++r) out[(r0 + r) * ldo + o] = bias ? s0[r] + bias[o] : s0[r];
+    float s0[R], unused[R];
+    two_outputs<R>(w + o * ldw, w + o * ldw, x, ldx, n_in, s0, unused);
+    for (int r = 0; r < R; ++r) out[r * ldo + o] = bias ? s0[r] + bias[o] : s0[r];
+  }
+}
+
+// Two outputs against the n = 1..KITE_ROWS_BLOCK rows of x (a block's tail: n known at run time).
+inline void two_outputs_n(int64_t n, const float* w0, const float* w1, const float* x, int64_t ldx, int64_t n_in,
+                          float* s0, float* s1) {
+  switch (n) {
+    case 1: two_outputs<1>(w0, w1, x, ldx, n_in, s0, s1); break;
+    case 2: two_outputs<2>(w0, w1, x, ldx, n_in, s0, s1); break;
+    case 3: two_outputs<3>(w0, w1, x, ldx, n_in, s0, s1); break;
+    case 4: two_outputs<4>(w0, w1, x, ldx, n_in, s0, s1); break;
+    case 5: two_outputs<5>(w0, w1, x, ldx, n_in, s0, s1); break;
+    case 6: two_outputs<6>(w0, w1, x, ldx, n_in, s0, s1); break;
+    case 7: two_outputs<7>(w0, w1, x, ldx, n_in, s0, s1); break;
+    default: two_outputs<8>(w0, w1, x, ldx, n_in, s0, s1); break;
+  }
+}
+
+// A prompt's rows (more than a block): each pair of weight rows summed against every block of
+// KITE_ROWS_BLOCK rows of x while it is in the core's cache, so the weight is read from memory once.
+void product_blocks(const float* w, int64_t ldw, const float* x, int64_t ldx, const float* bias, float* out,
+                    int64_t ldo, int64_t rows, int64_t n_out, int64_t n_in, int threads) {
+  constexpr int B = KITE_ROWS_BLOCK;
+  const int64_t pairs = (n_out + 1) / 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t o = 2 * p;
+    const bool two = o + 1 < n_out;
+    const float* w0 = w + o * ldw;
+    const float* w1 = two ? w0 + ldw : w0;      // an odd last output summed twice, one kept
+    const float b0 = bias ? bias[o] : 0.0f, b1 = bias && two ? bias[o + 1] : 0.0f;
+    float s0[B], s1[B];
+    int64_t r0 = 0;
+    // the first block asks for the next pair's weight rows (the later ones find this pair's cached)
+    for (; r0 + B <= rows; r0 += B) {
+      two_outputs<B>(w0, w1, x + r0 * ldx, ldx, n_in, s0, s1, r0 == 0 && p + 1 < pairs ? 2 * ldw : 0);
+      for (int r = 0; r < B; ++r) {
+        out[(r0 + r) * ldo + o] = bias ? s0[r] + b0 : s0[r];
+        if (two) out[(r0 + r) * ldo + o + 1] = bias ? s1[r] + b1 : s1[r];
+      }
+    }
+    if (r0 < rows) {
+      const int64_t n = rows - r0;
+      two_outputs_n(n, w0, w1, x + r0 * ldx, ldx, n_in, s0, s1);
+      for (int64_t r = 0; r < n; ++r) {
+        out[(r0 + r) * ldo + o] = bias ? s0[r] + b0 : s0[r];
+        if (two) out[(r0 + r) * ldo + o + 1] = bias ? s1[r] + b1 : s1[r];
+      }
     }
   }
 }
@@ -177,7 +199,17 @@ extern "C" int kite_rows_product(const float* w, int64_t ldw, const float* x, in
   if (!w || !x || !out || rows < 1 || n_out < 1 || n_in < 1 || ldw < n_in || ldx < n_in || ldo < n_out || threads < 1)
     return -1;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  product(w, ldw, x, ldx, bias, out, ldo, rows, n_out, n_in, threads);
+  switch (rows) {
+    case 1: product<1>(w, ldw, x, ldx, bias, out, ldo, n_out, n_in, threads); break;
+    case 2: product<2>(w, ldw, x, ldx, bias, out, ldo, n_out, n_in, threads); break;
+    case 3: product<3>(w, ldw, x, ldx, bias, out, ldo, n_out, n_in, threads); break;
+    case 4: product<4>(w, ldw, x, ldx, bias, out, ldo, n_out, n_in, threads); break;
+    case 5: product<5>(w, ldw, x, ldx, bias, out, ldo, n_out, n_in, threads); break;
+    case 6: product<6>(w, ldw, x, ldx, bias, out, ldo, n_out, n_in, threads); break;
+    case 7: product<7>(w, ldw, x, ldx, bias, out, ldo, n_out, n_in, threads); break;
+    case 8: product<8>(w, ldw, x, ldx, bias, out, ldo, n_out, n_in, threads); break;
+    default: product_blocks(w, ldw, x, ldx, bias, out, ldo, rows, n_out, n_in, threads); break;
+  }
   return 0;
 #else
   (void)bias;
