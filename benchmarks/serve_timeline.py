@@ -11,8 +11,8 @@ how many steps and their mean wall time.
 
     .venv/bin/python benchmarks/serve_timeline.py --max-batch 8
 
-Rows: the burst's wall; the time its decode steps took, and its prefilling steps, each against the
-wall (the share of the burst they hold); the rest of the wall (what the batch's thread did between
+Rows: the burst's wall; the time its decode steps took, and its prefilling steps, each with its share
+of the wall (``share_of_wall``); the rest of the wall (what the batch's thread did between
 steps -- YOCO's passes over the arrivals, loads, admission -- and any time it waited); each kind and
 row count's mean step. A decode step of n rows has as its floor the larger of the weights read once
 at this CPU's measured memory bandwidth and 2 x parameters x n FLOPs at its measured fp32 rate
@@ -122,10 +122,11 @@ def main(argv=None) -> int:
     res.row("burst wall", wall, "s", requests=len(requests), reserve_tokens=reserve)
     decode_s = sum(st["total_s"] for st in decode.values())
     prefill_s = sum(st["total_s"] for (kind, _), st in steps.items() if kind != "decode")
-    res.row("decode steps", decode_s, "s", baseline="burst wall", **decode_floor)
-    res.row("steps that prefill newcomers", prefill_s, "s", baseline="burst wall")
-    res.row("the rest: between steps (YOCO's passes, loads, admission) and idle", wall - decode_s - prefill_s, "s",
-            baseline="burst wall")
+    rest_s = wall - decode_s - prefill_s
+    res.row("decode steps", decode_s, "s", share_of_wall=round(decode_s / wall, 3), **decode_floor)
+    res.row("steps that prefill newcomers", prefill_s, "s", share_of_wall=round(prefill_s / wall, 3))
+    res.row("the rest: between steps (YOCO's passes, loads, admission) and idle", rest_s, "s",
+            share_of_wall=round(rest_s / wall, 3))
     for (kind, rows), st in steps.items():
         extra = {"floor": floor[rows][0], "floor_value": floor[rows][1]} if kind == "decode" else {}
         res.row(f"{kind} step of {rows} row{'s' * (rows > 1)}, mean", st["mean_ms"], "ms", steps=st["count"], **extra)
