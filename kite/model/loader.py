@@ -122,7 +122,8 @@ def load_model(spec: str | None = None, *, adapter: str | Path | None = None, dt
         model.base_model.disable_adapter_layers()
     model.to(device).eval()
     # on a GPU: fewer, fused kernels in the forward (one-kernel RMSNorm and RoPE, q/k/v and gate/up as
-    # one product each); on the CPU: a decode step's products of a few rows at the memory's speed
+    # one product each); on the CPU: the products of a decode step's rows and a short prompt's tokens
+    # through the native runtime (kite.model.cpu_products)
     fuse_forward(model)
     if torch.device(device).type == "cpu":
         install_cpu_products(model)
