@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-#define KITE_RUNTIME_ABI 3
+#define KITE_RUNTIME_ABI 4
 
 const char* kite_runtime_version(void);  // "kite-runtime <abi>.<rev> (cpu, openmp N threads)"
 int kite_runtime_abi(void);

@@ -44,7 +44,7 @@ _CUDA_SIGNATURES = {
     "kite_cuda_pca_finish": (c_int, [c_int64] * 4 + [P, c_int, c_int64, c_int64, P, P, c_int64, c_int64, P, P, P,
                                                       P, P, c_int, P]),
 }
-ABI = 3
+ABI = 4   # 4: kite_rows_product takes any number of rows (3 refused more than 8)
 
 
 class NativeError(RuntimeError):

@@ -12,8 +12,8 @@ model a forward that, without autograd, takes :func:`small_rows_product`:
   core's cache, the next pair prefetched (~32-36 GB/s of weights for one to eight rows on the dev
   CPU's two cores); a row's sums do not depend on the rows beside it, so a batch decodes what each
   sequence decodes alone. A short prompt's forward takes it too: on the dev CPU the embedded model's
-  forward of 12 / 25 / 45 / 100 / 160 tokens took 1.26-2.43x less time than through ``linear``
-  (BLAS's product of many rows), and the same from ~256 tokens;
+  forward of 12 / 25 / 45 / 100 / 160 tokens took 1.78 / 1.64 / 1.43 / 1.28 / 1.18x less time than
+  through ``linear`` (BLAS's product of many rows), and the same at 256;
 * else, for up to :data:`SMALL_ROWS` rows, BLAS the other way round, the weight times the rows
   transposed (~40 GB/s for two to four rows, ~25-30 GB/s for five or six; up to :data:`ONE_PRODUCT`
   rows in one product, more in two; one row sent as two).
@@ -40,12 +40,21 @@ ENABLED = True   # False: every product is torch's linear (side-by-side benchmar
 NATIVE = True    # False: BLAS's transposed product even where the native runtime is built (benchmarks)
 
 
+_VECTOR_PATH: dict[int, bool] = {}   # per loaded library: whether it was built with a vector path
+
+
 def _runtime():
-    """The native runtime when it is built with a vector path for these products, else None."""
+    """The native runtime when it is built with a vector path for these products, else None (asked of
+    each library once: every projection of every step asks)."""
     if not NATIVE:
         return None
     lib = native.cpu()
-    return lib if lib is not None and lib.kite_rows_product_width() > 0 else None
+    if lib is None:
+        return None
+    vector = _VECTOR_PATH.get(id(lib))
+    if vector is None:
+        vector = _VECTOR_PATH[id(lib)] = lib.kite_rows_product_width() > 0
+    return lib if vector else None
 
 
 def native_available() -> bool:
