@@ -150,34 +150,42 @@ inline void two_outputs_n(int64_t n, const float* w0, const float* w1, const flo
 }
 
 // A prompt's rows (more than a block): each pair of weight rows summed against every block of
-// KITE_ROWS_BLOCK rows of x while it is in the core's cache, so the weight is read from memory once.
+// KITE_ROWS_BLOCK rows of x while it is in the core's cache, so the weight is read from memory once
+// per span of rows; a span is as many rows as keep x within a core's L2 (~512 KB), so a long prompt's
+// rows are read from there, not from memory, by every pair (its weight, once per span, from L3 where a
+// matrix fits there).
 void product_blocks(const float* w, int64_t ldw, const float* x, int64_t ldx, const float* bias, float* out,
                     int64_t ldo, int64_t rows, int64_t n_out, int64_t n_in, int threads) {
   constexpr int B = KITE_ROWS_BLOCK;
   const int64_t pairs = (n_out + 1) / 2;
+  int64_t span = (512 * 1024 / (int64_t)sizeof(float)) / ldx / B * B;
+  if (span < B) span = B;
+  for (int64_t first = 0; first < rows; first += span) {
+    const int64_t last = first + span < rows ? first + span : rows;
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t p = 0; p < pairs; ++p) {
-    const int64_t o = 2 * p;
-    const bool two = o + 1 < n_out;
-    const float* w0 = w + o * ldw;
-    const float* w1 = two ? w0 + ldw : w0;      // an odd last output summed twice, one kept
-    const float b0 = bias ? bias[o] : 0.0f, b1 = bias && two ? bias[o + 1] : 0.0f;
-    float s0[B], s1[B];
-    int64_t r0 = 0;
-    // the first block asks for the next pair's weight rows (the later ones find this pair's cached)
-    for (; r0 + B <= rows; r0 += B) {
-      two_outputs<B>(w0, w1, x + r0 * ldx, ldx, n_in, s0, s1, r0 == 0 && p + 1 < pairs ? 2 * ldw : 0);
-      for (int r = 0; r < B; ++r) {
-        out[(r0 + r) * ldo + o] = bias ? s0[r] + b0 : s0[r];
-        if (two) out[(r0 + r) * ldo + o + 1] = bias ? s1[r] + b1 : s1[r];
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t o = 2 * p;
+      const bool two = o + 1 < n_out;
+      const float* w0 = w + o * ldw;
+      const float* w1 = two ? w0 + ldw : w0;      // an odd last output summed twice, one kept
+      const float b0 = bias ? bias[o] : 0.0f, b1 = bias && two ? bias[o + 1] : 0.0f;
+      float s0[B], s1[B];
+      int64_t r0 = first;
+      // the span's first block asks for the next pair's weight rows (the later ones find this pair's cached)
+      for (; r0 + B <= last; r0 += B) {
+        two_outputs<B>(w0, w1, x + r0 * ldx, ldx, n_in, s0, s1, r0 == first && p + 1 < pairs ? 2 * ldw : 0);
+        for (int r = 0; r < B; ++r) {
+          out[(r0 + r) * ldo + o] = bias ? s0[r] + b0 : s0[r];
+          if (two) out[(r0 + r) * ldo + o + 1] = bias ? s1[r] + b1 : s1[r];
+        }
       }
-    }
-    if (r0 < rows) {
-      const int64_t n = rows - r0;
-      two_outputs_n(n, w0, w1, x + r0 * ldx, ldx, n_in, s0, s1);
-      for (int64_t r = 0; r < n; ++r) {
-        out[(r0 + r) * ldo + o] = bias ? s0[r] + b0 : s0[r];
-        if (two) out[(r0 + r) * ldo + o + 1] = bias ? s1[r] + b1 : s1[r];
+      if (r0 < last) {
+        const int64_t n = last - r0;
+        two_outputs_n(n, w0, w1, x + r0 * ldx, ldx, n_in, s0, s1);
+        for (int64_t r = 0; r < n; ++r) {
+          out[(r0 + r) * ldo + o] = bias ? s0[r] + b0 : s0[r];
+          if (two) out[(r0 + r) * ldo + o + 1] = bias ? s1[r] + b1 : s1[r];
+        }
       }
     }
   }

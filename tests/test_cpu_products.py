@@ -43,6 +43,12 @@ def test_the_native_product_gives_a_row_the_same_sums_whatever_rows_are_beside_i
         assert torch.equal(small_rows_product(w, None, x[:n]), every[:n]), n
     assert torch.equal(small_rows_product(w, None, x[3:4]), every[3:4])
     assert torch.equal(small_rows_product(w, None, x[13:30]), every[13:30])
+    # many rows of wide inputs go in spans that keep them in a core's cache (80 rows of 1,536 here)
+    w, x = torch.randn(33, 1536, generator=g), torch.randn(200, 1536, generator=g)
+    every = small_rows_product(w, None, x)
+    assert torch.allclose(every, F.linear(x, w), atol=1e-4, rtol=1e-5)
+    for a, b in ((0, 1), (0, 80), (79, 81), (75, 200), (160, 200)):
+        assert torch.equal(small_rows_product(w, None, x[a:b]), every[a:b]), (a, b)
 
 
 @pytest.mark.skipif(not cpu_products.native_available(), reason="the native runtime is not built (make build-runtime)")
