@@ -239,13 +239,9 @@ def _load_on_host(state: StateFile, lm: LoadedModel, sel: Selection, layer_set: 
                                                "decode": round(rebuild.t_decode * 1e3, 3)}
 
 
-def open_rebuild(state: StateFile | str | Path, lm: LoadedModel, *, clusters: list[str] | None = None,
-                 precision: str | None = None, verify: bool = True, regenerator=None) -> HostRebuild:
-    """A :class:`HostRebuild` of ``state`` for ``lm``, checked as :func:`load_prefix` checks a load
-    (fingerprints, geometry, the regenerator the state was coded on) before any part is read.
-    ``lm`` needs only ``fingerprints``, ``geometry``, ``model`` (for RoPE: the model, its rotary
-    module or its config), ``device`` and ``dtype``: no weights. No attention sinks come along
-    (``clusters``: labels or ids, None = all)."""
+def _checked(state: StateFile | str | Path, lm: LoadedModel, precision: str | None, regenerator):
+    """``state`` opened and checked for ``lm`` before any part is read (the precision asked, the
+    fingerprints, the geometry), and the regenerator it was coded on (None: coded on its own bases)."""
     if not isinstance(state, StateFile):
         state = StateFile(state)
     if precision is not None and precision not in LOAD_PRECISIONS:
@@ -253,7 +249,17 @@ def open_rebuild(state: StateFile | str | Path, lm: LoadedModel, *, clusters: li
     check_fingerprints(state, lm)
     check_geometry(state, lm)
     regen_fp = (state.meta.get("regenerator") or {}).get("fingerprint")
-    regenerator = resolve(regen_fp, regenerator) if regen_fp else None
+    return state, (resolve(regen_fp, regenerator) if regen_fp else None)
+
+
+def open_rebuild(state: StateFile | str | Path, lm: LoadedModel, *, clusters: list[str] | None = None,
+                 precision: str | None = None, verify: bool = True, regenerator=None) -> HostRebuild:
+    """A :class:`HostRebuild` of ``state`` for ``lm``, checked as :func:`load_prefix` checks a load
+    (fingerprints, geometry, the regenerator the state was coded on) before any part is read.
+    ``lm`` needs only ``fingerprints``, ``geometry``, ``model`` (for RoPE: the model, its rotary
+    module or its config), ``device`` and ``dtype``: no weights. No attention sinks come along
+    (``clusters``: labels or ids, None = all)."""
+    state, regenerator = _checked(state, lm, precision, regenerator)
     return HostRebuild(state, lm, select(state, clusters, 0), verify=verify, precision=precision,
                        regenerator=regenerator)
 
@@ -277,14 +283,7 @@ def load_prefix(state: StateFile | str | Path, lm: LoadedModel, *, clusters: lis
     (FingerprintMismatch naming it when there is none).
     """
     t0 = time.perf_counter()
-    if not isinstance(state, StateFile):
-        state = StateFile(state)
-    if precision is not None and precision not in LOAD_PRECISIONS:
-        raise BadInput(f"--precision {precision}: expected one of {', '.join(LOAD_PRECISIONS)}")
-    check_fingerprints(state, lm)
-    check_geometry(state, lm)
-    regen_fp = (state.meta.get("regenerator") or {}).get("fingerprint")
-    regenerator = resolve(regen_fp, regenerator) if regen_fp else None
+    state, regenerator = _checked(state, lm, precision, regenerator)
     n_layers = lm.geometry.n_layers
     sel = select(state, clusters, sink_tokens)
     if layers is not None and not layers:
