@@ -74,8 +74,9 @@ def test_an_installed_model_answers_as_before_and_only_its_short_inputs_take_the
     model, ref = _model(), _model()
     assert install_cpu_products(model) == 2 == install_cpu_products(model)     # idempotent
     calls = []
-    real = cpu_products.small_rows_product
-    monkeypatch.setattr(cpu_products, "small_rows_product", lambda *a: calls.append(a[2].shape) or real(*a))
+    for name in ("_native_product", "_transposed_product"):
+        real = getattr(cpu_products, name)
+        monkeypatch.setattr(cpu_products, name, lambda *a, real=real: calls.append(a[-1].shape) or real(*a))
     most = cpu_products.NATIVE_ROWS if cpu_products.native_available() else cpu_products.SMALL_ROWS
     inputs = (1, 8, 9, 64, most, most + 1)
     with torch.inference_mode():

@@ -13,7 +13,8 @@ model a forward that, without autograd, takes :func:`small_rows_product`:
   CPU's two cores); a row's sums do not depend on the rows beside it, so a batch decodes what each
   sequence decodes alone. A short prompt's forward takes it too: on the dev CPU the embedded model's
   forward of 12 / 25 / 45 / 100 / 160 tokens took 1.78 / 1.64 / 1.43 / 1.28 / 1.18x less time than
-  through ``linear`` (BLAS's product of many rows), and the same at 256;
+  through ``linear`` (BLAS's product of many rows), and the same at 256
+  (benchmarks/results/cpu_products_cpu2_20261205_7399b56.json);
 * else, for up to :data:`SMALL_ROWS` rows, BLAS the other way round, the weight times the rows
   transposed (~40 GB/s for two to four rows, ~25-30 GB/s for five or six; up to :data:`ONE_PRODUCT`
   rows in one product, more in two; one row sent as two).
@@ -68,17 +69,30 @@ def small_rows_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch
     (any number of rows; :func:`install_cpu_products`'s forward sends it up to NATIVE_ROWS), else, for
     at most SMALL_ROWS rows, the weight times the rows transposed, in one product of up to ONE_PRODUCT
     rows or two halves; a single row is sent as two (one column took the matrix-vector kernel again)."""
+    lib = _native_for(weight, bias)
+    return _native_product(lib, weight, bias, x) if lib is not None else _transposed_product(weight, bias, x)
+
+
+def _native_for(weight: torch.Tensor, bias: torch.Tensor | None):
+    """The native runtime where it is built and takes this weight and bias as they are laid out."""
+    lib = _runtime()
+    return lib if lib is not None and weight.stride(-1) == 1 and (bias is None or bias.is_contiguous()) else None
+
+
+def _native_product(lib, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    n = rows.shape[0]
+    out = torch.empty(n, weight.shape[0], dtype=torch.float32)
+    native.check(lib.kite_rows_product(weight.data_ptr(), weight.stride(0), rows.data_ptr(), rows.stride(0),
+                                       None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+                                       n, weight.shape[0], weight.shape[1], torch.get_num_threads()),
+                 "rows_product")
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _transposed_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    lib = _runtime()
-    if lib is not None and weight.stride(-1) == 1 and (bias is None or bias.is_contiguous()):
-        rows = rows.contiguous()
-        out = torch.empty(n, weight.shape[0], dtype=torch.float32)
-        native.check(lib.kite_rows_product(weight.data_ptr(), weight.stride(0), rows.data_ptr(), rows.stride(0),
-                                           None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-                                           n, weight.shape[0], weight.shape[1], torch.get_num_threads()),
-                     "rows_product")
-        return out.reshape(*x.shape[:-1], weight.shape[0])
     # the product's [out, n] back to [n, out] as a copy (n · out floats beside the weight it read): a
     # transposed view sent the attention after the projections to torch's slowest kernel (the query's
     # last dimension not contiguous) and slowed the elementwise work between them
@@ -96,9 +110,13 @@ def small_rows_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-    if (ENABLED and not grad and x.dtype == torch.float32 and x.device.type == "cpu"
-            and x.numel() <= (NATIVE_ROWS if _runtime() is not None else SMALL_ROWS) * x.shape[-1]):
-        return small_rows_product(self.weight, self.bias, x)
+    if ENABLED and not grad and x.dtype == torch.float32 and x.device.type == "cpu":
+        # the runtime looked up once a projection (every projection of every step comes here)
+        lib = _native_for(self.weight, self.bias)
+        if lib is not None and x.numel() <= NATIVE_ROWS * x.shape[-1]:
+            return _native_product(lib, self.weight, self.bias, x)
+        if lib is None and x.numel() <= SMALL_ROWS * x.shape[-1]:
+            return _transposed_product(self.weight, self.bias, x)
     return F.linear(x, self.weight, self.bias)
 
 
