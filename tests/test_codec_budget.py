@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kite.upcycle import codec
+from kite.upcycle.codec import state_bits
 from kite.upcycle.codec.checks import layer_settings
 from kite.upcycle.compress import CompressSettings, compress_document
 from kite.upcycle.format import StateFile, StateWriter
@@ -208,7 +209,7 @@ def test_the_batched_codec_on_a_regenerator_writes_the_per_layer_codecs_bytes(lm
     calls, batched = [], codec.encode_state
     monkeypatch.setattr(codec, "encode_state", lambda *a, **k: calls.append(k) or batched(*a, **k))
     b = compress_document(lm, CORPUS, tmp_path / "b.upc", st, regenerator=reg, device="cpu")
-    assert [k["regenerator"] for k in calls] == [reg]
+    assert calls and all(k["regenerator"] is reg for k in calls)   # (coded again where one missed the ratio)
     with StateFile(a.path) as fa, StateFile(b.path) as fb:
         assert fb.meta["regenerator"] == fa.meta["regenerator"]
         assert 0 < fa.meta["regenerator"]["sides"] <= 2 * lm.geometry.n_layers
@@ -297,3 +298,73 @@ def test_a_state_made_on_the_gpu_on_a_regenerator_is_batched_and_takes_the_ratio
         assert sf.meta["regenerator"]["sides"] > 0
     prefix, _ = load_prefix(got.path, gpu, regenerator=reg)
     assert all(bool(torch.isfinite(k).all()) for k in prefix.keys)
+
+
+def _coder(size_of):
+    """A stand-in ``code(bonus)`` whose blobs take ``size_of(bonus)`` bytes, and the bonuses asked."""
+    calls = []
+
+    def code(bonus):
+        calls.append(bonus)
+        return [("blob", b"x" * size_of(bonus))]
+    return code, calls
+
+
+def _size(items) -> int:
+    return sum(len(b) for _, b in items)
+
+
+def test_a_coding_that_misses_its_budget_is_made_again_until_it_takes_it():
+    """Parts that get no component store less than the estimate counts, so a short document's size is
+    not linear in the bonus (here flat below 200, then steep): the codings bracket the budget and
+    interpolate to it."""
+    code, calls = _coder(lambda b: 1000 if b < 200 else 1000 + 2 * (b - 200))
+    got = codec.within_budget(code, _size, lambda: 1500.0)
+    assert abs(_size(got) - 1500) <= 0.01 * 1500, (_size(got), calls)
+    assert calls[0] == 0 and len(calls) <= state_bits.PASSES
+
+
+def test_a_coding_within_its_budget_is_not_made_again():
+    code, calls = _coder(lambda b: 995)
+    assert _size(codec.within_budget(code, _size, lambda: 1000.0)) == 995 and calls == [0]
+    code, calls = _coder(lambda b: 10)
+    codec.within_budget(code, _size, None)
+    assert calls == [0]
+
+
+def test_a_coding_whose_size_does_not_move_is_the_last():
+    """The document's floor (no component left to drop) or every component at its most bits."""
+    code, calls = _coder(lambda b: 4000)
+    assert _size(codec.within_budget(code, _size, lambda: 1000.0)) == 4000
+    assert calls == [0, -3000]
+
+
+def test_the_coding_nearest_the_budget_is_kept():
+    sizes = {0: 800, 200: 1400}
+    code, calls = _coder(lambda b: sizes.get(b, 1300 if b < 150 else 2000))
+    got = codec.within_budget(code, _size, lambda: 1000.0)
+    assert _size(got) == min((sizes.get(b, 1300 if b < 150 else 2000) for b in calls), key=lambda s: abs(s - 1000))
+
+
+@pytest.mark.slow
+def test_a_short_document_at_a_high_ratio_takes_the_ratio_asked_or_says_why_not(embedded, tmp_path):
+    """446 tokens of GPL-3 on the embedded model: at 40x the first coding's estimate of the fixed bytes
+    counts headers that parts without components do not store (it wrote 45.6x); coded again, the
+    file is within 3 % of 40x. At 1000x the document's floor is far above the budget: the state is
+    as small as it goes, and its result says so in a line."""
+    from pathlib import Path
+
+    text = Path("/usr/share/common-licenses/GPL-3").read_text()[:2000]
+    at = {r: compress_document(embedded, text, tmp_path / f"{r}.upc", CompressSettings(codec=codec.settings_for(r)))
+          for r in (40, 1000)}
+    assert abs(at[40].compression_ratio / 40 - 1) <= 0.03, at[40].compression_ratio
+    assert at[40].warnings == [] and at[40].ratio_asked == 40
+    assert at[1000].compression_ratio < 200 and at[1000].ratio_asked == 1000
+    (line,) = at[1000].warnings
+    assert "not the 1000x asked" in line and f"{at[1000].n_tokens:,} tokens" in line
+
+
+@pytest.mark.parametrize("ratio", [float("nan"), float("inf"), 0.5])
+def test_a_ratio_that_is_not_a_finite_number_of_at_least_1_is_refused(ratio):
+    with pytest.raises(ValueError, match="finite number >= 1"):
+        codec.settings_for(ratio)

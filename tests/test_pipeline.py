@@ -56,6 +56,8 @@ def test_span_bounds_and_clusters_come_from_the_config():
     ({"clusters": 0}, "at least one cluster"),
     ({"ratio": 0.25}, "the fraction kept 0.25 is --ratio 4"),
     ({"kept_fraction": 1.5}, "features.upcycle_compression_ratio 1.5"),
+    ({"ratio": float("nan")}, "--ratio nan: a compression ratio is a finite number"),
+    ({"ratio": float("inf")}, "--ratio inf: a compression ratio is a finite number"),
 ])
 def test_bad_flags_are_bad_input(kw, message):
     with pytest.raises(BadInput, match=message):
@@ -167,3 +169,21 @@ def test_config_fraction_sets_the_ratio_of_compress(tiny_models, tmp_path):
     assert runner.invoke(app, ["config", "set", "features.upcycle_compression_ratio", "0.5"]).exit_code == 0
     assert codec_of() == "ratio=2"
     assert codec_of("--ratio", "8") == "ratio=8"
+
+
+def test_a_ratio_the_document_cannot_be_coded_to_is_written_with_a_warning(tiny_models, tmp_path):
+    """A short document at a ratio far past its floor: the state is written as small as it goes, and
+    the command says so on stderr in one line (and in --json's ``warnings``), naming the ratio asked."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text(CORPUS)
+    made = runner.invoke(app, ["upcycle", "compress", "--model", str(tiny_models["llama"]), "--input", str(doc),
+                               "--output", str(tmp_path / "d.upc"), "--ratio", "1000", "--json"])
+    assert made.exit_code == 0, made.output
+    out = parse_json(made.output)
+    assert out["ratio_asked"] == 1000 and out["compression_ratio"] < 100
+    (line,) = out["warnings"]
+    assert "not the 1000x asked" in line
+    assert f"warning: {line[:40]}" in " ".join(made.output.split())
+    plain = runner.invoke(app, ["upcycle", "compress", "--model", str(tiny_models["llama"]), "--input", str(doc),
+                                "--output", str(tmp_path / "e.upc"), "--ratio", "4", "--json"])
+    assert plain.exit_code == 0 and parse_json(plain.output)["warnings"] == []

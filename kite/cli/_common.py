@@ -77,6 +77,14 @@ def err_console():
     return _err_console
 
 
+def print_warnings(warnings: list[str]) -> None:
+    """Each warning a line on stderr (``warning: ...``), so that --json stdout holds the JSON alone."""
+    from rich.markup import escape
+
+    for text in warnings:
+        err_console().print(f"[bold yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
+
+
 @contextlib.contextmanager
 def _help_width() -> Iterator[None]:
     """Typer's help and usage errors off a terminal: OFF_TTY_HELP_WIDTH wide, not 80."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kite.cli._common import (JsonOpt, KvBudgetBlockOpt, KvBudgetCodecOpt, check_budget_flags, console, emit_json,
-                              model_spec)
+                              model_spec, print_warnings)
 from kite.cli.store import TenantOpt
 from kite.errors import BadInput
 
@@ -148,7 +148,7 @@ def generate(
         with state:
             prefix, report = load_prefix(state, lm, **load_kw)
         if not json_out:
-            _print_warnings(report.warnings)
+            print_warnings(report.warnings)   # far from what the state was made for, before the answer
     ids = state_prompt_ids(lm, text, chat=chat, system=system, with_state=prefix is not None)
     cache = None
     if budget is not None:
@@ -179,16 +179,6 @@ def generate(
         f"[dim]{result.prompt_tokens} prompt + {result.new_tokens} new tokens · ttft "
         f"{result.ttft_ms:.0f} ms · {result.tokens_per_s:.1f} tok/s · {result.stop_reason}[/]",
         highlight=False)
-
-
-def _print_warnings(warnings: list[str]) -> None:
-    """The load's warnings (far from what the state was made for), on stderr before the answer."""
-    from rich.markup import escape
-
-    from kite.cli._common import err_console
-
-    for text in warnings:
-        err_console().print(f"[bold yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
 
 
 def _budget_settings(tokens: int | None, codec: str | None, block: int | None, upc: Path | None):

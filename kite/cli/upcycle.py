@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from kite.cli._common import (JsonOpt, MkdirOpt, console, emit_json, kept_on_interrupt, model_spec, new_app,
-                              read_document, user_config)
+                              print_warnings, read_document, user_config)
 from kite.cli.store import StoreOpt, TenantOpt
 from kite.errors import BadInput
 
@@ -98,6 +98,7 @@ def compress(
                         f"{stored.address} is already there, not recompressed", highlight=False)
         return
     if json_out:
+        print_warnings(result.warnings)
         emit_json({**result.to_dict(), **({"store": stored.to_dict()} if tiers is not None else {})})
         _fail_on_put(stored if tiers is not None else None)
         return
@@ -113,6 +114,7 @@ def compress(
         out.print(f"  [dim]at {result.compression_ratio:.0f}× a state that stores its own bases keeps far less than one "
                   "coded on a regenerator fitted to the model: `kite upcycle train --regenerator-only` fits one from "
                   "documents like yours (docs/training.md)[/]", highlight=False)
+    print_warnings(result.warnings)
     if tiers is not None:
         out.print(f"  stored as {stored.address}: " + "  ".join(f"{t} {s}" for t, s in stored.put.tiers.items()),
                   highlight=False)
@@ -224,6 +226,7 @@ def eval_cmd(
                           settings=pipe.settings, tagger=pipe.tagger, probe=probe, progress=progress,
                           regenerator=pipe.regenerator,
                           **({} if qa_contracts is None else {"qa_contracts": qa_contracts}))
+    print_warnings(result.warnings)
     if json_out:
         emit_json(result.to_dict())
         return

@@ -76,6 +76,8 @@ class CompressResult:
     timings_ms: dict[str, float]
     spans: dict[str, int] = field(default_factory=dict)   # count, min_tokens, max_tokens
     address: str | None = None   # the content address recorded in the header (None: unaddressed)
+    ratio_asked: float | None = None   # the ratio the state was coded to (None: a precision preset, label ratios)
+    warnings: list[str] = field(default_factory=list)   # e.g. a ratio this document cannot be coded to
 
     @property
     def compression_ratio(self) -> float:
@@ -352,7 +354,7 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
         def overhead(sets) -> int:
             return container_bytes(sets) - bonus
 
-        stage = "compress" if not bonus else "compress again (the entropy coding's bytes spent)"   # progress
+        stage = "compress" if not bonus else "compress again (to the ratio's bytes)"   # progress
 
         if batched:
             enc = codec.encode_state(cap.keys_pre, cap.values, sets_once[0] if sets_once else token_sets_once,
@@ -422,13 +424,14 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
         # file smaller than asked by what it happens to save (more on the CPU's writer, which tries it
         # on every blob, than on the GPU's), and it costs every load its decompression
         writer = StateWriter(zstd=False)
+    # the bytes the blobs may take at the ratio: a coding that misses them is made again with the miss
+    budget = ((lambda: raw_kv / fit_ratio - container_bytes(token_sets_once()))
+              if codec.state_budgeted(fit_codec) and not part_ratios and fit_ratio else None)
     if settings.entropy_coding:
-        budget = ((lambda: raw_kv / fit_ratio - container_bytes(token_sets_once()))
-                  if codec.state_budgeted(fit_codec) and not part_ratios and fit_ratio else None)
         stored, entropy_tables[0], timings["entropy"] = entropy.coded_within(code, budget)
         writer.add_stored(stored)
-    else:
-        writer.add_many(code())
+    else:   # stored as coded (no zstd) when budgeted: the blobs' bytes are the file's
+        writer.add_many(codec.within_budget(code, lambda items: sum(len(b) for _, b in items), budget))
     # batched: the fit ran while the spans were clustered, so that time is in both figures
     timings["compress"] = (time.perf_counter() - t) * 1e3
 
@@ -436,7 +439,31 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
     t = time.perf_counter()
     size = writer.write(output, meta)
     timings["write"] = (time.perf_counter() - t) * 1e3
+    asked = default_ratio if not part_ratios else None
     return CompressResult(path=str(output), n_tokens=cap.n_tokens, clusters=clusters, state_bytes=size,
                           raw_kv_bytes=raw_kv, timings_ms={k: round(v, 1) for k, v in timings.items()},
                           spans=meta["spans"],
-                          address=meta["address"]["id"] if address else None)
+                          address=meta["address"]["id"] if address else None, ratio_asked=asked,
+                          warnings=ratio_warnings(cap.n_tokens, raw_kv / size, asked, fit_codec.max_bits))
+
+
+RATIO_TOLERANCE = 0.03   # a state's file ratio this close to the ratio asked is that ratio
+
+
+def ratio_warnings(n_tokens: int, ratio: float, asked: float | None, max_bits: int) -> list[str]:
+    """Why a state's file ratio is not the ratio asked (more than RATIO_TOLERANCE off), in a line:
+    the document's floor (a short document at a high ratio), every component at its most bits (a
+    ratio near 2 or below), or codings that missed the budget. Empty when it is the ratio asked, or
+    when no single ratio was asked."""
+    if asked is None or abs(ratio / asked - 1) <= RATIO_TOLERANCE:
+        return []
+    if ratio < asked:
+        return [f"the state is {ratio:.1f}x smaller than raw fp16 KV, not the {asked:g}x asked: at {n_tokens:,} "
+                "tokens, what every state stores besides its coded components (headers, each layer's means "
+                "and bit tables, the exact first token) takes more than that"]
+    if asked * max_bits < 16 * 1.1:     # fp16 values at max_bits bits each, and the fixed bytes: no more to spend
+        return [f"the state is {ratio:.2f}x smaller than raw fp16 KV, not the {asked:g}x asked: every component "
+                f"is coded at its most bits ({max_bits}), so a larger state would keep nothing more "
+                "(--precision fp16 keeps the KV as it is)"]
+    return [f"the state is {ratio:.2f}x smaller than raw fp16 KV, not the {asked:g}x asked: its codings did not "
+            "take the rest of the ratio's bytes"]

@@ -19,6 +19,7 @@ with ``--label-ratio`` flags over it.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -70,6 +71,9 @@ def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precisi
                 raise BadInput(f"--precision {precision}: expected one of {', '.join(PRESETS)}")
             spec = settings_for(precision)
         elif ratio is not None:
+            if not math.isfinite(ratio):
+                raise BadInput(f"--ratio {ratio}: a compression ratio is a finite number ≥ 1 (4 = a quarter of raw "
+                               "fp16 KV)")
             if ratio < 1:
                 hint = f"; the fraction kept {ratio:g} is --ratio {1 / ratio:g}" if ratio > 0 else ""
                 raise BadInput(f"--ratio {ratio:g}: a compression ratio is ≥ 1 (4 = a quarter of raw fp16 KV)"

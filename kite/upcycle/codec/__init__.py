@@ -28,6 +28,7 @@ from kite.upcycle.codec.probe import ROWS as PROBE_ROWS
 from kite.upcycle.codec.probe import AttentionProbe
 from kite.upcycle.codec.regenerator import Regenerator, RegeneratorFit
 from kite.upcycle.codec.settings import PRESETS, CodecSettings, at_ratio, ratio_of, settings_for
+from kite.upcycle.codec.state_bits import within_budget
 from kite.upcycle.codec.weights import model_value_weights
 
 __all__ = ["CODERS", "FLOAT_FORMATS", "INT_FORMATS", "LANE_CLIPS", "PRESETS", "PROBE_ROWS", "AttentionProbe", "Blob", "CodecSettings",
@@ -36,4 +37,5 @@ __all__ = ["CODERS", "FLOAT_FORMATS", "INT_FORMATS", "LANE_CLIPS", "PRESETS", "P
            "attach_regenerator", "batched_pca", "blocks", "coder", "decode", "dequantize", "encode", "encode_lanes",
            "encode_state", "expected_error", "first_bit_cost", "fit_layer", "fit_layers", "fit_state", "from_bytes", "lanes_nbytes",
            "layer_budget_bits", "model_value_weights", "nbytes", "part_widths", "quantize", "ratio_of", "register",
-           "settings_for", "state_budgeted", "supports_batched", "batched_takes_regenerator", "tensors_nbytes", "to_bytes", "weighted_error"]
+           "settings_for", "state_budgeted", "supports_batched", "batched_takes_regenerator", "tensors_nbytes", "to_bytes", "weighted_error",
+           "within_budget"]

@@ -22,12 +22,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kite.upcycle.codec.state_bits import within_budget
 from kite.upcycle.format import codec_blob, entropy_blob, rans
 from kite.upcycle.format.bitlayout import class_layout
 
 CODED_MODES = ("pca", "rpca")
-PASSES = 3            # codings of a state at a ratio, at most: the first, then the budget refilled
-TOLERANCE = 0.01      # of the blobs' budget: close enough to stop
 _PART = re.compile(r"^c(\d+)/L(\d+)/([KV])$")
 
 
@@ -103,13 +102,11 @@ def coded_within(code: Callable[[int], list[tuple[str, bytes]]],
     """``entropy_code(code(bonus))``: the blobs ``code`` makes with ``bonus`` bytes beyond the state's
     budget, entropy coded. With ``budget`` (called after the first coding: the bytes the blobs may
     take at the state's ratio), the bytes a coding saved go back into the next one's allocation
-    until the blobs take the budget within TOLERANCE (at most PASSES codings). Returns the stored
-    blobs, the header's ``entropy`` section and the ms spent entropy coding (the passes' own coding
-    time is the caller's)."""
+    (:func:`.state_bits.within_budget`). Returns the stored blobs, the header's ``entropy`` section
+    and the ms spent entropy coding (the passes' own coding time is the caller's)."""
     spent = 0.0
-    bonus = 0
 
-    def one() -> tuple[list, dict | None]:
+    def one(bonus: int) -> tuple[list, dict | None]:
         nonlocal spent
         items = code(bonus)
         t = time.perf_counter()
@@ -117,15 +114,8 @@ def coded_within(code: Callable[[int], list[tuple[str, bytes]]],
         spent += (time.perf_counter() - t) * 1e3
         return out
 
-    stored, tables = one()
-    limit = budget() if budget is not None else None
-    for _ in range(PASSES - 1 if limit is not None else 0):
-        miss = limit - sum(len(d) for _, d, _, _ in stored)
-        if abs(miss) <= TOLERANCE * limit:
-            break
-        bonus += int(miss)
-        stored, tables = one()
+    stored, tables = within_budget(one, lambda out: sum(len(d) for _, d, _, _ in out[0]), budget)
     return stored, tables, spent
 
 
-__all__ = ["CODED_MODES", "PASSES", "TOLERANCE", "coded_within", "entropy_code", "part_runs"]
+__all__ = ["CODED_MODES", "coded_within", "entropy_code", "part_runs"]

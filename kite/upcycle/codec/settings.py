@@ -143,8 +143,8 @@ def settings_for(spec: str | float | int | CodecSettings | None = None, **overri
         s = settings_for(4.0)
     elif isinstance(spec, (int, float)):
         ratio = float(spec)
-        if ratio < 1:
-            raise ValueError(f"compression ratio must be >= 1, got {spec}")
+        if not math.isfinite(ratio) or ratio < 1:
+            raise ValueError(f"compression ratio must be a finite number >= 1, got {spec}")
         if ratio <= 1.0:
             s = PRESETS["fp16"]
         else:

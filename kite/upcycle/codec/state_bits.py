@@ -19,6 +19,9 @@ the same numbers, so their allocations are the same.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
 from kite.upcycle.codec.bits import allocate_bits_batched
@@ -141,4 +144,51 @@ def allocate_state(evals: dict[str, torch.Tensor], s: CodecSettings, H: int, d: 
     return {side: bits[i * L * B:(i + 1) * L * B].reshape(L, B, D) for i, side in enumerate(sides)}
 
 
-__all__ = ["allocate_state", "container_overhead", "fixed_bits", "priorities", "state_budget_bits"]
+PASSES = 4            # codings of a state at a ratio, at most: the first, then the budget refilled
+TOLERANCE = 0.01      # of the blobs' budget: close enough to stop
+
+Coded = TypeVar("Coded")
+
+
+def within_budget(code: Callable[[int], Coded], size: Callable[[Coded], int],
+                  budget: Callable[[], float] | None) -> Coded:
+    """``code(bonus)``, coded again until its blobs take the state's budget within TOLERANCE (at most
+    PASSES codings); the coding nearest the budget. ``bonus``: bytes the allocation may spend beyond
+    (or, negative, short of) what its own estimate of the fixed bytes leaves. The estimate is exact
+    where the components take most of the state (one coding); in a short document at a high ratio,
+    parts that get no component store less than it counts, so the size is not linear in the bonus:
+    the next bonus adds the miss (``budget()``, called after the first coding, less ``size``) until
+    a coding above and one below the budget bracket it, then interpolates between them. A coding
+    whose size does not move is the last (the document's floor, or every component at its most
+    bits)."""
+    coded = code(0)
+    limit = budget() if budget is not None else None
+    if limit is None:
+        return coded
+    spent = size(coded)
+    best = (abs(limit - spent), coded)
+    under: tuple[int, int] | None = (0, spent) if spent <= limit else None     # (bonus, size)
+    over: tuple[int, int] | None = (0, spent) if spent > limit else None
+    bonus = 0
+    for _ in range(PASSES - 1):
+        if abs(limit - spent) <= TOLERANCE * limit:
+            break
+        if under is not None and over is not None and over[1] > under[1]:
+            bonus = int(under[0] + (limit - under[1]) * (over[0] - under[0]) / (over[1] - under[1]))
+        else:
+            bonus += int(limit - spent)
+        coded, before = code(bonus), spent
+        spent = size(coded)
+        if abs(limit - spent) < best[0]:
+            best = (abs(limit - spent), coded)
+        if spent == before:
+            break
+        if spent <= limit:
+            under = (bonus, spent)
+        else:
+            over = (bonus, spent)
+    return best[1]
+
+
+__all__ = ["PASSES", "TOLERANCE", "allocate_state", "container_overhead", "fixed_bits", "priorities",
+           "state_budget_bits", "within_budget"]
