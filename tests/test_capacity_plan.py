@@ -311,7 +311,10 @@ def test_a_geometry_that_is_not_a_model_config_is_one_line_exit_2(tmp_path, cont
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--qps", "0"], "--qps 0.0: must be above 0"),
+    (["--qps", "0"], "--qps 0.0: must be a finite number above 0"),
+    (["--qps", "inf"], "--qps inf: must be a finite number above 0"),
+    (["--ppl-tolerance", "nan"], "--ppl-tolerance nan: must be a finite number 0 or more"),
+    (["--gpu-hbm-tbps", "inf"], "--gpu-hbm-tbps inf: must be a finite number above 0"),
     (["--reuse", "1.5"], "--reuse 1.5"),
     (["--gpus", "0"], "--gpus 0"),
     (["--gpu-mem-gb", "-3"], "--gpu-mem-gb -3"),

@@ -175,6 +175,9 @@ def test_cli_writes_cases_and_reports_json(tmp_path):
     assert res.exit_code == 2
     res = runner.invoke(app, ["contracts", "--n", "two"])
     assert res.exit_code == 2
+    for tokens, message in (("0", "must be a positive number"), ("100000000", "at most 1,048,576 tokens")):
+        res = runner.invoke(app, ["contracts", "--n", "1", "--tokens", tokens, "--out", str(out)])
+        assert res.exit_code == 2 and f"--tokens {tokens}: {message}" in res.output, res.output
     res = runner.invoke(app, ["contracts", "--n", "1", "--model", str(tmp_path / "nope")])
     assert res.exit_code == 2 and "--model" in res.output
 

@@ -75,6 +75,8 @@ def test_decide_state_reports_a_bad_rule_file_with_its_carets(state, tiny_models
 def test_decide_state_usage_errors(state, tmp_path):
     r = run("decide", "--state", str(state))
     assert r.exit_code == 2 and "--state needs --query" in r.stderr
+    r = run("decide", "--state", str(state), "--query", "  ")
+    assert r.exit_code == 2 and "--query is empty" in r.stderr
     r = run("decide", "--signals", "{}", "--state", str(state), "--query", "x")
     assert r.exit_code == 2 and "either --signals, or --state" in r.stderr
     r = run("decide")

@@ -4,6 +4,7 @@ setting to run under a PPL tolerance (kite.tune.capacity; docs/capacity.md)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -62,8 +63,8 @@ def capacity_plan(
                           use_reference=not no_reference, lane_bits=user_config().server.lane_bits)
     for flag, value in (("--gpu-mem-gb", gpu_mem_gb), ("--gpu-hbm-tbps", gpu_hbm_tbps),
                         ("--gpu-bf16-tflops", gpu_bf16_tflops)):
-        if value is not None and not value > 0:
-            raise BadInput(f"{flag} {value}: must be above 0")
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise BadInput(f"{flag} {value}: must be a finite number above 0")
     spec = gpu_spec(gpu, gpu_mem_gb, gpu_hbm_tbps, gpu_bf16_tflops)
     name, shape = _model_shape(model, geometry)
     if history is not None and not history.is_file():

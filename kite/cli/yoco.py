@@ -235,6 +235,8 @@ def decide_cmd(
     if state is not None:
         if query is None:
             raise BadInput("--state needs --query (the text to decide for)")
+        if not query.strip():
+            raise BadInput("--query is empty: give the text to decide for")
         if labels is not None or layers is not None:
             raise BadInput("--labels and --layers come from the state with --state; leave them out")
         return _decide_for_state(state, query, model_spec(model), rules_file(rules),

@@ -87,13 +87,23 @@ def generate_contracts(n: int, tokens: int = 2000, seed: int = 0,
     """
     if n < 0:
         raise BadInput(f"--n {n}: the number of contracts cannot be negative")
+    _check_tokens(tokens)
+    return [generate_contract(i, tokens, seed, count_tokens) for i in range(n)]
+
+
+MAX_TOKENS = 1 << 20    # a contract longer than the longest contexts (1M tokens) tests nothing more
+
+
+def _check_tokens(tokens: int) -> None:
     if tokens < 1:
         raise BadInput(f"--tokens {tokens}: must be a positive number of tokens")
-    return [generate_contract(i, tokens, seed, count_tokens) for i in range(n)]
+    if tokens > MAX_TOKENS:
+        raise BadInput(f"--tokens {tokens}: at most {MAX_TOKENS:,} tokens a contract (the longest contexts)")
 
 
 def iter_contracts(tokens: int, seed: int, start: int = 0,
                    count_tokens: Callable[[str], int] | None = None) -> Iterator[dict]:
+    _check_tokens(tokens)
     i = start
     while True:
         yield generate_contract(i, tokens, seed, count_tokens)

@@ -70,7 +70,8 @@ class CapacityRequest:
                   ("--mem-util", self.mem_util, 0 < self.mem_util <= 1, "in (0, 1]"))
         for flag, value, ok, what in checks:
             if not ok or (isinstance(value, float) and not math.isfinite(value)):
-                raise BadInput(f"{flag} {value}: must be {what}")
+                raise BadInput(f"{flag} {value}: must be a finite number {what}"
+                               if isinstance(value, float) else f"{flag} {value}: must be {what}")
         parse_lane_bits(self.lane_bits)
 
     @property
