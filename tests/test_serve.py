@@ -139,7 +139,7 @@ def test_completion_using_an_uploaded_state(live):
     assert r.status_code in (200, 201), r.text
     up = r.json()
     sid = up["id"]
-    assert up["tokens"] > 100 and up["bytes"] > 0 and up["labels"]
+    assert up["tokens"] > 100 and up["bytes"] > 0 and up["labels"] and up["warnings"] == []
     again = c.post("/v1/states", json={"document": DOC})  # same document: the same state, not redone
     assert again.status_code == 200 and again.json()["id"] == sid and again.json()["created"] is False
     listed = {s["id"]: s for s in c.get("/v1/states").json()["data"]}

@@ -42,9 +42,11 @@ class Upcycled:
     created: bool
     timings_ms: dict[str, float] = field(default_factory=dict)
     raw_kv_bytes: int = 0
+    warnings: list[str] = field(default_factory=list)   # the compression's (e.g. a ratio the document cannot reach)
 
     def to_dict(self) -> dict:
-        return {**self.summary.to_dict(), "created": self.created, "timings_ms": self.timings_ms}
+        return {**self.summary.to_dict(), "created": self.created, "timings_ms": self.timings_ms,
+                "warnings": self.warnings}
 
 
 @dataclass(slots=True)
@@ -175,7 +177,7 @@ class ModelRunner:
         if explicit and overwrite and self.health is not None:
             self.health.reset(sid)  # a new document under an old id: its old record means nothing
         return Upcycled(self.store.summary(sid), created=True, timings_ms=result.timings_ms,
-                        raw_kv_bytes=result.raw_kv_bytes)
+                        raw_kv_bytes=result.raw_kv_bytes, warnings=list(result.warnings))
 
     def delete(self, state_id: str) -> None:
         """Delete a state's file, and close it where it is kept open (on the model's thread, which
