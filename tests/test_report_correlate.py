@@ -181,6 +181,14 @@ def test_the_command_reads_the_history_and_writes_its_plot(tmp_path, kite_home):
     assert (tmp_path / "c.png").is_file()
 
 
+def test_without_runs_the_command_says_so_and_writes_no_plot(tmp_path, kite_home):
+    res = runner.invoke(cli, ["report", "correlate", "--plot", str(tmp_path / "c.png")])
+    assert res.exit_code == 0 and "too few runs for a correlation: 0" in res.output, res.output
+    assert "plot: none (no runs to plot)" in res.output and not (tmp_path / "c.png").exists()
+    res = runner.invoke(cli, ["report", "correlate", "--json"])
+    assert res.exit_code == 0 and parse_json(res.output)["plot"] is None
+
+
 def test_the_command_takes_result_files_without_the_history(tmp_path, kite_home):
     _history(kite_home / "results" / "bench.jsonl", XS, _knee_at(0.85))
     f = tmp_path / "r.json"

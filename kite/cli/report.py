@@ -42,7 +42,7 @@ def correlate_cmd(
     """The correlation between the regenerate rate (MB of .upc per 1,000 context tokens) and YOCO's
     hit rate across bench runs: the runs behind it, Pearson and Spearman with 95 % intervals, a test
     for a knee at --knee (a hinge there against a straight line) and anywhere (sup-F, bootstrapped),
-    and a plot. Each part says when there are too few runs for it."""
+    and a plot (none without runs). Each part says when there are too few runs for it."""
     from kite.atomic import check_output
     from kite.bench.correlate import collect, correlate, write_plot
     from kite.bench.history import history_path, results_dir
@@ -51,14 +51,14 @@ def correlate_cmd(
     check_output(plot, mkdir=mkdir, flag="--plot")
     points, skipped = collect(list(results or []), history_path() if history else None, hit_rate)
     c = correlate(points, skipped, knee_at=knee, hit_rate=hit_rate)
-    written = write_plot(c, plot)
+    written = write_plot(c, plot) if c.points else None     # no runs: nothing to plot
     if json_out:
         emit_json({**c.to_dict(), "plot": written})
         return
     _print(c, written)
 
 
-def _print(c, plot: str) -> None:
+def _print(c, plot: str | None) -> None:
     from rich.table import Table
 
     out = console()
@@ -85,7 +85,7 @@ def _print(c, plot: str) -> None:
     out.print(f"[bold]knee anywhere[/]: {c.knee.get('verdict', '')}", highlight=False, soft_wrap=True)
     if c.knee.get("caveat"):
         out.print(f"[yellow]caveat[/]: {c.knee['caveat']}", highlight=False, soft_wrap=True)
-    out.print(f"plot: {plot}", highlight=False, soft_wrap=True)
+    out.print(f"plot: {plot or 'none (no runs to plot)'}", highlight=False, soft_wrap=True)
 
 
 def _p(p: float) -> str:
