@@ -47,7 +47,7 @@ def check_request(lm, prompt_ids: list[int], start: int, max_new_tokens: int) ->
         raise BadInput("the prompt is empty")
     limit = lm.geometry.context_length
     if limit and start + len(prompt_ids) + max_new_tokens > limit:
-        raise BadInput(f"prompt ({len(prompt_ids)} tokens) + state ({start}) + --max-new-tokens "
+        raise BadInput(f"prompt ({len(prompt_ids)} tokens) + state ({start}) + new tokens asked "
                        f"({max_new_tokens}) exceed the model's context of {limit} tokens")
 
 
