@@ -473,6 +473,10 @@ def test_train_bad_input_fails_before_the_model_loads(tiny_models, tmp_path, mon
                     "--output-dir", str(tmp_path / "o"), "--eval-fraction", "0.25", "--regenerator",
                     str(tmp_path / "nowhere")])
     assert res.exit_code == 2 and "not a regenerator" in res.output, res.output
+    for ratio in ("1", "nan", "inf"):
+        res = run(app, ["upcycle", "train", "--model", str(tiny_models["llama"]), "--data-path", str(good),
+                        "--output-dir", str(tmp_path / "o"), "--ratio", ratio])
+        assert res.exit_code == 2 and "each training ratio is a finite number > 1" in res.output, res.output
 
 
 @pytest.mark.slow   # three `kite upcycle train` processes: 40-80 s

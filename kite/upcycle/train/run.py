@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -78,8 +79,8 @@ class TrainRequest:
         """BadInput for a bad mode or ratio, or pairs too few to split; returns (train, held out)."""
         if self.mode not in ("auto", "custom"):
             raise BadInput(f"--mode {self.mode}: expected auto or custom")
-        if not self.ratios or any(r <= 1 for r in self.ratios):
-            raise BadInput("--ratio: each training ratio is > 1 (8 = an eighth of raw fp16 KV)")
+        if not self.ratios or any(not (1 < r < math.inf) for r in self.ratios):
+            raise BadInput("--ratio: each training ratio is a finite number > 1 (8 = an eighth of raw fp16 KV)")
         if self.epochs < 1:
             raise BadInput(f"--epochs {self.epochs}: at least 1")
         if self.pairs_per_step < 1:
