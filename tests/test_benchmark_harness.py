@@ -160,6 +160,18 @@ def test_an_out_path_elsewhere_gets_the_envelope_and_no_index_line(tmp_path, mon
     assert not (tmp_path / "results" / "index.jsonl").exists()
 
 
+def test_a_result_file_keeps_its_rows_a_field_a_line_and_its_raw_section_on_one(tmp_path):
+    res = results.Result("unit_bench", device="cpu", command=[])
+    res.row("step", 1.0, "ms")
+    res.raw["requests"] = [{"ttft_ms": 1.5, "text": "é \" x"} for _ in range(1000)]
+    out = res.write(tmp_path / "r.json")
+    text = out.read_text()
+    assert json.loads(text) == json.loads(json.dumps(res.to_dict(), default=str))
+    raw_lines = [line for line in text.splitlines() if line.startswith(' "raw": ')]
+    assert len(raw_lines) == 1 and text.count("\n") < 60
+    assert '   "value": 1.0,' in text           # the rows as before, a field a line
+
+
 def test_gpu_machines_are_named_by_their_model():
     assert results.machine_slug({"name": "NVIDIA H200", "kind": "gpu", "detail": ""}) == "h200"
     assert results.machine_slug({"name": "AMD EPYC", "kind": "cpu", "detail": "AMD EPYC, 2 cores"}) == "cpu2"
