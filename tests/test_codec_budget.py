@@ -364,7 +364,7 @@ def test_a_short_document_at_a_high_ratio_takes_the_ratio_asked_or_says_why_not(
     assert at[40].warnings == [] and at[40].ratio_asked == 40
     assert at[1000].compression_ratio < 200 and at[1000].ratio_asked == 1000
     (line,) = at[1000].warnings
-    assert "not the 1000x asked" in line and f"{at[1000].n_tokens:,} tokens" in line
+    assert "not the 1000× asked" in line and f"{at[1000].n_tokens:,} tokens" in line
 
 
 @pytest.mark.parametrize("ratio", [float("nan"), float("inf"), 0.5])

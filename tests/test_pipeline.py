@@ -182,7 +182,7 @@ def test_a_ratio_the_document_cannot_be_coded_to_is_written_with_a_warning(tiny_
     out = parse_json(made.output)
     assert out["ratio_asked"] == 1000 and out["compression_ratio"] < 100
     (line,) = out["warnings"]
-    assert "not the 1000x asked" in line
+    assert "not the 1000× asked" in line
     assert f"warning: {line[:40]}" in " ".join(made.output.split())
     plain = runner.invoke(app, ["upcycle", "compress", "--model", str(tiny_models["llama"]), "--input", str(doc),
                                 "--output", str(tmp_path / "e.upc"), "--ratio", "4", "--json"])

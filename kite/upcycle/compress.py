@@ -458,12 +458,12 @@ def ratio_warnings(n_tokens: int, ratio: float, asked: float | None, max_bits: i
     if asked is None or abs(ratio / asked - 1) <= RATIO_TOLERANCE:
         return []
     if ratio < asked:
-        return [f"the state is {ratio:.1f}x smaller than raw fp16 KV, not the {asked:g}x asked: at {n_tokens:,} "
+        return [f"the state is {ratio:.1f}× smaller than raw fp16 KV, not the {asked:g}× asked: at {n_tokens:,} "
                 "tokens, what every state stores besides its coded components (headers, each layer's means "
                 "and bit tables, the exact first token) takes more than that"]
     if asked * max_bits < 16 * 1.1:     # fp16 values at max_bits bits each, and the fixed bytes: no more to spend
-        return [f"the state is {ratio:.2f}x smaller than raw fp16 KV, not the {asked:g}x asked: every component "
+        return [f"the state is {ratio:.2f}× smaller than raw fp16 KV, not the {asked:g}× asked: every component "
                 f"is coded at its most bits ({max_bits}), so a larger state would keep nothing more "
                 "(--precision fp16 keeps the KV as it is)"]
-    return [f"the state is {ratio:.2f}x smaller than raw fp16 KV, not the {asked:g}x asked: its codings did not "
+    return [f"the state is {ratio:.2f}× smaller than raw fp16 KV, not the {asked:g}× asked: its codings did not "
             "take the rest of the ratio's bytes"]
