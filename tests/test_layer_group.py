@@ -264,3 +264,18 @@ def test_on_a_gpu_train_measures_the_groupings_and_codes_its_states_as_on_the_ho
     for path in states:
         prefix, _ = load_prefix(path, lm, regenerator=reg)
         assert all(torch.isfinite(k).all() for k in prefix.keys)
+
+
+def test_the_full_context_continues_the_capture_s_cache_as_a_second_prefill_would(tiny_lm):
+    """The search's baseline reads the continuation after the capture's own cache (one prefill of the
+    document, not two): the logits are those of a fresh prefill of the context."""
+    from kite.upcycle.quality import full_logits
+
+    ids = tiny_lm.tokenizer(CORPUS, add_special_tokens=False)["input_ids"]
+    ctx, cont = ids[:300], ids[300:340]
+    cap = capture(tiny_lm, "", ids=ctx, keep_cache=True, chunk_tokens=128)
+    continued = full_logits(tiny_lm, ctx, cont, cache=cap.cache)
+    fresh = full_logits(tiny_lm, ctx, cont)
+    assert continued.shape == fresh.shape == (len(cont) - 1, fresh.shape[1])
+    torch.testing.assert_close(continued, fresh, rtol=1e-4, atol=1e-4)
+    assert cap.keys_pre[0].shape[1] == len(ctx)       # the capture itself is the document's alone

@@ -174,11 +174,14 @@ def evaluate(lm: LoadedModel, text: str, *, context_tokens: int = 2048, continua
 
 
 @torch.inference_mode()
-def full_logits(lm: LoadedModel, ctx: list[int], cont: list[int]) -> torch.Tensor:
+def full_logits(lm: LoadedModel, ctx: list[int], cont: list[int], *, cache=None) -> torch.Tensor:
     """The logits of ``cont`` (but its last token) after the full context ``ctx``: the baseline a
-    state's continuation is compared with."""
-    cache = new_cache(lm.model)
-    forward_tokens(lm.model, ctx, cache, 0)
+    state's continuation is compared with. ``cache``: the model's cache of ``ctx`` already prefilled
+    (a capture's, :func:`kite.upcycle.compress.capture_for` with ``keep_cache``), continued here
+    rather than prefilling ``ctx`` again; it holds ``cont`` too afterwards."""
+    if cache is None:
+        cache = new_cache(lm.model)
+        forward_tokens(lm.model, ctx, cache, 0)
     return forward_tokens(lm.model, cont, cache, len(ctx))[:-1]
 
 

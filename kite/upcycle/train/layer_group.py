@@ -97,9 +97,13 @@ def choose_layer_group(lm, fit: RegeneratorFit, documents: list[tuple[list[int],
         raise ValueError("no documents to measure the layer groups on")
     groups = [g for g in range(1, fit.layer_group + 1) if fit.layer_group % g == 0]
     t0 = time.perf_counter()
-    full = [full_logits(lm, ctx, cont) for ctx, cont in documents]
-    # each document prefilled once: every candidate and ratio codes the same capture
-    caps = [capture_for(lm, "", settings(groups[0], ratios[0]), ids=ctx) for ctx, _ in documents]
+    # each document prefilled once: every candidate and ratio codes the same capture, and the full
+    # context's logits continue the capture's cache
+    caps = [capture_for(lm, "", settings(groups[0], ratios[0]), ids=ctx, keep_cache=True) for ctx, _ in documents]
+    full = []
+    for (ctx, cont), cap in zip(documents, caps):
+        full.append(full_logits(lm, ctx, cont, cache=cap.cache))
+        cap.cache = None
     baseline_s = time.perf_counter() - t0
     rows = {}
 
