@@ -127,6 +127,13 @@ def test_two_rows_of_one_name_and_a_bad_benchmark_name_are_refused():
 
 # ---------------------------------------------------------------- the envelope
 
+def test_a_result_made_at_the_end_of_a_run_is_dated_by_the_run_s_start(monkeypatch):
+    """A benchmark makes its Result after minutes of work: ``started_at`` is when the command started
+    (the harness's import), not when the rows were written."""
+    monkeypatch.setattr(results, "STARTED_AT", "2026-01-02T03:04:05Z")
+    assert results.Result("unit_bench", device="cpu", command=["x"]).started_at == "2026-01-02T03:04:05Z"
+
+
 def test_the_envelope_names_its_commit_machine_and_start_and_the_index_gets_its_line(tmp_path, monkeypatch):
     monkeypatch.setattr(results, "RESULTS", tmp_path)
     res = results.Result("unit_bench", device="cpu", command=["benchmarks/unit_bench.py", "--tiny"])

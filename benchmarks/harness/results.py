@@ -31,6 +31,9 @@ from .floors import measured_cpu_limits
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
+# when this run's command started (the harness is imported as a benchmark starts): a result made at
+# the end of a long run is dated by its start, not by when its rows were written
+STARTED_AT = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 TIME_UNITS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3, "min": 6e4}
 
 
@@ -58,7 +61,7 @@ class Result:
         self.benchmark = benchmark
         self.command = " ".join(["benchmarks/" + Path(sys.argv[0]).name, *sys.argv[1:]]
                                 if command is None else command)
-        self.started_at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.started_at = STARTED_AT
         self.commit, self.dirty = git_commit()
         self.machine = machine(device)
         self.slug = machine_slug(self.machine)
