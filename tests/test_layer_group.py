@@ -9,6 +9,7 @@ import torch
 from kite.errors import BadInput
 from kite.upcycle import CompressSettings, StateFile, codec_settings
 from kite.upcycle.capture import capture
+from kite.upcycle.compress import capture_for
 from kite.upcycle.codec.regenerator import Regenerator, RegeneratorFit
 from kite.upcycle.train.layer_group import candidate_groups, choose_layer_group, descend, validation_documents
 from tests.tiny_models import CORPUS
@@ -111,7 +112,7 @@ def test_the_choice_follows_the_measured_error(tiny_lm):
     lower ratio (less error) wins, whichever it is."""
     fit = _fits(tiny_lm, (3,))[3]
     ids = tiny_lm.tokenizer(CORPUS[500:] + CORPUS, add_special_tokens=False)["input_ids"]
-    docs = [(ids[:200], ids[200:240])]
+    docs = [(capture_for(tiny_lm, "", ids=ids[:200], keep_cache=True), ids[200:240])]
 
     def finish(f):
         return f.finish({"model_fingerprint": tiny_lm.fingerprints.base})
@@ -143,7 +144,7 @@ def test_the_search_stops_where_a_narrower_grouping_is_no_better(tmp_path):
                                 max_span_tokens=24)
 
     calls = []
-    got = choose_layer_group(lm, fit, [(ids[:200], ids[200:240])], [8.0],
+    got = choose_layer_group(lm, fit, [(capture_for(lm, "", ids=ids[:200], keep_cache=True), ids[200:240])], [8.0],
                              lambda f: f.finish({"model_fingerprint": lm.fingerprints.base}), settings,
                              lambda stage, done, total: calls.append((done, total)))
     assert got.chosen == 4 and [r["layer_group"] for r in got.candidates] == [2, 4] and got.not_measured == [1]
@@ -278,4 +279,26 @@ def test_the_full_context_continues_the_capture_s_cache_as_a_second_prefill_woul
     fresh = full_logits(tiny_lm, ctx, cont)
     assert continued.shape == fresh.shape == (len(cont) - 1, fresh.shape[1])
     torch.testing.assert_close(continued, fresh, rtol=1e-4, atol=1e-4)
-    assert cap.keys_pre[0].shape[1] == len(ctx)       # the capture itself is the document's alone
+
+
+def test_the_search_hands_back_each_capture_as_it_was_made(tiny_lm):
+    """After the search a capture's cache holds its context again (the calibration and the teacher go
+    on with it), so a second search on the same captures measures the same; a capture made without
+    its cache is refused."""
+    fit = _fits(tiny_lm, (3,))[3]
+    ids = tiny_lm.tokenizer(CORPUS[300:] + CORPUS, add_special_tokens=False)["input_ids"]
+    cap = capture_for(tiny_lm, "", ids=ids[:200], keep_cache=True)
+
+    def settings(g, ratio):
+        return CompressSettings(codec=codec_settings(8.0), n_clusters=2, min_span_tokens=8, max_span_tokens=24)
+
+    def finish(f):
+        return f.finish({"model_fingerprint": tiny_lm.fingerprints.base})
+
+    first = choose_layer_group(tiny_lm, fit, [(cap, ids[200:240])], [8.0], finish, settings)
+    assert cap.cache.get_seq_length() == 200
+    again = choose_layer_group(tiny_lm, fit, [(cap, ids[200:240])], [8.0], finish, settings)
+    assert [r["kl"] for r in again.candidates] == [r["kl"] for r in first.candidates]
+    with pytest.raises(ValueError, match="cache kept"):
+        choose_layer_group(tiny_lm, fit, [(capture(tiny_lm, "", ids=ids[:200]), ids[200:240])], [8.0], finish,
+                           settings)

@@ -9,7 +9,9 @@ features at most), every grouping that divides it is a slice of those sums
 documents the calibration left out, at every training ratio (so at the same bytes), as the run would
 code its states. The candidate whose states leave the lowest mean KL of the model's next-token
 distributions against the full context's, over those documents' continuations, is kept; the
-documents are then added to the calibration and its bases fitted on all of them.
+documents are then added to the calibration and its bases fitted on all of them. Each is prefilled
+once: its capture keeps the model's cache, which the full context's logits continue, and the same
+capture is coded by every candidate and then added to the calibration.
 
 The candidates are measured widest first, and the search stops at the first that is no better than
 the best so far (:func:`descend`): on the models and ratios measured, the error falls with the span
@@ -28,7 +30,8 @@ import torch
 
 from kite.errors import BadInput
 from kite.upcycle.codec.regenerator import Regenerator, RegeneratorFit
-from kite.upcycle.compress import CompressSettings, capture_for
+from kite.upcycle.capture import Capture
+from kite.upcycle.compress import CompressSettings
 from kite.upcycle.quality import compare_logits, full_logits, state_logits
 
 MAX_WIDTH = 16384       # features one basis may span (a float64 Gram of 2 GiB a side while fitting)
@@ -63,7 +66,7 @@ class GroupChoice:
     documents: int = 0
     ratios: list[float] = field(default_factory=list)
     not_measured: list[int] = field(default_factory=list)   # narrower groupings the search stopped before
-    baseline_seconds: float = 0.0     # the documents' full-context forwards and their captures
+    baseline_seconds: float = 0.0     # the documents' full-context continuations (their captures: the caller's)
 
     def to_dict(self) -> dict:
         return {"chosen": self.chosen, "measured": "mean KL of the continuation against the full context, states "
@@ -85,25 +88,26 @@ def descend(groups: list[int], measure: Callable[[int], float]) -> tuple[dict[in
     return errors, min(errors, key=lambda g: (errors[g], g))
 
 
-def choose_layer_group(lm, fit: RegeneratorFit, documents: list[tuple[list[int], list[int]]], ratios: list[float],
+def choose_layer_group(lm, fit: RegeneratorFit, documents: list[tuple[Capture, list[int]]], ratios: list[float],
                        finish: Callable[[RegeneratorFit], Regenerator],
                        settings: Callable[[int, float], CompressSettings], progress=None) -> GroupChoice:
     """Measure the groupings that divide ``fit``'s (:func:`candidate_groups`), widest first
     (:func:`descend`): a grouping's bases (``finish(fit.regroup(g))``) code each of ``documents``
-    ((context ids, continuation ids), none calibrated on) at each of ``ratios`` with
-    ``settings(g, ratio)``; the lowest mean KL wins (the smaller group on a tie).
-    ``progress(stage, done, total)`` after each candidate measured."""
+    ((the context's capture, made with the model's cache kept; continuation ids), none calibrated
+    on) at each of ``ratios`` with ``settings(g, ratio)``; the lowest mean KL wins (the smaller group
+    on a tie). The full context's logits continue each capture's cache, which is then cut back to
+    the context (the caller may go on using the capture). ``progress(stage, done, total)`` after
+    each candidate measured."""
     if not documents:
         raise ValueError("no documents to measure the layer groups on")
+    if any(cap.cache is None for cap, _ in documents):
+        raise ValueError("the layer groups are measured on captures made with the model's cache kept")
     groups = [g for g in range(1, fit.layer_group + 1) if fit.layer_group % g == 0]
     t0 = time.perf_counter()
-    # each document prefilled once: every candidate and ratio codes the same capture, and the full
-    # context's logits continue the capture's cache
-    caps = [capture_for(lm, "", settings(groups[0], ratios[0]), ids=ctx, keep_cache=True) for ctx, _ in documents]
     full = []
-    for (ctx, cont), cap in zip(documents, caps):
-        full.append(full_logits(lm, ctx, cont, cache=cap.cache))
-        cap.cache = None
+    for cap, cont in documents:
+        full.append(full_logits(lm, cap.ids, cont, cache=cap.cache))
+        cap.cache.crop(-len(cont))          # back to the context alone
     baseline_s = time.perf_counter() - t0
     rows = {}
 
@@ -111,10 +115,10 @@ def choose_layer_group(lm, fit: RegeneratorFit, documents: list[tuple[list[int],
         t = time.perf_counter()
         reg = finish(fit.regroup(g))
         by_doc = []
-        for (ctx, cont), base, cap in zip(documents, full, caps):
+        for (cap, cont), base in zip(documents, full):
             targets = torch.tensor(cont[1:])
-            kls = [compare_logits(base, state_logits(lm, ctx, cont, settings(g, r), regenerator=reg, captured=cap)[0],
-                                  targets)["kl_mean"] for r in ratios]
+            kls = [compare_logits(base, state_logits(lm, cap.ids, cont, settings(g, r), regenerator=reg,
+                                                     captured=cap)[0], targets)["kl_mean"] for r in ratios]
             by_doc.append(round(sum(kls) / len(kls), 6))
         rows[g] = {"layer_group": g, "kl": round(sum(by_doc) / len(by_doc), 6), "kl_by_document": by_doc,
                    "seconds": round(time.perf_counter() - t, 1)}

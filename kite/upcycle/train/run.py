@@ -184,14 +184,17 @@ def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progres
     held_back = validation_documents(list(docs), search.seed) if auto else []
     value_weights = model_value_weights(lm) if queries else None
 
-    def calibrate(keys: list[str], stage: str) -> None:
+    def calibrate(keys: list[str], stage: str, made=None) -> None:
+        """Add each document's capture to the sums (``made``: captures already made, in ``keys``' order)."""
         texts = [docs[k].context for k in keys]
-        if keep is None:
+        if made is not None:
+            caps = iter(made)
+        elif keep is None:
             caps = iter_captures(lm, texts, queries=queries)
         else:
             caps = captures_for(lm, texts, compress, keep_cache=True, queries=queries)
         for i, key in enumerate(keys):
-            with times.stage("calibrate_capture"):     # a batch of documents' prefill falls to its first
+            with times.stage("calibrate_capture", 0 if made is not None else 1):   # a batch's prefill falls to its first
                 cap = next(caps)
             with times.stage("calibrate_fit"):
                 fit.add(cap.keys_pre, cap.values, cap.ids, query_sq=cap.query_sq if queries else None)
@@ -212,14 +215,25 @@ def fit_regenerator(lm: LoadedModel, train_pairs: list[Pair], cfg_codec, progres
     if not auto:
         with times.stage("calibrate_fit", 0):
             return finish(fit)
+    # the measured documents are prefilled once: their captures (with the model's cache, which the
+    # search continues for the full context's logits) are measured, then added to the calibration
+    held = []
+    with times.stage("calibrate_capture", len(held_back)):     # made as the states' are: the search codes them
+        held.extend(captures_for(lm, [docs[k].context for k in held_back],
+                                 compress or search.settings(layer_group, search.ratios[0]), keep_cache=True,
+                                 queries=queries))
     with times.stage("calibrate_choose", 0):
         measured = []
-        for key in held_back:
-            ctx, prompt, response = tokenize_pair(lm.tokenizer, docs[key])
-            measured.append((ctx, prompt + response))
+        for key, cap in zip(held_back, held):
+            _, prompt, response = tokenize_pair(lm.tokenizer, docs[key], cap.ids)
+            measured.append((cap, prompt + response))
         choice = choose_layer_group(lm, fit, measured, search.ratios, finish, search.settings, progress)
     times.add_count("calibrate_choose", len(choice.candidates))      # the groupings measured
-    calibrate(held_back, "regenerator (calibrate the measured documents)")
+    if keep is None:
+        for cap in held:
+            cap.cache = None
+    calibrate(held_back, "regenerator (calibrate the measured documents)", held)
+    del held, measured
     with times.stage("calibrate_fit", 0):
         reg = finish(fit.regroup(choice.chosen))
     reg.meta["layer_group_choice"] = choice.to_dict()     # (before its fingerprint is first taken)
