@@ -3,6 +3,8 @@ choice following the measured error, and what the run reports and codes with wha
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -191,6 +193,23 @@ def test_train_measures_every_grouping_and_codes_its_states_with_the_one_it_keep
     assert parse_json(again.output)["regenerator"]["fingerprint"] == reg.fingerprint
     other = _train(tiny_models, tmp_path, tmp_path / "run", "--layer-group", "3", "--ratio", "8", "--resume")
     assert other.exit_code != 0 and "holds another run (its layer-group differs)" in other.output
+
+
+def test_two_runs_on_the_same_documents_fingerprint_the_same_regenerator(tiny_models, tmp_path):
+    """The search's record in the regenerator is what it measured, not how long it took: a second run
+    from scratch fits the same bases and names them by the same fingerprint (its states load with
+    either folder)."""
+    from tests.conftest import parse_json
+
+    fps = []
+    for name in ("one", "two"):
+        res = _train(tiny_models, tmp_path, tmp_path / name, "--layer-group", "auto", "--ratio", "8")
+        assert res.exit_code == 0, res.output
+        rep = parse_json(res.output)["regenerator"]
+        fps.append(rep["fingerprint"])
+        choice = Regenerator.load(tmp_path / name / "regenerator").meta["layer_group_choice"]
+        assert "seconds" not in json.dumps(choice) and choice == rep["layer_group_choice"]   # no clock in it
+    assert fps[0] == fps[1]
 
 
 def test_train_says_what_each_grouping_measured(tiny_models, tmp_path):

@@ -22,7 +22,6 @@ usually measures two groupings, not every divisor; where narrower bases win, it 
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -59,21 +58,21 @@ def validation_documents(keys: list[str], seed: int) -> list[str]:
 
 @dataclass
 class GroupChoice:
-    """What ``--layer-group auto`` measured: each candidate's mean KL (and per document and ratio)."""
+    """What ``--layer-group auto`` measured: each candidate's mean KL (and per document and ratio).
+    No timings: it goes into the regenerator's fingerprinted meta, and a run on the same documents
+    must fingerprint the same bases the same (the search's seconds: the run's ``calibrate_choose``)."""
 
     chosen: int
-    candidates: list[dict] = field(default_factory=list)   # {"layer_group", "kl", "kl_by_document", "seconds"}
+    candidates: list[dict] = field(default_factory=list)   # {"layer_group", "kl", "kl_by_document"}
     documents: int = 0
     ratios: list[float] = field(default_factory=list)
     not_measured: list[int] = field(default_factory=list)   # narrower groupings the search stopped before
-    baseline_seconds: float = 0.0     # the documents' full-context continuations (their captures: the caller's)
 
     def to_dict(self) -> dict:
         return {"chosen": self.chosen, "measured": "mean KL of the continuation against the full context, states "
                 "at each training ratio", "search": "widest first, stopping at the first grouping no better than "
                 "the best so far", "documents": self.documents, "ratios": self.ratios,
-                "candidates": self.candidates, "not_measured": self.not_measured,
-                "baseline_seconds": self.baseline_seconds}
+                "candidates": self.candidates, "not_measured": self.not_measured}
 
 
 def descend(groups: list[int], measure: Callable[[int], float]) -> tuple[dict[int, float], int]:
@@ -103,16 +102,13 @@ def choose_layer_group(lm, fit: RegeneratorFit, documents: list[tuple[Capture, l
     if any(cap.cache is None for cap, _ in documents):
         raise ValueError("the layer groups are measured on captures made with the model's cache kept")
     groups = [g for g in range(1, fit.layer_group + 1) if fit.layer_group % g == 0]
-    t0 = time.perf_counter()
     full = []
     for cap, cont in documents:
         full.append(full_logits(lm, cap.ids, cont, cache=cap.cache))
         cap.cache.crop(-len(cont))          # back to the context alone
-    baseline_s = time.perf_counter() - t0
     rows = {}
 
     def measure(g: int) -> float:
-        t = time.perf_counter()
         reg = finish(fit.regroup(g))
         by_doc = []
         for (cap, cont), base in zip(documents, full):
@@ -120,8 +116,7 @@ def choose_layer_group(lm, fit: RegeneratorFit, documents: list[tuple[Capture, l
             kls = [compare_logits(base, state_logits(lm, cap.ids, cont, settings(g, r), regenerator=reg,
                                                      captured=cap)[0], targets)["kl_mean"] for r in ratios]
             by_doc.append(round(sum(kls) / len(kls), 6))
-        rows[g] = {"layer_group": g, "kl": round(sum(by_doc) / len(by_doc), 6), "kl_by_document": by_doc,
-                   "seconds": round(time.perf_counter() - t, 1)}
+        rows[g] = {"layer_group": g, "kl": round(sum(by_doc) / len(by_doc), 6), "kl_by_document": by_doc}
         del reg
         if progress:
             progress("regenerator (layer groups)", len(rows), len(groups))
@@ -131,8 +126,7 @@ def choose_layer_group(lm, fit: RegeneratorFit, documents: list[tuple[Capture, l
     if progress and len(rows) < len(groups):
         progress("regenerator (layer groups)", len(rows), len(rows))     # the search stopped: the bar ends full
     return GroupChoice(chosen=chosen, candidates=[rows[g] for g in sorted(rows)], documents=len(documents),
-                       ratios=[float(r) for r in ratios], not_measured=[g for g in groups if g not in rows],
-                       baseline_seconds=round(baseline_s, 1))
+                       ratios=[float(r) for r in ratios], not_measured=[g for g in groups if g not in rows])
 
 
 __all__ = ["GroupChoice", "MAX_DOCUMENTS", "MAX_WIDTH", "candidate_groups", "choose_layer_group", "descend",
