@@ -229,6 +229,10 @@ def test_bad_requests_are_one_clear_error(live):
     assert r.status_code == 400
     r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 10**6})
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    for bad in (b"NaN", b"Infinity"):         # what Python's json writes for them: refused as what they are
+        r = c.post("/v1/completions", content=b'{"prompt": "x", "temperature": ' + bad + b"}",
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "temperature" in r.text and "finite number" in r.text, r.text
 
 
 # -- state ids ---------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # OpenAI clients send fields KITE does not use (user, logprobs, ...): ignore them.
-_OPEN = ConfigDict(extra="ignore")
-_CLOSED = ConfigDict(extra="forbid")
+_OPEN = ConfigDict(extra="ignore", allow_inf_nan=False)    # NaN and inf: "should be a finite number"
+_CLOSED = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class KiteOptions(BaseModel):
