@@ -9,7 +9,7 @@ import datetime as dt
 import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,10 @@ class CompressSettings:
     # the codes of every PCA-coded part entropy coded (kite.upcycle.codec.entropy): at a ratio the
     # bits it saves go back into the allocation, so the file stays the size asked
     entropy_coding: bool = False
+    # the document's last tokens kept as token ids, not coded: a load runs them through the model
+    # after the rebuilt prefix (their KV then exact but for what they read of it); the state's bytes
+    # go to the tokens before them
+    recompute_tokens: int = 0
 
 
 @dataclass
@@ -78,6 +82,7 @@ class CompressResult:
     address: str | None = None   # the content address recorded in the header (None: unaddressed)
     ratio_asked: float | None = None   # the ratio the state was coded to (None: a precision preset, label ratios)
     warnings: list[str] = field(default_factory=list)   # e.g. a ratio this document cannot be coded to
+    recomputed_tokens: int = 0   # the document's last tokens kept as ids, recomputed by every load
 
     @property
     def compression_ratio(self) -> float:
@@ -245,6 +250,11 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
     _check_settings(lm, settings, regenerator)
     default_ratio = ratio_of(settings.codec)
     timings: dict[str, float] = {"prefill": cap.prefill_ms}
+    n_tokens, all_ids = cap.n_tokens, cap.ids
+    raw_kv = int(lm.geometry.kv_bytes_per_token("fp16") * n_tokens)   # the whole document's: the ratio's base
+    tail = recomputed_tail(n_tokens, settings.recompute_tokens)
+    if tail:        # the tokens before the tail are coded (clustered, tagged) with all of the state's bytes
+        cap = capture_head(cap, n_tokens - tail)
 
     text = cap.text
     clusters: list[ClusterInfo] = []
@@ -276,7 +286,6 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
         timings["cluster_and_tag"] = (time.perf_counter() - t) * 1e3
         return token_sets
 
-    raw_kv = int(lm.geometry.kv_bytes_per_token("fp16") * cap.n_tokens)
     fps = lm.fingerprints
 
     def state_meta() -> dict:
@@ -289,8 +298,8 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
             "fingerprints": fps.to_dict(),
             "model": {"spec": lm.source.spec, "geometry": lm.geometry.to_dict()},
             "source": {"name": source_name, "sha256": hashlib.sha256(text.encode()).hexdigest(),
-                       "chars": len(text), "tokens": cap.n_tokens},
-            "n_tokens": cap.n_tokens,
+                       "chars": len(text), "tokens": n_tokens},
+            "n_tokens": n_tokens,
             "codec": fit_codec.to_json(),
             "spans": spans,
             "clusters": [asdict(c) for c in clusters],
@@ -311,8 +320,10 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
             meta["entropy"] = entropy_tables[0]
         if settings.layer_weights is not None:   # named as the address names them (they weigh only a state-wide budget)
             meta["layer_weights"] = {"fingerprint": settings.layer_weights.fingerprint}
+        if tail:      # run through the model at load, after the rest (docs/upc-format.md, "Recomputed tail")
+            meta["recompute"] = {"tokens": tail, "ids": list(all_ids[-tail:])}
         if address:
-            meta["address"] = address_for(fps.combined, cap.ids, settings, meta["tagger"],
+            meta["address"] = address_for(fps.combined, all_ids, settings, meta["tagger"],
                                           None if regenerator is None else regenerator.fingerprint,
                                           tenant).to_header()
         return meta
@@ -440,11 +451,28 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
     size = writer.write(output, meta)
     timings["write"] = (time.perf_counter() - t) * 1e3
     asked = default_ratio if not part_ratios else None
-    return CompressResult(path=str(output), n_tokens=cap.n_tokens, clusters=clusters, state_bytes=size,
+    return CompressResult(path=str(output), n_tokens=n_tokens, clusters=clusters, state_bytes=size,
                           raw_kv_bytes=raw_kv, timings_ms={k: round(v, 1) for k, v in timings.items()},
                           spans=meta["spans"],
                           address=meta["address"]["id"] if address else None, ratio_asked=asked,
-                          warnings=ratio_warnings(cap.n_tokens, raw_kv / size, asked, fit_codec.max_bits))
+                          warnings=ratio_warnings(n_tokens, raw_kv / size, asked, fit_codec.max_bits),
+                          recomputed_tokens=tail)
+
+
+def recomputed_tail(n_tokens: int, asked: int) -> int:
+    """How many of a document's last tokens a state keeps as ids for its loads to recompute: the
+    ``recompute_tokens`` asked, and at least one token coded. BadInput for a negative count."""
+    if asked < 0:
+        raise BadInput(f"recompute tokens {asked}: a count of the document's last tokens, 0 or more")
+    return min(asked, n_tokens - 1)
+
+
+def capture_head(cap: Capture, n: int) -> Capture:
+    """``cap``'s first ``n`` tokens (the text whole: the tokens' offsets still index it)."""
+    return replace(cap, ids=cap.ids[:n], offsets=cap.offsets[:n],
+                   keys_pre=[k[:, :n].contiguous() for k in cap.keys_pre],
+                   values=[v[:, :n].contiguous() for v in cap.values],
+                   hidden={layer: h[:n].contiguous() for layer, h in cap.hidden.items()}, cache=None)
 
 
 RATIO_TOLERANCE = 0.03   # a state's file ratio this close to the ratio asked is that ratio

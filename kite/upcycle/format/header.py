@@ -81,7 +81,7 @@ def _check(meta) -> int:
             raise _Bad(f"regenerator.fingerprint is {_show(fp)}, expected a string")
     if "raw_kv_bytes_fp16" in meta:
         _int(meta["raw_kv_bytes_fp16"], "raw_kv_bytes_fp16", 0)
-    ids = _clusters(meta.get("clusters"), n_tokens)
+    ids = _clusters(meta.get("clusters"), n_tokens - _recompute(meta.get("recompute"), n_tokens))
     try:
         leads = group_leads(meta, n_layers)
     except BadInput as exc:
@@ -203,6 +203,20 @@ def _clusters(clusters, n_tokens: int) -> list[int]:
     if not starts or starts[0] != 0 or ends[-1] != n_tokens or starts[1:] != ends[:-1]:
         _explain_partition(clusters, n_tokens)
     return ids
+
+
+def _recompute(tail, n_tokens: int) -> int:
+    """The document's last tokens kept as ids for loads to recompute (the clusters cover the others)."""
+    if tail is None:
+        return 0
+    tail = _object(tail, "recompute")
+    ids = tail.get("ids")
+    count = _int(tail.get("tokens"), "recompute.tokens", 1)
+    if not isinstance(ids, list) or set(map(type, ids)) != {int} or min(ids) < 0 or len(ids) != count:
+        raise _Bad(f"recompute.ids is not a list of {count} token ids")
+    if count >= n_tokens:
+        raise _Bad(f"recompute.tokens is {count}, not fewer than the state's {n_tokens} tokens")
+    return count
 
 
 def _explain_ranges(cid: int, rows: list, n_tokens: int):

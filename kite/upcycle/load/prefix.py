@@ -29,6 +29,7 @@ from kite.upcycle.load.parts import decode_part, read_layer, read_part
 from kite.upcycle.load.rebuild import load_staged
 from kite.upcycle.load.selection import SINK_TOKENS, Selection, select
 from kite.upcycle.load.staging import stage_state, supports_state
+from kite.upcycle.load.tail import recompute_tail, tail_ids
 from kite.upcycle.rope import apply_rope, rope_cos_sin
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ class LoadReport:
     warnings: list[str] = field(default_factory=list)  # the load is far from what the state was made for
     resident: str = "raw"  # the resident form the prefix is held in (kite.upcycle.RESIDENT_FORMS): "raw", "lanes"
     resident_bytes: int | None = None  # bytes the loaded prefix holds on its device
+    recomputed_tokens: int = 0  # of `tokens`, the state's last ones run through the model (its recomputed tail)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -284,6 +286,7 @@ def load_prefix(state: StateFile | str | Path, lm: LoadedModel, *, clusters: lis
     """
     t0 = time.perf_counter()
     state, regenerator = _checked(state, lm, precision, regenerator)
+    tail = tail_ids(state.meta)
     n_layers = lm.geometry.n_layers
     sel = select(state, clusters, sink_tokens)
     if layers is not None and not layers:
@@ -299,20 +302,26 @@ def load_prefix(state: StateFile | str | Path, lm: LoadedModel, *, clusters: lis
     else:
         keys, values, nbytes, timings = _load_on_host(state, lm, sel, layer_set, verify, precision, regenerator)
     made_for = (state.meta.get("fingerprints") or {}).get("adapter")
-    prefix = KVPrefix(keys, values, next_position=int(state.meta["n_tokens"]),
-                      reader=made_for is not None and made_for == lm.fingerprints.adapter)
+    reader = made_for is not None and made_for == lm.fingerprints.adapter
+    recomputed = len(tail) if sel.chosen else 0     # (nothing loaded: nothing for the tail to read)
+    if recomputed:
+        t = time.perf_counter()
+        recompute_tail(lm, keys, values, tail, int(state.meta["n_tokens"]), layer_set, reader)
+        timings["recompute"] = round((time.perf_counter() - t) * 1e3, 3)
+    prefix = KVPrefix(keys, values, next_position=int(state.meta["n_tokens"]), reader=reader)
     return prefix, load_report(state, n_layers, sel, sorted(layer_set), precision, bytes_read=nbytes, t0=t0,
-                               timings=timings, resident_bytes=prefix.nbytes())
+                               timings=timings, resident_bytes=prefix.nbytes(), recomputed=recomputed)
 
 
 def load_report(state: StateFile, n_layers: int, sel: Selection, layers: list[int], precision: str | None, *,
                 bytes_read: int, t0: float, timings: dict, resident: str = "raw",
-                resident_bytes: int | None = None) -> LoadReport:
+                resident_bytes: int | None = None, recomputed: int = 0) -> LoadReport:
     """The report of a load of ``sel`` into ``layers`` begun at ``t0`` (time.perf_counter()), in
-    either form (``resident``)."""
+    either form (``resident``); ``recomputed``: the state's tail tokens the load ran through the model."""
     return LoadReport(clusters=sel.chosen, labels=sel.labels, layers=layers, precision=precision,
-                      tokens=int(sum(int(p.numel()) if keep is None else int(keep.sum())
-                                     for (_, keep), p in zip(sel.parts, sel.part_positions))),
+                      tokens=recomputed + int(sum(int(p.numel()) if keep is None else int(keep.sum())
+                                                  for (_, keep), p in zip(sel.parts, sel.part_positions))),
+                      recomputed_tokens=recomputed,
                       sink_tokens=sel.sink_tokens, bytes_read=bytes_read,
                       load_ms=round((time.perf_counter() - t0) * 1e3, 3), timings_ms=timings,
                       warnings=load_warnings(state.meta, n_layers, layers, precision), resident=resident,
