@@ -31,6 +31,10 @@ PrecisionOpt = typer.Option(help="A precision preset instead of --ratio: " + "|"
 EntropyOpt = typer.Option("--entropy-coding/--no-entropy-coding", help="Entropy-code the quantized coefficients: at "
                           "a ratio, the bits saved are spent on more components (default: the config's "
                           "compression.entropy_coding).")
+RecomputeOpt = typer.Option("--recompute-tokens", help="Keep the document's last N tokens as token ids, not coded: "
+                            "every load runs them through the model after the rest (exact but for what they read), "
+                            "and the state's bytes go to the tokens before them (default: the config's "
+                            "compression.recompute_tokens, 0).")
 
 @app.command("compress")
 def compress(
@@ -49,6 +53,7 @@ def compress(
         "--label-ratio", help="LABEL=R: the clusters of that clause label at ratio R (repeatable; over the "
         "config's compression.label_ratios).")] = None,
     entropy_coding: Annotated[bool | None, EntropyOpt] = None,
+    recompute_tokens: Annotated[int | None, RecomputeOpt] = None,
     mkdir: bool = MkdirOpt,
     store: Annotated[str | None, StoreOpt] = None,
     tenant: Annotated[str | None, TenantOpt] = None,
@@ -81,7 +86,8 @@ def compress(
     with kept_on_interrupt(kept), progress_bar() as progress:   # config and flags checked before the model loads
         pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress,
                              kept_fraction=user_config().features.upcycle_compression_ratio, regenerator=regenerator,
-                             label_ratios=label_ratios, layer_weights=layer_weights, entropy_coding=entropy_coding)
+                             label_ratios=label_ratios, layer_weights=layer_weights, entropy_coding=entropy_coding,
+                             recompute_tokens=recompute_tokens)
         if tiers is None:
             result = pipe.compress(text, output, source_name=name, progress=progress, tenant=who)
         else:
@@ -109,6 +115,9 @@ def compress(
     for c in result.clusters:
         out.print(f"  cluster {c.id:>2}  {c.label:<22} conf {c.confidence:.2f}  {c.n_tokens:>6} tokens  "
                   f"[dim]{c.preview[:60]}[/]", highlight=False)
+    if result.recomputed_tokens:
+        out.print(f"  the last {result.recomputed_tokens:,} tokens kept as ids: every load recomputes them",
+                  highlight=False)
     out.print("  " + "  ".join(f"{k} {v:.0f} ms" for k, v in result.timings_ms.items()), highlight=False)
     if pipe.regenerator is None and result.compression_ratio >= HIGH_RATIO:
         out.print(f"  [dim]at {result.compression_ratio:.0f}× a state that stores its own bases keeps far less than one "
@@ -177,6 +186,9 @@ def inspect(
     if report["entropy_coded"]:
         ec = report["entropy_coded"]
         out.print(f"  entropy coded: {ec['parts']} of {ec['of_parts']} parts, {ec['bytes_saved']:,} B saved", highlight=False)
+    if report["recomputed_tokens"]:
+        out.print(f"  the last {report['recomputed_tokens']:,} tokens kept as ids: every load recomputes them",
+                  highlight=False)
     if verify:
         ck = report["checksums"]
         colour = "green" if not ck["failed"] else "red"
@@ -199,6 +211,7 @@ def eval_cmd(
     regenerator: Annotated[Path | None, RegeneratorOpt] = None,
     layer_weights: Annotated[Path | None, LayerWeightsOpt] = None,
     entropy_coding: Annotated[bool | None, EntropyOpt] = None,
+    recompute_tokens: Annotated[int | None, RecomputeOpt] = None,
     probe: Annotated[str | None, typer.Option(help="Also measure tasks on the state at this ratio (a comma list): "
                                               "'passkey' (one key at 10/30/50/70/90 % depth), 'keys' (3 keys in "
                                               "one context), 'qa' (F1 on held-out generated contracts).")] = None,
@@ -221,7 +234,8 @@ def eval_cmd(
     with progress_bar() as progress:   # the config and the flags are checked before the model loads
         pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress,
                              kept_fraction=user_config().features.upcycle_compression_ratio, regenerator=regenerator,
-                             layer_weights=layer_weights, entropy_coding=entropy_coding)
+                             layer_weights=layer_weights, entropy_coding=entropy_coding,
+                             recompute_tokens=recompute_tokens)
         result = evaluate(pipe.lm, text, context_tokens=context_tokens, continuation_tokens=continuation_tokens,
                           settings=pipe.settings, tagger=pipe.tagger, probe=probe, progress=progress,
                           regenerator=pipe.regenerator,

@@ -62,6 +62,7 @@ def settings_fields(settings, tagger_description: dict | None) -> dict:
         # (only when set: states made without layer weights keep their addresses)
         **({"layer_weights": settings.layer_weights.fingerprint} if settings.layer_weights is not None else {}),
         **({"entropy_coding": True} if getattr(settings, "entropy_coding", False) else {}),
+        **({"recompute_tokens": settings.recompute_tokens} if getattr(settings, "recompute_tokens", 0) else {}),
     }
 
 

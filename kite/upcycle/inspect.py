@@ -54,6 +54,8 @@ def describe_state(path: str | Path, verify: bool = False) -> dict:
             # parts stored with their codes entropy coded (compression.entropy_coding; None: none)
             "entropy_coded": {"parts": len(coded), "of_parts": sum(1 for k in sf.index if k.startswith("c")),
                               "bytes_saved": sum(e.raw_length - e.length for e in coded)} if coded else None,
+            # the document's last tokens kept as ids, run through the model by every load (0: none)
+            "recomputed_tokens": int((meta.get("recompute") or {}).get("tokens", 0)),
             "tagger": meta.get("tagger"),
             # the content address, recomputed from the header and checked (None: unaddressed)
             "address": check_address(meta, sf.format_version, str(path)),

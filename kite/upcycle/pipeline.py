@@ -37,7 +37,7 @@ from kite.upcycle.codec.settings import PRESETS, ratio_of, settings_for
 from kite.upcycle.compress import CompressResult, CompressSettings, Progress, compress_document
 from kite.upcycle.label_ratios import check_ratios, read_label_ratios
 from kite.upcycle.load.staging import prepare_state
-from kite.upcycle.settings import UpcycleConfig, load_upcycle_config
+from kite.upcycle.settings import MAX_RECOMPUTE_TOKENS, UpcycleConfig, load_upcycle_config
 from kite.upcycle.tagging.build import build_tagger, describe_tagger
 
 if TYPE_CHECKING:
@@ -47,14 +47,15 @@ if TYPE_CHECKING:
 def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precision: str | None = None,
                       clusters: int | None = None, kept_fraction: float | None = None,
                       label_ratios: dict[str, float] | None = None, config_path: Path | None = None,
-                      entropy_coding: bool | None = None) -> CompressSettings:
+                      entropy_coding: bool | None = None, recompute_tokens: int | None = None) -> CompressSettings:
     """The compression settings of an upcycle config and a command's flags (see the module doc).
 
     ``kept_fraction``: the user's default of ``ratio`` in the seed's spelling (the KITE config's
     ``features.upcycle_compression_ratio``, 0-1); None leaves the upcycle config's settings.
     ``label_ratios``: per-label ratios from the command line, over the config's
     ``compression.label_ratios`` (a map, or a file relative to ``config_path``). ``entropy_coding``:
-    the command's choice over the config's ``compression.entropy_coding``.
+    the command's choice over the config's ``compression.entropy_coding``; ``recompute_tokens`` over
+    ``compression.recompute_tokens``.
     BadInput for both ``ratio`` and ``precision``, a ratio below 1, a fraction outside (0, 1], a
     precision that is not a preset, or label ratios with a preset.
     """
@@ -89,6 +90,9 @@ def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precisi
         raise BadInput(str(exc)) from None
     if clusters is not None and clusters < 1:
         raise BadInput(f"--clusters {clusters}: at least one cluster")
+    if recompute_tokens is not None and not 0 <= recompute_tokens <= MAX_RECOMPUTE_TOKENS:
+        raise BadInput(f"--recompute-tokens {recompute_tokens}: the document's last tokens a load recomputes, "
+                       f"0 to {MAX_RECOMPUTE_TOKENS}")
     if isinstance(c.label_ratios, str):
         ratios = read_label_ratios(cfg.resolve(c.label_ratios, config_path))
     else:
@@ -102,7 +106,8 @@ def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precisi
     return CompressSettings(codec=spec, n_clusters=clusters or c.cluster_num,
                             min_span_tokens=c.min_span_tokens, max_span_tokens=c.max_span_tokens,
                             label_ratios=ratios,
-                            entropy_coding=c.entropy_coding if entropy_coding is None else entropy_coding)
+                            entropy_coding=c.entropy_coding if entropy_coding is None else entropy_coding,
+                            recompute_tokens=c.recompute_tokens if recompute_tokens is None else recompute_tokens)
 
 
 @dataclass
@@ -185,11 +190,11 @@ def open_pipeline(model: str | None = None,
                   kept_fraction: float | None = None, device: str | None = None, lm: LoadedModel=None, tagger: bool = True,
                   regenerator: str | Path | None = None, label_ratios: dict[str, float] | None = None,
                   layer_weights: str | Path | None = None, progress=None,
-                  entropy_coding: bool | None = None) -> Pipeline:
+                  entropy_coding: bool | None = None, recompute_tokens: int | None = None) -> Pipeline:
     """Config → settings (checked before anything slow) → model (``lm`` when given, else ``model``
     loaded with the config's adapter on ``device``) → the config's tagger (``tagger=False``: none).
-    ``ratio``, ``precision``, ``clusters``, ``kept_fraction``, ``label_ratios`` and ``entropy_coding``: see
-    :func:`compress_settings`.
+    ``ratio``, ``precision``, ``clusters``, ``kept_fraction``, ``label_ratios``, ``entropy_coding`` and
+    ``recompute_tokens``: see :func:`compress_settings`.
 
     ``upcycle_config``: a path; None for ``configs/upcycle_config.yaml`` (else the defaults); a loaded
     config; or the (config, path) pair :func:`kite.upcycle.load_upcycle_config` returns (the path
@@ -207,7 +212,7 @@ def open_pipeline(model: str | None = None,
         cfg, cfg_path = load_upcycle_config(upcycle_config)
     settings = compress_settings(cfg, ratio=ratio, precision=precision, clusters=clusters,
                                  kept_fraction=kept_fraction, label_ratios=label_ratios, config_path=cfg_path,
-                                 entropy_coding=entropy_coding)
+                                 entropy_coding=entropy_coding, recompute_tokens=recompute_tokens)
     regen_dir = Path(regenerator) if regenerator is not None else cfg.resolve(cfg.regenerator, cfg_path)
     regen = Regenerator.load(regen_dir) if regen_dir is not None else None   # a bad folder fails before the model
     named, weights = named_layer_weights(cfg, cfg_path, layer_weights)   # (a bad file, before the model)

@@ -11,6 +11,10 @@ from kite.yaml_model import load_yaml_model
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4", "int3", "int2")
 
 
+# the most of a document's last tokens a state keeps for its loads to recompute (a forward of them each)
+MAX_RECOMPUTE_TOKENS = 4096
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -38,6 +42,10 @@ class CompressionConfig(_Strict):
     # at a ratio the bits it saves are spent again on the components, the file the size asked.
     # Compressing codes the state up to three times; loads decode the parts on the host.
     entropy_coding: bool = False
+    # The document's last tokens kept as token ids instead of coded: every load runs them through the
+    # model after the rebuilt prefix (a forward of this many tokens), and the state's bytes go to the
+    # tokens before them. 0: none (docs/compression.md, "Recomputed tail").
+    recompute_tokens: int = Field(0, ge=0, le=MAX_RECOMPUTE_TOKENS)
 
     @field_validator("precision")
     @classmethod

@@ -1,0 +1,145 @@
+"""A state's recomputed tail (``compression.recompute_tokens``, ``--recompute-tokens``): the
+document's last tokens kept as ids, the tokens before them coded with all of the state's bytes,
+every load running the tail through the model after the rebuilt prefix."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kite.cli.main import app
+from kite.errors import BadInput
+from kite.runtime.cache import cache_layers
+from kite.upcycle import codec
+from kite.upcycle.capture import capture
+from kite.upcycle.compress import CompressSettings, compress_document, recomputed_tail
+from kite.upcycle.format import StateFile
+from kite.upcycle.format.header import check_header
+from kite.upcycle.load import load_prefix
+from tests.conftest import parse_json
+from tests.tiny_models import CORPUS
+
+runner = CliRunner()
+TAIL = 8
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_models):
+    from kite.model import load_model
+
+    return load_model(str(tiny_models["llama"]), device="cpu")
+
+
+def _settings(spec, tail: int) -> CompressSettings:
+    return CompressSettings(codec=codec.settings_for(spec), n_clusters=3, min_span_tokens=8, max_span_tokens=32,
+                            recompute_tokens=tail)
+
+
+def _ids(lm, n: int = 160) -> list[int]:
+    return lm.tokenizer(CORPUS, add_special_tokens=False)["input_ids"][:n]
+
+
+def test_the_tail_is_kept_as_ids_and_the_clusters_cover_the_tokens_before_it(lm, tmp_path):
+    ids = _ids(lm)
+    made = compress_document(lm, "", tmp_path / "s.upc", _settings(4.0, TAIL), ids=ids)
+    assert made.recomputed_tokens == TAIL and made.n_tokens == len(ids)
+    with StateFile(tmp_path / "s.upc") as sf:
+        meta = sf.meta
+    assert meta["n_tokens"] == len(ids) and meta["recompute"] == {"tokens": TAIL, "ids": ids[-TAIL:]}
+    covered = sorted(r for c in meta["clusters"] for r in c["token_ranges"])
+    assert covered[0][0] == 0 and max(e for _, e in covered) == len(ids) - TAIL
+    assert sum(c["n_tokens"] for c in meta["clusters"]) == len(ids) - TAIL
+    # the ratio is over the whole document's raw KV: the file is the size asked
+    assert abs(made.compression_ratio / 4.0 - 1) <= 0.03, made.compression_ratio
+
+
+def test_a_load_recomputes_the_tail_after_the_prefix_as_the_model_would(lm, tmp_path):
+    """With the tokens before the tail kept exactly, the loaded prefix is the document's own KV: the
+    tail's keys and values are what a prefill of the whole document makes of them."""
+    ids = _ids(lm)
+    compress_document(lm, "", tmp_path / "s.upc", _settings("fp32", TAIL), ids=ids)
+    prefix, report = load_prefix(tmp_path / "s.upc", lm)
+    assert report.recomputed_tokens == TAIL and report.tokens == len(ids) and "recompute" in report.timings_ms
+    assert prefix.tokens_per_layer() == [len(ids)] * lm.geometry.n_layers and prefix.next_position == len(ids)
+    full = capture(lm, "", ids=ids, keep_cache=True).cache
+    for layer, (k, v) in enumerate(cache_layers(full)):
+        torch.testing.assert_close(prefix.keys[layer][:, -TAIL:], k[0, :, -TAIL:], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(prefix.values[layer][:, -TAIL:], v[0, :, -TAIL:], rtol=1e-4, atol=1e-4)
+
+
+def test_a_load_into_some_layers_recomputes_the_tail_into_those_alone(lm, tmp_path):
+    ids = _ids(lm)
+    compress_document(lm, "", tmp_path / "s.upc", _settings(4.0, TAIL), ids=ids)
+    prefix, report = load_prefix(tmp_path / "s.upc", lm, layers=[0])
+    assert prefix.tokens_per_layer()[0] == len(ids) and set(prefix.tokens_per_layer()[1:]) == {0}
+    assert report.recomputed_tokens == TAIL
+
+
+def test_a_tail_as_long_as_the_document_leaves_one_token_coded_and_a_negative_one_is_refused():
+    assert recomputed_tail(100, 64) == 64 and recomputed_tail(10, 64) == 9 and recomputed_tail(10, 0) == 0
+    with pytest.raises(BadInput, match="recompute tokens -1"):
+        recomputed_tail(10, -1)
+
+
+@pytest.mark.parametrize("tail, said", [
+    ({"tokens": 2, "ids": [1]}, "recompute.ids is not a list of 2 token ids"),
+    ({"tokens": 1, "ids": ["a"]}, "recompute.ids is not a list of 1 token ids"),
+    ({"tokens": 0, "ids": []}, "recompute.tokens"),
+    ("x", "recompute"),
+])
+def test_a_damaged_tail_is_named_in_one_line(lm, tmp_path, tail, said):
+    ids = _ids(lm)
+    compress_document(lm, "", tmp_path / "s.upc", _settings(4.0, TAIL), ids=ids)
+    with StateFile(tmp_path / "s.upc") as sf:
+        meta = dict(sf.meta)
+    meta["recompute"] = tail
+    with pytest.raises(BadInput, match="corrupt .upc header") as err:
+        check_header(meta, "s.upc")
+    assert said in str(err.value) and "\n" not in str(err.value)
+    meta["recompute"] = {"tokens": len(ids), "ids": ids}       # no token left coded
+    with pytest.raises(BadInput, match="not fewer than the state's"):
+        check_header(meta, "s.upc")
+
+
+def test_the_cli_keeps_a_tail_says_so_and_gives_it_another_address(tiny_models, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(CORPUS)
+    model = str(tiny_models["llama"])
+    made = {}
+    for tail in (0, TAIL):
+        out = tmp_path / f"s{tail}.upc"
+        res = runner.invoke(app, ["upcycle", "compress", "--model", model, "--input", str(doc), "--output", str(out),
+                                  "--ratio", "4", "--recompute-tokens", str(tail), "--json"])
+        assert res.exit_code == 0, res.output
+        made[tail] = parse_json(res.output)
+        shown = runner.invoke(app, ["upcycle", "inspect", str(out), "--json"])
+        assert parse_json(shown.output)["recomputed_tokens"] == tail
+    assert made[TAIL]["recomputed_tokens"] == TAIL and made[0]["recomputed_tokens"] == 0
+    assert made[TAIL]["address"] != made[0]["address"]
+    said = runner.invoke(app, ["upcycle", "inspect", str(tmp_path / f"s{TAIL}.upc")])
+    assert f"the last {TAIL} tokens kept as ids" in said.output
+
+
+@pytest.mark.parametrize("command", ["compress", "eval"])
+def test_a_bad_tail_is_refused_in_one_line_before_the_model_loads(tmp_path, command, monkeypatch):
+    import kite.model
+
+    monkeypatch.setattr(kite.model, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    doc = tmp_path / "doc.txt"
+    doc.write_text(CORPUS)
+    args = ["upcycle", command, "--input", str(doc), "--recompute-tokens", "-3"]
+    res = runner.invoke(app, args + (["--output", str(tmp_path / "s.upc")] if command == "compress" else []))
+    assert res.exit_code == 2 and "--recompute-tokens -3" in res.output, res.output
+
+
+def test_the_config_sets_the_tail(tiny_models, tmp_path):
+    cfg = tmp_path / "upcycle.yaml"
+    cfg.write_text("compression:\n  recompute_tokens: 5\n")
+    doc = tmp_path / "doc.txt"
+    doc.write_text(CORPUS)
+    res = runner.invoke(app, ["upcycle", "compress", "--model", str(tiny_models["llama"]), "--input", str(doc),
+                              "--output", str(tmp_path / "s.upc"), "--config", str(cfg), "--json"])
+    assert res.exit_code == 0, res.output
+    assert parse_json(res.output)["recomputed_tokens"] == 5
