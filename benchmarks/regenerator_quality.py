@@ -50,7 +50,7 @@ from kite.upcycle.study import (CALIBRATION_LICENSES, CONTINUATION, HELD_OUT, LI
 from kite.upcycle.codec import LayerWeights, model_value_weights  # noqa: E402
 from harness import Result, clock, finish, parse, parser  # noqa: E402
 
-METHODS = ("doc", "regen", "regen+adapter", "doc+entropy", "regen+entropy")
+METHODS = ("doc", "regen", "regen+adapter", "doc+entropy", "regen+entropy", "regen+tail")
 
 
 WINDOW = 2048       # tokens of a calibration window
@@ -124,7 +124,11 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
                     help="measure only these rows (e.g. GPL-3:4 Apache-2.0:16)")
     ap.add_argument("--methods", nargs="*", default=["doc", "regen", "regen+adapter"],
                     choices=list(METHODS), help="doc+entropy, regen+entropy: the same states with their codes "
-                    "entropy coded (compression.entropy_coding), at the same file ratio")
+                    "entropy coded (compression.entropy_coding), at the same file ratio; regen+tail: the "
+                    "regenerator's states keeping their last --recompute-tokens tokens as ids, recomputed by the load "
+                    "(compression.recompute_tokens), at the same file ratio (a column per count)")
+    ap.add_argument("--recompute-tokens", type=int, nargs="*", default=[64],
+                    help="with --methods regen+tail: the tails measured (default 64)")
     ap.add_argument("--choice", choices=["measured", "expected", "probe"],
                     help="how each side picks the regenerator's basis or the document's (default: the codec's)")
     ap.add_argument("--layer-group", type=int, default=1,
@@ -146,7 +150,9 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
     t0 = clock()
     lm = load_model(args.model, device=args.device)
     reg = None
-    if {"regen", "regen+adapter", "regen+entropy"} & set(args.methods):     # the doc columns alone need none
+    labels = [m for m in METHODS if m in args.methods and m != "regen+tail"] + \
+        [f"regen+tail{w}" for w in (args.recompute_tokens if "regen+tail" in args.methods else [])]
+    if {"regen", "regen+adapter", "regen+entropy", "regen+tail"} & set(args.methods):     # the doc columns alone need none
         if args.regenerator:
             reg = Regenerator.load(args.regenerator)
         elif args.calibration_pairs:
@@ -171,15 +177,16 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
             if only is not None and (name, float(ratio)) not in only:
                 continue
             row = {"document": name, "context_tokens": ctx, "ratio": ratio}
-            for label, model, regen in (("doc", lm, None), ("regen", lm, reg),
-                                        *((("regen+adapter", reader, reg),) if reader else ()),
-                                        ("doc+entropy", lm, None), ("regen+entropy", lm, reg)):
-                if label not in args.methods:
+            for label in labels:
+                model = reader if label == "regen+adapter" else lm
+                regen = None if label.startswith("doc") else reg
+                if model is None:
                     continue
                 # a regenerator with bases across layers weighs its layers itself
                 s = CompressSettings(codec=codec_settings(ratio), n_clusters=args.clusters,
                                      layer_weights=None if regen is not None and regen.grouped else weights,
-                                     entropy_coding=label.endswith("+entropy"))
+                                     entropy_coding=label.endswith("+entropy"),
+                                     recompute_tokens=int(label.removeprefix("regen+tail")) if "+tail" in label else 0)
                 t1 = clock()
                 r = evaluate(model, text, context_tokens=ctx, continuation_tokens=CONTINUATION, settings=s,
                              regenerator=regen)
@@ -187,6 +194,7 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
                               "ppl_delta_interval": r.ppl_delta_interval, "kl": r.kl_mean,
                               "top1": r.top1_agreement, "compression_ratio": r.compression_ratio,
                               "state_bytes": r.state_bytes, "reader_adapter": r.reader_adapter,
+                              "load_ms": r.timings_ms.get("load"),
                               "seconds": round(clock() - t1, 1)}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
@@ -201,23 +209,23 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
               "argv": list(argv if argv is not None else sys.argv[1:]),
               "adapter": str(args.adapter) if args.adapter else None,
               "layer_weights": None if weights is None else {"file": str(args.layer_weights), "meta": weights.meta},
-              "rows": rows,
+              "methods": labels, "rows": rows,
               "seconds": round(clock() - t0, 1)}
     print(table(result), file=sys.stderr if args.json else sys.stdout)
     res = Result(benchmark, device=str(lm.device))
     for r in rows:
         at = f"{r['document']} {r['ratio']:g}x"
-        full = next((r[k]["ppl_full"] for k in METHODS if k in r), None)
+        full = next((r[k]["ppl_full"] for k in labels if k in r), None)
         if full is None:
             continue
         res.row(f"{at} full context: PPL", full, "PPL", context_tokens=r["context_tokens"])
-        for k in METHODS:
+        for k in labels:
             if k in r:
                 res.row(f"{at} {k}: PPL", r[k]["ppl_state"], "PPL", baseline=f"{at} full context: PPL",
                         **{m: v for m, v in r[k].items() if m != "ppl_state"})
     for ratio in sorted({r["ratio"] for r in rows}):
         at = [r for r in rows if r["ratio"] == ratio]
-        for k in METHODS:
+        for k in labels:
             got = [r[k] for r in at if k in r]
             if not got:
                 continue
@@ -233,7 +241,7 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
 
 
 def table(result: dict) -> str:
-    kinds = [k for k in METHODS if any(k in r for r in result["rows"])]
+    kinds = [k for k in result["methods"] if any(k in r for r in result["rows"])]
     head = "| document | ratio | " + " | ".join(f"{k} ratio · ΔPPL [95 % interval] · KL" for k in kinds) + " |"
     lines = [head, "|---" * (2 + len(kinds)) + "|"]
     for r in result["rows"]:
