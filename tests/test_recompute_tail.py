@@ -143,3 +143,38 @@ def test_the_config_sets_the_tail(tiny_models, tmp_path):
                               "--output", str(tmp_path / "s.upc"), "--config", str(cfg), "--json"])
     assert res.exit_code == 0, res.output
     assert parse_json(res.output)["recomputed_tokens"] == 5
+
+
+def test_the_vllm_connector_offers_the_coded_tokens_and_leaves_the_tail_to_the_engine(lm, tmp_path):
+    """A KV connector rebuilds layer by layer without the model: it offers the prefix the clusters
+    cover (kite.integrations.vllm's IndexedState.covered), and the engine computes the tail as part
+    of the prompt."""
+    from kite.serve.vllm_blocks import covered_prefix
+
+    ids = _ids(lm)
+    compress_document(lm, "", tmp_path / "s.upc", _settings(4.0, TAIL), ids=ids, address=True)
+    with StateFile(tmp_path / "s.upc") as sf:
+        meta = sf.meta
+    ranges = [r for c in meta["clusters"] for r in c["token_ranges"]]
+    assert covered_prefix(ranges, meta["n_tokens"]) == len(ids) - TAIL
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_a_load_recomputes_the_tail_on_the_device(tiny_models, tmp_path):
+    """The model on a GPU in bf16: an exact prefix's tail is the whole document's prefill to bf16's
+    rounding, and a PCA-coded state (rebuilt on the device) gets its tail in every layer."""
+    from kite.model import load_model
+
+    gpu = load_model(str(tiny_models["llama"]), device="cuda")
+    ids = _ids(gpu)
+    compress_document(gpu, "", tmp_path / "exact.upc", _settings("fp32", TAIL), ids=ids)
+    prefix, report = load_prefix(tmp_path / "exact.upc", gpu)
+    full = capture(gpu, "", ids=ids, keep_cache=True).cache
+    for layer, (k, v) in enumerate(cache_layers(full)):
+        assert prefix.keys[layer].device.type == "cuda"
+        torch.testing.assert_close(prefix.keys[layer][:, -TAIL:].float(), k[0, :, -TAIL:].float(), rtol=0.05, atol=0.05)
+        torch.testing.assert_close(prefix.values[layer][:, -TAIL:].float(), v[0, :, -TAIL:].float(), rtol=0.05,
+                                   atol=0.05)
+    compress_document(gpu, "", tmp_path / "coded.upc", _settings(4.0, TAIL), ids=ids)
+    prefix, report = load_prefix(tmp_path / "coded.upc", gpu)
+    assert report.recomputed_tokens == TAIL and prefix.tokens_per_layer() == [len(ids)] * gpu.geometry.n_layers
