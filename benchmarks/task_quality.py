@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--regenerator", type=Path, help="code the states on this regenerator folder (`kite upcycle "
                     "train` makes one; its calibration must not have read the texts measured here)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--recompute-tokens", type=int, nargs="+", default=[0],
+                    help="the states' recomputed tails (compression.recompute_tokens), each measured side by side "
+                         "(default 0: none)")
     args = parse(ap, argv)
 
     import torch
@@ -58,7 +61,8 @@ def main(argv=None) -> int:
     res.raw.update(model=getattr(lm, "spec", None) or args.model or "embedded", threads=torch.get_num_threads(),
                    text=args.text, passkey_tokens=args.passkey_tokens, depths=list(depths), keys=args.keys,
                    qa_tokens=args.qa_tokens, contracts=args.contracts, cells=[],
-                   regenerator=str(args.regenerator) if args.regenerator else None)
+                   regenerator=str(args.regenerator) if args.regenerator else None,
+                   recompute_tokens=args.recompute_tokens)
 
     def run(probe: str, settings, tagger, regenerator, full: bool) -> dict:
         kw = dict(tagger=tagger, regenerator=regenerator, full=full)
@@ -75,23 +79,25 @@ def main(argv=None) -> int:
             "qa": (f"qa, {args.contracts} held-out contracts of ~{args.qa_tokens} tokens", "F1", "state_f1", "full_f1",
                    "token F1")}
     full_rows = {}
-    for i, ratio in enumerate(args.ratios):
-        pipe = open_pipeline(None, None, ratio=ratio, lm=lm, regenerator=args.regenerator)
+    cases = [(ratio, tail) for ratio in args.ratios for tail in args.recompute_tokens]
+    for i, (ratio, tail) in enumerate(cases):
+        pipe = open_pipeline(None, None, ratio=ratio, lm=lm, regenerator=args.regenerator, recompute_tokens=tail)
+        state = f"a {ratio:g}x state" + (f" with a {tail}-token recomputed tail" if tail else "")
         for probe in args.probes:
             out = run(probe, pipe.settings, pipe.tagger, pipe.regenerator, full=i == 0)
             cell, metric, state_key, full_key, unit = what[probe]
             if i == 0:
                 full_rows[probe] = res.row(f"{cell}: {metric} from the full context", out[full_key], unit, probe=probe)
             base = full_rows[probe]
-            res.row(f"{cell}: {metric} from a {ratio:g}x state", out[state_key], unit,
+            res.row(f"{cell}: {metric} from {state}", out[state_key], unit,
                     baseline=base["name"] if base["value"] > 0 else None, probe=probe, ratio=ratio,
-                    **({"exact_match": out["state_exact"]} if probe == "qa" else {}))
-            res.row(f"{cell}: bytes ratio of the {ratio:g}x states", out["compression_ratio"], "x raw fp16 KV / state",
-                    probe=probe, ratio=ratio)
+                    recompute_tokens=tail, **({"exact_match": out["state_exact"]} if probe == "qa" else {}))
+            res.row(f"{cell}: bytes ratio of the {ratio:g}x states" + (f" with a {tail}-token tail" if tail else ""),
+                    out["compression_ratio"], "x raw fp16 KV / state", probe=probe, ratio=ratio, recompute_tokens=tail)
             if i == 0 and probe == "qa":
                 res.raw["qa_full_exact"] = out["full_exact"]
-            res.raw["cells"].append({"probe": probe, "ratio": ratio, **out})
-            print(f"{cell} at {ratio:g}x ({out['compression_ratio']:.2f}x): {metric} state {out[state_key]} "
+            res.raw["cells"].append({"probe": probe, "ratio": ratio, "recompute_tokens": tail, **out})
+            print(f"{cell} at {ratio:g}x, tail {tail} ({out['compression_ratio']:.2f}x): {metric} state {out[state_key]} "
                   f"full {base['value']}", flush=True)
     return finish(res, args)
 
