@@ -134,6 +134,16 @@ def test_a_result_made_at_the_end_of_a_run_is_dated_by_the_run_s_start(monkeypat
     assert results.Result("unit_bench", device="cpu", command=["x"]).started_at == "2026-01-02T03:04:05Z"
 
 
+def test_a_result_names_the_commit_its_run_started_from(monkeypatch):
+    """A commit made while a long run goes on is not the code that ran: the result names the commit
+    the run's flags were parsed at."""
+    calls = iter([("a" * 40, False), ("b" * 40, True)])
+    monkeypatch.setattr(results, "git_commit", lambda: next(calls))
+    monkeypatch.setattr(results, "_START_COMMIT", [])
+    flags.parse(flags.parser("A unit benchmark."), [])
+    assert results.Result("unit_bench", device="cpu", command=["x"]).commit == "a" * 40
+
+
 def test_the_envelope_names_its_commit_machine_and_start_and_the_index_gets_its_line(tmp_path, monkeypatch):
     monkeypatch.setattr(results, "RESULTS", tmp_path)
     res = results.Result("unit_bench", device="cpu", command=["benchmarks/unit_bench.py", "--tiny"])

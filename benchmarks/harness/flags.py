@@ -13,6 +13,8 @@ import random
 import sys
 from pathlib import Path
 
+from . import results
+
 
 def parser(doc: str | None, timing: bool = False, repeat: int = 20, warmup: int = 3,
            device: str = "auto") -> argparse.ArgumentParser:
@@ -63,6 +65,7 @@ def parse(ap: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     if getattr(args, "repeat", 1) < 1 or getattr(args, "warmup", 0) < 0:
         ap.error("--repeat must be >= 1 and --warmup >= 0")
     args.stdout = sys.stdout
+    results.note_start()      # the commit the run starts from (a result is written at its end)
     if args.json:
         sys.stdout = sys.stderr
     if args.device == "auto":

@@ -34,6 +34,13 @@ RESULTS = ROOT / "benchmarks" / "results"
 # when this run's command started (the harness is imported as a benchmark starts): a result made at
 # the end of a long run is dated by its start, not by when its rows were written
 STARTED_AT = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+_START_COMMIT: list[tuple[str | None, bool | None]] = []     # (commit, dirty) when the run parsed its flags
+
+
+def note_start() -> None:
+    """Record the commit (and whether the tree differed from it) the run starts from: a result made
+    at the end of a long run names the code that ran, not a commit made meanwhile."""
+    _START_COMMIT[:] = [git_commit()]
 TIME_UNITS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3, "min": 6e4}
 
 
@@ -62,7 +69,7 @@ class Result:
         self.command = " ".join(["benchmarks/" + Path(sys.argv[0]).name, *sys.argv[1:]]
                                 if command is None else command)
         self.started_at = STARTED_AT
-        self.commit, self.dirty = git_commit()
+        self.commit, self.dirty = _START_COMMIT[0] if _START_COMMIT else git_commit()
         self.machine = machine(device)
         self.slug = machine_slug(self.machine)
         self.rows: list[dict] = []
