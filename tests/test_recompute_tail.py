@@ -178,3 +178,22 @@ def test_on_a_gpu_a_load_recomputes_the_tail_on_the_device(tiny_models, tmp_path
     compress_document(gpu, "", tmp_path / "coded.upc", _settings(4.0, TAIL), ids=ids)
     prefix, report = load_prefix(tmp_path / "coded.upc", gpu)
     assert report.recomputed_tokens == TAIL and prefix.tokens_per_layer() == [len(ids)] * gpu.geometry.n_layers
+
+
+def test_training_codes_its_states_with_the_config_s_tail(tiny_models, tmp_path):
+    """`kite upcycle train` codes its states as the config codes states outside training, so what the
+    adapter and the report read is what a load of such a state gives."""
+    from tests.test_train import _pairs_file
+
+    cfg = tmp_path / "upcycle.yaml"
+    cfg.write_text("compression:\n  recompute_tokens: 6\n")
+    res = runner.invoke(app, ["upcycle", "train", "--model", str(tiny_models["llama"]), "--data-path",
+                              str(_pairs_file(tmp_path, docs=3)), "--output-dir", str(tmp_path / "run"),
+                              "--eval-fraction", "0.34", "--regenerator-only", "--layer-group", "1",
+                              "--config", str(cfg), "--ratio", "4", "--json"])
+    assert res.exit_code == 0, res.output
+    states = sorted((tmp_path / "run" / "states").rglob("*.upc"))
+    assert states
+    for path in states:
+        with StateFile(path) as sf:
+            assert sf.meta["recompute"]["tokens"] == 6

@@ -99,10 +99,12 @@ def state_path(out: Path, doc: str, ratio: float) -> Path:
 def compress_settings(cfg, ratio: float, layer_weights=None) -> CompressSettings:
     """A training state's settings: the config's clusters and spans, ``ratio``'s codec, and the layer
     weights the run codes with (kite.upcycle.pipeline.layer_weights_for: what states of the model are
-    coded with outside training, so the adapter learns to read the states it will meet)."""
+    coded with outside training, so the adapter learns to read the states it will meet), and the
+    config's recomputed tail (what a load of them reads)."""
     c = cfg.compression
     return CompressSettings(codec=settings_for(ratio), n_clusters=c.cluster_num, min_span_tokens=c.min_span_tokens,
-                            max_span_tokens=c.max_span_tokens, layer_weights=layer_weights)
+                            max_span_tokens=c.max_span_tokens, layer_weights=layer_weights,
+                            recompute_tokens=c.recompute_tokens)
 
 
 def on_host(cap: Capture) -> Capture:
