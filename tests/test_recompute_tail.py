@@ -122,6 +122,19 @@ def test_the_cli_keeps_a_tail_says_so_and_gives_it_another_address(tiny_models, 
     assert f"the last {TAIL} tokens kept as ids" in said.output
 
 
+def test_eval_measures_a_state_with_its_tail(tiny_models, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(CORPUS)
+    args = ["upcycle", "eval", "--model", str(tiny_models["llama"]), "--input", str(doc), "--context-tokens", "120",
+            "--continuation-tokens", "40", "--ratio", "4", "--recompute-tokens", str(TAIL)]
+    res = runner.invoke(app, args + ["--json"])
+    assert res.exit_code == 0, res.output
+    got = parse_json(res.output)
+    assert got["recomputed_tokens"] == TAIL and got["context_tokens"] == 120
+    said = runner.invoke(app, args)
+    assert f"its last {TAIL} tokens recomputed by the load" in said.output
+
+
 @pytest.mark.parametrize("command", ["compress", "eval"])
 def test_a_bad_tail_is_refused_in_one_line_before_the_model_loads(tmp_path, command, monkeypatch):
     import kite.model

@@ -253,6 +253,9 @@ def eval_cmd(
               f"{result.kl_mean:.4f} · top-1 {result.top1_agreement:.1%}", highlight=False)
     out.print(f"  state {result.state_bytes:,} B vs raw fp16 KV {result.raw_kv_bytes:,} B = "
               f"{result.compression_ratio:.2f}× (every byte counted: codecs, scales, header)", highlight=False)
+    if result.recomputed_tokens:
+        out.print(f"  its last {result.recomputed_tokens:,} tokens recomputed by the load "
+                  f"({result.timings_ms.get('load', 0):.0f} ms in all)", highlight=False)
     for name, p in result.probes.items():
         if name == "qa":
             out.print(f"  qa: F1 full context {p['full_f1']:.3f} · state {p['state_f1']:.3f} · exact match "

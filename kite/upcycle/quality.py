@@ -53,6 +53,7 @@ class EvalResult:
     reader_adapter: bool = False                # the model read the state with its reader adapter on
     ppl_delta_interval: list[float] | None = None   # 95 % of the delta's resamples fall in it (delta_interval)
     warnings: list[str] = field(default_factory=list)   # the state's (CompressResult.warnings)
+    recomputed_tokens: int = 0                  # the document's last tokens the load ran through the model
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -166,7 +167,8 @@ def evaluate(lm: LoadedModel, text: str, *, context_tokens: int = 2048, continua
         compression_ratio=round(made.compression_ratio, 3),
         timings_ms={**made.timings_ms, "load": report.load_ms}, spans=made.spans,
         regenerator=regenerator.fingerprint if regenerator is not None else None, reader_adapter=bool(reader_on),
-        ppl_delta_interval=[round(x, 4) for x in m["ppl_delta_interval"]], warnings=list(made.warnings))
+        ppl_delta_interval=[round(x, 4) for x in m["ppl_delta_interval"]], warnings=list(made.warnings),
+        recomputed_tokens=report.recomputed_tokens)
     for name in probes:
         result.probes[name] = run_probe(name, lm, text, context_tokens, settings, tagger, progress=progress,
                                         regenerator=regenerator, **(qa if name == "qa" else {}))
