@@ -136,13 +136,13 @@ def test_eval_measures_a_state_with_its_tail(tiny_models, tmp_path):
 
 
 @pytest.mark.parametrize("command", ["compress", "eval"])
-def test_a_bad_tail_is_refused_in_one_line_before_the_model_loads(tmp_path, command, monkeypatch):
+def test_a_bad_tail_is_refused_in_one_line_before_the_model_loads(tiny_models, tmp_path, command, monkeypatch):
     import kite.model
 
     monkeypatch.setattr(kite.model, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     doc = tmp_path / "doc.txt"
     doc.write_text(CORPUS)
-    args = ["upcycle", command, "--input", str(doc), "--recompute-tokens", "-3"]
+    args = ["upcycle", command, "--model", str(tiny_models["llama"]), "--input", str(doc), "--recompute-tokens", "-3"]
     res = runner.invoke(app, args + (["--output", str(tmp_path / "s.upc")] if command == "compress" else []))
     assert res.exit_code == 2 and "--recompute-tokens -3" in res.output, res.output
 
