@@ -210,3 +210,32 @@ def test_training_codes_its_states_with_the_config_s_tail(tiny_models, tmp_path)
     for path in states:
         with StateFile(path) as sf:
             assert sf.meta["recompute"]["tokens"] == 6
+
+
+def test_kite_serve_answers_from_a_state_with_a_tail_over_http(lm, tmp_path):
+    """A server whose config keeps a tail: the uploaded document's state keeps it, and a completion
+    over real HTTP loads it with the tail recomputed (the load's report in the response says so)."""
+    import httpx
+
+    from kite.serve import BackgroundServer, create_app
+    from kite.upcycle import Pipeline, UpcycleConfig, compress_settings
+    from tests.test_serve import DOC, _ask, _settings
+
+    cfg = UpcycleConfig.model_validate({"compression": {"svd_ratio": 0.25, "cluster_num": 3, "min_span_tokens": 8,
+                                                        "max_span_tokens": 24, "recompute_tokens": TAIL}})
+    pipe = Pipeline(lm=lm, tagger=None, settings=compress_settings(cfg), config=cfg, config_path=None)
+    server = BackgroundServer(create_app(pipe, _settings(tmp_path, fusion=True)))
+    server.start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            up = c.post("/v1/states", json={"document": DOC})
+            assert up.status_code == 201, up.text
+            sid = up.json()["id"]
+            with StateFile(next((tmp_path / "states").rglob("*.upc"))) as sf:
+                assert sf.meta["recompute"]["tokens"] == TAIL
+            r = _ask(c, sid)
+            assert r.status_code == 200, r.text
+            load = r.json()["kite"]["load"]
+            assert load["recomputed_tokens"] == TAIL and load["tokens"] == up.json()["tokens"]
+    finally:
+        server.stop()
