@@ -239,3 +239,19 @@ def test_kite_serve_answers_from_a_state_with_a_tail_over_http(lm, tmp_path):
             assert load["recomputed_tokens"] == TAIL and load["tokens"] == up.json()["tokens"]
     finally:
         server.stop()
+
+
+def test_a_regenerator_choosing_by_the_attention_probe_codes_the_tokens_before_the_tail(lm, tmp_path):
+    """The probe reads the document's last queries at their own positions over the keys the codec
+    codes (those before the tail), so a state with a tail is coded and loads as any other."""
+    from kite.upcycle.train.data import Pair
+    from kite.upcycle.train.run import fit_regenerator
+
+    words = CORPUS.split()
+    pairs = [Pair(context=" ".join(words[i * 9:i * 9 + 150]), prompt="Q", response=" A", line=i + 1) for i in range(3)]
+    reg = fit_regenerator(lm, pairs, codec.settings_for(8.0), weighted=True)
+    reg.choice = "probe"
+    made = compress_document(lm, CORPUS, tmp_path / "p.upc", _settings(8.0, TAIL), regenerator=reg)
+    assert made.recomputed_tokens == TAIL
+    prefix, report = load_prefix(tmp_path / "p.upc", lm, regenerator=reg)
+    assert report.recomputed_tokens == TAIL and prefix.tokens_per_layer()[0] == made.n_tokens

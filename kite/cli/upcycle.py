@@ -116,8 +116,7 @@ def compress(
         out.print(f"  cluster {c.id:>2}  {c.label:<22} conf {c.confidence:.2f}  {c.n_tokens:>6} tokens  "
                   f"[dim]{c.preview[:60]}[/]", highlight=False)
     if result.recomputed_tokens:
-        out.print(f"  the last {result.recomputed_tokens:,} tokens kept as ids: every load recomputes them",
-                  highlight=False)
+        out.print(_tail_line(result.recomputed_tokens), highlight=False)
     out.print("  " + "  ".join(f"{k} {v:.0f} ms" for k, v in result.timings_ms.items()), highlight=False)
     if pipe.regenerator is None and result.compression_ratio >= HIGH_RATIO:
         out.print(f"  [dim]at {result.compression_ratio:.0f}× a state that stores its own bases keeps far less than one "
@@ -128,6 +127,10 @@ def compress(
         out.print(f"  stored as {stored.address}: " + "  ".join(f"{t} {s}" for t, s in stored.put.tiers.items()),
                   highlight=False)
         _fail_on_put(stored)
+
+
+def _tail_line(tokens: int) -> str:
+    return f"  the last {tokens:,} tokens kept as ids: every load recomputes them"
 
 
 HIGH_RATIO = 12     # from here on a state's own bases take a share of its bytes that a regenerator saves
@@ -187,8 +190,7 @@ def inspect(
         ec = report["entropy_coded"]
         out.print(f"  entropy coded: {ec['parts']} of {ec['of_parts']} parts, {ec['bytes_saved']:,} B saved", highlight=False)
     if report["recomputed_tokens"]:
-        out.print(f"  the last {report['recomputed_tokens']:,} tokens kept as ids: every load recomputes them",
-                  highlight=False)
+        out.print(_tail_line(report["recomputed_tokens"]), highlight=False)
     if verify:
         ck = report["checksums"]
         colour = "green" if not ck["failed"] else "red"

@@ -208,7 +208,8 @@ def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: 
             any(layer not in cap.hidden for layer in _hidden_layers(lm, tagger)):
         raise ValueError("the capture given lacks the hidden states or queries this compression reads "
                          "(make it with capture_for)")
-    probe = AttentionProbe(lm, cap.query_tail, cap.n_tokens) if probe_rows else None
+    coded = cap.n_tokens - recomputed_tail(cap.n_tokens, settings.recompute_tokens)    # (a tail is not coded)
+    probe = AttentionProbe(lm, cap.query_tail, cap.n_tokens, coded=coded) if probe_rows else None
     return compress_capture(lm, cap, output, settings, tagger=tagger, source_name=source_name, progress=progress,
                             device=device, regenerator=regenerator, address=address, tenant=tenant, probe=probe)
 

@@ -30,9 +30,12 @@ ROWS = 256
 class AttentionProbe:
     """Built once per document from a capture with ``query_rows`` (:func:`kite.upcycle.capture.capture`)."""
 
-    def __init__(self, lm: LoadedModel, query_tail: list[torch.Tensor], n_tokens: int, spread: int | None = None):
+    def __init__(self, lm: LoadedModel, query_tail: list[torch.Tensor], n_tokens: int, spread: int | None = None,
+                 coded: int | None = None):
         """``query_tail``: per layer the last tokens' query outputs; ``spread``: use only that many
-        of those rows, evenly spaced (default: all of them)."""
+        of those rows, evenly spaced (default: all of them); ``coded``: the document's first tokens
+        whose keys and values the codec codes and the probe reads (default all ``n_tokens``; fewer
+        when a recomputed tail is kept as ids), the query rows staying at their own positions."""
         geo = lm.geometry
         self.H, self.d, self.T = geo.n_kv_heads, geo.head_dim, n_tokens
         self.n_q = lm.model.config.num_attention_heads
@@ -56,7 +59,9 @@ class AttentionProbe:
                 self.o_proj[int(m.group(1))] = getattr(module, "base_layer", module).weight.detach().float().cpu()
         if sorted(self.o_proj) != list(range(geo.n_layers)):
             raise ValueError(f"found the output projections of layers {sorted(self.o_proj)}, not of all {geo.n_layers}")
-        mask = torch.arange(n_tokens)[None, :] > positions[:, None]                           # [S, T] future keys
+        coded = n_tokens if coded is None else coded
+        self.key_cos, self.key_sin = self.cos[:coded], self.sin[:coded]
+        mask = torch.arange(coded)[None, :] > positions[:, None]                              # [S, T] future keys
         self.mask = torch.zeros(mask.shape).masked_fill(mask, float("-inf"))
 
     def _out(self, layer: int, K_post: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
@@ -70,12 +75,12 @@ class AttentionProbe:
         """``metric(side, X, X_hat)`` for this layer's keys (pre-RoPE) and values [H, T, d]: the
         summed squared change of the probe's attention output when that side is ``X_hat``."""
         K_pre, V = K_pre.float().cpu(), V.float().cpu()
-        K_post = apply_rope(K_pre, self.cos, self.sin)
+        K_post = apply_rope(K_pre, self.key_cos, self.key_sin)
         ref = self._out(layer, K_post, V)
 
         def cost(side: str, X: torch.Tensor, X_hat: torch.Tensor) -> float:
             X_hat = X_hat.float().cpu()
-            out = (self._out(layer, apply_rope(X_hat, self.cos, self.sin), V) if side == "k"
+            out = (self._out(layer, apply_rope(X_hat, self.key_cos, self.key_sin), V) if side == "k"
                    else self._out(layer, K_post, X_hat))
             return float((out - ref).double().pow(2).sum())
 

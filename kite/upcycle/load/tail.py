@@ -41,12 +41,13 @@ def recompute_tail(lm: LoadedModel, keys: list[torch.Tensor], values: list[torch
     if not ids:
         return
     model = lm.model
-    if not any(True for _ in model.parameters()):
+    param = next(model.parameters(), None)
+    if param is None:
         raise BadInput("this state keeps its last tokens to be recomputed by the model, and this load has no "
                        "model weights to run them")
     start = n_tokens - len(ids)
     cache = new_cache(model, KVPrefix(keys, values, next_position=start))
-    device = next(model.parameters()).device
+    device = param.device
     tokens = torch.tensor([ids], device=device)
     positions = torch.arange(start, n_tokens, device=device)[None]
     reading = lm.reading(reader) if reader and hasattr(lm, "reading") else nullcontext()
