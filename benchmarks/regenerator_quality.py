@@ -7,7 +7,9 @@ byte of the state) with:
 * ``doc``: per-document bases (the codec's default: every state stores its own);
 * ``regen``: the regenerator's calibrated bases (states store coefficients, plus a document's own
   basis for the layers and sides where that is expected to pay);
-* ``regen+adapter``: the same states read with the reader adapter on (when ``--adapter`` is given).
+* ``regen+adapter``: the same states read with the reader adapter on (when ``--adapter`` is given);
+* ``exact``: the document's KV kept losslessly (codec ``exact``, fp32): what reuse alone costs on this
+  path (the RoPE round trip, a bf16 model's rounding), the floor no codec goes below.
 
 The regenerator is fitted here on a calibration set (``--calibration``: the training run's
 regenerator folder, or fit one from the licenses and generated contracts below, none of them
@@ -26,7 +28,8 @@ weights. ``--only DOC:RATIO ...`` and ``--methods`` pick rows and columns,
 method's continuation PPL, the full context's the baseline (quality figures, no floor), with the PPL
 delta's 95 % interval over resamples of the continuation; then per ratio and method the mean PPL
 delta over the documents (with the largest, how many documents lie above twice the mean with their
-whole interval, and the mean KL).
+whole interval, and the mean KL); with ``regen`` and ``regen+tail``, the share of regen's mean KL gap
+each tail recovers, above the ``exact`` column's floor when it was measured (else above 0).
 """
 
 from __future__ import annotations
@@ -47,10 +50,10 @@ from kite.upcycle import (CompressSettings, Regenerator, RegeneratorFit, codec_s
 from kite.upcycle import capture_kv as capture  # noqa: E402
 from kite.upcycle.study import (CALIBRATION_LICENSES, CONTINUATION, HELD_OUT, LICENSES,  # noqa: E402
                                    context_tokens, held_out_docs)
-from kite.upcycle.codec import LayerWeights, model_value_weights  # noqa: E402
+from kite.upcycle.codec import LayerWeights, model_value_weights, settings_for  # noqa: E402
 from harness import Result, clock, finish, parse, parser  # noqa: E402
 
-METHODS = ("doc", "regen", "regen+adapter", "doc+entropy", "regen+entropy", "regen+tail")
+METHODS = ("exact", "doc", "regen", "regen+adapter", "doc+entropy", "regen+entropy", "regen+tail")
 
 
 WINDOW = 2048       # tokens of a calibration window
@@ -123,7 +126,8 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
     ap.add_argument("--only", nargs="*", metavar="DOC:RATIO",
                     help="measure only these rows (e.g. GPL-3:4 Apache-2.0:16)")
     ap.add_argument("--methods", nargs="*", default=["doc", "regen", "regen+adapter"],
-                    choices=list(METHODS), help="doc+entropy, regen+entropy: the same states with their codes "
+                    choices=list(METHODS), help="exact: the document's KV kept losslessly (the floor of reuse on "
+                    "this path); doc+entropy, regen+entropy: the same states with their codes "
                     "entropy coded (compression.entropy_coding), at the same file ratio; regen+tail: the "
                     "regenerator's states keeping their last --recompute-tokens tokens as ids, recomputed by the load "
                     "(compression.recompute_tokens), at the same file ratio (a column per count)")
@@ -179,11 +183,12 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
             row = {"document": name, "context_tokens": ctx, "ratio": ratio}
             for label in labels:
                 model = reader if label == "regen+adapter" else lm
-                regen = None if label.startswith("doc") else reg
+                regen = None if label.startswith("doc") or label == "exact" else reg
                 if model is None:
                     continue
                 # a regenerator with bases across layers weighs its layers itself
-                s = CompressSettings(codec=codec_settings(ratio), n_clusters=args.clusters,
+                s = CompressSettings(codec=settings_for("exact") if label == "exact" else codec_settings(ratio),
+                                     n_clusters=args.clusters,
                                      layer_weights=None if regen is not None and regen.grouped else weights,
                                      entropy_coding=label.endswith("+entropy"),
                                      recompute_tokens=int(label.removeprefix("regen+tail")) if "+tail" in label else 0)
@@ -236,8 +241,28 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
                     largest=round(max(deltas), 4), within_twice_the_mean=bool(max(deltas) <= 2 * abs(mean)),
                     above_twice_the_mean_beyond_noise=sum(g["ppl_delta_interval"][0] > 2 * abs(mean) for g in got),
                     kl=round(sum(g["kl"] for g in got) / len(got), 5))
+        recovery_rows(res, at, ratio, labels)
     res.raw.update(result)
     return finish(res, args)
+
+
+def recovery_rows(res: Result, at: list[dict], ratio: float, labels: list[str]) -> None:
+    """Per tail: the share of regen's mean KL gap it recovers, the gap counted above the exact state's
+    mean KL (what reuse costs on this path without any coding) when that was measured, else above 0;
+    over the documents measured by regen, the tail and the exact state alike."""
+    for k in (k for k in labels if k.startswith("regen+tail")):
+        both = [r for r in at if k in r and "regen" in r and ("exact" in r or "exact" not in labels)]
+        if not both:
+            continue
+        mean = lambda m: sum(r[m]["kl"] for r in both) / len(both)      # noqa: E731
+        floor = mean("exact") if "exact" in labels else 0.0
+        gap = mean("regen") - floor
+        if gap <= 0:
+            continue
+        res.row(f"mean of {len(both)} documents, {ratio:g}x: {k} share of regen's KL gap recovered",
+                round((mean("regen") - mean(k)) / gap, 4), "fraction", kl_regen=round(mean("regen"), 5),
+                kl_tail=round(mean(k), 5), kl_exact=round(floor, 5),
+                gap_above="the exact state's mean KL" if "exact" in labels else "0 (no exact column)")
 
 
 def table(result: dict) -> str:
