@@ -8,8 +8,10 @@ byte of the state) with:
 * ``regen``: the regenerator's calibrated bases (states store coefficients, plus a document's own
   basis for the layers and sides where that is expected to pay);
 * ``regen+adapter``: the same states read with the reader adapter on (when ``--adapter`` is given);
-* ``exact``: the document's KV kept losslessly (codec ``exact``, fp32): what reuse alone costs on this
-  path (the RoPE round trip, a bf16 model's rounding), the floor no codec goes below.
+* ``fp16``: the document's KV stored in fp16 (codec ``fp16``), the least change a stored state makes
+  to its prefix: ~0 KL on an fp32 model; on a bf16 model (the GPU path) the rounding noise any change
+  of the prefix brings to the continuation's forward (docs/compression.md, "Recomputed tail"), a
+  floor no codec goes below.
 
 The regenerator is fitted here on a calibration set (``--calibration``: the training run's
 regenerator folder, or fit one from the licenses and generated contracts below, none of them
@@ -29,7 +31,7 @@ method's continuation PPL, the full context's the baseline (quality figures, no 
 delta's 95 % interval over resamples of the continuation; then per ratio and method the mean PPL
 delta over the documents (with the largest, how many documents lie above twice the mean with their
 whole interval, and the mean KL); with ``regen`` and ``regen+tail``, the share of regen's mean KL gap
-each tail recovers, above the ``exact`` column's floor when it was measured (else above 0).
+each tail recovers, above the ``fp16`` column's floor when it was measured (else above 0).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from kite.upcycle.study import (CALIBRATION_LICENSES, CONTINUATION, HELD_OUT, LI
 from kite.upcycle.codec import LayerWeights, model_value_weights, settings_for  # noqa: E402
 from harness import Result, clock, finish, parse, parser  # noqa: E402
 
-METHODS = ("exact", "doc", "regen", "regen+adapter", "doc+entropy", "regen+entropy", "regen+tail")
+METHODS = ("fp16", "doc", "regen", "regen+adapter", "doc+entropy", "regen+entropy", "regen+tail")
 
 
 WINDOW = 2048       # tokens of a calibration window
@@ -126,8 +128,8 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
     ap.add_argument("--only", nargs="*", metavar="DOC:RATIO",
                     help="measure only these rows (e.g. GPL-3:4 Apache-2.0:16)")
     ap.add_argument("--methods", nargs="*", default=["doc", "regen", "regen+adapter"],
-                    choices=list(METHODS), help="exact: the document's KV kept losslessly (the floor of reuse on "
-                    "this path); doc+entropy, regen+entropy: the same states with their codes "
+                    choices=list(METHODS), help="fp16: the document's KV stored in fp16 (the floor a bf16 model's "
+                    "rounding sets); doc+entropy, regen+entropy: the same states with their codes "
                     "entropy coded (compression.entropy_coding), at the same file ratio; regen+tail: the "
                     "regenerator's states keeping their last --recompute-tokens tokens as ids, recomputed by the load "
                     "(compression.recompute_tokens), at the same file ratio (a column per count)")
@@ -183,11 +185,11 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
             row = {"document": name, "context_tokens": ctx, "ratio": ratio}
             for label in labels:
                 model = reader if label == "regen+adapter" else lm
-                regen = None if label.startswith("doc") or label == "exact" else reg
+                regen = None if label.startswith("doc") or label == "fp16" else reg
                 if model is None:
                     continue
                 # a regenerator with bases across layers weighs its layers itself
-                s = CompressSettings(codec=settings_for("exact") if label == "exact" else codec_settings(ratio),
+                s = CompressSettings(codec=settings_for("fp16") if label == "fp16" else codec_settings(ratio),
                                      n_clusters=args.clusters,
                                      layer_weights=None if regen is not None and regen.grouped else weights,
                                      entropy_coding=label.endswith("+entropy"),
@@ -247,22 +249,22 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
 
 
 def recovery_rows(res: Result, at: list[dict], ratio: float, labels: list[str]) -> None:
-    """Per tail: the share of regen's mean KL gap it recovers, the gap counted above the exact state's
-    mean KL (what reuse costs on this path without any coding) when that was measured, else above 0;
-    over the documents measured by regen, the tail and the exact state alike."""
+    """Per tail: the share of regen's mean KL gap it recovers, the gap counted above the fp16 state's
+    mean KL (the least any stored state costs on this path: a bf16 model's rounding noise) when that
+    was measured, else above 0; over the documents measured by regen, the tail and the fp16 state alike."""
     for k in (k for k in labels if k.startswith("regen+tail")):
-        both = [r for r in at if k in r and "regen" in r and ("exact" in r or "exact" not in labels)]
+        both = [r for r in at if k in r and "regen" in r and ("fp16" in r or "fp16" not in labels)]
         if not both:
             continue
         mean = lambda m: sum(r[m]["kl"] for r in both) / len(both)      # noqa: E731
-        floor = mean("exact") if "exact" in labels else 0.0
+        floor = mean("fp16") if "fp16" in labels else 0.0
         gap = mean("regen") - floor
         if gap <= 0:
             continue
         res.row(f"mean of {len(both)} documents, {ratio:g}x: {k} share of regen's KL gap recovered",
                 round((mean("regen") - mean(k)) / gap, 4), "fraction", kl_regen=round(mean("regen"), 5),
-                kl_tail=round(mean(k), 5), kl_exact=round(floor, 5),
-                gap_above="the exact state's mean KL" if "exact" in labels else "0 (no exact column)")
+                kl_tail=round(mean(k), 5), kl_fp16=round(floor, 5),
+                gap_above="the fp16 state's mean KL" if "fp16" in labels else "0 (no fp16 column)")
 
 
 def table(result: dict) -> str:

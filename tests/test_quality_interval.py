@@ -61,25 +61,25 @@ def test_compare_logits_reports_the_interval_around_its_delta_when_asked():
     assert "ppl_delta_interval" not in compare_logits(full, other, targets)
 
 
-def test_a_tails_recovery_counts_regens_gap_above_the_exact_states_kl():
+def test_a_tails_recovery_counts_regens_gap_above_the_fp16_states_kl():
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from harness import Result
     from regenerator_quality import recovery_rows
 
-    def doc(regen, tail, exact=None):
+    def doc(regen, tail, fp16=None):
         r = {"regen": {"kl": regen}, "regen+tail64": {"kl": tail}}
-        return r if exact is None else {**r, "exact": {"kl": exact}}
+        return r if fp16 is None else {**r, "fp16": {"kl": fp16}}
 
     res = Result("regenerator_quality")
-    recovery_rows(res, [doc(0.005, 0.003, 0.001), doc(0.003, 0.003, 0.001)], 16, ["exact", "regen", "regen+tail64"])
+    recovery_rows(res, [doc(0.005, 0.003, 0.001), doc(0.003, 0.003, 0.001)], 16, ["fp16", "regen", "regen+tail64"])
     (row,) = res.rows
     assert row["value"] == pytest.approx(1 / 3, abs=1e-4)       # a third of the gap above 0.001
-    assert row["kl_exact"] == pytest.approx(0.001) and "exact state" in row["gap_above"]
+    assert row["kl_fp16"] == pytest.approx(0.001) and "fp16 state" in row["gap_above"]
     plain = Result("regenerator_quality")
-    recovery_rows(plain, [doc(0.004, 0.001)], 20, ["regen", "regen+tail64"])    # no exact column: the gap above 0
+    recovery_rows(plain, [doc(0.004, 0.001)], 20, ["regen", "regen+tail64"])    # no fp16 column: the gap above 0
     assert plain.rows[0]["value"] == pytest.approx(0.75) and plain.rows[0]["gap_above"].startswith("0 ")
     none = Result("regenerator_quality")
-    recovery_rows(none, [doc(0.001, 0.001, 0.002)], 16, ["exact", "regen", "regen+tail64"])   # no gap: no row
+    recovery_rows(none, [doc(0.001, 0.001, 0.002)], 16, ["fp16", "regen", "regen+tail64"])   # no gap: no row
     assert not none.rows
