@@ -110,6 +110,8 @@ def fit_on_pairs(lm, path: Path, eval_fraction: float, seed: int, weighted: bool
 def main(argv=None, benchmark: str = "regenerator_quality") -> int:
     ap = parser(__doc__, device="cpu")
     ap.add_argument("--model", help="HF folder or .gguf file (default: the embedded model)")
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                    help="the model's precision (default: fp32 on a CPU, bf16 on a GPU)")
     ap.add_argument("--ratios", type=float, nargs="*", default=[4, 8, 16])
     ap.add_argument("--regenerator", type=Path, help="a regenerator folder (default: fit one here)")
     ap.add_argument("--adapter", type=Path, help="a reader adapter folder: also measure regen+adapter")
@@ -154,7 +156,7 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
     weights = LayerWeights.load(args.layer_weights) if args.layer_weights else None
     torch.set_num_threads(args.threads)
     t0 = clock()
-    lm = load_model(args.model, device=args.device)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
     reg = None
     labels = [m for m in METHODS if m in args.methods and m != "regen+tail"] + \
         [f"regen+tail{w}" for w in (args.recompute_tokens if "regen+tail" in args.methods else [])]
@@ -171,7 +173,7 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
         reg.choice = args.choice
         print(f"regenerator {reg.fingerprint[:21]} weighted={reg.weighted} ({clock() - t0:.0f} s)",
               file=sys.stderr, flush=True)
-    reader = load_model(args.model, device=args.device, adapter=args.adapter) if args.adapter else None
+    reader = load_model(args.model, device=args.device, dtype=args.dtype, adapter=args.adapter) if args.adapter else None
     only = {(o.rsplit(":", 1)[0], float(o.rsplit(":", 1)[1])) for o in args.only} if args.only else None
     rows = []
     if set(args.licenses) & set(CALIBRATION_LICENSES):
@@ -205,7 +207,7 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
                               "seconds": round(clock() - t1, 1)}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
-    result = {"platform": platform.platform(), "threads": args.threads, "device": str(lm.device),
+    result = {"platform": platform.platform(), "threads": args.threads, "device": str(lm.device), "dtype": str(lm.dtype).removeprefix("torch."),
               "model": lm.fingerprints.combined,
               "regenerator": None if reg is None else {"fingerprint": reg.fingerprint, "weighted": reg.weighted,
                                                        "layer_groups": reg.meta.get("layer_groups"),
