@@ -30,6 +30,8 @@ LICENSES = Path("/usr/share/common-licenses")
 def main(argv=None) -> int:
     ap = parser(__doc__, device="cpu")
     ap.add_argument("--model", default=None, help="default: the embedded model")
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                    help="the model's precision (default: fp32 on a CPU, bf16 on a GPU)")
     ap.add_argument("--ratios", type=float, nargs="+", default=[4, 8, 16, 20])
     ap.add_argument("--probes", nargs="+", default=["passkey", "keys", "qa"], choices=["passkey", "keys", "qa"])
     ap.add_argument("--text", default="GPL-3", help="the passkeys' text, under /usr/share/common-licenses")
@@ -54,11 +56,12 @@ def main(argv=None) -> int:
     from kite.model import load_model
     from kite.upcycle import PASSKEY_DEPTHS, open_pipeline, passkey_probe, qa_probe
 
-    lm = load_model(args.model, device=args.device)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
     text = (LICENSES / args.text).read_text()
     depths = tuple(args.depths) if args.depths else PASSKEY_DEPTHS
     res = Result("task_quality", device=lm.device)
     res.raw.update(model=getattr(lm, "spec", None) or args.model or "embedded", threads=torch.get_num_threads(),
+                   dtype=str(lm.dtype).removeprefix("torch."),
                    text=args.text, passkey_tokens=args.passkey_tokens, depths=list(depths), keys=args.keys,
                    qa_tokens=args.qa_tokens, contracts=args.contracts, cells=[],
                    regenerator=str(args.regenerator) if args.regenerator else None,
