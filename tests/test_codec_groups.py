@@ -360,6 +360,37 @@ def test_on_a_gpu_a_parts_classes_are_the_hosts_bytes():
         assert torch.equal(a, b.cpu())
 
 
+def _blobs():
+    from kite.upcycle.codec.blob import Blob, LayerCodec
+
+    g = torch.Generator().manual_seed(9)
+    return [LayerCodec(tensors={"k.mean": torch.randn(3, 7, generator=g).half(), "k.bits": torch.arange(6).reshape(2, 3)},
+                       meta={"H": 1}),
+            Blob(tensors={"codes": torch.randint(0, 255, (13,), generator=g, dtype=torch.uint8),
+                          "scale": torch.randn(5, generator=g).bfloat16(), "out.idx": torch.tensor([1, 4], dtype=torch.int16),
+                          "empty": torch.zeros(0, 4)}, meta={"T": 13}),
+            Blob(tensors={}, meta={"T": 0})]
+
+
+def test_blobs_serialized_together_are_the_bytes_of_each_alone():
+    from kite.upcycle.codec import to_bytes, to_bytes_many
+
+    blobs = _blobs()
+    assert to_bytes_many(blobs) == [to_bytes(b) for b in blobs]
+    assert to_bytes_many([]) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_blobs_serialized_together_are_the_hosts_bytes():
+    from dataclasses import replace
+
+    from kite.upcycle.codec import to_bytes, to_bytes_many
+
+    blobs = _blobs()
+    on_gpu = [replace(b, tensors={k: t.cuda() for k, t in b.tensors.items()}) for b in blobs]
+    assert to_bytes_many(on_gpu) == [to_bytes(b) for b in blobs]
+
+
 def test_two_groups_of_two_layers_keep_their_parts_apart_and_load_alike(tmp_path):
     from kite.model import load_model
     from kite.testing.tiny_models import make_tiny_model

@@ -410,12 +410,14 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
         fits = groups.fit_groups(cap.keys_pre, cap.values, fit_codec, token_sets, regenerator,
                                  overhead_bytes=overhead_bytes)
         regenerated[0] = 2 * len(fits)
-        layer_blobs = {fit.lead: codec.to_bytes(fit.codec) for fit in fits}
+        parts = list(groups.encode_groups(fits, token_sets))
+        data = iter(codec.to_bytes_many([fit.codec for fit in fits] + [b for *_, part in parts for b in (part.k, part.v)]))
+        layer_blobs = {fit.lead: next(data) for fit in fits}
         items = []
-        for a, c, part in groups.encode_groups(fits, token_sets):
+        for a, c, part in parts:
             if c == 0:      # in file order, a group's codec then its parts (as a layer's)
                 items.append((blob_key(None, a), layer_blobs[a]))
-            items += [(blob_key(c, a, "K"), codec.to_bytes(part.k)), (blob_key(c, a, "V"), codec.to_bytes(part.v))]
+            items += [(blob_key(c, a, "K"), next(data)), (blob_key(c, a, "V"), next(data))]
         if progress:
             progress(stage, n_layers, n_layers)
         return items

@@ -14,7 +14,7 @@ from kite.upcycle.codec.batched_regen import takes as batched_takes_regenerator
 from kite.upcycle.codec.layer_weights import LayerWeights, shipped_for
 from kite.upcycle.codec.bits import (allocate_bits, allocate_bits_batched, expected_error, first_bit_cost,
                                     layer_budget_bits)
-from kite.upcycle.codec.blob import Blob, EncodedPart, LayerCodec, from_bytes, nbytes, to_bytes
+from kite.upcycle.codec.blob import Blob, EncodedPart, LayerCodec, from_bytes, nbytes, to_bytes, to_bytes_many
 from kite.upcycle.codec.coders import (CODERS, PcaSide, QuantSide, RawSide, RegenSide, SideCoder, attach_regenerator,
                                       blocks, coder, register)
 from kite.upcycle.codec.lanes import CLIPS as LANE_CLIPS
@@ -37,5 +37,5 @@ __all__ = ["CODERS", "FLOAT_FORMATS", "INT_FORMATS", "LANE_CLIPS", "PRESETS", "P
            "attach_regenerator", "batched_pca", "blocks", "coder", "decode", "dequantize", "encode", "encode_lanes",
            "encode_state", "expected_error", "first_bit_cost", "fit_layer", "fit_layers", "fit_state", "from_bytes", "lanes_nbytes",
            "layer_budget_bits", "model_value_weights", "nbytes", "part_widths", "quantize", "ratio_of", "register",
-           "settings_for", "state_budgeted", "supports_batched", "batched_takes_regenerator", "tensors_nbytes", "to_bytes", "weighted_error",
+           "settings_for", "state_budgeted", "supports_batched", "batched_takes_regenerator", "tensors_nbytes", "to_bytes", "to_bytes_many", "weighted_error",
            "within_budget"]
