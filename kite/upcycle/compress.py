@@ -277,9 +277,10 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
         assign, _ = kmeans(features, settings.n_clusters, seed=settings.seed)
         tags = _tag_clusters(assign, results)
         token_sets: list[torch.Tensor] = []
+        assigned = assign.tolist()      # once: on a GPU each read waits for the device
         for c, (label, conf, probs) in enumerate(tags):
-            idx = [i for (s, e), a in zip(spans, assign.tolist()) if a == c for i in range(s, e)]
-            first = next(((s, e) for (s, e), a in zip(spans, assign.tolist()) if a == c), (0, 0))
+            idx = [i for (s, e), a in zip(spans, assigned) if a == c for i in range(s, e)]
+            first = next(((s, e) for (s, e), a in zip(spans, assigned) if a == c), (0, 0))
             chars = (cap.offsets[first[0]][0], cap.offsets[first[1] - 1][1]) if cap.offsets else (0, 0)
             preview = " ".join(text[chars[0]:chars[1]].split())[:120]
             clusters.append(ClusterInfo(c, label, conf, _ranges(idx), len(idx), preview, probs))

@@ -274,9 +274,9 @@ class PcaSide(SideCoder):
             tensors["out.idx"] = idx.to(torch.int32 if T > 32767 else torch.int16)
             tensors["out.x"] = raw.to(torch.float16).contiguous()
             C = C.clone()
-            keep = torch.ones(T, dtype=torch.bool)
-            keep[idx] = False
-            if keep.any():
+            if n_out < T:       # (topk's indices are distinct)
+                keep = torch.ones(T, dtype=torch.bool, device=C.device)
+                keep[idx] = False
                 C[idx] = C[keep].mean(dim=0)  # neutral value: does not widen any group's range
         # one codes / scale / min tensor for all bit classes (the layout: format.bitlayout)
         coded = (_classes_on_device if C.is_cuda else _classes)(C, colbits.cpu(), T, s)
@@ -345,20 +345,27 @@ def _classes_on_device(C: torch.Tensor, colbits: torch.Tensor, T: int, s: CodecS
     if not cols.numel() or T == 0:
         return None
     row_bits = colbits[cols]
+    R = int(cols.numel())
     bitoff, goff, gs = parts_layout(row_bits.numpy(), [T], s.group_size, s.even_groups)
     gs = int(gs[0])
     padded = -(-T // gs) * gs
     counts = torch.bincount(row_bits, minlength=s.max_bits + 1)
     n_bytes = sum((int(n) * padded * w + 7) // 8 for w, n in enumerate(counts.tolist()))
     n_scales = int(counts.sum()) * (padded // gs)
-    src = C[:, cols.to(C.device)].t().float()                                      # [R, T]
+    n_g = padded // gs
+    groups = torch.tensor([[0, g, g * gs, gs] for g in range(n_g)], dtype=torch.int64)
+    dev = C.device
+    # the plan goes to the device in one copy from pinned memory, which does not wait for the device
+    plan = torch.cat([cols, row_bits, torch.from_numpy(bitoff).reshape(-1), torch.from_numpy(goff).reshape(-1),
+                      groups.reshape(-1)])
+    if dev.type == "cuda":
+        plan = plan.pin_memory().to(dev, non_blocking=True)
+    cols_d, row_bits_d, bitoff_d, goff_d, groups_d = plan.split([R, R, R, R, 4 * n_g])
+    src = C[:, cols_d].t().float()                                                 # [R, T]
     if padded > T:
         src = torch.cat([src, src[:, -1:].expand(-1, padded - T)], dim=1)
-    groups = torch.tensor([[0, g, g * gs, gs] for g in range(padded // gs)], dtype=torch.int64)
-    dev = C.device
-    return quantize_plan(src.contiguous(), row_bits.to(dev), torch.from_numpy(bitoff).t().contiguous().to(dev),
-                         torch.from_numpy(goff).t().contiguous().to(dev), groups.to(dev), s.range_mode, n_bytes,
-                         n_scales, whole_bytes=False)
+    return quantize_plan(src.contiguous(), row_bits_d, bitoff_d.reshape(R, 1), goff_d.reshape(R, 1),
+                         groups_d.reshape(n_g, 4), s.range_mode, n_bytes, n_scales, whole_bytes=False)
 
 
 @register

@@ -125,10 +125,13 @@ def encode_groups(fits: list[GroupFit], token_sets: list[torch.Tensor]):
     :class:`kite.upcycle.codec.EncodedPart`) for the clusters' token indices ``token_sets``, each
     part's coefficients taken from the group's projection (none computed again)."""
     pca = coder("rpca")
+    ats = [torch.as_tensor(idx, dtype=torch.long).reshape(-1) for idx in token_sets]
+    sets_on: dict[torch.device, list[torch.Tensor]] = {}      # the sets on each device, copied there at once
     for fit in fits:
-        for c, idx in enumerate(token_sets):
-            at = torch.as_tensor(idx, dtype=torch.long).reshape(-1)
-            on = at.to(fit.codec.tensors["k.mean"].device)
+        dev = fit.codec.tensors["k.mean"].device
+        if dev not in sets_on:
+            sets_on[dev] = list(torch.cat(ats).to(dev).split([len(a) for a in ats])) if ats else []
+        for c, (at, on) in enumerate(zip(ats, sets_on[dev])):
             yield fit.lead, c, EncodedPart(
                 *(pca.encode(fit.codec, side, fit.blocks[side][:, on], at, coefficients=fit.coefficients[side][on])
                   for side in ("k", "v")))
