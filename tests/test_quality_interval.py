@@ -83,3 +83,17 @@ def test_a_tails_recovery_counts_regens_gap_above_the_fp16_states_kl():
     none = Result("regenerator_quality")
     recovery_rows(none, [doc(0.001, 0.001, 0.002)], 16, ["fp16", "regen", "regen+tail64"])   # no gap: no row
     assert not none.rows
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_eval_of_a_low_precision_model_says_its_rounding_moves_the_figures(tiny_models, dtype):
+    from kite.model import load_model
+    from kite.upcycle import CompressSettings, evaluate
+    from kite.upcycle.codec import settings_for
+    from tests.tiny_models import CORPUS
+
+    lm = load_model(str(tiny_models["llama"]), device="cpu", dtype=dtype)
+    r = evaluate(lm, CORPUS, context_tokens=60, continuation_tokens=20, settings=CompressSettings(codec=settings_for("fp16")))
+    said = [w for w in r.warnings if "rounding noise" in w]
+    assert bool(said) == (dtype == "bf16")
+    assert not said or "the model runs in bf16" in said[0] and "--precision fp16" in said[0]

@@ -169,6 +169,12 @@ def evaluate(lm: LoadedModel, text: str, *, context_tokens: int = 2048, continua
         regenerator=regenerator.fingerprint if regenerator is not None else None, reader_adapter=bool(reader_on),
         ppl_delta_interval=[round(x, 4) for x in m["ppl_delta_interval"]], warnings=list(made.warnings),
         recomputed_tokens=report.recomputed_tokens)
+    low = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(getattr(lm, "dtype", None))
+    if low is not None:
+        result.warnings.append(
+            f"the model runs in {low}: any change to its prefix, even fp16 storage, moves its KL and PPL by "
+            f"rounding noise; `kite upcycle eval --precision fp16` on the same text measures that floor "
+            f"(docs/compression.md, \"Recomputed tail\")")
     for name in probes:
         result.probes[name] = run_probe(name, lm, text, context_tokens, settings, tagger, progress=progress,
                                         regenerator=regenerator, **(qa if name == "qa" else {}))
