@@ -153,6 +153,8 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
     args = parse(ap, argv)      # --seed: with --calibration-pairs, the run's
     if args.weighted and args.layer_group > 1:
         ap.error("--weighted: bases across layers are always attention-weighted (it is for per-layer bases)")
+    if any(w < 1 for w in args.recompute_tokens):
+        ap.error("--recompute-tokens: tails of 1 token or more")
     weights = LayerWeights.load(args.layer_weights) if args.layer_weights else None
     torch.set_num_threads(args.threads)
     t0 = clock()
@@ -181,11 +183,15 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
     for name, text in held_out_docs(args.held_out_contracts, args.licenses).items():
         n = len(tokenize_document(lm.tokenizer, text)[0])
         ctx = context_tokens(n)
+        fp16 = None         # the fp16 state does not depend on the ratio: measured once a document
         for ratio in args.ratios:
             if only is not None and (name, float(ratio)) not in only:
                 continue
             row = {"document": name, "context_tokens": ctx, "ratio": ratio}
             for label in labels:
+                if label == "fp16" and fp16 is not None:
+                    row[label] = fp16
+                    continue
                 model = reader if label == "regen+adapter" else lm
                 regen = None if label.startswith("doc") or label == "fp16" else reg
                 if model is None:
@@ -205,6 +211,8 @@ def main(argv=None, benchmark: str = "regenerator_quality") -> int:
                               "state_bytes": r.state_bytes, "reader_adapter": r.reader_adapter,
                               "load_ms": r.timings_ms.get("load"),
                               "seconds": round(clock() - t1, 1)}
+                if label == "fp16":
+                    fp16 = row[label]
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     result = {"platform": platform.platform(), "threads": args.threads, "device": str(lm.device), "dtype": str(lm.dtype).removeprefix("torch."),

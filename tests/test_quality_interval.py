@@ -97,3 +97,15 @@ def test_eval_of_a_low_precision_model_says_its_rounding_moves_the_figures(tiny_
     said = [w for w in r.warnings if "rounding noise" in w]
     assert bool(said) == (dtype == "bf16")
     assert not said or "the model runs in bf16" in said[0] and "--precision fp16" in said[0]
+
+
+def test_the_quality_benchmark_refuses_a_tail_of_no_tokens_before_any_work():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "regenerator_quality.py"), "--methods", "regen+tail",
+                          "--recompute-tokens", "64", "0"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--recompute-tokens: tails of 1 token or more" in run.stderr
+    assert "Traceback" not in run.stderr and "calibration 1/" not in run.stderr
