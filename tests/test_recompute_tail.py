@@ -83,6 +83,46 @@ def test_a_tail_as_long_as_the_document_leaves_one_token_coded_and_a_negative_on
         recomputed_tail(10, -1)
 
 
+def test_auto_keeps_256_tokens_at_16x_and_above_at_most_an_eighth_of_the_document_and_none_below():
+    assert recomputed_tail(2048, "auto", 16.0) == 256 and recomputed_tail(2048, "auto", 20.0) == 256
+    assert recomputed_tail(1000, "auto", 16.0) == 125            # an eighth of a shorter document
+    assert recomputed_tail(2048, "auto", 15.9) == 0 and recomputed_tail(2048, "auto", 4.0) == 0
+    assert recomputed_tail(2048, "auto", None) == 0               # a preset, or lossless
+    assert recomputed_tail(2048, " AUTO ", 16.0) == 256 and recomputed_tail(2048, "64", 4.0) == 64
+    for bad in ("some", 4097, 2.5, True, None):
+        with pytest.raises(BadInput, match="'auto' or a count of the document's last tokens, 0 to 4096"):
+            recomputed_tail(2048, bad, 16.0)
+
+
+def test_by_default_a_16x_state_keeps_a_tail_and_a_4x_state_keeps_its_address(lm, tmp_path):
+    """``auto`` is the default: a 16x state keeps its last tokens (an eighth of this short document),
+    a 4x one none, under the address an explicit 0 gives (states made before ``auto`` keep theirs)."""
+    from kite.upcycle.address import address_for
+
+    ids = _ids(lm)
+    made = compress_document(lm, "", tmp_path / "s16.upc", _settings(16.0, "auto"), ids=ids)
+    assert made.recomputed_tokens == len(ids) // 8 and CompressSettings().recompute_tokens == "auto"
+    made = compress_document(lm, "", tmp_path / "s4.upc", _settings(4.0, "auto"), ids=ids)
+    assert made.recomputed_tokens == 0
+    for ratio, same_as in ((4.0, 0), (16.0, len(ids) // 8)):
+        auto = address_for("kite-fp1:aa", ids, _settings(ratio, "auto"), None, None).id
+        assert auto == address_for("kite-fp1:aa", ids, _settings(ratio, same_as), None, None).id
+
+
+@pytest.mark.parametrize("text, ok", [("auto", "auto"), ("12", 12), ("0", 0), ("lots", None), ("-1", None),
+                                      ("5000", None)])
+def test_the_config_takes_auto_or_a_count(tmp_path, text, ok):
+    from kite.upcycle.settings import load_upcycle_config
+
+    cfg = tmp_path / "upcycle.yaml"
+    cfg.write_text(f"compression:\n  recompute_tokens: {text}\n")
+    if ok is None:
+        with pytest.raises(BadInput, match="recompute_tokens.*'auto' or a count"):
+            load_upcycle_config(cfg)
+    else:
+        assert load_upcycle_config(cfg)[0].compression.recompute_tokens == ok
+
+
 @pytest.mark.parametrize("tail, said", [
     ({"tokens": 2, "ids": [1]}, "recompute.ids is not a list of 2 token ids"),
     ({"tokens": 1, "ids": ["a"]}, "recompute.ids is not a list of 1 token ids"),
@@ -142,9 +182,10 @@ def test_a_bad_tail_is_refused_in_one_line_before_the_model_loads(tiny_models, t
     monkeypatch.setattr(kite.model, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     doc = tmp_path / "doc.txt"
     doc.write_text(CORPUS)
-    args = ["upcycle", command, "--model", str(tiny_models["llama"]), "--input", str(doc), "--recompute-tokens", "-3"]
-    res = runner.invoke(app, args + (["--output", str(tmp_path / "s.upc")] if command == "compress" else []))
-    assert res.exit_code == 2 and "--recompute-tokens -3" in res.output, res.output
+    for bad in ("-3", "some"):
+        args = ["upcycle", command, "--model", str(tiny_models["llama"]), "--input", str(doc), "--recompute-tokens", bad]
+        res = runner.invoke(app, args + (["--output", str(tmp_path / "s.upc")] if command == "compress" else []))
+        assert res.exit_code == 2 and f"--recompute-tokens {bad}: 'auto' or a count" in res.output, res.output
 
 
 def test_the_config_sets_the_tail(tiny_models, tmp_path):

@@ -31,10 +31,11 @@ PrecisionOpt = typer.Option(help="A precision preset instead of --ratio: " + "|"
 EntropyOpt = typer.Option("--entropy-coding/--no-entropy-coding", help="Entropy-code the quantized coefficients: at "
                           "a ratio, the bits saved are spent on more components (default: the config's "
                           "compression.entropy_coding).")
-RecomputeOpt = typer.Option("--recompute-tokens", help="Keep the document's last N tokens as token ids, not coded: "
-                            "every load runs them through the model after the rest (exact but for what they read), "
-                            "and the state's bytes go to the tokens before them (default: the config's "
-                            "compression.recompute_tokens, 0).")
+RecomputeOpt = typer.Option("--recompute-tokens", metavar="N|auto", help="Keep the document's last N tokens as "
+                            "token ids, not coded: every load runs them through the model after the rest (exact "
+                            "but for what they read), and the state's bytes go to the tokens before them; auto: "
+                            "256 (at most an eighth of the document) at --ratio 16 and above, else none (default: "
+                            "the config's compression.recompute_tokens, auto).")
 
 @app.command("compress")
 def compress(
@@ -53,7 +54,7 @@ def compress(
         "--label-ratio", help="LABEL=R: the clusters of that clause label at ratio R (repeatable; over the "
         "config's compression.label_ratios).")] = None,
     entropy_coding: Annotated[bool | None, EntropyOpt] = None,
-    recompute_tokens: Annotated[int | None, RecomputeOpt] = None,
+    recompute_tokens: Annotated[str | None, RecomputeOpt] = None,
     mkdir: bool = MkdirOpt,
     store: Annotated[str | None, StoreOpt] = None,
     tenant: Annotated[str | None, TenantOpt] = None,
@@ -213,7 +214,7 @@ def eval_cmd(
     regenerator: Annotated[Path | None, RegeneratorOpt] = None,
     layer_weights: Annotated[Path | None, LayerWeightsOpt] = None,
     entropy_coding: Annotated[bool | None, EntropyOpt] = None,
-    recompute_tokens: Annotated[int | None, RecomputeOpt] = None,
+    recompute_tokens: Annotated[str | None, RecomputeOpt] = None,
     probe: Annotated[str | None, typer.Option(help="Also measure tasks on the state at this ratio (a comma list): "
                                               "'passkey' (one key at 10/30/50/70/90 % depth), 'keys' (3 keys in "
                                               "one context), 'qa' (F1 on held-out generated contracts).")] = None,

@@ -28,6 +28,8 @@ import json
 import struct
 
 from kite.errors import BadInput
+from kite.upcycle.codec.settings import ratio_of
+from kite.upcycle.tail import recomputed_tail
 from kite.tenants import tenant_tag
 from kite.upcycle.format.address import (ADDRESS_RE, SCHEME, Address, AddressMismatch, canonical, check_address,
                                          is_address)
@@ -46,9 +48,11 @@ def tokens_digest(ids) -> str:
 TAGGER_KEYS = ("method", "embedding_layers", "labels")
 
 
-def settings_fields(settings, tagger_description: dict | None) -> dict:
+def settings_fields(settings, tagger_description: dict | None, n_tokens: int) -> dict:
     """The compression settings an address covers (a :class:`CompressSettings` and the tagger's
-    description, :data:`TAGGER_KEYS` of it), as plain JSON values."""
+    description, :data:`TAGGER_KEYS` of it) for a document of ``n_tokens`` tokens, as plain JSON
+    values (the recomputed tail as the count the state keeps: ``auto`` resolved)."""
+    tail = recomputed_tail(n_tokens, getattr(settings, "recompute_tokens", 0), ratio_of(settings.codec))
     tagger = None if tagger_description is None else {k: tagger_description.get(k) for k in TAGGER_KEYS}
     return {
         "codec": settings.codec.address_json(),
@@ -62,7 +66,7 @@ def settings_fields(settings, tagger_description: dict | None) -> dict:
         # (only when set: states made without layer weights keep their addresses)
         **({"layer_weights": settings.layer_weights.fingerprint} if settings.layer_weights is not None else {}),
         **({"entropy_coding": True} if getattr(settings, "entropy_coding", False) else {}),
-        **({"recompute_tokens": settings.recompute_tokens} if getattr(settings, "recompute_tokens", 0) else {}),
+        **({"recompute_tokens": tail} if tail else {}),
     }
 
 
@@ -72,7 +76,7 @@ def address_for(model_fingerprint: str, ids, settings, tagger_description: dict 
     combined fingerprint is `model_fingerprint`, made for `tenant` (a name; None: no tenant)."""
     from kite.upcycle.format.container import FORMAT_VERSION
 
-    fields = json.loads(canonical(settings_fields(settings, tagger_description)))  # plain JSON types
+    fields = json.loads(canonical(settings_fields(settings, tagger_description, len(ids))))  # plain JSON types
     return Address(FORMAT_VERSION, model_fingerprint, tokens_digest(ids), fields, regenerator_fingerprint,
                    tenant_tag(tenant))
 

@@ -27,6 +27,7 @@ from kite.upcycle.codec.probe import AttentionProbe
 from kite.upcycle.codec.settings import at_ratio, ratio_of
 from kite.upcycle.cluster import kmeans
 from kite.upcycle.spans import cut_spans
+from kite.upcycle.tail import recomputed_tail
 from kite.upcycle.format.container import LARGE_MIN_SAVING, MIN_SAVING, StateWriter, header_estimate
 from kite.upcycle.format.names import blob_key
 from kite.upcycle.tagging.build import describe_tagger
@@ -55,8 +56,8 @@ class CompressSettings:
     entropy_coding: bool = False
     # the document's last tokens kept as token ids, not coded: a load runs them through the model
     # after the rebuilt prefix (their KV then exact but for what they read of it); the state's bytes
-    # go to the tokens before them
-    recompute_tokens: int = 0
+    # go to the tokens before them. "auto": by the ratio (kite.upcycle.tail)
+    recompute_tokens: int | str = "auto"
 
 
 @dataclass
@@ -208,7 +209,7 @@ def compress_document(lm: LoadedModel, text: str, output: str | Path, settings: 
             any(layer not in cap.hidden for layer in _hidden_layers(lm, tagger)):
         raise ValueError("the capture given lacks the hidden states or queries this compression reads "
                          "(make it with capture_for)")
-    coded = cap.n_tokens - recomputed_tail(cap.n_tokens, settings.recompute_tokens)    # (a tail is not coded)
+    coded = cap.n_tokens - tail_of(settings, cap.n_tokens)    # (a tail is not coded)
     probe = AttentionProbe(lm, cap.query_tail, cap.n_tokens, coded=coded) if probe_rows else None
     return compress_capture(lm, cap, output, settings, tagger=tagger, source_name=source_name, progress=progress,
                             device=device, regenerator=regenerator, address=address, tenant=tenant, probe=probe)
@@ -253,7 +254,7 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
     timings: dict[str, float] = {"prefill": cap.prefill_ms}
     n_tokens, all_ids = cap.n_tokens, cap.ids
     raw_kv = int(lm.geometry.kv_bytes_per_token("fp16") * n_tokens)   # the whole document's: the ratio's base
-    tail = recomputed_tail(n_tokens, settings.recompute_tokens)
+    tail = tail_of(settings, n_tokens)
     if tail:        # the tokens before the tail are coded (clustered, tagged) with all of the state's bytes
         cap = capture_head(cap, n_tokens - tail)
 
@@ -463,12 +464,10 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
                           recomputed_tokens=tail)
 
 
-def recomputed_tail(n_tokens: int, asked: int) -> int:
-    """How many of a document's last tokens a state keeps as ids for its loads to recompute: the
-    ``recompute_tokens`` asked, and at least one token coded. BadInput for a negative count."""
-    if asked < 0:
-        raise BadInput(f"recompute tokens {asked}: a count of the document's last tokens, 0 or more")
-    return min(asked, n_tokens - 1)
+def tail_of(settings: CompressSettings, n_tokens: int) -> int:
+    """How many of an ``n_tokens``-token document's last tokens its state keeps as ids for its loads
+    to recompute, by ``settings.recompute_tokens`` (``auto``: by the codec's ratio, kite.upcycle.tail)."""
+    return recomputed_tail(n_tokens, settings.recompute_tokens, ratio_of(settings.codec))
 
 
 def capture_head(cap: Capture, n: int) -> Capture:

@@ -37,7 +37,8 @@ from kite.upcycle.codec.settings import PRESETS, ratio_of, settings_for
 from kite.upcycle.compress import CompressResult, CompressSettings, Progress, compress_document
 from kite.upcycle.label_ratios import check_ratios, read_label_ratios
 from kite.upcycle.load.staging import prepare_state
-from kite.upcycle.settings import MAX_RECOMPUTE_TOKENS, UpcycleConfig, load_upcycle_config
+from kite.upcycle.settings import UpcycleConfig, load_upcycle_config
+from kite.upcycle.tail import parse_recompute
 from kite.upcycle.tagging.build import build_tagger, describe_tagger
 
 if TYPE_CHECKING:
@@ -47,15 +48,15 @@ if TYPE_CHECKING:
 def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precision: str | None = None,
                       clusters: int | None = None, kept_fraction: float | None = None,
                       label_ratios: dict[str, float] | None = None, config_path: Path | None = None,
-                      entropy_coding: bool | None = None, recompute_tokens: int | None = None) -> CompressSettings:
+                      entropy_coding: bool | None = None, recompute_tokens: int | str | None = None) -> CompressSettings:
     """The compression settings of an upcycle config and a command's flags (see the module doc).
 
     ``kept_fraction``: the user's default of ``ratio`` in the seed's spelling (the KITE config's
     ``features.upcycle_compression_ratio``, 0-1); None leaves the upcycle config's settings.
     ``label_ratios``: per-label ratios from the command line, over the config's
     ``compression.label_ratios`` (a map, or a file relative to ``config_path``). ``entropy_coding``:
-    the command's choice over the config's ``compression.entropy_coding``; ``recompute_tokens`` over
-    ``compression.recompute_tokens``.
+    the command's choice over the config's ``compression.entropy_coding``; ``recompute_tokens`` (a
+    count or ``auto``) over ``compression.recompute_tokens``.
     BadInput for both ``ratio`` and ``precision``, a ratio below 1, a fraction outside (0, 1], a
     precision that is not a preset, or label ratios with a preset.
     """
@@ -90,9 +91,8 @@ def compress_settings(cfg: UpcycleConfig, *, ratio: float | None = None, precisi
         raise BadInput(str(exc)) from None
     if clusters is not None and clusters < 1:
         raise BadInput(f"--clusters {clusters}: at least one cluster")
-    if recompute_tokens is not None and not 0 <= recompute_tokens <= MAX_RECOMPUTE_TOKENS:
-        raise BadInput(f"--recompute-tokens {recompute_tokens}: the document's last tokens a load recomputes, "
-                       f"0 to {MAX_RECOMPUTE_TOKENS}")
+    if recompute_tokens is not None:
+        recompute_tokens = parse_recompute(recompute_tokens, "--recompute-tokens")
     if isinstance(c.label_ratios, str):
         ratios = read_label_ratios(cfg.resolve(c.label_ratios, config_path))
     else:
@@ -190,7 +190,7 @@ def open_pipeline(model: str | None = None,
                   kept_fraction: float | None = None, device: str | None = None, lm: LoadedModel=None, tagger: bool = True,
                   regenerator: str | Path | None = None, label_ratios: dict[str, float] | None = None,
                   layer_weights: str | Path | None = None, progress=None,
-                  entropy_coding: bool | None = None, recompute_tokens: int | None = None) -> Pipeline:
+                  entropy_coding: bool | None = None, recompute_tokens: int | str | None = None) -> Pipeline:
     """Config → settings (checked before anything slow) → model (``lm`` when given, else ``model``
     loaded with the config's adapter on ``device``) → the config's tagger (``tagger=False``: none).
     ``ratio``, ``precision``, ``clusters``, ``kept_fraction``, ``label_ratios``, ``entropy_coding`` and

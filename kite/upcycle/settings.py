@@ -6,13 +6,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kite.errors import BadInput
+from kite.upcycle.tail import MAX_TOKENS, parse_recompute
 from kite.yaml_model import load_yaml_model
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4", "int3", "int2")
-
-
-# the most of a document's last tokens a state keeps for its loads to recompute (a forward of them each)
-MAX_RECOMPUTE_TOKENS = 4096
 
 
 class _Strict(BaseModel):
@@ -44,8 +42,17 @@ class CompressionConfig(_Strict):
     entropy_coding: bool = False
     # The document's last tokens kept as token ids instead of coded: every load runs them through the
     # model after the rebuilt prefix (a forward of this many tokens), and the state's bytes go to the
-    # tokens before them. 0: none (docs/compression.md, "Recomputed tail").
-    recompute_tokens: int = Field(0, ge=0, le=MAX_RECOMPUTE_TOKENS)
+    # tokens before them. auto: 256 (at most an eighth of the document) at 16x and above, else none;
+    # a count: that many at any ratio; 0: none (docs/compression.md, "Recomputed tail").
+    recompute_tokens: int | str = "auto"
+
+    @field_validator("recompute_tokens", mode="before")
+    @classmethod
+    def _tail(cls, v):
+        try:
+            return parse_recompute(v)
+        except BadInput:
+            raise ValueError(f"'auto' or a count of the document's last tokens, 0 to {MAX_TOKENS}") from None
 
     @field_validator("precision")
     @classmethod
