@@ -173,6 +173,31 @@ def check_kernels(report: Report) -> None:
     print("checks:", json.dumps(res), flush=True)
 
 
+def tail_row(report: Report, model, ids: list[int], K, V, n_body: int, cfg, n: int) -> None:
+    """What a load of a state with a recomputed tail adds (compression.recompute_tokens; ``auto`` keeps
+    256 tokens at 16x and above): the tail's forward after the rebuilt prefix, as
+    :func:`kite.upcycle.load.tail.recompute_tail` runs it (a transformers forward over the prefix's
+    cache, the tail's keys and values appended to each layer's)."""
+    from types import SimpleNamespace
+
+    from kite.upcycle.load.tail import recompute_tail
+
+    if n <= 0:
+        return
+    T, L = len(ids), K.shape[0]
+    head = T - n
+
+    def run():
+        keys = [K[layer, :, :head] for layer in range(L)]
+        values = [V[layer, :, :head] for layer in range(L)]
+        recompute_tail(SimpleNamespace(model=model), keys, values, ids[head:], T, set(range(L)))
+
+    d = cfg.hidden_size // cfg.num_attention_heads
+    flops = 2 * n_body * n + 2 * 2 * L * cfg.num_attention_heads * d * n * T
+    report.row(f"recomputed tail: {n} tokens after a {head:,}-token prefix (transformers' forward)", cuda_ms(run, reps=5),
+               flops_ms(flops), note=f"{flops / 1e12:.1f} TFLOP", what=f"{flops / 1e12:.1f} TFLOP {bf16_text()}")
+
+
 def make_model(T: int, small: bool):
     """Random-weight Qwen2-7B geometry on DEV (``small``: the tiny one), bf16, sdpa (harness.models)."""
     return random_qwen2(DEV, small)
@@ -296,6 +321,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU: checks the script runs")
     ap.add_argument("--ratio", type=float, default=4.0, help="codec ratio (settings_for(R))")
     ap.add_argument("--kv-budget-gb", type=float, default=40.0)
+    ap.add_argument("--tail-tokens", type=int, default=256, help="the recomputed tail timed after the prefix "
+                    "(compression.recompute_tokens; 0: skip that row)")
     ap.add_argument("--chunk", type=int, default=8, help="sequences rebuilt per layer at once (concurrency)")
     ap.add_argument("--profile", action="store_true", help="add a torch.profiler summary of one default compress")
     ap.add_argument("--skip-concurrency", action="store_true", help="skip the rebuild-per-step concurrency rows")
@@ -355,6 +382,7 @@ def main(argv=None) -> int:
     del out, cache
     raw_bytes = K.numel() * 2 * 2
     report.data["raw_kv_bytes"] = raw_bytes
+    tail_row(report, model, ids[0, :T].tolist(), K, V, n_body, cfg, args.tail_tokens)
     pos = torch.arange(T, device=DEV)
     with torch.inference_mode():
         cos, sin = model.model.rotary_emb(torch.zeros(1, device=DEV), pos[None])
