@@ -360,6 +360,55 @@ def test_on_a_gpu_a_parts_classes_are_the_hosts_bytes():
         assert torch.equal(a, b.cpu())
 
 
+def _group_parts(lm, reg, device: str, outliers: int = 0):
+    """Each side's parts of a grouped state's three clusters, coded together (encode_groups) and one
+    by one (PcaSide.encode, as before the parts were coded together)."""
+    from kite.upcycle.codec import groups
+    from kite.upcycle.codec.coders import coder
+    from kite.upcycle.codec.settings import settings_for
+
+    cap = capture(lm, DOC)
+    T = cap.n_tokens
+    sets = [torch.arange(0, T, 3), torch.arange(1, T, 3), torch.arange(2, T, 3)]    # the sink in the first
+    s = settings_for(16.0, outliers=outliers)
+    keys = [k.to(device) for k in cap.keys_pre]
+    values = [v.to(device) for v in cap.values]
+    fits = groups.fit_groups(keys, values, s, sets, reg)
+    together = {(c, side): getattr(part, side) for _, c, part in groups.encode_groups(fits, sets)
+                for side in ("k", "v")}
+    alone = {}
+    for c, at in enumerate(sets):
+        on = at.to(device)
+        for side in ("k", "v"):
+            alone[(c, side)] = coder("rpca").encode(fits[0].codec, side, fits[0].blocks[side][:, on], at,
+                                                    coefficients=fits[0].coefficients[side][on])
+    return together, alone
+
+
+@pytest.mark.parametrize("outliers", [0, 3])
+def test_a_groups_parts_coded_together_are_the_bytes_of_each_coded_alone(tiny_lm, grouped, outliers):
+    """One quantizer launch for every part of a side (kite.upcycle.codec.groups.encode_side) writes
+    each part's bytes as coding it alone does: its codes, scales, minima, sinks and outliers."""
+    together, alone = _group_parts(tiny_lm, grouped, "cpu", outliers)
+    assert len(together) == len(alone) == 6
+    for key, want in alone.items():
+        got = together[key]
+        assert got.meta == want.meta and set(got.tensors) == set(want.tensors)
+        assert {"codes", "scale", "min"} <= set(got.tensors) and ("out.idx" in got.tensors) == (key[0] == 0 or outliers > 0)
+        for name, t in want.tensors.items():
+            assert got.tensors[name].dtype == t.dtype and torch.equal(got.tensors[name], t), (key, name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_a_groups_parts_coded_together_are_the_hosts_bytes(tiny_lm, grouped):
+    """On a GPU the parts coded together are the bytes the GPU codes each alone, whose codes are the
+    host's quantizer's (test_on_a_gpu_a_parts_classes_are_the_hosts_bytes)."""
+    together, alone = _group_parts(tiny_lm, grouped, "cuda")
+    for key, want in alone.items():
+        for name, t in want.tensors.items():
+            assert torch.equal(together[key].tensors[name].cpu(), t.cpu()), (key, name)
+
+
 def _blobs():
     from kite.upcycle.codec.blob import Blob, LayerCodec
 

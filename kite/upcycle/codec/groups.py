@@ -20,16 +20,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kite.errors import BadInput
-from kite.upcycle.codec.blob import EncodedPart, LayerCodec
-from kite.upcycle.codec.coders import attach_regenerator, blocks, coder
+from kite.kernels.quant import quantize_plan
+from kite.upcycle.codec.blob import Blob, EncodedPart, LayerCodec
+from kite.upcycle.codec.coders import PcaSide, attach_regenerator, blocks, coder
 from kite.upcycle.codec.layer import state_budgeted
 from kite.upcycle.codec.settings import CodecSettings, settings_for
 from kite.upcycle.codec.state_bits import allocate_state, container_overhead
+from kite.upcycle.format.bitlayout import parts_layout
 
-__all__ = ["GroupFit", "encode_groups", "fit_groups", "group_blocks", "group_geometry", "split_group"]
+__all__ = ["GroupFit", "encode_groups", "encode_side", "fit_groups", "group_blocks", "group_geometry", "split_group"]
 
 
 def group_geometry(group: tuple[int, int], H: int, d: int) -> tuple[int, int]:
@@ -123,15 +126,96 @@ def fit_groups(keys_pre: list[torch.Tensor], values: list[torch.Tensor], setting
 def encode_groups(fits: list[GroupFit], token_sets: list[torch.Tensor]):
     """Every part of every group (:func:`fit_groups`): yields (group's first layer, cluster,
     :class:`kite.upcycle.codec.EncodedPart`) for the clusters' token indices ``token_sets``, each
-    part's coefficients taken from the group's projection (none computed again)."""
-    pca = coder("rpca")
+    part's coefficients taken from the group's projection (none computed again), each side's parts
+    coded together (:func:`encode_side`)."""
     ats = [torch.as_tensor(idx, dtype=torch.long).reshape(-1) for idx in token_sets]
     sets_on: dict[torch.device, list[torch.Tensor]] = {}      # the sets on each device, copied there at once
     for fit in fits:
         dev = fit.codec.tensors["k.mean"].device
         if dev not in sets_on:
             sets_on[dev] = list(torch.cat(ats).to(dev).split([len(a) for a in ats])) if ats else []
-        for c, (at, on) in enumerate(zip(ats, sets_on[dev])):
-            yield fit.lead, c, EncodedPart(
-                *(pca.encode(fit.codec, side, fit.blocks[side][:, on], at, coefficients=fit.coefficients[side][on])
-                  for side in ("k", "v")))
+        k, v = (encode_side(fit, side, ats, sets_on[dev]) for side in ("k", "v"))
+        for c in range(len(ats)):
+            yield fit.lead, c, EncodedPart(k[c], v[c])
+
+
+def encode_side(fit: GroupFit, side: str, ats: list[torch.Tensor], ons: list[torch.Tensor]) -> list[Blob]:
+    """One side's part of every cluster (token indices ``ats`` on the host, ``ons`` where the group
+    is), as :meth:`kite.upcycle.codec.coders.PcaSide.encode` codes each from the group's projection,
+    the same bytes: its sinks (and, with ``outliers``, its most extreme tokens) kept in fp16 with
+    their rows set to the mean of the others, then every part's coefficients quantized by one launch
+    (:func:`kite.kernels.quant.quantize_plan`) into one buffer, each part's codes a slice of it at
+    the layout a lone part has (:func:`kite.upcycle.format.bitlayout.parts_layout`). Nothing here
+    waits for the device unless ``outliers`` asks for tokens chosen by their values."""
+    lc, s = fit.codec, fit.codec.settings
+    X, P = fit.blocks[side], fit.coefficients[side]
+    dev = P.device
+    colbits = PcaSide.layer_widths(lc, side).cpu()
+    blobs, coded = [], []               # coded: (blob, its coefficients [T, R]) of the parts with codes
+    for at, on in zip(ats, ons):
+        T = int(at.numel())
+        tensors: dict[str, torch.Tensor] = {}
+        C = P[on].float()                                                        # [T, R]
+        forced = (torch.nonzero(at < s.sink_tokens).flatten() if s.sink_tokens > 0
+                  else torch.zeros(0, dtype=torch.long))
+        if (s.outliers > 0 or forced.numel()) and T > 0 and C.shape[1] > 0:
+            if s.outliers > 0:      # sinks, then the tokens most extreme relative to their column's spread
+                z = (C / C.std(dim=0, keepdim=True).clamp_min(1e-12)).abs().amax(dim=1)
+                z[forced.to(dev)] = float("inf")
+                idx = torch.topk(z, min(s.outliers + forced.numel(), T)).indices.sort().values
+            else:                   # the sinks alone (what the top of that order would be): known here
+                idx = forced.to(dev, non_blocking=True)
+            n_out = int(idx.numel())
+            tensors["out.idx"] = idx.to(torch.int32 if T > 32767 else torch.int16)
+            tensors["out.x"] = X[:, on[idx], :].float().to(torch.float16).contiguous()          # [1, n, D]
+            if n_out < T:   # a neutral value: does not widen any group's range
+                if s.outliers > 0:
+                    keep = torch.ones(T, dtype=torch.bool, device=dev)
+                    keep[idx] = False
+                    C[idx] = C[keep].mean(dim=0)
+                else:
+                    keep = torch.ones(T, dtype=torch.bool)
+                    keep[forced] = False
+                    C[idx] = C.index_select(0, torch.nonzero(keep).flatten().to(dev, non_blocking=True)).mean(dim=0)
+        blob = Blob(tensors, {"T": T})
+        blobs.append(blob)
+        if T > 0:
+            coded.append((blob, C))
+    cols = torch.nonzero(colbits > 0).flatten()
+    if cols.numel() and coded:
+        _quantize_parts(coded, cols, colbits[cols], s, dev)
+    return blobs
+
+
+def _quantize_parts(coded: list, cols: torch.Tensor, row_bits: torch.Tensor, s, dev: torch.device) -> None:
+    """The codes, scales and minima of every part of ``coded`` ((blob, coefficients [T, R])), at the
+    columns ``cols`` of widths ``row_bits``, by one :func:`quantize_plan`, set in each blob."""
+    R = int(cols.numel())
+    Ts = [int(C.shape[0]) for _, C in coded]
+    bitoff, goff, gs = parts_layout(row_bits.numpy(), Ts, s.group_size, s.even_groups)   # [P, R], [P, R], [P]
+    padded = [-(-t // int(g)) * int(g) for t, g in zip(Ts, gs)]
+    counts = torch.bincount(row_bits, minlength=s.max_bits + 1).tolist()
+    n_bytes = [sum((n * p * w + 7) // 8 for w, n in enumerate(counts)) for p in padded]
+    n_scales = [R * (p // int(g)) for p, g in zip(padded, gs)]
+    byte0, sc0, col0 = (np.cumsum([0] + x[:-1]) for x in (n_bytes, n_scales, padded))
+    groups = torch.tensor([[c, g, int(col0[c]) + g * int(gs[c]), int(gs[c])]
+                           for c in range(len(coded)) for g in range(padded[c] // int(gs[c]))], dtype=torch.int64)
+    base_bit = torch.from_numpy(bitoff.T + 8 * byte0[None, :])                 # [R, P]: each part from its first byte
+    base_sc = torch.from_numpy(goff.T + sc0[None, :])
+    # the plan goes to the device in one copy from pinned memory, which does not wait for the device
+    plan = torch.cat([cols, row_bits, base_bit.reshape(-1), base_sc.reshape(-1), groups.reshape(-1)])
+    if dev.type == "cuda":
+        plan = plan.pin_memory().to(dev, non_blocking=True)
+    P = len(coded)
+    cols_d, bits_d, bb_d, bs_d, groups_d = plan.split([R, R, R * P, R * P, groups.numel()])
+    rows = []
+    for (_, C), t, p in zip(coded, Ts, padded):
+        src = C[:, cols_d].t()                                                 # [R, T]
+        rows.append(torch.cat([src, src[:, -1:].expand(-1, p - t)], dim=1) if p > t else src)
+    codes, scale, mn = quantize_plan(torch.cat(rows, dim=1).float().contiguous(), bits_d, bb_d.reshape(R, P),
+                                     bs_d.reshape(R, P), groups_d.reshape(-1, 4), s.range_mode, sum(n_bytes),
+                                     sum(n_scales), whole_bytes=False)
+    for c, (blob, _) in enumerate(coded):
+        blob.tensors["codes"] = codes[int(byte0[c]):int(byte0[c]) + n_bytes[c]]
+        blob.tensors["scale"] = scale[int(sc0[c]):int(sc0[c]) + n_scales[c]]
+        blob.tensors["min"] = mn[int(sc0[c]):int(sc0[c]) + n_scales[c]]
