@@ -180,7 +180,7 @@ def tail_row(report: Report, model, ids: list[int], K, V, n_body: int, cfg, n: i
     cache, the tail's keys and values appended to each layer's)."""
     from types import SimpleNamespace
 
-    from kite.upcycle.load.tail import recompute_tail
+    from kite.upcycle.load import recompute_tail
 
     if n <= 0:
         return

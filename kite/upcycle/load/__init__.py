@@ -14,9 +14,10 @@ from kite.upcycle.load.resident_forms import (RESIDENT_FORMS, LanesResident, Raw
                                              resident_form)
 from kite.upcycle.load.selection import SINK_TOKENS, Selection, select, select_clusters
 from kite.upcycle.load.staging import prepare_state, stage_state, supports_state
+from kite.upcycle.load.tail import recompute_tail
 from kite.upcycle.load.tables import forget_tables, tables_dir
 
 __all__ = ["FAR_LAYER_SHARE", "LOAD_PRECISIONS", "RESIDENT_FORMS", "SINK_TOKENS", "HostRebuild", "HotState", "HotTier", "LanesResident",
            "LoadReport", "RawResident", "ResidentForm", "Selection", "check_fingerprints", "check_parts", "check_resident", "check_geometry", "default_tier", "flush_records", "forget_tables", "forget_verified",
-           "lanes_for", "lanes_of", "load_lanes", "load_prefix", "load_staged", "load_warnings", "open_rebuild", "prepare_state", "rebuild_layer", "resident_form", "select", "select_clusters",
+           "lanes_for", "lanes_of", "load_lanes", "load_prefix", "load_staged", "load_warnings", "open_rebuild", "prepare_state", "rebuild_layer", "recompute_tail", "resident_form", "select", "select_clusters",
            "stage_state", "supports_state", "tables_dir"]
