@@ -602,6 +602,7 @@ def test_on_a_gpu_an_entropy_coded_state_loads_staged_and_from_graphs_as_its_pla
             assert torch.equal(got.values[layer], want.values[layer]), layer
 
 
+@pytest.mark.slow     # (a benchmark script in its own Python: a torch import)
 def test_the_quality_benchmark_refuses_weighted_per_layer_bases_across_layers_before_a_model_loads():
     """`--weighted` is for per-layer bases; bases across layers are always attention-weighted."""
     import subprocess

@@ -107,6 +107,7 @@ def test_a_loaded_cpu_model_has_it(tiny_models):
     assert linears and all(getattr(m, "_kite_small_rows", False) for m in linears)
 
 
+@pytest.mark.slow     # (a benchmark script in its own Python: a torch import)
 @pytest.mark.parametrize("rows", ["0", "1,x"])
 def test_the_benchmark_refuses_bad_row_counts_in_one_line_before_loading_a_model(rows):
     import subprocess

@@ -99,6 +99,7 @@ def test_eval_of_a_low_precision_model_says_its_rounding_moves_the_figures(tiny_
     assert not said or "the model runs in bf16" in said[0] and "--precision fp16" in said[0]
 
 
+@pytest.mark.slow     # (a benchmark script in its own Python: a torch import)
 def test_the_quality_benchmark_refuses_a_tail_of_no_tokens_before_any_work():
     import subprocess
     import sys

@@ -635,6 +635,7 @@ def test_training_states_are_coded_with_the_layer_weights_states_of_the_model_ge
     assert res.exit_code != 0 and "holds another run (its config, layer-weights differ)" in res.output
 
 
+@pytest.mark.slow     # (a benchmark script in its own Python: a torch import)
 @pytest.mark.parametrize("flag", ["--pairs-per-document", "--capture-batch-tokens"])
 def test_the_speed_benchmark_refuses_a_negative_count_in_one_line_before_loading_a_model(flag):
     import subprocess
@@ -647,6 +648,7 @@ def test_the_speed_benchmark_refuses_a_negative_count_in_one_line_before_loading
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.slow     # (a benchmark script in its own Python: a torch import)
 @pytest.mark.parametrize("flag", ["--epochs", "--tokens", "--correction-lr"])
 def test_the_recovery_study_refuses_a_setting_of_zero_in_one_line_before_loading_a_model(flag):
     import subprocess
@@ -659,6 +661,7 @@ def test_the_recovery_study_refuses_a_setting_of_zero_in_one_line_before_loading
     assert "Traceback" not in run.stderr and "regenerator" not in run.stderr
 
 
+@pytest.mark.slow     # (a benchmark script in its own Python: a torch import)
 def test_the_recovery_study_refuses_a_continuation_too_short_for_a_window():
     import subprocess
     import sys
