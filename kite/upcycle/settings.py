@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kite.errors import BadInput
-from kite.upcycle.tail import MAX_TOKENS, parse_recompute
+from kite.upcycle.tail import EXPECTED, parse_recompute
 from kite.yaml_model import load_yaml_model
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4", "int3", "int2")
@@ -52,7 +52,7 @@ class CompressionConfig(_Strict):
         try:
             return parse_recompute(v)
         except BadInput:
-            raise ValueError(f"'auto' or a count of the document's last tokens, 0 to {MAX_TOKENS}") from None
+            raise ValueError(EXPECTED) from None
 
     @field_validator("precision")
     @classmethod

@@ -19,13 +19,14 @@ AUTO_RATIO = 16.0       # auto keeps a tail in states coded at this ratio or mor
 AUTO_TOKENS = 256       # ... of this many tokens
 AUTO_SHARE = 8          # ... and at most 1/AUTO_SHARE of the document's tokens
 MAX_TOKENS = 4096       # the most a state keeps (a forward of them at each load)
+EXPECTED = f"'auto' or a count of the document's last tokens, 0 to {MAX_TOKENS}"    # what a setting may be
 
 
 def parse_recompute(value, name: str = "recompute tokens") -> int | str:
     """A ``recompute_tokens`` setting as the config, a flag or a caller gives it ("auto", a count as a
     number or a string) -> ``"auto"`` or an int in 0..MAX_TOKENS; BadInput naming it (``name``: the
     setting as the user spelt it) and the value otherwise."""
-    said = f"{name} {value}: 'auto' or a count of the document's last tokens, 0 to {MAX_TOKENS}"
+    said = f"{name} {value}: {EXPECTED}"
     if isinstance(value, str):
         text = value.strip().lower()
         if text == AUTO:
@@ -49,4 +50,4 @@ def recomputed_tail(n_tokens: int, asked: int | str, ratio: float | None = None)
     return max(0, min(asked, n_tokens - 1))
 
 
-__all__ = ["AUTO", "AUTO_RATIO", "AUTO_SHARE", "AUTO_TOKENS", "MAX_TOKENS", "parse_recompute", "recomputed_tail"]
+__all__ = ["AUTO", "AUTO_RATIO", "AUTO_SHARE", "AUTO_TOKENS", "EXPECTED", "MAX_TOKENS", "parse_recompute", "recomputed_tail"]
