@@ -333,7 +333,7 @@ def main(argv=None) -> int:
     global DEV, PIN
     if args.cpu_smoke:
         DEV, PIN = "cpu", False
-        args.kv_budget_gb = min(args.kv_budget_gb, 0.02)
+        args.kv_budget_gb = min(args.kv_budget_gb, 0.2)   # the tiny model: a few sequences each way
     warnings.filterwarnings("ignore")
     report = Report(DEV)
     report.data["device"] = torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu"
@@ -734,74 +734,74 @@ def main(argv=None) -> int:
     report.row("TTFT from the .upc in page cache, eager", host_ms(lambda: (load_file(True), forward_q(assemble())), reps=3))
 
     # CUDA graphs over a static cache: the load writes straight into the cache's tensors
-    try:
-        if DEV != "cuda":
-            raise RuntimeError("CUDA graphs need a GPU (skipped)")
-        from transformers import StaticCache
+    if DEV != "cuda":
+        print("skipped on the CPU: the static-cache CUDA graph rows and TTFT through KITE's attention (they need a GPU)",
+              flush=True)
+    else:
+        try:
+            from transformers import StaticCache
 
-        sc = StaticCache(config=cfg, max_cache_len=T + QUERY + 8)
-        with torch.inference_mode():
-            for layer in range(L):   # lazy init of the static tensors + the loaded prefix
-                sc.layers[layer].update(KV[0, layer][None], KV[1, layer][None],
-                                        cache_kwargs={"cache_position": torch.arange(T, device=DEV)})
-        souts = [(sc.layers[layer].keys[0], sc.layers[layer].values[0]) for layer in range(L)]
+            sc = StaticCache(config=cfg, max_cache_len=T + QUERY + 8)
+            with torch.inference_mode():
+                for layer in range(L):   # lazy init of the static tensors + the loaded prefix
+                    sc.layers[layer].update(KV[0, layer][None], KV[1, layer][None],
+                                            cache_kwargs={"cache_position": torch.arange(T, device=DEV)})
+            souts = [(sc.layers[layer].keys[0], sc.layers[layer].values[0]) for layer in range(L)]
 
-        def reset(n):
-            for layer in sc.layers:
-                cl = getattr(layer, "cumulative_length", None)
-                if torch.is_tensor(cl):
-                    cl.fill_(n)
+            def reset(n):
+                for layer in sc.layers:
+                    cl = getattr(layer, "cumulative_length", None)
+                    if torch.is_tensor(cl):
+                        cl.fill_(n)
 
-        s_ids, s_pos, s_cp = query.clone(), qpos.clone(), qpos[0].clone()
-        s_ids1 = query[:, :1].clone()
-        s_pos1 = torch.tensor([[T + QUERY]], device=DEV)
-        s_cp1 = s_pos1[0].clone()
+            s_ids, s_pos, s_cp = query.clone(), qpos.clone(), qpos[0].clone()
+            s_ids1 = query[:, :1].clone()
+            s_pos1 = torch.tensor([[T + QUERY]], device=DEV)
+            s_cp1 = s_pos1[0].clone()
 
-        def fq():
-            reset(T)
-            return model(s_ids, past_key_values=sc, position_ids=s_pos, cache_position=s_cp, logits_to_keep=1).logits
+            def fq():
+                reset(T)
+                return model(s_ids, past_key_values=sc, position_ids=s_pos, cache_position=s_cp, logits_to_keep=1).logits
 
-        def f1():
-            reset(T + QUERY)
-            return model(s_ids1, past_key_values=sc, position_ids=s_pos1, cache_position=s_cp1, logits_to_keep=1).logits
+            def f1():
+                reset(T + QUERY)
+                return model(s_ids1, past_key_values=sc, position_ids=s_pos1, cache_position=s_cp1, logits_to_keep=1).logits
 
-        graphs = {}
-        with torch.inference_mode():
-            eager_q = cuda_ms(fq, reps=5)
-            eager_1 = cuda_ms(f1, reps=5)
-            for name, fn in (("q", fq), ("1", f1)):
-                graphs[name] = capture(fn)
-            ref = fq().float()
-            graphs["q"][0].replay()
-            report.data["graph_vs_eager_logits_maxdiff"] = float((graphs["q"][1].float() - ref).abs().max())
-            report.row("  first forward, 16 tokens, static cache, eager", eager_q, fwd_floor)
-            report.row("  first forward, 16 tokens, static cache, CUDA graph", cuda_ms(graphs["q"][0].replay, reps=10),
-                       fwd_floor)
-            report.row("  one-token decode step at 16K, static cache, eager", eager_1, fwd_floor, vs_prefill=False)
-            report.row("  one-token decode step at 16K, static cache, CUDA graph", cuda_ms(graphs["1"][0].replay, reps=10),
-                       fwd_floor, vs_prefill=False)
-
-            def ttft_graph():
-                load_hot(into=souts)
+            graphs = {}
+            with torch.inference_mode():
+                eager_q = cuda_ms(fq, reps=5)
+                eager_1 = cuda_ms(f1, reps=5)
+                for name, fn in (("q", fq), ("1", f1)):
+                    graphs[name] = capture(fn)
+                ref = fq().float()
                 graphs["q"][0].replay()
-                return graphs["q"][1].argmax(-1)
+                report.data["graph_vs_eager_logits_maxdiff"] = float((graphs["q"][1].float() - ref).abs().max())
+                report.row("  first forward, 16 tokens, static cache, eager", eager_q, fwd_floor)
+                report.row("  first forward, 16 tokens, static cache, CUDA graph", cuda_ms(graphs["q"][0].replay, reps=10),
+                           fwd_floor)
+                report.row("  one-token decode step at 16K, static cache, eager", eager_1, fwd_floor, vs_prefill=False)
+                report.row("  one-token decode step at 16K, static cache, CUDA graph", cuda_ms(graphs["1"][0].replay, reps=10),
+                           fwd_floor, vs_prefill=False)
 
-            ms_g = host_ms(ttft_graph, reps=5)
-            report.row("TTFT from the hot tier, CUDA graph (load into the static cache + graph replay)", ms_g,
-                       note=f"{prefill_ms / ms_g:.1f}x faster than prefill")
-            ms_gf = host_ms(lambda: (load_file(True, into=souts), graphs["q"][0].replay()), reps=3)
-            report.row("TTFT from the .upc in page cache, CUDA graph", ms_gf, note=f"{prefill_ms / ms_gf:.1f}x")
-        graphs = sc = souts = None
-    except Exception:  # noqa: BLE001
-        traceback.print_exc()
-        report.data["graph_error"] = traceback.format_exc()[-800:]
-    try:
-        if DEV != "cuda":
-            raise RuntimeError("CUDA graphs need a GPU (skipped)")
-        ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, prefill_ms, fwd_floor)
-    except Exception:  # noqa: BLE001
-        traceback.print_exc()
-        report.data["ttft_kite_error"] = traceback.format_exc()[-800:]
+                def ttft_graph():
+                    load_hot(into=souts)
+                    graphs["q"][0].replay()
+                    return graphs["q"][1].argmax(-1)
+
+                ms_g = host_ms(ttft_graph, reps=5)
+                report.row("TTFT from the hot tier, CUDA graph (load into the static cache + graph replay)", ms_g,
+                           note=f"{prefill_ms / ms_g:.1f}x faster than prefill")
+                ms_gf = host_ms(lambda: (load_file(True, into=souts), graphs["q"][0].replay()), reps=3)
+                report.row("TTFT from the .upc in page cache, CUDA graph", ms_gf, note=f"{prefill_ms / ms_gf:.1f}x")
+            graphs = sc = souts = None
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            report.data["graph_error"] = traceback.format_exc()[-800:]
+        try:
+            ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, prefill_ms, fwd_floor)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            report.data["ttft_kite_error"] = traceback.format_exc()[-800:]
 
     # ---- concurrency at a fixed GPU memory budget -------------------------------------------------
     try:
@@ -924,6 +924,11 @@ def concurrency(report, args, L, H, d, T, cfg, hot, staging, dest, cq, sq, raw_b
     gen = torch.Generator(device=DEV).manual_seed(0)
     res = {"budget_gb": args.kv_budget_gb, "raw_bytes_per_seq": raw_bytes, "state_bytes_on_gpu_per_seq": hot.nbytes,
            "n_raw": n_raw, "n_compressed": n_comp, "chunk": chunk, "transient_bytes": chunk * per_layer}
+    if n_raw < 1 or n_comp < 1:
+        print(f"concurrency: skipped, a {args.kv_budget_gb} GB budget holds {n_raw} raw sequences and {max(n_comp, 0)} "
+              f"states beside {chunk} rebuilt at once", flush=True)
+        report.data["concurrency"] = res
+        return
     # raw: every sequence's bf16 KV resident
     kv = torch.empty(L, 2, n_raw, H, T, d, dtype=torch.bfloat16, device=DEV)
     for layer in range(L):
