@@ -85,6 +85,34 @@ def test_a_tails_recovery_counts_regens_gap_above_the_fp16_states_kl():
     assert not none.rows
 
 
+def test_the_mean_row_holds_the_largest_delta_to_twice_the_mean_and_to_twice_the_ratios_target():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from harness import Result
+    from regenerator_quality import TARGET_MEANS, mean_rows
+
+    def doc(delta, lo, kl):
+        return {"regen": {"ppl_delta": delta, "ppl_delta_interval": [lo, delta + 0.1], "kl": kl}}
+
+    # small deltas: the largest is above twice the mean (0.04), far within twice the 16x target (1.0)
+    at = [doc(0.01, -0.05, 0.001), doc(0.01, -0.05, 0.001), doc(0.01, -0.05, 0.001), doc(0.09, 0.05, 0.003)]
+    res = Result("regenerator_quality")
+    mean_rows(res, at, 16.0, ["fp16", "regen"])     # a method no document has gives no row
+    (row,) = res.rows
+    assert row["value"] == pytest.approx(0.03) and row["largest"] == pytest.approx(0.09)
+    assert row["within_twice_the_mean"] is False and row["above_twice_the_mean_beyond_noise"] == 0
+    assert row["target_mean"] == TARGET_MEANS[16] == 0.5 and row["within_twice_the_target"] is True
+    assert row["kl"] == pytest.approx(0.0015)
+    over = Result("regenerator_quality")
+    mean_rows(over, [doc(0.02, 0.0, 0.001), doc(0.07, 0.065, 0.002)], 4, ["regen"])   # 0.07 > 2 x 0.03
+    assert over.rows[0]["within_twice_the_target"] is False
+    assert over.rows[0]["above_twice_the_mean_beyond_noise"] == 0      # 0.065 is not above 2 x 0.045
+    free = Result("regenerator_quality")
+    mean_rows(free, [doc(0.5, 0.4, 0.01)], 12, ["regen"])     # no target at 12x: no bound given
+    assert "target_mean" not in free.rows[0] and "within_twice_the_target" not in free.rows[0]
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_eval_of_a_low_precision_model_says_its_rounding_moves_the_figures(tiny_models, dtype):
     from kite.model import load_model
