@@ -173,11 +173,13 @@ def check_kernels(report: Report) -> None:
     print("checks:", json.dumps(res), flush=True)
 
 
-def tail_row(report: Report, model, ids: list[int], K, V, n_body: int, cfg, n: int) -> None:
+def tail_row(report: Report, model, ids: list[int], K, V, n_body: int, cfg, n: int,
+             how: str = "transformers' forward, sdpa", profile: bool = False) -> None:
     """What a load of a state with a recomputed tail adds (compression.recompute_tokens; ``auto`` keeps
     256 tokens at 16x and above): the tail's forward after the rebuilt prefix, as
     :func:`kite.upcycle.load.tail.recompute_tail` runs it (a transformers forward over the prefix's
-    cache, the tail's keys and values appended to each layer's)."""
+    cache, the tail's keys and values appended to each layer's); ``how`` names the model's setup;
+    ``profile``: where its device and host time went, too (:func:`profile_compress`)."""
     from types import SimpleNamespace
 
     from kite.upcycle.load import recompute_tail
@@ -194,8 +196,10 @@ def tail_row(report: Report, model, ids: list[int], K, V, n_body: int, cfg, n: i
 
     d = cfg.hidden_size // cfg.num_attention_heads
     flops = 2 * n_body * n + 2 * 2 * L * cfg.num_attention_heads * d * n * T
-    report.row(f"recomputed tail: {n} tokens after a {head:,}-token prefix (transformers' forward)", cuda_ms(run, reps=5),
+    report.row(f"recomputed tail: {n} tokens after a {head:,}-token prefix ({how})", cuda_ms(run, reps=5),
                flops_ms(flops), note=f"{flops / 1e12:.1f} TFLOP", what=f"{flops / 1e12:.1f} TFLOP {bf16_text()}")
+    if profile and DEV == "cuda":
+        report.data[f"recomputed tail profile ({how})"] = profile_compress(run, top=15)
 
 
 def make_model(T: int, small: bool):
@@ -382,7 +386,8 @@ def main(argv=None) -> int:
     del out, cache
     raw_bytes = K.numel() * 2 * 2
     report.data["raw_kv_bytes"] = raw_bytes
-    tail_row(report, model, ids[0, :T].tolist(), K, V, n_body, cfg, args.tail_tokens)
+    doc_ids = ids[0, :T].tolist()
+    tail_row(report, model, doc_ids, K, V, n_body, cfg, args.tail_tokens, profile=args.profile)
     pos = torch.arange(T, device=DEV)
     with torch.inference_mode():
         cos, sin = model.model.rotary_emb(torch.zeros(1, device=DEV), pos[None])
@@ -798,7 +803,9 @@ def main(argv=None) -> int:
             traceback.print_exc()
             report.data["graph_error"] = traceback.format_exc()[-800:]
         try:
-            ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, prefill_ms, fwd_floor)
+            ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, prefill_ms, fwd_floor,
+                                tail=lambda how: tail_row(report, model, doc_ids, K, V, n_body, cfg, args.tail_tokens, how,
+                                                          args.profile))
         except Exception:  # noqa: BLE001
             traceback.print_exc()
             report.data["ttft_kite_error"] = traceback.format_exc()[-800:]
@@ -972,7 +979,8 @@ def concurrency(report, args, L, H, d, T, cfg, hot, staging, dest, cq, sq, raw_b
                res["compressed_floor_ms"], vs_prefill=False, note="target >= 3x the sequences")
 
 
-def ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, prefill_ms, fwd_floor) -> None:
+def ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, prefill_ms, fwd_floor,
+                        tail=None) -> None:
     """The query's first forward over the loaded state through KITE's attention (the query heads of a
     KV head folded into the query length, the bottom-right causal mask, no KV copies per query head),
     in a static cache of exactly state + query, CUDA-graphed; and TTFT from the hot tier with it (the
@@ -980,7 +988,9 @@ def ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, pre
     (kite.kernels.split_attention_triton: the keys split across thread blocks, partials merged by
     log-sum-exp), which KITE's attention uses on a GPU for a short query after a long prefix; and
     that plus the fused layers (kite.model.fused, as load_model installs them on a GPU: one-kernel
-    RMSNorm and RoPE, q/k/v and gate/up as one product each), also with the separate products."""
+    RMSNorm and RoPE, q/k/v and gate/up as one product each), also with the separate products.
+    ``tail(how)``, when given, times the recomputed tail under that last setup (a GPU model's, as
+    load_model sets it up)."""
     from transformers import StaticCache
 
     from kite.model import fused
@@ -1041,6 +1051,8 @@ def ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, pre
                 "forward_eager_ms": eager, "forward_graph_ms": graphed, "ttft_ms": ms, "vs_prefill": prefill_ms / ms,
                 "floor_ms": fwd_floor, "forward_vs_floor": graphed / fwd_floor}
             g = out = None
+        if tail is not None:     # the last setup above is the one load_model gives a GPU model
+            tail("KITE attention + fused layers, as load_model sets up a GPU model")
         base = logits["fused sdpa"]
         for tag, pair in (("kite_attention_split_vs_fused_logits", "split-KV kernel"),
                           ("kite_fused_layers_vs_split_logits", "split-KV kernel + fused layers")):
