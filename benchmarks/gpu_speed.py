@@ -1052,7 +1052,10 @@ def ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, pre
                 "floor_ms": fwd_floor, "forward_vs_floor": graphed / fwd_floor}
             g = out = None
         if tail is not None:     # the last setup above is the one load_model gives a GPU model
-            tail("KITE attention + fused layers, as load_model sets up a GPU model")
+            for lower_right in (False, True):      # side by side: the dense bottom-right mask, the bias
+                attention.LOWER_RIGHT = lower_right
+                tail("KITE attention + fused layers, as load_model sets up a GPU model, "
+                     + ("lower-right causal bias" if lower_right else "dense bottom-right mask"))
         base = logits["fused sdpa"]
         for tag, pair in (("kite_attention_split_vs_fused_logits", "split-KV kernel"),
                           ("kite_fused_layers_vs_split_logits", "split-KV kernel + fused layers")):
@@ -1062,7 +1065,7 @@ def ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, pre
             print(tag, report.data[tag], flush=True)
     finally:
         # the sections after this one time transformers' forward, as before the fused layers existed
-        cfg._attn_implementation, attention.SPLIT_KV = before, split_before
+        cfg._attn_implementation, attention.SPLIT_KV, attention.LOWER_RIGHT = before, split_before, True
         fused.ENABLED, fused.CONCATENATED = False, True
 
 

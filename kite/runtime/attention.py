@@ -34,6 +34,10 @@ BATCH_KWARG = "kite_batch"   # the model forward's keyword for a BatchStep
 # the split-KV kernel on a GPU; False keeps the fused sdpa path everywhere (benchmarks compare both).
 SPLIT_KV = True
 SPLIT_MIN_KEYS = 1024
+# On a GPU a longer query after cached tokens (a state's recomputed tail, a long prompt over a loaded
+# state) attends through torch's lower-right causal bias (flash attention, no mask built); False
+# folds it through a dense bottom-right mask as before (benchmarks compare both)
+LOWER_RIGHT = True
 # a batch step feeding at least this many tokens to a row (a prompt's prefill) attends a row at a time,
 # causal from the bottom-right corner (flash attention on a GPU), instead of through a mask per row
 CAUSAL_ROWS_MIN_QUERY = 128
@@ -95,6 +99,8 @@ def kite_attention(module, query, key, value, attention_mask, scaling=None, drop
 
         return split_kv_attention(query, key, value, mask, scaling), None
     is_causal = False
+    if mask is None and q_len > 1 and q_len != k_len and LOWER_RIGHT and query.is_cuda and not grad:
+        return _lower_right(query, key, value, scaling, dropout), None
     if mask is None and q_len > 1:
         if q_len == k_len:
             is_causal = True
@@ -251,6 +257,37 @@ def _splits_keys(query, key, mask, dropout) -> bool:
     return _triton
 
 
+def _lower_right(query, key, value, scaling=None, dropout: float = 0.0) -> torch.Tensor:
+    """query [B, Hq, q, d] after the cached keys: causal from the bottom-right corner through torch's
+    lower-right causal bias (flash attention where it runs, the KV heads shared without copies) →
+    [B, q, Hq, d]."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(query.shape[-2], key.shape[-2]),
+                                         dropout_p=dropout, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous()
+
+
+def plain_causal_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                      mask_function=None, attention_mask=None, local_size=None, allow_is_causal_skip: bool = True,
+                      **kwargs):
+    """transformers' mask for "kite" (its AttentionMaskInterface): None where the mask would be the plain
+    causal one from the bottom-right corner (new tokens after every cached one, no padding, no window,
+    nothing added to the causal rule), so that :func:`kite_attention` attends without building it;
+    otherwise transformers' own sdpa mask."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    plain = (LOWER_RIGHT and allow_is_causal_skip and mask_function is causal_mask_function and local_size is None
+             and isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset + q_length == kv_offset + kv_length
+             and (attention_mask is None or bool(attention_mask.all())))
+    if plain:
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=causal_mask_function if mask_function is None else mask_function,
+                     attention_mask=attention_mask, local_size=local_size, allow_is_causal_skip=allow_is_causal_skip,
+                     **kwargs)
+
+
 def _folded_attention(query, key, value, mask, scaling=None) -> torch.Tensor:
     b, hq, q, d = query.shape
     hkv = key.shape[1]
@@ -267,10 +304,11 @@ def register() -> str:
     global _registered
     if not _registered:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface
 
         AttentionInterface.register(NAME, kite_attention)
-        # Standard masks where they fit (padding in batched plain inference keeps working).
-        AttentionMaskInterface.register(NAME, sdpa_mask)
+        # Standard masks where they fit (padding in batched plain inference keeps working); none where
+        # the plain bottom-right causal rule is the whole mask.
+        AttentionMaskInterface.register(NAME, plain_causal_mask)
         _registered = True
     return NAME

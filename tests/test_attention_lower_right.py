@@ -1,0 +1,111 @@
+"""A longer query after cached tokens (a state's recomputed tail, a document's next chunk): KITE's mask
+function leaves the plain bottom-right causal mask unbuilt, and on a GPU KITE's attention runs it
+through torch's lower-right causal bias (flash attention) with the answer of the dense mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kite.runtime import attention
+from kite.runtime.attention import kite_attention, plain_causal_mask
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _causal():
+    from transformers.masking_utils import causal_mask_function
+    return causal_mask_function
+
+
+def test_the_plain_causal_mask_after_cached_tokens_is_left_unbuilt():
+    assert plain_causal_mask(1, 5, 12, q_offset=7, mask_function=_causal()) is None
+    assert plain_causal_mask(2, 5, 12, q_offset=7, mask_function=_causal(),
+                             attention_mask=torch.ones(2, 12, dtype=torch.bool)) is None
+
+
+@pytest.mark.parametrize("how", ["padding", "window", "not causal", "query not at the end", "no skip", "switched off"])
+def test_any_other_mask_is_transformers_own(how, monkeypatch):
+    from transformers.masking_utils import and_masks, sdpa_mask, sliding_window_overlay
+
+    args = dict(batch_size=2, q_length=5, kv_length=12, q_offset=7, mask_function=_causal())
+    if how == "padding":
+        pad = torch.ones(2, 12, dtype=torch.bool)
+        pad[1, :3] = False
+        args["attention_mask"] = pad
+    elif how == "window":
+        args["local_size"] = 4
+    elif how == "not causal":
+        args["mask_function"] = and_masks(_causal(), sliding_window_overlay(4))
+    elif how == "query not at the end":
+        args["q_offset"] = 3
+    elif how == "no skip":
+        args["allow_is_causal_skip"] = False
+    else:
+        monkeypatch.setattr(attention, "LOWER_RIGHT", False)
+    got = plain_causal_mask(**args)
+    want = sdpa_mask(**args)
+    assert got is not None and want is not None and torch.equal(got, want)
+
+
+def test_a_models_query_after_a_cached_prefix_reads_as_through_transformers_sdpa():
+    """A random Qwen2 (4:1 grouping) prefills 300 tokens; a 40-token query over that cache gives the
+    logits of transformers' own sdpa attention (the CPU builds the bottom-right mask itself)."""
+    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    model = Qwen2ForCausalLM(cfg).eval()
+    doc, query = torch.randint(256, (1, 300)), torch.randint(256, (1, 40))
+    logits = {}
+    for impl in ("sdpa", attention.register()):
+        model.config._attn_implementation = impl
+        with torch.inference_mode():
+            cache = DynamicCache(config=cfg)
+            model(doc, past_key_values=cache)
+            logits[impl] = model(query, past_key_values=cache).logits
+    assert torch.allclose(logits["sdpa"], logits[attention.NAME], atol=1e-5, rtol=0)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_on_a_gpu_a_long_query_after_cached_keys_runs_lower_right_as_the_dense_mask(dtype, monkeypatch):
+    """256 queries after 3,840 cached keys (7:1 grouping, head_dim 128): the lower-right bias's answer is
+    the dense bottom-right mask's (bf16 within its rounding, fp32 closely)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 28, 256, 128, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(1, 4, 4096, 128, device="cuda", generator=g).to(dtype) for _ in range(2))
+    out, _ = kite_attention(None, q, k, v, None, scaling=128 ** -0.5)
+    monkeypatch.setattr(attention, "LOWER_RIGHT", False)
+    dense, _ = kite_attention(None, q, k, v, None, scaling=128 ** -0.5)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert out.shape == dense.shape == (1, 256, 28, 128)
+    assert torch.allclose(out.float(), dense.float(), atol=tol, rtol=0), (out.float() - dense.float()).abs().max()
+
+
+@cuda
+def test_on_a_gpu_a_recomputed_tail_is_the_dense_masks_tail():
+    """A random Qwen2 prefills 3,000 tokens; the KV of a 256-token tail run over that prefix, with the
+    lower-right bias and with the dense mask (bf16), agree within bf16's rounding."""
+    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    cfg._attn_implementation = attention.register()
+    model = Qwen2ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    doc, tail = torch.randint(512, (1, 3000), device="cuda"), torch.randint(512, (1, 256), device="cuda")
+    got = {}
+    try:
+        for lower_right in (True, False):
+            attention.LOWER_RIGHT = lower_right
+            with torch.inference_mode():
+                cache = DynamicCache(config=cfg)
+                model(doc, past_key_values=cache)
+                out = model(tail, past_key_values=cache)
+            got[lower_right] = (out.logits.float(), cache.layers[1].keys[0, :, -256:].float())
+    finally:
+        attention.LOWER_RIGHT = True
+    for a, b in zip(got[True], got[False]):
+        assert (a - b).abs().max().item() <= 0.02 * b.abs().max().item()
