@@ -109,3 +109,13 @@ def test_on_a_gpu_a_recomputed_tail_is_the_dense_masks_tail():
         attention.LOWER_RIGHT = True
     for a, b in zip(got[True], got[False]):
         assert (a - b).abs().max().item() <= 0.02 * b.abs().max().item()
+
+
+@cuda
+def test_while_a_cuda_graph_is_captured_the_padding_is_not_read():
+    """Reading the padding mask's values would break a capture: there the mask is transformers' own."""
+    pad = torch.ones(1, 12, dtype=torch.bool, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = plain_causal_mask(1, 5, 12, q_offset=7, mask_function=_causal(), attention_mask=pad, device="cuda")
+    assert got is not None and tuple(got.shape) == (1, 1, 5, 12)

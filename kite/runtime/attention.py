@@ -276,10 +276,11 @@ def plain_causal_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0
     nothing added to the causal rule), so that :func:`kite_attention` attends without building it;
     otherwise transformers' own sdpa mask."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
+    from transformers.utils import is_tracing     # a graph captured or compiled: no value to read
 
     plain = (LOWER_RIGHT and allow_is_causal_skip and mask_function is causal_mask_function and local_size is None
              and isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset + q_length == kv_offset + kv_length
-             and (attention_mask is None or bool(attention_mask.all())))
+             and (attention_mask is None or (not is_tracing(attention_mask) and bool(attention_mask.all()))))
     if plain:
         return None
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
