@@ -8,7 +8,10 @@ aligned to the bottom-right corner.
 
 On a GPU a short query after a long cached prefix (a first forward over a loaded state, a decode
 step) goes to the split-KV kernel (kite.kernels.split_attention_triton): the keys split across thread
-blocks and merged by log-sum-exp, where one fused kernel would leave most of the GPU idle.
+blocks and merged by log-sum-exp, where one fused kernel would leave most of the GPU idle. A longer
+one (a state's recomputed tail, a document's next chunk) attends through torch's lower-right causal
+bias: flash attention, with no mask built. Where that plain causal rule is the whole mask, the mask
+function registered with it (:func:`plain_causal_mask`) builds none.
 
 Batched decoding (kite.runtime.batch_decode) goes further: every row of the batch holds its own
 state, so the visible slots differ per row and per layer. Its forward passes a
