@@ -119,3 +119,32 @@ def test_while_a_cuda_graph_is_captured_the_padding_is_not_read():
     with torch.cuda.graph(graph):
         got = plain_causal_mask(1, 5, 12, q_offset=7, mask_function=_causal(), attention_mask=pad, device="cuda")
     assert got is not None and tuple(got.shape) == (1, 1, 5, 12)
+
+
+def test_a_models_query_after_its_cached_prefix_asks_for_no_mask():
+    """transformers hands the mask function plain ints for a dynamic cache: the prompt's mask and the
+    query's after it are both left unbuilt (if a later transformers passes tensors, this says so)."""
+    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface
+
+    name = attention.register()
+    built = []
+
+    def spy(*args, **kwargs):
+        mask = plain_causal_mask(*args, **kwargs)
+        built.append((kwargs["q_length"], kwargs["kv_length"], mask is not None))
+        return mask
+
+    cfg = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2)
+    cfg._attn_implementation = name
+    model = Qwen2ForCausalLM(cfg).eval()
+    AttentionMaskInterface.register(name, spy)
+    try:
+        with torch.inference_mode():
+            cache = DynamicCache(config=cfg)
+            model(torch.randint(256, (1, 30)), past_key_values=cache)
+            model(torch.randint(256, (1, 7)), past_key_values=cache)
+    finally:
+        AttentionMaskInterface.register(name, plain_causal_mask)
+    assert built == [(30, 30, False), (7, 37, False)]
