@@ -72,16 +72,17 @@ def test_a_models_query_after_a_cached_prefix_reads_as_through_transformers_sdpa
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_on_a_gpu_a_long_query_after_cached_keys_runs_lower_right_as_the_dense_mask(dtype, monkeypatch):
     """256 queries after 3,840 cached keys (7:1 grouping, head_dim 128): the lower-right bias's answer is
-    the dense bottom-right mask's (bf16 within its rounding, fp32 closely)."""
+    the dense bottom-right mask's (bf16 within its rounding, fp32 closely; relative to the output's
+    largest value, a few hundredths with keys of this many)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, 28, 256, 128, device="cuda", generator=g).to(dtype)
     k, v = (torch.randn(1, 4, 4096, 128, device="cuda", generator=g).to(dtype) for _ in range(2))
     out, _ = kite_attention(None, q, k, v, None, scaling=128 ** -0.5)
     monkeypatch.setattr(attention, "LOWER_RIGHT", False)
     dense, _ = kite_attention(None, q, k, v, None, scaling=128 ** -0.5)
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     assert out.shape == dense.shape == (1, 256, 28, 128)
-    assert torch.allclose(out.float(), dense.float(), atol=tol, rtol=0), (out.float() - dense.float()).abs().max()
+    diff, scale = (out.float() - dense.float()).abs().max().item(), dense.float().abs().max().item()
+    assert diff <= (2e-2 if dtype == torch.bfloat16 else 1e-4) * scale, (diff, scale)
 
 
 @cuda
