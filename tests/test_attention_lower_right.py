@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kite.runtime import attention
-from kite.runtime.attention import kite_attention, plain_causal_mask
+from kite.runtime.attention import kite_attention, lower_right_only, plain_causal_mask
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -18,45 +18,60 @@ def _causal():
     return causal_mask_function
 
 
-def test_the_plain_causal_mask_after_cached_tokens_is_left_unbuilt():
-    assert plain_causal_mask(1, 5, 12, q_offset=7, mask_function=_causal()) is None
-    assert plain_causal_mask(2, 5, 12, q_offset=7, mask_function=_causal(),
-                             attention_mask=torch.ones(2, 12, dtype=torch.bool)) is None
-
-
-@pytest.mark.parametrize("how", ["padding", "window", "not causal", "query not at the end", "no skip", "switched off"])
-def test_any_other_mask_is_transformers_own(how, monkeypatch):
-    from transformers.masking_utils import and_masks, sdpa_mask, sliding_window_overlay
-
-    args = dict(batch_size=2, q_length=5, kv_length=12, q_offset=7, mask_function=_causal())
-    if how == "padding":
-        pad = torch.ones(2, 12, dtype=torch.bool)
-        pad[1, :3] = False
-        args["attention_mask"] = pad
-    elif how == "window":
-        args["local_size"] = 4
-    elif how == "not causal":
-        args["mask_function"] = and_masks(_causal(), sliding_window_overlay(4))
-    elif how == "query not at the end":
-        args["q_offset"] = 3
-    elif how == "no skip":
-        args["allow_is_causal_skip"] = False
-    else:
-        monkeypatch.setattr(attention, "LOWER_RIGHT", False)
-    got = plain_causal_mask(**args)
-    want = sdpa_mask(**args)
-    assert got is not None and want is not None and torch.equal(got, want)
-
-
-def test_a_models_query_after_a_cached_prefix_reads_as_through_transformers_sdpa():
-    """A random Qwen2 (4:1 grouping) prefills 300 tokens; a 40-token query over that cache gives the
-    logits of transformers' own sdpa attention (the CPU builds the bottom-right mask itself)."""
-    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+def _tiny_qwen2():
+    """A random 2-layer Qwen2 on the CPU (4:1 grouping): (config, model)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
-    model = Qwen2ForCausalLM(cfg).eval()
+    return cfg, Qwen2ForCausalLM(cfg).eval()
+
+
+def _plain(**change) -> bool:
+    """lower_right_only for 5 new tokens after 7 cached ones on a GPU, with ``change`` applied."""
+    args = dict(q_length=5, kv_length=12, q_offset=7, kv_offset=0, mask_function=_causal(), attention_mask=None,
+                local_size=None, allow_is_causal_skip=True, device="cuda")
+    return lower_right_only(**{**args, **change})
+
+
+def test_on_a_gpu_the_plain_causal_mask_after_cached_tokens_is_left_unbuilt():
+    assert _plain() and _plain(attention_mask=torch.ones(2, 12, dtype=torch.bool))
+    assert plain_causal_mask(1, 5, 12, q_offset=7, mask_function=_causal(), device="cuda") is None
+
+
+@pytest.mark.parametrize("how", ["padding", "window", "not causal", "query not at the end", "no skip",
+                                 "switched off", "the cpu", "one new token", "a prompt alone", "a tensor offset"])
+def test_any_other_mask_is_transformers_own(how, monkeypatch):
+    from transformers.masking_utils import and_masks, sliding_window_overlay
+
+    change = {"padding": {"attention_mask": torch.tensor([[True] * 12, [False] * 3 + [True] * 9])},
+              "window": {"local_size": 4},
+              "not causal": {"mask_function": and_masks(_causal(), sliding_window_overlay(4))},
+              "query not at the end": {"q_offset": 3},
+              "no skip": {"allow_is_causal_skip": False},
+              "the cpu": {"device": "cpu"},
+              "one new token": {"q_length": 1, "kv_length": 8},
+              "a prompt alone": {"q_length": 12, "q_offset": 0},
+              "a tensor offset": {"q_offset": torch.tensor(7)}}.get(how, {})
+    if how == "switched off":
+        monkeypatch.setattr(attention, "LOWER_RIGHT", False)
+    assert not _plain(**change)
+
+
+def test_on_the_cpu_the_mask_is_transformers_sdpa_mask():
+    from transformers.masking_utils import sdpa_mask
+
+    args = dict(batch_size=2, q_length=5, kv_length=12, q_offset=7, mask_function=_causal())
+    assert torch.equal(plain_causal_mask(**args), sdpa_mask(**args))
+
+
+def test_a_models_query_after_a_cached_prefix_reads_as_through_transformers_sdpa():
+    """A random Qwen2 (4:1 grouping) prefills 300 tokens; a 40-token query over that cache gives the
+    logits of transformers' own sdpa attention."""
+    from transformers import DynamicCache
+
+    cfg, model = _tiny_qwen2()
     doc, query = torch.randint(256, (1, 300)), torch.randint(256, (1, 40))
     logits = {}
     for impl in ("sdpa", attention.register()):
@@ -122,24 +137,26 @@ def test_while_a_cuda_graph_is_captured_the_padding_is_not_read():
     assert got is not None and tuple(got.shape) == (1, 1, 5, 12)
 
 
-def test_a_models_query_after_its_cached_prefix_asks_for_no_mask():
-    """transformers hands the mask function plain ints for a dynamic cache: the prompt's mask and the
-    query's after it are both left unbuilt (if a later transformers passes tensors, this says so)."""
-    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+def test_transformers_hands_the_mask_function_what_a_gpu_needs_to_skip_the_tails_mask():
+    """A model's prompt, then a query after its dynamic cache: transformers passes plain int offsets,
+    so on a GPU the query's mask would be left unbuilt (if a later transformers passes tensors, the
+    lower-right path turns off, and this test says so)."""
+    from transformers import DynamicCache
     from transformers.masking_utils import AttentionMaskInterface
 
     name = attention.register()
-    built = []
+    asked = []
 
     def spy(*args, **kwargs):
-        mask = plain_causal_mask(*args, **kwargs)
-        built.append((kwargs["q_length"], kwargs["kv_length"], mask is not None))
-        return mask
+        on_gpu = {k: kwargs[k] for k in ("q_length", "kv_length", "q_offset", "kv_offset")}
+        asked.append((kwargs["q_length"], kwargs["kv_length"],
+                      lower_right_only(**on_gpu, mask_function=kwargs["mask_function"],
+                                       attention_mask=kwargs.get("attention_mask"), local_size=kwargs.get("local_size"),
+                                       allow_is_causal_skip=kwargs.get("allow_is_causal_skip", True), device="cuda")))
+        return plain_causal_mask(*args, **kwargs)
 
-    cfg = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2)
-    cfg._attn_implementation = name
-    model = Qwen2ForCausalLM(cfg).eval()
+    cfg, model = _tiny_qwen2()
+    model.config._attn_implementation = name
     AttentionMaskInterface.register(name, spy)
     try:
         with torch.inference_mode():
@@ -148,4 +165,4 @@ def test_a_models_query_after_its_cached_prefix_asks_for_no_mask():
             model(torch.randint(256, (1, 7)), past_key_values=cache)
     finally:
         AttentionMaskInterface.register(name, plain_causal_mask)
-    assert built == [(30, 30, False), (7, 37, False)]
+    assert asked == [(30, 30, False), (7, 37, True)]     # the prompt alone: transformers' own skip

@@ -10,8 +10,8 @@ On a GPU a short query after a long cached prefix (a first forward over a loaded
 step) goes to the split-KV kernel (kite.kernels.split_attention_triton): the keys split across thread
 blocks and merged by log-sum-exp, where one fused kernel would leave most of the GPU idle. A longer
 one (a state's recomputed tail, a document's next chunk) attends through torch's lower-right causal
-bias: flash attention, with no mask built. Where that plain causal rule is the whole mask, the mask
-function registered with it (:func:`plain_causal_mask`) builds none.
+bias: flash attention, with no mask built. Where on a GPU that plain causal rule is the whole mask,
+the mask function registered with it (:func:`plain_causal_mask`) builds none.
 
 Batched decoding (kite.runtime.batch_decode) goes further: every row of the batch holds its own
 state, so the visible slots differ per row and per layer. Its forward passes a
@@ -273,23 +273,34 @@ def _lower_right(query, key, value, scaling=None, dropout: float = 0.0) -> torch
 
 def plain_causal_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
                       mask_function=None, attention_mask=None, local_size=None, allow_is_causal_skip: bool = True,
-                      **kwargs):
-    """transformers' mask for "kite" (its AttentionMaskInterface): None where the mask would be the plain
-    causal one from the bottom-right corner (new tokens after every cached one, no padding, no window,
-    nothing added to the causal rule), so that :func:`kite_attention` attends without building it;
-    otherwise transformers' own sdpa mask."""
+                      device="cpu", **kwargs):
+    """transformers' mask for "kite" (its AttentionMaskInterface): None where :func:`lower_right_only`
+    says the mask is the plain bottom-right causal one that :func:`kite_attention` runs without a
+    mask; otherwise transformers' own sdpa mask (which skips the masks it can itself)."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
-    from transformers.utils import is_tracing     # a graph captured or compiled: no value to read
 
-    plain = (LOWER_RIGHT and allow_is_causal_skip and mask_function is causal_mask_function and local_size is None
-             and isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset + q_length == kv_offset + kv_length
-             and (attention_mask is None or (not is_tracing(attention_mask) and bool(attention_mask.all()))))
-    if plain:
+    mask_function = causal_mask_function if mask_function is None else mask_function
+    if lower_right_only(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size,
+                        allow_is_causal_skip, device):
         return None
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                     kv_offset=kv_offset, mask_function=causal_mask_function if mask_function is None else mask_function,
-                     attention_mask=attention_mask, local_size=local_size, allow_is_causal_skip=allow_is_causal_skip,
-                     **kwargs)
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                     local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, device=device, **kwargs)
+
+
+def lower_right_only(q_length: int, kv_length: int, q_offset, kv_offset, mask_function, attention_mask, local_size,
+                     allow_is_causal_skip: bool, device) -> bool:
+    """Whether a mask transformers asks for is what :func:`_lower_right` applies without one: on a GPU,
+    with LOWER_RIGHT, several new tokens after cached ones (a decode step and a prompt alone are
+    transformers' own skips), the causal rule alone (nothing added, no window), the new tokens the
+    last ones, no padding (not read while a graph is captured or compiled)."""
+    from transformers.masking_utils import causal_mask_function
+    from transformers.utils import is_tracing
+
+    return (LOWER_RIGHT and torch.device(device).type == "cuda" and 1 < q_length < kv_length and allow_is_causal_skip
+            and mask_function is causal_mask_function and local_size is None
+            and isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset + q_length == kv_offset + kv_length
+            and (attention_mask is None or (not is_tracing(attention_mask) and bool(attention_mask.all()))))
 
 
 def _folded_attention(query, key, value, mask, scaling=None) -> torch.Tensor:
