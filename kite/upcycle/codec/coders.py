@@ -262,22 +262,13 @@ class PcaSide(SideCoder):
                                  f"{widths.tolist()}")
             meta["bits"] = widths.tolist()
             colbits = widths.to(colbits.device)
-        forced = (torch.nonzero(positions < s.sink_tokens).flatten() if positions is not None and s.sink_tokens > 0
-                  else torch.zeros(0, dtype=torch.long))
-        if (s.outliers > 0 or forced.numel()) and T > 0 and C.shape[1] > 0:
-            # sinks, then the tokens whose coefficients are most extreme relative to their column's spread
-            z = (C / C.std(dim=0, keepdim=True).clamp_min(1e-12)).abs().amax(dim=1)
-            z[forced] = float("inf")
-            n_out = min(s.outliers + forced.numel(), T)
-            idx = torch.topk(z, n_out).indices.sort().values
-            raw = X.float()[:, idx, :]                                    # [H, n, d]
+        forced = sinks(positions, s)
+        if s.outliers > 0 or forced.numel():
+            C = C.clone()                 # set_apart changes it (the caller's coefficients stay as they are)
+        idx = set_apart(C, forced, s.outliers)
+        if idx is not None:
             tensors["out.idx"] = idx.to(torch.int32 if T > 32767 else torch.int16)
-            tensors["out.x"] = raw.to(torch.float16).contiguous()
-            C = C.clone()
-            if n_out < T:       # (topk's indices are distinct)
-                keep = torch.ones(T, dtype=torch.bool, device=C.device)
-                keep[idx] = False
-                C[idx] = C[keep].mean(dim=0)  # neutral value: does not widen any group's range
+            tensors["out.x"] = X.float()[:, idx, :].to(torch.float16).contiguous()        # [H, n, d]
         # one codes / scale / min tensor for all bit classes (the layout: format.bitlayout)
         coded = (_classes_on_device if C.is_cuda else _classes)(C, colbits.cpu(), T, s)
         if coded is not None:
@@ -318,6 +309,41 @@ class PcaSide(SideCoder):
             X = X.clone()
             X[:, idx, :] = blob.tensors["out.x"].float().to(dev)
         return X
+
+
+def sinks(positions: torch.Tensor | None, s: CodecSettings) -> torch.Tensor:
+    """The rows of a part whose tokens are attention sinks (document positions < ``sink_tokens``),
+    ascending, on the host; none where the positions are unknown (None)."""
+    if positions is None or s.sink_tokens <= 0:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.nonzero(positions.cpu() < s.sink_tokens).flatten()
+
+
+def set_apart(C: torch.Tensor, forced: torch.Tensor, outliers: int) -> torch.Tensor | None:
+    """The tokens a part keeps apart in fp16, as rows of its coefficients C [T, R]: the sinks ``forced``
+    (rows, on the host), then ``outliers`` more whose coefficients are most extreme relative to their
+    column's spread; ascending, on C's device; None where it keeps none. Their rows of C are set, in
+    place, to the mean of the others: a neutral value that widens no group's range. With no outliers
+    asked the rows are the sinks, known on the host: nothing here waits for the device."""
+    T = C.shape[0]
+    if not (outliers > 0 or forced.numel()) or T == 0 or C.shape[1] == 0:
+        return None
+    dev = C.device
+    if outliers > 0:
+        z = (C / C.std(dim=0, keepdim=True).clamp_min(1e-12)).abs().amax(dim=1)
+        z[forced.to(dev)] = float("inf")
+        idx = torch.topk(z, min(outliers + forced.numel(), T)).indices.sort().values   # (distinct)
+        if idx.numel() < T:
+            keep = torch.ones(T, dtype=torch.bool, device=dev)
+            keep[idx] = False
+            C[idx] = C[keep].mean(dim=0)
+        return idx
+    idx = forced.to(dev, non_blocking=True)
+    if forced.numel() < T:
+        keep = torch.ones(T, dtype=torch.bool)
+        keep[forced] = False
+        C[idx] = C.index_select(0, torch.nonzero(keep).flatten().to(dev, non_blocking=True)).mean(dim=0)
+    return idx
 
 
 def _classes(C: torch.Tensor, colbits: torch.Tensor, T: int, s: CodecSettings):
@@ -448,4 +474,4 @@ def attach_regenerator(lc: LayerCodec, bases: dict[str, torch.Tensor], sides=("k
 
 
 __all__ = ["CODERS", "INT_FORMATS", "PcaSide", "QuantSide", "RawSide", "RegenSide", "SideCoder", "attach_regenerator",
-           "coder", "put_weights", "regen_columns", "register"]
+           "coder", "put_weights", "regen_columns", "register", "set_apart", "sinks"]

@@ -26,7 +26,7 @@ import torch
 from kite.errors import BadInput
 from kite.kernels.quant import quantize_plan
 from kite.upcycle.codec.blob import Blob, EncodedPart, LayerCodec
-from kite.upcycle.codec.coders import PcaSide, attach_regenerator, blocks, coder
+from kite.upcycle.codec.coders import PcaSide, attach_regenerator, blocks, coder, set_apart, sinks
 from kite.upcycle.codec.layer import state_budgeted
 from kite.upcycle.codec.settings import CodecSettings, settings_for
 from kite.upcycle.codec.state_bits import allocate_state, container_overhead
@@ -155,28 +155,11 @@ def encode_side(fit: GroupFit, side: str, ats: list[torch.Tensor], ons: list[tor
     for at, on in zip(ats, ons):
         T = int(at.numel())
         tensors: dict[str, torch.Tensor] = {}
-        C = P[on].float()                                                        # [T, R]
-        forced = (torch.nonzero(at < s.sink_tokens).flatten() if s.sink_tokens > 0
-                  else torch.zeros(0, dtype=torch.long))
-        if (s.outliers > 0 or forced.numel()) and T > 0 and C.shape[1] > 0:
-            if s.outliers > 0:      # sinks, then the tokens most extreme relative to their column's spread
-                z = (C / C.std(dim=0, keepdim=True).clamp_min(1e-12)).abs().amax(dim=1)
-                z[forced.to(dev)] = float("inf")
-                idx = torch.topk(z, min(s.outliers + forced.numel(), T)).indices.sort().values
-            else:                   # the sinks alone (what the top of that order would be): known here
-                idx = forced.to(dev, non_blocking=True)
-            n_out = int(idx.numel())
+        C = P[on].float()                                                        # [T, R] (a copy)
+        idx = set_apart(C, sinks(at, s), s.outliers)
+        if idx is not None:
             tensors["out.idx"] = idx.to(torch.int32 if T > 32767 else torch.int16)
             tensors["out.x"] = X[:, on[idx], :].float().to(torch.float16).contiguous()          # [1, n, D]
-            if n_out < T:   # a neutral value: does not widen any group's range
-                if s.outliers > 0:
-                    keep = torch.ones(T, dtype=torch.bool, device=dev)
-                    keep[idx] = False
-                    C[idx] = C[keep].mean(dim=0)
-                else:
-                    keep = torch.ones(T, dtype=torch.bool)
-                    keep[forced] = False
-                    C[idx] = C.index_select(0, torch.nonzero(keep).flatten().to(dev, non_blocking=True)).mean(dim=0)
         blob = Blob(tensors, {"T": T})
         blobs.append(blob)
         if T > 0:
