@@ -43,7 +43,8 @@ against that round's too), beside the client's inter-token p50; GPU memory
 watermark has no per-round peak; beside it the device's used memory through NVML, the most seen
 during the round, when the server has pynvml); requests refused (an HTTP error or
 an error event), cut at the deadline or never sent, and the longest queue the server's
-kite_batch_queue_length showed. Every request's record is under ``raw``.
+kite_batch_queue_length showed. Every request's record (its token times, the response's ``kite`` object) is
+attached beside the result file (``<result>.records.json.gz``; ``kite.bench.results.load_attached``).
 
 Bounded: --budget-s for the whole run, the model's writing included (the modes run in the order raw,
 lanes, none, each with an equal share of what is left when it starts, so what one leaves goes to the
@@ -647,6 +648,8 @@ def main(argv=None) -> int:
                 runs[mode]["failed"] = f"{type(exc).__name__}: {exc}"[:2000]
                 log(f"{mode}: failed: {runs[mode]['failed']}", t0)
     add_rows(res, modes, runs, args, info, on_gpu)
+    res.attach("records", {mode: {c: r.pop("records") for c, r in run.get("rounds", {}).items() if "records" in r}
+                           for mode, run in runs.items()})
     res.raw.update({"runtime": runtime, "settings": {k: v for k, v in vars(args).items() if k not in ("stdout", "out")},
                     "modes": modes, "model": info, "runs": runs, "total_s": round(clock() - t0, 1)})
     log("done", t0)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.harness import flags, floors, results, timing
+from kite.bench import results as lib_results
 from kite.tune.gpus import gpu_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,6 +188,31 @@ def test_a_result_file_keeps_its_rows_a_field_a_line_and_its_raw_section_on_one(
     raw_lines = [line for line in text.splitlines() if line.startswith(' "raw": ')]
     assert len(raw_lines) == 1 and text.count("\n") < 60
     assert '   "value": 1.0,' in text           # the rows as before, a field a line
+
+
+def test_bulky_data_is_attached_beside_the_result_file_and_reads_back(tmp_path):
+    res = results.Result("unit_bench", device="cpu", command=[])
+    res.row("step", 1.0, "ms")
+    recs = {"raw": {"4": [{"times_s": [0.1 * i for i in range(64)], "status": "ok"} for _ in range(500)]}}
+    res.attach("records", recs)
+    out = res.write(tmp_path / "r.json")
+    side = tmp_path / "r.records.json.gz"
+    assert side.exists() and side.stat().st_size < len(json.dumps(recs)) / 5     # gzipped
+    assert "times_s" not in out.read_text()                                          # not in the envelope
+    back = lib_results.load_result(out)
+    assert back.raw["attached"] == {"records": "r.records.json.gz"}
+    assert lib_results.load_attached(back, "records") == json.loads(json.dumps(recs))
+    with pytest.raises(lib_results.BadResult, match="no attachment 'times'"):
+        lib_results.load_attached(back, "times")
+    side.write_bytes(b"not gzip")
+    with pytest.raises(lib_results.BadResult, match="not a gzipped JSON attachment"):
+        lib_results.load_attached(back, "records")
+    side.unlink()
+    with pytest.raises(lib_results.BadResult, match="no such attachment file"):
+        lib_results.load_attached(back, "records")
+    with pytest.raises(ValueError, match="attachment name"):
+        res.attach("Records!", {})
+    assert [e["file"] for e in lib_results.build_index(tmp_path)] == ["r.json"]    # the index lists results alone
 
 
 def test_gpu_machines_are_named_by_their_model():

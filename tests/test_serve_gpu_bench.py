@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kite.bench.results import load_result
+from kite.bench.results import load_attached, load_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,10 @@ def test_the_cpu_smoke_run_serves_both_modes_and_writes_every_row(tmp_path):
         assert rows[f"{tag}: completion tokens/s"].x_baseline is not None
     assert not any(name.startswith("lanes") for name in rows)
     runs = res.raw["runs"]
-    recs = runs["raw"]["rounds"]["4"]["records"]
+    assert res.raw["attached"] == {"records": "serve_gpu.records.json.gz"}
+    records = load_attached(res, "records")          # every request, beside the result file
+    assert set(records) == {"none", "raw"} and "records" not in runs["raw"]["rounds"]["4"]
+    recs = records["raw"]["4"]
     assert len(recs) == 4 and all(r["status"] == "ok" and 1 <= r["tokens"] <= 8 for r in recs)
     assert all(r["kite"]["loaded"] and r["kite"]["load"]["resident"] == "raw" for r in recs)
     assert runs["raw"]["rounds"]["4"]["loads_from_prefix_cache"] == 4     # every document asked about once before

@@ -15,6 +15,7 @@ hardware allows, so x_floor >= 1 is how far off it the run is).
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -25,7 +26,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from kite.bench.results import SCHEMA, index_entry, result_from_dict, result_name, validate
+from kite.bench.results import SCHEMA, attached_name, index_entry, result_from_dict, result_name, validate
 
 from .floors import measured_cpu_limits
 
@@ -74,6 +75,7 @@ class Result:
         self.slug = machine_slug(self.machine)
         self.rows: list[dict] = []
         self.raw: dict = {}
+        self.attached: dict[str, object] = {}
 
     def row(self, name: str, value: float, unit: str, baseline: str | None = None,
             baseline_value: float | None = None, floor: str | None = None, floor_value: float | None = None,
@@ -125,6 +127,14 @@ class Result:
         return self.row(name, t.median_ms, "ms", baseline, baseline_value, floor, floor_value, no_floor,
                         p10_ms=round(t.p10_ms, 4), p90_ms=round(t.p90_ms, 4), samples=len(t.samples_ms), **extra)
 
+    def attach(self, name: str, data) -> None:
+        """Keep ``data`` (JSON: a serving run's every request, megabytes of it) beside the result file
+        rather than in it: written gzipped as ``<file's stem>.<name>.json.gz``, named in
+        ``raw["attached"]``, read back with :func:`kite.bench.results.load_attached`."""
+        if not re.fullmatch(r"[a-z0-9_]+", name):
+            raise ValueError(f"attachment name {name!r}: lower-case letters, digits and _ only")
+        self.attached[name] = data
+
     def to_dict(self) -> dict:
         """The envelope; where this process measured the CPU's limits (a CPU floor), ``raw["cpu_limits"]``
         holds them and how they were measured."""
@@ -151,8 +161,13 @@ class Result:
                 n += 1
         path = Path(path)
         envelope = json.loads(json.dumps(self.to_dict(), default=str))
+        if self.attached:
+            envelope["raw"]["attached"] = {name: attached_name(path, name) for name in self.attached}
         validate(envelope, str(path))          # the library's reader takes back what is written here
         path.parent.mkdir(parents=True, exist_ok=True)
+        for name, data in self.attached.items():
+            text = json.dumps(data, default=str, separators=(",", ":")).encode("utf-8")
+            (path.parent / attached_name(path, name)).write_bytes(gzip.compress(text, mtime=0))
         path.write_text(dumps(envelope), encoding="utf-8")
         if path.resolve().parent == RESULTS.resolve():
             with open(RESULTS / "index.jsonl", "a", encoding="utf-8") as fh:

@@ -6,6 +6,7 @@ else the run recorded stays under `raw`. `benchmarks/results/` holds them with a
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 from dataclasses import dataclass
@@ -144,6 +145,27 @@ def load_result(path: str | Path) -> Result:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadResult(f"{p}: not a JSON result file ({e})") from None
     return result_from_dict(obj, str(p), p)
+
+
+def attached_name(result_file: str | Path, name: str) -> str:
+    """The file beside `result_file` that holds its attachment `name` (data too bulky for the
+    envelope, gzipped JSON): `<result's stem>.<name>.json.gz`."""
+    return f"{Path(result_file).stem}.{name}.json.gz"
+
+
+def load_attached(result: Result, name: str) -> Any:
+    """The attachment `name` of a result read from a file (`raw["attached"]` names it; it lies beside
+    the file); BadResult when the result has none of that name or its file is missing or unreadable."""
+    attached = result.raw.get("attached") if isinstance(result.raw, dict) else None
+    if result.path is None or not isinstance(attached, dict) or name not in attached:
+        raise BadResult(f"{result.path or result.benchmark}: no attachment {name!r}")
+    p = result.path.parent / attached[name]
+    try:
+        return json.loads(gzip.decompress(p.read_bytes()))
+    except FileNotFoundError:
+        raise BadResult(f"{p}: no such attachment file (the result {result.path.name} names it)") from None
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadResult(f"{p}: not a gzipped JSON attachment ({e})") from None
 
 
 def result_name(benchmark: str, machine_slug: str, started_at: str, commit: str | None,
