@@ -46,6 +46,36 @@ def test_full_prefix_reuse_is_exact(lm):
     assert (full - reused).abs().max() <= 1e-4
 
 
+def test_a_reserved_cache_writes_in_place_and_gives_the_same_keys_and_logits(lm):
+    """A cache reserving the document's length: a chunked prefill writes each chunk into the layer's
+    buffers (its tensors are views of them), with the keys, values and logits of a growing cache;
+    past the reservation, or after its tensors are replaced, a layer grows as transformers' does."""
+    doc = _ids(lm, 48, 3)
+    grown, reserved = new_cache(lm.model), new_cache(lm.model, reserve=len(doc))
+    for start in range(0, len(doc), 16):
+        a = forward_tokens(lm.model, doc[start:start + 16], grown, start)
+        b = forward_tokens(lm.model, doc[start:start + 16], reserved, start)
+        assert torch.equal(a, b)
+    for (k, v), (rk, rv), layer in zip(cache_layers(grown), cache_layers(reserved), reserved.layers):
+        assert torch.equal(k, rk) and torch.equal(v, rv) and rk.shape[-2] == len(doc)
+        assert rk.data_ptr() == layer.buffers[0].data_ptr() and rv.data_ptr() == layer.buffers[1].data_ptr()
+    more = _ids(lm, 5, 4)                          # past the reservation: grown by concatenation
+    assert torch.equal(forward_tokens(lm.model, more, grown, len(doc)),
+                       forward_tokens(lm.model, more, reserved, len(doc)))
+    assert all(layer.buffers is None for layer in reserved.layers)
+    assert all(torch.equal(k, rk) for (k, _), (rk, _) in zip(cache_layers(grown), cache_layers(reserved)))
+    cropped = new_cache(lm.model, reserve=len(doc))
+    forward_tokens(lm.model, doc[:32], cropped, 0)
+    cropped.crop(-8)                                # tensors replaced by views: still the buffers
+    forward_tokens(lm.model, doc[24:32], cropped, 24)
+    cropped.reorder_cache(torch.tensor([0]))        # tensors replaced by copies: grown from here
+    assert torch.equal(forward_tokens(lm.model, doc[32:], cropped, 32),
+                       forward_tokens(lm.model, doc[32:], new_cache(lm.model, KVPrefix(
+                           [k[0, :, :32] for k, _ in cache_layers(grown)], [v[0, :, :32] for _, v in cache_layers(grown)],
+                           32)), 32))
+    assert all(layer.buffers is None for layer in cropped.layers)
+
+
 def test_absent_tokens_keep_positions(lm):
     """Dropping doc tokens from the prefix equals masking them out of a full forward (sdpa)."""
     from transformers import AutoModelForCausalLM

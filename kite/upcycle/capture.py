@@ -162,7 +162,7 @@ def _prefill(lm: LoadedModel, docs: list[tuple[str, list[int], list[tuple[int, i
     lengths = [len(doc_ids) for _, doc_ids, _ in docs]
     n, total = max(lengths), sum(lengths)
     batch = right_padded([doc_ids for _, doc_ids, _ in docs], pad=0)[0].to(device)
-    cache = new_cache(model)
+    cache = new_cache(model, reserve=n)         # each chunk's keys written in place, not the cache copied per chunk
     hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in hidden_layers}
     # with queries: per layer, each document's sum of its own tokens' squared queries [B, H_q * d]
     query_sq: dict[int, torch.Tensor] = {}

@@ -46,7 +46,9 @@ def recompute_tail(lm: LoadedModel, keys: list[torch.Tensor], values: list[torch
         raise BadInput("this state keeps its last tokens to be recomputed by the model, and this load has no "
                        "model weights to run them")
     start = n_tokens - len(ids)
-    cache = new_cache(model, KVPrefix(keys, values, next_position=start))
+    # the cache's layers reserve the whole document: the prefix is copied into them once, the tail
+    # written after it, and a layer's result is the cache's own tensor (no copy of the prefix again)
+    cache = new_cache(model, KVPrefix(keys, values, next_position=start), reserve=n_tokens)
     device = param.device
     tokens = torch.tensor([ids], device=device)
     positions = torch.arange(start, n_tokens, device=device)[None]
@@ -55,7 +57,11 @@ def recompute_tail(lm: LoadedModel, keys: list[torch.Tensor], values: list[torch
         model(input_ids=tokens, position_ids=positions, use_cache=True, logits_to_keep=1,
               **{cache_kwarg(model): cache})
     for layer, (k, v) in enumerate(cache_layers(cache)):
-        if layer in layers:
+        if layer not in layers:
+            continue
+        if k.dtype == keys[layer].dtype and k.device == keys[layer].device and v.dtype == values[layer].dtype:
+            keys[layer], values[layer] = k[0], v[0]
+        else:
             keys[layer] = torch.cat([keys[layer], k[0, :, -len(ids):].to(keys[layer])], dim=1)
             values[layer] = torch.cat([values[layer], v[0, :, -len(ids):].to(values[layer])], dim=1)
 
