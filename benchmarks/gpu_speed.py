@@ -1052,10 +1052,22 @@ def ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, pre
                 "floor_ms": fwd_floor, "forward_vs_floor": graphed / fwd_floor}
             g = out = None
         if tail is not None:     # the last setup above is the one load_model gives a GPU model
-            for lower_right in (False, True):      # side by side: the dense bottom-right mask, the bias
+            # side by side: the dense bottom-right mask; the bias over a cache that grows by
+            # concatenation (the prefix copied as it is seeded and again as the tail is appended); the
+            # bias over a cache reserving the document (the prefix copied once: what a load runs)
+            from kite.upcycle.load import tail as tail_module
+
+            reserving = tail_module.new_cache
+            for lower_right, reserve in ((False, True), (True, False), (True, True)):
                 attention.LOWER_RIGHT = lower_right
-                tail("KITE attention + fused layers, as load_model sets up a GPU model, "
-                     + ("lower-right causal bias" if lower_right else "dense bottom-right mask"))
+                tail_module.new_cache = reserving if reserve else (lambda model, prefix=None, reserve=0:
+                                                                   reserving(model, prefix))
+                try:
+                    tail("KITE attention + fused layers, as load_model sets up a GPU model, "
+                         + ("lower-right causal bias" if lower_right else "dense bottom-right mask")
+                         + ("" if reserve else ", the cache not reserved"))
+                finally:
+                    tail_module.new_cache = reserving
         base = logits["fused sdpa"]
         for tag, pair in (("kite_attention_split_vs_fused_logits", "split-KV kernel"),
                           ("kite_fused_layers_vs_split_logits", "split-KV kernel + fused layers")):
