@@ -174,12 +174,13 @@ def check_kernels(report: Report) -> None:
 
 
 def tail_row(report: Report, model, ids: list[int], K, V, n_body: int, cfg, n: int,
-             how: str = "transformers' forward, sdpa", profile: bool = False) -> None:
+             how: str = "transformers' forward, sdpa", profile: bool = False, reserve: bool = True) -> None:
     """What a load of a state with a recomputed tail adds (compression.recompute_tokens; ``auto`` keeps
     256 tokens at 16x and above): the tail's forward after the rebuilt prefix, as
     :func:`kite.upcycle.load.tail.recompute_tail` runs it (a transformers forward over the prefix's
     cache, the tail's keys and values appended to each layer's); ``how`` names the model's setup;
-    ``profile``: where its device and host time went, too (:func:`profile_compress`)."""
+    ``profile``: where its device and host time went, too (:func:`profile_compress`); ``reserve``: as
+    recompute_tail's."""
     from types import SimpleNamespace
 
     from kite.upcycle.load import recompute_tail
@@ -192,7 +193,7 @@ def tail_row(report: Report, model, ids: list[int], K, V, n_body: int, cfg, n: i
     def run():
         keys = [K[layer, :, :head] for layer in range(L)]
         values = [V[layer, :, :head] for layer in range(L)]
-        recompute_tail(SimpleNamespace(model=model), keys, values, ids[head:], T, set(range(L)))
+        recompute_tail(SimpleNamespace(model=model), keys, values, ids[head:], T, set(range(L)), reserve=reserve)
 
     d = cfg.hidden_size // cfg.num_attention_heads
     flops = 2 * n_body * n + 2 * 2 * L * cfg.num_attention_heads * d * n * T
@@ -804,8 +805,8 @@ def main(argv=None) -> int:
             report.data["graph_error"] = traceback.format_exc()[-800:]
         try:
             ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, prefill_ms, fwd_floor,
-                                tail=lambda how: tail_row(report, model, doc_ids, K, V, n_body, cfg, args.tail_tokens, how,
-                                                          args.profile))
+                                tail=lambda how, reserve: tail_row(report, model, doc_ids, K, V, n_body, cfg,
+                                                                   args.tail_tokens, how, args.profile, reserve))
         except Exception:  # noqa: BLE001
             traceback.print_exc()
             report.data["ttft_kite_error"] = traceback.format_exc()[-800:]
@@ -989,7 +990,7 @@ def ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, pre
     log-sum-exp), which KITE's attention uses on a GPU for a short query after a long prefix; and
     that plus the fused layers (kite.model.fused, as load_model installs them on a GPU: one-kernel
     RMSNorm and RoPE, q/k/v and gate/up as one product each), also with the separate products.
-    ``tail(how)``, when given, times the recomputed tail under that last setup (a GPU model's, as
+    ``tail(how, reserve)``, when given, times the recomputed tail under that last setup (a GPU model's, as
     load_model sets it up)."""
     from transformers import StaticCache
 
@@ -1055,19 +1056,11 @@ def ttft_kite_attention(report, model, cfg, KV, L, T, query, qpos, load_hot, pre
             # side by side: the dense bottom-right mask; the bias over a cache that grows by
             # concatenation (the prefix copied as it is seeded and again as the tail is appended); the
             # bias over a cache reserving the document (the prefix copied once: what a load runs)
-            from kite.upcycle.load import tail as tail_module
-
-            reserving = tail_module.new_cache
             for lower_right, reserve in ((False, True), (True, False), (True, True)):
                 attention.LOWER_RIGHT = lower_right
-                tail_module.new_cache = reserving if reserve else (lambda model, prefix=None, reserve=0:
-                                                                   reserving(model, prefix))
-                try:
-                    tail("KITE attention + fused layers, as load_model sets up a GPU model, "
-                         + ("lower-right causal bias" if lower_right else "dense bottom-right mask")
-                         + ("" if reserve else ", the cache not reserved"))
-                finally:
-                    tail_module.new_cache = reserving
+                tail("KITE attention + fused layers, as load_model sets up a GPU model, "
+                     + ("lower-right causal bias" if lower_right else "dense bottom-right mask")
+                     + ("" if reserve else ", the cache not reserved"), reserve)
         base = logits["fused sdpa"]
         for tag, pair in (("kite_attention_split_vs_fused_logits", "split-KV kernel"),
                           ("kite_fused_layers_vs_split_logits", "split-KV kernel + fused layers")):

@@ -77,6 +77,25 @@ def test_a_load_into_some_layers_recomputes_the_tail_into_those_alone(lm, tmp_pa
     assert report.recomputed_tokens == TAIL
 
 
+def test_the_tail_over_a_reserving_cache_is_the_tail_over_a_growing_one(lm):
+    """The cache reserving the document (the prefix copied once) gives the tail the keys and values a
+    cache growing by concatenation gives, in the layers asked for alone."""
+    from kite.upcycle.load import recompute_tail
+
+    ids = _ids(lm)
+    full = capture(lm, "", ids=ids, keep_cache=True).cache
+    head = len(ids) - TAIL
+    got = {}
+    for reserve in (True, False):
+        keys = [k[0, :, :head].clone() for k, _ in cache_layers(full)]
+        values = [v[0, :, :head].clone() for _, v in cache_layers(full)]
+        recompute_tail(lm, keys, values, ids[head:], len(ids), {0, 1}, reserve=reserve)
+        got[reserve] = keys, values
+        assert [k.shape[1] for k in keys] == [len(ids)] * 2 + [head] * (len(keys) - 2)
+    for a, b in zip(got[True][0] + got[True][1], got[False][0] + got[False][1]):
+        assert torch.equal(a, b)
+
+
 def test_a_tail_as_long_as_the_document_leaves_one_token_coded_and_a_negative_one_is_refused():
     assert recomputed_tail(100, 64) == 64 and recomputed_tail(10, 64) == 9 and recomputed_tail(10, 0) == 0
     with pytest.raises(BadInput, match="recompute tokens -1"):

@@ -33,11 +33,13 @@ def tail_ids(meta: dict) -> list[int]:
 
 @torch.inference_mode()
 def recompute_tail(lm: LoadedModel, keys: list[torch.Tensor], values: list[torch.Tensor], ids: list[int],
-                   n_tokens: int, layers: set[int], reader: bool = False) -> None:
+                   n_tokens: int, layers: set[int], reader: bool = False, reserve: bool = True) -> None:
     """Append to ``keys`` / ``values`` (per layer [H_kv, P, d], post-RoPE, in place) the KV of ``ids``
     at positions ``n_tokens - len(ids)`` onwards, as ``lm``'s model makes them after that prefix;
     only ``layers`` get them (a load into some layers keeps the others empty). ``reader``: the
-    prefix is read with the model's reader adapter on."""
+    prefix is read with the model's reader adapter on. ``reserve``: the model's cache reserves the
+    whole document, so the prefix is copied into it once (False: it grows by concatenation, as
+    transformers' does; benchmarks compare both)."""
     if not ids:
         return
     model = lm.model
@@ -48,7 +50,7 @@ def recompute_tail(lm: LoadedModel, keys: list[torch.Tensor], values: list[torch
     start = n_tokens - len(ids)
     # the cache's layers reserve the whole document: the prefix is copied into them once, the tail
     # written after it, and a layer's result is the cache's own tensor (no copy of the prefix again)
-    cache = new_cache(model, KVPrefix(keys, values, next_position=start), reserve=n_tokens)
+    cache = new_cache(model, KVPrefix(keys, values, next_position=start), reserve=n_tokens if reserve else 0)
     device = param.device
     tokens = torch.tensor([ids], device=device)
     positions = torch.arange(start, n_tokens, device=device)[None]
