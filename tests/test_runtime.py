@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from kite.cli.main import app
 from kite.runtime.cache import KVPrefix, cache_layers, new_cache
-from kite.runtime.generate import encode_prompt, forward_tokens, generate
+from kite.runtime.generate import cache_kwarg, encode_prompt, forward_tokens, generate
 from tests.conftest import parse_json
 
 runner = CliRunner()
@@ -69,11 +69,21 @@ def test_a_reserved_cache_writes_in_place_and_gives_the_same_keys_and_logits(lm)
     cropped.crop(-8)                                # tensors replaced by views: still the buffers
     forward_tokens(lm.model, doc[24:32], cropped, 24)
     cropped.reorder_cache(torch.tensor([0]))        # tensors replaced by copies: grown from here
-    assert torch.equal(forward_tokens(lm.model, doc[32:], cropped, 32),
-                       forward_tokens(lm.model, doc[32:], new_cache(lm.model, KVPrefix(
-                           [k[0, :, :32] for k, _ in cache_layers(grown)], [v[0, :, :32] for _, v in cache_layers(grown)],
-                           32)), 32))
+
+    def first_32():
+        return new_cache(lm.model, KVPrefix([k[0, :, :32] for k, _ in cache_layers(grown)],
+                                            [v[0, :, :32] for _, v in cache_layers(grown)], 32))
+
+    assert torch.equal(forward_tokens(lm.model, doc[32:], cropped, 32), forward_tokens(lm.model, doc[32:], first_32(), 32))
     assert all(layer.buffers is None for layer in cropped.layers)
+    with torch.inference_mode():                    # buffers made under inference mode, room left in them
+        later = new_cache(lm.model, reserve=len(doc))
+        forward_tokens(lm.model, doc[:32], later, 0)
+    with torch.no_grad():                           # appended to outside it: grown, not written in place
+        out = lm.model(input_ids=torch.tensor([doc[32:]]), position_ids=torch.arange(32, len(doc))[None],
+                       use_cache=True, **{cache_kwarg(lm.model): later}).logits[0].float()
+    assert torch.allclose(out, forward_tokens(lm.model, doc[32:], first_32(), 32), atol=1e-5)
+    assert all(layer.buffers is None for layer in later.layers)
 
 
 def test_absent_tokens_keep_positions(lm):

@@ -37,8 +37,8 @@ def new_cache(model, prefix: KVPrefix | None = None, reserve: int = 0):
 def reserved_layer(capacity: int):
     """A transformers DynamicLayer whose keys and values are views of buffers of ``capacity`` tokens,
     allocated at its first update: an update copies only the new tokens, into the next free slots.
-    One that would overflow them, or that finds its tensors replaced (a crop, a reorder), grows by
-    concatenation as a DynamicLayer does."""
+    One that would overflow them, that finds its tensors replaced (a reorder), or whose buffers were
+    made under inference mode and is updated outside it, grows by concatenation as a DynamicLayer does."""
     return _reserved_layer_class()(capacity)
 
 
@@ -61,8 +61,10 @@ def _reserved_layer_class():
                     self.buffers = (key_states.new_empty(b, h, self.capacity, key_states.shape[-1]),
                                     value_states.new_empty(b, h, self.capacity, value_states.shape[-1]))
             kb, vb = self.buffers or (None, None)
+            # (buffers made under inference mode take no in-place write outside it)
             if (kb is None or n + m > self.capacity or kb.shape[:2] != key_states.shape[:2]
-                    or (n > 0 and (self.keys.data_ptr(), self.values.data_ptr()) != (kb.data_ptr(), vb.data_ptr()))):
+                    or (n > 0 and (self.keys.data_ptr(), self.values.data_ptr()) != (kb.data_ptr(), vb.data_ptr()))
+                    or (kb.is_inference() and not torch.is_inference_mode_enabled())):
                 self.buffers = None
                 return super().update(key_states, value_states, *args, **kwargs)
             kb[:, :, n:n + m].copy_(key_states)
