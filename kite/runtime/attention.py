@@ -104,7 +104,7 @@ def kite_attention(module, query, key, value, attention_mask, scaling=None, drop
         return split_kv_attention(query, key, value, mask, scaling), None
     is_causal = False
     if mask is None and q_len > 1 and q_len != k_len and LOWER_RIGHT and query.is_cuda and not grad:
-        return _lower_right(query, key, value, scaling, dropout), None
+        return lower_right_sdpa(query, key, value, scaling, dropout).transpose(1, 2).contiguous(), None
     if mask is None and q_len > 1:
         if q_len == k_len:
             is_causal = True
@@ -204,15 +204,11 @@ def causal_rows(query, key, value, batch, layer: int, scaling=None) -> torch.Ten
     slots before them and each other, causal from the bottom-right corner (torch's lower-right causal
     bias: flash attention where it runs, no mask built); query [B, Hq, q, d], key/value [B, Hkv, k, d]
     → [B, q, Hq, d]. A padded position's output is zero: its keys are not written and its logits dropped."""
-    from torch.nn.attention.bias import causal_lower_right
-
     B, hq, q, d = query.shape
     out = query.new_zeros(B, q, hq, d)
-    gqa = key.shape[1] != hq
     for b, n in enumerate(batch.new_tokens):
         k = int(batch.lengths[layer, b]) + n
-        o = F.scaled_dot_product_attention(query[b:b + 1, :, :n], key[b:b + 1, :, :k], value[b:b + 1, :, :k],
-                                           attn_mask=causal_lower_right(n, k), scale=scaling, enable_gqa=gqa)
+        o = lower_right_sdpa(query[b:b + 1, :, :n], key[b:b + 1, :, :k], value[b:b + 1, :, :k], scaling)
         out[b, :n] = o[0].transpose(0, 1)
     return out
 
@@ -261,15 +257,14 @@ def _splits_keys(query, key, mask, dropout) -> bool:
     return _triton
 
 
-def _lower_right(query, key, value, scaling=None, dropout: float = 0.0) -> torch.Tensor:
-    """query [B, Hq, q, d] after the cached keys: causal from the bottom-right corner through torch's
-    lower-right causal bias (flash attention where it runs, the KV heads shared without copies) →
-    [B, q, Hq, d]."""
+def lower_right_sdpa(query, key, value, scaling=None, dropout: float = 0.0) -> torch.Tensor:
+    """query [B, Hq, q, d] after the cached keys [B, Hkv, k, d]: causal from the bottom-right corner
+    through torch's lower-right causal bias (flash attention where it runs, no mask built, the KV heads
+    shared without copies) → [B, Hq, q, d]."""
     from torch.nn.attention.bias import causal_lower_right
 
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(query.shape[-2], key.shape[-2]),
-                                         dropout_p=dropout, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
-    return out.transpose(1, 2).contiguous()
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(query.shape[-2], key.shape[-2]),
+                                          dropout_p=dropout, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
 
 
 def plain_causal_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -291,7 +286,7 @@ def plain_causal_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0
 
 def lower_right_only(q_length: int, kv_length: int, q_offset, kv_offset, mask_function, attention_mask, local_size,
                      allow_is_causal_skip: bool, device) -> bool:
-    """Whether a mask transformers asks for is what :func:`_lower_right` applies without one: on a GPU,
+    """Whether a mask transformers asks for is what :func:`lower_right_sdpa` applies without one: on a GPU,
     with LOWER_RIGHT, several new tokens after cached ones (a decode step and a prompt alone are
     transformers' own skips), the causal rule alone (nothing added, no window), the new tokens the
     last ones, no padding (not read while a graph is captured or compiled)."""
