@@ -11,6 +11,9 @@ with the model given, one epoch at one ratio, and records each stage as the run'
 * seconds per training pair and epoch of the whole run, and from it 2,000 pairs for one epoch
   (in minutes), against the target of 15 minutes.
 
+After the run its states are loaded again side by side, one at a time (`load_prefix`) and as the run
+loads them (`load_prefixes`: their recomputed tails through shared forwards), ms per state each.
+
     python benchmarks/train_speed.py --model /root/model/smollm2.gguf --device cuda --contracts 167
     python benchmarks/train_speed.py --model smollm2-135m --device cpu --threads 2 --contracts 3
     python benchmarks/train_speed.py --model /root/model/smollm2.gguf --device cuda --pairs pairs.jsonl --keep run
@@ -54,8 +57,9 @@ def main(argv=None) -> int:
                     help="keep this many pairs of each document (default 0: all); the states' figures do not "
                     "depend on it, the teacher's and the adapter's work do")
     ap.add_argument("--capture-batch-tokens", type=int, default=None,
-                    help="padded tokens a forward of several documents' prefills may hold on this device "
-                    "(default: kite.upcycle.CAPTURE_BATCH_TOKENS; 0: one document a forward)")
+                    help="padded tokens a forward of several documents (their prefills, their states' recomputed "
+                    "tails) may hold on this device (default: kite.upcycle.FORWARD_BATCH_TOKENS; 0: one document a "
+                    "forward)")
     ap.add_argument("--ratio", type=float, default=16.0)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--eval-fraction", type=float, default=0.1)
@@ -80,11 +84,11 @@ def main(argv=None) -> int:
     t0 = clock()
     lm = load_model(args.model, device=args.device)
     t_model = clock() - t0
-    from kite.upcycle import CAPTURE_BATCH_TOKENS
+    from kite.upcycle import FORWARD_BATCH_TOKENS
 
     if args.capture_batch_tokens is not None:
-        CAPTURE_BATCH_TOKENS[torch.device(lm.device).type] = args.capture_batch_tokens
-    batch_tokens = CAPTURE_BATCH_TOKENS.get(torch.device(lm.device).type, 0)
+        FORWARD_BATCH_TOKENS[torch.device(lm.device).type] = args.capture_batch_tokens
+    batch_tokens = FORWARD_BATCH_TOKENS.get(torch.device(lm.device).type, 0)
     tok = lm.tokenizer
     work = Path(tempfile.mkdtemp(prefix="kite-train-speed-"))
     data = args.pairs or work / "pairs.jsonl"
@@ -142,6 +146,13 @@ def main(argv=None) -> int:
                     "share", no_floor="a share of a gap", pairs=h["pairs"], ppl_full=h["ppl_full"], ppl_state=h["ppl_state"],
                     ppl_state_adapter=h["ppl_state_adapter"])
     res.row("model load", t_model, "s", no_floor="reading and converting the weights: file and Python work")
+    loads = time_loads(lm, out)
+    if loads:
+        why_load = "a load mixes file reads, the rebuild and the recomputed tail's forward"
+        alone = f"the run's {loads['states']} states loaded again, one at a time: per state"
+        res.row(alone, loads["alone_ms"], "ms", no_floor=why_load, **loads)
+        res.row(f"the same, {loads['together']} a call as the run loads them (their tails together): per state",
+                loads["together_ms"], "ms", baseline=alone, no_floor=why_load)
     res.raw.update({
         "model": args.model, "device": str(lm.device), "dtype": str(lm.dtype), "torch_threads": torch.get_num_threads(),
         "contracts": None if args.pairs else args.contracts, "pairs": len(records),
@@ -163,6 +174,39 @@ def main(argv=None) -> int:
                          "cpus": os.cpu_count()},
     })
     return finish(res, args)
+
+
+def time_loads(lm, out: Path, rounds: int = 2) -> dict | None:
+    """The run's states loaded onto its device side by side, each way ``rounds`` times in turn (the
+    better round kept): one at a time (`load_prefix`) and as the run loads them
+    (`load_prefixes`, TRAIN_LOAD_TOGETHER a call); ms per state."""
+    from kite.upcycle import TRAIN_LOAD_TOGETHER, Regenerator, load_prefix, load_prefixes
+
+    states = sorted((out / "states").glob("*.upc"))
+    if not states or not (out / "regenerator").is_dir():
+        return None
+    reg = Regenerator.load(out / "regenerator")
+    gpu = torch.device(lm.device).type == "cuda"
+    n = TRAIN_LOAD_TOGETHER
+
+    def timed(load) -> float:
+        if gpu:
+            torch.cuda.synchronize()
+        t = clock()
+        load()
+        if gpu:
+            torch.cuda.synchronize()
+        return (clock() - t) * 1e3 / len(states)
+
+    load_prefix(states[0], lm, regenerator=reg)          # (the first load's one-time work)
+    alone, together = [], []
+    for _ in range(rounds):
+        alone.append(timed(lambda: [load_prefix(s, lm, regenerator=reg) for s in states]))
+        together.append(timed(lambda: [load_prefixes(states[i:i + n], lm, regenerator=reg)
+                                       for i in range(0, len(states), n)]))
+    return {"states": len(states), "together": n, "alone_ms": round(min(alone), 3),
+            "together_ms": round(min(together), 3), "rounds_alone_ms": [round(x, 3) for x in alone],
+            "rounds_together_ms": [round(x, 3) for x in together]}
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from kite.errors import BadInput
 from kite.runtime.cache import cache_layers
 from kite.runtime.generate import forward_tokens
 from kite.upcycle import capture as capture_mod
+from kite.runtime import batch
 from kite.upcycle.capture import capture, capture_groups, capture_many, iter_captures
 from tests.tiny_models import CORPUS
 
@@ -101,7 +102,7 @@ def test_iterated_captures_prefill_a_group_at_a_time_in_order(tiny_lm, monkeypat
     texts = _texts() * 2
     batches = capture_batches
     longest = max(len(tiny_lm.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
-    monkeypatch.setitem(capture_mod.BATCH_TOKENS, "cpu", 3 * longest)     # three documents a forward
+    monkeypatch.setitem(batch.BATCH_TOKENS, "cpu", 3 * longest)     # three documents a forward
     caps = iter_captures(tiny_lm, texts, chunk_tokens=64)
     first = next(caps)
     assert batches == [3]                              # only the first group so far

@@ -96,6 +96,70 @@ def test_the_tail_over_a_reserving_cache_is_the_tail_over_a_growing_one(lm):
         assert torch.equal(a, b)
 
 
+def test_tails_recomputed_together_are_each_recomputed_alone(lm, monkeypatch):
+    """Where the device batches forwards, several prefixes' tails go through one forward (the shorter
+    prefixes padded before, the shorter tails after): each gets the keys and values its own forward
+    gives; a prefix loaded into some layers only goes alone."""
+    from kite.runtime import batch
+    from kite.upcycle.load import Tail, recompute_tail, recompute_tails
+
+    docs = [(_ids(lm, 160), TAIL), (_ids(lm, 120)[7:], 3), (_ids(lm, 140)[20:], TAIL)]
+    caches = [cache_layers(capture(lm, "", ids=ids, keep_cache=True).cache) for ids, _ in docs]
+
+    def tails(layers=None):
+        out = []
+        for (ids, n), cache in zip(docs, caches):
+            head = len(ids) - n
+            keep = set(range(len(cache))) if layers is None else layers
+            out.append(Tail([k[0, :, :head].clone() if i in keep else k[0, :, :0].clone() for i, (k, _) in enumerate(cache)],
+                            [v[0, :, :head].clone() if i in keep else v[0, :, :0].clone() for i, (_, v) in enumerate(cache)],
+                            ids[head:], len(ids), keep))
+        return out
+
+    alone = tails()
+    for t in alone:
+        recompute_tail(lm, t.keys, t.values, t.ids, t.n_tokens, t.layers)
+    forwards = []
+    real = lm.model.forward
+    monkeypatch.setattr(lm.model, "forward", lambda *a, **kw: forwards.append(kw["input_ids"].shape) or real(*a, **kw))
+    monkeypatch.setitem(batch.BATCH_TOKENS, "cpu", 3 * 160)
+    together = tails()
+    recompute_tails(lm, together)
+    assert forwards == [(3, TAIL)]
+    for a, b in zip(alone, together):
+        assert [k.shape for k in a.keys] == [k.shape for k in b.keys] and [v.shape for v in a.values] == [v.shape for v in b.values]
+        for x, y in zip(a.keys + a.values, b.keys + b.values):
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
+            assert y.is_contiguous()
+    forwards.clear()
+    some = tails({0})
+    recompute_tails(lm, some)
+    assert forwards == [(1, TAIL), (1, 3), (1, TAIL)]
+    assert [k.shape[1] for k in some[1].keys] == [len(docs[1][0])] + [0] * (len(some[1].keys) - 1)
+
+
+def test_states_loaded_together_are_each_loaded_alone(lm, tmp_path, monkeypatch):
+    """load_prefixes: every state whole, their tails in one forward where the device batches them; a
+    state without a tail among them loads as it does alone."""
+    from kite.runtime import batch
+    from kite.upcycle.load import load_prefixes
+
+    paths = []
+    for i, (n, tail) in enumerate([(160, TAIL), (130, 5), (150, 0)]):
+        paths.append(tmp_path / f"s{i}.upc")
+        compress_document(lm, "", paths[-1], _settings(4.0, tail), ids=_ids(lm, n)[i:])
+    alone = [load_prefix(path, lm) for path in paths]
+    monkeypatch.setitem(batch.BATCH_TOKENS, "cpu", 4 * 160)
+    together = load_prefixes(paths, lm)
+    for (a, ra), (b, rb) in zip(alone, together):
+        assert b.next_position == a.next_position and b.tokens_per_layer() == a.tokens_per_layer()
+        assert (rb.recomputed_tokens, rb.tokens, rb.clusters) == (ra.recomputed_tokens, ra.tokens, ra.clusters)
+        assert ("recompute" in rb.timings_ms) == bool(ra.recomputed_tokens) and rb.load_ms > 0
+        for x, y in zip(a.keys + a.values, b.keys + b.values):
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
+    assert load_prefixes([], lm) == []
+
+
 def test_a_tail_as_long_as_the_document_leaves_one_token_coded_and_a_negative_one_is_refused():
     assert recomputed_tail(100, 64) == 64 and recomputed_tail(10, 64) == 9 and recomputed_tail(10, 0) == 0
     with pytest.raises(BadInput, match="recompute tokens -1"):
@@ -251,6 +315,28 @@ def test_on_a_gpu_a_load_recomputes_the_tail_on_the_device(tiny_models, tmp_path
     compress_document(gpu, "", tmp_path / "coded.upc", _settings(4.0, TAIL), ids=ids)
     prefix, report = load_prefix(tmp_path / "coded.upc", gpu)
     assert report.recomputed_tokens == TAIL and prefix.tokens_per_layer() == [len(ids)] * gpu.geometry.n_layers
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_states_loaded_together_are_each_loaded_alone(tiny_models, tmp_path):
+    """On a GPU (bf16, the device's own batch budget) several states' tails go through one forward,
+    through the padded mask's attention: each state's keys and values are its own load's, to bf16's
+    rounding."""
+    from kite.model import load_model
+    from kite.upcycle.load import load_prefixes
+
+    gpu = load_model(str(tiny_models["llama"]), device="cuda")
+    paths = []
+    for i, n in enumerate((160, 130, 150)):
+        paths.append(tmp_path / f"s{i}.upc")
+        compress_document(gpu, "", paths[-1], _settings(4.0, TAIL), ids=_ids(gpu, n)[i:])
+    alone = [load_prefix(path, gpu)[0] for path in paths]
+    together = load_prefixes(paths, gpu)
+    for a, (b, report) in zip(alone, together):
+        assert report.recomputed_tokens == TAIL and b.tokens_per_layer() == a.tokens_per_layer()
+        for x, y in zip(a.keys + a.values, b.keys + b.values):
+            assert y.device.type == "cuda" and y.dtype == x.dtype
+            torch.testing.assert_close(y.float(), x.float(), rtol=0.05, atol=0.05)
 
 
 def test_training_codes_its_states_with_the_config_s_tail(tiny_models, tmp_path):

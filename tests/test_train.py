@@ -338,22 +338,27 @@ def test_a_run_of_several_ratios_trains_one_adapter_per_ratio_as_a_run_of_that_r
 def test_a_run_that_captures_documents_together_trains_as_one_that_captures_each_alone(tiny_models, tiny_lm,
                                                                                       tmp_path, monkeypatch,
                                                                                       capture_batches):
-    """On a GPU the run prefills several documents a forward (kite.upcycle.capture.BATCH_TOKENS); given a
-    budget on the CPU here, the run counts the same stages and makes the same states and adapter."""
+    """On a GPU the run prefills several documents a forward, and runs several states' recomputed
+    tails a forward when it loads them (kite.runtime.batch.BATCH_TOKENS); given a budget on the CPU
+    here, the run counts the same stages and makes the same states and adapter."""
     from safetensors.torch import load_file
 
-    from kite.upcycle import capture as capture_mod
+    from kite.runtime import batch
+    from kite.upcycle.format import StateFile
     from kite.upcycle.load.prefix import load_prefix
     from tests.conftest import parse_json
 
     batches = capture_batches
     alone, together = tmp_path / "alone", tmp_path / "together"
-    res = _train(tiny_models, tmp_path, alone, "--epochs", "1", "--layer-group", "1")
+    cfg = tmp_path / "upcycle.yaml"
+    cfg.write_text("compression:\n  recompute_tokens: 6\n")        # each load runs a tail through the model
+    flags = ("--epochs", "1", "--layer-group", "1", "--config", str(cfg))
+    res = _train(tiny_models, tmp_path, alone, *flags)
     assert res.exit_code == 0, res.output
     assert set(batches) == {1}
     batches.clear()
-    monkeypatch.setitem(capture_mod.BATCH_TOKENS, "cpu", 4096)
-    res = _train(tiny_models, tmp_path, together, "--epochs", "1", "--layer-group", "1")
+    monkeypatch.setitem(batch.BATCH_TOKENS, "cpu", 4096)
+    res = _train(tiny_models, tmp_path, together, *flags)
     assert res.exit_code == 0, res.output
     assert batches == [4, 1]          # the 4 training documents calibrated together, the held-out one alone
     a, b = parse_json(res.output), json.loads((alone / "train_report.json").read_text())
@@ -361,6 +366,8 @@ def test_a_run_that_captures_documents_together_trains_as_one_that_captures_each
     regs = [Regenerator.load(run / "regenerator") for run in (alone, together)]
     assert all(torch.allclose(regs[0].tensors[k], regs[1].tensors[k], atol=1e-5) for k in regs[0].tensors)
     for state in sorted((alone / "states").iterdir()):
+        with StateFile(state) as sf:
+            assert sf.meta["recompute"]["tokens"] == 6
         p, q = (load_prefix(run / "states" / state.name, tiny_lm, regenerator=reg)[0]
                 for run, reg in zip((alone, together), regs))
         assert all(torch.allclose(u, v, atol=1e-4) for u, v in zip(p.keys + p.values, q.keys + q.values)), state.name

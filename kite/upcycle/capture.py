@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kite.runtime.batch import right_padded
+from kite.runtime.batch import forward_groups, right_padded
 from kite.runtime.cache import cache_layers, new_cache
 from kite.runtime.generate import cache_kwarg
 from kite.upcycle.rope import remove_rope, rope_cos_sin
@@ -60,27 +60,10 @@ def token_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]
     return "".join(pieces), offsets
 
 
-# Padded tokens one forward of several documents may hold, by device type (:func:`capture_groups`).
-# A device not named here captures one document at a time: a CPU pays for every token's products,
-# padding included, where a GPU's prefill of a 2K-token document is bound by the host's launches.
-BATCH_TOKENS = {"cuda": 16384}
-
-
 def capture_groups(lengths: Sequence[int], device) -> list[list[int]]:
     """Consecutive documents (their indices) that :func:`capture_many` prefills together on
-    ``device``: as many as keep the group's count times its longest within ``BATCH_TOKENS``, one
-    document at a time where the device has no budget."""
-    budget = BATCH_TOKENS.get(torch.device(device).type, 0)
-    groups: list[list[int]] = []
-    longest = 0
-    for i, n in enumerate(lengths):
-        if groups and (len(groups[-1]) + 1) * max(longest, n) <= budget:
-            groups[-1].append(i)
-            longest = max(longest, n)
-        else:
-            groups.append([i])
-            longest = n
-    return groups
+    ``device`` (:func:`kite.runtime.batch.forward_groups`)."""
+    return forward_groups(lengths, device)
 
 
 def _document(lm: LoadedModel, text: str, ids: list[int] | None) -> tuple[str, list[int], list[tuple[int, int]]]:

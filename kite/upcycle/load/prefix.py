@@ -29,7 +29,7 @@ from kite.upcycle.load.parts import decode_part, read_layer, read_part
 from kite.upcycle.load.rebuild import load_staged
 from kite.upcycle.load.selection import SINK_TOKENS, Selection, select
 from kite.upcycle.load.staging import stage_state, supports_state
-from kite.upcycle.load.tail import recompute_tail, tail_ids
+from kite.upcycle.load.tail import Tail, recompute_tail, recompute_tails, tail_ids
 from kite.upcycle.rope import apply_rope, rope_cos_sin
 
 if TYPE_CHECKING:
@@ -282,11 +282,63 @@ def load_prefix(state: StateFile | str | Path, lm: LoadedModel, *, clusters: lis
     rebuilt there, through the pinned hot tier `tier` (default: the process's); otherwise they are
     decoded on the host. A state coded on a regenerator's bases decodes with that regenerator only:
     `regenerator` when it is the one, else the copy kept under ``$KITE_HOME/regenerators``
-    (FingerprintMismatch naming it when there is none).
+    (FingerprintMismatch naming it when there is none). A state that keeps its last tokens as ids
+    (:mod:`.tail`) has them run through the model after the rebuilt prefix.
     """
+    coded = _load_coded(state, lm, clusters, layers, precision, verify, sink_tokens, tier, regenerator)
+    if coded.tail.ids:
+        t = time.perf_counter()
+        recompute_tail(lm, coded.tail.keys, coded.tail.values, coded.tail.ids, coded.tail.n_tokens,
+                       coded.tail.layers, coded.reader)
+        coded.timings["recompute"] = round((time.perf_counter() - t) * 1e3, 3)
+    return coded.finish(lm)
+
+
+@torch.inference_mode()
+def load_prefixes(states: list[StateFile | str | Path], lm: LoadedModel, *, verify: bool = True,
+                  tier: HotTier | None = None, regenerator=None) -> list[tuple[KVPrefix, LoadReport]]:
+    """:func:`load_prefix` of each of ``states`` whole, their recomputed tails run through the model
+    together where its device batches forwards (:func:`kite.upcycle.load.tail.recompute_tails`: on
+    a GPU a tail's forward is bound by the host's launches, so several cost about what one does).
+    Each report's ``timings_ms.recompute`` is its share of its tails' forwards."""
+    coded = [_load_coded(s, lm, None, None, None, verify, SINK_TOKENS, tier, regenerator) for s in states]
+    for reader in (False, True):
+        these = [c for c in coded if c.tail.ids and c.reader == reader]
+        if these:
+            t = time.perf_counter()
+            recompute_tails(lm, [c.tail for c in these], reader)
+            share = round((time.perf_counter() - t) * 1e3 / len(these), 3)
+            for c in these:
+                c.timings["recompute"] = share
+    return [c.finish(lm) for c in coded]
+
+
+@dataclass
+class _Coded:
+    """A state's prefix rebuilt from its coded parts, its tail (if any) not yet run."""
+
+    state: StateFile
+    sel: Selection
+    layers: list[int]
+    precision: str | None
+    tail: Tail          # its keys and values are the prefix's, appended to in place
+    reader: bool
+    bytes_read: int
+    timings: dict
+    elapsed_s: float    # the load's seconds so far
+
+    def finish(self, lm: LoadedModel) -> tuple[KVPrefix, LoadReport]:
+        prefix = KVPrefix(self.tail.keys, self.tail.values, next_position=self.tail.n_tokens, reader=self.reader)
+        spent = self.elapsed_s + self.timings.get("recompute", 0.0) / 1e3
+        return prefix, load_report(self.state, lm.geometry.n_layers, self.sel, self.layers, self.precision,
+                                   bytes_read=self.bytes_read, t0=time.perf_counter() - spent, timings=self.timings,
+                                   resident_bytes=prefix.nbytes(), recomputed=len(self.tail.ids))
+
+
+def _load_coded(state, lm: LoadedModel, clusters, layers, precision, verify: bool, sink_tokens: int,
+                tier: HotTier | None, regenerator) -> _Coded:
     t0 = time.perf_counter()
     state, regenerator = _checked(state, lm, precision, regenerator)
-    tail = tail_ids(state.meta)
     n_layers = lm.geometry.n_layers
     sel = select(state, clusters, sink_tokens)
     if layers is not None and not layers:
@@ -303,14 +355,9 @@ def load_prefix(state: StateFile | str | Path, lm: LoadedModel, *, clusters: lis
         keys, values, nbytes, timings = _load_on_host(state, lm, sel, layer_set, verify, precision, regenerator)
     made_for = (state.meta.get("fingerprints") or {}).get("adapter")
     reader = made_for is not None and made_for == lm.fingerprints.adapter
-    recomputed = len(tail) if sel.chosen else 0     # (nothing loaded: nothing for the tail to read)
-    if recomputed:
-        t = time.perf_counter()
-        recompute_tail(lm, keys, values, tail, int(state.meta["n_tokens"]), layer_set, reader)
-        timings["recompute"] = round((time.perf_counter() - t) * 1e3, 3)
-    prefix = KVPrefix(keys, values, next_position=int(state.meta["n_tokens"]), reader=reader)
-    return prefix, load_report(state, n_layers, sel, sorted(layer_set), precision, bytes_read=nbytes, t0=t0,
-                               timings=timings, resident_bytes=prefix.nbytes(), recomputed=recomputed)
+    tail = tail_ids(state.meta) if sel.chosen else []     # (nothing loaded: nothing for the tail to read)
+    return _Coded(state, sel, sorted(layer_set), precision, Tail(keys, values, tail, int(state.meta["n_tokens"]), layer_set),
+                  reader, nbytes, timings, time.perf_counter() - t0)
 
 
 def load_report(state: StateFile, n_layers: int, sel: Selection, layers: list[int], precision: str | None, *,

@@ -11,12 +11,15 @@ forward of the tail's tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from kite.errors import BadInput
+from kite.runtime.batch import forward_groups
 from kite.runtime.cache import KVPrefix, cache_layers, new_cache
 from kite.runtime.generate import cache_kwarg
 
@@ -68,4 +71,79 @@ def recompute_tail(lm: LoadedModel, keys: list[torch.Tensor], values: list[torch
             values[layer] = torch.cat([values[layer], v[0, :, -len(ids):].to(values[layer])], dim=1)
 
 
-__all__ = ["recompute_tail", "tail_ids"]
+@dataclass
+class Tail:
+    """One prefix's tail to recompute (:func:`recompute_tail`'s arguments): ``keys`` / ``values`` per
+    layer [H_kv, P, d], appended to in place; ``ids`` at positions ``n_tokens - len(ids)`` onwards,
+    into ``layers``."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    ids: list[int]
+    n_tokens: int
+    layers: set[int]
+
+    def whole(self) -> bool:
+        """Whether every layer holds the whole prefix before the tail (what a batch of tails needs)."""
+        start = self.n_tokens - len(self.ids)
+        return (len(self.layers) == len(self.keys)
+                and all(k.shape[1] == start and v.shape[1] == start for k, v in zip(self.keys, self.values)))
+
+
+def recompute_tails(lm: LoadedModel, tails: Sequence[Tail], reader: bool = False) -> None:
+    """:func:`recompute_tail` of each of ``tails``, several in one forward where the model's device
+    batches forwards (:func:`kite.runtime.batch.forward_groups`: on a GPU the forward of a tail is
+    bound by the host's launches, not by its tokens) and a tail's prefix is whole in every layer;
+    the others one at a time. Each tail's keys and values are what its own forward makes, to the
+    rounding of the batch's products."""
+    together = [t for t in tails if t.ids and t.whole()]
+    for t in tails:
+        if t.ids and not t.whole():
+            recompute_tail(lm, t.keys, t.values, t.ids, t.n_tokens, t.layers, reader)
+    if not together:
+        return
+    for group in forward_groups([t.n_tokens for t in together], next(lm.model.parameters()).device):
+        if len(group) == 1:
+            t = together[group[0]]
+            recompute_tail(lm, t.keys, t.values, t.ids, t.n_tokens, t.layers, reader)
+        else:
+            _recompute_together(lm, [together[i] for i in group], reader)
+
+
+@torch.inference_mode()
+def _recompute_together(lm: LoadedModel, tails: list[Tail], reader: bool) -> None:
+    """One forward of several tails: each row's prefix ends where the longest prefix ends (padding
+    before it, masked), its tail's tokens after it at their own positions (padding after a shorter
+    tail is never read: the attention is causal)."""
+    model = lm.model
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    starts = [t.n_tokens - len(t.ids) for t in tails]
+    p, n = max(starts), max(len(t.ids) for t in tails)
+    cache = new_cache(model, reserve=p + n)
+    for layer in range(len(tails[0].keys)):
+        k0, v0 = tails[0].keys[layer], tails[0].values[layer]
+        keys = torch.zeros(len(tails), k0.shape[0], p, k0.shape[-1], device=device, dtype=dtype)
+        values = torch.zeros(len(tails), v0.shape[0], p, v0.shape[-1], device=device, dtype=dtype)
+        for row, (t, start) in enumerate(zip(tails, starts)):
+            keys[row, :, p - start:] = t.keys[layer]
+            values[row, :, p - start:] = t.values[layer]
+        cache.update(keys, values, layer)
+    mask = torch.ones(len(tails), p + n, dtype=torch.long, device=device)
+    tokens = torch.zeros(len(tails), n, dtype=torch.long, device=device)
+    for row, (t, start) in enumerate(zip(tails, starts)):
+        mask[row, :p - start] = 0
+        tokens[row, :len(t.ids)] = torch.tensor(t.ids, device=device)
+    positions = torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)[None]
+    reading = lm.reading(reader) if reader and hasattr(lm, "reading") else nullcontext()
+    with reading:
+        model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+              **{cache_kwarg(model): cache})
+    for row, (t, start) in enumerate(zip(tails, starts)):
+        span = slice(p - start, p + len(t.ids))
+        for layer, (k, v) in enumerate(cache_layers(cache)):
+            t.keys[layer] = k[row, :, span].to(t.keys[layer]).clone(memory_format=torch.contiguous_format)
+            t.values[layer] = v[row, :, span].to(t.values[layer]).clone(memory_format=torch.contiguous_format)
+
+
+__all__ = ["Tail", "recompute_tail", "recompute_tails", "tail_ids"]

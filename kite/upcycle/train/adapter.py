@@ -180,24 +180,38 @@ def student_batch_logits(model, prefixes: list[KVPrefix], exs: list[Example]) ->
 class PrefixCache:
     """Decoded states by document on the model's device, in the model's dtype, as plain tensors
     (autograd refuses the inference tensors a load returns): all of them while they fit in
-    ``budget_bytes``, else the most recently used (the rest are loaded again when asked for)."""
+    ``budget_bytes``, else the most recently used (the rest are loaded again when asked for).
+    ``load_many``: loads several documents' states at once (:meth:`fetch`; their tails run together)."""
 
-    def __init__(self, load: Callable[[str], KVPrefix], budget_bytes: int, device, dtype: torch.dtype):
-        self.load, self.budget, self.device, self.dtype = load, budget_bytes, device, dtype
+    def __init__(self, load: Callable[[str], KVPrefix], budget_bytes: int, device, dtype: torch.dtype,
+                 load_many: Callable[[list[str]], list[KVPrefix]] | None = None):
+        self.load, self.load_many, self.budget, self.device, self.dtype = load, load_many, budget_bytes, device, dtype
         self.items: OrderedDict[str, KVPrefix] = OrderedDict()
         self.nbytes, self.loads = 0, 0
 
     def __call__(self, doc: str) -> KVPrefix:
         if doc not in self.items:
-            p = self.load(doc)
-            self.loads += 1
-            self.items[doc] = p = KVPrefix([k.to(self.device, self.dtype).clone() for k in p.keys],
-                                           [v.to(self.device, self.dtype).clone() for v in p.values], p.next_position)
-            self.nbytes += p.nbytes()
-            while len(self.items) > 1 and self.nbytes > self.budget:
-                self.nbytes -= self.items.popitem(last=False)[1].nbytes()
+            self._keep(doc, self.load(doc))
         self.items.move_to_end(doc)
         return self.items[doc]
+
+    def fetch(self, docs: list[str]) -> None:
+        """Load those of ``docs`` not held, together where ``load_many`` is given."""
+        missing = [d for d in dict.fromkeys(docs) if d not in self.items]
+        if self.load_many is None or len(missing) < 2:
+            for doc in missing:
+                self(doc)
+            return
+        for doc, p in zip(missing, self.load_many(missing)):
+            self._keep(doc, p)
+
+    def _keep(self, doc: str, p: KVPrefix) -> None:
+        self.loads += 1
+        self.items[doc] = p = KVPrefix([k.to(self.device, self.dtype).clone() for k in p.keys],
+                                       [v.to(self.device, self.dtype).clone() for v in p.values], p.next_position)
+        self.nbytes += p.nbytes()
+        while len(self.items) > 1 and self.nbytes > self.budget:
+            self.nbytes -= self.items.popitem(last=False)[1].nbytes()
 
 
 def memory_budget(device, share: float) -> int:

@@ -36,7 +36,7 @@ from kite.upcycle.capture import Capture
 from kite.upcycle.codec import batched_takes_regenerator
 from kite.upcycle.codec.settings import settings_for
 from kite.upcycle.compress import CompressSettings, captures_for, compress_document
-from kite.upcycle.load.prefix import load_prefix
+from kite.upcycle.load.prefix import load_prefix, load_prefixes
 from kite.upcycle.train.adapter import Example, PrefixCache, memory_budget
 from kite.upcycle.train.data import Pair
 from kite.upcycle.train.stages import StageTimes
@@ -44,6 +44,11 @@ from kite.upcycle.train.teacher import TEACHER_ROWS, document_examples
 
 if TYPE_CHECKING:
     from kite.model import LoadedModel
+
+# Documents whose states are loaded onto the device at a time, their recomputed tails run together
+# where the device batches forwards (kite.upcycle.load.load_prefixes); a GPU's forward holds about 7
+# of 2K tokens (kite.runtime.batch.BATCH_TOKENS), so 16 make two full forwards and a short one.
+LOAD_TOGETHER = 16
 
 
 def capture_nbytes(cap: Capture) -> int:
@@ -151,7 +156,9 @@ def prepare_documents(lm: LoadedModel, pairs: list[Pair], train: list[Pair], hel
         param = next(lm.model.parameters())
         budget = memory_budget(param.device, 0.5) // max(1, len(ratios))
         prep.prefixes = {r: PrefixCache(lambda doc, r=r: load_prefix(prep.states[(doc, r)], lm)[0], budget,
-                                        param.device, param.dtype) for r in ratios}
+                                        param.device, param.dtype,
+                                        lambda docs, r=r: [p for p, _ in load_prefixes([prep.states[(d, r)] for d in docs], lm)])
+                         for r in ratios}
     slots: dict[str, list[Example | None]] = {"train": [None] * len(train), "held": [None] * len(held)}
     settings0 = compress_settings(cfg, ratios[0], layer_weights)
     if reg.choice == "probe":
@@ -169,6 +176,14 @@ def prepare_documents(lm: LoadedModel, pairs: list[Pair], train: list[Pair], hel
                     prep.compress_ms[k] = round(prep.compress_ms.get(k, 0.0) + v, 1)
 
     lock = threading.Lock()
+    loading: list[str] = []      # documents whose states are written, their prefixes not yet loaded
+
+    def load(docs: list[str]) -> None:
+        """The documents' states onto the device, each ratio's together (their tails in shared forwards)."""
+        for r in ratios:
+            with times.stage("load", len(docs)):
+                prep.prefixes[r].fetch(docs)
+
     (out / "states").mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
     if pool is not None:
@@ -204,11 +219,14 @@ def prepare_documents(lm: LoadedModel, pairs: list[Pair], train: list[Pair], hel
                     slots[name][i] = ex
             del cap
             if teacher and pool is None:
-                for r in ratios:
-                    with times.stage("load"):
-                        prep.prefixes[r](doc)
+                loading.append(doc)
+                if len(loading) == LOAD_TOGETHER:
+                    load(loading)
+                    loading = []
             if progress:
                 progress("states", n + 1, len(docs))
+        if loading:
+            load(loading)
         if pool is not None:
             # the codec ran on the host while the device went on; what is left of it is waited for here
             with times.stage("compress", len(jobs)):
@@ -216,10 +234,9 @@ def prepare_documents(lm: LoadedModel, pairs: list[Pair], train: list[Pair], hel
                     job.result()
             torch.set_num_threads(threads)
             if teacher:
-                for doc in docs:
-                    for r in ratios:
-                        with times.stage("load"):
-                            prep.prefixes[r](doc)
+                keys = list(docs)
+                for i in range(0, len(keys), LOAD_TOGETHER):
+                    load(keys[i:i + LOAD_TOGETHER])
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
