@@ -55,6 +55,25 @@ def test_the_tail_is_kept_as_ids_and_the_clusters_cover_the_tokens_before_it(lm,
     assert abs(made.compression_ratio / 4.0 - 1) <= 0.03, made.compression_ratio
 
 
+def test_the_tails_share_of_the_bytes_goes_to_the_first_coding(lm, tmp_path, monkeypatch):
+    """The tail's tokens count in the ratio's base but are not coded: the state-wide allocation is
+    handed their share from the first coding, so a state that fits at once is coded once (not a
+    second time to spend what the first left), and the file is the size asked."""
+    from kite.upcycle import codec as codec_mod
+
+    within = codec_mod.within_budget
+    codings = []
+
+    def counted(code, size, budget):
+        return within(lambda bonus: codings.append(bonus) or code(bonus), size, budget)
+
+    monkeypatch.setattr(codec_mod, "within_budget", counted)
+    ids = lm.tokenizer(CORPUS * 3, add_special_tokens=False)["input_ids"][:400]
+    made = compress_document(lm, "", tmp_path / "s.upc", _settings(4.0, 32), ids=ids)
+    assert codings == [0] and made.recomputed_tokens == 32
+    assert abs(made.compression_ratio / 4.0 - 1) <= 0.01, made.compression_ratio
+
+
 def test_a_load_recomputes_the_tail_after_the_prefix_as_the_model_would(lm, tmp_path):
     """With the tokens before the tail kept exactly, the loaded prefix is the document's own KV: the
     tail's keys and values are what a prefill of the whole document makes of them."""

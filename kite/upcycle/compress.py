@@ -366,7 +366,10 @@ def compress_capture(lm: LoadedModel, cap: Capture, output: str | Path, settings
         """Every blob of the state under its key. ``bonus``: bytes the state-wide budget may spend
         beyond the ratio's (what the entropy coding of an earlier pass saved)."""
         def overhead(sets) -> int:
-            return container_bytes(sets) - bonus
+            # the recomputed tail's tokens count in the ratio's base (the whole document's raw KV) and
+            # are not coded: their share of the bytes goes to the tokens before them
+            fit = ratio_of(fit_codec)
+            return container_bytes(sets) - bonus - (int(raw_kv * tail / n_tokens / fit) if tail and fit else 0)
 
         stage = "compress" if not bonus else "compress again (to the ratio's bytes)"   # progress
 
