@@ -329,6 +329,8 @@ class _Coded:
 
     def finish(self, lm: LoadedModel) -> tuple[KVPrefix, LoadReport]:
         prefix = KVPrefix(self.tail.keys, self.tail.values, next_position=self.tail.n_tokens, reader=self.reader)
+        # its own seconds: the coded parts' and its tail's (or its share of a shared forward), not
+        # the other states' of a load of several
         spent = self.elapsed_s + self.timings.get("recompute", 0.0) / 1e3
         return prefix, load_report(self.state, lm.geometry.n_layers, self.sel, self.layers, self.precision,
                                    bytes_read=self.bytes_read, t0=time.perf_counter() - spent, timings=self.timings,
