@@ -6,7 +6,8 @@ after it will.
 The continuation of a document reads its last tokens the most; coded at 16x their error is the
 largest share of what the next tokens feel (docs/compression.md, "Recomputed tail"). Kept as ids
 they cost a few bytes each, and the state's bytes go to the tokens before them; a load pays a
-forward of the tail's tokens.
+forward of the tail's tokens. Several states loaded together share their tails' forwards where the
+device batches forwards (:func:`recompute_tails`).
 """
 
 from __future__ import annotations
