@@ -146,6 +146,23 @@ def test_generate_greedy_is_deterministic_and_streams(lm):
     assert a.ttft_ms > 0 and a.total_ms >= a.ttft_ms
 
 
+def test_a_generation_after_a_prefix_reads_as_over_a_growing_cache(lm, monkeypatch):
+    """generate() reserves what it will hold (the prefix, the prompt, the new tokens) and writes each
+    token in place: the same tokens and prompt NLL as over a cache growing by concatenation."""
+    import kite.runtime.generate as gen
+
+    doc = _ids(lm, 50, 1)
+    cache = new_cache(lm.model)
+    forward_tokens(lm.model, doc, cache, 0)
+    prefix = KVPrefix([k[0] for k, _ in cache_layers(cache)], [v[0] for _, v in cache_layers(cache)], len(doc))
+    ids = encode_prompt(lm.tokenizer, "The parties agree", chat=False)
+    reserved = generate(lm, ids, max_new_tokens=12, prefix=prefix, stop_ids=set())
+    monkeypatch.setattr(gen, "new_cache", lambda model, prefix=None, reserve=0: new_cache(model, prefix))
+    growing = generate(lm, ids, max_new_tokens=12, prefix=prefix, stop_ids=set())
+    assert reserved.text == growing.text and reserved.new_tokens == 12
+    assert reserved.prompt_nll_bits == pytest.approx(growing.prompt_nll_bits, abs=1e-6)
+
+
 def test_sampling_is_seeded(lm):
     ids = encode_prompt(lm.tokenizer, "The parties agree", chat=False)
     a = generate(lm, ids, max_new_tokens=8, temperature=1.0, seed=7, stop_ids=set())

@@ -89,7 +89,10 @@ def _generate(lm, prompt_ids, max_new_tokens, temperature, top_p, seed, prefix, 
                             on_text=on_text)
     if cache is not None and prefix is not None:
         raise ValueError("give a prefix or a cache, not both")
-    cache = cache if cache is not None else new_cache(model, prefix)
+    if cache is None:
+        # the cache reserves what this generation will hold: each token's keys and values are written
+        # in place, the prefix not copied again at every step
+        cache = new_cache(model, prefix, reserve=start + len(prompt_ids) + max_new_tokens)
     step = prefill_chunk if prefill_chunk and prefill_chunk > 0 else len(prompt_ids)
     nll_sum = 0.0  # nats, over prompt tokens 1.. (each predicted by the position before it)
     for at in range(0, len(prompt_ids), step):
