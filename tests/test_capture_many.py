@@ -12,7 +12,7 @@ from kite.runtime.cache import cache_layers
 from kite.runtime.generate import forward_tokens
 from kite.upcycle import capture as capture_mod
 from kite.runtime import batch
-from kite.upcycle.capture import capture, capture_groups, capture_many, iter_captures
+from kite.upcycle.capture import capture, capture_many, iter_captures
 from tests.tiny_models import CORPUS
 
 
@@ -90,12 +90,12 @@ def test_one_document_alone_is_captured_as_before(tiny_lm):
 
 
 def test_documents_go_together_within_the_devices_token_budget():
-    assert capture_groups([2000] * 9, "cuda") == [list(range(8)), [8]]
+    assert batch.forward_groups([2000] * 9, "cuda") == [list(range(8)), [8]]
     # a group's count times its longest: a long document starts a group of its own
-    assert capture_groups([100, 100, 9000, 100], "cuda") == [[0, 1], [2], [3]]
-    assert capture_groups([20000, 100], "cuda") == [[0], [1]]
-    assert capture_groups([10, 10, 10], "cpu") == [[0], [1], [2]]
-    assert capture_groups([], "cuda") == []
+    assert batch.forward_groups([100, 100, 9000, 100], "cuda") == [[0, 1], [2], [3]]
+    assert batch.forward_groups([20000, 100], "cuda") == [[0], [1]]
+    assert batch.forward_groups([10, 10, 10], "cpu") == [[0], [1], [2]]
+    assert batch.forward_groups([], "cuda") == []
 
 
 def test_iterated_captures_prefill_a_group_at_a_time_in_order(tiny_lm, monkeypatch, capture_batches):

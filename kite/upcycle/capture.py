@@ -60,12 +60,6 @@ def token_offsets(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]
     return "".join(pieces), offsets
 
 
-def capture_groups(lengths: Sequence[int], device) -> list[list[int]]:
-    """Consecutive documents (their indices) that :func:`capture_many` prefills together on
-    ``device`` (:func:`kite.runtime.batch.forward_groups`)."""
-    return forward_groups(lengths, device)
-
-
 def _document(lm: LoadedModel, text: str, ids: list[int] | None) -> tuple[str, list[int], list[tuple[int, int]]]:
     from kite.errors import BadInput
 
@@ -119,7 +113,7 @@ def capture_many(lm: LoadedModel, texts: Sequence[str], *, chunk_tokens: int = 1
     document alone, to the rounding of the batch's products. ``progress`` counts the documents' own
     tokens; each capture's ``prefill_ms`` is its share of the batch's, by tokens; ``queries``: each
     capture's ``query_sq`` sums its own tokens' queries (the last rows' queries: :func:`capture`
-    alone). Group the documents with :func:`capture_groups`."""
+    alone). Group the documents with :func:`kite.runtime.batch.forward_groups`."""
     ids = list(ids) if ids is not None else [None] * len(texts)
     if len(ids) != len(texts):
         raise ValueError(f"{len(texts)} texts and {len(ids)} id lists")
@@ -130,11 +124,11 @@ def capture_many(lm: LoadedModel, texts: Sequence[str], *, chunk_tokens: int = 1
 def iter_captures(lm: LoadedModel, texts: Sequence[str], *, chunk_tokens: int = 1024,
                   hidden_layers: Sequence[int] = (), keep_cache: bool = False,
                   queries: bool = False) -> Iterator[Capture]:
-    """The capture of each text in order, the documents prefilled together in :func:`capture_groups`
+    """The capture of each text in order, the documents prefilled together in :func:`kite.runtime.batch.forward_groups`
     (:func:`capture_many`); a group is prefilled when its first capture is asked for, so at most one
     group's captures are held here. Every text is tokenized and checked first."""
     docs = [_document(lm, text, None) for text in texts]
-    for group in capture_groups([len(doc_ids) for _, doc_ids, _ in docs], lm.device):
+    for group in forward_groups([len(doc_ids) for _, doc_ids, _ in docs], lm.device):
         yield from _prefill(lm, [docs[i] for i in group], chunk_tokens, hidden_layers, None, keep_cache, queries)
 
 

@@ -97,10 +97,12 @@ def recompute_tails(lm: LoadedModel, tails: Sequence[Tail], reader: bool = False
     bound by the host's launches, not by its tokens) and a tail's prefix is whole in every layer;
     the others one at a time. Each tail's keys and values are what its own forward makes, to the
     rounding of the batch's products."""
-    together = [t for t in tails if t.ids and t.whole()]
+    together, alone = [], []
     for t in tails:
-        if t.ids and not t.whole():
-            recompute_tail(lm, t.keys, t.values, t.ids, t.n_tokens, t.layers, reader)
+        if t.ids:
+            (together if t.whole() else alone).append(t)
+    for t in alone:
+        recompute_tail(lm, t.keys, t.values, t.ids, t.n_tokens, t.layers, reader)
     if not together:
         return
     for group in forward_groups([t.n_tokens for t in together], next(lm.model.parameters()).device):
