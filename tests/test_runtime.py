@@ -163,6 +163,30 @@ def test_a_generation_after_a_prefix_reads_as_over_a_growing_cache(lm, monkeypat
     assert reserved.prompt_nll_bits == pytest.approx(growing.prompt_nll_bits, abs=1e-6)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_generation_on_the_gpu_reads_the_reserved_cache_as_a_growing_one(tiny_models, monkeypatch, dtype):
+    """On a GPU the decode reads the reserved buffers through views (the split-KV kernel and sdpa take
+    them by their strides): the same tokens as over a growing cache on fp32, the same prompt NLL to
+    bf16's rounding."""
+    import kite.runtime.generate as gen
+    from kite.model import load_model
+
+    gpu = load_model(str(tiny_models["llama"]), device="cuda", dtype=dtype)
+    doc = _ids(gpu, 300, 2)
+    cache = new_cache(gpu.model)
+    forward_tokens(gpu.model, doc, cache, 0)
+    prefix = KVPrefix([k[0] for k, _ in cache_layers(cache)], [v[0] for _, v in cache_layers(cache)], len(doc))
+    ids = encode_prompt(gpu.tokenizer, "The parties agree", chat=False)
+    reserved = generate(gpu, ids, max_new_tokens=16, prefix=prefix, stop_ids=set())
+    monkeypatch.setattr(gen, "new_cache", lambda model, prefix=None, reserve=0: new_cache(model, prefix))
+    growing = generate(gpu, ids, max_new_tokens=16, prefix=prefix, stop_ids=set())
+    assert reserved.new_tokens == growing.new_tokens == 16
+    if dtype == "fp32":
+        assert reserved.text == growing.text
+    assert reserved.prompt_nll_bits == pytest.approx(growing.prompt_nll_bits, rel=1e-4 if dtype == "fp32" else 2e-2)
+
+
 def test_sampling_is_seeded(lm):
     ids = encode_prompt(lm.tokenizer, "The parties agree", chat=False)
     a = generate(lm, ids, max_new_tokens=8, temperature=1.0, seed=7, stop_ids=set())
