@@ -15,6 +15,7 @@ copy of `kite/` or in a graph built in memory and see the checker fail on it.
 from __future__ import annotations
 
 import ast
+import functools
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -147,8 +148,10 @@ class Tree:
         return reached
 
 
-TREE = Tree(ROOT)
-GRAPH = TREE.graph
+@functools.cache
+def repo_tree() -> Tree:
+    """The repository's tree, parsed when a test first asks (not at collection, in every worker)."""
+    return Tree(ROOT)
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -253,32 +256,32 @@ def face_violations(importer: str, targets: set[str], exceptions: dict | None = 
 
 
 def test_no_module_of_kite_takes_part_in_an_import_cycle():
-    assert _cycles(GRAPH) == []
+    assert _cycles(repo_tree().graph) == []
 
 
 def test_no_package_or_subpackage_of_kite_takes_part_in_an_import_cycle():
-    assert package_cycles(GRAPH) == []
+    assert package_cycles(repo_tree().graph) == []
 
 
 def test_the_cycle_finder_sees_a_package_cycle_that_no_module_cycle_shows():
     # planted in memory: a new module of format/ imports the codec, whose modules import format/
-    planted = {**GRAPH, "kite.upcycle.format.planted": {"kite.upcycle.codec"}}
+    planted = {**repo_tree().graph, "kite.upcycle.format.planted": {"kite.upcycle.codec"}}
     assert _cycles(planted) == []
     assert ["kite.upcycle.codec", "kite.upcycle.format"] in package_cycles(planted)
     # and between top-level packages: data (the bottom) importing serve, which reaches data
     serve, data = _first("kite.serve"), _first("kite.data")
-    planted = {**GRAPH, "kite.data.planted": {serve}, serve: GRAPH[serve] | {data}}
+    planted = {**repo_tree().graph, "kite.data.planted": {serve}, serve: repo_tree().graph[serve] | {data}}
     assert any("kite.data" in c and "kite.serve" in c for c in package_cycles(planted))
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def _first(package: str) -> str:
     """A module of `package` as it is today (the planted tests name no file that may go)."""
-    return sorted(n for n in GRAPH if n.startswith(package + "."))[0]
+    return sorted(n for n in repo_tree().graph if n.startswith(package + "."))[0]
 
 
 def test_imports_point_down_the_layers():
-    assert layer_violations(GRAPH) == []
+    assert layer_violations(repo_tree().graph) == []
 
 
 def _copy_of_kite(tmp_path: Path) -> Path:
@@ -291,28 +294,28 @@ def test_the_layer_check_fails_on_data_importing_serve(tmp_path):
     """Planted in a copy of kite/: kite/data (the bottom) imports a serve module, inside a function."""
     root = _copy_of_kite(tmp_path)
     serve, data = _first("kite.serve"), _first("kite.data")
-    with open(root / TREE.path(data).relative_to(ROOT), "a") as f:
+    with open(root / repo_tree().path(data).relative_to(ROOT), "a") as f:
         f.write(f"\n\ndef _planted():\n    import {serve}\n    return {serve}\n")
     bad = layer_violations(Tree(root).graph)
     assert bad == [f"{data} (layer 0) imports {serve} (layer {RANK['serve']})"]
 
 
 def test_the_layer_check_fails_on_a_product_module_importing_the_test_support():
-    planted = {**GRAPH, "kite.runtime.planted": {f"{TEST_SUPPORT}.launchers"}, f"{TEST_SUPPORT}.launchers": set()}
+    planted = {**repo_tree().graph, "kite.runtime.planted": {f"{TEST_SUPPORT}.launchers"}, f"{TEST_SUPPORT}.launchers": set()}
     assert layer_violations(planted) == [f"kite.runtime.planted imports the test support {TEST_SUPPORT}.launchers"]
 
 
 def test_upcycle_subpackages_import_down_their_order():
-    assert upcycle_order_violations(GRAPH) == []
+    assert upcycle_order_violations(repo_tree().graph) == []
     # every subpackage of kite/upcycle/ is placed in the order (a new one must be)
-    subpackages = {n.split(".")[2] for n, p in TREE.modules.items()
+    subpackages = {n.split(".")[2] for n, p in repo_tree().modules.items()
                    if n.count(".") == 2 and n.startswith("kite.upcycle.") and p.name == "__init__.py"}
     placed = {u for names in UPCYCLE_ORDER for u in names}
     assert subpackages <= placed, f"place {sorted(subpackages - placed)} in UPCYCLE_ORDER"
 
 
 def test_the_upcycle_order_fails_on_a_load_importing_the_training_run():
-    planted = {**GRAPH, "kite.upcycle.load.planted": {"kite.upcycle.train.run"},
+    planted = {**repo_tree().graph, "kite.upcycle.load.planted": {"kite.upcycle.train.run"},
                "kite.upcycle.codec.planted": {"kite.upcycle.compress"}}
     assert upcycle_order_violations(planted) == [
         "kite.upcycle.codec.planted (codec) imports kite.upcycle.compress (compress), above it in UPCYCLE_ORDER",
@@ -320,19 +323,19 @@ def test_the_upcycle_order_fails_on_a_load_importing_the_training_run():
 
 
 def test_code_outside_upcycle_imports_only_its_public_face():
-    bad = [v for name, targets in GRAPH.items() for v in face_violations(name, targets)]
+    bad = [v for name, targets in repo_tree().graph.items() for v in face_violations(name, targets)]
     assert bad == []
 
 
 def test_benchmarks_import_only_public_faces():
-    bad = [v for name, targets in TREE.bench_graph.items()
-           for v in face_violations(name, targets, BENCHMARK_EXCEPTIONS, TREE.path(name).name)]
+    bad = [v for name, targets in repo_tree().bench_graph.items()
+           for v in face_violations(name, targets, BENCHMARK_EXCEPTIONS, repo_tree().path(name).name)]
     assert bad == []
 
 
 def test_no_attribute_chain_reaches_past_a_face():
-    bad = [v for name in [*TREE.modules, *TREE.benchmarks]
-           for v in face_violations(name, TREE.reached_modules(name), BENCHMARK_EXCEPTIONS, TREE.path(name).name)]
+    bad = [v for name in [*repo_tree().modules, *repo_tree().benchmarks]
+           for v in face_violations(name, repo_tree().reached_modules(name), BENCHMARK_EXCEPTIONS, repo_tree().path(name).name)]
     assert bad == []
 
 
@@ -347,7 +350,7 @@ def test_the_attribute_chain_check_fails_on_chains_past_the_face(tmp_path):
         "c = codec.settings.settings_for\n"
         "ok = (kite.upcycle.load_prefix, upcycle.codec.Regenerator, codec.settings_for, kite.upcycle.format.StateFile)\n")
     serve = _first("kite.serve")
-    with open(root / TREE.path(serve).relative_to(ROOT), "a") as f:
+    with open(root / repo_tree().path(serve).relative_to(ROOT), "a") as f:
         f.write("\n\ndef _planted():\n    import kite.upcycle as up\n    return up.load.staging.stage_state\n")
     tree = Tree(root)
     bench = face_violations("benchmarks.planted", tree.reached_modules("benchmarks.planted"), BENCHMARK_EXCEPTIONS,
@@ -370,11 +373,11 @@ def test_the_face_check_fails_on_a_benchmark_importing_a_private_module(tmp_path
 
 def test_every_imported_kite_module_exists():
     missing = []
-    for name, path in TREE.modules.items():
+    for name, path in repo_tree().modules.items():
         for node in ast.walk(ast.parse(path.read_text())):
             mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
-            missing += [f"{name}: {m}" for m in mods if m.split(".")[0] == "kite" and m not in TREE.modules]
+            missing += [f"{name}: {m}" for m in mods if m.split(".")[0] == "kite" and m not in repo_tree().modules]
     assert missing == []
 
 
@@ -385,24 +388,24 @@ def _private(attr: str) -> bool:
 def test_no_private_name_crosses_a_package_line():
     """`from x import _name` and `module._name` only within one package (kite/ and benchmarks/)."""
     bad = []
-    for name in [*TREE.modules, *TREE.benchmarks]:
-        pkg = TREE.package(name)
+    for name in [*repo_tree().modules, *repo_tree().benchmarks]:
+        pkg = repo_tree().package(name)
         bound: dict[str, str] = {}   # local name -> the kite module it is bound to
-        tree = ast.parse(TREE.path(name).read_text())
+        tree = ast.parse(repo_tree().path(name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kite"):
                 for alias in node.names:
-                    target = TREE.resolve(node.module)
-                    if _private(alias.name) and target and TREE.package(target) != pkg:
+                    target = repo_tree().resolve(node.module)
+                    if _private(alias.name) and target and repo_tree().package(target) != pkg:
                         bad.append(f"{name}: from {node.module} import {alias.name}")
-                    if f"{node.module}.{alias.name}" in TREE.modules:
+                    if f"{node.module}.{alias.name}" in repo_tree().modules:
                         bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
             elif isinstance(node, ast.Import):
                 for alias in node.names:
-                    if alias.name in TREE.modules and alias.asname:
+                    if alias.name in repo_tree().modules and alias.asname:
                         bound[alias.asname] = alias.name
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
-                    and node.value.id in bound and TREE.package(bound[node.value.id]) != pkg):
+                    and node.value.id in bound and repo_tree().package(bound[node.value.id]) != pkg):
                 bad.append(f"{name}: {node.value.id}.{node.attr}")
     assert bad == []

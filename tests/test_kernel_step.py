@@ -45,12 +45,19 @@ def ids(lm, n: int, seed: int) -> list[int]:
 
 
 def raw_prefix(lm, n: int, seed: int, keep=None, gap: int = 0):
-    """A state of ``n`` random tokens as raw KV (the model's own prefill); layer l keeps ``keep[l]``."""
+    """A state of ``n`` random tokens as raw KV (the model's own prefill); layer l keeps ``keep[l]``.
+    The prefill runs transformers' own forward: under Triton's interpreter the fused kernels would
+    take minutes over a few hundred tokens, and any KV serves as a state here."""
+    from kite.model import fused
     from kite.runtime.cache import KVPrefix, cache_layers, new_cache
     from kite.runtime.generate import forward_tokens
 
     cache = new_cache(lm.model)
-    forward_tokens(lm.model, ids(lm, n, seed), cache, 0)
+    before, fused.ENABLED = fused.ENABLED, False
+    try:
+        forward_tokens(lm.model, ids(lm, n, seed), cache, 0)
+    finally:
+        fused.ENABLED = before
     layers = cache_layers(cache)
     keep = keep or [slice(None)] * len(layers)
     return KVPrefix([k[0][:, s].contiguous() for (k, _), s in zip(layers, keep)],
@@ -68,7 +75,8 @@ def run(lm, requests, *, kernels: bool, max_rows: int = 3, graphs: bool = True, 
     """Every request (prompt, prefix, max_new_tokens) through one BatchDecoder: the first two at
     once, the third after two steps, the rest as rows free up, the fourth cancelled after its third
     token; {request: (token ids, stop reason)} and the engine (its rows reserved for ``reserve``
-    tokens first, when given)."""
+    tokens first, when given). ``kernels`` False: transformers' own forward, the fused layers off."""
+    from kite.model import fused
     from kite.runtime import kernel_step
     from kite.runtime.batch_decode import BatchDecoder
     from kite.runtime.decoding import SequenceDecode
@@ -87,6 +95,7 @@ def run(lm, requests, *, kernels: bool, max_rows: int = 3, graphs: bool = True, 
 
     SequenceDecode.result = with_ids
     before, kernel_step.GRAPHS = kernel_step.GRAPHS, graphs
+    fused_before, fused.ENABLED = fused.ENABLED, fused.ENABLED and kernels
     try:
         handles = {}
         for i in (0, 1):
@@ -115,6 +124,7 @@ def run(lm, requests, *, kernels: bool, max_rows: int = 3, graphs: bool = True, 
     finally:
         SequenceDecode.result = result
         kernel_step.GRAPHS = before
+        fused.ENABLED = fused_before
     return kept, dec
 
 
