@@ -16,8 +16,9 @@ question each and is timed apart) in three ways side by side:
 * ``kernels, graphed``: the same, replayed from a CUDA graph at the batch's bucket.
 
 Each step's wall time is what the engine sees: launch, GPU work and the argmax's copy to the host.
-The floor is the weights plus every row's KV read once at the GPU's HBM bandwidth. Greedy tokens of
-the graphed run are compared with the eager run's (bf16: near-ties may flip on random weights).
+The floor is the weights a step reads (all but the input embedding) plus every row's KV, read once
+at the GPU's HBM bandwidth. Greedy tokens of the graphed run are compared with the eager run's
+(bf16: near-ties may flip on random weights).
 
 Then the KV budget (--kv-budget-gb): as many raw rows as fit it, and as many rows held in 4-bit lanes
 (kite.kernels.lanes: the state beside each row, the row's slots holding only its live tokens) as fit
@@ -115,7 +116,9 @@ def main(argv=None) -> int:
     keys = [torch.randn(H, T, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(L)]
     values = [torch.randn(H, T, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(L)]
     prefix = KVPrefix(keys, values, T)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    # what a decode step reads of the weights: all but the input embedding (a row each is gathered)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) - \
+        model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
     slot = 2 * L * H * d * 2                      # bytes a token's K and V take over every layer
 
     def floor(rows: int, kv_bytes_per_row: float) -> float:
