@@ -71,11 +71,13 @@ def lanes_prefix(lm, prefix):
     return lanes_of(prefix, lm.geometry.head_dim, prefix.keys[0].device, group=64)
 
 
-def run(lm, requests, *, kernels: bool, max_rows: int = 3, graphs: bool = True, reserve: int | None = None):
-    """Every request (prompt, prefix, max_new_tokens) through one BatchDecoder: the first two at
-    once, the third after two steps, the rest as rows free up, the fourth cancelled after its third
-    token; {request: (token ids, stop reason)} and the engine (its rows reserved for ``reserve``
-    tokens first, when given). ``kernels`` False: transformers' own forward, the fused layers off."""
+def run(lm, requests, *, kernels: bool, max_rows: int = 3, graphs: bool = True, reserve: int | None = None,
+        ahead: bool = True):
+    """Every request (prompt, prefix, max_new_tokens[, stop ids]) through one BatchDecoder: the first
+    two at once, the third after two steps, the rest as rows free up, the fourth cancelled after its
+    third token; {request: (token ids, stop reason)} and the engine (its rows reserved for ``reserve``
+    tokens first, when given). ``kernels`` False: transformers' own forward, the fused layers off.
+    ``ahead`` False: no decode step launched before the host has the last one's tokens."""
     from kite.model import fused
     from kite.runtime import kernel_step
     from kite.runtime.batch_decode import BatchDecoder
@@ -95,23 +97,25 @@ def run(lm, requests, *, kernels: bool, max_rows: int = 3, graphs: bool = True, 
 
     SequenceDecode.result = with_ids
     before, kernel_step.GRAPHS = kernel_step.GRAPHS, graphs
+    ahead_before, kernel_step.AHEAD = kernel_step.AHEAD, ahead
     fused_before, fused.ENABLED = fused.ENABLED, fused.ENABLED and kernels
+
+    def add(i):
+        p, x, n, *stop = requests[i]
+        return dec.add(p, prefix=x, max_new_tokens=n, stop_ids=stop[0] if stop else None)
     try:
         handles = {}
         for i in (0, 1):
-            p, x, n = requests[i]
-            handles[dec.add(p, prefix=x, max_new_tokens=n)] = i
+            handles[add(i)] = i
         out = dec.step()
         out.update(dec.step())
-        p, x, n = requests[2]
-        handles[dec.add(p, prefix=x, max_new_tokens=n)] = 2
+        handles[add(2)] = 2
         waiting, steps = list(range(3, len(requests))), 0
         cancel = None
         while len(dec) or waiting:
             while waiting and dec.fits(len(requests[waiting[0]][0]), requests[waiting[0]][1], requests[waiting[0]][2]):
                 i = waiting.pop(0)
-                p, x, n = requests[i]
-                h = dec.add(p, prefix=x, max_new_tokens=n)
+                h = add(i)
                 handles[h] = i
                 if i == 3:
                     cancel = (h, steps + 3)
@@ -124,6 +128,7 @@ def run(lm, requests, *, kernels: bool, max_rows: int = 3, graphs: bool = True, 
     finally:
         SequenceDecode.result = result
         kernel_step.GRAPHS = before
+        kernel_step.AHEAD = ahead_before
         fused.ENABLED = fused_before
     return kept, dec
 
@@ -251,6 +256,28 @@ def test_gpu_graphed_steps_give_the_eager_steps_tokens_at_fp32(arch):
     assert graphed == want
     assert dec.kernels.captures >= 1 and dec.kernels.replays > dec.kernels.captures
     assert any(T > 1 for _, T, *_ in dec.kernels._graphs)     # the questions' prefills replayed graphs too
+
+
+@cuda
+@pytest.mark.parametrize("lanes", [False, True])
+def test_gpu_decode_steps_launched_ahead_give_the_tokens_of_steps_one_at_a_time(lanes):
+    """Decode steps launched before the host has the last one's tokens (KernelStep.again: each row fed
+    its argmax on the device), with rows joining, leaving, one cancelled and one stopped by an end
+    token mid-way, raw rows or rows all in lanes: the tokens and stop reasons of steps one at a time."""
+    lm = tiny_lm("qwen2", "cuda", torch.float32, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    if lanes:
+        states = [lanes_prefix(lm, raw_prefix(lm, n, s)) for n, s in ((150, 1), (90, 2), (300, 3))]
+        reqs = [(ids(lm, 4, 20 + i), states[i % 3], 10 + i) for i in range(6)]
+    else:
+        reqs = requests_for(lm)
+    first, _ = run(lm, reqs, kernels=True, ahead=False)
+    reqs[2] = (*reqs[2], {first[2][0][3]})          # its fourth token ends it (an end token)
+    want, plain = run(lm, reqs, kernels=True, ahead=False)
+    got, dec = run(lm, reqs, kernels=True, ahead=True)
+    assert want[2][1] == "eos" and want[3][1] == "cancelled"
+    assert got == want
+    assert dec.kernels.ahead > 0 and plain.kernels.ahead == 0
+    assert dec.cache.bytes_in_use() == 0
 
 
 @cuda

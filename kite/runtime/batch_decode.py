@@ -23,6 +23,15 @@ them coded and gives them back to each attention.
 Time to first token and total time count from `add`: the wait for the next step is part of what
 a client sees.
 
+On a GPU, decode steps of the same greedy rows run one ahead of the host: once a graphed decode
+step is launched, the next is launched too, each row fed its argmax on the device
+(kite.runtime.kernel_step, KernelStep.again), and the host takes the first step's tokens (stop
+rules, streaming, results) while the second runs; the next `step` takes the second's and launches a
+third. A step that admits newcomers, a row that ended or was cancelled or moved, a sampled row, or
+the reader adapter's two groups end the run ahead: that step takes the launched step's tokens for
+the rows still active (a row that ended meanwhile had its extra token computed and dropped) and goes
+on as usual. The tokens are the ones the steps one at a time give.
+
 Streamed text goes out in one hand-over a step (``deliver``: every row's piece at once). A decode
 step's pieces go out while the next decode step runs on the GPU (its launch returns at once), so the
 detokenizing and the handing-over of many rows overlap the device's work instead of following it;
@@ -123,6 +132,16 @@ def forward_prompt_rows(model, cache: BatchKVCache, rows: list[int], tokens: lis
 
 
 @dataclass
+class _Ahead:
+    """A decode step launched before the host had the tokens it feeds (KernelStep.again): its
+    sequences and their rows, in the step's order, and the graph whose ``out`` holds its logits."""
+
+    seqs: list
+    rows: list[int]
+    graph: object
+
+
+@dataclass
 class _Sequence:
     """One request in the batch: where it sits and how far it has come."""
 
@@ -141,6 +160,11 @@ class _Sequence:
     memory: RowMemory | None = None   # where its older tokens go (a budgeted sequence)
     fed: int = 0                 # prompt tokens fed so far
     prompt_nll_nats: float = 0.0  # summed over the prompt's chunks
+
+    def ends_now(self) -> bool:
+        """Whether the token the next forward's logits give is this sequence's last by its length."""
+        d = self.decode
+        return len(d.new) + 1 >= d.max_new_tokens
 
     def next_chunk(self) -> list[int]:
         """The prompt tokens the next step feeds (all of them, or one chunk for a budgeted row)."""
@@ -168,6 +192,7 @@ class BatchDecoder:
         self._ends: list[tuple[Callable[[str], None], str]] = []   # ended sequences' last text
         self.deliver: Callable[[list[tuple[Callable[[str], None], str]]], None] = deliver_each
         self.last_step = "decode"   # what the last step ran: "prefill" (newcomers' prompts), "decode" or "mixed"
+        self._ahead: _Ahead | None = None   # a decode step launched, its tokens not yet taken
 
     def reserve(self, tokens: int) -> None:
         """Allocate the rows' KV for ``tokens`` tokens each now (every row, or as many as the byte
@@ -255,12 +280,18 @@ class BatchDecoder:
         waiting = [s for s in self._active.values() if not s.prefilled]
         running = [s for s in self._active.values() if s.prefilled]
         self.last_step = "mixed" if waiting and running else "prefill" if waiting else "decode"
+        groups = _by_reader(running)
+        ahead_ok = not waiting and len(groups) == 1     # after this step the same rows decode again
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            running = self._take_ahead(ahead, running, ahead_ok)
+            groups = _by_reader(running)
         padding = PREFILL_PADDING_CPU if self.cache.device.type == "cpu" else None
         for group in _by_reader(waiting):
             for part in _prefill_parts(group, PREFILL_TOKENS, padding):
                 self._prefill(part)
-        for group in _by_reader(running):
-            self._decode(group)
+        for group in groups:
+            self._decode(group, ahead_ok)
         if not self._active:
             self.flush_text()
         self._hand_out_ends()
@@ -310,14 +341,52 @@ class BatchDecoder:
             self._advance(whole, torch.stack(whole_logits))
         self.flush_text()
 
-    def _decode(self, group: list[_Sequence]) -> None:
+    def _decode(self, group: list[_Sequence], ahead_ok: bool = False) -> None:
         with self._reading(group[0].reader) as on:
             out = self._forward(group, [[s.next_token] for s in group], on)
         for seq in group:
             seq.position += 1
+        graph = self._launch_ahead(group) if ahead_ok else None
         # the last step's text goes out while this one runs (a GPU step is launched, not yet done)
         self.flush_text()
-        self._advance(group, out[:, 0] if torch.is_tensor(out) else torch.stack([rows[-1] for rows in out]))
+        if graph is not None:
+            self._advance(group, picks=graph.picks(len(group)))
+        else:
+            self._advance(group, out[:, 0] if torch.is_tensor(out) else torch.stack([rows[-1] for rows in out]))
+
+    def _launch_ahead(self, group: list[_Sequence]):
+        """Launch the next decode step of ``group`` (every active row, greedy) before taking this one's
+        tokens (KernelStep.again); the graph, or None when it does not apply (no graphed step to
+        repeat, a sampled row, every row ending with this step's token)."""
+        if (self.kernels is None or not all(s.decode.greedy for s in group)
+                or all(s.ends_now() for s in group)):
+            return None
+        graph = self.kernels.again([s.row for s in group])
+        if graph is not None:
+            for seq in group:
+                seq.position += 1
+            self._ahead = _Ahead(list(group), [s.row for s in group], graph)
+        return graph
+
+    def _take_ahead(self, ahead: _Ahead, running: list[_Sequence], go_on: bool) -> list[_Sequence]:
+        """Take the launched step's tokens: launching the one after it where ``go_on`` (no newcomer, one
+        group) and its rows are still every running row where they were; else waiting for it, the
+        rows that ended or left meanwhile dropped. The running rows it did not decode (to decode in
+        this step as usual)."""
+        seqs = ahead.seqs
+        same = go_on and len(running) == len(seqs) and all(
+            self._active.get(s.handle) is s and s.row == row for s, row in zip(seqs, ahead.rows))
+        graph = self._launch_ahead(seqs) if same else None
+        self.flush_text()
+        if graph is not None:
+            self._advance(seqs, picks=graph.picks(len(seqs)))
+            return []
+        picks = ahead.graph.out[:len(seqs), 0].argmax(dim=-1).tolist()
+        alive = [(s, p) for s, p in zip(seqs, picks) if self._active.get(s.handle) is s]
+        if alive:
+            self._advance([s for s, _ in alive], picks=[p for _, p in alive])
+        taken = {id(s) for s in seqs}
+        return [s for s in running if id(s) not in taken]
 
     def _forward(self, group: list[_Sequence], tokens: list[list[int]], reader_on: bool = False,
                  targets: list[list[int]] | None = None):
@@ -335,6 +404,8 @@ class BatchDecoder:
                 return logits
             return (torch.stack([logits[b, len(t) - 1] for b, t in enumerate(tokens)]),   # at most MAX_QUERY a row
                     [prompt_nll_nats(logits[b], t) for b, t in enumerate(targets)])
+        if self.kernels is not None:
+            self.kernels.forget_last()
         rows, positions = [s.row for s in group], [s.position for s in group]
         out = (forward_rows(self.lm.model, self.cache, rows, tokens, positions, memories) if targets is None else
                forward_prompt_rows(self.lm.model, self.cache, rows, tokens, positions, targets, memories))
@@ -355,11 +426,14 @@ class BatchDecoder:
         memory.observe(seen=seq.position + fed, raw_tokens=lengths,
                        held_raw_bytes=sum(lengths) * cache.slot_bytes // cache.n_layers)
 
-    def _advance(self, group: list[_Sequence], last: torch.Tensor) -> None:
-        """Sample each sequence's next token from its last logits (``last`` [B, vocab]); the ended ones
-        leave. The tokens' text waits for :meth:`flush_text`."""
+    def _advance(self, group: list[_Sequence], last: torch.Tensor | None = None,
+                 picks: list[int] | None = None) -> None:
+        """Sample each sequence's next token from its last logits (``last`` [B, vocab]), or take
+        ``picks`` (greedy rows' argmax, taken already); the ended ones leave. The tokens' text waits
+        for :meth:`flush_text`."""
         # greedy rows: the argmax where the logits are (B tokens to the host, not B x vocab floats)
-        picks = last.argmax(dim=-1).tolist() if all(s.decode.greedy for s in group) else None
+        if picks is None and all(s.decode.greedy for s in group):
+            picks = last.argmax(dim=-1).tolist()
         if picks is None:
             last = last.cpu()                     # one copy to the host, not one per row
         ended = []

@@ -30,6 +30,12 @@ a switch the capture bakes in).
 ``KernelStep.build`` answers None where this does not apply (CPU, fp32, the fused layers not installed:
 another family or no Triton; a head size the kernels do not take); the engine then keeps transformers'
 forward.
+
+A graphed decode step can be replayed again before the host has its tokens (:meth:`KernelStep.again`):
+each row is fed the argmax of its logits there, on the device, one position further, and the host
+reads the first step's tokens while the second runs. The engine (kite.runtime.batch_decode) does so
+between decode steps of the same greedy rows, so the GPU does not wait for the host's part of a step
+(on an H100 at 32 rows, 0.65 ms of a 16.3 ms step: benchmarks/batch_step_gpu.py).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ MAX_QUERY = 64        # tokens a row feeds in one step through the kernels (long
 # write nothing and are dropped (split_kv_attention: they see what the row's last token sees)
 QUERY_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GRAPHS = True         # False: decode steps run eagerly too (benchmarks compare both)
+AHEAD = True          # False: a decode step is not launched before the host has the last one's tokens (A/B)
 PREFILL_ROWS = 4      # prefills of at most this many rows (held in their slots) replay graphs: what one client waits for
 SPLITS: int | None = None   # chunks the attention cuts each row's keys into (None: the kernel's plan; benchmarks sweep)
 _log = logging.getLogger("kite.runtime")
@@ -194,7 +201,9 @@ class KernelStep:
         self._lanes_warmed = None
         self.captures = 0
         self.replays = 0
+        self.ahead = 0               # replays launched by again(): fed on the device, not by the host
         self.prefill_compiled = False
+        self._last: tuple[_Graph, list[int]] | None = None   # the last step, when it was a graphed decode step
 
     @classmethod
     def build(cls, model, cache: BatchKVCache) -> KernelStep | None:
@@ -220,6 +229,7 @@ class KernelStep:
         torch call lets go of the GIL, and with a server's event loop busy on the other thread each
         one could wait a thread switch (5 ms by default) to get it back."""
         cache = self.cache
+        self._last = None
         counts = np.asarray([len(t) for t in tokens])
         before = np.ascontiguousarray(cache.lengths.numpy()[:, np.asarray(rows)])    # [L, B], a copy
         cache.reserve_for(int((before + counts).max()))
@@ -339,7 +349,33 @@ class KernelStep:
         graph = self._graph(next(b for b in self.buckets if b >= B), reader_on, lanes, rows[0], T)
         self.replays += 1
         out = graph.run(rows, tokens, positions, before)
+        if T == 1:
+            self._last = (graph, list(rows))
         return out if T == 1 else self.forward.logits_of(out)
+
+    def forget_last(self) -> None:
+        """A forward ran elsewhere (transformers' forward): the last graphed step is not the last step."""
+        self._last = None
+
+    def again(self, rows: list[int]) -> _Graph | None:
+        """Launch the last step again, when it was a graphed decode step of ``rows`` (nothing run since), for the
+        same rows, each fed the argmax of its logits there (greedy rows) one position further; the
+        cache's lengths advance. Returns the graph: its :meth:`_Graph.picks` are the tokens fed (the
+        last step's, read without waiting for this one), its ``out`` this step's logits. None (nothing
+        launched) when the buffers would have to grow or were reallocated since, or :data:`AHEAD` is off."""
+        if self._last is None or not AHEAD or self._last[1] != list(rows):
+            return None
+        graph = self._last[0]
+        cache = self.cache
+        lengths = cache.lengths.numpy()[:, np.asarray(rows)]
+        if int(lengths.max()) + 1 > cache.capacity or \
+                self._buffers != (cache.keys[0].data_ptr(), cache.capacity, cache.rows_allocated):
+            return None
+        graph.again(len(rows))
+        cache.advance(rows, np.ones(len(rows), dtype=np.int64))
+        self.replays += 1
+        self.ahead += 1
+        return graph
 
     def _graph(self, bucket: int, reader_on: bool, lanes: bool, pad_row: int, T: int = 1) -> _Graph:
         """The captured step of ``bucket`` rows feeding ``T`` tokens each (captured now if it is not
@@ -387,6 +423,9 @@ class _Graph:
             return forward(ids, pos, self.rows32, self.small[1:1 + L], self.small[1 + L:], self.small[0], splits=SPLITS,
                            lanes=part, head=T == 1)
 
+        if T == 1:             # what again() feeds, copied back to the host
+            self.picked = torch.zeros(bucket, dtype=torch.int64).pin_memory()
+            self.picked_at = torch.cuda.Event()
         self.inputs.zero_()      # counts 0: a row that writes and reads nothing (capture writes no KV)
         self.inputs[2 * T].fill_(pad_row)   # a row whose tables (lanes) hold a state: what the warm-up reads
         side = torch.cuda.Stream(device)
@@ -422,6 +461,24 @@ class _Graph:
         self.inputs.copy_(self.host, non_blocking=True)
         self.graph.replay()
         return self.out[:B]
+
+    def again(self, B: int) -> None:
+        """Replay a decode step (T 1) for the same ``B`` rows one token further: each row fed the argmax
+        of its logits in the last replay, written into the inputs on the device (and copied to the
+        host for :meth:`picks`) before this replay overwrites them; positions, lengths and starts + 1."""
+        picks = self.out[:B, 0].argmax(dim=-1)
+        self.picked[:B].copy_(picks, non_blocking=True)
+        self.picked_at.record()
+        self.inputs[0, :B] = picks
+        self.inputs[1, :B] += 1
+        self.inputs[4:, :B] += 1          # every layer's length and start (rows 4..: T 1)
+        self.graph.replay()
+
+    def picks(self, B: int) -> list[int]:
+        """The tokens the last :meth:`again` fed, once they are on the host (the replay before it done,
+        not that one)."""
+        self.picked_at.synchronize()
+        return self.picked[:B].tolist()
 
 
 class LanesRows:
