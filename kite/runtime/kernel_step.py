@@ -357,6 +357,7 @@ class KernelStep:
         """A forward ran elsewhere (transformers' forward): the last graphed step is not the last step."""
         self._last = None
 
+    @torch.inference_mode()
     def again(self, rows: list[int]) -> _Graph | None:
         """Launch the last step again, when it was a graphed decode step of ``rows`` (nothing run since), for the
         same rows, each fed the argmax of its logits there (greedy rows) one position further; the
