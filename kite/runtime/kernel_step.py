@@ -35,7 +35,7 @@ A graphed decode step can be replayed again before the host has its tokens (:met
 each row is fed the argmax of its logits there, on the device, one position further, and the host
 reads the first step's tokens while the second runs. The engine (kite.runtime.batch_decode) does so
 between decode steps of the same greedy rows, so the GPU does not wait for the host's part of a step
-(on an H100 at 32 rows, 0.65 ms of a 16.3 ms step: benchmarks/batch_step_gpu.py).
+(docs/serving.md: on the H200 at 32 rows 11.93 ms a step one at a time, 11.58 ms ahead).
 """
 
 from __future__ import annotations
