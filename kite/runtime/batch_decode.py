@@ -381,10 +381,8 @@ class BatchDecoder:
         if graph is not None:
             self._advance(seqs, picks=graph.picks(len(seqs)))
             return []
-        picks = ahead.graph.out[:len(seqs), 0].argmax(dim=-1).tolist()
-        alive = [(s, p) for s, p in zip(seqs, picks) if self._active.get(s.handle) is s]
-        if alive:
-            self._advance([s for s, _ in alive], picks=[p for _, p in alive])
+        # (_advance passes over the rows that ended or were cancelled since the launch)
+        self._advance(seqs, picks=ahead.graph.out[:len(seqs), 0].argmax(dim=-1).tolist())
         taken = {id(s) for s in seqs}
         return [s for s in running if id(s) not in taken]
 
