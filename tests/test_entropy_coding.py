@@ -60,6 +60,14 @@ def plain(lm, tmp_path_factory):
     return made, _blobs(path)
 
 
+@pytest.fixture(scope="module")
+def coded(lm, tmp_path_factory):
+    """The document's 8x state, entropy coded, made once: (what compress_document answered, its path).
+    A test that changes it works on a copy."""
+    path = tmp_path_factory.mktemp("coded") / "e.upc"
+    return compress_document(lm, TEXT, path, _settings(8, True)), path
+
+
 def test_every_part_comes_back_as_the_blob_the_codec_wrote(plain):
     _, blobs = plain
     stored, section = entropy_code(list(blobs.items()))
@@ -84,27 +92,32 @@ def test_a_parts_runs_are_its_codes_bit_classes(plain):
 
 
 @pytest.mark.parametrize("ratio", [8, 16])
-def test_a_coded_state_is_the_ratio_asked_and_spends_what_coding_saved(lm, plain, tmp_path, ratio):
-    base = plain if ratio == 8 else (compress_document(lm, TEXT, tmp_path / "p.upc", _settings(ratio, False)),
-                                     _blobs(tmp_path / "p.upc"))
-    made = compress_document(lm, TEXT, tmp_path / "e.upc", _settings(ratio, True))
+def test_a_coded_state_is_the_ratio_asked_and_spends_what_coding_saved(lm, plain, coded, tmp_path, ratio):
+    if ratio == 8:
+        base, (made, path) = plain, coded
+    else:
+        base = (compress_document(lm, TEXT, tmp_path / "p.upc", _settings(ratio, False)), _blobs(tmp_path / "p.upc"))
+        path = tmp_path / "e.upc"
+        made = compress_document(lm, TEXT, path, _settings(ratio, True))
     assert abs(made.compression_ratio / ratio - 1) <= 0.03, made.compression_ratio
     assert "entropy" in made.timings_ms
-    with StateFile(tmp_path / "e.upc") as st:
+    with StateFile(path) as st:
         assert set(entropy_blob.tables_from(st.meta["entropy"])) <= set(range(1, 9))
         assert {e.codec for key, e in st.index.items() if "/" in key} >= {entropy_blob.CODEC}
-    assert _bits(_blobs(tmp_path / "e.upc")) > _bits(base[1])    # the saved bytes went to more bits
+    assert _bits(_blobs(path)) > _bits(base[1])    # the saved bytes went to more bits
 
 
-def test_a_coded_state_loads_on_both_paths_as_its_blobs_say(lm, tmp_path):
+def test_a_coded_state_loads_on_both_paths_as_its_blobs_say(lm, coded, tmp_path):
     """The host load and the GPU path's staging (run on the CPU) read a coded state as the same
     state stored plain: its blobs decoded, rewritten raw."""
+    import shutil
+
     import torch
 
     from kite.upcycle.format import StateWriter
     from tests.test_gpu_path import _staged_load
 
-    compress_document(lm, TEXT, tmp_path / "e.upc", _settings(8, True))
+    shutil.copy(coded[1], tmp_path / "e.upc")
     with StateFile(tmp_path / "e.upc") as st:
         assert st.verify()
         writer = StateWriter(zstd=False)
@@ -153,14 +166,13 @@ def test_the_budget_is_refilled_until_the_blobs_take_it(plain):
     assert abs(sum(len(d) for _, d, _, _ in stored) - plain_bytes) <= state_bits.TOLERANCE * plain_bytes
 
 
-def test_a_damaged_coded_part_is_one_line_naming_it(lm, tmp_path):
+def test_a_damaged_coded_part_is_one_line_naming_it(lm, coded, tmp_path):
     from kite.upcycle.format.mutants import resealed
 
-    compress_document(lm, TEXT, tmp_path / "e.upc", _settings(8, True))
-    with StateFile(tmp_path / "e.upc") as st:
+    with StateFile(coded[1]) as st:
         key, e = next((k, e) for k, e in st.index.items() if e.codec == entropy_blob.CODEC)
         start = st.data_start + e.offset
-    data = bytearray((tmp_path / "e.upc").read_bytes())
+    data = bytearray(coded[1].read_bytes())
     _, offset, _, nruns = struct.unpack_from("<3sIIB", data, start)
     first_run = start + 12 + 9 * nruns + offset
     data[first_run:first_run + 16] = bytes(16)      # its first run's coder header and states zeroed;
@@ -217,13 +229,12 @@ def test_the_compress_command_codes_a_state_when_asked(tmp_path):
     assert json.loads(seen.stdout[seen.stdout.index("{"):])["entropy_coded"] is None
 
 
-def test_a_coded_part_claiming_a_huge_plain_length_is_refused_when_the_state_opens(lm, tmp_path):
+def test_a_coded_part_claiming_a_huge_plain_length_is_refused_when_the_state_opens(coded, tmp_path):
     import json as js
 
     from kite.upcycle.format.mutants import resealed
 
-    compress_document(lm, TEXT, tmp_path / "e.upc", _settings(8, True))
-    data = bytearray((tmp_path / "e.upc").read_bytes())
+    data = bytearray(coded[1].read_bytes())
     hlen = struct.unpack_from("<I", data, 12)[0]
     meta = js.loads(bytes(data[32:32 + hlen]))
     row = next(r for r in meta["blobs"] if r[4] == entropy_blob.CODEC)
