@@ -146,19 +146,27 @@ def test_generate_greedy_is_deterministic_and_streams(lm):
     assert a.ttft_ms > 0 and a.total_ms >= a.ttft_ms
 
 
-def test_a_generation_after_a_prefix_reads_as_over_a_growing_cache(lm, monkeypatch):
-    """generate() reserves what it will hold (the prefix, the prompt, the new tokens) and writes each
-    token in place: the same tokens and prompt NLL as over a cache growing by concatenation."""
+def reserved_and_growing(lm, monkeypatch, prefix_tokens: int, new: int):
+    """generate() after a prefix of ``prefix_tokens`` random tokens, over its reserving cache and over a
+    cache growing by concatenation (``new_cache`` without ``reserve``): the two results."""
     import kite.runtime.generate as gen
 
-    doc = _ids(lm, 50, 1)
+    doc = _ids(lm, prefix_tokens, 1)
     cache = new_cache(lm.model)
     forward_tokens(lm.model, doc, cache, 0)
     prefix = KVPrefix([k[0] for k, _ in cache_layers(cache)], [v[0] for _, v in cache_layers(cache)], len(doc))
     ids = encode_prompt(lm.tokenizer, "The parties agree", chat=False)
-    reserved = generate(lm, ids, max_new_tokens=12, prefix=prefix, stop_ids=set())
-    monkeypatch.setattr(gen, "new_cache", lambda model, prefix=None, reserve=0: new_cache(model, prefix))
-    growing = generate(lm, ids, max_new_tokens=12, prefix=prefix, stop_ids=set())
+    reserved = generate(lm, ids, max_new_tokens=new, prefix=prefix, stop_ids=set())
+    with monkeypatch.context() as m:
+        m.setattr(gen, "new_cache", lambda model, prefix=None, reserve=0: new_cache(model, prefix))
+        growing = generate(lm, ids, max_new_tokens=new, prefix=prefix, stop_ids=set())
+    return reserved, growing
+
+
+def test_a_generation_after_a_prefix_reads_as_over_a_growing_cache(lm, monkeypatch):
+    """generate() reserves what it will hold (the prefix, the prompt, the new tokens) and writes each
+    token in place: the same tokens and prompt NLL as over a cache growing by concatenation."""
+    reserved, growing = reserved_and_growing(lm, monkeypatch, 50, 12)
     assert reserved.text == growing.text and reserved.new_tokens == 12
     assert reserved.prompt_nll_bits == pytest.approx(growing.prompt_nll_bits, abs=1e-6)
 
@@ -169,18 +177,10 @@ def test_a_generation_on_the_gpu_reads_the_reserved_cache_as_a_growing_one(tiny_
     """On a GPU the decode reads the reserved buffers through views (the split-KV kernel and sdpa take
     them by their strides): the same tokens as over a growing cache on fp32, the same prompt NLL to
     bf16's rounding."""
-    import kite.runtime.generate as gen
     from kite.model import load_model
 
     gpu = load_model(str(tiny_models["llama"]), device="cuda", dtype=dtype)
-    doc = _ids(gpu, 300, 2)
-    cache = new_cache(gpu.model)
-    forward_tokens(gpu.model, doc, cache, 0)
-    prefix = KVPrefix([k[0] for k, _ in cache_layers(cache)], [v[0] for _, v in cache_layers(cache)], len(doc))
-    ids = encode_prompt(gpu.tokenizer, "The parties agree", chat=False)
-    reserved = generate(gpu, ids, max_new_tokens=16, prefix=prefix, stop_ids=set())
-    monkeypatch.setattr(gen, "new_cache", lambda model, prefix=None, reserve=0: new_cache(model, prefix))
-    growing = generate(gpu, ids, max_new_tokens=16, prefix=prefix, stop_ids=set())
+    reserved, growing = reserved_and_growing(gpu, monkeypatch, 300, 16)
     assert reserved.new_tokens == growing.new_tokens == 16
     if dtype == "fp32":
         assert reserved.text == growing.text
