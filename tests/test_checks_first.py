@@ -46,6 +46,12 @@ def test_eval_unknown_probe(no_model, tmp_path):
     refused(["upcycle", "eval", "--input", str(doc), "--probe", "nosuch"], "--probe nosuch: expected one of passkey, keys, qa")
 
 
+def test_eval_unknown_dtype(no_model, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(CORPUS)
+    refused(["upcycle", "eval", "--input", str(doc), "--dtype", "fp8"], "--dtype fp8: expected one of fp32, fp16, bf16")
+
+
 def test_generate_missing_or_corrupt_state(no_model, tmp_path):
     refused(["generate", "--upc", str(tmp_path / "nosuch.upc"), "--prompt", "hi"], "no such state file")
     bad = tmp_path / "bad.upc"

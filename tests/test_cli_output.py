@@ -109,6 +109,17 @@ def test_eval_reports_its_full_context_pass_and_passkey_depths(tiny_models, upcy
     assert {"prefill", "compress"} <= {stage for stage, _, _ in lines}
 
 
+def test_eval_reads_the_model_at_the_precision_asked(tiny_models, upcycle_cfg, doc, one_thread):
+    args = ["upcycle", "eval", "--model", str(tiny_models["llama"]), "--input", str(doc), "--config", str(upcycle_cfg),
+            "--context-tokens", "120", "--continuation-tokens", "20", "--json"]
+    low = runner.invoke(app, args + ["--dtype", "bf16"])
+    assert low.exit_code == 0, low.output
+    assert any("the model runs in bf16" in w for w in json.loads(low.stdout)["warnings"])
+    full = runner.invoke(app, args + ["--dtype", "fp32"])
+    assert full.exit_code == 0, full.output
+    assert not any("the model runs in" in w for w in json.loads(full.stdout)["warnings"])
+
+
 def test_eval_says_how_far_its_delta_moves_with_the_continuation(tiny_models, upcycle_cfg, doc, one_thread):
     r = runner.invoke(app, ["upcycle", "eval", "--model", str(tiny_models["llama"]), "--input", str(doc),
                             "--config", str(upcycle_cfg), "--context-tokens", "120", "--continuation-tokens", "80"])

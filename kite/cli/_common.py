@@ -291,6 +291,8 @@ def model_spec(flag: str | None) -> str:
 
 
 JsonOpt = typer.Option(False, "--json", help="Print one JSON document for scripts.")
+DtypeOpt = typer.Option("--dtype", help="The model's precision: fp32 | bf16 | fp16 (default fp32 on a CPU, bf16 on "
+                        "CUDA).")
 # every command that writes an output path: a missing folder is an error unless --mkdir (or the path
 # lies under KITE_HOME / KITE_CACHE); kite.atomic.check_output checks it before any work
 MkdirOpt = typer.Option(False, "--mkdir", help="Create the output path's missing folders (without it a missing "

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kite.cli._common import (JsonOpt, KvBudgetBlockOpt, KvBudgetCodecOpt, check_budget_flags, console, emit_json,
+from kite.cli._common import (DtypeOpt, JsonOpt, KvBudgetBlockOpt, KvBudgetCodecOpt, check_budget_flags, console, emit_json,
                               model_spec, print_warnings)
 from kite.cli.store import TenantOpt
 from kite.errors import BadInput
@@ -83,7 +83,7 @@ def generate(
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
     seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="fp32 | bf16 | fp16 (default fp32 on CPU, bf16 on CUDA).")] = None,
+    dtype: Annotated[str | None, DtypeOpt] = None,
     adapter: Annotated[str | None, typer.Option(help="A peft adapter folder.")] = None,
     upc: Annotated[Path | None, typer.Option("--upc", help="Answer from this .upc state instead of prefilling the document "
                                              "(or, with --model X.gguf, the id of a state X.gguf embeds: kite gguf list).")] = None,

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kite.cli._common import (JsonOpt, MkdirOpt, console, emit_json, kept_on_interrupt, model_spec, new_app,
+from kite.cli._common import (DtypeOpt, JsonOpt, MkdirOpt, console, emit_json, kept_on_interrupt, model_spec, new_app,
                               print_warnings, read_document, user_config)
 from kite.cli.store import StoreOpt, TenantOpt
 from kite.errors import BadInput
@@ -221,6 +221,7 @@ def eval_cmd(
     qa_contracts: Annotated[int | None, typer.Option(min=1, help="With --probe qa: the held-out contracts asked "
                                                      "about, 8 questions each (default 2; one answer then moves F1 by "
                                                      "0.05-0.08: ask 6 or more to compare settings).")] = None,
+    dtype: Annotated[str | None, DtypeOpt] = None,
     json_out: bool = JsonOpt,
 ) -> None:
     """What a setting loses on your text: PPL full vs state, delta, KL, top-1 agreement, bytes.
@@ -238,7 +239,7 @@ def eval_cmd(
         pipe = open_pipeline(model, config, ratio=ratio, precision=precision, clusters=clusters, progress=progress,
                              kept_fraction=user_config().features.upcycle_compression_ratio, regenerator=regenerator,
                              layer_weights=layer_weights, entropy_coding=entropy_coding,
-                             recompute_tokens=recompute_tokens)
+                             recompute_tokens=recompute_tokens, dtype=dtype)
         result = evaluate(pipe.lm, text, context_tokens=context_tokens, continuation_tokens=continuation_tokens,
                           settings=pipe.settings, tagger=pipe.tagger, probe=probe, progress=progress,
                           regenerator=pipe.regenerator,

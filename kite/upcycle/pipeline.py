@@ -29,6 +29,7 @@ import torch
 
 from kite.errors import BadInput
 from kite.upcycle.address import Address, address_for
+from kite.model.loader import DTYPES
 from kite.upcycle.capture import tokenize_document
 from kite.upcycle.codec.layer_weights import OFF as layer_weights_off
 from kite.upcycle.codec.layer_weights import LayerWeights, shipped_for
@@ -190,9 +191,11 @@ def open_pipeline(model: str | None = None,
                   kept_fraction: float | None = None, device: str | None = None, lm: LoadedModel=None, tagger: bool = True,
                   regenerator: str | Path | None = None, label_ratios: dict[str, float] | None = None,
                   layer_weights: str | Path | None = None, progress=None,
-                  entropy_coding: bool | None = None, recompute_tokens: int | str | None = None) -> Pipeline:
+                  entropy_coding: bool | None = None, recompute_tokens: int | str | None = None,
+                  dtype: str | None = None) -> Pipeline:
     """Config → settings (checked before anything slow) → model (``lm`` when given, else ``model``
-    loaded with the config's adapter on ``device``) → the config's tagger (``tagger=False``: none).
+    loaded with the config's adapter on ``device`` at ``dtype``, fp32 | bf16 | fp16, default the
+    device's) → the config's tagger (``tagger=False``: none).
     ``ratio``, ``precision``, ``clusters``, ``kept_fraction``, ``label_ratios``, ``entropy_coding`` and
     ``recompute_tokens``: see :func:`compress_settings`.
 
@@ -216,10 +219,12 @@ def open_pipeline(model: str | None = None,
     regen_dir = Path(regenerator) if regenerator is not None else cfg.resolve(cfg.regenerator, cfg_path)
     regen = Regenerator.load(regen_dir) if regen_dir is not None else None   # a bad folder fails before the model
     named, weights = named_layer_weights(cfg, cfg_path, layer_weights)   # (a bad file, before the model)
+    if dtype is not None and dtype not in DTYPES:
+        raise BadInput(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     if lm is None:
         from kite.model import load_model
 
-        lm = load_model(model, adapter=cfg.resolve(cfg.adapter.path, cfg_path), device=device)
+        lm = load_model(model, adapter=cfg.resolve(cfg.adapter.path, cfg_path), device=device, dtype=dtype)
     settings = replace(settings, layer_weights=layer_weights_for(lm, named, weights,
                                                                  grouped=regen is not None and regen.grouped))
     if regen is not None:

@@ -173,8 +173,8 @@ def evaluate(lm: LoadedModel, text: str, *, context_tokens: int = 2048, continua
     if low is not None:
         result.warnings.append(
             f"the model runs in {low}: any change to its prefix, even fp16 storage, moves its KL and PPL by "
-            f"rounding noise; `kite upcycle eval --precision fp16` on the same text measures that floor "
-            f"(docs/compression.md, \"Recomputed tail\")")
+            f"rounding noise; `kite upcycle eval --precision fp16` on the same text measures that floor, "
+            f"`--dtype fp32` measures without it (docs/compression.md, \"Recomputed tail\")")
     for name in probes:
         result.probes[name] = run_probe(name, lm, text, context_tokens, settings, tagger, progress=progress,
                                         regenerator=regenerator, **(qa if name == "qa" else {}))
