@@ -291,6 +291,7 @@ def model_spec(flag: str | None) -> str:
 
 
 JsonOpt = typer.Option(False, "--json", help="Print one JSON document for scripts.")
+ModelOpt = typer.Option("--model", "-m", help="HF folder, .gguf file or embedded name (default: config model.default).")
 DtypeOpt = typer.Option("--dtype", help="The model's precision: fp32 | bf16 | fp16 (default fp32 on a CPU, bf16 on "
                         "CUDA).")
 # every command that writes an output path: a missing folder is an error unless --mkdir (or the path

@@ -6,11 +6,10 @@ from typing import Annotated
 
 import typer
 
-from kite.cli._common import JsonOpt, console, emit_json, model_spec, new_app
+from kite.cli._common import JsonOpt, ModelOpt, console, emit_json, model_spec, new_app
 
 app = new_app("Inspect models: geometry, KV bytes per token, fingerprint.")
 
-ModelOpt = typer.Option("--model", "-m", help="HF folder, .gguf file, or embedded name (default: config model.default).")
 
 
 @app.command("info")

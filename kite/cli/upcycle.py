@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from kite.cli._common import (DtypeOpt, JsonOpt, MkdirOpt, console, emit_json, kept_on_interrupt, model_spec, new_app,
+from kite.cli._common import (DtypeOpt, JsonOpt, MkdirOpt, ModelOpt, console, emit_json, kept_on_interrupt, model_spec,
+                              new_app,
                               print_warnings, read_document, user_config)
 from kite.cli.store import StoreOpt, TenantOpt
 from kite.errors import BadInput
@@ -21,7 +22,6 @@ LayerWeightsOpt = typer.Option("--layer-weights", help="A layer weights file (`k
                                "bit allocation weighs each layer's keys and values by it (default: upcycle_config "
                                "layer_weights:, else the weights KITE ships for the model, as for the embedded one; "
                                "'none': without).")
-ModelOpt = typer.Option("--model", "-m", help="HF folder, .gguf file or embedded name (default: config model.default).")
 
 
 # Every preset `--precision` accepts (kite.upcycle.codec.PRESETS, which a test holds this list to;

@@ -11,7 +11,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from kite.cli._common import (JsonOpt, MkdirOpt, console, emit_json, err_console, model_spec, new_app, rules_file,
+from kite.cli._common import (JsonOpt, MkdirOpt, ModelOpt, console, emit_json, err_console, model_spec, new_app,
+                              rules_file,
                               rule_errors_reported, user_config)
 from kite.errors import BadInput
 
@@ -198,9 +199,6 @@ def _ranges(layers: list[int]) -> str:
             parts.append(str(start) if start == x else f"{start}-{x}")
             start = None
     return ",".join(parts)
-
-
-ModelOpt = typer.Option("--model", "-m", help="HF folder, .gguf file or embedded name (default: config model.default).")
 
 
 @app.command("decide")
