@@ -11,7 +11,6 @@ from kite.cli._common import JsonOpt, ModelOpt, console, emit_json, model_spec, 
 app = new_app("Inspect models: geometry, KV bytes per token, fingerprint.")
 
 
-
 @app.command("info")
 def info(
     model: Annotated[str | None, ModelOpt] = None,

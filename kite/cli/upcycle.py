@@ -8,8 +8,7 @@ from typing import Annotated
 import typer
 
 from kite.cli._common import (DtypeOpt, JsonOpt, MkdirOpt, ModelOpt, console, emit_json, kept_on_interrupt, model_spec,
-                              new_app,
-                              print_warnings, read_document, user_config)
+                              new_app, print_warnings, read_document, user_config)
 from kite.cli.store import StoreOpt, TenantOpt
 from kite.errors import BadInput
 

@@ -12,8 +12,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from kite.cli._common import (JsonOpt, MkdirOpt, ModelOpt, console, emit_json, err_console, model_spec, new_app,
-                              rules_file,
-                              rule_errors_reported, user_config)
+                              rule_errors_reported, rules_file, user_config)
 from kite.errors import BadInput
 
 app = new_app(

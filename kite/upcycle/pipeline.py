@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kite.errors import BadInput
-from kite.upcycle.address import Address, address_for
 from kite.model.loader import DTYPES
+from kite.upcycle.address import Address, address_for
 from kite.upcycle.capture import tokenize_document
 from kite.upcycle.codec.layer_weights import OFF as layer_weights_off
 from kite.upcycle.codec.layer_weights import LayerWeights, shipped_for
